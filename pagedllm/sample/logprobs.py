@@ -1,0 +1,51 @@
+"""Logprobs of chosen tokens plus the top-k alternatives, for sampled tokens and for prompt_logprobs."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LogprobsLists(NamedTuple):
+    """LogprobsTensors as plain Python lists, cheap to send across processes."""
+
+    # [N][k+1]: the chosen token, then the top-k ids.
+    logprob_token_ids: list[list[int]]
+    # [N][k+1]
+    logprobs: list[list[float]]
+    # [N]
+    sampled_token_ranks: list[int]
+
+
+class LogprobsTensors(NamedTuple):
+    # [N, k+1] int64: column 0 the sampled (or given) token, then the top-k ids.
+    logprob_token_ids: torch.Tensor
+    # [N, k+1] float32: log-softmax of the raw logits.
+    logprobs: torch.Tensor
+    # [N] int64: rank of the column-0 token in its row (1 = the most likely).
+    selected_token_ranks: torch.Tensor
+
+    def tolists(self) -> LogprobsLists:
+        return LogprobsLists(
+            self.logprob_token_ids.tolist(),
+            self.logprobs.tolist(),
+            self.selected_token_ranks.tolist(),
+        )
+
+
+def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Logprob and rank of token_ids[i] under logits[i], plus the k most likely tokens of each row.
+
+    Used for sampled tokens (the Sampler) and for prompt_logprobs (the next prompt token of each position).
+    """
+    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    token_ids = token_ids.long().unsqueeze(1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    # Ties with the token count ahead of it, so rank 1 means nothing is more likely.
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)
+    return LogprobsTensors(
+        torch.cat((token_ids, top_ids), dim=1),
+        torch.cat((token_logprobs, top_logprobs), dim=1),
+        ranks,
+    )

@@ -1,0 +1,77 @@
+"""Logits masks applied before sampling: min_tokens, top-k, top-p and min-p, all batched over rows.
+
+Each returns logits with the dropped tokens set to -inf; none loops over the vocabulary in Python.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, set[int]]) -> torch.Tensor:
+    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early.
+
+    Returns a masked copy: the caller's logits stay raw for logprobs.
+    """
+    pairs = [(row, token_id) for row, token_ids in min_tokens_mask.items() for token_id in token_ids]
+    if not pairs:
+        return logits
+    rows, cols = zip(*pairs)
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """Keep each row's top-k tokens, then the smallest set of those whose probability reaches top-p.
+
+    k is [B] int64 with 0 meaning no top-k; p is [B] float32. One ascending sort serves both masks.
+    Modifies logits in place and returns it.
+    """
+    if p is None:
+        if k is None:
+            return logits
+        return apply_top_k_only(logits, k)
+
+    vocab_size = logits.shape[-1]
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        k = _effective_k(k, vocab_size)
+        # The k-th largest value sits at ascending index V - k; ties with it are kept.
+        threshold = logits_sort.gather(1, (vocab_size - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < threshold, float("-inf"))
+
+    # A token is dropped when it and everything less likely together hold at most 1 - p of the mass,
+    # i.e. the tokens above it already reach p.
+    probs_sum = logits_sort.softmax(dim=-1).cumsum_(dim=-1)
+    top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
+    top_p_mask[:, -1] = False  # always keep the most likely token
+    logits_sort.masked_fill_(top_p_mask, float("-inf"))
+    return logits.scatter_(dim=-1, index=logits_idx, src=logits_sort)
+
+
+def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Top-k without sorting the vocabulary: one topk up to the batch's largest k. In place."""
+    vocab_size = logits.shape[-1]
+    k = _effective_k(k, vocab_size)
+    no_top_k = k == vocab_size
+    # Rows without top-k gather a dummy column, then get a -inf threshold that drops nothing.
+    k = k.masked_fill(no_top_k, 1)
+    top_values = logits.topk(int(k.max()), dim=-1).values
+    threshold = top_values.gather(1, (k - 1).unsqueeze(1))
+    threshold.masked_fill_(no_top_k.unsqueeze(1), float("-inf"))
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top probability. In place.
+
+    Compared in log space (logit < max_logit + log(min_p)), so no softmax is needed; min_p 0 gives -inf
+    and drops nothing. Masks that keep the top token do not change the ratio, so the order is free.
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def _effective_k(k: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Map "no top-k" (0) and oversized k to the vocabulary size."""
+    return k.masked_fill(k <= 0, vocab_size).clamp_(max=vocab_size).long()

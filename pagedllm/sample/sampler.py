@@ -1,0 +1,73 @@
+"""The Sampler: turns one step's logits into next tokens (greedy and random rows mixed) and their logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.sample.logprobs import LogprobsTensors, compute_token_logprobs
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.ops import apply_min_p, apply_min_tokens, apply_top_k_top_p
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplerOutput:
+    # [B] int64
+    sampled_token_ids: torch.Tensor
+    # Present when some row asked for logprobs; each row later keeps its own first k alternatives.
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(nn.Module):
+    """Samples as vLLM V1 does: min_tokens mask, then greedy argmax or temperature -> top-k -> top-p -> min-p.
+
+    Logprobs are taken from the raw logits (vLLM's default "raw_logprobs"), so they do not depend on the
+    sampling knobs. The input logits are not modified.
+    """
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        raw_logits = logits
+        logits = apply_min_tokens(logits, metadata.min_tokens_mask)
+        sampled = self.sample(logits, metadata)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = compute_token_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy_sampled
+        assert metadata.temperature is not None, "a batch with random rows needs temperatures"
+
+        temperature = metadata.temperature
+        if not metadata.all_random:
+            # Greedy rows take the argmax above; divide them by 1 to avoid dividing by zero.
+            temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
+        logits = logits / temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        random_sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
+
+        if greedy_sampled is None:
+            return random_sampled
+        return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row as argmax(probs / q), q ~ Exponential(1): the exponential race.
+
+    Equivalent to multinomial sampling, but each row's noise is a plain tensor, so seeded rows can draw
+    theirs from their own generator and get the same tokens whatever else is in the batch.
+    Modifies probs in place.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return probs.div_(q).argmax(dim=-1)
