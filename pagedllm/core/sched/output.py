@@ -1,0 +1,54 @@
+"""SchedulerOutput: one step's plan, sent to the workers. New requests travel in full, running ones as diffs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @classmethod
+    def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
+                   request.num_computed_tokens)
+
+
+@dataclass
+class CachedRequestData:
+    """Diffs for requests the workers already know, one list entry per request.
+
+    A request resumed from preemption gets its whole block list in new_block_ids (it lost its old blocks) and
+    all its tokens in resumed_req_token_ids; a running one gets only blocks added this step.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    resumed_req_token_ids: list[Optional[list[int]]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step; the step's whole batch.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests finished (or aborted) since the previous step: workers drop their state.
+    finished_req_ids: set[str]
+    # Requests preempted in this step: workers drop them from the batch but may keep their state.
+    preempted_req_ids: set[str]

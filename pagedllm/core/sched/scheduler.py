@@ -1,0 +1,261 @@
+"""Scheduler: each step hands a token budget to running requests first, then to waiting ones.
+
+There is no prefill or decode phase. Every request has num_computed_tokens and a target (its token count);
+a step closes part of each gap. A prompt larger than the budget left is chunked across steps. When KV blocks
+run out, the lowest-priority running request is preempted by recompute.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Optional
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_utils import KVCacheBlock
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedllm.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from pagedllm.core.sched.utils import check_stop
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.worker.outputs import ModelRunnerOutput
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be set before building the Scheduler")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_num_running_reqs = scheduler_config.max_num_seqs
+        self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
+        self.policy = scheduler_config.policy
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                               self.max_model_len, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(self.policy)
+        self.running: list[Request] = []
+        # Finished since the last schedule(): the workers must drop their state.
+        self.finished_req_ids: set[str] = set()
+        # Outputs for requests refused at admission, delivered with the next update_from_output().
+        self._rejected_outputs: list[EngineCoreOutput] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        error = self._admission_error(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_IGNORED
+            request.error = error
+            self._rejected_outputs.append(EngineCoreOutput(
+                request.request_id, [], finish_reason=request.get_finished_reason(), error=error))
+            return
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def _admission_error(self, request: Request) -> Optional[str]:
+        """Why a request can never run, if so; such a request would otherwise wait or preempt forever."""
+        if request.num_prompt_tokens == 0:
+            return "The prompt is empty."
+        if request.num_prompt_tokens >= self.max_model_len:
+            return (f"The prompt ({request.num_prompt_tokens} tokens) is too long: this model's maximum context "
+                    f"length is {self.max_model_len} tokens, and at least one token must be generated.")
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.max_model_len
+        peak_tokens = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        if cdiv(peak_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
+            return (f"The request needs up to {peak_tokens} tokens of KV cache "
+                    f"({cdiv(peak_tokens, self.block_size)} blocks) but the whole cache holds "
+                    f"{self.kv_cache_manager.num_blocks} blocks of {self.block_size} tokens.")
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str] | str, finished_status: RequestStatus) -> None:
+        """Ends requests from outside the step loop (abort, stop string found by the frontend)."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove_request(request)
+            request.status = finished_status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_requests(self) -> bool:
+        return bool(self.get_num_unfinished_requests() or self.finished_req_ids or self._rejected_outputs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ----------------------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        token_budget = self.max_num_scheduled_tokens
+        num_scheduled_tokens: dict[str, int] = {}
+        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        # Running requests first, in order.
+        req_index = 0
+        while req_index < len(self.running) and token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            if num_new_tokens > 1:  # decodes (1 token) skip the caps
+                num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget)
+            if num_new_tokens <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_preemption_victim()
+                if self.running.index(victim) < req_index:
+                    req_index -= 1  # the priority policy may pick one already passed this step
+                self.running.remove(victim)
+                if victim.request_id in num_scheduled_tokens:
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_blocks_of.pop(victim.request_id)
+                    scheduled_running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            scheduled_running.append(request)
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_blocks_of[request.request_id] = new_blocks
+            token_budget -= num_new_tokens
+            req_index += 1
+
+        # Then waiting requests, unless this step had to preempt (the cache is too tight to admit more).
+        scheduled_new: list[Request] = []
+        scheduled_resumed: list[Request] = []
+        while not preempted and self.waiting and token_budget > 0:
+            if len(self.running) >= self.max_num_running_reqs:
+                break
+            request = self.waiting.peek_request()
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_new_tokens = request.num_tokens - num_hit_tokens
+            if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
+                break  # the head does not fit whole; shorter ones behind it must not jump ahead
+            num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget, num_hit_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
+            if new_blocks is None:
+                break
+            self.waiting.pop_request()
+            self.running.append(request)
+            (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            new_blocks_of[request.request_id] = new_blocks
+            token_budget -= num_new_tokens
+
+        output = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
+                                   new_blocks_of, preempted)
+        # Advance at schedule time: the step's KV will exist by the time the next step is planned.
+        for req_id, n in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        self.finished_req_ids = set()
+        return output
+
+    def _cap_new_tokens(self, request: Request, num_new_tokens: int, token_budget: int,
+                        num_computed_tokens: Optional[int] = None) -> int:
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if threshold:
+            num_new_tokens = min(num_new_tokens, threshold)
+        computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        # Positions never reach max_model_len: a request stops when it has that many tokens.
+        return min(num_new_tokens, token_budget, self.max_model_len - 1 - computed)
+
+    def _pick_preemption_victim(self) -> Request:
+        if self.policy == SchedulingPolicy.PRIORITY:
+            return max(self.running)  # largest priority value, latest arrival
+        return self.running[-1]  # FCFS: the newest
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: drop its KV (cached full blocks may survive) and requeue it first."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _make_output(self, new_reqs: list[Request], resumed: list[Request], running: list[Request],
+                     num_scheduled_tokens: dict[str, int], new_blocks_of: dict[str, list[KVCacheBlock]],
+                     preempted: list[Request]) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        new_reqs_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in new_reqs]
+        cached = CachedRequestData(
+            req_ids=[r.request_id for r in running] + [r.request_id for r in resumed],
+            resumed_from_preemption=[False] * len(running) + [True] * len(resumed),
+            resumed_req_token_ids=[None] * len(running) + [list(r.all_token_ids) for r in resumed],
+            new_block_ids=([[b.block_id for b in new_blocks_of[r.request_id]] for r in running]
+                           + [kv.get_block_ids(r.request_id) for r in resumed]),
+            num_computed_tokens=[r.num_computed_tokens for r in running] + [r.num_computed_tokens for r in resumed],
+        )
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED},
+        )
+
+    # ----------------------------------------------------------------------------------------- update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Appends sampled tokens, applies stop conditions, frees finished requests, and reports."""
+        outputs: list[EngineCoreOutput] = self._rejected_outputs
+        self._rejected_outputs = []
+        index_of = model_runner_output.req_id_to_index
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            i = index_of[req_id]
+            new_token_ids = model_runner_output.sampled_token_ids[i]
+            stopped = False
+            for num_appended, token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids(token_id)
+                if check_stop(request, self.max_model_len):
+                    stopped = True
+                    del new_token_ids[num_appended:]
+                    break
+            prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
+            if not new_token_ids and prompt_logprobs is None:
+                continue
+            if stopped:
+                self.running.remove(request)
+                self._free_request(request)
+            logprobs = model_runner_output.logprobs[i] if model_runner_output.logprobs else None
+            outputs.append(EngineCoreOutput(
+                req_id, new_token_ids, new_logprobs=logprobs, new_prompt_logprobs=prompt_logprobs,
+                finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+                num_cached_tokens=max(request.num_cached_tokens, 0)))
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting), kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions)

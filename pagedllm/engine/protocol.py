@@ -1,0 +1,70 @@
+"""The engine core's wire types: what crosses the frontend ⇄ EngineCore boundary.
+
+msgspec Structs (array_like, omit_defaults, gc=False) so they encode compactly and cheaply to msgpack.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; an int on the wire, OpenAI's string at the API."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    arrival_time: float
+    priority: int = 0
+    cache_salt: Optional[str] = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (token ids [sampled first, then top-k], logprobs, rank of the sampled token).
+    new_logprobs: Optional[Any] = None
+    # Prompt logprobs for the prompt positions computed in this step (chunked prefill sends several pieces).
+    new_prompt_logprobs: Optional[Any] = None
+    finish_reason: Optional[FinishReason] = None
+    stop_reason: Union[int, str, None] = None
+    # Set when the engine refused the request (e.g. it can never fit in the KV cache).
+    error: Optional[str] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A snapshot after one step; the counters are totals since start-up."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: Optional[SchedulerStats] = None
+    timestamp: float = msgspec.field(default_factory=time.monotonic)
+    finished_requests: Optional[set[str]] = None

@@ -1,0 +1,117 @@
+"""Builders for scheduler tests: requests, schedulers, a fake model runner, and the block-accounting checks."""
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Optional
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.kv_cache_utils import make_block_hasher
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.engine.protocol import EngineCoreOutputs
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.outputs import ModelRunnerOutput
+
+EOS = 0
+created_schedulers: list[Scheduler] = []
+_arrival = itertools.count()
+
+
+def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched_tokens: int = 8192,
+                   max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
+                   enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                   policy: str = "fcfs") -> Scheduler:
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
+                        enable_chunked_prefill=enable_chunked_prefill,
+                        long_prefill_token_threshold=long_prefill_token_threshold, policy=policy),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks))
+    created_schedulers.append(scheduler)
+    return scheduler
+
+
+def make_request(req_id: str, prompt_token_ids: list[int], block_size: int = 16, max_tokens: int = 16,
+                 priority: int = 0, arrival_time: Optional[float] = None, **params) -> Request:
+    return Request(req_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
+                   arrival_time=arrival_time if arrival_time is not None else float(next(_arrival)),
+                   priority=priority, block_hasher=make_block_hasher(block_size))
+
+
+def deterministic_token(req_id: str, position: int) -> int:
+    """The token a fake model 'samples' at a position: a pure function, so recomputation reproduces it."""
+    return 1000 + (hash((req_id, position)) % 30000)
+
+
+def fake_model_output(scheduler: Scheduler, output: SchedulerOutput,
+                      token_fn: Callable[[str, int], int] = deterministic_token) -> ModelRunnerOutput:
+    """Samples one token for each request whose scheduled chunk reaches the end of its known tokens."""
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        # num_computed_tokens was advanced at schedule time.
+        done = request.num_computed_tokens >= request.num_tokens
+        sampled.append([token_fn(req_id, request.num_tokens)] if done else [])
+    return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+
+def step(scheduler: Scheduler, token_fn=deterministic_token) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+    output = scheduler.schedule()
+    return output, scheduler.update_from_output(output, fake_model_output(scheduler, output, token_fn))
+
+
+def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, token_fn=deterministic_token,
+                      on_step: Optional[Callable] = None) -> dict[str, list[int]]:
+    """Steps until nothing is left; returns each finished request's output tokens."""
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_requests():
+            return tokens
+        sched_out, outs = step(scheduler, token_fn)
+        for out in outs.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if on_step:
+            on_step(scheduler, sched_out)
+    raise AssertionError(f"requests did not finish in {max_steps} steps")
+
+
+def owners_per_block(scheduler: Scheduler) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for blocks in scheduler.kv_cache_manager.req_to_blocks.values():
+        for b in blocks:
+            counts[b.block_id] = counts.get(b.block_id, 0) + 1
+    return counts
+
+
+def assert_block_invariants(scheduler: Scheduler) -> None:
+    """No block both free and owned; ref counts equal owners; free + used == total."""
+    pool = scheduler.kv_cache_manager.block_pool
+    free_ids = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
+    owners = owners_per_block(scheduler)
+    assert not set(free_ids) & set(owners), "a block is both free and owned"
+    for block in pool.blocks:
+        assert block.ref_cnt == owners.get(block.block_id, 0), f"{block} has {owners.get(block.block_id, 0)} owners"
+    assert len(free_ids) + len(owners) == pool.num_blocks
+    for block_hash, block in pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
+    # Only live requests hold blocks.
+    assert set(scheduler.kv_cache_manager.req_to_blocks) <= set(scheduler.requests)
+
+
+def assert_no_leaks(scheduler: Scheduler) -> None:
+    """What must hold once everything is done: empty queues, zero ref counts, every block free."""
+    if scheduler.has_requests() and not scheduler.get_num_unfinished_requests():
+        scheduler.schedule()  # flush pending finished ids
+    assert not scheduler.running and not len(scheduler.waiting) and not scheduler.requests
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.get_num_free_blocks() == pool.num_blocks
+    assert not scheduler.kv_cache_manager.req_to_blocks
+    assert_block_invariants(scheduler)
+
+
+def abort(scheduler: Scheduler, *req_ids: str) -> None:
+    scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)

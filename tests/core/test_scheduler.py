@@ -1,0 +1,253 @@
+"""Scheduler behaviour, pinned without a model (the way vLLM's tests/v1/core does it)."""
+from pagedllm.core.request import RequestStatus
+from pagedllm.engine.protocol import FinishReason
+from pagedllm.worker.outputs import ModelRunnerOutput
+from tests.core.helpers import (EOS, abort, assert_block_invariants, fake_model_output, make_request,
+                                make_scheduler, run_to_completion, step)
+
+
+def prompts(n, length, start=100):
+    return [list(range(start + i * 1000, start + i * 1000 + length)) for i in range(n)]
+
+
+def test_several_prompts_prefilled_in_one_step_within_budget():
+    scheduler = make_scheduler(max_num_batched_tokens=100)
+    for i, p in enumerate(prompts(3, 30)):
+        scheduler.add_request(make_request(f"r{i}", p))
+    out = scheduler.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["r0", "r1", "r2"]
+    assert out.num_scheduled_tokens == {"r0": 30, "r1": 30, "r2": 30}
+    assert out.total_num_scheduled_tokens == 90
+    assert all(len(r.block_ids) == 2 for r in out.scheduled_new_reqs)
+    abort(scheduler, "r0", "r1", "r2")
+
+
+def test_long_prompts_chunked_by_budget_and_threshold_then_mixed_with_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=40)
+    for i, p in enumerate(prompts(3, 50)):
+        scheduler.add_request(make_request(f"r{i}", p, max_tokens=3))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"r0": 40, "r1": 24}  # threshold caps r0, budget cuts r1
+    out, _ = step(scheduler)
+    # Running first: r0 finishes its prompt (10), r1 continues (capped at 40); r2 gets what is left.
+    assert out.num_scheduled_tokens == {"r0": 10, "r1": 26, "r2": 28}
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["r2"]
+    assert out.scheduled_cached_reqs.req_ids == ["r0", "r1"]
+    out, _ = step(scheduler)
+    # r0 decodes (1 token) in the same step as r2's prefill remainder.
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 1, "r2": 22}
+    assert scheduler.requests["r0"].num_output_tokens == 2
+    run_to_completion(scheduler)
+
+
+def test_without_chunking_a_long_prompt_is_not_skipped_by_shorter_ones():
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
+    scheduler.add_request(make_request("short0", list(range(100, 140)), max_tokens=2))
+    scheduler.add_request(make_request("long", list(range(200, 250)), max_tokens=2))
+    scheduler.add_request(make_request("short1", list(range(300, 310)), max_tokens=2))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"short0": 40}  # long (50) does not fit in 24; short1 must wait
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"short0": 1, "long": 50, "short1": 10}
+    run_to_completion(scheduler)
+
+
+def test_prefix_hit_through_the_scheduler():
+    scheduler = make_scheduler()
+    system = list(range(100, 140))
+    scheduler.add_request(make_request("a", system + [1, 2], max_tokens=5))
+    step(scheduler)
+    scheduler.add_request(make_request("b", system + [3, 4], max_tokens=2))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens["b"] == 42 - 32
+    assert scheduler.requests["b"].num_cached_tokens == 32
+    assert scheduler.make_stats().prefix_cache_hits == 32
+    a_blocks = scheduler.kv_cache_manager.req_to_blocks["a"]
+    assert a_blocks[0].ref_cnt == a_blocks[1].ref_cnt == 2 and a_blocks[2].ref_cnt == 1
+    run_to_completion(scheduler)
+
+
+def test_max_num_seqs_caps_running():
+    scheduler = make_scheduler(max_num_seqs=2)
+    for i, p in enumerate(prompts(3, 10)):
+        scheduler.add_request(make_request(f"r{i}", p, max_tokens=2))
+    out, _ = step(scheduler)
+    assert set(out.num_scheduled_tokens) == {"r0", "r1"}
+    run_to_completion(scheduler)
+
+
+def test_preemption_when_blocks_run_out_and_identical_tokens_after_recompute():
+    reference = make_scheduler(num_blocks=100, block_size=4)
+    tight = make_scheduler(num_blocks=10, block_size=4)
+    for s in (reference, tight):
+        for i, p in enumerate(prompts(3, 10)):
+            s.add_request(make_request(f"r{i}", p, block_size=4, max_tokens=12, ignore_eos=True))
+    expected = run_to_completion(reference)
+    preempted_seen = []
+    got = run_to_completion(tight, on_step=lambda s, out: preempted_seen.extend(out.preempted_req_ids))
+    assert tight.num_preemptions > 0 and preempted_seen
+    assert got == expected
+    assert all(len(tokens) == 12 for tokens in got.values())
+
+
+def test_preempted_request_is_resumed_with_its_tokens_and_new_blocks():
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    scheduler.add_request(make_request("old", list(range(100, 108)), block_size=4, max_tokens=14))
+    scheduler.add_request(make_request("new", list(range(200, 208)), block_size=4, max_tokens=14))
+    resumed = None
+    for _ in range(60):
+        out = scheduler.schedule()
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if cached.resumed_from_preemption[i]:
+                resumed = (req_id, cached.resumed_req_token_ids[i], cached.new_block_ids[i])
+        if resumed:
+            break
+        scheduler.update_from_output(out, fake_model_output(scheduler, out))
+    assert resumed is not None
+    req_id, token_ids, block_ids = resumed
+    assert req_id == "new"
+    assert token_ids == scheduler.requests["new"].all_token_ids
+    assert block_ids == scheduler.kv_cache_manager.get_block_ids("new")
+    abort(scheduler, "old", "new")
+
+
+def test_priority_preemption_picks_the_lowest_priority():
+    scheduler = make_scheduler(num_blocks=8, block_size=4, policy="priority")
+    scheduler.add_request(make_request("low", list(range(100, 112)), block_size=4, priority=5, max_tokens=20))
+    scheduler.add_request(make_request("high", list(range(200, 212)), block_size=4, priority=0, max_tokens=20))
+    scheduler.add_request(make_request("mid", list(range(300, 304)), block_size=4, priority=1, max_tokens=20))
+    out, _ = step(scheduler)
+    assert list(out.num_scheduled_tokens) == ["high", "mid", "low"]  # waiting queue in priority order
+    victims = []
+    for _ in range(20):
+        out, _ = step(scheduler)
+        victims.extend(out.preempted_req_ids)
+        if victims:
+            break
+    assert victims == ["low"]
+    assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
+    abort(scheduler, "low", "high", "mid")
+
+
+def test_priority_waiting_order_is_value_then_arrival():
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    scheduler.add_request(make_request("b", [1, 2], priority=1, arrival_time=1.0))
+    scheduler.add_request(make_request("c", [1, 2], priority=0, arrival_time=2.0))
+    scheduler.add_request(make_request("a", [1, 2], priority=1, arrival_time=0.5))
+    assert [r.request_id for r in scheduler.waiting] == ["c", "a", "b"]
+    abort(scheduler, "a", "b", "c")
+
+
+def _one_request_outputs(token_fn, **params):
+    scheduler = make_scheduler(max_model_len=params.pop("max_model_len", 8192))
+    scheduler.add_request(make_request("r", [5, 6, 7], **params))
+    outputs = []
+    for _ in range(100):
+        if not scheduler.has_requests():
+            break
+        _, outs = step(scheduler, token_fn)
+        outputs.extend(outs.outputs)
+    return outputs
+
+
+def test_stop_on_eos():
+    outs = _one_request_outputs(lambda r, pos: EOS if pos == 6 else 42, max_tokens=10)
+    assert [t for o in outs for t in o.new_token_ids] == [42, 42, 42, EOS]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason is None
+
+
+def test_ignore_eos_runs_to_max_tokens():
+    outs = _one_request_outputs(lambda r, pos: EOS, max_tokens=5, ignore_eos=True)
+    assert sum(len(o.new_token_ids) for o in outs) == 5
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_stop_token_ids_set_stop_reason():
+    outs = _one_request_outputs(lambda r, pos: 77 if pos == 4 else 42, max_tokens=10, stop_token_ids=[77])
+    assert [t for o in outs for t in o.new_token_ids] == [42, 77]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == 77
+
+
+def test_max_tokens_and_max_model_len():
+    outs = _one_request_outputs(lambda r, pos: 42, max_tokens=4)
+    assert sum(len(o.new_token_ids) for o in outs) == 4 and outs[-1].finish_reason == FinishReason.LENGTH
+    outs = _one_request_outputs(lambda r, pos: 42, max_tokens=100, max_model_len=8)
+    assert sum(len(o.new_token_ids) for o in outs) == 5 and outs[-1].finish_reason == FinishReason.LENGTH
+
+
+def test_min_tokens_suppresses_eos_and_stop_tokens():
+    outs = _one_request_outputs(lambda r, pos: EOS if pos % 2 else 77, max_tokens=10, min_tokens=4,
+                                stop_token_ids=[77])
+    tokens = [t for o in outs for t in o.new_token_ids]
+    assert tokens == [EOS, 77, EOS, 77]  # neither ends the request before the 4th token
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == 77
+
+
+def test_finished_ids_reported_to_workers_next_step():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=1))
+    scheduler.add_request(make_request("b", [1, 2, 3], max_tokens=3))
+    step(scheduler)
+    out = scheduler.schedule()
+    assert out.finished_req_ids == {"a"}
+    abort(scheduler, "b")
+    assert scheduler.schedule().finished_req_ids == {"b"}
+
+
+def test_abort_in_each_state_frees_everything():
+    scheduler = make_scheduler(num_blocks=12, block_size=4, max_num_batched_tokens=16)
+    scheduler.add_request(make_request("decoding", list(range(100, 108)), block_size=4, max_tokens=30))
+    step(scheduler)
+    scheduler.add_request(make_request("prefilling", list(range(200, 240)), block_size=4, max_tokens=8))
+    scheduler.add_request(make_request("waiting", list(range(300, 340)), block_size=4, max_tokens=8))
+    step(scheduler)
+    assert scheduler.requests["prefilling"].num_computed_tokens < 40
+    assert scheduler.requests["waiting"].status == RequestStatus.WAITING
+    abort(scheduler, "waiting")
+    abort(scheduler, "prefilling")
+    assert_block_invariants(scheduler)
+    # Drive "decoding" into a preemption by a new request filling the cache.
+    scheduler.add_request(make_request("hog", list(range(400, 436)), block_size=4, max_tokens=12))
+    for _ in range(20):
+        step(scheduler)
+        if any(r.status == RequestStatus.PREEMPTED for r in scheduler.requests.values()):
+            break
+    preempted = [r.request_id for r in scheduler.requests.values() if r.status == RequestStatus.PREEMPTED]
+    assert preempted
+    abort(scheduler, *preempted)
+    abort(scheduler, *list(scheduler.requests))
+    assert_block_invariants(scheduler)
+
+
+def test_abort_while_step_in_flight_drops_its_output():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", [1, 2, 3]))
+    out = scheduler.schedule()
+    abort(scheduler, "r")
+    result = scheduler.update_from_output(out, ModelRunnerOutput(["r"], {"r": 0}, [[42]]))
+    assert result.outputs == []
+
+
+def test_reset_prefix_cache_refused_while_running():
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", list(range(40)), max_tokens=2))
+    step(scheduler)
+    assert scheduler.reset_prefix_cache() is False
+    run_to_completion(scheduler)
+    assert scheduler.reset_prefix_cache() is True
+    assert not scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+
+
+def test_request_that_can_never_fit_is_finished_with_an_error():
+    scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
+    scheduler.add_request(make_request("huge", list(range(20)), block_size=4, max_tokens=10))
+    scheduler.add_request(make_request("too_long", list(range(100)), block_size=4))
+    assert not scheduler.get_num_unfinished_requests() and scheduler.has_requests()
+    out = scheduler.schedule()
+    assert out.total_num_scheduled_tokens == 0
+    result = scheduler.update_from_output(out, ModelRunnerOutput([], {}, []))
+    errors = {o.request_id: o for o in result.outputs}
+    assert errors["huge"].finish_reason == FinishReason.LENGTH and "whole cache holds 4 blocks" in errors["huge"].error
+    assert "maximum context length is 100 tokens" in errors["too_long"].error
+    assert not scheduler.has_requests()
