@@ -16,9 +16,11 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.outputs import ModelRunnerOutput
 
 
-def build(num_reqs: int, prompt_len: int, max_num_batched_tokens: int, max_tokens: int) -> Scheduler:
+def build(num_reqs: int, prompt_len: int, max_num_batched_tokens: int, max_tokens: int,
+          long_prefill_token_threshold: int = 0) -> Scheduler:
     scheduler = Scheduler(
-        SchedulerConfig(max_model_len=1 << 20, max_num_seqs=num_reqs, max_num_batched_tokens=max_num_batched_tokens),
+        SchedulerConfig(max_model_len=1 << 20, max_num_seqs=num_reqs, max_num_batched_tokens=max_num_batched_tokens,
+                        long_prefill_token_threshold=long_prefill_token_threshold),
         CacheConfig(block_size=16, num_blocks=num_reqs * (prompt_len + max_tokens) // 16 + num_reqs * 2))
     hasher = make_block_hasher(16)
     for i in range(num_reqs):
@@ -50,7 +52,8 @@ def bench_decode(num_reqs: int, steps: int) -> float:
 
 def bench_prefill(num_reqs: int, steps: int) -> float:
     # Each step gives every request a 32-token chunk of its long prompt.
-    scheduler = build(num_reqs, prompt_len=32 * (steps + 2), max_num_batched_tokens=32 * num_reqs, max_tokens=4)
+    scheduler = build(num_reqs, prompt_len=32 * (steps + 2), max_num_batched_tokens=32 * num_reqs, max_tokens=4,
+                      long_prefill_token_threshold=32)
     one_step(scheduler)
     start = time.perf_counter()
     for _ in range(steps):
