@@ -1,6 +1,7 @@
 """Engine configuration, validated where it is built so a bad value fails with its name."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,3 +43,58 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+
+
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,
+                 "mib": 1 << 20, "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4,
+                 "tib": 1 << 40}
+
+
+def parse_memory_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "2GiB", "512MiB", "1.5GB"."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _MEMORY_UNITS:
+            raise ValueError(f"kv_cache_memory must be a byte count or a size like '2GiB', got {value!r}")
+        size = int(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class ModelConfig:
+    """The model: where it lives, its HF config, the compute dtype, and the context length we serve."""
+
+    model: str
+    path: str
+    hf_config: object
+    dtype: object  # torch.dtype
+    max_model_len: int
+    seed: int = 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return getattr(self.hf_config, "head_dim", None) or (
+            self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig

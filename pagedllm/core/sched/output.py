@@ -13,13 +13,14 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    eos_token_id: Optional[int]
     block_ids: list[int]
     num_computed_tokens: int
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
-        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
-                   request.num_computed_tokens)
+        return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
+                   block_ids, request.num_computed_tokens)
 
 
 @dataclass

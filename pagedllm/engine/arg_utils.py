@@ -1,0 +1,68 @@
+"""EngineArgs: the user-facing knobs (LLM kwargs, CLI flags) and how they become an EngineConfig."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """'auto' is bfloat16 where the CPU has native bf16 matmuls, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    dtype: Union[str, torch.dtype] = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    kv_cache_memory: Optional[Union[int, str]] = None
+    num_kv_blocks: Optional[int] = None
+    seed: int = 0
+
+    def create_engine_config(self) -> EngineConfig:
+        path = resolve_model(self.model)
+        hf_config = load_hf_config(path)
+        model_max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({model_max_len}).")
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
+        model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
+                                   self.seed)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                                     kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks),
+            scheduler_config=SchedulerConfig(
+                max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
+        )

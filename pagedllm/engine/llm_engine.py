@@ -1,0 +1,62 @@
+"""LLMEngine: the synchronous frontend — Processor in, EngineCore step, OutputProcessor out."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import msgspec
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.processor = Processor(config.model_config, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.engine_core = EngineCore(config)
+        self.last_stats: Optional[SchedulerStats] = None
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
+                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        text, request = self.processor.process(request_id, prompt, params, priority=priority)
+        if params.n == 1:
+            self._add(request_id, text, request, params, output_kind, 0, None)
+            return
+        parent = ParentRequest(request_id, request.sampling_params)
+        for index, child_id in enumerate(parent.child_ids):
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
+            self._add(child_id, text, child, child.sampling_params, output_kind, index, parent)
+
+    def _add(self, request_id, text, request, params, output_kind, index, parent) -> None:
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params, output_kind,
+                                          index, parent, request.arrival_time)
+        self.engine_core.add_request(request)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.engine_core.step()
+        self.last_stats = outputs.scheduler_stats
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()

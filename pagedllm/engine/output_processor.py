@@ -1,0 +1,152 @@
+"""OutputProcessor (frontend side): engine outputs → detokenized RequestOutputs; finds stop strings.
+
+The engine core only sees token ids. Text, stop strings and logprob decoding happen here, in the frontend
+process, and a stop string found here is sent back to the engine as an abort.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.protocol import EngineCoreOutput, FinishReason
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new, every step
+    FINAL_ONLY = 2  # one output when the request finishes
+
+
+class RequestState:
+    def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Any, output_kind: RequestOutputKind,
+                 parent: Optional[ParentRequest], arrival_time: float) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.output_kind = output_kind
+        self.parent = parent
+        self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+                            if params.detokenize and tokenizer is not None else None)
+        self.token_ids: list[int] = []
+        self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
+        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[PromptLogprobs] = [None] if params.prompt_logprobs is not None else None
+        self.arrival_time = arrival_time
+        self.first_token_time: Optional[float] = None
+        self.num_sent_tokens = 0
+
+    def decode_token(self, token_id: int) -> Optional[str]:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _logprob_dicts(self, lists) -> list[dict[int, Logprob]]:
+        """LogprobsLists rows → {token: Logprob}; column 0 is the chosen token with its true rank."""
+        out = []
+        for ids, lps, rank in zip(lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks):
+            entry = {ids[0]: Logprob(lps[0], rank, self.decode_token(ids[0]))}
+            for k, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), 1):
+                entry.setdefault(tok, Logprob(lp, k, self.decode_token(tok)))
+            out.append(entry)
+        return out
+
+    def update(self, out: EngineCoreOutput) -> tuple[Optional[FinishReason], Any]:
+        """Folds one engine output in; returns (finish reason, stop reason), a stop string possibly found here."""
+        self.token_ids.extend(out.new_token_ids)
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+        if out.new_logprobs is not None and self.logprobs is not None:
+            entries = self._logprob_dicts(out.new_logprobs)
+            self.logprobs.extend(entries)
+            for entry, tok in zip(entries, out.new_token_ids):
+                self.cumulative_logprob += entry[tok].logprob
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if self.detokenizer is not None and out.new_token_ids:
+            stop_str = self.detokenizer.update(out.new_token_ids,
+                                               stop_terminated=finish_reason == FinishReason.STOP)
+            if stop_str is not None and finish_reason is None:
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+        return finish_reason, stop_reason
+
+    def make_output(self, finish_reason: Optional[FinishReason], stop_reason: Any,
+                    error: Optional[str], num_cached_tokens: int) -> Optional[RequestOutput]:
+        finished = finish_reason is not None
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer else ""
+        start = self.num_sent_tokens if delta else 0
+        logprobs = self.logprobs[start:] if self.logprobs is not None else None
+        completion = CompletionOutput(
+            index=self.index, text=text, token_ids=self.token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob, logprobs=logprobs,
+            finish_reason=str(finish_reason) if finished else None, stop_reason=stop_reason)
+        prompt_logprobs = self.prompt_logprobs if not delta or self.num_sent_tokens == 0 else None
+        self.num_sent_tokens = len(self.token_ids)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
+                             finished, num_cached_tokens=num_cached_tokens, error=error)
+
+
+@dataclass
+class OutputProcessorOutput:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # Requests that a stop string ended here: the engine core must abort them.
+    reqs_to_abort: list[str] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
+                    params: SamplingParams, output_kind: RequestOutputKind, index: int = 0,
+                    parent: Optional[ParentRequest] = None, arrival_time: Optional[float] = None) -> None:
+        if request_id in self.request_states:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        self.request_states[request_id] = RequestState(
+            request_id, index, prompt, prompt_token_ids, params, self.tokenizer, output_kind, parent,
+            arrival_time if arrival_time is not None else time.time())
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.request_states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+        result = OutputProcessorOutput()
+        now = time.time()
+        for out in engine_core_outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue  # aborted by the client meanwhile
+            if state.first_token_time is None and out.new_token_ids:
+                state.first_token_time = now
+            finish_reason, stop_reason = state.update(out)
+            if finish_reason is not None:
+                del self.request_states[out.request_id]
+                if out.finish_reason is None:
+                    result.reqs_to_abort.append(out.request_id)
+            request_output = state.make_output(finish_reason, stop_reason, out.error, out.num_cached_tokens)
+            if request_output is None:
+                continue
+            if state.parent is not None:
+                request_output = state.parent.add_child_output(
+                    request_output, state.output_kind == RequestOutputKind.FINAL_ONLY)
+                if request_output is None:
+                    continue
+            result.request_outputs.append(request_output)
+        return result

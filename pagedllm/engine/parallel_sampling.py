@@ -1,0 +1,40 @@
+"""ParentRequest: fans a request with n > 1 out into n independent child requests and gathers their outputs."""
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class ParentRequest:
+    def __init__(self, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.params = params
+        self.n = params.n
+        self.child_ids = [f"{i}_{request_id}" for i in range(self.n)]
+        self._completions: list[Optional[CompletionOutput]] = [None] * self.n
+        self._num_finished = 0
+
+    def child_params(self, index: int) -> SamplingParams:
+        """Each child samples one sequence; a seeded parent gives child i the seed seed + i."""
+        seed = self.params.seed + index if self.params.seed is not None else None
+        return msgspec.structs.replace(self.params, n=1, seed=seed)
+
+    def add_child_output(self, child: RequestOutput, final_only: bool) -> Optional[RequestOutput]:
+        """Streaming: pass each child's delta on under the parent's id. Final-only: wait for all n."""
+        completion = child.outputs[0]
+        if child.finished:
+            self._num_finished += 1
+        if not final_only:
+            child.request_id = self.request_id
+            child.finished = self._num_finished == self.n
+            return child
+        self._completions[completion.index] = completion
+        if self._num_finished < self.n:
+            return None
+        child.request_id = self.request_id
+        child.outputs = list(self._completions)
+        return child

@@ -1,0 +1,65 @@
+"""Processor (frontend side): validates and tokenizes a prompt into an EngineCoreRequest."""
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+
+from pagedllm.config import ModelConfig
+from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+
+# A prompt is text, or pre-tokenized as {"prompt_token_ids": [...]} (optionally with "prompt" text).
+PromptType = Union[str, dict]
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.eos_token_id = self._eos_token_id()
+
+    def _eos_token_id(self) -> Optional[int]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return self.tokenizer.eos_token_id
+        eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+        return eos[0] if isinstance(eos, (list, tuple)) else eos
+
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids instead.")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+                raise ValueError("prompt_token_ids must be a list of integers.")
+            return prompt.get("prompt"), list(token_ids)
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got {prompt!r}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        max_model_len = self.model_config.max_model_len
+        if not token_ids:
+            raise ValueError("prompt: the prompt is empty.")
+        if len(token_ids) >= max_model_len:
+            raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                             f"prompt has {len(token_ids)} tokens, which leaves no room for output. Please "
+                             "reduce the length of the prompt.")
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (size {vocab_size}).")
+
+    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                arrival_time: Optional[float] = None, priority: int = 0) -> tuple[Optional[str], EngineCoreRequest]:
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        if params.max_tokens is None:
+            # Fill the context: the scheduler stops the request at max_model_len.
+            params = msgspec.structs.replace(params, max_tokens=self.model_config.max_model_len - len(token_ids))
+        return text, EngineCoreRequest(request_id, token_ids, params, self.eos_token_id,
+                                       arrival_time if arrival_time is not None else time.time(), priority)
+

@@ -1,0 +1,97 @@
+"""LLM: the offline API, as vLLM users know it — generate(), chat(), reset_prefix_cache()."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.models.hf_config import load_tokenizer
+from pagedllm.models.resolve import DEFAULT_MODEL
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generates text for a batch of prompts with continuous batching and a paged KV cache.
+
+    Keyword arguments are EngineArgs fields: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    block_size, enable_prefix_caching, kv_cache_memory (bytes or "2GiB"), seed, scheduling_policy, ...
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        engine_args = EngineArgs(model=model, **kwargs)
+        config = engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(config.model_config.path)
+        self.llm_engine = LLMEngine(config, self.tokenizer)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+        """Outputs come back in the order of the prompts, whatever order they finish in."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; "
+                                 "pass one, or one per prompt.")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts.")
+        # Validate everything before anything is queued, so a bad prompt leaves no request behind.
+        for prompt in prompts:
+            self.llm_engine.processor.validate_prompt(self.llm_engine.processor.tokenize(prompt)[1])
+        request_ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+            request_id = str(next(self._request_counter))
+            self.llm_engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(self, messages: Union[Conversation, list[Conversation]],
+             sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            token_ids = self.tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=True,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, return_dict=False)
+            prompts.append({"prompt_token_ids": list(token_ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        engine = self.llm_engine
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    progress.update(1)
+        progress.close()
+        return [finished[r] for r in request_ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (refused, returning False, while requests hold blocks)."""
+        return self.llm_engine.reset_prefix_cache()
+
+    def get_stats(self):
+        return self.llm_engine.get_stats()

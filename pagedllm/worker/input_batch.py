@@ -1,0 +1,139 @@
+"""The worker's persistent batch: per-request state kept across steps and updated by diffs.
+
+Rows hold each scheduled request's tokens, block table and sampling settings in preallocated numpy arrays,
+so building a step's inputs is array slicing rather than per-token Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class CachedRequestState:
+    """What the worker remembers of a request, in or out of the batch (e.g. while preempted)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: Optional[torch.Generator] = None
+    # Prompt positions whose prompt logprobs were already returned (a preempted request recomputes them).
+    num_prompt_logprobs_done: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.req_ids: list[str] = []
+        self.req_id_to_index: dict[str, int] = {}
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.states: list[CachedRequestState] = []
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def add_request(self, state: CachedRequestState) -> None:
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"request {state.req_id} is already in the batch")
+        i = self.num_reqs
+        if i >= self.max_num_reqs:
+            raise RuntimeError(f"the batch is full ({self.max_num_reqs} requests)")
+        self.req_ids.append(state.req_id)
+        self.states.append(state)
+        self.req_id_to_index[state.req_id] = i
+        n_prompt = len(state.prompt_token_ids)
+        n = n_prompt + len(state.output_token_ids)
+        self.token_ids[i, :n_prompt] = state.prompt_token_ids
+        self.token_ids[i, n_prompt:n] = state.output_token_ids
+        self.num_tokens[i] = n
+        self.num_prompt_tokens[i] = n_prompt
+        self.num_computed_tokens[i] = state.num_computed_tokens
+        self.set_block_ids(i, state.block_ids)
+        params = state.sampling_params
+        self.temperature[i] = params.temperature
+        self.top_p[i] = params.top_p
+        self.top_k[i] = params.top_k
+        self.min_p[i] = params.min_p
+
+    def set_block_ids(self, i: int, block_ids: list[int]) -> None:
+        self.block_table[i, :len(block_ids)] = block_ids
+        self.num_blocks[i] = len(block_ids)
+
+    def append_block_ids(self, i: int, block_ids: list[int]) -> None:
+        start = self.num_blocks[i]
+        self.block_table[i, start:start + len(block_ids)] = block_ids
+        self.num_blocks[i] = start + len(block_ids)
+
+    def remove_requests(self, req_ids: set[str]) -> None:
+        """Drops rows and closes the gaps, keeping the remaining rows in their order."""
+        keep = [i for i, r in enumerate(self.req_ids) if r not in req_ids]
+        if len(keep) == self.num_reqs:
+            return
+        for arr in (self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
+                    self.block_table, self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p):
+            arr[:len(keep)] = arr[keep]
+        self.req_ids = [self.req_ids[i] for i in keep]
+        self.states = [self.states[i] for i in keep]
+        self.req_id_to_index = {r: i for i, r in enumerate(self.req_ids)}
+
+    def append_token(self, i: int, token_id: int) -> None:
+        n = self.num_tokens[i]
+        self.token_ids[i, n] = token_id
+        self.num_tokens[i] = n + 1
+        self.states[i].output_token_ids.append(token_id)
+
+    def make_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Sampling tensors for the given batch rows, in that order (the rows whose logits are sampled)."""
+        states = [self.states[i] for i in rows]
+        types = [s.sampling_params.sampling_type for s in states]
+        all_greedy = all(t == SamplingType.GREEDY for t in types)
+        all_random = all(t != SamplingType.GREEDY for t in types)
+        temperature = top_p = top_k = min_p = None
+        if not all_greedy:
+            temperature = torch.from_numpy(self.temperature[rows])
+            if (self.top_p[rows] < 1.0).any():
+                top_p = torch.from_numpy(self.top_p[rows])
+            if (self.top_k[rows] > 0).any():
+                top_k = torch.from_numpy(self.top_k[rows])
+            if (self.min_p[rows] > 0.0).any():
+                min_p = torch.from_numpy(self.min_p[rows])
+        generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
+        max_num_logprobs = max((s.sampling_params.logprobs for s in states
+                                if s.sampling_params.logprobs is not None), default=None)
+        min_tokens_mask = {}
+        for row, s in enumerate(states):
+            params = s.sampling_params
+            if len(s.output_token_ids) < params.min_tokens:
+                suppressed = set(params.stop_token_ids)
+                if s.eos_token_id is not None and not params.ignore_eos:
+                    suppressed.add(s.eos_token_id)
+                if suppressed:
+                    min_tokens_mask[row] = suppressed
+        return SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
+                                top_p=top_p, top_k=top_k, min_p=min_p, generators=generators,
+                                max_num_logprobs=max_num_logprobs, min_tokens_mask=min_tokens_mask)

@@ -1,0 +1,171 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass over a flattened batch, then samples.
+
+It keeps the worker's request states and the persistent InputBatch in step with the scheduler's diffs, builds
+input_ids / positions / slot_mapping / block tables with vectorised numpy, computes logits only where a token
+is sampled (or prompt logprobs are asked for), and returns sampled tokens as a ModelRunnerOutput.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import cdiv
+from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.layers.attention.kv_cache import allocate_kv_caches
+from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.models.loader import get_model
+from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingType
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.block_size = config.cache_config.block_size
+        max_model_len = self.model_config.max_model_len
+        self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len,
+                                      cdiv(max_model_len, self.block_size))
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.model = None
+        self.kv_caches: list = []
+
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config.path, self.model_config.hf_config, self.model_config.dtype)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
+                                            mc.head_dim, mc.dtype)
+
+    # ------------------------------------------------------------------------------------------ state
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        batch = self.input_batch
+        # Requests not scheduled this step (finished, preempted, or simply left out) leave the batch;
+        # their state stays in self.requests until they finish.
+        batch.remove_requests({r for r in batch.req_ids if r not in so.num_scheduled_tokens})
+
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.sampling_type == SamplingType.RANDOM_SEED:
+                generator = torch.Generator().manual_seed(params.seed)
+            state = CachedRequestState(new.req_id, new.prompt_token_ids, params, new.eos_token_id,
+                                       list(new.block_ids), new.num_computed_tokens, generator=generator)
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(new_block_ids)
+                state.output_token_ids[:] = cached.resumed_req_token_ids[i][len(state.prompt_token_ids):]
+            else:
+                state.block_ids.extend(new_block_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                batch.add_request(state)
+            else:
+                batch.num_computed_tokens[row] = state.num_computed_tokens
+                if new_block_ids:
+                    batch.append_block_ids(row, new_block_ids)
+
+    # ------------------------------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        batch = self.input_batch
+        n = batch.num_reqs
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=n)
+        cu_num_tokens = np.cumsum(num_scheduled)
+        num_tokens = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(n), num_scheduled)
+        offsets = np.arange(num_tokens) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        positions = batch.num_computed_tokens[req_indices] + offsets
+        input_ids = batch.token_ids[req_indices, positions]
+        slot_mapping = (batch.block_table[req_indices, positions // self.block_size].astype(np.int64)
+                        * self.block_size + positions % self.block_size)
+        seq_lens = batch.num_computed_tokens[:n] + num_scheduled
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)
+        query_start_loc[1:] = cu_num_tokens
+        max_blocks = int(batch.num_blocks[:n].max())
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            seq_lens=torch.from_numpy(seq_lens),
+            block_table=torch.from_numpy(batch.block_table[:n, :max_blocks]),
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
+                                   attn_metadata)
+
+        # Rows whose whole known sequence is computed after this step sample a token; a prefill chunk
+        # that stops short of the prompt's end does not (its logits would be thrown away).
+        sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:n])[0]
+        prompt_logprobs_dict = self._prompt_logprobs(hidden_states, query_start_loc, num_scheduled)
+        batch.num_computed_tokens[:n] = seq_lens
+        for i in range(n):
+            batch.states[i].num_computed_tokens = int(seq_lens[i])
+
+        sampled_token_ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs_per_req = None
+        if len(sample_rows):
+            logits = self.model.compute_logits(hidden_states[torch.from_numpy(cu_num_tokens[sample_rows] - 1)])
+            sampler_output = self.sampler(logits, batch.make_sampling_metadata(sample_rows))
+            tokens = sampler_output.sampled_token_ids.tolist()
+            for row, token in zip(sample_rows.tolist(), tokens):
+                batch.append_token(row, token)
+                sampled_token_ids[row] = [token]
+            if sampler_output.logprobs is not None:
+                logprobs_per_req = self._split_logprobs(sample_rows, sampler_output.logprobs.tolists())
+        return ModelRunnerOutput(req_ids=list(batch.req_ids), req_id_to_index=dict(batch.req_id_to_index),
+                                 sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
+                                 prompt_logprobs_dict=prompt_logprobs_dict)
+
+    def _split_logprobs(self, sample_rows: np.ndarray, lists: LogprobsLists) -> list:
+        """Per batch row: its sampled token's logprobs row, cut to the k it asked for (None if it did not)."""
+        per_req = [None] * self.input_batch.num_reqs
+        for j, row in enumerate(sample_rows.tolist()):
+            k = self.input_batch.states[row].sampling_params.logprobs
+            if k is not None:
+                per_req[row] = LogprobsLists([lists.logprob_token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]],
+                                             [lists.sampled_token_ranks[j]])
+        return per_req
+
+    def _prompt_logprobs(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray,
+                         num_scheduled: np.ndarray) -> dict[str, LogprobsLists]:
+        """Logprobs of each next prompt token for the prompt positions computed in this step."""
+        batch = self.input_batch
+        out = {}
+        for row, state in enumerate(batch.states):
+            k = state.sampling_params.prompt_logprobs
+            start = int(batch.num_computed_tokens[row])  # not yet advanced: this chunk's first position
+            num_prompt = len(state.prompt_token_ids)
+            if k is None or start >= num_prompt:
+                continue
+            # Position p predicts prompt token p + 1; the last prompt position predicts a sampled token.
+            # A request recomputing after preemption skips the positions it already reported.
+            end = min(start + int(num_scheduled[row]), num_prompt - 1)
+            first_pos = max(start, state.num_prompt_logprobs_done)
+            if end <= first_pos:
+                continue
+            first = int(query_start_loc[row]) + first_pos - start
+            logits = self.model.compute_logits(hidden_states[first:first + end - first_pos])
+            targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
+            out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()
+            state.num_prompt_logprobs_done = end
+        return out
