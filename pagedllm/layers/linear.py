@@ -1,0 +1,194 @@
+"""Linear layers that know how to hold one tensor-parallel rank's slice.
+
+Each layer stores only its rank's part of the weight and exposes
+``weight_loader(param, loaded_weight[, shard_id])`` that cuts that part out of
+a full checkpoint tensor, so models load the same way for any ``tp_size``.
+Column-parallel layers split the output dim (no communication); row-parallel
+layers split the input dim and sum partial results with an all-reduce.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers.communication import (
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by tp_size {denominator}")
+    return numerator // denominator
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
+    dst.copy_(src)
+
+
+class LinearBase(nn.Module):
+    """Holds a ``[out_per_rank, in_per_rank]`` weight and optional bias."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        params_dtype: torch.dtype | None,
+        tp_size: int,
+        tp_rank: int,
+    ):
+        super().__init__()
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} out of range for tp_size {tp_size}")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_size = tp_size
+        self.tp_rank = tp_rank
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+
+    def _create_params(self, out_features: int, in_features: int, bias: bool) -> None:
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=self.params_dtype), requires_grad=False
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=self.params_dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in={self.input_size}, out={self.output_size}, bias={self.bias is not None}, "
+            f"tp_size={self.tp_size}, tp_rank={self.tp_rank}"
+        )
+
+
+class ReplicatedLinear(LinearBase):
+    """Full weight on every rank."""
+
+    def __init__(self, input_size, output_size, bias=True, params_dtype=None, tp_size=1, tp_rank=0):
+        super().__init__(input_size, output_size, bias, params_dtype, tp_size, tp_rank)
+        self._create_params(output_size, input_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        _copy_checked(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = XA with A split by output columns; each rank computes its slice of Y."""
+
+    def __init__(
+        self,
+        input_size,
+        output_size,
+        bias=True,
+        gather_output=False,
+        params_dtype=None,
+        tp_size=1,
+        tp_rank=0,
+    ):
+        super().__init__(input_size, output_size, bias, params_dtype, tp_size, tp_rank)
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, tp_size)
+        self._create_params(self.output_size_per_partition, input_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = param.shape[0]
+        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = tensor_model_parallel_all_gather(y, self.tp_size)
+        return y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs (e.g. gate and up) fused into one matmul.
+
+    Each rank's weight is ``[shard_0 slice, shard_1 slice, ...]`` stacked.
+    """
+
+    def __init__(self, input_size, output_sizes: list[int], bias=True, gather_output=False,
+                 params_dtype=None, tp_size=1, tp_rank=0):
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            divide(size, tp_size)
+        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
+        shard = self.output_sizes[loaded_shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
+        _copy_checked(param.data.narrow(0, offset, shard), loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection split by attention heads.
+
+    With more ranks than KV heads, each KV head is replicated on
+    ``tp_size // total_num_kv_heads`` consecutive ranks.
+    """
+
+    def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=True,
+                 params_dtype=None, tp_size=1, tp_rank=0):
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(hidden_size, output_size, bias, False, params_dtype, tp_size, tp_rank)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        offset, size, shard_rank = {
+            "q": (0, q_size, self.tp_rank),
+            "k": (q_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
+            "v": (q_size + kv_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
+        }[loaded_shard_id]
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Y = XA with A split by input rows; partial results are summed across ranks.
+
+    The bias is added once (rank 0) before the all-reduce.
+    """
+
+    def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, reduce_results=True,
+                 params_dtype=None, tp_size=1, tp_rank=0):
+        super().__init__(input_size, output_size, bias, params_dtype, tp_size, tp_rank)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, tp_size)
+        self._create_params(output_size, self.input_size_per_partition, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if param.dim() == 2:
+            shard = param.shape[1]
+            loaded_weight = loaded_weight.narrow(1, self.tp_rank * shard, shard)
+        _copy_checked(param.data, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            shard = self.input_size_per_partition
+            x = x.narrow(-1, self.tp_rank * shard, shard)
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results:
+            y = tensor_model_parallel_all_reduce(y, self.tp_size)
+        return y

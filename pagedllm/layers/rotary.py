@@ -1,0 +1,74 @@
+"""Rotary position embedding (neox / HF "rotate_half" layout).
+
+cos/sin are computed per step from the positions in float32, as HF does, so
+there is no position limit and no large cache to keep.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: slow down low frequencies, blend the middle band."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates the first ``rotary_dim`` dims of each q/k head by position."""
+
+    def __init__(self, head_size: int, rotary_dim: int, base: float, rope_parameters: dict | None = None):
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        rope_type = (rope_parameters or {}).get("rope_type", "default")
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
+        elif rope_type != "default":
+            raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query``/``key`` are ``[T, heads * head_size]``; returns rotated copies."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        cos, sin = freqs.cos().to(query.dtype), freqs.sin().to(query.dtype)
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((rotated, passthrough), dim=-1).reshape(shape)
+
+
+def get_rope(head_size: int, config) -> RotaryEmbedding:
+    """Build the rotary embedding described by an HF config.
+
+    transformers >= 5 keeps ``rope_theta`` inside ``config.rope_parameters``;
+    older configs have ``config.rope_theta`` and ``config.rope_scaling``.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
+    rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
+    return RotaryEmbedding(head_size, rotary_dim, base, params)
