@@ -1,0 +1,53 @@
+"""The interface an attention backend (CPU today, CUDA later) implements."""
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from pagedllm.layers.attention.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class AttentionImpl(ABC):
+    """Computes attention for one layer over the paged KV cache."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache`` at ``slot_mapping``, then attend.
+
+        ``query`` is ``[T, num_heads, head_size]``, ``key``/``value`` are
+        ``[T, num_kv_heads, head_size]``; returns ``[T, num_heads, head_size]``.
+        """
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels plus the KV-cache layout they expect."""
+
+    @staticmethod
+    @abstractmethod
+    def get_name() -> str: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_impl_cls() -> type[AttentionImpl]: ...
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        """Shape of ONE of a layer's (key_cache, value_cache) tensors."""

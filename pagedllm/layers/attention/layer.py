@@ -1,0 +1,39 @@
+"""The attention module models use; the math lives in the selected backend."""
+
+import torch
+from torch import nn
+
+from pagedllm.layers.attention.backend import KVCache
+from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.layers.attention.selector import get_attn_backend
+
+
+class Attention(nn.Module):
+    """Paged attention over flattened ``[T, heads * head_size]`` projections."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.backend = get_attn_backend(device)
+        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        out = self.impl.forward(
+            query.view(num_tokens, self.num_heads, self.head_size),
+            key.view(num_tokens, self.num_kv_heads, self.head_size),
+            value.view(num_tokens, self.num_kv_heads, self.head_size),
+            kv_cache,
+            attn_metadata,
+        )
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, head_size={self.head_size}, "
+            f"num_kv_heads={self.num_kv_heads}, backend={self.backend.get_name()}"
+        )

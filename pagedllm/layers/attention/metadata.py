@@ -1,0 +1,32 @@
+"""Per-step description of the flattened batch that attention layers read."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer needs to write and read the paged KV cache.
+
+    Request ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``;
+    these are its newest tokens, so its context after this step is
+    ``seq_lens[i]`` tokens stored in order in blocks ``block_table[i]``.
+    """
+
+    num_actual_tokens: int
+    # [T] int64: cache slot (block_id * block_size + offset) for each token's K/V.
+    slot_mapping: torch.Tensor
+    # [B+1] cumulative query lengths.
+    query_start_loc: torch.Tensor
+    # [B] context length of each request after this step.
+    seq_lens: torch.Tensor
+    # [B, max_blocks_per_req] int32 block ids; entries past a request's blocks are ignored.
+    block_table: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    # Scratch for a backend to keep what it derives from the fields above
+    # (gather indices, masks) once per step and reuse in every layer.
+    # Builders leave it empty.
+    backend_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
