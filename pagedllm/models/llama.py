@@ -1,0 +1,168 @@
+"""Llama decoder-only model (also Mistral without sliding window, and the
+base of Qwen2), over a flattened batch and a paged KV cache."""
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.rotary import get_rope
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.weights import default_weight_loader
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
+                 tp_size: int, tp_rank: int):
+        super().__init__()
+        if hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported, only 'silu'")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, tp_size=tp_size, tp_rank=tp_rank
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
+            tp_size=tp_size, tp_rank=tp_rank,
+        )
+        self.rotary_emb = get_rope(self.head_dim, config)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank)
+        self.mlp = LlamaMLP(
+            config.hidden_size, config.intermediate_size, config.hidden_act,
+            getattr(config, "mlp_bias", False), tp_size, tp_rank,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, kv_cache, attn_metadata):
+        """Returns (mlp output, residual); the next layer's norm adds them."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], attn_metadata) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live inside one fused parameter here:
+    # (fused param name, checkpoint name, shard id)
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(self, config: PretrainedConfig, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank)
+        if config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @staticmethod
+    def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
+        """Whether (qkv_proj, o_proj) have a bias; Llama uses one flag for both."""
+        bias = getattr(config, "attention_bias", False)
+        return bias, bias
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """``[T]`` token ids and positions -> ``[T, hidden_size]`` final hidden states."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]``."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named checkpoint tensors; returns the parameter names filled."""
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard_id = None
+            for fused, original, stacked_shard_id in self.stacked_params_mapping:
+                if original in name:
+                    name, shard_id = name.replace(original, fused), stacked_shard_id
+                    break
+            if name not in params:
+                raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+            param = params[name]
+            if shard_id is None:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            else:
+                param.weight_loader(param, tensor, shard_id)
+            loaded.add(name)
+        return loaded

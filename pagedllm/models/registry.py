@@ -1,0 +1,42 @@
+"""Map a checkpoint's architecture to the model class that runs it."""
+
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.qwen2 import Qwen2ForCausalLM
+
+_MODELS: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+# GGUF configs carry no ``architectures``, only ``model_type``.
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+def get_model_architecture(config: PretrainedConfig) -> type[nn.Module]:
+    """Return the model class for ``config``; raise if it is not supported."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if config.model_type in _MODEL_TYPES:
+        architectures.append(_MODEL_TYPES[config.model_type])
+    for arch in architectures:
+        if arch in _MODELS:
+            _check_no_sliding_window(config)
+            return _MODELS[arch]
+    raise ValueError(
+        f"Unsupported model (architectures={architectures}, model_type={config.model_type!r}); "
+        f"supported: {sorted(_MODELS)}"
+    )
+
+
+def _check_no_sliding_window(config: PretrainedConfig) -> None:
+    # Qwen2 configs always carry sliding_window but gate it with use_sliding_window.
+    window = getattr(config, "sliding_window", None)
+    enabled = getattr(config, "use_sliding_window", window is not None)
+    if enabled and window is not None and window < config.max_position_embeddings:
+        raise NotImplementedError(f"sliding-window attention (window {window}) is not supported")

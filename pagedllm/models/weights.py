@@ -1,0 +1,35 @@
+"""Iterate a checkpoint's tensors as ``(hf_name, tensor)`` pairs, one at a time."""
+
+import glob
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.models.gguf_loader import gguf_weights_iterator
+
+
+def safetensors_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of every ``*.safetensors`` file in an HF directory."""
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"No *.safetensors files in {directory!r}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pick the reader for a ``.gguf`` file or an HF safetensors directory."""
+    if path.endswith(".gguf"):
+        return gguf_weights_iterator(path)
+    return safetensors_weights_iterator(path)
+
+
+def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """Copy a whole tensor into a parameter that is not split across ranks."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"weight shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
