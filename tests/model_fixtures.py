@@ -1,0 +1,108 @@
+"""Shared helpers for the model tests: a paged-batch builder and cached
+reference models, loaded once per pytest process (GGUF parsing is slow)."""
+
+import functools
+import random
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.initialization import no_init_weights
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_path() -> str:
+    return resolve_model(DEFAULT_MODEL)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_model() -> torch.nn.Module:
+    """Our float32 SmolLM2 loaded from the GGUF file."""
+    return get_model(smollm_path(), load_hf_config(smollm_path()), torch.float32)
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_reference_tensors() -> dict[str, torch.Tensor]:
+    """transformers' own GGUF dequantization and renaming, as from_pretrained does it.
+
+    (from_pretrained(gguf_file=...) itself requires accelerate, which is not a dependency.)
+    """
+    return load_gguf_checkpoint(smollm_path(), return_tensors=True, model_to_load=_empty_reference())["tensors"]
+
+
+@functools.lru_cache(maxsize=1)
+def smollm_reference() -> torch.nn.Module:
+    """transformers' float32 model with the GGUF weights."""
+    model = _empty_reference()
+    result = model.load_state_dict(smollm_reference_tensors(), strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model.eval()
+
+
+def _empty_reference() -> torch.nn.Module:
+    with no_init_weights():
+        return AutoModelForCausalLM.from_config(load_hf_config(smollm_path()), dtype=torch.float32)
+
+
+@dataclass
+class Chunk:
+    """``num_new`` tokens of request ``req`` starting at position ``start``."""
+
+    req: int
+    start: int
+    num_new: int
+
+
+class PagedBatchRunner:
+    """Drives a model step by step like the engine: flattened batches, a paged
+    KV cache, and block ids handed out in shuffled order."""
+
+    def __init__(self, model, config, block_size: int = 16, num_blocks: int = 64,
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+        self.model = model
+        self.block_size = block_size
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_caches = allocate_kv_caches(
+            config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, head_dim, dtype
+        )
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.block_ids: dict[int, list[int]] = {}
+
+    def step(self, tokens: dict[int, list[int]], chunks: list[Chunk]) -> list[torch.Tensor]:
+        """Run one step; returns each chunk's float32 logits ``[num_new, vocab]``."""
+        input_ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        for c in chunks:
+            blocks = self.block_ids.setdefault(c.req, [])
+            while len(blocks) * self.block_size < c.start + c.num_new:
+                blocks.append(self.free_blocks.pop())
+            for pos in range(c.start, c.start + c.num_new):
+                input_ids.append(tokens[c.req][pos])
+                positions.append(pos)
+                slots.append(blocks[pos // self.block_size] * self.block_size + pos % self.block_size)
+            qsl.append(qsl[-1] + c.num_new)
+            seq_lens.append(c.start + c.num_new)
+        width = max(len(self.block_ids[c.req]) for c in chunks) + 1  # + padding column
+        block_table = torch.full((len(chunks), width), 10**6, dtype=torch.int32)  # padding must be ignored
+        for i, c in enumerate(chunks):
+            block_table[i, : len(self.block_ids[c.req])] = torch.tensor(self.block_ids[c.req])
+        metadata = AttentionMetadata(
+            num_actual_tokens=len(input_ids),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_table=block_table,
+            max_query_len=max(c.num_new for c in chunks),
+            max_seq_len=max(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split([c.num_new for c in chunks]))

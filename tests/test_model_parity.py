@@ -1,0 +1,140 @@
+"""Our paged model must reproduce transformers' logits, however a sequence is
+split into prefill chunks and decodes and batched with other requests."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
+
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model
+from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_model, smollm_path, smollm_reference
+
+ATOL = 1e-3
+
+
+def _reference_logits(reference, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return reference(torch.tensor([tokens])).logits[0].float()
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff < atol, f"max abs logit diff {diff}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def _run_schedule(model, config, tokens: dict[int, list[int]], schedule: list[list[Chunk]], **kwargs):
+    """Run the steps; return each request's logits for all its positions, in order."""
+    runner = PagedBatchRunner(model, config, **kwargs)
+    rows: dict[int, list[torch.Tensor]] = {req: [] for req in tokens}
+    for chunks in schedule:
+        for chunk, logits in zip(chunks, runner.step(tokens, chunks)):
+            rows[chunk.req].append(logits)
+    return {req: torch.cat(parts) for req, parts in rows.items()}
+
+
+def _prefill_then_decode(req: int, length: int, chunk: int) -> list[list[Chunk]]:
+    return [[Chunk(req, 0, chunk)]] + [[Chunk(req, pos, 1)] for pos in range(chunk, length)]
+
+
+# Two requests interleaved in one flattened batch, covering every attention path:
+# first prefill, prefill chunk over cached history, single decode, decodes of
+# different lengths batched together, and two history chunks in one step.
+MIXED_SCHEDULE = [
+    [Chunk(0, 0, 16), Chunk(1, 0, 22)],
+    [Chunk(0, 16, 16), Chunk(1, 22, 1)],
+    [Chunk(1, 23, 1), Chunk(0, 32, 1)],
+    [Chunk(0, 33, 7), Chunk(1, 24, 2)],
+]
+MIXED_LENGTHS = {0: 40, 1: 26}
+
+
+def _check_schedules(model, reference, config, vocab_size: int, seed: int, **kwargs) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = {req: torch.randint(0, vocab_size, (n,), generator=gen).tolist() for req, n in MIXED_LENGTHS.items()}
+    refs = {req: _reference_logits(reference, t) for req, t in tokens.items()}
+    n = MIXED_LENGTHS[0]
+    for schedule in ([[Chunk(0, 0, n)]], _prefill_then_decode(0, n, 16)):
+        _assert_close(_run_schedule(model, config, {0: tokens[0]}, schedule, **kwargs)[0], refs[0])
+    mixed = _run_schedule(model, config, tokens, MIXED_SCHEDULE, **kwargs)
+    for req in tokens:
+        _assert_close(mixed[req], refs[req])
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return smollm_model(), smollm_reference(), load_hf_config(smollm_path())
+
+
+def test_smollm_one_prefill(smollm):
+    model, reference, config = smollm
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = _run_schedule(model, config, {0: tokens}, [[Chunk(0, 0, 40)]])[0]
+    _assert_close(ours, _reference_logits(reference, tokens))
+
+
+def test_smollm_chunked_prefill_and_decode(smollm):
+    model, reference, config = smollm
+    tokens = torch.randint(0, config.vocab_size, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours = _run_schedule(model, config, {0: tokens}, _prefill_then_decode(0, 40, 16))[0]
+    _assert_close(ours, _reference_logits(reference, tokens))
+
+
+def test_smollm_mixed_batch(smollm):
+    model, reference, config = smollm
+    gen = torch.Generator().manual_seed(3)
+    tokens = {req: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for req, n in MIXED_LENGTHS.items()}
+    ours = _run_schedule(model, config, tokens, MIXED_SCHEDULE)
+    for req, t in tokens.items():
+        _assert_close(ours[req], _reference_logits(reference, t))
+
+
+def _save_tiny(hf_class, config, directory, seed: int = 0):
+    torch.manual_seed(seed)
+    reference = hf_class(config).eval()
+    reference.save_pretrained(directory)
+    assert any(p.suffix == ".safetensors" for p in directory.iterdir())
+    return reference
+
+
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, initializer_range=0.2,
+)
+
+
+def test_tiny_qwen2_parity(tmp_path):
+    config = Qwen2Config(**TINY, tie_word_embeddings=True)
+    reference = _save_tiny(HFQwen2ForCausalLM, config, tmp_path)
+    assert reference.model.layers[0].self_attn.q_proj.bias is not None
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.float32)
+    assert "lm_head.weight" not in dict(model.named_parameters())
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=4, block_size=4)
+
+
+def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
+    rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                high_freq_factor=4.0, original_max_position_embeddings=16)
+    config = LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=rope)
+    reference = _save_tiny(HFLlamaForCausalLM, config, tmp_path)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.float32)
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=5, block_size=8)
+
+
+def test_tiny_qwen2_bfloat16(tmp_path):
+    """bfloat16 runs end to end and stays near transformers' bfloat16 logits."""
+    config = Qwen2Config(**TINY)
+    _save_tiny(HFQwen2ForCausalLM, config, tmp_path)
+    reference = HFQwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.bfloat16)
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    tokens = {req: torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(6)).tolist()
+              for req, n in MIXED_LENGTHS.items()}
+    ours = _run_schedule(model, load_hf_config(str(tmp_path)), tokens, MIXED_SCHEDULE, dtype=torch.bfloat16)
+    for req, t in tokens.items():
+        ref = _reference_logits(reference, t)
+        assert (ours[req] - ref).abs().max().item() < 0.1 * ref.abs().max().item()

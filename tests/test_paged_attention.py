@@ -1,0 +1,125 @@
+"""The CPU paged-attention backend against plain causal attention over each
+request's contiguous K/V."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, get_attn_backend
+from pagedllm.layers.attention.layer import Attention
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _reference(q, k, v, scale):
+    """q: [Lq, H, D] for the last Lq of the Lk positions in k/v: [Lk, KVH, D]."""
+    q, k, v = q.float(), k.float(), v.float()
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    lq, lk = q.shape[0], k.shape[0]
+    allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed):
+    """requests: list of (num_cached, num_new). Cached K/V is written to the cache
+    beforehand; never-written cache memory is NaN and must not leak into the output."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [-(-(c + n) // block_size) for c, n in requests]
+    num_blocks = sum(blocks_needed) + 3
+    key_cache, value_cache = (torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+                              for _ in range(2))
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    block_ids = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    width = max(blocks_needed) + 2
+    block_table = torch.tensor([ids + [rng.randrange(num_blocks)] * (width - len(ids)) for ids in block_ids],
+                               dtype=torch.int32)
+
+    def slot(i, pos):
+        return block_ids[i][pos // block_size] * block_size + pos % block_size
+
+    full_k, full_v, qs, slots, qsl = [], [], [], [], [0]
+    for i, (cached, new) in enumerate(requests):
+        k = torch.randn(cached + new, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(cached + new, kv_heads, head_dim, generator=gen).to(dtype)
+        for pos in range(cached):
+            key_cache.view(-1, kv_heads, head_dim)[slot(i, pos)] = k[pos]
+            value_cache.view(-1, kv_heads, head_dim)[slot(i, pos)] = v[pos]
+        full_k.append(k)
+        full_v.append(v)
+        qs.append(torch.randn(new, heads, head_dim, generator=gen).to(dtype))
+        slots += [slot(i, pos) for pos in range(cached, cached + new)]
+        qsl.append(qsl[-1] + new)
+
+    seq_lens = [c + n for c, n in requests]
+    metadata = AttentionMetadata(
+        num_actual_tokens=qsl[-1],
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=torch.tensor(seq_lens),
+        block_table=block_table,
+        max_query_len=max(n for _, n in requests),
+        max_seq_len=max(seq_lens),
+    )
+    scale = head_dim**-0.5
+    layer = Attention(heads, head_dim, scale, kv_heads)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)])
+    with torch.inference_mode():
+        out = layer(torch.cat(qs).flatten(1), new_k.flatten(1), new_v.flatten(1), (key_cache, value_cache), metadata)
+    assert out.dtype == dtype and out.shape == (qsl[-1], heads * head_dim)
+
+    # This step's K/V landed in the cache.
+    assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_k)
+    assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v)
+    expected = torch.cat([_reference(q, k, v, scale) for q, k, v in zip(qs, full_k, full_v)])
+    torch.testing.assert_close(out.float().view_as(expected), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+MIXED = [(0, 7), (5, 1), (30, 1), (17, 9), (0, 1), (12, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+def test_mixed_batch(dtype, heads, kv_heads):
+    _run_case(MIXED, heads, kv_heads, 16, block_size=4, dtype=dtype, seed=heads + kv_heads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_only_equal_lengths(dtype):
+    _run_case([(9, 1), (9, 1), (9, 1)], 4, 2, 8, block_size=4, dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_only(dtype):
+    _run_case([(0, 20), (0, 3), (8, 8)], 4, 2, 32, block_size=16, dtype=dtype, seed=2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=6),
+    kv_heads=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 3]),
+    block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches(requests, kv_heads, group, block_size, seed):
+    _run_case(requests, kv_heads * group, kv_heads, 8, block_size, torch.float32, seed)
+
+
+def test_kv_cache_allocation():
+    backend = get_attn_backend("cpu")
+    assert backend.get_name() == "TORCH_SDPA"
+    assert backend.get_kv_cache_shape(10, 16, 3, 64) == (10, 16, 3, 64)
+    caches = allocate_kv_caches(2, 10, 16, 3, 64, torch.bfloat16)
+    assert len(caches) == 2 and caches[0][0] is not caches[0][1] and caches[0][0] is not caches[1][0]
+    for key_cache, value_cache in caches:
+        assert key_cache.shape == value_cache.shape == (10, 16, 3, 64)
+        assert key_cache.dtype == torch.bfloat16 and not key_cache.any()
