@@ -5,6 +5,8 @@ import functools
 import random
 from dataclasses import dataclass
 
+import gguf
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.initialization import no_init_weights
@@ -106,3 +108,42 @@ class PagedBatchRunner:
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden)
         return list(logits.split([c.num_new for c in chunks]))
+
+
+def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str) -> None:
+    """Write an HF model as an unquantized GGUF the way llama.cpp's converter does,
+    naming tensors with gguf-py's own map and permuting llama q/k rows."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"tiny-{arch}")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        weight = tensor.float().numpy()
+        if arch == "llama" and base.endswith(("q_proj", "k_proj")):
+            n_head = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
+            weight = _llama_cpp_permute(weight, n_head)
+        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )

@@ -9,7 +9,14 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_model, smollm_path, smollm_reference
+from tests.model_fixtures import (
+    Chunk,
+    PagedBatchRunner,
+    smollm_model,
+    smollm_path,
+    smollm_reference,
+    write_tiny_gguf,
+)
 
 ATOL = 1e-3
 
@@ -86,7 +93,7 @@ def test_smollm_chunked_prefill_and_decode(smollm):
 def test_smollm_mixed_batch(smollm):
     model, reference, config = smollm
     gen = torch.Generator().manual_seed(3)
-    tokens = {req: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for req, n in MIXED_LENGTHS.items()}
+    tokens = {r: torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for r, n in MIXED_LENGTHS.items()}
     ours = _run_schedule(model, config, tokens, MIXED_SCHEDULE)
     for req, t in tokens.items():
         _assert_close(ours[req], _reference_logits(reference, t))
@@ -123,6 +130,22 @@ def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
     model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.float32)
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=5, block_size=8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_gguf_parity(tmp_path, arch):
+    """Unquantized GGUF written like llama.cpp (llama q/k rows permuted, qwen2
+    biases) loads back to the original HF model's logits."""
+    classes = {"llama": (LlamaConfig, HFLlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM)}
+    config_class, hf_class = classes[arch]
+    torch.manual_seed(7)
+    reference = hf_class(config_class(**TINY, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_tiny_gguf(reference, path, arch)
+    config = load_hf_config(path)
+    assert config.model_type == arch and not config.tie_word_embeddings
+    model = get_model(path, config, torch.float32)
+    _check_schedules(model, reference, config, config.vocab_size, seed=8, block_size=4)
 
 
 def test_tiny_qwen2_bfloat16(tmp_path):
