@@ -15,6 +15,8 @@ from pagedllm.layers.linear import (
     RowParallelLinear,
 )
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.models import hf_config
+from pagedllm.models.gguf_cache import gguf_cache_dir
 from pagedllm.models.gguf_loader import gguf_to_hf_name, gguf_weights_iterator
 from pagedllm.models.hf_config import load_hf_config, load_tokenizer
 from pagedllm.models.llama import LlamaForCausalLM
@@ -58,7 +60,26 @@ def test_unknown_model_is_an_error(tmp_path):
 # ---------------------------------------------------------------- config / tokenizer
 
 
-def test_gguf_config_and_tokenizer():
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """A private on-disk cache and empty per-process caches."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+
+    def clear():
+        hf_config._load_hf_config_cached.cache_clear()
+        hf_config.load_tokenizer.cache_clear()
+
+    clear()
+    yield tmp_path
+    clear()
+
+
+def _chat(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_gguf_config_and_tokenizer(empty_cache):
     config = load_hf_config(smollm_path())
     assert (config.model_type, config.num_hidden_layers, config.num_key_value_heads) == ("llama", 30, 3)
     assert config.tie_word_embeddings
@@ -66,11 +87,35 @@ def test_gguf_config_and_tokenizer():
     assert load_hf_config(smollm_path()).vocab_size == 49152
 
     tokenizer = load_tokenizer(smollm_path())
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    assert _chat(tokenizer) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     )
-    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    assert tokenizer.decode(tokenizer.encode("Hello world")) == "Hello world"
+    text = "Hello  world <|im_end|> é 😀"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+    # A new process finds both on disk and gets the same behaviour.
+    (entry,) = (empty_cache / "gguf").iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == ["AutoConfig", "AutoTokenizer"]
+    hf_config._load_hf_config_cached.cache_clear()
+    hf_config.load_tokenizer.cache_clear()
+    cached_config, cached_tokenizer = load_hf_config(smollm_path()), load_tokenizer(smollm_path())
+    assert cached_tokenizer is not tokenizer
+    config.vocab_size = 49152
+    assert {**cached_config.to_dict(), "_name_or_path": ""} == {**config.to_dict(), "_name_or_path": ""}
+    assert _chat(cached_tokenizer) == _chat(tokenizer)
+    assert cached_tokenizer.encode(text) == tokenizer.encode(text)
+    assert cached_tokenizer.all_special_tokens == tokenizer.all_special_tokens
+    assert cached_tokenizer.eos_token_id == tokenizer.eos_token_id
+
+
+def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"v1")
+    first = gguf_cache_dir(str(model), "AutoConfig")
+    assert first.startswith(str(tmp_path / "cache"))
+    model.write_bytes(b"v2 longer")
+    assert gguf_cache_dir(str(model), "AutoConfig") != first
 
 
 # ---------------------------------------------------------------- GGUF weights

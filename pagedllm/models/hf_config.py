@@ -2,8 +2,7 @@
 
 transformers builds a config, a tokenizer and its chat template from GGUF
 metadata when given ``gguf_file``, so one code path serves both formats.
-Parsing GGUF metadata is slow (the vocabulary is decoded in Python), so the
-result is cached per process.
+That is slow, so results are cached on disk (see ``gguf_cache``) and per process.
 """
 
 import copy
@@ -12,21 +11,28 @@ import os
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from pagedllm.models.gguf_cache import gguf_cache_dir, save_atomically
 from pagedllm.models.resolve import resolve_model
 
 
-def _split_source(path: str) -> tuple[str, dict]:
-    """Return the directory and the from_pretrained kwargs for ``path``."""
+def _from_pretrained(auto_class, path: str):
+    """``auto_class.from_pretrained`` for an HF directory or a ``.gguf`` file."""
     path = resolve_model(path)
-    if path.endswith(".gguf"):
-        return os.path.dirname(os.path.abspath(path)), {"gguf_file": os.path.basename(path)}
-    return path, {}
+    if not path.endswith(".gguf"):
+        return auto_class.from_pretrained(path, local_files_only=True)
+    cached = gguf_cache_dir(path, auto_class.__name__)
+    if os.path.isdir(cached):
+        return auto_class.from_pretrained(cached, local_files_only=True)
+    obj = auto_class.from_pretrained(
+        os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
+    )
+    save_atomically(obj, cached)
+    return obj
 
 
 @functools.lru_cache(maxsize=8)
 def _load_hf_config_cached(path: str) -> PretrainedConfig:
-    directory, kwargs = _split_source(path)
-    return AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
+    return _from_pretrained(AutoConfig, path)
 
 
 def load_hf_config(path: str) -> PretrainedConfig:
@@ -37,5 +43,4 @@ def load_hf_config(path: str) -> PretrainedConfig:
 @functools.lru_cache(maxsize=8)
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """Load the tokenizer (with chat template); shared per process, do not mutate."""
-    directory, kwargs = _split_source(path)
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    return _from_pretrained(AutoTokenizer, path)
