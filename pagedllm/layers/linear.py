@@ -36,7 +36,6 @@ class LinearBase(nn.Module):
         self,
         input_size: int,
         output_size: int,
-        bias: bool,
         params_dtype: torch.dtype | None,
         tp_size: int,
         tp_rank: int,
@@ -72,7 +71,7 @@ class ReplicatedLinear(LinearBase):
     """Full weight on every rank."""
 
     def __init__(self, input_size, output_size, bias=True, params_dtype=None, tp_size=1, tp_rank=0):
-        super().__init__(input_size, output_size, bias, params_dtype, tp_size, tp_rank)
+        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank)
         self._create_params(output_size, input_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -95,7 +94,7 @@ class ColumnParallelLinear(LinearBase):
         tp_size=1,
         tp_rank=0,
     ):
-        super().__init__(input_size, output_size, bias, params_dtype, tp_size, tp_rank)
+        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank)
         self.gather_output = gather_output
         self.output_size_per_partition = divide(output_size, tp_size)
         self._create_params(self.output_size_per_partition, input_size, bias)
@@ -121,7 +120,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                  params_dtype=None, tp_size=1, tp_rank=0):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
-            divide(size, tp_size)
+            divide(size, tp_size)  # each part must split evenly, not just their sum
         super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, tp_size, tp_rank)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
@@ -172,7 +171,7 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, reduce_results=True,
                  params_dtype=None, tp_size=1, tp_rank=0):
-        super().__init__(input_size, output_size, bias, params_dtype, tp_size, tp_rank)
+        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, tp_size)
