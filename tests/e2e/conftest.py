@@ -1,0 +1,56 @@
+"""Shared fixtures for end-to-end tests with the real default model.
+
+Loading and dequantizing the GGUF takes seconds, so one model per dtype is loaded per test session and
+shared by every LLM the tests build (the model is stateless; each engine has its own KV cache).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.models import loader
+from pagedllm.models.hf_config import load_tokenizer
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def share_loaded_models():
+    models = {}
+
+    def get_model_once(path, hf_config, dtype):
+        if (path, dtype) not in models:
+            models[path, dtype] = loader.get_model(path, hf_config, dtype)
+        return models[path, dtype]
+
+    patcher = pytest.MonkeyPatch()
+    patcher.setattr("pagedllm.worker.model_runner.get_model", get_model_once)
+    yield
+    patcher.undo()
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    return load_tokenizer(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own float32 load of the same GGUF: the oracle."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+    directory, name = os.path.split(model_path)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                min_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt_token_ids):].tolist()
