@@ -1,0 +1,107 @@
+"""The offline LLM API end to end with the real default model: chat, seeds, n, stop strings, logprobs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_seeded_request_same_alone_and_in_a_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [f"Story number {i}:" for i in range(16)]
+    other_params = [SamplingParams(temperature=0.8, max_tokens=24 + i % 5) for i in range(16)]
+    batch = llm.generate(others[:7] + ["Once upon a time"] + others[7:], other_params[:7] + [params] + other_params[7:],
+                         use_tqdm=False)
+    assert batch[7].outputs[0].token_ids == alone
+    assert len({tuple(o.outputs[0].token_ids) for o in batch}) > 1
+
+
+def test_outputs_in_input_order_with_token_prompts(llm):
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4][:n]} for n in (4, 1, 3)]
+    outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 2, 5)],
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 2, 5]
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
+
+
+def test_n_independent_samples(llm):
+    out = llm.generate("The weather today is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stop_string_truncates_text(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].text
+    assert " 6" in full
+    stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=40, stop=[" 6"]),
+                           use_tqdm=False)[0].outputs[0]
+    assert stopped.text == full[:full.index(" 6")]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == " 6"
+    included = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=40, stop=[" 6"],
+                                                              include_stop_str_in_output=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert included.text == full[:full.index(" 6") + 2]
+
+
+def test_logprobs_and_prompt_logprobs(llm, hf_model):
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == 3
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt + completion.token_ids[:2]])).logits[0].float(), -1)
+    for i, token in enumerate(completion.token_ids):
+        entry = completion.logprobs[i]
+        assert entry[token].rank == 1  # greedy picks the top token
+        assert math.isclose(entry[token].logprob, ref[len(prompt) - 1 + i, token].item(), abs_tol=1e-3)
+        assert len(entry) <= 3
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert math.isclose(out.prompt_logprobs[pos][prompt[pos]].logprob, ref[pos - 1, prompt[pos]].item(),
+                            abs_tol=1e-3)
+
+
+@pytest.mark.parametrize("bad, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                                        ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"),
+                                        ({"max_tokens": 0}, "max_tokens"), ({"min_p": 2}, "min_p")])
+def test_bad_sampling_params_name_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_bad_prompts_are_rejected_without_leaking(llm):
+    with pytest.raises(ValueError, match="maximum context length is 1024"):
+        llm.generate({"prompt_token_ids": [5] * 1024}, use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate({"prompt_token_ids": []}, use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_reset_prefix_cache(llm):
+    llm.generate("A prompt long enough to fill a block or two of the cache, surely.", use_tqdm=False)
+    assert llm.reset_prefix_cache() is True
+    core = llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool
+    assert not core.cached_block_hash_to_block
