@@ -10,6 +10,7 @@ import torch
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from pagedllm.platforms.cpu import has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
