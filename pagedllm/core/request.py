@@ -86,13 +86,13 @@ class Request:
         if self._block_hasher is not None:
             self.block_hashes.extend(self._block_hasher(self))
 
-    def append_output_token_ids(self, token_ids: Union[int, list[int]]) -> None:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        self._output_token_ids.extend(token_ids)
-        self._all_token_ids.extend(token_ids)
-        self.num_tokens = self.num_tokens_with_spec = len(self._all_token_ids)
-        self.num_output_tokens = len(self._output_token_ids)
+    def append_output_token_id(self, token_id: int) -> None:
+        """Called for every sampled token of every request: kept lean."""
+        self._output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.num_tokens += 1
+        self.num_tokens_with_spec = self.num_tokens
+        self.num_output_tokens += 1
         if self._block_hasher is not None:
             new_hashes = self._block_hasher(self)
             if new_hashes:

@@ -89,7 +89,7 @@ def test_blocks_filled_during_decode_are_cached():
     a = req("a", [1, 2, 3])
     admit(manager, a)
     for token in (4, 5):  # decode: the first block fills with token 4
-        a.append_output_token_ids(token)
+        a.append_output_token_id(token)
         assert manager.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
     first_block = manager.req_to_blocks["a"][0]

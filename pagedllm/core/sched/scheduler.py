@@ -227,30 +227,37 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = self._rejected_outputs
         self._rejected_outputs = []
         index_of = model_runner_output.req_id_to_index
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        all_logprobs = model_runner_output.logprobs
+        prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
+        requests = self.requests
+        max_model_len = self.max_model_len
+        stopped_requests = []
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished():
+            request = requests.get(req_id)
+            if request is None:
                 continue  # aborted while the step ran
             i = index_of[req_id]
-            new_token_ids = model_runner_output.sampled_token_ids[i]
-            stopped = False
+            new_token_ids = sampled_token_ids[i]
+            finish_reason = None
             for num_appended, token_id in enumerate(new_token_ids, 1):
-                request.append_output_token_ids(token_id)
-                if check_stop(request, self.max_model_len):
-                    stopped = True
+                request.append_output_token_id(token_id)
+                if check_stop(request, max_model_len):
                     del new_token_ids[num_appended:]
+                    finish_reason = request.get_finished_reason()
+                    stopped_requests.append(request)
                     break
-            prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
+            prompt_logprobs = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
             if not new_token_ids and prompt_logprobs is None:
                 continue
-            if stopped:
-                self.running.remove(request)
-                self._free_request(request)
-            logprobs = model_runner_output.logprobs[i] if model_runner_output.logprobs else None
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids, new_logprobs=logprobs, new_prompt_logprobs=prompt_logprobs,
-                finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
+                req_id, new_token_ids, all_logprobs[i] if all_logprobs else None, prompt_logprobs, finish_reason,
+                request.stop_reason, None, request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
+        if stopped_requests:
+            stopped_ids = {r.request_id for r in stopped_requests}
+            self.running = [r for r in self.running if r.request_id not in stopped_ids]
+            for request in stopped_requests:
+                self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
 
     def make_stats(self) -> SchedulerStats:
