@@ -77,6 +77,7 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when first scheduled (-1: not scheduled yet).
         self.num_cached_tokens = -1
+        self.first_scheduled_time = 0.0
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
         self._block_hasher = block_hasher

@@ -6,7 +6,7 @@ from typing import Any, Optional
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core_client import make_sync_client
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.processor import Processor, PromptType
@@ -21,7 +21,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = make_sync_client(config)
         self.last_stats: Optional[SchedulerStats] = None
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
@@ -41,7 +41,7 @@ class LLMEngine:
         self.engine_core.add_request(request)
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.engine_core.step()
+        outputs = self.engine_core.get_output()
         self.last_stats = outputs.scheduler_stats
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
@@ -53,10 +53,13 @@ class LLMEngine:
         self.engine_core.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests() or self.engine_core.has_work()
+        return self.output_processor.has_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()

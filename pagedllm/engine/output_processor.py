@@ -13,6 +13,7 @@ from typing import Any, Optional
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import EngineCoreOutput, FinishReason
+from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,8 +43,29 @@ class RequestState:
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: Optional[PromptLogprobs] = [None] if params.prompt_logprobs is not None else None
         self.arrival_time = arrival_time
+        self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
+        self.last_token_time = arrival_time
         self.num_sent_tokens = 0
+
+    def record_timing(self, out: EngineCoreOutput, now: float, stats: IterationStats) -> None:
+        if out.first_scheduled_time:
+            self.first_scheduled_time = out.first_scheduled_time
+        if not out.new_token_ids:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = now
+            stats.num_prompt_tokens += len(self.prompt_token_ids)
+            stats.time_to_first_tokens_iter.append(now - self.arrival_time)
+        else:
+            stats.inter_token_latencies_iter.append(now - self.last_token_time)
+        self.last_token_time = now
+        stats.num_generation_tokens += len(out.new_token_ids)
+
+    def finished_stats(self, finish_reason: str, now: float) -> FinishedRequestStats:
+        queued = (self.first_scheduled_time or now) - self.arrival_time
+        return FinishedRequestStats(finish_reason, now - self.arrival_time, max(queued, 0.0),
+                                    len(self.prompt_token_ids), len(self.token_ids))
 
     def decode_token(self, token_id: int) -> Optional[str]:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -126,27 +148,39 @@ class OutputProcessor:
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)
 
-    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
+    def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
+                        iteration_stats: Optional[IterationStats] = None) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
         now = time.time()
         for out in engine_core_outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted by the client meanwhile
-            if state.first_token_time is None and out.new_token_ids:
-                state.first_token_time = now
+            if iteration_stats is not None:
+                state.record_timing(out, now, iteration_stats)
             finish_reason, stop_reason = state.update(out)
             if finish_reason is not None:
                 del self.request_states[out.request_id]
                 if out.finish_reason is None:
                     result.reqs_to_abort.append(out.request_id)
-            request_output = state.make_output(finish_reason, stop_reason, out.error, out.num_cached_tokens)
-            if request_output is None:
-                continue
-            if state.parent is not None:
-                request_output = state.parent.add_child_output(
-                    request_output, state.output_kind == RequestOutputKind.FINAL_ONLY)
-                if request_output is None:
-                    continue
-            result.request_outputs.append(request_output)
+                if iteration_stats is not None:
+                    iteration_stats.finished_requests.append(state.finished_stats(str(finish_reason), now))
+            self._emit(state, state.make_output(finish_reason, stop_reason, out.error, out.num_cached_tokens),
+                       result)
         return result
+
+    def _emit(self, state: RequestState, request_output: Optional[RequestOutput],
+              result: OutputProcessorOutput) -> None:
+        if request_output is not None and state.parent is not None:
+            request_output = state.parent.add_child_output(
+                request_output, state.output_kind == RequestOutputKind.FINAL_ONLY)
+        if request_output is not None:
+            result.request_outputs.append(request_output)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Ends every request here with finish_reason "abort" (shutdown); returns their last outputs."""
+        result = OutputProcessorOutput()
+        for state in list(self.request_states.values()):
+            self._emit(state, state.make_output(FinishReason.ABORT, None, None, 0), result)
+        self.request_states.clear()
+        return result.request_outputs

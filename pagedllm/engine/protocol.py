@@ -10,7 +10,12 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from pagedllm.sample.logprobs import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
+
+
+# The first message on the engine's output socket: it is initialised and serving.
+READY_MESSAGE = b"READY"
 
 
 class FinishReason(enum.IntEnum):
@@ -38,14 +43,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     request_id: str
     new_token_ids: list[int]
     # Per new token: (token ids [sampled first, then top-k], logprobs, rank of the sampled token).
-    new_logprobs: Optional[Any] = None
+    new_logprobs: Optional[LogprobsLists] = None
     # Prompt logprobs for the prompt positions computed in this step (chunked prefill sends several pieces).
-    new_prompt_logprobs: Optional[Any] = None
+    new_prompt_logprobs: Optional[LogprobsLists] = None
     finish_reason: Optional[FinishReason] = None
     stop_reason: Union[int, str, None] = None
     # Set when the engine refused the request (e.g. it can never fit in the KV cache).
     error: Optional[str] = None
     num_cached_tokens: int = 0
+    # Wall-clock time the request was first scheduled; sent with its first output (for queue-time metrics).
+    first_scheduled_time: float = 0.0
 
     @property
     def finished(self) -> bool:
@@ -63,8 +70,24 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_preemptions: int = 0
 
 
+class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to a utility call (abort, reset_prefix_cache, get_stats) made over the request socket."""
+
+    call_id: int
+    result: Any = None
+    failure_message: Optional[str] = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: Optional[SchedulerStats] = None
     timestamp: float = msgspec.field(default_factory=time.monotonic)
-    finished_requests: Optional[set[str]] = None
+    utility_output: Optional[UtilityOutput] = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """The first frame of every message to the engine core says what the second one holds."""
+
+    ADD = b"\x00"  # an EngineCoreRequest
+    ABORT = b"\x01"  # a list of request ids
+    UTILITY = b"\x02"  # (call_id, method name, args)

@@ -94,4 +94,9 @@ class LLM:
         return self.llm_engine.reset_prefix_cache()
 
     def get_stats(self):
+        """Scheduler statistics: running/waiting requests, KV usage, prefix-cache and preemption totals."""
         return self.llm_engine.get_stats()
+
+    def shutdown(self) -> None:
+        """Stops the engine process (also done when the interpreter exits)."""
+        self.llm_engine.shutdown()

@@ -15,6 +15,7 @@ from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 
 @pytest.fixture(scope="session", autouse=True)
 def share_loaded_models():
+    """In-process engines (PAGEDLLM_ENABLE_MULTIPROCESSING=0) all reuse one loaded model per dtype."""
     models = {}
 
     def get_model_once(path, hf_config, dtype):
@@ -23,6 +24,7 @@ def share_loaded_models():
         return models[path, dtype]
 
     patcher = pytest.MonkeyPatch()
+    patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
     patcher.setattr("pagedllm.worker.model_runner.get_model", get_model_once)
     yield
     patcher.undo()

@@ -101,7 +101,12 @@ def test_bad_prompts_are_rejected_without_leaking(llm):
 
 
 def test_reset_prefix_cache(llm):
-    llm.generate("A prompt long enough to fill a block or two of the cache, surely.", use_tqdm=False)
+    prompt = {"prompt_token_ids": list(range(1000, 1100))}
+    llm.generate(prompt, use_tqdm=False)
+    hits = llm.get_stats().prefix_cache_hits
+    llm.generate(prompt, use_tqdm=False)
+    assert llm.get_stats().prefix_cache_hits > hits
     assert llm.reset_prefix_cache() is True
-    core = llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool
-    assert not core.cached_block_hash_to_block
+    hits = llm.get_stats().prefix_cache_hits
+    llm.generate(prompt, use_tqdm=False)
+    assert llm.get_stats().prefix_cache_hits == hits

@@ -163,6 +163,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_blocks_of[request.request_id] = new_blocks
             token_budget -= num_new_tokens
@@ -252,7 +253,8 @@ class Scheduler:
                 continue
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, all_logprobs[i] if all_logprobs else None, prompt_logprobs, finish_reason,
-                request.stop_reason, None, request.num_cached_tokens if request.num_cached_tokens > 0 else 0))
+                request.stop_reason, None, request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+                request.first_scheduled_time if request.num_output_tokens == len(new_token_ids) else 0.0))
         if stopped_requests:
             stopped_ids = {r.request_id for r in stopped_requests}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]

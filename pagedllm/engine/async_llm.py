@@ -1,0 +1,147 @@
+"""AsyncLLM: the asyncio frontend used by the server.
+
+Requests are tokenized here (never in the engine process) and sent to the EngineCore process; one background
+task pulls the engine's output batches, detokenizes them in the OutputProcessor and routes each RequestOutput
+to its request's queue. A consumer that stops iterating (client disconnect) aborts its request in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Optional
+
+import msgspec
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.metrics.stats import IterationStats
+from pagedllm.models.hf_config import load_tokenizer
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, config, tokenizer: Any, stat_loggers: Optional[list] = None) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.processor = Processor(config.model_config, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stat_loggers = list(stat_loggers or [])
+        self.engine_core = AsyncMPClient(config)
+        # request id (the parent's, for n > 1) -> the queue its generate() reads.
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._children: dict[str, list[str]] = {}
+        self._dead_error: Optional[EngineDeadError] = None
+        self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
+        """Must be called with an event loop running (the engine's outputs are delivered on it)."""
+        config = engine_args.create_engine_config()
+        return cls(config, load_tokenizer(config.model_config.path), stat_loggers)
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None or self.engine_core.dead
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise self._dead_error or EngineDeadError()
+
+    # ------------------------------------------------------------------------------------------ requests
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.DELTA
+                       ) -> AsyncIterator[RequestOutput]:
+        await self.check_health()
+        if request_id in self._queues:
+            raise ValueError(f"Request id {request_id!r} is already running.")
+        text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        finished = False
+        try:
+            self._add_request(request_id, text, request, output_kind)
+            while not finished:
+                output = await queue.get()
+                if isinstance(output, Exception):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._abort(request_id)
+
+    def _add_request(self, request_id: str, text: Optional[str], request, output_kind: RequestOutputKind) -> None:
+        params = request.sampling_params
+        if params.n == 1:
+            self.output_processor.add_request(request_id, text, request.prompt_token_ids, params, output_kind,
+                                              arrival_time=request.arrival_time)
+            self.engine_core.add_request(request)
+            return
+        parent = ParentRequest(request_id, params)
+        self._children[request_id] = parent.child_ids
+        for index, child_id in enumerate(parent.child_ids):
+            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
+            self.output_processor.add_request(child_id, text, request.prompt_token_ids, child.sampling_params,
+                                              output_kind, index, parent, request.arrival_time)
+            self.engine_core.add_request(child)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+
+    def _abort(self, request_id: str) -> None:
+        request_ids = self._children.pop(request_id, None) or [request_id]
+        self.output_processor.abort_requests(request_ids)
+        if not self.errored:
+            self.engine_core.abort_requests(request_ids)
+
+    # ------------------------------------------------------------------------------------------ outputs
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                iteration_stats = IterationStats() if self.stat_loggers else None
+                processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)
+                for request_output in processed.request_outputs:
+                    queue = self._queues.get(request_output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(request_output)
+                    if request_output.finished:
+                        self._children.pop(request_output.request_id, None)
+                if processed.reqs_to_abort:
+                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
+        except EngineDeadError as e:
+            logger.error("The engine process died; failing %d in-flight requests.", len(self._queues))
+            self._dead_error = e
+            for queue in self._queues.values():
+                queue.put_nowait(e)
+
+    # ------------------------------------------------------------------------------------------ utilities
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    async def get_stats(self) -> SchedulerStats:
+        return msgspec.convert(await self.engine_core.call_utility_async("get_stats"), SchedulerStats)
+
+    def shutdown(self) -> None:
+        """Ends in-flight requests with finish_reason "abort", then stops the engine process."""
+        for request_output in self.output_processor.abort_all():
+            queue = self._queues.get(request_output.request_id)
+            if queue is not None:
+                queue.put_nowait(request_output)
+        self._output_handler.cancel()
+        self.engine_core.shutdown()

@@ -1,0 +1,238 @@
+"""Clients of the EngineCore: in-process, and in a child process over ZMQ (synchronous and asyncio).
+
+The multi-process clients own the engine process: they start it, wait for READY, send requests on one
+socket, receive batched outputs on another in a background thread, and notice within a second when the
+process dies (every waiter then gets EngineDeadError instead of hanging).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import pickle
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
+                                      SchedulerStats)
+
+ENGINE_STARTUP_TIMEOUT_S = 600
+
+
+def multiprocessing_enabled() -> bool:
+    """PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs the engine core in the caller's process."""
+    return os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "1") != "0"
+
+
+class InprocClient:
+    """The engine core as a plain object: step() runs in the caller's thread."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine_core = EngineCore(config)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engine_core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine_core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.engine_core.step()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_core.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine_core.get_stats()
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
+
+
+class MPClient:
+    """Starts the EngineCore process and bridges its sockets to in-process callbacks."""
+
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[Any], None]) -> None:
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
+        input_address = f"ipc://{self._ipc_dir}/input"
+        output_address = f"ipc://{self._ipc_dir}/output"
+        self._ctx = zmq.Context()
+        self._input_socket = self._ctx.socket(zmq.PUSH)
+        self._input_socket.bind(input_address)
+        self._output_socket = self._ctx.socket(zmq.PULL)
+        self._output_socket.bind(output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._on_outputs = on_outputs
+        self._utility_calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self.dead = False
+        self._closing = False
+        # A fresh interpreter rather than fork (unsafe after torch/OpenMP threads exist) or multiprocessing's
+        # spawn (which re-runs an unguarded __main__ script): the config travels as a pickle file.
+        config_path = os.path.join(self._ipc_dir, "config.pkl")
+        with open(config_path, "wb") as f:
+            pickle.dump((config, input_address, output_address, os.getpid()), f)
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc", "EngineCore", config_path])
+        self._wait_until_ready()
+        threading.Thread(target=self._output_thread, daemon=True, name="EngineCoreClientOutput").start()
+        threading.Thread(target=self._monitor_thread, daemon=True, name="EngineCoreMonitor").start()
+
+    def _wait_until_ready(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._output_socket, zmq.POLLIN)
+        waited = 0.0
+        while not poller.poll(timeout=500):
+            waited += 0.5
+            if self.proc.poll() is not None:
+                self.shutdown()
+                raise RuntimeError("The engine process failed to start; see its log above.")
+            if waited > ENGINE_STARTUP_TIMEOUT_S:
+                self.shutdown()
+                raise TimeoutError(f"The engine process did not start in {ENGINE_STARTUP_TIMEOUT_S} s.")
+        if self._output_socket.recv() != READY_MESSAGE:
+            raise RuntimeError("Unexpected first message from the engine process.")
+
+    def _output_thread(self) -> None:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        while True:
+            try:
+                frame = self._output_socket.recv(copy=False)
+            except zmq.ZMQError:
+                return  # socket closed at shutdown
+            outputs = decoder.decode(frame.buffer)
+            if outputs.utility_output is not None:
+                self._resolve_utility(outputs.utility_output)
+            else:
+                self._on_outputs(outputs)
+
+    def _monitor_thread(self) -> None:
+        self.proc.wait()
+        if self._closing:
+            return
+        self.dead = True
+        for future in list(self._utility_calls.values()):
+            if not future.done():
+                future.set_exception(EngineDeadError())
+        self._on_outputs(EngineDeadError())
+
+    def _resolve_utility(self, result) -> None:
+        future = self._utility_calls.pop(result.call_id, None)
+        if future is None:
+            return
+        if result.failure_message:
+            future.set_exception(RuntimeError(result.failure_message))
+        else:
+            future.set_result(result.result)
+
+    def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if self.dead:
+            raise EngineDeadError()
+        self._input_socket.send_multipart((request_type.value, self._encoder.encode(payload)), copy=False)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(EngineCoreRequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.dead:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
+    def call_utility(self, method: str, *args: Any) -> Future:
+        call_id = next(self._call_ids)
+        future: Future = Future()
+        self._utility_calls[call_id] = future
+        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        return future
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._ctx.destroy(linger=0)
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class SyncMPClient:
+    """For the synchronous LLMEngine: get_output() blocks until the engine's next batch of outputs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._outputs: queue.Queue = queue.Queue()
+        self._mp = MPClient(config, self._outputs.put)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._mp.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._mp.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs = self._outputs.get()
+        if isinstance(outputs, Exception):
+            raise outputs
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self._mp.call_utility("reset_prefix_cache").result()
+
+    def get_stats(self) -> SchedulerStats:
+        return msgspec.convert(self._mp.call_utility("get_stats").result(), SchedulerStats)
+
+    def shutdown(self) -> None:
+        self._mp.shutdown()
+
+
+class AsyncMPClient:
+    """For AsyncLLM: outputs arrive on an asyncio queue of the event loop that created the client."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._mp = MPClient(config, lambda o: self._loop.call_soon_threadsafe(self._outputs.put_nowait, o))
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self._mp.proc
+
+    @property
+    def dead(self) -> bool:
+        return self._mp.dead
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._mp.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._mp.abort_requests(request_ids)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        outputs = await self._outputs.get()
+        if isinstance(outputs, Exception):
+            raise outputs
+        return outputs
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._mp.call_utility(method, *args))
+
+    def shutdown(self) -> None:
+        self._mp.shutdown()
+
+
+def make_sync_client(config: EngineConfig) -> "InprocClient | SyncMPClient":
+    return SyncMPClient(config) if multiprocessing_enabled() else InprocClient(config)
