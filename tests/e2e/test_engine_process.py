@@ -1,0 +1,56 @@
+"""The EngineCore in its own process: the LLM default, its wire types, and what happens when it dies."""
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import psutil
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                      SchedulerStats)
+
+
+@pytest.fixture
+def mp_llm(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    yield llm
+    llm.shutdown()
+
+
+def test_llm_runs_the_engine_core_in_a_child_process(mp_llm):
+    proc = mp_llm.llm_engine.engine_core._mp.proc
+    child = psutil.Process(proc.pid)
+    assert child.pid != os.getpid() and child.ppid() == os.getpid()
+    assert "EngineCore" in child.cmdline()
+    out = mp_llm.generate(["The capital of France is", "One, two,"],
+                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
+    stats = mp_llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
+    mp_llm.shutdown()
+    assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_dead_engine_raises_instead_of_hanging(mp_llm):
+    mp_llm.llm_engine.engine_core._mp.proc.kill()
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        mp_llm.generate("Hello", SamplingParams(max_tokens=64), use_tqdm=False)
+    assert time.monotonic() - start < 10
+
+
+def test_ipc_types_are_msgspec_structs_that_round_trip():
+    for cls in (EngineCoreRequest, EngineCoreOutput, EngineCoreOutputs, SchedulerStats, SamplingParams):
+        assert issubclass(cls, msgspec.Struct)
+        assert cls.__struct_config__.gc is False or cls is SamplingParams
+    request = EngineCoreRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, stop=["x"]), 2, 1.5, priority=3)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest) == request
+    outputs = EngineCoreOutputs([EngineCoreOutput("r1", [7], finish_reason=FinishReason.LENGTH)],
+                                SchedulerStats(num_running_reqs=1))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(outputs), type=EngineCoreOutputs)
+    assert decoded.outputs[0].finish_reason == FinishReason.LENGTH and decoded.scheduler_stats.num_running_reqs == 1
