@@ -11,6 +11,7 @@ import torch
 from pagedllm.models import loader
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from tests.model_fixtures import smollm_reference
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -41,14 +42,9 @@ def tokenizer(model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_path):
-    """transformers' own float32 load of the same GGUF: the oracle."""
-    import os
-
-    from transformers import AutoModelForCausalLM
-    directory, name = os.path.split(model_path)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return model.eval()
+def hf_model():
+    """transformers' own float32 model on the same dequantized GGUF weights: the oracle."""
+    return smollm_reference()
 
 
 def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
