@@ -1,0 +1,106 @@
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, for every failure the server reports.
+
+Serving code raises OpenAIError subclasses; the handlers registered here turn them, FastAPI's validation errors
+(malformed JSON and wrong types are 400, as OpenAI answers, not FastAPI's 422) and a dead engine (503) into
+responses. Streams report the same payload as a final SSE event.
+"""
+from __future__ import annotations
+
+import http
+import logging
+import re
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_type(status_code: int) -> str:
+    """The openai client's exception class name for a status ("Method Not Allowed" -> MethodNotAllowedError)."""
+    if status_code in _ERROR_TYPES:
+        return _ERROR_TYPES[status_code]
+    return http.HTTPStatus(status_code).phrase.replace(" ", "").replace("-", "") + "Error"
+
+
+class OpenAIError(Exception):
+    status_code = 500
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        return create_error_response(self.message, self.status_code, self.param)
+
+
+class BadRequestError(OpenAIError):
+    status_code = 400
+
+
+class NotFoundError(OpenAIError):
+    status_code = 404
+
+
+class ServiceUnavailableError(OpenAIError):
+    status_code = 503
+
+
+def create_error_response(message: str, status_code: int, param: Optional[str] = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=error_type(status_code), param=param,
+                                         code=status_code))
+
+
+def json_error(error: ErrorResponse) -> JSONResponse:
+    return JSONResponse(error.model_dump(), status_code=error.error.code)
+
+
+def to_openai_error(exc: Exception) -> OpenAIError:
+    """What a request failure means to the client: the engine dying is 503, anything unforeseen 500."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(str(exc))
+    logger.error("Request failed", exc_info=exc)
+    return OpenAIError(f"{type(exc).__name__}: {exc}")
+
+
+# Parts of a pydantic error location that name a Union member rather than a field ("prompt.list[int].0").
+_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+
+
+def _validation_error(exc: RequestValidationError) -> BadRequestError:
+    """The first problem, with the offending field as param ("messages", "messages.0.role", ...)."""
+    first = exc.errors()[0]
+    if first.get("type") == "json_invalid":
+        return BadRequestError(f"JSON decode error: {first.get('ctx', {}).get('error', first['msg'])}")
+    loc = [str(part) for part in first.get("loc", ())[1:] if not _UNION_TAGS.search(str(part))]
+    param = ".".join(loc) or None
+    return BadRequestError(f"{param}: {first['msg']}" if param else first["msg"], param)
+
+
+def register_exception_handlers(app: FastAPI) -> None:
+    async def openai_error(_: Request, exc: Exception) -> JSONResponse:
+        return json_error(to_openai_error(exc).to_response())
+
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return json_error(_validation_error(exc).to_response())
+
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return json_error(create_error_response(str(exc.detail), exc.status_code))
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(EngineDeadError, openai_error)
+    app.add_exception_handler(Exception, openai_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)

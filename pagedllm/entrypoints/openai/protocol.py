@@ -1,0 +1,317 @@
+"""Pydantic models of the OpenAI-compatible API, with vLLM's extra sampling fields and shapes.
+
+Requests check only types here; parameter values are checked once, by SamplingParams. Its ValueError starts
+with the field's name; to_sampling_params renames it to the request's own field, so a 400 can name it.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    # Unknown fields (user, metadata, ...) are ignored, as OpenAI-compatible servers do.
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ------------------------------------------------------------------------------------------------ models
+class ModelPermission(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"modelperm-{random_uuid()}")
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: Optional[str] = None
+    is_blocking: bool = False
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedllm"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+    permission: list[ModelPermission] = Field(default_factory=list)
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------------------ shared
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: Optional[int] = 0
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = True
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The fields chat and completion requests share; None means the default."""
+
+    model: Optional[str] = None
+    n: Optional[int] = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    # vLLM's extra sampling parameters.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: Optional[int] = None
+    priority: int = 0
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
+                         renamed: Optional[dict[str, str]] = None) -> SamplingParams:
+        """renamed: SamplingParams field -> this request's name for it, where they differ."""
+        try:
+            return SamplingParams(
+                n=self.n if self.n is not None else 1,
+                temperature=self.temperature if self.temperature is not None else 1.0,
+                top_p=self.top_p if self.top_p is not None else 1.0,
+                top_k=self.top_k if self.top_k is not None else 0,
+                min_p=self.min_p if self.min_p is not None else 0.0,
+                seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            field, _, rest = str(e).partition(" ")
+            if renamed and field in renamed:
+                raise ValueError(f"{renamed[field]} {rest}") from e
+            raise
+
+
+# ------------------------------------------------------------------------------------------------ completions
+class CompletionRequest(SamplingRequest):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+    logprobs: Optional[int] = None
+    add_special_tokens: bool = True
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int]
+    token_logprobs: list[Optional[float]]
+    tokens: list[str]
+    top_logprobs: list[Optional[dict[str, float]]]
+
+
+class PromptLogprob(OpenAIBaseModel):
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[None, int, str] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[None, int, str] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ------------------------------------------------------------------------------------------------ chat
+class ChatMessageParam(OpenAIBaseModel):
+    """One message in; extra keys (name, tool_calls, ...) are kept for the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageParam]
+    max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @property
+    def requested_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true.")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs,
+                                     {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param})
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[str] = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[list[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[list[ChatCompletionLogProbsContent]] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = "stop"
+    stop_reason: Union[None, int, str] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChatCompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[None, int, str] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ------------------------------------------------------------------------------------------------ tokenizer
+class TokenizeCompletionRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: Optional[bool] = False
+
+
+class TokenizeChatRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    messages: list[ChatMessageParam]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: Optional[bool] = False
+
+
+TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str
