@@ -1,0 +1,52 @@
+"""Chat messages -> prompt token ids, with the model's chat template or one given on the command line."""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.protocol import ChatMessageParam
+
+
+def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
+    """--chat-template is a file, or the Jinja template itself."""
+    if chat_template is None:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ValueError(f"--chat-template: {chat_template!r} is neither a file nor a Jinja template.")
+
+
+def _text_content(content: Any, index: int) -> str:
+    """OpenAI allows content as a list of parts; a text model reads their text, joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"messages.{index}.content: only text parts are supported, got {part.get('type')!r}.")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    if not messages:
+        raise ValueError("messages must contain at least one message.")
+    return [{**m.model_dump(exclude_none=True), "content": _text_content(m.content, i)}
+            for i, m in enumerate(messages)]
+
+
+def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
+                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Raises ValueError when the conversation is malformed or the template rejects it."""
+    turns = conversation(messages)
+    try:
+        token_ids = tokenizer.apply_chat_template(
+            turns, chat_template=chat_template, tokenize=True, return_dict=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
+    except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
+        raise ValueError(f"messages could not be formatted by the chat template: {e}") from e
+    return list(token_ids)

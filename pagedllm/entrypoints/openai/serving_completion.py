@@ -1,0 +1,146 @@
+"""OpenAIServingCompletion: /v1/completions, for one prompt or a batch (text or token ids), n choices each.
+
+Choice i * n + j is prompt i's choice j, as with OpenAI and vLLM.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional, Union
+
+from pagedllm.engine.output_processor import RequestOutputKind
+from pagedllm.entrypoints.openai.errors import BadRequestError
+from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                                  CompletionResponseChoice, CompletionResponseStreamChoice,
+                                                  CompletionStreamResponse, UsageInfo, random_uuid)
+from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, check_output, sse,
+                                                        sse_error)
+from pagedllm.entrypoints.openai.utils import merge_async_iterators
+from pagedllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+
+# A prompt as text (None when given as token ids) and its token ids.
+Prompt = tuple[Optional[str], list[int]]
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest
+                                ) -> Union[CompletionResponse, AsyncIterator[str]]:
+        """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""
+        model_name = self.models.check_model(request.model)
+        prompts = self._prompts(request)
+        params = [self._sampling_params(request, self._max_tokens(len(ids), request.max_tokens, "prompt",
+                                                                  "max_tokens")) for _, ids in prompts]
+        request_id = f"cmpl-{random_uuid()}"
+        output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        generators = [
+            self.engine_client.generate({"prompt": text, "prompt_token_ids": ids}, p, f"{request_id}-{i}",
+                                        priority=request.priority, output_kind=output_kind)
+            for i, ((text, ids), p) in enumerate(zip(prompts, params))]
+        results = await self._start(merge_async_iterators(*generators), "prompt")
+        if request.stream:
+            return self.completion_stream_generator(request, prompts, results, request_id, model_name)
+        return await self.completion_full_generator(request, prompts, results, request_id, model_name)
+
+    def _prompts(self, request: CompletionRequest) -> list[Prompt]:
+        prompt = request.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise BadRequestError("prompt must not be empty.", "prompt")
+        return [(p, self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)) if isinstance(p, str)
+                else (None, list(p)) for p in prompt]
+
+    def _echoed(self, request: CompletionRequest, prompt: Prompt, res: RequestOutput, output: CompletionOutput
+                ) -> tuple[str, list[int], Optional[SampleLogprobs]]:
+        """The output's text, tokens and logprobs, with the prompt's in front when echoing."""
+        if not request.echo:
+            return output.text, output.token_ids, output.logprobs
+        text, ids = prompt
+        text = text if text is not None else self.tokenizer.decode(ids)
+        logprobs = None
+        if output.logprobs is not None:
+            logprobs = (res.prompt_logprobs or [None] * len(ids)) + output.logprobs
+        return text + output.text, ids + output.token_ids, logprobs
+
+    async def completion_stream_generator(self, request: CompletionRequest, prompts: list[Prompt],
+                                          results: AsyncIterator[tuple[int, RequestOutput]], request_id: str,
+                                          model_name: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        n = request.n or 1
+        usage_field = {"usage": None} if request.include_usage else {}
+        text_offsets = [0] * (len(prompts) * n)
+        started: set[int] = set()
+        num_completion_tokens = 0
+        try:
+            async for prompt_index, res in results:
+                check_output(res)
+                for output in res.outputs:
+                    index = prompt_index * n + output.index
+                    num_completion_tokens += len(output.token_ids)
+                    if index in started:
+                        text, token_ids, logprobs = output.text, output.token_ids, output.logprobs
+                    else:  # the first delta of a choice carries the echoed prompt
+                        started.add(index)
+                        text, token_ids, logprobs = self._echoed(request, prompts[prompt_index], res, output)
+                    if not text and not token_ids and output.finish_reason is None:
+                        continue
+                    yield sse(CompletionStreamResponse(
+                        id=request_id, object="text_completion", created=created, model=model_name,
+                        choices=[CompletionResponseStreamChoice(
+                            index=index, text=text, finish_reason=output.finish_reason,
+                            stop_reason=output.stop_reason,
+                            logprobs=self._logprobs(request, token_ids, logprobs, text_offsets[index]))],
+                        **usage_field).model_dump_json(exclude_unset=True))
+                    text_offsets[index] += len(text)
+            if request.include_usage:
+                num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+                yield sse(CompletionStreamResponse(
+                    id=request_id, object="text_completion", created=created, model=model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                                    total_tokens=num_prompt_tokens + num_completion_tokens),
+                ).model_dump_json(exclude_unset=True))
+        except Exception as e:
+            yield sse_error(e)
+        yield sse("[DONE]")
+
+    async def completion_full_generator(self, request: CompletionRequest, prompts: list[Prompt],
+                                        results: AsyncIterator[tuple[int, RequestOutput]], request_id: str,
+                                        model_name: str) -> CompletionResponse:
+        finals: dict[int, RequestOutput] = {}
+        async for prompt_index, res in results:  # FINAL_ONLY: one output per prompt, with all n choices
+            check_output(res)
+            finals[prompt_index] = res
+        n = request.n or 1
+        choices = []
+        num_completion_tokens = 0
+        for prompt_index, prompt in enumerate(prompts):
+            res = finals[prompt_index]
+            for output in sorted(res.outputs, key=lambda o: o.index):
+                num_completion_tokens += len(output.token_ids)
+                text, token_ids, logprobs = self._echoed(request, prompt, res, output)
+                choices.append(CompletionResponseChoice(
+                    index=prompt_index * n + output.index, text=text,
+                    logprobs=self._logprobs(request, token_ids, logprobs, 0), finish_reason=output.finish_reason,
+                    stop_reason=output.stop_reason, prompt_logprobs=self._prompt_logprobs(res.prompt_logprobs)))
+        num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return CompletionResponse(
+            id=request_id, model=model_name, choices=choices,
+            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                            total_tokens=num_prompt_tokens + num_completion_tokens))
+
+    def _logprobs(self, request: CompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs],
+                  text_offset: int) -> Optional[CompletionLogProbs]:
+        """OpenAI's legacy shape; an echoed prompt's first token has no logprob (None)."""
+        if request.logprobs is None or logprobs is None:
+            return None
+        offsets, token_logprobs, tokens, top_logprobs = [], [], [], []
+        for token_id, step in zip(token_ids, logprobs):
+            chosen = step.get(token_id) if step is not None else None
+            token = self._token_str(token_id, chosen)
+            tokens.append(token)
+            token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
+            top_logprobs.append(None if step is None else {
+                self._token_str(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in step.items()})
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,
+                                  top_logprobs=top_logprobs)

@@ -1,0 +1,83 @@
+"""OpenAIServing: what the chat and completion endpoints share — length checks, sampling parameters, starting
+generation so early errors are HTTP errors, and the SSE framing of streams."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional, TypeVar
+
+from pagedllm.entrypoints.openai.errors import BadRequestError, to_openai_error
+from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.utils import peek
+from pagedllm.outputs import Logprob, PromptLogprobs, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+# Logprobs of -inf have no JSON form; OpenAI clients get this floor instead, as from vLLM.
+MIN_LOGPROB = -9999.0
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """The last event of a stream that failed (a dead engine, a request the engine refused)."""
+    return sse(to_openai_error(exc).to_response().model_dump_json())
+
+
+def check_output(output: RequestOutput) -> None:
+    if output.error is not None:
+        raise BadRequestError(output.error)
+
+
+class OpenAIServing:
+    def __init__(self, engine_client: Any, models: OpenAIServingModels) -> None:
+        self.engine_client = engine_client
+        self.models = models
+        self.tokenizer = engine_client.tokenizer
+        self.max_model_len = engine_client.model_config.max_model_len
+
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str,
+                    max_tokens_param: str) -> int:
+        """The completion budget: what was asked for, or by default the rest of the context; 400 if it cannot fit."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
+                f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", prompt_param)
+        if max_tokens is None:
+            return self.max_model_len - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.", max_tokens_param)
+        return max_tokens
+
+    @staticmethod
+    def _sampling_params(request: SamplingRequest, max_tokens: int) -> SamplingParams:
+        try:
+            return request.to_sampling_params(max_tokens)
+        except ValueError as e:
+            raise BadRequestError(str(e), str(e).split(" ", 1)[0]) from e
+
+    @staticmethod
+    async def _start(results: AsyncIterator[T], prompt_param: str) -> AsyncIterator[T]:
+        try:
+            return await peek(results)
+        except ValueError as e:  # the engine's Processor rejected the prompt
+            raise BadRequestError(str(e), prompt_param) from e
+
+    def _token_str(self, token_id: int, logprob: Optional[Logprob]) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _prompt_logprobs(prompt_logprobs: Optional[PromptLogprobs]) -> Optional[list]:
+        if prompt_logprobs is None:
+            return None
+        return [None if step is None else
+                {token_id: PromptLogprob(logprob=max(lp.logprob, MIN_LOGPROB), rank=lp.rank,
+                                         decoded_token=lp.decoded_token) for token_id, lp in step.items()}
+                for step in prompt_logprobs]
