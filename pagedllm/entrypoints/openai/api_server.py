@@ -1,0 +1,149 @@
+"""The OpenAI-compatible API server: FastAPI routes over one AsyncLLM, served by uvicorn.
+
+`pagedllm serve` runs run_server(): the engine process starts first (the model loads), then uvicorn listens.
+On SIGINT/SIGTERM uvicorn stops accepting connections and waits for open ones; we end the in-flight requests
+(finish_reason "abort") and stop the engine process at the same moment, so that wait is short and nothing is
+left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Optional
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
+
+import pagedllm
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
+from pagedllm.entrypoints.openai.chat_utils import load_chat_template
+from pagedllm.entrypoints.openai.cli_args import engine_args_from
+from pagedllm.entrypoints.openai.errors import register_exception_handlers
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.utils import with_cancellation
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
+
+router = APIRouter()
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, BaseModel):
+        return Response(result.model_dump_json(), media_type="application/json")
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    """200 while the engine process is alive; 503 once it has died."""
+    await raw_request.app.state.engine_client.check_health()
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": pagedllm.__version__}
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return Response(generate_latest(raw_request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def show_available_models(raw_request: Request) -> Response:
+    return _respond(raw_request.app.state.openai_serving_models.show_available_models())
+
+
+@router.post("/tokenize")
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> Response:
+    return _respond(raw_request.app.state.openai_serving_tokenization.create_tokenize(request))
+
+
+@router.post("/detokenize")
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Response:
+    return _respond(raw_request.app.state.openai_serving_tokenization.create_detokenize(request))
+
+
+@router.post("/v1/chat/completions")
+@with_cancellation
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return _respond(await raw_request.app.state.openai_serving_chat.create_chat_completion(request))
+
+
+@router.post("/v1/completions")
+@with_cancellation
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    return _respond(await raw_request.app.state.openai_serving_completion.create_completion(request))
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    yield
+    app.state.engine_client.shutdown()
+
+
+def build_app(engine_client: Any, registry: CollectorRegistry, served_model_names: list[str],
+              chat_template: Optional[str] = None, api_key: Optional[str] = None) -> FastAPI:
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(router)
+    register_exception_handlers(app)
+    if api_key:
+        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    model_config = engine_client.model_config
+    models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len)
+    state = app.state
+    state.engine_client = engine_client
+    state.registry = registry
+    state.openai_serving_models = models
+    state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template)
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
+    state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, calling on_exit (on the event loop) at the first exit signal."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.should_exit and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_exit)
+        super().handle_exit(sig, frame)
+
+
+async def run_server(args: argparse.Namespace) -> None:
+    chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
+    served_model_names = args.served_model_name or [args.model]
+    registry = CollectorRegistry()
+    engine_client = AsyncLLM.from_engine_args(
+        engine_args_from(args), stat_loggers=[PrometheusStatLogger(served_model_names[0], registry)])
+    try:
+        app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_keep_alive=5)
+        logger.info("Serving %s as %s on http://%s:%d", args.model, ", ".join(served_model_names), args.host,
+                    args.port)
+        await _Server(config, on_exit=engine_client.shutdown).serve()
+    finally:
+        engine_client.shutdown()

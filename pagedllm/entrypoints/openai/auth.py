@@ -1,0 +1,30 @@
+"""AuthenticationMiddleware: with --api-key, /v1/* answers 401 unless the request carries `Bearer <key>`.
+
+A plain ASGI middleware rather than @app.middleware("http"), which buffers streams and hides disconnects.
+"""
+from __future__ import annotations
+
+import secrets
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedllm.entrypoints.openai.errors import create_error_response, json_error
+
+
+class AuthenticationMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or not scope["path"].startswith("/v1")):
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("authorization", "").encode("latin-1")
+        if not secrets.compare_digest(given, self.expected):
+            response = json_error(create_error_response("Invalid or missing API key.", 401))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,47 @@
+"""The flags of `pagedllm serve`: the server's own, and the engine's (EngineArgs, with its defaults)."""
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.models.resolve import DEFAULT_MODEL
+
+# EngineArgs fields that `serve` exposes as --flags.
+ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed")
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                        help="model alias, Hugging Face model directory or .gguf file (default: %(default)s)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the name(s) clients use for the model (default: the model argument)")
+    server.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer <key>` on /v1/* requests")
+    server.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, instead of the model's")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default=EngineArgs.dtype,
+                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    engine.add_argument("--max-model-len", type=int, default=EngineArgs.max_model_len,
+                        help="context length (default: the model's)")
+    engine.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    engine.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.enable_prefix_caching)
+    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
+    engine.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
+                        help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
+    engine.add_argument("--seed", type=int, default=EngineArgs.seed)
+    return parser
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(model=args.model, **{name: getattr(args, name) for name in ENGINE_FLAGS})
