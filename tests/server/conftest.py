@@ -1,0 +1,136 @@
+"""The API server as a subprocess (`pagedllm serve`), as users run it: one shared by the module's tests, and
+fresh ones for tests that kill or stop it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedllm.models.hf_config import load_tokenizer
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+
+MAX_MODEL_LEN = 1024
+SERVER_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory", "256MiB"]
+API_KEY = "test-key"
+STARTUP_TIMEOUT_S = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`pagedllm serve` on a free loopback port; ready once /health answers 200."""
+
+    def __init__(self, log_path: Path, extra_args: Optional[list[str]] = None, api_key: Optional[str] = None
+                 ) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.log_path = log_path
+        args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *SERVER_ARGS,
+                *(extra_args or []), *(["--api-key", api_key] if api_key else [])]
+        self._log = open(log_path, "wb")
+        # One OpenMP thread for the engine: on a 2-core box shared with the API server (and whatever else runs),
+        # spinning OpenMP threads made decoding ~20x slower.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.url_root = f"http://127.0.0.1:{self.port}"
+        self._wait_until_healthy()
+        self.engine = self.engine_process()
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"The server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url_for("health"), timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"The server was not healthy within {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def url_for(self, *parts: str) -> str:
+        return "/".join([self.url_root, *parts])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def http(self, timeout: float = 60) -> httpx.Client:
+        return httpx.Client(base_url=self.url_root, headers=self.headers, timeout=timeout)
+
+    def get_client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url_for("v1"), api_key=self.api_key or "EMPTY", max_retries=0, **kwargs)
+
+    def get_async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=self.api_key or "EMPTY", max_retries=0,
+                                  **kwargs)
+
+    def engine_process(self) -> psutil.Process:
+        children = [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                    if "EngineCore" in " ".join(p.cmdline())]
+        assert len(children) == 1, children
+        return children[0]
+
+    def metrics(self) -> dict[str, float]:
+        """Sample name (with its labels other than model_name) -> value."""
+        text = httpx.get(self.url_for("metrics"), timeout=10).text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The shared server; /v1 needs the API key (the client helpers send it)."""
+    srv = RemoteServer(tmp_path_factory.mktemp("server") / "server.log", api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fresh_server(tmp_path):
+    """A server of the test's own, for tests that kill the engine or stop the server."""
+    srv = RemoteServer(tmp_path / "server.log")
+    yield srv
+    srv.stop()
+    _, alive = psutil.wait_procs([srv.engine], timeout=5)
+    assert not alive, "the engine process outlived its server"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer(resolve_model(DEFAULT_MODEL))

@@ -1,0 +1,116 @@
+"""/v1/chat/completions through the official openai client: streaming equals non-streaming, usage, n, logprobs,
+stop strings, seeded sampling."""
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.get_client()
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def stream_text(stream) -> tuple[dict[int, str], dict[int, str], list]:
+    """Concatenated content and the finish reason per choice index, and all chunks."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    chunks = list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+    return texts, finish, chunks
+
+
+def test_models(client, model):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smollm2-135m-instruct"]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_streamed_deltas_equal_the_greedy_answer(client, model, tokenizer):
+    full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant"
+    assert "Paris" in choice.message.content
+    prompt_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+    assert full.usage.prompt_tokens == len(prompt_ids)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    texts, finish, chunks = stream_text(stream)
+    first = chunks[0].choices[0].delta
+    assert (first.role, first.content) == ("assistant", "")
+    assert texts == {0: choice.message.content}
+    assert finish == {0: choice.finish_reason}
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_usage_counts_every_generated_token(client, model):
+    full = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=7,
+                                          extra_body={"ignore_eos": True}, logprobs=True)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 7 == len(full.choices[0].logprobs.content)
+
+
+def test_n_choices(client, model):
+    full = client.chat.completions.create(model=model, messages=MESSAGES, n=2, max_tokens=8, seed=3,
+                                          temperature=1.0)
+    assert [c.index for c in full.choices] == [0, 1]
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, n=2, max_tokens=8, seed=3,
+                                            temperature=1.0, stream=True, stream_options={"include_usage": True})
+    texts, finish, chunks = stream_text(stream)
+    assert texts == {c.index: c.message.content for c in full.choices}
+    assert set(finish) == {0, 1}
+    assert chunks[-1].usage == full.usage
+
+
+def test_logprobs(client, model):
+    full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
+                                          logprobs=True, top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    assert "".join(c.token for c in content) == full.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        top = [t.logprob for t in entry.top_logprobs]
+        assert top == sorted(top, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(top[0])
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_stop_string(client, model):
+    text = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
+                                          max_tokens=24).choices[0].message.content
+    stop = "Paris"
+    stopped = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24,
+                                             stop=[stop]).choices[0]
+    assert stopped.message.content == text[:text.index(stop)]
+    assert (stopped.finish_reason, stopped.model_extra["stop_reason"]) == ("stop", stop)
+    kept = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24, stop=stop,
+                                          extra_body={"include_stop_str_in_output": True}).choices[0]
+    assert kept.message.content == text[:text.index(stop) + len(stop)]
+
+
+def test_seeded_sampling_repeats(client, model):
+    def sample():
+        return client.chat.completions.create(model=model, messages=MESSAGES, temperature=1.0, top_p=0.9,
+                                              max_tokens=16, seed=1234).choices[0].message.content
+
+    first = sample()
+    assert sample() == first

@@ -1,0 +1,69 @@
+"""/v1/completions, /tokenize and /detokenize: streaming equals non-streaming, batches of prompts, echo, logprobs."""
+from __future__ import annotations
+
+import pytest
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.get_client()
+
+
+def test_streamed_deltas_equal_the_greedy_completion(client, tokenizer):
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=12)
+    assert full.object == "text_completion"
+    assert full.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    stream = list(client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0,
+                                            max_tokens=12, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == full.choices[0].finish_reason
+    assert stream[-1].usage == full.usage
+
+
+def test_batch_of_prompts_with_n(client, tokenizer):
+    """Choice i * n + j is prompt i's choice j."""
+    prompts = [PROMPT, "Once upon a time"]
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=prompts, n=2, temperature=0,
+                                     max_tokens=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    single = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=5)
+    assert full.choices[0].text == full.choices[1].text == single.choices[0].text
+    assert full.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    assert full.usage.completion_tokens == 4 * 5
+
+
+def test_token_id_prompt(client, tokenizer):
+    by_text = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=5)
+    by_ids = client.completions.create(model="smollm2-135m-instruct", prompt=tokenizer.encode(PROMPT),
+                                       temperature=0, max_tokens=5)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_logprobs_and_echo(client, tokenizer):
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=4,
+                                     logprobs=2, echo=True)
+    choice = full.choices[0]
+    assert choice.text.startswith(PROMPT)
+    logprobs = choice.logprobs
+    num_prompt = len(tokenizer.encode(PROMPT))
+    assert len(logprobs.tokens) == num_prompt + 4
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+    for token, logprob, top in zip(logprobs.tokens[num_prompt:], logprobs.token_logprobs[num_prompt:],
+                                   logprobs.top_logprobs[num_prompt:]):
+        assert max(top.values()) == pytest.approx(logprob) and top[token] == logprob  # greedy
+
+
+def test_tokenize_detokenize(server, tokenizer):
+    with server.http() as http:
+        tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()
+        assert tokens["tokens"] == tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+        assert tokens["max_model_len"] == 1024
+        chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+        assert chat["tokens"] == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                               add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False)
+        assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}

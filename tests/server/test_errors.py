@@ -1,0 +1,89 @@
+"""Bad requests get OpenAI-shaped errors (400 naming the field, 404 for an unknown model, 401 without the API
+key), and the server keeps serving afterwards."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+
+HI = [{"role": "user", "content": "Hi"}]
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", {"messages": HI, "temperature": -0.5}, "temperature"),
+    ("/v1/chat/completions", {"messages": HI, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"messages": HI, "top_p": 1.01}, "top_p"),
+    ("/v1/chat/completions", {"messages": HI, "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "stream": True, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {"temperature": 0}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 3 + 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD_REQUESTS, ids=[f"{p}:{param}" for p, _, param in BAD_REQUESTS])
+def test_bad_request_names_the_field(server, path, body, param):
+    with server.http() as http:
+        response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
+    assert param.split(".")[0] in error["message"] or "context length" in error["message"]
+
+
+def test_context_length_messages(server):
+    with server.http() as http:
+        too_long = http.post("/v1/completions", json={"prompt": "hello " * MAX_MODEL_LEN}).json()["error"]
+        too_much = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN}).json()
+    assert too_long["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
+    assert too_much["error"]["message"].startswith(
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+        f"{MAX_MODEL_LEN + 3} tokens (3 in the messages, {MAX_MODEL_LEN} in the completion).")
+
+
+def test_malformed_json_is_400(server):
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", content=b'{"messages": [', headers={
+            "Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
+
+
+def test_openai_client_raises_bad_request(server):
+    client = server.get_client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="smollm2-135m-instruct", messages=HI, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="smollm2-135m-instruct", messages=HI, temperature=-1, stream=True)
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError) as info:
+        server.get_client().chat.completions.create(model="gpt-17", messages=HI, max_tokens=2)
+    assert info.value.body["type"] == "NotFoundError"
+
+
+def test_api_key_is_required_for_v1(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(server.url_for("v1", "completions"), json={"prompt": "Hi"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == 401
+    assert httpx.get(server.url_for("v1", "models")).status_code == 401
+    assert httpx.get(server.url_for("health")).status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url_for("v1"), api_key="wrong", max_retries=0).models.list()
+
+
+def test_server_answers_after_bad_requests(server):
+    for path, body, _ in BAD_REQUESTS:
+        with server.http() as http:
+            http.post(path, json=body)
+    reply = server.get_client().chat.completions.create(model="smollm2-135m-instruct", messages=HI, max_tokens=4)
+    assert reply.choices[0].message.content
