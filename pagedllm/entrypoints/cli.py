@@ -1,4 +1,5 @@
-"""The `pagedllm` command: `serve` runs the OpenAI-compatible server, `chat` talks to one from the terminal."""
+"""The `pagedllm` command: `serve` runs the OpenAI-compatible server, `chat` talks to one from the terminal,
+`bench` measures the engine or a server (pagedllm.benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import urllib.error
 import urllib.request
 from typing import Iterator, Optional
 
+from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.entrypoints.openai.api_server import run_server
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 
@@ -98,12 +100,13 @@ def make_parser() -> argparse.ArgumentParser:
     chat_parser.add_argument("--system-prompt", default=None)
     chat_parser.add_argument("--max-tokens", type=int, default=None, help="longest answer in tokens")
     chat_parser.set_defaults(func=chat)
+    add_bench_parser(subparsers)
     return parser
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = make_parser().parse_args(argv)
-    args.func(args)
+    (args.bench_func if args.command == "bench" else args.func)(args)
 
 
 if __name__ == "__main__":
