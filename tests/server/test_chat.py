@@ -102,6 +102,9 @@ def test_stop_string(client, model):
                                              stop=[stop]).choices[0]
     assert stopped.message.content == text[:text.index(stop)]
     assert (stopped.finish_reason, stopped.model_extra["stop_reason"]) == ("stop", stop)
+    texts, finish, _ = stream_text(client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=24, stop=[stop], stream=True))
+    assert (texts, finish) == ({0: stopped.message.content}, {0: "stop"})
     kept = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=24, stop=stop,
                                           extra_body={"include_stop_str_in_output": True}).choices[0]
     assert kept.message.content == text[:text.index(stop) + len(stop)]
