@@ -5,6 +5,8 @@ Each layer stores only its rank's part of the weight and exposes
 a full checkpoint tensor, so models load the same way for any ``tp_size``.
 Column-parallel layers split the output dim (no communication); row-parallel
 layers split the input dim and sum partial results with an all-reduce.
+How the weight is stored and multiplied is the layer's ``quant_method``: a
+dense ``weight`` by default, or what a ``QuantizationConfig`` picks for it.
 """
 
 import torch
@@ -15,6 +17,7 @@ from pagedllm.layers.communication import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -29,8 +32,27 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
 
+class UnquantizedLinearMethod(QuantizeMethodBase):
+    """A dense ``[out_per_rank, in_per_rank]`` weight in the layer's dtype."""
+
+    def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
+                       weight_loader):
+        weight = nn.Parameter(
+            torch.empty(output_size_per_partition, input_size_per_partition, dtype=params_dtype), requires_grad=False
+        )
+        weight.weight_loader = weight_loader
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias=None):
+        return F.linear(x, layer.weight, bias)
+
+
 class LinearBase(nn.Module):
-    """Holds a ``[out_per_rank, in_per_rank]`` weight and optional bias."""
+    """Holds this rank's weight (in its ``quant_method``'s layout) and optional bias.
+
+    ``prefix`` is the module's name in the model, by which a quantization config
+    finds the checkpoint tensors behind it.
+    """
 
     def __init__(
         self,
@@ -39,6 +61,8 @@ class LinearBase(nn.Module):
         params_dtype: torch.dtype | None,
         tp_size: int,
         tp_rank: int,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ):
         super().__init__()
         if not 0 <= tp_rank < tp_size:
@@ -48,12 +72,11 @@ class LinearBase(nn.Module):
         self.tp_size = tp_size
         self.tp_rank = tp_rank
         self.params_dtype = params_dtype or torch.get_default_dtype()
+        quant_method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method = quant_method or UnquantizedLinearMethod()
 
     def _create_params(self, out_features: int, in_features: int, bias: bool) -> None:
-        self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=self.params_dtype), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method.create_weights(self, in_features, out_features, self.params_dtype, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=self.params_dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -70,15 +93,16 @@ class LinearBase(nn.Module):
 class ReplicatedLinear(LinearBase):
     """Full weight on every rank."""
 
-    def __init__(self, input_size, output_size, bias=True, params_dtype=None, tp_size=1, tp_rank=0):
-        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank)
+    def __init__(self, input_size, output_size, bias=True, params_dtype=None, tp_size=1, tp_rank=0,
+                 quant_config=None, prefix=""):
+        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank, quant_config, prefix)
         self._create_params(output_size, input_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         _copy_checked(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -93,8 +117,10 @@ class ColumnParallelLinear(LinearBase):
         params_dtype=None,
         tp_size=1,
         tp_rank=0,
+        quant_config=None,
+        prefix="",
     ):
-        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank)
+        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank, quant_config, prefix)
         self.gather_output = gather_output
         self.output_size_per_partition = divide(output_size, tp_size)
         self._create_params(self.output_size_per_partition, input_size, bias)
@@ -104,7 +130,7 @@ class ColumnParallelLinear(LinearBase):
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         if self.gather_output:
             y = tensor_model_parallel_all_gather(y, self.tp_size)
         return y
@@ -117,11 +143,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, input_size, output_sizes: list[int], bias=True, gather_output=False,
-                 params_dtype=None, tp_size=1, tp_rank=0):
+                 params_dtype=None, tp_size=1, tp_rank=0, quant_config=None, prefix=""):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             divide(size, tp_size)  # each part must split evenly, not just their sum
-        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, tp_size, tp_rank)
+        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, tp_size, tp_rank,
+                         quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
         shard = self.output_sizes[loaded_shard_id] // self.tp_size
@@ -137,7 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=True,
-                 params_dtype=None, tp_size=1, tp_rank=0):
+                 params_dtype=None, tp_size=1, tp_rank=0, quant_config=None, prefix=""):
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
         self.total_num_heads = total_num_heads
@@ -150,7 +177,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = divide(total_num_kv_heads, tp_size)
             self.num_kv_head_replicas = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
-        super().__init__(hidden_size, output_size, bias, False, params_dtype, tp_size, tp_rank)
+        super().__init__(hidden_size, output_size, bias, False, params_dtype, tp_size, tp_rank, quant_config, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
         q_size = self.num_heads * self.head_size
@@ -170,8 +197,8 @@ class RowParallelLinear(LinearBase):
     """
 
     def __init__(self, input_size, output_size, bias=True, input_is_parallel=True, reduce_results=True,
-                 params_dtype=None, tp_size=1, tp_rank=0):
-        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank)
+                 params_dtype=None, tp_size=1, tp_rank=0, quant_config=None, prefix=""):
+        super().__init__(input_size, output_size, params_dtype, tp_size, tp_rank, quant_config, prefix)
         self.input_is_parallel = input_is_parallel
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, tp_size)
@@ -187,7 +214,7 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel:
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y, self.tp_size)
         return y

@@ -1,0 +1,7 @@
+"""Weight quantization methods, selected by the ``quantization`` engine argument."""
+
+from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+
+QUANTIZATION_METHODS = ("gguf_int4",)
+
+__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase"]

@@ -1,0 +1,32 @@
+"""How a layer stores its weight and multiplies by it, so quantized formats plug into the same layers.
+
+A layer asks its ``QuantizationConfig`` for a ``QuantizeMethodBase`` by its module name (``prefix``),
+lets the method create the parameters the checkpoint fills, and calls ``apply`` in ``forward``. After all
+weights are loaded the loader calls ``process_weights_after_loading`` once, to repack them for the kernel.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class QuantizeMethodBase(ABC):
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int, output_size_per_partition: int,
+                       params_dtype: torch.dtype, weight_loader: Callable) -> None:
+        """Register the layer's weight parameters, each with ``weight_loader`` attached."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T + bias`` in ``x``'s dtype."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded parameters into the kernel's layout; nothing to do by default."""
+
+
+class QuantizationConfig(ABC):
+    @abstractmethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for ``layer`` named ``prefix``; None keeps the layer unquantized."""
