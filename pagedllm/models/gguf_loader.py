@@ -2,14 +2,18 @@
 
 Weights are dequantized once at load time (the models compute in float32 or
 bfloat16), so a GGUF checkpoint feeds the same ``load_weights`` as safetensors.
+With ``quantization="gguf_int4"``, Q4_0/Q4_1 weights of the layers that keep
+them 4-bit come out as codes and per-block scales/zeros instead.
 """
 
+import mmap
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Container, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGUF_MAGIC, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 # GGUF tensor name (without .weight/.bias) -> HF name, for Llama-like models.
@@ -61,12 +65,89 @@ def reverse_llama_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
+_SCALAR_SIZES = {
+    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
+    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+}
+
+
+def _skip_value(buf: mmap.mmap, pos: int, value_type: int) -> int:
+    """Offset just past the metadata value of ``value_type`` at ``pos``."""
+    if value_type == GGUFValueType.STRING:
+        return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+    if value_type == GGUFValueType.ARRAY:
+        item_type, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if item_type in _SCALAR_SIZES:
+            return pos + count * _SCALAR_SIZES[item_type]
+        for _ in range(count):
+            pos = _skip_value(buf, pos, item_type)
+        return pos
+    return pos + _SCALAR_SIZES[value_type]
+
+
+def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
+    """HF weight name -> GGUF type of every model tensor, read from the header alone.
+
+    GGUFReader parses all metadata up front (seconds for a 50k-token vocabulary);
+    skipping it makes checking engine arguments against the file cheap.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<IIQQ", buf, 0)
+        if magic != GGUF_MAGIC or version not in (2, 3):
+            raise ValueError(f"{path!r} is not a little-endian GGUF v2/v3 file")
+        pos = 24
+        for _ in range(n_kv):
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]  # the key
+            pos = _skip_value(buf, pos + 4, struct.unpack_from("<I", buf, pos)[0])
+        types = {}
+        for _ in range(n_tensors):
+            (name_len,) = struct.unpack_from("<Q", buf, pos)
+            name = buf[pos + 8 : pos + 8 + name_len].decode()
+            pos += 8 + name_len
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            pos += 4 + 8 * n_dims
+            (tensor_type,) = struct.unpack_from("<I", buf, pos)
+            pos += 4 + 8  # type, data offset
+            hf_name = gguf_to_hf_name(name)
+            if hf_name is not None:
+                types[hf_name] = GGMLQuantizationType(tensor_type)
+    return types
+
+
+def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0/Q4_1 rows -> codes ``[N, K]`` uint8 in [0, 16), scales and zeros ``[N, K / 32]`` float32.
+
+    Each weight is ``(code - 8) * scale + zero`` for its block of 32 along K.
+    A block is an fp16 ``d`` (Q4_1: then an fp16 min ``m``) and 16 bytes whose
+    low nibbles are weights 0-15 and high nibbles weights 16-31.
+    """
+    if tensor_type not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        raise ValueError(f"expected a Q4_0 or Q4_1 tensor, got {tensor_type.name}")
+    header = 4 if tensor_type == GGMLQuantizationType.Q4_1 else 2
+    blocks = data.reshape(data.shape[0], -1, header + 16)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., header:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(data.shape[0], -1)
+    if tensor_type == GGMLQuantizationType.Q4_0:  # w = d (q - 8)
+        return codes, d, np.zeros_like(d)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    return codes, d, m + 8 * d  # w = d q + m
+
+
 def _read_int(reader: GGUFReader, key: str) -> int:
     return int(reader.fields[key].contents())
 
 
-def gguf_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every model tensor in a GGUF file."""
+def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset()
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every model tensor in a GGUF file, dequantized to float32.
+
+    The Q4_0/Q4_1 weight of a module named in ``packed_modules`` comes instead
+    as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``).
+    """
     reader = GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     # Only llama-arch files are permuted by llama.cpp's converter (not qwen2).
@@ -78,10 +159,16 @@ def gguf_weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         hf_name = gguf_to_hf_name(tensor.name)
         if hf_name is None:
             continue
-        weight = dequantize(tensor.data, tensor.tensor_type)
-        if permute and ".attn_q." in tensor.name:
-            weight = reverse_llama_permute(weight, n_head)
-        elif permute and ".attn_k." in tensor.name:
-            weight = reverse_llama_permute(weight, n_kv_head)
-        # Unquantized tensors come back as read-only views of the memory-mapped file.
-        yield hf_name, torch.from_numpy(np.require(weight, np.float32, ["C", "W"]))
+        module, suffix = hf_name.rsplit(".", 1)
+        if suffix == "weight" and module in packed_modules:
+            parts = dict(zip(("qweight", "scales", "zeros"), unpack_q4(tensor.data, tensor.tensor_type)))
+        else:
+            parts = {suffix: dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)}
+        for part, array in parts.items():
+            # Every part is row-major by output row, so the q/k row permutation applies to each alike.
+            if permute and ".attn_q." in tensor.name:
+                array = reverse_llama_permute(array, n_head)
+            elif permute and ".attn_k." in tensor.name:
+                array = reverse_llama_permute(array, n_kv_head)
+            # Unquantized tensors come back as read-only views of the memory-mapped file.
+            yield f"{module}.{part}", torch.from_numpy(np.require(array, requirements=["C", "W"]))

@@ -2,7 +2,7 @@
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import torch
 from safetensors import safe_open
@@ -21,10 +21,13 @@ def safetensors_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Te
                 yield name, f.get_tensor(name)
 
 
-def weights_iterator(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pick the reader for a ``.gguf`` file or an HF safetensors directory."""
+def weights_iterator(path: str, packed_modules: Container[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pick the reader for a ``.gguf`` file or an HF safetensors directory.
+
+    ``packed_modules``: modules whose GGUF Q4 weights stay 4-bit (see ``gguf_weights_iterator``).
+    """
     if path.endswith(".gguf"):
-        return gguf_weights_iterator(path)
+        return gguf_weights_iterator(path, packed_modules)
     return safetensors_weights_iterator(path)
 
 
