@@ -12,6 +12,7 @@ from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary import get_rope
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.weights import default_weight_loader
@@ -19,14 +20,16 @@ from pagedllm.models.weights import default_weight_loader
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
-                 tp_size: int, tp_rank: int):
+                 tp_size: int, tp_rank: int, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         if hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported, only 'silu'")
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, tp_size=tp_size, tp_rank=tp_rank
+            hidden_size, [intermediate_size] * 2, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,7 +37,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
@@ -45,6 +49,8 @@ class LlamaAttention(nn.Module):
             bias=qkv_bias,
             tp_size=tp_size,
             tp_rank=tp_rank,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -52,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
-            tp_size=tp_size, tp_rank=tp_rank,
+            tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = get_rope(self.head_dim, config)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
@@ -66,12 +72,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank, quant_config,
+                                        f"{prefix}.self_attn")
         self.mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act,
-            getattr(config, "mlp_bias", False), tp_size, tp_rank,
+            getattr(config, "mlp_bias", False), tp_size, tp_rank, quant_config, f"{prefix}.mlp",
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -89,13 +97,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int):
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -118,10 +128,11 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
 
-    def __init__(self, config: PretrainedConfig, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, config: PretrainedConfig, tp_size: int = 1, tp_rank: int = 0,
+                 quant_config: QuantizationConfig | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank)
+        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, quant_config)
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:

@@ -6,6 +6,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.layers.quantization import QUANTIZATION_METHODS
+from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
+from pagedllm.models.gguf_loader import gguf_tensor_types
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import resolve_model
 from pagedllm.models.weights import weights_iterator
@@ -22,13 +25,41 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+def get_quant_config(quantization: str | None, path: str, model_class: type[nn.Module]) -> GGUFInt4Config | None:
+    """The config for ``quantization`` on the checkpoint at ``path``; a ValueError naming it if they do not fit."""
+    if quantization is None:
+        return None
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; "
+                         f"got {quantization!r}")
+    if not path.endswith(".gguf"):
+        raise ValueError(f"quantization={quantization!r} needs a .gguf model with Q4_0/Q4_1 weights; "
+                         f"{path!r} is not a .gguf file")
+    tensor_types = gguf_tensor_types(path)
+    layer_types = {t for name, t in tensor_types.items() if name.startswith("model.layers.")}
+    if not layer_types & Q4_TYPES:
+        raise ValueError(f"quantization={quantization!r} needs Q4_0/Q4_1 layer weights; {path!r} has "
+                         f"{', '.join(sorted(t.name for t in layer_types))}")
+    return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
+
+
 def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode."""
+    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode.
+
+    The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
+    """
     model_class = get_model_architecture(hf_config)
+    path = resolve_model(model_path)
+    quantization = (getattr(hf_config, "quantization_config", None) or {}).get("quant_method")
+    quant_config = get_quant_config(quantization, path, model_class)
     with _default_dtype(dtype):
-        model = model_class(hf_config)
-    loaded = model.load_weights(weights_iterator(resolve_model(model_path)))
+        model = model_class(hf_config, quant_config=quant_config)
+    packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()
+    loaded = model.load_weights(weights_iterator(path, packed_modules))
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
+    for module in model.modules():
+        if hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
     return model.eval().requires_grad_(False)
