@@ -74,6 +74,8 @@ class ModelConfig:
     dtype: object  # torch.dtype
     max_model_len: int
     seed: int = 0
+    # Weight quantization ("gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit); None computes with dense weights.
+    quantization: Optional[str] = None
 
     @property
     def num_layers(self) -> int:

@@ -9,6 +9,8 @@ import torch
 
 from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_quant_config
+from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from pagedllm.platforms.cpu import has_native_bf16
 
@@ -44,6 +46,7 @@ class EngineArgs:
     kv_cache_memory: Optional[Union[int, str]] = None
     num_kv_blocks: Optional[int] = None
     seed: int = 0
+    quantization: Optional[str] = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -56,8 +59,13 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
+        if self.quantization is not None:
+            # A value that does not fit the model fails here, naming `quantization`, not in the engine process.
+            get_quant_config(self.quantization, path, get_model_architecture(hf_config))
+            # get_model reads it from there, as from a checkpoint that ships a quantization_config.
+            hf_config.quantization_config = {"quant_method": self.quantization}
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
-                                   self.seed)
+                                   self.seed, self.quantization)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
