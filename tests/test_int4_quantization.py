@@ -1,0 +1,192 @@
+"""quantization="gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit and multiplied by torch's CPU int4 kernel.
+
+The dense float32 path is the reference: it computes with the same dequantized weights, so the two differ
+only by the bfloat16 rounding of activations, scales/zeros and the kernel's output.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize, quantize
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.layers.quantization.gguf_int4 import GGUFInt4Config
+from pagedllm.models.gguf_loader import (
+    gguf_tensor_types,
+    gguf_to_hf_name,
+    gguf_weights_iterator,
+    reverse_llama_permute,
+    unpack_q4,
+)
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.loader import get_quant_config
+from tests.model_fixtures import smollm_path, write_tiny_gguf
+
+BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The int4 kernel is called ~120 times a step; OpenMP threads on a busy 2-core box stall each call."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _int4_layer(layer_class, parts, bias=None, **kwargs):
+    """A linear layer quantized by gguf_int4, loaded with ``(codes, scales, zeros)`` through its weight loaders."""
+    out_features, in_features = parts[0].shape
+    config = GGUFInt4Config({"layer.weight": GGMLQuantizationType.Q4_1}, [])
+    layer = layer_class(in_features, out_features, bias=bias is not None, quant_config=config, prefix="layer",
+                        **kwargs)
+    for name, value in zip(("qweight", "scales", "zeros"), parts):
+        getattr(layer, name).weight_loader(getattr(layer, name), value)
+    if bias is not None:
+        layer.bias.weight_loader(layer.bias, bias)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _random_q4(shape: tuple[int, int], tensor_type, seed: int) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """GGUF blocks of a random weight, and their unpacked ``(codes, scales, zeros)``."""
+    blocks = quantize(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), tensor_type)
+    return blocks, [torch.from_numpy(part) for part in unpack_q4(blocks, tensor_type)]
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_kernel_matches_dequantized_weight(tensor_type):
+    blocks, parts = _random_q4((64, 128), tensor_type, seed=0)
+    weight = torch.from_numpy(dequantize(blocks, tensor_type))
+    bias = torch.randn(64)
+    layer = _int4_layer(ReplicatedLinear, parts, bias)
+    assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (64, 64)  # two codes a byte
+    x = torch.randn(5, 128)
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (5, 64)
+    assert _relative_error(y, x @ weight.T + bias) < 1e-2
+
+
+def test_tensor_parallel_shards_of_int4_layers_match_unsharded():
+    """Codes, scales and zeros are loaded [out, in]-major, so the dense layers' weight loaders slice them."""
+    _, w_col = _random_q4((64, 128), GGMLQuantizationType.Q4_1, seed=1)
+    _, w_row = _random_q4((32, 128), GGMLQuantizationType.Q4_1, seed=2)
+    x = torch.randn(3, 128)
+    full_col = _int4_layer(ColumnParallelLinear, w_col)(x)
+    full_row = _int4_layer(RowParallelLinear, w_row, reduce_results=False)(x)
+    cols = [_int4_layer(ColumnParallelLinear, w_col, tp_size=2, tp_rank=r)(x) for r in range(2)]
+    rows = [_int4_layer(RowParallelLinear, w_row, tp_size=2, tp_rank=r, reduce_results=False)(x.chunk(2, dim=-1)[r])
+            for r in range(2)]
+    assert torch.equal(torch.cat(cols, dim=-1), full_col)
+    assert _relative_error(sum(rows), full_row) < 1e-2  # each rank's partial sum is rounded to bf16
+
+
+def test_packed_gguf_q4_1_reproduces_dequantize():
+    """A real Q4_1 tensor, llama.cpp-permuted (q_proj) or not (down_proj), packed and through the kernel."""
+    path = smollm_path()
+    reader = GGUFReader(path)
+    assert gguf_tensor_types(path) == {gguf_to_hf_name(t.name): t.tensor_type for t in reader.tensors}
+    raw = {gguf_to_hf_name(t.name): t for t in reader.tensors}
+    n_head = int(reader.fields["llama.attention.head_count"].contents())
+    modules = {"model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"}
+    packed = {}
+    for name, tensor in gguf_weights_iterator(path, modules):
+        packed[name] = tensor
+        if len(packed) > 40:  # layer 0 is near the front of the file
+            break
+    for module in sorted(modules):
+        t = raw[f"{module}.weight"]
+        assert t.tensor_type == GGMLQuantizationType.Q4_1
+        expected = torch.from_numpy(dequantize(t.data, t.tensor_type))
+        if module.endswith("q_proj"):
+            expected = torch.from_numpy(reverse_llama_permute(expected.numpy(), n_head))
+        codes, scales, zeros = (packed[f"{module}.{part}"] for part in ("qweight", "scales", "zeros"))
+        assert f"{module}.weight" not in packed and codes.dtype == torch.uint8 and int(codes.max()) <= 15
+
+        def unpacked(scales, zeros):
+            return (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+
+        torch.testing.assert_close(unpacked(scales, zeros), expected, rtol=0, atol=1e-6)
+        # The layer keeps scales and zeros in bfloat16: that rounding, and no more, separates it from GGUF.
+        scales_bf16, zeros_bf16 = scales.bfloat16().float(), zeros.bfloat16().float()
+        bound = ((8 * scales.abs() + zeros.abs()) * BF16_EPS).repeat_interleave(32, 1)
+        assert ((unpacked(scales_bf16, zeros_bf16) - expected).abs() <= bound).all(), module
+
+        # Through the kernel: x = I gives W.T, rounded once more to bfloat16 on the way out.
+        weight_t = _int4_layer(ReplicatedLinear, (codes, scales, zeros))(torch.eye(expected.shape[1]))
+        assert ((weight_t.T - expected).abs() <= bound + expected.abs() * BF16_EPS).all(), module
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "To make a cup of tea, first"]
+NUM_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def llms(monkeypatch_module):
+    monkeypatch_module.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    kwargs = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    return LLM(**kwargs), LLM(quantization="gguf_int4", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patcher:
+        yield patcher
+
+
+def test_greedy_tokens_agree_with_dense(llms):
+    """Free-running, a near-tie flipped by bf16 rounding sends the rest of a sequence elsewhere, so the
+    strict measure is teacher-forced: int4's top token at each position of the dense continuation."""
+    dense, int4 = llms
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = [o.prompt_token_ids + list(o.outputs[0].token_ids)
+                for o in dense.generate(PROMPTS, greedy, use_tqdm=False)]
+    ours = [list(o.outputs[0].token_ids) for o in int4.generate(PROMPTS, greedy, use_tqdm=False)]
+    prefix_match = [next((i for i, (a, b) in enumerate(zip(e[-NUM_TOKENS:], o)) if a != b), NUM_TOKENS)
+                    for e, o in zip(expected, ours)]
+    assert all(n >= 1 for n in prefix_match)  # the first token of every prompt matches
+
+    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": ids} for ids in expected]
+    int4_logprobs, dense_logprobs = ([o.prompt_logprobs[-NUM_TOKENS:] for o in llm.generate(prompts, forced,
+                                                                                             use_tqdm=False)]
+                                     for llm in (int4, dense))
+    ranks = [lp[tok].rank for seq, lps in zip(expected, int4_logprobs) for tok, lp in zip(seq[-NUM_TOKENS:], lps)]
+    deltas = [abs(a[tok].logprob - b[tok].logprob)
+              for seq, lps_a, lps_b in zip(expected, int4_logprobs, dense_logprobs)
+              for tok, a, b in zip(seq[-NUM_TOKENS:], lps_a, lps_b)]
+    agreement = sum(rank == 1 for rank in ranks) / len(ranks)
+    print(f"gguf_int4 vs dense float32: teacher-forced agreement {agreement:.3f}, greedy prefix agreement "
+          f"{sum(prefix_match) / (NUM_TOKENS * len(PROMPTS)):.3f} ({prefix_match}), "
+          f"max |logprob diff| {max(deltas):.3f}")
+    assert agreement >= 0.9
+    assert 0 < max(deltas) < 1.0  # a different computation (not the dense weights), and a close one
+
+
+def test_chat_still_answers_paris(llms):
+    out = llms[1].chat([{"role": "user", "content": "What is the capital of France?"}],
+                       SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_bad_quantization_is_a_value_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="quantization must be None or one of gguf_int4; got 'awq'"):
+        LLM(quantization="awq")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantization='gguf_int4' needs a .gguf model.*not a .gguf file"):
+        LLM(str(tmp_path), quantization="gguf_int4")
+    unquantized = str(tmp_path / "f32.gguf")
+    write_tiny_gguf(HFLlamaForCausalLM(config), unquantized, "llama")
+    with pytest.raises(ValueError, match="quantization='gguf_int4' needs Q4_0/Q4_1 layer weights.*F32"):
+        get_quant_config("gguf_int4", unquantized, LlamaForCausalLM)
