@@ -100,3 +100,5 @@ class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    # torch threads of the worker; None keeps torch's default (one per core).
+    num_cpu_threads: Optional[int] = None

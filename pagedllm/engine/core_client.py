@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import msgspec
 import zmq
@@ -29,6 +29,7 @@ from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCo
                                       SchedulerStats)
 
 ENGINE_STARTUP_TIMEOUT_S = 600
+OUTPUT_POLL_MS = 100
 
 
 def multiprocessing_enabled() -> bool:
@@ -85,8 +86,11 @@ class MPClient:
         with open(config_path, "wb") as f:
             pickle.dump((config, input_address, output_address, os.getpid()), f)
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc", "EngineCore", config_path])
+        self._output_thread_handle: Optional[threading.Thread] = None
         self._wait_until_ready()
-        threading.Thread(target=self._output_thread, daemon=True, name="EngineCoreClientOutput").start()
+        self._output_thread_handle = threading.Thread(target=self._output_thread, daemon=True,
+                                                      name="EngineCoreClientOutput")
+        self._output_thread_handle.start()
         threading.Thread(target=self._monitor_thread, daemon=True, name="EngineCoreMonitor").start()
 
     def _wait_until_ready(self) -> None:
@@ -105,13 +109,12 @@ class MPClient:
             raise RuntimeError("Unexpected first message from the engine process.")
 
     def _output_thread(self) -> None:
+        """The only user of the output socket; it polls so that shutdown can stop it before closing."""
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        while True:
-            try:
-                frame = self._output_socket.recv(copy=False)
-            except zmq.ZMQError:
-                return  # socket closed at shutdown
-            outputs = decoder.decode(frame.buffer)
+        while not self._closing:
+            if not self._output_socket.poll(timeout=OUTPUT_POLL_MS):
+                continue
+            outputs = decoder.decode(self._output_socket.recv(copy=False).buffer)
             if outputs.utility_output is not None:
                 self._resolve_utility(outputs.utility_output)
             else:
@@ -137,7 +140,7 @@ class MPClient:
             future.set_result(result.result)
 
     def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
-        if self.dead:
+        if self.dead or self._closing:
             raise EngineDeadError()
         self._input_socket.send_multipart((request_type.value, self._encoder.encode(payload)), copy=False)
 
@@ -145,7 +148,7 @@ class MPClient:
         self._send(EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and not self.dead:
+        if request_ids and not (self.dead or self._closing):
             self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     def call_utility(self, method: str, *args: Any) -> Future:
@@ -166,7 +169,11 @@ class MPClient:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._ctx.destroy(linger=0)
+        if self._output_thread_handle is not None:
+            self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
+        self._input_socket.close(linger=0)
+        self._output_socket.close(linger=0)
+        self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 

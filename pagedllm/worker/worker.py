@@ -33,6 +33,8 @@ def kv_cache_budget(config: EngineConfig) -> int:
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.num_cpu_threads:
+            torch.set_num_threads(config.num_cpu_threads)
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config)
 
