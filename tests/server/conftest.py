@@ -3,7 +3,6 @@ fresh ones for tests that kill or stop it.
 """
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -44,10 +43,7 @@ class RemoteServer:
         args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *SERVER_ARGS,
                 *(extra_args or []), *(["--api-key", api_key] if api_key else [])]
         self._log = open(log_path, "wb")
-        # One OpenMP thread for the engine: on a 2-core box shared with the API server (and whatever else runs),
-        # spinning OpenMP threads made decoding ~20x slower.
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         self.url_root = f"http://127.0.0.1:{self.port}"
         self._wait_until_healthy()
         self.engine = self.engine_process()
