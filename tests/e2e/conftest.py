@@ -14,15 +14,16 @@ from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from tests.model_fixtures import smollm_reference
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def share_loaded_models():
-    """In-process engines (PAGEDLLM_ENABLE_MULTIPROCESSING=0) all reuse one loaded model per dtype."""
+    """In-process engines (PAGEDLLM_ENABLE_MULTIPROCESSING=0) in this package reuse one model per set-up."""
     models = {}
 
     def get_model_once(path, hf_config, dtype):
-        if (path, dtype) not in models:
-            models[path, dtype] = loader.get_model(path, hf_config, dtype)
-        return models[path, dtype]
+        key = (path, dtype, repr(getattr(hf_config, "quantization_config", None)))
+        if key not in models:
+            models[key] = loader.get_model(path, hf_config, dtype)
+        return models[key]
 
     patcher = pytest.MonkeyPatch()
     patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
