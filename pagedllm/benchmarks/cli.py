@@ -3,32 +3,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields
 
-from pagedllm.engine.arg_utils import EngineArgs
-
-_ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                 "kv_cache_memory", "seed", "quantization")
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=EngineArgs.model)
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quantization")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-
+from pagedllm.entrypoints.openai.cli_args import add_engine_args, engine_kwargs_from
+from pagedllm.models.resolve import DEFAULT_MODEL
 
 def _make_llm(args: argparse.Namespace):
     from pagedllm.entrypoints.llm import LLM
-    known = {f.name for f in fields(EngineArgs)}
-    kwargs = {k: getattr(args, k) for k in _ENGINE_FLAGS if k in known and getattr(args, k) is not None}
-    return LLM(args.model, enable_prefix_caching=args.enable_prefix_caching, **kwargs)
+    return LLM(args.model, **engine_kwargs_from(args))
 
 
 def _write_json(path: str | None, payload: dict) -> None:
@@ -61,7 +42,8 @@ def add_bench_parser(subparsers) -> None:
     for kind, default, help_text in (("throughput", "W1", "offline throughput (default W1; W3 for shared prefix)"),
                                      ("latency", "W2", "one request: time to first token and decode tok/s")):
         p = kinds.add_parser(kind, help=help_text)
-        _add_engine_args(p)
+        p.add_argument("--model", default=DEFAULT_MODEL)
+        add_engine_args(p)
         p.add_argument("--workload", help=f"W1, W2, W3 (comma-separated), or 'random'; default {default}")
         p.add_argument("--num-prompts", type=int, default=64 if kind == "throughput" else 1)
         p.add_argument("--input-len", type=int, default=256)

@@ -8,7 +8,7 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 
 # EngineArgs fields that `serve` exposes as --flags.
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed")
+                "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -26,6 +26,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
+    add_engine_args(parser)
+    return parser
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The EngineArgs flags, shared by `serve` and `bench`."""
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
@@ -40,8 +46,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
                         help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
     engine.add_argument("--seed", type=int, default=EngineArgs.seed)
-    return parser
+    engine.add_argument("--quantization", choices=["gguf_int4"], default=EngineArgs.quantization,
+                        help="keep a GGUF file's Q4_0/Q4_1 weights at 4 bits (default: dequantize)")
+
+
+def engine_kwargs_from(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(model=args.model, **{name: getattr(args, name) for name in ENGINE_FLAGS})
+    return EngineArgs(model=args.model, **engine_kwargs_from(args))
