@@ -15,7 +15,7 @@ def _make_llm(args: argparse.Namespace):
 def _write_json(path: str | None, payload: dict) -> None:
     if path:
         with open(path, "w") as f:
-            json.dump(payload, f, indent=2)
+            json.dump(payload, f, indent=2, default=lambda value: None)  # e.g. the argparse handler
 
 
 def _workloads(args: argparse.Namespace, default: str):

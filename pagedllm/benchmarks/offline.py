@@ -6,6 +6,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from pagedllm.benchmarks.workloads import Workload
+from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.llm import LLM
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,16 +38,19 @@ def timed_run(llm: LLM, workload: Workload) -> RunResult:
     llm.reset_prefix_cache()
     start = time.perf_counter()
     for i, prompt in enumerate(workload.prompts):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params,
+                           output_kind=RequestOutputKind.DELTA)
     first_token = None
+    num_tokens: dict[str, int] = {}
     finished = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if first_token is None and out.request_id == "bench-0":
                 first_token = time.perf_counter() - start
+            num_tokens[out.request_id] = num_tokens.get(out.request_id, 0) + len(out.outputs[0].token_ids)
             if out.finished:
-                if len(out.outputs[0].token_ids) != workload.max_tokens:
-                    raise RuntimeError(f"{out.request_id} produced {len(out.outputs[0].token_ids)} tokens")
+                if num_tokens[out.request_id] != workload.max_tokens:
+                    raise RuntimeError(f"{out.request_id} produced {num_tokens[out.request_id]} tokens")
                 finished += 1
     if finished != workload.num_requests:
         raise RuntimeError(f"only {finished} of {workload.num_requests} requests finished")
