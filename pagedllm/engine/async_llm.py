@@ -17,7 +17,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
-from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
@@ -93,19 +93,12 @@ class AsyncLLM:
                 self._abort(request_id)
 
     def _add_request(self, request_id: str, text: Optional[str], request, output_kind: RequestOutputKind) -> None:
-        params = request.sampling_params
-        if params.n == 1:
-            self.output_processor.add_request(request_id, text, request.prompt_token_ids, params, output_kind,
-                                              arrival_time=request.arrival_time)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, params)
-        self._children[request_id] = parent.child_ids
-        for index, child_id in enumerate(parent.child_ids):
-            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
-            self.output_processor.add_request(child_id, text, request.prompt_token_ids, child.sampling_params,
-                                              output_kind, index, parent, request.arrival_time)
-            self.engine_core.add_request(child)
+        parent, requests = fan_out(request)
+        if parent is not None:
+            self._children[request_id] = parent.child_ids
+        for index, engine_request in enumerate(requests):
+            self.output_processor.add_request(engine_request, text, output_kind, index, parent)
+            self.engine_core.add_request(engine_request)
 
     async def abort(self, request_id: str) -> None:
         self._abort(request_id)

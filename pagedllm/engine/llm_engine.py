@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import msgspec
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import make_sync_client
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
-from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.outputs import RequestOutput
@@ -27,18 +26,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
         text, request = self.processor.process(request_id, prompt, params, priority=priority)
-        if params.n == 1:
-            self._add(request_id, text, request, params, output_kind, 0, None)
-            return
-        parent = ParentRequest(request_id, request.sampling_params)
-        for index, child_id in enumerate(parent.child_ids):
-            child = msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(index))
-            self._add(child_id, text, child, child.sampling_params, output_kind, index, parent)
-
-    def _add(self, request_id, text, request, params, output_kind, index, parent) -> None:
-        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params, output_kind,
-                                          index, parent, request.arrival_time)
-        self.engine_core.add_request(request)
+        parent, requests = fan_out(request)
+        for index, engine_request in enumerate(requests):
+            self.output_processor.add_request(engine_request, text, output_kind, index, parent)
+            self.engine_core.add_request(engine_request)
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
-from pagedllm.engine.protocol import EngineCoreOutput, FinishReason
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
@@ -129,14 +129,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                    params: SamplingParams, output_kind: RequestOutputKind, index: int = 0,
-                    parent: Optional[ParentRequest] = None, arrival_time: Optional[float] = None) -> None:
-        if request_id in self.request_states:
-            raise ValueError(f"Request id {request_id!r} is already running.")
-        self.request_states[request_id] = RequestState(
-            request_id, index, prompt, prompt_token_ids, params, self.tokenizer, output_kind, parent,
-            arrival_time if arrival_time is not None else time.time())
+    def add_request(self, request: EngineCoreRequest, prompt: Optional[str], output_kind: RequestOutputKind,
+                    index: int = 0, parent: Optional[ParentRequest] = None) -> None:
+        if request.request_id in self.request_states:
+            raise ValueError(f"Request id {request.request_id!r} is already running.")
+        self.request_states[request.request_id] = RequestState(
+            request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params, self.tokenizer,
+            output_kind, parent, request.arrival_time)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -5,6 +5,7 @@ from typing import Optional
 
 import msgspec
 
+from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,3 +39,13 @@ class ParentRequest:
         child.request_id = self.request_id
         child.outputs = list(self._completions)
         return child
+
+
+def fan_out(request: EngineCoreRequest) -> tuple[Optional[ParentRequest], list[EngineCoreRequest]]:
+    """The engine requests behind one user request: itself, or (n > 1) its n children and their parent."""
+    params = request.sampling_params
+    if params.n == 1:
+        return None, [request]
+    parent = ParentRequest(request.request_id, params)
+    return parent, [msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(i))
+                    for i, child_id in enumerate(parent.child_ids)]
