@@ -92,7 +92,3 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.temperature == 0.0:
             return SamplingType.GREEDY
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        return set(self.stop_token_ids)

@@ -33,9 +33,6 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_requests()
-
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())

@@ -1,7 +1,7 @@
 """LLMEngine: the synchronous frontend — Processor in, EngineCore step, OutputProcessor out."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 
 from pagedllm.config import EngineConfig
@@ -21,7 +21,6 @@ class LLMEngine:
         self.processor = Processor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = make_sync_client(config)
-        self.last_stats: Optional[SchedulerStats] = None
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
@@ -33,7 +32,6 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
-        self.last_stats = outputs.scheduler_stats
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

@@ -144,9 +144,6 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.request_states)
-
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
                         iteration_stats: Optional[IterationStats] = None) -> OutputProcessorOutput:
         result = OutputProcessorOutput()
