@@ -99,6 +99,14 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
     priority: int = 0
+    # Accepted so that a request using them fails loudly (400) instead of being silently ignored: penalties,
+    # logit_bias, structured output and tools arrive with the sampling/structured-output work (issue 6).
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
 
     @property
     def include_usage(self) -> bool:
@@ -107,6 +115,7 @@ class SamplingRequest(OpenAIBaseModel):
     def _sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
                          renamed: Optional[dict[str, str]] = None) -> SamplingParams:
         """renamed: SamplingParams field -> this request's name for it, where they differ."""
+        self._reject_unsupported()
         try:
             return SamplingParams(
                 n=self.n if self.n is not None else 1,
@@ -124,6 +133,20 @@ class SamplingRequest(OpenAIBaseModel):
             if renamed and field in renamed:
                 raise ValueError(f"{renamed[field]} {rest}") from e
             raise
+
+
+    def _reject_unsupported(self) -> None:
+        unsupported = {
+            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
+            "presence_penalty": self.presence_penalty not in (None, 0.0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": bool(self.response_format) and self.response_format.get("type") != "text",
+            "tools": bool(self.tools),
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(f"{name} is not supported by this server yet; leave it unset.")
 
 
 # ------------------------------------------------------------------------------------------------ completions
