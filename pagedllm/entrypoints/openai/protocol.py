@@ -72,6 +72,11 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
     completion_tokens: Optional[int] = 0
 
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
 
 class StreamOptions(OpenAIBaseModel):
     include_usage: Optional[bool] = True

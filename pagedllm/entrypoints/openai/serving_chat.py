@@ -77,8 +77,7 @@ class OpenAIServingChat(OpenAIServing):
             if request.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                                    total_tokens=num_prompt_tokens + num_completion_tokens),
+                    usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)
@@ -99,8 +98,7 @@ class OpenAIServingChat(OpenAIServing):
         num_completion_tokens = sum(len(o.token_ids) for o in outputs)
         return ChatCompletionResponse(
             id=request_id, model=model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                            total_tokens=num_prompt_tokens + num_completion_tokens),
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
             prompt_logprobs=self._prompt_logprobs(final.prompt_logprobs))
 
     def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput

@@ -95,8 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_prompt_tokens = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(
                     id=request_id, object="text_completion", created=created, model=model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                                    total_tokens=num_prompt_tokens + num_completion_tokens),
+                    usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)
@@ -124,8 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt_tokens = sum(len(ids) for _, ids in prompts)
         return CompletionResponse(
             id=request_id, model=model_name, choices=choices,
-            usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                            total_tokens=num_prompt_tokens + num_completion_tokens))
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens))
 
     def _logprobs(self, request: CompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs],
                   text_offset: int) -> Optional[CompletionLogProbs]:
