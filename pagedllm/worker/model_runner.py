@@ -118,8 +118,6 @@ class ModelRunner:
         sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:n])[0]
         prompt_logprobs_dict = self._prompt_logprobs(hidden_states, query_start_loc, num_scheduled)
         batch.num_computed_tokens[:n] = seq_lens
-        for i in range(n):
-            batch.states[i].num_computed_tokens = int(seq_lens[i])
 
         sampled_token_ids: list[list[int]] = [[] for _ in range(n)]
         logprobs_per_req = None
