@@ -6,6 +6,8 @@ from typing import Optional, Union
 
 import msgspec
 
+from pagedllm.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
@@ -20,7 +22,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters, as in vLLM. A msgspec Struct so it crosses process boundaries cheaply.
 
     temperature 0 means greedy. top_k 0 or -1 means no top-k. logprobs/prompt_logprobs ask for that many
-    top alternatives (the sampled/prompt token's own logprob is always included).
+    top alternatives (the sampled/prompt token's own logprob is always included). presence/frequency penalties
+    count output tokens; repetition_penalty also counts prompt tokens. logit_bias values are clamped to
+    [-100, 100] as OpenAI does; its keys, allowed_token_ids and bad_words are checked against the vocabulary
+    by the Processor, which also tokenizes bad_words.
     """
 
     n: int = 1
@@ -40,6 +45,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    # Set by the Processor: each bad word as token ids, with and without a leading space.
+    _bad_words_token_ids: Optional[list[list[int]]] = None
+    # The output must match this JSON schema / regex / choice / grammar (see StructuredOutputsParams).
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +65,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = _int_keys_clamped(self.logit_bias)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other knobs cannot change the argmax, so normalise them away.
@@ -86,9 +103,32 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("stop", "cannot contain an empty string.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                bad(name, f"must be in [-2, 2], got {value}.")
+        if not self.repetition_penalty > 0.0:
+            bad("repetition_penalty", f"must be greater than zero, got {self.repetition_penalty}.")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or any(not isinstance(t, int) for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids}.")
+        if self.bad_words is not None and any(not isinstance(w, str) for w in self.bad_words):
+            bad("bad_words", f"must be a list of strings, got {self.bad_words!r}.")
+
+    @property
+    def bad_words_token_ids(self) -> Optional[list[list[int]]]:
+        return self._bad_words_token_ids
 
     @property
     def sampling_type(self) -> SamplingType:
         if self.temperature == 0.0:
             return SamplingType.GREEDY
         return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+
+def _int_keys_clamped(logit_bias: dict) -> dict[int, float]:
+    """Token ids as ints (JSON sends them as strings) and biases clamped to [-100, 100], as vLLM does."""
+    try:
+        return {int(token_id): min(100.0, max(-100.0, float(bias))) for token_id, bias in logit_bias.items()}
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias keys must be token ids (integers), got {list(logit_bias)!r}.") from None

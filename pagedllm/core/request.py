@@ -3,14 +3,19 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from pagedllm.engine.protocol import FinishReason
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output.request import StructuredOutputRequest
+
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Waiting for its grammar to compile (structured output); the scheduler skips it until then.
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this is finished.
@@ -80,6 +85,8 @@ class Request:
         self.first_scheduled_time = 0.0
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []
+        # Set by the StructuredOutputManager when the request has structured_outputs.
+        self.structured_output_request: Optional["StructuredOutputRequest"] = None
         self._block_hasher = block_hasher
         self._update_block_hashes()
 

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Optional
 
 import msgspec
 
+from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.exceptions import EngineDeadError
@@ -91,6 +92,27 @@ class AsyncLLM:
             self._queues.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0
+                          ) -> AsyncIterator[RequestOutput]:
+        """vLLM's frontend beam search (see pagedllm.beam_search): yields one finished RequestOutput whose
+        outputs are the beam_width best beams, best first. Each step runs the live beams concurrently."""
+        text, token_ids = self.processor.tokenize(prompt)
+        instance = BeamSearchInstance(token_ids, params, self.processor.eos_token_id)
+        step_params = params.step_sampling_params()
+
+        async def last_output(token_ids: list[int], beam_request_id: str) -> RequestOutput:
+            async for output in self.generate({"prompt_token_ids": token_ids}, step_params, beam_request_id,
+                                              priority, RequestOutputKind.FINAL_ONLY):
+                pass
+            return output
+
+        step = 0
+        while not instance.finished:
+            instance.step(await asyncio.gather(*(last_output(beam.tokens, f"{request_id}-{step}-{i}")
+                                                 for i, beam in enumerate(instance.beams))))
+            step += 1
+        yield instance.request_output(request_id, text, self.tokenizer)
 
     def _add_request(self, request_id: str, text: Optional[str], request, output_kind: RequestOutputKind) -> None:
         parent, requests = fan_out(request)

@@ -10,6 +10,8 @@ from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.uniproc import UniProcExecutor
+from pagedllm.models.hf_config import load_tokenizer
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +23,10 @@ class EngineCore:
         num_blocks = config.cache_config.num_blocks or self.executor.determine_num_kv_blocks()
         config.cache_config.num_blocks = num_blocks
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        model_config = config.model_config
+        self.structured_output_manager = StructuredOutputManager(
+            lambda: load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager)
         self._block_hasher = make_block_hasher(config.cache_config.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -37,6 +42,9 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # Only requests whose grammars are compiling: sleep until one is ready rather than spin.
+            self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammars(), timeout=0.01)
         model_runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
@@ -47,4 +55,5 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -1,15 +1,14 @@
 """LLMEngine: the synchronous frontend — Processor in, EngineCore step, OutputProcessor out."""
 from __future__ import annotations
 
-from typing import Any
-
+from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import make_sync_client
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
-from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -24,7 +23,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        text, request = self.processor.process(request_id, prompt, params, priority=priority)
+        self.add_processed_request(*self.processor.process(request_id, prompt, params, priority=priority),
+                                   output_kind)
+
+    def add_processed_request(self, text: Optional[str], request: EngineCoreRequest,
+                              output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        """Queues a request the Processor has already validated and tokenized."""
         parent, requests = fan_out(request)
         for index, engine_request in enumerate(requests):
             self.output_processor.add_request(engine_request, text, output_kind, index, parent)

@@ -9,6 +9,7 @@ import msgspec
 from pagedllm.config import ModelConfig
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt is text, or pre-tokenized as {"prompt_token_ids": [...]} (optionally with "prompt" text).
 PromptType = Union[str, dict]
@@ -53,10 +54,38 @@ class Processor:
         if bad:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (size {vocab_size}).")
 
+    def process_sampling_controls(self, params: SamplingParams) -> SamplingParams:
+        """Checks logit_bias and allowed_token_ids against the vocabulary (SamplingParams does not know it) and
+        tokenizes bad_words for the engine."""
+        for name, token_ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            self._check_in_vocab(name, token_ids or ())
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer to be turned into token ids.")
+        bad_words_token_ids = []
+        for word in filter(None, (w.lstrip() for w in params.bad_words)):
+            # As vLLM: ban the word at the start of the text and after a space, which tokenize differently.
+            for text in (word, " " + word):
+                token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if token_ids and token_ids not in bad_words_token_ids:
+                    bad_words_token_ids.append(token_ids)
+        self._check_in_vocab("bad_words", [t for token_ids in bad_words_token_ids for t in token_ids])
+        return msgspec.structs.replace(params, _bad_words_token_ids=bad_words_token_ids)
+
+    def _check_in_vocab(self, name: str, token_ids) -> None:
+        vocab_size = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} contains out-of-vocabulary token ids {bad} (vocabulary size {vocab_size}).")
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None, priority: int = 0) -> tuple[Optional[str], EngineCoreRequest]:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
+        params = self.process_sampling_controls(params)
         if params.max_tokens is None:
             # Fill the context: the scheduler stops the request at max_model_len.
             params = msgspec.structs.replace(params, max_tokens=self.model_config.max_model_len - len(token_ids))

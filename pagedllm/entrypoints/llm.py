@@ -1,4 +1,4 @@
-"""LLM: the offline API, as vLLM users know it — generate(), chat(), reset_prefix_cache()."""
+"""LLM: the offline API, as vLLM users know it — generate(), chat(), beam_search(), reset_prefix_cache()."""
 from __future__ import annotations
 
 import itertools
@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
@@ -52,15 +53,13 @@ class LLM:
                                  "pass one, or one per prompt.")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts.")
-        # Validate everything before anything is queued, so a bad prompt leaves no request behind.
-        for prompt in prompts:
-            self.llm_engine.processor.validate_prompt(self.llm_engine.processor.tokenize(prompt)[1])
-        request_ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            request_id = str(next(self._request_counter))
-            self.llm_engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
-            request_ids.append(request_id)
-        return self._run_engine(request_ids, use_tqdm)
+        # Process (validate) everything before anything is queued, so bad input leaves no request behind.
+        processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
+                                                       priority=priority[i] if priority else 0)
+                     for i, (prompt, params) in enumerate(zip(prompts, params_list))]
+        for text, request in processed:
+            self.llm_engine.add_processed_request(text, request)
+        return self._run_engine([request.request_id for _, request in processed], use_tqdm)
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
@@ -76,6 +75,34 @@ class LLM:
                 continue_final_message=continue_final_message, return_dict=False)
             prompts.append({"prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's frontend beam search (see pagedllm.beam_search): each step runs every live beam of every prompt
+        as one batch of one-token requests. Outputs come back in the order of the prompts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        processor = self.llm_engine.processor
+        instances = []
+        for prompt in prompts:
+            token_ids = processor.tokenize(prompt)[1]
+            processor.validate_prompt(token_ids)
+            if len(token_ids) + params.max_tokens > processor.model_config.max_model_len:
+                raise ValueError(f"max_tokens must fit in max_model_len={processor.model_config.max_model_len} "
+                                 f"after the prompt's {len(token_ids)} tokens, got {params.max_tokens}.")
+            instances.append(BeamSearchInstance(token_ids, params, processor.eos_token_id))
+        step_params = params.step_sampling_params()
+        for _ in tqdm(range(params.max_tokens), desc="Beam search steps", disable=not use_tqdm):
+            live = [instance for instance in instances if not instance.finished]
+            if not live:
+                break
+            beams = [beam for instance in live for beam in instance.beams]
+            outputs = self.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params, use_tqdm=False)
+            for instance in live:
+                num_beams = len(instance.beams)
+                instance.step(outputs[:num_beams])
+                outputs = outputs[num_beams:]
+        return [instance.output(self.tokenizer) for instance in instances]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

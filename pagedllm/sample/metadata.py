@@ -1,9 +1,24 @@
 """SamplingMetadata: the batch's sampling settings as tensors, built once per step by the model runner."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass
+class PenaltyMetadata:
+    """The presence/frequency/repetition penalties of the rows that use one; other rows are left alone."""
+
+    # [P] int64: the rows (of the step's logits) these penalties apply to.
+    rows: torch.Tensor
+    # [P] float32 each.
+    presence_penalties: torch.Tensor
+    frequency_penalties: torch.Tensor
+    repetition_penalties: torch.Tensor
+    # [P, L] int64 each, padded with vocab_size: the prompt tokens, and the tokens generated so far.
+    prompt_token_ids: torch.Tensor
+    output_token_ids: torch.Tensor
 
 
 @dataclass
@@ -29,3 +44,12 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # Row -> token ids (EOS and stop tokens) to suppress because the request is still under min_tokens.
     min_tokens_mask: dict[int, set[int]]
+    # Row -> its allowed token ids ([n] int64), for rows with allowed_token_ids.
+    allowed_token_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Row -> its bad words as token-id sequences; output_token_ids (every row's, only when some row has bad
+    # words) tells which sequences the next token would complete.
+    bad_words_token_ids: dict[int, list[list[int]]] = field(default_factory=dict)
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    # Row -> (token ids [n] int64, biases [n] float32), for rows with a logit_bias.
+    logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    penalties: PenaltyMetadata | None = None

@@ -1,24 +1,64 @@
-"""Logits masks applied before sampling: min_tokens, top-k, top-p and min-p, all batched over rows.
+"""Logits changes applied before sampling, all batched over rows: allowed_token_ids, bad_words, min_tokens and
+logit_bias (per-request token lists), then top-k, top-p and min-p.
 
-Each returns logits with the dropped tokens set to -inf; none loops over the vocabulary in Python.
+Masks set the dropped tokens to -inf, in place; none loops over the vocabulary in Python.
 """
 from __future__ import annotations
 
 import torch
 
 
-def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, set[int]]) -> torch.Tensor:
-    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early.
-
-    Returns a masked copy: the caller's logits stay raw for logprobs.
-    """
-    pairs = [(row, token_id) for row, token_ids in min_tokens_mask.items() for token_id in token_ids]
-    if not pairs:
+def apply_allowed_token_ids(logits: torch.Tensor, allowed_token_ids: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Drop every token outside each row's allowed_token_ids. In place; rows without the knob are untouched."""
+    if not allowed_token_ids:
         return logits
-    rows, cols = zip(*pairs)
-    logits = logits.clone()
-    logits[rows, cols] = float("-inf")
+    rows = torch.tensor(list(allowed_token_ids))
+    token_ids = list(allowed_token_ids.values())
+    allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool)
+    allowed[_repeat_rows(torch.arange(len(rows)), token_ids), torch.cat(token_ids)] = True
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
     return logits
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """Drop the token that would complete a bad word: a one-token word always, a longer one when the row's
+    output ends with the rest of it. In place. Loops over each row's bad words, as vLLM does."""
+    pairs = []
+    for row, bad_words in bad_words_token_ids.items():
+        past = output_token_ids[row]
+        for word in bad_words:
+            prefix_len = len(word) - 1
+            if prefix_len <= len(past) and past[len(past) - prefix_len:] == word[:-1]:
+                pairs.append((row, word[-1]))
+    return _drop(logits, pairs)
+
+
+def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, set[int]]) -> torch.Tensor:
+    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early. In place."""
+    return _drop(logits, [(row, token_id) for row, token_ids in min_tokens_mask.items() for token_id in token_ids])
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]]
+                     ) -> torch.Tensor:
+    """Add each row's logit_bias to its tokens. In place."""
+    if not logit_bias:
+        return logits
+    token_ids, biases = zip(*logit_bias.values())
+    rows = _repeat_rows(torch.tensor(list(logit_bias)), token_ids)
+    return logits.index_put_((rows, torch.cat(token_ids)), torch.cat(biases), accumulate=True)
+
+
+def _drop(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    if pairs:
+        rows, cols = zip(*pairs)
+        logits[rows, cols] = float("-inf")
+    return logits
+
+
+def _repeat_rows(rows: torch.Tensor, token_ids: list[torch.Tensor]) -> torch.Tensor:
+    """Row index of each token in torch.cat(token_ids)."""
+    return rows.repeat_interleave(torch.tensor([len(t) for t in token_ids]))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,9 @@ from torch import nn
 
 from pagedllm.sample.logprobs import LogprobsTensors, compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import apply_min_p, apply_min_tokens, apply_top_k_top_p
+from pagedllm.sample.ops import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_p,
+                                 apply_min_tokens, apply_top_k_top_p)
+from pagedllm.sample.penalties import apply_penalties
 
 _SAMPLING_EPS = 1e-5
 
@@ -22,7 +24,8 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples as vLLM V1 does: min_tokens mask, then greedy argmax or temperature -> top-k -> top-p -> min-p.
+    """Samples as vLLM V1 does: allowed_token_ids, bad_words, min_tokens, logit_bias and penalties, then greedy
+    argmax or temperature -> top-k -> top-p -> min-p.
 
     Logprobs are taken from the raw logits (vLLM's default "raw_logprobs"), so they do not depend on the
     sampling knobs. The input logits are not modified.
@@ -30,12 +33,26 @@ class Sampler(nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits
-        logits = apply_min_tokens(logits, metadata.min_tokens_mask)
-        sampled = self.sample(logits, metadata)
+        sampled = self.sample(self.process_logits(logits, metadata), metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = compute_token_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The per-request controls, on one copy of the logits (none when no row uses any); rows without
+        controls keep their logits bit for bit."""
+        if not (metadata.allowed_token_ids or metadata.bad_words_token_ids or metadata.min_tokens_mask
+                or metadata.logit_bias or metadata.penalties is not None):
+            return logits
+        logits = logits.clone()
+        apply_allowed_token_ids(logits, metadata.allowed_token_ids)
+        apply_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
+        apply_min_tokens(logits, metadata.min_tokens_mask)
+        apply_logit_bias(logits, metadata.logit_bias)
+        if metadata.penalties is not None:
+            apply_penalties(logits, metadata.penalties)
+        return logits
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)

@@ -6,12 +6,13 @@ so building a step's inputs is array slicing rather than per-token Python.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 
@@ -34,11 +35,23 @@ class CachedRequestState:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    # Built once, on first use, rather than every step the request is sampled.
+    @cached_property
+    def allowed_token_ids(self) -> torch.Tensor:
+        return torch.tensor(self.sampling_params.allowed_token_ids, dtype=torch.int64)
+
+    @cached_property
+    def logit_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.sampling_params.logit_bias
+        return torch.tensor(list(bias), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32)
+
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int
+                 ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         self.req_ids: list[str] = []
         self.req_id_to_index: dict[str, int] = {}
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
@@ -51,6 +64,9 @@ class InputBatch:
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.presence_penalties = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalties = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalties = np.ones(max_num_reqs, dtype=np.float32)
         self.states: list[CachedRequestState] = []
 
     @property
@@ -79,6 +95,9 @@ class InputBatch:
         self.top_p[i] = params.top_p
         self.top_k[i] = params.top_k
         self.min_p[i] = params.min_p
+        self.presence_penalties[i] = params.presence_penalty
+        self.frequency_penalties[i] = params.frequency_penalty
+        self.repetition_penalties[i] = params.repetition_penalty
 
     def set_block_ids(self, i: int, block_ids: list[int]) -> None:
         self.block_table[i, :len(block_ids)] = block_ids
@@ -95,7 +114,8 @@ class InputBatch:
         if len(keep) == self.num_reqs:
             return
         for arr in (self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.block_table, self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p):
+                    self.block_table, self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p,
+                    self.presence_penalties, self.frequency_penalties, self.repetition_penalties):
             arr[:len(keep)] = arr[keep]
         self.req_ids = [self.req_ids[i] for i in keep]
         self.states = [self.states[i] for i in keep]
@@ -125,7 +145,7 @@ class InputBatch:
         generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
         max_num_logprobs = max((s.sampling_params.logprobs for s in states
                                 if s.sampling_params.logprobs is not None), default=None)
-        min_tokens_mask = {}
+        min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias = {}, {}, {}, {}
         for row, s in enumerate(states):
             params = s.sampling_params
             if len(s.output_token_ids) < params.min_tokens:
@@ -134,6 +154,36 @@ class InputBatch:
                     suppressed.add(s.eos_token_id)
                 if suppressed:
                     min_tokens_mask[row] = suppressed
+            if params.allowed_token_ids:
+                allowed_token_ids[row] = s.allowed_token_ids
+            if params.bad_words_token_ids:
+                bad_words_token_ids[row] = params.bad_words_token_ids
+            if params.logit_bias:
+                logit_bias[row] = s.logit_bias
+        output_token_ids = [s.output_token_ids for s in states] if bad_words_token_ids else []
         return SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
                                 top_p=top_p, top_k=top_k, min_p=min_p, generators=generators,
-                                max_num_logprobs=max_num_logprobs, min_tokens_mask=min_tokens_mask)
+                                max_num_logprobs=max_num_logprobs, min_tokens_mask=min_tokens_mask,
+                                allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids,
+                                output_token_ids=output_token_ids, logit_bias=logit_bias,
+                                penalties=self._penalty_metadata(rows))
+
+    def _penalty_metadata(self, rows: np.ndarray) -> Optional[PenaltyMetadata]:
+        """Penalties of the sampled rows that use one, with their prompt and output tokens cut from token_ids."""
+        uses = ((self.presence_penalties[rows] != 0.0) | (self.frequency_penalties[rows] != 0.0)
+                | (self.repetition_penalties[rows] != 1.0))
+        if not uses.any():
+            return None
+        logits_rows = np.nonzero(uses)[0]
+        batch_rows = rows[logits_rows]
+        num_prompt = self.num_prompt_tokens[batch_rows, None]
+        num_tokens = self.num_tokens[batch_rows, None]
+        position = np.arange(int(num_tokens.max()))
+        token_ids = self.token_ids[batch_rows, :len(position)]
+        prompt = np.where(position < num_prompt, token_ids, self.vocab_size)
+        output = np.where((position >= num_prompt) & (position < num_tokens), token_ids, self.vocab_size)
+        return PenaltyMetadata(rows=torch.from_numpy(logits_rows),
+                               presence_penalties=torch.from_numpy(self.presence_penalties[batch_rows]),
+                               frequency_penalties=torch.from_numpy(self.frequency_penalties[batch_rows]),
+                               repetition_penalties=torch.from_numpy(self.repetition_penalties[batch_rows]),
+                               prompt_token_ids=torch.from_numpy(prompt), output_token_ids=torch.from_numpy(output))

@@ -18,6 +18,7 @@ from pagedllm.models.loader import get_model
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingType
+from pagedllm.structured_output.backend_xgrammar import apply_bitmask
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -29,7 +30,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         max_model_len = self.model_config.max_model_len
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len,
-                                      cdiv(max_model_len, self.block_size))
+                                      cdiv(max_model_len, self.block_size), self.model_config.vocab_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.model = None
@@ -123,6 +124,8 @@ class ModelRunner:
         logprobs_per_req = None
         if len(sample_rows):
             logits = self.model.compute_logits(hidden_states[torch.from_numpy(cu_num_tokens[sample_rows] - 1)])
+            if so.grammar_bitmask is not None:
+                self._apply_grammar_bitmask(logits, sample_rows, so)
             sampler_output = self.sampler(logits, batch.make_sampling_metadata(sample_rows))
             tokens = sampler_output.sampled_token_ids.tolist()
             for row, token in zip(sample_rows.tolist(), tokens):
@@ -133,6 +136,19 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=list(batch.req_ids), req_id_to_index=dict(batch.req_id_to_index),
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict)
+
+    def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput) -> None:
+        """Structured-output rows may only sample what their grammar allows; other rows are left untouched."""
+        bitmask_row_of = so.structured_output_request_ids
+        req_ids = self.input_batch.req_ids
+        logits_rows, bitmask_rows = [], []
+        for logits_row, batch_row in enumerate(sample_rows.tolist()):
+            bitmask_row = bitmask_row_of.get(req_ids[batch_row])
+            if bitmask_row is not None:
+                logits_rows.append(logits_row)
+                bitmask_rows.append(bitmask_row)
+        if logits_rows:
+            apply_bitmask(logits, so.grammar_bitmask[bitmask_rows], logits_rows)
 
     def _split_logprobs(self, sample_rows: np.ndarray, lists: LogprobsLists) -> list:
         """Per batch row: its sampled token's logprobs row, cut to the k it asked for (None if it did not)."""

@@ -25,10 +25,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 3 + 1}, "max_tokens"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
-    # Not implemented yet: refused rather than silently ignored.
-    ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 0.5}, "frequency_penalty"),
-    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"42": 5}}, "logit_bias"),
-    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"banana": 5}}, "logit_bias"),
+    # Checked against the vocabulary by the engine's Processor.
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {str(10 ** 6): 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": HI, "allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, "response_format.type"),
 ]
 
 

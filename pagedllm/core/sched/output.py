@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
 
@@ -53,3 +55,7 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     # Requests preempted in this step: workers drop them from the batch but may keep their state.
     preempted_req_ids: set[str]
+    # Structured output: req_id -> its row of grammar_bitmask ([rows, ceil(vocab/32)] int32, bit set = allowed),
+    # for the requests that sample this step.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Optional[torch.Tensor] = None

@@ -6,9 +6,10 @@ run out, the lowest-priority running request is preempted by recompute.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
@@ -20,9 +21,15 @@ from pagedllm.core.sched.utils import check_stop
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pagedllm.worker.outputs import ModelRunnerOutput
 
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
+
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 structured_output_manager: Optional["StructuredOutputManager"] = None) -> None:
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the Scheduler")
         self.scheduler_config = scheduler_config
@@ -42,18 +49,29 @@ class Scheduler:
         # Outputs for requests refused at admission, delivered with the next update_from_output().
         self._rejected_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        self.structured_output_manager = structured_output_manager
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
         error = self._admission_error(request)
         if error is not None:
-            request.status = RequestStatus.FINISHED_IGNORED
-            request.error = error
-            self._rejected_outputs.append(EngineCoreOutput(
-                request.request_id, [], finish_reason=request.get_finished_reason(), error=error))
+            self._reject(request, error)
             return
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_output_manager is None:
+                self._reject(request, "structured output is not enabled in this engine.")
+                return
+            self.structured_output_manager.grammar_init(request)
+            request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
+
+    def _reject(self, request: Request, error: str) -> None:
+        """Finishes a request that can never run; its output (with the error) goes out with the next update."""
+        request.status = RequestStatus.FINISHED_IGNORED
+        request.error = error
+        self._rejected_outputs.append(EngineCoreOutput(
+            request.request_id, [], finish_reason=request.get_finished_reason(), error=error))
 
     def _admission_error(self, request: Request) -> Optional[str]:
         """Why a request can never run, if so; such a request would otherwise wait or preempt forever."""
@@ -144,10 +162,18 @@ class Scheduler:
         # Then waiting requests, unless this step had to preempt (the cache is too tight to admit more).
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
+        skipped_waiting: list[Request] = []
         while not preempted and self.waiting and token_budget > 0:
             if len(self.running) >= self.max_num_running_reqs:
                 break
             request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
+                if request.is_finished():  # its grammar failed to compile
+                    self.waiting.pop_request()
+                    self._free_request(request)
+                else:
+                    skipped_waiting.append(self.waiting.pop_request())
+                continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
@@ -167,14 +193,45 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_blocks_of[request.request_id] = new_blocks
             token_budget -= num_new_tokens
+        for request in reversed(skipped_waiting):  # back at the front, in their order
+            self.waiting.prepend_request(request)
 
         output = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
                                    new_blocks_of, preempted)
+        self._add_grammar_bitmask(output)
         # Advance at schedule time: the step's KV will exist by the time the next step is planned.
         for req_id, n in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         self.finished_req_ids = set()
         return output
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Moves a request whose grammar has compiled back to WAITING; one whose compile failed is finished."""
+        try:
+            ready = request.structured_output_request.is_ready()
+        except ValueError as e:
+            self._reject(request, str(e))
+            return False
+        if ready:
+            request.status = RequestStatus.WAITING
+        return ready
+
+    def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
+        """Fills the token bitmask of structured-output requests that sample this step (their scheduled tokens
+        reach the end of what is known; a prefill chunk short of the prompt's end samples nothing)."""
+        if self.structured_output_manager is None:
+            return
+        requests = self.requests
+        sampling = [requests[req_id] for req_id, n in output.num_scheduled_tokens.items()
+                    if requests[req_id].structured_output_request is not None
+                    and requests[req_id].num_computed_tokens + n >= requests[req_id].num_tokens]
+        if sampling:
+            output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(sampling)}
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+
+    def waiting_for_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
 
     def _cap_new_tokens(self, request: Request, num_new_tokens: int, token_budget: int,
                         num_computed_tokens: Optional[int] = None) -> int:
@@ -241,9 +298,11 @@ class Scheduler:
             i = index_of[req_id]
             new_token_ids = sampled_token_ids[i]
             finish_reason = None
+            so_request = request.structured_output_request
             for num_appended, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_id(token_id)
-                if check_stop(request, max_model_len):
+                if check_stop(request, max_model_len) or (
+                        so_request is not None and self._grammar_finished(request, token_id)):
                     del new_token_ids[num_appended:]
                     finish_reason = request.get_finished_reason()
                     stopped_requests.append(request)
@@ -261,6 +320,18 @@ class Scheduler:
             for request in stopped_requests:
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    @staticmethod
+    def _grammar_finished(request: Request, token_id: int) -> bool:
+        """Advances the request's grammar; the request is done once the grammar is complete."""
+        grammar = request.structured_output_request.grammar
+        if not grammar.accept_token(token_id):
+            logger.error("request %s: token %d does not follow its grammar; stopping it", request.request_id,
+                         token_id)
+        elif not grammar.is_terminated():
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

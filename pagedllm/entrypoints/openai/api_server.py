@@ -96,7 +96,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(engine_client: Any, registry: CollectorRegistry, served_model_names: list[str],
-              chat_template: Optional[str] = None, api_key: Optional[str] = None) -> FastAPI:
+              chat_template: Optional[str] = None, api_key: Optional[str] = None,
+              tool_call_parser: Optional[str] = None) -> FastAPI:
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
     register_exception_handlers(app)
@@ -108,7 +109,7 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     state.engine_client = engine_client
     state.registry = registry
     state.openai_serving_models = models
-    state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template)
+    state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
     return app
@@ -139,7 +140,8 @@ async def run_server(args: argparse.Namespace) -> None:
     engine_client = AsyncLLM.from_engine_args(
         engine_args_from(args), stat_loggers=[PrometheusStatLogger(served_model_names[0], registry)])
     try:
-        app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key)
+        app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
+                        args.tool_call_parser)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5)
         logger.info("Serving %s as %s on http://%s:%d", args.model, ", ".join(served_model_names), args.host,

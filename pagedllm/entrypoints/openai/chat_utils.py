@@ -39,12 +39,14 @@ def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
 
 
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
-                        add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
-    """Raises ValueError when the conversation is malformed or the template rejects it."""
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+    """Raises ValueError when the conversation is malformed or the template rejects it. Tools (OpenAI's shape)
+    are given to templates that describe them to the model."""
     turns = conversation(messages)
     try:
         token_ids = tokenizer.apply_chat_template(
-            turns, chat_template=chat_template, tokenize=True, return_dict=False,
+            turns, chat_template=chat_template, tokenize=True, return_dict=False, tools=tools or None,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message)
     except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...

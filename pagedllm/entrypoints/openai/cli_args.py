@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.models.resolve import DEFAULT_MODEL
 
 # EngineArgs fields that `serve` exposes as --flags.
@@ -23,6 +24,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="require `Authorization: Bearer <key>` on /v1/* requests")
     server.add_argument("--chat-template", default=None,
                         help="a Jinja chat template, or a file holding one, instead of the model's")
+    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="the format tool calls take in free text, for tool_choice 'auto' "
+                             "(default: detected from the chat template)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 

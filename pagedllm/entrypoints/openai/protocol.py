@@ -11,7 +11,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaToolCall, NamedToolChoice,
+                                                       ToolCall)
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 
 def random_uuid() -> str:
@@ -82,6 +86,28 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: Optional[bool] = True
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute in pydantic, hence the alias.
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaResponseFormat] = None
+
+    def to_structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None or self.json_schema.json_schema is None:
+            raise ValueError("response_format.json_schema.schema is required when type is json_schema.")
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The fields chat and completion requests share; None means the default."""
 
@@ -104,23 +130,70 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
     priority: int = 0
-    # Accepted so that a request using them fails loudly (400) instead of being silently ignored: penalties,
-    # logit_bias, structured output and tools arrive with the sampling/structured-output work (issue 6).
+    # vLLM's beam search extras: n beams, best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
+    # Token id (a string in JSON) -> bias; SamplingParams turns the keys into ints.
     logit_bias: Optional[dict[str, float]] = None
-    response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
+    response_format: Optional[ResponseFormat] = None
+    # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}.
+    structured_outputs: Optional[dict[str, Any]] = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_tokens"
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """As vLLM's: beam_width is n; the sampling knobs do not apply. Logprobs are refused rather than left out."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name, None)
+            if value is not None and value is not False:
+                raise ValueError(f"{name} is not supported with use_beam_search.")
+        if self.structured_outputs_params() is not None:
+            name = "structured_outputs" if self.structured_outputs is not None else "response_format"
+            raise ValueError(f"{name} is not supported with use_beam_search.")
+        try:
+            return BeamSearchParams(
+                beam_width=self.n if self.n is not None else 1, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                temperature=self.temperature if self.temperature is not None else 0.0,
+                length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            field, _, rest = str(e).partition(" ")
+            renamed = {"beam_width": "n", "max_tokens": self.max_tokens_param}
+            raise ValueError(f"{renamed.get(field, field)} {rest}") from e
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The output constraint asked for with response_format or structured_outputs (not both)."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.type != "text":
+                raise ValueError("structured_outputs cannot be combined with response_format; use one.")
+            if not isinstance(self.structured_outputs, dict):
+                raise ValueError("structured_outputs must be an object.")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if self.response_format is not None:
+            return self.response_format.to_structured_outputs()
+        return None
+
     def _sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
-                         renamed: Optional[dict[str, str]] = None) -> SamplingParams:
-        """renamed: SamplingParams field -> this request's name for it, where they differ."""
-        self._reject_unsupported()
+                         renamed: Optional[dict[str, str]] = None,
+                         structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """renamed: SamplingParams field -> this request's name for it, where they differ. structured_outputs
+        overrides the request's own constraint (tool calls bring theirs)."""
+        if structured_outputs is None:
+            structured_outputs = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n if self.n is not None else 1,
@@ -132,26 +205,16 @@ class SamplingRequest(OpenAIBaseModel):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+                logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                structured_outputs=structured_outputs)
         except ValueError as e:
             field, _, rest = str(e).partition(" ")
             if renamed and field in renamed:
                 raise ValueError(f"{renamed[field]} {rest}") from e
             raise
-
-
-    def _reject_unsupported(self) -> None:
-        unsupported = {
-            "frequency_penalty": self.frequency_penalty not in (None, 0.0),
-            "presence_penalty": self.presence_penalty not in (None, 0.0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1.0),
-            "logit_bias": bool(self.logit_bias),
-            "response_format": bool(self.response_format) and self.response_format.get("type") != "text",
-            "tools": bool(self.tools),
-        }
-        for name, used in unsupported.items():
-            if used:
-                raise ValueError(f"{name} is not supported by this server yet; leave it unset.")
 
 
 # ------------------------------------------------------------------------------------------------ completions
@@ -234,6 +297,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: Optional[list[ChatCompletionToolsParam]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = True
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -243,17 +309,24 @@ class ChatCompletionRequest(SamplingRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int,
+                           tool_call_constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
+        """tool_call_constraint: the grammar a required/named tool_choice imposes."""
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
+        if tool_call_constraint is not None and self.structured_outputs_params() is not None:
+            raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format "
+                             "or structured_outputs.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs,
-                                     {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param})
+                                     {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param},
+                                     tool_call_constraint)
 
 
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -291,6 +364,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

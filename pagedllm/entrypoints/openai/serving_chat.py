@@ -16,39 +16,52 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
 from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, check_output, sse,
                                                         sse_error)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.tool_calls import (ToolCallParser, ToolChoice, detect_tool_call_parser,
+                                                    resolve_tool_choice)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str]) -> None:
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
+                 tool_call_parser: Optional[str] = None) -> None:
         super().__init__(engine_client, models)
         self.chat_template = chat_template
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.tool_call_parser = tool_call_parser or detect_tool_call_parser(
+            template if isinstance(template, str) else None)
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
         """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""
         model_name = self.models.check_model(request.model)
         try:
-            prompt_token_ids = apply_chat_template(self.tokenizer, request.messages, self.chat_template,
-                                                   request.add_generation_prompt, request.continue_final_message)
+            tool_choice = resolve_tool_choice(request.tools, request.tool_choice, request.parallel_tool_calls,
+                                              self.tool_call_parser)
+            tool_constraint = tool_choice.structured_outputs() if tool_choice else None
+        except ValueError as e:
+            raise BadRequestError(str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from e
+        try:
+            prompt_token_ids = apply_chat_template(
+                self.tokenizer, request.messages, self.chat_template, request.add_generation_prompt,
+                request.continue_final_message, [t.model_dump(exclude_none=True) for t in request.tools or []])
         except ValueError as e:
             raise BadRequestError(str(e), "messages") from e
         max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages",
                                       request.max_tokens_param)
-        params = self._sampling_params(request, max_tokens)
+        params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
         request_id = f"chatcmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        results = await self._start(self.engine_client.generate(
-            {"prompt_token_ids": prompt_token_ids}, params, request_id, priority=request.priority,
-            output_kind=output_kind), "messages")
+        results = await self._start(self._generate(
+            {"prompt_token_ids": prompt_token_ids}, params, request_id, request.priority, output_kind), "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
-                                                         len(prompt_token_ids))
-        return await self.chat_completion_full_generator(request, results, request_id, model_name)
+                                                         len(prompt_token_ids), tool_choice)
+        return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                results: AsyncIterator[RequestOutput], request_id: str,
-                                               model_name: str, num_prompt_tokens: int) -> AsyncIterator[str]:
+                                               model_name: str, num_prompt_tokens: int,
+                                               tool_choice: Optional[ToolChoice]) -> AsyncIterator[str]:
         created = int(time.time())
         # With include_usage, every chunk carries "usage": null but the last, as from OpenAI.
         usage_field = {"usage": None} if request.include_usage else {}
@@ -59,6 +72,8 @@ class OpenAIServingChat(OpenAIServing):
                 choices=[choice], **usage_field).model_dump_json(exclude_unset=True))
 
         num_completion_tokens = 0
+        # One tool-call parser per choice, when tool calls are to be read out of the text.
+        parsers = [tool_choice.make_parser() if tool_choice else None for _ in range(request.n or 1)]
         try:
             for index in range(request.n or 1):
                 yield chunk(ChatCompletionResponseStreamChoice(
@@ -70,10 +85,10 @@ class OpenAIServingChat(OpenAIServing):
                     num_completion_tokens += len(output.token_ids)
                     if not output.text and not output.token_ids and output.finish_reason is None:
                         continue
+                    delta, finish_reason = self._stream_delta(output, parsers[output.index], tool_choice)
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=output.index, delta=DeltaMessage(content=output.text),
-                        logprobs=self._logprobs(request, output), finish_reason=output.finish_reason,
-                        stop_reason=output.stop_reason))
+                        index=output.index, delta=delta, logprobs=self._logprobs(request, output),
+                        finish_reason=finish_reason, stop_reason=output.stop_reason))
             if request.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[],
@@ -83,17 +98,39 @@ class OpenAIServingChat(OpenAIServing):
             yield sse_error(e)
         yield sse("[DONE]")
 
+    @staticmethod
+    def _stream_delta(output: CompletionOutput, parser: Optional[ToolCallParser],
+                      tool_choice: Optional[ToolChoice]) -> tuple[DeltaMessage, Optional[str]]:
+        """This step's delta of one choice: its text, or the content and tool calls a parser reads out of it."""
+        if parser is None:
+            return DeltaMessage(content=output.text), output.finish_reason
+        content, tool_calls = parser.feed(output.text)
+        if output.finish_reason is not None:
+            rest, more_calls = parser.finish()
+            content, tool_calls = content + rest, tool_calls + more_calls
+        delta = DeltaMessage(content=content or None, tool_calls=tool_calls or None)
+        return delta, tool_choice.finish_reason(parser.calls, output.finish_reason)
+
     async def chat_completion_full_generator(self, request: ChatCompletionRequest,
                                              results: AsyncIterator[RequestOutput], request_id: str,
-                                             model_name: str) -> ChatCompletionResponse:
+                                             model_name: str, tool_choice: Optional[ToolChoice]
+                                             ) -> ChatCompletionResponse:
         final = None
         async for res in results:  # FINAL_ONLY: one output, with all n choices
             check_output(res)
             final = res
         outputs = sorted(final.outputs, key=lambda o: o.index)
-        choices = [ChatCompletionResponseChoice(
-            index=o.index, message=ChatMessage(role="assistant", content=o.text), logprobs=self._logprobs(request, o),
-            finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in outputs]
+        choices = []
+        for o in outputs:
+            message, finish_reason = ChatMessage(role="assistant", content=o.text), o.finish_reason
+            parser = tool_choice.make_parser() if tool_choice else None
+            if parser is not None:
+                content, calls = parser.parse(o.text)
+                message = ChatMessage(role="assistant", content=content.strip() or None, tool_calls=calls)
+                finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
+            choices.append(ChatCompletionResponseChoice(
+                index=o.index, message=message, logprobs=self._logprobs(request, o), finish_reason=finish_reason,
+                stop_reason=o.stop_reason))
         num_prompt_tokens = len(final.prompt_token_ids)
         num_completion_tokens = sum(len(o.token_ids) for o in outputs)
         return ChatCompletionResponse(

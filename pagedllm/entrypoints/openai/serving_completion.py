@@ -32,8 +32,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         generators = [
-            self.engine_client.generate({"prompt": text, "prompt_token_ids": ids}, p, f"{request_id}-{i}",
-                                        priority=request.priority, output_kind=output_kind)
+            self._generate({"prompt": text, "prompt_token_ids": ids}, p, f"{request_id}-{i}", request.priority,
+                           output_kind)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         results = await self._start(merge_async_iterators(*generators), "prompt")
         if request.stream:

@@ -2,8 +2,10 @@
 generation so early errors are HTTP errors, and the SSE framing of streams."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional, TypeVar
+from typing import Any, AsyncIterator, Optional, TypeVar, Union
 
+from pagedllm.beam_search import BeamSearchParams
+from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.openai.errors import BadRequestError, to_openai_error
 from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -15,6 +17,11 @@ T = TypeVar("T")
 
 # Logprobs of -inf have no JSON form; OpenAI clients get this floor instead, as from vLLM.
 MIN_LOGPROB = -9999.0
+
+
+def named_field(error: ValueError) -> str:
+    """The request field a ValueError names first ("structured_outputs.json is invalid" -> structured_outputs)."""
+    return str(error).split(" ", 1)[0].split(".", 1)[0]
 
 
 def sse(data: str) -> str:
@@ -55,18 +62,33 @@ class OpenAIServing:
         return max_tokens
 
     @staticmethod
-    def _sampling_params(request: SamplingRequest, max_tokens: int) -> SamplingParams:
+    def _sampling_params(request: SamplingRequest, max_tokens: int, **kwargs
+                         ) -> Union[SamplingParams, BeamSearchParams]:
         try:
-            return request.to_sampling_params(max_tokens)
+            if request.use_beam_search:
+                if kwargs.get("tool_call_constraint") is not None:
+                    raise ValueError("tool_choice 'required' or a named function is not supported with "
+                                     "use_beam_search.")
+                return request.to_beam_search_params(max_tokens)
+            return request.to_sampling_params(max_tokens, **kwargs)
         except ValueError as e:
-            raise BadRequestError(str(e), str(e).split(" ", 1)[0]) from e
+            raise BadRequestError(str(e), named_field(e)) from e
+
+    def _generate(self, prompt: dict, params: Union[SamplingParams, BeamSearchParams], request_id: str,
+                  priority: int, output_kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt. Beam search yields one final output holding the n beams, best
+        first, so a stream carries each choice whole in one chunk (as vLLM streams beam search)."""
+        if isinstance(params, BeamSearchParams):
+            return self.engine_client.beam_search(prompt, request_id, params, priority)
+        return self.engine_client.generate(prompt, params, request_id, priority=priority, output_kind=output_kind)
 
     @staticmethod
     async def _start(results: AsyncIterator[T], prompt_param: str) -> AsyncIterator[T]:
         try:
             return await peek(results)
-        except ValueError as e:  # the engine's Processor rejected the prompt
-            raise BadRequestError(str(e), prompt_param) from e
+        except ValueError as e:  # the engine's Processor rejected the prompt or a sampling parameter it checks
+            field = named_field(e)
+            raise BadRequestError(str(e), field if field in SamplingParams.__struct_fields__ else prompt_param) from e
 
     def _token_str(self, token_id: int, logprob: Optional[Logprob]) -> str:
         if logprob is not None and logprob.decoded_token is not None:

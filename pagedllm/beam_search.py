@@ -1,0 +1,139 @@
+"""Beam search in the frontend, on top of the engine, as vLLM runs it, with Hugging Face's selection rules.
+
+Each step submits every live beam as a one-token request asking for the top 2 * beam_width (raw) logprobs;
+the prefix cache makes re-submitting a beam cost about one token. BeamSearchInstance.step turns one step's
+outputs into the next beams; LLM.beam_search and AsyncLLM.beam_search are its two drivers.
+
+The selection follows transformers' GenerationMixin._beam_search (the project's oracle), which differs from
+vLLM's: a finished hypothesis's score is cum_logprob / generated_len ** length_penalty, where generated_len
+counts the generated tokens including the EOS and not the prompt (vLLM counts the prompt and not the EOS);
+an EOS candidate finishes only if it ranks within the step's top beam_width candidates (vLLM keeps every
+one); at most beam_width finished hypotheses are kept; and the search stops early once beam_width have
+finished and the best live beam, scored at its current length, is no better than the worst of them (vLLM
+always runs max_tokens steps). At max_tokens the step's top beam_width candidates finish with "length".
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams.
+
+    temperature is passed to the per-step requests as vLLM does; the candidates are ranked by raw logprobs,
+    so it does not change the beams.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        max_width = MAX_LOGPROBS // 2
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= max_width:
+            # Each step asks the engine for 2 * beam_width logprobs, which it caps at MAX_LOGPROBS.
+            raise ValueError(f"beam_width must be between 1 and {max_width}, got {self.beam_width}.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+
+    def step_sampling_params(self) -> SamplingParams:
+        """What each beam is submitted with: one token, and enough candidates to fill the beams."""
+        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: tokens are the prompt's then the generated ones (ending with the EOS if it finished on one)."""
+
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beam_width best sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+class BeamSearchInstance:
+    """One prompt's search: the live beams, and the best finished hypotheses with their scores."""
+
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_id: Optional[int]) -> None:
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_len = len(prompt_token_ids)
+        self.beams = [BeamSearchSequence(self.prompt_token_ids)]
+        # (score, sequence), best first, at most beam_width.
+        self.completed: list[tuple[float, BeamSearchSequence]] = []
+        self.finished = False
+
+    def step(self, outputs: list[RequestOutput]) -> None:
+        """Expands the live beams with their step outputs (outputs[i] is beams[i]'s) and keeps the best."""
+        width, length_penalty = self.params.beam_width, self.params.length_penalty
+        num_generated = len(self.beams[0].tokens) - self.prompt_len + 1
+        at_limit = num_generated == self.params.max_tokens
+        candidates = sorted(((beam.cum_logprob + lp.logprob, beam, token)
+                             for beam, output in zip(self.beams, outputs)
+                             for token, lp in _step_logprobs(output).items()),
+                            key=lambda c: -c[0])[:2 * width]
+        live = []
+        for rank, (cum_logprob, beam, token) in enumerate(candidates):
+            seq = BeamSearchSequence(beam.tokens + [token], cum_logprob)
+            if token == self.eos_token_id and not self.params.ignore_eos:
+                seq.finish_reason, seq.stop_reason = "stop", token
+            elif at_limit:
+                seq.finish_reason = "length"
+            else:
+                live.append(seq)
+                continue
+            if rank < width:  # the candidates past the top beam_width only stand by to keep the beams full
+                self.completed.append((cum_logprob / num_generated ** length_penalty, seq))
+        self.completed.sort(key=lambda c: -c[0])  # stable: on a tie the earlier hypothesis stays ahead
+        del self.completed[width:]
+        self.beams = live[:width]
+        # HF's early stop (early_stopping=False): the best live beam, scored at its current length, cannot
+        # beat the worst of beam_width finished hypotheses.
+        self.finished = at_limit or not self.beams or (
+            len(self.completed) == width
+            and self.beams[0].cum_logprob / num_generated ** length_penalty <= self.completed[-1][0])
+
+    def output(self, tokenizer: Any) -> BeamSearchOutput:
+        """The finished hypotheses, best first, with their generated text."""
+        sequences = [seq for _, seq in self.completed]
+        for seq in sequences:
+            generated = seq.tokens[self.prompt_len:]
+            if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                generated = generated[:-1]
+            seq.text = tokenizer.decode(generated, skip_special_tokens=True)
+        return BeamSearchOutput(sequences)
+
+    def request_output(self, request_id: str, prompt: Optional[str], tokenizer: Any) -> RequestOutput:
+        """The result as one finished RequestOutput whose outputs are the beams, best first (as vLLM serves it)."""
+        sequences = self.output(tokenizer).sequences
+        return RequestOutput(
+            request_id, prompt, self.prompt_token_ids, None,
+            [CompletionOutput(i, seq.text, seq.tokens[self.prompt_len:], seq.cum_logprob, None, seq.finish_reason,
+                              seq.stop_reason) for i, seq in enumerate(sequences)],
+            finished=True)
+
+
+def _step_logprobs(output: RequestOutput) -> dict[int, Logprob]:
+    """One beam's candidates: its step's top logprobs (the engine's refusal becomes a ValueError)."""
+    if output.error is not None:
+        raise ValueError(output.error)
+    return output.outputs[0].logprobs[0]

@@ -1,0 +1,228 @@
+"""Tool calling: the constraint a tool_choice puts on the output, and reading tool calls back out of the text.
+
+- "none": the tools go to the chat template; the answer is plain content.
+- "required": the output must be a JSON array of {"name": <a tool's name>, "parameters": <its arguments>}
+  (vLLM's format), enforced by a JSON-schema grammar built from the tools' parameter schemas.
+- a named function: the output must be that function's arguments object.
+- "auto": the model decides; calls are parsed out of free text in the model family's format (Hermes:
+  <tool_call>{"name": ..., "arguments": {...}}</tool_call>, used by Qwen2 and others) when the chat template
+  defines one or --tool-call-parser names it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaFunctionCall, DeltaToolCall,
+                                                       FunctionCall, NamedToolChoice, ToolCall)
+from pagedllm.structured_output.params import StructuredOutputsParams
+
+TOOL_CALL_PARSERS = ("hermes",)
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+
+
+def detect_tool_call_parser(chat_template: Optional[str]) -> Optional[str]:
+    """The parser for the format a chat template teaches its model, if it teaches one we know."""
+    if chat_template and _HERMES_START in chat_template:
+        return "hermes"
+    return None
+
+
+@dataclass
+class ToolChoice:
+    mode: str  # "none" | "auto" | "required" | "named"
+    tools: list[ChatCompletionToolsParam]
+    name: Optional[str] = None
+    parallel: bool = True
+
+    def structured_outputs(self) -> Optional[StructuredOutputsParams]:
+        if self.mode == "named":
+            schema = next(t.function.parameters for t in self.tools if t.function.name == self.name)
+            return StructuredOutputsParams(json=schema or {"type": "object"})
+        if self.mode == "required":
+            return StructuredOutputsParams(json=_required_calls_schema(self.tools, self.parallel))
+        return None
+
+    def make_parser(self) -> Optional["ToolCallParser"]:
+        if self.mode == "named":
+            return NamedFunctionParser(name=self.name)
+        if self.mode == "required":
+            return JsonArrayParser()
+        if self.mode == "auto":
+            return HermesParser()
+        return None
+
+    def finish_reason(self, calls: list[ToolCall], finish_reason: Optional[str]) -> Optional[str]:
+        """OpenAI says "tool_calls" when the model chose to call (auto/required); a forced named call "stops"."""
+        if calls and finish_reason == "stop" and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return finish_reason
+
+
+def resolve_tool_choice(tools: Optional[list[ChatCompletionToolsParam]],
+                        tool_choice: Union[str, NamedToolChoice, None], parallel_tool_calls: Optional[bool],
+                        parser: Optional[str]) -> Optional[ToolChoice]:
+    """Checks tools/tool_choice against each other (ValueError naming the field) and returns the choice."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise ValueError("tool_choice needs tools: the request has none.")
+        return None
+    names = [t.function.name for t in tools]
+    parallel = parallel_tool_calls is not False
+    if isinstance(tool_choice, NamedToolChoice):
+        if tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, which is not among the "
+                             f"tools ({', '.join(names)}).")
+        return ToolChoice("named", tools, tool_choice.function.name, parallel)
+    mode = tool_choice or "auto"
+    if mode not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {mode!r}.")
+    if mode == "auto" and parser is None:
+        raise ValueError("tool_choice 'auto' needs a tool-call format: this model's chat template defines none. "
+                         "Use 'required' or a named function, or start the server with --tool-call-parser.")
+    return ToolChoice(mode, tools, None, parallel)
+
+
+def _required_calls_schema(tools: list[ChatCompletionToolsParam], parallel: bool) -> dict:
+    """[{"name": ..., "parameters": ...}, ...] with each item one of the tools; $defs are hoisted to the top so
+    each tool's $refs still resolve."""
+    defs: dict = {}
+    items = []
+    for tool in tools:
+        parameters = dict(tool.function.parameters or {"type": "object"})
+        for def_name, definition in parameters.pop("$defs", {}).items():
+            if defs.setdefault(def_name, definition) != definition:
+                raise ValueError(f"tools: two tools define $defs/{def_name} differently.")
+        items.append({"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+                      "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                     "parameters": parameters}})
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+# ---------------------------------------------------------------------------------------------- parsers
+@dataclass
+class ToolCallParser:
+    """Reads tool calls out of generated text as it streams. feed() takes the new text and returns the content
+    to show and the tool-call deltas completed by it; finish() flushes what is left. `calls` holds every call."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    _buffer: str = ""
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        return "", []
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once: (content, calls)."""
+        content, _ = self.feed(text)
+        rest, _ = self.finish()
+        return content + rest, self.calls
+
+    def _add_call(self, name: str, arguments: object) -> DeltaToolCall:
+        """A complete call, streamed as one delta."""
+        call = ToolCall(function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
+        self.calls.append(call)
+        return DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+                             function=DeltaFunctionCall(name=name, arguments=call.function.arguments))
+
+
+@dataclass
+class NamedFunctionParser(ToolCallParser):
+    """The whole output is the named function's arguments: streamed as argument text as it comes."""
+
+    name: str = ""
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        if not delta_text:
+            return "", []
+        if not self.calls:
+            self.calls.append(ToolCall(function=FunctionCall(name=self.name, arguments="")))
+            first = self.calls[0]
+            first.function.arguments = delta_text
+            return "", [DeltaToolCall(index=0, id=first.id, type="function",
+                                      function=DeltaFunctionCall(name=self.name, arguments=delta_text))]
+        self.calls[0].function.arguments += delta_text
+        return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text))]
+
+
+@dataclass
+class JsonArrayParser(ToolCallParser):
+    """A JSON array of {"name", "parameters"} objects: each call is emitted once its object is complete."""
+
+    _position: int = 0  # where the next unread array element starts
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        self._buffer += delta_text
+        decoder = json.JSONDecoder()
+        deltas = []
+        while True:
+            start = self._next_value_start()
+            if start is None:
+                return "", deltas
+            try:
+                item, end = decoder.raw_decode(self._buffer, start)
+            except json.JSONDecodeError:
+                return "", deltas  # the element is not complete yet
+            self._position = end
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                deltas.append(self._add_call(item["name"], item.get("parameters", {})))
+
+    def _next_value_start(self) -> Optional[int]:
+        """Skips the opening bracket, separators and whitespace before the next element."""
+        i = self._position
+        while i < len(self._buffer) and self._buffer[i] in " \t\r\n[,":
+            i += 1
+        self._position = i
+        if i >= len(self._buffer) or self._buffer[i] == "]":
+            return None
+        return i
+
+
+@dataclass
+class HermesParser(ToolCallParser):
+    """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. Text outside the blocks is
+    content; a block whose JSON does not parse is shown as content rather than dropped."""
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        self._buffer += delta_text
+        content, deltas = [], []
+        while True:
+            start = self._buffer.find(_HERMES_START)
+            if start < 0:
+                # Hold back a tail that may be the start of a tag still arriving.
+                keep = _partial_tag_length(self._buffer, _HERMES_START)
+                content.append(self._buffer[:len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return "".join(content), deltas
+            content.append(self._buffer[:start])
+            end = self._buffer.find(_HERMES_END, start)
+            if end < 0:
+                self._buffer = self._buffer[start:]
+                return "".join(content), deltas
+            block = self._buffer[start + len(_HERMES_START):end]
+            self._buffer = self._buffer[end + len(_HERMES_END):]
+            try:
+                call = json.loads(block)
+                deltas.append(self._add_call(call["name"], call.get("arguments", {})))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                content.append(_HERMES_START + block + _HERMES_END)
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        rest, self._buffer = self._buffer, ""
+        return rest, []
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

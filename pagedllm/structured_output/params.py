@@ -1,0 +1,55 @@
+"""StructuredOutputsParams: what a request's output must match — exactly one of json, regex, choice, grammar,
+json_object or structural_tag, as in vLLM."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional, Union
+
+import msgspec
+
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
+    # A JSON schema, as a dict or its JSON text.
+    json: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    # EBNF (GBNF-style `root ::= ...`) grammar text.
+    grammar: Optional[str] = None
+    # Any JSON object (OpenAI's response_format {"type": "json_object"}).
+    json_object: Optional[bool] = None
+    # An xgrammar structural tag (JSON text): free text with constrained segments, used for tool calls.
+    structural_tag: Optional[str] = None
+    # JSON in one line with ", " and ": " separators. True by default here (vLLM defaults to False): a small
+    # model sampling at temperature 1 falls into runs of newlines when any whitespace is allowed, and never
+    # finishes the JSON. Set False to allow pretty-printed JSON.
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        set_kinds = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}; "
+                             f"got {set_kinds or 'none'}.")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The spec as canonical text: the key of the compiled-grammar cache."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            return json.dumps(value, sort_keys=True)
+        if self.kind == "choice":
+            return json.dumps(value)
+        if self.kind == "json_object":
+            return ""
+        return value
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        return self.kind, self.spec, self.disable_any_whitespace

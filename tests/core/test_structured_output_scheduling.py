@@ -1,0 +1,119 @@
+"""The scheduler with structured-output requests: a compiling grammar never holds up other requests, each step's
+bitmask covers exactly the constrained requests that sample, and the request ends when its grammar completes."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pagedllm.core.request import RequestStatus
+from pagedllm.models.hf_config import load_tokenizer
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.params import StructuredOutputsParams
+from tests.core.helpers import fake_model_output, make_request, make_scheduler
+
+EOS = 2  # the default model's <|im_end|>, which its grammars accept as the end
+
+
+class GatedManager(StructuredOutputManager):
+    """Compiles only once the test opens the gate, or fails on request."""
+
+    def __init__(self, fail: bool = False) -> None:
+        tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+        super().__init__(lambda: tokenizer, 49152, max_num_seqs=8)
+        self.gate = threading.Event()
+        self.fail = fail
+        original = self._get_backend
+
+        def gated_backend():
+            self.gate.wait(timeout=30)
+            if self.fail:
+                raise ValueError("structured_outputs.regex is invalid: test failure")
+            return original()
+        self._get_backend = gated_backend
+
+
+def allowed_tokens(bitmask_row: torch.Tensor) -> list[int]:
+    bits = ((bitmask_row.unsqueeze(-1) >> torch.arange(32)) & 1).flatten()
+    return torch.nonzero(bits).flatten().tolist()
+
+
+def constrained_request(req_id: str, **so):
+    request = make_request(req_id, [5, 6, 7], max_tokens=64, structured_outputs=StructuredOutputsParams(**so))
+    request.eos_token_id = EOS
+    return request
+
+
+def test_compiling_grammar_does_not_block_others_then_constrains_its_request():
+    manager = GatedManager()
+    scheduler = make_scheduler(structured_output_manager=manager)
+    scheduler.add_request(constrained_request("json", choice=["yes", "no"]))
+    scheduler.add_request(make_request("free", [1, 2, 3], max_tokens=4))
+
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["free"]
+    assert out.grammar_bitmask is None
+    assert scheduler.requests["json"].status == RequestStatus.WAITING_FOR_FSM
+    scheduler.update_from_output(out, fake_model_output(scheduler, out))
+
+    manager.gate.set()
+    manager.wait_for_any([scheduler.requests["json"]], timeout=30)
+    texts = []
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    for _ in range(30):
+        if not scheduler.get_num_unfinished_requests():
+            break
+        out = scheduler.schedule()
+        if "json" in out.num_scheduled_tokens:
+            assert set(out.structured_output_request_ids) == {"json"}
+            allowed = allowed_tokens(out.grammar_bitmask[out.structured_output_request_ids["json"]])
+            assert 0 < len(allowed) < 49152
+            # The fake model picks the longest allowed piece (EOS once nothing else is allowed).
+            token = max(allowed, key=lambda t: len(tokenizer.decode([t])) if t != EOS else -1)
+            texts.append(token)
+            runner_output = fake_model_output(scheduler, out, lambda req_id, pos: token)
+        else:
+            runner_output = fake_model_output(scheduler, out)
+        scheduler.update_from_output(out, runner_output)
+    assert "json" not in scheduler.requests, "the request did not end with its grammar"
+    assert tokenizer.decode([t for t in texts if t != EOS]) in ("yes", "no")
+    assert texts[-1] == EOS
+
+
+def test_failed_compile_finishes_the_request_with_its_error():
+    manager = GatedManager(fail=True)
+    scheduler = make_scheduler(structured_output_manager=manager)
+    scheduler.add_request(constrained_request("bad", regex="a+"))
+    manager.gate.set()
+    manager.wait_for_any([scheduler.requests["bad"]], timeout=30)
+    out = scheduler.schedule()
+    assert out.total_num_scheduled_tokens == 0
+    outputs = scheduler.update_from_output(out, fake_model_output(scheduler, out)).outputs
+    assert [(o.request_id, o.error) for o in outputs] == [("bad", "structured_outputs.regex is invalid: test failure")]
+
+
+def test_abort_while_compiling_leaves_nothing_behind():
+    manager = GatedManager()
+    scheduler = make_scheduler(structured_output_manager=manager)
+    scheduler.add_request(constrained_request("a", regex="[0-9]+"))
+    scheduler.schedule()
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    manager.gate.set()
+    assert not scheduler.requests and not len(scheduler.waiting)
+
+
+def test_engine_without_structured_output_rejects_such_requests():
+    scheduler = make_scheduler()
+    scheduler.add_request(constrained_request("x", regex="a"))
+    out = scheduler.schedule()
+    outputs = scheduler.update_from_output(out, fake_model_output(scheduler, out)).outputs
+    assert outputs[0].request_id == "x" and "not enabled" in outputs[0].error
+
+
+@pytest.mark.parametrize("kwargs, message", [({}, "exactly one"), ({"regex": "a", "choice": ["b"]}, "exactly one"),
+                                              ({"choice": []}, "choice")])
+def test_params_need_exactly_one_constraint(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)

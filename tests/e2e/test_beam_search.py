@@ -1,0 +1,64 @@
+"""LLM.beam_search against transformers' beam search on the same float32 weights, and its validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM
+from pagedllm.beam_search import BeamSearchParams
+
+BEAM_WIDTH = 4
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
+
+
+def hf_beam_search(hf_model, prompt_token_ids: list[int], max_new_tokens: int, eos_token_id: int) -> list[list[int]]:
+    """HF's beams, best first: generated ids up to and including the EOS (the rest is padding)."""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_token_ids]), num_beams=BEAM_WIDTH,
+                                num_return_sequences=BEAM_WIDTH, do_sample=False, max_new_tokens=max_new_tokens,
+                                length_penalty=1.0)
+    beams = []
+    for row in out[:, len(prompt_token_ids):].tolist():
+        beams.append(row[:row.index(eos_token_id) + 1] if eos_token_id in row else row)
+    return beams
+
+
+def test_beams_equal_transformers_beam_search(llm, hf_model, tokenizer):
+    """Three chat prompts in one batch, each needing one of HF's rules to come out the same (checked by breaking
+    each rule): Japan stops early once four answers have ended, "hot" has an EOS candidate ranked past the top
+    four that must not finish, and France's ranking depends on scoring by generated length only."""
+    questions = ["What is the capital of Japan?", "What is the opposite of hot?", "What is the capital of France?"]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)) for q in questions]
+    max_tokens, eos = 24, tokenizer.eos_token_id
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                           BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=max_tokens))
+    for question, prompt, out in zip(questions, prompts, outs):
+        ours = [seq.tokens[len(prompt):] for seq in out.sequences]
+        assert ours == hf_beam_search(hf_model, prompt, max_tokens, eos), question
+        for seq, generated in zip(out.sequences, ours):
+            assert seq.tokens[:len(prompt)] == prompt
+            assert seq.finish_reason == ("stop" if generated[-1] == eos else "length")
+            assert seq.text == tokenizer.decode(generated[:-1] if generated[-1] == eos else generated,
+                                                skip_special_tokens=True)
+    assert all(seq.finish_reason == "stop" for seq in outs[0].sequences)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"beam_width": 0, "max_tokens": 4}, "beam_width"),
+    ({"beam_width": 11, "max_tokens": 4}, "beam_width"),  # 2 * beam_width logprobs must fit MAX_LOGPROBS=20
+    ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
+    ({"beam_width": 2, "max_tokens": 4, "temperature": -1.0}, "temperature"),
+])
+def test_bad_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field} "):
+        BeamSearchParams(**kwargs)
+
+
+def test_max_tokens_must_fit_the_context(llm):
+    with pytest.raises(ValueError, match="^max_tokens"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=1024))

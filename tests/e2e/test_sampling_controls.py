@@ -1,0 +1,68 @@
+"""bad_words, repetition_penalty, logit_bias and allowed_token_ids end to end with the real default model."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+FRANCE = "The capital of France is"
+APPLES = "I like to eat apples. I like to eat"  # greedy decoding repeats " I'm a big apple." over and over
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="module")
+def greedy(llm):
+    """Each prompt's plain greedy completion (16 tokens): what the controls are compared against."""
+    outputs = llm.generate([FRANCE, APPLES], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                           use_tqdm=False)
+    return {FRANCE: outputs[0].outputs[0], APPLES: outputs[1].outputs[0]}
+
+
+def test_bad_words_never_appear(llm, greedy):
+    assert "Paris" in greedy[FRANCE].text and "big apple" in greedy[APPLES].text
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, bad_words=[word])
+              for word in ("Paris", "big apple")]
+    france, apples = (o.outputs[0] for o in llm.generate([FRANCE, APPLES], params, use_tqdm=False))
+    assert "Paris" not in france.text
+    assert "big apple" not in apples.text
+    # A multi-token bad word bans only its last token, and only right after the rest of it: the output follows
+    # greedy up to " big", then turns away.
+    tokenizer = llm.get_tokenizer()
+    big, apple = tokenizer.encode(" big apple", add_special_tokens=False)
+    cut = greedy[APPLES].token_ids.index(big) + 1
+    assert apples.token_ids[:cut] == greedy[APPLES].token_ids[:cut]
+    assert apples.token_ids[cut] != apple
+
+
+def test_repetition_penalty_breaks_a_loop(llm, greedy):
+    loop = greedy[APPLES].token_ids
+    assert len(set(loop)) < len(loop) / 2
+    penalised = llm.generate(APPLES, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                                    repetition_penalty=1.5), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(set(penalised)) > len(set(loop))
+
+
+def test_logit_bias_and_allowed_token_ids_leave_other_requests_alone(llm, greedy):
+    tokenizer = llm.get_tokenizer()
+    forced = tokenizer.encode(" banana", add_special_tokens=False)[0]
+    allowed = tokenizer.encode(" one two three four", add_special_tokens=False)
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={forced: 100}),
+              SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    biased, restricted, free = (o.outputs[0] for o in llm.generate([FRANCE, FRANCE, APPLES], params, use_tqdm=False))
+    assert biased.token_ids == [forced] * 4
+    assert set(restricted.token_ids) <= set(allowed)
+    assert free.token_ids == greedy[APPLES].token_ids
+
+
+@pytest.mark.parametrize("bad, field", [({"logit_bias": {10 ** 6: 1.0}}, "logit_bias"),
+                                        ({"allowed_token_ids": [0, -1]}, "allowed_token_ids")])
+def test_out_of_vocab_ids_are_rejected_without_leaking(llm, bad, field):
+    with pytest.raises(ValueError, match=f"^{field} contains out-of-vocabulary token ids"):
+        llm.generate(FRANCE, SamplingParams(max_tokens=4, **bad), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0

@@ -1,0 +1,100 @@
+"""Structured output end to end with the real default model: sampled answers always follow the JSON schema,
+regex, choice or EBNF grammar; constrained and free requests share batches without affecting each other."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
+from tests.e2e.json_schemas import SCHEMAS
+
+SEEDS = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=64)
+
+
+def chat(llm, questions: list[str], params: list[SamplingParams]):
+    return llm.chat([[{"role": "user", "content": q}] for q in questions], params, use_tqdm=False)
+
+
+def test_sampled_json_follows_each_schema(llm):
+    questions, params, schemas = [], [], []
+    for subject, schema in SCHEMAS:
+        for seed in SEEDS:
+            questions.append(f"Give me {subject} as JSON.")
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=200,
+                                         structured_outputs=StructuredOutputsParams(json=schema)))
+            schemas.append(schema)
+    outputs = chat(llm, questions, params)
+    for question, schema, out in zip(questions, schemas, outputs):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (question, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)
+
+
+def test_regex_choice_and_grammar_are_obeyed(llm):
+    regexes = [r"\d{3}-\d{4}", r"(cat|dog)s? [a-z]{2,8}", r"[A-Z][a-z]{1,10}, [A-Z]{2}"]
+    choices = ["Paris", "London", "Berlin", "Rome"]
+    grammar = ('root ::= expr\n'
+               'expr ::= term (("+" | "-") term){0,3}\n'
+               'term ::= num | "(" num ("*" num)? ")"\n'
+               'num ::= [1-9] [0-9]?')
+    arithmetic = re.compile(r"(\d{1,2}|\(\d{1,2}(\*\d{1,2})?\))([+-](\d{1,2}|\(\d{1,2}(\*\d{1,2})?\))){0,3}")
+    specs = ([StructuredOutputsParams(regex=r) for r in regexes] + [StructuredOutputsParams(choice=choices)]
+             + [StructuredOutputsParams(grammar=grammar)])
+    questions, params = [], []
+    for spec in specs:
+        for seed in SEEDS:
+            questions.append("Answer briefly: what is the capital of France, or write some arithmetic.")
+            params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=64, structured_outputs=spec))
+    outputs = [o.outputs[0] for o in chat(llm, questions, params)]
+    for spec, out in zip([s for s in specs for _ in SEEDS], outputs):
+        assert out.finish_reason == "stop", (spec, out.text)
+        if spec.regex is not None:
+            assert re.fullmatch(spec.regex, out.text), (spec.regex, out.text)
+        elif spec.choice is not None:
+            assert out.text in choices
+        else:
+            assert arithmetic.fullmatch(out.text), out.text
+
+
+def test_free_requests_in_a_mixed_batch_are_unchanged(llm):
+    questions = ["What is the capital of France?", "Name a colour.", "Tell me about dogs."]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone = [o.outputs[0].text for o in chat(llm, questions, [greedy] * 3)]
+    constrained = SamplingParams(temperature=0, max_tokens=24,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMAS[0][1]))
+    mixed = chat(llm, [questions[0], "A person?", questions[1], "A person?", questions[2]],
+                 [greedy, constrained, greedy, constrained, greedy])
+    assert [mixed[i].outputs[0].text for i in (0, 2, 4)] == alone
+    json.loads(mixed[1].outputs[0].text)
+
+
+def test_json_object_gives_an_object(llm):
+    params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(
+        json_object=True))
+    out = chat(llm, ["Give the capital of France as JSON."], [params])[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert json.loads(out.text) == {"capital": "Paris"}
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"json": {"type": "objekt"}}, "structured_outputs.json is invalid"),
+    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+    ({"regex": "a(b"}, "structured_outputs.regex is invalid: .*parenthesis"),
+    ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar is invalid: .*missing_rule"),
+])
+def test_invalid_specs_are_value_errors_without_leaks(llm, spec, message):
+    # A valid request ahead of the bad one must not be left queued either.
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["Hello", "Hi"], [SamplingParams(), SamplingParams(
+            structured_outputs=StructuredOutputsParams(**spec))], use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0

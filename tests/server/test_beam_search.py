@@ -1,0 +1,57 @@
+"""use_beam_search (vLLM's extra) on the server: n beams, best first, the same as the offline LLM.beam_search."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm import LLM
+from pagedllm.beam_search import BeamSearchParams
+from tests.server.conftest import MAX_MODEL_LEN
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of Japan?"}]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def offline_beams(tokenizer):
+    """The offline beam search's best two beams for PROMPT and for the chat-templated MESSAGES."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB")
+    chat = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    outs = llm.beam_search([PROMPT, {"prompt_token_ids": list(chat)}], BeamSearchParams(beam_width=2,
+                                                                                        max_tokens=MAX_TOKENS))
+    llm.shutdown()
+    return [[(seq.text, seq.finish_reason) for seq in out.sequences] for out in outs]
+
+
+def test_completion_choices_are_the_offline_beams(server, offline_beams):
+    response = server.get_client().completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=MAX_TOKENS,
+                                                      extra_body={"use_beam_search": True})
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [(c.text, c.finish_reason) for c in response.choices] == offline_beams[0]
+    assert response.choices[0].text != response.choices[1].text
+
+
+def test_streamed_chat_sends_each_beam_whole(server, offline_beams):
+    """Beam search streams its final beams: one chunk per choice carrying all its text, then [DONE]."""
+    with server.http() as http:
+        lines = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MESSAGES, "n": 2, "max_tokens": MAX_TOKENS, "use_beam_search": True,
+            "stream": True}).text.splitlines()
+    events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    content_chunks = [choice for event in events[:-1] for choice in json.loads(event)["choices"]
+                      if choice["delta"].get("content")]
+    assert [(c["delta"]["content"], c["finish_reason"]) for c in content_chunks] == offline_beams[1]
+
+
+def test_logprobs_are_refused(server):
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2, "logprobs": 1,
+                                                      "use_beam_search": True})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "logprobs"

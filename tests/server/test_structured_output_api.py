@@ -1,0 +1,105 @@
+"""Structured output and tool calling through the OpenAI API (the official client): response_format,
+vLLM's structured_outputs extra, and tools with tool_choice "required" or a named function, streamed and not."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"]}
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+TIME = {"type": "object", "properties": {"timezone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["timezone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone.",
+                                           "parameters": TIME}}]
+SCHEMA_OF = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
+
+
+def test_response_format_json_schema(server):
+    chat = server.get_client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], n=3, seed=1,
+        max_tokens=100, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    for choice in chat.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_structured_outputs_extra_on_both_endpoints(server):
+    client = server.get_client()
+    completion = client.completions.create(model=MODEL, prompt="The best fruit is", max_tokens=10, seed=0,
+                                           extra_body={"structured_outputs": {"choice": ["apple", "pear"]}})
+    assert completion.choices[0].text in ("apple", "pear")
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, seed=0,
+                                          extra_body={"structured_outputs": {"regex": r"[0-9]{2} degrees"}})
+    assert re.fullmatch(r"[0-9]{2} degrees", chat.choices[0].message.content)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),  # SmolLM2's template defines no tool-call format
+    ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"use_beam_search": True, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+])
+def test_invalid_constraints_are_400s(server, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        server.get_client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:
+    assert calls
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(json.loads(arguments), SCHEMA_OF[name])
+
+
+def _streamed_calls(stream) -> dict[int, dict[int, list]]:
+    """choice index -> tool call index -> [name, arguments], put together from the deltas."""
+    calls: dict[int, dict[int, list]] = {}
+    finish = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(choice.index, {}).setdefault(delta.index, [None, ""])
+                if delta.function.name:
+                    call[0] = delta.function.name
+                call[1] += delta.function.arguments or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return calls, finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_calls_are_valid_10_of_10(server, tool_choice):
+    client = server.get_client()
+    names = {"get_weather", "get_time"} if tool_choice == "required" else {"get_weather"}
+    expected_finish = "tool_calls" if tool_choice == "required" else "stop"
+    chat = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, n=10,
+                                          seed=3, max_tokens=120)
+    assert len(chat.choices) == 10
+    for choice in chat.choices:
+        assert choice.finish_reason == expected_finish
+        assert all(call.id and call.type == "function" for call in choice.message.tool_calls)
+        _check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], names)
+
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, n=10,
+                                            seed=4, max_tokens=120, stream=True)
+    calls, finish = _streamed_calls(stream)
+    assert sorted(calls) == list(range(10)) and set(finish.values()) == {expected_finish}
+    for per_choice in calls.values():
+        _check_calls([tuple(call) for call in per_choice.values()], names)

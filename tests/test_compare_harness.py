@@ -1,0 +1,25 @@
+"""benchmarks/compare_report.py: medians pool every round, and a ratio > 1 always means pagedllm did better."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from compare_report import markdown, summarize  # noqa: E402
+
+WORKLOADS = {"W1": {"num_requests": 2, "max_tokens": 10}, "W3": {"num_requests": 2, "max_tokens": 10}}
+
+
+def run(engine, workload, *walls):
+    return {"engine": engine, "workload": workload, "samples": [{"wall_s": w} for w in walls]}
+
+
+def test_ratios_favour_pagedllm_when_it_is_faster_for_rates_and_times():
+    runs = [run("pagedllm", "W1", 1.0, 3.0), run("pagedllm", "W1", 2.0),  # two rounds, pooled: median 2.0
+            run("vllm", "W1", 4.0), run("pagedllm", "W3", 1.0), run("vllm", "W3", 3.0)]
+    w1, w3 = summarize(runs, WORKLOADS, ["pagedllm", "vllm", "transformers"])
+    assert w1["figure"] == "output tok/s" and w1["engines"]["pagedllm"] == {"median": 10.0, "min": 20 / 3,
+                                                                          "max": 20.0, "n": 3}
+    assert w1["pagedllm_better_by"] == {"vllm": 2.0}  # 10 tok/s vs 5 tok/s
+    assert w3["figure"] == "wall s" and w3["pagedllm_better_by"] == {"vllm": 3.0}  # 1 s vs 3 s
+    table = markdown([w1, w3], ["pagedllm", "vllm", "transformers"])
+    assert "| W3 | wall s (lower is better) | 1.00 [1.00-1.00] | 3.00 [3.00-3.00] | n/a | 3.00x | n/a |" in table
