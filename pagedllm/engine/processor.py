@@ -49,10 +49,10 @@ class Processor:
             raise ValueError(f"This model's maximum context length is {max_model_len} tokens. However, your "
                              f"prompt has {len(token_ids)} tokens, which leaves no room for output. Please "
                              "reduce the length of the prompt.")
-        vocab_size = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        bad = self._out_of_vocab(token_ids)
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary (size {vocab_size}).")
+            raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary "
+                             f"(size {self.model_config.vocab_size}).")
 
     def process_sampling_controls(self, params: SamplingParams) -> SamplingParams:
         """Checks logit_bias and allowed_token_ids against the vocabulary (SamplingParams does not know it) and
@@ -73,10 +73,14 @@ class Processor:
         self._check_in_vocab("bad_words", [t for token_ids in bad_words_token_ids for t in token_ids])
         return msgspec.structs.replace(params, _bad_words_token_ids=bad_words_token_ids)
 
-    def _check_in_vocab(self, name: str, token_ids) -> None:
+    def _out_of_vocab(self, token_ids) -> list[int]:
         vocab_size = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        return [t for t in token_ids if not 0 <= t < vocab_size]
+
+    def _check_in_vocab(self, name: str, token_ids) -> None:
+        bad = self._out_of_vocab(token_ids)
         if bad:
+            vocab_size = self.model_config.vocab_size
             raise ValueError(f"{name} contains out-of-vocabulary token ids {bad} (vocabulary size {vocab_size}).")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,

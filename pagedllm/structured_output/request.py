@@ -9,18 +9,14 @@ from pagedllm.structured_output.backend_xgrammar import XgrammarGrammar
 
 class StructuredOutputRequest:
     def __init__(self, compiled_future: Future) -> None:
-        self._compiled_future = compiled_future
+        self.future = compiled_future
         self.grammar: Optional[XgrammarGrammar] = None
-
-    @property
-    def future(self) -> Future:
-        return self._compiled_future
 
     def is_ready(self) -> bool:
         """True once compiled (the matcher then exists); raises the compile error if compiling failed."""
         if self.grammar is not None:
             return True
-        if not self._compiled_future.done():
+        if not self.future.done():
             return False
-        self.grammar = XgrammarGrammar(self._compiled_future.result())
+        self.grammar = XgrammarGrammar(self.future.result())
         return True

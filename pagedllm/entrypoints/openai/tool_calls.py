@@ -144,10 +144,9 @@ class NamedFunctionParser(ToolCallParser):
         if not delta_text:
             return "", []
         if not self.calls:
-            self.calls.append(ToolCall(function=FunctionCall(name=self.name, arguments="")))
-            first = self.calls[0]
-            first.function.arguments = delta_text
-            return "", [DeltaToolCall(index=0, id=first.id, type="function",
+            call = ToolCall(function=FunctionCall(name=self.name, arguments=delta_text))
+            self.calls.append(call)
+            return "", [DeltaToolCall(index=0, id=call.id, type="function",
                                       function=DeltaFunctionCall(name=self.name, arguments=delta_text))]
         self.calls[0].function.arguments += delta_text
         return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text))]
