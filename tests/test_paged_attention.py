@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, get_attn_backend
+from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
 from pagedllm.layers.attention.layer import Attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -26,18 +26,25 @@ def _reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed):
+def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False):
     """requests: list of (num_cached, num_new). Cached K/V is written to the cache
-    beforehand; never-written cache memory is NaN and must not leak into the output."""
+    beforehand; never-written cache memory is NaN and must not leak into the output.
+    The first ``shared_blocks`` blocks (ids and K/V) are common to all requests, as
+    prefix caching leaves them; ``consecutive`` allocates block ids in order.
+    Returns the step's attention plan."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-(c + n) // block_size) for c, n in requests]
     num_blocks = sum(blocks_needed) + 3
     key_cache, value_cache = (torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
                               for _ in range(2))
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    block_ids = [[free.pop() for _ in range(n)] for n in blocks_needed]
+    free = list(range(num_blocks))[::-1]
+    if not consecutive:
+        rng.shuffle(free)
+    shared_ids = [free.pop() for _ in range(shared_blocks)]
+    block_ids = [shared_ids + [free.pop() for _ in range(n - shared_blocks)] for n in blocks_needed]
+    shared_k = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    shared_v = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
     width = max(blocks_needed) + 2
     block_table = torch.tensor([ids + [rng.randrange(num_blocks)] * (width - len(ids)) for ids in block_ids],
                                dtype=torch.int32)
@@ -49,6 +56,7 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed):
     for i, (cached, new) in enumerate(requests):
         k = torch.randn(cached + new, kv_heads, head_dim, generator=gen).to(dtype)
         v = torch.randn(cached + new, kv_heads, head_dim, generator=gen).to(dtype)
+        k[: len(shared_k)], v[: len(shared_v)] = shared_k, shared_v
         for pos in range(cached):
             key_cache.view(-1, kv_heads, head_dim)[slot(i, pos)] = k[pos]
             value_cache.view(-1, kv_heads, head_dim)[slot(i, pos)] = v[pos]
@@ -81,6 +89,7 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed):
     assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v)
     expected = torch.cat([_reference(q, k, v, scale) for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out.float().view_as(expected), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    return metadata.backend_cache["torch_sdpa"]
 
 
 MIXED = [(0, 7), (5, 1), (30, 1), (17, 9), (0, 1), (12, 1)]
@@ -112,6 +121,55 @@ def test_prefill_only(dtype):
 )
 def test_random_batches(requests, kv_heads, group, block_size, seed):
     _run_case(requests, kv_heads * group, kv_heads, 8, block_size, torch.float32, seed)
+
+
+@pytest.fixture
+def low_cascade_threshold(monkeypatch):
+    monkeypatch.setattr(cpu_plan, "CASCADE_MIN_PREFIX_TOKENS", 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_shared_prefix_is_attended_once(low_cascade_threshold, dtype, consecutive, heads, kv_heads):
+    """Decode rows and prefill chunks after a 3-block common prefix: cascade attention, same result."""
+    requests = [(12, 1), (13, 1), (20, 1), (12, 5), (17, 3)]
+    plan = _run_case(requests, heads, kv_heads, 16, 4, dtype, seed=heads, shared_blocks=3, consecutive=consecutive)
+    assert plan.prefix is not None and plan.prefix.num_tokens == 12
+    assert (plan.prefix.slots is None) == consecutive
+
+
+def test_no_cascade_when_a_query_is_inside_the_prefix(low_cascade_threshold):
+    # The last request computes tokens 4.. of the shared blocks itself: only the first block is before
+    # every query, which is below the threshold of 8 tokens.
+    plan = _run_case([(12, 1), (12, 1), (4, 9)], 4, 2, 8, 4, torch.float32, seed=3, shared_blocks=3)
+    assert plan.prefix is None
+
+
+def test_cascade_threshold(low_cascade_threshold):
+    plan = _run_case([(7, 1), (9, 1)], 4, 2, 8, 4, torch.float32, seed=4, shared_blocks=1)
+    assert plan.prefix is None  # 4 shared tokens < 8
+    plan = _run_case([(9, 1), (9, 1)], 4, 2, 8, 4, torch.float32, seed=4, shared_blocks=2)
+    assert plan.prefix is not None and plan.prefix.num_tokens == 8
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 9)), min_size=2, max_size=6),
+    shared_blocks=st.integers(1, 3),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    consecutive=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_batches_with_shared_prefix(requests, shared_blocks, kv_heads, group, consecutive, seed):
+    block_size = 4
+    # Every request holds the shared blocks (cached, or partly computed in this step).
+    requests = [(max(c, shared_blocks * block_size - n + 1), n) for c, n in requests]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_plan, "CASCADE_MIN_PREFIX_TOKENS", 4)
+        _run_case(requests, kv_heads * group, kv_heads, 8, block_size, torch.float32, seed, shared_blocks,
+                  consecutive)
 
 
 def test_kv_cache_allocation():

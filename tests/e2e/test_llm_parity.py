@@ -98,3 +98,24 @@ def test_shared_system_prompt_hits_prefix_cache(tokenizer, hf_model):
     run(llm, shared[:1])  # warm the cache with the system prompt
     assert_same(run(llm, shared), expected)
     assert llm.get_stats().prefix_cache_hits > 0
+
+
+def test_long_shared_prefix_uses_cascade_attention(tokenizer, hf_model, monkeypatch):
+    """A cached prefix over CASCADE_MIN_PREFIX_TOKENS shared by the whole batch is attended once for all
+    requests (cascade attention); the output must not change."""
+    from pagedllm.layers.attention import cpu_backend
+
+    plans, build_plan = [], cpu_backend.build_plan
+
+    def recording_build_plan(*args):
+        plans.append(build_plan(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(cpu_backend, "build_plan", recording_build_plan)
+    shared = make_prompts(tokenizer, prefix=TEXT[:1800])[:4]
+    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in shared]
+    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=512)
+    run(llm, shared[:1])  # cache the shared prefix
+    assert_same(run(llm, shared), expected)
+    prefix_tokens = {p.prefix.num_tokens for p in plans if p.prefix is not None}
+    assert prefix_tokens and min(prefix_tokens) >= 256

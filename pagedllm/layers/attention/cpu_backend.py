@@ -1,80 +1,20 @@
 """Paged attention on CPU with torch's scaled_dot_product_attention.
 
-Per step (once, shared by all layers) the batch is split into:
-  * decode rows (one new token): batched into one SDPA call over their
-    histories, gathered from the cache and padded to the longest one;
-  * prefill chunks (several new tokens): one SDPA call each, causal inside the
-    chunk and seeing the request's cached earlier tokens.
-Only slots below a request's ``seq_len`` are ever read, so never-written
-cache memory (even NaN garbage) cannot leak into the result.
+Per step the batch is planned once (cpu_plan.py): decode rows are batched into one SDPA call over their
+histories, gathered from the cache and padded to the longest one; each prefill chunk is one call, causal
+inside the chunk and seeing the request's cached earlier tokens. A prefix of blocks that every request
+shares is attended once for all rows and merged by log-sum-exp (cascade attention).
+Only slots below a request's ``seq_len`` are ever read, so never-written cache memory (even NaN garbage)
+cannot leak into the result.
 """
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
+from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
 
-
-@dataclass
-class _PrefillChunk:
-    start: int
-    end: int
-    # Cache slots of the request's whole context, or None when the chunk is
-    # the whole context (attend to this step's K/V directly, plain causal).
-    slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [q_len, seq_len] bool, True = may attend
-
-
-@dataclass
-class _SDPAPlan:
-    block_size: int
-    decode_rows: torch.Tensor | None  # [Bd] query rows of the decode requests
-    decode_slots: torch.Tensor | None  # [Bd * S] cache slots, padded positions point at position 0
-    decode_seq_len: int  # S, longest decode context
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] bool, None if all contexts are S long
-    prefills: list[_PrefillChunk]
-
-
-def _slots(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Cache slot of each token position, given the request's block ids."""
-    return block_ids.long().gather(-1, positions // block_size) * block_size + positions % block_size
-
-
-def _build_plan(md: AttentionMetadata, block_size: int) -> _SDPAPlan:
-    qsl = md.query_start_loc.tolist()
-    seq_lens = md.seq_lens.tolist()
-    decode_reqs, prefills = [], []
-    for i, seq_len in enumerate(seq_lens):
-        start, end = qsl[i], qsl[i + 1]
-        q_len = end - start
-        if q_len == 1:
-            decode_reqs.append(i)
-        elif q_len > 1 and seq_len == q_len:
-            prefills.append(_PrefillChunk(start, end, None, None))
-        elif q_len > 1:
-            positions = torch.arange(seq_len)
-            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
-            mask = positions[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
-            prefills.append(_PrefillChunk(start, end, _slots(md.block_table[i], positions, block_size), mask))
-
-    decode_rows = decode_slots = decode_mask = None
-    decode_seq_len = 0
-    if decode_reqs:
-        idx = torch.tensor(decode_reqs)
-        lens = md.seq_lens[idx].long()
-        decode_seq_len = int(lens.max())
-        positions = torch.arange(decode_seq_len).expand(len(decode_reqs), -1)
-        valid = positions < lens[:, None]
-        # Padding reads the request's own first token (real data), then is masked out.
-        positions = torch.where(valid, positions, 0)
-        decode_slots = _slots(md.block_table[idx], positions, block_size).reshape(-1)
-        decode_rows = md.query_start_loc[idx].long()
-        if not bool(valid.all()):
-            decode_mask = valid[:, None, None, :]
-    return _SDPAPlan(block_size, decode_rows, decode_slots, decode_seq_len, decode_mask, prefills)
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class TorchSDPABackendImpl(AttentionImpl):
@@ -89,8 +29,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         key_cache, value_cache = kv_cache
         block_size = key_cache.shape[1]
         plan = attn_metadata.backend_cache.get("torch_sdpa")
-        if plan is None or plan.block_size != block_size:
-            plan = attn_metadata.backend_cache["torch_sdpa"] = _build_plan(attn_metadata, block_size)
+        if plan is None or plan.block_size != block_size or plan.dtype != query.dtype:
+            plan = attn_metadata.backend_cache["torch_sdpa"] = build_plan(attn_metadata, block_size, query.dtype)
 
         key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
         value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
@@ -98,43 +38,74 @@ class TorchSDPABackendImpl(AttentionImpl):
         key_flat.index_copy_(0, slot_mapping, key)
         value_flat.index_copy_(0, slot_mapping, value)
 
-        output = torch.empty_like(query)
-        if plan.decode_rows is not None:
-            self._decode(query, key_flat, value_flat, plan, output)
-        for chunk in plan.prefills:
-            self._prefill(query, key, value, key_flat, value_flat, chunk, output)
-        return output
-
-    def _decode(self, query, key_flat, value_flat, plan: _SDPAPlan, output) -> None:
-        num_reqs = plan.decode_rows.shape[0]
+        num_tokens = query.shape[0]
         group = self.num_heads // self.num_kv_heads
-        # Fold each KV head's query group into the "query length" axis: one
-        # SDPA call, no K/V repetition for grouped-query attention.
-        q = query.index_select(0, plan.decode_rows).view(num_reqs, self.num_kv_heads, group, self.head_size)
+        # Outputs and log-sum-exps per [row, KV head, query of its group].
+        out = query.new_empty(num_tokens, self.num_kv_heads, group, self.head_size)
+        lse = torch.empty(num_tokens, self.num_kv_heads, group)
+        if plan.decode_rows is not None:
+            self._decode(query, key_flat, value_flat, plan, out, lse)
+        for chunk in plan.prefills:
+            self._prefill(query, key, value, key_flat, value_flat, chunk, out, lse)
+        if plan.prefix is not None:
+            out = self._merge_shared_prefix(query, key_flat, value_flat, plan, out, lse)
+        return out.reshape(num_tokens, self.num_heads, self.head_size)
+
+    def _decode(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+        """One call for all decode rows: [Bd, KVH, group, D] queries against [Bd, KVH, S, D] histories, each
+        KV head's query group folded into the query-length axis (no K/V repetition for grouped queries)."""
+        num_reqs = plan.decode_rows.shape[0]
+        q = query.index_select(0, plan.decode_rows).view(num_reqs, self.num_kv_heads, -1, self.head_size)
         shape = (num_reqs, plan.decode_seq_len, self.num_kv_heads, self.head_size)
         k = key_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2)
         v = value_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.decode_mask, scale=self.scale)
-        output.index_copy_(0, plan.decode_rows, out.reshape(num_reqs, self.num_heads, self.head_size))
+        out_rows, lse_rows = _flash_with_lse(q, k, v, attn_mask=plan.decode_mask, scale=self.scale)
+        out.index_copy_(0, plan.decode_rows, out_rows)
+        lse.index_copy_(0, plan.decode_rows, lse_rows)
 
-    def _prefill(self, query, key, value, key_flat, value_flat, chunk: _PrefillChunk, output) -> None:
-        q = query[chunk.start : chunk.end].transpose(0, 1)
+    def _prefill(self, query, key, value, key_flat, value_flat, chunk: PrefillChunk, out, lse) -> None:
+        """One call per chunk. K/V heads are repeated for grouped queries: SDPA's own enable_gqa falls back to
+        the unfused math kernel on CPU (~5x slower for a 1k-token prompt)."""
+        q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         if chunk.slots is None:
-            k = key[chunk.start : chunk.end].transpose(0, 1)
-            v = value[chunk.start : chunk.end].transpose(0, 1)
+            k, v = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
         else:
-            k = key_flat.index_select(0, chunk.slots).transpose(0, 1)
-            v = value_flat.index_select(0, chunk.slots).transpose(0, 1)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        output[chunk.start : chunk.end] = out.transpose(0, 1)
+            k, v = key_flat.index_select(0, chunk.slots), value_flat.index_select(0, chunk.slots)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out_rows, lse_rows = _flash_with_lse(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                             is_causal=chunk.mask is None, attn_mask=chunk.mask, scale=self.scale)
+        out[chunk.start : chunk.end] = out_rows[0].transpose(0, 1).view(-1, self.num_kv_heads, group, self.head_size)
+        lse[chunk.start : chunk.end] = lse_rows[0].transpose(0, 1).view(-1, self.num_kv_heads, group)
+
+    def _merge_shared_prefix(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
+        """Cascade attention: every row against the shared prefix in one call, merged with the attention over
+        the rest of its request's history by the two partial softmaxes' log-sum-exps."""
+        num_tokens = query.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        prefix = plan.prefix
+        if prefix.slots is None:
+            k_prefix = key_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
+            v_prefix = value_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
+        else:
+            k_prefix = key_flat.index_select(0, prefix.slots)
+            v_prefix = value_flat.index_select(0, prefix.slots)
+        # All rows' query groups folded into one query axis per KV head: [1, KVH, T * group, D].
+        q = query.view(num_tokens, self.num_kv_heads, group, self.head_size).transpose(0, 1)
+        out_prefix, lse_prefix = _flash_with_lse(
+            q.reshape(1, self.num_kv_heads, num_tokens * group, self.head_size),
+            k_prefix.transpose(0, 1).unsqueeze(0), v_prefix.transpose(0, 1).unsqueeze(0), scale=self.scale)
+        out_prefix = out_prefix.view(self.num_kv_heads, num_tokens, group, self.head_size).transpose(0, 1)
+        lse_prefix = lse_prefix.view(self.num_kv_heads, num_tokens, group).transpose(0, 1)
+
+        lse_max = torch.maximum(lse_prefix, lse_rest)
+        w_prefix = (lse_prefix - lse_max).exp_()
+        w_rest = (lse_rest - lse_max).exp_()
+        total = w_prefix + w_rest
+        merged = (out_prefix.float() * (w_prefix / total).unsqueeze(-1)
+                  + out_rest.float() * (w_rest / total).unsqueeze(-1))
+        return merged.to(query.dtype)
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -1,0 +1,120 @@
+"""What the CPU attention backend derives from AttentionMetadata once per step and reuses in every layer.
+
+The batch splits into decode rows (one new token; batched into one SDPA call, histories padded to the
+longest) and prefill chunks (several new tokens; one call each). When every request's block table starts
+with the same blocks (a shared system prompt, n > 1 samples, W3's common document) and every query comes
+after them, the plan also holds that shared prefix: it is attended once for all query rows together
+(cascade attention) and each request gathers only the rest of its history, instead of every request
+copying the whole prefix out of the cache in every layer.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.layers.attention.metadata import AttentionMetadata
+
+# A shared prefix shorter than this is gathered per request as before: merging two partial attentions
+# costs more than copying a few blocks.
+CASCADE_MIN_PREFIX_TOKENS = 256
+
+
+@dataclass
+class SharedPrefix:
+    num_tokens: int
+    # Cache slots of the prefix, or None when its blocks are consecutive: then it is the view
+    # cache[start_slot : start_slot + num_tokens] and nothing is copied.
+    slots: torch.Tensor | None
+    start_slot: int
+
+
+@dataclass
+class PrefillChunk:
+    start: int
+    end: int
+    # Cache slots of the context this chunk reads (after any shared prefix), or None when the chunk is the
+    # request's whole context (attend to this step's K/V directly, plain causal).
+    slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [q_len, len(slots)] additive: 0 = may attend, -inf = may not
+
+
+@dataclass
+class AttentionPlan:
+    block_size: int
+    dtype: torch.dtype
+    prefix: SharedPrefix | None
+    decode_rows: torch.Tensor | None  # [Bd] query rows of the decode requests
+    decode_slots: torch.Tensor | None  # [Bd * S] cache slots; padding repeats a real slot, then is masked out
+    decode_seq_len: int  # S, the longest history read by a decode row (after the shared prefix)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] additive, None if every history is S long
+    prefills: list[PrefillChunk]
+
+
+def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slot of each token position, given the request's block ids."""
+    return block_ids.long().gather(-1, positions // block_size) * block_size + positions % block_size
+
+
+def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> AttentionPlan:
+    prefix = _shared_prefix(md, block_size)
+    skip = prefix.num_tokens if prefix else 0
+    qsl = md.query_start_loc.tolist()
+    seq_lens = md.seq_lens.tolist()
+    decode_reqs, prefills = [], []
+    for i, seq_len in enumerate(seq_lens):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 1:
+            decode_reqs.append(i)
+        elif q_len > 1 and seq_len == q_len:
+            prefills.append(PrefillChunk(start, end, None, None))
+        elif q_len > 1:
+            positions = torch.arange(skip, seq_len)
+            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
+            mask = positions[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+            prefills.append(PrefillChunk(start, end, slots_of(md.block_table[i], positions, block_size),
+                                         _additive_mask(mask, dtype)))
+
+    decode_rows = decode_slots = decode_mask = None
+    decode_seq_len = 0
+    if decode_reqs:
+        idx = torch.tensor(decode_reqs)
+        lens = md.seq_lens[idx].long() - skip
+        decode_seq_len = int(lens.max())
+        offsets = torch.arange(decode_seq_len).expand(len(decode_reqs), -1)
+        valid = offsets < lens[:, None]
+        # Padding reads the request's first slot after the prefix (real data), then is masked out.
+        positions = torch.where(valid, offsets, 0) + skip
+        decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
+        decode_rows = md.query_start_loc[idx].long()
+        if not bool(valid.all()):
+            decode_mask = _additive_mask(valid[:, None, None, :], dtype)
+    return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_slots, decode_seq_len, decode_mask,
+                         prefills)
+
+
+def _shared_prefix(md: AttentionMetadata, block_size: int) -> SharedPrefix | None:
+    """The leading blocks common to every request, cut to what every query comes after."""
+    num_reqs = md.seq_lens.shape[0]
+    if num_reqs < 2:
+        return None
+    num_computed = md.seq_lens - (md.query_start_loc[1:] - md.query_start_loc[:-1])
+    max_blocks = min(int(num_computed.min()) // block_size, md.block_table.shape[1])
+    if max_blocks * block_size < CASCADE_MIN_PREFIX_TOKENS:
+        return None
+    table = md.block_table[:, :max_blocks]
+    num_blocks = int((table == table[:1]).all(0).int().cumprod(0).sum())
+    if num_blocks * block_size < CASCADE_MIN_PREFIX_TOKENS:
+        return None
+    block_ids = table[0, :num_blocks].long()
+    num_tokens = num_blocks * block_size
+    start_slot = int(block_ids[0]) * block_size
+    if bool((block_ids[1:] - block_ids[:-1] == 1).all()):
+        return SharedPrefix(num_tokens, None, start_slot)
+    return SharedPrefix(num_tokens, slots_of(block_ids, torch.arange(num_tokens), block_size), start_slot)
+
+
+def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where allowed, -inf elsewhere: the flash kernel (called for its log-sum-exp) takes masks only in
+    the query's dtype."""
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
