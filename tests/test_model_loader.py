@@ -154,6 +154,12 @@ def test_loaded_model_packs_fused_weights():
     assert torch.equal(params[f"{prefix}self_attn.qkv_proj.weight"], qkv)
     assert torch.equal(params[f"{prefix}mlp.gate_up_proj.weight"], gate_up)
     assert torch.equal(params["model.norm.weight"], reference["model.norm.weight"])
+    # float32 on CPU: GEMM weights stored input-major (layers/gemm_layout.py), same values and shape;
+    # the tied embedding keeps its rows for lookups and the LM head multiplies by an input-major copy.
+    assert params[f"{prefix}mlp.gate_up_proj.weight"].t().is_contiguous()
+    embedding = params["model.embed_tokens.weight"]
+    assert embedding.is_contiguous() and model.lm_head.projection_weight().t().is_contiguous()
+    assert torch.equal(model.lm_head.projection_weight(), embedding)
 
 
 # ---------------------------------------------------------------- registry

@@ -17,6 +17,7 @@ from pagedllm.layers.communication import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.layers.gemm_layout import input_major, use_input_major
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 
@@ -45,6 +46,10 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if use_input_major(layer.weight):
+            layer.weight.data = input_major(layer.weight.data)
 
 
 class LinearBase(nn.Module):

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
+from pagedllm.layers.gemm_layout import input_major, use_input_major
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,6 +28,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
+        self._projection: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
@@ -37,6 +39,16 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.vocab_end_index - self.vocab_start_index
         param.data[:rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_end_index])
         param.data[rows:].zero_()
+
+    def projection_weight(self) -> torch.Tensor:
+        """The ``[vocab, hidden]`` weight as the LM head multiplies by it (see prepare_projection)."""
+        return self.weight if self._projection is None else self._projection
+
+    def prepare_projection(self) -> None:
+        """Store the LM head's weight in the faster GEMM layout (layers/gemm_layout.py). An embedding tied to
+        the LM head keeps its rows for lookups, so it holds a second, input-major copy."""
+        if use_input_major(self.weight):
+            self._projection = input_major(self.weight.data)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -59,6 +71,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Models with tied embeddings use their ``VocabParallelEmbedding`` instead.
     """
+
+    def prepare_projection(self) -> None:
+        if use_input_major(self.weight):  # no lookups: convert in place
+            self.weight.data = input_major(self.weight.data)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through LogitsProcessor, not forward()")

@@ -154,6 +154,9 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]``."""
         return self.logits_processor(self.lm_head, hidden_states)
 
+    def process_weights_after_loading(self) -> None:
+        self.lm_head.prepare_projection()
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors; returns the parameter names filled."""
         params = dict(self.named_parameters())

@@ -62,4 +62,5 @@ def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype) 
     for module in model.modules():
         if hasattr(module, "quant_method"):
             module.quant_method.process_weights_after_loading(module)
+    model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
