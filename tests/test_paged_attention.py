@@ -1,17 +1,40 @@
 """The CPU paged-attention backend against plain causal attention over each
-request's contiguous K/V."""
+request's contiguous K/V; every case runs with the native decode kernel and with the torch path."""
 
 import random
+import shutil
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
+from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend, native
 from pagedllm.layers.attention.layer import Attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode rows in float32 go to the native kernel when it builds; "torch" forces the gather path."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "paged_decode", lambda: None)
+    return request.param
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch path is the only one")
+def test_native_kernel_builds_where_a_compiler_exists(decode_path):
+    assert (native.paged_decode() is not None) == (decode_path == "native")
+
+
+def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert native._build("paged_decode") is None
+    monkeypatch.setenv("CC", "false")  # exists, always fails
+    assert native._build("paged_decode") is None
+    assert not list(tmp_path.rglob("*.so"))
 
 
 def _reference(q, k, v, scale):

@@ -16,12 +16,9 @@ import tempfile
 
 import transformers
 
+from pagedllm.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> str:
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(xdg, "pagedllm")
 
 
 def gguf_cache_dir(gguf_path: str, kind: str) -> str:

@@ -10,6 +10,7 @@ cannot leak into the result.
 
 import torch
 
+from pagedllm.layers.attention import native
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
@@ -30,7 +31,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         block_size = key_cache.shape[1]
         plan = attn_metadata.backend_cache.get("torch_sdpa")
         if plan is None or plan.block_size != block_size or plan.dtype != query.dtype:
-            plan = attn_metadata.backend_cache["torch_sdpa"] = build_plan(attn_metadata, block_size, query.dtype)
+            plan = attn_metadata.backend_cache["torch_sdpa"] = build_plan(
+                attn_metadata, block_size, query.dtype, self._native_decode(query.dtype))
 
         key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
         value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
@@ -51,7 +53,33 @@ class TorchSDPABackendImpl(AttentionImpl):
             out = self._merge_shared_prefix(query, key_flat, value_flat, plan, out, lse)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
+    def _native_decode(self, dtype: torch.dtype) -> bool:
+        return (dtype == torch.float32 and self.num_heads // self.num_kv_heads <= 16 and self.head_size <= 256
+                and native.paged_decode() is not None)
+
     def _decode(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+        if plan.decode_block_table is not None:
+            self._decode_in_place(query, key_flat, value_flat, plan, out, lse)
+        else:
+            self._decode_gathered(query, key_flat, value_flat, plan, out, lse)
+
+    def _decode_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+        """The native kernel walks each request's block table: no history is copied."""
+        num_reqs = plan.decode_rows.shape[0]
+        q = query.index_select(0, plan.decode_rows)
+        out_rows = torch.empty_like(q)
+        lse_rows = torch.empty(num_reqs, self.num_heads)
+        status = native.paged_decode()(
+            q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), plan.decode_block_table.data_ptr(),
+            plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
+            plan.prefix.num_tokens if plan.prefix else 0, out_rows.data_ptr(), lse_rows.data_ptr(), num_reqs,
+            self.num_heads, self.num_kv_heads, self.head_size, plan.block_size, self.scale, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"paged_decode_f32 rejected its sizes (status {status})")
+        out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
+        lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
+
+    def _decode_gathered(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         """One call for all decode rows: [Bd, KVH, group, D] queries against [Bd, KVH, S, D] histories, each
         KV head's query group folded into the query-length axis (no K/V repetition for grouped queries)."""
         num_reqs = plan.decode_rows.shape[0]

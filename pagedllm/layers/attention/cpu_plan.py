@@ -44,6 +44,10 @@ class AttentionPlan:
     dtype: torch.dtype
     prefix: SharedPrefix | None
     decode_rows: torch.Tensor | None  # [Bd] query rows of the decode requests
+    # For the native kernel (reads the cache in place): the decode requests' block tables and lengths.
+    decode_block_table: torch.Tensor | None  # [Bd, max_blocks] int32, contiguous
+    decode_seq_lens: torch.Tensor | None  # [Bd] int32
+    # For the torch path (gathers the histories, padded to the longest):
     decode_slots: torch.Tensor | None  # [Bd * S] cache slots; padding repeats a real slot, then is masked out
     decode_seq_len: int  # S, the longest history read by a decode row (after the shared prefix)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] additive, None if every history is S long
@@ -55,7 +59,7 @@ def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_ids.long().gather(-1, positions // block_size) * block_size + positions % block_size
 
 
-def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> AttentionPlan:
+def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, native_decode: bool) -> AttentionPlan:
     prefix = _shared_prefix(md, block_size)
     skip = prefix.num_tokens if prefix else 0
     qsl = md.query_start_loc.tolist()
@@ -75,9 +79,14 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> At
             prefills.append(PrefillChunk(start, end, slots_of(md.block_table[i], positions, block_size),
                                          _additive_mask(mask, dtype)))
 
-    decode_rows = decode_slots = decode_mask = None
+    decode_rows = decode_block_table = decode_seq_lens = decode_slots = decode_mask = None
     decode_seq_len = 0
-    if decode_reqs:
+    if decode_reqs and native_decode:
+        idx = torch.tensor(decode_reqs)
+        decode_rows = md.query_start_loc[idx].long()
+        decode_block_table = md.block_table[idx].to(torch.int32).contiguous()
+        decode_seq_lens = md.seq_lens[idx].to(torch.int32)
+    elif decode_reqs:
         idx = torch.tensor(decode_reqs)
         lens = md.seq_lens[idx].long() - skip
         decode_seq_len = int(lens.max())
@@ -89,8 +98,8 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> At
         decode_rows = md.query_start_loc[idx].long()
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
-    return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_slots, decode_seq_len, decode_mask,
-                         prefills)
+    return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_block_table, decode_seq_lens, decode_slots,
+                         decode_seq_len, decode_mask, prefills)
 
 
 def _shared_prefix(md: AttentionMetadata, block_size: int) -> SharedPrefix | None:

@@ -1,0 +1,81 @@
+"""Native CPU kernels: C sources next to this file, compiled at first use and loaded with ctypes.
+
+pip installs no compiled code. A kernel is built once by the system C compiler (``$CC``, else ``cc``) into
+the cache directory, under a key of its source, the flags and this CPU's feature flags (``-march=native``),
+and renamed into place whole so concurrent processes never load half a file. Its OpenMP loop binds to the
+``libgomp.so.1`` torch has already loaded (same soname), so it runs on torch's worker threads. Without a
+compiler, on a build failure, or with ``PAGEDLLM_NATIVE_KERNELS=0``, ``paged_decode()`` is None and callers
+use the torch path.
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch  # noqa: F401  (loads torch's libgomp.so.1 before any kernel binds to that soname)
+
+from pagedllm.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build(name: str) -> str | None:
+    """Path of the built shared library for ``name.c``, building it if needed; None if it cannot be built."""
+    source = os.path.join(_HERE, f"{name}.c")
+    with open(source, "rb") as f:
+        code = f.read()
+    compiler = os.environ.get("CC", "cc")
+    key = hashlib.sha256(code + "\0".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = os.path.join(cache_root(), "kernels", f"{name}-{key}.so")
+    if os.path.exists(target):
+        return target
+    if shutil.which(compiler) is None:
+        logger.info("No C compiler (%s): native %s kernel off, using the torch path", compiler, name)
+        return None
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{name}-", suffix=".so")
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *FLAGS, source, "-o", tmp, "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", None) or b"").decode(errors="replace")[-2000:]
+        logger.warning("Building the native %s kernel failed (%s) %s; using the torch path", name, e, detail)
+        return None
+    return target
+
+
+@functools.cache
+def paged_decode():
+    """The C function ``paged_decode_f32`` (see paged_decode.c), or None."""
+    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
+        return None
+    path = _build("paged_decode")
+    if path is None:
+        return None
+    fn = ctypes.CDLL(path).paged_decode_f32
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, i64, p, i32, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = i32
+    return fn
