@@ -1,7 +1,8 @@
 """Paged attention on CPU with torch's scaled_dot_product_attention.
 
-Per step the batch is planned once (cpu_plan.py): decode rows are batched into one SDPA call over their
-histories, gathered from the cache and padded to the longest one; each prefill chunk is one call, causal
+Per step the batch is planned once (cpu_plan.py). Decode rows in float32 go to the native kernel, which reads
+each history in place through the block table (native/); otherwise they are batched into one SDPA call over
+their histories, gathered from the cache and padded to the longest one. Each prefill chunk is one call, causal
 inside the chunk and seeing the request's cached earlier tokens. A prefix of blocks that every request
 shares is attended once for all rows and merged by log-sum-exp (cascade attention).
 Only slots below a request's ``seq_len`` are ever read, so never-written cache memory (even NaN garbage)
