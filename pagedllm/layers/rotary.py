@@ -40,23 +40,34 @@ class RotaryEmbedding(nn.Module):
         elif rope_type != "default":
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._cos_sin_cache: tuple | None = None
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query``/``key`` are ``[T, heads * head_size]``; returns rotated copies."""
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq
-        cos, sin = freqs.cos().to(query.dtype), freqs.sin().to(query.dtype)
-        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        """``qk`` is ``[T, heads * head_size]``: the query and key heads of the fused QKV output, which sit side
+        by side, rotated in one pass. Returns a rotated copy."""
+        cos, sin = self._cos_sin(positions, qk.dtype)
+        return self._rotate(qk, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed once per step: the model's layers share this module and get the same positions tensor.
+        The cache holds that tensor itself, so no later tensor can be mistaken for it (callers do not
+        modify positions in place during a step)."""
+        cached = self._cos_sin_cache
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            freqs = positions.unsqueeze(-1).float() * self.inv_freq
+            cached = (positions, dtype, freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1))
+            self._cos_sin_cache = cached
+        return cached[2], cached[3]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         x1, x2 = rot.chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((rotated, passthrough), dim=-1).reshape(shape)
+        if passthrough.shape[-1]:
+            rotated = torch.cat((rotated, passthrough), dim=-1)
+        return rotated.reshape(shape)
 
 
 def get_rope(head_size: int, config) -> RotaryEmbedding:

@@ -13,7 +13,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.quantization import QuantizationConfig
-from pagedllm.layers.rotary import get_rope
+from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.weights import default_weight_loader
 
@@ -38,7 +38,7 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
+                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
@@ -60,22 +60,22 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias,
             tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
-        self.rotary_emb = get_rope(self.head_dim, config)
+        self.rotary_emb = rotary_emb  # one module for all layers: cos/sin once per step
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
+                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank, quant_config,
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
                                         f"{prefix}.self_attn")
         self.mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act,
@@ -103,8 +103,11 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank
         )
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary_emb = get_rope(head_dim, config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
+                              f"{prefix}.layers.{i}")
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
