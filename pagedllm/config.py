@@ -8,6 +8,11 @@ from typing import Optional
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 
 
+def head_dim(hf_config) -> int:
+    """Per-head size: explicit in newer configs, else hidden_size split evenly over the attention heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int = 2048
@@ -87,8 +92,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return getattr(self.hf_config, "head_dim", None) or (
-            self.hf_config.hidden_size // self.hf_config.num_attention_heads)
+        return head_dim(self.hf_config)
 
     @property
     def vocab_size(self) -> int:

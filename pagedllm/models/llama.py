@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.config import head_dim
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
 from pagedllm.layers.layernorm import RMSNorm
@@ -40,7 +41,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -103,8 +104,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank
         )
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary_emb = get_rope(head_dim, config)
+        rotary_emb = get_rope(head_dim(config), config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
                               f"{prefix}.layers.{i}")

@@ -81,13 +81,13 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
 
     decode_rows = decode_block_table = decode_seq_lens = decode_slots = decode_mask = None
     decode_seq_len = 0
-    if decode_reqs and native_decode:
+    if decode_reqs:
         idx = torch.tensor(decode_reqs)
         decode_rows = md.query_start_loc[idx].long()
+    if decode_reqs and native_decode:
         decode_block_table = md.block_table[idx].to(torch.int32).contiguous()
         decode_seq_lens = md.seq_lens[idx].to(torch.int32)
     elif decode_reqs:
-        idx = torch.tensor(decode_reqs)
         lens = md.seq_lens[idx].long() - skip
         decode_seq_len = int(lens.max())
         offsets = torch.arange(decode_seq_len).expand(len(decode_reqs), -1)
@@ -95,7 +95,6 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         # Padding reads the request's first slot after the prefix (real data), then is masked out.
         positions = torch.where(valid, offsets, 0) + skip
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
-        decode_rows = md.query_start_loc[idx].long()
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_block_table, decode_seq_lens, decode_slots,
