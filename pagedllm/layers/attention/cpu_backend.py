@@ -11,7 +11,7 @@ cannot leak into the result.
 
 import torch
 
-from pagedllm.layers.attention import native
+from pagedllm import native
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata

@@ -35,13 +35,14 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _build(name: str) -> str | None:
+def _build(name: str, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Path of the built shared library for ``name.c``, building it if needed; None if it cannot be built."""
     source = os.path.join(_HERE, f"{name}.c")
     with open(source, "rb") as f:
         code = f.read()
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(code + "\0".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = [*FLAGS, *extra_flags]
+    key = hashlib.sha256(code + "\0".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     target = os.path.join(cache_root(), "kernels", f"{name}-{key}.so")
     if os.path.exists(target):
         return target
@@ -53,7 +54,7 @@ def _build(name: str) -> str | None:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{name}-", suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, source, "-o", tmp, "-lm"], check=True, capture_output=True,
+            subprocess.run([compiler, *flags, source, "-o", tmp, "-lm"], check=True, capture_output=True,
                            timeout=120)
             os.replace(tmp, target)
         finally:
@@ -67,11 +68,12 @@ def _build(name: str) -> str | None:
 
 
 @functools.cache
-def paged_decode():
-    """The C function ``paged_decode_f32`` (see paged_decode.c), or None."""
+def paged_decode(extra_flags: tuple[str, ...] = ()):
+    """The C function ``paged_decode_f32`` (see paged_decode.c), or None. ``extra_flags`` exist for tests
+    (``-mno-avx512f`` builds the portable body)."""
     if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
         return None
-    path = _build("paged_decode")
+    path = _build("paged_decode", extra_flags)
     if path is None:
         return None
     fn = ctypes.CDLL(path).paged_decode_f32

@@ -1,0 +1,245 @@
+/* Paged attention for decode rows (one query token per request), float32, reading K/V in place.
+ *
+ * The torch path gathers every request's whole K/V history out of the paged cache into new tensors in
+ * every layer and step; this kernel walks the request's block table instead, so each K/V row is read once
+ * and nothing is written but the output. Work items are (request, KV head); an item keeps the query heads
+ * of its group together, so a K/V row loaded once serves all of them, and it goes through the history in
+ * runs of up to 16 consecutive slots with an online softmax (one rescale per run).
+ *
+ * Two bodies: with AVX-512 (and a head size that is a multiple of 16, up to 128) the scores of a run are
+ * sixteen vector dot products reduced together by one transpose-and-add tree, the softmax of the run is one
+ * vector exp, and the group's output accumulators stay in registers; otherwise portable C.
+ *
+ * Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the parallel loop runs on
+ * torch's own worker threads instead of competing with them.
+ * Built at first use by native/__init__.py with the system C compiler; without one the torch path runs.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_SIZE 256
+#define RUN 16 /* slots per online-softmax step */
+
+typedef struct {
+    const float *q_all, *k_cache, *v_cache;
+    const int32_t *block_table, *seq_lens;
+    int64_t block_table_stride;
+    int start_pos, num_heads, num_kv_heads, head_size, block_size;
+    float scale;
+    float *out, *lse;
+} DecodeArgs;
+
+/* Length of the run of consecutive slots starting at pos (stays inside one block), and its first slot. */
+static inline int next_run(const DecodeArgs *a, const int32_t *blocks, int pos, int seq_len, int64_t *slot) {
+    const int offset = pos % a->block_size;
+    int n = a->block_size - offset;
+    if (n > seq_len - pos) n = seq_len - pos;
+    if (n > RUN) n = RUN;
+    *slot = (int64_t)blocks[pos / a->block_size] * a->block_size + offset;
+    return n;
+}
+
+static void decode_item_portable(const DecodeArgs *a, int item) {
+    const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+    const int group = a->num_heads / a->num_kv_heads, d = a->head_size;
+    const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
+    const float *q = a->q_all + ((int64_t)req * a->num_heads + (int64_t)kv_head * group) * d;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * d; /* floats between consecutive slots */
+    const int seq_len = a->seq_lens[req];
+    float acc[MAX_GROUP][MAX_HEAD_SIZE], running_max[MAX_GROUP], running_sum[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+        for (int i = 0; i < d; i++) acc[g][i] = 0.0f;
+    }
+    for (int pos = a->start_pos; pos < seq_len;) {
+        int64_t slot;
+        const int n = next_run(a, blocks, pos, seq_len, &slot);
+        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
+        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        for (int g = 0; g < group; g++) {
+            const float *qg = q + (int64_t)g * d;
+            float scores[RUN], block_max = running_max[g];
+            for (int t = 0; t < n; t++) {
+                const float *kt = k + t * row_stride;
+                float score = 0.0f;
+                for (int i = 0; i < d; i++) score += qg[i] * kt[i];
+                scores[t] = score * a->scale;
+                if (scores[t] > block_max) block_max = scores[t];
+            }
+            const float rescale = expf(running_max[g] - block_max);
+            float *acc_g = acc[g];
+            running_sum[g] *= rescale;
+            for (int i = 0; i < d; i++) acc_g[i] *= rescale;
+            running_max[g] = block_max;
+            for (int t = 0; t < n; t++) {
+                const float *vt = v + t * row_stride;
+                const float weight = expf(scores[t] - block_max);
+                running_sum[g] += weight;
+                for (int i = 0; i < d; i++) acc_g[i] += weight * vt[i];
+            }
+        }
+        pos += n;
+    }
+    for (int g = 0; g < group; g++) {
+        const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * group + g;
+        const float inv = 1.0f / running_sum[g];
+        for (int i = 0; i < d; i++) a->out[row * d + i] = acc[g][i] * inv;
+        a->lse[row] = running_max[g] + logf(running_sum[g]);
+    }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 (scores minus their running max), ~1e-7 relative error: 2^n * p(r), r = x - n ln2. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Lane j of the result is the sum of the lanes of v[j]: 16 horizontal sums in 45 instructions. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 t[8], u[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: the lane's sums of four vectors */
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t[2 * i]), _mm512_castps_pd(t[2 * i + 1]));
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* GROUP query heads per KV head, VD 16-float vectors per head; both constants after inlining, so the
+ * accumulators live in registers. */
+static inline __attribute__((always_inline)) void decode_item_avx512(const DecodeArgs *a, int item, const int GROUP,
+                                                                     const int VD) {
+    const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
+    const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
+    const float *q = a->q_all + ((int64_t)req * a->num_heads + (int64_t)kv_head * GROUP) * d;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * d;
+    const int seq_len = a->seq_lens[req];
+    __m512 acc[GROUP][VD], qv[GROUP][VD], running_max[GROUP], running_sum[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        running_max[g] = _mm512_set1_ps(-INFINITY);
+        running_sum[g] = _mm512_setzero_ps();
+        for (int j = 0; j < VD; j++) {
+            acc[g][j] = _mm512_setzero_ps();
+            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + 16 * j), _mm512_set1_ps(a->scale));
+        }
+    }
+    int64_t slot, next_slot;
+    int next_n = a->start_pos < seq_len ? next_run(a, blocks, a->start_pos, seq_len, &next_slot) : 0;
+    for (int pos = a->start_pos; pos < seq_len;) {
+        const int n = next_n;
+        slot = next_slot;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
+        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        pos += n;
+        if (pos < seq_len) { /* the next run's rows are fetched while this one computes: without it the loop
+                              * waits on memory latency, not bandwidth */
+            next_n = next_run(a, blocks, pos, seq_len, &next_slot);
+            const float *nk = a->k_cache + next_slot * row_stride + (int64_t)kv_head * d;
+            const float *nv = a->v_cache + next_slot * row_stride + (int64_t)kv_head * d;
+            for (int t = 0; t < next_n; t++)
+                for (int j = 0; j < VD; j++) {
+                    _mm_prefetch((const char *)(nk + t * row_stride + 16 * j), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(nv + t * row_stride + 16 * j), _MM_HINT_T0);
+                }
+        }
+        float weights[GROUP][RUN];
+        for (int g = 0; g < GROUP; g++) {
+            __m512 partial[RUN];
+            for (int t = 0; t < RUN; t++) {
+                if (t >= n) {
+                    partial[t] = _mm512_setzero_ps();
+                    continue;
+                }
+                const float *kt = k + t * row_stride;
+                __m512 s = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kt));
+                for (int j = 1; j < VD; j++) s = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(kt + 16 * j), s);
+                partial[t] = s;
+            }
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(partial));
+            const __m512 new_max = _mm512_max_ps(running_max[g], _mm512_set1_ps(_mm512_reduce_max_ps(scores)));
+            const __m512 rescale = exp_nonpositive(_mm512_sub_ps(running_max[g], new_max));
+            const __m512 w = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(scores, new_max)));
+            running_sum[g] = _mm512_fmadd_ps(running_sum[g], rescale, _mm512_set1_ps(_mm512_reduce_add_ps(w)));
+            running_max[g] = new_max;
+            for (int j = 0; j < VD; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], rescale);
+            _mm512_storeu_ps(weights[g], w);
+        }
+        for (int t = 0; t < n; t++) {
+            const float *vt = v + t * row_stride;
+            for (int j = 0; j < VD; j++) {
+                const __m512 vv = _mm512_loadu_ps(vt + 16 * j);
+                for (int g = 0; g < GROUP; g++)
+                    acc[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][t]), vv, acc[g][j]);
+            }
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * GROUP + g;
+        const float sum = _mm512_cvtss_f32(running_sum[g]);
+        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        for (int j = 0; j < VD; j++) _mm512_storeu_ps(a->out + row * d + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+        a->lse[row] = _mm512_cvtss_f32(running_max[g]) + logf(sum);
+    }
+}
+
+#define VD_CASES(G)                                                                                          \
+    case 16 * (G) + 1: decode_item_avx512(a, item, G, 1); return 1;                                          \
+    case 16 * (G) + 2: decode_item_avx512(a, item, G, 2); return 1;                                          \
+    case 16 * (G) + 4: decode_item_avx512(a, item, G, 4); return 1;                                          \
+    case 16 * (G) + 8: decode_item_avx512(a, item, G, 8); return 1;
+
+/* Runs the specialised body when (group, head_size) has one; returns 0 when it has not. */
+static int decode_item_vector(const DecodeArgs *a, int item) {
+    const int group = a->num_heads / a->num_kv_heads;
+    if (a->head_size % 16 != 0) return 0;
+    switch (16 * group + a->head_size / 16) {
+        VD_CASES(1) VD_CASES(2) VD_CASES(3) VD_CASES(4) VD_CASES(5) VD_CASES(6) VD_CASES(7) VD_CASES(8)
+    }
+    return 0;
+}
+#else
+static int decode_item_vector(const DecodeArgs *a, int item) { return 0; }
+#endif
+
+/* q: [num_reqs, num_heads, head_size]; caches: [num_slots, num_kv_heads, head_size]; block_table:
+ * [num_reqs, block_table_stride] int32; request r reads positions start_pos .. seq_lens[r]-1 (each
+ * seq_lens[r] > start_pos). Writes out [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads].
+ * Returns 0, or -1 for sizes the kernel does not handle. */
+int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
+                     int64_t block_table_stride, const int32_t *seq_lens, int start_pos, float *out, float *lse,
+                     int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
+                     int num_threads) {
+    if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
+        return -1;
+    const DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, start_pos, num_heads,
+                          num_kv_heads, head_size, block_size, scale, out, lse};
+    const int items = num_reqs * num_kv_heads;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int item = 0; item < items; item++)
+        if (!decode_item_vector(&a, item)) decode_item_portable(&a, item);
+    return 0;
+}
