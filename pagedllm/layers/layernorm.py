@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from pagedllm.native import fused
+
 
 class RMSNorm(nn.Module):
     """``x / rms(x) * weight``, normalized in float32 like the HF reference."""
@@ -16,6 +18,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without ``residual`` return norm(x); with it return (norm(x + residual), x + residual)."""
+        native = fused.add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        if native is not None:
+            return native
         if residual is not None:
             x = x + residual
             residual = x

@@ -9,6 +9,8 @@ import math
 import torch
 from torch import nn
 
+from pagedllm.native import fused
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     """Llama 3.1 frequency scaling: slow down low frequencies, blend the middle band."""
@@ -44,8 +46,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """``qk`` is ``[T, heads * head_size]``: the query and key heads of the fused QKV output, which sit side
-        by side, rotated in one pass. Returns a rotated copy."""
+        by side, rotated in one pass. Returns them rotated: in place by the native kernel where it applies
+        (float32 on CPU), else as a copy."""
         cos, sin = self._cos_sin(positions, qk.dtype)
+        if fused.rotary_neox_(qk, qk.shape[-1] // self.head_size, self.head_size, self.rotary_dim, cos, sin):
+            return qk
         return self._rotate(qk, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@ pip installs no compiled code. A kernel is built once by the system C compiler (
 the cache directory, under a key of its source, the flags and this CPU's feature flags (``-march=native``),
 and renamed into place whole so concurrent processes never load half a file. Its OpenMP loop binds to the
 ``libgomp.so.1`` torch has already loaded (same soname), so it runs on torch's worker threads. Without a
-compiler, on a build failure, or with ``PAGEDLLM_NATIVE_KERNELS=0``, ``paged_decode()`` is None and callers
-use the torch path.
+compiler, on a build failure, or with ``PAGEDLLM_NATIVE_KERNELS=0``, the loaders return None and callers use the
+torch path.
 """
 
 import ctypes
@@ -67,17 +67,39 @@ def _build(name: str, extra_flags: tuple[str, ...] = ()) -> str | None:
     return target
 
 
+_P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def _load(name: str, signatures: dict[str, tuple[list, object]], extra_flags: tuple[str, ...] = ()):
+    """``name.c`` built and loaded with the given ``{function: (argtypes, restype)}``, or None (no compiler, a
+    failed build, or ``PAGEDLLM_NATIVE_KERNELS=0``)."""
+    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
+        return None
+    path = _build(name, extra_flags)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(path)
+    for function, (argtypes, restype) in signatures.items():
+        getattr(lib, function).argtypes = argtypes
+        getattr(lib, function).restype = restype
+    return lib
+
+
 @functools.cache
 def paged_decode(extra_flags: tuple[str, ...] = ()):
     """The C function ``paged_decode_f32`` (see paged_decode.c), or None. ``extra_flags`` exist for tests
     (``-mno-avx512f`` builds the portable body)."""
-    if os.environ.get("PAGEDLLM_NATIVE_KERNELS", "1") == "0":
-        return None
-    path = _build("paged_decode", extra_flags)
-    if path is None:
-        return None
-    fn = ctypes.CDLL(path).paged_decode_f32
-    p, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, i32, p, p, i32, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = i32
-    return fn
+    lib = _load("paged_decode", {"paged_decode_f32": (
+        [_P, _P, _P, _P, _I64, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32)}, extra_flags)
+    return None if lib is None else lib.paged_decode_f32
+
+
+@functools.cache
+def fused_ops():
+    """The library of fused_ops.c (used through pagedllm.native.fused), or None."""
+    return _load("fused_ops", {
+        "add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32], None),
+        "silu_and_mul_f32": ([_P, _P, _I64, _I32], None),
+        "rotary_neox_f32": ([_P, _I64, _P, _P, _I64, _I32, _I32, _I32], None),
+        "write_kv_f32": ([_P, _P, _I64, _P, _P, _I64, _P, _I64, _I32], _I32),
+    })

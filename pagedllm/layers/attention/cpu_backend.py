@@ -12,6 +12,7 @@ cannot leak into the result.
 import torch
 
 from pagedllm import native
+from pagedllm.native import fused
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
@@ -38,8 +39,9 @@ class TorchSDPABackendImpl(AttentionImpl):
         key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
         value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
         slot_mapping = attn_metadata.slot_mapping.long()
-        key_flat.index_copy_(0, slot_mapping, key)
-        value_flat.index_copy_(0, slot_mapping, value)
+        if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping):
+            key_flat.index_copy_(0, slot_mapping, key)
+            value_flat.index_copy_(0, slot_mapping, value)
 
         num_tokens = query.shape[0]
         group = self.num_heads // self.num_kv_heads

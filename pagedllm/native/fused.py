@@ -1,0 +1,68 @@
+"""Torch-facing wrappers of fused_ops.c for the decoder layer's element-wise work in float32 on CPU.
+
+Each returns its result (or True) when the native path applies, and None (or False) when it does not: no
+kernel, another dtype or device, or a layout the kernel does not take. Callers then run their torch code, so
+the two paths always coexist and the torch one stays the reference.
+"""
+
+import torch
+
+from pagedllm import native
+
+
+def _lib_for(*tensors: torch.Tensor):
+    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
+        return native.fused_ops()
+    return None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """``norm(x)``, or ``(norm(x + residual), x + residual)``; None when the native path does not apply."""
+    operands = (x, weight) if residual is None else (x, residual, weight)
+    lib = _lib_for(*operands)
+    if lib is None or not all(t.is_contiguous() for t in operands) or x.dim() != 2:
+        return None
+    out = torch.empty_like(x)
+    summed = None if residual is None else torch.empty_like(x)
+    lib.add_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                         out.data_ptr(), None if summed is None else summed.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out if residual is None else (out, summed)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x[:, :d]) * x[:, d:]`` for ``[T, 2d]``; None when the native path does not apply."""
+    lib = _lib_for(x)
+    if lib is None or not x.is_contiguous() or x.dim() != 2:
+        return None
+    d = x.shape[1] // 2
+    out = x.new_empty(x.shape[0], d)
+    lib.silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.shape[0], d)
+    return out
+
+
+def rotary_neox_(x: torch.Tensor, num_heads: int, head_size: int, rotary_dim: int, cos: torch.Tensor,
+                 sin: torch.Tensor) -> bool:
+    """Rotate the first ``num_heads`` heads of each row of ``x`` ([T, >= num_heads * head_size], rows may be
+    strided) in place; ``cos``/``sin`` hold ``[T, rotary_dim / 2]`` values. False when it does not apply."""
+    lib = _lib_for(x, cos, sin)
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    lib.rotary_neox_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads,
+                        head_size, rotary_dim)
+    return True
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """``key_flat[slot_mapping] = key`` and the same for value, for ``[T, kv_heads, head_size]`` rows that may
+    be strided views of the QKV output; False when it does not apply."""
+    lib = _lib_for(key, value, key_flat, value_flat)
+    row_floats = key.shape[1] * key.shape[2]
+    dense_rows = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+    if (lib is None or not dense_rows or key.stride(0) != value.stride(0) or slot_mapping.dtype != torch.int64
+            or not (key_flat.is_contiguous() and value_flat.is_contiguous() and slot_mapping.is_contiguous())):
+        return False
+    if lib.write_kv_f32(key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
+                        key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
+        raise IndexError(f"slot_mapping holds a slot outside the KV cache's {key_flat.shape[0]} slots")
+    return True

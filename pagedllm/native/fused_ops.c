@@ -1,0 +1,103 @@
+/* Fused float32 element-wise kernels for the decoder layer: each one pass over its rows instead of the
+ * chain of separate torch ops (add, pow, mean, rsqrt, mul, mul / chunk, silu, mul / chunk, mul, mul, sub,
+ * cat / index_copy_ of a strided view) that each read and write the whole activation.
+ *
+ * Row-parallel with OpenMP on torch's own threads (see native/__init__.py); small calls stay on one thread.
+ * Plain C written to vectorise: the exp is a polynomial, no libm call in the inner loops.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_FLOATS 32768 /* below this a parallel region costs more than it saves */
+
+/* exp(x), ~2 ulp, for |x| < 88: 2^n * p(r) with r = x - n ln2 (the Cephes polynomial). */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* out = x / rms(x) * weight per row, in the reference's order: (x * rsqrt(mean(x^2) + eps)) * weight. When
+ * residual is given, x + residual is normalised and also written to sum_out. Rows are hidden floats apart. */
+void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *sum_out,
+                      int64_t rows, int hidden, float eps) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * hidden;
+        float *ot = out + t * hidden;
+        const float *src = xt;
+        if (residual != NULL) {
+            const float *rt = residual + t * hidden;
+            float *st = sum_out + t * hidden;
+#pragma omp simd
+            for (int i = 0; i < hidden; i++) st[i] = xt[i] + rt[i];
+            src = st;
+        }
+        float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+        for (int i = 0; i < hidden; i++) squares += src[i] * src[i];
+        const float inv_rms = 1.0f / sqrtf(squares / (float)hidden + eps);
+#pragma omp simd
+        for (int i = 0; i < hidden; i++) ot[i] = (src[i] * inv_rms) * weight[i];
+    }
+}
+
+/* out[t] = silu(x[t, :d]) * x[t, d:] for rows of 2d floats. */
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) {
+#pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = x + t * 2 * d, *up = gate + d;
+        float *ot = out + t * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) ot[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+    }
+}
+
+/* Neox-style rotary in place on the first `heads` heads of each row (rows row_stride floats apart: the
+ * query and key heads at the front of a fused QKV row). cos/sin: [rows, rotary_dim / 2]. */
+void rotary_neox_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int heads,
+                     int head_size, int rotary_dim) {
+    const int half = rotary_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * head_size >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * half, *s = sin + t * half;
+        for (int h = 0; h < heads; h++) {
+            float *x1 = x + t * row_stride + (int64_t)h * head_size, *x2 = x1 + half;
+#pragma omp simd
+            for (int i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    }
+}
+
+/* key_cache[slot_mapping[t]] = key[t] and the same for value; rows of row_floats, the sources row_stride
+ * floats apart (views into the fused QKV output), the caches dense with num_slots rows. Returns -1, having
+ * written nothing, when a slot is out of range. */
+int write_kv_f32(const float *key, const float *value, int64_t row_stride, float *key_cache, float *value_cache,
+                 int64_t num_slots, const int64_t *slot_mapping, int64_t rows, int row_floats) {
+    for (int64_t t = 0; t < rows; t++)
+        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
+#pragma omp parallel for schedule(static) if (rows * row_floats >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t slot = slot_mapping[t];
+        memcpy(key_cache + slot * row_floats, key + t * row_stride, sizeof(float) * row_floats);
+        memcpy(value_cache + slot * row_floats, value + t * row_stride, sizeof(float) * row_floats);
+    }
+    return 0;
+}

@@ -1,0 +1,100 @@
+"""The native fused element-wise kernels (pagedllm/native/fused_ops.c) against the torch code they replace, on
+small calls (one thread) and large ones (the parallel branch), and the cases where they must step aside."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import native
+from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.native import fused
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None or native.fused_ops() is None,
+                                reason="no C compiler: the torch path is the only one")
+
+ROWS = [1, 7, 300]  # 300 rows cross PARALLEL_MIN_FLOATS for every kernel
+
+
+def _close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x, residual = torch.randn(2, rows, 200, generator=gen) * 3
+    weight = torch.randn(200, generator=gen)
+    result = fused.add_rms_norm(x, residual if with_residual else None, weight, 1e-2)
+    summed = x + residual if with_residual else x
+    expected = weight * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-2))
+    if with_residual:
+        _close(result[0], expected)
+        assert torch.equal(result[1], summed)
+    else:
+        _close(result, expected)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_silu_and_mul_matches_torch(rows):
+    x = torch.randn(rows, 2 * 150, generator=torch.Generator().manual_seed(rows)) * 8  # exp far from 0 too
+    gate, up = x.chunk(2, dim=-1)
+    _close(fused.silu_and_mul(x), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_in_place_matches_torch_on_a_strided_view(rows, rotary_dim):
+    rope = RotaryEmbedding(64, rotary_dim, 10000.0)
+    positions = torch.randint(0, 4000, (rows,), generator=torch.Generator().manual_seed(rows))
+    qkv = torch.randn(rows, 7 * 64)
+    qk = qkv[:, : 5 * 64]  # 5 rotated heads, 2 untouched ones after them in each row
+    cos, sin = rope._cos_sin(positions, torch.float32)
+    expected = rope._rotate(qk, cos, sin)
+    untouched = qkv[:, 5 * 64 :].clone()
+    assert fused.rotary_neox_(qk, 5, 64, rotary_dim, cos, sin)
+    _close(qk, expected)
+    assert torch.equal(qkv[:, 5 * 64 :], untouched)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_write_kv_scatters_strided_rows(rows):
+    qkv = torch.randn(rows, 3 * 2 * 16)
+    key, value = qkv[:, 32:64].view(rows, 2, 16), qkv[:, 64:].view(rows, 2, 16)
+    key_flat, value_flat = torch.zeros(2, 400, 2, 16)
+    slots = torch.randperm(400)[:rows]
+    assert fused.write_kv(key, value, key_flat, value_flat, slots)
+    assert torch.equal(key_flat[slots], key) and torch.equal(value_flat[slots], value)
+    others = torch.ones(400, dtype=torch.bool)
+    others[slots] = False
+    assert not key_flat[others].any() and not value_flat[others].any()
+
+
+def test_write_kv_rejects_a_slot_outside_the_cache_and_writes_nothing():
+    key = value = torch.randn(3, 2, 16)
+    key_flat, value_flat = torch.zeros(2, 10, 2, 16)
+    with pytest.raises(IndexError, match="10 slots"):
+        fused.write_kv(key, value, key_flat, value_flat, torch.tensor([1, 2, 10]))
+    assert not key_flat.any() and not value_flat.any()
+
+
+def test_other_dtypes_and_layouts_step_aside():
+    x = torch.randn(4, 32)
+    assert fused.add_rms_norm(x.bfloat16(), None, torch.ones(32, dtype=torch.bfloat16), 1e-5) is None
+    assert fused.silu_and_mul(x.t()) is None  # not contiguous
+    assert fused.silu_and_mul(x.double()) is None
+    key = torch.randn(4, 2, 16)
+    assert not fused.write_kv(key.transpose(1, 2).transpose(1, 2)[:, :, ::2], key[:, :, ::2],
+                              torch.zeros(10, 2, 8), torch.zeros(10, 2, 8), torch.arange(4))
+
+
+def test_everything_steps_aside_without_the_library(monkeypatch):
+    monkeypatch.setattr(native, "fused_ops", lambda: None)
+    x = torch.randn(4, 32)
+    assert fused.add_rms_norm(x, x, torch.ones(32), 1e-5) is None
+    assert fused.silu_and_mul(x) is None
+    assert not fused.rotary_neox_(x, 2, 16, 16, torch.ones(4, 8), torch.zeros(4, 8))
+    assert not fused.write_kv(x.view(4, 2, 16), x.view(4, 2, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
+                              torch.arange(4))
