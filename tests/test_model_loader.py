@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
+from pagedllm import native
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -151,15 +152,21 @@ def test_loaded_model_packs_fused_weights():
     prefix = "model.layers.3."
     qkv = torch.cat([reference[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
     gate_up = torch.cat([reference[f"{prefix}mlp.{p}_proj.weight"] for p in ("gate", "up")])
-    assert torch.equal(params[f"{prefix}self_attn.qkv_proj.weight"], qkv)
-    assert torch.equal(params[f"{prefix}mlp.gate_up_proj.weight"], gate_up)
+    layer = model.model.layers[3]
+    assert torch.equal(layer.self_attn.qkv_proj.quant_method.dense.unpacked(), qkv)
+    assert torch.equal(layer.mlp.gate_up_proj.quant_method.dense.unpacked(), gate_up)
     assert torch.equal(params["model.norm.weight"], reference["model.norm.weight"])
-    # float32 on CPU: GEMM weights stored input-major (layers/gemm_layout.py), same values and shape;
-    # the tied embedding keeps its rows for lookups and the LM head multiplies by an input-major copy.
-    assert params[f"{prefix}mlp.gate_up_proj.weight"].t().is_contiguous()
+    # float32 on CPU (layers/gemm_layout.py): the parameter holds the input-major weight for MKL, plus panels
+    # for the native kernel where it exists; the tied embedding keeps its rows for lookups and the LM head
+    # multiplies by a copy in its GEMM's layout (panels only, with the kernel).
+    dense = layer.mlp.gate_up_proj.quant_method.dense
+    param = params[f"{prefix}mlp.gate_up_proj.weight"]
+    assert param.data_ptr() == dense.data.data_ptr() and param.t().is_contiguous()
+    assert (dense.panels is not None) == (native.gemm() is not None)
+    assert (model.lm_head._projection.data is None) == (native.gemm() is not None)
     embedding = params["model.embed_tokens.weight"]
-    assert embedding.is_contiguous() and model.lm_head.projection_weight().t().is_contiguous()
-    assert torch.equal(model.lm_head.projection_weight(), embedding)
+    assert embedding.is_contiguous() and torch.equal(embedding, reference["model.embed_tokens.weight"])
+    assert torch.equal(model.lm_head._projection.unpacked(), embedding)
 
 
 # ---------------------------------------------------------------- registry

@@ -1,20 +1,67 @@
-"""How dense weights are laid out in memory for the CPU's GEMM.
+"""Dense weights laid out once, after loading, for the CPU GEMMs that multiply by them (the idea of vLLM's
+``dispatch_cpu_unquantized_gemm``).
 
-A weight is ``[out, in]`` to every caller (``F.linear(x, W)``). On CPU in float32, MKL multiplies 2-4x
-faster at 8-64 rows (decode batches, short prompts) when it gets ``W.T`` as a plain row-major ``[in, out]``
-matrix than when it transposes ``W`` on the fly, and equally fast at 1 and 512-2048 rows (measured on the
-2-core AVX-512 machine, torch 2.13: 30-layer SmolLM2 GEMMs at 32 rows 4.3 -> 2.1 ms per layer). So such
-weights are stored input-major and exposed as the transposed view: same values, same shape, and
-``F.linear`` runs the fast kernel. Other dtypes and devices are left as loaded (not measured).
+float32 on CPU, measured on the 2-core AVX-512 machine (torch 2.13, SmolLM2's 30 layers of GEMMs):
+- MKL multiplies 2-4x faster at 8-64 rows when it gets ``W.T`` as a plain row-major ``[in, out]`` matrix than
+  when it transposes ``W`` on the fly, so the weight is stored input-major (exposed as the transposed view).
+- Even so, sgemm repacks the weight on every call, which at decode sizes costs about as much as the multiply.
+  The native kernel (pagedllm/native/gemm.c, needs AVX-512) multiplies by panels packed once: in the engine's
+  W1 decode step (64 rows) the GEMMs take 122 ms instead of 150-156. It is behind MKL on prefill-sized
+  batches (~165 vs ~209 GFLOP/s at 2048 rows), so batches above PANELS_MAX_ROWS rows still go to MKL and
+  such weights are held twice (input-major and panels). The LM head, whose batches are the sequences being
+  sampled, keeps the panels only.
+Other dtypes and devices are left as loaded.
 """
 
 import torch
+import torch.nn.functional as F
+
+from pagedllm import native
+
+PANEL = 64  # output columns per panel; gemm.c's NR
+PANELS_MAX_ROWS = 128  # larger batches go to MKL where the weight is also kept for it
 
 
-def use_input_major(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+class DenseWeight:
+    """An ``[out, in]`` weight in its GEMMs' layouts; ``linear(x, bias)`` equals ``F.linear(x, weight, bias)``.
+    ``data`` is the weight for torch (input-major in float32 on CPU; None when only panels are kept),
+    ``panels`` the native kernel's ``[ceil(out / 64), in, 64]`` copy (None without the kernel)."""
+
+    def __init__(self, weight: torch.Tensor, large_batches: bool = True):
+        self.out_features, self.in_features = weight.shape
+        self.panels = None
+        if _native_gemm_applies(weight):
+            padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
+            self.panels = padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous()
+        if self.panels is not None and not large_batches:
+            self.data = None
+        elif weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self.data = weight.t().contiguous().t()
+        else:
+            self.data = weight
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.panels is None or x.dtype != torch.float32 or (
+                self.data is not None and rows.shape[0] > PANELS_MAX_ROWS):
+            return F.linear(x, self.unpacked(), bias)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        if bias is not None:
+            bias = bias.contiguous()
+        native.gemm()(rows.data_ptr(), rows.stride(0), self.panels.data_ptr(),
+                      None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features, rows.shape[0],
+                      self.out_features, self.in_features, torch.get_num_threads())
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def unpacked(self) -> torch.Tensor:
+        """The ``[out, in]`` values (a copy when only the panels are kept)."""
+        if self.data is not None:
+            return self.data
+        return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
 
-def input_major(weight: torch.Tensor) -> torch.Tensor:
-    """The same ``[out, in]`` values, stored ``[in, out]`` row-major."""
-    return weight.t().contiguous().t()
+def _native_gemm_applies(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and native.gemm() is not None)

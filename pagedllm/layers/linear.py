@@ -17,7 +17,7 @@ from pagedllm.layers.communication import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.layers.gemm_layout import input_major, use_input_major
+from pagedllm.layers.gemm_layout import DenseWeight
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 
@@ -44,12 +44,18 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
 
+    def __init__(self):
+        self.dense: DenseWeight | None = None  # set once the weights are loaded
+
     def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
+        if self.dense is None:
+            return F.linear(x, layer.weight, bias)
+        return self.dense.linear(x, bias)
 
     def process_weights_after_loading(self, layer) -> None:
-        if use_input_major(layer.weight):
-            layer.weight.data = input_major(layer.weight.data)
+        """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout."""
+        self.dense = DenseWeight(layer.weight.data)
+        layer.weight.data = self.dense.data
 
 
 class LinearBase(nn.Module):

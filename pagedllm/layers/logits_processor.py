@@ -1,7 +1,6 @@
 """Hidden states -> float32 logits over the full vocabulary."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.communication import tensor_model_parallel_all_gather
@@ -14,7 +13,7 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, lm_head.projection_weight())
+        logits = lm_head.project(hidden_states)
         logits = tensor_model_parallel_all_gather(logits, lm_head.tp_size)
         # Drop the zero rows that pad the last vocab shard.
         return logits[..., : self.vocab_size].float()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
-from pagedllm.layers.gemm_layout import input_major, use_input_major
+from pagedllm.layers.gemm_layout import DenseWeight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader
-        self._projection: torch.Tensor | None = None
+        self._projection: DenseWeight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
@@ -40,15 +40,16 @@ class VocabParallelEmbedding(nn.Module):
         param.data[:rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_end_index])
         param.data[rows:].zero_()
 
-    def projection_weight(self) -> torch.Tensor:
-        """The ``[vocab, hidden]`` weight as the LM head multiplies by it (see prepare_projection)."""
-        return self.weight if self._projection is None else self._projection
+    def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``hidden_states @ weight.T``: this shard's logits, as the LM head computes them."""
+        if self._projection is None:
+            return F.linear(hidden_states, self.weight)
+        return self._projection.linear(hidden_states)
 
     def prepare_projection(self) -> None:
-        """Store the LM head's weight in the faster GEMM layout (layers/gemm_layout.py). An embedding tied to
-        the LM head keeps its rows for lookups, so it holds a second, input-major copy."""
-        if use_input_major(self.weight):
-            self._projection = input_major(self.weight.data)
+        """Lay the LM head's weight out for its GEMM (layers/gemm_layout.py). An embedding tied to the LM head
+        keeps its rows for lookups, so where the layout differs it holds a second copy."""
+        self._projection = DenseWeight(self.weight.data, large_batches=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -73,8 +74,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """
 
     def prepare_projection(self) -> None:
-        if use_input_major(self.weight):  # no lookups: convert in place
-            self.weight.data = input_major(self.weight.data)
+        super().prepare_projection()
+        # No lookups: one copy, in the GEMM's layout.
+        self.weight.data = self._projection.panels if self._projection.data is None else self._projection.data
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through LogitsProcessor, not forward()")

@@ -103,3 +103,11 @@ def fused_ops():
         "rotary_neox_f32": ([_P, _I64, _P, _P, _I64, _I32, _I32, _I32], None),
         "write_kv_f32": ([_P, _P, _I64, _P, _P, _I64, _P, _I64, _I32], _I32),
     })
+
+
+@functools.cache
+def gemm():
+    """The C function ``gemm_packed_f32`` (see gemm.c), or None, also where the CPU has no AVX-512."""
+    lib = _load("gemm", {"gemm_available": ([], _I32),
+                         "gemm_packed_f32": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32)})
+    return lib.gemm_packed_f32 if lib is not None and lib.gemm_available() else None

@@ -1,0 +1,78 @@
+"""DenseWeight: the weight laid out for its CPU GEMMs (native panels and/or input-major) multiplies like
+F.linear, at every row count the engine produces and on the odd shapes at the kernel's edges."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm import native
+from pagedllm.layers import gemm_layout
+from pagedllm.layers.gemm_layout import DenseWeight
+
+
+@pytest.fixture(params=["native", "mkl"])
+def kernel(request, monkeypatch):
+    """"native": the packed-panel kernel where this CPU has it; "mkl": the input-major fallback."""
+    if request.param == "native" and native.gemm() is None:
+        pytest.skip("no native GEMM here (no compiler or no AVX-512)")
+    if request.param == "mkl":
+        monkeypatch.setattr(native, "gemm", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 301])
+@pytest.mark.parametrize("out_features,in_features", [(1, 1), (63, 17), (64, 64), (65, 130), (200, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("large_batches", [True, False])  # False: panels only, every row count native
+def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias, large_batches):
+    gen = torch.Generator().manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    dense = DenseWeight(weight, large_batches)
+    assert (dense.panels is not None) == (kernel == "native")
+    assert (dense.data is None) == (kernel == "native" and not large_batches)
+    assert torch.equal(dense.unpacked(), weight)
+    # Sums of in_features products in another order: float32 rounding grows with the length.
+    torch.testing.assert_close(dense.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-6 * in_features)
+
+
+def test_leading_dims_and_strided_rows(kernel):
+    weight = torch.randn(70, 40)
+    dense = DenseWeight(weight)
+    x = torch.randn(3, 5, 40)
+    torch.testing.assert_close(dense.linear(x), F.linear(x, weight))
+    wide = torch.randn(9, 100)[:, 10:50]  # rows 100 floats apart
+    torch.testing.assert_close(dense.linear(wide), F.linear(wide, weight))
+    columns = torch.randn(40, 9).t()  # not row-contiguous
+    torch.testing.assert_close(dense.linear(columns), F.linear(columns, weight))
+
+
+def test_many_rows_use_every_thread_block(kernel):
+    """Row counts past the kernel's 192-row blocks and panels past the 8-items-per-thread split."""
+    weight, x = torch.randn(1000, 96), torch.randn(777, 96)
+    dense = DenseWeight(weight, large_batches=False)
+    torch.testing.assert_close(dense.linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_large_batches_go_to_mkl_when_the_weight_is_kept_for_it(kernel, monkeypatch):
+    dense = DenseWeight(torch.randn(70, 40))
+    calls = []
+    monkeypatch.setattr(native, "gemm", lambda: (lambda *args: calls.append(args[6])))
+    dense.linear(torch.randn(gemm_layout.PANELS_MAX_ROWS + 1, 40))
+    dense.linear(torch.randn(gemm_layout.PANELS_MAX_ROWS, 40))
+    assert calls == ([gemm_layout.PANELS_MAX_ROWS] if kernel == "native" else [])
+
+
+def test_other_dtypes_keep_their_layout():
+    weight = torch.randn(8, 4, dtype=torch.bfloat16)
+    dense = DenseWeight(weight)
+    assert dense.panels is None and dense.data is weight
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    assert torch.equal(dense.linear(x), F.linear(x, weight))
+
+
+def test_panel_width_matches_the_kernel():
+    source = (gemm_layout.__file__.rsplit("/layers/", 1)[0] + "/native/gemm.c")
+    with open(source) as f:
+        assert f"#define NR {gemm_layout.PANEL} " in f.read()
