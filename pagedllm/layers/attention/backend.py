@@ -19,6 +19,7 @@ class AttentionImpl(ABC):
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads  # query heads per KV head
 
     @abstractmethod
     def forward(

@@ -44,10 +44,9 @@ class TorchSDPABackendImpl(AttentionImpl):
             value_flat.index_copy_(0, slot_mapping, value)
 
         num_tokens = query.shape[0]
-        group = self.num_heads // self.num_kv_heads
         # Outputs and log-sum-exps per [row, KV head, query of its group].
-        out = query.new_empty(num_tokens, self.num_kv_heads, group, self.head_size)
-        lse = torch.empty(num_tokens, self.num_kv_heads, group)
+        out = query.new_empty(num_tokens, self.num_kv_heads, self.group, self.head_size)
+        lse = torch.empty(num_tokens, self.num_kv_heads, self.group)
         if plan.decode_rows is not None:
             self._decode(query, key_flat, value_flat, plan, out, lse)
         for chunk in plan.prefills:
@@ -57,7 +56,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
     def _native_decode(self, dtype: torch.dtype) -> bool:
-        return (dtype == torch.float32 and self.num_heads // self.num_kv_heads <= 16 and self.head_size <= 256
+        return (dtype == torch.float32 and self.group <= 16 and self.head_size <= 256
                 and native.paged_decode() is not None)
 
     def _decode(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
@@ -102,19 +101,18 @@ class TorchSDPABackendImpl(AttentionImpl):
             k, v = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
         else:
             k, v = key_flat.index_select(0, chunk.slots), value_flat.index_select(0, chunk.slots)
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         out_rows, lse_rows = _flash_with_lse(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
                                              is_causal=chunk.mask is None, attn_mask=chunk.mask, scale=self.scale)
-        out[chunk.start : chunk.end] = out_rows[0].transpose(0, 1).view(-1, self.num_kv_heads, group, self.head_size)
-        lse[chunk.start : chunk.end] = lse_rows[0].transpose(0, 1).view(-1, self.num_kv_heads, group)
+        rows = (-1, self.num_kv_heads, self.group)
+        out[chunk.start : chunk.end] = out_rows[0].transpose(0, 1).view(*rows, self.head_size)
+        lse[chunk.start : chunk.end] = lse_rows[0].transpose(0, 1).view(*rows)
 
     def _merge_shared_prefix(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
         """Cascade attention: every row against the shared prefix in one call, merged with the attention over
         the rest of its request's history by the two partial softmaxes' log-sum-exps."""
         num_tokens = query.shape[0]
-        group = self.num_heads // self.num_kv_heads
         prefix = plan.prefix
         if prefix.slots is None:
             k_prefix = key_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
@@ -123,12 +121,12 @@ class TorchSDPABackendImpl(AttentionImpl):
             k_prefix = key_flat.index_select(0, prefix.slots)
             v_prefix = value_flat.index_select(0, prefix.slots)
         # All rows' query groups folded into one query axis per KV head: [1, KVH, T * group, D].
-        q = query.view(num_tokens, self.num_kv_heads, group, self.head_size).transpose(0, 1)
+        q = query.view(num_tokens, self.num_kv_heads, self.group, self.head_size).transpose(0, 1)
         out_prefix, lse_prefix = _flash_with_lse(
-            q.reshape(1, self.num_kv_heads, num_tokens * group, self.head_size),
+            q.reshape(1, self.num_kv_heads, num_tokens * self.group, self.head_size),
             k_prefix.transpose(0, 1).unsqueeze(0), v_prefix.transpose(0, 1).unsqueeze(0), scale=self.scale)
-        out_prefix = out_prefix.view(self.num_kv_heads, num_tokens, group, self.head_size).transpose(0, 1)
-        lse_prefix = lse_prefix.view(self.num_kv_heads, num_tokens, group).transpose(0, 1)
+        out_prefix = out_prefix.view(self.num_kv_heads, num_tokens, self.group, self.head_size).transpose(0, 1)
+        lse_prefix = lse_prefix.view(self.num_kv_heads, num_tokens, self.group).transpose(0, 1)
 
         lse_max = torch.maximum(lse_prefix, lse_rest)
         w_prefix = (lse_prefix - lse_max).exp_()
