@@ -1,7 +1,8 @@
 """`pagedllm bench serve`: streaming /v1/completions load at fixed concurrencies (or a Poisson request rate).
 
 Reports time to first token and inter-token latency (p50/p90/p99) and output tokens/s for each concurrency.
-Token-id prompts from the shared workload recipe, greedy, ignore_eos, exact output lengths.
+Token-id prompts from the shared workload recipe, greedy, ignore_eos, exact output lengths. Each concurrency gets
+prompts of its own, so that no level is served from the prefix cache another one filled.
 """
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ import numpy as np
 from pagedllm.benchmarks.workloads import random_workload
 
 
+def serve_prompts(count: int, input_len: int, level_index: int) -> list[list[int]]:
+    """Prompts for one load level, drawn apart from every other level's and from W1-W3's."""
+    return random_workload("serve", count, input_len, 0, seed_key=100 + level_index).prompts
+
+
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -28,25 +34,41 @@ def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
 
 
+async def _sse_data(response: httpx.Response):
+    """The data payloads of an SSE stream, "[DONE]" left out. Lines end at "\n" only: httpx's aiter_lines also
+    splits at U+2028, U+0085 and the like, which a server's JSON may carry unescaped inside generated text."""
+    buffer = ""
+    async for text in response.aiter_text():
+        *lines, buffer = (buffer + text).split("\n")
+        for line in lines:
+            line = line.rstrip("\r")
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield line[len("data: "):]
+
+
 async def _one_request(client: httpx.AsyncClient, args, prompt: list[int]) -> dict:
     body = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    token_times = []
+    token_times, output_tokens = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for data in _sse_data(response):
+            chunk = json.loads(data)
             if chunk.get("choices") and chunk["choices"][0].get("text"):
                 token_times.append(time.perf_counter())
+            if chunk.get("usage"):
+                output_tokens = chunk["usage"]["completion_tokens"]
     end = time.perf_counter()
+    if output_tokens != args.output_len:
+        raise RuntimeError(f"the server returned {output_tokens} tokens for max_tokens={args.output_len} "
+                           "with ignore_eos (or reported no usage)")
     ttft = token_times[0] - start if token_times else float("nan")
-    return {"ttft": ttft, "itl": list(np.diff(token_times)), "latency": end - start, "output_tokens": args.output_len}
+    return {"ttft": ttft, "itl": list(np.diff(token_times)), "latency": end - start, "output_tokens": output_tokens}
 
 
-async def _run_level(args, prompts: list[list[int]], concurrency: int | None) -> dict:
+async def run_level(args, prompts: list[list[int]], concurrency: int | None) -> dict:
+    """Streams every prompt, at most `concurrency` at once (all at once at args.request_rate, or when None)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=(concurrency or len(prompts)) + 4)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=600, limits=limits) as client:
@@ -79,10 +101,10 @@ async def _run_level(args, prompts: list[list[int]], concurrency: int | None) ->
 def run_serve_bench(args: argparse.Namespace) -> dict:
     levels = [None] if args.request_rate else [int(c) for c in args.concurrency.split(",")]
     rows = []
-    for level in levels:
+    for index, level in enumerate(levels):
         count = args.num_prompts if level is None else max(args.num_prompts, level)
-        prompts = random_workload("serve", count, args.input_len, args.output_len).prompts
-        rows.append(asyncio.run(_run_level(args, prompts, level)))
+        prompts = serve_prompts(count, args.input_len, index)
+        rows.append(asyncio.run(run_level(args, prompts, level)))
     print(f"{'concurrency':>11}{'requests':>9}{'out tok/s':>11}{'TTFT p50':>10}{'p90':>8}{'p99':>8}"
           f"{'ITL p50':>9}{'p90':>8}{'p99':>8}  (ms)")
     for r in rows:
