@@ -47,6 +47,7 @@ class EngineArgs:
     num_kv_blocks: Optional[int] = None
     seed: int = 0
     quantization: Optional[str] = None
+    num_cpu_threads: Optional[int] = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -56,6 +57,8 @@ class EngineArgs:
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({model_max_len}).")
+        if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
+            raise ValueError(f"num_cpu_threads must be at least 1; got {self.num_cpu_threads}")
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
@@ -74,4 +77,5 @@ class EngineArgs:
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
+            num_cpu_threads=self.num_cpu_threads,
         )

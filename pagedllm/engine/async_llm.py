@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any, AsyncIterator, Optional
 
 import msgspec
@@ -27,15 +26,6 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-def serving_cpu_threads() -> int:
-    """Leave one core to the API server process.
-
-    Its HTTP, tokenizing and detokenizing work would otherwise preempt one of the engine's OpenMP threads,
-    and every parallel region then waits for a time slice (measured here: up to 20x slower decode).
-    """
-    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 class AsyncLLM:
@@ -57,8 +47,6 @@ class AsyncLLM:
     def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
         """Must be called with an event loop running (the engine's outputs are delivered on it)."""
         config = engine_args.create_engine_config()
-        if config.num_cpu_threads is None:
-            config.num_cpu_threads = serving_cpu_threads()
         return cls(config, load_tokenizer(config.model_config.path), stat_loggers)
 
     @property

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +88,13 @@ def test_logprobs_and_prompt_logprobs(llm, hf_model):
 def test_bad_sampling_params_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
+
+
+def test_engine_threads_are_checked_and_passed_on():
+    with pytest.raises(ValueError, match="num_cpu_threads"):
+        EngineArgs(num_cpu_threads=0).create_engine_config()
+    assert EngineArgs(num_cpu_threads=1).create_engine_config().num_cpu_threads == 1
+    assert EngineArgs().create_engine_config().num_cpu_threads is None  # torch's default: one per core
 
 
 def test_bad_prompts_are_rejected_without_leaking(llm):
