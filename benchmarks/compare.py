@@ -4,7 +4,8 @@ Each (workload, round) runs every engine once, in --engines order, as a fresh su
 (benchmarks/engines/run_*.py): it loads the engine, does one warm-up and --repeats timed runs (prefix cache reset
 before each, exact output lengths checked) and prints its samples. Alternating processes spreads drift of a shared
 machine over all engines; no two engines ever share a process or threads. Figures: W1 output tok/s, W2 decode
-tok/s and TTFT, W3 (and W3-nopc, prefix caching off) wall s, and start-up: process spawn to the first token of a
+tok/s and TTFT, W3 (and W3-nopc, prefix caching off) wall s, W1-nopc (W1 with prefix caching off: what the cache
+costs when nothing hits), and start-up: process spawn to the first token of a
 1-token request. The prompts are pagedllm.benchmarks.workloads' token ids (the anchors' fingerprints), passed to
 the runners as JSON so the vLLM venv never imports pagedllm.
 
@@ -22,7 +23,7 @@ Setup (nothing here is a pagedllm dependency; ANCHORS=/tmp/anchors):
 Run (1-2 hours on 2 cores, vLLM's start-up alone being 1-3 min per process; --smoke for a tiny end-to-end
 check; --rounds, --repeats, --engines to shorten):
     .venv/bin/python benchmarks/compare.py --vllm-python /tmp/anchors/venv-vllm/bin/python \
-        --workloads W1,W2,W3,W3-nopc,startup --output-json compare.json
+        --workloads W1,W1-nopc,W2,W3,W3-nopc,startup --output-json compare.json
 """
 from __future__ import annotations
 
@@ -48,8 +49,8 @@ ENGINES_DIR = Path(__file__).resolve().parent / "engines"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 # name -> (base workload, kind, prefix caching); the start-up run is W2's prompt with max_tokens 1
-VARIANTS = {"W1": ("W1", "batch", True), "W2": ("W2", "stream", True), "W3": ("W3", "batch", True),
-            "W3-nopc": ("W3", "batch", False), "startup": ("W2", "startup", True)}
+VARIANTS = {"W1": ("W1", "batch", True), "W1-nopc": ("W1", "batch", False), "W2": ("W2", "stream", True),
+            "W3": ("W3", "batch", True), "W3-nopc": ("W3", "batch", False), "startup": ("W2", "startup", True)}
 
 
 @dataclass

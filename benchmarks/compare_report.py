@@ -23,8 +23,8 @@ TTFT_MS = Figure("TTFT ms", False, lambda s, w: 1000 * s["ttft_s"])
 DECODE_TOK_S = Figure("decode tok/s", True, lambda s, w: (w["max_tokens"] - 1) / (s["wall_s"] - s["ttft_s"]))
 STARTUP_S = Figure("process start to first token s", False, lambda s, w: s["startup_s"])
 
-FIGURES = {"W1": [OUTPUT_TOK_S], "W2": [DECODE_TOK_S, TTFT_MS], "W3": [WALL_S], "W3-nopc": [WALL_S],
-           "startup": [STARTUP_S]}
+FIGURES = {"W1": [OUTPUT_TOK_S], "W1-nopc": [OUTPUT_TOK_S], "W2": [DECODE_TOK_S, TTFT_MS], "W3": [WALL_S],
+           "W3-nopc": [WALL_S], "startup": [STARTUP_S]}
 
 
 def summarize(runs: list[dict], workloads: dict[str, dict], engines: list[str]) -> list[dict]:
@@ -63,7 +63,19 @@ def markdown(rows: list[dict], engines: list[str]) -> str:
             cells.append(f"{_number(s['median'])} [{_number(s['min'])}-{_number(s['max'])}]" if s else "n/a")
         cells += [f"{row['pagedllm_better_by'][e]:.2f}x" if e in row["pagedllm_better_by"] else "n/a" for e in others]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += prefix_caching_costs(rows)
     lines.append("")
     lines.append("Cells: median [min-max] over all timed runs of all rounds. Ratios: pagedllm/other for rates "
                  "(tok/s), other/pagedllm for times (s, ms); > 1 means pagedllm is better.")
     return "\n".join(lines)
+
+
+def prefix_caching_costs(rows: list[dict]) -> list[str]:
+    """W1 with prefix caching against W1 without (nothing in W1 hits the cache): what keeping it costs an engine."""
+    on = next((r for r in rows if r["workload"] == "W1"), None)
+    off = next((r for r in rows if r["workload"] == "W1-nopc"), None)
+    if on is None or off is None:
+        return []
+    return ["", *(f"{engine}: prefix caching costs {100 * (1 - stats['median'] / off['engines'][engine]['median']):.1f}%"
+                  " of W1 output tok/s (hit rate 0; negative: within the noise, faster with it)"
+                  for engine, stats in on["engines"].items() if engine in off["engines"])]

@@ -23,3 +23,12 @@ def test_ratios_favour_pagedllm_when_it_is_faster_for_rates_and_times():
     assert w3["figure"] == "wall s" and w3["pagedllm_better_by"] == {"vllm": 3.0}  # 1 s vs 3 s
     table = markdown([w1, w3], ["pagedllm", "vllm", "transformers"])
     assert "| W3 | wall s (lower is better) | 1.00 [1.00-1.00] | 3.00 [3.00-3.00] | n/a | 3.00x | n/a |" in table
+
+
+def test_prefix_caching_cost_compares_w1_with_and_without_the_cache():
+    workloads = {"W1": WORKLOADS["W1"], "W1-nopc": WORKLOADS["W1"]}
+    runs = [run("pagedllm", "W1", 2.0), run("pagedllm", "W1-nopc", 1.6), run("vllm", "W1", 4.0)]
+    rows = summarize(runs, workloads, ["pagedllm", "vllm"])
+    table = markdown(rows, ["pagedllm", "vllm"])
+    assert "pagedllm: prefix caching costs 20.0% of W1 output tok/s" in table  # 10 vs 12.5 tok/s
+    assert "vllm: prefix caching costs" not in table  # no W1-nopc run of vllm
