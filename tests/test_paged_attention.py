@@ -1,5 +1,5 @@
 """The CPU paged-attention backend against plain causal attention over each
-request's contiguous K/V; every case runs with the native decode kernel and with the torch path."""
+request's contiguous K/V; every case runs with the native kernels (decode and prefill) and with the torch path."""
 
 import random
 import shutil
@@ -18,13 +18,17 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 @pytest.fixture(autouse=True, params=["native", "portable", "torch"])
 def decode_path(request, monkeypatch):
-    """Decode rows in float32 go to the native kernel when it builds ("native": with AVX-512 where the CPU has
-    it; "portable": its plain C body); "torch" forces the gather path."""
+    """Rows in float32 go to the native kernels when they build ("native": with AVX-512 where the CPU has it,
+    prefill chunks too; "portable": the decode kernel's plain C body, prefill on the torch path, as without
+    AVX-512); "torch" forces the gather path."""
     if request.param == "torch":
         monkeypatch.setattr(native, "paged_decode", lambda: None)
+        monkeypatch.setattr(native, "paged_prefill", lambda: None)
     elif request.param == "portable":
         portable = native.paged_decode(("-mno-avx512f",))
         monkeypatch.setattr(native, "paged_decode", lambda: portable)
+        assert native.paged_prefill(("-mno-avx512f",)) is None
+        monkeypatch.setattr(native, "paged_prefill", lambda: None)
     return request.param
 
 
@@ -137,6 +141,22 @@ def test_decode_only_equal_lengths(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_only(dtype):
     _run_case([(0, 20), (0, 3), (8, 8)], 4, 2, 32, block_size=16, dtype=dtype, seed=2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 1), (10, 2)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_prefill_tiles(decode_path, head_dim, heads, kv_heads, block_size):
+    """Prompts over several tiles (16 / group tokens each), chunks after cached context, and decode rows."""
+    requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16)]
+    plan = _run_case(requests, heads, kv_heads, head_dim, block_size, torch.float32, seed=head_dim + heads)
+    assert (plan.native_prefill is not None) == (decode_path == "native" and native.paged_prefill() is not None)
+    assert plan.prefills == [] or plan.native_prefill is None
+
+
+def test_prefill_tiles_after_a_shared_prefix(low_cascade_threshold, decode_path):
+    plan = _run_case([(12, 1), (13, 6), (20, 17), (12, 5)], 9, 3, 64, 4, torch.float32, seed=7, shared_blocks=3)
+    assert plan.prefix is not None and plan.prefix.num_tokens == 12
 
 
 @settings(max_examples=30, deadline=None)

@@ -95,6 +95,15 @@ def paged_decode(extra_flags: tuple[str, ...] = ()):
 
 
 @functools.cache
+def paged_prefill(extra_flags: tuple[str, ...] = ()):
+    """The C function ``paged_prefill_f32`` (see paged_decode.c), or None, also where the CPU has no AVX-512."""
+    lib = _load("paged_decode", {"paged_prefill_available": ([], _I32), "paged_prefill_f32": (
+        [_P, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32)},
+        extra_flags)
+    return lib.paged_prefill_f32 if lib is not None and lib.paged_prefill_available() else None
+
+
+@functools.cache
 def fused_ops():
     """The library of fused_ops.c (used through pagedllm.native.fused), or None."""
     return _load("fused_ops", {

@@ -1,4 +1,5 @@
-/* Paged attention for decode rows (one query token per request), float32, reading K/V in place.
+/* Paged attention over the KV cache in place, float32: decode rows (one query token per request) and, further
+ * down, prefill tiles.
  *
  * The torch path gathers every request's whole K/V history out of the paged cache into new tensors in
  * every layer and step; this kernel walks the request's block table instead, so each K/V row is read once
@@ -221,8 +222,115 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
     }
     return 0;
 }
+
+/* ---- Prefill: tiles of query tokens against their request's cache, in place ----
+ * A tile is up to 16 / group consecutive query tokens of one request with the group's heads: 16 query vectors,
+ * one per vector lane, so one broadcast K (or V) element multiplies all of them at once. Scores for a run of
+ * 16 slots are S[slot] (a vector over the tile's queries) = sum_i K[slot][i] * Q^T[i]; the causal limit of each
+ * lane masks what it may not see, the online softmax works lane-wise, and O^T[i] += P[slot] * V[slot][i].
+ * The run's K and V rows are copied to a local buffer first (rows past the run zero), which makes every
+ * broadcast an offset from one pointer. Needs AVX-512 and a head size of 64 or 128. */
+typedef struct {
+    const float *q_all, *k_cache, *v_cache;
+    const int32_t *block_table, *query_start, *query_len, *seq_len;
+    const int *tile_start; /* [num_reqs + 1]: tiles before request r */
+    int64_t block_table_stride;
+    int num_reqs, start_pos, num_heads, num_kv_heads, block_size, tokens_per_tile;
+    float scale;
+    float *out, *lse;
+} PrefillArgs;
+
+static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D) {
+    const int tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+    int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (a->tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int r = lo, group = a->num_heads / a->num_kv_heads;
+    const int first = (tile - a->tile_start[r]) * a->tokens_per_tile;
+    const int ntok = a->query_len[r] - first < a->tokens_per_tile ? a->query_len[r] - first : a->tokens_per_tile;
+    const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r], end = context + first + ntok;
+    const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * D;
+    float qt[D][16] __attribute__((aligned(64))), ot[D][16] __attribute__((aligned(64)));
+    float kbuf[RUN * D] __attribute__((aligned(64))), vbuf[RUN * D] __attribute__((aligned(64)));
+    int32_t limit[16] __attribute__((aligned(64)));
+    for (int n = 0; n < 16; n++) { /* lane n: token n / group, head n % group; idle lanes see the whole tile */
+        const int t = n / group, g = n % group;
+        limit[n] = n < lanes ? context + first + t + 1 : end;
+        const float *q = a->q_all + (((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g) * D;
+        for (int i = 0; i < D; i++) {
+            qt[i][n] = n < lanes ? q[i] * a->scale : 0.0f;
+            ot[i][n] = 0.0f;
+        }
+    }
+    const __m512i limits = _mm512_load_si512(limit);
+    __m512 running_max = _mm512_set1_ps(-INFINITY), running_sum = _mm512_setzero_ps();
+    for (int pos = a->start_pos; pos < end;) {
+        const int offset = pos % a->block_size;
+        int n = a->block_size - offset;
+        if (n > end - pos) n = end - pos;
+        if (n > RUN) n = RUN;
+        const int64_t slot = (int64_t)blocks[pos / a->block_size] * a->block_size + offset;
+        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
+        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
+        for (int j = 0; j < RUN; j++)
+            for (int i = 0; i < D; i += 16) {
+                _mm512_store_ps(kbuf + j * D + i, j < n ? _mm512_loadu_ps(k + j * row_stride + i) : _mm512_setzero_ps());
+                _mm512_store_ps(vbuf + j * D + i, j < n ? _mm512_loadu_ps(v + j * row_stride + i) : _mm512_setzero_ps());
+            }
+        __m512 s[RUN];
+        for (int j = 0; j < RUN; j++) s[j] = _mm512_setzero_ps();
+        for (int i = 0; i < D; i++) {
+            const __m512 qv = _mm512_load_ps(qt[i]);
+            for (int j = 0; j < RUN; j++) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(kbuf[j * D + i]), qv, s[j]);
+        }
+        __m512 run_max = _mm512_set1_ps(-INFINITY);
+        __mmask16 valid[RUN];
+        for (int j = 0; j < RUN; j++) {
+            valid[j] = j < n ? _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos + j), limits) : (__mmask16)0;
+            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
+            run_max = _mm512_max_ps(run_max, s[j]);
+        }
+        const __m512 new_max = _mm512_max_ps(running_max, run_max);
+        const __m512 rescale = exp_nonpositive(_mm512_sub_ps(running_max, new_max));
+        running_sum = _mm512_mul_ps(running_sum, rescale);
+        for (int j = 0; j < RUN; j++) {
+            s[j] = _mm512_maskz_mov_ps(valid[j], exp_nonpositive(_mm512_sub_ps(s[j], new_max)));
+            running_sum = _mm512_add_ps(running_sum, s[j]);
+        }
+        running_max = new_max;
+        for (int i = 0; i < D; i += 8) { /* eight independent sums: one would wait on each FMA's latency */
+            __m512 o[8];
+            for (int u = 0; u < 8; u++) o[u] = _mm512_mul_ps(_mm512_load_ps(ot[i + u]), rescale);
+            for (int j = 0; j < RUN; j++)
+                for (int u = 0; u < 8; u++) o[u] = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vbuf[j * D + i + u]), o[u]);
+            for (int u = 0; u < 8; u++) _mm512_store_ps(ot[i + u], o[u]);
+        }
+        pos += n;
+    }
+    float sums[16] __attribute__((aligned(64))), maxes[16] __attribute__((aligned(64)));
+    _mm512_store_ps(sums, running_sum);
+    _mm512_store_ps(maxes, running_max);
+    for (int n = 0; n < lanes; n++) {
+        const int t = n / group, g = n % group;
+        const int64_t row = ((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g;
+        const float inv = 1.0f / sums[n];
+        for (int i = 0; i < D; i++) a->out[row * D + i] = ot[i][n] * inv;
+        a->lse[row] = maxes[n] + logf(sums[n]);
+    }
+}
+
+static void prefill_item(const PrefillArgs *a, int item, int head_size) {
+    if (head_size == 64) prefill_item_avx512(a, item, 64);
+    else prefill_item_avx512(a, item, 128);
+}
+
+int paged_prefill_available(void) { return 1; }
 #else
 static int decode_item_vector(const DecodeArgs *a, int item) { return 0; }
+int paged_prefill_available(void) { return 0; }
 #endif
 
 /* q: [num_reqs, num_heads, head_size]; caches: [num_slots, num_kv_heads, head_size]; block_table:
@@ -242,4 +350,32 @@ int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
     for (int item = 0; item < items; item++)
         if (!decode_item_vector(&a, item)) decode_item_portable(&a, item);
     return 0;
+}
+
+/* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
+ * [rows, num_heads, head_size], the last query_len[r] of its seq_len[r] positions; each sees the positions
+ * start_pos .. its own. Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
+ * Returns -1 for what it does not handle (no AVX-512, head size not 64 or 128, group > 16). */
+int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
+                      int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len,
+                      const int32_t *seq_len, int start_pos, float *out, float *lse, int num_reqs, int num_heads,
+                      int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
+#if defined(__AVX512F__)
+    const int group = num_heads % num_kv_heads == 0 ? num_heads / num_kv_heads : 0;
+    if (group < 1 || group > 16 || (head_size != 64 && head_size != 128) || num_reqs < 1) return -1;
+    int tile_start[num_reqs + 1];
+    tile_start[0] = 0;
+    for (int r = 0; r < num_reqs; r++)
+        tile_start[r + 1] = tile_start[r] + (query_len[r] + 16 / group - 1) / (16 / group);
+    const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
+                           block_table_stride, num_reqs, start_pos, num_heads, num_kv_heads, block_size,
+                           16 / group, scale, out, lse};
+    const int items = tile_start[num_reqs] * num_kv_heads;
+    /* Dynamic: a tile's cost grows with its position in the prompt. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int item = 0; item < items; item++) prefill_item(&a, item, head_size);
+    return 0;
+#else
+    return -1;
+#endif
 }

@@ -1,9 +1,10 @@
 """Paged attention on CPU with torch's scaled_dot_product_attention.
 
-Per step the batch is planned once (cpu_plan.py). Decode rows in float32 go to the native kernel, which reads
-each history in place through the block table (native/); otherwise they are batched into one SDPA call over
-their histories, gathered from the cache and padded to the longest one. Each prefill chunk is one call, causal
-inside the chunk and seeing the request's cached earlier tokens. A prefix of blocks that every request
+Per step the batch is planned once (cpu_plan.py). In float32, decode rows and (with AVX-512 and a head size of
+64 or 128) prefill chunks go to the native kernels, which read each history in place through the block table
+(native/paged_decode.c). Otherwise decode rows are batched into one SDPA call over their histories, gathered
+from the cache and padded to the longest one, and each prefill chunk is one call, causal inside the chunk and
+seeing the request's cached earlier tokens. A prefix of blocks that every request
 shares is attended once for all rows and merged by log-sum-exp (cascade attention).
 Only slots below a request's ``seq_len`` are ever read, so never-written cache memory (even NaN garbage)
 cannot leak into the result.
@@ -34,7 +35,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         plan = attn_metadata.backend_cache.get("torch_sdpa")
         if plan is None or plan.block_size != block_size or plan.dtype != query.dtype:
             plan = attn_metadata.backend_cache["torch_sdpa"] = build_plan(
-                attn_metadata, block_size, query.dtype, self._native_decode(query.dtype))
+                attn_metadata, block_size, query.dtype, self._native_decode(query.dtype),
+                self._native_prefill(query.dtype))
 
         key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
         value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
@@ -51,6 +53,8 @@ class TorchSDPABackendImpl(AttentionImpl):
             self._decode(query, key_flat, value_flat, plan, out, lse)
         for chunk in plan.prefills:
             self._prefill(query, key, value, key_flat, value_flat, chunk, out, lse)
+        if plan.native_prefill is not None:
+            self._prefill_in_place(query, key_flat, value_flat, plan, out, lse)
         if plan.prefix is not None:
             out = self._merge_shared_prefix(query, key_flat, value_flat, plan, out, lse)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
@@ -58,6 +62,25 @@ class TorchSDPABackendImpl(AttentionImpl):
     def _native_decode(self, dtype: torch.dtype) -> bool:
         return (dtype == torch.float32 and self.group <= 16 and self.head_size <= 256
                 and native.paged_decode() is not None)
+
+    def _native_prefill(self, dtype: torch.dtype) -> bool:
+        return (dtype == torch.float32 and self.group <= 16 and self.head_size in (64, 128)
+                and native.paged_prefill() is not None)
+
+    def _prefill_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+        """Every prefill chunk in one native call that reads its context through the block table (tiles of
+        query tokens x heads share each K/V load): no gathered copies, no repeated K/V heads. 8 x 256-token
+        prompts, 30 layers: 250-315 ms against 363-499 ms for gather + SDPA in alternating runs."""
+        chunks = plan.native_prefill
+        q = query.contiguous()
+        status = native.paged_prefill()(
+            q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), chunks.block_table.data_ptr(),
+            chunks.block_table.shape[1], chunks.query_start.data_ptr(), chunks.query_len.data_ptr(),
+            chunks.seq_len.data_ptr(), plan.prefix.num_tokens if plan.prefix else 0, out.data_ptr(),
+            lse.data_ptr(), chunks.query_len.shape[0], self.num_heads, self.num_kv_heads, self.head_size,
+            plan.block_size, self.scale, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"paged_prefill_f32 rejected its sizes (status {status})")
 
     def _decode(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         if plan.decode_block_table is not None:

@@ -1,7 +1,8 @@
 """What the CPU attention backend derives from AttentionMetadata once per step and reuses in every layer.
 
-The batch splits into decode rows (one new token; batched into one SDPA call, histories padded to the
-longest) and prefill chunks (several new tokens; one call each). When every request's block table starts
+The batch splits into decode rows (one new token; the native kernel's rows, or batched into one SDPA call,
+histories padded to the longest) and prefill chunks (several new tokens; all in one native call, or one SDPA
+call each). When every request's block table starts
 with the same blocks (a shared system prompt, n > 1 samples, W3's common document) and every query comes
 after them, the plan also holds that shared prefix: it is attended once for all query rows together
 (cascade attention) and each request gathers only the rest of its history, instead of every request
@@ -39,6 +40,16 @@ class PrefillChunk:
 
 
 @dataclass
+class NativePrefill:
+    """The prefill chunks for the native kernel, which reads their context in place: per chunk its request's
+    block table, first query row, number of query rows and positions after this step (all int32)."""
+    block_table: torch.Tensor  # [num_chunks, max_blocks], contiguous
+    query_start: torch.Tensor
+    query_len: torch.Tensor
+    seq_len: torch.Tensor
+
+
+@dataclass
 class AttentionPlan:
     block_size: int
     dtype: torch.dtype
@@ -51,7 +62,8 @@ class AttentionPlan:
     decode_slots: torch.Tensor | None  # [Bd * S] cache slots; padding repeats a real slot, then is masked out
     decode_seq_len: int  # S, the longest history read by a decode row (after the shared prefix)
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] additive, None if every history is S long
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # for the torch path
+    native_prefill: NativePrefill | None
 
 
 def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -59,7 +71,8 @@ def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) 
     return block_ids.long().gather(-1, positions // block_size) * block_size + positions % block_size
 
 
-def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, native_decode: bool) -> AttentionPlan:
+def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, native_decode: bool,
+               native_prefill: bool) -> AttentionPlan:
     prefix = _shared_prefix(md, block_size)
     skip = prefix.num_tokens if prefix else 0
     qsl = md.query_start_loc.tolist()
@@ -79,6 +92,9 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
             prefills.append(PrefillChunk(start, end, slots_of(md.block_table[i], positions, block_size),
                                          _additive_mask(mask, dtype)))
 
+    prefill_reqs = []
+    if native_prefill:
+        prefill_reqs, prefills = [i for i, (a, b) in enumerate(zip(qsl, qsl[1:])) if b - a > 1], []
     decode_rows = decode_block_table = decode_seq_lens = decode_slots = decode_mask = None
     decode_seq_len = 0
     if decode_reqs:
@@ -98,7 +114,16 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_block_table, decode_seq_lens, decode_slots,
-                         decode_seq_len, decode_mask, prefills)
+                         decode_seq_len, decode_mask, prefills, _native_prefill(md, prefill_reqs))
+
+
+def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | None:
+    if not reqs:
+        return None
+    idx = torch.tensor(reqs)
+    start = md.query_start_loc[idx]
+    return NativePrefill(md.block_table[idx].to(torch.int32).contiguous(), start.to(torch.int32),
+                         (md.query_start_loc[idx + 1] - start).to(torch.int32), md.seq_lens[idx].to(torch.int32))
 
 
 def _shared_prefix(md: AttentionMetadata, block_size: int) -> SharedPrefix | None:
