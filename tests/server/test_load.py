@@ -59,11 +59,15 @@ def test_disconnect_mid_stream_aborts_the_request(server):
     kv_usage = wait_until_idle(server, 0.0)["pagedllm:kv_cache_usage_perc"]
     body = {"prompt": "Count to one thousand:", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+        # Held, so that leaving the loop does not close the generator: closing it closes the connection, and
+        # the server could abort the request before the metrics below are read.
+        lines = response.iter_lines()
         events = 0
-        for line in response.iter_lines():
+        for line in lines:
             events += line.startswith("data: ")
             if events == 3:
                 break
+        assert events == 3
         assert server.metrics()["pagedllm:num_requests_running"] == 1
     wait_until_idle(server, kv_usage)  # the request was aborted, its blocks freed
 
