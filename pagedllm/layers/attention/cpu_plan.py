@@ -77,12 +77,14 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
     skip = prefix.num_tokens if prefix else 0
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
-    decode_reqs, prefills = [], []
+    decode_reqs, prefills, native_prefill_reqs = [], [], []
     for i, seq_len in enumerate(seq_lens):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
         if q_len == 1:
             decode_reqs.append(i)
+        elif q_len > 1 and native_prefill:
+            native_prefill_reqs.append(i)
         elif q_len > 1 and seq_len == q_len:
             prefills.append(PrefillChunk(start, end, None, None))
         elif q_len > 1:
@@ -92,9 +94,6 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
             prefills.append(PrefillChunk(start, end, slots_of(md.block_table[i], positions, block_size),
                                          _additive_mask(mask, dtype)))
 
-    prefill_reqs = []
-    if native_prefill:
-        prefill_reqs, prefills = [i for i, (a, b) in enumerate(zip(qsl, qsl[1:])) if b - a > 1], []
     decode_rows = decode_block_table = decode_seq_lens = decode_slots = decode_mask = None
     decode_seq_len = 0
     if decode_reqs:
@@ -114,7 +113,7 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_block_table, decode_seq_lens, decode_slots,
-                         decode_seq_len, decode_mask, prefills, _native_prefill(md, prefill_reqs))
+                         decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs))
 
 
 def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | None:
