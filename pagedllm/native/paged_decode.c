@@ -32,12 +32,12 @@ typedef struct {
 } DecodeArgs;
 
 /* Length of the run of consecutive slots starting at pos (stays inside one block), and its first slot. */
-static inline int next_run(const DecodeArgs *a, const int32_t *blocks, int pos, int seq_len, int64_t *slot) {
-    const int offset = pos % a->block_size;
-    int n = a->block_size - offset;
+static inline int next_run(int block_size, const int32_t *blocks, int pos, int seq_len, int64_t *slot) {
+    const int offset = pos % block_size;
+    int n = block_size - offset;
     if (n > seq_len - pos) n = seq_len - pos;
     if (n > RUN) n = RUN;
-    *slot = (int64_t)blocks[pos / a->block_size] * a->block_size + offset;
+    *slot = (int64_t)blocks[pos / block_size] * block_size + offset;
     return n;
 }
 
@@ -56,7 +56,7 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     }
     for (int pos = a->start_pos; pos < seq_len;) {
         int64_t slot;
-        const int n = next_run(a, blocks, pos, seq_len, &slot);
+        const int n = next_run(a->block_size, blocks, pos, seq_len, &slot);
         const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
         const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         for (int g = 0; g < group; g++) {
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         }
     }
     int64_t slot, next_slot;
-    int next_n = a->start_pos < seq_len ? next_run(a, blocks, a->start_pos, seq_len, &next_slot) : 0;
+    int next_n = a->start_pos < seq_len ? next_run(a->block_size, blocks, a->start_pos, seq_len, &next_slot) : 0;
     for (int pos = a->start_pos; pos < seq_len;) {
         const int n = next_n;
         slot = next_slot;
@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         pos += n;
         if (pos < seq_len) { /* the next run's rows are fetched while this one computes: without it the loop
                               * waits on memory latency, not bandwidth */
-            next_n = next_run(a, blocks, pos, seq_len, &next_slot);
+            next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
             const float *nk = a->k_cache + next_slot * row_stride + (int64_t)kv_head * d;
             const float *nv = a->v_cache + next_slot * row_stride + (int64_t)kv_head * d;
             for (int t = 0; t < next_n; t++)
@@ -268,11 +268,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const __m512i limits = _mm512_load_si512(limit);
     __m512 running_max = _mm512_set1_ps(-INFINITY), running_sum = _mm512_setzero_ps();
     for (int pos = a->start_pos; pos < end;) {
-        const int offset = pos % a->block_size;
-        int n = a->block_size - offset;
-        if (n > end - pos) n = end - pos;
-        if (n > RUN) n = RUN;
-        const int64_t slot = (int64_t)blocks[pos / a->block_size] * a->block_size + offset;
+        int64_t slot;
+        const int n = next_run(a->block_size, blocks, pos, end, &slot);
         const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
         const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
         for (int j = 0; j < RUN; j++)
