@@ -86,20 +86,28 @@ def _load(name: str, signatures: dict[str, tuple[list, object]], extra_flags: tu
 
 
 @functools.cache
+def _paged_attention(extra_flags: tuple[str, ...]):
+    """The library of paged_decode.c, loaded once for both of its kernels, or None."""
+    return _load("paged_decode", {
+        "paged_decode_f32": ([_P, _P, _P, _P, _I64, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
+        "paged_prefill_available": ([], _I32),
+        "paged_prefill_f32": (
+            [_P, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
+    }, extra_flags)
+
+
+@functools.cache
 def paged_decode(extra_flags: tuple[str, ...] = ()):
     """The C function ``paged_decode_f32`` (see paged_decode.c), or None. ``extra_flags`` exist for tests
     (``-mno-avx512f`` builds the portable body)."""
-    lib = _load("paged_decode", {"paged_decode_f32": (
-        [_P, _P, _P, _P, _I64, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32)}, extra_flags)
+    lib = _paged_attention(extra_flags)
     return None if lib is None else lib.paged_decode_f32
 
 
 @functools.cache
 def paged_prefill(extra_flags: tuple[str, ...] = ()):
     """The C function ``paged_prefill_f32`` (see paged_decode.c), or None, also where the CPU has no AVX-512."""
-    lib = _load("paged_decode", {"paged_prefill_available": ([], _I32), "paged_prefill_f32": (
-        [_P, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32)},
-        extra_flags)
+    lib = _paged_attention(extra_flags)
     return lib.paged_prefill_f32 if lib is not None and lib.paged_prefill_available() else None
 
 
