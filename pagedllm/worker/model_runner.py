@@ -50,8 +50,10 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         batch = self.input_batch
         # Requests not scheduled this step (finished, preempted, or simply left out) leave the batch;
-        # their state stays in self.requests until they finish.
-        batch.remove_requests({r for r in batch.req_ids if r not in so.num_scheduled_tokens})
+        # their state stays in self.requests until they finish. A finished id can come back as a new request
+        # in the same step (a caller reusing ids), so finished ones leave even when that id is scheduled.
+        batch.remove_requests({r for r in batch.req_ids
+                               if r in so.finished_req_ids or r not in so.num_scheduled_tokens})
 
         for new in so.scheduled_new_reqs:
             params = new.sampling_params

@@ -118,3 +118,22 @@ def test_reset_prefix_cache(llm):
     hits = llm.get_stats().prefix_cache_hits
     llm.generate(prompt, use_tqdm=False)
     assert llm.get_stats().prefix_cache_hits == hits
+
+
+def test_a_finished_request_id_can_be_used_again(llm):
+    """The model runner learns of a finish on the next step, which may bring a new request with the same id."""
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(prompt_token_ids: list[int]) -> list[int]:
+        engine.add_request("reused", {"prompt_token_ids": prompt_token_ids}, params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert [out.request_id for out in outputs] == ["reused"]
+        return outputs[0].outputs[0].token_ids
+
+    story, recipe = llm.get_tokenizer().encode("Once upon a time"), llm.get_tokenizer().encode("To bake bread,")
+    first = run(story)
+    assert run(recipe) != first
+    assert run(story) == first
