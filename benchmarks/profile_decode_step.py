@@ -1,7 +1,7 @@
-"""Where one W1 decode step spends its time: model forward (attention vs the rest), LM head, sampling,
+"""Where one decode step of a shared workload (W1 or W3) spends its time: model forward (attention vs the rest), LM head, sampling,
 input preparation and scheduling. In-process engine, float32 by default; prints a table.
 
-    python benchmarks/profile_decode_step.py [--dtype float32] [--steps 5]
+    python benchmarks/profile_decode_step.py [--workload W1] [--dtype float32] [--steps 5]
 """
 from __future__ import annotations
 
@@ -18,14 +18,16 @@ from pagedllm.layers.attention.cpu_backend import TorchSDPABackendImpl  # noqa: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="W1", choices=("W1", "W3"))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=2048)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
-    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-    for i, prompt in enumerate(shared_workloads()["W1"].prompts):
+    workload = shared_workloads()[args.workload]
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(workload.prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, params)
     while len(core.scheduler.waiting) or any(r.num_output_tokens < 2 for r in core.scheduler.running):
         engine.step()  # prefill everything and take two decode steps
@@ -61,7 +63,7 @@ def main() -> None:
             ("LM head", timers["logits"]), ("sampling", timers["sampler"]),
             ("input preparation, state update", t_exec - timers["forward"] - timers["logits"] - timers["sampler"]),
             ("scheduling (schedule + update)", t_sched)]
-    print(f"W1 decode step, batch {scheduler_output.total_num_scheduled_tokens}, {args.dtype}, "
+    print(f"{args.workload} decode step, batch {scheduler_output.total_num_scheduled_tokens}, {args.dtype}, "
           f"mean of {args.steps}: {total / args.steps * 1e3:.1f} ms")
     for name, seconds in rows:
         print(f"  {name:<36}{seconds / args.steps * 1e3:9.2f} ms {100 * seconds / total:6.1f}%")
