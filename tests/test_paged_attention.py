@@ -147,7 +147,7 @@ def test_prefill_only(dtype):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 1), (10, 2)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_prefill_tiles(decode_path, head_dim, heads, kv_heads, block_size):
-    """Prompts over several tiles (16 / group tokens each), chunks after cached context, and decode rows."""
+    """Prompts over several tiles (32 / group tokens each), chunks after cached context, and decode rows."""
     requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16)]
     plan = _run_case(requests, heads, kv_heads, head_dim, block_size, torch.float32, seed=head_dim + heads)
     assert (plan.native_prefill is not None) == (decode_path == "native" and native.paged_prefill() is not None)

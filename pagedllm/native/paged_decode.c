@@ -224,12 +224,15 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
 }
 
 /* ---- Prefill: tiles of query tokens against their request's cache, in place ----
- * A tile is up to 16 / group consecutive query tokens of one request with the group's heads: 16 query vectors,
- * one per vector lane, so one broadcast K (or V) element multiplies all of them at once. Scores for a run of
- * 16 slots are S[slot] (a vector over the tile's queries) = sum_i K[slot][i] * Q^T[i]; the causal limit of each
- * lane masks what it may not see, the online softmax works lane-wise, and O^T[i] += P[slot] * V[slot][i].
- * The run's K and V rows are copied to a local buffer first (rows past the run zero), which makes every
- * broadcast an offset from one pointer. Needs AVX-512 and a head size of 64 or 128. */
+ * A tile is up to 32 / group consecutive query tokens of one request with the group's heads: 32 query vectors,
+ * one per lane of two vector registers, so one broadcast K (or V) element multiplies all of them in two FMAs.
+ * (An FMA taking its own broadcast from memory runs at ~60% of the FMA rate here; two per broadcast run at the
+ * full rate.) Scores for a run of 16 slots are S[slot] (a vector pair over the tile's queries) = sum_i
+ * K[slot][i] * Q^T[i]; the causal limit of each lane masks what it may not see, the online softmax works
+ * lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read in place from the cache. Needs
+ * AVX-512 and a head size of 64 or 128. */
+#define LANES 32
+#define HALVES (LANES / 16)
 typedef struct {
     const float *q_all, *k_cache, *v_cache;
     const int32_t *block_table, *query_start, *query_len, *seq_len;
@@ -239,6 +242,24 @@ typedef struct {
     float scale;
     float *out, *lse;
 } PrefillArgs;
+
+/* s[j] = sum_i K[j][i] * Q^T[i] for the eight K rows k[j]: 16 sums held in registers. */
+static inline __attribute__((always_inline)) void scores_8(const float *qt, const float *const k[8], const int D,
+                                                          __m512 s[8][HALVES]) {
+    __m512 acc[8][HALVES];
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < HALVES; h++) acc[j][h] = _mm512_setzero_ps();
+    for (int i = 0; i < D; i++) {
+        __m512 qv[HALVES];
+        for (int h = 0; h < HALVES; h++) qv[h] = _mm512_load_ps(qt + i * LANES + 16 * h);
+        for (int j = 0; j < 8; j++) {
+            const __m512 kb = _mm512_set1_ps(k[j][i]);
+            for (int h = 0; h < HALVES; h++) acc[j][h] = _mm512_fmadd_ps(kb, qv[h], acc[j][h]);
+        }
+    }
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < HALVES; h++) s[j][h] = acc[j][h];
+}
 
 static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D) {
     const int tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
@@ -253,10 +274,9 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r], end = context + first + ntok;
     const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
-    float qt[D][16] __attribute__((aligned(64))), ot[D][16] __attribute__((aligned(64)));
-    float kbuf[RUN * D] __attribute__((aligned(64))), vbuf[RUN * D] __attribute__((aligned(64)));
-    int32_t limit[16] __attribute__((aligned(64)));
-    for (int n = 0; n < 16; n++) { /* lane n: token n / group, head n % group; idle lanes see the whole tile */
+    float qt[D][LANES] __attribute__((aligned(64))), ot[D][LANES] __attribute__((aligned(64)));
+    int32_t limit[LANES] __attribute__((aligned(64)));
+    for (int n = 0; n < LANES; n++) { /* lane n: token n / group, head n % group; idle lanes see the whole tile */
         const int t = n / group, g = n % group;
         limit[n] = n < lanes ? context + first + t + 1 : end;
         const float *q = a->q_all + (((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g) * D;
@@ -265,51 +285,63 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             ot[i][n] = 0.0f;
         }
     }
-    const __m512i limits = _mm512_load_si512(limit);
-    __m512 running_max = _mm512_set1_ps(-INFINITY), running_sum = _mm512_setzero_ps();
+    __m512i limits[HALVES];
+    __m512 running_max[HALVES], running_sum[HALVES];
+    for (int h = 0; h < HALVES; h++) {
+        limits[h] = _mm512_load_si512(limit + 16 * h);
+        running_max[h] = _mm512_set1_ps(-INFINITY);
+        running_sum[h] = _mm512_setzero_ps();
+    }
     for (int pos = a->start_pos; pos < end;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, end, &slot);
         const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
         const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
-        for (int j = 0; j < RUN; j++)
-            for (int i = 0; i < D; i += 16) {
-                _mm512_store_ps(kbuf + j * D + i, j < n ? _mm512_loadu_ps(k + j * row_stride + i) : _mm512_setzero_ps());
-                _mm512_store_ps(vbuf + j * D + i, j < n ? _mm512_loadu_ps(v + j * row_stride + i) : _mm512_setzero_ps());
+        const float *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = k + (j < n ? j : 0) * row_stride;
+            vrow[j] = v + (j < n ? j : 0) * row_stride;
+        }
+        __m512 s[RUN][HALVES];
+        scores_8(qt[0], krow, D, s);
+        scores_8(qt[0], krow + 8, D, s + 8);
+        __m512 rescale[HALVES];
+        for (int h = 0; h < HALVES; h++) {
+            __m512 run_max = _mm512_set1_ps(-INFINITY);
+            __mmask16 valid[RUN];
+            for (int j = 0; j < RUN; j++) {
+                valid[j] = j < n ? _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos + j), limits[h]) : (__mmask16)0;
+                s[j][h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j][h]);
+                run_max = _mm512_max_ps(run_max, s[j][h]);
             }
-        __m512 s[RUN];
-        for (int j = 0; j < RUN; j++) s[j] = _mm512_setzero_ps();
-        for (int i = 0; i < D; i++) {
-            const __m512 qv = _mm512_load_ps(qt[i]);
-            for (int j = 0; j < RUN; j++) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(kbuf[j * D + i]), qv, s[j]);
+            const __m512 new_max = _mm512_max_ps(running_max[h], run_max);
+            rescale[h] = exp_nonpositive(_mm512_sub_ps(running_max[h], new_max));
+            running_sum[h] = _mm512_mul_ps(running_sum[h], rescale[h]);
+            for (int j = 0; j < RUN; j++) {
+                s[j][h] = _mm512_maskz_mov_ps(valid[j], exp_nonpositive(_mm512_sub_ps(s[j][h], new_max)));
+                running_sum[h] = _mm512_add_ps(running_sum[h], s[j][h]);
+            }
+            running_max[h] = new_max;
         }
-        __m512 run_max = _mm512_set1_ps(-INFINITY);
-        __mmask16 valid[RUN];
-        for (int j = 0; j < RUN; j++) {
-            valid[j] = j < n ? _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos + j), limits) : (__mmask16)0;
-            s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j]);
-            run_max = _mm512_max_ps(run_max, s[j]);
-        }
-        const __m512 new_max = _mm512_max_ps(running_max, run_max);
-        const __m512 rescale = exp_nonpositive(_mm512_sub_ps(running_max, new_max));
-        running_sum = _mm512_mul_ps(running_sum, rescale);
-        for (int j = 0; j < RUN; j++) {
-            s[j] = _mm512_maskz_mov_ps(valid[j], exp_nonpositive(_mm512_sub_ps(s[j], new_max)));
-            running_sum = _mm512_add_ps(running_sum, s[j]);
-        }
-        running_max = new_max;
-        for (int i = 0; i < D; i += 8) { /* eight independent sums: one would wait on each FMA's latency */
-            __m512 o[8];
-            for (int u = 0; u < 8; u++) o[u] = _mm512_mul_ps(_mm512_load_ps(ot[i + u]), rescale);
+        for (int i = 0; i < D; i += 8) { /* 16 independent sums: fewer would wait on each FMA's latency */
+            __m512 o[8][HALVES];
+            for (int u = 0; u < 8; u++)
+                for (int h = 0; h < HALVES; h++) o[u][h] = _mm512_mul_ps(_mm512_load_ps(ot[i + u] + 16 * h), rescale[h]);
             for (int j = 0; j < RUN; j++)
-                for (int u = 0; u < 8; u++) o[u] = _mm512_fmadd_ps(s[j], _mm512_set1_ps(vbuf[j * D + i + u]), o[u]);
-            for (int u = 0; u < 8; u++) _mm512_store_ps(ot[i + u], o[u]);
+                for (int u = 0; u < 8; u++) {
+                    const __m512 vb = _mm512_set1_ps(vrow[j][i + u]);
+                    for (int h = 0; h < HALVES; h++) o[u][h] = _mm512_fmadd_ps(s[j][h], vb, o[u][h]);
+                }
+            for (int u = 0; u < 8; u++)
+                for (int h = 0; h < HALVES; h++) _mm512_store_ps(ot[i + u] + 16 * h, o[u][h]);
         }
         pos += n;
     }
-    float sums[16] __attribute__((aligned(64))), maxes[16] __attribute__((aligned(64)));
-    _mm512_store_ps(sums, running_sum);
-    _mm512_store_ps(maxes, running_max);
+    float sums[LANES] __attribute__((aligned(64))), maxes[LANES] __attribute__((aligned(64)));
+    for (int h = 0; h < HALVES; h++) {
+        _mm512_store_ps(sums + 16 * h, running_sum[h]);
+        _mm512_store_ps(maxes + 16 * h, running_max[h]);
+    }
     for (int n = 0; n < lanes; n++) {
         const int t = n / group, g = n % group;
         const int64_t row = ((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g;
@@ -363,10 +395,10 @@ int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache
     int tile_start[num_reqs + 1];
     tile_start[0] = 0;
     for (int r = 0; r < num_reqs; r++)
-        tile_start[r + 1] = tile_start[r] + (query_len[r] + 16 / group - 1) / (16 / group);
+        tile_start[r + 1] = tile_start[r] + (query_len[r] + LANES / group - 1) / (LANES / group);
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
                            block_table_stride, num_reqs, start_pos, num_heads, num_kv_heads, block_size,
-                           16 / group, scale, out, lse};
+                           LANES / group, scale, out, lse};
     const int items = tile_start[num_reqs] * num_kv_heads;
     /* Dynamic: a tile's cost grows with its position in the prompt. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
