@@ -1,7 +1,8 @@
-"""quantization="gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit and multiplied by torch's CPU int4 kernel.
+"""quantization="gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit.
 
-The dense float32 path is the reference: it computes with the same dequantized weights, so the two differ
-only by the bfloat16 rounding of activations, scales/zeros and the kernel's output.
+The dense float32 path is the reference: it computes with the same dequantized weights. The native kernel
+(float32, AVX-512) must equal the dense native GEMM bit for bit; torch's int4 kernel (the fallback) differs
+from it by the bfloat16 rounding of activations, scales/zeros and the kernel's output.
 """
 
 import numpy as np
@@ -12,13 +13,15 @@ from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, native
+from pagedllm.layers.gemm_layout import DenseWeight
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4Config
 from pagedllm.models.gguf_loader import (
     gguf_tensor_types,
     gguf_to_hf_name,
     gguf_weights_iterator,
+    dequantize_fast,
     reverse_llama_permute,
     unpack_q4,
 )
@@ -36,6 +39,16 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request, monkeypatch):
+    """Which kernel the layers built in the test pack for: gemm.c's, or torch's int4 one."""
+    if request.param == "native" and native.gemm_q4() is None:
+        pytest.skip("no native 4-bit GEMM (needs a C compiler and AVX-512)")
+    if request.param == "torch":
+        monkeypatch.setattr(native, "gemm_q4", lambda: None)
+    return request.param
 
 
 def _int4_layer(layer_class, parts, bias=None, **kwargs):
@@ -63,19 +76,28 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
-def test_kernel_matches_dequantized_weight(tensor_type):
-    blocks, parts = _random_q4((64, 128), tensor_type, seed=0)
+def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
+    blocks, parts = _random_q4((96, 128), tensor_type, seed=0)
     weight = torch.from_numpy(dequantize(blocks, tensor_type))
-    bias = torch.randn(64)
+    bias = torch.randn(96)
     layer = _int4_layer(ReplicatedLinear, parts, bias)
-    assert layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (64, 64)  # two codes a byte
-    x = torch.randn(5, 128)
-    y = layer(x)
-    assert y.dtype == torch.float32 and y.shape == (5, 64)
-    assert _relative_error(y, x @ weight.T + bias) < 1e-2
+    assert layer.qweight.dtype == torch.uint8
+    if kernel_path == "torch":
+        assert layer.qweight.shape == (96, 64)  # two codes a byte
+    else:  # two 64-column panels of four 32-row blocks: fp16 scales, float32 zeros, 32 x 32 code bytes each
+        assert layer.qweight.shape == (2, 4, 64 * 2 + 64 * 4 + 32 * 32)
+    # The loader's dequantized weight, as the dense path holds it (rounded as the native kernel rounds).
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
+    for rows in (1, 5, 6, 7, 40):  # one tile (dequantized as it goes) and more (through a dense scratch panel)
+        x = torch.randn(rows, 128)
+        y = layer(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, 96)
+        assert _relative_error(y, x @ weight.T + bias) < 1e-2
+        if kernel_path == "native":
+            assert torch.equal(y, dense.linear(x, bias))
 
 
-def test_tensor_parallel_shards_of_int4_layers_match_unsharded():
+def test_tensor_parallel_shards_of_int4_layers_match_unsharded(kernel_path):
     """Codes, scales and zeros are loaded [out, in]-major, so the dense layers' weight loaders slice them."""
     _, w_col = _random_q4((64, 128), GGMLQuantizationType.Q4_1, seed=1)
     _, w_row = _random_q4((32, 128), GGMLQuantizationType.Q4_1, seed=2)
@@ -89,7 +111,7 @@ def test_tensor_parallel_shards_of_int4_layers_match_unsharded():
     assert _relative_error(sum(rows), full_row) < 1e-2  # each rank's partial sum is rounded to bf16
 
 
-def test_packed_gguf_q4_1_reproduces_dequantize():
+def test_packed_gguf_q4_1_reproduces_dequantize(kernel_path):
     """A real Q4_1 tensor, llama.cpp-permuted (q_proj) or not (down_proj), packed and through the kernel."""
     path = smollm_path()
     reader = GGUFReader(path)
@@ -115,13 +137,15 @@ def test_packed_gguf_q4_1_reproduces_dequantize():
             return (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
 
         torch.testing.assert_close(unpacked(scales, zeros), expected, rtol=0, atol=1e-6)
-        # The layer keeps scales and zeros in bfloat16: that rounding, and no more, separates it from GGUF.
+        weight_t = _int4_layer(ReplicatedLinear, (codes, scales, zeros))(torch.eye(expected.shape[1]))
+        if kernel_path == "native":  # x = I gives W.T exactly: the weights the dense path holds
+            assert torch.equal(weight_t.T, unpacked(scales, zeros)), module
+            continue
+        # The torch kernel keeps scales and zeros in bfloat16: that rounding, and no more, separates it from GGUF.
         scales_bf16, zeros_bf16 = scales.bfloat16().float(), zeros.bfloat16().float()
         bound = ((8 * scales.abs() + zeros.abs()) * BF16_EPS).repeat_interleave(32, 1)
         assert ((unpacked(scales_bf16, zeros_bf16) - expected).abs() <= bound).all(), module
-
-        # Through the kernel: x = I gives W.T, rounded once more to bfloat16 on the way out.
-        weight_t = _int4_layer(ReplicatedLinear, (codes, scales, zeros))(torch.eye(expected.shape[1]))
+        # Through the kernel: W.T, rounded once more to bfloat16 on the way out.
         assert ((weight_t.T - expected).abs() <= bound + expected.abs() * BF16_EPS).all(), module
 
 
@@ -131,22 +155,37 @@ NUM_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def llms(monkeypatch_module):
-    monkeypatch_module.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-    kwargs = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
-    return LLM(**kwargs), LLM(quantization="gguf_int4", **kwargs)
-
-
-@pytest.fixture(scope="module")
 def monkeypatch_module():
     with pytest.MonkeyPatch.context() as patcher:
+        patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
         yield patcher
 
 
-def test_greedy_tokens_agree_with_dense(llms):
-    """Free-running, a near-tie flipped by bf16 rounding sends the rest of a sequence elsewhere, so the
-    strict measure is teacher-forced: int4's top token at each position of the dense continuation."""
-    dense, int4 = llms
+LLM_ARGS = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def dense(monkeypatch_module):
+    return LLM(**LLM_ARGS)
+
+
+@pytest.fixture(scope="module", params=["native", "torch"])
+def int4(request, monkeypatch_module):
+    """The 4-bit model on either kernel (chosen when the weights are packed, at load)."""
+    if request.param == "native" and native.gemm_q4() is None:
+        pytest.skip("no native 4-bit GEMM (needs a C compiler and AVX-512)")
+    with pytest.MonkeyPatch.context() as patcher:
+        if request.param == "torch":
+            patcher.setattr(native, "gemm_q4", lambda: None)
+        return request.param, LLM(quantization="gguf_int4", **LLM_ARGS)
+
+
+def test_greedy_tokens_agree_with_dense(dense, int4):
+    """On the native kernel the 4-bit model is the dense one: same tokens, log-probs equal but for the order of
+    sums in batches the dense path sends to MKL. On torch's kernel, free-running, a near-tie flipped by bf16
+    rounding sends the rest of a sequence elsewhere, so the strict measure is teacher-forced: int4's top token
+    at each position of the dense continuation."""
+    path, int4 = int4
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     expected = [o.prompt_token_ids + list(o.outputs[0].token_ids)
                 for o in dense.generate(PROMPTS, greedy, use_tqdm=False)]
@@ -165,15 +204,19 @@ def test_greedy_tokens_agree_with_dense(llms):
               for seq, lps_a, lps_b in zip(expected, int4_logprobs, dense_logprobs)
               for tok, a, b in zip(seq[-NUM_TOKENS:], lps_a, lps_b)]
     agreement = sum(rank == 1 for rank in ranks) / len(ranks)
-    print(f"gguf_int4 vs dense float32: teacher-forced agreement {agreement:.3f}, greedy prefix agreement "
-          f"{sum(prefix_match) / (NUM_TOKENS * len(PROMPTS)):.3f} ({prefix_match}), "
-          f"max |logprob diff| {max(deltas):.3f}")
-    assert agreement >= 0.9
-    assert 0 < max(deltas) < 1.0  # a different computation (not the dense weights), and a close one
+    print(f"gguf_int4 ({path} kernel) vs dense float32: teacher-forced agreement {agreement:.3f}, greedy prefix "
+          f"agreement {sum(prefix_match) / (NUM_TOKENS * len(PROMPTS)):.3f} ({prefix_match}), "
+          f"max |logprob diff| {max(deltas):.2e}")
+    if path == "native":
+        assert prefix_match == [NUM_TOKENS] * len(PROMPTS)
+        assert max(deltas) < 1e-3
+    else:
+        assert agreement >= 0.9
+        assert 0 < max(deltas) < 1.0  # a different computation (not the dense weights), and a close one
 
 
-def test_chat_still_answers_paris(llms):
-    out = llms[1].chat([{"role": "user", "content": "What is the capital of France?"}],
+def test_chat_still_answers_paris(int4):
+    out = int4[1].chat([{"role": "user", "content": "What is the capital of France?"}],
                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
 

@@ -45,21 +45,29 @@ class DenseWeight:
         if self.panels is None or x.dtype != torch.float32 or (
                 self.data is not None and rows.shape[0] > PANELS_MAX_ROWS):
             return F.linear(x, self.unpacked(), bias)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = rows.new_empty(rows.shape[0], self.out_features)
-        if bias is not None:
-            bias = bias.contiguous()
-        native.gemm()(rows.data_ptr(), rows.stride(0), self.panels.data_ptr(),
-                      None if bias is None else bias.data_ptr(), out.data_ptr(), self.out_features, rows.shape[0],
-                      self.out_features, self.in_features, torch.get_num_threads())
-        return out.view(*x.shape[:-1], self.out_features)
+        return packed_linear(native.gemm(), x, self.panels, bias, self.out_features)
 
     def unpacked(self) -> torch.Tensor:
         """The ``[out, in]`` values (a copy when only the panels are kept)."""
         if self.data is not None:
             return self.data
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+
+def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` by one of gemm.c's kernels over ``packed`` (W's panels in that kernel's layout)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = rows.new_empty(rows.shape[0], out_features)
+    if bias is not None:
+        bias = bias.contiguous()
+    status = kernel(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                    out.data_ptr(), out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the native GEMM rejected its sizes (status {status})")
+    return out.view(*x.shape[:-1], out_features)
 
 
 def _native_gemm_applies(weight: torch.Tensor) -> bool:

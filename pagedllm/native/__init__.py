@@ -123,8 +123,21 @@ def fused_ops():
 
 
 @functools.cache
+def _gemm_lib():
+    """The library of gemm.c, or None, also where the CPU has no AVX-512."""
+    gemm_args = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
+    lib = _load("gemm", {"gemm_available": ([], _I32), "gemm_packed_f32": (gemm_args, _I32),
+                         "gemm_q4_f32": (gemm_args, _I32)})
+    return lib if lib is not None and lib.gemm_available() else None
+
+
 def gemm():
-    """The C function ``gemm_packed_f32`` (see gemm.c), or None, also where the CPU has no AVX-512."""
-    lib = _load("gemm", {"gemm_available": ([], _I32),
-                         "gemm_packed_f32": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32)})
-    return lib.gemm_packed_f32 if lib is not None and lib.gemm_available() else None
+    """The C function ``gemm_packed_f32`` (see gemm.c), or None."""
+    lib = _gemm_lib()
+    return None if lib is None else lib.gemm_packed_f32
+
+
+def gemm_q4():
+    """The C function ``gemm_q4_f32`` (see gemm.c): the same GEMM over 4-bit panels, or None."""
+    lib = _gemm_lib()
+    return None if lib is None else lib.gemm_q4_f32

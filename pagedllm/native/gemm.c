@@ -9,9 +9,18 @@
  * and with a single row (one-sequence decode) the kernel is otherwise latency-bound (~16 vs ~20 GB/s).
  *
  * Work items are (panel, block of rows), panel-major, split statically over torch's OpenMP threads.
+ *
+ * gemm_q4_f32 does the same against GGUF Q4_0/Q4_1 weights kept at 4 bits (0.69 bytes per weight instead of
+ * 4: single-row decode reads weights and little else). Its panels hold, per block of 32 along K, the 64
+ * columns' scales and zeros and 32 rows of packed codes; a weight is (code - 8) * scale + zero rounded as the
+ * loader's dequantization rounds it, so the result equals the dense kernel's on the dequantized weights bit
+ * for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
+ * scratch panel and run the dense tiles over it.
+ *
  * Needs AVX-512F: gemm_available() says whether this build has it; without it callers use torch.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #define NR 64 /* output columns per panel */
 #define MR 6  /* rows per register tile */
@@ -49,13 +58,18 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         }
 }
 
-static void panel_rows(const float *x, int64_t ldx, const float *panel, const float *bias, float *y, int64_t ldy,
-                       int K, int row_begin, int row_end, int cols) {
-    __mmask16 masks[4];
+/* Store masks for a panel's last `cols` columns (64 for a full panel). */
+static void column_masks(int cols, __mmask16 masks[4]) {
     for (int j = 0; j < 4; j++) {
         const int n = cols - 16 * j;
         masks[j] = n >= 16 ? (__mmask16)0xFFFF : (n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u));
     }
+}
+
+static void panel_rows(const float *x, int64_t ldx, const float *panel, const float *bias, float *y, int64_t ldy,
+                       int K, int row_begin, int row_end, int cols) {
+    __mmask16 masks[4];
+    column_masks(cols, masks);
     int r = row_begin, prefetch = 1;
     for (; r + MR <= row_end; r += MR) {
         tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, MR, masks, prefetch);
@@ -72,16 +86,20 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
 
 int gemm_available(void) { return 1; }
 
+/* Rows per work item: whole tiles, at most 192 and x's block no larger than 256 KB (it stays in L2 next to
+ * the panel), fewer when there are too few panels to give every thread several items. */
+static int row_block(int M, int K, int panels, int num_threads) {
+    int block = 192;
+    while (block > MR && (int64_t)block * K * sizeof(float) > 256 * 1024) block -= MR;
+    while (block > MR && (int64_t)panels * ((M + block - 1) / block) < 8 * num_threads) block -= 2 * MR;
+    return block < MR ? MR : block;
+}
+
 /* x: [M, K] rows ldx apart; packed: [ceil(N / 64), K, 64]; bias: [N] or NULL; y: [M, N] rows ldy apart. */
 int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int M, int N, int K, int num_threads) {
     const int panels = (N + NR - 1) / NR;
-    /* Rows per item: whole tiles, at most 192 and x's block no larger than 256 KB (it stays in L2 next to
-     * the panel), fewer when there are too few panels to give every thread several items. */
-    int block = 192;
-    while (block > MR && (int64_t)block * K * sizeof(float) > 256 * 1024) block -= MR;
-    while (block > MR && (int64_t)panels * ((M + block - 1) / block) < 8 * num_threads) block -= 2 * MR;
-    if (block < MR) block = MR;
+    const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
     const int items = panels * row_blocks;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -94,11 +112,140 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
     }
     return 0;
 }
+
+/* ---- 4-bit panels ---- */
+#define QBLOCK 32                                   /* weights along K per GGUF block */
+#define QCODES_AT (NR * 2 + NR * 4)                 /* record: fp16 scales, fp32 zeros, then the codes */
+#define QRECORD (QCODES_AT + QBLOCK * NR / 2)       /* 1408 bytes per 32 x 64 weights */
+#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* separate roundings: never fused */
+
+/* One row k of a block: w[j] holds columns 16j .. 16j + 15. Byte i of the row has column i in its low nibble
+ * and column 32 + i in its high one. */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *codes, const __m512 s[4],
+                                                              const __m512 z[4], __m512 w[4]) {
+    const __m512 minus8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
+    const __m512i low = _mm512_set1_epi32(15);
+    w[0] = _mm512_permutexvar_ps(_mm512_and_si512(a, low), minus8);
+    w[1] = _mm512_permutexvar_ps(_mm512_and_si512(b, low), minus8);
+    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), minus8);
+    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), minus8);
+    for (int j = 0; j < 4; j++) w[j] = _mm512_add_round_ps(_mm512_mul_round_ps(w[j], s[j], ROUNDED), z[j], ROUNDED);
+}
+
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, __m512 s[4], __m512 z[4]) {
+    for (int j = 0; j < 4; j++) {
+        s[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
+        z[j] = _mm512_loadu_ps((const float *)(record + NR * 2) + 16 * j);
+    }
+}
+
+/* rows x 64 tile over a 4-bit panel, dequantizing each row of weights once for all its rows. */
+static inline __attribute__((always_inline)) void tile_q4(const float *x, int64_t ldx, const uint8_t *panel,
+                                                          const float *bias, float *y, int64_t ldy, int K,
+                                                          const int rows, const __mmask16 masks[4]) {
+    __m512 c[MR][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
+    for (int blk = 0; blk < K / QBLOCK; blk++) {
+        const uint8_t *record = panel + (int64_t)blk * QRECORD;
+        __m512 s[4], z[4];
+        block_scales(record, s, z);
+        for (int kk = 0; kk < QBLOCK; kk++) {
+            if (kk < QRECORD / 64) _mm_prefetch((const char *)(record + 3 * QRECORD + 64 * kk), _MM_HINT_T0);
+            __m512 w[4];
+            dequant_row(record + QCODES_AT + kk * (NR / 2), s, z, w);
+            const int k = blk * QBLOCK + kk;
+            for (int r = 0; r < rows; r++) {
+                const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
+                for (int j = 0; j < 4; j++) c[r][j] = _mm512_fmadd_ps(b, w[j], c[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) {
+            __m512 v = c[r][j];
+            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
+            _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
+        }
+}
+
+static void q4_panel_rows(const float *x, int64_t ldx, const uint8_t *panel, const float *bias, float *y,
+                          int64_t ldy, int K, int row_begin, int row_end, int cols) {
+    __mmask16 masks[4];
+    column_masks(cols, masks);
+    for (int r = row_begin; r < row_end; r += MR) {
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        switch (row_end - r < MR ? row_end - r : MR) {
+        case 6: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 6, masks); break;
+        case 5: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 5, masks); break;
+        case 4: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 4, masks); break;
+        case 3: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 3, masks); break;
+        case 2: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 2, masks); break;
+        case 1: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 1, masks); break;
+        }
+    }
+}
+
+/* The 4-bit panel as a dense [K][64] one. */
+static void dequant_panel(const uint8_t *panel, int K, float *dense) {
+    for (int blk = 0; blk < K / QBLOCK; blk++) {
+        const uint8_t *record = panel + (int64_t)blk * QRECORD;
+        __m512 s[4], z[4];
+        block_scales(record, s, z);
+        for (int kk = 0; kk < QBLOCK; kk++) {
+            __m512 w[4];
+            dequant_row(record + QCODES_AT + kk * (NR / 2), s, z, w);
+            for (int j = 0; j < 4; j++) _mm512_store_ps(dense + ((int64_t)blk * QBLOCK + kk) * NR + 16 * j, w[j]);
+        }
+    }
+}
+
+/* packed: [ceil(N / 64), K / 32, QRECORD] bytes (see the top of this file); K a multiple of 32. The rest as
+ * gemm_packed_f32. Returns -1 for a K it cannot take. */
+int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int num_threads) {
+    if (K % QBLOCK != 0) return -1;
+    const int panels = (N + NR - 1) / NR;
+    const int block = row_block(M, K, panels, num_threads);
+    const int row_blocks = (M + block - 1) / block;
+    const int items = panels * row_blocks;
+    const int64_t panel_bytes = (int64_t)(K / QBLOCK) * QRECORD;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
+         * per tile. */
+        float *scratch = M > MR ? aligned_alloc(64, (size_t)K * NR * sizeof(float)) : NULL;
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const int p = item / row_blocks, rb = item % row_blocks;
+            const int row_begin = rb * block, row_end = (rb + 1) * block < M ? (rb + 1) * block : M;
+            const int cols = N - p * NR < NR ? N - p * NR : NR;
+            const uint8_t *panel = packed + p * panel_bytes;
+            const float *b = bias == NULL ? NULL : bias + p * NR;
+            if (scratch != NULL && row_end - row_begin > MR) {
+                dequant_panel(panel, K, scratch);
+                panel_rows(x, ldx, scratch, b, y + p * NR, ldy, K, row_begin, row_end, cols);
+            } else {
+                q4_panel_rows(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols);
+            }
+        }
+        free(scratch);
+    }
+    return 0;
+}
 #else
 int gemm_available(void) { return 0; }
 
 int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int num_threads) {
     return -1;
 }
 #endif

@@ -1,33 +1,63 @@
-"""GGUF Q4_0/Q4_1 weights kept 4-bit and multiplied by torch's CPU int4 kernel.
+"""GGUF Q4_0/Q4_1 weights kept 4-bit.
 
-Decode on CPU is bound by reading weights; the int4 kernel reads 5 bits per
-weight (4-bit code, bf16 scale and zero per 32) where float32 reads 32.
-A GGUF Q4 block is 32 weights along the input dim with one fp16 scale ``d``
-(and, for Q4_1, one min ``m``), which is exactly one group of the kernel's
-``w = (q - 8) * scale + zero``: Q4_0 ``w = d (q - 8)`` gives zero 0, and
-Q4_1 ``w = d q + m`` gives zero ``m + 8 d``.
+Decode on CPU is bound by reading weights, and a 4-bit weight is an eighth of a
+float32 one. A GGUF Q4 block is 32 weights along the input dim with one fp16
+scale ``d`` (and, for Q4_1, one min ``m``): ``w = (q - 8) * scale + zero``, Q4_0
+``w = d (q - 8)`` giving zero 0 and Q4_1 ``w = d q + m`` zero ``m + 8 d``.
+In float32 on CPU with AVX-512 the native kernel (native/gemm.c, ``gemm_q4_f32``)
+multiplies by these exactly as the dense path multiplies by the dequantized
+weights; elsewhere torch's CPU int4 kernel does, its scales and zeros rounded to
+bf16 and its activations run in bf16.
 """
 
 import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedllm import native
+from pagedllm.layers.gemm_layout import PANEL, packed_linear
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
-GROUP_SIZE = 32  # weights per GGUF Q4 block, and per scale/zero group of the kernel
+GROUP_SIZE = 32  # weights per GGUF Q4 block, and per scale/zero group of the kernels
 Q4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+
+
+def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` codes in [0, 16) and ``[N, K / 32]`` scales and zeros -> gemm_q4_f32's panels,
+    ``[ceil(N / 64), K / 32, 1408]`` bytes: per block of 32 along K, the 64 columns' scales (fp16, which GGUF's
+    are exactly), zeros (float32), then 32 rows of 32 bytes, column i in the low nibble of byte i and column
+    32 + i in its high nibble."""
+    n, k = codes.shape
+    panels, blocks = -(-n // PANEL), k // GROUP_SIZE
+    padded = [torch.zeros(panels * PANEL, *t.shape[1:], dtype=t.dtype) for t in (codes, scales, zeros)]
+    for dst, src in zip(padded, (codes, scales, zeros)):
+        dst[:n] = src
+    codes, scales, zeros = padded
+    scales16 = scales.to(torch.float16)
+    if not torch.equal(scales16.float(), scales.float()):
+        raise ValueError("Q4 scales must be float16 values (GGUF stores them so)")
+    by_row = codes.view(panels, PANEL, blocks, GROUP_SIZE).permute(0, 2, 3, 1)  # [panel, block, row, column]
+    nibbles = (by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        return t.view(panels, PANEL, blocks).permute(0, 2, 1).contiguous().view(torch.uint8).view(panels, blocks, -1)
+
+    return torch.cat([per_block(scales16), per_block(zeros.float()), nibbles.view(panels, blocks, -1)], dim=-1)
 
 
 class GGUFInt4LinearMethod(QuantizeMethodBase):
     """Loads 4-bit codes and per-group scales/zeros row-major, like a dense weight, then packs them.
 
     While loading, ``qweight`` is ``[out, in]`` uint8 codes in ``[0, 16)`` and
-    ``scales``/``zeros`` are ``[out, in / 32]`` bfloat16, so the layers'
+    ``scales``/``zeros`` are ``[out, in / 32]`` float32, so the layers'
     tensor-parallel weight loaders slice them as they slice a dense weight.
-    Activations go through the kernel in bfloat16 (its only fast input dtype on
-    CPU) and come back in the caller's dtype.
+    On the torch kernel, activations go through in bfloat16 (its only fast input
+    dtype on CPU) and come back in the caller's dtype.
     """
+
+    def __init__(self):
+        self.panels: torch.Tensor | None = None  # the native kernel's layout, when it applies
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
                        weight_loader):
@@ -35,21 +65,30 @@ class GGUFInt4LinearMethod(QuantizeMethodBase):
             raise ValueError(f"gguf_int4 needs in % {GROUP_SIZE} == 0 and out % 16 == 0 per rank, got "
                              f"in={input_size_per_partition}, out={output_size_per_partition}")
         groups = input_size_per_partition // GROUP_SIZE
+        self.params_dtype = params_dtype
         for name, cols, dtype in (("qweight", input_size_per_partition, torch.uint8),
-                                  ("scales", groups, torch.bfloat16), ("zeros", groups, torch.bfloat16)):
+                                  ("scales", groups, torch.float32), ("zeros", groups, torch.float32)):
             param = nn.Parameter(torch.empty(output_size_per_partition, cols, dtype=dtype), requires_grad=False)
             param.weight_loader = weight_loader
             layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer):
+        if self.params_dtype == torch.float32 and layer.qweight.device.type == "cpu" and native.gemm_q4() is not None:
+            self.panels = pack_q4_panels(layer.qweight, layer.scales, layer.zeros)
+            self.out_features = layer.qweight.shape[0]
+            del layer.qweight, layer.scales, layer.zeros
+            layer.qweight = nn.Parameter(self.panels, requires_grad=False)
+            return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layer.qweight.to(torch.int32), 1)
-        # The kernel wants [in / 32, out, (scale, zero)].
-        scales_and_zeros = torch.stack([layer.scales, layer.zeros], dim=-1).transpose(0, 1).contiguous()
+        # The kernel wants [in / 32, out, (scale, zero)] in bfloat16.
+        scales_and_zeros = torch.stack([layer.scales, layer.zeros], dim=-1).transpose(0, 1).to(torch.bfloat16)
         del layer.qweight, layer.scales, layer.zeros
         layer.qweight = nn.Parameter(packed, requires_grad=False)
-        layer.scales_and_zeros = nn.Parameter(scales_and_zeros, requires_grad=False)
+        layer.scales_and_zeros = nn.Parameter(scales_and_zeros.contiguous(), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
+        if self.panels is not None:
+            return packed_linear(native.gemm_q4(), x, self.panels, bias, self.out_features)
         x_2d = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x_2d, layer.qweight, GROUP_SIZE, layer.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
