@@ -16,6 +16,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.layers.gemm_layout import DenseWeight
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4Config
 from pagedllm.models.gguf_loader import (
     gguf_tensor_types,
@@ -24,6 +25,7 @@ from pagedllm.models.gguf_loader import (
     dequantize_fast,
     reverse_llama_permute,
     unpack_q4,
+    unpack_q8,
 )
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_quant_config
@@ -147,6 +149,35 @@ def test_packed_gguf_q4_1_reproduces_dequantize(kernel_path):
         assert ((unpacked(scales_bf16, zeros_bf16) - expected).abs() <= bound).all(), module
         # Through the kernel: W.T, rounded once more to bfloat16 on the way out.
         assert ((weight_t.T - expected).abs() <= bound + expected.abs() * BF16_EPS).all(), module
+
+
+class _KeepsQ8:
+    def keeps_q8(self, prefix: str) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
+    """A Q8_0 embedding keeps codes and scales: lookups and the LM head equal the dense weight's exactly."""
+    blocks = quantize(np.random.default_rng(3).standard_normal((200, 64), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    codes, scales = (torch.from_numpy(part) for part in unpack_q8(blocks))
+    weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))
+    ids = torch.tensor([0, 7, 199, 100, 7])
+    hidden = torch.randn(5, 64)
+    logits = []
+    for rank in range(tp_size):
+        embedding = VocabParallelEmbedding(200, 64, tp_size=tp_size, tp_rank=rank, quant_config=_KeepsQ8())
+        assert embedding.q8 and embedding.qweight.dtype == torch.int8
+        embedding.qweight.weight_loader(embedding.qweight, codes)
+        embedding.scales.weight_loader(embedding.scales, scales)
+        embedding.prepare_projection()
+        shard = slice(embedding.vocab_start_index, embedding.vocab_end_index)
+        dense = DenseWeight(weight[shard].contiguous(), large_batches=False)
+        assert torch.equal(embedding.project(hidden)[:, : shard.stop - shard.start], dense.linear(hidden))
+        logits.append(embedding.project(hidden))
+        if tp_size == 1:
+            assert torch.equal(embedding(ids), weight[ids])
+    assert torch.allclose(torch.cat(logits, dim=-1)[:, :200], hidden @ weight.T, atol=1e-4)
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",

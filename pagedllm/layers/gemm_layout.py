@@ -11,6 +11,9 @@ float32 on CPU, measured on the 2-core AVX-512 machine (torch 2.13, SmolLM2's 30
   such weights are held twice (input-major and panels). The LM head, whose batches are the sequences being
   sampled, keeps the panels only.
 Other dtypes and devices are left as loaded.
+
+GGUF-quantized weights (QuantizedWeight) are laid out for gemm.c's quantized kernels instead: the same panels,
+holding per 32 weights along the input the 64 columns' scales (and zeros) and their codes.
 """
 
 import torch
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from pagedllm import native
 
 PANEL = 64  # output columns per panel; gemm.c's NR
+QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
 PANELS_MAX_ROWS = 128  # larger batches go to MKL where the weight is also kept for it
 
 
@@ -52,6 +56,65 @@ class DenseWeight:
         if self.data is not None:
             return self.data
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+
+class QuantizedWeight:
+    """A GGUF-quantized ``[out, in]`` weight in gemm.c's quantized panels; ``linear(x, bias)`` equals
+    ``F.linear`` on the dequantized weight (float32 rows; needs the native library)."""
+
+    def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int):
+        self.kernel_name, self.panels, self.out_features = kernel_name, panels, out_features
+
+    @classmethod
+    def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> "QuantizedWeight":
+        return cls("gemm_q4", pack_q4_panels(codes, scales, zeros), codes.shape[0])
+
+    @classmethod
+    def q8(cls, codes: torch.Tensor, scales: torch.Tensor) -> "QuantizedWeight":
+        return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return packed_linear(getattr(native, self.kernel_name)(), x, self.panels, bias, self.out_features)
+
+
+def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` codes in [0, 16) and ``[N, K / 32]`` scales and zeros -> gemm_q4_f32's panels,
+    ``[ceil(N / 64), K / 32, 1408]`` bytes: per block of 32 along K, the 64 columns' scales (fp16, which GGUF's
+    are exactly), zeros (float32), then 32 rows of 32 bytes, column i in the low nibble of byte i and column
+    32 + i in its high nibble."""
+    by_row, to_block = _panel_blocks(codes, scales)
+    nibbles = (by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous()
+    return torch.cat([to_block(scales, torch.float16), to_block(zeros, torch.float32), to_block(nibbles)], dim=-1)
+
+
+def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 codes and ``[N, K / 32]`` scales -> gemm_q8_f32's panels, ``[ceil(N / 64), K / 32, 2176]``
+    bytes: per block of 32 along K, the 64 columns' fp16 scales, then 32 rows of their 64 codes."""
+    by_row, to_block = _panel_blocks(codes, scales)
+    return torch.cat([to_block(scales, torch.float16), to_block(by_row.contiguous())], dim=-1)
+
+
+def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor):
+    """The codes as ``[panel, block, row, column]`` (N padded to whole 64-column panels), and a function laying
+    a per-block ``[N, K / 32]`` tensor (or those codes) out as ``[panel, block, bytes]``."""
+    n, k = codes.shape
+    panels, blocks = -(-n // PANEL), k // QBLOCK
+    if not torch.equal(scales.to(torch.float16).float(), scales.float()):
+        raise ValueError("GGUF scales must be float16 values (GGUF stores them so)")
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(panels * PANEL, *t.shape[1:], dtype=t.dtype)
+        out[:n] = t
+        return out
+
+    by_row = padded(codes).view(panels, PANEL, blocks, QBLOCK).permute(0, 2, 3, 1)
+
+    def to_block(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if t.dim() == 2:  # per block and column
+            t = padded(t.to(dtype)).view(panels, PANEL, blocks).permute(0, 2, 1).contiguous()
+        return t.view(torch.uint8).reshape(panels, blocks, -1)
+
+    return by_row, to_block
 
 
 def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

@@ -1,20 +1,24 @@
 """Token embedding and LM head split over tensor-parallel ranks by vocab rows.
 
 Each rank holds rows ``[vocab_start_index, vocab_end_index)``; the last shard is
-zero-padded when the vocab does not divide evenly.
+zero-padded when the vocab does not divide evenly. With a GGUF quantization
+config and a Q8_0 checkpoint tensor the rows stay Q8_0 codes and scales
+(``q8``): lookups dequantize the rows they fetch, and the LM head multiplies by
+the codes in the native kernel's panels (1.06 bytes a weight instead of 4).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import native
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
-from pagedllm.layers.gemm_layout import DenseWeight
+from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
-                 tp_size: int = 1, tp_rank: int = 0):
+                 tp_size: int = 1, tp_rank: int = 0, quant_config=None, prefix: str = ""):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -23,19 +27,25 @@ class VocabParallelEmbedding(nn.Module):
         self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
-        dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(
-            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype), requires_grad=False
-        )
-        self.weight.weight_loader = self.weight_loader
-        self._projection: DenseWeight | None = None
+        self.dtype = params_dtype or torch.get_default_dtype()
+        self.q8 = quant_config is not None and quant_config.keeps_q8(prefix)
+        rows = self.num_embeddings_per_partition
+        if self.q8:
+            self._add_param("qweight", torch.empty(rows, embedding_dim, dtype=torch.int8))
+            self._add_param("scales", torch.empty(rows, embedding_dim // QBLOCK, dtype=torch.float32))
+        else:
+            self._add_param("weight", torch.empty(rows, embedding_dim, dtype=self.dtype))
+        self._projection: DenseWeight | QuantizedWeight | None = None
+
+    def _add_param(self, name: str, data: torch.Tensor) -> None:
+        param = nn.Parameter(data, requires_grad=False)
+        param.weight_loader = self.weight_loader
+        self.register_parameter(name, param)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
-            raise ValueError(
-                f"embedding shape mismatch: expected {(self.num_embeddings, self.embedding_dim)}, "
-                f"got {tuple(loaded_weight.shape)}"
-            )
+        expected = (self.num_embeddings, param.shape[1])
+        if loaded_weight.shape != expected:
+            raise ValueError(f"embedding shape mismatch: expected {expected}, got {tuple(loaded_weight.shape)}")
         rows = self.vocab_end_index - self.vocab_start_index
         param.data[:rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_end_index])
         param.data[rows:].zero_()
@@ -43,21 +53,32 @@ class VocabParallelEmbedding(nn.Module):
     def project(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``hidden_states @ weight.T``: this shard's logits, as the LM head computes them."""
         if self._projection is None:
-            return F.linear(hidden_states, self.weight)
+            return F.linear(hidden_states, self._rows())
         return self._projection.linear(hidden_states)
 
     def prepare_projection(self) -> None:
         """Lay the LM head's weight out for its GEMM (layers/gemm_layout.py). An embedding tied to the LM head
         keeps its rows for lookups, so where the layout differs it holds a second copy."""
-        self._projection = DenseWeight(self.weight.data, large_batches=False)
+        if self.q8 and self.dtype == torch.float32 and native.gemm_q8() is not None:
+            self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data)
+        else:
+            self._projection = DenseWeight(self._rows(), large_batches=False)
+
+    def _rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows ``ids`` (all rows if None) in the model's dtype."""
+        if not self.q8:
+            return self.weight if ids is None else F.embedding(ids, self.weight)
+        codes, scales = (self.qweight, self.scales) if ids is None else (
+            F.embedding(ids, self.qweight), F.embedding(ids, self.scales))
+        return (codes.float() * scales.repeat_interleave(QBLOCK, dim=-1)).to(self.dtype)  # exact in float32
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         # Ids owned by other ranks embed as zeros here; the all-reduce fills them in.
         in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start_index, 0)
-        out = F.embedding(local_ids, self.weight) * in_shard.unsqueeze(-1).to(self.weight.dtype)
+        out = self._rows(local_ids) * in_shard.unsqueeze(-1).to(self.dtype)
         return tensor_model_parallel_all_reduce(out, self.tp_size)
 
     def extra_repr(self) -> str:
@@ -76,7 +97,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     def prepare_projection(self) -> None:
         super().prepare_projection()
         # No lookups: one copy, in the GEMM's layout.
-        self.weight.data = self._projection.panels if self._projection.data is None else self._projection.data
+        if isinstance(self._projection, QuantizedWeight):
+            del self.qweight, self.scales
+        elif not self.q8:
+            self.weight.data = self._projection.panels if self._projection.data is None else self._projection.data
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead computes logits through LogitsProcessor, not forward()")

@@ -183,6 +183,15 @@ def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.n
     return codes, d, m + 8 * d  # w = d q + m
 
 
+def unpack_q8(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 rows -> codes ``[N, K]`` int8 and scales ``[N, K / 32]`` float32; each weight is ``code * scale``
+    (exact in float32). A block is an fp16 ``d`` and 32 int8 codes."""
+    blocks = data.reshape(data.shape[0], -1, 2 + 32)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
+    return codes, d
+
+
 def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
     """Dequantize to float32: Q4_0/Q4_1 with whole-tensor numpy arithmetic (gguf's row-group loop takes ~14 ms
     per tensor here, this ~1 ms), other types through gguf."""
@@ -201,7 +210,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
     """Yield ``(hf_name, tensor)`` for every model tensor in a GGUF file, dequantized to float32.
 
     The Q4_0/Q4_1 weight of a module named in ``packed_modules`` comes instead
-    as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``).
+    as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``),
+    a Q8_0 one as ``{module}.qweight`` and ``.scales`` (see ``unpack_q8``).
     """
     metadata, tensors = read_gguf_header(path)
     file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -217,7 +227,9 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         if hf_name is None:
             continue
         module, suffix = hf_name.rsplit(".", 1)
-        if suffix == "weight" and module in packed_modules:
+        if suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q8_0:
+            parts = dict(zip(("qweight", "scales"), unpack_q8(data)))
+        elif suffix == "weight" and module in packed_modules:
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q4(data, tensor.tensor_type)))
         else:
             parts = {suffix: dequantize_fast(data, tensor.tensor_type)}

@@ -102,7 +102,8 @@ class LlamaModel(nn.Module):
                  quant_config: QuantizationConfig | None = None, prefix: str = "model"):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank
+            config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config,
+            prefix=f"{prefix}.embed_tokens"
         )
         rotary_emb = get_rope(head_dim(config), config)
         self.layers = nn.ModuleList(
@@ -139,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank,
+                                          quant_config=quant_config, prefix="lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @staticmethod

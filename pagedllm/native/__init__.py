@@ -127,7 +127,7 @@ def _gemm_lib():
     """The library of gemm.c, or None, also where the CPU has no AVX-512."""
     gemm_args = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
     lib = _load("gemm", {"gemm_available": ([], _I32), "gemm_packed_f32": (gemm_args, _I32),
-                         "gemm_q4_f32": (gemm_args, _I32)})
+                         "gemm_q4_f32": (gemm_args, _I32), "gemm_q8_f32": (gemm_args, _I32)})
     return lib if lib is not None and lib.gemm_available() else None
 
 
@@ -138,6 +138,12 @@ def gemm():
 
 
 def gemm_q4():
-    """The C function ``gemm_q4_f32`` (see gemm.c): the same GEMM over 4-bit panels, or None."""
+    """The C function ``gemm_q4_f32`` (see gemm.c): the same GEMM over GGUF Q4 panels, or None."""
     lib = _gemm_lib()
     return None if lib is None else lib.gemm_q4_f32
+
+
+def gemm_q8():
+    """The C function ``gemm_q8_f32`` (see gemm.c): the same GEMM over GGUF Q8_0 panels, or None."""
+    lib = _gemm_lib()
+    return None if lib is None else lib.gemm_q8_f32

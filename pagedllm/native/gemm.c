@@ -10,12 +10,12 @@
  *
  * Work items are (panel, block of rows), panel-major, split statically over torch's OpenMP threads.
  *
- * gemm_q4_f32 does the same against GGUF Q4_0/Q4_1 weights kept at 4 bits (0.69 bytes per weight instead of
- * 4: single-row decode reads weights and little else). Its panels hold, per block of 32 along K, the 64
- * columns' scales and zeros and 32 rows of packed codes; a weight is (code - 8) * scale + zero rounded as the
- * loader's dequantization rounds it, so the result equals the dense kernel's on the dequantized weights bit
- * for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
- * scratch panel and run the dense tiles over it.
+ * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and
+ * 1.06 bytes per weight instead of 4: single-row decode reads weights and little else). Their panels hold, per
+ * block of 32 along K, the 64 columns' scales (and zeros) and 32 rows of codes; weights are dequantized with
+ * the loader's roundings, so results equal the dense kernel's on the dequantized weights bit for bit. A tile
+ * of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a scratch panel and run
+ * the dense tiles over it.
  *
  * Needs AVX-512F: gemm_available() says whether this build has it; without it callers use torch.
  */
@@ -113,16 +113,38 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
     return 0;
 }
 
-/* ---- 4-bit panels ---- */
-#define QBLOCK 32                                   /* weights along K per GGUF block */
-#define QCODES_AT (NR * 2 + NR * 4)                 /* record: fp16 scales, fp32 zeros, then the codes */
-#define QRECORD (QCODES_AT + QBLOCK * NR / 2)       /* 1408 bytes per 32 x 64 weights */
+/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4) and Q8_0 (format Q8) ----
+ * Per block of 32 along K, a record: the 64 columns' fp16 scales, for Q4 their float32 zeros, then 32 rows of
+ * codes. Q4 rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one, a
+ * weight being (code - 8) * scale + zero; Q8 rows are 64 int8 codes, a weight being code * scale (exact in
+ * float32). Both round as the loader's dequantization does, so results equal the dense kernel's. */
+enum { Q4 = 0, Q8 = 1 };
+#define QBLOCK 32 /* weights along K per GGUF block */
 #define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* separate roundings: never fused */
 
-/* One row k of a block: w[j] holds columns 16j .. 16j + 15. Byte i of the row has column i in its low nibble
- * and column 32 + i in its high one. */
-static inline __attribute__((always_inline)) void dequant_row(const uint8_t *codes, const __m512 s[4],
-                                                              const __m512 z[4], __m512 w[4]) {
+static inline int codes_at(const int fmt) { return fmt == Q4 ? NR * 2 + NR * 4 : NR * 2; }
+static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * (fmt == Q4 ? NR / 2 : NR); }
+
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
+                                                               __m512 z[4]) {
+    for (int j = 0; j < 4; j++) {
+        s[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
+        z[j] = fmt == Q4 ? _mm512_loadu_ps((const float *)(record + NR * 2) + 16 * j) : _mm512_setzero_ps();
+    }
+}
+
+/* Row kk of a block: w[j] holds columns 16j .. 16j + 15. */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *record, int kk, const int fmt,
+                                                              const __m512 s[4], const __m512 z[4], __m512 w[4]) {
+    if (fmt == Q8) {
+        const int8_t *codes = (const int8_t *)(record + codes_at(Q8)) + kk * NR;
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm512_mul_round_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)))), s[j],
+                ROUNDED);
+        return;
+    }
+    const uint8_t *codes = record + codes_at(Q4) + kk * (NR / 2);
     const __m512 minus8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
@@ -134,28 +156,24 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *cod
     for (int j = 0; j < 4; j++) w[j] = _mm512_add_round_ps(_mm512_mul_round_ps(w[j], s[j], ROUNDED), z[j], ROUNDED);
 }
 
-static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, __m512 s[4], __m512 z[4]) {
-    for (int j = 0; j < 4; j++) {
-        s[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
-        z[j] = _mm512_loadu_ps((const float *)(record + NR * 2) + 16 * j);
-    }
-}
-
-/* rows x 64 tile over a 4-bit panel, dequantizing each row of weights once for all its rows. */
-static inline __attribute__((always_inline)) void tile_q4(const float *x, int64_t ldx, const uint8_t *panel,
-                                                          const float *bias, float *y, int64_t ldy, int K,
-                                                          const int rows, const __mmask16 masks[4]) {
+/* rows x 64 tile over a quantized panel, dequantizing each row of weights once for all its rows. */
+static inline __attribute__((always_inline)) void tile_quant(const float *x, int64_t ldx, const uint8_t *panel,
+                                                             const float *bias, float *y, int64_t ldy, int K,
+                                                             const int rows, const __mmask16 masks[4],
+                                                             const int fmt) {
     __m512 c[MR][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
+    const int bytes = record_bytes(fmt);
     for (int blk = 0; blk < K / QBLOCK; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * QRECORD;
+        const uint8_t *record = panel + (int64_t)blk * bytes;
         __m512 s[4], z[4];
-        block_scales(record, s, z);
+        block_scales(record, fmt, s, z);
         for (int kk = 0; kk < QBLOCK; kk++) {
-            if (kk < QRECORD / 64) _mm_prefetch((const char *)(record + 3 * QRECORD + 64 * kk), _MM_HINT_T0);
+            for (int line = kk; line < bytes / 64; line += QBLOCK) /* the record 3 ahead, a line or two a row */
+                _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
             __m512 w[4];
-            dequant_row(record + QCODES_AT + kk * (NR / 2), s, z, w);
+            dequant_row(record, kk, fmt, s, z, w);
             const int k = blk * QBLOCK + kk;
             for (int r = 0; r < rows; r++) {
                 const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
@@ -171,48 +189,50 @@ static inline __attribute__((always_inline)) void tile_q4(const float *x, int64_
         }
 }
 
-static void q4_panel_rows(const float *x, int64_t ldx, const uint8_t *panel, const float *bias, float *y,
-                          int64_t ldy, int K, int row_begin, int row_end, int cols) {
+static inline __attribute__((always_inline)) void quant_panel_rows(const float *x, int64_t ldx,
+                                                                   const uint8_t *panel, const float *bias, float *y,
+                                                                   int64_t ldy, int K, int row_begin, int row_end,
+                                                                   int cols, const int fmt) {
     __mmask16 masks[4];
     column_masks(cols, masks);
     for (int r = row_begin; r < row_end; r += MR) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
         switch (row_end - r < MR ? row_end - r : MR) {
-        case 6: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 6, masks); break;
-        case 5: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 5, masks); break;
-        case 4: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 4, masks); break;
-        case 3: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 3, masks); break;
-        case 2: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 2, masks); break;
-        case 1: tile_q4(xr, ldx, panel, bias, yr, ldy, K, 1, masks); break;
+        case 6: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 6, masks, fmt); break;
+        case 5: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 5, masks, fmt); break;
+        case 4: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 4, masks, fmt); break;
+        case 3: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 3, masks, fmt); break;
+        case 2: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 2, masks, fmt); break;
+        case 1: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 1, masks, fmt); break;
         }
     }
 }
 
-/* The 4-bit panel as a dense [K][64] one. */
-static void dequant_panel(const uint8_t *panel, int K, float *dense) {
+/* The quantized panel as a dense [K][64] one. */
+static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel, int K, float *dense,
+                                                                const int fmt) {
     for (int blk = 0; blk < K / QBLOCK; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * QRECORD;
+        const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
         __m512 s[4], z[4];
-        block_scales(record, s, z);
+        block_scales(record, fmt, s, z);
         for (int kk = 0; kk < QBLOCK; kk++) {
             __m512 w[4];
-            dequant_row(record + QCODES_AT + kk * (NR / 2), s, z, w);
+            dequant_row(record, kk, fmt, s, z, w);
             for (int j = 0; j < 4; j++) _mm512_store_ps(dense + ((int64_t)blk * QBLOCK + kk) * NR + 16 * j, w[j]);
         }
     }
 }
 
-/* packed: [ceil(N / 64), K / 32, QRECORD] bytes (see the top of this file); K a multiple of 32. The rest as
- * gemm_packed_f32. Returns -1 for a K it cannot take. */
-int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                int M, int N, int K, int num_threads) {
+static inline __attribute__((always_inline)) int gemm_quant(const float *x, int64_t ldx, const uint8_t *packed,
+                                                            const float *bias, float *y, int64_t ldy, int M, int N,
+                                                            int K, int num_threads, const int fmt) {
     if (K % QBLOCK != 0) return -1;
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
     const int items = panels * row_blocks;
-    const int64_t panel_bytes = (int64_t)(K / QBLOCK) * QRECORD;
+    const int64_t panel_bytes = (int64_t)(K / QBLOCK) * record_bytes(fmt);
 #pragma omp parallel num_threads(num_threads)
     {
         /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
@@ -226,15 +246,28 @@ int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float 
             const uint8_t *panel = packed + p * panel_bytes;
             const float *b = bias == NULL ? NULL : bias + p * NR;
             if (scratch != NULL && row_end - row_begin > MR) {
-                dequant_panel(panel, K, scratch);
+                dequant_panel(panel, K, scratch, fmt);
                 panel_rows(x, ldx, scratch, b, y + p * NR, ldy, K, row_begin, row_end, cols);
             } else {
-                q4_panel_rows(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols);
+                quant_panel_rows(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols, fmt);
             }
         }
         free(scratch);
     }
     return 0;
+}
+
+/* packed: [ceil(N / 64), K / 32, 1408] bytes of Q4 records; K a multiple of 32. The rest as gemm_packed_f32.
+ * Returns -1 for a K it cannot take. */
+int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q4);
+}
+
+/* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
+int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q8);
 }
 #else
 int gemm_available(void) { return 0; }
@@ -245,6 +278,11 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 }
 
 int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
     return -1;
 }

@@ -15,35 +15,12 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedllm import native
-from pagedllm.layers.gemm_layout import PANEL, packed_linear
+from pagedllm.layers.gemm_layout import QuantizedWeight
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 GROUP_SIZE = 32  # weights per GGUF Q4 block, and per scale/zero group of the kernels
 Q4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
-
-
-def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` codes in [0, 16) and ``[N, K / 32]`` scales and zeros -> gemm_q4_f32's panels,
-    ``[ceil(N / 64), K / 32, 1408]`` bytes: per block of 32 along K, the 64 columns' scales (fp16, which GGUF's
-    are exactly), zeros (float32), then 32 rows of 32 bytes, column i in the low nibble of byte i and column
-    32 + i in its high nibble."""
-    n, k = codes.shape
-    panels, blocks = -(-n // PANEL), k // GROUP_SIZE
-    padded = [torch.zeros(panels * PANEL, *t.shape[1:], dtype=t.dtype) for t in (codes, scales, zeros)]
-    for dst, src in zip(padded, (codes, scales, zeros)):
-        dst[:n] = src
-    codes, scales, zeros = padded
-    scales16 = scales.to(torch.float16)
-    if not torch.equal(scales16.float(), scales.float()):
-        raise ValueError("Q4 scales must be float16 values (GGUF stores them so)")
-    by_row = codes.view(panels, PANEL, blocks, GROUP_SIZE).permute(0, 2, 3, 1)  # [panel, block, row, column]
-    nibbles = (by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous()
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:
-        return t.view(panels, PANEL, blocks).permute(0, 2, 1).contiguous().view(torch.uint8).view(panels, blocks, -1)
-
-    return torch.cat([per_block(scales16), per_block(zeros.float()), nibbles.view(panels, blocks, -1)], dim=-1)
 
 
 class GGUFInt4LinearMethod(QuantizeMethodBase):
@@ -57,7 +34,7 @@ class GGUFInt4LinearMethod(QuantizeMethodBase):
     """
 
     def __init__(self):
-        self.panels: torch.Tensor | None = None  # the native kernel's layout, when it applies
+        self.packed: QuantizedWeight | None = None  # the weight in the native kernel's panels, when it applies
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
                        weight_loader):
@@ -74,10 +51,9 @@ class GGUFInt4LinearMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer):
         if self.params_dtype == torch.float32 and layer.qweight.device.type == "cpu" and native.gemm_q4() is not None:
-            self.panels = pack_q4_panels(layer.qweight, layer.scales, layer.zeros)
-            self.out_features = layer.qweight.shape[0]
+            self.packed = QuantizedWeight.q4(layer.qweight, layer.scales, layer.zeros)
             del layer.qweight, layer.scales, layer.zeros
-            layer.qweight = nn.Parameter(self.panels, requires_grad=False)
+            layer.qweight = nn.Parameter(self.packed.panels, requires_grad=False)
             return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layer.qweight.to(torch.int32), 1)
         # The kernel wants [in / 32, out, (scale, zero)] in bfloat16.
@@ -87,8 +63,8 @@ class GGUFInt4LinearMethod(QuantizeMethodBase):
         layer.scales_and_zeros = nn.Parameter(scales_and_zeros.contiguous(), requires_grad=False)
 
     def apply(self, layer, x, bias=None):
-        if self.panels is not None:
-            return packed_linear(native.gemm_q4(), x, self.panels, bias, self.out_features)
+        if self.packed is not None:
+            return self.packed.linear(x, bias)
         x_2d = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x_2d, layer.qweight, GROUP_SIZE, layer.scales_and_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
@@ -121,8 +97,14 @@ class GGUFInt4Config(QuantizationConfig):
         types = [self.tensor_types.get(f"{name}.weight") for name in self.checkpoint_modules(prefix)]
         return GGUFInt4LinearMethod() if all(t in Q4_TYPES for t in types) else None
 
+    def keeps_q8(self, prefix: str) -> bool:
+        """Whether the embedding (or LM head) ``prefix`` keeps its checkpoint's Q8_0 codes."""
+        return self.tensor_types.get(f"{prefix}.weight") == GGMLQuantizationType.Q8_0
+
     def packed_modules(self, model: nn.Module) -> set[str]:
-        """Checkpoint modules whose weights must load as codes/scales/zeros: those of the layers quantized here."""
-        return {name for prefix, module in model.named_modules()
-                if isinstance(getattr(module, "quant_method", None), GGUFInt4LinearMethod)
-                for name in self.checkpoint_modules(prefix)}
+        """Checkpoint modules whose weights must load as codes and scales: the layers quantized here and the
+        embeddings kept in Q8_0."""
+        linear = {name for prefix, module in model.named_modules()
+                  if isinstance(getattr(module, "quant_method", None), GGUFInt4LinearMethod)
+                  for name in self.checkpoint_modules(prefix)}
+        return linear | {prefix for prefix, module in model.named_modules() if getattr(module, "q8", False)}
