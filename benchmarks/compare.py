@@ -100,8 +100,9 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
     engines = []
     for name in args.engines.split(","):
         if name == "pagedllm":
+            quantization = ["--quantization", args.pagedllm_quantization] if args.pagedllm_quantization else []
             engines.append(Engine(name, [sys.executable, str(ENGINES_DIR / "run_pagedllm.py"), "--model",
-                                         args.pagedllm_model]))
+                                         args.pagedllm_model, *quantization]))
         elif name == "vllm" and args.vllm_python:
             engines.append(Engine(name, [args.vllm_python, str(ENGINES_DIR / "run_vllm.py"), "--model",
                                          args.hf_model_dir], vllm_env(args.vllm_python)))
@@ -157,7 +158,8 @@ def header(args, engines: list[Engine], workloads: dict[str, dict], runs: list[d
     lines = [f"# {' vs '.join(e.name for e in engines)}" + (" -- SMOKE: tiny workloads, not a measurement"
                                                             if args.smoke else ""),
              f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; flags: {present or '-'}; absent: {absent or '-'}",
-             f"dtype {args.dtype}; rounds {args.rounds}, each engine process 1 warm-up + {args.repeats} timed runs",
+             f"dtype {args.dtype}; rounds {args.rounds}, each engine process 1 warm-up + {args.repeats} timed runs"
+             + (f"; pagedllm quantization {args.pagedllm_quantization}" if args.pagedllm_quantization else ""),
              "engines: " + ", ".join(f"{e.name} {versions[e.name]['version']} (torch {versions[e.name]['torch']})"
                                      for e in engines if e.name in versions)]
     lines += [f"{name}: {w['num_requests']} x {w['prompt_len']} prompt tok -> {w['max_tokens']} out, "
@@ -178,6 +180,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_source_args(parser, "pagedllm,vllm,transformers")
     parser.add_argument("--workloads", default="W1,W2,W3,startup", help=f"from {', '.join(VARIANTS)}")
+    parser.add_argument("--pagedllm-quantization", choices=["gguf_int4"],
+                        help="pagedllm keeps the GGUF's quantized weights (its results equal the dense ones)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         default="bfloat16" if has_native_bf16() else "float32",
                         help="for every engine (default: bfloat16 only where the CPU has native bf16 matmuls)")
