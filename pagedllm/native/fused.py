@@ -11,9 +11,10 @@ from pagedllm import native
 
 
 def _lib_for(*tensors: torch.Tensor):
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return native.fused_ops()
-    return None
+    for t in tensors:  # a plain loop: called ~10 times per layer and step
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return None
+    return native.fused_ops()
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):

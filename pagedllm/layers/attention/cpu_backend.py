@@ -89,11 +89,14 @@ class TorchSDPABackendImpl(AttentionImpl):
             self._decode_gathered(query, key_flat, value_flat, plan, out, lse)
 
     def _decode_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
-        """The native kernel walks each request's block table: no history is copied."""
+        """The native kernel walks each request's block table: no history is copied. In a batch of decode rows
+        only it writes straight into ``out`` and ``lse``."""
         num_reqs = plan.decode_rows.shape[0]
-        q = query.index_select(0, plan.decode_rows)
-        out_rows = torch.empty_like(q)
-        lse_rows = torch.empty(num_reqs, self.num_heads)
+        if plan.decode_only:
+            q, out_rows, lse_rows = query.contiguous(), out, lse
+        else:
+            q = query.index_select(0, plan.decode_rows)
+            out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
         status = native.paged_decode()(
             q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), plan.decode_block_table.data_ptr(),
             plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
@@ -101,8 +104,9 @@ class TorchSDPABackendImpl(AttentionImpl):
             self.num_heads, self.num_kv_heads, self.head_size, plan.block_size, self.scale, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"paged_decode_f32 rejected its sizes (status {status})")
-        out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
-        lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
+        if not plan.decode_only:
+            out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
+            lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
 
     def _decode_gathered(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         """One call for all decode rows: [Bd, KVH, group, D] queries against [Bd, KVH, S, D] histories, each

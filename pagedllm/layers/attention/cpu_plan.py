@@ -55,6 +55,7 @@ class AttentionPlan:
     dtype: torch.dtype
     prefix: SharedPrefix | None
     decode_rows: torch.Tensor | None  # [Bd] query rows of the decode requests
+    decode_only: bool  # every row is a decode row, in order: decode_rows is 0 .. Bd - 1
     # For the native kernel (reads the cache in place): the decode requests' block tables and lengths.
     decode_block_table: torch.Tensor | None  # [Bd, max_blocks] int32, contiguous
     decode_seq_lens: torch.Tensor | None  # [Bd] int32
@@ -112,8 +113,9 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
-    return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_block_table, decode_seq_lens, decode_slots,
-                         decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs))
+    decode_only = len(decode_reqs) == len(seq_lens) == qsl[-1]
+    return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_only, decode_block_table, decode_seq_lens,
+                         decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs))
 
 
 def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | None:
