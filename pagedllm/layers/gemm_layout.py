@@ -1,4 +1,4 @@
-"""Dense weights laid out once, after loading, for the CPU GEMMs that multiply by them (the idea of vLLM's
+"""Weights laid out once, after loading, for the CPU GEMMs that multiply by them (the idea of vLLM's
 ``dispatch_cpu_unquantized_gemm``).
 
 float32 on CPU, measured on the 2-core AVX-512 machine (torch 2.13, SmolLM2's 30 layers of GEMMs):
