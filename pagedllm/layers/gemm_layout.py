@@ -63,7 +63,7 @@ class QuantizedWeight:
     ``F.linear`` on the dequantized weight (float32 rows; needs the native library)."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int):
-        self.kernel_name, self.panels, self.out_features = kernel_name, panels, out_features
+        self.kernel, self.panels, self.out_features = getattr(native, kernel_name)(), panels, out_features
 
     @classmethod
     def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> "QuantizedWeight":
@@ -74,7 +74,7 @@ class QuantizedWeight:
         return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return packed_linear(getattr(native, self.kernel_name)(), x, self.panels, bias, self.out_features)
+        return packed_linear(self.kernel, x, self.panels, bias, self.out_features)
 
 
 def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -119,18 +119,21 @@ def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor):
 
 def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` by one of gemm.c's kernels over ``packed`` (W's panels in that kernel's layout)."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
+    """``x @ W.T (+ bias)`` by one of gemm.c's kernels over ``packed`` (W's panels in that kernel's layout).
+    Called ~120 times a decode step: it keeps to the few tensor calls it needs (one-row decode is otherwise
+    as much Python as GEMM)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.stride(1) != 1:
         rows = rows.contiguous()
-    out = rows.new_empty(rows.shape[0], out_features)
+    num_rows, in_features = rows.shape
+    out = rows.new_empty(num_rows, out_features)
     if bias is not None:
         bias = bias.contiguous()
     status = kernel(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), out_features, rows.shape[0], out_features, rows.shape[1], torch.get_num_threads())
+                    out.data_ptr(), out_features, num_rows, out_features, in_features, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the native GEMM rejected its sizes (status {status})")
-    return out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 def _native_gemm_applies(weight: torch.Tensor) -> bool:
