@@ -151,11 +151,6 @@ def test_packed_gguf_q4_1_reproduces_dequantize(kernel_path):
         assert ((weight_t.T - expected).abs() <= bound + expected.abs() * BF16_EPS).all(), module
 
 
-class _KeepsQ8:
-    def keeps_q8(self, prefix: str) -> bool:
-        return True
-
-
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
     """A Q8_0 embedding keeps codes and scales: lookups and the LM head equal the dense weight's exactly."""
@@ -165,8 +160,10 @@ def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
     ids = torch.tensor([0, 7, 199, 100, 7])
     hidden = torch.randn(5, 64)
     logits = []
+    config = GGUFInt4Config({"embedding.weight": GGMLQuantizationType.Q8_0}, [])
     for rank in range(tp_size):
-        embedding = VocabParallelEmbedding(200, 64, tp_size=tp_size, tp_rank=rank, quant_config=_KeepsQ8())
+        embedding = VocabParallelEmbedding(200, 64, tp_size=tp_size, tp_rank=rank, quant_config=config,
+                                           prefix="embedding")
         assert embedding.q8 and embedding.qweight.dtype == torch.int8
         embedding.qweight.weight_loader(embedding.qweight, codes)
         embedding.scales.weight_loader(embedding.scales, scales)

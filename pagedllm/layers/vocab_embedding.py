@@ -14,11 +14,13 @@ from torch import nn
 from pagedllm import native
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
 from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight
+from pagedllm.layers.quantization.base import QuantizationConfig
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
-                 tp_size: int = 1, tp_rank: int = 0, quant_config=None, prefix: str = ""):
+                 tp_size: int = 1, tp_rank: int = 0, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
@@ -62,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.q8 and self.dtype == torch.float32 and native.gemm_q8() is not None:
             self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data)
         else:
-            self._projection = DenseWeight(self._rows(), large_batches=False)
+            self._projection = DenseWeight(self._rows().data, large_batches=False)
 
     def _rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The rows ``ids`` (all rows if None) in the model's dtype."""

@@ -30,3 +30,7 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for ``layer`` named ``prefix``; None keeps the layer unquantized."""
+
+    def keeps_q8(self, prefix: str) -> bool:
+        """Whether the embedding (or LM head) named ``prefix`` keeps the checkpoint's Q8_0 codes; no by default."""
+        return False
