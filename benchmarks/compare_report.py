@@ -39,13 +39,20 @@ def summarize(runs: list[dict], workloads: dict[str, dict], engines: list[str]) 
                 if values:
                     stats[engine] = {"median": statistics.median(values), "min": min(values), "max": max(values),
                                      "n": len(values)}
-            ours = stats.get("pagedllm")
-            ratios = {} if ours is None else {
-                engine: (ours["median"] / s["median"] if figure.higher_is_better else s["median"] / ours["median"])
-                for engine, s in stats.items() if engine != "pagedllm"}
+            ratios = pagedllm_better_by({engine: s["median"] for engine, s in stats.items()},
+                                        figure.higher_is_better)
             rows.append({"workload": name, "figure": figure.label, "higher_is_better": figure.higher_is_better,
                          "engines": stats, "pagedllm_better_by": ratios})
     return rows
+
+
+def pagedllm_better_by(medians: dict[str, float], higher_is_better: bool) -> dict[str, float]:
+    """How many times better pagedllm's median is than each other engine's (also for compare_serve.py)."""
+    ours = medians.get("pagedllm")
+    if ours is None:
+        return {}
+    return {engine: ours / value if higher_is_better else value / ours
+            for engine, value in medians.items() if engine != "pagedllm"}
 
 
 def _number(value: float) -> str:

@@ -27,6 +27,7 @@ from pathlib import Path
 import httpx
 
 from compare import add_engine_source_args, vllm_env
+from compare_report import pagedllm_better_by
 
 from pagedllm.benchmarks.serve import run_level, serve_prompts
 
@@ -110,12 +111,8 @@ def summarize(runs: list[dict], engines: list[str], concurrencies: list[int]) ->
                           for level in run["levels"] if level["concurrency"] == concurrency]
                 if values:
                     medians[engine] = statistics.median(values)
-            ours = medians.get("pagedllm")
-            ratios = {} if ours is None else {
-                engine: ours / value if higher_is_better else value / ours
-                for engine, value in medians.items() if engine != "pagedllm"}
             rows.append({"concurrency": concurrency, "figure": label, "medians": medians,
-                         "pagedllm_better_by": ratios})
+                         "pagedllm_better_by": pagedllm_better_by(medians, higher_is_better)})
     return rows
 
 
