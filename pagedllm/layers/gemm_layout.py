@@ -34,7 +34,7 @@ class DenseWeight:
     def __init__(self, weight: torch.Tensor, large_batches: bool = True):
         self.out_features, self.in_features = weight.shape
         self.panels = None
-        if _native_gemm_applies(weight):
+        if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
             self.panels = padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous()
         if self.panels is not None and not large_batches:
@@ -136,6 +136,7 @@ def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Ten
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
-def _native_gemm_applies(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and native.gemm() is not None)
+def native_applies(kernel_name: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether gemm.c's ``kernel_name`` (gemm, gemm_q4, gemm_q8) serves a layer of this dtype on this device:
+    float32 on CPU, with the native library built."""
+    return dtype == torch.float32 and device.type == "cpu" and getattr(native, kernel_name)() is not None

@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import native
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
-from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight
+from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
 
 
@@ -61,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
     def prepare_projection(self) -> None:
         """Lay the LM head's weight out for its GEMM (layers/gemm_layout.py). An embedding tied to the LM head
         keeps its rows for lookups, so where the layout differs it holds a second copy."""
-        if self.q8 and self.dtype == torch.float32 and native.gemm_q8() is not None:
+        if self.q8 and native_applies("gemm_q8", self.dtype, self.qweight.device):
             self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data)
         else:
             self._projection = DenseWeight(self._rows().data, large_batches=False)

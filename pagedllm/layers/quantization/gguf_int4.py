@@ -14,8 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm import native
-from pagedllm.layers.gemm_layout import QuantizedWeight
+from pagedllm.layers.gemm_layout import QuantizedWeight, native_applies
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -50,7 +49,7 @@ class GGUFInt4LinearMethod(QuantizeMethodBase):
             layer.register_parameter(name, param)
 
     def process_weights_after_loading(self, layer):
-        if self.params_dtype == torch.float32 and layer.qweight.device.type == "cpu" and native.gemm_q4() is not None:
+        if native_applies("gemm_q4", self.params_dtype, layer.qweight.device):
             self.packed = QuantizedWeight.q4(layer.qweight, layer.scales, layer.zeros)
             del layer.qweight, layer.scales, layer.zeros
             layer.qweight = nn.Parameter(self.packed.panels, requires_grad=False)
