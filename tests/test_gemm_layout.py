@@ -8,16 +8,13 @@ import torch.nn.functional as F
 from pagedllm import native
 from pagedllm.layers import gemm_layout
 from pagedllm.layers.gemm_layout import DenseWeight
+from tests.native_paths import native_or_fallback
 
 
 @pytest.fixture(params=["native", "mkl"])
 def kernel(request, monkeypatch):
     """"native": the packed-panel kernel where this CPU has it; "mkl": the input-major fallback."""
-    if request.param == "native" and native.gemm() is None:
-        pytest.skip("no native GEMM here (no compiler or no AVX-512)")
-    if request.param == "mkl":
-        monkeypatch.setattr(native, "gemm", lambda: None)
-    return request.param
+    return native_or_fallback(request.param, monkeypatch, "gemm")
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 301])

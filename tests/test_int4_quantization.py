@@ -13,7 +13,7 @@ from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from pagedllm import LLM, SamplingParams, native
+from pagedllm import LLM, SamplingParams
 from pagedllm.layers.gemm_layout import DenseWeight
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
@@ -30,6 +30,7 @@ from pagedllm.models.gguf_loader import (
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_quant_config
 from tests.model_fixtures import smollm_path, write_tiny_gguf
+from tests.native_paths import native_or_fallback
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
 
@@ -46,11 +47,7 @@ def _one_thread():
 @pytest.fixture(params=["native", "torch"])
 def kernel_path(request, monkeypatch):
     """Which kernel the layers built in the test pack for: gemm.c's, or torch's int4 one."""
-    if request.param == "native" and native.gemm_q4() is None:
-        pytest.skip("no native 4-bit GEMM (needs a C compiler and AVX-512)")
-    if request.param == "torch":
-        monkeypatch.setattr(native, "gemm_q4", lambda: None)
-    return request.param
+    return native_or_fallback(request.param, monkeypatch, "gemm_q4")
 
 
 def _int4_layer(layer_class, parts, bias=None, **kwargs):
@@ -200,12 +197,8 @@ def dense(monkeypatch_module):
 @pytest.fixture(scope="module", params=["native", "torch"])
 def int4(request, monkeypatch_module):
     """The 4-bit model on either kernel (chosen when the weights are packed, at load)."""
-    if request.param == "native" and native.gemm_q4() is None:
-        pytest.skip("no native 4-bit GEMM (needs a C compiler and AVX-512)")
     with pytest.MonkeyPatch.context() as patcher:
-        if request.param == "torch":
-            patcher.setattr(native, "gemm_q4", lambda: None)
-        return request.param, LLM(quantization="gguf_int4", **LLM_ARGS)
+        return native_or_fallback(request.param, patcher, "gemm_q4"), LLM(quantization="gguf_int4", **LLM_ARGS)
 
 
 def test_greedy_tokens_agree_with_dense(dense, int4):
