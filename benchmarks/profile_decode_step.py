@@ -1,5 +1,5 @@
-"""Where one decode step of a shared workload (W1 or W3) spends its time: model forward (attention vs the rest), LM head, sampling,
-input preparation and scheduling. In-process engine, float32 by default; prints a table.
+"""Where one decode step of a shared workload (W1 or W3) spends its time: model forward (attention vs the
+rest), LM head, sampling, input preparation and scheduling. In-process engine, float32 by default; prints a table.
 
     python benchmarks/profile_decode_step.py [--workload W1] [--dtype float32] [--steps 5]
 """
