@@ -47,16 +47,47 @@ def test_silu_and_mul_matches_torch(rows):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rotary_in_place_matches_torch_on_a_strided_view(rows, rotary_dim):
-    rope = RotaryEmbedding(64, rotary_dim, 10000.0)
+    rope = RotaryEmbedding(64, rotary_dim, 10000.0, max_position=4000)
     positions = torch.randint(0, 4000, (rows,), generator=torch.Generator().manual_seed(rows))
     qkv = torch.randn(rows, 7 * 64)
     qk = qkv[:, : 5 * 64]  # 5 rotated heads, 2 untouched ones after them in each row
     cos, sin = rope._cos_sin(positions, torch.float32)
     expected = rope._rotate(qk, cos, sin)
     untouched = qkv[:, 5 * 64 :].clone()
-    assert fused.rotary_neox_(qk, 5, 64, rotary_dim, cos, sin)
+    assert fused.rotary_neox_(qk, 5, 64, rotary_dim, positions, rope.cos_sin_cache)
     _close(qk, expected)
     assert torch.equal(qkv[:, 5 * 64 :], untouched)
+
+
+def test_rotary_table_holds_hf_values_and_grows_past_its_end():
+    rope = RotaryEmbedding(64, 64, 10000.0, max_position=16)
+    positions = torch.tensor([3, 40, 15])  # 40 is past the table: it grows
+    qk = torch.randn(3, 2 * 64)
+    rotated = rope(positions, qk.clone())
+    freqs = positions.float()[:, None] * rope.inv_freq  # HF's formula, per step
+    expected = rope._rotate(qk, freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1))
+    _close(rotated, expected)
+    assert rope.cos_sin_cache.shape == (41, 64)
+    with pytest.raises(IndexError, match="41 positions"):
+        fused.rotary_neox_(qk, 2, 64, 64, torch.tensor([41]), rope.cos_sin_cache)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_embedding_gathers_dense_and_q8_rows(rows):
+    ids = torch.randint(0, 50, (rows,), generator=torch.Generator().manual_seed(rows))
+    weight = torch.randn(50, 64)
+    assert torch.equal(fused.embedding(ids, weight), weight[ids])
+    codes = torch.randint(-128, 128, (50, 64), dtype=torch.int8)
+    scales = torch.rand(50, 2)
+    expected = codes[ids].float() * scales[ids].repeat_interleave(32, dim=-1)
+    assert torch.equal(fused.embedding(ids, codes, scales), expected)
+
+
+def test_embedding_rejects_an_id_outside_the_vocab():
+    with pytest.raises(IndexError, match="50 rows"):
+        fused.embedding(torch.tensor([0, 50]), torch.randn(50, 64))
+    with pytest.raises(IndexError, match="50 rows"):
+        fused.embedding(torch.tensor([-1]), torch.zeros(50, 64, dtype=torch.int8), torch.ones(50, 2))
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -85,6 +116,8 @@ def test_other_dtypes_and_layouts_step_aside():
     assert fused.add_rms_norm(x.bfloat16(), None, torch.ones(32, dtype=torch.bfloat16), 1e-5) is None
     assert fused.silu_and_mul(x.t()) is None  # not contiguous
     assert fused.silu_and_mul(x.double()) is None
+    assert fused.embedding(torch.arange(4), x.bfloat16()) is None
+    assert fused.embedding(torch.arange(4, dtype=torch.int32), x) is None
     key = torch.randn(4, 2, 16)
     assert not fused.write_kv(key[:, :, ::2], key[:, :, ::2],
                               torch.zeros(10, 2, 8), torch.zeros(10, 2, 8), torch.arange(4))
@@ -95,6 +128,7 @@ def test_everything_steps_aside_without_the_library(monkeypatch):
     x = torch.randn(4, 32)
     assert fused.add_rms_norm(x, x, torch.ones(32), 1e-5) is None
     assert fused.silu_and_mul(x) is None
-    assert not fused.rotary_neox_(x, 2, 16, 16, torch.ones(4, 8), torch.zeros(4, 8))
+    assert not fused.rotary_neox_(x, 2, 16, 16, torch.arange(4), torch.ones(8, 16))
+    assert fused.embedding(torch.arange(4), x) is None
     assert not fused.write_kv(x.view(4, 2, 16), x.view(4, 2, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
                               torch.arange(4))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
+from pagedllm.native.graph import launch
 
 PANEL = 64  # output columns per panel; gemm.c's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
@@ -129,8 +130,9 @@ def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Ten
     out = rows.new_empty(num_rows, out_features)
     if bias is not None:
         bias = bias.contiguous()
-    status = kernel(rows.data_ptr(), rows.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                    out.data_ptr(), out_features, num_rows, out_features, in_features, torch.get_num_threads())
+    status = launch(kernel, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows, out_features,
+                    in_features, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the native GEMM rejected its sizes (status {status})")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)

@@ -1,7 +1,9 @@
 """Rotary position embedding (neox / HF "rotate_half" layout).
 
-cos/sin are computed per step from the positions in float32, as HF does, so
-there is no position limit and no large cache to keep.
+cos/sin come from a table computed once in float32 with HF's formula (position * inv_freq, then cos and
+sin), so every value equals HF's; it covers the model's max_position_embeddings (the engine's max_model_len
+never exceeds it) and grows past that on demand. Looking rows up by position in the kernel, as vLLM's
+cos_sin_cache does, keeps the step's per-token work inside native calls (see native/graph.py).
 """
 
 import math
@@ -31,7 +33,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` dims of each q/k head by position."""
 
-    def __init__(self, head_size: int, rotary_dim: int, base: float, rope_parameters: dict | None = None):
+    def __init__(self, head_size: int, rotary_dim: int, base: float, rope_parameters: dict | None = None,
+                 max_position: int = 2048):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
@@ -42,25 +45,39 @@ class RotaryEmbedding(nn.Module):
         elif rope_type != "default":
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_sin_cache", self._table(max_position), persistent=False)
         self._cos_sin_cache: tuple | None = None
+
+    def _table(self, num_positions: int) -> torch.Tensor:
+        """``[num_positions, rotary_dim]`` float32: per position its rotary_dim / 2 cosines, then sines."""
+        freqs = torch.arange(num_positions, dtype=torch.float).unsqueeze(-1) * self.inv_freq
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """``qk`` is ``[T, heads * head_size]``: the query and key heads of the fused QKV output, which sit side
         by side, rotated in one pass. Returns them rotated: in place by the native kernel where it applies
         (float32 on CPU), else as a copy."""
-        cos, sin = self._cos_sin(positions, qk.dtype)
-        if fused.rotary_neox_(qk, qk.shape[-1] // self.head_size, self.head_size, self.rotary_dim, cos, sin):
+        try:
+            return self._rotate_by(positions, qk)
+        except IndexError:  # a position past the table (not in the engine: its max_model_len fits the table)
+            self.cos_sin_cache = self._table(int(positions.max()) + 1)
+            return self._rotate_by(positions, qk)
+
+    def _rotate_by(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        heads = qk.shape[-1] // self.head_size
+        if fused.rotary_neox_(qk, heads, self.head_size, self.rotary_dim, positions, self.cos_sin_cache):
             return qk
+        cos, sin = self._cos_sin(positions, qk.dtype)
         return self._rotate(qk, cos, sin)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Computed once per step: the model's layers share this module and get the same positions tensor.
-        The cache holds that tensor itself, so no later tensor can be mistaken for it (callers do not
-        modify positions in place during a step)."""
+        """For the torch path, looked up once per step: the model's layers share this module and get the same
+        positions tensor. The cache holds that tensor itself, so no later tensor can be mistaken for it
+        (callers do not modify positions in place during a step)."""
         cached = self._cos_sin_cache
         if cached is None or cached[0] is not positions or cached[1] != dtype:
-            freqs = positions.unsqueeze(-1).float() * self.inv_freq
-            cached = (positions, dtype, freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1))
+            cos, sin = self.cos_sin_cache.index_select(0, positions.long()).to(dtype).chunk(2, dim=-1)
+            cached = (positions, dtype, cos.unsqueeze(1), sin.unsqueeze(1))
             self._cos_sin_cache = cached
         return cached[2], cached[3]
 
@@ -87,4 +104,5 @@ def get_rope(head_size: int, config) -> RotaryEmbedding:
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
     rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
-    return RotaryEmbedding(head_size, rotary_dim, base, params)
+    max_position = getattr(config, "max_position_embeddings", None) or 2048
+    return RotaryEmbedding(head_size, rotary_dim, base, params, max_position)

@@ -14,6 +14,7 @@ from torch import nn
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
 from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
+from pagedllm.native import fused
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -75,7 +76,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self._rows(input_ids)
+            native = (fused.embedding(input_ids, self.qweight, self.scales) if self.q8
+                      else fused.embedding(input_ids, self.weight))
+            return self._rows(input_ids) if native is None else native
         # Ids owned by other ranks embed as zeros here; the all-reduce fills them in.
         in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start_index, 0)

@@ -89,7 +89,8 @@ def _load(name: str, signatures: dict[str, tuple[list, object]], extra_flags: tu
 def _paged_attention(extra_flags: tuple[str, ...]):
     """The library of paged_decode.c, loaded once for both of its kernels, or None."""
     return _load("paged_decode", {
-        "paged_decode_f32": ([_P, _P, _P, _P, _I64, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
+        "paged_decode_f32": (
+            [_P, _I64, _P, _P, _P, _I64, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
         "paged_prefill_available": ([], _I32),
         "paged_prefill_f32": (
             [_P, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
@@ -117,7 +118,9 @@ def fused_ops():
     return _load("fused_ops", {
         "add_rms_norm_f32": ([_P, _P, _P, _P, _P, _I64, _I32, _F32], None),
         "silu_and_mul_f32": ([_P, _P, _I64, _I32], None),
-        "rotary_neox_f32": ([_P, _I64, _P, _P, _I64, _I32, _I32, _I32], None),
+        "rotary_neox_f32": ([_P, _I64, _P, _P, _I64, _I64, _I32, _I32, _I32], _I32),
+        "embedding_f32": ([_P, _P, _P, _I64, _I32, _I64], _I32),
+        "embedding_q8_f32": ([_P, _P, _P, _P, _I64, _I32, _I64], _I32),
         "write_kv_f32": ([_P, _P, _I64, _P, _P, _I64, _P, _I64, _I32], _I32),
     })
 

@@ -8,6 +8,7 @@ the two paths always coexist and the torch one stays the reference.
 import torch
 
 from pagedllm import native
+from pagedllm.native.graph import launch
 
 
 def _lib_for(*tensors: torch.Tensor):
@@ -25,8 +26,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return None
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
-    lib.add_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                         out.data_ptr(), None if summed is None else summed.data_ptr(), x.shape[0], x.shape[1], eps)
+    launch(lib.add_rms_norm_f32, x.data_ptr(), None if residual is None else residual.data_ptr(),
+           weight.data_ptr(), out.data_ptr(), None if summed is None else summed.data_ptr(), x.shape[0],
+           x.shape[1], eps)
     return out if residual is None else (out, summed)
 
 
@@ -37,20 +39,44 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
         return None
     d = x.shape[1] // 2
     out = x.new_empty(x.shape[0], d)
-    lib.silu_and_mul_f32(x.data_ptr(), out.data_ptr(), x.shape[0], d)
+    launch(lib.silu_and_mul_f32, x.data_ptr(), out.data_ptr(), x.shape[0], d)
     return out
 
 
-def rotary_neox_(x: torch.Tensor, num_heads: int, head_size: int, rotary_dim: int, cos: torch.Tensor,
-                 sin: torch.Tensor) -> bool:
+def rotary_neox_(x: torch.Tensor, num_heads: int, head_size: int, rotary_dim: int, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> bool:
     """Rotate the first ``num_heads`` heads of each row of ``x`` ([T, >= num_heads * head_size], rows may be
-    strided) in place; ``cos``/``sin`` hold ``[T, rotary_dim / 2]`` values. False when it does not apply."""
-    lib = _lib_for(x, cos, sin)
-    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not (cos.is_contiguous() and sin.is_contiguous()):
+    strided) in place, row t by ``cos_sin_cache[positions[t]]`` (``rotary_dim / 2`` cosines, then sines).
+    False when it does not apply; IndexError for a position past the cache."""
+    lib = _lib_for(x, cos_sin_cache)
+    if (lib is None or x.dim() != 2 or x.stride(1) != 1 or not cos_sin_cache.is_contiguous()
+            or positions.dtype != torch.int64 or not positions.is_contiguous()):
         return False
-    lib.rotary_neox_f32(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), x.shape[0], num_heads,
-                        head_size, rotary_dim)
+    if launch(lib.rotary_neox_f32, x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin_cache.data_ptr(),
+              cos_sin_cache.shape[0], x.shape[0], num_heads, head_size, rotary_dim) != 0:
+        raise IndexError(f"a position is past the rotary cache's {cos_sin_cache.shape[0]} positions")
     return True
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None):
+    """``weight[ids]`` as float32 rows; with ``scales`` the rows are Q8_0 codes, dequantized. None when the
+    native path does not apply."""
+    lib = native.fused_ops()
+    dense = weight.dtype == torch.float32 and scales is None
+    q8 = weight.dtype == torch.int8 and scales is not None and scales.dtype == torch.float32
+    if (lib is None or not (dense or q8) or ids.dtype != torch.int64 or ids.dim() != 1 or weight.device.type != "cpu"
+            or not (ids.is_contiguous() and weight.is_contiguous() and (scales is None or scales.is_contiguous()))):
+        return None
+    rows, dim = weight.shape
+    out = torch.empty(ids.shape[0], dim)
+    if dense:
+        status = launch(lib.embedding_f32, ids.data_ptr(), weight.data_ptr(), out.data_ptr(), ids.shape[0], dim, rows)
+    else:
+        status = launch(lib.embedding_q8_f32, ids.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
+                        ids.shape[0], dim, rows)
+    if status != 0:
+        raise IndexError(f"a token id is outside the embedding's {rows} rows")
+    return out
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
@@ -63,7 +89,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, val
     if (lib is None or not dense_rows or key.stride(0) != value.stride(0) or slot_mapping.dtype != torch.int64
             or not (key_flat.is_contiguous() and value_flat.is_contiguous() and slot_mapping.is_contiguous())):
         return False
-    if lib.write_kv_f32(key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
-                        key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
+    if launch(lib.write_kv_f32, key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(),
+              value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
         raise IndexError(f"slot_mapping holds a slot outside the KV cache's {key_flat.shape[0]} slots")
     return True

@@ -1,6 +1,7 @@
 /* Fused float32 element-wise kernels for the decoder layer: each one pass over its rows instead of the
  * chain of separate torch ops (add, pow, mean, rsqrt, mul, mul / chunk, silu, mul / chunk, mul, mul, sub,
- * cat / index_copy_ of a strided view) that each read and write the whole activation.
+ * cat / index_copy_ of a strided view) that each read and write the whole activation. With the embedding
+ * lookups here too, a decode step's forward is native calls only, which a CPU graph can replay (graph.py).
  *
  * Row-parallel with OpenMP on torch's own threads (see native/__init__.py); small calls stay on one thread.
  * Plain C written to vectorise: the exp is a polynomial, no libm call in the inner loops.
@@ -67,13 +68,17 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) {
 }
 
 /* Neox-style rotary in place on the first `heads` heads of each row (rows row_stride floats apart: the
- * query and key heads at the front of a fused QKV row). cos/sin: [rows, rotary_dim / 2]. */
-void rotary_neox_f32(float *x, int64_t row_stride, const float *cos, const float *sin, int64_t rows, int heads,
-                     int head_size, int rotary_dim) {
+ * query and key heads at the front of a fused QKV row). Row t is at positions[t]; cos_sin_cache holds per
+ * position rotary_dim / 2 cosines then as many sines. Returns -1, having rotated nothing, when a position is
+ * outside the cache's num_positions. */
+int rotary_neox_f32(float *x, int64_t row_stride, const int64_t *positions, const float *cos_sin_cache,
+                    int64_t num_positions, int64_t rows, int heads, int head_size, int rotary_dim) {
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= num_positions) return -1;
     const int half = rotary_dim / 2;
 #pragma omp parallel for schedule(static) if (rows * heads * head_size >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
-        const float *c = cos + t * half, *s = sin + t * half;
+        const float *c = cos_sin_cache + positions[t] * rotary_dim, *s = c + half;
         for (int h = 0; h < heads; h++) {
             float *x1 = x + t * row_stride + (int64_t)h * head_size, *x2 = x1 + half;
 #pragma omp simd
@@ -84,6 +89,32 @@ void rotary_neox_f32(float *x, int64_t row_stride, const float *cos, const float
             }
         }
     }
+    return 0;
+}
+
+/* out[t] = weight[ids[t]] for rows of dim floats. Returns -1, having written nothing, when an id is outside
+ * the vocab_rows rows. */
+int embedding_f32(const int64_t *ids, const float *weight, float *out, int64_t rows, int dim, int64_t vocab_rows) {
+    for (int64_t t = 0; t < rows; t++)
+        if (ids[t] < 0 || ids[t] >= vocab_rows) return -1;
+    for (int64_t t = 0; t < rows; t++) memcpy(out + t * dim, weight + ids[t] * dim, sizeof(float) * dim);
+    return 0;
+}
+
+/* out[t] = the Q8_0 row ids[t] dequantized: code * its 32-weight block's scale (one rounding, as torch's
+ * codes.float() * scales). Returns -1, having written nothing, when an id is outside the vocab_rows rows. */
+int embedding_q8_f32(const int64_t *ids, const int8_t *codes, const float *scales, float *out, int64_t rows,
+                     int dim, int64_t vocab_rows) {
+    for (int64_t t = 0; t < rows; t++)
+        if (ids[t] < 0 || ids[t] >= vocab_rows) return -1;
+    for (int64_t t = 0; t < rows; t++) {
+        const int8_t *c = codes + ids[t] * dim;
+        const float *s = scales + ids[t] * (dim / 32);
+        float *o = out + t * dim;
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = (float)c[i] * s[i / 32];
+    }
+    return 0;
 }
 
 /* key_cache[slot_mapping[t]] = key[t] and the same for value; rows of row_floats, the sources row_stride

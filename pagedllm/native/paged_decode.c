@@ -25,7 +25,7 @@
 typedef struct {
     const float *q_all, *k_cache, *v_cache;
     const int32_t *block_table, *seq_lens;
-    int64_t block_table_stride;
+    int64_t block_table_stride, q_row_stride;
     int start_pos, num_heads, num_kv_heads, head_size, block_size;
     float scale;
     float *out, *lse;
@@ -45,7 +45,7 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
     const int group = a->num_heads / a->num_kv_heads, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
-    const float *q = a->q_all + ((int64_t)req * a->num_heads + (int64_t)kv_head * group) * d;
+    const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * group * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * d; /* floats between consecutive slots */
     const int seq_len = a->seq_lens[req];
     float acc[MAX_GROUP][MAX_HEAD_SIZE], running_max[MAX_GROUP], running_sum[MAX_GROUP];
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
                                                                      const int VD) {
     const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
-    const float *q = a->q_all + ((int64_t)req * a->num_heads + (int64_t)kv_head * GROUP) * d;
+    const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * d;
     const int seq_len = a->seq_lens[req];
     __m512 acc[GROUP][VD], qv[GROUP][VD], running_max[GROUP], running_sum[GROUP];
@@ -362,18 +362,19 @@ static int decode_item_vector(const DecodeArgs *a, int item) { return 0; }
 int paged_prefill_available(void) { return 0; }
 #endif
 
-/* q: [num_reqs, num_heads, head_size]; caches: [num_slots, num_kv_heads, head_size]; block_table:
- * [num_reqs, block_table_stride] int32; request r reads positions start_pos .. seq_lens[r]-1 (each
- * seq_lens[r] > start_pos). Writes out [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads].
- * Returns 0, or -1 for sizes the kernel does not handle. */
-int paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
-                     int64_t block_table_stride, const int32_t *seq_lens, int start_pos, float *out, float *lse,
-                     int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                     int num_threads) {
+/* q: [num_reqs, num_heads, head_size], rows q_row_stride floats apart (they may be a view of the fused QKV
+ * output); caches: [num_slots, num_kv_heads, head_size]; block_table: [num_reqs, block_table_stride] int32;
+ * request r reads positions start_pos .. seq_lens[r]-1 (each seq_lens[r] > start_pos). Writes out
+ * [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads]. Returns 0, or -1 for sizes the kernel does
+ * not handle. */
+int paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                     const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens, int start_pos,
+                     float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size,
+                     int block_size, float scale, int num_threads) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
         return -1;
-    const DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, start_pos, num_heads,
-                          num_kv_heads, head_size, block_size, scale, out, lse};
+    const DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
+                          num_heads, num_kv_heads, head_size, block_size, scale, out, lse};
     const int items = num_reqs * num_kv_heads;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int item = 0; item < items; item++)

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm import native
 from pagedllm.native import fused
+from pagedllm.native.graph import launch
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
@@ -74,8 +75,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         16-lane tiles; the 32-lane ones took 5.8 instead of 7.6 ms a layer (same process, alternating)."""
         chunks = plan.native_prefill
         q = query.contiguous()
-        status = native.paged_prefill()(
-            q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), chunks.block_table.data_ptr(),
+        status = launch(
+            native.paged_prefill(), q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), chunks.block_table.data_ptr(),
             chunks.block_table.shape[1], chunks.query_start.data_ptr(), chunks.query_len.data_ptr(),
             chunks.seq_len.data_ptr(), plan.prefix.num_tokens if plan.prefix else 0, out.data_ptr(),
             lse.data_ptr(), chunks.query_len.shape[0], self.num_heads, self.num_kv_heads, self.head_size,
@@ -93,13 +94,14 @@ class TorchSDPABackendImpl(AttentionImpl):
         """The native kernel walks each request's block table: no history is copied. In a batch of decode rows
         only it writes straight into ``out`` and ``lse``."""
         num_reqs = plan.decode_rows.shape[0]
-        if plan.decode_only:
-            q, out_rows, lse_rows = query.contiguous(), out, lse
+        if plan.decode_only:  # the query rows in place (a view of the QKV output), results straight into out
+            q = query if query.stride(2) == 1 and query.stride(1) == self.head_size else query.contiguous()
+            out_rows, lse_rows = out, lse
         else:
             q = query.index_select(0, plan.decode_rows)
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
-        status = native.paged_decode()(
-            q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), plan.decode_block_table.data_ptr(),
+        status = launch(
+            native.paged_decode(), q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(), plan.decode_block_table.data_ptr(),
             plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
             plan.prefix.num_tokens if plan.prefix else 0, out_rows.data_ptr(), lse_rows.data_ptr(), num_reqs,
             self.num_heads, self.num_kv_heads, self.head_size, plan.block_size, self.scale, torch.get_num_threads())

@@ -100,7 +100,11 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
     if decode_reqs:
         idx = torch.tensor(decode_reqs)
         decode_rows = md.query_start_loc[idx].long()
-    if decode_reqs and native_decode:
+    decode_only = len(decode_reqs) == len(seq_lens) == qsl[-1]
+    if decode_only and decode_reqs and native_decode:  # every request: the metadata's own tensors when already int32
+        decode_block_table = md.block_table.to(torch.int32).contiguous()
+        decode_seq_lens = md.seq_lens.to(torch.int32)
+    elif decode_reqs and native_decode:
         decode_block_table = md.block_table[idx].to(torch.int32).contiguous()
         decode_seq_lens = md.seq_lens[idx].to(torch.int32)
     elif decode_reqs:
@@ -113,7 +117,6 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
-    decode_only = len(decode_reqs) == len(seq_lens) == qsl[-1]
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_only, decode_block_table, decode_seq_lens,
                          decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs))
 
@@ -125,6 +128,11 @@ def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | N
     start = md.query_start_loc[idx]
     return NativePrefill(md.block_table[idx].to(torch.int32).contiguous(), start.to(torch.int32),
                          (md.query_start_loc[idx + 1] - start).to(torch.int32), md.seq_lens[idx].to(torch.int32))
+
+
+def attends_shared_prefix(md: AttentionMetadata, block_size: int) -> bool:
+    """Whether the plan of this batch attends a shared prefix separately (cascade attention)."""
+    return _shared_prefix(md, block_size) is not None
 
 
 def _shared_prefix(md: AttentionMetadata, block_size: int) -> SharedPrefix | None:

@@ -1,0 +1,115 @@
+"""CPU graphs: a decode step's native kernel calls recorded once and replayed (the CPU analogue of vLLM's CUDA
+graphs, which replay a step's kernel launches without the Python that issued them).
+
+In float32 on CPU a decode step's forward is native kernels only (gemm.c, paged_decode.c, fused_ops.c), ~10 a
+layer, and for a batch of a few rows the Python around them (modules, views, allocations, argument checks)
+costs about as much as the kernels. Capture runs the forward once, as usual, while ``launch`` records every
+kernel call with its arguments; replay makes the same calls again and nothing else.
+
+That is only right under CUDA graphs' two rules. Every per-step input must sit in the same memory at every
+step: the model runner keeps static buffers per batch size and refreshes them before each replay. And nothing
+but the recorded kernels may compute what the kernels read: capture checks this one, since a torch op between
+two kernels (a dtype conversion, a fallback path) would not run again on replay. Such a capture is refused
+and the step stays eager. Python decisions taken during capture are frozen into the graph: in a decode forward
+these are the batch's shape (the graph's key) and whether a prefix shared by every request is attended
+separately (cascade attention), which a graph captured without one then never does (the same attention,
+summed in another order).
+"""
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+# Ops that only make memory (or a view of it): their results hold nothing until a kernel writes them.
+_ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+                _aten.empty_strided.default}
+
+_recording: list | None = None  # the calls of the graph being captured
+
+
+def launch(kernel, *args):
+    """Call a native kernel (a ctypes function); while a graph is captured, also record the call."""
+    if _recording is not None:
+        _recording.append((kernel, args))
+    return kernel(*args)
+
+
+class GraphReplayError(RuntimeError):
+    pass
+
+
+class _TensorOrigins(TorchDispatchMode):
+    """During capture: keeps every tensor the forward creates alive (replay writes into the same memory) and
+    notes the memory of those a torch op computed rather than only allocated or viewed."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+        self.computed: list[tuple[int, int]] = []  # [start, end) byte ranges
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.tensors.extend(tensors)
+        if func in _ALLOCATIONS:
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tensors:
+            storage = t.untyped_storage()
+            # A view (or an op like ``to`` that returned its input) holds what its input held; anything else
+            # wrote its result: into new memory, or in place into an input.
+            if not (func.is_view and storage.data_ptr() in inputs):
+                self.computed.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
+        return out
+
+    def computed_by_torch(self, address: int) -> bool:
+        return any(start <= address < end for start, end in self.computed)
+
+
+class CpuGraph:
+    """The kernel calls of one captured forward. ``capture`` runs it (its result is that step's output);
+    afterwards ``failure`` says why the graph cannot be replayed, or is None and ``replay`` recomputes the
+    output in place for the inputs now in the static buffers."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.failure: str | None = None
+        self.output: torch.Tensor | None = None
+        self._tensors: list[torch.Tensor] = []
+
+    def capture(self, forward) -> torch.Tensor:
+        global _recording
+        if _recording is not None:
+            raise RuntimeError("a CPU graph is already being captured")
+        origins = _TensorOrigins()
+        _recording = self.calls
+        try:
+            with origins:
+                output = forward()
+        finally:
+            _recording = None
+        self.failure = self._unreplayable(origins, output)
+        if self.failure is None:
+            self.output, self._tensors = output, origins.tensors
+        else:
+            self.calls = []
+        return output
+
+    def _unreplayable(self, origins: _TensorOrigins, output: torch.Tensor) -> str | None:
+        if not self.calls:
+            return "no native kernel ran"
+        for kernel, args in self.calls:
+            if any(isinstance(a, int) and origins.computed_by_torch(a) for a in args):
+                return f"{kernel.__name__} reads memory a torch op computed during capture"
+        if origins.computed_by_torch(output.data_ptr()):
+            return "a torch op computed the output"
+        return None
+
+    def replay(self) -> torch.Tensor:
+        for kernel, args in self.calls:
+            status = kernel(*args)
+            if status:  # None for kernels without a status, 0 for success
+                raise GraphReplayError(f"{kernel.__name__} failed on replay (status {status})")
+        return self.output

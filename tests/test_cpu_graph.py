@@ -1,0 +1,68 @@
+"""CPU graphs (native/graph.py): replay recomputes a captured forward for new inputs in the static buffers, and
+capture refuses a forward whose kernels read what a torch op computed (replay would not recompute it)."""
+import shutil
+
+import pytest
+import torch
+
+from pagedllm import native
+from pagedllm.native import fused
+from pagedllm.native.graph import CpuGraph, GraphReplayError
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None or native.fused_ops() is None,
+                                reason="needs a C compiler for the native kernels")
+
+
+def _norm_then_gate(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    normed, _ = fused.add_rms_norm(x, residual, weight, 1e-5)
+    return fused.silu_and_mul(normed.view(-1, 2, 16).reshape(-1, 32))  # views only between the kernels
+
+
+def test_replay_recomputes_for_new_inputs_in_place():
+    x, residual, weight = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
+    graph = CpuGraph()
+    first = graph.capture(lambda: _norm_then_gate(x, residual, weight))
+    assert graph.failure is None and len(graph.calls) == 2
+    assert torch.equal(first, _norm_then_gate(x, residual, weight))
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(3, 32, generator=generator))
+        residual.copy_(torch.randn(3, 32, generator=generator))
+        replayed = graph.replay()
+        assert replayed is first  # the graph's output buffer
+        assert torch.equal(replayed, _norm_then_gate(x, residual, weight))
+
+
+@pytest.mark.parametrize("inference_mode", [False, True])  # the model runner captures in inference mode
+@pytest.mark.parametrize("torch_op", [
+    lambda t: t * 2,
+    lambda t: t.double().to(torch.float32),  # `to` declares it may alias its input; here it copies
+    lambda t: t.t().contiguous().t().contiguous(),
+])
+def test_a_torch_op_feeding_a_kernel_refuses_the_capture(inference_mode, torch_op):
+    x = torch.randn(3, 32)
+    graph = CpuGraph()
+    with torch.inference_mode(inference_mode):
+        out = graph.capture(lambda: fused.silu_and_mul(torch_op(fused.silu_and_mul(x))))
+    assert graph.failure is not None and "torch op" in graph.failure
+    assert not graph.calls
+    assert torch.equal(out, fused.silu_and_mul(torch_op(fused.silu_and_mul(x))))  # the step itself is right
+
+
+def test_a_torch_computed_output_or_no_kernel_refuses_the_capture():
+    x = torch.randn(3, 32)
+    graph = CpuGraph()
+    graph.capture(lambda: fused.silu_and_mul(x) + 1)
+    assert "computed the output" in graph.failure
+    graph = CpuGraph()
+    graph.capture(lambda: x * 2)
+    assert graph.failure == "no native kernel ran"
+
+
+def test_a_kernel_failing_on_replay_raises():
+    ids, weight = torch.tensor([1, 2]), torch.randn(5, 8)
+    graph = CpuGraph()
+    graph.capture(lambda: fused.embedding(ids, weight))
+    ids[1] = 7  # past the 5 rows
+    with pytest.raises(GraphReplayError, match="embedding_f32"):
+        graph.replay()
