@@ -81,6 +81,9 @@ class ModelConfig:
     seed: int = 0
     # Weight quantization ("gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit); None computes with dense weights.
     quantization: Optional[str] = None
+    # Run every step eagerly: no CPU graphs for decode steps (worker/cpu_graphs.py), as vLLM's flag turns off
+    # CUDA graphs.
+    enforce_eager: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -48,6 +48,7 @@ class EngineArgs:
     seed: int = 0
     quantization: Optional[str] = None
     num_cpu_threads: Optional[int] = None
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -68,7 +69,7 @@ class EngineArgs:
             # get_model reads it from there, as from a checkpoint that ships a quantization_config.
             hf_config.quantization_config = {"quant_method": self.quantization}
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
-                                   self.seed, self.quantization)
+                                   self.seed, self.quantization, self.enforce_eager)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,

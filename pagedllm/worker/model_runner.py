@@ -19,6 +19,7 @@ from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingType
 from pagedllm.structured_output.backend_xgrammar import apply_bitmask
+from pagedllm.worker.cpu_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model = None
         self.kv_caches: list = []
+        self.decode_graphs: DecodeGraphs | None = None
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config.path, self.model_config.hf_config, self.model_config.dtype)
@@ -43,6 +45,9 @@ class ModelRunner:
         mc = self.model_config
         self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
                                             mc.head_dim, mc.dtype)
+        if not mc.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
+                                              self.input_batch.block_table.shape[1])
 
     # ------------------------------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -103,18 +108,23 @@ class ModelRunner:
         seq_lens = batch.num_computed_tokens[:n] + num_scheduled
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         query_start_loc[1:] = cu_num_tokens
-        max_blocks = int(batch.num_blocks[:n].max())
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_start_loc=torch.from_numpy(query_start_loc),
-            seq_lens=torch.from_numpy(seq_lens),
-            block_table=torch.from_numpy(batch.block_table[:n, :max_blocks]),
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens.max()),
-        )
-        hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
-                                   attn_metadata)
+        hidden_states = None
+        if self.decode_graphs is not None and num_tokens == n:
+            hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens,
+                                                       batch.block_table[:n])
+        if hidden_states is None:
+            max_blocks = int(batch.num_blocks[:n].max())
+            attn_metadata = AttentionMetadata(
+                num_actual_tokens=num_tokens,
+                slot_mapping=torch.from_numpy(slot_mapping),
+                query_start_loc=torch.from_numpy(query_start_loc),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+                block_table=torch.from_numpy(batch.block_table[:n, :max_blocks]),
+                max_query_len=int(num_scheduled.max()),
+                max_seq_len=int(seq_lens.max()),
+            )
+            hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
+                                       attn_metadata)
 
         # Rows whose whole known sequence is computed after this step sample a token; a prefill chunk
         # that stops short of the prompt's end does not (its logits would be thrown away).

@@ -10,7 +10,7 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 # EngineArgs fields that `serve` exposes as --flags.
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization",
-                "num_cpu_threads")
+                "num_cpu_threads", "enforce_eager")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,6 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="keep a GGUF file's Q4_0/Q4_1 weights at 4 bits (default: dequantize)")
     engine.add_argument("--num-cpu-threads", type=int, default=EngineArgs.num_cpu_threads,
                         help="torch threads of the engine process (default: one per core)")
+    engine.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
+                        help="run decode steps eagerly, without replaying CPU graphs")
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict:

@@ -1,0 +1,88 @@
+"""Decode steps replayed from CPU graphs (native/graph.py): per decode batch size, static input buffers and the
+graph captured over them at that size's first step, as vLLM's model runner keeps CUDA graphs per batch size.
+
+Only batches of up to MAX_GRAPH_BATCH rows use graphs: there the Python around the kernels is a large share of a
+step, and each graph keeps its forward's activations (~1 MB a row for SmolLM2-135M). Larger batches spend their
+time in the GEMMs and run eagerly. So do batches whose requests all share a long prefix: attention then takes
+the prefix once for all rows (cascade attention, torch's SDPA), which a graph cannot replay; replaying a graph
+captured without it would give the same attention summed in another order, so not the eager step's tokens.
+"""
+
+import logging
+
+import numpy as np
+import torch
+
+from pagedllm.layers.attention.cpu_plan import attends_shared_prefix
+from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.native.graph import CpuGraph
+
+logger = logging.getLogger(__name__)
+
+MAX_GRAPH_BATCH = 8
+
+
+class _StaticInputs:
+    """The tensors a graph of ``n`` decode rows reads its step's inputs from, in the same memory every step.
+    The block table holds every request's full width, so a history growing by a block changes no shape."""
+
+    def __init__(self, n: int, block_table_width: int):
+        self.input_ids = torch.zeros(n, dtype=torch.int64)
+        self.positions = torch.zeros(n, dtype=torch.int64)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32)
+        self.block_table = torch.zeros(n, block_table_width, dtype=torch.int32)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int64)
+        self.graph: CpuGraph | None = None
+
+    def fill(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+             block_table: np.ndarray) -> None:
+        self.input_ids.numpy()[:] = input_ids
+        self.positions.numpy()[:] = positions
+        self.slot_mapping.numpy()[:] = slot_mapping
+        self.seq_lens.numpy()[:] = seq_lens
+        self.block_table.numpy()[:] = block_table
+
+    def metadata(self) -> AttentionMetadata:
+        n = self.seq_lens.shape[0]
+        return AttentionMetadata(num_actual_tokens=n, slot_mapping=self.slot_mapping,
+                                 query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
+                                 block_table=self.block_table, max_query_len=1,
+                                 max_seq_len=int(self.seq_lens.max()))
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, block_table_width: int):
+        self.model, self.kv_caches = model, kv_caches
+        self.block_size, self.block_table_width = block_size, block_table_width
+        self._by_size: dict[int, _StaticInputs] = {}
+        self._refused: set[int] = set()
+
+    def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                seq_lens: np.ndarray, block_table: np.ndarray) -> torch.Tensor | None:
+        """Final hidden states ``[n, hidden]`` of a batch of ``n`` decode rows (one token per request), from the
+        graph of that size, captured now if this is its first step; None where no graph serves the batch (too
+        many rows, a shared prefix, or its capture was refused). The result is the graph's output buffer: the next step of that
+        size overwrites it."""
+        n = len(input_ids)
+        if n > MAX_GRAPH_BATCH or n in self._refused:
+            return None
+        static = self._by_size.get(n)
+        if static is None:
+            static = self._by_size[n] = _StaticInputs(n, self.block_table_width)
+        static.fill(input_ids, positions, slot_mapping, seq_lens, block_table)
+        metadata = static.metadata()
+        if n > 1 and attends_shared_prefix(metadata, self.block_size):
+            return None
+        if static.graph is not None:
+            return static.graph.replay()
+        graph = CpuGraph()
+        hidden_states = graph.capture(lambda: self.model(static.input_ids, static.positions, self.kv_caches,
+                                                         metadata))
+        if graph.failure is None:
+            static.graph = graph
+        else:
+            logger.info("Decode steps of %d rows run eagerly: their CPU graph was refused (%s)", n, graph.failure)
+            self._refused.add(n)
+            del self._by_size[n]
+        return hidden_states

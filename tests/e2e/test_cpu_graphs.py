@@ -1,0 +1,43 @@
+"""Decode steps replayed from CPU graphs give exactly the tokens of eager steps, while requests join, leave and
+cross block boundaries, in float32 dense and 4-bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.native.graph import CpuGraph
+from pagedllm.worker.cpu_graphs import MAX_GRAPH_BATCH
+
+PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]  # more requests than a graph's largest batch
+
+
+def _run(**engine_kwargs) -> tuple[list[list[int]], LLM]:
+    # Prompts without a common prefix: batches sharing a long one attend it by cascade attention, eagerly.
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=96, **engine_kwargs)
+    # Different output lengths: batches shrink as requests finish; chunked prefill staggers their starts.
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True)
+              for i in range(len(PROMPT_LENGTHS))]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], llm
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf_int4"])
+def test_graph_replays_match_eager_steps(monkeypatch, quantization):
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    graphed, llm = _run(quantization=quantization)
+    eager, _ = _run(quantization=quantization, enforce_eager=True)
+    assert graphed == eager
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+    sizes = {n for n, static in graphs._by_size.items() if static.graph is not None}
+    assert sizes and max(sizes) <= MAX_GRAPH_BATCH and not graphs._refused
+    assert len(replays) >= 15  # steps of 8 rows or fewer, after the first two requests finish
+
+
+def test_enforce_eager_captures_nothing():
+    _, llm = _run(enforce_eager=True)
+    assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs is None
