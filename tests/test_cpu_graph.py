@@ -7,7 +7,7 @@ import torch
 
 from pagedllm import native
 from pagedllm.native import fused
-from pagedllm.native.graph import CpuGraph, GraphReplayError
+from pagedllm.native.graph import CpuGraph, GraphPool, GraphReplayError
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or native.fused_ops() is None,
                                 reason="needs a C compiler for the native kernels")
@@ -66,3 +66,19 @@ def test_a_kernel_failing_on_replay_raises():
     ids[1] = 7  # past the 5 rows
     with pytest.raises(GraphReplayError, match="embedding_f32"):
         graph.replay()
+
+
+def test_graphs_sharing_a_pool_replay_in_turn_over_the_same_memory():
+    pool = GraphPool()
+    inputs = {n: (torch.randn(n, 32), torch.randn(n, 32), torch.rand(32)) for n in (1, 5)}
+    graphs = {n: CpuGraph(pool) for n in inputs}
+    for n, graph in graphs.items():
+        graph.capture(lambda: _norm_then_gate(*inputs[n]))
+        assert graph.failure is None
+    (chunk,) = pool._chunks  # one chunk holds both graphs' activations
+    for graph in graphs.values():
+        assert chunk.data_ptr() <= graph.output.data_ptr() < chunk.data_ptr() + chunk.numel() // 2
+    for step in range(4):
+        n = (1, 5)[step % 2]
+        inputs[n][0].normal_()
+        assert torch.equal(graphs[n].replay(), _norm_then_gate(*inputs[n]))

@@ -39,17 +39,58 @@ class GraphReplayError(RuntimeError):
     pass
 
 
-class _TensorOrigins(TorchDispatchMode):
-    """During capture: keeps every tensor the forward creates alive (replay writes into the same memory) and
-    notes the memory of those a torch op computed rather than only allocated or viewed."""
+class GraphPool:
+    """Memory the graphs' activations are carved from, shared by all of a runner's graphs: they replay one at a
+    time and keep nothing from one replay to the next, so every capture carves from the pool's start again
+    (CUDA graphs share a memory pool the same way). The pool grows to the largest graph's needs."""
+
+    ALIGN = 64  # bytes: each carved tensor starts on a cache line
+    MIN_CHUNK = 1 << 22
 
     def __init__(self):
+        self._chunks: list[torch.Tensor] = []  # uint8; each capture walks them in order
+
+    def allocator(self) -> "_Carver":
+        return _Carver(self)
+
+
+class _Carver:
+    """One capture's bump allocator over its pool's chunks, adding a chunk where they run out."""
+
+    def __init__(self, pool: GraphPool):
+        self.pool, self.chunk, self.offset = pool, 0, 0
+
+    def empty(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        numel = torch.Size(shape).numel()
+        nbytes = max(1, numel) * dtype.itemsize
+        chunks = self.pool._chunks
+        while self.chunk < len(chunks) and self.offset + nbytes > chunks[self.chunk].numel():
+            self.chunk, self.offset = self.chunk + 1, 0
+        if self.chunk == len(chunks):
+            chunks.append(torch.empty(max(nbytes, GraphPool.MIN_CHUNK, 2 * sum(c.numel() for c in chunks)),
+                                      dtype=torch.uint8))
+        start = self.offset
+        self.offset += -(-nbytes // GraphPool.ALIGN) * GraphPool.ALIGN
+        return chunks[self.chunk][start : start + nbytes].view(dtype)[:numel].view(shape)
+
+
+class _TensorOrigins(TorchDispatchMode):
+    """During capture: places the forward's new tensors in the graph pool (replay writes into the same memory
+    again), keeps every other tensor it creates alive, and notes the memory of those a torch op computed rather
+    than only allocated or viewed."""
+
+    def __init__(self, carver: _Carver):
         super().__init__()
+        self.carver = carver
         self.tensors: list[torch.Tensor] = []
         self.computed: list[tuple[int, int]] = []  # [start, end) byte ranges
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        carved = self._carve(func, args, kwargs)
+        if carved is not None:
+            return carved
+        out = func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
         self.tensors.extend(tensors)
         if func in _ALLOCATIONS:
@@ -64,6 +105,20 @@ class _TensorOrigins(TorchDispatchMode):
                 self.computed.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes()))
         return out
 
+    def _carve(self, func, args, kwargs) -> torch.Tensor | None:
+        """A new contiguous CPU tensor from the pool for an allocation op, or None (other ops and layouts)."""
+        if kwargs.get("device", "cpu") not in ("cpu", torch.device("cpu")) or kwargs.get("pin_memory"):
+            return None
+        if func is _aten.empty.memory_format:
+            return self.carver.empty(args[0], kwargs.get("dtype") or torch.get_default_dtype())
+        if func in (_aten.empty_like.default, _aten.new_empty.default):
+            like = args[0]
+            if like.device.type != "cpu" or (func is _aten.empty_like.default and not like.is_contiguous()):
+                return None
+            shape = like.shape if func is _aten.empty_like.default else args[1]
+            return self.carver.empty(shape, kwargs.get("dtype") or like.dtype)
+        return None
+
     def computed_by_torch(self, address: int) -> bool:
         return any(start <= address < end for start, end in self.computed)
 
@@ -71,9 +126,11 @@ class _TensorOrigins(TorchDispatchMode):
 class CpuGraph:
     """The kernel calls of one captured forward. ``capture`` runs it (its result is that step's output);
     afterwards ``failure`` says why the graph cannot be replayed, or is None and ``replay`` recomputes the
-    output in place for the inputs now in the static buffers."""
+    output in place for the inputs now in the static buffers. Graphs sharing a pool must not interleave: a
+    capture or replay of one overwrites the others' activations and outputs."""
 
-    def __init__(self):
+    def __init__(self, pool: GraphPool | None = None):
+        self.pool = pool or GraphPool()
         self.calls: list[tuple] = []
         self.failure: str | None = None
         self.output: torch.Tensor | None = None
@@ -83,7 +140,7 @@ class CpuGraph:
         global _recording
         if _recording is not None:
             raise RuntimeError("a CPU graph is already being captured")
-        origins = _TensorOrigins()
+        origins = _TensorOrigins(self.pool.allocator())
         _recording = self.calls
         try:
             with origins:

@@ -7,9 +7,10 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.native.graph import CpuGraph
-from pagedllm.worker.cpu_graphs import MAX_GRAPH_BATCH
+from pagedllm.worker import cpu_graphs
 
-PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]  # more requests than a graph's largest batch
+PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]
+MAX_GRAPH_BATCH = 6  # fewer than the requests: larger batches run eagerly in between
 
 
 def _run(**engine_kwargs) -> tuple[list[list[int]], LLM]:
@@ -26,6 +27,7 @@ def _run(**engine_kwargs) -> tuple[list[list[int]], LLM]:
 
 @pytest.mark.parametrize("quantization", [None, "gguf_int4"])
 def test_graph_replays_match_eager_steps(monkeypatch, quantization):
+    monkeypatch.setattr(cpu_graphs, "MAX_GRAPH_BATCH", MAX_GRAPH_BATCH)
     replays = []
     replay = CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
