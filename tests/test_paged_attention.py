@@ -157,6 +157,17 @@ def test_prefill_tiles(decode_path, head_dim, heads, kv_heads, block_size):
 def test_prefill_tiles_after_a_shared_prefix(low_cascade_threshold, decode_path):
     plan = _run_case([(12, 1), (13, 6), (20, 17), (12, 5)], 9, 3, 64, 4, torch.float32, seed=7, shared_blocks=3)
     assert plan.prefix is not None and plan.prefix.num_tokens == 12
+    # The prefix itself goes to the native kernel where the prefill tiles do, read in place from its blocks.
+    assert plan.native_prefix == (plan.native_prefill is not None)
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_decode_rows_after_a_shared_prefix_on_the_native_prefix_kernel(low_cascade_threshold, decode_path,
+                                                                       consecutive):
+    requests = [(12 + 3 * i, 1) for i in range(11)]  # 11 rows x 3 heads: several 32-lane tiles
+    plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=11, shared_blocks=3, consecutive=consecutive)
+    assert plan.prefix is not None and plan.decode_only
+    assert plan.native_prefix == (decode_path == "native" and native.paged_prefill() is not None)
 
 
 @settings(max_examples=30, deadline=None)
@@ -208,16 +219,17 @@ def test_cascade_threshold(low_cascade_threshold):
     shared_blocks=st.integers(1, 3),
     kv_heads=st.sampled_from([1, 2]),
     group=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([8, 64]),  # 64: the prefix on the native kernel too
     consecutive=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_random_batches_with_shared_prefix(requests, shared_blocks, kv_heads, group, consecutive, seed):
+def test_random_batches_with_shared_prefix(requests, shared_blocks, kv_heads, group, head_dim, consecutive, seed):
     block_size = 4
     # Every request holds the shared blocks (cached, or partly computed in this step).
     requests = [(max(c, shared_blocks * block_size - n + 1), n) for c, n in requests]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_plan, "CASCADE_MIN_PREFIX_TOKENS", 4)
-        _run_case(requests, kv_heads * group, kv_heads, 8, block_size, torch.float32, seed, shared_blocks,
+        _run_case(requests, kv_heads * group, kv_heads, head_dim, block_size, torch.float32, seed, shared_blocks,
                   consecutive)
 
 

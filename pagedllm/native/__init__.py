@@ -94,6 +94,9 @@ def _paged_attention(extra_flags: tuple[str, ...]):
         "paged_prefill_available": ([], _I32),
         "paged_prefill_f32": (
             [_P, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
+        "paged_prefix_f32": (
+            [_P, _I64, _P, _P, _P, _I32, _I32, _P, _P, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
+        "merge_attn_states_f32": ([_P, _P, _P, _P, _P, _I64, _I32], None),
     }, extra_flags)
 
 
@@ -110,6 +113,16 @@ def paged_prefill(extra_flags: tuple[str, ...] = ()):
     """The C function ``paged_prefill_f32`` (see paged_decode.c), or None, also where the CPU has no AVX-512."""
     lib = _paged_attention(extra_flags)
     return lib.paged_prefill_f32 if lib is not None and lib.paged_prefill_available() else None
+
+
+@functools.cache
+def cascade(extra_flags: tuple[str, ...] = ()):
+    """``(paged_prefix_f32, merge_attn_states_f32)`` (see paged_decode.c): cascade attention's shared part and
+    its merge, or None, also where the CPU has no AVX-512."""
+    lib = _paged_attention(extra_flags)
+    if lib is None or not lib.paged_prefill_available():
+        return None
+    return lib.paged_prefix_f32, lib.merge_attn_states_f32
 
 
 @functools.cache

@@ -237,8 +237,8 @@ typedef struct {
     const float *q_all, *k_cache, *v_cache;
     const int32_t *block_table, *query_start, *query_len, *seq_len;
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
-    int64_t block_table_stride;
-    int num_reqs, start_pos, num_heads, num_kv_heads, block_size, tokens_per_tile;
+    int64_t block_table_stride, q_row_stride;
+    int num_reqs, start_pos, stop_pos, num_heads, num_kv_heads, block_size, tokens_per_tile;
     float scale;
     float *out, *lse;
 } PrefillArgs;
@@ -271,7 +271,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int r = lo, group = a->num_heads / a->num_kv_heads;
     const int first = (tile - a->tile_start[r]) * a->tokens_per_tile;
     const int ntok = a->query_len[r] - first < a->tokens_per_tile ? a->query_len[r] - first : a->tokens_per_tile;
-    const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r], end = context + first + ntok;
+    const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r];
+    const int end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
     const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
     float qt[D][LANES] __attribute__((aligned(64))), ot[D][LANES] __attribute__((aligned(64)));
@@ -279,7 +280,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     for (int n = 0; n < LANES; n++) { /* lane n: token n / group, head n % group; idle lanes see the whole tile */
         const int t = n / group, g = n % group;
         limit[n] = n < lanes ? context + first + t + 1 : end;
-        const float *q = a->q_all + (((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g) * D;
+        const float *q = a->q_all + ((int64_t)a->query_start[r] + first + t) * a->q_row_stride
+                         + (int64_t)(kv_head * group + g) * D;
         for (int i = 0; i < D; i++) {
             qt[i][n] = n < lanes ? q[i] * a->scale : 0.0f;
             ot[i][n] = 0.0f;
@@ -382,14 +384,11 @@ int paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache,
     return 0;
 }
 
-/* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
- * [rows, num_heads, head_size], the last query_len[r] of its seq_len[r] positions; each sees the positions
- * start_pos .. its own. Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
- * Returns -1 for what it does not handle (no AVX-512, head size not 64 or 128, group > 16). */
-int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
-                      int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len,
-                      const int32_t *seq_len, int start_pos, float *out, float *lse, int num_reqs, int num_heads,
-                      int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
+static int run_prefill(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
+                       const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, float *out,
+                       float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,
+                       float scale, int num_threads) {
 #if defined(__AVX512F__)
     const int group = num_heads % num_kv_heads == 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > 16 || (head_size != 64 && head_size != 128) || num_reqs < 1) return -1;
@@ -398,8 +397,8 @@ int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache
     for (int r = 0; r < num_reqs; r++)
         tile_start[r + 1] = tile_start[r] + (query_len[r] + LANES / group - 1) / (LANES / group);
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
-                           block_table_stride, num_reqs, start_pos, num_heads, num_kv_heads, block_size,
-                           LANES / group, scale, out, lse};
+                           block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, num_heads,
+                           num_kv_heads, block_size, LANES / group, scale, out, lse};
     const int items = tile_start[num_reqs] * num_kv_heads;
     /* Dynamic: a tile's cost grows with its position in the prompt. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -408,4 +407,46 @@ int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache
 #else
     return -1;
 #endif
+}
+
+/* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
+ * [rows, num_heads, head_size], the last query_len[r] of its seq_len[r] positions; each sees the positions
+ * start_pos .. its own. Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
+ * Returns -1 for what it does not handle (no AVX-512, head size not 64 or 128, group > 16). */
+int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
+                      int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len,
+                      const int32_t *seq_len, int start_pos, float *out, float *lse, int num_reqs, int num_heads,
+                      int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
+    return run_prefill(q, (int64_t)num_heads * head_size, k_cache, v_cache, block_table, block_table_stride,
+                       query_start, query_len, seq_len, start_pos, INT32_MAX, out, lse, num_reqs, num_heads,
+                       num_kv_heads, head_size, block_size, scale, num_threads);
+}
+
+/* Cascade attention's shared part: num_rows query rows (q_row_stride floats apart), all after a prefix of
+ * prefix_tokens positions that every row's request holds in the blocks block_table starts with, attend to that
+ * prefix alone: the prefill tiles over one "request" whose keys stop at the prefix. Writes out
+ * [num_rows, num_heads, head_size] and lse [num_rows, num_heads]; -1 as paged_prefill_f32. */
+int paged_prefix_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+                     const int32_t *block_table, int prefix_tokens, int num_rows, float *out, float *lse,
+                     int num_heads, int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
+    const int32_t query_start = 0, query_len = num_rows, seq_len = prefix_tokens + num_rows;
+    return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, 0, &query_start, &query_len, &seq_len, 0,
+                       prefix_tokens, out, lse, 1, num_heads, num_kv_heads, head_size, block_size, scale,
+                       num_threads);
+}
+
+/* out = the two partial attentions (a and b, each normalised, with their log-sum-exps) merged into the
+ * attention over both key sets: weights exp(lse - max), per [row, head] of head_size floats. */
+void merge_attn_states_f32(float *out, const float *out_a, const float *lse_a, const float *out_b,
+                           const float *lse_b, int64_t rows_heads, int head_size) {
+#pragma omp parallel for schedule(static) if (rows_heads * head_size >= 65536)
+    for (int64_t i = 0; i < rows_heads; i++) {
+        const float m = lse_a[i] > lse_b[i] ? lse_a[i] : lse_b[i];
+        const float wa = expf(lse_a[i] - m), wb = expf(lse_b[i] - m), total = wa + wb;
+        const float ca = wa / total, cb = wb / total;
+        const float *xa = out_a + i * head_size, *xb = out_b + i * head_size;
+        float *o = out + i * head_size;
+#pragma omp simd
+        for (int j = 0; j < head_size; j++) o[j] = xa[j] * ca + xb[j] * cb;
+    }
 }

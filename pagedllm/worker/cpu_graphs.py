@@ -1,13 +1,14 @@
 """Decode steps replayed from CPU graphs (native/graph.py): per decode batch size, static input buffers and the
-graph captured over them at that size's first step, as vLLM's model runner keeps CUDA graphs per batch size.
+graphs captured over them, as vLLM's model runner keeps CUDA graphs per batch size. A graph is keyed by the
+batch size and by how long a prefix all its requests share, when attention takes that prefix once for all rows
+(cascade attention): the kernels' arguments differ with it.
 
 Batches of up to MAX_GRAPH_BATCH rows use graphs. The graphs share one pool for their activations (~1.1 MB a row
 for SmolLM2-135M, so ~70 MB at 64 rows), which also spares replays the allocations an eager step makes. Measured
 in one process, alternating engines (W1-like, 64 x 256-token prompts): 64-row decode steps 169-189 ms against
 196-205 eager; one-row W2 steps ~10 against ~21 ms with gguf_int4, 28-32 against 40-43 dense. Batches
-above the cap run eagerly; so do batches whose requests all share a long prefix: attention then takes
-the prefix once for all rows (cascade attention, torch's SDPA), which a graph cannot replay; replaying a graph
-captured without it would give the same attention summed in another order, so not the eager step's tokens.
+above the cap run eagerly, and so does any key whose capture was refused (e.g. cascade attention on torch's
+SDPA where the native prefix kernel does not apply).
 """
 
 import logging
@@ -15,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from pagedllm.layers.attention.cpu_plan import attends_shared_prefix
+from pagedllm.layers.attention.cpu_plan import shared_prefix_tokens
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.native.graph import CpuGraph, GraphPool
 
@@ -25,7 +26,7 @@ MAX_GRAPH_BATCH = 64
 
 
 class _StaticInputs:
-    """The tensors a graph of ``n`` decode rows reads its step's inputs from, in the same memory every step.
+    """The tensors the graphs of ``n`` decode rows read their step's inputs from, in the same memory every step.
     The block table holds every request's full width, so a history growing by a block changes no shape."""
 
     def __init__(self, n: int, block_table_width: int):
@@ -35,7 +36,7 @@ class _StaticInputs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32)
         self.block_table = torch.zeros(n, block_table_width, dtype=torch.int32)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64)
-        self.graph: CpuGraph | None = None
+        self.graphs: dict[int, CpuGraph] = {}  # by shared prefix tokens
 
     def fill(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
              block_table: np.ndarray) -> None:
@@ -59,33 +60,35 @@ class DecodeGraphs:
         self.block_size, self.block_table_width = block_size, block_table_width
         self._by_size: dict[int, _StaticInputs] = {}
         self._pool = GraphPool()
-        self._refused: set[int] = set()
+        self._refused: set[tuple[int, int]] = set()  # (rows, shared prefix tokens)
 
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 seq_lens: np.ndarray, block_table: np.ndarray) -> torch.Tensor | None:
         """Final hidden states ``[n, hidden]`` of a batch of ``n`` decode rows (one token per request), from the
-        graph of that size, captured now if this is its first step; None where no graph serves the batch (too
-        many rows, a shared prefix, or its capture was refused). The result is the graph's output buffer: the next step of that
-        size overwrites it."""
+        graph of its key, captured now if this is its first step; None where no graph serves the batch (too
+        many rows, or its capture was refused). The result is in the graphs' shared pool: the next graph step
+        overwrites it."""
         n = len(input_ids)
-        if n > MAX_GRAPH_BATCH or n in self._refused:
+        if n > MAX_GRAPH_BATCH:
             return None
         static = self._by_size.get(n)
         if static is None:
             static = self._by_size[n] = _StaticInputs(n, self.block_table_width)
         static.fill(input_ids, positions, slot_mapping, seq_lens, block_table)
         metadata = static.metadata()
-        if n > 1 and attends_shared_prefix(metadata, self.block_size):
+        key = (n, shared_prefix_tokens(metadata, self.block_size) if n > 1 else 0)
+        if key in self._refused:
             return None
-        if static.graph is not None:
-            return static.graph.replay()
+        graph = static.graphs.get(key[1])
+        if graph is not None:
+            return graph.replay()
         graph = CpuGraph(self._pool)
         hidden_states = graph.capture(lambda: self.model(static.input_ids, static.positions, self.kv_caches,
                                                          metadata))
         if graph.failure is None:
-            static.graph = graph
+            static.graphs[key[1]] = graph
         else:
-            logger.info("Decode steps of %d rows run eagerly: their CPU graph was refused (%s)", n, graph.failure)
-            self._refused.add(n)
-            del self._by_size[n]
+            logger.info("Decode steps of %d rows (shared prefix %d tokens) run eagerly: their CPU graph was "
+                        "refused (%s)", *key, graph.failure)
+            self._refused.add(key)
         return hidden_states

@@ -35,7 +35,7 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     eager, _ = _run(quantization=quantization, enforce_eager=True)
     assert graphed == eager
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
-    sizes = {n for n, static in graphs._by_size.items() if static.graph is not None}
+    sizes = {n for n, static in graphs._by_size.items() if static.graphs}
     assert sizes and max(sizes) <= MAX_GRAPH_BATCH and not graphs._refused
     assert len(replays) >= 15  # steps of 8 rows or fewer, after the first two requests finish
 
@@ -43,3 +43,20 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
 def test_enforce_eager_captures_nothing():
     _, llm = _run(enforce_eager=True)
     assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs is None
+
+
+def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
+    generator = torch.Generator().manual_seed(1)
+    shared = torch.randint(100, 40000, (300,), generator=generator).tolist()  # 18 whole blocks: cascade
+    prompts = [{"prompt_token_ids": shared + torch.randint(100, 40000, (10,), generator=generator).tolist()}
+               for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 2 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager)
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+        if not eager:
+            keys = {(n, p) for n, static in graphs._by_size.items() for p in static.graphs}
+            assert any(p == 288 for _, p in keys) and not graphs._refused
+    assert outputs[False] == outputs[True]

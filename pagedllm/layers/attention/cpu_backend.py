@@ -142,6 +142,8 @@ class TorchSDPABackendImpl(AttentionImpl):
     def _merge_shared_prefix(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
         """Cascade attention: every row against the shared prefix in one call, merged with the attention over
         the rest of its request's history by the two partial softmaxes' log-sum-exps."""
+        if plan.native_prefix:
+            return self._merge_shared_prefix_native(query, key_flat, value_flat, plan, out_rest, lse_rest)
         num_tokens = query.shape[0]
         prefix = plan.prefix
         if prefix.slots is None:
@@ -165,6 +167,23 @@ class TorchSDPABackendImpl(AttentionImpl):
         merged = (out_prefix.float() * (w_prefix / total).unsqueeze(-1)
                   + out_rest.float() * (w_rest / total).unsqueeze(-1))
         return merged.to(query.dtype)
+
+    def _merge_shared_prefix_native(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
+        """The same in C: the prefill tiles over all rows against the prefix's blocks, read in place, then the
+        merge. In a decode batch the whole step stays native calls, so a CPU graph can replay it."""
+        q = query if query.stride(2) == 1 and query.stride(1) == self.head_size else query.contiguous()
+        prefix_attention, merge = native.cascade()
+        out_prefix, lse_prefix = torch.empty_like(out_rest), torch.empty_like(lse_rest)
+        status = launch(prefix_attention, q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
+                        plan.prefix.block_ids.data_ptr(), plan.prefix.num_tokens, q.shape[0], out_prefix.data_ptr(),
+                        lse_prefix.data_ptr(), self.num_heads, self.num_kv_heads, self.head_size, plan.block_size,
+                        self.scale, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"paged_prefix_f32 rejected its sizes (status {status})")
+        merged = torch.empty_like(out_rest)
+        launch(merge, merged.data_ptr(), out_prefix.data_ptr(), lse_prefix.data_ptr(), out_rest.data_ptr(),
+               lse_rest.data_ptr(), lse_rest.numel(), self.head_size)
+        return merged
 
 
 class TorchSDPABackend(AttentionBackend):

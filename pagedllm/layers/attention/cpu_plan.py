@@ -27,6 +27,7 @@ class SharedPrefix:
     # cache[start_slot : start_slot + num_tokens] and nothing is copied.
     slots: torch.Tensor | None
     start_slot: int
+    block_ids: torch.Tensor  # the first request's block table row: the prefix's blocks come first
 
 
 @dataclass
@@ -65,6 +66,7 @@ class AttentionPlan:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, S] additive, None if every history is S long
     prefills: list[PrefillChunk]  # for the torch path
     native_prefill: NativePrefill | None
+    native_prefix: bool  # the shared prefix goes to the native kernel (which reads prefix.block_ids in place)
 
 
 def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -117,8 +119,11 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
+    native_prefix = (native_prefill and prefix is not None and prefix.block_ids.dtype == torch.int32
+                     and prefix.block_ids.stride(0) == 1)
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_only, decode_block_table, decode_seq_lens,
-                         decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs))
+                         decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs),
+                         native_prefix)
 
 
 def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | None:
@@ -130,9 +135,10 @@ def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | N
                          (md.query_start_loc[idx + 1] - start).to(torch.int32), md.seq_lens[idx].to(torch.int32))
 
 
-def attends_shared_prefix(md: AttentionMetadata, block_size: int) -> bool:
-    """Whether the plan of this batch attends a shared prefix separately (cascade attention)."""
-    return _shared_prefix(md, block_size) is not None
+def shared_prefix_tokens(md: AttentionMetadata, block_size: int) -> int:
+    """How many leading tokens the plan of this batch attends separately (cascade attention), or 0."""
+    prefix = _shared_prefix(md, block_size)
+    return 0 if prefix is None else prefix.num_tokens
 
 
 def _shared_prefix(md: AttentionMetadata, block_size: int) -> SharedPrefix | None:
@@ -152,8 +158,9 @@ def _shared_prefix(md: AttentionMetadata, block_size: int) -> SharedPrefix | Non
     num_tokens = num_blocks * block_size
     start_slot = int(block_ids[0]) * block_size
     if bool((block_ids[1:] - block_ids[:-1] == 1).all()):
-        return SharedPrefix(num_tokens, None, start_slot)
-    return SharedPrefix(num_tokens, slots_of(block_ids, torch.arange(num_tokens), block_size), start_slot)
+        return SharedPrefix(num_tokens, None, start_slot, md.block_table[0])
+    return SharedPrefix(num_tokens, slots_of(block_ids, torch.arange(num_tokens), block_size), start_slot,
+                        md.block_table[0])
 
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
