@@ -16,6 +16,8 @@ separately (cascade attention), which a graph captured without one then never do
 summed in another order).
 """
 
+import threading
+
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -25,13 +27,14 @@ _aten = torch.ops.aten
 _ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
                 _aten.empty_strided.default}
 
-_recording: list | None = None  # the calls of the graph being captured
+_capture = threading.local()  # .calls: those of the graph this thread is capturing, else None
 
 
 def launch(kernel, *args):
-    """Call a native kernel (a ctypes function); while a graph is captured, also record the call."""
-    if _recording is not None:
-        _recording.append((kernel, args))
+    """Call a native kernel (a ctypes function); while this thread captures a graph, also record the call."""
+    calls = getattr(_capture, "calls", None)
+    if calls is not None:
+        calls.append((kernel, args))
     return kernel(*args)
 
 
@@ -137,16 +140,15 @@ class CpuGraph:
         self._tensors: list[torch.Tensor] = []
 
     def capture(self, forward) -> torch.Tensor:
-        global _recording
-        if _recording is not None:
+        if getattr(_capture, "calls", None) is not None:
             raise RuntimeError("a CPU graph is already being captured")
         origins = _TensorOrigins(self.pool.allocator())
-        _recording = self.calls
+        _capture.calls = self.calls
         try:
             with origins:
                 output = forward()
         finally:
-            _recording = None
+            _capture.calls = None
         self.failure = self._unreplayable(origins, output)
         if self.failure is None:
             self.output, self._tensors = output, origins.tensors
