@@ -1,5 +1,6 @@
 """Where one decode step of a shared workload (W1 or W3) spends its time: model forward (attention vs the
-rest), LM head, sampling, input preparation and scheduling. In-process engine, float32 by default; prints a table.
+rest), LM head, sampling, input preparation and scheduling. In-process engine, float32 by default, steps run
+eagerly (a CPU graph replays the forward's kernels without the modules this times); prints a table.
 
     python benchmarks/profile_decode_step.py [--workload W1] [--dtype float32] [--steps 5]
 """
@@ -22,7 +23,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    llm = LLM(dtype=args.dtype, max_model_len=2048)
+    llm = LLM(dtype=args.dtype, max_model_len=2048, enforce_eager=True)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     workload = shared_workloads()[args.workload]
