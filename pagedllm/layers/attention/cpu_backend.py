@@ -76,11 +76,11 @@ class TorchSDPABackendImpl(AttentionImpl):
         chunks = plan.native_prefill
         q = query.contiguous()
         status = launch(
-            native.paged_prefill(), q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(), chunks.block_table.data_ptr(),
-            chunks.block_table.shape[1], chunks.query_start.data_ptr(), chunks.query_len.data_ptr(),
-            chunks.seq_len.data_ptr(), plan.prefix.num_tokens if plan.prefix else 0, out.data_ptr(),
-            lse.data_ptr(), chunks.query_len.shape[0], self.num_heads, self.num_kv_heads, self.head_size,
-            plan.block_size, self.scale, torch.get_num_threads())
+            native.paged_prefill(), q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(),
+            chunks.block_table.data_ptr(), chunks.block_table.shape[1], chunks.query_start.data_ptr(),
+            chunks.query_len.data_ptr(), chunks.seq_len.data_ptr(), plan.prefix.num_tokens if plan.prefix else 0,
+            out.data_ptr(), lse.data_ptr(), chunks.query_len.shape[0], self.num_heads, self.num_kv_heads,
+            self.head_size, plan.block_size, self.scale, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"paged_prefill_f32 rejected its sizes (status {status})")
 
@@ -101,8 +101,8 @@ class TorchSDPABackendImpl(AttentionImpl):
             q = query.index_select(0, plan.decode_rows)
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
         status = launch(
-            native.paged_decode(), q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(), plan.decode_block_table.data_ptr(),
-            plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
+            native.paged_decode(), q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
+            plan.decode_block_table.data_ptr(), plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
             plan.prefix.num_tokens if plan.prefix else 0, out_rows.data_ptr(), lse_rows.data_ptr(), num_reqs,
             self.num_heads, self.num_kv_heads, self.head_size, plan.block_size, self.scale, torch.get_num_threads())
         if status != 0:

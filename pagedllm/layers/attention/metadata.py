@@ -20,7 +20,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     # [B+1] cumulative query lengths.
     query_start_loc: torch.Tensor
-    # [B] context length of each request after this step.
+    # [B] context length of each request after this step (int32 from the model runner).
     seq_lens: torch.Tensor
     # [B, max_blocks_per_req] int32 block ids; entries past a request's blocks are ignored.
     block_table: torch.Tensor
