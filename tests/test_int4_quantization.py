@@ -174,6 +174,20 @@ def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
     assert torch.allclose(torch.cat(logits, dim=-1)[:, :200], hidden @ weight.T, atol=1e-4)
 
 
+def test_q8_embedding_looks_up_rows_in_the_model_dtype():
+    """float32 lookups may take the native gather; a bf16 model still gets bf16 rows."""
+    blocks = quantize(np.random.default_rng(4).standard_normal((50, 64), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    codes, scales = (torch.from_numpy(part) for part in unpack_q8(blocks))
+    weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))
+    config = GGUFInt4Config({"embedding.weight": GGMLQuantizationType.Q8_0}, [])
+    for dtype in (torch.float32, torch.bfloat16):
+        embedding = VocabParallelEmbedding(50, 64, params_dtype=dtype, quant_config=config, prefix="embedding")
+        embedding.qweight.weight_loader(embedding.qweight, codes)
+        embedding.scales.weight_loader(embedding.scales, scales)
+        rows = embedding(torch.tensor([3, 49, 0]))
+        assert rows.dtype == dtype and torch.equal(rows, weight[[3, 49, 0]].to(dtype))
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "To make a cup of tea, first"]
 NUM_TOKENS = 32

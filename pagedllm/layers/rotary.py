@@ -46,7 +46,7 @@ class RotaryEmbedding(nn.Module):
             raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos_sin_cache", self._table(max_position), persistent=False)
-        self._cos_sin_cache: tuple | None = None
+        self._step_cos_sin: tuple | None = None
 
     def _table(self, num_positions: int) -> torch.Tensor:
         """``[num_positions, rotary_dim]`` float32: per position its rotary_dim / 2 cosines, then sines."""
@@ -74,11 +74,11 @@ class RotaryEmbedding(nn.Module):
         """For the torch path, looked up once per step: the model's layers share this module and get the same
         positions tensor. The cache holds that tensor itself, so no later tensor can be mistaken for it
         (callers do not modify positions in place during a step)."""
-        cached = self._cos_sin_cache
+        cached = self._step_cos_sin
         if cached is None or cached[0] is not positions or cached[1] != dtype:
             cos, sin = self.cos_sin_cache.index_select(0, positions.long()).to(dtype).chunk(2, dim=-1)
             cached = (positions, dtype, cos.unsqueeze(1), sin.unsqueeze(1))
-            self._cos_sin_cache = cached
+            self._step_cos_sin = cached
         return cached[2], cached[3]
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -76,8 +76,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            native = (fused.embedding(input_ids, self.qweight, self.scales) if self.q8
-                      else fused.embedding(input_ids, self.weight))
+            native = None
+            if self.dtype == torch.float32:  # the native lookups give float32 rows
+                native = (fused.embedding(input_ids, self.qweight, self.scales) if self.q8
+                          else fused.embedding(input_ids, self.weight))
             return self._rows(input_ids) if native is None else native
         # Ids owned by other ranks embed as zeros here; the all-reduce fills them in.
         in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
