@@ -84,6 +84,11 @@ class TorchSDPABackendImpl(AttentionImpl):
         if status != 0:
             raise RuntimeError(f"paged_prefill_f32 rejected its sizes (status {status})")
 
+    def _rows_as_read(self, query: torch.Tensor) -> torch.Tensor:
+        """The query rows as the kernels taking a row stride read them: in place when each row's heads are
+        contiguous (a view of the QKV output), else a copy."""
+        return query if query.stride(2) == 1 and query.stride(1) == self.head_size else query.contiguous()
+
     def _decode(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         if plan.decode_block_table is not None:
             self._decode_in_place(query, key_flat, value_flat, plan, out, lse)
@@ -95,8 +100,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         only it writes straight into ``out`` and ``lse``."""
         num_reqs = plan.decode_rows.shape[0]
         if plan.decode_only:  # the query rows in place (a view of the QKV output), results straight into out
-            q = query if query.stride(2) == 1 and query.stride(1) == self.head_size else query.contiguous()
-            out_rows, lse_rows = out, lse
+            q, out_rows, lse_rows = self._rows_as_read(query), out, lse
         else:
             q = query.index_select(0, plan.decode_rows)
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
@@ -171,7 +175,7 @@ class TorchSDPABackendImpl(AttentionImpl):
     def _merge_shared_prefix_native(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
         """The same in C: the prefill tiles over all rows against the prefix's blocks, read in place, then the
         merge. In a decode batch the whole step stays native calls, so a CPU graph can replay it."""
-        q = query if query.stride(2) == 1 and query.stride(1) == self.head_size else query.contiguous()
+        q = self._rows_as_read(query)
         prefix_attention, merge = native.cascade()
         out_prefix, lse_prefix = torch.empty_like(out_rest), torch.empty_like(lse_rest)
         status = launch(prefix_attention, q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
