@@ -116,10 +116,10 @@ def paged_prefill(extra_flags: tuple[str, ...] = ()):
 
 
 @functools.cache
-def cascade(extra_flags: tuple[str, ...] = ()):
+def cascade():
     """``(paged_prefix_f32, merge_attn_states_f32)`` (see paged_decode.c): cascade attention's shared part and
     its merge, or None, also where the CPU has no AVX-512."""
-    lib = _paged_attention(extra_flags)
+    lib = _paged_attention(())
     if lib is None or not lib.paged_prefill_available():
         return None
     return lib.paged_prefix_f32, lib.merge_attn_states_f32

@@ -11,9 +11,8 @@ step: the model runner keeps static buffers per batch size and refreshes them be
 but the recorded kernels may compute what the kernels read: capture checks this one, since a torch op between
 two kernels (a dtype conversion, a fallback path) would not run again on replay. Such a capture is refused
 and the step stays eager. Python decisions taken during capture are frozen into the graph: in a decode forward
-these are the batch's shape (the graph's key) and whether a prefix shared by every request is attended
-separately (cascade attention), which a graph captured without one then never does (the same attention,
-summed in another order).
+these are the batch's shape and the length of a prefix every request shares (attended once for all rows by
+cascade attention), which is why the model runner keys its graphs by both (worker/cpu_graphs.py).
 """
 
 import threading
