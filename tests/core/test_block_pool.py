@@ -82,6 +82,19 @@ def test_reset_prefix_cache_refused_while_blocks_in_use():
     assert pool.get_cached_block(h) is None and blocks[0].block_hash is None
 
 
+def test_reset_hands_out_blocks_in_id_order_again():
+    """After a reset the pool reuses the blocks used before (memory already mapped) before untouched ones."""
+    pool = BlockPool(8)
+    used = pool.get_new_blocks(3)
+    pool.free_blocks(reversed(used))
+    assert ids(pool.get_new_blocks(1)) == [3]  # without a reset: least recently freed, the never-used first
+    pool.free_blocks([pool.blocks[3]])
+    assert pool.reset_prefix_cache() is True
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == list(range(8))
+    assert ids(pool.get_new_blocks(4)) == [0, 1, 2, 3]
+    assert pool.get_num_free_blocks() == 4
+
+
 def test_block_hashes_are_chained_stable_and_salted():
     a = hash_block_tokens(None, [1, 2, 3])
     assert a == hash_block_tokens(None, [1, 2, 3])  # not Python's per-process hash()
