@@ -8,7 +8,8 @@
  * from memory and prefetches PREFETCH_ROWS rows (4 KB) ahead: the hardware prefetchers stop at page boundaries,
  * and with a single row (one-sequence decode) the kernel is otherwise latency-bound (~16 vs ~20 GB/s).
  *
- * Work items are (panel, block of rows), panel-major, split statically over torch's OpenMP threads.
+ * Work items are (panel, block of rows), panel-major, split statically over torch's OpenMP threads; a thread's
+ * later tiles over a panel fetch its next panel into L2 (panel_rows).
  *
  * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and
  * 1.06 bytes per weight instead of 4: single-row decode reads weights and little else). Their panels hold, per
@@ -20,6 +21,7 @@
  * Needs AVX-512F: gemm_available() says whether this build has it; without it callers use torch.
  */
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 
 #define NR 64 /* output columns per panel */
@@ -32,7 +34,8 @@
 /* rows x 64 tile (rows <= MR, a constant after inlining): y[r][0:cols] = x[r] . panel (+ bias). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel,
                                                        const float *bias, float *y, int64_t ldy, int K,
-                                                       const int rows, __mmask16 masks[4], int prefetch) {
+                                                       const int rows, __mmask16 masks[4], int prefetch,
+                                                       const char *ahead, int ahead_lines) {
     __m512 c[MR][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
@@ -40,6 +43,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
         const float *wk = panel + (int64_t)k * NR;
         if (prefetch)
             for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR + 16 * j), _MM_HINT_T0);
+        for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + ((int64_t)k * ahead_lines + l) * 64, _MM_HINT_T1);
         const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
                      w3 = _mm512_loadu_ps(wk + 48);
         for (int r = 0; r < rows; r++) {
@@ -66,21 +70,31 @@ static void column_masks(int cols, __mmask16 masks[4]) {
     }
 }
 
+/* next_panel: the panel this thread multiplies after this one, or NULL. With three tiles or more, the tiles after
+ * the first fetch it into L2, each a share of its lines spread over its steps, so that memory streams the next
+ * panel while this one is multiplied from cache (measured on the model's layers: +14% at 32 rows, +6% at 64).
+ * Smaller items leave it to the next item's first tile, which reads its panel as it goes. */
 static void panel_rows(const float *x, int64_t ldx, const float *panel, const float *bias, float *y, int64_t ldy,
-                       int K, int row_begin, int row_end, int cols) {
+                       int K, int row_begin, int row_end, int cols, const float *next_panel) {
     __mmask16 masks[4];
     column_masks(cols, masks);
-    int r = row_begin, prefetch = 1;
-    for (; r + MR <= row_end; r += MR) {
-        tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, MR, masks, prefetch);
-        prefetch = 0;
-    }
-    switch (row_end - r) {
-    case 5: tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, 5, masks, prefetch); break;
-    case 4: tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, 4, masks, prefetch); break;
-    case 3: tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, 3, masks, prefetch); break;
-    case 2: tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, 2, masks, prefetch); break;
-    case 1: tile(x + r * ldx, ldx, panel, bias, y + r * ldy, ldy, K, 1, masks, prefetch); break;
+    const int tiles = (row_end - row_begin + MR - 1) / MR, row_lines = NR * (int)sizeof(float) / 64;
+    const int per_k = next_panel != NULL && tiles > 2 ? (row_lines + tiles - 2) / (tiles - 1) : 0;
+    int r = row_begin, t = 0;
+    for (; r < row_end; r += MR, t++) {
+        const int64_t first_line = (int64_t)(t - 1) * K * per_k;
+        const int fetch = t > 0 && first_line < (int64_t)K * row_lines ? per_k : 0;
+        const char *ahead = (const char *)next_panel + (fetch ? first_line * 64 : 0);
+        const float *xr = x + r * ldx;
+        float *yr = y + r * ldy;
+        switch (row_end - r < MR ? row_end - r : MR) {
+        case 6: tile(xr, ldx, panel, bias, yr, ldy, K, 6, masks, t == 0, ahead, fetch); break;
+        case 5: tile(xr, ldx, panel, bias, yr, ldy, K, 5, masks, t == 0, ahead, fetch); break;
+        case 4: tile(xr, ldx, panel, bias, yr, ldy, K, 4, masks, t == 0, ahead, fetch); break;
+        case 3: tile(xr, ldx, panel, bias, yr, ldy, K, 3, masks, t == 0, ahead, fetch); break;
+        case 2: tile(xr, ldx, panel, bias, yr, ldy, K, 2, masks, t == 0, ahead, fetch); break;
+        case 1: tile(xr, ldx, panel, bias, yr, ldy, K, 1, masks, t == 0, ahead, fetch); break;
+        }
     }
 }
 
@@ -102,13 +116,19 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
     const int items = panels * row_blocks;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int item = 0; item < items; item++) {
-        const int p = item / row_blocks, rb = item % row_blocks;
-        const int row_end = (rb + 1) * block < M ? (rb + 1) * block : M;
-        const int cols = N - p * NR < NR ? N - p * NR : NR;
-        panel_rows(x, ldx, packed + (int64_t)p * K * NR, bias == NULL ? NULL : bias + p * NR, y + p * NR, ldy, K,
-                   rb * block, row_end, cols);
+#pragma omp parallel num_threads(num_threads)
+    { /* each thread a contiguous run of items, as schedule(static) would give, so it knows its next panel */
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int first = (int)((int64_t)items * thread / threads);
+        const int last = (int)((int64_t)items * (thread + 1) / threads);
+        for (int item = first; item < last; item++) {
+            const int p = item / row_blocks, rb = item % row_blocks, next = (item + 1) / row_blocks;
+            const int row_end = (rb + 1) * block < M ? (rb + 1) * block : M;
+            const int cols = N - p * NR < NR ? N - p * NR : NR;
+            panel_rows(x, ldx, packed + (int64_t)p * K * NR, bias == NULL ? NULL : bias + p * NR, y + p * NR, ldy,
+                       K, rb * block, row_end, cols,
+                       item + 1 < last && next != p ? packed + (int64_t)next * K * NR : NULL);
+        }
     }
     return 0;
 }
@@ -247,7 +267,7 @@ static inline __attribute__((always_inline)) int gemm_quant(const float *x, int6
             const float *b = bias == NULL ? NULL : bias + p * NR;
             if (scratch != NULL && row_end - row_begin > MR) {
                 dequant_panel(panel, K, scratch, fmt);
-                panel_rows(x, ldx, scratch, b, y + p * NR, ldy, K, row_begin, row_end, cols);
+                panel_rows(x, ldx, scratch, b, y + p * NR, ldy, K, row_begin, row_end, cols, NULL);
             } else {
                 quant_panel_rows(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols, fmt);
             }
