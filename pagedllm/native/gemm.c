@@ -70,7 +70,7 @@ static void column_masks(int cols, __mmask16 masks[4]) {
     }
 }
 
-/* next_panel: the panel this thread multiplies after this one, or NULL. With three tiles or more, the tiles after
+/* next_panel: the next panel this thread multiplies, or NULL. With three tiles or more, the tiles after
  * the first fetch it into L2, each a share of its lines spread over its steps, so that memory streams the next
  * panel while this one is multiplied from cache (measured on the model's layers: +14% at 32 rows, +6% at 64).
  * Smaller items leave it to the next item's first tile, which reads its panel as it goes. */
@@ -122,12 +122,12 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
         const int first = (int)((int64_t)items * thread / threads);
         const int last = (int)((int64_t)items * (thread + 1) / threads);
         for (int item = first; item < last; item++) {
-            const int p = item / row_blocks, rb = item % row_blocks, next = (item + 1) / row_blocks;
+            const int p = item / row_blocks, rb = item % row_blocks;
             const int row_end = (rb + 1) * block < M ? (rb + 1) * block : M;
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             panel_rows(x, ldx, packed + (int64_t)p * K * NR, bias == NULL ? NULL : bias + p * NR, y + p * NR, ldy,
                        K, rb * block, row_end, cols,
-                       item + 1 < last && next != p ? packed + (int64_t)next * K * NR : NULL);
+                       (p + 1) * row_blocks < last ? packed + (int64_t)(p + 1) * K * NR : NULL);
         }
     }
     return 0;
