@@ -224,34 +224,36 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
 }
 
 /* ---- Prefill: tiles of query tokens against their request's cache, in place ----
- * A tile is up to 32 / group consecutive query tokens of one request with the group's heads: 32 query vectors,
- * one per lane of two vector registers, so one broadcast K (or V) element multiplies all of them in two FMAs.
- * (An FMA taking its own broadcast from memory runs at ~60% of the FMA rate here; two per broadcast run at the
- * full rate.) Scores for a run of 16 slots are S[slot] (a vector pair over the tile's queries) = sum_i
+ * A tile is up to 16 * vecs / group consecutive query tokens of one request with the group's heads: a query
+ * vector per lane of vecs (2 or 3, tile_vecs) vector registers, so one broadcast K (or V) element multiplies all
+ * of them in vecs FMAs. (An FMA taking its own broadcast from memory runs at ~60% of the FMA rate here; two or
+ * more per broadcast run at the full rate.) Groups of 3 (SmolLM2) take 48 lanes, 16 tokens: with 32 they got 10
+ * tokens and two idle lanes, and a 32-row cascade batch four tiles with the last two-thirds idle; the W3 cascade
+ * call went 26 -> 18-19 ms for 30 layers, W1's 8 x 256-token prefill 197-209 -> 166-167 ms (same outputs). Scores for a run of 16 slots are S[slot] (a vector pair over the tile's queries) = sum_i
  * K[slot][i] * Q^T[i]; the causal limit of each lane masks what it may not see, the online softmax works
  * lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read in place from the cache. Needs
  * AVX-512 and a head size of 64 or 128. */
-#define LANES 32
-#define HALVES (LANES / 16)
+#define MAX_VECS 3                 /* query vectors of 16 lanes per tile: 2 (32 lanes) or 3 (48) */
+#define LANE_STRIDE (16 * MAX_VECS) /* floats between a tile's rows of transposed queries */
 typedef struct {
     const float *q_all, *k_cache, *v_cache;
     const int32_t *block_table, *query_start, *query_len, *seq_len;
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
     int64_t block_table_stride, q_row_stride;
-    int num_reqs, start_pos, stop_pos, num_heads, num_kv_heads, block_size, tokens_per_tile;
+    int num_reqs, start_pos, stop_pos, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
     float scale;
     float *out, *lse;
 } PrefillArgs;
 
 /* s[j] = sum_i K[j][i] * Q^T[i] for the eight K rows k[j]: 16 sums held in registers. */
 static inline __attribute__((always_inline)) void scores_8(const float *qt, const float *const k[8], const int D,
-                                                          __m512 s[8][HALVES]) {
-    __m512 acc[8][HALVES];
+                                                          const int HALVES, __m512 s[8][MAX_VECS]) {
+    __m512 acc[8][MAX_VECS];
     for (int j = 0; j < 8; j++)
         for (int h = 0; h < HALVES; h++) acc[j][h] = _mm512_setzero_ps();
     for (int i = 0; i < D; i++) {
-        __m512 qv[HALVES];
-        for (int h = 0; h < HALVES; h++) qv[h] = _mm512_load_ps(qt + i * LANES + 16 * h);
+        __m512 qv[MAX_VECS];
+        for (int h = 0; h < HALVES; h++) qv[h] = _mm512_load_ps(qt + i * LANE_STRIDE + 16 * h);
         for (int j = 0; j < 8; j++) {
             const __m512 kb = _mm512_set1_ps(k[j][i]);
             for (int h = 0; h < HALVES; h++) acc[j][h] = _mm512_fmadd_ps(kb, qv[h], acc[j][h]);
@@ -261,7 +263,9 @@ static inline __attribute__((always_inline)) void scores_8(const float *qt, cons
         for (int h = 0; h < HALVES; h++) s[j][h] = acc[j][h];
 }
 
-static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D) {
+static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D,
+                                                                      const int HALVES) {
+    const int LANES = 16 * HALVES;
     const int tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
     int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
     while (lo < hi) {
@@ -275,8 +279,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
     const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
-    float qt[D][LANES] __attribute__((aligned(64))), ot[D][LANES] __attribute__((aligned(64)));
-    int32_t limit[LANES] __attribute__((aligned(64)));
+    float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
+    int32_t limit[LANE_STRIDE] __attribute__((aligned(64)));
     for (int n = 0; n < LANES; n++) { /* lane n: token n / group, head n % group; idle lanes see the whole tile */
         const int t = n / group, g = n % group;
         limit[n] = n < lanes ? context + first + t + 1 : end;
@@ -287,8 +291,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             ot[i][n] = 0.0f;
         }
     }
-    __m512i limits[HALVES];
-    __m512 running_max[HALVES], running_sum[HALVES];
+    __m512i limits[MAX_VECS];
+    __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
     for (int h = 0; h < HALVES; h++) {
         limits[h] = _mm512_load_si512(limit + 16 * h);
         running_max[h] = _mm512_set1_ps(-INFINITY);
@@ -304,10 +308,10 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             krow[j] = k + (j < n ? j : 0) * row_stride;
             vrow[j] = v + (j < n ? j : 0) * row_stride;
         }
-        __m512 s[RUN][HALVES];
-        scores_8(qt[0], krow, D, s);
-        scores_8(qt[0], krow + 8, D, s + 8);
-        __m512 rescale[HALVES];
+        __m512 s[RUN][MAX_VECS];
+        scores_8(qt[0], krow, D, HALVES, s);
+        scores_8(qt[0], krow + 8, D, HALVES, s + 8);
+        __m512 rescale[MAX_VECS];
         for (int h = 0; h < HALVES; h++) {
             __m512 run_max = _mm512_set1_ps(-INFINITY);
             __mmask16 valid[RUN];
@@ -326,7 +330,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             running_max[h] = new_max;
         }
         for (int i = 0; i < D; i += 8) { /* 16 independent sums: fewer would wait on each FMA's latency */
-            __m512 o[8][HALVES];
+            __m512 o[8][MAX_VECS];
             for (int u = 0; u < 8; u++)
                 for (int h = 0; h < HALVES; h++) o[u][h] = _mm512_mul_ps(_mm512_load_ps(ot[i + u] + 16 * h), rescale[h]);
             for (int j = 0; j < RUN; j++)
@@ -339,7 +343,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         }
         pos += n;
     }
-    float sums[LANES] __attribute__((aligned(64))), maxes[LANES] __attribute__((aligned(64)));
+    float sums[LANE_STRIDE] __attribute__((aligned(64))), maxes[LANE_STRIDE] __attribute__((aligned(64)));
     for (int h = 0; h < HALVES; h++) {
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
@@ -354,9 +358,18 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
 }
 
 static void prefill_item(const PrefillArgs *a, int item, int head_size) {
-    if (head_size == 64) prefill_item_avx512(a, item, 64);
-    else prefill_item_avx512(a, item, 128);
+    if (a->vecs == 3) {
+        if (head_size == 64) prefill_item_avx512(a, item, 64, 3);
+        else prefill_item_avx512(a, item, 128, 3);
+    } else {
+        if (head_size == 64) prefill_item_avx512(a, item, 64, 2);
+        else prefill_item_avx512(a, item, 128, 2);
+    }
 }
+
+/* Query vectors per tile: 3 (48 lanes) where whole tokens fill more of them than of 2 (32 lanes), as for groups
+ * of 3 (48 lanes hold 16 tokens; 32 only 10, the last two idle), else 2. */
+static int tile_vecs(int group) { return (48 / group) * group * 32 > (32 / group) * group * 48 ? 3 : 2; }
 
 int paged_prefill_available(void) { return 1; }
 #else
@@ -392,13 +405,14 @@ static int run_prefill(const float *q, int64_t q_row_stride, const float *k_cach
 #if defined(__AVX512F__)
     const int group = num_heads % num_kv_heads == 0 ? num_heads / num_kv_heads : 0;
     if (group < 1 || group > 16 || (head_size != 64 && head_size != 128) || num_reqs < 1) return -1;
+    const int vecs = tile_vecs(group), tokens_per_tile = 16 * vecs / group;
     int tile_start[num_reqs + 1];
     tile_start[0] = 0;
     for (int r = 0; r < num_reqs; r++)
-        tile_start[r + 1] = tile_start[r] + (query_len[r] + LANES / group - 1) / (LANES / group);
+        tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
                            block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, num_heads,
-                           num_kv_heads, block_size, LANES / group, scale, out, lse};
+                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, out, lse};
     const int items = tile_start[num_reqs] * num_kv_heads;
     /* Dynamic: a tile's cost grows with its position in the prompt. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
