@@ -229,7 +229,8 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
  * of them in vecs FMAs. (An FMA taking its own broadcast from memory runs at ~60% of the FMA rate here; two or
  * more per broadcast run at the full rate.) Groups of 3 (SmolLM2) take 48 lanes, 16 tokens: with 32 they got 10
  * tokens and two idle lanes, and a 32-row cascade batch four tiles with the last two-thirds idle; the W3 cascade
- * call went 26 -> 18-19 ms for 30 layers, W1's 8 x 256-token prefill 197-209 -> 166-167 ms (same outputs). Scores for a run of 16 slots are S[slot] (a vector pair over the tile's queries) = sum_i
+ * call went 26 -> 18-19 ms for 30 layers, W1's 8 x 256-token prefill 197-209 -> 166-167 ms (same outputs).
+ * Scores for a run of 16 slots are S[slot] (vecs vectors over the tile's queries) = sum_i
  * K[slot][i] * Q^T[i]; the causal limit of each lane masks what it may not see, the online softmax works
  * lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read in place from the cache. Needs
  * AVX-512 and a head size of 64 or 128. */
