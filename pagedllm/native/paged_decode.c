@@ -246,6 +246,32 @@ typedef struct {
     float *out, *lse;
 } PrefillArgs;
 
+/* r[i][j] becomes r[j][i]: 64 shuffles (unpack pairs, 4 x 4 blocks inside 128-bit lanes, then the lanes). */
+static inline void transpose_16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane L: column 4L + c of rows i .. i + 3 */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 u = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 v = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512 w = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 x = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        t[c] = _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0));
+        t[8 + c] = _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1));
+        t[4 + c] = _mm512_shuffle_f32x4(v, x, _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + c] = _mm512_shuffle_f32x4(v, x, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 /* s[j] = sum_i K[j][i] * Q^T[i] for the eight K rows k[j]: 16 sums held in registers. */
 static inline __attribute__((always_inline)) void scores_8(const float *qt, const float *const k[8], const int D,
                                                           const int HALVES, __m512 s[8][MAX_VECS]) {
@@ -282,16 +308,28 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
     int32_t limit[LANE_STRIDE] __attribute__((aligned(64)));
-    for (int n = 0; n < LANES; n++) { /* lane n: token n / group, head n % group; idle lanes see the whole tile */
+    const float *q_lane[LANE_STRIDE]; /* lane n: token n / group, head n % group; idle lanes see the whole tile */
+    for (int n = 0; n < LANES; n++) {
         const int t = n / group, g = n % group;
         limit[n] = n < lanes ? context + first + t + 1 : end;
-        const float *q = a->q_all + ((int64_t)a->query_start[r] + first + t) * a->q_row_stride
-                         + (int64_t)(kv_head * group + g) * D;
-        for (int i = 0; i < D; i++) {
-            qt[i][n] = n < lanes ? q[i] * a->scale : 0.0f;
-            ot[i][n] = 0.0f;
-        }
+        q_lane[n] = n < lanes ? a->q_all + ((int64_t)a->query_start[r] + first + t) * a->q_row_stride
+                                    + (int64_t)(kv_head * group + g) * D
+                              : NULL;
     }
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int h = 0; h < HALVES; h++)
+        for (int i0 = 0; i0 < D; i0 += 16) { /* 16 lanes x 16 dims of queries, transposed into qt */
+            __m512 block[16];
+            for (int m = 0; m < 16; m++) {
+                const float *q = q_lane[16 * h + m];
+                block[m] = q != NULL ? _mm512_mul_ps(_mm512_loadu_ps(q + i0), scale) : _mm512_setzero_ps();
+            }
+            transpose_16x16(block);
+            for (int m = 0; m < 16; m++) {
+                _mm512_store_ps(qt[i0 + m] + 16 * h, block[m]);
+                _mm512_store_ps(ot[i0 + m] + 16 * h, _mm512_setzero_ps());
+            }
+        }
     __m512i limits[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
     for (int h = 0; h < HALVES; h++) {
@@ -349,12 +387,22 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
     }
-    for (int n = 0; n < lanes; n++) {
+    float *out_lane[LANE_STRIDE];
+    for (int n = 0; n < LANES; n++) {
         const int t = n / group, g = n % group;
         const int64_t row = ((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g;
-        const float inv = 1.0f / sums[n];
-        for (int i = 0; i < D; i++) a->out[row * D + i] = ot[i][n] * inv;
-        a->lse[row] = maxes[n] + logf(sums[n]);
+        out_lane[n] = n < lanes ? a->out + row * D : NULL;
+        if (n < lanes) a->lse[row] = maxes[n] + logf(sums[n]);
+    }
+    for (int h = 0; h < HALVES; h++) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]);
+        for (int i0 = 0; i0 < D; i0 += 16) { /* back from 16 dims x 16 lanes to the lanes' output rows */
+            __m512 block[16];
+            for (int m = 0; m < 16; m++) block[m] = _mm512_mul_ps(_mm512_load_ps(ot[i0 + m] + 16 * h), inv);
+            transpose_16x16(block);
+            for (int m = 0; m < 16; m++)
+                if (out_lane[16 * h + m] != NULL) _mm512_storeu_ps(out_lane[16 * h + m] + i0, block[m]);
+        }
     }
 }
 
