@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.config import EngineConfig, parse_memory_size
 from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.platforms.cpu import keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.outputs import ModelRunnerOutput
 
@@ -33,6 +34,7 @@ def kv_cache_budget(config: EngineConfig) -> int:
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        keep_freed_memory()
         if config.num_cpu_threads:
             torch.set_num_threads(config.num_cpu_threads)
         torch.manual_seed(config.model_config.seed)
