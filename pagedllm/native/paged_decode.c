@@ -274,25 +274,25 @@ static inline void transpose_16x16(__m512 r[16]) {
 
 /* s[j] = sum_i K[j][i] * Q^T[i] for the eight K rows k[j]: 16 sums held in registers. */
 static inline __attribute__((always_inline)) void scores_8(const float *qt, const float *const k[8], const int D,
-                                                          const int HALVES, __m512 s[8][MAX_VECS]) {
+                                                          const int VECS, __m512 s[8][MAX_VECS]) {
     __m512 acc[8][MAX_VECS];
     for (int j = 0; j < 8; j++)
-        for (int h = 0; h < HALVES; h++) acc[j][h] = _mm512_setzero_ps();
+        for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_setzero_ps();
     for (int i = 0; i < D; i++) {
         __m512 qv[MAX_VECS];
-        for (int h = 0; h < HALVES; h++) qv[h] = _mm512_load_ps(qt + i * LANE_STRIDE + 16 * h);
+        for (int h = 0; h < VECS; h++) qv[h] = _mm512_load_ps(qt + i * LANE_STRIDE + 16 * h);
         for (int j = 0; j < 8; j++) {
             const __m512 kb = _mm512_set1_ps(k[j][i]);
-            for (int h = 0; h < HALVES; h++) acc[j][h] = _mm512_fmadd_ps(kb, qv[h], acc[j][h]);
+            for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_fmadd_ps(kb, qv[h], acc[j][h]);
         }
     }
     for (int j = 0; j < 8; j++)
-        for (int h = 0; h < HALVES; h++) s[j][h] = acc[j][h];
+        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
 }
 
 static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D,
-                                                                      const int HALVES) {
-    const int LANES = 16 * HALVES;
+                                                                      const int VECS) {
+    const int LANES = 16 * VECS;
     const int tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
     int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
     while (lo < hi) {
@@ -317,7 +317,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
                               : NULL;
     }
     const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int h = 0; h < HALVES; h++)
+    for (int h = 0; h < VECS; h++)
         for (int i0 = 0; i0 < D; i0 += 16) { /* 16 lanes x 16 dims of queries, transposed into qt */
             __m512 block[16];
             for (int m = 0; m < 16; m++) {
@@ -332,7 +332,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         }
     __m512i limits[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
-    for (int h = 0; h < HALVES; h++) {
+    for (int h = 0; h < VECS; h++) {
         limits[h] = _mm512_load_si512(limit + 16 * h);
         running_max[h] = _mm512_set1_ps(-INFINITY);
         running_sum[h] = _mm512_setzero_ps();
@@ -348,10 +348,10 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             vrow[j] = v + (j < n ? j : 0) * row_stride;
         }
         __m512 s[RUN][MAX_VECS];
-        scores_8(qt[0], krow, D, HALVES, s);
-        scores_8(qt[0], krow + 8, D, HALVES, s + 8);
+        scores_8(qt[0], krow, D, VECS, s);
+        scores_8(qt[0], krow + 8, D, VECS, s + 8);
         __m512 rescale[MAX_VECS];
-        for (int h = 0; h < HALVES; h++) {
+        for (int h = 0; h < VECS; h++) {
             __m512 run_max = _mm512_set1_ps(-INFINITY);
             __mmask16 valid[RUN];
             for (int j = 0; j < RUN; j++) {
@@ -371,19 +371,20 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         for (int i = 0; i < D; i += 8) { /* 16 independent sums: fewer would wait on each FMA's latency */
             __m512 o[8][MAX_VECS];
             for (int u = 0; u < 8; u++)
-                for (int h = 0; h < HALVES; h++) o[u][h] = _mm512_mul_ps(_mm512_load_ps(ot[i + u] + 16 * h), rescale[h]);
+                for (int h = 0; h < VECS; h++)
+                    o[u][h] = _mm512_mul_ps(_mm512_load_ps(ot[i + u] + 16 * h), rescale[h]);
             for (int j = 0; j < RUN; j++)
                 for (int u = 0; u < 8; u++) {
                     const __m512 vb = _mm512_set1_ps(vrow[j][i + u]);
-                    for (int h = 0; h < HALVES; h++) o[u][h] = _mm512_fmadd_ps(s[j][h], vb, o[u][h]);
+                    for (int h = 0; h < VECS; h++) o[u][h] = _mm512_fmadd_ps(s[j][h], vb, o[u][h]);
                 }
             for (int u = 0; u < 8; u++)
-                for (int h = 0; h < HALVES; h++) _mm512_store_ps(ot[i + u] + 16 * h, o[u][h]);
+                for (int h = 0; h < VECS; h++) _mm512_store_ps(ot[i + u] + 16 * h, o[u][h]);
         }
         pos += n;
     }
     float sums[LANE_STRIDE] __attribute__((aligned(64))), maxes[LANE_STRIDE] __attribute__((aligned(64)));
-    for (int h = 0; h < HALVES; h++) {
+    for (int h = 0; h < VECS; h++) {
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
     }
@@ -394,7 +395,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         out_lane[n] = n < lanes ? a->out + row * D : NULL;
         if (n < lanes) a->lse[row] = maxes[n] + logf(sums[n]);
     }
-    for (int h = 0; h < HALVES; h++) {
+    for (int h = 0; h < VECS; h++) {
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]);
         for (int i0 = 0; i0 < D; i0 += 16) { /* back from 16 dims x 16 lanes to the lanes' output rows */
             __m512 block[16];
