@@ -84,7 +84,7 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
     for (; r < row_end; r += MR, t++) {
         const int64_t first_line = (int64_t)(t - 1) * K * per_k;
         const int fetch = t > 0 && first_line < (int64_t)K * row_lines ? per_k : 0;
-        const char *ahead = (const char *)next_panel + (fetch ? first_line * 64 : 0);
+        const char *ahead = fetch ? (const char *)next_panel + first_line * 64 : NULL;
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
         switch (row_end - r < MR ? row_end - r : MR) {

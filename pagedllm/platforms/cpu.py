@@ -36,7 +36,7 @@ def keep_freed_memory() -> None:
     By default a block above the mmap threshold (128 KiB, adapting up to 32 MiB) is unmapped when freed and the
     heap's free top trimmed, so each eager step (a prefill chunk: 25 MB of MLP intermediate a layer at 2048
     rows) faults its activations in again, page by page: ~45k minor faults in W3's prefill step, ~500k in a W1
-    run; with these settings 2-9k. The cost is the RSS of the largest step, kept. vLLM's CPU backend gets the
+    run; with these settings 2-17k in a process's first run, none after. The cost is the RSS of the largest step, kept. vLLM's CPU backend gets the
     same from the tcmalloc it preloads."""
     if not sys.platform.startswith("linux"):
         return
