@@ -308,13 +308,16 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
     int32_t limit[LANE_STRIDE] __attribute__((aligned(64)));
-    const float *q_lane[LANE_STRIDE]; /* lane n: token n / group, head n % group; idle lanes see the whole tile */
+    /* lane n: token n / group, head n % group, its query and output rows (NULL for idle lanes, which see the
+     * whole tile) */
+    const float *q_lane[LANE_STRIDE];
+    int64_t out_row[LANE_STRIDE];
     for (int n = 0; n < LANES; n++) {
         const int t = n / group, g = n % group;
+        const int64_t token = (int64_t)a->query_start[r] + first + t;
         limit[n] = n < lanes ? context + first + t + 1 : end;
-        q_lane[n] = n < lanes ? a->q_all + ((int64_t)a->query_start[r] + first + t) * a->q_row_stride
-                                    + (int64_t)(kv_head * group + g) * D
-                              : NULL;
+        q_lane[n] = n < lanes ? a->q_all + token * a->q_row_stride + (int64_t)(kv_head * group + g) * D : NULL;
+        out_row[n] = token * a->num_heads + kv_head * group + g;
     }
     const __m512 scale = _mm512_set1_ps(a->scale);
     for (int h = 0; h < VECS; h++)
@@ -388,13 +391,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
     }
-    float *out_lane[LANE_STRIDE];
-    for (int n = 0; n < LANES; n++) {
-        const int t = n / group, g = n % group;
-        const int64_t row = ((int64_t)a->query_start[r] + first + t) * a->num_heads + kv_head * group + g;
-        out_lane[n] = n < lanes ? a->out + row * D : NULL;
-        if (n < lanes) a->lse[row] = maxes[n] + logf(sums[n]);
-    }
+    for (int n = 0; n < lanes; n++) a->lse[out_row[n]] = maxes[n] + logf(sums[n]);
     for (int h = 0; h < VECS; h++) {
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]);
         for (int i0 = 0; i0 < D; i0 += 16) { /* back from 16 dims x 16 lanes to the lanes' output rows */
@@ -402,7 +399,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             for (int m = 0; m < 16; m++) block[m] = _mm512_mul_ps(_mm512_load_ps(ot[i0 + m] + 16 * h), inv);
             transpose_16x16(block);
             for (int m = 0; m < 16; m++)
-                if (out_lane[16 * h + m] != NULL) _mm512_storeu_ps(out_lane[16 * h + m] + i0, block[m]);
+                if (q_lane[16 * h + m] != NULL) _mm512_storeu_ps(a->out + out_row[16 * h + m] * D + i0, block[m]);
         }
     }
 }
