@@ -1,11 +1,16 @@
-"""Process settings for CPU serving: freed activation memory stays with the process for the next step."""
+"""Process settings for CPU serving: freed activation memory stays with the process for the next step, and
+weights sit in huge pages."""
 import resource
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from pagedllm.platforms.cpu import keep_freed_memory
+from pagedllm.platforms.cpu import HugePageArena, keep_freed_memory
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
@@ -22,3 +27,38 @@ def test_a_freed_step_sized_buffer_is_reused_without_page_faults():
     again[::4096] = 1
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 64, f"{faults} page faults re-touching a freed {nbytes >> 20} MiB buffer"
+
+
+def _huge_kb_at(address: int) -> int:
+    """AnonHugePages of the mapping holding ``address`` in this process."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(x, 16) for x in first.split("-"))
+            mapping = start <= address < end
+        elif mapping and first == "AnonHugePages:":
+            return int(line.split()[1])
+    raise AssertionError("address not mapped")
+
+
+def test_arena_copies_are_equal_and_separate():
+    arena = HugePageArena()
+    tensors = [torch.randn(300, 70), torch.arange(1000, dtype=torch.int64), torch.randn(5)]
+    copies = [arena.copy(t) for t in tensors]
+    for t, c in zip(tensors, copies):
+        assert torch.equal(t, c) and c.dtype == t.dtype and c.data_ptr() % 64 == 0
+    copies[0].zero_()
+    assert torch.equal(copies[1], tensors[1]) and torch.equal(copies[2], tensors[2])
+
+
+def test_a_larger_tensor_gets_a_chunk_of_its_own():
+    arena = HugePageArena()
+    big = torch.ones(HugePageArena.CHUNK // 4 + 1000)
+    assert torch.equal(arena.copy(big), big)
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_arena_memory_is_backed_by_huge_pages():
+    copy = HugePageArena().copy(torch.ones(4 << 20))  # 16 MiB
+    assert _huge_kb_at(copy.data_ptr()) >= 8 << 10

@@ -16,15 +16,35 @@ GGUF-quantized weights (QuantizedWeight) are laid out for gemm.c's quantized ker
 holding per 32 weights along the input the 64 columns' scales (and zeros) and their codes.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.native.graph import launch
+from pagedllm.platforms.cpu import HugePageArena
 
 PANEL = 64  # output columns per panel; gemm.c's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
 PANELS_MAX_ROWS = 128  # larger batches go to MKL where the weight is also kept for it
+
+_arena: HugePageArena | None = None  # where panels are placed while a model's weights are laid out
+
+
+@contextlib.contextmanager
+def panels_in_huge_pages():
+    """Panels laid out inside this block are placed in huge pages (platforms/cpu.HugePageArena)."""
+    global _arena
+    _arena = HugePageArena()
+    try:
+        yield
+    finally:
+        _arena = None
+
+
+def _placed(panels: torch.Tensor) -> torch.Tensor:
+    return panels if _arena is None else _arena.copy(panels)
 
 
 class DenseWeight:
@@ -37,7 +57,7 @@ class DenseWeight:
         self.panels = None
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
-            self.panels = padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous()
+            self.panels = _placed(padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous())
         if self.panels is not None and not large_batches:
             self.data = None
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:
@@ -64,7 +84,7 @@ class QuantizedWeight:
     ``F.linear`` on the dequantized weight (float32 rows; needs the native library)."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int):
-        self.kernel, self.panels, self.out_features = getattr(native, kernel_name)(), panels, out_features
+        self.kernel, self.panels, self.out_features = getattr(native, kernel_name)(), _placed(panels), out_features
 
     @classmethod
     def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> "QuantizedWeight":

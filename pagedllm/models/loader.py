@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.layers.gemm_layout import panels_in_huge_pages
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
 from pagedllm.models.gguf_loader import gguf_tensor_types
@@ -59,8 +60,9 @@ def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype) 
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
-    for module in model.modules():
-        if hasattr(module, "quant_method"):
-            module.quant_method.process_weights_after_loading(module)
-    model.process_weights_after_loading()
+    with panels_in_huge_pages():
+        for module in model.modules():
+            if hasattr(module, "quant_method"):
+                module.quant_method.process_weights_after_loading(module)
+        model.process_weights_after_loading()
     return model.eval().requires_grad_(False)
