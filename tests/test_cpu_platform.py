@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.platforms.cpu import HugePageArena, keep_freed_memory
+from pagedllm.platforms.cpu import HugePageArena, huge_page_zeros, keep_freed_memory
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -58,7 +58,27 @@ def test_a_larger_tensor_gets_a_chunk_of_its_own():
     assert torch.equal(arena.copy(big), big)
 
 
-@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages")
+def test_huge_page_zeros_are_aligned_zeros_of_the_size_asked():
+    zeros = huge_page_zeros((3 << 20) + 5)
+    assert zeros.numel() == (3 << 20) + 5 and zeros.data_ptr() % (2 << 20) == 0 and not zeros.any()
+
+
+NO_THP = not THP.exists() or "[never]" in THP.read_text()
+
+
+@pytest.mark.skipif(NO_THP, reason="no transparent huge pages")
 def test_arena_memory_is_backed_by_huge_pages():
     copy = HugePageArena().copy(torch.ones(4 << 20))  # 16 MiB
     assert _huge_kb_at(copy.data_ptr()) >= 8 << 10
+
+
+@pytest.mark.skipif(NO_THP, reason="no transparent huge pages")
+def test_huge_page_zeros_are_backed_by_huge_pages_even_after_malloc_kept_freed_memory():
+    # The KV cache's allocator: with keep_freed_memory, a plain large allocation may come back as heap memory
+    # already faulted in 4 KiB pages.
+    keep_freed_memory()
+    freed = np.ones(200 << 20, dtype=np.uint8)
+    del freed
+    zeros = huge_page_zeros(16 << 20)
+    zeros.fill_(1)
+    assert _huge_kb_at(zeros.data_ptr()) >= 8 << 10

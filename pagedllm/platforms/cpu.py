@@ -44,13 +44,24 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 def ask_for_huge_pages(address: int, nbytes: int) -> None:
     """Ask for transparent huge pages over the whole 2 MiB pages of a region, where the system grants them to
-    regions that ask (``madvise`` mode). For the KV cache: decode attention streams it with fewer TLB misses,
-    and its first touch faults 2 MiB at a time."""
+    regions that ask (``madvise`` mode): before the region's first touch, which then faults 2 MiB at a time."""
     libc = _linux_libc()
     start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
     end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
     if libc is not None and end > start:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+
+
+def huge_page_zeros(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (uint8) of fresh anonymous memory, 2 MiB-aligned, that asks for transparent huge pages: mmap,
+    not malloc, which may hand back memory already faulted in 4 KiB pages (with keep_freed_memory, the loader's
+    freed temporaries). The OS supplies zeros as pages are first touched, so untouched memory costs nothing."""
+    size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+    raw = torch.frombuffer(mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                           dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    ask_for_huge_pages(raw.data_ptr() + start, size)
+    return raw[start : start + nbytes]
 
 
 class HugePageArena:
@@ -69,19 +80,10 @@ class HugePageArena:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
         if self._chunk is None or self._offset + nbytes > self._chunk.numel():
-            self._chunk, self._offset = self._new_chunk(max(self.CHUNK, -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE)), 0
+            self._chunk, self._offset = huge_page_zeros(max(self.CHUNK, nbytes)), 0
         out = self._chunk[self._offset : self._offset + nbytes].view(tensor.dtype).view(tensor.shape)
         self._offset += -(-nbytes // 64) * 64
         return out.copy_(tensor)
-
-    @staticmethod
-    def _new_chunk(size: int) -> torch.Tensor:
-        # mmap, not malloc: memory never touched, so the first touch can fault huge pages in.
-        raw = torch.frombuffer(mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                               dtype=torch.uint8)
-        start = -raw.data_ptr() % _HUGE_PAGE
-        ask_for_huge_pages(raw.data_ptr() + start, size)
-        return raw[start : start + size]
 
 
 def keep_freed_memory() -> None:
