@@ -111,11 +111,24 @@ def test_write_kv_rejects_a_slot_outside_the_cache_and_writes_nothing():
     assert not key_flat.any() and not value_flat.any()
 
 
+@pytest.mark.parametrize("rows", ROWS)
+def test_argmax_rows_matches_torch_with_ties_infinities_and_nans(rows):
+    x = torch.randn(rows, 500, generator=torch.Generator().manual_seed(rows))
+    x[0, 7] = x[0, 400] = 1e9  # a tie: the first wins
+    if rows > 1:
+        x[1] = float("-inf")  # all -inf: index 0
+    if rows > 2:
+        x[2, 300] = x[2, 30] = float("nan")  # a NaN counts as the largest: the first NaN
+        x[3, 499] = float("inf")
+    assert torch.equal(fused.argmax_rows(x), x.argmax(dim=-1))
+
+
 def test_other_dtypes_and_layouts_step_aside():
     x = torch.randn(4, 32)
     assert fused.add_rms_norm(x.bfloat16(), None, torch.ones(32, dtype=torch.bfloat16), 1e-5) is None
     assert fused.silu_and_mul(x.t()) is None  # not contiguous
     assert fused.silu_and_mul(x.double()) is None
+    assert fused.argmax_rows(x.t()) is None and fused.argmax_rows(x.half()) is None
     assert fused.embedding(torch.arange(4), x.bfloat16()) is None
     assert fused.embedding(torch.arange(4, dtype=torch.int32), x) is None
     key = torch.randn(4, 2, 16)
@@ -130,5 +143,6 @@ def test_everything_steps_aside_without_the_library(monkeypatch):
     assert fused.silu_and_mul(x) is None
     assert not fused.rotary_neox_(x, 2, 16, 16, torch.arange(4), torch.ones(8, 16))
     assert fused.embedding(torch.arange(4), x) is None
+    assert fused.argmax_rows(x) is None
     assert not fused.write_kv(x.view(4, 2, 16), x.view(4, 2, 16), torch.zeros(8, 2, 16), torch.zeros(8, 2, 16),
                               torch.arange(4))

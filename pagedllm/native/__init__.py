@@ -135,6 +135,7 @@ def fused_ops():
         "embedding_f32": ([_P, _P, _P, _I64, _I32, _I64], _I32),
         "embedding_q8_f32": ([_P, _P, _P, _P, _I64, _I32, _I64], _I32),
         "write_kv_f32": ([_P, _P, _I64, _P, _P, _I64, _P, _I64, _I32], _I32),
+        "argmax_rows_f32": ([_P, _I64, _I64, _P], None),
     })
 
 

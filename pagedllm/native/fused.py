@@ -93,3 +93,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, val
               value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
         raise IndexError(f"slot_mapping holds a slot outside the KV cache's {key_flat.shape[0]} slots")
     return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """``x.argmax(dim=-1)`` for a ``[T, V]`` float32 tensor; None when the native path does not apply."""
+    lib = _lib_for(x)
+    if lib is None or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    launch(lib.argmax_rows_f32, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out

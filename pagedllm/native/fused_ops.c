@@ -132,3 +132,23 @@ int write_kv_f32(const float *key, const float *value, int64_t row_stride, float
     }
     return 0;
 }
+
+/* out[t] = the index of row t's largest value, the first of equal ones, a NaN counting as largest (the first
+ * NaN), as torch.argmax: greedy sampling over a decode batch's logits, where torch's argmax took 2.4 ms for
+ * 64 x 49152 here. One pass for the maximum (and whether there is a NaN), one to find where it is. */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xt = x + t * cols;
+        float best = -INFINITY;
+        int has_nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : has_nan)
+        for (int64_t i = 0; i < cols; i++) {
+            best = xt[i] > best ? xt[i] : best;
+            has_nan |= xt[i] != xt[i];
+        }
+        int64_t at = 0;
+        while (at < cols && (has_nan ? xt[at] == xt[at] : xt[at] != best)) at++;
+        out[t] = at < cols ? at : 0;
+    }
+}

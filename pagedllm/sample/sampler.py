@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.native import fused
 from pagedllm.sample.logprobs import LogprobsTensors, compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_p,
@@ -55,7 +56,7 @@ class Sampler(nn.Module):
         return logits
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy_sampled = None if metadata.all_random else logits.argmax(dim=-1)
+        greedy_sampled = None if metadata.all_random else greedy_sample(logits)
         if metadata.all_greedy:
             return greedy_sampled
         assert metadata.temperature is not None, "a batch with random rows needs temperatures"
@@ -73,6 +74,12 @@ class Sampler(nn.Module):
         if greedy_sampled is None:
             return random_sampled
         return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled)
+
+
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: native where it applies (a float32 decode batch on CPU), torch's otherwise."""
+    sampled = fused.argmax_rows(logits)
+    return logits.argmax(dim=-1) if sampled is None else sampled
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
