@@ -16,18 +16,23 @@ from pagedllm.layers.attention.layer import Attention
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
-@pytest.fixture(autouse=True, params=["native", "portable", "torch"])
+# The decode kernel's bodies below the best this CPU has, built by turning instruction sets off.
+LESSER_BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
+
+
+@pytest.fixture(autouse=True, params=["native", "avx2", "portable", "torch"])
 def decode_path(request, monkeypatch):
     """Rows in float32 go to the native kernels when they build ("native": with AVX-512 where the CPU has it,
-    prefill chunks too; "portable": the decode kernel's plain C body, prefill on the torch path, as without
-    AVX-512); "torch" forces the gather path."""
+    prefill chunks too; "avx2": the decode kernel's AVX2 body where the CPU has AVX2, and "portable": its plain
+    C body, each with prefill on the torch path, as without AVX-512); "torch" forces the gather path."""
     if request.param == "torch":
         monkeypatch.setattr(native, "paged_decode", lambda: None)
         monkeypatch.setattr(native, "paged_prefill", lambda: None)
-    elif request.param == "portable":
-        portable = native.paged_decode(("-mno-avx512f",))
-        monkeypatch.setattr(native, "paged_decode", lambda: portable)
-        assert native.paged_prefill(("-mno-avx512f",)) is None
+    elif request.param in LESSER_BUILDS:
+        flags = LESSER_BUILDS[request.param]
+        lesser = native.paged_decode(flags)
+        monkeypatch.setattr(native, "paged_decode", lambda: lesser)
+        assert native.paged_prefill(flags) is None
         monkeypatch.setattr(native, "paged_prefill", lambda: None)
     return request.param
 

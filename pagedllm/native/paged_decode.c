@@ -7,9 +7,10 @@
  * of its group together, so a K/V row loaded once serves all of them, and it goes through the history in
  * runs of up to 16 consecutive slots with an online softmax (one rescale per run).
  *
- * Two bodies: with AVX-512 (and a head size that is a multiple of 16, up to 128) the scores of a run are
+ * Three bodies: with AVX-512 (and a head size that is a multiple of 16, up to 128) the scores of a run are
  * sixteen vector dot products reduced together by one transpose-and-add tree, the softmax of the run is one
- * vector exp, and the group's output accumulators stay in registers; otherwise portable C.
+ * vector exp, and the group's output accumulators stay in registers; with AVX2 and FMA (head sizes a multiple
+ * of 8, up to 128) the same on 8-float vectors, its loops turned to fit 16 registers; otherwise portable C.
  *
  * Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the parallel loop runs on
  * torch's own worker threads instead of competing with them.
@@ -430,6 +431,169 @@ static void prefill_item(const PrefillArgs *a, int item, int head_size) {
 static int tile_vecs(int group) { return (48 / group) * group * 32 > (32 / group) * group * 48 ? 3 : 2; }
 
 int paged_prefill_available(void) { return 1; }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* ---- Decode rows with AVX2 (no AVX-512: e.g. most laptop CPUs) ----
+ * The AVX-512 body's algorithm on 8-float vectors. Sixteen registers cannot hold a group's queries and output
+ * accumulators, so the loops are turned for the few that fit: scores go slot by slot, one K row loaded once
+ * for all the group's heads (queries read from L1), and the output vector by vector, its accumulators in
+ * registers across the run's V rows. */
+
+/* exp(x) for x <= 0, as exp_nonpositive (same polynomial), 2^n put in the exponent bits (n >= -126). */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Lane j of the result is the sum of the lanes of v[j]. */
+static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+static inline float reduce_max8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float reduce_add8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* GROUP query heads per KV head, VD 8-float vectors per head: constants after inlining. */
+static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeArgs *a, int item, const int GROUP,
+                                                                   const int VD) {
+    const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
+    const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
+    const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * d;
+    const int seq_len = a->seq_lens[req];
+    __m256 qv[GROUP][VD], acc[GROUP][VD], partial[GROUP][RUN];
+    float running_max[GROUP], running_sum[GROUP], rescale[GROUP], weights[GROUP][RUN];
+    for (int g = 0; g < GROUP; g++) {
+        running_max[g] = -INFINITY;
+        running_sum[g] = 0.0f;
+        for (int j = 0; j < VD; j++) {
+            acc[g][j] = _mm256_setzero_ps();
+            qv[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d + 8 * j), _mm256_set1_ps(a->scale));
+        }
+    }
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t slot, next_slot;
+    int next_n = a->start_pos < seq_len ? next_run(a->block_size, blocks, a->start_pos, seq_len, &next_slot) : 0;
+    for (int pos = a->start_pos; pos < seq_len;) {
+        const int n = next_n;
+        slot = next_slot;
+        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
+        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        pos += n;
+        if (pos < seq_len) { /* fetch the next run's rows while this one computes, as the AVX-512 body does */
+            next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
+            const float *nk = a->k_cache + next_slot * row_stride + (int64_t)kv_head * d;
+            const float *nv = a->v_cache + next_slot * row_stride + (int64_t)kv_head * d;
+            for (int t = 0; t < next_n; t++)
+                for (int line = 0; line < d; line += 16) {
+                    _mm_prefetch((const char *)(nk + t * row_stride + line), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(nv + t * row_stride + line), _MM_HINT_T0);
+                }
+        }
+        for (int t = 0; t < RUN; t++) {
+            if (t >= n) {
+                for (int g = 0; g < GROUP; g++) partial[g][t] = _mm256_setzero_ps();
+                continue;
+            }
+            const float *kt = k + t * row_stride;
+            __m256 s[GROUP];
+            const __m256 k0 = _mm256_loadu_ps(kt);
+            for (int g = 0; g < GROUP; g++) s[g] = _mm256_mul_ps(qv[g][0], k0);
+            for (int j = 1; j < VD; j++) {
+                const __m256 kj = _mm256_loadu_ps(kt + 8 * j);
+                for (int g = 0; g < GROUP; g++) s[g] = _mm256_fmadd_ps(qv[g][j], kj, s[g]);
+            }
+            for (int g = 0; g < GROUP; g++) partial[g][t] = s[g];
+        }
+        const __m256 valid0 = _mm256_cmp_ps(lane, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+        const __m256 valid1 = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.0f)), _mm256_set1_ps((float)n),
+                                            _CMP_LT_OQ);
+        const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+        for (int g = 0; g < GROUP; g++) {
+            const __m256 s0 = _mm256_blendv_ps(minus_inf, sum8(partial[g]), valid0);
+            const __m256 s1 = _mm256_blendv_ps(minus_inf, sum8(partial[g] + 8), valid1);
+            const float run_max = reduce_max8(_mm256_max_ps(s0, s1));
+            const float new_max = run_max > running_max[g] ? run_max : running_max[g];
+            const __m256 m = _mm256_set1_ps(new_max);
+            const __m256 w0 = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(s0, m)), valid0);
+            const __m256 w1 = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(s1, m)), valid1);
+            rescale[g] = expf(running_max[g] - new_max);
+            running_sum[g] = running_sum[g] * rescale[g] + reduce_add8(_mm256_add_ps(w0, w1));
+            running_max[g] = new_max;
+            _mm256_storeu_ps(weights[g], w0);
+            _mm256_storeu_ps(weights[g] + 8, w1);
+        }
+        for (int j = 0; j < VD; j++) {
+            __m256 c[GROUP], e[GROUP]; /* even and odd slots: two chains of FMAs, not one twice as long */
+            for (int g = 0; g < GROUP; g++) {
+                c[g] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(rescale[g]));
+                e[g] = _mm256_setzero_ps();
+            }
+            int t = 0;
+            for (; t + 1 < n; t += 2) {
+                const __m256 v0 = _mm256_loadu_ps(v + t * row_stride + 8 * j);
+                const __m256 v1 = _mm256_loadu_ps(v + (t + 1) * row_stride + 8 * j);
+                for (int g = 0; g < GROUP; g++) {
+                    c[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), v0, c[g]);
+                    e[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t + 1]), v1, e[g]);
+                }
+            }
+            if (t < n) {
+                const __m256 v0 = _mm256_loadu_ps(v + t * row_stride + 8 * j);
+                for (int g = 0; g < GROUP; g++) c[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), v0, c[g]);
+            }
+            for (int g = 0; g < GROUP; g++) acc[g][j] = _mm256_add_ps(c[g], e[g]);
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * GROUP + g;
+        const __m256 inv = _mm256_set1_ps(1.0f / running_sum[g]);
+        for (int j = 0; j < VD; j++) _mm256_storeu_ps(a->out + row * d + 8 * j, _mm256_mul_ps(acc[g][j], inv));
+        a->lse[row] = running_max[g] + logf(running_sum[g]);
+    }
+}
+
+#define VD_CASES(G)                                                                                          \
+    case 32 * (G) + 2: decode_item_avx2(a, item, G, 2); return 1;                                            \
+    case 32 * (G) + 4: decode_item_avx2(a, item, G, 4); return 1;                                            \
+    case 32 * (G) + 8: decode_item_avx2(a, item, G, 8); return 1;                                            \
+    case 32 * (G) + 16: decode_item_avx2(a, item, G, 16); return 1;
+
+/* Runs the specialised body when (group, head_size) has one; returns 0 when it has not. */
+static int decode_item_vector(const DecodeArgs *a, int item) {
+    const int group = a->num_heads / a->num_kv_heads;
+    if (a->head_size % 8 != 0) return 0;
+    switch (32 * group + a->head_size / 8) {
+        VD_CASES(1) VD_CASES(2) VD_CASES(3) VD_CASES(4) VD_CASES(5) VD_CASES(6) VD_CASES(7) VD_CASES(8)
+    }
+    return 0;
+}
+
+int paged_prefill_available(void) { return 0; }
 #else
 static int decode_item_vector(const DecodeArgs *a, int item) { return 0; }
 int paged_prefill_available(void) { return 0; }
