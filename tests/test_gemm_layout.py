@@ -11,9 +11,10 @@ from pagedllm.layers.gemm_layout import DenseWeight
 from tests.native_paths import native_or_fallback
 
 
-@pytest.fixture(params=["native", "mkl"])
+@pytest.fixture(params=["native", "avx2", "mkl"])
 def kernel(request, monkeypatch):
-    """"native": the packed-panel kernel where this CPU has it; "mkl": the input-major fallback."""
+    """"native": the packed-panel kernel where this CPU has it; "avx2": its AVX2 body; "mkl": the input-major
+    fallback."""
     return native_or_fallback(request.param, monkeypatch, "gemm")
 
 
@@ -27,8 +28,8 @@ def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias, la
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen)
     dense = DenseWeight(weight, large_batches)
-    assert (dense.panels is not None) == (kernel == "native")
-    assert (dense.data is None) == (kernel == "native" and not large_batches)
+    assert (dense.panels is not None) == (kernel != "mkl")
+    assert (dense.data is None) == (kernel != "mkl" and not large_batches)
     assert torch.equal(dense.unpacked(), weight)
     # Sums of in_features products in another order: float32 rounding grows with the length.
     torch.testing.assert_close(dense.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-6 * in_features)
@@ -58,7 +59,7 @@ def test_large_batches_go_to_mkl_when_the_weight_is_kept_for_it(kernel, monkeypa
     monkeypatch.setattr(native, "gemm", lambda: (lambda *args: calls.append(args[6]) or 0))
     dense.linear(torch.randn(gemm_layout.PANELS_MAX_ROWS + 1, 40))
     dense.linear(torch.randn(gemm_layout.PANELS_MAX_ROWS, 40))
-    assert calls == ([gemm_layout.PANELS_MAX_ROWS] if kernel == "native" else [])
+    assert calls == ([gemm_layout.PANELS_MAX_ROWS] if kernel != "mkl" else [])
 
 
 def test_other_dtypes_keep_their_layout():

@@ -5,11 +5,12 @@ float32 on CPU, measured on the 2-core AVX-512 machine (torch 2.13, SmolLM2's 30
 - MKL multiplies 2-4x faster at 8-64 rows when it gets ``W.T`` as a plain row-major ``[in, out]`` matrix than
   when it transposes ``W`` on the fly, so the weight is stored input-major (exposed as the transposed view).
 - Even so, sgemm repacks the weight on every call, which at decode sizes costs about as much as the multiply.
-  The native kernel (pagedllm/native/gemm.c, needs AVX-512) multiplies by panels packed once: in the engine's
+  The native kernel (pagedllm/native/gemm.c, AVX-512 or AVX2) multiplies by panels packed once: in the engine's
   W1 decode step (64 rows) the GEMMs take 122 ms instead of 150-156. It is behind MKL on prefill-sized
   batches (~165 vs ~209 GFLOP/s at 2048 rows), so batches above PANELS_MAX_ROWS rows still go to MKL and
   such weights are held twice (input-major and panels). The LM head, whose batches are the sequences being
-  sampled, keeps the panels only.
+  sampled, keeps the panels only. On an AVX2-only machine (this kernel's AVX2 body) SmolLM2's GEMMs plus LM head
+  at 64 rows took 36 ms against MKL's 76, at 1 row 4.5 against 4.8.
 Other dtypes and devices are left as loaded.
 
 GGUF-quantized weights (QuantizedWeight) are laid out for gemm.c's quantized kernels instead: the same panels,

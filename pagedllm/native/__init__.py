@@ -140,27 +140,35 @@ def fused_ops():
 
 
 @functools.cache
-def _gemm_lib():
-    """The library of gemm.c, or None, also where the CPU has no AVX-512."""
+def _gemm_lib(extra_flags: tuple[str, ...] = ()):
+    """The library of gemm.c, or None, also where the CPU has neither AVX-512 nor AVX2 with FMA."""
     gemm_args = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
-    lib = _load("gemm", {"gemm_available": ([], _I32), "gemm_packed_f32": (gemm_args, _I32),
-                         "gemm_q4_f32": (gemm_args, _I32), "gemm_q8_f32": (gemm_args, _I32)})
+    lib = _load("gemm", {"gemm_available": ([], _I32), "gemm_quant_available": ([], _I32),
+                         "gemm_packed_f32": (gemm_args, _I32), "gemm_q4_f32": (gemm_args, _I32),
+                         "gemm_q8_f32": (gemm_args, _I32)}, extra_flags)
     return lib if lib is not None and lib.gemm_available() else None
 
 
-def gemm():
-    """The C function ``gemm_packed_f32`` (see gemm.c), or None."""
-    lib = _gemm_lib()
+def gemm(extra_flags: tuple[str, ...] = ()):
+    """The C function ``gemm_packed_f32`` (see gemm.c), or None. ``extra_flags`` exist for tests
+    (``-mno-avx512f`` builds the AVX2 body)."""
+    lib = _gemm_lib(extra_flags)
     return None if lib is None else lib.gemm_packed_f32
+
+
+def _gemm_quant_lib():
+    """The library of gemm.c where it has the quantized kernels (AVX-512), or None."""
+    lib = _gemm_lib()
+    return lib if lib is not None and lib.gemm_quant_available() else None
 
 
 def gemm_q4():
     """The C function ``gemm_q4_f32`` (see gemm.c): the same GEMM over GGUF Q4 panels, or None."""
-    lib = _gemm_lib()
+    lib = _gemm_quant_lib()
     return None if lib is None else lib.gemm_q4_f32
 
 
 def gemm_q8():
     """The C function ``gemm_q8_f32`` (see gemm.c): the same GEMM over GGUF Q8_0 panels, or None."""
-    lib = _gemm_lib()
+    lib = _gemm_quant_lib()
     return None if lib is None else lib.gemm_q8_f32

@@ -18,7 +18,9 @@
  * of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a scratch panel and run
  * the dense tiles over it.
  *
- * Needs AVX-512F: gemm_available() says whether this build has it; without it callers use torch.
+ * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
+ * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time; the quantized kernels need AVX-512.
+ * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
 #include <omp.h>
@@ -98,6 +100,85 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* rows x 16 strip of a panel (rows <= MR): y[r][0:cols] = x[r] . strip (+ bias), cols <= 16. */
+static inline __attribute__((always_inline)) void strip_tile(const float *x, int64_t ldx, const float *strip,
+                                                             const float *bias, float *y, int64_t ldy, int K,
+                                                             const int rows, int cols, int prefetch) {
+    __m256 c[MR][2];
+    for (int r = 0; r < rows; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *wk = strip + (int64_t)k * NR;
+        if (prefetch) _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        for (int r = 0; r < rows; r++) {
+            const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
+            c[r][0] = _mm256_fmadd_ps(b, w0, c[r][0]);
+            c[r][1] = _mm256_fmadd_ps(b, w1, c[r][1]);
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8), lane);
+    const __m256 b0 = bias != NULL ? _mm256_maskload_ps(bias, m0) : _mm256_setzero_ps();
+    const __m256 b1 = bias != NULL ? _mm256_maskload_ps(bias + 8, m1) : _mm256_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        _mm256_maskstore_ps(y + r * ldy, m0, _mm256_add_ps(c[r][0], b0));
+        _mm256_maskstore_ps(y + r * ldy + 8, m1, _mm256_add_ps(c[r][1], b1));
+    }
+}
+
+/* One row against the whole panel (8 accumulators): single-row decode reads each weight once, so the panel is
+ * streamed in one pass with all its lines fetched ahead, not four strip passes. */
+static void row_tile(const float *x, const float *panel, const float *bias, float *y, int K, int cols) {
+    __m256 c[NR / 8];
+    for (int j = 0; j < NR / 8; j++) c[j] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        const float *wk = panel + (int64_t)k * NR;
+        for (int line = 0; line < NR; line += 16)
+            _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR + line), _MM_HINT_T0);
+        const __m256 b = _mm256_broadcast_ss(x + k);
+        for (int j = 0; j < NR / 8; j++) c[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + 8 * j), c[j]);
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = 0; j < NR / 8; j++) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * j), lane);
+        const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + 8 * j, m) : _mm256_setzero_ps();
+        _mm256_maskstore_ps(y + 8 * j, m, _mm256_add_ps(c[j], b));
+    }
+}
+
+/* As the AVX-512 panel_rows, strip by strip under each tile of rows (its rows of x stay in L1); the first tile
+ * over the panel prefetches it. next_panel is unused. */
+static void panel_rows(const float *x, int64_t ldx, const float *panel, const float *bias, float *y, int64_t ldy,
+                       int K, int row_begin, int row_end, int cols, const float *next_panel) {
+    (void)next_panel;
+    if (row_end - row_begin == 1) {
+        row_tile(x + row_begin * ldx, panel, bias, y + row_begin * ldy, K, cols);
+        return;
+    }
+    for (int r = row_begin; r < row_end; r += MR) {
+        const float *xr = x + r * ldx;
+        for (int s = 0; s < NR / 16 && 16 * s < cols; s++) {
+            const float *strip = panel + 16 * s, *b = bias == NULL ? NULL : bias + 16 * s;
+            float *yr = y + r * ldy + 16 * s;
+            const int strip_cols = cols - 16 * s < 16 ? cols - 16 * s : 16, first = r == row_begin;
+            switch (row_end - r < MR ? row_end - r : MR) {
+            case 6: strip_tile(xr, ldx, strip, b, yr, ldy, K, 6, strip_cols, first); break;
+            case 5: strip_tile(xr, ldx, strip, b, yr, ldy, K, 5, strip_cols, first); break;
+            case 4: strip_tile(xr, ldx, strip, b, yr, ldy, K, 4, strip_cols, first); break;
+            case 3: strip_tile(xr, ldx, strip, b, yr, ldy, K, 3, strip_cols, first); break;
+            case 2: strip_tile(xr, ldx, strip, b, yr, ldy, K, 2, strip_cols, first); break;
+            case 1: strip_tile(xr, ldx, strip, b, yr, ldy, K, 1, strip_cols, first); break;
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 int gemm_available(void) { return 1; }
 
 /* Rows per work item: whole tiles, at most 192 and x's block no larger than 256 KB (it stays in L2 next to
@@ -132,7 +213,16 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
     }
     return 0;
 }
+#else
+int gemm_available(void) { return 0; }
 
+int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
+                    int M, int N, int K, int num_threads) {
+    return -1;
+}
+#endif
+
+#if defined(__AVX512F__)
 /* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4) and Q8_0 (format Q8) ----
  * Per block of 32 along K, a record: the 64 columns' fp16 scales, for Q4 their float32 zeros, then 32 rows of
  * codes. Q4 rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one, a
@@ -277,6 +367,8 @@ static inline __attribute__((always_inline)) int gemm_quant(const float *x, int6
     return 0;
 }
 
+int gemm_quant_available(void) { return 1; }
+
 /* packed: [ceil(N / 64), K / 32, 1408] bytes of Q4 records; K a multiple of 32. The rest as gemm_packed_f32.
  * Returns -1 for a K it cannot take. */
 int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
@@ -290,12 +382,7 @@ int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float 
     return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q8);
 }
 #else
-int gemm_available(void) { return 0; }
-
-int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
-                    int M, int N, int K, int num_threads) {
-    return -1;
-}
+int gemm_quant_available(void) { return 0; }
 
 int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {

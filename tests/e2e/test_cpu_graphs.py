@@ -11,8 +11,9 @@ from pagedllm.worker import cpu_graphs
 
 PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]
 MAX_GRAPH_BATCH = 6  # fewer than the requests: larger batches run eagerly in between
-# A graph replays native kernels only: without AVX-512 the GEMMs (and cascade attention) are torch's, the
-# captures are refused and every step runs eagerly, which the token comparisons still check.
+# A graph replays native kernels only: where the GEMMs are torch's (dense without AVX2 or AVX-512, gguf_int4
+# without AVX-512; cascade attention too without AVX-512) the captures are refused and every step runs
+# eagerly, which the token comparisons still check.
 CAPTURES = {None: native.gemm() is not None, "gguf_int4": native.gemm_q4() is not None}
 
 
@@ -38,7 +39,7 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     eager, _ = _run(quantization=quantization, enforce_eager=True)
     assert graphed == eager
     if not CAPTURES[quantization]:
-        pytest.skip("no native GEMM here (needs AVX-512): decode steps ran eagerly, tokens compared")
+        pytest.skip("no native GEMM for these weights here: decode steps ran eagerly, tokens compared")
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
     sizes = {n for n, static in graphs._by_size.items() if static.graphs}
     assert sizes and max(sizes) <= MAX_GRAPH_BATCH and not graphs._refused
