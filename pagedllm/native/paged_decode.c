@@ -7,10 +7,10 @@
  * of its group together, so a K/V row loaded once serves all of them, and it goes through the history in
  * runs of up to 16 consecutive slots with an online softmax (one rescale per run).
  *
- * Three bodies: with AVX-512 (and a head size that is a multiple of 16, up to 128) the scores of a run are
+ * Three bodies: with AVX-512 (groups up to 8, head sizes 16, 32, 64 or 128) the scores of a run are
  * sixteen vector dot products reduced together by one transpose-and-add tree, the softmax of the run is one
- * vector exp, and the group's output accumulators stay in registers; with AVX2 and FMA (head sizes a multiple
- * of 8, up to 128) the same on 8-float vectors, its loops turned to fit 16 registers; otherwise portable C.
+ * vector exp, and the group's output accumulators stay in registers; with AVX2 and FMA (the same sizes) the
+ * same on 8-float vectors, its loops turned to fit 16 registers; otherwise portable C.
  *
  * Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the parallel loop runs on
  * torch's own worker threads instead of competing with them.
@@ -92,8 +92,23 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     }
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+
+/* Fetch the first `lines` cache lines of a run of n K and V rows into L1: the vector bodies call it for the next
+ * run while this one computes; without it the loop waits on memory latency, not bandwidth. */
+static inline __attribute__((always_inline)) void prefetch_run(const DecodeArgs *a, int64_t slot, int n,
+                                                              int64_t row_stride, int64_t offset, const int lines) {
+    const float *k = a->k_cache + slot * row_stride + offset, *v = a->v_cache + slot * row_stride + offset;
+    for (int t = 0; t < n; t++)
+        for (int line = 0; line < lines; line++) {
+            _mm_prefetch((const char *)(k + t * row_stride + 16 * line), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + t * row_stride + 16 * line), _MM_HINT_T0);
+        }
+}
+#endif
+
+#if defined(__AVX512F__)
 
 /* exp(x) for x <= 0 (scores minus their running max), ~1e-7 relative error: 2^n * p(r), r = x - n ln2. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -157,16 +172,9 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
         const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         pos += n;
-        if (pos < seq_len) { /* the next run's rows are fetched while this one computes: without it the loop
-                              * waits on memory latency, not bandwidth */
+        if (pos < seq_len) {
             next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
-            const float *nk = a->k_cache + next_slot * row_stride + (int64_t)kv_head * d;
-            const float *nv = a->v_cache + next_slot * row_stride + (int64_t)kv_head * d;
-            for (int t = 0; t < next_n; t++)
-                for (int j = 0; j < VD; j++) {
-                    _mm_prefetch((const char *)(nk + t * row_stride + 16 * j), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(nv + t * row_stride + 16 * j), _MM_HINT_T0);
-                }
+            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, VD);
         }
         float weights[GROUP][RUN];
         for (int g = 0; g < GROUP; g++) {
@@ -208,21 +216,8 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
     }
 }
 
-#define VD_CASES(G)                                                                                          \
-    case 16 * (G) + 1: decode_item_avx512(a, item, G, 1); return 1;                                          \
-    case 16 * (G) + 2: decode_item_avx512(a, item, G, 2); return 1;                                          \
-    case 16 * (G) + 4: decode_item_avx512(a, item, G, 4); return 1;                                          \
-    case 16 * (G) + 8: decode_item_avx512(a, item, G, 8); return 1;
-
-/* Runs the specialised body when (group, head_size) has one; returns 0 when it has not. */
-static int decode_item_vector(const DecodeArgs *a, int item) {
-    const int group = a->num_heads / a->num_kv_heads;
-    if (a->head_size % 16 != 0) return 0;
-    switch (16 * group + a->head_size / 16) {
-        VD_CASES(1) VD_CASES(2) VD_CASES(3) VD_CASES(4) VD_CASES(5) VD_CASES(6) VD_CASES(7) VD_CASES(8)
-    }
-    return 0;
-}
+#define VECTOR_FLOATS 16 /* for decode_item_vector below */
+#define DECODE_ITEM decode_item_avx512
 
 /* ---- Prefill: tiles of query tokens against their request's cache, in place ----
  * A tile is up to 16 * vecs / group consecutive query tokens of one request with the group's heads: a query
@@ -432,7 +427,6 @@ static int tile_vecs(int group) { return (48 / group) * group * 32 > (32 / group
 
 int paged_prefill_available(void) { return 1; }
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 
 /* ---- Decode rows with AVX2 (no AVX-512: e.g. most laptop CPUs) ----
  * The AVX-512 body's algorithm on 8-float vectors. Sixteen registers cannot hold a group's queries and output
@@ -504,15 +498,9 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
         const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         pos += n;
-        if (pos < seq_len) { /* fetch the next run's rows while this one computes, as the AVX-512 body does */
+        if (pos < seq_len) {
             next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
-            const float *nk = a->k_cache + next_slot * row_stride + (int64_t)kv_head * d;
-            const float *nv = a->v_cache + next_slot * row_stride + (int64_t)kv_head * d;
-            for (int t = 0; t < next_n; t++)
-                for (int line = 0; line < d; line += 16) {
-                    _mm_prefetch((const char *)(nk + t * row_stride + line), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(nv + t * row_stride + line), _MM_HINT_T0);
-                }
+            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, VD / 2);
         }
         for (int t = 0; t < RUN; t++) {
             if (t >= n) {
@@ -577,26 +565,33 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     }
 }
 
-#define VD_CASES(G)                                                                                          \
-    case 32 * (G) + 2: decode_item_avx2(a, item, G, 2); return 1;                                            \
-    case 32 * (G) + 4: decode_item_avx2(a, item, G, 4); return 1;                                            \
-    case 32 * (G) + 8: decode_item_avx2(a, item, G, 8); return 1;                                            \
-    case 32 * (G) + 16: decode_item_avx2(a, item, G, 16); return 1;
+#define VECTOR_FLOATS 8 /* for decode_item_vector below */
+#define DECODE_ITEM decode_item_avx2
+#endif
 
-/* Runs the specialised body when (group, head_size) has one; returns 0 when it has not. */
+#if !defined(__AVX512F__)
+int paged_prefill_available(void) { return 0; }
+#endif
+
+#if defined(DECODE_ITEM)
+#define HEAD_SIZE_CASES(G)                                                                                   \
+    case 256 * (G) + 16: DECODE_ITEM(a, item, G, 16 / VECTOR_FLOATS); return 1;                              \
+    case 256 * (G) + 32: DECODE_ITEM(a, item, G, 32 / VECTOR_FLOATS); return 1;                              \
+    case 256 * (G) + 64: DECODE_ITEM(a, item, G, 64 / VECTOR_FLOATS); return 1;                              \
+    case 256 * (G) + 128: DECODE_ITEM(a, item, G, 128 / VECTOR_FLOATS); return 1;
+
+/* Runs the vector body (VECTOR_FLOATS floats a vector) when (group, head_size) has one: groups up to 8, head
+ * sizes 16, 32, 64 and 128; returns 0 when it has not. */
 static int decode_item_vector(const DecodeArgs *a, int item) {
     const int group = a->num_heads / a->num_kv_heads;
-    if (a->head_size % 8 != 0) return 0;
-    switch (32 * group + a->head_size / 8) {
-        VD_CASES(1) VD_CASES(2) VD_CASES(3) VD_CASES(4) VD_CASES(5) VD_CASES(6) VD_CASES(7) VD_CASES(8)
+    switch (256 * group + a->head_size) {
+        HEAD_SIZE_CASES(1) HEAD_SIZE_CASES(2) HEAD_SIZE_CASES(3) HEAD_SIZE_CASES(4) HEAD_SIZE_CASES(5)
+        HEAD_SIZE_CASES(6) HEAD_SIZE_CASES(7) HEAD_SIZE_CASES(8)
     }
     return 0;
 }
-
-int paged_prefill_available(void) { return 0; }
 #else
 static int decode_item_vector(const DecodeArgs *a, int item) { return 0; }
-int paged_prefill_available(void) { return 0; }
 #endif
 
 /* q: [num_reqs, num_heads, head_size], rows q_row_stride floats apart (they may be a view of the fused QKV
