@@ -30,6 +30,17 @@
 #define MR 6  /* rows per register tile */
 #define PREFETCH_ROWS 16
 
+/* CALL(rows) for a tile of min(left, MR) rows, rows a constant, so that the tile's loops unroll for it. */
+#define WITH_TILE_ROWS(left, CALL)                                                                          \
+    switch ((left) < MR ? (left) : MR) {                                                                    \
+    case 6: CALL(6); break;                                                                                 \
+    case 5: CALL(5); break;                                                                                 \
+    case 4: CALL(4); break;                                                                                 \
+    case 3: CALL(3); break;                                                                                 \
+    case 2: CALL(2); break;                                                                                 \
+    case 1: CALL(1); break;                                                                                 \
+    }
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
@@ -89,14 +100,9 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
         const char *ahead = fetch ? (const char *)next_panel + first_line * 64 : NULL;
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
-        switch (row_end - r < MR ? row_end - r : MR) {
-        case 6: tile(xr, ldx, panel, bias, yr, ldy, K, 6, masks, t == 0, ahead, fetch); break;
-        case 5: tile(xr, ldx, panel, bias, yr, ldy, K, 5, masks, t == 0, ahead, fetch); break;
-        case 4: tile(xr, ldx, panel, bias, yr, ldy, K, 4, masks, t == 0, ahead, fetch); break;
-        case 3: tile(xr, ldx, panel, bias, yr, ldy, K, 3, masks, t == 0, ahead, fetch); break;
-        case 2: tile(xr, ldx, panel, bias, yr, ldy, K, 2, masks, t == 0, ahead, fetch); break;
-        case 1: tile(xr, ldx, panel, bias, yr, ldy, K, 1, masks, t == 0, ahead, fetch); break;
-        }
+#define DENSE_TILE(rows) tile(xr, ldx, panel, bias, yr, ldy, K, rows, masks, t == 0, ahead, fetch)
+        WITH_TILE_ROWS(row_end - r, DENSE_TILE)
+#undef DENSE_TILE
     }
 }
 
@@ -165,14 +171,9 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
             const float *strip = panel + 16 * s, *b = bias == NULL ? NULL : bias + 16 * s;
             float *yr = y + r * ldy + 16 * s;
             const int strip_cols = cols - 16 * s < 16 ? cols - 16 * s : 16, first = r == row_begin;
-            switch (row_end - r < MR ? row_end - r : MR) {
-            case 6: strip_tile(xr, ldx, strip, b, yr, ldy, K, 6, strip_cols, first); break;
-            case 5: strip_tile(xr, ldx, strip, b, yr, ldy, K, 5, strip_cols, first); break;
-            case 4: strip_tile(xr, ldx, strip, b, yr, ldy, K, 4, strip_cols, first); break;
-            case 3: strip_tile(xr, ldx, strip, b, yr, ldy, K, 3, strip_cols, first); break;
-            case 2: strip_tile(xr, ldx, strip, b, yr, ldy, K, 2, strip_cols, first); break;
-            case 1: strip_tile(xr, ldx, strip, b, yr, ldy, K, 1, strip_cols, first); break;
-            }
+#define STRIP_TILE(rows) strip_tile(xr, ldx, strip, b, yr, ldy, K, rows, strip_cols, first)
+            WITH_TILE_ROWS(row_end - r, STRIP_TILE)
+#undef STRIP_TILE
         }
     }
 }
@@ -308,14 +309,9 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
     for (int r = row_begin; r < row_end; r += MR) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
-        switch (row_end - r < MR ? row_end - r : MR) {
-        case 6: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 6, masks, fmt); break;
-        case 5: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 5, masks, fmt); break;
-        case 4: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 4, masks, fmt); break;
-        case 3: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 3, masks, fmt); break;
-        case 2: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 2, masks, fmt); break;
-        case 1: tile_quant(xr, ldx, panel, bias, yr, ldy, K, 1, masks, fmt); break;
-        }
+#define QUANT_TILE(rows) tile_quant(xr, ldx, panel, bias, yr, ldy, K, rows, masks, fmt)
+        WITH_TILE_ROWS(row_end - r, QUANT_TILE)
+#undef QUANT_TILE
     }
 }
 
