@@ -30,7 +30,6 @@ def has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-
 @functools.lru_cache(maxsize=1)
 def _linux_libc() -> ctypes.CDLL | None:
     """The C library the process runs on, for the Linux memory calls below; None elsewhere."""
@@ -42,25 +41,18 @@ _MADV_HUGEPAGE = 14
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-def ask_for_huge_pages(address: int, nbytes: int) -> None:
-    """Ask for transparent huge pages over the whole 2 MiB pages of a region, where the system grants them to
-    regions that ask (``madvise`` mode): before the region's first touch, which then faults 2 MiB at a time."""
-    libc = _linux_libc()
-    start = -(-address // _HUGE_PAGE) * _HUGE_PAGE
-    end = (address + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-    if libc is not None and end > start:
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
-
-
 def huge_page_zeros(nbytes: int) -> torch.Tensor:
-    """``nbytes`` (uint8) of fresh anonymous memory, 2 MiB-aligned, that asks for transparent huge pages: mmap,
-    not malloc, which may hand back memory already faulted in 4 KiB pages (with keep_freed_memory, the loader's
+    """``nbytes`` (uint8) of fresh anonymous memory, 2 MiB-aligned, that asks for transparent huge pages before
+    its first touch (granted where the system gives them to regions that ask, ``madvise`` mode): mmap, not
+    malloc, which may hand back memory already faulted in 4 KiB pages (with keep_freed_memory, the loader's
     freed temporaries). The OS supplies zeros as pages are first touched, so untouched memory costs nothing."""
     size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     raw = torch.frombuffer(mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
                            dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
-    ask_for_huge_pages(raw.data_ptr() + start, size)
+    libc = _linux_libc()
+    if libc is not None:
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(size), _MADV_HUGEPAGE)
     return raw[start : start + nbytes]
 
 
