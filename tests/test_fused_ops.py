@@ -103,6 +103,20 @@ def test_write_kv_scatters_strided_rows(rows):
     assert not key_flat[others].any() and not value_flat[others].any()
 
 
+@pytest.mark.parametrize("rows", ROWS)
+def test_write_kv_rounds_into_a_bf16_cache_as_torch_does(rows):
+    """A bfloat16 model with float32 activations keeps its cache in bf16: nearest-even rounding, ties included,
+    infinities and NaNs kept."""
+    qkv = torch.randn(rows, 3 * 2 * 16, generator=torch.Generator().manual_seed(rows)) * 100
+    qkv[0, 32:36] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, float("inf"), float("nan")])  # two ties, inf, NaN
+    key, value = qkv[:, 32:64].view(rows, 2, 16), qkv[:, 64:].view(rows, 2, 16)
+    key_flat, value_flat = torch.zeros(2, 400, 2, 16, dtype=torch.bfloat16)
+    slots = torch.randperm(400)[:rows]
+    assert fused.write_kv(key, value, key_flat, value_flat, slots)
+    torch.testing.assert_close(key_flat[slots], key.bfloat16(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(value_flat[slots], value.bfloat16(), rtol=0, atol=0)
+
+
 def test_write_kv_rejects_a_slot_outside_the_cache_and_writes_nothing():
     key = value = torch.randn(3, 2, 16)
     key_flat, value_flat = torch.zeros(2, 10, 2, 16)

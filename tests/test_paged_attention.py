@@ -18,6 +18,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 # The decode kernel's bodies below the best this CPU has, built by turning instruction sets off.
 LESSER_BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the native kernels' caches (float32 queries either way)
 
 
 @pytest.fixture(autouse=True, params=["native", "avx2", "portable", "torch"])
@@ -26,14 +27,14 @@ def decode_path(request, monkeypatch):
     prefill chunks too; "avx2": the decode kernel's AVX2 body where the CPU has AVX2, and "portable": its plain
     C body, each with prefill on the torch path, as without AVX-512); "torch" forces the gather path."""
     if request.param == "torch":
-        monkeypatch.setattr(native, "paged_decode", lambda: None)
-        monkeypatch.setattr(native, "paged_prefill", lambda: None)
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
     elif request.param in LESSER_BUILDS:
         flags = LESSER_BUILDS[request.param]
-        lesser = native.paged_decode(flags)
-        monkeypatch.setattr(native, "paged_decode", lambda: lesser)
-        assert native.paged_prefill(flags) is None
-        monkeypatch.setattr(native, "paged_prefill", lambda: None)
+        lesser = {kv: native.paged_decode(kv, flags) for kv in KV_DTYPES}
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: lesser[kv_dtype])
+        assert native.paged_prefill(torch.float32, flags) is None
+        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
     return request.param
 
 
@@ -63,18 +64,21 @@ def _reference(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False):
+def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False,
+              kv_dtype=None):
     """requests: list of (num_cached, num_new). Cached K/V is written to the cache
     beforehand; never-written cache memory is NaN and must not leak into the output.
     The first ``shared_blocks`` blocks (ids and K/V) are common to all requests, as
-    prefix caching leaves them; ``consecutive`` allocates block ids in order.
-    Returns the step's attention plan."""
+    prefix caching leaves them; ``consecutive`` allocates block ids in order. ``kv_dtype`` is the cache's dtype
+    (default ``dtype``): a bf16 cache under float32 queries holds the keys rounded, and attention must see
+    exactly those, so the reference takes them rounded too. Returns the step's attention plan."""
+    kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     blocks_needed = [-(-(c + n) // block_size) for c, n in requests]
     num_blocks = sum(blocks_needed) + 3
-    key_cache, value_cache = (torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
-                              for _ in range(2))
+    key_cache, value_cache = (torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"),
+                                         dtype=kv_dtype) for _ in range(2))
     free = list(range(num_blocks))[::-1]
     if not consecutive:
         rng.shuffle(free)
@@ -122,9 +126,10 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     assert out.dtype == dtype and out.shape == (qsl[-1], heads * head_dim)
 
     # This step's K/V landed in the cache.
-    assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_k)
-    assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v)
-    expected = torch.cat([_reference(q, k, v, scale) for q, k, v in zip(qs, full_k, full_v)])
+    assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_k.to(kv_dtype))
+    assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v.to(kv_dtype))
+    expected = torch.cat([_reference(q, k.to(kv_dtype), v.to(kv_dtype), scale)
+                          for q, k, v in zip(qs, full_k, full_v)])
     torch.testing.assert_close(out.float().view_as(expected), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     return metadata.backend_cache["torch_sdpa"]
 
@@ -186,6 +191,25 @@ def test_decode_rows_after_a_shared_prefix_on_the_native_prefix_kernel(low_casca
 )
 def test_random_batches(requests, kv_heads, group, head_dim, block_size, seed):
     _run_case(requests, kv_heads * group, kv_heads, head_dim, block_size, torch.float32, seed)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(8, 4), (64, 16), (128, 1)])
+def test_bf16_cache_under_float32_queries(decode_path, head_dim, block_size):
+    """A bfloat16 model with float32 activations: the kernels widen the bf16 cache as they read it (every
+    decode body, the prefill tiles), the torch path widens what it gathers; float32 results either way."""
+    requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
+    plan = _run_case(requests, 9, 3, head_dim, block_size, torch.float32, seed=head_dim, kv_dtype=torch.bfloat16)
+    native_prefill = decode_path == "native" and native.paged_prefill(torch.bfloat16) is not None
+    assert (plan.native_prefill is not None) == (native_prefill and head_dim in (64, 128))
+
+
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_bf16_cache_after_a_shared_prefix(low_cascade_threshold, decode_path, consecutive):
+    requests = [(12 + 3 * i, 1) for i in range(11)] + [(13, 6)]
+    plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=5, shared_blocks=3, consecutive=consecutive,
+                     kv_dtype=torch.bfloat16)
+    assert plan.prefix is not None
+    assert plan.native_prefix == (decode_path == "native" and native.paged_prefill(torch.bfloat16) is not None)
 
 
 @pytest.fixture

@@ -53,9 +53,10 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         return self.dense.linear(x, bias)
 
     def process_weights_after_loading(self, layer) -> None:
-        """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout."""
+        """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout,
+        or the panels where they are the only copy (bf16 AMX panels)."""
         self.dense = DenseWeight(layer.weight.data)
-        layer.weight.data = self.dense.data
+        layer.weight.data = self.dense.data if self.dense.data is not None else self.dense.panels
 
 
 class LinearBase(nn.Module):

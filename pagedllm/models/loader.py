@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.layers.gemm_layout import panels_in_huge_pages
+from pagedllm.layers.gemm_layout import laying_out_weights
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
 from pagedllm.models.gguf_loader import gguf_tensor_types
@@ -44,8 +44,9 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
     return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
 
 
-def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype) -> nn.Module:
-    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode.
+def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, amx_bf16: bool = False) -> nn.Module:
+    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode; with ``amx_bf16`` its
+    dense GEMM weights are bf16 panels for AMX tiles (``dtype`` then float32, see ModelConfig.compute_dtype).
 
     The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
     """
@@ -60,7 +61,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype) 
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
-    with panels_in_huge_pages():
+    with laying_out_weights(amx_bf16):
         for module in model.modules():
             if hasattr(module, "quant_method"):
                 module.quant_method.process_weights_after_loading(module)

@@ -100,26 +100,35 @@ def _paged_attention(extra_flags: tuple[str, ...]):
     }, extra_flags)
 
 
+_KV_FLAGS = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",)}  # paged_decode.c's build per KV cache dtype
+
+
+def _paged_attention_for(kv_dtype: torch.dtype, extra_flags: tuple[str, ...]):
+    flags = _KV_FLAGS.get(kv_dtype)
+    return None if flags is None else _paged_attention(flags + extra_flags)
+
+
 @functools.cache
-def paged_decode(extra_flags: tuple[str, ...] = ()):
-    """The C function ``paged_decode_f32`` (see paged_decode.c), or None. ``extra_flags`` exist for tests
-    (``-mno-avx512f`` builds the portable body)."""
-    lib = _paged_attention(extra_flags)
+def paged_decode(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()):
+    """The C function ``paged_decode_f32`` (see paged_decode.c) for a float32 or bf16 KV cache, or None.
+    ``extra_flags`` exist for tests (``-mno-avx512f`` builds the AVX2 body)."""
+    lib = _paged_attention_for(kv_dtype, extra_flags)
     return None if lib is None else lib.paged_decode_f32
 
 
 @functools.cache
-def paged_prefill(extra_flags: tuple[str, ...] = ()):
-    """The C function ``paged_prefill_f32`` (see paged_decode.c), or None, also where the CPU has no AVX-512."""
-    lib = _paged_attention(extra_flags)
+def paged_prefill(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()):
+    """The C function ``paged_prefill_f32`` (see paged_decode.c) for a float32 or bf16 KV cache, or None, also
+    where the CPU has no AVX-512."""
+    lib = _paged_attention_for(kv_dtype, extra_flags)
     return lib.paged_prefill_f32 if lib is not None and lib.paged_prefill_available() else None
 
 
 @functools.cache
-def cascade():
-    """``(paged_prefix_f32, merge_attn_states_f32)`` (see paged_decode.c): cascade attention's shared part and
-    its merge, or None, also where the CPU has no AVX-512."""
-    lib = _paged_attention(())
+def cascade(kv_dtype: torch.dtype = torch.float32):
+    """``(paged_prefix_f32, merge_attn_states_f32)`` (see paged_decode.c) for a float32 or bf16 KV cache:
+    cascade attention's shared part and its merge, or None, also where the CPU has no AVX-512."""
+    lib = _paged_attention_for(kv_dtype, ())
     if lib is None or not lib.paged_prefill_available():
         return None
     return lib.paged_prefix_f32, lib.merge_attn_states_f32
@@ -135,6 +144,7 @@ def fused_ops():
         "embedding_f32": ([_P, _P, _P, _I64, _I32, _I64], _I32),
         "embedding_q8_f32": ([_P, _P, _P, _P, _I64, _I32, _I64], _I32),
         "write_kv_f32": ([_P, _P, _I64, _P, _P, _I64, _P, _I64, _I32], _I32),
+        "write_kv_bf16": ([_P, _P, _I64, _P, _P, _I64, _P, _I64, _I32], _I32),
         "argmax_rows_f32": ([_P, _I64, _I64, _P], None),
     })
 
@@ -172,3 +182,17 @@ def gemm_q8():
     """The C function ``gemm_q8_f32`` (see gemm.c): the same GEMM over GGUF Q8_0 panels, or None."""
     lib = _gemm_quant_lib()
     return None if lib is None else lib.gemm_q8_f32
+
+
+@functools.cache
+def _gemm_amx_lib():
+    """The library of gemm_amx.c where this CPU has AMX bf16 tiles and the OS lets the process use them, or None."""
+    lib = _load("gemm_amx", {"amx_gemm_available": ([], _I32),
+                             "gemm_amx_bf16": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32)})
+    return lib if lib is not None and lib.amx_gemm_available() else None
+
+
+def gemm_amx():
+    """The C function ``gemm_amx_bf16`` (see gemm_amx.c): float32 rows times bf16 panels on AMX tiles, or None."""
+    lib = _gemm_amx_lib()
+    return None if lib is None else lib.gemm_amx_bf16

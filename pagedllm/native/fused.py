@@ -79,17 +79,23 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
     return out
 
 
+_WRITE_KV = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16"}  # by the cache's dtype
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
-    """``key_flat[slot_mapping] = key`` and the same for value, for ``[T, kv_heads, head_size]`` rows that may
-    be strided views of the QKV output; False when it does not apply."""
-    lib = _lib_for(key, value, key_flat, value_flat)
+    """``key_flat[slot_mapping] = key`` and the same for value, for float32 ``[T, kv_heads, head_size]`` rows
+    that may be strided views of the QKV output, into a float32 or bf16 cache (rounded to nearest even); False
+    when it does not apply."""
+    lib = _lib_for(key, value)
+    kernel = _WRITE_KV.get(key_flat.dtype)
     row_floats = key.shape[1] * key.shape[2]
     dense_rows = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
-    if (lib is None or not dense_rows or key.stride(0) != value.stride(0) or slot_mapping.dtype != torch.int64
+    if (lib is None or kernel is None or value_flat.dtype != key_flat.dtype or not dense_rows
+            or key.stride(0) != value.stride(0) or slot_mapping.dtype != torch.int64
             or not (key_flat.is_contiguous() and value_flat.is_contiguous() and slot_mapping.is_contiguous())):
         return False
-    if launch(lib.write_kv_f32, key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(),
+    if launch(getattr(lib, kernel), key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(),
               value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
         raise IndexError(f"slot_mapping holds a slot outside the KV cache's {key_flat.shape[0]} slots")
     return True

@@ -12,6 +12,11 @@
  * vector exp, and the group's output accumulators stay in registers; with AVX2 and FMA (the same sizes) the
  * same on 8-float vectors, its loops turned to fit 16 registers; otherwise portable C.
  *
+ * The cache holds float32, or, built with -DKV_BF16, bf16 (the top half of a float32; a bfloat16 model whose
+ * activations are float32, see ModelConfig.compute_dtype): half the bytes every decode step streams. Queries,
+ * outputs and all arithmetic stay float32; bf16 elements widen as they load (the prefill tiles widen a run of
+ * rows into a float32 buffer first, since they broadcast single elements).
+ *
  * Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the parallel loop runs on
  * torch's own worker threads instead of competing with them.
  * Built at first use by native/__init__.py with the system C compiler; without one the torch path runs.
@@ -23,8 +28,20 @@
 #define MAX_HEAD_SIZE 256
 #define RUN 16 /* slots per online-softmax step */
 
+#if defined(KV_BF16)
+typedef uint16_t kv_t;
+static inline float kv_float(kv_t x) {
+    const union { uint32_t bits; float value; } widened = {(uint32_t)x << 16};
+    return widened.value;
+}
+#else
+typedef float kv_t;
+static inline float kv_float(kv_t x) { return x; }
+#endif
+
 typedef struct {
-    const float *q_all, *k_cache, *v_cache;
+    const float *q_all;
+    const kv_t *k_cache, *v_cache;
     const int32_t *block_table, *seq_lens;
     int64_t block_table_stride, q_row_stride;
     int start_pos, num_heads, num_kv_heads, head_size, block_size;
@@ -58,15 +75,15 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     for (int pos = a->start_pos; pos < seq_len;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, seq_len, &slot);
-        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
-        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         for (int g = 0; g < group; g++) {
             const float *qg = q + (int64_t)g * d;
             float scores[RUN], block_max = running_max[g];
             for (int t = 0; t < n; t++) {
-                const float *kt = k + t * row_stride;
+                const kv_t *kt = k + t * row_stride;
                 float score = 0.0f;
-                for (int i = 0; i < d; i++) score += qg[i] * kt[i];
+                for (int i = 0; i < d; i++) score += qg[i] * kv_float(kt[i]);
                 scores[t] = score * a->scale;
                 if (scores[t] > block_max) block_max = scores[t];
             }
@@ -76,10 +93,10 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
             for (int i = 0; i < d; i++) acc_g[i] *= rescale;
             running_max[g] = block_max;
             for (int t = 0; t < n; t++) {
-                const float *vt = v + t * row_stride;
+                const kv_t *vt = v + t * row_stride;
                 const float weight = expf(scores[t] - block_max);
                 running_sum[g] += weight;
-                for (int i = 0; i < d; i++) acc_g[i] += weight * vt[i];
+                for (int i = 0; i < d; i++) acc_g[i] += weight * kv_float(vt[i]);
             }
         }
         pos += n;
@@ -112,16 +129,30 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
  * run while this one computes; without it the loop waits on memory latency, not bandwidth. */
 static inline __attribute__((always_inline)) void prefetch_run(const DecodeArgs *a, int64_t slot, int n,
                                                               int64_t row_stride, int64_t offset, const int lines) {
-    const float *k = a->k_cache + slot * row_stride + offset, *v = a->v_cache + slot * row_stride + offset;
+    const char *k = (const char *)(a->k_cache + slot * row_stride + offset);
+    const char *v = (const char *)(a->v_cache + slot * row_stride + offset);
+    const int64_t row_bytes = row_stride * (int64_t)sizeof(kv_t);
     for (int t = 0; t < n; t++)
         for (int line = 0; line < lines; line++) {
-            _mm_prefetch((const char *)(k + t * row_stride + 16 * line), _MM_HINT_T0);
-            _mm_prefetch((const char *)(v + t * row_stride + 16 * line), _MM_HINT_T0);
+            _mm_prefetch(k + t * row_bytes + 64 * line, _MM_HINT_T0);
+            _mm_prefetch(v + t * row_bytes + 64 * line, _MM_HINT_T0);
         }
 }
+
+/* Cache lines of a head's row of `floats` elements. */
+#define ROW_LINES(floats) (((floats) * (int)sizeof(kv_t) + 63) / 64)
 #endif
 
 #if defined(__AVX512F__)
+
+/* 16 cache elements as float32. */
+static inline __m512 kv_load16(const kv_t *p) {
+#if defined(KV_BF16)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#else
+    return _mm512_loadu_ps(p);
+#endif
+}
 
 /* exp(x) for x <= 0 (scores minus their running max), with the EXP_ constants above; 2^n by scalef. */
 static inline __m512 exp_nonpositive(__m512 x) {
@@ -182,12 +213,12 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         const int n = next_n;
         slot = next_slot;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
-        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         pos += n;
         if (pos < seq_len) {
             next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
-            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, VD);
+            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, ROW_LINES(16 * VD));
         }
         float weights[GROUP][RUN];
         for (int g = 0; g < GROUP; g++) {
@@ -197,9 +228,9 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
                     partial[t] = _mm512_setzero_ps();
                     continue;
                 }
-                const float *kt = k + t * row_stride;
-                __m512 s = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(kt));
-                for (int j = 1; j < VD; j++) s = _mm512_fmadd_ps(qv[g][j], _mm512_loadu_ps(kt + 16 * j), s);
+                const kv_t *kt = k + t * row_stride;
+                __m512 s = _mm512_mul_ps(qv[g][0], kv_load16(kt));
+                for (int j = 1; j < VD; j++) s = _mm512_fmadd_ps(qv[g][j], kv_load16(kt + 16 * j), s);
                 partial[t] = s;
             }
             const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(partial));
@@ -212,9 +243,9 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
             _mm512_storeu_ps(weights[g], w);
         }
         for (int t = 0; t < n; t++) {
-            const float *vt = v + t * row_stride;
+            const kv_t *vt = v + t * row_stride;
             for (int j = 0; j < VD; j++) {
-                const __m512 vv = _mm512_loadu_ps(vt + 16 * j);
+                const __m512 vv = kv_load16(vt + 16 * j);
                 for (int g = 0; g < GROUP; g++)
                     acc[g][j] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][t]), vv, acc[g][j]);
             }
@@ -246,7 +277,8 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
 #define MAX_VECS 3                 /* query vectors of 16 lanes per tile: 2 (32 lanes) or 3 (48) */
 #define LANE_STRIDE (16 * MAX_VECS) /* floats between a tile's rows of transposed queries */
 typedef struct {
-    const float *q_all, *k_cache, *v_cache;
+    const float *q_all;
+    const kv_t *k_cache, *v_cache;
     const int32_t *block_table, *query_start, *query_len, *seq_len;
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
     int64_t block_table_stride, q_row_stride;
@@ -352,22 +384,36 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     for (int pos = a->start_pos; pos < end;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, end, &slot);
-        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
-        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
         const float *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
+#if defined(KV_BF16)
+        float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < D; i += 16) {
+                _mm512_store_ps(kbuf[j] + i, kv_load16(k + j * row_stride + i));
+                _mm512_store_ps(vbuf[j] + i, kv_load16(v + j * row_stride + i));
+            }
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = kbuf[j < n ? j : 0];
+            vrow[j] = vbuf[j < n ? j : 0];
+        }
+#else
         for (int j = 0; j < RUN; j++) {
             krow[j] = k + (j < n ? j : 0) * row_stride;
             vrow[j] = v + (j < n ? j : 0) * row_stride;
         }
+#endif
         if (pos + n < end) { /* fetch the next run as the decode rows do: W3's cascade 16.3 -> 13.8 ms (30 layers) */
             int64_t next_slot;
             const int next_n = next_run(a->block_size, blocks, pos + n, end, &next_slot);
             const char *nk = (const char *)(a->k_cache + next_slot * row_stride + (int64_t)kv_head * D);
             const char *nv = (const char *)(a->v_cache + next_slot * row_stride + (int64_t)kv_head * D);
+            const int64_t row_bytes = row_stride * (int64_t)sizeof(kv_t);
             for (int t = 0; t < next_n; t++)
-                for (int j = 0; j < D * 4; j += 64) {
-                    _mm_prefetch(nk + t * row_stride * 4 + j, _MM_HINT_T0);
-                    _mm_prefetch(nv + t * row_stride * 4 + j, _MM_HINT_T0);
+                for (int j = 0; j < D * (int)sizeof(kv_t); j += 64) {
+                    _mm_prefetch(nk + t * row_bytes + j, _MM_HINT_T0);
+                    _mm_prefetch(nv + t * row_bytes + j, _MM_HINT_T0);
                 }
         }
         __m512 s[RUN][MAX_VECS];
@@ -447,6 +493,15 @@ int paged_prefill_available(void) { return 1; }
  * for all the group's heads (queries read from L1), and the output vector by vector, its accumulators in
  * registers across the run's V rows. */
 
+/* 8 cache elements as float32. */
+static inline __m256 kv_load8(const kv_t *p) {
+#if defined(KV_BF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#else
+    return _mm256_loadu_ps(p);
+#endif
+}
+
 /* exp(x) for x <= 0, as exp_nonpositive (the EXP_ constants), 2^n put in the exponent bits (n >= -126). */
 static inline __m256 exp8_nonpositive(__m256 x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_X));
@@ -508,24 +563,24 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     for (int pos = a->start_pos; pos < seq_len;) {
         const int n = next_n;
         slot = next_slot;
-        const float *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
-        const float *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         pos += n;
         if (pos < seq_len) {
             next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
-            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, VD / 2);
+            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, ROW_LINES(8 * VD));
         }
         for (int t = 0; t < RUN; t++) {
             if (t >= n) {
                 for (int g = 0; g < GROUP; g++) partial[g][t] = _mm256_setzero_ps();
                 continue;
             }
-            const float *kt = k + t * row_stride;
+            const kv_t *kt = k + t * row_stride;
             __m256 s[GROUP];
-            const __m256 k0 = _mm256_loadu_ps(kt);
+            const __m256 k0 = kv_load8(kt);
             for (int g = 0; g < GROUP; g++) s[g] = _mm256_mul_ps(qv[g][0], k0);
             for (int j = 1; j < VD; j++) {
-                const __m256 kj = _mm256_loadu_ps(kt + 8 * j);
+                const __m256 kj = kv_load8(kt + 8 * j);
                 for (int g = 0; g < GROUP; g++) s[g] = _mm256_fmadd_ps(qv[g][j], kj, s[g]);
             }
             for (int g = 0; g < GROUP; g++) partial[g][t] = s[g];
@@ -556,15 +611,15 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
             }
             int t = 0;
             for (; t + 1 < n; t += 2) {
-                const __m256 v0 = _mm256_loadu_ps(v + t * row_stride + 8 * j);
-                const __m256 v1 = _mm256_loadu_ps(v + (t + 1) * row_stride + 8 * j);
+                const __m256 v0 = kv_load8(v + t * row_stride + 8 * j);
+                const __m256 v1 = kv_load8(v + (t + 1) * row_stride + 8 * j);
                 for (int g = 0; g < GROUP; g++) {
                     c[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), v0, c[g]);
                     e[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t + 1]), v1, e[g]);
                 }
             }
             if (t < n) {
-                const __m256 v0 = _mm256_loadu_ps(v + t * row_stride + 8 * j);
+                const __m256 v0 = kv_load8(v + t * row_stride + 8 * j);
                 for (int g = 0; g < GROUP; g++) c[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), v0, c[g]);
             }
             for (int g = 0; g < GROUP; g++) acc[g][j] = _mm256_add_ps(c[g], e[g]);
@@ -612,7 +667,7 @@ static int decode_item_vector(const DecodeArgs *a, int item) { return 0; }
  * request r reads positions start_pos .. seq_lens[r]-1 (each seq_lens[r] > start_pos). Writes out
  * [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads]. Returns 0, or -1 for sizes the kernel does
  * not handle. */
-int paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+int paged_decode_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                      const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens, int start_pos,
                      float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size,
                      int block_size, float scale, int num_threads) {
@@ -627,7 +682,7 @@ int paged_decode_f32(const float *q, int64_t q_row_stride, const float *k_cache,
     return 0;
 }
 
-static int run_prefill(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+static int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                        const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                        const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, float *out,
                        float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,
@@ -657,7 +712,7 @@ static int run_prefill(const float *q, int64_t q_row_stride, const float *k_cach
  * [rows, num_heads, head_size], the last query_len[r] of its seq_len[r] positions; each sees the positions
  * start_pos .. its own. Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
  * Returns -1 for what it does not handle (no AVX-512, head size not 64 or 128, group > 16). */
-int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_table,
+int paged_prefill_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
                       int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len,
                       const int32_t *seq_len, int start_pos, float *out, float *lse, int num_reqs, int num_heads,
                       int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
@@ -670,7 +725,7 @@ int paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache
  * prefix_tokens positions that every row's request holds in the blocks block_table starts with, attend to that
  * prefix alone: the prefill tiles over one "request" whose keys stop at the prefix. Writes out
  * [num_rows, num_heads, head_size] and lse [num_rows, num_heads]; -1 as paged_prefill_f32. */
-int paged_prefix_f32(const float *q, int64_t q_row_stride, const float *k_cache, const float *v_cache,
+int paged_prefix_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                      const int32_t *block_table, int prefix_tokens, int num_rows, float *out, float *lse,
                      int num_heads, int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
     const int32_t query_start = 0, query_len = num_rows, seq_len = prefix_tokens + num_rows;

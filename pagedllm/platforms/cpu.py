@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from pagedllm import native
+
 
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
@@ -28,6 +30,12 @@ def has_native_bf16() -> bool:
     fp32 and runs several times slower than plain fp32 (measured on an Ice Lake Xeon: 66 vs 264 GFLOP/s).
     """
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def amx_bf16_applies() -> bool:
+    """Whether a bfloat16 model can run as float32 activations times bf16 AMX weight panels: the CPU has AMX
+    bf16 tiles the OS lets this process use (gemm_amx.c), and the float32 kernels around the GEMMs are built."""
+    return native.gemm_amx() is not None and native.fused_ops() is not None
 
 
 @functools.lru_cache(maxsize=1)

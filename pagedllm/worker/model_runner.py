@@ -39,7 +39,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
 
     def load_model(self) -> None:
-        self.model = get_model(self.model_config.path, self.model_config.hf_config, self.model_config.dtype)
+        mc = self.model_config
+        self.model = get_model(mc.path, mc.hf_config, mc.compute_dtype, mc.amx_bf16)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config

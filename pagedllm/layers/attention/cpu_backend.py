@@ -8,6 +8,9 @@ seeing the request's cached earlier tokens. A prefix of blocks that every reques
 shares is attended once for all rows and merged by log-sum-exp (cascade attention).
 Only slots below a request's ``seq_len`` are ever read, so never-written cache memory (even NaN garbage)
 cannot leak into the result.
+
+The cache may hold bf16 while queries are float32 (a bfloat16 model with float32 activations, see
+ModelConfig.compute_dtype): the native kernels read it so directly; the torch paths widen what they gather.
 """
 
 import torch
@@ -36,15 +39,15 @@ class TorchSDPABackendImpl(AttentionImpl):
         plan = attn_metadata.backend_cache.get("torch_sdpa")
         if plan is None or plan.block_size != block_size or plan.dtype != query.dtype:
             plan = attn_metadata.backend_cache["torch_sdpa"] = build_plan(
-                attn_metadata, block_size, query.dtype, self._native_decode(query.dtype),
-                self._native_prefill(query.dtype))
+                attn_metadata, block_size, query.dtype, self._native_decode(query.dtype, key_cache.dtype),
+                self._native_prefill(query.dtype, key_cache.dtype))
 
         key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
         value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
         slot_mapping = attn_metadata.slot_mapping.long()
         if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping):
-            key_flat.index_copy_(0, slot_mapping, key)
-            value_flat.index_copy_(0, slot_mapping, value)
+            key_flat.index_copy_(0, slot_mapping, key.to(key_flat.dtype))
+            value_flat.index_copy_(0, slot_mapping, value.to(value_flat.dtype))
 
         num_tokens = query.shape[0]
         # Outputs and log-sum-exps per [row, KV head, query of its group].
@@ -60,13 +63,13 @@ class TorchSDPABackendImpl(AttentionImpl):
             out = self._merge_shared_prefix(query, key_flat, value_flat, plan, out, lse)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
-    def _native_decode(self, dtype: torch.dtype) -> bool:
+    def _native_decode(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         return (dtype == torch.float32 and self.group <= 16 and self.head_size <= 256
-                and native.paged_decode() is not None)
+                and native.paged_decode(kv_dtype) is not None)
 
-    def _native_prefill(self, dtype: torch.dtype) -> bool:
+    def _native_prefill(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         return (dtype == torch.float32 and self.group <= 16 and self.head_size in (64, 128)
-                and native.paged_prefill() is not None)
+                and native.paged_prefill(kv_dtype) is not None)
 
     def _prefill_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         """Every prefill chunk in one native call that reads its context through the block table (tiles of
@@ -76,7 +79,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         chunks = plan.native_prefill
         q = query.contiguous()
         status = launch(
-            native.paged_prefill(), q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(),
+            native.paged_prefill(key_flat.dtype), q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(),
             chunks.block_table.data_ptr(), chunks.block_table.shape[1], chunks.query_start.data_ptr(),
             chunks.query_len.data_ptr(), chunks.seq_len.data_ptr(), plan.prefix.num_tokens if plan.prefix else 0,
             out.data_ptr(), lse.data_ptr(), chunks.query_len.shape[0], self.num_heads, self.num_kv_heads,
@@ -105,7 +108,7 @@ class TorchSDPABackendImpl(AttentionImpl):
             q = query.index_select(0, plan.decode_rows)
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
         status = launch(
-            native.paged_decode(), q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
+            native.paged_decode(key_flat.dtype), q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
             plan.decode_block_table.data_ptr(), plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
             plan.prefix.num_tokens if plan.prefix else 0, out_rows.data_ptr(), lse_rows.data_ptr(), num_reqs,
             self.num_heads, self.num_kv_heads, self.head_size, plan.block_size, self.scale, torch.get_num_threads())
@@ -121,8 +124,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         num_reqs = plan.decode_rows.shape[0]
         q = query.index_select(0, plan.decode_rows).view(num_reqs, self.num_kv_heads, -1, self.head_size)
         shape = (num_reqs, plan.decode_seq_len, self.num_kv_heads, self.head_size)
-        k = key_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2)
-        v = value_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2)
+        k = key_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2).to(query.dtype)
+        v = value_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2).to(query.dtype)
         out_rows, lse_rows = _flash_with_lse(q, k, v, attn_mask=plan.decode_mask, scale=self.scale)
         out.index_copy_(0, plan.decode_rows, out_rows)
         lse.index_copy_(0, plan.decode_rows, lse_rows)
@@ -135,6 +138,8 @@ class TorchSDPABackendImpl(AttentionImpl):
             k, v = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
         else:
             k, v = key_flat.index_select(0, chunk.slots), value_flat.index_select(0, chunk.slots)
+        # as the cache holds them (a bf16 cache rounds float32 keys), in the queries' dtype
+        k, v = k.to(key_flat.dtype).to(query.dtype), v.to(value_flat.dtype).to(query.dtype)
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         out_rows, lse_rows = _flash_with_lse(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
@@ -151,11 +156,11 @@ class TorchSDPABackendImpl(AttentionImpl):
         num_tokens = query.shape[0]
         prefix = plan.prefix
         if prefix.slots is None:
-            k_prefix = key_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
-            v_prefix = value_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
+            k_prefix = key_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens].to(query.dtype)
+            v_prefix = value_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens].to(query.dtype)
         else:
-            k_prefix = key_flat.index_select(0, prefix.slots)
-            v_prefix = value_flat.index_select(0, prefix.slots)
+            k_prefix = key_flat.index_select(0, prefix.slots).to(query.dtype)
+            v_prefix = value_flat.index_select(0, prefix.slots).to(query.dtype)
         # All rows' query groups folded into one query axis per KV head: [1, KVH, T * group, D].
         q = query.view(num_tokens, self.num_kv_heads, self.group, self.head_size).transpose(0, 1)
         out_prefix, lse_prefix = _flash_with_lse(
@@ -176,7 +181,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         """The same in C: the prefill tiles over all rows against the prefix's blocks, read in place, then the
         merge. In a decode batch the whole step stays native calls, so a CPU graph can replay it."""
         q = self._rows_as_read(query)
-        prefix_attention, merge = native.cascade()
+        prefix_attention, merge = native.cascade(key_flat.dtype)
         out_prefix, lse_prefix = torch.empty_like(out_rest), torch.empty_like(lse_rest)
         status = launch(prefix_attention, q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
                         plan.prefix.block_ids.data_ptr(), plan.prefix.num_tokens, q.shape[0], out_prefix.data_ptr(),

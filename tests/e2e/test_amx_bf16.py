@@ -1,0 +1,79 @@
+"""dtype=bfloat16 on a CPU with AMX: bf16 GEMM weights on AMX tiles, float32 activations, a bf16 KV cache
+(ModelConfig.amx_bf16). Its greedy tokens against float32's, teacher-forced as bf16 rounding flips near-ties;
+CPU graphs replay its decode steps. Skipped where the CPU has no AMX bf16 tiles."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams, native
+
+pytestmark = pytest.mark.skipif(native.gemm_amx() is None, reason="no AMX bf16 tiles on this CPU (or no compiler)")
+
+PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+           "List three primary colors:", "Water boils at a temperature of"]
+NUM_TOKENS = 24
+LLM_ARGS = dict(max_model_len=512, kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the worker's model and cache, in process
+        yield LLM(dtype="float32", **LLM_ARGS), LLM(dtype="bfloat16", **LLM_ARGS)
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+
+
+def test_bf16_weights_on_amx_float32_activations_bf16_cache(engines):
+    _, bf16 = engines
+    runner = _runner(bf16)
+    assert runner.model_config.amx_bf16 and runner.model_config.compute_dtype == torch.float32
+    dense = runner.model.model.layers[0].self_attn.qkv_proj.quant_method.dense
+    assert dense.panels.dtype == torch.bfloat16 and dense.data is None
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    # Twice float32's blocks in the same cache memory.
+    assert runner.kv_caches[0][0].shape[0] // 2 == _runner(engines[0]).kv_caches[0][0].shape[0]
+
+
+def test_greedy_tokens_agree_with_float32(engines):
+    dense, bf16 = engines
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    expected = [o.prompt_token_ids + list(o.outputs[0].token_ids)
+                for o in dense.generate(PROMPTS, greedy, use_tqdm=False)]
+    ours = [list(o.outputs[0].token_ids) for o in bf16.generate(PROMPTS, greedy, use_tqdm=False)]
+    assert all(e[-NUM_TOKENS] == o[0] for e, o in zip(expected, ours))  # every prompt's first token
+
+    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": ids} for ids in expected]
+    bf16_logprobs, dense_logprobs = ([o.prompt_logprobs[-NUM_TOKENS:] for o in llm.generate(prompts, forced,
+                                                                                             use_tqdm=False)]
+                                     for llm in (bf16, dense))
+    ranks = [lp[tok].rank for seq, lps in zip(expected, bf16_logprobs) for tok, lp in zip(seq[-NUM_TOKENS:], lps)]
+    deltas = [abs(a[tok].logprob - b[tok].logprob)
+              for seq, lps_a, lps_b in zip(expected, bf16_logprobs, dense_logprobs)
+              for tok, a, b in zip(seq[-NUM_TOKENS:], lps_a, lps_b)]
+    agreement = sum(rank == 1 for rank in ranks) / len(ranks)
+    print(f"bf16 on AMX vs float32: teacher-forced agreement {agreement:.3f}, max |logprob diff| {max(deltas):.2e}")
+    assert agreement >= 0.9
+    assert 0 < max(deltas) < 1.0  # bf16 weights: a different computation, and a close one
+
+
+def test_decode_steps_replay_graphs_with_the_same_tokens(engines):
+    _, bf16 = engines
+    greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    graphed = [o.outputs[0].token_ids for o in bf16.generate(PROMPTS, greedy, use_tqdm=False)]
+    graphs = _runner(bf16).decode_graphs
+    assert any(static.graphs for static in graphs._by_size.values()) and not graphs._refused
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+        eager = LLM(dtype="bfloat16", enforce_eager=True, **LLM_ARGS)
+    assert [o.outputs[0].token_ids for o in eager.generate(PROMPTS, greedy, use_tqdm=False)] == graphed
+
+
+def test_chat_answers_paris(engines):
+    out = engines[1].chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
