@@ -10,10 +10,14 @@
  * and block two B tiles (columns 0-15, 16-31) of 16 rows x 64 bytes, row i holding for each column the pair of
  * weights at k = 2i, 2i + 1 (the "VNNI" pairing the tile multiply wants). A panel is one contiguous run.
  *
- * Work items are (panel, block of 32 rows), panel-major, split into contiguous runs over torch's OpenMP threads
- * (a panel read from memory by its first row block is in L2 for the next). Each thread first rounds its share
- * of x's rows to bf16 into a shared scratch (rows padded to 32, K to 32 with zeros). An item keeps four 16 x 16
- * float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31), then adds the bias on the way out.
+ * Work items are (panel, block of 32 rows), split into contiguous runs over torch's OpenMP threads: in chunks
+ * of rows whose bf16 copy fits in L2 (CHUNK_BYTES), then panel by panel, so a panel read from memory by its
+ * first row block is in L2 for the next. A panel is one sequential run of memory, which the hardware
+ * prefetchers stream on their own (software prefetch 8 KB ahead measured no better: 30 layers at 64 rows 15.5
+ * against 14.3 ms without). Each thread first rounds its share of x's rows to bf16 into a shared scratch (K
+ * padded to 32 with zeros; the last row block's tiles are configured to the rows it has). An item keeps four
+ * 16 x 16 float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31), then adds the bias on the
+ * way out.
  *
  * amx_gemm_available() says whether this build has the kernel and the OS let this process use the tiles.
  */
@@ -85,7 +89,8 @@ static void round_rows(const float *x, int64_t ldx, int K, int kp, uint16_t *a, 
             _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + r * ldx + k)));
         if (k < K) {
             const __mmask16 m = (__mmask16)((1u << (K - k)) - 1u);
-            _mm256_mask_storeu_epi16(dst + k, m, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, x + r * ldx + k)));
+            const __m512 tail = _mm512_maskz_loadu_ps(m, x + r * ldx + k);
+            _mm256_mask_storeu_epi16(dst + k, m, (__m256i)_mm512_cvtneps_pbh(tail));
         }
         for (k = K; k < kp; k++) dst[k] = 0;
     }
@@ -103,7 +108,6 @@ static void item(const uint16_t *a, int kp, const uint16_t *panel, const float *
     _tile_zero(2);
     _tile_zero(3);
     for (int kb = 0; kb < kp / KBLOCK; kb++, a0 += 64, a1 += 64, b += 2048) {
-        for (int line = 0; line < 2048; line += 64) _mm_prefetch(b + 4 * 2048 + line, _MM_HINT_T0);
         _tile_loadd(4, a0, lda);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + 1024, 64);
