@@ -14,10 +14,10 @@
  * of rows whose bf16 copy fits in L2 (CHUNK_BYTES), then panel by panel, so a panel read from memory by its
  * first row block is in L2 for the next. A panel's first row block also fetches the next panel into L2 as it
  * goes, so that memory streams while the later row blocks multiply from cache (30 layers at 64 rows 14.2 -> 13.1
- * ms, the LM head 3.65 -> 3.38; prefetching 8 KB ahead in the panel itself, into L1, was no better than none). Each thread first rounds its share of x's rows to bf16 into a shared scratch (K
- * padded to 32 with zeros; the last row block's tiles are configured to the rows it has). An item keeps four
- * 16 x 16 float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31), then adds the bias on the
- * way out.
+ * ms, the LM head 3.65 -> 3.38; prefetching 8 KB ahead in the panel itself, into L1, was no better than none).
+ * Each thread first rounds its share of x's rows to bf16 into a shared scratch (K padded to 32 with zeros; the
+ * last row block's tiles are configured to the rows it has). An item keeps four 16 x 16 float32 accumulator
+ * tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31), then adds the bias on the way out.
  *
  * amx_gemm_available() says whether this build has the kernel and the OS let this process use the tiles.
  */
