@@ -89,19 +89,19 @@ class ModelConfig:
     enforce_eager: bool = False
 
     @functools.cached_property
-    def amx_bf16(self) -> bool:
-        """Whether this bfloat16 model runs its dense GEMMs on AMX tiles against bf16 weight panels (gemm_amx.c)
-        with float32 activations for the float32 kernels around them, the KV cache staying bf16 (the attention
-        kernels widen it as they read): on AMX CPUs 2-3x faster than torch's bf16 path at decode sizes.
-        Decided where the model runs (native kernels)."""
-        from pagedllm.platforms.cpu import amx_bf16_applies
+    def bf16_panels(self) -> bool:
+        """Whether this bfloat16 model runs its dense GEMMs against bf16 weight panels (gemm_bf16.c: AMX tiles, or
+        vdpbf16ps on AVX512-BF16 CPUs without AMX) with float32 activations for the float32 kernels around them,
+        the KV cache staying bf16 (the attention kernels widen it as they read): on the AMX machine 2-3x faster
+        than torch's bf16 path at decode sizes. Decided where the model runs (native kernels)."""
+        from pagedllm.platforms.cpu import bf16_panels_apply
 
-        return self.dtype == torch.bfloat16 and amx_bf16_applies()
+        return self.dtype == torch.bfloat16 and bf16_panels_apply()
 
     @property
     def compute_dtype(self):
-        """The dtype of activations: float32 under amx_bf16, else dtype (the KV cache is always dtype)."""
-        return torch.float32 if self.amx_bf16 else self.dtype
+        """The dtype of activations: float32 under bf16_panels, else dtype (the KV cache is always dtype)."""
+        return torch.float32 if self.bf16_panels else self.dtype
 
     @property
     def num_layers(self) -> int:

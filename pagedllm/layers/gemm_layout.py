@@ -29,27 +29,27 @@ from pagedllm.platforms.cpu import HugePageArena
 PANEL = 64  # output columns per panel; gemm.c's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
 PANELS_MAX_ROWS = 128  # larger batches go to MKL where the weight is also kept for it
-AMX_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_amx.c's PANEL_COLS, KBLOCK
+BF16_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_bf16.c's PANEL_COLS, KBLOCK
 
 _arena: HugePageArena | None = None  # where panels are placed while a model's weights are laid out
-_amx_panels = False  # whether dense float32 weights laid out now go to gemm_amx.c's bf16 panels
+_bf16_panels = False  # whether dense float32 weights laid out now go to gemm_bf16.c's bf16 panels
 
 
 @contextlib.contextmanager
-def laying_out_weights(amx_bf16: bool = False):
+def laying_out_weights(bf16_panels: bool = False):
     """Panels laid out inside this block are placed in huge pages (platforms/cpu.HugePageArena); with
-    ``amx_bf16`` dense float32 weights are rounded to bf16 panels for gemm_amx.c instead of float32 ones."""
-    global _arena, _amx_panels
-    _arena, _amx_panels = HugePageArena(), amx_bf16
+    ``bf16_panels`` dense float32 weights are rounded to bf16 panels for gemm_bf16.c instead of float32 ones."""
+    global _arena, _bf16_panels
+    _arena, _bf16_panels = HugePageArena(), bf16_panels
     try:
         yield
     finally:
-        _arena, _amx_panels = None, False
+        _arena, _bf16_panels = None, False
 
 
-def amx_panels_active() -> bool:
-    """True while weights are being laid out as bf16 AMX panels (see laying_out_weights)."""
-    return _amx_panels
+def bf16_panels_active() -> bool:
+    """True while weights are being laid out as bf16 panels (see laying_out_weights)."""
+    return _bf16_panels
 
 
 def _placed(panels: torch.Tensor) -> torch.Tensor:
@@ -60,14 +60,14 @@ class DenseWeight:
     """An ``[out, in]`` weight in its GEMMs' layouts; ``linear(x, bias)`` equals ``F.linear(x, weight, bias)``.
     ``data`` is the weight for torch (input-major in float32 on CPU; None when only panels are kept),
     ``panels`` the native kernel's ``[ceil(out / 64), in, 64]`` copy (None without the kernel), or, laid out
-    under ``laying_out_weights(amx_bf16=True)``, gemm_amx.c's bf16 panels, then the only copy."""
+    under ``laying_out_weights(bf16_panels=True)``, gemm_bf16.c's bf16 panels, then the only copy."""
 
     def __init__(self, weight: torch.Tensor, large_batches: bool = True):
         self.out_features, self.in_features = weight.shape
-        self.panels, self.kernel = None, None  # kernel: gemm_amx.c's for bf16 panels, else gemm.c's at each call
-        if _amx_panels and weight.dim() == 2 and native_applies("gemm_amx", weight.dtype, weight.device):
-            # AMX multiplies every batch size faster than MKL's float32 (at 2048 rows ~1.9 vs ~0.17 TFLOP/s)
-            self.panels, self.kernel, self.data = _placed(pack_amx_panels(weight)), native.gemm_amx(), None
+        self.panels, self.kernel = None, None  # kernel: gemm_bf16.c's for bf16 panels, else gemm.c's at each call
+        if _bf16_panels and weight.dim() == 2 and native_applies("gemm_bf16", weight.dtype, weight.device):
+            # faster than MKL's float32 at every batch size (AMX at 2048 rows: ~1.9 vs ~0.17 TFLOP/s)
+            self.panels, self.kernel, self.data = _placed(pack_bf16_panels(weight)), native.gemm_bf16(), None
             return
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
@@ -91,24 +91,24 @@ class DenseWeight:
         if self.data is not None:
             return self.data
         if self.panels.dtype == torch.bfloat16:
-            return unpack_amx_panels(self.panels, self.out_features, self.in_features)
+            return unpack_bf16_panels(self.panels, self.out_features, self.in_features)
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
 
-def pack_amx_panels(weight: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` float32 -> gemm_amx_bf16's panels, ``[ceil(N / 32), ceil(K / 32), 2, 16, 16, 2]`` bf16 (rounded
+def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` float32 -> gemm_bf16's panels, ``[ceil(N / 32), ceil(K / 32), 2, 16, 16, 2]`` bf16 (rounded
     to nearest even, zero-padded): per panel of 32 columns and block of 32 along K, two tiles (columns 0-15,
     16-31) whose row i holds each column's weights at k = 2i, 2i + 1."""
     n, k = weight.shape
-    panels, blocks = -(-n // AMX_PANEL), -(-k // AMX_PANEL)
-    padded = F.pad(weight.to(torch.bfloat16), (0, blocks * AMX_PANEL - k, 0, panels * AMX_PANEL - n))
+    panels, blocks = -(-n // BF16_PANEL), -(-k // BF16_PANEL)
+    padded = F.pad(weight.to(torch.bfloat16), (0, blocks * BF16_PANEL - k, 0, panels * BF16_PANEL - n))
     return padded.view(panels, 2, 16, blocks, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-def unpack_amx_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """pack_amx_panels undone: the ``[out, in]`` bf16 values."""
+def unpack_bf16_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """pack_bf16_panels undone: the ``[out, in]`` bf16 values."""
     num_panels, blocks = panels.shape[:2]
-    rows = panels.permute(0, 2, 4, 1, 3, 5).reshape(num_panels * AMX_PANEL, blocks * AMX_PANEL)
+    rows = panels.permute(0, 2, 4, 1, 3, 5).reshape(num_panels * BF16_PANEL, blocks * BF16_PANEL)
     return rows[:out_features, :in_features]
 
 
@@ -192,6 +192,6 @@ def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Ten
 
 
 def native_applies(kernel_name: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``kernel_name`` (gemm.c's gemm, gemm_q4, gemm_q8, or gemm_amx.c's gemm_amx) serves a layer of this
+    """Whether ``kernel_name`` (gemm.c's gemm, gemm_q4, gemm_q8, or gemm_bf16.c's gemm_bf16) serves a layer of this
     dtype on this device: float32 on CPU, with the native library built."""
     return dtype == torch.float32 and device.type == "cpu" and getattr(native, kernel_name)() is not None

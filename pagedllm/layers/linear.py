@@ -54,7 +54,7 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer) -> None:
         """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout,
-        or the panels where they are the only copy (bf16 AMX panels)."""
+        or the panels where they are the only copy (bf16 panels)."""
         self.dense = DenseWeight(layer.weight.data)
         layer.weight.data = self.dense.data if self.dense.data is not None else self.dense.panels
 

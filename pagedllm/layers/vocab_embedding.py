@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
-from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, amx_panels_active, native_applies
+from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, bf16_panels_active, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native import fused
 
@@ -61,7 +61,7 @@ class VocabParallelEmbedding(nn.Module):
     def prepare_projection(self) -> None:
         """Lay the LM head's weight out for its GEMM (layers/gemm_layout.py). An embedding tied to the LM head
         keeps its rows for lookups, so where the layout differs it holds a second copy."""
-        if self.q8 and not amx_panels_active() and native_applies("gemm_q8", self.dtype, self.qweight.device):
+        if self.q8 and not bf16_panels_active() and native_applies("gemm_q8", self.dtype, self.qweight.device):
             self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data)
         else:
             self._projection = DenseWeight(self._rows().data, large_batches=False)

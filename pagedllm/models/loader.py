@@ -44,9 +44,9 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
     return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
 
 
-def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, amx_bf16: bool = False) -> nn.Module:
-    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode; with ``amx_bf16`` its
-    dense GEMM weights are bf16 panels for AMX tiles (``dtype`` then float32, see ModelConfig.compute_dtype).
+def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, bf16_panels: bool = False) -> nn.Module:
+    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode; with ``bf16_panels`` its
+    dense GEMM weights are gemm_bf16.c's bf16 panels (``dtype`` is then float32, see ModelConfig.compute_dtype).
 
     The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
     """
@@ -61,7 +61,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
-    with laying_out_weights(amx_bf16):
+    with laying_out_weights(bf16_panels):
         for module in model.modules():
             if hasattr(module, "quant_method"):
                 module.quant_method.process_weights_after_loading(module)

@@ -185,14 +185,23 @@ def gemm_q8():
 
 
 @functools.cache
-def _gemm_amx_lib():
-    """The library of gemm_amx.c where this CPU has AMX bf16 tiles and the OS lets the process use them, or None."""
-    lib = _load("gemm_amx", {"amx_gemm_available": ([], _I32),
-                             "gemm_amx_bf16": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32)})
-    return lib if lib is not None and lib.amx_gemm_available() else None
+def _gemm_bf16_lib(extra_flags: tuple[str, ...] = ()):
+    """The library of gemm_bf16.c where this CPU has AVX512-BF16 (AMX too, where it has it), or None."""
+    lib = _load("gemm_bf16", {"gemm_bf16_available": ([], _I32), "gemm_bf16_uses_amx": ([], _I32),
+                              "gemm_bf16": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32)},
+                extra_flags)
+    return lib if lib is not None and lib.gemm_bf16_available() else None
 
 
-def gemm_amx():
-    """The C function ``gemm_amx_bf16`` (see gemm_amx.c): float32 rows times bf16 panels on AMX tiles, or None."""
-    lib = _gemm_amx_lib()
-    return None if lib is None else lib.gemm_amx_bf16
+def gemm_bf16(extra_flags: tuple[str, ...] = ()):
+    """The C function ``gemm_bf16`` (see gemm_bf16.c): float32 rows times bf16 weight panels, on AMX tiles where
+    the CPU has them, else with vdpbf16ps; or None. ``extra_flags`` exist for tests (``-mno-amx-tile`` builds the
+    vdpbf16ps body)."""
+    lib = _gemm_bf16_lib(extra_flags)
+    return None if lib is None else lib.gemm_bf16
+
+
+def gemm_bf16_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether gemm_bf16 multiplies on AMX tiles here (built for them, and the OS lets the process use them)."""
+    lib = _gemm_bf16_lib(extra_flags)
+    return lib is not None and bool(lib.gemm_bf16_uses_amx())

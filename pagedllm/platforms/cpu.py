@@ -32,10 +32,10 @@ def has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def amx_bf16_applies() -> bool:
-    """Whether a bfloat16 model can run as float32 activations times bf16 AMX weight panels: the CPU has AMX
-    bf16 tiles the OS lets this process use (gemm_amx.c), and the float32 kernels around the GEMMs are built."""
-    return native.gemm_amx() is not None and native.fused_ops() is not None
+def bf16_panels_apply() -> bool:
+    """Whether a bfloat16 model can run as float32 activations times bf16 weight panels: gemm_bf16.c is built
+    for this CPU (AVX512-BF16, AMX where it has it), and so are the float32 kernels around the GEMMs."""
+    return native.gemm_bf16() is not None and native.fused_ops() is not None
 
 
 @functools.lru_cache(maxsize=1)

@@ -40,7 +40,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         mc = self.model_config
-        self.model = get_model(mc.path, mc.hf_config, mc.compute_dtype, mc.amx_bf16)
+        self.model = get_model(mc.path, mc.hf_config, mc.compute_dtype, mc.bf16_panels)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config

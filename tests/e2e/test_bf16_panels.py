@@ -1,6 +1,6 @@
-"""dtype=bfloat16 on a CPU with AMX: bf16 GEMM weights on AMX tiles, float32 activations, a bf16 KV cache
-(ModelConfig.amx_bf16). Its greedy tokens against float32's, teacher-forced as bf16 rounding flips near-ties;
-CPU graphs replay its decode steps. Skipped where the CPU has no AMX bf16 tiles."""
+"""dtype=bfloat16 on a CPU with bf16 arithmetic (AMX or AVX512-BF16): bf16 GEMM weight panels, float32
+activations, a bf16 KV cache (ModelConfig.bf16_panels). Its greedy tokens against float32's, teacher-forced as
+bf16 rounding flips near-ties; CPU graphs replay its decode steps. Skipped where gemm_bf16.c has no body."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams, native
 
-pytestmark = pytest.mark.skipif(native.gemm_amx() is None, reason="no AMX bf16 tiles on this CPU (or no compiler)")
+pytestmark = pytest.mark.skipif(native.gemm_bf16() is None, reason="no AVX512-BF16 on this CPU (or no compiler)")
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "List three primary colors:", "Water boils at a temperature of"]
@@ -27,10 +27,10 @@ def _runner(llm: LLM):
     return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
 
 
-def test_bf16_weights_on_amx_float32_activations_bf16_cache(engines):
+def test_bf16_weight_panels_float32_activations_bf16_cache(engines):
     _, bf16 = engines
     runner = _runner(bf16)
-    assert runner.model_config.amx_bf16 and runner.model_config.compute_dtype == torch.float32
+    assert runner.model_config.bf16_panels and runner.model_config.compute_dtype == torch.float32
     dense = runner.model.model.layers[0].self_attn.qkv_proj.quant_method.dense
     assert dense.panels.dtype == torch.bfloat16 and dense.data is None
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
@@ -56,7 +56,7 @@ def test_greedy_tokens_agree_with_float32(engines):
               for seq, lps_a, lps_b in zip(expected, bf16_logprobs, dense_logprobs)
               for tok, a, b in zip(seq[-NUM_TOKENS:], lps_a, lps_b)]
     agreement = sum(rank == 1 for rank in ranks) / len(ranks)
-    print(f"bf16 on AMX vs float32: teacher-forced agreement {agreement:.3f}, max |logprob diff| {max(deltas):.2e}")
+    print(f"bf16 panels vs float32: teacher-forced agreement {agreement:.3f}, max |logprob diff| {max(deltas):.2e}")
     assert agreement >= 0.9
     assert 0 < max(deltas) < 1.0  # bf16 weights: a different computation, and a close one
 

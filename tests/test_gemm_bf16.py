@@ -1,6 +1,7 @@
-"""gemm_amx.c through DenseWeight: float32 rows times bf16 weight panels on AMX tiles equal F.linear on the
-bf16-rounded operands (float32 sums in another order), at the row counts and odd shapes the engine produces.
-Skipped where the CPU has no AMX bf16 tiles."""
+"""gemm_bf16.c through DenseWeight: float32 rows times bf16 weight panels equal F.linear on the bf16-rounded
+operands (float32 sums in another order), at the row counts and odd shapes the engine produces, on both bodies:
+AMX tiles where the CPU has them, and vdpbf16ps (built with -mno-amx-tile) on any AVX512-BF16 CPU. Skipped where
+the CPU has no bf16 arithmetic."""
 
 import pytest
 import torch
@@ -10,37 +11,49 @@ from pagedllm import native
 from pagedllm.layers import gemm_layout
 from pagedllm.layers.gemm_layout import DenseWeight, laying_out_weights
 
-pytestmark = pytest.mark.skipif(native.gemm_amx() is None, reason="no AMX bf16 tiles on this CPU (or no compiler)")
+BODIES = {"amx": (), "vdpbf16ps": ("-mno-amx-tile",)}
 
 
-def _amx_weight(weight: torch.Tensor, large_batches: bool = True) -> DenseWeight:
-    with laying_out_weights(amx_bf16=True):
-        return DenseWeight(weight, large_batches)
+@pytest.fixture(params=list(BODIES))
+def body(request, monkeypatch):
+    flags = BODIES[request.param]
+    kernel = native.gemm_bf16(flags)
+    if kernel is None:
+        pytest.skip("no AVX512-BF16 on this CPU (or no compiler)")
+    if native.gemm_bf16_uses_amx(flags) != (request.param == "amx"):
+        pytest.skip(f"no {request.param} body here")
+    monkeypatch.setattr(native, "gemm_bf16", lambda: kernel)
+    return request.param
+
+
+def _bf16_weight(weight: torch.Tensor) -> DenseWeight:
+    with laying_out_weights(bf16_panels=True):
+        return DenseWeight(weight)
 
 
 def _rounded(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
-@pytest.mark.parametrize("rows", [0, 1, 15, 16, 17, 32, 33, 64, 300])
+@pytest.mark.parametrize("rows", [0, 1, 7, 9, 16, 17, 33, 64, 300])
 @pytest.mark.parametrize("out_features,in_features", [(1, 1), (31, 17), (32, 32), (33, 65), (200, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_f_linear_on_rounded_operands(rows, out_features, in_features, with_bias):
+def test_matches_f_linear_on_rounded_operands(body, rows, out_features, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    dense = _amx_weight(weight)
+    dense = _bf16_weight(weight)
     assert dense.data is None and dense.panels.dtype == torch.bfloat16
     assert torch.equal(dense.unpacked(), weight.to(torch.bfloat16))
     expected = F.linear(_rounded(x), _rounded(weight), bias)
     torch.testing.assert_close(dense.linear(x, bias), expected, rtol=1e-5, atol=1e-6 * in_features)
 
 
-def test_rows_past_a_chunk_and_strided_inputs():
+def test_rows_past_a_chunk_and_strided_inputs(body):
     """More rows than one chunk of the kernel's x scratch (512 KB of bf16 rows), leading dims, strided rows."""
     weight = torch.randn(100, 1536)
-    dense = _amx_weight(weight)
+    dense = _bf16_weight(weight)
     x = torch.randn(2, 250, 1536)
     torch.testing.assert_close(dense.linear(x), F.linear(_rounded(x), _rounded(weight)), rtol=1e-5, atol=2e-3)
     wide = torch.randn(9, 2000)[:, 100:1636]
@@ -48,14 +61,14 @@ def test_rows_past_a_chunk_and_strided_inputs():
 
 
 def test_outside_the_layout_block_weights_keep_float32_panels():
-    assert not gemm_layout.amx_panels_active()
+    assert not gemm_layout.bf16_panels_active()
     dense = DenseWeight(torch.randn(64, 32))
     assert dense.panels is None or dense.panels.dtype == torch.float32
 
 
 def test_panel_sizes_match_the_kernel():
-    source = gemm_layout.__file__.rsplit("/layers/", 1)[0] + "/native/gemm_amx.c"
+    source = gemm_layout.__file__.rsplit("/layers/", 1)[0] + "/native/gemm_bf16.c"
     with open(source) as f:
         text = f.read()
-    assert f"#define PANEL_COLS {gemm_layout.AMX_PANEL}\n" in text
-    assert f"#define KBLOCK {gemm_layout.AMX_PANEL} " in text
+    assert f"#define PANEL_COLS {gemm_layout.BF16_PANEL}\n" in text
+    assert f"#define KBLOCK {gemm_layout.BF16_PANEL} " in text
