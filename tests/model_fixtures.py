@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from pagedllm import SamplingParams
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
@@ -147,3 +148,20 @@ def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def teacher_forced(llm, reference, sequences: list[list[int]], num_tokens: int) -> tuple[list[int], list[float]]:
+    """For the last ``num_tokens`` tokens of each sequence (the reference's greedy continuations), each predicted
+    from the tokens before it: ``llm``'s rank of that token, and its |logprob difference| from ``reference``'s.
+    The strict measure of two close models, where free-running a near-tie flipped by rounding sends the rest of
+    a sequence elsewhere."""
+    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": ids} for ids in sequences]
+    ours, theirs = ([o.prompt_logprobs[-num_tokens:] for o in engine.generate(prompts, forced, use_tqdm=False)]
+                    for engine in (llm, reference))
+    ranks, deltas = [], []
+    for seq, lps_a, lps_b in zip(sequences, ours, theirs):
+        for tok, a, b in zip(seq[-num_tokens:], lps_a, lps_b):
+            ranks.append(a[tok].rank)
+            deltas.append(abs(a[tok].logprob - b[tok].logprob))
+    return ranks, deltas

@@ -29,7 +29,7 @@ from pagedllm.models.gguf_loader import (
 )
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_quant_config
-from tests.model_fixtures import smollm_path, write_tiny_gguf
+from tests.model_fixtures import smollm_path, teacher_forced, write_tiny_gguf
 from tests.native_paths import native_or_fallback
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
@@ -229,15 +229,7 @@ def test_greedy_tokens_agree_with_dense(dense, int4):
                     for e, o in zip(expected, ours)]
     assert all(n >= 1 for n in prefix_match)  # the first token of every prompt matches
 
-    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    prompts = [{"prompt_token_ids": ids} for ids in expected]
-    int4_logprobs, dense_logprobs = ([o.prompt_logprobs[-NUM_TOKENS:] for o in llm.generate(prompts, forced,
-                                                                                             use_tqdm=False)]
-                                     for llm in (int4, dense))
-    ranks = [lp[tok].rank for seq, lps in zip(expected, int4_logprobs) for tok, lp in zip(seq[-NUM_TOKENS:], lps)]
-    deltas = [abs(a[tok].logprob - b[tok].logprob)
-              for seq, lps_a, lps_b in zip(expected, int4_logprobs, dense_logprobs)
-              for tok, a, b in zip(seq[-NUM_TOKENS:], lps_a, lps_b)]
+    ranks, deltas = teacher_forced(int4, dense, expected, NUM_TOKENS)
     agreement = sum(rank == 1 for rank in ranks) / len(ranks)
     print(f"gguf_int4 ({path} kernel) vs dense float32: teacher-forced agreement {agreement:.3f}, greedy prefix "
           f"agreement {sum(prefix_match) / (NUM_TOKENS * len(PROMPTS)):.3f} ({prefix_match}), "

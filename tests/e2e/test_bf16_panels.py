@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams, native
+from tests.model_fixtures import teacher_forced
 
 pytestmark = pytest.mark.skipif(native.gemm_bf16() is None, reason="no AVX512-BF16 on this CPU (or no compiler)")
 
@@ -46,15 +47,7 @@ def test_greedy_tokens_agree_with_float32(engines):
     ours = [list(o.outputs[0].token_ids) for o in bf16.generate(PROMPTS, greedy, use_tqdm=False)]
     assert all(e[-NUM_TOKENS] == o[0] for e, o in zip(expected, ours))  # every prompt's first token
 
-    forced = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    prompts = [{"prompt_token_ids": ids} for ids in expected]
-    bf16_logprobs, dense_logprobs = ([o.prompt_logprobs[-NUM_TOKENS:] for o in llm.generate(prompts, forced,
-                                                                                             use_tqdm=False)]
-                                     for llm in (bf16, dense))
-    ranks = [lp[tok].rank for seq, lps in zip(expected, bf16_logprobs) for tok, lp in zip(seq[-NUM_TOKENS:], lps)]
-    deltas = [abs(a[tok].logprob - b[tok].logprob)
-              for seq, lps_a, lps_b in zip(expected, bf16_logprobs, dense_logprobs)
-              for tok, a, b in zip(seq[-NUM_TOKENS:], lps_a, lps_b)]
+    ranks, deltas = teacher_forced(bf16, dense, expected, NUM_TOKENS)
     agreement = sum(rank == 1 for rank in ranks) / len(ranks)
     print(f"bf16 panels vs float32: teacher-forced agreement {agreement:.3f}, max |logprob diff| {max(deltas):.2e}")
     assert agreement >= 0.9
