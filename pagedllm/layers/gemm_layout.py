@@ -64,10 +64,10 @@ class DenseWeight:
 
     def __init__(self, weight: torch.Tensor, large_batches: bool = True):
         self.out_features, self.in_features = weight.shape
-        self.panels, self.kernel = None, None  # kernel: gemm_bf16.c's for bf16 panels, else gemm.c's at each call
+        self.panels = None
         if _bf16_panels and weight.dim() == 2 and native_applies("gemm_bf16", weight.dtype, weight.device):
             # faster than MKL's float32 at every batch size (AMX at 2048 rows: ~1.9 vs ~0.17 TFLOP/s)
-            self.panels, self.kernel, self.data = _placed(pack_bf16_panels(weight)), native.gemm_bf16(), None
+            self.panels, self.data = _placed(pack_bf16_panels(weight)), None
             return
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
@@ -84,7 +84,8 @@ class DenseWeight:
         if self.panels is None or x.dtype != torch.float32 or (
                 self.data is not None and rows.shape[0] > PANELS_MAX_ROWS):
             return F.linear(x, self.unpacked(), bias)
-        return packed_linear(self.kernel or native.gemm(), x, self.panels, bias, self.out_features)
+        kernel = native.gemm_bf16() if self.panels.dtype == torch.bfloat16 else native.gemm()
+        return packed_linear(kernel, x, self.panels, bias, self.out_features)
 
     def unpacked(self) -> torch.Tensor:
         """The ``[out, in]`` values (a copy when only the panels are kept)."""
@@ -128,7 +129,7 @@ class QuantizedWeight:
         return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return packed_linear(self.kernel or native.gemm(), x, self.panels, bias, self.out_features)
+        return packed_linear(self.kernel, x, self.panels, bias, self.out_features)
 
 
 def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
