@@ -219,7 +219,9 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
     const int kp = (K + KBLOCK - 1) / KBLOCK * KBLOCK, mp = (M + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     uint16_t *a = x_scratch((size_t)mp * kp);
     if (a == NULL) return -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     const int amx = gemm_bf16_uses_amx();
+#endif
     const int panels = (N + PANEL_COLS - 1) / PANEL_COLS, row_blocks = mp / ROW_BLOCK;
     int chunk_blocks = (int)(CHUNK_BYTES / ((int64_t)ROW_BLOCK * kp * sizeof(uint16_t)));
     if (chunk_blocks < 1) chunk_blocks = 1;
@@ -233,7 +235,9 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
 #pragma omp barrier
         const int first = (int)((int64_t)items * thread / threads);
         const int last = (int)((int64_t)items * (thread + 1) / threads);
-        int shape = -1;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        int shape = -1; /* the rows the tiles are configured for */
+#endif
         for (int it = first; it < last; it++) {
             /* chunk-major, then panel, then row block within the chunk (the last chunk may be shorter) */
             const int chunk = it / (panels * chunk_blocks), in_chunk = it - chunk * panels * chunk_blocks;
@@ -261,7 +265,6 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
         if (shape >= 0) _tile_release();
 #endif
     }
-    (void)amx;
     return 0;
 }
 #else
