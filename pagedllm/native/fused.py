@@ -91,7 +91,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, val
     kernel = _WRITE_KV.get(key_flat.dtype)
     row_floats = key.shape[1] * key.shape[2]
     dense_rows = all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
-    if (lib is None or kernel is None or value_flat.dtype != key_flat.dtype or not dense_rows
+    if (lib is None or kernel is None or value_flat.dtype != key_flat.dtype or key_flat.device.type != "cpu"
+            or value_flat.device.type != "cpu" or not dense_rows
             or key.stride(0) != value.stride(0) or slot_mapping.dtype != torch.int64
             or not (key_flat.is_contiguous() and value_flat.is_contiguous() and slot_mapping.is_contiguous())):
         return False
