@@ -15,10 +15,14 @@
  *
  * Work items are (panel, block of 32 rows), split into contiguous runs over torch's OpenMP threads: in chunks
  * of rows whose bf16 copy fits in L2 (CHUNK_BYTES), then panel by panel, so a panel read from memory by its
- * first row block is in L2 for the next. A panel's first row block also fetches the next panel into L2 as it
- * goes, so that memory streams while the later row blocks multiply from cache (AMX, 30 layers at 64 rows 14.2 ->
- * 13.1 ms, the LM head 3.65 -> 3.38; prefetching 8 KB ahead in the panel itself, into L1, was no better than
- * none). Each thread first rounds its share of x's rows to bf16 into a shared scratch (K padded to 32 with zeros).
+ * first row block is in L2 for the next. How the first row block gets the panel out of memory differs by body,
+ * each as measured on its machine: on AMX it fetches the next panel into L2 as it goes, so that memory streams
+ * while the later row blocks multiply from cache (30 layers at 64 rows 14.2 -> 13.1 ms, the LM head 3.65 -> 3.38;
+ * prefetching ahead in the panel itself, into L1, was no better than none there); with vdpbf16ps the first tile
+ * over a panel prefetches 8 KB ahead in it into L1 (Zen 5, 30 layers' weights: 64 rows 22.2 -> 18.3 ms, 32 rows
+ * 16.6 -> 11.4, 8 rows 9.1 -> 6.0, medians of 30; fetching the next panel into L2 made no difference there,
+ * spread over all its tiles or not: one demand-paced tile reading memory stalls on it whatever L2 holds).
+ * Each thread first rounds its share of x's rows to bf16 into a shared scratch (K padded to 32 with zeros).
  * On AMX an item keeps four 16 x 16 float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31;
  * the last row block's tiles are configured to the rows it has); with vdpbf16ps, tiles of up to 8 rows x 32
  * columns in 16 registers. Both add the bias on the way out.
@@ -36,6 +40,7 @@
 #define ROW_BLOCK 32  /* rows per work item: two A tiles */
 #define DP_ROWS 8     /* rows per vdpbf16ps register tile */
 #define CHUNK_BYTES (512 * 1024) /* bf16 rows of x a chunk of items shares; they stay in L2 over all panels */
+#define STREAM_AHEAD 8192 /* bytes a vdpbf16ps tile reading a panel from memory prefetches ahead of itself */
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -82,22 +87,20 @@ static void write_rows(const float *c, const float *bias, float *y, int64_t ldy,
     }
 }
 
-/* Fetch one block of the panel `ahead` (2 KB) into L2. */
-static inline void fetch_block(const char *ahead, int kb) {
-    if (ahead != NULL)
-        for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + (int64_t)kb * 2048 + line, _MM_HINT_T1);
-}
-
 /* ROWS (a constant after inlining, <= DP_ROWS) rows of bf16 x from row r0 against a panel, with vdpbf16ps:
- * c[r][0:32] = x[r] . panel. */
+ * c[r][0:32] = x[r] . panel. The tile that reads the panel from memory (`stream`) prefetches STREAM_AHEAD bytes
+ * ahead of itself. */
 static inline __attribute__((always_inline)) void dp_tile(const uint16_t *a, int kp, const uint16_t *panel, int r0,
-                                                          const int ROWS, float *c, const char *ahead) {
+                                                          const int ROWS, float *c, int stream) {
     __m512 acc[DP_ROWS][2];
     for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const char *b = (const char *)panel;
     for (int kb = 0; kb < kp / KBLOCK; kb++, b += 2048) {
-        fetch_block(ahead, kb);
         for (int i = 0; i < 16; i++) {
+            if (stream) {
+                _mm_prefetch(b + STREAM_AHEAD + 64 * i, _MM_HINT_T0);
+                _mm_prefetch(b + STREAM_AHEAD + 1024 + 64 * i, _MM_HINT_T0);
+            }
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(b + 64 * i);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(b + 1024 + 64 * i);
             for (int r = 0; r < ROWS; r++) {
@@ -115,23 +118,24 @@ static inline __attribute__((always_inline)) void dp_tile(const uint16_t *a, int
     }
 }
 
-/* One item with vdpbf16ps: rows [row0, row0 + rows) of y against one panel, DP_ROWS rows at a time. */
+/* One item with vdpbf16ps: rows [row0, row0 + rows) of y against one panel, DP_ROWS rows at a time; with
+ * `stream` (the panel's first row block) its first tile reads the panel from memory. */
 static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const float *bias, float *y, int64_t ldy,
-                    int row0, int rows, int cols, const char *ahead) {
+                    int row0, int rows, int cols, int stream) {
     float c[DP_ROWS * PANEL_COLS] __attribute__((aligned(64)));
     for (int r = row0; r < row0 + rows; r += DP_ROWS) {
         const int n = row0 + rows - r < DP_ROWS ? row0 + rows - r : DP_ROWS;
         switch (n) {
-        case 8: dp_tile(a, kp, panel, r, 8, c, ahead); break;
-        case 7: dp_tile(a, kp, panel, r, 7, c, ahead); break;
-        case 6: dp_tile(a, kp, panel, r, 6, c, ahead); break;
-        case 5: dp_tile(a, kp, panel, r, 5, c, ahead); break;
-        case 4: dp_tile(a, kp, panel, r, 4, c, ahead); break;
-        case 3: dp_tile(a, kp, panel, r, 3, c, ahead); break;
-        case 2: dp_tile(a, kp, panel, r, 2, c, ahead); break;
-        default: dp_tile(a, kp, panel, r, 1, c, ahead); break;
+        case 8: dp_tile(a, kp, panel, r, 8, c, stream); break;
+        case 7: dp_tile(a, kp, panel, r, 7, c, stream); break;
+        case 6: dp_tile(a, kp, panel, r, 6, c, stream); break;
+        case 5: dp_tile(a, kp, panel, r, 5, c, stream); break;
+        case 4: dp_tile(a, kp, panel, r, 4, c, stream); break;
+        case 3: dp_tile(a, kp, panel, r, 3, c, stream); break;
+        case 2: dp_tile(a, kp, panel, r, 2, c, stream); break;
+        default: dp_tile(a, kp, panel, r, 1, c, stream); break;
         }
-        ahead = NULL; /* the first tile fetched the next panel */
+        stream = 0; /* the later tiles find the panel in cache */
         write_rows(c, bias, y, ldy, r, n, cols);
     }
 }
@@ -169,6 +173,12 @@ int gemm_bf16_uses_amx(void) {
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return granted;
+}
+
+/* Fetch one block of the panel `ahead` (2 KB) into L2. */
+static inline void fetch_block(const char *ahead, int kb) {
+    if (ahead != NULL)
+        for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + (int64_t)kb * 2048 + line, _MM_HINT_T1);
 }
 
 /* One item on AMX tiles: rows [row0, row0 + rows) of y (rows <= 32) against one panel of `cols` (<= 32)
@@ -246,8 +256,7 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
             const int p = in_chunk / blocks, rb = chunk * chunk_blocks + in_chunk % blocks;
             const int row0 = rb * ROW_BLOCK, rows = M - row0 < ROW_BLOCK ? M - row0 : ROW_BLOCK;
             const int cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
-            const int fetch = in_chunk % blocks == 0 && p + 1 < panels; /* a panel's first row block */
-            const char *ahead = fetch ? (const char *)(packed + (p + 1) * panel_len) : NULL;
+            const int first_block = in_chunk % blocks == 0; /* the panel's first row block reads it from memory */
             const float *b = bias == NULL ? NULL : bias + p * PANEL_COLS;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (amx) {
@@ -255,11 +264,12 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
                     configure(rows < 16 ? rows : 16, rows - 16);
                     shape = rows;
                 }
+                const char *ahead = first_block && p + 1 < panels ? (const char *)(packed + (p + 1) * panel_len) : NULL;
                 item_amx(a, kp, packed + p * panel_len, b, y + p * PANEL_COLS, ldy, row0, rows, cols, ahead);
                 continue;
             }
 #endif
-            item_dp(a, kp, packed + p * panel_len, b, y + p * PANEL_COLS, ldy, row0, rows, cols, ahead);
+            item_dp(a, kp, packed + p * panel_len, b, y + p * PANEL_COLS, ldy, row0, rows, cols, first_block);
         }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (shape >= 0) _tile_release();
