@@ -23,12 +23,14 @@ def body(request, monkeypatch):
     if native.gemm_bf16_uses_amx(flags) != (request.param == "amx"):
         pytest.skip(f"no {request.param} body here")
     monkeypatch.setattr(native, "gemm_bf16", lambda: kernel)
+    gated = native.gemm_bf16_silu_mul(flags)
+    monkeypatch.setattr(native, "gemm_bf16_silu_mul", lambda: gated)
     return request.param
 
 
-def _bf16_weight(weight: torch.Tensor) -> DenseWeight:
+def _bf16_weight(weight: torch.Tensor, gated: bool = False) -> DenseWeight:
     with laying_out_weights(bf16_panels=True):
-        return DenseWeight(weight)
+        return DenseWeight(weight, gated=gated)
 
 
 def _rounded(t: torch.Tensor) -> torch.Tensor:
@@ -58,6 +60,27 @@ def test_rows_past_a_chunk_and_strided_inputs(body):
     torch.testing.assert_close(dense.linear(x), F.linear(_rounded(x), _rounded(weight)), rtol=1e-5, atol=2e-3)
     wide = torch.randn(9, 2000)[:, 100:1636]
     torch.testing.assert_close(dense.linear(wide), F.linear(_rounded(wide), _rounded(weight)), rtol=1e-5, atol=2e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64, 300])
+@pytest.mark.parametrize("half,in_features", [(1, 1), (7, 33), (16, 32), (20, 17), (1536, 576)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gated_panels_give_silu_of_gate_times_up(body, rows, half, in_features, with_bias):
+    """A [gate | up] weight laid out gated: silu_and_mul equals the activation of F.linear on the rounded operands
+    (the projection never written), linear and unpacked still give the plain projection and weight."""
+    gen = torch.Generator().manual_seed(rows * 1000 + half)
+    weight = torch.randn(2 * half, in_features, generator=gen)
+    bias = torch.randn(2 * half, generator=gen) if with_bias else None
+    x = torch.randn(rows, in_features, generator=gen)
+    dense = _bf16_weight(weight, gated=True)
+    assert dense.gated and dense.panels.dtype == torch.bfloat16
+    assert torch.equal(dense.unpacked(), weight.to(torch.bfloat16))
+    gate, up = F.linear(_rounded(x), _rounded(weight), bias).chunk(2, dim=-1)
+    activated = dense.silu_and_mul(x, bias)
+    assert activated.shape == (rows, half)
+    torch.testing.assert_close(activated, F.silu(gate) * up, rtol=1e-4, atol=1e-5 * in_features)
+    torch.testing.assert_close(dense.linear(x, bias), F.linear(x, _rounded(weight), bias), rtol=1e-5,
+                               atol=1e-5 * in_features)
 
 
 def test_outside_the_layout_block_weights_keep_float32_panels():

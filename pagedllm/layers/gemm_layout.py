@@ -60,14 +60,18 @@ class DenseWeight:
     """An ``[out, in]`` weight in its GEMMs' layouts; ``linear(x, bias)`` equals ``F.linear(x, weight, bias)``.
     ``data`` is the weight for torch (input-major in float32 on CPU; None when only panels are kept),
     ``panels`` the native kernel's ``[ceil(out / 64), in, 64]`` copy (None without the kernel), or, laid out
-    under ``laying_out_weights(bf16_panels=True)``, gemm_bf16.c's bf16 panels, then the only copy."""
+    under ``laying_out_weights(bf16_panels=True)``, gemm_bf16.c's bf16 panels, then the only copy.
 
-    def __init__(self, weight: torch.Tensor, large_batches: bool = True):
+    ``gated``: the weight is a gated MLP's ``[gate | up]`` projection; its bf16 panels are then laid out for
+    ``silu_and_mul`` (gate and up interleaved, see pack_bf16_panels), which ``gated`` tells after laying out."""
+
+    def __init__(self, weight: torch.Tensor, large_batches: bool = True, gated: bool = False):
         self.out_features, self.in_features = weight.shape
-        self.panels = None
+        self.panels, self.gated = None, False
         if _bf16_panels and weight.dim() == 2 and native_applies("gemm_bf16", weight.dtype, weight.device):
             # faster than MKL's float32 at every batch size (AMX at 2048 rows: ~1.9 vs ~0.17 TFLOP/s)
-            self.panels, self.data = _placed(pack_bf16_panels(weight)), None
+            self.gated = gated
+            self.panels, self.data = _placed(pack_bf16_panels(weight, self.gated)), None
             return
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
@@ -81,35 +85,55 @@ class DenseWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.panels is None or x.dtype != torch.float32 or (
+        if self.panels is None or self.gated or x.dtype != torch.float32 or (
                 self.data is not None and rows.shape[0] > PANELS_MAX_ROWS):
-            return F.linear(x, self.unpacked(), bias)
+            return F.linear(x, self.unpacked().to(x.dtype), bias)  # gated panels serve silu_and_mul, not this
         kernel = native.gemm_bf16() if self.panels.dtype == torch.bfloat16 else native.gemm()
         return packed_linear(kernel, x, self.panels, bias, self.out_features)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``silu(gate) * up`` of ``F.linear(x, weight, bias)`` split in halves, in one kernel that never writes the
+        projection itself (a ``gated`` weight, float32 ``x``)."""
+        return packed_linear(native.gemm_bf16_silu_mul(), x, self.panels, bias, self.out_features,
+                             self.out_features // 2)
 
     def unpacked(self) -> torch.Tensor:
         """The ``[out, in]`` values (a copy when only the panels are kept)."""
         if self.data is not None:
             return self.data
         if self.panels.dtype == torch.bfloat16:
-            return unpack_bf16_panels(self.panels, self.out_features, self.in_features)
+            return unpack_bf16_panels(self.panels, self.out_features, self.in_features, self.gated)
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
 
 
-def pack_bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+def pack_bf16_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """``[N, K]`` float32 -> gemm_bf16's panels, ``[ceil(N / 32), ceil(K / 32), 2, 16, 16, 2]`` bf16 (rounded
     to nearest even, zero-padded): per panel of 32 columns and block of 32 along K, two tiles (columns 0-15,
-    16-31) whose row i holds each column's weights at k = 2i, 2i + 1."""
+    16-31) whose row i holds each column's weights at k = 2i, 2i + 1. ``gated``: the weight is ``[gate | up]``,
+    and panel p holds gate's columns 16p .. 16p + 15 in its first tile, up's same columns in its second (each half
+    zero-padded to whole tiles), so gemm_bf16_silu_mul finds both halves of an output column in one panel."""
+    if gated:
+        weight = torch.stack([_padded_tiles(half) for half in weight.chunk(2)], dim=1).flatten(0, 2)
     n, k = weight.shape
     panels, blocks = -(-n // BF16_PANEL), -(-k // BF16_PANEL)
     padded = F.pad(weight.to(torch.bfloat16), (0, blocks * BF16_PANEL - k, 0, panels * BF16_PANEL - n))
     return padded.view(panels, 2, 16, blocks, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-def unpack_bf16_panels(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+def _padded_tiles(half: torch.Tensor) -> torch.Tensor:
+    """``[n, K]`` zero-padded to ``[ceil(n / 16), 16, K]``: one gated half's columns, a tile's worth at a time."""
+    tile = BF16_PANEL // 2
+    return F.pad(half, (0, 0, 0, -half.shape[0] % tile)).view(-1, tile, half.shape[1])
+
+
+def unpack_bf16_panels(panels: torch.Tensor, out_features: int, in_features: int,
+                       gated: bool = False) -> torch.Tensor:
     """pack_bf16_panels undone: the ``[out, in]`` bf16 values."""
     num_panels, blocks = panels.shape[:2]
     rows = panels.permute(0, 2, 4, 1, 3, 5).reshape(num_panels * BF16_PANEL, blocks * BF16_PANEL)
+    if gated:  # [panel, half, 16 columns] -> [half, panel, 16 columns]
+        halves = rows.view(num_panels, 2, BF16_PANEL // 2, -1).transpose(0, 1)
+        return torch.cat([h.reshape(-1, h.shape[-1])[: out_features // 2, :in_features] for h in halves])
     return rows[:out_features, :in_features]
 
 
@@ -173,23 +197,25 @@ def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor):
 
 
 def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` by one of gemm.c's kernels over ``packed`` (W's panels in that kernel's layout).
+                  out_features: int, out_width: int | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` by one of gemm.c's kernels over ``packed`` (W's panels in that kernel's layout), or,
+    with ``out_width``, what a kernel that writes that many columns per row makes of it (gemm_bf16_silu_mul).
     Called ~120 times a decode step: it keeps to the few tensor calls it needs (one-row decode is otherwise
     as much Python as GEMM)."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         rows = rows.contiguous()
     num_rows, in_features = rows.shape
-    out = rows.new_empty(num_rows, out_features)
+    width = out_width or out_features
+    out = rows.new_empty(num_rows, width)
     if bias is not None:
         bias = bias.contiguous()
     status = launch(kernel, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows, out_features,
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), width, num_rows, out_features,
                     in_features, torch.get_num_threads())
     if status != 0:
         raise RuntimeError(f"the native GEMM rejected its sizes (status {status})")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
 
 
 def native_applies(kernel_name: str, dtype: torch.dtype, device: torch.device) -> bool:

@@ -52,10 +52,13 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
             return F.linear(x, layer.weight, bias)
         return self.dense.linear(x, bias)
 
+    def apply_silu_and_mul(self, layer, x, bias=None):
+        return self.dense.silu_and_mul(x, bias) if self.dense is not None and self.dense.gated else None
+
     def process_weights_after_loading(self, layer) -> None:
         """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout,
         or the panels where they are the only copy (bf16 panels)."""
-        self.dense = DenseWeight(layer.weight.data)
+        self.dense = DenseWeight(layer.weight.data, gated=getattr(layer, "gated_silu", False))
         layer.weight.data = self.dense.data if self.dense.data is not None else self.dense.panels
 
 
@@ -151,16 +154,27 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs (e.g. gate and up) fused into one matmul.
 
-    Each rank's weight is ``[shard_0 slice, shard_1 slice, ...]`` stacked.
+    Each rank's weight is ``[shard_0 slice, shard_1 slice, ...]`` stacked. ``gated_silu``: the two outputs are a
+    gated MLP's gate and up, which ``silu_and_mul`` may then compute with the activation fused in.
     """
 
     def __init__(self, input_size, output_sizes: list[int], bias=True, gather_output=False,
-                 params_dtype=None, tp_size=1, tp_rank=0, quant_config=None, prefix=""):
+                 params_dtype=None, tp_size=1, tp_rank=0, quant_config=None, prefix="", gated_silu: bool = False):
         self.output_sizes = list(output_sizes)
         for size in self.output_sizes:
             divide(size, tp_size)  # each part must split evenly, not just their sum
+        if gated_silu and (len(self.output_sizes) != 2 or self.output_sizes[0] != self.output_sizes[1]):
+            raise ValueError(f"gated_silu needs two equal outputs (gate, up), got {self.output_sizes}")
         super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, tp_size, tp_rank,
                          quant_config, prefix)
+        self.gated_silu = gated_silu
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of this projection in one kernel where the weight's layout has one (bf16 panels),
+        else None (then apply the activation to ``forward``'s output)."""
+        if not self.gated_silu or self.gather_output:
+            return None
+        return self.quant_method.apply_silu_and_mul(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
         shard = self.output_sizes[loaded_shard_id] // self.tp_size

@@ -27,14 +27,17 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported, only 'silu'")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
-            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", gated_silu=True,
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        activated = self.gate_up_proj.silu_and_mul(x)  # the activation fused into the GEMM, where it can be
+        if activated is None:
+            activated = self.act_fn(self.gate_up_proj(x))
+        return self.down_proj(activated)
 
 
 class LlamaAttention(nn.Module):

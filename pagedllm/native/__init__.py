@@ -1,15 +1,16 @@
 """Native CPU kernels: C sources next to this file, compiled at first use and loaded with ctypes.
 
-pip installs no compiled code. A kernel is built once by the system C compiler (``$CC``, else ``cc``) into
-the cache directory, under a key of its source, the flags and this CPU's feature flags (``-march=native``),
-and renamed into place whole so concurrent processes never load half a file. Its OpenMP loop binds to the
-``libgomp.so.1`` torch has already loaded (same soname), so it runs on torch's worker threads. Without a
-compiler, on a build failure, or with ``PAGEDLLM_NATIVE_KERNELS=0``, the loaders return None and callers use the
-torch path.
+pip installs no compiled code. A kernel is built once by the system C compiler (``$CC``, else ``cc``) into the
+cache directory, under a key of its source and the headers beside it, the flags and this CPU's feature flags
+(``-march=native``), and renamed into place whole so concurrent processes never load half a file. Its OpenMP loop
+binds to the ``libgomp.so.1`` torch has already loaded (same soname), so it runs on torch's worker threads.
+Without a compiler, on a build failure, or with ``PAGEDLLM_NATIVE_KERNELS=0``, the loaders return None and
+callers use the torch path.
 """
 
 import ctypes
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -38,8 +39,10 @@ def _cpu_flags() -> str:
 def _build(name: str, extra_flags: tuple[str, ...] = ()) -> str | None:
     """Path of the built shared library for ``name.c``, building it if needed; None if it cannot be built."""
     source = os.path.join(_HERE, f"{name}.c")
-    with open(source, "rb") as f:
-        code = f.read()
+    code = b""
+    for path in [source, *sorted(glob.glob(os.path.join(_HERE, "*.h")))]:  # the headers it may include
+        with open(path, "rb") as f:
+            code += f.read()
     compiler = os.environ.get("CC", "cc")
     flags = [*FLAGS, *extra_flags]
     key = hashlib.sha256(code + "\0".join([compiler, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
@@ -187,9 +190,9 @@ def gemm_q8():
 @functools.cache
 def _gemm_bf16_lib(extra_flags: tuple[str, ...] = ()):
     """The library of gemm_bf16.c where this CPU has AVX512-BF16 (AMX too, where it has it), or None."""
+    gemm_args = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
     lib = _load("gemm_bf16", {"gemm_bf16_available": ([], _I32), "gemm_bf16_uses_amx": ([], _I32),
-                              "gemm_bf16": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32)},
-                extra_flags)
+                              "gemm_bf16": (gemm_args, _I32), "gemm_bf16_silu_mul": (gemm_args, _I32)}, extra_flags)
     return lib if lib is not None and lib.gemm_bf16_available() else None
 
 
@@ -199,6 +202,13 @@ def gemm_bf16(extra_flags: tuple[str, ...] = ()):
     vdpbf16ps body)."""
     lib = _gemm_bf16_lib(extra_flags)
     return None if lib is None else lib.gemm_bf16
+
+
+def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()):
+    """The C function ``gemm_bf16_silu_mul`` (see gemm_bf16.c): the gate_up projection over gated bf16 panels with
+    silu(gate) * up applied as it is written; or None."""
+    lib = _gemm_bf16_lib(extra_flags)
+    return None if lib is None else lib.gemm_bf16_silu_mul
 
 
 def gemm_bf16_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:

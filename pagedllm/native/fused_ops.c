@@ -10,26 +10,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PARALLEL_MIN_FLOATS 32768 /* below this a parallel region costs more than it saves */
+#include "exp_poly.h"
 
-/* exp(x), ~2 ulp, for |x| < 88: 2^n * p(r) with r = x - n ln2 (the Cephes polynomial). */
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+#define PARALLEL_MIN_FLOATS 32768 /* below this a parallel region costs more than it saves */
 
 /* out = x / rms(x) * weight per row, in the reference's order: (x * rsqrt(mean(x^2) + eps)) * weight. When
  * residual is given, x + residual is normalised and also written to sum_out. Rows are hidden floats apart. */
@@ -63,7 +46,7 @@ void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) {
         const float *gate = x + t * 2 * d, *up = gate + d;
         float *ot = out + t * d;
 #pragma omp simd
-        for (int i = 0; i < d; i++) ot[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+        for (int i = 0; i < d; i++) ot[i] = silu_mul(gate[i], up[i]);
     }
 }
 

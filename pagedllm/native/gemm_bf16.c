@@ -35,6 +35,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "exp_poly.h"
+
 #define PANEL_COLS 32
 #define KBLOCK 32     /* bf16 values along K per tile row */
 #define ROW_BLOCK 32  /* rows per work item: two A tiles */
@@ -74,16 +76,39 @@ static void round_rows(const float *x, int64_t ldx, int K, int kp, uint16_t *a, 
     }
 }
 
-/* y's rows [row0, row0 + rows) in a panel's `cols` columns = c (rows of 32 floats) + bias. */
-static void write_rows(const float *c, const float *bias, float *y, int64_t ldy, int row0, int rows, int cols) {
-    const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1u);
-    const __mmask16 m1 = cols >= 32 ? 0xFFFF : (cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1u));
-    const __m512 bias0 = bias != NULL ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-    const __m512 bias1 = bias != NULL ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+/* Where an item's results go: y at the panel's first output column, the bias there (NULL: none), and, for the
+ * gated layout (gemm_bf16_silu_mul), the bias of the up half; cols: the panel's output columns that exist. */
+typedef struct {
+    float *y;
+    int64_t ldy;
+    const float *bias, *up_bias;
+    int cols, gated;
+} PanelOut;
+
+static inline __mmask16 first_lanes(int n) { return n >= 16 ? 0xFFFF : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1u)); }
+
+/* y's rows [row0, row0 + rows) from c (rows of 32 floats): c + bias, or, gated, silu(gate) * up of c's two
+ * halves (gate columns 0-15, the same columns of up 16-31) plus their biases. */
+static void write_rows(const float *c, const PanelOut *o, int row0, int rows) {
+    const __mmask16 m0 = first_lanes(o->cols), m1 = o->gated ? m0 : first_lanes(o->cols - 16);
+    const float *bias1 = o->gated ? o->up_bias : (o->bias != NULL ? o->bias + 16 : NULL);
+    const __m512 b0 = o->bias != NULL ? _mm512_maskz_loadu_ps(m0, o->bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias1 != NULL ? _mm512_maskz_loadu_ps(m1, bias1) : _mm512_setzero_ps();
     for (int r = 0; r < rows; r++) {
-        float *yr = y + (int64_t)(row0 + r) * ldy;
-        _mm512_mask_storeu_ps(yr, m0, _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL_COLS), bias0));
-        _mm512_mask_storeu_ps(yr + 16, m1, _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL_COLS + 16), bias1));
+        float *yr = o->y + (int64_t)(row0 + r) * o->ldy;
+        const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL_COLS), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL_COLS + 16), b1);
+        if (o->gated) {
+            float gate[16] __attribute__((aligned(64))), up[16] __attribute__((aligned(64)));
+            _mm512_store_ps(gate, v0);
+            _mm512_store_ps(up, v1);
+#pragma omp simd aligned(gate, up : 64)
+            for (int i = 0; i < 16; i++) gate[i] = silu_mul(gate[i], up[i]);
+            _mm512_mask_storeu_ps(yr, m0, _mm512_load_ps(gate));
+        } else {
+            _mm512_mask_storeu_ps(yr, m0, v0);
+            _mm512_mask_storeu_ps(yr + 16, m1, v1);
+        }
     }
 }
 
@@ -120,8 +145,8 @@ static inline __attribute__((always_inline)) void dp_tile(const uint16_t *a, int
 
 /* One item with vdpbf16ps: rows [row0, row0 + rows) of y against one panel, DP_ROWS rows at a time; with
  * `stream` (the panel's first row block) its first tile reads the panel from memory. */
-static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const float *bias, float *y, int64_t ldy,
-                    int row0, int rows, int cols, int stream) {
+static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
+                    int stream) {
     float c[DP_ROWS * PANEL_COLS] __attribute__((aligned(64)));
     for (int r = row0; r < row0 + rows; r += DP_ROWS) {
         const int n = row0 + rows - r < DP_ROWS ? row0 + rows - r : DP_ROWS;
@@ -136,7 +161,7 @@ static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const floa
         default: dp_tile(a, kp, panel, r, 1, c, stream); break;
         }
         stream = 0; /* the later tiles find the panel in cache */
-        write_rows(c, bias, y, ldy, r, n, cols);
+        write_rows(c, out, r, n);
     }
 }
 
@@ -183,8 +208,8 @@ static inline void fetch_block(const char *ahead, int kb) {
 
 /* One item on AMX tiles: rows [row0, row0 + rows) of y (rows <= 32) against one panel of `cols` (<= 32)
  * columns, the tiles configured for `rows` already. */
-static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const float *bias, float *y, int64_t ldy,
-                     int row0, int rows, int cols, const char *ahead) {
+static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
+                     const char *ahead) {
     const int lower = rows > 16;
     const int64_t lda = (int64_t)kp * sizeof(uint16_t);
     const char *a0 = (const char *)(a + (int64_t)row0 * kp), *a1 = a0 + 16 * lda;
@@ -213,7 +238,7 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const flo
         _tile_stored(2, c + 16 * PANEL_COLS, PANEL_COLS * sizeof(float));
         _tile_stored(3, c + 16 * PANEL_COLS + 16, PANEL_COLS * sizeof(float));
     }
-    write_rows(c, bias, y, ldy, row0, rows, cols);
+    write_rows(c, out, row0, rows);
 }
 #else
 int gemm_bf16_uses_amx(void) { return 0; }
@@ -222,9 +247,11 @@ int gemm_bf16_uses_amx(void) { return 0; }
 int gemm_bf16_available(void) { return 1; }
 
 /* x: [M, K] float32 rows ldx apart; packed: [ceil(N / 32), ceil(K / 32), 2, 16, 32] bf16; bias: [N] or NULL;
- * y: [M, N] float32 rows ldy apart. Returns -1 where scratch cannot be had. */
-int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy, int M,
-              int N, int K, int num_threads) {
+ * y: [M, N] float32 rows ldy apart, or, gated, [M, N / 2]: the packed columns are the gate and up projections
+ * interleaved 16 by 16 (pack_bf16_panels(gated=True)) and y = silu(gate) * up. Returns -1 where scratch cannot be
+ * had. */
+static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy,
+                    int M, int N, int K, int num_threads, int gated) {
     if (M == 0) return 0;
     const int kp = (K + KBLOCK - 1) / KBLOCK * KBLOCK, mp = (M + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     uint16_t *a = x_scratch((size_t)mp * kp);
@@ -233,6 +260,7 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
     const int amx = gemm_bf16_uses_amx();
 #endif
     const int panels = (N + PANEL_COLS - 1) / PANEL_COLS, row_blocks = mp / ROW_BLOCK;
+    const int out_cols = gated ? PANEL_COLS / 2 : PANEL_COLS, out_n = gated ? N / 2 : N; /* per panel, in all */
     int chunk_blocks = (int)(CHUNK_BYTES / ((int64_t)ROW_BLOCK * kp * sizeof(uint16_t)));
     if (chunk_blocks < 1) chunk_blocks = 1;
     if (chunk_blocks > row_blocks) chunk_blocks = row_blocks;
@@ -255,9 +283,11 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
                                                                                  : chunk_blocks;
             const int p = in_chunk / blocks, rb = chunk * chunk_blocks + in_chunk % blocks;
             const int row0 = rb * ROW_BLOCK, rows = M - row0 < ROW_BLOCK ? M - row0 : ROW_BLOCK;
-            const int cols = N - p * PANEL_COLS < PANEL_COLS ? N - p * PANEL_COLS : PANEL_COLS;
             const int first_block = in_chunk % blocks == 0; /* the panel's first row block reads it from memory */
-            const float *b = bias == NULL ? NULL : bias + p * PANEL_COLS;
+            const int col0 = p * out_cols;
+            const PanelOut out = {y + col0, ldy, bias == NULL ? NULL : bias + col0,
+                                  bias == NULL || !gated ? NULL : bias + out_n + col0,
+                                  out_n - col0 < out_cols ? out_n - col0 : out_cols, gated};
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (amx) {
                 if (rows != shape) {
@@ -265,17 +295,32 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
                     shape = rows;
                 }
                 const char *ahead = first_block && p + 1 < panels ? (const char *)(packed + (p + 1) * panel_len) : NULL;
-                item_amx(a, kp, packed + p * panel_len, b, y + p * PANEL_COLS, ldy, row0, rows, cols, ahead);
+                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, ahead);
                 continue;
             }
 #endif
-            item_dp(a, kp, packed + p * panel_len, b, y + p * PANEL_COLS, ldy, row0, rows, cols, first_block);
+            item_dp(a, kp, packed + p * panel_len, &out, row0, rows, first_block);
         }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (shape >= 0) _tile_release();
 #endif
     }
     return 0;
+}
+
+int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy, int M,
+              int N, int K, int num_threads) {
+    return run_gemm(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, 0);
+}
+
+/* The gate_up projection with the MLP's activation fused in: y [M, N / 2] = silu(gate) * up, where the panels hold
+ * the [gate | up] weight (N rows) interleaved 16 columns at a time and bias (or NULL) is the plain [gate | up]
+ * bias. The [M, N] projection is never written: at 2048 rows it is 25 MB for SmolLM2, past the L3 cache, and
+ * its writes and re-reading cost more than the multiply's last third. */
+int gemm_bf16_silu_mul(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                       int64_t ldy, int M, int N, int K, int num_threads) {
+    if (N % 2 != 0) return -1;
+    return run_gemm(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, 1);
 }
 #else
 int gemm_bf16_available(void) { return 0; }
@@ -284,6 +329,11 @@ int gemm_bf16_uses_amx(void) { return 0; }
 
 int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y, int64_t ldy, int M,
               int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_bf16_silu_mul(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
+                       int64_t ldy, int M, int N, int K, int num_threads) {
     return -1;
 }
 #endif

@@ -25,6 +25,12 @@ class QuantizeMethodBase(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded parameters into the kernel's layout; nothing to do by default."""
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
+                           bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a ``[gate | up]`` projection in one kernel, or None where this method has none
+        (the default): the caller then applies the activation to ``apply``'s output."""
+        return None
+
 
 class QuantizationConfig(ABC):
     @abstractmethod
