@@ -125,18 +125,30 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
 #define EXP_P4 1.6666665459e-1f
 #define EXP_P5 5.0000001201e-1f
 
-/* Fetch the first `lines` cache lines of a run of n K and V rows into L1: the vector bodies call it for the next
- * run while this one computes; without it the loop waits on memory latency, not bandwidth. */
-static inline __attribute__((always_inline)) void prefetch_run(const DecodeArgs *a, int64_t slot, int n,
-                                                              int64_t row_stride, int64_t offset, const int lines) {
-    const char *k = (const char *)(a->k_cache + slot * row_stride + offset);
-    const char *v = (const char *)(a->v_cache + slot * row_stride + offset);
-    const int64_t row_bytes = row_stride * (int64_t)sizeof(kv_t);
-    for (int t = 0; t < n; t++)
-        for (int line = 0; line < lines; line++) {
-            _mm_prefetch(k + t * row_bytes + 64 * line, _MM_HINT_T0);
-            _mm_prefetch(v + t * row_bytes + 64 * line, _MM_HINT_T0);
-        }
+/* The next run of a decode item: its first K and V rows (the item's head) and its length; n is 0 after the last. */
+typedef struct {
+    const char *k, *v;
+    int64_t row_bytes;
+    int n;
+} NextRun;
+
+static inline NextRun next_run_rows(const DecodeArgs *a, int64_t slot, int n, int64_t row_stride, int64_t offset) {
+    const NextRun next = {(const char *)(a->k_cache + slot * row_stride + offset),
+                          (const char *)(a->v_cache + slot * row_stride + offset),
+                          row_stride * (int64_t)sizeof(kv_t), n};
+    return next;
+}
+
+/* Fetch slot t of the next run (the first `lines` cache lines of its K and V rows) into L1. The vector bodies call
+ * it for each slot of the current run as they compute its scores, so the fetches are spread over the run: fetched
+ * all at once at the run's start they left the loop waiting on memory as long as it computed (Zen 5, a W1-like
+ * cache of 64 x 320 slots, 30 layers: 23.1 -> 14.0 ms, medians of 25; without any prefetch 24). */
+static inline __attribute__((always_inline)) void prefetch_slot(const NextRun *next, int t, const int lines) {
+    if (t >= next->n) return;
+    for (int line = 0; line < lines; line++) {
+        _mm_prefetch(next->k + t * next->row_bytes + 64 * line, _MM_HINT_T0);
+        _mm_prefetch(next->v + t * next->row_bytes + 64 * line, _MM_HINT_T0);
+    }
 }
 
 /* Cache lines of a head's row of `floats` elements. */
@@ -216,14 +228,13 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
         const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         pos += n;
-        if (pos < seq_len) {
-            next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
-            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, ROW_LINES(16 * VD));
-        }
+        next_n = pos < seq_len ? next_run(a->block_size, blocks, pos, seq_len, &next_slot) : 0;
+        const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * d);
         float weights[GROUP][RUN];
         for (int g = 0; g < GROUP; g++) {
             __m512 partial[RUN];
             for (int t = 0; t < RUN; t++) {
+                if (g == GROUP / 2) prefetch_slot(&next, t, ROW_LINES(16 * VD)); /* mid-run measured best */
                 if (t >= n) {
                     partial[t] = _mm512_setzero_ps();
                     continue;
@@ -566,11 +577,10 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
         const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
         pos += n;
-        if (pos < seq_len) {
-            next_n = next_run(a->block_size, blocks, pos, seq_len, &next_slot);
-            prefetch_run(a, next_slot, next_n, row_stride, (int64_t)kv_head * d, ROW_LINES(8 * VD));
-        }
+        next_n = pos < seq_len ? next_run(a->block_size, blocks, pos, seq_len, &next_slot) : 0;
+        const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * d);
         for (int t = 0; t < RUN; t++) {
+            prefetch_slot(&next, t, ROW_LINES(8 * VD));
             if (t >= n) {
                 for (int g = 0; g < GROUP; g++) partial[g][t] = _mm256_setzero_ps();
                 continue;
