@@ -14,6 +14,10 @@ from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu
 from pagedllm.layers.attention.layer import Attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# Rows the prefill tiles attend in bf16 pairs (native.paged_prefill_pairs) have their queries and softmax weights
+# rounded to bf16: the reference rounds the queries too; the weights' rounding (up to 2^-9 relative each, ~2^-9 of
+# a dominant value row; values here reach ~4) is this.
+PAIRED_TOLERANCE = 1e-2
 
 
 # The decode kernel's bodies below the best this CPU has, built by turning instruction sets off.
@@ -128,10 +132,18 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     # This step's K/V landed in the cache.
     assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_k.to(kv_dtype))
     assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v.to(kv_dtype))
-    expected = torch.cat([_reference(q, k.to(kv_dtype), v.to(kv_dtype), scale)
-                          for q, k, v in zip(qs, full_k, full_v)])
-    torch.testing.assert_close(out.float().view_as(expected), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
-    return metadata.backend_cache["torch_sdpa"]
+    plan = metadata.backend_cache["torch_sdpa"]
+    paired = [kv_dtype == torch.bfloat16 and native.paged_prefill_pairs(kv_dtype) and (
+        plan.native_prefix or (plan.native_prefill is not None and new > 1)) for _, new in requests]
+    for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
+        rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
+        if paired[i]:
+            expected = _reference(q.to(torch.bfloat16), k.to(kv_dtype), v.to(kv_dtype), scale)
+            torch.testing.assert_close(rows, expected, atol=PAIRED_TOLERANCE, rtol=PAIRED_TOLERANCE)
+        else:
+            expected = _reference(q, k.to(kv_dtype), v.to(kv_dtype), scale)
+            torch.testing.assert_close(rows, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    return plan
 
 
 MIXED = [(0, 7), (5, 1), (30, 1), (17, 9), (0, 1), (12, 1)]

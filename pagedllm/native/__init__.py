@@ -95,6 +95,7 @@ def _paged_attention(extra_flags: tuple[str, ...]):
         "paged_decode_f32": (
             [_P, _I64, _P, _P, _P, _I64, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
         "paged_prefill_available": ([], _I32),
+        "paged_prefill_pairs": ([], _I32),
         "paged_prefill_f32": (
             [_P, _P, _P, _P, _I64, _P, _P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32, _F32, _I32], _I32),
         "paged_prefix_f32": (
@@ -125,6 +126,13 @@ def paged_prefill(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str,
     where the CPU has no AVX-512."""
     lib = _paged_attention_for(kv_dtype, extra_flags)
     return lib.paged_prefill_f32 if lib is not None and lib.paged_prefill_available() else None
+
+
+def paged_prefill_pairs(kv_dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the prefill tiles (and cascade attention's shared part) over a cache of this dtype multiply in bf16
+    pairs, queries and softmax weights rounded to bf16 (a bf16 cache on a CPU with AVX512-BF16)."""
+    lib = _paged_attention_for(kv_dtype, ())
+    return lib is not None and bool(lib.paged_prefill_available()) and bool(lib.paged_prefill_pairs())
 
 
 @functools.cache

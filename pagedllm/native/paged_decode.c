@@ -23,6 +23,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_SIZE 256
@@ -342,6 +343,58 @@ static inline __attribute__((always_inline)) void scores_8(const float *qt, cons
         for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
 }
 
+#if defined(KV_BF16) && defined(__AVX512BF16__)
+/* With a bf16 cache on CPUs with AVX512-BF16 the tiles multiply in bf16 pairs (vdpbf16ps: two multiply-adds per
+ * float32 lane, twice an FMA's work), as a bfloat16 model's attention does: queries and the softmax weights are
+ * rounded to bf16, K and V are read as they lie in the cache, sums stay float32. Scores: lane l of S[slot] +=
+ * Q[l][2p] K[slot][2p] + Q[l][2p + 1] K[slot][2p + 1], the K pair one 32-bit broadcast straight from the cache
+ * row. Outputs: O^T[i][l] += P[2m][l] V[2m][i] + P[2m + 1][l] V[2m + 1][i], over a run's V rows interleaved
+ * into slot pairs once per run. */
+#define PAIRED_TILES 1
+
+/* (lo[l], hi[l]) rounded to bf16, as the 32-bit lane l. */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* As scores_8, from qt2 (the queries as bf16 pairs along the head, [D / 2][LANE_STRIDE]) and bf16 K rows. */
+static inline __attribute__((always_inline)) void scores_8_pairs(const uint32_t *qt2, const kv_t *const k[8],
+                                                                const int D, const int VECS, __m512 s[8][MAX_VECS]) {
+    __m512 acc[8][MAX_VECS];
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512bh qv[MAX_VECS];
+        for (int h = 0; h < VECS; h++) qv[h] = (__m512bh)_mm512_load_si512(qt2 + p * LANE_STRIDE + 16 * h);
+        for (int j = 0; j < 8; j++) {
+            uint32_t pair;
+            memcpy(&pair, k[j] + 2 * p, sizeof pair);
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], qv[h], kb);
+        }
+    }
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
+}
+
+/* vp[m][i] = (V[2m][i], V[2m + 1][i]) for a run's RUN rows v[] (bf16, D of them each). */
+static inline __attribute__((always_inline)) void slot_pairs(const kv_t *const v[RUN], const int D,
+                                                            uint32_t vp[RUN / 2][D]) {
+    /* unpack pairs dims 8L .. 8L + 3 (lo) and 8L + 4 .. 8L + 7 (hi) in each 128-bit lane L: put them in order */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int m = 0; m < RUN / 2; m++)
+        for (int i = 0; i < D; i += 32) {
+            const __m512i a = _mm512_loadu_si512(v[2 * m] + i), b = _mm512_loadu_si512(v[2 * m + 1] + i);
+            const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+            _mm512_store_si512(vp[m] + i, _mm512_permutex2var_epi32(lo, first, hi));
+            _mm512_store_si512(vp[m] + i + 16, _mm512_permutex2var_epi32(lo, second, hi));
+        }
+}
+#endif
+
 static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D,
                                                                       const int VECS) {
     const int LANES = 16 * VECS;
@@ -385,6 +438,13 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
                 _mm512_store_ps(ot[i0 + m] + 16 * h, _mm512_setzero_ps());
             }
         }
+#if defined(PAIRED_TILES)
+    uint32_t qt2[D / 2][LANE_STRIDE] __attribute__((aligned(64)));
+    for (int p = 0; p < D / 2; p++)
+        for (int h = 0; h < VECS; h++)
+            _mm512_store_si512(qt2[p] + 16 * h,
+                               bf16_pairs(_mm512_load_ps(qt[2 * p] + 16 * h), _mm512_load_ps(qt[2 * p + 1] + 16 * h)));
+#endif
     __m512i limits[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
     for (int h = 0; h < VECS; h++) {
@@ -397,8 +457,17 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         const int n = next_run(a->block_size, blocks, pos, end, &slot);
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
         const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
+#if defined(PAIRED_TILES)
+        const kv_t *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = k + (j < n ? j : 0) * row_stride;
+            vrow[j] = v + (j < n ? j : 0) * row_stride;
+        }
+#else
         const float *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-#if defined(KV_BF16)
+#endif
+#if defined(PAIRED_TILES)
+#elif defined(KV_BF16)
         float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
         for (int j = 0; j < n; j++)
             for (int i = 0; i < D; i += 16) {
@@ -428,8 +497,13 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
                 }
         }
         __m512 s[RUN][MAX_VECS];
+#if defined(PAIRED_TILES)
+        scores_8_pairs(qt2[0], krow, D, VECS, s);
+        scores_8_pairs(qt2[0], krow + 8, D, VECS, s + 8);
+#else
         scores_8(qt[0], krow, D, VECS, s);
         scores_8(qt[0], krow + 8, D, VECS, s + 8);
+#endif
         __m512 rescale[MAX_VECS];
         for (int h = 0; h < VECS; h++) {
             __m512 run_max = _mm512_set1_ps(-INFINITY);
@@ -448,16 +522,34 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             }
             running_max[h] = new_max;
         }
+#if defined(PAIRED_TILES)
+        uint32_t vp[RUN / 2][D] __attribute__((aligned(64))), pp[RUN / 2][LANE_STRIDE] __attribute__((aligned(64)));
+        slot_pairs(vrow, D, vp);
+        for (int m = 0; m < RUN / 2; m++)
+            for (int h = 0; h < VECS; h++) _mm512_store_si512(pp[m] + 16 * h, bf16_pairs(s[2 * m][h], s[2 * m + 1][h]));
+#endif
         for (int i = 0; i < D; i += 8) { /* 16 independent sums: fewer would wait on each FMA's latency */
             __m512 o[8][MAX_VECS];
             for (int u = 0; u < 8; u++)
                 for (int h = 0; h < VECS; h++)
                     o[u][h] = _mm512_mul_ps(_mm512_load_ps(ot[i + u] + 16 * h), rescale[h]);
+#if defined(PAIRED_TILES)
+#pragma GCC unroll 1 /* unrolled, the weights of all slot pairs took the registers and the sums went to the stack */
+            for (int m = 0; m < RUN / 2; m++) {
+                __m512bh w[MAX_VECS];
+                for (int h = 0; h < VECS; h++) w[h] = (__m512bh)_mm512_load_si512(pp[m] + 16 * h);
+                for (int u = 0; u < 8; u++) {
+                    const __m512bh vb = (__m512bh)_mm512_set1_epi32((int)vp[m][i + u]);
+                    for (int h = 0; h < VECS; h++) o[u][h] = _mm512_dpbf16_ps(o[u][h], w[h], vb);
+                }
+            }
+#else
             for (int j = 0; j < RUN; j++)
                 for (int u = 0; u < 8; u++) {
                     const __m512 vb = _mm512_set1_ps(vrow[j][i + u]);
                     for (int h = 0; h < VECS; h++) o[u][h] = _mm512_fmadd_ps(s[j][h], vb, o[u][h]);
                 }
+#endif
             for (int u = 0; u < 8; u++)
                 for (int h = 0; h < VECS; h++) _mm512_store_ps(ot[i + u] + 16 * h, o[u][h]);
         }
@@ -496,6 +588,12 @@ static void prefill_item(const PrefillArgs *a, int item, int head_size) {
 static int tile_vecs(int group) { return (48 / group) * group * 32 > (32 / group) * group * 48 ? 3 : 2; }
 
 int paged_prefill_available(void) { return 1; }
+
+#if defined(PAIRED_TILES)
+int paged_prefill_pairs(void) { return 1; }
+#else
+int paged_prefill_pairs(void) { return 0; }
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 
 /* ---- Decode rows with AVX2 (no AVX-512: e.g. most laptop CPUs) ----
@@ -649,6 +747,8 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
 
 #if !defined(__AVX512F__)
 int paged_prefill_available(void) { return 0; }
+
+int paged_prefill_pairs(void) { return 0; }
 #endif
 
 #if defined(DECODE_ITEM)
