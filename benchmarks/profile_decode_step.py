@@ -1,4 +1,4 @@
-"""Where one decode step of a shared workload (W1 or W3) spends its time: model forward (attention vs the
+"""Where one decode step of a shared workload (W1, W2 or W3) spends its time: model forward (attention vs the
 rest), LM head, sampling, input preparation and scheduling. In-process engine, float32 by default, steps run
 eagerly (a CPU graph replays the forward's kernels without the modules this times); prints a table.
 
@@ -19,7 +19,7 @@ from pagedllm.layers.attention.cpu_backend import TorchSDPABackendImpl  # noqa: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", default="W1", choices=("W1", "W3"))
+    parser.add_argument("--workload", default="W1", choices=("W1", "W2", "W3"))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
