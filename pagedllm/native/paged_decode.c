@@ -351,6 +351,11 @@ static inline __attribute__((always_inline)) void scores_8(const float *qt, cons
  * row. Outputs: O^T[i][l] += P[2m][l] V[2m][i] + P[2m + 1][l] V[2m + 1][i], over a run's V rows interleaved
  * into slot pairs once per run. */
 #define PAIRED_TILES 1
+typedef kv_t tile_elem; /* the tiles read K and V rows as the cache holds them */
+#else
+typedef float tile_elem; /* the tiles read float32 rows: the cache's, or a bf16 run widened into a buffer */
+#endif
+#if defined(PAIRED_TILES)
 
 /* (lo[l], hi[l]) rounded to bf16, as the 32-bit lane l. */
 static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
@@ -457,17 +462,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         const int n = next_run(a->block_size, blocks, pos, end, &slot);
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
         const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
-#if defined(PAIRED_TILES)
-        const kv_t *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-        for (int j = 0; j < RUN; j++) {
-            krow[j] = k + (j < n ? j : 0) * row_stride;
-            vrow[j] = v + (j < n ? j : 0) * row_stride;
-        }
-#else
-        const float *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-#endif
-#if defined(PAIRED_TILES)
-#elif defined(KV_BF16)
+        const tile_elem *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
+#if defined(KV_BF16) && !defined(PAIRED_TILES)
         float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
         for (int j = 0; j < n; j++)
             for (int i = 0; i < D; i += 16) {
