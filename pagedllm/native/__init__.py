@@ -71,6 +71,8 @@ def _build(name: str, extra_flags: tuple[str, ...] = ()) -> str | None:
 
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# Every GEMM's arguments: x, ldx, packed weight, bias, y, ldy, M, N, K, threads.
+_GEMM_ARGS = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
 
 
 def _load(name: str, signatures: dict[str, tuple[list, object]], extra_flags: tuple[str, ...] = ()):
@@ -163,10 +165,9 @@ def fused_ops():
 @functools.cache
 def _gemm_lib(extra_flags: tuple[str, ...] = ()):
     """The library of gemm.c, or None, also where the CPU has neither AVX-512 nor AVX2 with FMA."""
-    gemm_args = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
     lib = _load("gemm", {"gemm_available": ([], _I32), "gemm_quant_available": ([], _I32),
-                         "gemm_packed_f32": (gemm_args, _I32), "gemm_q4_f32": (gemm_args, _I32),
-                         "gemm_q8_f32": (gemm_args, _I32)}, extra_flags)
+                         "gemm_packed_f32": (_GEMM_ARGS, _I32), "gemm_q4_f32": (_GEMM_ARGS, _I32),
+                         "gemm_q8_f32": (_GEMM_ARGS, _I32)}, extra_flags)
     return lib if lib is not None and lib.gemm_available() else None
 
 
@@ -198,9 +199,9 @@ def gemm_q8():
 @functools.cache
 def _gemm_bf16_lib(extra_flags: tuple[str, ...] = ()):
     """The library of gemm_bf16.c where this CPU has AVX512-BF16 (AMX too, where it has it), or None."""
-    gemm_args = [_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32]
     lib = _load("gemm_bf16", {"gemm_bf16_available": ([], _I32), "gemm_bf16_uses_amx": ([], _I32),
-                              "gemm_bf16": (gemm_args, _I32), "gemm_bf16_silu_mul": (gemm_args, _I32)}, extra_flags)
+                              "gemm_bf16": (_GEMM_ARGS, _I32), "gemm_bf16_silu_mul": (_GEMM_ARGS, _I32)},
+                extra_flags)
     return lib if lib is not None and lib.gemm_bf16_available() else None
 
 
