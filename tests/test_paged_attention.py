@@ -15,8 +15,8 @@ from pagedllm.layers.attention.layer import Attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # Rows the prefill tiles attend in bf16 pairs (native.paged_prefill_pairs) have their queries and softmax weights
-# rounded to bf16: the reference rounds the queries too; the weights' rounding (up to 2^-9 relative each, ~2^-9 of
-# a dominant value row; values here reach ~4) is this.
+# rounded to bf16. The reference rounds the queries too; the weights' rounding (up to 2^-9 of each) moves an output
+# by up to ~2^-9 of the values it averages, which reach ~4 here: this bound.
 PAIRED_TOLERANCE = 1e-2
 
 
