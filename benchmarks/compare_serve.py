@@ -5,9 +5,9 @@ Each round starts every server in turn (--engines order) on the same port, waits
 two requests, drives each concurrency level with pagedllm.benchmarks.serve (prompts of their own per level, the
 same for both servers; streamed, greedy, ignore_eos, exact output lengths checked against the usage the server
 reports) and stops it. A fresh server per round means an empty prefix cache. Setup (the vLLM venv, the HF model
-dir, tcmalloc): benchmarks/compare.py's docstring.
+dir, tcmalloc), once: `bash benchmarks/setup_vllm_cpu.sh`. Then, from the checkout:
 
-    .venv/bin/python benchmarks/compare_serve.py --vllm-python /tmp/anchors/venv-vllm/bin/python \
+    .venv/bin/python benchmarks/compare_serve.py --vllm-python .bench/venv-vllm/bin/python \
         --output-json compare_serve.json
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def server_command(engine: str, args: argparse.Namespace) -> tuple[list[str], di
                  "--uvicorn-log-level", "warning"], dict(os.environ))
     if engine == "vllm":
         if not args.vllm_python:
-            raise SystemExit("vllm needs --vllm-python (setup: benchmarks/compare.py's docstring)")
+            raise SystemExit("vllm needs --vllm-python (setup: bash benchmarks/setup_vllm_cpu.sh)")
         # the module, not the `vllm` script, which looks up package metadata that vllm-cpu names differently
         return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model_dir, *common,
                  "--seed", "0"], vllm_env(args.vllm_python))
