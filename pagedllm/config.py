@@ -1,12 +1,10 @@
 """Engine configuration, validated where it is built so a bad value fails with its name."""
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 
@@ -87,21 +85,6 @@ class ModelConfig:
     # Run every step eagerly: no CPU graphs for decode steps (worker/cpu_graphs.py), as vLLM's flag turns off
     # CUDA graphs.
     enforce_eager: bool = False
-
-    @functools.cached_property
-    def bf16_panels(self) -> bool:
-        """Whether this bfloat16 model runs its dense GEMMs against bf16 weight panels (gemm_bf16.c: AMX tiles, or
-        vdpbf16ps on AVX512-BF16 CPUs without AMX) with float32 activations for the float32 kernels around them,
-        the KV cache staying bf16 (the attention kernels widen it as they read): on the AMX machine 2-3x faster
-        than torch's bf16 path at decode sizes. Decided where the model runs (native kernels)."""
-        from pagedllm.platforms.cpu import bf16_panels_apply
-
-        return self.dtype == torch.bfloat16 and bf16_panels_apply()
-
-    @property
-    def compute_dtype(self):
-        """The dtype of activations: float32 under bf16_panels, else dtype (the KV cache is always dtype)."""
-        return torch.float32 if self.bf16_panels else self.dtype
 
     @property
     def num_layers(self) -> int:

@@ -16,6 +16,7 @@ from pagedllm import SamplingParams
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import KernelChoice
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 
 
@@ -27,7 +28,7 @@ def smollm_path() -> str:
 @functools.lru_cache(maxsize=1)
 def smollm_model() -> torch.nn.Module:
     """Our float32 SmolLM2 loaded from the GGUF file."""
-    return get_model(smollm_path(), load_hf_config(smollm_path()), torch.float32)
+    return get_model(smollm_path(), load_hf_config(smollm_path()), KernelChoice(torch.float32))
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.layers import gemm_layout
-from pagedllm.layers.gemm_layout import DenseWeight, laying_out_weights
+from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
 
 BODIES = {"amx": (), "vdpbf16ps": ("-mno-amx-tile",)}
 
@@ -29,8 +29,7 @@ def body(request, monkeypatch):
 
 
 def _bf16_weight(weight: torch.Tensor, gated: bool = False) -> DenseWeight:
-    with laying_out_weights(bf16_panels=True):
-        return DenseWeight(weight, gated=gated)
+    return DenseWeight(weight, gated=gated, layout=WeightLayout(bf16_panels=True))
 
 
 def _rounded(t: torch.Tensor) -> torch.Tensor:
@@ -83,10 +82,11 @@ def test_gated_panels_give_silu_of_gate_times_up(body, rows, half, in_features, 
                                atol=1e-5 * in_features)
 
 
-def test_outside_the_layout_block_weights_keep_float32_panels():
-    assert not gemm_layout.bf16_panels_active()
-    dense = DenseWeight(torch.randn(64, 32))
-    assert dense.panels is None or dense.panels.dtype == torch.float32
+def test_a_layout_decides_only_for_the_weights_it_lays_out():
+    """Two layouts in use at once (two engines in one process): each weight gets its own layout's panels."""
+    bf16, float32 = WeightLayout(bf16_panels=True), WeightLayout(bf16_panels=False)
+    weights = [DenseWeight(torch.randn(64, 32), layout=layout) for layout in (bf16, float32, bf16, None)]
+    assert [w.panels.dtype for w in weights] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
 
 
 def test_panel_sizes_match_the_kernel():

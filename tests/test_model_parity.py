@@ -9,6 +9,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import KernelChoice
 from tests.model_fixtures import (
     Chunk,
     PagedBatchRunner,
@@ -127,7 +128,7 @@ def test_tiny_qwen2_parity(tmp_path):
     config = Qwen2Config(**TINY, tie_word_embeddings=True)
     reference = _save_tiny(HFQwen2ForCausalLM, config, tmp_path)
     assert reference.model.layers[0].self_attn.q_proj.bias is not None
-    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.float32)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
     assert "lm_head.weight" not in dict(model.named_parameters())
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=4, block_size=4)
 
@@ -137,7 +138,7 @@ def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
                 high_freq_factor=4.0, original_max_position_embeddings=16)
     config = LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=rope)
     reference = _save_tiny(HFLlamaForCausalLM, config, tmp_path)
-    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.float32)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=5, block_size=8)
 
@@ -154,7 +155,7 @@ def test_tiny_gguf_parity(tmp_path, arch):
     write_tiny_gguf(reference, path, arch)
     config = load_hf_config(path)
     assert config.model_type == arch and not config.tie_word_embeddings
-    model = get_model(path, config, torch.float32)
+    model = get_model(path, config, KernelChoice(torch.float32))
     _check_schedules(model, reference, config, config.vocab_size, seed=8, block_size=4)
 
 
@@ -163,7 +164,7 @@ def test_tiny_qwen2_bfloat16(tmp_path):
     config = Qwen2Config(**TINY)
     _save_tiny(HFQwen2ForCausalLM, config, tmp_path)
     reference = HFQwen2ForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
-    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), torch.bfloat16)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.bfloat16))
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
     tokens = {req: torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(6)).tolist()
               for req, n in MIXED_LENGTHS.items()}

@@ -1,23 +1,21 @@
 """Weights laid out once, after loading, for the CPU GEMMs that multiply by them (the idea of vLLM's
 ``dispatch_cpu_unquantized_gemm``).
 
-float32 on CPU, measured on the 2-core AVX-512 machine (torch 2.13, SmolLM2's 30 layers of GEMMs):
-- MKL multiplies 2-4x faster at 8-64 rows when it gets ``W.T`` as a plain row-major ``[in, out]`` matrix than
-  when it transposes ``W`` on the fly, so the weight is stored input-major (exposed as the transposed view).
-- Even so, sgemm repacks the weight on every call, which at decode sizes costs about as much as the multiply.
-  The native kernel (pagedllm/native/gemm.c, AVX-512 or AVX2) multiplies by panels packed once: in the engine's
-  W1 decode step (64 rows) the GEMMs take 122 ms instead of 150-156. It is behind MKL on prefill-sized
-  batches (~165 vs ~209 GFLOP/s at 2048 rows), so batches above PANELS_MAX_ROWS rows still go to MKL and
-  such weights are held twice (input-major and panels). The LM head, whose batches are the sequences being
-  sampled, keeps the panels only. On an AVX2-only machine (this kernel's AVX2 body) SmolLM2's GEMMs plus LM head
-  at 64 rows took 36 ms against MKL's 76, at 1 row 4.5 against 4.8.
-Other dtypes and devices are left as loaded.
+float32 on CPU: MKL's sgemm repacks the weight on every call, which at decode sizes costs about as much as the
+multiply, and it runs 2-4x faster at 8-64 rows on ``W.T`` stored row-major ``[in, out]`` than when it transposes
+``W`` on the fly. So a dense float32 weight is packed once into the native kernel's panels (native/gemm.c,
+AVX-512 or AVX2), which serve batches of up to PANELS_MAX_ROWS rows; larger (prefill-sized) batches, where MKL is
+ahead, go to MKL on an input-major copy, so such weights are held twice. The LM head, whose batches are the
+sequences being sampled, keeps the panels only. A bfloat16 model on a CPU with bf16 arithmetic lays its dense
+weights out as gemm_bf16.c's bf16 panels instead, its only copy, for every batch size. Other dtypes and devices
+are left as loaded.
 
 GGUF-quantized weights (QuantizedWeight) are laid out for gemm.c's quantized kernels instead: the same panels,
 holding per 32 weights along the input the 64 columns' scales (and zeros) and their codes.
-"""
 
-import contextlib
+Which layout a model gets is its engine's WeightLayout, handed to every layer by the loader: nothing here is
+decided by module state, so two engines in one process lay out their weights independently.
+"""
 
 import torch
 import torch.nn.functional as F
@@ -31,51 +29,48 @@ QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per 
 PANELS_MAX_ROWS = 128  # larger batches go to MKL where the weight is also kept for it
 BF16_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_bf16.c's PANEL_COLS, KBLOCK
 
-_arena: HugePageArena | None = None  # where panels are placed while a model's weights are laid out
-_bf16_panels = False  # whether dense float32 weights laid out now go to gemm_bf16.c's bf16 panels
+
+class WeightLayout:
+    """How one model's weights are laid out: ``bf16_panels`` rounds dense float32 weights to gemm_bf16.c's bf16
+    panels (the engine's KernelChoice decides it), and panels are placed in huge pages (HugePageArena), which every
+    decode step streams from memory. The loader makes one per model and hands it to each layer's
+    ``process_weights_after_loading``. Layers laid out without one (``None``) get float32 panels in ordinary
+    memory."""
+
+    def __init__(self, bf16_panels: bool = False):
+        self.bf16_panels = bf16_panels
+        self._arena = HugePageArena()
+
+    def place(self, panels: torch.Tensor) -> torch.Tensor:
+        return self._arena.copy(panels)
 
 
-@contextlib.contextmanager
-def laying_out_weights(bf16_panels: bool = False):
-    """Panels laid out inside this block are placed in huge pages (platforms/cpu.HugePageArena); with
-    ``bf16_panels`` dense float32 weights are rounded to bf16 panels for gemm_bf16.c instead of float32 ones."""
-    global _arena, _bf16_panels
-    _arena, _bf16_panels = HugePageArena(), bf16_panels
-    try:
-        yield
-    finally:
-        _arena, _bf16_panels = None, False
-
-
-def bf16_panels_active() -> bool:
-    """True while weights are being laid out as bf16 panels (see laying_out_weights)."""
-    return _bf16_panels
-
-
-def _placed(panels: torch.Tensor) -> torch.Tensor:
-    return panels if _arena is None else _arena.copy(panels)
+def _placed(panels: torch.Tensor, layout: WeightLayout | None) -> torch.Tensor:
+    return panels if layout is None else layout.place(panels)
 
 
 class DenseWeight:
     """An ``[out, in]`` weight in its GEMMs' layouts; ``linear(x, bias)`` equals ``F.linear(x, weight, bias)``.
     ``data`` is the weight for torch (input-major in float32 on CPU; None when only panels are kept),
-    ``panels`` the native kernel's ``[ceil(out / 64), in, 64]`` copy (None without the kernel), or, laid out
-    under ``laying_out_weights(bf16_panels=True)``, gemm_bf16.c's bf16 panels, then the only copy.
+    ``panels`` the native kernel's ``[ceil(out / 64), in, 64]`` copy (None without the kernel), or, laid out by a
+    ``layout`` with ``bf16_panels``, gemm_bf16.c's bf16 panels, then the only copy.
 
     ``gated``: the weight is a gated MLP's ``[gate | up]`` projection; its bf16 panels are then laid out for
     ``silu_and_mul`` (gate and up interleaved, see pack_bf16_panels), which ``gated`` tells after laying out."""
 
-    def __init__(self, weight: torch.Tensor, large_batches: bool = True, gated: bool = False):
+    def __init__(self, weight: torch.Tensor, large_batches: bool = True, gated: bool = False,
+                 layout: WeightLayout | None = None):
         self.out_features, self.in_features = weight.shape
         self.panels, self.gated = None, False
-        if _bf16_panels and weight.dim() == 2 and native_applies("gemm_bf16", weight.dtype, weight.device):
-            # faster than MKL's float32 at every batch size (AMX at 2048 rows: ~1.9 vs ~0.17 TFLOP/s)
+        if (layout is not None and layout.bf16_panels and weight.dim() == 2
+                and native_applies("gemm_bf16", weight.dtype, weight.device)):
+            # ahead of MKL's float32 at every batch size, so no second copy for large batches
             self.gated = gated
-            self.panels, self.data = _placed(pack_bf16_panels(weight, self.gated)), None
+            self.panels, self.data = _placed(pack_bf16_panels(weight, self.gated), layout), None
             return
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
-            self.panels = _placed(padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous())
+            self.panels = _placed(padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous(), layout)
         if self.panels is not None and not large_batches:
             self.data = None
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:
@@ -141,16 +136,19 @@ class QuantizedWeight:
     """A GGUF-quantized ``[out, in]`` weight in gemm.c's quantized panels; ``linear(x, bias)`` equals
     ``F.linear`` on the dequantized weight (float32 rows; needs the native library)."""
 
-    def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int):
-        self.kernel, self.panels, self.out_features = getattr(native, kernel_name)(), _placed(panels), out_features
+    def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int,
+                 layout: WeightLayout | None = None):
+        self.kernel, self.out_features = getattr(native, kernel_name)(), out_features
+        self.panels = _placed(panels, layout)
 
     @classmethod
-    def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> "QuantizedWeight":
-        return cls("gemm_q4", pack_q4_panels(codes, scales, zeros), codes.shape[0])
+    def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+           layout: WeightLayout | None = None) -> "QuantizedWeight":
+        return cls("gemm_q4", pack_q4_panels(codes, scales, zeros), codes.shape[0], layout)
 
     @classmethod
-    def q8(cls, codes: torch.Tensor, scales: torch.Tensor) -> "QuantizedWeight":
-        return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0])
+    def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None) -> "QuantizedWeight":
+        return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return packed_linear(self.kernel, x, self.panels, bias, self.out_features)

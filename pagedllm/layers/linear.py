@@ -17,7 +17,7 @@ from pagedllm.layers.communication import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.layers.gemm_layout import DenseWeight
+from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
 
@@ -55,10 +55,10 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
     def apply_silu_and_mul(self, layer, x, bias=None):
         return self.dense.silu_and_mul(x, bias) if self.dense is not None and self.dense.gated else None
 
-    def process_weights_after_loading(self, layer) -> None:
+    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None) -> None:
         """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout,
         or the panels where they are the only copy (bf16 panels)."""
-        self.dense = DenseWeight(layer.weight.data, gated=getattr(layer, "gated_silu", False))
+        self.dense = DenseWeight(layer.weight.data, gated=getattr(layer, "gated_silu", False), layout=layout)
         layer.weight.data = self.dense.data if self.dense.data is not None else self.dense.panels
 
 

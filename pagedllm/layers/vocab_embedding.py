@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.communication import tensor_model_parallel_all_reduce
-from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, bf16_panels_active, native_applies
+from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native import fused
 
@@ -58,13 +58,15 @@ class VocabParallelEmbedding(nn.Module):
             return F.linear(hidden_states, self._rows())
         return self._projection.linear(hidden_states)
 
-    def prepare_projection(self) -> None:
-        """Lay the LM head's weight out for its GEMM (layers/gemm_layout.py). An embedding tied to the LM head
-        keeps its rows for lookups, so where the layout differs it holds a second copy."""
-        if self.q8 and not bf16_panels_active() and native_applies("gemm_q8", self.dtype, self.qweight.device):
-            self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data)
+    def prepare_projection(self, layout: WeightLayout | None = None) -> None:
+        """Lay the LM head's weight out for its GEMM as ``layout`` says (layers/gemm_layout.py): Q8_0 panels for
+        Q8_0 rows, except under bf16 panels, where the LM head joins the other dense weights. An embedding tied to
+        the LM head keeps its rows for lookups, so where the layout differs it holds a second copy."""
+        bf16_panels = layout is not None and layout.bf16_panels
+        if self.q8 and not bf16_panels and native_applies("gemm_q8", self.dtype, self.qweight.device):
+            self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)
         else:
-            self._projection = DenseWeight(self._rows().data, large_batches=False)
+            self._projection = DenseWeight(self._rows().data, large_batches=False, layout=layout)
 
     def _rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The rows ``ids`` (all rows if None) in the model's dtype."""
@@ -100,8 +102,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     Models with tied embeddings use their ``VocabParallelEmbedding`` instead.
     """
 
-    def prepare_projection(self) -> None:
-        super().prepare_projection()
+    def prepare_projection(self, layout: WeightLayout | None = None) -> None:
+        super().prepare_projection(layout)
         # No lookups: one copy, in the GEMM's layout.
         if isinstance(self._projection, QuantizedWeight):
             del self.qweight, self.scales

@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from pagedllm.config import head_dim
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
+from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
@@ -162,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
         """``[N, hidden_size]`` -> float32 ``[N, vocab_size]``."""
         return self.logits_processor(self.lm_head, hidden_states)
 
-    def process_weights_after_loading(self) -> None:
-        self.lm_head.prepare_projection()
+    def process_weights_after_loading(self, layout: WeightLayout | None = None) -> None:
+        self.lm_head.prepare_projection(layout)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors; returns the parameter names filled."""

@@ -6,12 +6,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.layers.gemm_layout import laying_out_weights
+from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
 from pagedllm.models.gguf_loader import gguf_tensor_types
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import resolve_model
+from pagedllm.platforms.cpu import KernelChoice
 from pagedllm.models.weights import weights_iterator
 
 
@@ -44,9 +45,10 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
     return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
 
 
-def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, bf16_panels: bool = False) -> nn.Module:
-    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode; with ``bf16_panels`` its
-    dense GEMM weights are gemm_bf16.c's bf16 panels (``dtype`` is then float32, see ModelConfig.compute_dtype).
+def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoice) -> nn.Module:
+    """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode, computing in
+    ``kernels.compute_dtype``, its weights laid out for the kernels its engine chose (with ``bf16_panels`` the
+    dense GEMM weights are gemm_bf16.c's bf16 panels).
 
     The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
     """
@@ -54,16 +56,16 @@ def get_model(model_path: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
     path = resolve_model(model_path)
     quantization = (getattr(hf_config, "quantization_config", None) or {}).get("quant_method")
     quant_config = get_quant_config(quantization, path, model_class)
-    with _default_dtype(dtype):
+    with _default_dtype(kernels.compute_dtype):
         model = model_class(hf_config, quant_config=quant_config)
     packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()
     loaded = model.load_weights(weights_iterator(path, packed_modules))
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
-    with laying_out_weights(bf16_panels):
-        for module in model.modules():
-            if hasattr(module, "quant_method"):
-                module.quant_method.process_weights_after_loading(module)
-        model.process_weights_after_loading()
+    layout = WeightLayout(kernels.bf16_panels)
+    for module in model.modules():
+        if hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module, layout)
+    model.process_weights_after_loading(layout)
     return model.eval().requires_grad_(False)

@@ -5,6 +5,7 @@ import ctypes
 import functools
 import mmap
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,31 @@ def bf16_panels_apply() -> bool:
     """Whether a bfloat16 model can run as float32 activations times bf16 weight panels: gemm_bf16.c is built
     for this CPU (AVX512-BF16, AMX where it has it), and so are the float32 kernels around the GEMMs."""
     return native.gemm_bf16() is not None and native.fused_ops() is not None
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The kernels one engine runs: decided once per engine where its model runs (choose_kernels), before the
+    model loads, and handed to the loader, so that two engines in one process never share the decision.
+
+    ``dtype`` is the model's, which is also its KV cache's. ``bf16_panels``: a bfloat16 model runs its dense
+    GEMMs against bf16 weight panels (native/gemm_bf16.c) with float32 activations, so that the float32 kernels
+    around the GEMMs (fused ops, attention, CPU graphs) serve it unchanged; the attention kernels read the bf16
+    cache in place, widening as they load."""
+
+    dtype: torch.dtype
+    bf16_panels: bool = False
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of activations: float32 under bf16 panels, else the model's."""
+        return torch.float32 if self.bf16_panels else self.dtype
+
+
+def choose_kernels(dtype: torch.dtype) -> KernelChoice:
+    """This CPU's kernels for a model of ``dtype``: bf16 panels for a bfloat16 model wherever they build. Builds
+    (or loads) the kernels it asks about."""
+    return KernelChoice(dtype, dtype == torch.bfloat16 and bf16_panels_apply())
 
 
 @functools.lru_cache(maxsize=1)

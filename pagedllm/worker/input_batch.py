@@ -1,7 +1,9 @@
 """The worker's persistent batch: per-request state kept across steps and updated by diffs.
 
-Rows hold each scheduled request's tokens, block table and sampling settings in preallocated numpy arrays,
-so building a step's inputs is array slicing rather than per-token Python.
+Rows hold each running request's tokens, block table and sampling settings in preallocated numpy arrays, so
+building a step's inputs is array indexing rather than per-token Python. A request keeps its row while it runs,
+scheduled in a step or not; it leaves when it finishes or is preempted, and the last row moves into its hole
+(vLLM's condense), so rows 0 .. num_reqs - 1 stay dense and a removal copies one row, not the batch.
 """
 from __future__ import annotations
 
@@ -108,18 +110,27 @@ class InputBatch:
         self.block_table[i, start:start + len(block_ids)] = block_ids
         self.num_blocks[i] = start + len(block_ids)
 
-    def remove_requests(self, req_ids: set[str]) -> None:
-        """Drops rows and closes the gaps, keeping the remaining rows in their order."""
-        keep = [i for i, r in enumerate(self.req_ids) if r not in req_ids]
-        if len(keep) == self.num_reqs:
-            return
-        for arr in (self.token_ids, self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens,
-                    self.block_table, self.num_blocks, self.temperature, self.top_p, self.top_k, self.min_p,
-                    self.presence_penalties, self.frequency_penalties, self.repetition_penalties):
-            arr[:len(keep)] = arr[keep]
-        self.req_ids = [self.req_ids[i] for i in keep]
-        self.states = [self.states[i] for i in keep]
-        self.req_id_to_index = {r: i for i, r in enumerate(self.req_ids)}
+    def remove_request(self, req_id: str) -> None:
+        """Drops the request's row: the last row moves into it (its used part only), the others stay put."""
+        hole = self.req_id_to_index.pop(req_id)
+        last = self.num_reqs - 1
+        if hole != last:
+            moved = self.req_ids[last]
+            num_tokens, num_blocks = self.num_tokens[last], self.num_blocks[last]
+            self.token_ids[hole, :num_tokens] = self.token_ids[last, :num_tokens]
+            self.block_table[hole, :num_blocks] = self.block_table[last, :num_blocks]
+            for arr in self._per_row_values():
+                arr[hole] = arr[last]
+            self.req_ids[hole], self.states[hole] = moved, self.states[last]
+            self.req_id_to_index[moved] = hole
+        self.req_ids.pop()
+        self.states.pop()
+
+    def _per_row_values(self) -> tuple[np.ndarray, ...]:
+        """The arrays holding one value per row (the token and block tables hold a row each)."""
+        return (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.num_blocks,
+                self.temperature, self.top_p, self.top_k, self.min_p, self.presence_penalties,
+                self.frequency_penalties, self.repetition_penalties)
 
     def append_token(self, i: int, token_id: int) -> None:
         n = self.num_tokens[i]

@@ -15,6 +15,7 @@ from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import KernelChoice, choose_kernels
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingType
@@ -35,12 +36,14 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.model = None
+        self.kernels: KernelChoice | None = None  # this engine's, chosen as its model loads
         self.kv_caches: list = []
         self.decode_graphs: DecodeGraphs | None = None
 
     def load_model(self) -> None:
         mc = self.model_config
-        self.model = get_model(mc.path, mc.hf_config, mc.compute_dtype, mc.bf16_panels)
+        self.kernels = choose_kernels(mc.dtype)
+        self.model = get_model(mc.path, mc.hf_config, self.kernels)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
@@ -52,14 +55,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        # Finished requests leave for good, preempted ones leave the batch but keep their state until they
+        # resume; a request merely not scheduled this step keeps its row. A finished id can come back as a new
+        # request in the same step (a caller reusing ids), so it leaves first.
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
-        batch = self.input_batch
-        # Requests not scheduled this step (finished, preempted, or simply left out) leave the batch;
-        # their state stays in self.requests until they finish. A finished id can come back as a new request
-        # in the same step (a caller reusing ids), so finished ones leave even when that id is scheduled.
-        batch.remove_requests({r for r in batch.req_ids
-                               if r in so.finished_req_ids or r not in so.num_scheduled_tokens})
+            if req_id in batch.req_id_to_index:
+                batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:
+            if req_id in batch.req_id_to_index:
+                batch.remove_request(req_id)
 
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
@@ -79,15 +85,13 @@ class ModelRunner:
             if cached.resumed_from_preemption[i]:
                 state.block_ids = list(new_block_ids)
                 state.output_token_ids[:] = cached.resumed_req_token_ids[i][len(state.prompt_token_ids):]
-            else:
-                state.block_ids.extend(new_block_ids)
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:
                 batch.add_request(state)
-            else:
-                batch.num_computed_tokens[row] = state.num_computed_tokens
-                if new_block_ids:
-                    batch.append_block_ids(row, new_block_ids)
+                continue
+            state.block_ids.extend(new_block_ids)
+            row = batch.req_id_to_index[req_id]
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_block_ids:
+                batch.append_block_ids(row, new_block_ids)
 
     # ------------------------------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -96,57 +100,66 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
-        n = batch.num_reqs
-        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=n)
+        # The step's rows in batch order (the batch also holds running requests not scheduled now).
+        rows = np.fromiter((batch.req_id_to_index[r] for r in so.num_scheduled_tokens), dtype=np.int64,
+                           count=len(so.num_scheduled_tokens))
+        rows.sort()
+        n = len(rows)
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[batch.req_ids[row]] for row in rows), dtype=np.int64,
+                                    count=n)
         cu_num_tokens = np.cumsum(num_scheduled)
         num_tokens = int(cu_num_tokens[-1])
-        req_indices = np.repeat(np.arange(n), num_scheduled)
+        token_rows = np.repeat(rows, num_scheduled)
         offsets = np.arange(num_tokens) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
-        positions = batch.num_computed_tokens[req_indices] + offsets
-        input_ids = batch.token_ids[req_indices, positions]
-        slot_mapping = (batch.block_table[req_indices, positions // self.block_size].astype(np.int64)
+        num_computed = batch.num_computed_tokens[rows]
+        positions = batch.num_computed_tokens[token_rows] + offsets
+        input_ids = batch.token_ids[token_rows, positions]
+        slot_mapping = (batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
                         * self.block_size + positions % self.block_size)
-        seq_lens = batch.num_computed_tokens[:n] + num_scheduled
+        seq_lens = num_computed + num_scheduled
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         query_start_loc[1:] = cu_num_tokens
+        block_table = batch.block_table[rows]
         hidden_states = None
         if self.decode_graphs is not None and num_tokens == n:
-            hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens,
-                                                       batch.block_table[:n])
+            hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table)
         if hidden_states is None:
-            max_blocks = int(batch.num_blocks[:n].max())
+            block_table = block_table[:, :int(batch.num_blocks[rows].max())]
             attn_metadata = AttentionMetadata(
                 num_actual_tokens=num_tokens,
                 slot_mapping=torch.from_numpy(slot_mapping),
                 query_start_loc=torch.from_numpy(query_start_loc),
                 seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-                block_table=torch.from_numpy(batch.block_table[:n, :max_blocks]),
+                block_table=torch.from_numpy(block_table),
                 max_query_len=int(num_scheduled.max()),
                 max_seq_len=int(seq_lens.max()),
             )
             hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
                                        attn_metadata)
 
-        # Rows whose whole known sequence is computed after this step sample a token; a prefill chunk
-        # that stops short of the prompt's end does not (its logits would be thrown away).
-        sample_rows = np.nonzero(seq_lens >= batch.num_tokens[:n])[0]
-        prompt_logprobs_dict = self._prompt_logprobs(hidden_states, query_start_loc, num_scheduled)
-        batch.num_computed_tokens[:n] = seq_lens
+        # The one place that decides which rows sample: those whose whole known sequence is computed after this
+        # step. A prefill chunk that stops short of the prompt's end does not (its logits would be thrown away).
+        sampling = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]  # indices into rows
+        prompt_logprobs_dict = self._prompt_logprobs(hidden_states, rows, num_computed, query_start_loc,
+                                                     num_scheduled)
+        batch.num_computed_tokens[rows] = seq_lens
 
+        req_ids = [batch.req_ids[row] for row in rows]
         sampled_token_ids: list[list[int]] = [[] for _ in range(n)]
         logprobs_per_req = None
-        if len(sample_rows):
-            logits = self.model.compute_logits(hidden_states[torch.from_numpy(cu_num_tokens[sample_rows] - 1)])
+        if len(sampling):
+            sample_rows = rows[sampling]
+            logits = self.model.compute_logits(hidden_states[torch.from_numpy(cu_num_tokens[sampling] - 1)])
             if so.grammar_bitmask is not None:
                 self._apply_grammar_bitmask(logits, sample_rows, so)
             sampler_output = self.sampler(logits, batch.make_sampling_metadata(sample_rows))
             tokens = sampler_output.sampled_token_ids.tolist()
-            for row, token in zip(sample_rows.tolist(), tokens):
+            for j, row, token in zip(sampling.tolist(), sample_rows.tolist(), tokens):
                 batch.append_token(row, token)
-                sampled_token_ids[row] = [token]
+                sampled_token_ids[j] = [token]
             if sampler_output.logprobs is not None:
-                logprobs_per_req = self._split_logprobs(sample_rows, sampler_output.logprobs.tolists())
-        return ModelRunnerOutput(req_ids=list(batch.req_ids), req_id_to_index=dict(batch.req_id_to_index),
+                logprobs_per_req = self._split_logprobs(n, sampling, sample_rows, sampler_output.logprobs.tolists())
+        return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict)
 
@@ -163,34 +176,36 @@ class ModelRunner:
         if logits_rows:
             apply_bitmask(logits, so.grammar_bitmask[bitmask_rows], logits_rows)
 
-    def _split_logprobs(self, sample_rows: np.ndarray, lists: LogprobsLists) -> list:
-        """Per batch row: its sampled token's logprobs row, cut to the k it asked for (None if it did not)."""
-        per_req = [None] * self.input_batch.num_reqs
-        for j, row in enumerate(sample_rows.tolist()):
+    def _split_logprobs(self, n: int, sampling: np.ndarray, sample_rows: np.ndarray, lists: LogprobsLists) -> list:
+        """Per output index (of the step's n requests): its sampled token's logprobs row, cut to the k it asked
+        for (None if it did not sample or ask)."""
+        per_req = [None] * n
+        for j, (index, row) in enumerate(zip(sampling.tolist(), sample_rows.tolist())):
             k = self.input_batch.states[row].sampling_params.logprobs
             if k is not None:
-                per_req[row] = LogprobsLists([lists.logprob_token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]],
-                                             [lists.sampled_token_ranks[j]])
+                per_req[index] = LogprobsLists([lists.logprob_token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]],
+                                               [lists.sampled_token_ranks[j]])
         return per_req
 
-    def _prompt_logprobs(self, hidden_states: torch.Tensor, query_start_loc: np.ndarray,
-                         num_scheduled: np.ndarray) -> dict[str, LogprobsLists]:
-        """Logprobs of each next prompt token for the prompt positions computed in this step."""
-        batch = self.input_batch
+    def _prompt_logprobs(self, hidden_states: torch.Tensor, rows: np.ndarray, num_computed: np.ndarray,
+                         query_start_loc: np.ndarray, num_scheduled: np.ndarray) -> dict[str, LogprobsLists]:
+        """Logprobs of each next prompt token for the prompt positions computed in this step (the step's j-th
+        request is batch row rows[j], its chunk starting at position num_computed[j])."""
         out = {}
-        for row, state in enumerate(batch.states):
+        for j, row in enumerate(rows.tolist()):
+            state = self.input_batch.states[row]
             k = state.sampling_params.prompt_logprobs
-            start = int(batch.num_computed_tokens[row])  # not yet advanced: this chunk's first position
+            start = int(num_computed[j])
             num_prompt = len(state.prompt_token_ids)
             if k is None or start >= num_prompt:
                 continue
             # Position p predicts prompt token p + 1; the last prompt position predicts a sampled token.
             # A request recomputing after preemption skips the positions it already reported.
-            end = min(start + int(num_scheduled[row]), num_prompt - 1)
+            end = min(start + int(num_scheduled[j]), num_prompt - 1)
             first_pos = max(start, state.num_prompt_logprobs_done)
             if end <= first_pos:
                 continue
-            first = int(query_start_loc[row]) + first_pos - start
+            first = int(query_start_loc[j]) + first_pos - start
             logits = self.model.compute_logits(hidden_states[first:first + end - first_pos])
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
             out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()

@@ -19,10 +19,10 @@ def share_loaded_models():
     """In-process engines (PAGEDLLM_ENABLE_MULTIPROCESSING=0) in this package reuse one model per set-up."""
     models = {}
 
-    def get_model_once(path, hf_config, dtype, bf16_panels=False):
-        key = (path, dtype, bf16_panels, repr(getattr(hf_config, "quantization_config", None)))
+    def get_model_once(path, hf_config, kernels):
+        key = (path, kernels, repr(getattr(hf_config, "quantization_config", None)))
         if key not in models:
-            models[key] = loader.get_model(path, hf_config, dtype, bf16_panels)
+            models[key] = loader.get_model(path, hf_config, kernels)
         return models[key]
 
     patcher = pytest.MonkeyPatch()

@@ -1,5 +1,5 @@
 """dtype=bfloat16 on a CPU with bf16 arithmetic (AMX or AVX512-BF16): bf16 GEMM weight panels, float32
-activations, a bf16 KV cache (ModelConfig.bf16_panels). Its greedy tokens against float32's, teacher-forced as
+activations, a bf16 KV cache (KernelChoice.bf16_panels). Its greedy tokens against float32's, teacher-forced as
 bf16 rounding flips near-ties; CPU graphs replay its decode steps. Skipped where gemm_bf16.c has no body."""
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _runner(llm: LLM):
 def test_bf16_weight_panels_float32_activations_bf16_cache(engines):
     _, bf16 = engines
     runner = _runner(bf16)
-    assert runner.model_config.bf16_panels and runner.model_config.compute_dtype == torch.float32
+    assert runner.kernels.bf16_panels and runner.kernels.compute_dtype == torch.float32
     dense = runner.model.model.layers[0].self_attn.qkv_proj.quant_method.dense
     assert dense.panels.dtype == torch.bfloat16 and dense.data is None
     assert runner.kv_caches[0][0].dtype == torch.bfloat16

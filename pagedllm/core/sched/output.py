@@ -56,6 +56,6 @@ class SchedulerOutput:
     # Requests preempted in this step: workers drop them from the batch but may keep their state.
     preempted_req_ids: set[str]
     # Structured output: req_id -> its row of grammar_bitmask ([rows, ceil(vocab/32)] int32, bit set = allowed),
-    # for the requests that sample this step.
+    # for every structured-output request scheduled this step.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional[torch.Tensor] = None

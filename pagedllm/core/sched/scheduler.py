@@ -217,17 +217,16 @@ class Scheduler:
         return ready
 
     def _add_grammar_bitmask(self, output: SchedulerOutput) -> None:
-        """Fills the token bitmask of structured-output requests that sample this step (their scheduled tokens
-        reach the end of what is known; a prefill chunk short of the prompt's end samples nothing)."""
+        """Fills the token bitmask of every structured-output request scheduled this step, as vLLM does; the
+        model runner, which alone decides which rows sample, applies the rows it samples."""
         if self.structured_output_manager is None:
             return
         requests = self.requests
-        sampling = [requests[req_id] for req_id, n in output.num_scheduled_tokens.items()
-                    if requests[req_id].structured_output_request is not None
-                    and requests[req_id].num_computed_tokens + n >= requests[req_id].num_tokens]
-        if sampling:
-            output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(sampling)}
-            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(sampling)
+        constrained = [requests[req_id] for req_id in output.num_scheduled_tokens
+                       if requests[req_id].structured_output_request is not None]
+        if constrained:
+            output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(constrained)}
+            output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(constrained)
 
     def waiting_for_grammars(self) -> list[Request]:
         """Waiting requests whose grammar is still compiling."""

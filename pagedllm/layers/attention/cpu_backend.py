@@ -10,7 +10,7 @@ Only slots below a request's ``seq_len`` are ever read, so never-written cache m
 cannot leak into the result.
 
 The cache may hold bf16 while queries are float32 (a bfloat16 model with float32 activations, see
-ModelConfig.compute_dtype): the native kernels read it so directly; the torch paths widen what they gather.
+platforms/cpu.KernelChoice): the native kernels read it so directly; the torch paths widen what they gather.
 """
 
 import torch

@@ -2,7 +2,8 @@
 
 A layer asks its ``QuantizationConfig`` for a ``QuantizeMethodBase`` by its module name (``prefix``),
 lets the method create the parameters the checkpoint fills, and calls ``apply`` in ``forward``. After all
-weights are loaded the loader calls ``process_weights_after_loading`` once, to repack them for the kernel.
+weights are loaded the loader calls ``process_weights_after_loading`` once, with the engine's WeightLayout
+(layers/gemm_layout.py), to repack them for the kernel.
 """
 
 from abc import ABC, abstractmethod
@@ -10,6 +11,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from pagedllm.layers.gemm_layout import WeightLayout
 
 
 class QuantizeMethodBase(ABC):
@@ -22,8 +25,8 @@ class QuantizeMethodBase(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T + bias`` in ``x``'s dtype."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Turn the loaded parameters into the kernel's layout; nothing to do by default."""
+    def process_weights_after_loading(self, layer: nn.Module, layout: WeightLayout | None = None) -> None:
+        """Turn the loaded parameters into the kernel's layout, as ``layout`` says; nothing to do by default."""
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
                            bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.layers.gemm_layout import QuantizedWeight, native_applies
+from pagedllm.layers.gemm_layout import QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -48,9 +48,9 @@ class GGUFInt4LinearMethod(QuantizeMethodBase):
             param.weight_loader = weight_loader
             layer.register_parameter(name, param)
 
-    def process_weights_after_loading(self, layer):
+    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
         if native_applies("gemm_q4", self.params_dtype, layer.qweight.device):
-            self.packed = QuantizedWeight.q4(layer.qweight, layer.scales, layer.zeros)
+            self.packed = QuantizedWeight.q4(layer.qweight, layer.scales, layer.zeros, layout)
             del layer.qweight, layer.scales, layer.zeros
             layer.qweight = nn.Parameter(self.packed.panels, requires_grad=False)
             return

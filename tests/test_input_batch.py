@@ -1,0 +1,98 @@
+"""The persistent InputBatch against a plain model of what it holds: after any sequence of adds, removals, sampled
+tokens and new blocks, every request's row holds exactly its own tokens, blocks and sampling settings, and the rows
+stay dense (0 .. num_reqs - 1) however requests leave."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch
+
+MAX_REQS, MAX_LEN, MAX_BLOCKS, BLOCK = 6, 64, 16, 4
+
+
+def _state(req_id: str, seed: int) -> CachedRequestState:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 1000, int(rng.integers(1, 20))).tolist()
+    params = SamplingParams(temperature=float(rng.uniform(0.1, 2.0)), top_p=float(rng.uniform(0.1, 1.0)),
+                            top_k=int(rng.integers(0, 50)), repetition_penalty=float(rng.uniform(1.0, 2.0)),
+                            max_tokens=8)
+    blocks = rng.integers(0, 500, -(-len(prompt) // BLOCK)).tolist()
+    return CachedRequestState(req_id, prompt, params, None, blocks, int(rng.integers(0, len(prompt))))
+
+
+def _check(batch: InputBatch, expected: dict[str, CachedRequestState]) -> None:
+    assert batch.num_reqs == len(expected) == len(batch.states)
+    assert sorted(batch.req_ids) == sorted(expected)
+    assert batch.req_id_to_index == {req_id: row for row, req_id in enumerate(batch.req_ids)}
+    for row, req_id in enumerate(batch.req_ids):
+        state = expected[req_id]
+        assert batch.states[row] is state
+        tokens = state.prompt_token_ids + state.output_token_ids
+        assert batch.num_tokens[row] == len(tokens) and batch.num_prompt_tokens[row] == len(state.prompt_token_ids)
+        assert batch.token_ids[row, :len(tokens)].tolist() == tokens
+        assert batch.num_blocks[row] == len(state.block_ids)
+        assert batch.block_table[row, :len(state.block_ids)].tolist() == state.block_ids
+        assert batch.num_computed_tokens[row] == state.num_computed_tokens
+        params = state.sampling_params
+        assert batch.temperature[row] == np.float32(params.temperature)
+        assert batch.top_p[row] == np.float32(params.top_p) and batch.top_k[row] == params.top_k
+        assert batch.repetition_penalties[row] == np.float32(params.repetition_penalty)
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["add", "remove", "token", "blocks"]), st.integers(0, 10**6)),
+               max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(OPS)
+def test_rows_stay_consistent_under_random_adds_and_removals(ops):
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000)
+    expected: dict[str, CachedRequestState] = {}
+    next_id = 0
+    for op, value in ops:
+        live = list(expected)
+        if op == "add" and len(expected) < MAX_REQS:
+            state = expected[f"r{next_id}"] = _state(f"r{next_id}", value)
+            next_id += 1
+            batch.add_request(state)
+        elif op == "remove" and live:
+            req_id = live[value % len(live)]
+            del expected[req_id]
+            batch.remove_request(req_id)
+        elif op == "token" and live:
+            state = expected[live[value % len(live)]]
+            if state.num_tokens < MAX_LEN:
+                batch.append_token(batch.req_id_to_index[state.req_id], value % 1000)
+        elif op == "blocks" and live:
+            state = expected[live[value % len(live)]]
+            if len(state.block_ids) < MAX_BLOCKS:
+                new = [value % 500]
+                state.block_ids.extend(new)  # as the model runner keeps its state and the batch in step
+                batch.append_block_ids(batch.req_id_to_index[state.req_id], new)
+        _check(batch, expected)
+
+
+def test_removing_a_row_moves_only_the_last_row_into_it():
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000)
+    states = [_state(f"r{i}", i) for i in range(4)]
+    for state in states:
+        batch.add_request(state)
+    batch.remove_request("r1")
+    assert batch.req_ids == ["r0", "r3", "r2"]
+    batch.remove_request("r2")  # the last row: nothing moves
+    assert batch.req_ids == ["r0", "r3"]
+    _check(batch, {s.req_id: s for s in (states[0], states[3])})
+
+
+def test_a_full_batch_and_a_duplicate_are_refused():
+    batch = InputBatch(2, MAX_LEN, MAX_BLOCKS, vocab_size=1000)
+    batch.add_request(_state("a", 0))
+    with pytest.raises(ValueError, match="already in the batch"):
+        batch.add_request(_state("a", 1))
+    batch.add_request(_state("b", 2))
+    with pytest.raises(RuntimeError, match="full"):
+        batch.add_request(_state("c", 3))
