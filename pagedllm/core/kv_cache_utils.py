@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import msgspec
 import numpy as np
@@ -81,10 +81,6 @@ class FreeKVCacheBlockQueue:
         last.next_free_block, block.prev_free_block = block, last
         block.next_free_block, self._tail.prev_free_block = self._tail, block
         self.num_free_blocks += 1
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for block in blocks:
-            self.append(block)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         out, block = [], self._head.next_free_block
