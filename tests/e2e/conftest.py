@@ -1,35 +1,102 @@
 """Shared fixtures for end-to-end tests with the real default model.
 
-Loading and dequantizing the GGUF takes seconds, so one model per dtype is loaded per test session and
-shared by every LLM the tests build (the model is stateless; each engine has its own KV cache).
+Engines run as users run them: the EngineCore in its own process (LLM's default). Modules that inspect or patch
+the worker from the test process opt into in-process engines (``share_loaded_models``); they share one loaded
+model per set-up, since loading and dequantizing the GGUF takes seconds (the model is stateless; each engine has
+its own KV cache).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import psutil
 import pytest
 import torch
 
+from pagedllm import LLM
 from pagedllm.models import loader
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from tests.model_fixtures import smollm_reference
 
+_loaded_models: dict = {}  # for the whole session: later modules get the models earlier ones loaded
 
-@pytest.fixture(scope="package", autouse=True)
-def share_loaded_models():
-    """In-process engines (PAGEDLLM_ENABLE_MULTIPROCESSING=0) in this package reuse one model per set-up."""
-    models = {}
 
+def _engines_in_this_process(patcher: pytest.MonkeyPatch) -> None:
     def get_model_once(path, hf_config, kernels):
         key = (path, kernels, repr(getattr(hf_config, "quantization_config", None)))
-        if key not in models:
-            models[key] = loader.get_model(path, hf_config, kernels)
-        return models[key]
+        if key not in _loaded_models:
+            _loaded_models[key] = loader.get_model(path, hf_config, kernels)
+        return _loaded_models[key]
 
-    patcher = pytest.MonkeyPatch()
     patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
     patcher.setattr("pagedllm.worker.model_runner.get_model", get_model_once)
+
+
+@pytest.fixture(scope="module")
+def share_loaded_models():
+    """The module's engines run in the test process (PAGEDLLM_ENABLE_MULTIPROCESSING=0), so that its tests can
+    reach the worker, and reuse one model per set-up. For modules that inspect the worker's internals:
+    ``pytestmark = pytest.mark.usefixtures("share_loaded_models")``."""
+    with pytest.MonkeyPatch.context() as patcher:
+        _engines_in_this_process(patcher)
+        yield
+
+
+def in_process_llm(*args, **kwargs) -> LLM:
+    """An LLM whose engine runs in the test process, with the shared models: for one test of a module whose
+    other tests run engine processes."""
+    with pytest.MonkeyPatch.context() as patcher:
+        _engines_in_this_process(patcher)
+        return LLM(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def running_llm(*args, **kwargs) -> Iterator[LLM]:
+    """An LLM that is shut down (its engine process stopped) when the block ends, whatever happened in it."""
+    llm = LLM(*args, **kwargs)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+_shared_engine_pids: set[int] = set()
+
+
+@pytest.fixture(scope="package")
+def llm():
+    """The float32 engine of the tests' usual settings, one for the package (an engine process takes seconds to
+    start): modules that need nothing else share it, and each test leaves it idle. A module that needs other
+    settings defines an ``llm`` of its own."""
+    before = {p.pid for p in _engine_processes()}
+    with running_llm(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB") as engine:
+        _shared_engine_pids.update(p.pid for p in _engine_processes() if p.pid not in before)
+        yield engine
+    _shared_engine_pids.clear()
+
+
+def _engine_processes() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "EngineCore" in child.cmdline():
+                found.append(child)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_engine_process_left_behind():
+    """Every module stops the engine processes it starts (LLM.shutdown, running_llm, or a fixture's teardown):
+    one left running holds its memory and threads until pytest exits, slowing every later test."""
     yield
-    patcher.undo()
+    left = [p for p in _engine_processes() if p.pid not in _shared_engine_pids]
+    for process in left:
+        process.kill()
+    assert not left, f"engine processes left running by this module: {[p.pid for p in left]}"
 
 
 @pytest.fixture(scope="session")

@@ -1,18 +1,13 @@
-"""LLM.beam_search against transformers' beam search on the same float32 weights, and its validation."""
+"""LLM.beam_search against transformers' beam search on the same float32 weights, and its validation. ``llm`` is
+the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedllm import LLM
 from pagedllm.beam_search import BeamSearchParams
 
 BEAM_WIDTH = 4
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
 
 
 def hf_beam_search(hf_model, prompt_token_ids: list[int], max_new_tokens: int, eos_token_id: int) -> list[list[int]]:

@@ -9,7 +9,8 @@ import torch
 from pagedllm import LLM, SamplingParams, native
 from tests.model_fixtures import teacher_forced
 
-pytestmark = pytest.mark.skipif(native.gemm_bf16() is None, reason="no AVX512-BF16 on this CPU (or no compiler)")
+pytestmark = [pytest.mark.skipif(native.gemm_bf16() is None, reason="no AVX512-BF16 on this CPU (or no compiler)"),
+              pytest.mark.usefixtures("share_loaded_models")]  # the tests reach into the worker
 
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "List three primary colors:", "Water boils at a temperature of"]

@@ -9,6 +9,8 @@ from pagedllm import LLM, SamplingParams, native
 from pagedllm.native.graph import CpuGraph
 from pagedllm.worker import cpu_graphs
 
+pytestmark = pytest.mark.usefixtures("share_loaded_models")  # the tests patch and inspect the worker
+
 PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]
 MAX_GRAPH_BATCH = 6  # fewer than the requests: larger batches run eagerly in between
 # A graph replays native kernels only: where the GEMMs are torch's (dense without AVX2 or AVX-512, gguf_int4

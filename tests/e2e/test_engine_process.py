@@ -16,7 +16,7 @@ from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, Engin
 
 @pytest.fixture
 def mp_llm(monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")
+    monkeypatch.delenv("PAGEDLLM_ENABLE_MULTIPROCESSING", raising=False)  # the default
     llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
     yield llm
     llm.shutdown()

@@ -1,4 +1,5 @@
-"""The offline LLM API end to end with the real default model: chat, seeds, n, stop strings, logprobs."""
+"""The offline LLM API end to end with the real default model: chat, seeds, n, stop strings, logprobs. ``llm`` is
+the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
 import math
@@ -6,13 +7,8 @@ import math
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
 
 
 def test_chat_answers_paris(llm):

@@ -1,14 +1,16 @@
-"""Greedy output identical to transformers, token for token, in float32 on the same dequantized SmolLM2 weights.
+"""Greedy output identical to transformers, token for token, in float32 on the same dequantized SmolLM2 weights,
+through the engine as users run it (the EngineCore in its own process; ``llm`` is the package's shared engine of
+the default settings, conftest.py).
 
 Each engine configuration exercises a different path: one-step prefill, chunked prefill, preemption with
-recompute, prefix-cache hits, and one request at a time.
+recompute, prefix-cache hits, cascade attention, and one request at a time.
 """
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.e2e.conftest import hf_greedy
+from tests.e2e.conftest import hf_greedy, in_process_llm, running_llm
 
 MAX_TOKENS = 48
 PROMPT_LENGTHS = [5, 17, 33, 64, 100, 150, 260, 400]
@@ -69,40 +71,39 @@ def test_prompts_span_5_to_400_tokens(prompts):
     assert [len(p) for p in prompts] == PROMPT_LENGTHS
 
 
-def test_default_settings(prompts, expected):
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
+def test_default_settings(llm, prompts, expected):
     assert_same(run(llm, prompts), expected)
 
 
 def test_chunked_prefill(prompts, expected):
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=512)
-    assert_same(run(llm, prompts), expected)
+    with running_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=512) as llm:
+        assert_same(run(llm, prompts), expected)
 
 
 def test_preemption(prompts, expected):
     # 448 tokens need 28 blocks; all eight need 127. 40 blocks force preemption and recompute.
-    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=40)
-    assert_same(run(llm, prompts), expected)
-    assert llm.get_stats().num_preemptions > 0
+    with running_llm(dtype="float32", max_model_len=1024, num_kv_blocks=40) as llm:
+        assert_same(run(llm, prompts), expected)
+        assert llm.get_stats().num_preemptions > 0
 
 
 def test_max_num_seqs_1(prompts, expected):
-    llm = LLM(dtype="float32", max_model_len=1024, max_num_seqs=1, num_kv_blocks=256)
-    assert_same(run(llm, prompts), expected)
+    with running_llm(dtype="float32", max_model_len=1024, max_num_seqs=1, num_kv_blocks=256) as llm:
+        assert_same(run(llm, prompts), expected)
 
 
-def test_shared_system_prompt_hits_prefix_cache(tokenizer, hf_model):
+def test_shared_system_prompt_hits_prefix_cache(llm, tokenizer, hf_model):
     shared = make_prompts(tokenizer, prefix=SYSTEM)[:4]
     expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in shared]
-    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=512)
+    hits = llm.get_stats().prefix_cache_hits
     run(llm, shared[:1])  # warm the cache with the system prompt
     assert_same(run(llm, shared), expected)
-    assert llm.get_stats().prefix_cache_hits > 0
+    assert llm.get_stats().prefix_cache_hits > hits
 
 
 def test_long_shared_prefix_uses_cascade_attention(tokenizer, hf_model, monkeypatch):
     """A cached prefix over CASCADE_MIN_PREFIX_TOKENS shared by the whole batch is attended once for all
-    requests (cascade attention); the output must not change."""
+    requests (cascade attention); the output must not change. In process, to see the attention plans."""
     from pagedllm.layers.attention import cpu_backend
 
     plans, build_plan = [], cpu_backend.build_plan
@@ -114,7 +115,7 @@ def test_long_shared_prefix_uses_cascade_attention(tokenizer, hf_model, monkeypa
     monkeypatch.setattr(cpu_backend, "build_plan", recording_build_plan)
     shared = make_prompts(tokenizer, prefix=TEXT[:1800])[:4]
     expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in shared]
-    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=512)
+    llm = in_process_llm(dtype="float32", max_model_len=1024, num_kv_blocks=512)
     run(llm, shared[:1])  # cache the shared prefix
     assert_same(run(llm, shared), expected)
     prefix_tokens = {p.prefix.num_tokens for p in plans if p.prefix is not None}

@@ -1,17 +1,13 @@
-"""bad_words, repetition_penalty, logit_bias and allowed_token_ids end to end with the real default model."""
+"""bad_words, repetition_penalty, logit_bias and allowed_token_ids end to end with the real default model. ``llm``
+is the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 FRANCE = "The capital of France is"
 APPLES = "I like to eat apples. I like to eat"  # greedy decoding repeats " I'm a big apple." over and over
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB")
 
 
 @pytest.fixture(scope="module")

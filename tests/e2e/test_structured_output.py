@@ -1,5 +1,6 @@
 """Structured output end to end with the real default model: sampled answers always follow the JSON schema,
-regex, choice or EBNF grammar; constrained and free requests share batches without affecting each other."""
+regex, choice or EBNF grammar; constrained and free requests share batches without affecting each other. ``llm``
+is the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
 import json
@@ -8,16 +9,11 @@ import re
 import jsonschema
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 from tests.e2e.json_schemas import SCHEMAS
 
 SEEDS = (0, 1, 2)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB", max_num_seqs=64)
 
 
 def chat(llm, questions: list[str], params: list[SamplingParams]):
