@@ -1,12 +1,13 @@
 /* bf16 GEMM against weights packed once: y[M, N] (float32) = x[M, K] (float32) @ W^T (+ bias), W held in bf16,
  * x rounded to bf16 (nearest even) on the way in, products summed in float32. For a bfloat16 model on CPUs with
- * bf16 arithmetic (ModelConfig.bf16_panels): half the weight bytes a decode step streams, and bf16 multiplies.
+ * bf16 arithmetic (platforms/cpu.KernelChoice.bf16_panels): half the weight bytes a decode step streams, and bf16
+ * multiplies.
  *
  * Two bodies over one layout. With AMX (Sapphire Rapids and later), one tile multiply does 16 x 16 x 32 bf16
  * multiply-adds, ~16x what AVX-512 float32 FMAs do per cycle: torch's oneDNN reaches AMX too, but at decode sizes
- * (1-64 rows) its per-call set-up dominates (576 x 1536 at 64 rows: 0.101 ms against 0.063 here), and it wants
- * bf16 activations where the rest of our kernels are float32. With AVX512-BF16 but no AMX (Zen 4 and 5, Cooper
- * Lake), vdpbf16ps does two bf16 multiply-adds per float32 lane: twice the FMA's work per instruction.
+ * (1-64 rows) its per-call set-up dominates, and it wants bf16 activations where the rest of our kernels are
+ * float32. With AVX512-BF16 but no AMX (Zen 4 and 5, Cooper Lake), vdpbf16ps does two bf16 multiply-adds per
+ * float32 lane: twice the FMA's work per instruction.
  *
  * Layout (gemm_layout.pack_bf16_panels): panels of 32 output columns, K padded to whole blocks of 32; per panel
  * and block two tiles (columns 0-15, 16-31) of 16 rows x 64 bytes, row i holding for each column the pair of
@@ -16,13 +17,13 @@
  * Work items are (panel, block of 32 rows), split into contiguous runs over torch's OpenMP threads: in chunks
  * of rows whose bf16 copy fits in L2 (CHUNK_BYTES), then panel by panel, so a panel read from memory by its
  * first row block is in L2 for the next. How the first row block gets the panel out of memory differs by body,
- * each as measured on its machine: on AMX it fetches the next panel into L2 as it goes, so that memory streams
- * while the later row blocks multiply from cache (30 layers at 64 rows 14.2 -> 13.1 ms, the LM head 3.65 -> 3.38;
- * prefetching ahead in the panel itself, into L1, was no better than none there); with vdpbf16ps the first tile
- * over a panel prefetches 8 KB ahead in it into L1 (Zen 5, 30 layers' weights: 64 rows 22.2 -> 18.3 ms, 32 rows
- * 16.6 -> 11.4, 8 rows 9.1 -> 6.0, medians of 30; fetching the next panel into L2 made no difference there,
- * spread over all its tiles or not: one demand-paced tile reading memory stalls on it whatever L2 holds), and the
- * tiles take the panel 4 KB at a time in turn (item_dp), so that stream is spread over all of them.
+ * each the way that was faster on a machine with that body: on AMX it fetches the next panel into L2 as it goes,
+ * so that memory streams while the later row blocks multiply from cache (prefetching ahead in the panel itself,
+ * into L1, does no better than no prefetch there); with vdpbf16ps the first tile over a panel prefetches 8 KB
+ * ahead in it into L1, which keeps the stream ahead of a tile whose loads are otherwise paced by memory (fetching
+ * the next panel into L2 does not help there, spread over all its tiles or not: one demand-paced tile reading
+ * memory stalls on it whatever L2 holds), and the tiles take the panel 4 KB at a time in turn (item_dp), so that
+ * stream is spread over all of them.
  * Each thread first rounds its share of x's rows to bf16 into a shared scratch (K padded to 32 with zeros).
  * On AMX an item keeps four 16 x 16 float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31;
  * the last row block's tiles are configured to the rows it has); with vdpbf16ps, tiles of up to 8 rows x 32
@@ -148,8 +149,7 @@ static inline __attribute__((always_inline)) void dp_tile(const uint16_t *a, int
 }
 
 /* The lines of y that rows [r, r + n) of an item will write, fetched for writing as the item starts: written at its
- * end, they otherwise all missed at once and stalled the stores (SmolLM2's 120 layers, medians: 2048 rows 635 ->
- * 578 ms, 512 rows 151 -> 141; W1's prefill steps in the engine ~5%). */
+ * end, they would otherwise all miss at once and stall the stores. */
 static inline void prefetch_rows_for_write(const PanelOut *out, int r, int n) {
     for (int q = 0; q < n; q++) {
         const char *yr = (const char *)(out->y + (int64_t)(r + q) * out->ldy);
@@ -161,7 +161,7 @@ static inline void prefetch_rows_for_write(const PanelOut *out, int r, int n) {
 /* One item with vdpbf16ps: rows [row0, row0 + rows) of y against one panel, in tiles of DP_ROWS rows that take
  * the panel DP_KBLOCKS blocks (4 KB) at a time, so the first tile's reading of a block from memory (`stream`: the
  * panel's first row block) is spread over the item instead of being one tile's whole pass, and the others find
- * the block in L1 (30 layers' weights: 32 rows 9.7 -> 8.2 ms, 64 rows 17.1 -> 15.7, medians of 30). */
+ * the block in L1. */
 static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
                     int stream) {
     float c[ROW_BLOCK * PANEL_COLS] __attribute__((aligned(64)));
