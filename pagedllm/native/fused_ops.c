@@ -3,7 +3,8 @@
  * cat / index_copy_ of a strided view) that each read and write the whole activation. With the embedding
  * lookups here too, a decode step's forward is native calls only, which a CPU graph can replay (graph.py).
  *
- * Row-parallel with OpenMP on torch's own threads (see native/__init__.py); small calls stay on one thread.
+ * Row-parallel with OpenMP on torch's own threads (the library binds to the libgomp.so.1 torch has loaded); small
+ * calls stay on one thread.
  * Plain C written to vectorise: the exp is a polynomial, no libm call in the inner loops.
  */
 #include <math.h>
@@ -144,8 +145,8 @@ int write_kv_bf16(const float *key, const float *value, int64_t row_stride, uint
 }
 
 /* out[t] = the index of row t's largest value, the first of equal ones, a NaN counting as largest (the first
- * NaN), as torch.argmax: greedy sampling over a decode batch's logits, where torch's argmax took 2.4 ms for
- * 64 x 49152 here. One pass for the maximum (and whether there is a NaN), one to find where it is. */
+ * NaN), as torch.argmax, in a fraction of its time: greedy sampling over a decode batch's logits. One pass for the
+ * maximum (and whether there is a NaN), one to find where it is. */
 void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out) {
 #pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
