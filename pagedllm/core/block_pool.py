@@ -81,9 +81,9 @@ class BlockPool:
 
         With nothing cached the free order carries no information, so the queue goes back to block-id order:
         the blocks handed out next are the ones used first before, whose memory the OS has already mapped,
-        rather than the never-used tail of the cache. On CPU the first write to a page costs a fault (~1-5 ms
-        per 2 MiB on the 2-core VM): a W1 run after a same-sized warm-up wrote 1.1 GB of fresh cache, ~7 ms of
-        each decode step's 185."""
+        rather than the never-used tail of the cache. On CPU the first write to a page costs a fault (the OS
+        zeroes a 2 MiB huge page as it is first touched): in LRU order a run after a same-sized warm-up would
+        write its K/V into the never-touched part of the cache and pay those faults in its decode steps."""
         if self.get_num_free_blocks() != self.num_blocks:
             return False
         for block in self.blocks:

@@ -28,7 +28,7 @@ def has_native_bf16() -> bool:
     """True when bf16 matmuls run on hardware (AVX512-BF16 or AMX), not emulated.
 
     oneDNN reports bf16 as "supported" on any AVX-512 CPU, but without these instructions it converts to
-    fp32 and runs several times slower than plain fp32 (measured on an Ice Lake Xeon: 66 vs 264 GFLOP/s).
+    fp32 and runs several times slower than plain fp32.
     """
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
@@ -94,8 +94,8 @@ class HugePageArena:
     """Copies of tensors carved from fresh, 2 MiB-aligned chunks of anonymous memory that ask for transparent
     huge pages before their first touch. For the GEMMs' packed weights, which every decode step streams from
     memory (424 MB for SmolLM2-135M in float32): with 4 KiB pages each 147 KB panel spans 36 pages, each a TLB
-    miss and, in a VM, a two-level page walk. Measured on the 30 layers' panels alone: 32 rows 34.5 -> 31.0 ms,
-    64 rows 53.7 -> 50.0 ms. A chunk is freed when the last tensor carved from it is."""
+    miss and, in a VM, a two-level page walk; in 2 MiB pages a panel takes one TLB entry or two. A chunk is freed
+    when the last tensor carved from it is."""
 
     CHUNK = 64 << 20
 
@@ -117,10 +117,10 @@ def keep_freed_memory() -> None:
 
     By default a block above the mmap threshold (128 KiB, adapting up to 32 MiB) is unmapped when freed and the
     heap's free top trimmed, so each eager step (a prefill chunk: 25 MB of MLP intermediate a layer at 2048
-    rows) faults its activations in again, page by page: ~45k minor faults in W3's prefill step, ~500k in a W1
-    run; with these settings 2-17k in a process's first run, none after. The cost is the RSS of the largest
-    step, kept. vLLM's CPU backend gets the same from the tcmalloc it preloads. A C library without mallopt
-    (not glibc) is left as it is."""
+    rows) faults its activations in again, page by page, tens of thousands of minor faults a step. With these
+    settings a process faults its memory in during its first steps and reuses it after. The cost is the RSS of
+    the largest step, kept. vLLM's CPU backend gets the same from the tcmalloc it preloads. A C library without
+    mallopt (not glibc) is left as it is."""
     libc = _linux_libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return

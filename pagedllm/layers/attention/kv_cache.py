@@ -23,8 +23,8 @@ def allocate_kv_caches(
 
     Zero-filled so that stale slots hold finite values for any backend. On CPU the zeros come from fresh
     anonymous memory in huge pages (platforms/cpu.huge_page_zeros): the OS hands out zero pages as they are
-    first touched, so a multi-GiB cache costs nothing at start-up (torch.zeros writes every page: ~3 s for
-    2.3 GiB here), and decode attention streams it with fewer TLB misses.
+    first touched, so a multi-GiB cache costs nothing at start-up (torch.zeros would write every page, seconds
+    for a few GiB), and decode attention streams it with fewer TLB misses.
     """
     backend = backend or get_attn_backend(device)
     shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
