@@ -35,7 +35,8 @@ class StructuredOutputManager:
         self._bitmask: Optional[torch.Tensor] = None
 
     def _get_backend(self) -> XgrammarBackend:
-        """Built on first use (loading the tokenizer's vocabulary takes ~0.5 s), in the compile thread."""
+        """Built on first use, in the compile thread: loading the tokenizer's vocabulary is too slow for the
+        engine's busy loop."""
         with self._backend_lock:
             if self._backend is None:
                 self._backend = XgrammarBackend(self._load_tokenizer(), self._vocab_size)
