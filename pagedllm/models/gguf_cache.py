@@ -1,11 +1,11 @@
 """On-disk cache of the HF config and tokenizer transformers derives from a GGUF file.
 
-Deriving them parses the whole GGUF vocabulary in Python (~6 s each on a small
-CPU); the saved HF files load in under a second. An entry is keyed by the
-file's real path, size and mtime and the transformers version, so a changed
-file or library gets a new entry, and it is renamed into place whole, so
-concurrent processes never read half of one. Location: ``$PAGEDLLM_CACHE_DIR``,
-else ``$XDG_CACHE_HOME/pagedllm``, else ``~/.cache/pagedllm``; delete it freely.
+Deriving them parses the whole GGUF vocabulary in Python (seconds each); the saved
+HF files load in a fraction of that. An entry is keyed by the file's real path,
+size and mtime and the transformers version, so a changed file or library gets a
+new entry, and it is renamed into place whole, so concurrent processes never read
+half of one. Location: ``$PAGEDLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm``,
+else ``~/.cache/pagedllm``; delete it freely.
 """
 
 import hashlib
