@@ -1,10 +1,11 @@
 """CPU graphs: a decode step's native kernel calls recorded once and replayed (the CPU analogue of vLLM's CUDA
 graphs, which replay a step's kernel launches without the Python that issued them).
 
-In float32 on CPU a decode step's forward is native kernels only (gemm.c, paged_decode.c, fused_ops.c), ~10 a
-layer, and for a batch of a few rows the Python around them (modules, views, allocations, argument checks)
-costs about as much as the kernels. Capture runs the forward once, as usual, while ``launch`` records every
-kernel call with its arguments; replay makes the same calls again and nothing else.
+With float32 activations on CPU a decode step's forward is native kernels only (gemm.c or gemm_bf16.c, the
+paged-attention kernels, fused_ops.c), ~10 a layer, and for a batch of a few rows the Python around them
+(modules, views, allocations, argument checks) costs about as much as the kernels. Capture runs the forward once,
+as usual, while ``launch`` records every kernel call with its arguments; replay makes the same calls again and
+nothing else.
 
 That is only right under CUDA graphs' two rules. Every per-step input must sit in the same memory at every
 step: the model runner keeps static buffers per batch size and refreshes them before each replay. And nothing

@@ -4,11 +4,11 @@ batch size and by how long a prefix all its requests share, when attention takes
 (cascade attention): the kernels' arguments differ with it.
 
 Batches of up to MAX_GRAPH_BATCH rows use graphs. The graphs share one pool for their activations (~1.1 MB a row
-for SmolLM2-135M, so ~70 MB at 64 rows), which also spares replays the allocations an eager step makes. Measured
-in one process, alternating engines (W1-like, 64 x 256-token prompts): 64-row decode steps 169-189 ms against
-196-205 eager; one-row W2 steps ~10 against ~21 ms with gguf_int4, 28-32 against 40-43 dense. Batches
-above the cap run eagerly, and so does any key whose capture was refused (e.g. cascade attention on torch's
-SDPA where the native prefix kernel does not apply).
+for SmolLM2-135M, so ~70 MB at 64 rows), which also spares replays the allocations an eager step makes. A replay
+drops the Python around the kernels, which costs about as much as the kernels at one row and still a visible share
+of a 64-row step, so graphs pay at every batch size up to the cap. Batches above the cap run eagerly, and so does
+any key whose capture was refused (e.g. cascade attention on torch's SDPA where the native prefix kernel does not
+apply).
 """
 
 import logging
