@@ -72,7 +72,8 @@ def parse_memory_size(value: int | str) -> int:
 
 @dataclass
 class ModelConfig:
-    """The model: where it lives, its HF config, the compute dtype, and the context length we serve."""
+    """The model: where it lives, its HF config, its dtype (also its KV cache's; the activations' dtype is the
+    engine's platforms/cpu.KernelChoice), and the context length we serve."""
 
     model: str
     path: str

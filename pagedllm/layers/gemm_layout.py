@@ -2,7 +2,7 @@
 ``dispatch_cpu_unquantized_gemm``).
 
 float32 on CPU: MKL's sgemm repacks the weight on every call, which at decode sizes costs about as much as the
-multiply, and it runs 2-4x faster at 8-64 rows on ``W.T`` stored row-major ``[in, out]`` than when it transposes
+multiply, and it runs far faster at 8-64 rows on ``W.T`` stored row-major ``[in, out]`` than when it transposes
 ``W`` on the fly. So a dense float32 weight is packed once into the native kernel's panels (native/gemm.c,
 AVX-512 or AVX2), which serve batches of up to PANELS_MAX_ROWS rows; larger (prefill-sized) batches, where MKL is
 ahead, go to MKL on an input-major copy, so such weights are held twice. The LM head, whose batches are the

@@ -15,8 +15,8 @@ import torch
 
 from pagedllm.layers.attention.metadata import AttentionMetadata
 
-# A shared prefix shorter than this is gathered per request as before: merging two partial attentions
-# costs more than copying a few blocks.
+# A shared prefix shorter than this is read by each request with the rest of its history: merging two partial
+# attentions costs more than reading (or copying) a few blocks again per request.
 CASCADE_MIN_PREFIX_TOKENS = 256
 
 
