@@ -69,7 +69,7 @@ def test_rotary_table_holds_hf_values_and_grows_past_its_end():
     _close(rotated, expected)
     assert rope.cos_sin_cache.shape == (41, 64)
     with pytest.raises(IndexError, match="41 positions"):
-        fused.rotary_neox_(qk, 2, 64, 64, torch.tensor([41]), rope.cos_sin_cache)
+        fused.rotary_neox_(qk, 2, 64, 64, torch.tensor([3, 41, 15]), rope.cos_sin_cache)  # one position a row
 
 
 @pytest.mark.parametrize("rows", ROWS)

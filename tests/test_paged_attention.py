@@ -50,9 +50,9 @@ def test_native_kernel_builds_where_a_compiler_exists(decode_path):
 def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler")
-    assert native._build("paged_decode") is None
+    assert native._build("paged_attention") is None
     monkeypatch.setenv("CC", "false")  # exists, always fails
-    assert native._build("paged_decode") is None
+    assert native._build("paged_attention") is None
     assert not list(tmp_path.rglob("*.so"))
 
 

@@ -88,6 +88,12 @@ def chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
+def doctor(args: argparse.Namespace) -> None:
+    from pagedllm.native.doctor import main as doctor_main
+
+    sys.exit(doctor_main())
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -101,6 +107,8 @@ def make_parser() -> argparse.ArgumentParser:
     chat_parser.add_argument("--max-tokens", type=int, default=None, help="longest answer in tokens")
     chat_parser.set_defaults(func=chat)
     add_bench_parser(subparsers)
+    doctor_parser = subparsers.add_parser("doctor", help="the CPU features seen and each native kernel's build")
+    doctor_parser.set_defaults(func=doctor)
     return parser
 
 

@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
-from pagedllm.native.graph import launch
 from pagedllm.platforms.cpu import HugePageArena
 
 PANEL = 64  # output columns per panel; gemm.c's NR
@@ -84,13 +83,12 @@ class DenseWeight:
                 self.data is not None and rows.shape[0] > PANELS_MAX_ROWS):
             return F.linear(x, self.unpacked().to(x.dtype), bias)  # gated panels serve silu_and_mul, not this
         kernel = native.gemm_bf16() if self.panels.dtype == torch.bfloat16 else native.gemm()
-        return packed_linear(kernel, x, self.panels, bias, self.out_features)
+        return kernel(x, self.panels, bias, self.out_features)
 
     def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``silu(gate) * up`` of ``F.linear(x, weight, bias)`` split in halves, in one kernel that never writes the
         projection itself (a ``gated`` weight, float32 ``x``)."""
-        return packed_linear(native.gemm_bf16_silu_mul(), x, self.panels, bias, self.out_features,
-                             self.out_features // 2)
+        return native.gemm_bf16_silu_mul()(x, self.panels, bias, self.out_features, self.out_features // 2)
 
     def unpacked(self) -> torch.Tensor:
         """The ``[out, in]`` values (a copy when only the panels are kept)."""
@@ -151,7 +149,7 @@ class QuantizedWeight:
         return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return packed_linear(self.kernel, x, self.panels, bias, self.out_features)
+        return self.kernel(x, self.panels, bias, self.out_features)
 
 
 def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -192,28 +190,6 @@ def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor):
         return t.view(torch.uint8).reshape(panels, blocks, -1)
 
     return by_row, to_block
-
-
-def packed_linear(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                  out_features: int, out_width: int | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` by one of gemm.c's kernels over ``packed`` (W's panels in that kernel's layout), or,
-    with ``out_width``, what a kernel that writes that many columns per row makes of it (gemm_bf16_silu_mul).
-    Called ~120 times a decode step: it keeps to the few tensor calls it needs (one-row decode is otherwise
-    as much Python as GEMM)."""
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
-    num_rows, in_features = rows.shape
-    width = out_width or out_features
-    out = rows.new_empty(num_rows, width)
-    if bias is not None:
-        bias = bias.contiguous()
-    status = launch(kernel, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), width, num_rows, out_features,
-                    in_features, torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"the native GEMM rejected its sizes (status {status})")
-    return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
 
 
 def native_applies(kernel_name: str, dtype: torch.dtype, device: torch.device) -> bool:

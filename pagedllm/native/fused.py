@@ -1,14 +1,37 @@
-"""Torch-facing wrappers of fused_ops.c for the decoder layer's element-wise work in float32 on CPU.
+"""Typed calls of fused_ops.c, the decoder layer's element-wise work in float32 on CPU: each C function declared
+once by name (FUSED_SIGNATURES) and called through one wrapper here.
 
 Each returns its result (or True) when the native path applies, and None (or False) when it does not: no
 kernel, another dtype or device, or a layout the kernel does not take. Callers then run their torch code, so
-the two paths always coexist and the torch one stays the reference.
+the two paths always coexist and the torch one stays the reference. With ``PAGEDLLM_NATIVE_CHECKS=1`` the
+relations between the arguments (shapes, lengths) are checked before a call too (native/checks.py).
 """
 
 import torch
 
 from pagedllm import native
+from pagedllm.native import checks
+from pagedllm.native.checks import require
 from pagedllm.native.graph import launch
+from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, CFunction, arguments
+
+_WRITE_KV_ARGS = arguments("key", "value", POINTER, "row_stride", INT64, "key_cache", "value_cache", POINTER,
+                           "num_slots", INT64, "slot_mapping", POINTER, "rows", INT64, "row_floats", INT)
+FUSED_SIGNATURES = (
+    CFunction("add_rms_norm_f32", None, *arguments("x", "residual", "weight", "out", "sum_out", POINTER, "rows",
+                                                   INT64, "hidden", INT, "eps", FLOAT)),
+    CFunction("silu_and_mul_f32", None, *arguments("x", "out", POINTER, "rows", INT64, "d", INT)),
+    CFunction("rotary_neox_f32", INT, *arguments("x", POINTER, "row_stride", INT64, "positions", "cos_sin_cache",
+                                                 POINTER, "num_positions", "rows", INT64, "heads", "head_size",
+                                                 "rotary_dim", INT)),
+    CFunction("embedding_f32", INT, *arguments("ids", "weight", "out", POINTER, "rows", INT64, "dim", INT,
+                                               "vocab_rows", INT64)),
+    CFunction("embedding_q8_f32", INT, *arguments("ids", "codes", "scales", "out", POINTER, "rows", INT64, "dim",
+                                                  INT, "vocab_rows", INT64)),
+    CFunction("write_kv_f32", INT, *_WRITE_KV_ARGS),
+    CFunction("write_kv_bf16", INT, *_WRITE_KV_ARGS),
+    CFunction("argmax_rows_f32", None, *arguments("x", POINTER, "rows", "cols", INT64, "out", POINTER)),
+)
 
 
 def _lib_for(*tensors: torch.Tensor):
@@ -24,6 +47,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     lib = _lib_for(*operands)
     if lib is None or not all(t.is_contiguous() for t in operands) or x.dim() != 2:
         return None
+    if checks.ENABLED:
+        require("add_rms_norm_f32", weight.shape == (x.shape[1],) and (residual is None or residual.shape == x.shape),
+                f"weight {tuple(weight.shape)} and residual must fit x {tuple(x.shape)}")
     out = torch.empty_like(x)
     summed = None if residual is None else torch.empty_like(x)
     launch(lib.add_rms_norm_f32, x.data_ptr(), None if residual is None else residual.data_ptr(),
@@ -37,6 +63,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     lib = _lib_for(x)
     if lib is None or not x.is_contiguous() or x.dim() != 2:
         return None
+    if checks.ENABLED:
+        require("silu_and_mul_f32", x.shape[1] % 2 == 0, f"x {tuple(x.shape)} is not [gate | up]")
     d = x.shape[1] // 2
     out = x.new_empty(x.shape[0], d)
     launch(lib.silu_and_mul_f32, x.data_ptr(), out.data_ptr(), x.shape[0], d)
@@ -52,6 +80,11 @@ def rotary_neox_(x: torch.Tensor, num_heads: int, head_size: int, rotary_dim: in
     if (lib is None or x.dim() != 2 or x.stride(1) != 1 or not cos_sin_cache.is_contiguous()
             or positions.dtype != torch.int64 or not positions.is_contiguous()):
         return False
+    if checks.ENABLED:
+        require("rotary_neox_f32", positions.shape == (x.shape[0],) and x.shape[1] >= num_heads * head_size
+                and cos_sin_cache.shape[1] == rotary_dim and rotary_dim <= head_size and rotary_dim % 2 == 0,
+                f"x {tuple(x.shape)}, positions {tuple(positions.shape)}, cache {tuple(cos_sin_cache.shape)} do not "
+                f"fit {num_heads} heads of {head_size} rotating {rotary_dim}")
     if launch(lib.rotary_neox_f32, x.data_ptr(), x.stride(0), positions.data_ptr(), cos_sin_cache.data_ptr(),
               cos_sin_cache.shape[0], x.shape[0], num_heads, head_size, rotary_dim) != 0:
         raise IndexError(f"a position is past the rotary cache's {cos_sin_cache.shape[0]} positions")
@@ -68,6 +101,9 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
             or not (ids.is_contiguous() and weight.is_contiguous() and (scales is None or scales.is_contiguous()))):
         return None
     rows, dim = weight.shape
+    if checks.ENABLED and q8:
+        require("embedding_q8_f32", scales.shape == (rows, dim // 32) and dim % 32 == 0,
+                f"scales {tuple(scales.shape)} must hold one per 32 of the {tuple(weight.shape)} codes")
     out = torch.empty(ids.shape[0], dim)
     if dense:
         status = launch(lib.embedding_f32, ids.data_ptr(), weight.data_ptr(), out.data_ptr(), ids.shape[0], dim, rows)
@@ -96,6 +132,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, val
             or key.stride(0) != value.stride(0) or slot_mapping.dtype != torch.int64
             or not (key_flat.is_contiguous() and value_flat.is_contiguous() and slot_mapping.is_contiguous())):
         return False
+    if checks.ENABLED:
+        require(kernel, key.shape == value.shape and key_flat.shape == value_flat.shape
+                and key_flat.shape[1:] == key.shape[1:] and slot_mapping.shape == (key.shape[0],),
+                f"key/value {tuple(key.shape)}, caches {tuple(key_flat.shape)}, slots {tuple(slot_mapping.shape)} "
+                "do not fit")
     if launch(getattr(lib, kernel), key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(),
               value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
         raise IndexError(f"slot_mapping holds a slot outside the KV cache's {key_flat.shape[0]} slots")

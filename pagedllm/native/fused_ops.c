@@ -11,7 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "exp_poly.h"
+#include "simd.h"
 
 #define PARALLEL_MIN_FLOATS 32768 /* below this a parallel region costs more than it saves */
 

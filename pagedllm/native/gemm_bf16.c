@@ -37,7 +37,7 @@
 #include <string.h>
 #include <omp.h>
 
-#include "exp_poly.h"
+#include "simd.h"
 
 #define PANEL_COLS 32
 #define KBLOCK 32     /* bf16 values along K per tile row */

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm import native
+from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,6 +63,35 @@ def choose_kernels(dtype: torch.dtype) -> KernelChoice:
     """This CPU's kernels for a model of ``dtype``: bf16 panels for a bfloat16 model wherever they build. Builds
     (or loads) the kernels it asks about."""
     return KernelChoice(dtype, dtype == torch.bfloat16 and bf16_panels_apply())
+
+
+def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_size: int,
+                 quantization: str | None = None) -> dict[str, str]:
+    """Which path a model's attention, GEMMs and fused ops take under ``kernels`` here, in words (the engine logs
+    them at start-up; ``python -m pagedllm.native`` prints them for the default model). Mirrors the decisions the
+    layers take: native kernels need float32 activations."""
+    float32 = kernels.compute_dtype == torch.float32
+    attention = native.paged_attention(kernels.dtype) if float32 else None
+    decode = prefill = "torch SDPA"
+    if attention is not None and num_heads // num_kv_heads <= MAX_GROUP and head_size <= MAX_HEAD_SIZE:
+        decode = f"native paged_decode ({attention.decode_isa}, {_name(kernels.dtype)} cache)"
+    if attention is not None and attention.prefill_supports(num_heads, num_kv_heads, head_size):
+        prefill = "native prefill tiles" + (" (bf16 pairs)" if attention.prefill_pairs else "")
+    if kernels.bf16_panels:
+        gemm = "bf16 weight panels (" + ("AMX" if native.gemm_bf16_uses_amx() else "AVX512-BF16 vdpbf16ps") + ")"
+    elif float32 and native.gemm() is not None:
+        gemm = f"float32 panels ({'AVX-512' if 'avx512f' in cpu_flags() else 'AVX2'}; MKL above 128 rows)"
+    else:
+        gemm = f"torch ({_name(kernels.compute_dtype)})"
+    if quantization == "gguf_int4":
+        gemm += "; 4-bit layers: " + ("native Q4 panels" if float32 and native.gemm_q4() is not None
+                                      else "torch int4 kernel")
+    fused = "native" if float32 and native.fused_ops() is not None else "torch"
+    return {"attention (decode)": decode, "attention (prefill)": prefill, "GEMMs": gemm, "fused ops": fused}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,6 +6,8 @@ is sampled (or prompt logprobs are asked for), and returns sampled tokens as a M
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -15,7 +17,7 @@ from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice, choose_kernels
+from pagedllm.platforms.cpu import KernelChoice, choose_kernels, kernel_paths
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingType
@@ -23,6 +25,8 @@ from pagedllm.structured_output.backend_xgrammar import apply_bitmask
 from pagedllm.worker.cpu_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -44,6 +48,10 @@ class ModelRunner:
         mc = self.model_config
         self.kernels = choose_kernels(mc.dtype)
         self.model = get_model(mc.path, mc.hf_config, self.kernels)
+        paths = kernel_paths(self.kernels, mc.hf_config.num_attention_heads, mc.num_kv_heads, mc.head_dim,
+                             mc.quantization)
+        logger.info("Kernels (%s model): %s", str(mc.dtype).removeprefix("torch."),
+                    "; ".join(f"{part}: {path}" for part, path in paths.items()))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config

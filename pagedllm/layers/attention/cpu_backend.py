@@ -1,13 +1,14 @@
-"""Paged attention on CPU with torch's scaled_dot_product_attention.
+"""Paged attention on CPU: the native kernels where they apply, torch's scaled_dot_product_attention elsewhere.
 
 Per step the batch is planned once (cpu_plan.py). In float32, decode rows and (with AVX-512 and a head size of
 64 or 128) prefill chunks go to the native kernels, which read each history in place through the block table
-(native/paged_decode.c). Otherwise decode rows are batched into one SDPA call over their histories, gathered
-from the cache and padded to the longest one, and each prefill chunk is one call, causal inside the chunk and
-seeing the request's cached earlier tokens. A prefix of blocks that every request
-shares is attended once for all rows and merged by log-sum-exp (cascade attention).
-Only slots below a request's ``seq_len`` are ever read, so never-written cache memory (even NaN garbage)
-cannot leak into the result.
+(native/attention.py; paged_decode.c, paged_prefill.c, paged_cascade.c). Which sizes those take is decided once,
+when the layer is built; under ``PAGEDLLM_NATIVE_KERNELS=require`` sizes they do not take are an error there.
+Otherwise decode rows are batched into one SDPA call over their histories, gathered from the cache and padded to
+the longest one, and each prefill chunk is one call, causal inside the chunk and seeing the request's cached
+earlier tokens. A prefix of blocks that every request shares is attended once for all rows and merged by
+log-sum-exp (cascade attention). Only slots below a request's ``seq_len`` are ever read, so never-written cache
+memory (even NaN garbage) cannot leak into the result.
 
 The cache may hold bf16 while queries are float32 (a bfloat16 model with float32 activations, see
 platforms/cpu.KernelChoice): the native kernels read it so directly; the torch paths widen what they gather.
@@ -16,8 +17,8 @@ platforms/cpu.KernelChoice): the native kernels read it so directly; the torch p
 import torch
 
 from pagedllm import native
-from pagedllm.native import fused
-from pagedllm.native.graph import launch
+from pagedllm.native import build, fused
+from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
@@ -26,6 +27,19 @@ _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class TorchSDPABackendImpl(AttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        library = native.paged_attention()  # the sizes the kernels take do not depend on the cache's dtype
+        self.native_decode_sizes = self.group <= MAX_GROUP and head_size <= MAX_HEAD_SIZE
+        self.native_prefill_sizes = library is not None and library.prefill_supports(num_heads, num_kv_heads,
+                                                                                      head_size)
+        if build.mode() == "require" and library is not None and not (
+                self.native_decode_sizes and (self.native_prefill_sizes or not library.has_prefill)):
+            raise ValueError(f"PAGEDLLM_NATIVE_KERNELS=require, but the native attention kernels do not take "
+                             f"{num_heads} heads of size {head_size} over {num_kv_heads} KV heads (decode rows: "
+                             f"groups up to {MAX_GROUP}, head sizes up to {MAX_HEAD_SIZE}; prefill tiles: head "
+                             "sizes 64 and 128)")
+
     def forward(
         self,
         query: torch.Tensor,
@@ -64,28 +78,19 @@ class TorchSDPABackendImpl(AttentionImpl):
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
     def _native_decode(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-        return (dtype == torch.float32 and self.group <= 16 and self.head_size <= 256
-                and native.paged_decode(kv_dtype) is not None)
+        return dtype == torch.float32 and self.native_decode_sizes and native.paged_decode(kv_dtype) is not None
 
     def _native_prefill(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-        return (dtype == torch.float32 and self.group <= 16 and self.head_size in (64, 128)
-                and native.paged_prefill(kv_dtype) is not None)
+        return dtype == torch.float32 and self.native_prefill_sizes and native.paged_prefill(kv_dtype) is not None
 
     def _prefill_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         """Every prefill chunk in one native call that reads its context through the block table (tiles of
-        query tokens x heads share each K/V load): no gathered copies, no repeated K/V heads. 8 x 256-token
-        prompts, 30 layers: 250-315 ms against 363-499 ms for gather + SDPA in alternating runs, with the
-        16-lane tiles; the 32-lane ones took 5.8 instead of 7.6 ms a layer (same process, alternating)."""
+        query tokens x heads share each K/V load): no gathered copies, no repeated K/V heads."""
         chunks = plan.native_prefill
-        q = query.contiguous()
-        status = launch(
-            native.paged_prefill(key_flat.dtype), q.data_ptr(), key_flat.data_ptr(), value_flat.data_ptr(),
-            chunks.block_table.data_ptr(), chunks.block_table.shape[1], chunks.query_start.data_ptr(),
-            chunks.query_len.data_ptr(), chunks.seq_len.data_ptr(), plan.prefix.num_tokens if plan.prefix else 0,
-            out.data_ptr(), lse.data_ptr(), chunks.query_len.shape[0], self.num_heads, self.num_kv_heads,
-            self.head_size, plan.block_size, self.scale, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"paged_prefill_f32 rejected its sizes (status {status})")
+        native.paged_prefill(key_flat.dtype)(
+            query.contiguous(), key_flat, value_flat, chunks.block_table, chunks.query_start, chunks.query_len,
+            chunks.seq_len, out, lse, start_pos=plan.prefix.num_tokens if plan.prefix else 0,
+            block_size=plan.block_size, scale=self.scale)
 
     def _rows_as_read(self, query: torch.Tensor) -> torch.Tensor:
         """The query rows as the kernels taking a row stride read them: in place when each row's heads are
@@ -107,13 +112,9 @@ class TorchSDPABackendImpl(AttentionImpl):
         else:
             q = query.index_select(0, plan.decode_rows)
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
-        status = launch(
-            native.paged_decode(key_flat.dtype), q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
-            plan.decode_block_table.data_ptr(), plan.decode_block_table.shape[1], plan.decode_seq_lens.data_ptr(),
-            plan.prefix.num_tokens if plan.prefix else 0, out_rows.data_ptr(), lse_rows.data_ptr(), num_reqs,
-            self.num_heads, self.num_kv_heads, self.head_size, plan.block_size, self.scale, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"paged_decode_f32 rejected its sizes (status {status})")
+        native.paged_decode(key_flat.dtype)(
+            q, key_flat, value_flat, plan.decode_block_table, plan.decode_seq_lens, out_rows, lse_rows,
+            start_pos=plan.prefix.num_tokens if plan.prefix else 0, block_size=plan.block_size, scale=self.scale)
         if not plan.decode_only:
             out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
             lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
@@ -183,15 +184,10 @@ class TorchSDPABackendImpl(AttentionImpl):
         q = self._rows_as_read(query)
         prefix_attention, merge = native.cascade(key_flat.dtype)
         out_prefix, lse_prefix = torch.empty_like(out_rest), torch.empty_like(lse_rest)
-        status = launch(prefix_attention, q.data_ptr(), q.stride(0), key_flat.data_ptr(), value_flat.data_ptr(),
-                        plan.prefix.block_ids.data_ptr(), plan.prefix.num_tokens, q.shape[0], out_prefix.data_ptr(),
-                        lse_prefix.data_ptr(), self.num_heads, self.num_kv_heads, self.head_size, plan.block_size,
-                        self.scale, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"paged_prefix_f32 rejected its sizes (status {status})")
+        prefix_attention(q, key_flat, value_flat, plan.prefix.block_ids, plan.prefix.num_tokens, out_prefix, lse_prefix,
+                         block_size=plan.block_size, scale=self.scale)
         merged = torch.empty_like(out_rest)
-        launch(merge, merged.data_ptr(), out_prefix.data_ptr(), lse_prefix.data_ptr(), out_rest.data_ptr(),
-               lse_rest.data_ptr(), lse_rest.numel(), self.head_size)
+        merge(merged, out_prefix, lse_prefix, out_rest, lse_rest)
         return merged
 
 

@@ -1,0 +1,84 @@
+"""Typed calls of the GEMM libraries (gemm.c: float32 and GGUF Q4/Q8 panels; gemm_bf16.c: bf16 panels): every GEMM
+shares one C signature, y[M, N] = x[M, K] @ W^T (+ bias) over W packed once into the kernel's panels
+(layers/gemm_layout.py lays them out), and one wrapper, which with ``PAGEDLLM_NATIVE_CHECKS=1`` checks the rows,
+the panels' dtype and shape for that kernel, and the bias before the call."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pagedllm.native import checks
+from pagedllm.native.checks import expect, require
+from pagedllm.native.graph import launch
+from pagedllm.native.signature import INT, INT64, POINTER, CFunction, arguments
+
+_GEMM_ARGS = arguments("x", POINTER, "ldx", INT64, "packed", "bias", "y", POINTER, "ldy", INT64, "M", "N", "K",
+                       "num_threads", INT)
+GEMM_PACKED = CFunction("gemm_packed_f32", INT, *_GEMM_ARGS)
+GEMM_Q4 = CFunction("gemm_q4_f32", INT, *_GEMM_ARGS)
+GEMM_Q8 = CFunction("gemm_q8_f32", INT, *_GEMM_ARGS)
+GEMM_AVAILABLE = CFunction("gemm_available", INT)
+GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
+GEMM_SIGNATURES = (GEMM_PACKED, GEMM_Q4, GEMM_Q8, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE)
+
+GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
+GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
+GEMM_BF16_AVAILABLE = CFunction("gemm_bf16_available", INT)
+GEMM_BF16_USES_AMX = CFunction("gemm_bf16_uses_amx", INT)
+GEMM_BF16_SIGNATURES = (GEMM_BF16, GEMM_BF16_SILU_MUL, GEMM_BF16_AVAILABLE, GEMM_BF16_USES_AMX)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Per kernel: its panels' dtype and the shape they have for N outputs and K inputs (None: any size). The layouts are
+# gemm_layout's pack_*; the gated bf16 panels pad each half to whole 16-column tiles, so only K is fixed for them.
+PANELS = {
+    GEMM_PACKED.name: (torch.float32, lambda n, k: (_cdiv(n, 64), k, 64)),
+    GEMM_Q4.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1408)),
+    GEMM_Q8.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2176)),
+    GEMM_BF16.name: (torch.bfloat16, lambda n, k: (_cdiv(n, 32), _cdiv(k, 32), 2, 16, 16, 2)),
+    GEMM_BF16_SILU_MUL.name: (torch.bfloat16, lambda n, k: (None, _cdiv(k, 32), 2, 16, 16, 2)),
+}
+
+
+class Gemm:
+    """One GEMM kernel of a loaded library."""
+
+    def __init__(self, lib: ctypes.CDLL, signature: CFunction):
+        self.name = signature.name
+        self.function = getattr(lib, signature.name)
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                 out_width: int | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` over ``packed`` (W's panels in this kernel's layout), for float32 ``x`` ``[..., K]``;
+        with ``out_width``, what a kernel writing that many columns per row makes of it (gemm_bf16_silu_mul).
+        Called ~120 times a decode step: it keeps to the few tensor calls it needs."""
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        num_rows, in_features = rows.shape
+        width = out_width or out_features
+        out = rows.new_empty(num_rows, width)
+        if bias is not None:
+            bias = bias.contiguous()
+        if checks.ENABLED:
+            self._check(rows, packed, bias, out_features)
+        status = launch(self.function, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), width, num_rows, out_features,
+                        in_features, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"{self.name} rejected its sizes (status {status})")
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
+
+    def _check(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
+        dtype, shape = PANELS[self.name]
+        expect(self.name, "x", rows, torch.float32)
+        expect(self.name, "packed", packed, dtype, shape(out_features, rows.shape[1]), contiguous=True)
+        if self.name in (GEMM_Q4.name, GEMM_Q8.name):
+            require(self.name, rows.shape[1] % 32 == 0, f"K = {rows.shape[1]} is not whole blocks of 32")
+        if bias is not None:
+            expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)

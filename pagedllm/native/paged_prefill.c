@@ -1,0 +1,391 @@
+/* Paged attention for prefill chunks: tiles of a chunk's query tokens against their request's history, read in
+ * place through its block table (the layout and dtypes in paged_attention.h), so nothing is gathered and no K/V head
+ * is repeated for grouped queries; a tile's query heads share each K/V element loaded. Also the engine of cascade
+ * attention's shared part (paged_cascade.c), which is these tiles over a prefix. AVX-512 only:
+ * paged_prefill_available() says whether this build has the tiles, paged_prefill_supports() which sizes they take,
+ * paged_prefill_pairs() whether they multiply in bf16 pairs.
+ */
+#include "paged_attention.h"
+
+#if defined(__AVX512F__)
+
+/* ---- Prefill: tiles of query tokens against their request's cache, in place ----
+ * A tile is up to 16 * vecs / group consecutive query tokens of one request with the group's heads: a query
+ * vector per lane of vecs (2 or 3, tile_vecs) vector registers, so one broadcast K (or V) element multiplies all
+ * of them in vecs FMAs (an FMA taking its own broadcast from memory runs well below the FMA rate; two or more per
+ * broadcast run at it). Groups of 3 (SmolLM2) take 48 lanes, 16 tokens: 32 lanes would hold 10 tokens and leave two
+ * idle.
+ * Scores for a run of 16 slots are S[slot] (vecs vectors over the tile's queries) = sum_i
+ * K[slot][i] * Q^T[i]; the causal limit of each lane masks what it may not see, the online softmax works
+ * lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read in place from the cache. Needs
+ * AVX-512 and a head size of 64 or 128 (prefill_takes). */
+#define MAX_VECS 3                 /* query vectors of 16 lanes per tile: 2 (32 lanes) or 3 (48) */
+#define LANE_STRIDE (16 * MAX_VECS) /* floats between a tile's rows of transposed queries */
+typedef struct {
+    const float *q_all;
+    const kv_t *k_cache, *v_cache;
+    const int32_t *block_table, *query_start, *query_len, *seq_len;
+    const int *tile_start; /* [num_reqs + 1]: tiles before request r */
+    int64_t block_table_stride, q_row_stride;
+    int num_reqs, start_pos, stop_pos, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
+    float scale;
+    float *out, *lse;
+} PrefillArgs;
+
+/* r[i][j] becomes r[j][i]: 64 shuffles (unpack pairs, 4 x 4 blocks inside 128-bit lanes, then the lanes). */
+static inline void transpose_16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) { /* r[i + c], lane L: column 4L + c of rows i .. i + 3 */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512 u = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 v = _mm512_shuffle_f32x4(r[c], r[4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        const __m512 w = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512 x = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], _MM_SHUFFLE(3, 1, 3, 1));
+        t[c] = _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(2, 0, 2, 0));
+        t[8 + c] = _mm512_shuffle_f32x4(u, w, _MM_SHUFFLE(3, 1, 3, 1));
+        t[4 + c] = _mm512_shuffle_f32x4(v, x, _MM_SHUFFLE(2, 0, 2, 0));
+        t[12 + c] = _mm512_shuffle_f32x4(v, x, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* s[j] = sum_i K[j][i] * Q^T[i] for the eight K rows k[j]: 16 sums held in registers. */
+static inline __attribute__((always_inline)) void scores_8(const float *qt, const float *const k[8], const int D,
+                                                          const int VECS, __m512 s[8][MAX_VECS]) {
+    __m512 acc[8][MAX_VECS];
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_setzero_ps();
+    for (int i = 0; i < D; i++) {
+        __m512 qv[MAX_VECS];
+        for (int h = 0; h < VECS; h++) qv[h] = _mm512_load_ps(qt + i * LANE_STRIDE + 16 * h);
+        for (int j = 0; j < 8; j++) {
+            const __m512 kb = _mm512_set1_ps(k[j][i]);
+            for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_fmadd_ps(kb, qv[h], acc[j][h]);
+        }
+    }
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
+}
+
+#if defined(KV_BF16) && defined(__AVX512BF16__)
+/* With a bf16 cache on CPUs with AVX512-BF16 the tiles multiply in bf16 pairs (vdpbf16ps: two multiply-adds per
+ * float32 lane, twice an FMA's work), as a bfloat16 model's attention does: queries and the softmax weights are
+ * rounded to bf16, K and V are read as they lie in the cache, sums stay float32. Scores: lane l of S[slot] +=
+ * Q[l][2p] K[slot][2p] + Q[l][2p + 1] K[slot][2p + 1], the K pair one 32-bit broadcast straight from the cache
+ * row. Outputs: O^T[i][l] += P[2m][l] V[2m][i] + P[2m + 1][l] V[2m + 1][i], over a run's V rows interleaved
+ * into slot pairs once per run. */
+#define PAIRED_TILES 1
+typedef kv_t tile_elem; /* the tiles read K and V rows as the cache holds them */
+#else
+typedef float tile_elem; /* the tiles read float32 rows: the cache's, or a bf16 run widened into a buffer */
+#endif
+#if defined(PAIRED_TILES)
+
+/* (lo[l], hi[l]) rounded to bf16, as the 32-bit lane l. */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* As scores_8, from qt2 (the queries as bf16 pairs along the head, [D / 2][LANE_STRIDE]) and bf16 K rows. */
+static inline __attribute__((always_inline)) void scores_8_pairs(const uint32_t *qt2, const kv_t *const k[8],
+                                                                const int D, const int VECS, __m512 s[8][MAX_VECS]) {
+    __m512 acc[8][MAX_VECS];
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_setzero_ps();
+    for (int p = 0; p < D / 2; p++) {
+        __m512bh qv[MAX_VECS];
+        for (int h = 0; h < VECS; h++) qv[h] = (__m512bh)_mm512_load_si512(qt2 + p * LANE_STRIDE + 16 * h);
+        for (int j = 0; j < 8; j++) {
+            uint32_t pair;
+            memcpy(&pair, k[j] + 2 * p, sizeof pair);
+            const __m512bh kb = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int h = 0; h < VECS; h++) acc[j][h] = _mm512_dpbf16_ps(acc[j][h], qv[h], kb);
+        }
+    }
+    for (int j = 0; j < 8; j++)
+        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
+}
+
+/* vp[m][i] = (V[2m][i], V[2m + 1][i]) for a run's RUN rows v[] (bf16, D of them each). */
+static inline __attribute__((always_inline)) void slot_pairs(const kv_t *const v[RUN], const int D,
+                                                            uint32_t vp[RUN / 2][D]) {
+    /* unpack pairs dims 8L .. 8L + 3 (lo) and 8L + 4 .. 8L + 7 (hi) in each 128-bit lane L: put them in order */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int m = 0; m < RUN / 2; m++)
+        for (int i = 0; i < D; i += 32) {
+            const __m512i a = _mm512_loadu_si512(v[2 * m] + i), b = _mm512_loadu_si512(v[2 * m + 1] + i);
+            const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+            _mm512_store_si512(vp[m] + i, _mm512_permutex2var_epi32(lo, first, hi));
+            _mm512_store_si512(vp[m] + i + 16, _mm512_permutex2var_epi32(lo, second, hi));
+        }
+}
+#endif
+
+static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D,
+                                                                      const int VECS) {
+    const int LANES = 16 * VECS;
+    const int tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+    int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (a->tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int r = lo, group = a->num_heads / a->num_kv_heads;
+    const int first = (tile - a->tile_start[r]) * a->tokens_per_tile;
+    const int ntok = a->query_len[r] - first < a->tokens_per_tile ? a->query_len[r] - first : a->tokens_per_tile;
+    const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r];
+    const int end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
+    const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * D;
+    float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
+    int32_t limit[LANE_STRIDE] __attribute__((aligned(64)));
+    /* lane n: token n / group, head n % group, its query and output rows (NULL for idle lanes, which see the
+     * whole tile) */
+    const float *q_lane[LANE_STRIDE];
+    int64_t out_row[LANE_STRIDE];
+    for (int n = 0; n < LANES; n++) {
+        const int t = n / group, g = n % group;
+        const int64_t token = (int64_t)a->query_start[r] + first + t;
+        limit[n] = n < lanes ? context + first + t + 1 : end;
+        q_lane[n] = n < lanes ? a->q_all + token * a->q_row_stride + (int64_t)(kv_head * group + g) * D : NULL;
+        out_row[n] = token * a->num_heads + kv_head * group + g;
+    }
+    const __m512 scale = _mm512_set1_ps(a->scale);
+    for (int h = 0; h < VECS; h++)
+        for (int i0 = 0; i0 < D; i0 += 16) { /* 16 lanes x 16 dims of queries, transposed into qt */
+            __m512 block[16];
+            for (int m = 0; m < 16; m++) {
+                const float *q = q_lane[16 * h + m];
+                block[m] = q != NULL ? _mm512_mul_ps(_mm512_loadu_ps(q + i0), scale) : _mm512_setzero_ps();
+            }
+            transpose_16x16(block);
+            for (int m = 0; m < 16; m++) {
+                _mm512_store_ps(qt[i0 + m] + 16 * h, block[m]);
+                _mm512_store_ps(ot[i0 + m] + 16 * h, _mm512_setzero_ps());
+            }
+        }
+#if defined(PAIRED_TILES)
+    uint32_t qt2[D / 2][LANE_STRIDE] __attribute__((aligned(64)));
+    for (int p = 0; p < D / 2; p++)
+        for (int h = 0; h < VECS; h++)
+            _mm512_store_si512(qt2[p] + 16 * h,
+                               bf16_pairs(_mm512_load_ps(qt[2 * p] + 16 * h), _mm512_load_ps(qt[2 * p + 1] + 16 * h)));
+#endif
+    __m512i limits[MAX_VECS];
+    __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
+    for (int h = 0; h < VECS; h++) {
+        limits[h] = _mm512_load_si512(limit + 16 * h);
+        running_max[h] = _mm512_set1_ps(-INFINITY);
+        running_sum[h] = _mm512_setzero_ps();
+    }
+    for (int pos = a->start_pos; pos < end;) {
+        int64_t slot;
+        const int n = next_run(a->block_size, blocks, pos, end, &slot);
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
+        const tile_elem *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
+#if defined(KV_BF16) && !defined(PAIRED_TILES)
+        float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < D; i += 16) {
+                _mm512_store_ps(kbuf[j] + i, kv_load16(k + j * row_stride + i));
+                _mm512_store_ps(vbuf[j] + i, kv_load16(v + j * row_stride + i));
+            }
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = kbuf[j < n ? j : 0];
+            vrow[j] = vbuf[j < n ? j : 0];
+        }
+#else
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = k + (j < n ? j : 0) * row_stride;
+            vrow[j] = v + (j < n ? j : 0) * row_stride;
+        }
+#endif
+        if (pos + n < end) { /* fetch the next run into L1 while this one is computed */
+            int64_t next_slot;
+            const int next_n = next_run(a->block_size, blocks, pos + n, end, &next_slot);
+            const char *nk = (const char *)(a->k_cache + next_slot * row_stride + (int64_t)kv_head * D);
+            const char *nv = (const char *)(a->v_cache + next_slot * row_stride + (int64_t)kv_head * D);
+            const int64_t row_bytes = row_stride * (int64_t)sizeof(kv_t);
+            for (int t = 0; t < next_n; t++)
+                for (int j = 0; j < D * (int)sizeof(kv_t); j += 64) {
+                    _mm_prefetch(nk + t * row_bytes + j, _MM_HINT_T0);
+                    _mm_prefetch(nv + t * row_bytes + j, _MM_HINT_T0);
+                }
+        }
+        __m512 s[RUN][MAX_VECS];
+#if defined(PAIRED_TILES)
+        scores_8_pairs(qt2[0], krow, D, VECS, s);
+        scores_8_pairs(qt2[0], krow + 8, D, VECS, s + 8);
+#else
+        scores_8(qt[0], krow, D, VECS, s);
+        scores_8(qt[0], krow + 8, D, VECS, s + 8);
+#endif
+        __m512 rescale[MAX_VECS];
+        for (int h = 0; h < VECS; h++) {
+            __m512 run_max = _mm512_set1_ps(-INFINITY);
+            __mmask16 valid[RUN];
+            for (int j = 0; j < RUN; j++) {
+                valid[j] = j < n ? _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos + j), limits[h]) : (__mmask16)0;
+                s[j][h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j][h]);
+                run_max = _mm512_max_ps(run_max, s[j][h]);
+            }
+            const __m512 new_max = _mm512_max_ps(running_max[h], run_max);
+            rescale[h] = exp16_nonpositive(_mm512_sub_ps(running_max[h], new_max));
+            running_sum[h] = _mm512_mul_ps(running_sum[h], rescale[h]);
+            for (int j = 0; j < RUN; j++) {
+                s[j][h] = _mm512_maskz_mov_ps(valid[j], exp16_nonpositive(_mm512_sub_ps(s[j][h], new_max)));
+                running_sum[h] = _mm512_add_ps(running_sum[h], s[j][h]);
+            }
+            running_max[h] = new_max;
+        }
+#if defined(PAIRED_TILES)
+        uint32_t vp[RUN / 2][D] __attribute__((aligned(64))), pp[RUN / 2][LANE_STRIDE] __attribute__((aligned(64)));
+        slot_pairs(vrow, D, vp);
+        for (int m = 0; m < RUN / 2; m++)
+            for (int h = 0; h < VECS; h++) _mm512_store_si512(pp[m] + 16 * h, bf16_pairs(s[2 * m][h], s[2 * m + 1][h]));
+#endif
+        for (int i = 0; i < D; i += 8) { /* 16 independent sums: fewer would wait on each FMA's latency */
+            __m512 o[8][MAX_VECS];
+            for (int u = 0; u < 8; u++)
+                for (int h = 0; h < VECS; h++)
+                    o[u][h] = _mm512_mul_ps(_mm512_load_ps(ot[i + u] + 16 * h), rescale[h]);
+#if defined(PAIRED_TILES)
+#pragma GCC unroll 1 /* unrolled, the weights of all slot pairs would take the registers, the sums the stack */
+            for (int m = 0; m < RUN / 2; m++) {
+                __m512bh w[MAX_VECS];
+                for (int h = 0; h < VECS; h++) w[h] = (__m512bh)_mm512_load_si512(pp[m] + 16 * h);
+                for (int u = 0; u < 8; u++) {
+                    const __m512bh vb = (__m512bh)_mm512_set1_epi32((int)vp[m][i + u]);
+                    for (int h = 0; h < VECS; h++) o[u][h] = _mm512_dpbf16_ps(o[u][h], w[h], vb);
+                }
+            }
+#else
+            for (int j = 0; j < RUN; j++)
+                for (int u = 0; u < 8; u++) {
+                    const __m512 vb = _mm512_set1_ps(vrow[j][i + u]);
+                    for (int h = 0; h < VECS; h++) o[u][h] = _mm512_fmadd_ps(s[j][h], vb, o[u][h]);
+                }
+#endif
+            for (int u = 0; u < 8; u++)
+                for (int h = 0; h < VECS; h++) _mm512_store_ps(ot[i + u] + 16 * h, o[u][h]);
+        }
+        pos += n;
+    }
+    float sums[LANE_STRIDE] __attribute__((aligned(64))), maxes[LANE_STRIDE] __attribute__((aligned(64)));
+    for (int h = 0; h < VECS; h++) {
+        _mm512_store_ps(sums + 16 * h, running_sum[h]);
+        _mm512_store_ps(maxes + 16 * h, running_max[h]);
+    }
+    for (int n = 0; n < lanes; n++) a->lse[out_row[n]] = maxes[n] + logf(sums[n]);
+    for (int h = 0; h < VECS; h++) {
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]);
+        for (int i0 = 0; i0 < D; i0 += 16) { /* back from 16 dims x 16 lanes to the lanes' output rows */
+            __m512 block[16];
+            for (int m = 0; m < 16; m++) block[m] = _mm512_mul_ps(_mm512_load_ps(ot[i0 + m] + 16 * h), inv);
+            transpose_16x16(block);
+            for (int m = 0; m < 16; m++)
+                if (q_lane[16 * h + m] != NULL) _mm512_storeu_ps(a->out + out_row[16 * h + m] * D + i0, block[m]);
+        }
+    }
+}
+
+/* Whether the tiles take these sizes: prefill_item below has a body for exactly these head sizes. */
+static int prefill_takes(int num_heads, int num_kv_heads, int head_size) {
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads >= 1
+           && num_heads / num_kv_heads <= MAX_GROUP && (head_size == 64 || head_size == 128);
+}
+
+/* One tile, by the body for its width and head size (both constants in the body): 64, else 128, the only other
+ * size prefill_takes admits. */
+static void prefill_item(const PrefillArgs *a, int item, int head_size) {
+    if (a->vecs == 3) {
+        if (head_size == 64) prefill_item_avx512(a, item, 64, 3);
+        else prefill_item_avx512(a, item, 128, 3);
+    } else {
+        if (head_size == 64) prefill_item_avx512(a, item, 64, 2);
+        else prefill_item_avx512(a, item, 128, 2);
+    }
+}
+
+/* Query vectors per tile: 3 (48 lanes) where whole tokens fill more of them than of 2 (32 lanes), as for groups
+ * of 3 (48 lanes hold 16 tokens; 32 only 10, the last two idle), else 2. */
+static int tile_vecs(int group) { return (48 / group) * group * 32 > (32 / group) * group * 48 ? 3 : 2; }
+
+int paged_prefill_available(void) { return 1; }
+
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
+    return prefill_takes(num_heads, num_kv_heads, head_size);
+}
+
+#if defined(PAIRED_TILES)
+int paged_prefill_pairs(void) { return 1; }
+#else
+int paged_prefill_pairs(void) { return 0; }
+#endif
+
+int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
+                const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
+                const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, float *out, float *lse,
+                int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
+                int num_threads) {
+    if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 1) return -1;
+    const int group = num_heads / num_kv_heads;
+    const int vecs = tile_vecs(group), tokens_per_tile = 16 * vecs / group;
+    int tile_start[num_reqs + 1];
+    tile_start[0] = 0;
+    for (int r = 0; r < num_reqs; r++)
+        tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
+    const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
+                           block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, num_heads,
+                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, out, lse};
+    const int items = tile_start[num_reqs] * num_kv_heads;
+    /* Dynamic: a tile's cost grows with its position in the prompt. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int item = 0; item < items; item++) prefill_item(&a, item, head_size);
+    return 0;
+}
+#else
+/* Without AVX-512 there are no tiles: the stubs say so, and the callers take the torch path. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+int paged_prefill_available(void) { return 0; }
+
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) { return 0; }
+
+int paged_prefill_pairs(void) { return 0; }
+
+int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
+                const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
+                const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, float *out, float *lse,
+                int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
+                int num_threads) {
+    return -1;
+}
+#pragma GCC diagnostic pop
+#endif
+
+/* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
+ * [rows, num_heads, head_size], the last query_len[r] of its seq_len[r] positions; each sees the positions
+ * start_pos .. its own. Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
+ * Returns -1 for what it does not handle (no AVX-512, head size not 64 or 128, group > 16). */
+int paged_prefill_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
+                      int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len,
+                      const int32_t *seq_len, int start_pos, float *out, float *lse, int num_reqs, int num_heads,
+                      int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
+    return run_prefill(q, (int64_t)num_heads * head_size, k_cache, v_cache, block_table, block_table_stride,
+                       query_start, query_len, seq_len, start_pos, INT32_MAX, out, lse, num_reqs, num_heads,
+                       num_kv_heads, head_size, block_size, scale, num_threads);
+}
