@@ -1,8 +1,9 @@
-"""The shared benchmark workloads W1–W3, generated exactly as ../shared/bench/workloads.py defines them.
+"""The benchmark workloads W1–W3, the same prompts the vLLM-CPU, transformers and llama.cpp baselines were
+measured on (docs/benchmarks.md).
 
 Token ids are uniform in [100, vocab - 100) from numpy's PCG64 seeded by SeedSequence(0, spawn_key=(k,)),
 k = 1, 2, 3 for W1, W2, W3; greedy, ignore_eos, exact output lengths. The fingerprints below are the ones
-the anchor harnesses print, so a matching fingerprint proves the prompts are identical.
+the baselines' harnesses printed, so a matching fingerprint proves the prompts are identical.
 """
 from __future__ import annotations
 
