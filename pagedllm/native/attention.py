@@ -61,11 +61,24 @@ def _check_rows(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             f"{lse.numel()} elements")
 
 
-class PagedDecode:
-    """paged_decode_f32: one query row per request against its history, read through its block table."""
+class _AttentionKernel:
+    """One kernel of a loaded library for one KV cache dtype: ``SIGNATURE`` names its C function."""
+
+    SIGNATURE: CFunction
 
     def __init__(self, lib: ctypes.CDLL, kv_dtype: torch.dtype):
-        self.function, self.kv_dtype = getattr(lib, PAGED_DECODE.name), kv_dtype
+        self.function, self.kv_dtype = getattr(lib, self.SIGNATURE.name), kv_dtype
+
+    def _launch(self, *args) -> None:
+        status = launch(self.function, *args)
+        if status != 0:
+            raise RuntimeError(f"{self.SIGNATURE.name} rejected its sizes (status {status})")
+
+
+class PagedDecode(_AttentionKernel):
+    """paged_decode_f32: one query row per request against its history, read through its block table."""
+
+    SIGNATURE = PAGED_DECODE
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, start_pos: int, block_size: int,
@@ -82,19 +95,16 @@ class PagedDecode:
             expect(kernel, "seq_lens", seq_lens, torch.int32, (num_reqs,), contiguous=True)
             require(kernel, bool((seq_lens > start_pos).all()), f"a sequence ends at or before start_pos {start_pos}")
             check_block_tables(kernel, block_table, seq_lens, block_size, k_cache.shape[0])
-        status = launch(self.function, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), start_pos, out.data_ptr(),
-                        lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1], q.shape[2], block_size, scale,
-                        torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"{PAGED_DECODE.name} rejected its sizes (status {status})")
+        self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                     block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), start_pos, out.data_ptr(),
+                     lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1], q.shape[2], block_size, scale,
+                     torch.get_num_threads())
 
 
-class PagedPrefill:
+class PagedPrefill(_AttentionKernel):
     """paged_prefill_f32: prefill chunks' query rows against their requests' histories, by tiles."""
 
-    def __init__(self, lib: ctypes.CDLL, kv_dtype: torch.dtype):
-        self.function, self.kv_dtype = getattr(lib, PAGED_PREFILL.name), kv_dtype
+    SIGNATURE = PAGED_PREFILL
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor, out: torch.Tensor,
@@ -113,19 +123,16 @@ class PagedPrefill:
             require(kernel, bool((query_start + query_len <= q.shape[0]).all() & (query_len <= seq_len).all()),
                     "a chunk's rows run past q, or it has more query rows than positions")
             check_block_tables(kernel, block_table, seq_len, block_size, k_cache.shape[0])
-        status = launch(self.function, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
-                        block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
-                        start_pos, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1],
-                        q.shape[2], block_size, scale, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"{PAGED_PREFILL.name} rejected its sizes (status {status})")
+        self._launch(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+                     block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
+                     start_pos, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1],
+                     q.shape[2], block_size, scale, torch.get_num_threads())
 
 
-class PagedPrefix:
+class PagedPrefix(_AttentionKernel):
     """paged_prefix_f32: cascade attention's shared part, every query row against a prefix of blocks alone."""
 
-    def __init__(self, lib: ctypes.CDLL, kv_dtype: torch.dtype):
-        self.function, self.kv_dtype = getattr(lib, PAGED_PREFIX.name), kv_dtype
+    SIGNATURE = PAGED_PREFIX
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  prefix_tokens: int, out: torch.Tensor, lse: torch.Tensor, *, block_size: int, scale: float) -> None:
@@ -137,11 +144,9 @@ class PagedPrefix:
             expect(kernel, "block_ids", block_ids, torch.int32, (None,), contiguous=True)
             check_block_tables(kernel, block_ids[None], torch.tensor([prefix_tokens]), block_size,
                                k_cache.shape[0])
-        status = launch(self.function, q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                        block_ids.data_ptr(), prefix_tokens, q.shape[0], out.data_ptr(), lse.data_ptr(), q.shape[1],
-                        k_cache.shape[1], q.shape[2], block_size, scale, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"{PAGED_PREFIX.name} rejected its sizes (status {status})")
+        self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                     block_ids.data_ptr(), prefix_tokens, q.shape[0], out.data_ptr(), lse.data_ptr(), q.shape[1],
+                     k_cache.shape[1], q.shape[2], block_size, scale, torch.get_num_threads())
 
 
 class MergeAttnStates:
