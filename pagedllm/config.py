@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
-
 
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 
@@ -104,10 +103,84 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How one engine's model is split over ranks (tensor x pipeline), and how many engines share the load (data
+    parallel). Global rank = pp_rank * tensor_parallel_size + tp_rank, as vLLM lays its groups out."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # uni | mp | ray; None picks one (uni for one rank, ray inside an initialised Ray cluster, else mp).
+    distributed_executor_backend: Optional[str] = None
+    # Layers per pipeline stage, one entry per stage; None splits evenly (the last stages take the remainder).
+    pp_layer_partition: Optional[list[int]] = None
+    # The Ray cluster the ray executor joins (set from the caller's, when it had joined one).
+    ray_address: Optional[str] = None
+    # torch.distributed backend: gloo on CPU (nccl would be the CUDA platform's).
+    torch_distributed_backend: str = "gloo"
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}"
+                             f", got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
+                             f"pipeline_parallel_size is {self.world_size} (use 'mp' or 'ray')")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine (each data-parallel engine has its own)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def verify_with_model(self, hf_config) -> None:
+        """A split the model cannot take fails here, naming the field and the model's numbers."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        layers = hf_config.num_hidden_layers
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's number of attention heads "
+                             f"({heads})")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's number of KV heads ({kv_heads}) "
+                             f"or be a multiple of it")
+        if pp > layers:
+            raise ValueError(f"pipeline_parallel_size ({pp}) is larger than the model's number of layers "
+                             f"({layers})")
+        intermediate = getattr(hf_config, "intermediate_size", 0)
+        if intermediate % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate_size "
+                             f"({intermediate})")
+        if self.pp_layer_partition is not None:
+            partition = self.pp_layer_partition
+            if len(partition) != pp or sum(partition) != layers or min(partition) < 1:
+                raise ValueError(f"pp_layer_partition {partition} must give each of the {pp} pipeline stages at "
+                                 f"least one layer and sum to the model's {layers} layers")
+
+    def stage_layers(self, pp_rank: int, num_layers: int) -> tuple[int, int]:
+        """The [start, end) layers of pipeline stage ``pp_rank``."""
+        sizes = self.pp_layer_partition
+        if sizes is None:
+            pp = self.pipeline_parallel_size
+            base, extra = divmod(num_layers, pp)
+            sizes = [base + (1 if stage >= pp - extra else 0) for stage in range(pp)]
+        start = sum(sizes[:pp_rank])
+        return start, start + sizes[pp_rank]
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     # torch threads of the worker; None keeps torch's default (one per core).
     num_cpu_threads: Optional[int] = None

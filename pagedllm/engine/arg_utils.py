@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
@@ -49,6 +51,10 @@ class EngineArgs:
     quantization: Optional[str] = None
     num_cpu_threads: Optional[int] = None
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -68,6 +74,16 @@ class EngineArgs:
             get_quant_config(self.quantization, path, get_model_architecture(hf_config))
             # get_model reads it from there, as from a checkpoint that ships a quantization_config.
             hf_config.quantization_config = {"quant_method": self.quantization}
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                         self.data_parallel_size, self.distributed_executor_backend,
+                                         pp_layer_partition=pp_layer_partition_from_env())
+        parallel_config.verify_with_model(hf_config)
+        parallel_config.distributed_executor_backend = resolve_executor_backend(parallel_config)
+        if parallel_config.distributed_executor_backend == "ray" and _ray_initialized():
+            parallel_config.ray_address = sys.modules["ray"].get_runtime_context().gcs_address
+        if parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet (one engine per process group); "
+                             "use tensor_parallel_size or pipeline_parallel_size")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager)
         return EngineConfig(
@@ -79,4 +95,35 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
             num_cpu_threads=self.num_cpu_threads,
+            parallel_config=parallel_config,
         )
+
+
+def pp_layer_partition_from_env() -> Optional[list[int]]:
+    """PAGEDLLM_PP_LAYER_PARTITION="10,20": layers per pipeline stage (vLLM's VLLM_PP_LAYER_PARTITION)."""
+    value = os.environ.get("PAGEDLLM_PP_LAYER_PARTITION")
+    if not value:
+        return None
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_PP_LAYER_PARTITION must be comma-separated layer counts, got {value!r}") from None
+
+
+def resolve_executor_backend(parallel_config: ParallelConfig) -> str:
+    """uni for one rank, ray inside an initialised Ray cluster, else mp; asking for ray needs Ray installed."""
+    backend = parallel_config.distributed_executor_backend
+    if backend == "ray" or backend is None and parallel_config.world_size > 1 and _ray_initialized():
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
+        return "ray"
+    if backend is None:
+        return "uni" if parallel_config.world_size == 1 else "mp"
+    return backend
+
+
+def _ray_initialized() -> bool:
+    ray = sys.modules.get("ray")  # a cluster the caller joined; never import Ray just to ask
+    return ray is not None and ray.is_initialized()

@@ -9,7 +9,6 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import Executor
-from pagedllm.executor.uniproc import UniProcExecutor
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -17,16 +16,21 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_class: type[Executor] = UniProcExecutor) -> None:
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None) -> None:
         self.config = config
-        self.executor = executor_class(config)
-        num_blocks = config.cache_config.num_blocks or self.executor.determine_num_kv_blocks()
-        config.cache_config.num_blocks = num_blocks
-        self.executor.initialize_kv_cache(num_blocks)
+        self.executor = (executor_class or Executor.get_class(config.parallel_config))(config)
+        try:
+            num_blocks = config.cache_config.num_blocks or self.executor.determine_num_kv_blocks()
+            config.cache_config.num_blocks = num_blocks
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # no worker outlives an engine that failed to start
+            raise
         model_config = config.model_config
         self.structured_output_manager = StructuredOutputManager(
             lambda: load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
+                                   use_pp=config.parallel_config.pipeline_parallel_size > 1)
         self._block_hasher = make_block_hasher(config.cache_config.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:

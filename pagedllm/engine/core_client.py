@@ -79,6 +79,7 @@ class MPClient:
         self._utility_calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self.dead = False
+        self.death_reason: Optional[str] = None  # what the engine said as it failed, if it could
         self._closing = False
         # A fresh interpreter rather than fork (unsafe after torch/OpenMP threads exist) or multiprocessing's
         # spawn (which re-runs an unguarded __main__ script): the config travels as a pickle file.
@@ -115,7 +116,9 @@ class MPClient:
             if not self._output_socket.poll(timeout=OUTPUT_POLL_MS):
                 continue
             outputs = decoder.decode(self._output_socket.recv(copy=False).buffer)
-            if outputs.utility_output is not None:
+            if outputs.engine_dead is not None:
+                self.death_reason = outputs.engine_dead
+            elif outputs.utility_output is not None:
                 self._resolve_utility(outputs.utility_output)
             else:
                 self._on_outputs(outputs)
@@ -125,10 +128,14 @@ class MPClient:
         if self._closing:
             return
         self.dead = True
+        if self._output_thread_handle is not None:  # it may still hold the engine's last words
+            self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
+        error = EngineDeadError(f"The engine process died: {self.death_reason}" if self.death_reason else
+                                EngineDeadError().args[0])
         for future in list(self._utility_calls.values()):
             if not future.done():
-                future.set_exception(EngineDeadError())
-        self._on_outputs(EngineDeadError())
+                future.set_exception(error)
+        self._on_outputs(error)
 
     def _resolve_utility(self, result) -> None:
         future = self._utility_calls.pop(result.call_id, None)

@@ -43,7 +43,9 @@ class EngineCoreProc(EngineCore):
         self._output_socket = self._ctx.socket(zmq.PUSH)
         self._output_socket.connect(output_address)
         threading.Thread(target=self._input_thread, daemon=True, name="EngineCoreInput").start()
-        threading.Thread(target=self._output_thread, daemon=True, name="EngineCoreOutput").start()
+        self._output_thread_handle = threading.Thread(target=self._output_thread, daemon=True,
+                                                      name="EngineCoreOutput")
+        self._output_thread_handle.start()
 
     # ---------------------------------------------------------------------------------- socket threads
     def _input_thread(self) -> None:
@@ -63,6 +65,12 @@ class EngineCoreProc(EngineCore):
             if outputs is _SHUTDOWN:
                 return
             self._output_socket.send(encoder.encode(outputs), copy=False)
+
+    def report_death(self, reason: str, flush_timeout: float = 2.0) -> None:
+        """The last message to the frontend: every waiter's EngineDeadError carries ``reason``."""
+        self.output_queue.put(EngineCoreOutputs(engine_dead=reason))
+        self.output_queue.put(_SHUTDOWN)
+        self._output_thread_handle.join(timeout=flush_timeout)
 
     # ---------------------------------------------------------------------------------- busy loop
     def run_busy_loop(self) -> None:
@@ -100,11 +108,14 @@ class EngineCoreProc(EngineCore):
             return UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
 
 
-def _exit_when_parent_dies(parent_pid: int) -> None:
-    """An orphaned engine would hold its memory forever: leave as soon as the frontend is gone."""
+def _exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
+    """An orphaned engine would hold its memory forever: leave as soon as the frontend is gone (after
+    ``before_exit``'s callbacks: the executor stops its workers)."""
     while True:
         time.sleep(PARENT_POLL_SECONDS)
         if os.getppid() != parent_pid:
+            for callback in before_exit:
+                callback()
             os._exit(1)
 
 
@@ -112,14 +123,29 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     """Entry point of the engine process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle; it stops us
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
+    before_exit: list = []
+    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid, before_exit), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s %(message)s")
     try:
         engine = EngineCoreProc(config, input_address, output_address)
     except Exception:
         logger.exception("EngineCore failed to start")
         raise
-    engine.run_busy_loop()
+
+    def stop(*_) -> None:  # the frontend's shutdown: stop the workers first, so none outlives us
+        engine.executor.shutdown()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    before_exit.append(engine.executor.shutdown)
+    try:
+        engine.run_busy_loop()
+    except Exception as e:  # a worker failed (or the loop broke): tell the frontend why, then go, workers too
+        logger.exception("EngineCore failed")
+        engine.report_death(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        engine.executor.shutdown()
 
 
 def main() -> None:

@@ -83,6 +83,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     scheduler_stats: Optional[SchedulerStats] = None
     timestamp: float = msgspec.field(default_factory=time.monotonic)
     utility_output: Optional[UtilityOutput] = None
+    # The engine's last message when it fails (e.g. a worker rank died): why, for the error every caller gets.
+    engine_dead: Optional[str] = None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

@@ -1,31 +1,76 @@
-"""Executor: how the engine core reaches its workers (in process today; multi-process and Ray later)."""
+"""Executor: how the engine core reaches its workers. Everything it does is a collective_rpc: one worker method
+run on every rank, its results gathered (vLLM V1's Executor)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any, Callable, Optional, Union
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.worker.outputs import ModelRunnerOutput
+
+# A worker method by name, or a function called with the worker as its first argument.
+WorkerMethod = Union[str, Callable[..., Any]]
 
 
 class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.parallel_config = config.parallel_config
+        # The rank whose ModelRunnerOutput the engine gets: TP rank 0 of the last pipeline stage.
+        pc = self.parallel_config
+        self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
         self._init_executor()
+
+    @staticmethod
+    def get_class(parallel_config: ParallelConfig) -> type["Executor"]:
+        """The executor for ``distributed_executor_backend`` (resolved by EngineArgs)."""
+        backend = parallel_config.distributed_executor_backend or ("uni" if parallel_config.world_size == 1 else "mp")
+        if backend == "uni":
+            from pagedllm.executor.uniproc import UniProcExecutor
+            return UniProcExecutor
+        if backend == "mp":
+            from pagedllm.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
+        from pagedllm.executor.ray_executor import RayExecutor
+        return RayExecutor
 
     @abstractmethod
     def _init_executor(self) -> None:
-        """Start the workers and load the model."""
+        """Start the workers, join them into process groups and load the model."""
 
     @abstractmethod
+    def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
+        """Run ``method`` on every worker; the list of their results in rank order, or only rank
+        ``unique_reply_rank``'s result. A worker that raises or dies raises here (naming its rank); ``timeout``
+        (seconds) bounds the wait."""
+
     def determine_num_kv_blocks(self) -> int:
-        """The number of KV blocks every worker can hold."""
+        """The number of KV blocks every worker can hold: the minimum over the ranks."""
+        return min(self.collective_rpc("determine_num_kv_blocks"))
 
-    @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
 
-    @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
+
+    def check_health(self) -> None:
+        """Raises if a worker is gone or does not answer."""
+        self.collective_rpc("check_health", timeout=10)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine core may keep in flight: one per pipeline stage, so that stages overlap."""
+        return 1
 
     def shutdown(self) -> None:
-        """Release worker resources."""
+        """Stop the workers and release what they hold."""
+
+
+def run_worker_method(worker: Any, method: WorkerMethod, args: tuple, kwargs: Optional[dict]) -> Any:
+    """What a worker does with one collective_rpc."""
+    if isinstance(method, str):
+        return getattr(worker, method)(*args, **(kwargs or {}))
+    return method(worker, *args, **(kwargs or {}))

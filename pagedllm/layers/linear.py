@@ -13,10 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.communication import (
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from pagedllm.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -146,8 +143,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.quant_method.apply(self, x, self.bias)
-        if self.gather_output:
-            y = tensor_model_parallel_all_gather(y, self.tp_size)
+        if self.gather_output and self.tp_size > 1:
+            y = tensor_model_parallel_all_gather(y)
         return y
 
 
@@ -241,6 +238,6 @@ class RowParallelLinear(LinearBase):
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
         y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
-        if self.reduce_results:
-            y = tensor_model_parallel_all_reduce(y, self.tp_size)
+        if self.reduce_results and self.tp_size > 1:
+            y = tensor_model_parallel_all_reduce(y)
         return y

@@ -1,9 +1,10 @@
-"""Hidden states -> float32 logits over the full vocabulary."""
+"""Hidden states -> float32 logits over the full vocabulary, on TP rank 0 (the rank that samples)."""
+from typing import Optional
 
 import torch
 from torch import nn
 
-from pagedllm.layers.communication import tensor_model_parallel_all_gather
+from pagedllm.distributed.communication_op import tensor_model_parallel_gather
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 
 
@@ -12,8 +13,12 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
 
-    def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every TP rank calls it (the gather is collective); only TP rank 0 gets the logits, the others None."""
         logits = lm_head.project(hidden_states)
-        logits = tensor_model_parallel_all_gather(logits, lm_head.tp_size)
+        if lm_head.tp_size > 1:
+            logits = tensor_model_parallel_gather(logits)
+            if logits is None:
+                return None
         # Drop the zero rows that pad the last vocab shard.
         return logits[..., : self.vocab_size].float()

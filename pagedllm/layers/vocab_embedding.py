@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.communication import tensor_model_parallel_all_reduce
+from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native import fused
@@ -26,6 +26,7 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.tp_size = tp_size
         self.tp_rank = tp_rank
+        self.prefix = prefix  # the checkpoint module it loads (a tied LM head on a later stage: the embedding)
         self.num_embeddings_per_partition = -(-num_embeddings // tp_size)
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
@@ -87,7 +88,7 @@ class VocabParallelEmbedding(nn.Module):
         in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start_index, 0)
         out = self._rows(local_ids) * in_shard.unsqueeze(-1).to(self.dtype)
-        return tensor_model_parallel_all_reduce(out, self.tp_size)
+        return tensor_model_parallel_all_reduce(out)
 
     def extra_repr(self) -> str:
         return (

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.config import head_dim
+from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
 from pagedllm.layers.gemm_layout import WeightLayout
@@ -101,26 +102,55 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+class PPMissingLayer(nn.Module):
+    """Stands where a module lives on another pipeline stage: no parameters, never called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("PPMissingLayer: this module runs on another pipeline stage")
+
+
+class IntermediateTensors(dict):
+    """What one pipeline stage hands the next: ``hidden_states`` and ``residual``, each ``[T, hidden_size]``."""
+
+    KEYS = ("hidden_states", "residual")
+
+
 class LlamaModel(nn.Module):
+    """The decoder stack, or the layers ``[start_layer, end_layer)`` of one pipeline stage: the first stage holds
+    the embedding, the last the final norm; layers of other stages are PPMissingLayer (and get no KV cache)."""
+
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "model"):
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model",
+                 layer_range: tuple[int, int] | None = None):
         super().__init__()
+        self.start_layer, self.end_layer = layer_range or (0, config.num_hidden_layers)
+        self.is_first_stage = self.start_layer == 0
+        self.is_last_stage = self.end_layer == config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config,
             prefix=f"{prefix}.embed_tokens"
-        )
+        ) if self.is_first_stage else PPMissingLayer()
         rotary_emb = get_rope(head_dim(config), config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
-                              f"{prefix}.layers.{i}")
+                              f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], attn_metadata) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+    def forward(self, input_ids, positions, kv_caches: list[KVCache], attn_metadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """``kv_caches``: one per layer of this stage. The first stage embeds ``input_ids``, later ones continue
+        from ``intermediate_tensors``; the last returns final hidden states, the others IntermediateTensors."""
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        stage = self.layers[self.start_layer:self.end_layer]
+        for layer, kv_cache in zip(stage, kv_caches, strict=True):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
+        if not self.is_last_stage:
+            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -136,16 +166,23 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     ]
 
-    def __init__(self, config: PretrainedConfig, tp_size: int = 1, tp_rank: int = 0,
-                 quant_config: QuantizationConfig | None = None):
+    def __init__(self, config: PretrainedConfig, quant_config: QuantizationConfig | None = None,
+                 rank: ParallelRank = ParallelRank(), layer_range: tuple[int, int] | None = None):
+        """``rank``: the tensor-parallel slice this process holds; ``layer_range``: its pipeline stage's layers
+        (None: all)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, quant_config)
-        if config.tie_word_embeddings:
+        tp_size, tp_rank = rank.tp_size, rank.tp_rank
+        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, quant_config,
+                                layer_range=layer_range)
+        if not self.model.is_last_stage:
+            self.lm_head = PPMissingLayer()
+        elif config.tie_word_embeddings and self.model.is_first_stage:
             self.lm_head = self.model.embed_tokens
-        else:
+        else:  # untied, or tied with the embedding on another stage: this stage loads its own copy
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank,
-                                          quant_config=quant_config, prefix="lm_head")
+                                          quant_config=quant_config,
+                                          prefix="model.embed_tokens" if config.tie_word_embeddings else "lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @staticmethod
@@ -155,16 +192,28 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """``[T]`` token ids and positions -> ``[T, hidden_size]`` final hidden states."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: AttentionMetadata, intermediate_tensors: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """``[T]`` token ids and positions -> ``[T, hidden_size]`` final hidden states (or, before the last
+        pipeline stage, the IntermediateTensors for the next)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]``."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """``[N, hidden_size]`` -> float32 ``[N, vocab_size]`` on TP rank 0 (None on the other TP ranks)."""
         return self.logits_processor(self.lm_head, hidden_states)
 
     def process_weights_after_loading(self, layout: WeightLayout | None = None) -> None:
-        self.lm_head.prepare_projection(layout)
+        if self.model.is_last_stage:
+            self.lm_head.prepare_projection(layout)
+
+    def _on_other_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a module of another pipeline stage."""
+        module: nn.Module = self
+        for part in name.split(".")[:-1]:
+            module = getattr(module, part, None)
+            if module is None or isinstance(module, PPMissingLayer):
+                return True
+        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors; returns the parameter names filled."""
@@ -175,11 +224,19 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            if (name.startswith("model.embed_tokens.") and self.config.tie_word_embeddings
+                    and isinstance(self.lm_head, ParallelLMHead)):
+                # The tied LM head of a last stage without the embedding: the embedding's rows are its weight.
+                lm_name = "lm_head." + name.removeprefix("model.embed_tokens.")
+                params[lm_name].weight_loader(params[lm_name], tensor)
+                loaded.add(lm_name)
             shard_id = None
             for fused, original, stacked_shard_id in self.stacked_params_mapping:
                 if original in name:
                     name, shard_id = name.replace(original, fused), stacked_shard_id
                     break
+            if name not in params and self._on_other_stage(name):
+                continue
             if name not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
             param = params[name]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
@@ -45,10 +46,15 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
     return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
 
 
-def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoice) -> nn.Module:
+def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoice, rank: ParallelRank = ParallelRank(),
+              layer_range: tuple[int, int] | None = None) -> nn.Module:
     """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode, computing in
     ``kernels.compute_dtype``, its weights laid out for the kernels its engine chose (with ``bf16_panels`` the
     dense GEMM weights are gemm_bf16.c's bf16 panels).
+
+    ``rank`` and ``layer_range``: the tensor-parallel slice and pipeline stage this process holds. Each checkpoint
+    tensor is read whole, cut to this rank's slice by its parameter's weight_loader, and dropped, so a rank holds
+    at most one full tensor at a time.
 
     The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
     """
@@ -57,7 +63,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     quantization = (getattr(hf_config, "quantization_config", None) or {}).get("quant_method")
     quant_config = get_quant_config(quantization, path, model_class)
     with _default_dtype(kernels.compute_dtype):
-        model = model_class(hf_config, quant_config=quant_config)
+        model = model_class(hf_config, quant_config=quant_config, rank=rank, layer_range=layer_range)
     packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()
     loaded = model.load_weights(weights_iterator(path, packed_modules))
     missing = {name for name, _ in model.named_parameters()} - loaded

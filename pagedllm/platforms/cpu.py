@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
+import os
 import sys
 from dataclasses import dataclass
 
@@ -156,3 +157,13 @@ def keep_freed_memory() -> None:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20)
     libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+
+
+def cores_of_rank(rank: int, world_size: int) -> list[int] | None:
+    """The cores rank ``rank`` of ``world_size`` binds to: an equal, disjoint share of the cores this process may
+    use, so ranks on one machine do not fight over a core (None when ranks outnumber cores: they share all)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // world_size
+    if per_rank == 0:
+        return None
+    return cores[rank * per_rank:(rank + 1) * per_rank]

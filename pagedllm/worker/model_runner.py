@@ -3,6 +3,11 @@
 It keeps the worker's request states and the persistent InputBatch in step with the scheduler's diffs, builds
 input_ids / positions / slot_mapping / block tables with vectorised numpy, computes logits only where a token
 is sampled (or prompt logprobs are asked for), and returns sampled tokens as a ModelRunnerOutput.
+
+Under tensor/pipeline parallelism every rank runs this with its slice of the model and the same SchedulerOutput.
+A stage before the last receives nothing to sample: it sends its IntermediateTensors on and learns the sampled
+tokens from the next SchedulerOutput (CachedRequestData.new_token_ids). On the last stage every TP rank joins the
+logits gather, TP rank 0 alone samples and broadcasts the tokens to the others, and only it returns an output.
 """
 from __future__ import annotations
 
@@ -14,8 +19,10 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.sched.output import SchedulerOutput
-from pagedllm.layers.attention.kv_cache import allocate_kv_caches
+from pagedllm.distributed.parallel_state import ParallelRank, get_pp_group, get_tp_group
+from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
 from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.models.llama import IntermediateTensors
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice, choose_kernels, kernel_paths
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
@@ -30,8 +37,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: ParallelRank = ParallelRank()) -> None:
         self.config = config
+        self.rank = rank
+        self.layer_range = config.parallel_config.stage_layers(rank.pp_rank, config.model_config.num_layers)
         self.model_config = config.model_config
         self.block_size = config.cache_config.block_size
         max_model_len = self.model_config.max_model_len
@@ -47,17 +56,21 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.model_config
         self.kernels = choose_kernels(mc.dtype)
-        self.model = get_model(mc.path, mc.hf_config, self.kernels)
+        self.model = get_model(mc.path, mc.hf_config, self.kernels, self.rank, self.layer_range)
         paths = kernel_paths(self.kernels, mc.hf_config.num_attention_heads, mc.num_kv_heads, mc.head_dim,
                              mc.quantization)
         logger.info("Kernels (%s model): %s", str(mc.dtype).removeprefix("torch."),
                     "; ".join(f"{part}: {path}" for part, path in paths.items()))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One cache per layer of this stage, holding this TP rank's KV heads."""
         mc = self.model_config
-        self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
-                                            mc.head_dim, mc.dtype)
-        if not mc.enforce_eager:
+        start, end = self.layer_range
+        self.kv_caches = allocate_kv_caches(end - start, num_blocks, self.block_size,
+                                            kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
+                                            mc.dtype)
+        # A graph replays kernels, not collectives: more than one rank runs every step eagerly.
+        if not mc.enforce_eager and self.config.parallel_config.world_size == 1:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.input_batch.block_table.shape[1])
 
@@ -66,12 +79,14 @@ class ModelRunner:
         batch = self.input_batch
         # Finished requests leave for good, preempted ones leave the batch but keep their state until they
         # resume; a request merely not scheduled this step keeps its row. A finished id can come back as a new
-        # request in the same step (a caller reusing ids), so it leaves first.
-        for req_id in so.finished_req_ids:
+        # request in the same step (a caller reusing ids), so it leaves first. Removals go in sorted order, not
+        # the sets' (string hashing differs per process): every rank's batch must have the same rows in the same
+        # order, as the TP collectives combine the ranks' rows position by position.
+        for req_id in sorted(so.finished_req_ids):
             self.requests.pop(req_id, None)
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
-        for req_id in so.preempted_req_ids:
+        for req_id in sorted(so.preempted_req_ids):
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
 
@@ -100,10 +115,15 @@ class ModelRunner:
             batch.num_computed_tokens[row] = state.num_computed_tokens
             if new_block_ids:
                 batch.append_block_ids(row, new_block_ids)
+            if cached.new_token_ids:  # pipeline parallel: tokens sampled on the last stage, news to this one
+                known = int(batch.num_tokens[row]) - state.num_computed_tokens
+                for token in cached.new_token_ids[i][known:]:
+                    batch.append_token(row, token)
 
     # ------------------------------------------------------------------------------------------ step
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output on the driver rank (TP rank 0 of the last stage); None on every other rank."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
@@ -143,7 +163,12 @@ class ModelRunner:
                 max_seq_len=int(seq_lens.max()),
             )
             hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
-                                       attn_metadata)
+                                       attn_metadata, self._receive_intermediate_tensors(num_tokens))
+        if not self.rank.is_last_pp_rank:
+            pp_group = get_pp_group()
+            pp_group.send_tensors([hidden_states[k] for k in IntermediateTensors.KEYS], pp_group.next_rank)
+            batch.num_computed_tokens[rows] = seq_lens
+            return None
 
         # The one place that decides which rows sample: those whose whole known sequence is computed after this
         # step. A prefill chunk that stops short of the prompt's end does not (its logits would be thrown away).
@@ -158,18 +183,37 @@ class ModelRunner:
         if len(sampling):
             sample_rows = rows[sampling]
             logits = self.model.compute_logits(hidden_states[torch.from_numpy(cu_num_tokens[sampling] - 1)])
-            if so.grammar_bitmask is not None:
-                self._apply_grammar_bitmask(logits, sample_rows, so)
-            sampler_output = self.sampler(logits, batch.make_sampling_metadata(sample_rows))
-            tokens = sampler_output.sampled_token_ids.tolist()
-            for j, row, token in zip(sampling.tolist(), sample_rows.tolist(), tokens):
+            sampler_output = None
+            if logits is not None:  # TP rank 0
+                if so.grammar_bitmask is not None:
+                    self._apply_grammar_bitmask(logits, sample_rows, so)
+                sampler_output = self.sampler(logits, batch.make_sampling_metadata(sample_rows))
+                sampled = sampler_output.sampled_token_ids
+            else:
+                sampled = torch.empty(len(sampling), dtype=torch.int64)
+            if self.rank.tp_size > 1:
+                sampled = get_tp_group().broadcast(sampled.to(torch.int64).contiguous())
+            for j, row, token in zip(sampling.tolist(), sample_rows.tolist(), sampled.tolist()):
                 batch.append_token(row, token)
                 sampled_token_ids[j] = [token]
-            if sampler_output.logprobs is not None:
+            if sampler_output is not None and sampler_output.logprobs is not None:
                 logprobs_per_req = self._split_logprobs(n, sampling, sample_rows, sampler_output.logprobs.tolists())
+        if not self.rank.is_driver:
+            return None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict)
+
+    def _receive_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors | None:
+        """The previous stage's hidden states and residual for this step's ``num_tokens`` tokens (None on the
+        first stage). Both sides know the shapes from the SchedulerOutput they share."""
+        if self.rank.is_first_pp_rank:
+            return None
+        shape = (num_tokens, self.model_config.hf_config.hidden_size)
+        pp_group = get_pp_group()
+        buffers = [torch.empty(shape, dtype=self.kernels.compute_dtype) for _ in IntermediateTensors.KEYS]
+        pp_group.recv_tensors(buffers, pp_group.prev_rank)
+        return IntermediateTensors(zip(IntermediateTensors.KEYS, buffers))
 
     def _apply_grammar_bitmask(self, logits: torch.Tensor, sample_rows: np.ndarray, so: SchedulerOutput) -> None:
         """Structured-output rows may only sample what their grammar allows; other rows are left untouched."""
@@ -215,7 +259,9 @@ class ModelRunner:
                 continue
             first = int(query_start_loc[j]) + first_pos - start
             logits = self.model.compute_logits(hidden_states[first:first + end - first_pos])
+            state.num_prompt_logprobs_done = end
+            if logits is None:  # a TP rank other than 0: it joined the gather, rank 0 reports
+                continue
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
             out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()
-            state.num_prompt_logprobs_done = end
         return out

@@ -1,14 +1,20 @@
-"""Worker: owns one device's model runner; sizes and allocates its KV cache from a memory budget."""
+"""Worker: one rank's model runner; joins the engine's process groups, sizes and allocates its KV cache from a
+memory budget."""
 from __future__ import annotations
 
 import logging
+import os
+from typing import Optional
 
 import psutil
 import torch
 
 from pagedllm.config import EngineConfig, parse_memory_size
 from pagedllm.core.sched.output import SchedulerOutput
-from pagedllm.platforms.cpu import keep_freed_memory
+from pagedllm.distributed.parallel_state import (ParallelRank, get_tp_group, init_distributed_environment,
+                                                 initialize_model_parallel)
+from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
+from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.outputs import ModelRunnerOutput
 
@@ -19,45 +25,83 @@ DEFAULT_CPU_KV_FRACTION = 0.1
 DEFAULT_CPU_KV_CAP = 4 << 30
 
 
-def kv_cache_bytes_per_block(config: EngineConfig) -> int:
+def kv_cache_bytes_per_block(config: EngineConfig, rank: ParallelRank = ParallelRank()) -> int:
+    """One block's K and V bytes on ``rank``: its stage's layers, its share of the KV heads."""
     mc = config.model_config
+    start, end = config.parallel_config.stage_layers(rank.pp_rank, mc.num_layers)
     element_size = torch.empty((), dtype=mc.dtype).element_size()
-    return 2 * mc.num_layers * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim * element_size
+    return (2 * (end - start) * config.cache_config.block_size * kv_heads_per_rank(mc.num_kv_heads, rank.tp_size)
+            * mc.head_dim * element_size)
 
 
 def kv_cache_budget(config: EngineConfig) -> int:
+    """Bytes for one rank's KV cache: the kv_cache_memory asked for (per rank, as vLLM's is per GPU), or a share
+    of the memory available, split among the ranks that share this machine."""
     if config.cache_config.kv_cache_memory is not None:
         return parse_memory_size(config.cache_config.kv_cache_memory)
-    return min(int(psutil.virtual_memory().available * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP)
+    world_size = config.parallel_config.world_size
+    return min(int(psutil.virtual_memory().available * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP) // world_size
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, distributed_init_method: Optional[str] = None) -> None:
+        """``distributed_init_method``: where the ranks meet (e.g. tcp://127.0.0.1:PORT); needed for more than
+        one rank."""
         self.config = config
+        pc = config.parallel_config
+        self.rank = ParallelRank.of(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self.distributed_init_method = distributed_init_method
         keep_freed_memory()
-        if config.num_cpu_threads:
-            torch.set_num_threads(config.num_cpu_threads)
+        self._bind_threads()
         torch.manual_seed(config.model_config.seed)
-        self.model_runner = ModelRunner(config)
+        self.model_runner = ModelRunner(config, self.rank)
+
+    def _bind_threads(self) -> None:
+        """torch threads: num_cpu_threads if given, else one per core of this rank's share; with more than one rank
+        on the machine, the process keeps to its own cores."""
+        world_size = self.config.parallel_config.world_size
+        threads = self.config.num_cpu_threads
+        if world_size > 1:
+            cores = cores_of_rank(self.rank.rank, world_size)
+            if cores is not None:
+                os.sched_setaffinity(0, cores)
+            threads = threads or (len(cores) if cores else 1)
+        if threads:
+            torch.set_num_threads(threads)
+
+    def init_device(self) -> None:
+        """Join the engine's process groups (more than one rank)."""
+        pc = self.config.parallel_config
+        if pc.world_size == 1:
+            return
+        init_distributed_environment(pc.world_size, self.rank.rank, self.distributed_init_method,
+                                     pc.torch_distributed_backend)
+        initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        assert get_tp_group().world_size == pc.tensor_parallel_size
 
     def load_model(self) -> None:
         self.model_runner.load_model()
 
     def determine_num_kv_blocks(self) -> int:
         budget = kv_cache_budget(self.config)
-        num_blocks = budget // kv_cache_bytes_per_block(self.config)
+        per_block = kv_cache_bytes_per_block(self.config, self.rank)
+        num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one KV block "
-                             f"({kv_cache_bytes_per_block(self.config)} bytes)")
+            raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one KV block ({per_block} bytes)")
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        if self.rank.rank != 0:
+            return
         block_size = self.config.cache_config.block_size
         max_len = self.config.model_config.max_model_len
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency at %d tokens per request: "
                     "%.2fx", num_blocks, block_size, num_blocks * block_size, max_len,
                     num_blocks * block_size / max_len)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         return self.model_runner.execute_model(scheduler_output)
+
+    def check_health(self) -> bool:
+        return True

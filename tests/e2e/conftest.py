@@ -24,10 +24,10 @@ _loaded_models: dict = {}  # for the whole session: later modules get the models
 
 
 def _engines_in_this_process(patcher: pytest.MonkeyPatch) -> None:
-    def get_model_once(path, hf_config, kernels):
-        key = (path, kernels, repr(getattr(hf_config, "quantization_config", None)))
+    def get_model_once(path, hf_config, kernels, *rank_and_layers):
+        key = (path, kernels, repr(getattr(hf_config, "quantization_config", None)), rank_and_layers)
         if key not in _loaded_models:
-            _loaded_models[key] = loader.get_model(path, hf_config, kernels)
+            _loaded_models[key] = loader.get_model(path, hf_config, kernels, *rank_and_layers)
         return _loaded_models[key]
 
     patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")

@@ -38,6 +38,9 @@ class CachedRequestData:
     resumed_req_token_ids: list[Optional[list[int]]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipeline parallel only (else empty): the tokens each request computes this step, so that stages before the
+    # last, which never sample, learn the tokens the last stage sampled (vLLM's new_token_ids).
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

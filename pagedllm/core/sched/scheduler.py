@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 structured_output_manager: Optional["StructuredOutputManager"] = None) -> None:
+                 structured_output_manager: Optional["StructuredOutputManager"] = None, use_pp: bool = False) -> None:
+        """``use_pp``: the workers are pipeline stages, so scheduled running requests carry their tokens."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the Scheduler")
         self.scheduler_config = scheduler_config
@@ -50,6 +51,7 @@ class Scheduler:
         self._rejected_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
+        self.use_pp = use_pp
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -268,6 +270,10 @@ class Scheduler:
                            + [kv.get_block_ids(r.request_id) for r in resumed]),
             num_computed_tokens=[r.num_computed_tokens for r in running] + [r.num_computed_tokens for r in resumed],
         )
+        if self.use_pp:
+            cached.new_token_ids = [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens
+                                                    + num_scheduled_tokens[r.request_id]] for r in running]
+            cached.new_token_ids += [[] for _ in resumed]
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,

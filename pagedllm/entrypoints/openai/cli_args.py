@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.models.resolve import DEFAULT_MODEL
@@ -10,7 +11,8 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 # EngineArgs fields that `serve` exposes as --flags.
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization",
-                "num_cpu_threads", "enforce_eager")
+                "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
+                "data_parallel_size", "distributed_executor_backend")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -57,6 +59,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of the engine process (default: one per core)")
     engine.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
                         help="run decode steps eagerly, without replaying CPU graphs")
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineArgs.tensor_parallel_size,
+                          help="ranks that split each layer's heads and MLP (default: %(default)s)")
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=EngineArgs.pipeline_parallel_size,
+                          help="ranks that split the layers into stages (default: %(default)s)")
+    parallel.add_argument("--data-parallel-size", "-dp", type=int, default=EngineArgs.data_parallel_size,
+                          help="engines, each with its own scheduler and KV cache (default: %(default)s)")
+    parallel.add_argument("--distributed-executor-backend", choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+                          default=EngineArgs.distributed_executor_backend,
+                          help="how ranks run: uni (one, in the engine process), mp (a process each), ray (Ray "
+                               "actors); default: uni for one rank, ray inside a Ray cluster, else mp")
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict:

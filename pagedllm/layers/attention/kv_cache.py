@@ -9,6 +9,11 @@ from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.platforms.cpu import huge_page_zeros
 
 
+def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
+    """KV heads one tensor-parallel rank caches: its share, or one (replicated) when ranks outnumber heads."""
+    return max(1, total_num_kv_heads // tp_size)
+
+
 def allocate_kv_caches(
     num_layers: int,
     num_blocks: int,

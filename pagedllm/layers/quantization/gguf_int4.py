@@ -106,4 +106,4 @@ class GGUFInt4Config(QuantizationConfig):
         linear = {name for prefix, module in model.named_modules()
                   if isinstance(getattr(module, "quant_method", None), GGUFInt4LinearMethod)
                   for name in self.checkpoint_modules(prefix)}
-        return linear | {prefix for prefix, module in model.named_modules() if getattr(module, "q8", False)}
+        return linear | {module.prefix for module in model.modules() if getattr(module, "q8", False)}

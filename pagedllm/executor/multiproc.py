@@ -1,0 +1,145 @@
+"""MultiprocExecutor: one worker process per rank on this machine (vLLM V1's MultiprocExecutor).
+
+Each call is broadcast to every worker through one shared-memory MessageQueue (the executor writes, each rank
+reads); the replies come back on one ZMQ PULL socket, each tagged with its rank and the call's sequence number. A
+call with ``unique_reply_rank`` (execute_model) gets a reply from that rank only, but any rank that raises
+replies with its error, and a worker process that exits is noticed while waiting: either ends the call with an
+error naming the rank within a poll interval, never a hang. Workers are fresh interpreters (as the EngineCore
+process is) that exit when this process is gone; shutdown stops them and unlinks the queue's segment.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import zmq
+
+from pagedllm.distributed.shm_broadcast import MessageQueue
+from pagedllm.distributed.utils import get_open_port
+from pagedllm.executor.abstract import Executor, WorkerMethod
+
+logger = logging.getLogger(__name__)
+
+WORKER_STARTUP_TIMEOUT_S = 600
+POLL_MS = 100
+DEAD_PEER_GRACE_S = 1.0
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, died, or did not answer in time; the message names its rank."""
+
+
+class MultiprocExecutor(Executor):
+    def _init_executor(self) -> None:
+        pc = self.parallel_config
+        self.world_size = pc.world_size
+        if self.world_size > os.cpu_count():
+            logger.warning("%d ranks on %d cores: ranks share cores and run slower than on fewer ranks",
+                           self.world_size, os.cpu_count())
+        self._seq = 0
+        self._failure: Optional[str] = None
+        self._closed = False
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
+        self._ctx = zmq.Context()
+        self._replies = self._ctx.socket(zmq.PULL)
+        reply_address = f"ipc://{self._ipc_dir}/replies"
+        self._replies.bind(reply_address)
+        self._poller = zmq.Poller()
+        self._poller.register(self._replies, zmq.POLLIN)
+        self.rpc_broadcast_mq = MessageQueue(self.world_size)
+        self.workers: list[subprocess.Popen] = []
+        try:
+            init_method = f"tcp://127.0.0.1:{get_open_port()}"
+            startup = (self.config, init_method, self.rpc_broadcast_mq.export_handle(), reply_address, os.getpid())
+            startup_path = os.path.join(self._ipc_dir, "startup.pkl")
+            with open(startup_path, "wb") as f:
+                pickle.dump(startup, f)
+            for rank in range(self.world_size):
+                self.workers.append(subprocess.Popen(
+                    [sys.executable, "-m", "pagedllm.executor.worker_proc", startup_path, str(rank)]))
+            self._wait_for_replies(-1, set(range(self.world_size)), WORKER_STARTUP_TIMEOUT_S, starting=True)
+            self.rpc_broadcast_mq.wait_until_ready(timeout=60)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("MultiprocExecutor: %d workers (tensor_parallel_size=%d, pipeline_parallel_size=%d)",
+                    self.world_size, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+    def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+        self._seq += 1
+        self.rpc_broadcast_mq.enqueue((self._seq, method, args, kwargs or {}, unique_reply_rank), timeout=timeout)
+        expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
+        results = self._wait_for_replies(self._seq, expected, timeout)
+        if unique_reply_rank is not None:
+            return results[unique_reply_rank]
+        return [results[rank] for rank in range(self.world_size)]
+
+    def _wait_for_replies(self, seq: int, expected: set[int], timeout: Optional[float],
+                          starting: bool = False) -> dict[int, Any]:
+        """Replies of call ``seq`` from the ranks ``expected``; raises WorkerError on any rank's failure or exit."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        while len(results) < len(expected):
+            if self._poller.poll(POLL_MS):
+                reply_seq, rank, ok, payload = pickle.loads(self._replies.recv())
+                if not ok:
+                    # A peer that died makes the others' collectives raise: name the dead rank, the cause.
+                    deadline_dead = time.monotonic() + DEAD_PEER_GRACE_S
+                    while not self._dead_workers() and time.monotonic() < deadline_dead:
+                        time.sleep(POLL_MS / 1000)
+                    dead = self._dead_workers()
+                    if dead:
+                        self._fail(f"{dead}; then worker rank {rank} raised: {payload.splitlines()[0]}")
+                    self._fail(f"worker rank {rank} raised: {payload}")
+                if reply_seq == seq and rank in expected:
+                    results[rank] = payload
+                continue  # a late reply of an earlier call that timed out: dropped
+            dead = self._dead_workers(starting)
+            if dead:
+                self._fail(dead)
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(expected - set(results))
+                self._fail(f"worker rank(s) {missing} did not answer within {timeout} s")
+        return results
+
+    def _dead_workers(self, starting: bool = False) -> str:
+        """Which workers have exited, in words ("" if none)."""
+        what = "failed to start" if starting else "died"
+        return "; ".join(f"worker rank {rank} {what} (exit code {proc.poll()}); see its log above"
+                         for rank, proc in enumerate(self.workers) if proc.poll() is not None)
+
+    def _fail(self, message: str) -> None:
+        self._failure = message
+        raise WorkerError(message)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return 1
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.workers:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.rpc_broadcast_mq.close()
+        self._replies.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -1,0 +1,137 @@
+"""RayExecutor: one Ray actor per rank, placed by a placement group (one bundle per rank), so ranks may sit on
+different machines of a Ray cluster (vLLM's Ray executor, with plain Ray calls).
+
+The driver reaches every actor with one remote call per collective_rpc and waits on them together: the first to
+fail (the actor raised, or its process or node died) ends the call with an error naming its rank, while the
+others may still be blocked in a collective with it. Ranks meet for torch.distributed at rank 0's node.
+Ray is an optional extra: ``pip install 'pagedllm[ray]'``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from pagedllm.executor.abstract import Executor, WorkerMethod, run_worker_method
+from pagedllm.executor.multiproc import WorkerError
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120
+WAIT_SLICE_S = 0.5
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'pagedllm[ray]'") from None
+    return ray
+
+
+class RayWorkerWrapper:
+    """The actor around one rank's Worker: built empty (so the driver can ask where it runs), then given its
+    rank and the rendezvous address."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def get_node_ip(self) -> str:
+        import ray
+        return ray.util.get_node_ip_address()
+
+    def get_open_port(self) -> int:
+        from pagedllm.distributed.utils import get_open_port
+        return get_open_port()
+
+    def init_worker(self, config, rank: int, init_method: str) -> None:
+        logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
+        from pagedllm.worker.worker import Worker
+        self.worker = Worker(config, rank, init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def execute_method(self, method: WorkerMethod, args: tuple, kwargs: Optional[dict]) -> Any:
+        return run_worker_method(self.worker, method, args, kwargs)
+
+
+class RayExecutor(Executor):
+    def _init_executor(self) -> None:
+        ray = self.ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        pc = self.parallel_config
+        self.world_size = pc.world_size
+        self._failure: Optional[str] = None
+        self._started_ray = False
+        self.workers: list = []
+        self.placement_group = None
+        if not ray.is_initialized():
+            # The cluster the frontend was in (its address travels in the config), else a local one with a
+            # logical CPU per rank even where ranks outnumber cores.
+            if pc.ray_address:
+                ray.init(address=pc.ray_address, log_to_driver=True)
+            else:
+                ray.init(num_cpus=max(os.cpu_count() or 1, self.world_size), include_dashboard=False)
+            self._started_ray = True
+        try:
+            self.placement_group = placement_group([{"CPU": 1}] * self.world_size, strategy="PACK")
+            ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            actor_class = ray.remote(num_cpus=1)(RayWorkerWrapper)
+            env = {"runtime_env": {"env_vars": {k: v for k, v in os.environ.items() if k.startswith("PAGEDLLM_")}}}
+            self.workers = [
+                actor_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.placement_group, placement_group_bundle_index=rank), **env).remote()
+                for rank in range(self.world_size)]
+            ip, port = ray.get([self.workers[0].get_node_ip.remote(), self.workers[0].get_open_port.remote()])
+            init_method = f"tcp://{ip}:{port}"
+            self._wait([w.init_worker.remote(self.config, rank, init_method) for rank, w in enumerate(self.workers)],
+                       None)
+        except BaseException:
+            self.shutdown()
+            raise
+        nodes = ray.get([w.get_node_ip.remote() for w in self.workers])
+        logger.info("RayExecutor: %d workers on nodes %s", self.world_size, nodes)
+
+    def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
+                       timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+        refs = [w.execute_method.remote(method, args, kwargs) for w in self.workers]
+        results = self._wait(refs, timeout)
+        return results[unique_reply_rank] if unique_reply_rank is not None else results
+
+    def _wait(self, refs: list, timeout: Optional[float]) -> list:
+        """Every rank's result, in rank order; the first failure raises WorkerError naming its rank."""
+        ray = self.ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list = [None] * len(refs)
+        pending = list(refs)
+        waited = 0.0
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=WAIT_SLICE_S)
+            for ref in ready:
+                try:
+                    results[rank_of[ref]] = ray.get(ref)
+                except Exception as e:
+                    self._failure = f"worker rank {rank_of[ref]} failed: {type(e).__name__}: {e}"
+                    raise WorkerError(self._failure) from None
+            waited += 0 if ready else WAIT_SLICE_S
+            if timeout is not None and waited > timeout:
+                self._failure = f"worker rank(s) {sorted(rank_of[r] for r in pending)} did not answer in {timeout} s"
+                raise WorkerError(self._failure)
+        return results
+
+    def shutdown(self) -> None:
+        ray = self.ray
+        for worker in self.workers:
+            ray.kill(worker)
+        self.workers = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False

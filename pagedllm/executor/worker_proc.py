@@ -1,0 +1,69 @@
+"""A worker process of the MultiprocExecutor: one rank's Worker and its busy loop.
+
+Started as `python -m pagedllm.executor.worker_proc STARTUP_PICKLE RANK`. It builds its Worker (joining the
+process groups, loading its slice of the model), attaches to the executor's broadcast queue, says READY, then
+runs each call it reads: every rank runs every call, and replies when the call wants its reply or when it raised.
+It exits when the executor's process is gone, so no worker outlives its engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import zmq
+
+from pagedllm.distributed.shm_broadcast import MessageQueue
+from pagedllm.executor.abstract import run_worker_method
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_SECONDS = 1.0
+
+
+def _exit_when_parent_dies(parent_pid: int) -> None:
+    while True:
+        time.sleep(PARENT_POLL_SECONDS)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def main() -> None:
+    startup_path, rank = sys.argv[1], int(sys.argv[2])
+    with open(startup_path, "rb") as f:
+        config, init_method, mq_handle, reply_address, parent_pid = pickle.load(f)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor stops us
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
+
+    from pagedllm.worker.worker import Worker  # after the logging set-up: its import is the slow part
+    worker = Worker(config, rank, init_method)
+    worker.init_device()
+    worker.load_model()
+
+    ctx = zmq.Context()
+    replies = ctx.socket(zmq.PUSH)
+    replies.connect(reply_address)
+    mq = MessageQueue.create_from_handle(mq_handle, rank)
+    replies.send(pickle.dumps((-1, rank, True, "READY")))
+    mq.wait_until_ready(timeout=60)
+    while True:
+        seq, method, args, kwargs, reply_rank = mq.dequeue()
+        try:
+            result = run_worker_method(worker, method, args, kwargs)
+        except Exception as e:
+            logger.exception("%s failed", method if isinstance(method, str) else getattr(method, "__name__", method))
+            replies.send(pickle.dumps((seq, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+            continue
+        if reply_rank is None or reply_rank == rank:
+            replies.send(pickle.dumps((seq, rank, True, result), protocol=pickle.HIGHEST_PROTOCOL))
+
+
+if __name__ == "__main__":
+    main()

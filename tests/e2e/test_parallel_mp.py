@@ -1,0 +1,71 @@
+"""Tensor and pipeline parallelism on the multi-process executor hold the oracle: greedy float32 output token for
+token equal to one rank's (the package's shared engine) for the 8 mixed-length prompts of test_llm_parity, under
+chunked prefill and forced preemption at once. SmolLM2 has 9 attention heads and 3 KV heads: tp=3 splits both,
+pp=2 splits its 30 layers. A rank killed mid-generation fails the engine within seconds, leaving no process and no
+shared-memory segment behind."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pagedllm.engine.exceptions import EngineDeadError
+from tests.e2e.conftest import running_llm
+from tests.e2e.parallel_helpers import shm_segments, wait_until, worker_processes
+from pagedllm import LLM, SamplingParams
+from tests.e2e.test_llm_parity import PROMPT_LENGTHS, make_prompts
+
+# 64-token chunks and 40 blocks of 16 (the eight prompts and outputs need ~77): chunked prefill and preemption.
+STRESS = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=40)
+MAX_TOKENS = 24
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return make_prompts(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def expected(llm, prompts):
+    return run(llm, prompts)
+
+
+def assert_same(got, expected):
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens) diverges at token " \
+                       f"{next(k for k, (a, b) in enumerate(zip(g, e)) if a != b)}"
+
+
+def test_pipeline_parallel_2(prompts, expected):
+    with running_llm(pipeline_parallel_size=2, **STRESS) as llm:
+        assert len(worker_processes()) == 2
+        assert_same(run(llm, prompts), expected)
+        assert llm.get_stats().num_preemptions > 0
+    assert wait_until(lambda: not worker_processes(), 10)
+    assert not shm_segments()
+
+
+def test_tensor_parallel_3_then_a_rank_dies(prompts, expected):
+    before = shm_segments()
+    with running_llm(tensor_parallel_size=3, distributed_executor_backend="mp", **STRESS) as llm:
+        workers = worker_processes()
+        assert len(workers) == 3
+        assert_same(run(llm, prompts), expected)
+        assert llm.get_stats().num_preemptions > 0
+
+        # Kill rank 1 while the engine generates: the call fails with a clear error, well within 10 s.
+        victim = next(w for w in workers if w.cmdline()[-1] == "1")
+        threading.Timer(1.0, victim.kill).start()
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError):
+            run(llm, prompts * 4)
+        assert time.monotonic() - started < 11
+    assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
+    assert shm_segments() <= before, "the broadcast queue's segment was left in /dev/shm"

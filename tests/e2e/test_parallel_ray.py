@@ -1,0 +1,66 @@
+"""The Ray executor across machines, simulated on this one: a two-node Ray cluster on 127.0.0.1 (two CPUs a node),
+the engine's ranks placed on both nodes by its placement group, greedy float32 output equal to transformers (tiny
+models) and to one rank (SmolLM2, under chunked prefill and preemption)."""
+from __future__ import annotations
+
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from tests.e2e.conftest import running_llm  # noqa: E402
+from tests.e2e.test_llm_parity import make_prompts  # noqa: E402
+from tests.e2e.test_parallel_mp import STRESS, assert_same, run  # noqa: E402
+from tests.e2e.test_parallel_tiny_models import expected_outputs, generate, save_tiny_model  # noqa: E402
+
+NODE = dict(num_cpus=2, object_store_memory=80 << 20)
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
+    cluster.add_node(**NODE)
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def engine_nodes() -> set[str]:
+    """The nodes the live engine's placement group put its ranks on."""
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert len(groups) == 1
+    return set(groups[0]["bundles_to_node_id"].values())
+
+
+def test_tiny_model_tp2_pp2_across_two_nodes(two_node_cluster, tmp_path, tokenizer):
+    reference = save_tiny_model(tmp_path, tokenizer, "qwen2")
+    nodes = []
+    got = generate(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
+                   on_engine=lambda: nodes.append(engine_nodes()))
+    assert got == expected_outputs(reference)
+    assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
+
+
+def test_tiny_model_tp2(two_node_cluster, tmp_path, tokenizer):
+    reference = save_tiny_model(tmp_path, tokenizer, "llama")
+    assert generate(tmp_path, tensor_parallel_size=2, distributed_executor_backend="ray") == \
+        expected_outputs(reference)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    return make_prompts(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def expected(llm, prompts):
+    return run(llm, prompts)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2)])
+def test_default_model(two_node_cluster, prompts, expected, parallel):
+    with running_llm(distributed_executor_backend="ray", **parallel, **STRESS) as llm:
+        assert_same(run(llm, prompts), expected)
+        assert llm.get_stats().num_preemptions > 0

@@ -1,0 +1,54 @@
+"""Tensor x pipeline parallelism on tiny random Llama and Qwen2 models (GQA: 4 attention heads, 2 KV heads, so tp=2
+splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the multi-process
+executor."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from pagedllm import SamplingParams
+from tests.e2e.conftest import hf_greedy, running_llm
+
+VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
+MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
+          "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
+# Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps.
+PROMPTS = [[1, 50, 60, 70], list(range(200, 237)), list(range(200, 300)), list(range(1000, 1150, 3))]
+MAX_TOKENS = 20
+
+
+def save_tiny_model(path, tokenizer, name: str):
+    config_cls, model_cls, extra = MODELS[name]
+    config = config_cls(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                        initializer_range=0.3, eos_token_id=2, bos_token_id=1, **extra)
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model
+
+
+def generate(path, on_engine=None, **parallel) -> list[list[int]]:
+    """Greedy outputs of PROMPTS; ``on_engine`` is called while the engine runs."""
+    with running_llm(str(path), dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=32,
+                     **parallel) as llm:
+        if on_engine is not None:
+            on_engine()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def expected_outputs(reference) -> list[list[int]]:
+    return [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("name, parallel", [
+    ("llama", dict(tensor_parallel_size=2)),
+    ("qwen2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+])
+def test_tiny_model_parallel_parity_mp(tmp_path, tokenizer, name, parallel):
+    reference = save_tiny_model(tmp_path, tokenizer, name)
+    assert generate(tmp_path, distributed_executor_backend="mp", **parallel) == expected_outputs(reference)
