@@ -120,6 +120,8 @@ class ParallelConfig:
     pp_layer_partition: Optional[list[int]] = None
     # The Ray cluster the ray executor joins (set from the caller's, when it had joined one).
     ray_address: Optional[str] = None
+    # Which of the data-parallel engines this one is (set per engine process by the frontend).
+    data_parallel_rank: int = 0
     # torch.distributed backend: gloo on CPU (nccl would be the CUDA platform's).
     torch_distributed_backend: str = "gloo"
 

@@ -81,9 +81,6 @@ class EngineArgs:
         parallel_config.distributed_executor_backend = resolve_executor_backend(parallel_config)
         if parallel_config.distributed_executor_backend == "ray" and _ray_initialized():
             parallel_config.ray_address = sys.modules["ray"].get_runtime_context().gcs_address
-        if parallel_config.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is not supported yet (one engine per process group); "
-                             "use tensor_parallel_size or pipeline_parallel_size")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager)
         return EngineConfig(

@@ -14,7 +14,7 @@ import msgspec
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import AsyncMPClient
+from pagedllm.engine.core_client import make_async_client
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import fan_out
@@ -36,7 +36,7 @@ class AsyncLLM:
         self.processor = Processor(config.model_config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers = list(stat_loggers or [])
-        self.engine_core = AsyncMPClient(config)
+        self.engine_core = make_async_client(config)
         # request id (the parent's, for n > 1) -> the queue its generate() reads.
         self._queues: dict[str, asyncio.Queue] = {}
         self._children: dict[str, list[str]] = {}
@@ -54,14 +54,20 @@ class AsyncLLM:
         return self._dead_error is not None or self.engine_core.dead
 
     async def check_health(self) -> None:
+        """Raises once an engine is dead (with data parallelism, any one: the others still take requests)."""
         if self.errored:
             raise self._dead_error or EngineDeadError()
+        dead = getattr(self.engine_core, "dead_engines", [])
+        if dead:
+            raise EngineDeadError(f"data-parallel engine(s) {dead} died; {len(self.engine_core.engines) - len(dead)} "
+                                  f"still serve")
 
     # ------------------------------------------------------------------------------------------ requests
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.DELTA
                        ) -> AsyncIterator[RequestOutput]:
-        await self.check_health()
+        if self.errored:
+            raise self._dead_error or EngineDeadError()
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already running.")
         text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority)
@@ -127,6 +133,9 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
+                if outputs.failed_request_ids:  # one data-parallel engine died: only its requests fail
+                    self._fail_requests(outputs.failed_request_ids, EngineDeadError(outputs.engine_dead))
+                    continue
                 iteration_stats = IterationStats() if self.stat_loggers else None
                 processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)
                 for request_output in processed.request_outputs:
@@ -138,12 +147,19 @@ class AsyncLLM:
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 for stat_logger in self.stat_loggers:
-                    stat_logger.record(outputs.scheduler_stats, iteration_stats)
+                    stat_logger.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
         except EngineDeadError as e:
             logger.error("The engine process died; failing %d in-flight requests.", len(self._queues))
             self._dead_error = e
             for queue in self._queues.values():
                 queue.put_nowait(e)
+
+    def _fail_requests(self, engine_request_ids: list[str], error: EngineDeadError) -> None:
+        failed = set(engine_request_ids)
+        self.output_processor.abort_requests(engine_request_ids)
+        for request_id, queue in list(self._queues.items()):
+            if request_id in failed or failed.intersection(self._children.get(request_id, ())):
+                queue.put_nowait(error)
 
     # ------------------------------------------------------------------------------------------ utilities
     async def reset_prefix_cache(self) -> bool:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from pagedllm.executor.abstract import Executor
+from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.executor.abstract import Executor, ModelRunnerOutputFuture
+from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -30,7 +33,10 @@ class EngineCore:
         self.structured_output_manager = StructuredOutputManager(
             lambda: load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
-                                   use_pp=config.parallel_config.pipeline_parallel_size > 1)
+                                   config.parallel_config.pipeline_parallel_size)
+        # Pipeline parallel: batches in flight, oldest first, so that every stage works on one (vLLM's batch queue).
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[ModelRunnerOutputFuture, SchedulerOutput]] = deque()
         self._block_hasher = make_block_hasher(config.cache_config.block_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -43,6 +49,8 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
@@ -51,6 +59,28 @@ class EngineCore:
             self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammars(), timeout=0.01)
         model_runner_output = self.executor.execute_model(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Submit a new batch while fewer than batch_queue_size are in flight; otherwise (or when nothing new can
+        run) wait for the oldest and apply its output. Outputs are empty when the call only submitted."""
+        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
+            scheduler_output = self.scheduler.schedule()
+            if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
+                    or scheduler_output.preempted_req_ids):  # the workers must see removals, even without tokens
+                future = self.executor.execute_model(scheduler_output, non_block=True)
+                self.batch_queue.append((future, scheduler_output))
+                if len(self.batch_queue) < self.batch_queue_size:
+                    return EngineCoreOutputs()
+            else:  # nothing runnable now: deliver refusals, or wait for grammars when nothing is in flight
+                if not self.batch_queue and self.scheduler.waiting_for_grammars():
+                    self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammars(), timeout=0.01)
+                outputs = self.scheduler.update_from_output(scheduler_output, EMPTY_MODEL_RUNNER_OUTPUT)
+                if outputs.outputs or not self.batch_queue:
+                    return outputs
+        if not self.batch_queue:
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        future, scheduler_output = self.batch_queue.popleft()
+        return self.scheduler.update_from_output(scheduler_output, future.result())
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

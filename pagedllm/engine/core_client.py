@@ -248,5 +248,15 @@ class AsyncMPClient:
         self._mp.shutdown()
 
 
-def make_sync_client(config: EngineConfig) -> "InprocClient | SyncMPClient":
+def make_sync_client(config: EngineConfig):
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedllm.engine.dp_client import DPSyncMPClient
+        return DPSyncMPClient(config)
     return SyncMPClient(config) if multiprocessing_enabled() else InprocClient(config)
+
+
+def make_async_client(config: EngineConfig):
+    if config.parallel_config.data_parallel_size > 1:
+        from pagedllm.engine.dp_client import DPAsyncMPClient
+        return DPAsyncMPClient(config)
+    return AsyncMPClient(config)

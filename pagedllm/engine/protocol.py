@@ -85,6 +85,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_output: Optional[UtilityOutput] = None
     # The engine's last message when it fails (e.g. a worker rank died): why, for the error every caller gets.
     engine_dead: Optional[str] = None
+    # Data parallel, set by the frontend's client: which engine this came from; when that engine died while
+    # others serve, the requests it took down with it (engine_dead says why).
+    engine_index: int = 0
+    failed_request_ids: list[str] = []
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

@@ -3,7 +3,7 @@ run on every rank, its results gathered (vLLM V1's Executor)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.sched.output import SchedulerOutput
@@ -53,8 +53,17 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", args=(num_blocks,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> Union[ModelRunnerOutput, "ModelRunnerOutputFuture"]:
+        """The step's output; with ``non_block``, a future of it (the call is under way when this returns)."""
+        if non_block:
+            return self.submit_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
         return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
+
+    def submit_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
+                   unique_reply_rank: Optional[int] = None) -> "ModelRunnerOutputFuture":
+        """collective_rpc without waiting: executors that can overlap calls override it."""
+        return _Done(self.collective_rpc(method, args, kwargs, unique_reply_rank=unique_reply_rank))
 
     def check_health(self) -> None:
         """Raises if a worker is gone or does not answer."""
@@ -62,11 +71,24 @@ class Executor(ABC):
 
     @property
     def max_concurrent_batches(self) -> int:
-        """Batches the engine core may keep in flight: one per pipeline stage, so that stages overlap."""
+        """Batches the engine core may keep in flight: one per pipeline stage (stages then overlap) where calls
+        can overlap, else 1."""
         return 1
 
     def shutdown(self) -> None:
         """Stop the workers and release what they hold."""
+
+
+class ModelRunnerOutputFuture(Protocol):
+    def result(self) -> Any: ...
+
+
+class _Done:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 def run_worker_method(worker: Any, method: WorkerMethod, args: tuple, kwargs: Optional[dict]) -> Any:

@@ -44,6 +44,7 @@ class MultiprocExecutor(Executor):
             logger.warning("%d ranks on %d cores: ranks share cores and run slower than on fewer ranks",
                            self.world_size, os.cpu_count())
         self._seq = 0
+        self._replies_of: dict[int, dict[int, Any]] = {}  # call seq -> replies so far, for calls not yet gathered
         self._failure: Optional[str] = None
         self._closed = False
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
@@ -64,6 +65,7 @@ class MultiprocExecutor(Executor):
             for rank in range(self.world_size):
                 self.workers.append(subprocess.Popen(
                     [sys.executable, "-m", "pagedllm.executor.worker_proc", startup_path, str(rank)]))
+            self._replies_of[-1] = {}
             self._wait_for_replies(-1, set(range(self.world_size)), WORKER_STARTUP_TIMEOUT_S, starting=True)
             self.rpc_broadcast_mq.wait_until_ready(timeout=60)
         except BaseException:
@@ -74,21 +76,26 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
                        timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
+        return self.submit_rpc(method, args, kwargs, unique_reply_rank, timeout).result(timeout)
+
+    def submit_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
+                   unique_reply_rank: Optional[int] = None, timeout: Optional[float] = None) -> "_Replies":
+        """Broadcast the call now; its replies are gathered when the returned future's result() is asked for
+        (calls complete in order: every rank runs them in order)."""
         if self._failure is not None:
             raise WorkerError(self._failure)
         self._seq += 1
         self.rpc_broadcast_mq.enqueue((self._seq, method, args, kwargs or {}, unique_reply_rank), timeout=timeout)
         expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
-        results = self._wait_for_replies(self._seq, expected, timeout)
-        if unique_reply_rank is not None:
-            return results[unique_reply_rank]
-        return [results[rank] for rank in range(self.world_size)]
+        self._replies_of[self._seq] = {}
+        return _Replies(self, self._seq, expected, unique_reply_rank)
 
     def _wait_for_replies(self, seq: int, expected: set[int], timeout: Optional[float],
                           starting: bool = False) -> dict[int, Any]:
-        """Replies of call ``seq`` from the ranks ``expected``; raises WorkerError on any rank's failure or exit."""
+        """Replies of call ``seq`` from the ranks ``expected`` (replies of later calls are kept for theirs);
+        raises WorkerError on any rank's failure or exit."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        results: dict[int, Any] = {}
+        results = self._replies_of.setdefault(seq, {})
         while len(results) < len(expected):
             if self._poller.poll(POLL_MS):
                 reply_seq, rank, ok, payload = pickle.loads(self._replies.recv())
@@ -101,8 +108,8 @@ class MultiprocExecutor(Executor):
                     if dead:
                         self._fail(f"{dead}; then worker rank {rank} raised: {payload.splitlines()[0]}")
                     self._fail(f"worker rank {rank} raised: {payload}")
-                if reply_seq == seq and rank in expected:
-                    results[rank] = payload
+                if reply_seq in self._replies_of:
+                    self._replies_of[reply_seq][rank] = payload
                 continue  # a late reply of an earlier call that timed out: dropped
             dead = self._dead_workers(starting)
             if dead:
@@ -110,6 +117,7 @@ class MultiprocExecutor(Executor):
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(expected - set(results))
                 self._fail(f"worker rank(s) {missing} did not answer within {timeout} s")
+        del self._replies_of[seq]
         return results
 
     def _dead_workers(self, starting: bool = False) -> str:
@@ -124,7 +132,7 @@ class MultiprocExecutor(Executor):
 
     @property
     def max_concurrent_batches(self) -> int:
-        return 1
+        return self.parallel_config.pipeline_parallel_size
 
     def shutdown(self) -> None:
         if self._closed:
@@ -143,3 +151,16 @@ class MultiprocExecutor(Executor):
         self._replies.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+class _Replies:
+    """The future of one submitted call."""
+
+    def __init__(self, executor: MultiprocExecutor, seq: int, expected: set[int], unique_reply_rank: Optional[int]):
+        self.executor, self.seq, self.expected, self.unique_reply_rank = executor, seq, expected, unique_reply_rank
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        results = self.executor._wait_for_replies(self.seq, self.expected, timeout)
+        if self.unique_reply_rank is not None:
+            return results[self.unique_reply_rank]
+        return [results[rank] for rank in range(self.executor.world_size)]

@@ -98,9 +98,18 @@ class RayExecutor(Executor):
                        timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
         if self._failure is not None:
             raise WorkerError(self._failure)
+        return self.submit_rpc(method, args, kwargs, unique_reply_rank, timeout).result()
+
+    def submit_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
+                   unique_reply_rank: Optional[int] = None, timeout: Optional[float] = None) -> "_RayReplies":
+        if self._failure is not None:
+            raise WorkerError(self._failure)
         refs = [w.execute_method.remote(method, args, kwargs) for w in self.workers]
-        results = self._wait(refs, timeout)
-        return results[unique_reply_rank] if unique_reply_rank is not None else results
+        return _RayReplies(self, refs, unique_reply_rank, timeout)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.parallel_config.pipeline_parallel_size
 
     def _wait(self, refs: list, timeout: Optional[float]) -> list:
         """Every rank's result, in rank order; the first failure raises WorkerError naming its rank."""
@@ -135,3 +144,14 @@ class RayExecutor(Executor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+class _RayReplies:
+    """The future of one submitted call (each actor runs its calls in order)."""
+
+    def __init__(self, executor: RayExecutor, refs: list, unique_reply_rank: Optional[int], timeout: Optional[float]):
+        self.executor, self.refs, self.unique_reply_rank, self.timeout = executor, refs, unique_reply_rank, timeout
+
+    def result(self) -> Any:
+        results = self.executor._wait(self.refs, self.timeout)
+        return results[self.unique_reply_rank] if self.unique_reply_rank is not None else results

@@ -1,7 +1,8 @@
 """PrometheusStatLogger: the engine's per-iteration stats as Prometheus metrics, vLLM's set under `pagedllm:`.
 
 AsyncLLM calls record() from its output loop. The metrics live in the registry given (one per API server), not
-prometheus_client's global one, so several servers can share a process (tests).
+prometheus_client's global one, so several servers can share a process (tests). Every metric carries vLLM's
+`engine` label: the data-parallel engine whose step it describes ("0" with one engine).
 """
 from __future__ import annotations
 
@@ -22,17 +23,21 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
-        labels = {"model_name": model_name}
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_engines: int = 1) -> None:
+        label_names = ["model_name", "engine"]
+        self._model_name = model_name
+
+        def per_engine(metric) -> list:
+            return [metric.labels(model_name=model_name, engine=str(i)) for i in range(num_engines)]
 
         def gauge(name: str, documentation: str):
-            return Gauge(name, documentation, list(labels), registry=registry).labels(**labels)
+            return per_engine(Gauge(name, documentation, label_names, registry=registry))
 
         def counter(name: str, documentation: str):
-            return Counter(name, documentation, list(labels), registry=registry).labels(**labels)
+            return per_engine(Counter(name, documentation, label_names, registry=registry))
 
         def histogram(name: str, documentation: str, buckets: list[float]):
-            return Histogram(name, documentation, list(labels), buckets=buckets, registry=registry).labels(**labels)
+            return per_engine(Histogram(name, documentation, label_names, buckets=buckets, registry=registry))
 
         self.gauge_num_requests_running = gauge("pagedllm:num_requests_running",
                                                 "Number of requests in model execution batches.")
@@ -49,12 +54,12 @@ class PrometheusStatLogger:
         self.counter_prompt_tokens = counter("pagedllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter("pagedllm:generation_tokens_total",
                                                  "Number of generation tokens processed.")
-        self._labels = labels
         self.counter_request_success = Counter("pagedllm:request_success_total",
                                                "Count of successfully processed requests.",
-                                               [*labels, "finished_reason"], registry=registry)
-        for reason in FINISH_REASONS:  # exported as 0 from the start
-            self.counter_request_success.labels(**labels, finished_reason=reason)
+                                               [*label_names, "finished_reason"], registry=registry)
+        for engine in range(num_engines):
+            for reason in FINISH_REASONS:  # exported as 0 from the start
+                self.counter_request_success.labels(model_name, str(engine), reason)
         self.histogram_time_to_first_token = histogram("pagedllm:time_to_first_token_seconds",
                                                        "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.histogram_inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
@@ -66,32 +71,33 @@ class PrometheusStatLogger:
                                                       "Histogram of time spent in WAITING phase for request.",
                                                       _REQUEST_LATENCY_BUCKETS)
         # The engine reports cumulative totals; counters advance by the difference from the last report.
-        self._last_scheduler_stats = SchedulerStats()
+        self._last_scheduler_stats = [SchedulerStats() for _ in range(num_engines)]
 
-    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
+    def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
+               engine: int = 0) -> None:
         if scheduler_stats is not None:
-            self._record_scheduler_stats(scheduler_stats)
+            self._record_scheduler_stats(scheduler_stats, engine)
         if iteration_stats is not None:
-            self._record_iteration_stats(iteration_stats)
+            self._record_iteration_stats(iteration_stats, engine)
 
-    def _record_scheduler_stats(self, stats: SchedulerStats) -> None:
-        self.gauge_num_requests_running.set(stats.num_running_reqs)
-        self.gauge_num_requests_waiting.set(stats.num_waiting_reqs)
-        self.gauge_kv_cache_usage.set(stats.kv_cache_usage)
-        last = self._last_scheduler_stats
-        self.counter_prefix_cache_queries.inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
-        self.counter_prefix_cache_hits.inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
-        self.counter_num_preemptions.inc(max(stats.num_preemptions - last.num_preemptions, 0))
-        self._last_scheduler_stats = stats
+    def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
+        self.gauge_num_requests_running[engine].set(stats.num_running_reqs)
+        self.gauge_num_requests_waiting[engine].set(stats.num_waiting_reqs)
+        self.gauge_kv_cache_usage[engine].set(stats.kv_cache_usage)
+        last = self._last_scheduler_stats[engine]
+        self.counter_prefix_cache_queries[engine].inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
+        self.counter_prefix_cache_hits[engine].inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self.counter_num_preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        self._last_scheduler_stats[engine] = stats
 
-    def _record_iteration_stats(self, stats: IterationStats) -> None:
-        self.counter_prompt_tokens.inc(stats.num_prompt_tokens)
-        self.counter_generation_tokens.inc(stats.num_generation_tokens)
+    def _record_iteration_stats(self, stats: IterationStats, engine: int) -> None:
+        self.counter_prompt_tokens[engine].inc(stats.num_prompt_tokens)
+        self.counter_generation_tokens[engine].inc(stats.num_generation_tokens)
         for ttft in stats.time_to_first_tokens_iter:
-            self.histogram_time_to_first_token.observe(ttft)
+            self.histogram_time_to_first_token[engine].observe(ttft)
         for itl in stats.inter_token_latencies_iter:
-            self.histogram_inter_token_latency.observe(itl)
+            self.histogram_inter_token_latency[engine].observe(itl)
         for finished in stats.finished_requests:
-            self.counter_request_success.labels(**self._labels, finished_reason=finished.finish_reason).inc()
-            self.histogram_e2e_request_latency.observe(finished.e2e_latency)
-            self.histogram_request_queue_time.observe(finished.queued_time)
+            self.counter_request_success.labels(self._model_name, str(engine), finished.finish_reason).inc()
+            self.histogram_e2e_request_latency[engine].observe(finished.e2e_latency)
+            self.histogram_request_queue_time[engine].observe(finished.queued_time)

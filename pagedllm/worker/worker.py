@@ -39,8 +39,9 @@ def kv_cache_budget(config: EngineConfig) -> int:
     of the memory available, split among the ranks that share this machine."""
     if config.cache_config.kv_cache_memory is not None:
         return parse_memory_size(config.cache_config.kv_cache_memory)
-    world_size = config.parallel_config.world_size
-    return min(int(psutil.virtual_memory().available * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP) // world_size
+    pc = config.parallel_config
+    ranks_here = pc.world_size * pc.data_parallel_size
+    return min(int(psutil.virtual_memory().available * DEFAULT_CPU_KV_FRACTION), DEFAULT_CPU_KV_CAP) // ranks_here
 
 
 class Worker:
@@ -58,11 +59,13 @@ class Worker:
 
     def _bind_threads(self) -> None:
         """torch threads: num_cpu_threads if given, else one per core of this rank's share; with more than one rank
-        on the machine, the process keeps to its own cores."""
-        world_size = self.config.parallel_config.world_size
+        on the machine (ranks of this engine, or of its data-parallel siblings), the process keeps to its own
+        cores."""
+        pc = self.config.parallel_config
+        ranks_here = pc.world_size * pc.data_parallel_size
         threads = self.config.num_cpu_threads
-        if world_size > 1:
-            cores = cores_of_rank(self.rank.rank, world_size)
+        if ranks_here > 1:
+            cores = cores_of_rank(pc.data_parallel_rank * pc.world_size + self.rank.rank, ranks_here)
             if cores is not None:
                 os.sched_setaffinity(0, cores)
             threads = threads or (len(cores) if cores else 1)

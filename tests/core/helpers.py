@@ -21,14 +21,15 @@ _arrival = itertools.count()
 def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched_tokens: int = 8192,
                    max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                   policy: str = "fcfs", structured_output_manager=None) -> Scheduler:
+                   policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1
+                   ) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
-        structured_output_manager)
+        structured_output_manager, pipeline_parallel_size)
     created_schedulers.append(scheduler)
     return scheduler
 

@@ -20,7 +20,6 @@ from pagedllm.entrypoints.openai.cli_args import engine_args_from, make_arg_pars
     (dict(tensor_parallel_size=0), r"tensor_parallel_size must be a positive integer"),
     (dict(tensor_parallel_size=3, distributed_executor_backend="uni"), r"'uni' runs one rank"),
     (dict(distributed_executor_backend="slurm"), r"distributed_executor_backend must be one of uni, mp, ray"),
-    (dict(data_parallel_size=2), r"data_parallel_size > 1 is not supported yet"),
 ])
 def test_bad_parallel_settings_are_value_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -16,8 +16,9 @@ from tests.e2e.parallel_helpers import shm_segments, wait_until, worker_processe
 from pagedllm import LLM, SamplingParams
 from tests.e2e.test_llm_parity import PROMPT_LENGTHS, make_prompts
 
-# 64-token chunks and 40 blocks of 16 (the eight prompts and outputs need ~77): chunked prefill and preemption.
-STRESS = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=40)
+# 64-token chunks and 28 blocks of 16 (the longest prompt and its output alone need 27): chunked prefill and
+# preemption.
+STRESS = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=28)
 MAX_TOKENS = 24
 
 

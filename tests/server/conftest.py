@@ -46,7 +46,8 @@ class RemoteServer:
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
         self.url_root = f"http://127.0.0.1:{self.port}"
         self._wait_until_healthy()
-        self.engine = self.engine_process()
+        self.engines = self.engine_processes()  # one per data-parallel engine
+        self.engine = self.engines[0]
 
     def _wait_until_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -82,20 +83,23 @@ class RemoteServer:
         return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=self.api_key or "EMPTY", max_retries=0,
                                   **kwargs)
 
-    def engine_process(self) -> psutil.Process:
+    def engine_processes(self) -> list[psutil.Process]:
         children = [p for p in psutil.Process(self.proc.pid).children(recursive=True)
                     if "EngineCore" in " ".join(p.cmdline())]
-        assert len(children) == 1, children
-        return children[0]
+        assert children
+        return children
 
     def metrics(self) -> dict[str, float]:
-        """Sample name (with its labels other than model_name) -> value."""
+        """Sample name (with its labels other than model_name and engine) -> value summed over the engines; and
+        with the engine label too, each engine's own."""
         text = httpx.get(self.url_for("metrics"), timeout=10).text
-        values = {}
+        values: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+                for skip in (("model_name", "engine"), ("model_name",)):
+                    labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in skip)
+                    key = f"{sample.name}{{{labels}}}" if labels else sample.name
+                    values[key] = values.get(key, 0.0) + sample.value if "engine" in skip else sample.value
         return values
 
     def stop(self, timeout: float = 20) -> None:
@@ -123,7 +127,7 @@ def fresh_server(tmp_path):
     srv = RemoteServer(tmp_path / "server.log")
     yield srv
     srv.stop()
-    _, alive = psutil.wait_procs([srv.engine], timeout=5)
+    _, alive = psutil.wait_procs(srv.engines, timeout=5)
     assert not alive, "the engine process outlived its server"
 
 

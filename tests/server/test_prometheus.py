@@ -17,7 +17,7 @@ REQUIRED = ["pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "p
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:
-    return registry.get_sample_value(name, {"model_name": "m", **labels})
+    return registry.get_sample_value(name, {"model_name": "m", "engine": "0", **labels})
 
 
 def test_cumulative_engine_totals_become_counters():
@@ -66,3 +66,15 @@ def test_server_exports_every_metric(server):
     text = server.metrics()
     for name in REQUIRED:
         assert any(key == name or key.startswith(name + "{") for key in text), name
+
+
+def test_each_data_parallel_engine_has_its_own_series():
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", registry, num_engines=2)
+    logger.record(SchedulerStats(num_running_reqs=3, prefix_cache_queries=100), None, engine=0)
+    logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_queries=30), None, engine=1)
+    logger.record(SchedulerStats(num_running_reqs=2, prefix_cache_queries=50), None, engine=1)
+    assert value(registry, "pagedllm:num_requests_running", engine="0") == 3
+    assert value(registry, "pagedllm:num_requests_running", engine="1") == 2
+    assert value(registry, "pagedllm:prefix_cache_queries_total", engine="0") == 100
+    assert value(registry, "pagedllm:prefix_cache_queries_total", engine="1") == 50

@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 structured_output_manager: Optional["StructuredOutputManager"] = None, use_pp: bool = False) -> None:
-        """``use_pp``: the workers are pipeline stages, so scheduled running requests carry their tokens."""
+                 structured_output_manager: Optional["StructuredOutputManager"] = None,
+                 pipeline_parallel_size: int = 1) -> None:
+        """With ``pipeline_parallel_size`` > 1 the workers are pipeline stages: scheduled running requests carry
+        their tokens, and each batch takes about 1/pp of the requests so that pp batches keep every stage busy."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the Scheduler")
         self.scheduler_config = scheduler_config
@@ -51,7 +53,11 @@ class Scheduler:
         self._rejected_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
         self.structured_output_manager = structured_output_manager
-        self.use_pp = use_pp
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.use_pp = pipeline_parallel_size > 1
+        # Requests in a batch still executing (pipeline parallel keeps several in flight): not scheduled again, and
+        # not preempted, until update_from_output has that batch's tokens.
+        self.in_flight: set[str] = set()
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -127,10 +133,16 @@ class Scheduler:
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
+        # A batch's share of the requests under pipeline parallelism (all of them otherwise).
+        max_batch_reqs = -(-(len(self.running) + len(self.waiting)) // self.pipeline_parallel_size)
+
         # Running requests first, in order.
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
+        while req_index < len(self.running) and token_budget > 0 and len(num_scheduled_tokens) < max_batch_reqs:
             request = self.running[req_index]
+            if request.request_id in self.in_flight:
+                req_index += 1
+                continue
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
             if num_new_tokens > 1:  # decodes (1 token) skip the caps
                 num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget)
@@ -142,6 +154,8 @@ class Scheduler:
                 if new_blocks is not None:
                     break
                 victim = self._pick_preemption_victim()
+                if victim is None:  # every other running request is in flight: wait for a batch to return
+                    break
                 if self.running.index(victim) < req_index:
                     req_index -= 1  # the priority policy may pick one already passed this step
                 self.running.remove(victim)
@@ -166,7 +180,7 @@ class Scheduler:
         scheduled_resumed: list[Request] = []
         skipped_waiting: list[Request] = []
         while not preempted and self.waiting and token_budget > 0:
-            if len(self.running) >= self.max_num_running_reqs:
+            if len(self.running) >= self.max_num_running_reqs or len(num_scheduled_tokens) >= max_batch_reqs:
                 break
             request = self.waiting.peek_request()
             if request.status == RequestStatus.WAITING_FOR_FSM and not self._grammar_ready(request):
@@ -204,6 +218,7 @@ class Scheduler:
         # Advance at schedule time: the step's KV will exist by the time the next step is planned.
         for req_id, n in num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
+        self.in_flight.update(num_scheduled_tokens)
         self.finished_req_ids = set()
         return output
 
@@ -243,10 +258,14 @@ class Scheduler:
         # Positions never reach max_model_len: a request stops when it has that many tokens.
         return min(num_new_tokens, token_budget, self.max_model_len - 1 - computed)
 
-    def _pick_preemption_victim(self) -> Request:
+    def _pick_preemption_victim(self) -> Optional[Request]:
+        """The request to preempt among those not in flight (None if every one is)."""
+        candidates = [r for r in self.running if r.request_id not in self.in_flight]
+        if not candidates:
+            return None
         if self.policy == SchedulingPolicy.PRIORITY:
-            return max(self.running)  # largest priority value, latest arrival
-        return self.running[-1]  # FCFS: the newest
+            return max(candidates)  # largest priority value, latest arrival
+        return candidates[-1]  # FCFS: the newest
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV (cached full blocks may survive) and requeue it first."""
@@ -296,6 +315,7 @@ class Scheduler:
         requests = self.requests
         max_model_len = self.max_model_len
         stopped_requests = []
+        self.in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
             if request is None:

@@ -138,7 +138,8 @@ async def run_server(args: argparse.Namespace) -> None:
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
     engine_client = AsyncLLM.from_engine_args(
-        engine_args_from(args), stat_loggers=[PrometheusStatLogger(served_model_names[0], registry)])
+        engine_args_from(args),
+        stat_loggers=[PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size)])
     try:
         app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
                         args.tool_call_parser)

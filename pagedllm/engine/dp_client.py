@@ -1,0 +1,197 @@
+"""Data parallelism in the frontend: data_parallel_size EngineCore processes, each with its own scheduler and KV
+cache (and its own ranks), behind the interface of one engine client (vLLM's DP load-balancing client).
+
+Each request goes to the least-loaded live engine by vLLM's score, waiting x 4 + running, from the engines' last
+reported stats plus the requests sent since; a request whose first prompt block was seen before goes back to the
+engine that has it cached while that engine's score is within AFFINITY_SLACK of the best. Aborts go to the engine
+holding the request. An engine that dies fails only its own requests; the others keep serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import queue
+from typing import Any, Optional
+
+import msgspec
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core_client import MPClient
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+AFFINITY_SLACK = 8  # score points: two waiting requests
+
+
+class DPLoadBalancer:
+    """Which engine each request runs on; pure bookkeeping, no I/O."""
+
+    def __init__(self, num_engines: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.stats = [SchedulerStats() for _ in range(num_engines)]
+        self.sent_since_stats = [0] * num_engines
+        self.engine_of: dict[str, int] = {}
+        self.affinity: dict[tuple[int, ...], int] = {}
+        self.dead: set[int] = set()
+
+    def score(self, engine: int) -> int:
+        stats = self.stats[engine]
+        return (stats.num_waiting_reqs + self.sent_since_stats[engine]) * 4 + stats.num_running_reqs
+
+    def choose(self, request: EngineCoreRequest) -> int:
+        alive = [i for i in range(len(self.stats)) if i not in self.dead]
+        if not alive:
+            raise EngineDeadError("Every data-parallel engine has died.")
+        best = min(alive, key=self.score)
+        key = tuple(request.prompt_token_ids[:self.block_size])
+        engine = best
+        if len(key) == self.block_size:
+            cached = self.affinity.get(key)
+            if cached in alive and self.score(cached) <= self.score(best) + AFFINITY_SLACK:
+                engine = cached
+            self.affinity[key] = engine
+        self.engine_of[request.request_id] = engine
+        self.sent_since_stats[engine] += 1
+        return engine
+
+    def on_outputs(self, engine: int, outputs: EngineCoreOutputs) -> None:
+        if outputs.scheduler_stats is not None:
+            self.stats[engine] = outputs.scheduler_stats
+            self.sent_since_stats[engine] = 0
+        for output in outputs.outputs:
+            if output.finish_reason is not None:
+                self.engine_of.pop(output.request_id, None)
+
+    def by_engine(self, request_ids: list[str]) -> dict[int, list[str]]:
+        grouped: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            engine = self.engine_of.pop(request_id, None)
+            if engine is not None:
+                grouped.setdefault(engine, []).append(request_id)
+        return grouped
+
+    def mark_dead(self, engine: int) -> list[str]:
+        """The requests the dead engine held."""
+        self.dead.add(engine)
+        failed = [r for r, e in self.engine_of.items() if e == engine]
+        for request_id in failed:
+            del self.engine_of[request_id]
+        self.affinity = {k: e for k, e in self.affinity.items() if e != engine}
+        return failed
+
+
+def engine_configs(config: EngineConfig) -> list[EngineConfig]:
+    """One config per engine, each knowing its data_parallel_rank (its share of the cores)."""
+    configs = []
+    for rank in range(config.parallel_config.data_parallel_size):
+        engine_config = copy.copy(config)
+        engine_config.parallel_config = copy.copy(config.parallel_config)
+        engine_config.parallel_config.data_parallel_rank = rank
+        configs.append(engine_config)
+    return configs
+
+
+class _DPClientBase:
+    """The engines and the balancer; subclasses deliver (engine, outputs) to their caller's thread or loop."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.balancer = DPLoadBalancer(config.parallel_config.data_parallel_size, config.cache_config.block_size)
+        self.engines: list[MPClient] = []
+        try:
+            for index, engine_config in enumerate(engine_configs(config)):
+                self.engines.append(MPClient(engine_config, lambda o, i=index: self._deliver(i, o)))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _deliver(self, engine: int, outputs: Any) -> None:
+        raise NotImplementedError
+
+    def _process(self, engine: int, outputs: Any) -> EngineCoreOutputs:
+        """The balancer's view of one delivery; an engine's death becomes the outputs that fail its requests."""
+        if isinstance(outputs, EngineDeadError):
+            failed = self.balancer.mark_dead(engine)
+            if len(self.balancer.dead) == len(self.engines):
+                raise outputs
+            return EngineCoreOutputs(engine_index=engine, engine_dead=f"data-parallel engine {engine}: {outputs}",
+                                     failed_request_ids=failed)
+        self.balancer.on_outputs(engine, outputs)
+        outputs.engine_index = engine
+        return outputs
+
+    @property
+    def dead(self) -> bool:
+        return len(self.balancer.dead) == len(self.engines)
+
+    @property
+    def dead_engines(self) -> list[int]:
+        return sorted(self.balancer.dead)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.engines[self.balancer.choose(request)].add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for engine, ids in self.balancer.by_engine(request_ids).items():
+            if engine not in self.balancer.dead:
+                self.engines[engine].abort_requests(ids)
+
+    def _live(self) -> list[MPClient]:
+        return [e for i, e in enumerate(self.engines) if i not in self.balancer.dead]
+
+    def shutdown(self) -> None:
+        for engine in self.engines:
+            engine.shutdown()
+
+
+def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The engines' stats as one: sums, and the mean KV cache usage."""
+    return SchedulerStats(
+        num_running_reqs=sum(s.num_running_reqs for s in stats), num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        kv_cache_usage=sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), num_preemptions=sum(s.num_preemptions for s in stats))
+
+
+class DPAsyncMPClient(_DPClientBase):
+    """For AsyncLLM: every engine's outputs on one asyncio queue, tagged with the engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        super().__init__(config)
+
+    def _deliver(self, engine: int, outputs: Any) -> None:
+        self._loop.call_soon_threadsafe(self._outputs.put_nowait, (engine, outputs))
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        return self._process(*await self._outputs.get())
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        results = await asyncio.gather(*(asyncio.wrap_future(e.call_utility(method, *args)) for e in self._live()))
+        if method == "get_stats":
+            return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
+        return all(results) if method == "reset_prefix_cache" else results
+
+
+class DPSyncMPClient(_DPClientBase):
+    """For LLMEngine: get_output() blocks until any engine has outputs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._outputs: queue.Queue = queue.Queue()
+        super().__init__(config)
+
+    def _deliver(self, engine: int, outputs: Any) -> None:
+        self._outputs.put((engine, outputs))
+
+    def get_output(self) -> EngineCoreOutputs:
+        outputs = self._process(*self._outputs.get())
+        if outputs.engine_dead is not None:  # offline, a lost engine loses its requests: fail loudly
+            raise EngineDeadError(outputs.engine_dead)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return all(e.call_utility("reset_prefix_cache").result() for e in self._live())
+
+    def get_stats(self) -> SchedulerStats:
+        return aggregate_stats([msgspec.convert(e.call_utility("get_stats").result(), SchedulerStats)
+                                for e in self._live()])

@@ -1,0 +1,46 @@
+"""The data-parallel frontend's routing, without engines: least-loaded by vLLM's score (waiting x 4 + running,
+counting requests sent since the engine last reported), prefix affinity while loads are close, aborts to the engine
+holding the request, and a dead engine's requests handed back to fail."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.engine.dp_client import AFFINITY_SLACK, DPLoadBalancer
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                      SchedulerStats)
+from pagedllm.sampling_params import SamplingParams
+
+
+def request(request_id: str, tokens: list[int]) -> EngineCoreRequest:
+    return EngineCoreRequest(request_id, tokens, SamplingParams(), eos_token_id=None, arrival_time=0.0)
+
+
+def test_least_loaded_counts_what_was_sent_since_the_last_stats():
+    balancer = DPLoadBalancer(2, block_size=4)
+    balancer.on_outputs(0, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=3)))
+    # scores (engine 0, engine 1): (3, 0) -> 1, (3, 4) -> 0, (7, 4) -> 1
+    assert [balancer.choose(request(f"r{i}", [i])) for i in range(3)] == [1, 0, 1]
+
+
+def test_same_first_block_stays_on_its_engine_while_loads_are_close():
+    balancer = DPLoadBalancer(2, block_size=4)
+    shared = [7, 7, 7, 7]
+    first = balancer.choose(request("a", shared + [1]))
+    assert balancer.choose(request("b", shared + [2])) == first  # 4 points busier: within the slack
+    balancer.on_outputs(first, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_waiting_reqs=AFFINITY_SLACK)))
+    assert balancer.choose(request("c", shared + [3])) != first  # far busier: the prefix moves
+
+
+def test_aborts_and_a_dead_engine():
+    balancer = DPLoadBalancer(2, block_size=4)
+    engines = {r: balancer.choose(request(r, [i])) for i, r in enumerate(["a", "b", "c"])}
+    assert balancer.by_engine(["a", "b"]) == {engines["a"]: ["a"], engines["b"]: ["b"]}
+    balancer.on_outputs(engines["c"], EngineCoreOutputs(outputs=[EngineCoreOutput("c", [1], finish_reason=FinishReason.LENGTH)]))
+    assert balancer.engine_of == {}
+    d = balancer.choose(request("d", [9]))
+    assert balancer.mark_dead(d) == ["d"]
+    assert all(balancer.choose(request(f"e{i}", [i])) != d for i in range(3))
+    balancer.mark_dead(1 - d)
+    with pytest.raises(EngineDeadError):
+        balancer.choose(request("f", [1]))
