@@ -9,8 +9,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.e2e.conftest import running_llm  # noqa: E402
-from tests.e2e.test_llm_parity import make_prompts  # noqa: E402
-from tests.e2e.test_parallel_mp import STRESS, assert_same, run  # noqa: E402
+from tests.e2e.test_parallel_mp import STRESS, assert_same, expected, prompts, run  # noqa: E402,F401 (fixtures)
 from tests.e2e.test_parallel_tiny_models import expected_outputs, generate, save_tiny_model  # noqa: E402
 
 NODE = dict(num_cpus=2, object_store_memory=80 << 20)
@@ -47,16 +46,6 @@ def test_tiny_model_tp2(two_node_cluster, tmp_path, tokenizer):
     reference = save_tiny_model(tmp_path, tokenizer, "llama")
     assert generate(tmp_path, tensor_parallel_size=2, distributed_executor_backend="ray") == \
         expected_outputs(reference)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer):
-    return make_prompts(tokenizer)
-
-
-@pytest.fixture(scope="module")
-def expected(llm, prompts):
-    return run(llm, prompts)
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2)])
