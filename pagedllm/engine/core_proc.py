@@ -108,7 +108,7 @@ class EngineCoreProc(EngineCore):
             return UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
 
 
-def _exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
+def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
     """An orphaned engine would hold its memory forever: leave as soon as the frontend is gone (after
     ``before_exit``'s callbacks: the executor stops its workers)."""
     while True:
@@ -124,7 +124,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle; it stops us
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     before_exit: list = []
-    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid, before_exit), daemon=True).start()
+    threading.Thread(target=exit_when_parent_dies, args=(parent_pid, before_exit), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s %(message)s")
     try:
         engine = EngineCoreProc(config, input_address, output_address)

@@ -13,24 +13,15 @@ import pickle
 import signal
 import sys
 import threading
-import time
 import traceback
 
 import zmq
 
 from pagedllm.distributed.shm_broadcast import MessageQueue
+from pagedllm.engine.core_proc import exit_when_parent_dies
 from pagedllm.executor.abstract import run_worker_method
 
 logger = logging.getLogger(__name__)
-
-PARENT_POLL_SECONDS = 1.0
-
-
-def _exit_when_parent_dies(parent_pid: int) -> None:
-    while True:
-        time.sleep(PARENT_POLL_SECONDS)
-        if os.getppid() != parent_pid:
-            os._exit(1)
 
 
 def main() -> None:
@@ -39,7 +30,7 @@ def main() -> None:
         config, init_method, mq_handle, reply_address, parent_pid = pickle.load(f)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor stops us
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    threading.Thread(target=_exit_when_parent_dies, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_when_parent_dies, args=(parent_pid, []), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
 
     from pagedllm.worker.worker import Worker  # after the logging set-up: its import is the slow part
