@@ -46,10 +46,8 @@ class RayWorkerWrapper:
 
     def init_worker(self, config, rank: int, init_method: str) -> None:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
-        from pagedllm.worker.worker import Worker
-        self.worker = Worker(config, rank, init_method)
-        self.worker.init_device()
-        self.worker.load_model()
+        from pagedllm.worker.worker import start_worker
+        self.worker = start_worker(config, rank, init_method)
 
     def execute_method(self, method: WorkerMethod, args: tuple, kwargs: Optional[dict]) -> Any:
         return run_worker_method(self.worker, method, args, kwargs)

@@ -4,14 +4,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedllm.executor.abstract import Executor, WorkerMethod, run_worker_method
-from pagedllm.worker.worker import Worker
+from pagedllm.worker.worker import start_worker
 
 
 class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
-        self.worker = Worker(self.config)
-        self.worker.init_device()
-        self.worker.load_model()
+        self.worker = start_worker(self.config)
 
     def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
                        timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:

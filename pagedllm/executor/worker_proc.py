@@ -33,10 +33,8 @@ def main() -> None:
     threading.Thread(target=exit_when_parent_dies, args=(parent_pid, []), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
 
-    from pagedllm.worker.worker import Worker  # after the logging set-up: its import is the slow part
-    worker = Worker(config, rank, init_method)
-    worker.init_device()
-    worker.load_model()
+    from pagedllm.worker.worker import start_worker  # after the logging set-up: its import is the slow part
+    worker = start_worker(config, rank, init_method)
 
     ctx = zmq.Context()
     replies = ctx.socket(zmq.PUSH)

@@ -108,3 +108,11 @@ class Worker:
 
     def check_health(self) -> bool:
         return True
+
+
+def start_worker(config: EngineConfig, rank: int = 0, distributed_init_method: Optional[str] = None) -> Worker:
+    """A worker ready to run steps, whatever process it lives in: in its process groups, its slice loaded."""
+    worker = Worker(config, rank, distributed_init_method)
+    worker.init_device()
+    worker.load_model()
+    return worker
