@@ -84,6 +84,8 @@ def test_gated_panels_give_silu_of_gate_times_up(body, rows, half, in_features, 
 
 def test_a_layout_decides_only_for_the_weights_it_lays_out():
     """Two layouts in use at once (two engines in one process): each weight gets its own layout's panels."""
+    if native.gemm_bf16() is None:
+        pytest.skip("no AVX512-BF16 on this CPU (or no compiler): no layout lays out bf16 panels here")
     bf16, float32 = WeightLayout(bf16_panels=True), WeightLayout(bf16_panels=False)
     weights = [DenseWeight(torch.randn(64, 32), layout=layout) for layout in (bf16, float32, bf16, None)]
     assert [w.panels.dtype for w in weights] == [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32]
