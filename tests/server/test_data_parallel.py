@@ -32,10 +32,9 @@ def test_serve_dp2(server, tmp_path):
         prompts = [f"Question {i}: what is {i} plus {2 * i}? Answer:" for i in range(N_STREAMS)]
         model = dp.get_client().models.list().data[0].id
         got = asyncio.run(stream_all(dp.get_async_client(), model, prompts))
-        reference_client = server.get_client()
-        expected = [reference_client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0,
-                                                       extra_body=IGNORE_EOS)
-                    .choices[0].text for p in prompts]
+        reference = server.get_client().completions.create(model=model, prompt=prompts, max_tokens=16,
+                                                           temperature=0, extra_body=IGNORE_EOS)
+        expected = [choice.text for choice in sorted(reference.choices, key=lambda c: c.index)]
         assert got == expected
         metrics = dp.metrics()
         per_engine = [metrics["pagedllm:generation_tokens_total{engine=%d}" % i] for i in range(2)]
