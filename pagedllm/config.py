@@ -178,6 +178,63 @@ class ParallelConfig:
         return start, start + sizes[pp_rank]
 
 
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's names for methods it has and pagedllm does not yet: refused by name rather than as unknown.
+_PLANNED_SPECULATIVE_METHODS = ("draft_model", "suffix")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``speculative_config``: each step a proposer drafts up to
+    ``num_speculative_tokens`` tokens per request, and one forward of the target model verifies them all.
+
+    ``ngram`` (prompt lookup) proposes what followed the longest of the request's last ``prompt_lookup_min`` ..
+    ``prompt_lookup_max`` tokens found earlier in its own tokens; either bound alone sets both, neither gives 5
+    and 5, as vLLM."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: Optional[int] = None
+    prompt_lookup_max: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.method in _PLANNED_SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported yet; supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
+                             f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SpeculativeConfig":
+        """``LLM(speculative_config={...})`` / ``--speculative-config '<json>'``: unknown keys are errors."""
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in values:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -186,3 +243,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     # torch threads of the worker; None keeps torch's default (one per core).
     num_cpu_threads: Optional[int] = None
+    speculative_config: Optional[SpeculativeConfig] = None

@@ -112,6 +112,17 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request.request_id, None)
 
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks past those its first ``num_tokens`` tokens fill (speculative decoding:
+        slots only rejected drafts had reached). Never a cached block: cached blocks hold known tokens only."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        excess = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(excess))
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 

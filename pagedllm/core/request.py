@@ -76,8 +76,10 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         # Plain attributes, not properties: the scheduler reads them for every request every step.
         self.num_tokens = self.num_prompt_tokens
-        # The target the scheduler computes towards; speculative tokens will extend it.
+        # The target the scheduler computes towards: num_tokens plus the draft tokens proposed for the next step.
         self.num_tokens_with_spec = self.num_prompt_tokens
+        # Draft tokens to verify in the next step (speculative decoding); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when first scheduled (-1: not scheduled yet).
@@ -99,12 +101,16 @@ class Request:
         self._output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
         self.num_tokens += 1
-        self.num_tokens_with_spec = self.num_tokens
+        self.num_tokens_with_spec = self.num_tokens + len(self.spec_token_ids)
         self.num_output_tokens += 1
         if self._block_hasher is not None:
             new_hashes = self._block_hasher(self)
             if new_hashes:
                 self.block_hashes.extend(new_hashes)
+
+    def set_spec_token_ids(self, spec_token_ids: list[int]) -> None:
+        self.spec_token_ids = spec_token_ids
+        self.num_tokens_with_spec = self.num_tokens + len(spec_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:

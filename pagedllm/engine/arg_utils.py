@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
@@ -55,6 +55,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
+    # vLLM's speculative_config: a dict such as {"method": "ngram", "num_speculative_tokens": 4}.
+    speculative_config: Optional[Union[dict, SpeculativeConfig]] = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -81,6 +83,11 @@ class EngineArgs:
         parallel_config.distributed_executor_backend = resolve_executor_backend(parallel_config)
         if parallel_config.distributed_executor_backend == "ray" and _ray_initialized():
             parallel_config.ray_address = sys.modules["ray"].get_runtime_context().gcs_address
+        speculative_config = self.speculative_config
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        if speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager)
         return EngineConfig(
@@ -93,6 +100,7 @@ class EngineArgs:
                 long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
             num_cpu_threads=self.num_cpu_threads,
             parallel_config=parallel_config,
+            speculative_config=speculative_config,
         )
 
 

@@ -32,8 +32,10 @@ class EngineCore:
         model_config = config.model_config
         self.structured_output_manager = StructuredOutputManager(
             lambda: load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
+        spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
-                                   config.parallel_config.pipeline_parallel_size)
+                                   config.parallel_config.pipeline_parallel_size,
+                                   spec.num_speculative_tokens if spec is not None else 0)
         # Pipeline parallel: batches in flight, oldest first, so that every stage works on one (vLLM's batch queue).
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[ModelRunnerOutputFuture, SchedulerOutput]] = deque()

@@ -68,6 +68,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # Speculative decoding (vLLM's SpecDecodingStats): requests that verified drafts, the drafts, those
+    # accepted, and accepted ones by position in the draft (index 0 = first draft token).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -59,21 +59,32 @@ class Sampler(nn.Module):
         greedy_sampled = None if metadata.all_random else greedy_sample(logits)
         if metadata.all_greedy:
             return greedy_sampled
-        assert metadata.temperature is not None, "a batch with random rows needs temperatures"
+        random_sampled = random_sample(self.probs(logits, metadata), metadata.generators)
+        if greedy_sampled is None:
+            return random_sampled
+        return torch.where(is_greedy(metadata, len(logits)), greedy_sampled, random_sampled)
 
+    @staticmethod
+    def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution each random row samples from (processed logits -> temperature -> top-k -> top-p ->
+        min-p -> softmax); greedy rows get temperature 1 and are not meant to be read. A new tensor."""
+        assert metadata.temperature is not None, "a batch with random rows needs temperatures"
         temperature = metadata.temperature
         if not metadata.all_random:
-            # Greedy rows take the argmax above; divide them by 1 to avoid dividing by zero.
+            # Greedy rows take the argmax; divide them by 1 to avoid dividing by zero.
             temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
         logits = logits / temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        random_sampled = random_sample(logits.softmax(dim=-1), metadata.generators)
+        return logits.softmax(dim=-1)
 
-        if greedy_sampled is None:
-            return random_sampled
-        return torch.where(metadata.temperature < _SAMPLING_EPS, greedy_sampled, random_sampled)
+
+def is_greedy(metadata: SamplingMetadata, num_rows: int) -> torch.Tensor:
+    """[num_rows] bool: the rows that take the argmax (temperature 0)."""
+    if metadata.temperature is None:  # an all-greedy batch
+        return torch.ones(num_rows, dtype=torch.bool)
+    return metadata.temperature < _SAMPLING_EPS
 
 
 def greedy_sample(logits: torch.Tensor) -> torch.Tensor:

@@ -132,14 +132,26 @@ class InputBatch:
                 self.temperature, self.top_p, self.top_k, self.min_p, self.presence_penalties,
                 self.frequency_penalties, self.repetition_penalties)
 
+    def set_draft_tokens(self, i: int, draft_token_ids: list[int]) -> None:
+        """Writes a request's draft tokens after its known ones, where the step's input_ids are gathered from;
+        num_tokens is unchanged (they are not the request's until verified)."""
+        n = self.num_tokens[i]
+        self.token_ids[i, n:n + len(draft_token_ids)] = draft_token_ids
+
     def append_token(self, i: int, token_id: int) -> None:
         n = self.num_tokens[i]
         self.token_ids[i, n] = token_id
         self.num_tokens[i] = n + 1
         self.states[i].output_token_ids.append(token_id)
 
-    def make_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling tensors for the given batch rows, in that order (the rows whose logits are sampled)."""
+    def make_sampling_metadata(self, rows: np.ndarray, offsets: Optional[np.ndarray] = None) -> SamplingMetadata:
+        """Sampling tensors for the given batch rows, in that order (the rows whose logits are sampled).
+
+        ``offsets`` (speculative decoding, where a row may repeat): entry k describes the next token after
+        ``offsets[k]`` of its request's draft tokens, which token_ids holds past num_tokens; those drafts count
+        as output for min_tokens, bad_words and penalties, as if sampled."""
+        if offsets is None:
+            offsets = np.zeros(len(rows), dtype=np.int64)
         states = [self.states[i] for i in rows]
         types = [s.sampling_params.sampling_type for s in states]
         all_greedy = all(t == SamplingType.GREEDY for t in types)
@@ -159,7 +171,7 @@ class InputBatch:
         min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias = {}, {}, {}, {}
         for row, s in enumerate(states):
             params = s.sampling_params
-            if len(s.output_token_ids) < params.min_tokens:
+            if len(s.output_token_ids) + offsets[row] < params.min_tokens:
                 suppressed = set(params.stop_token_ids)
                 if s.eos_token_id is not None and not params.ignore_eos:
                     suppressed.add(s.eos_token_id)
@@ -171,15 +183,22 @@ class InputBatch:
                 bad_words_token_ids[row] = params.bad_words_token_ids
             if params.logit_bias:
                 logit_bias[row] = s.logit_bias
-        output_token_ids = [s.output_token_ids for s in states] if bad_words_token_ids else []
+        output_token_ids = [self._output_with_drafts(row, s, offset) for row, s, offset in zip(rows, states, offsets)
+                            ] if bad_words_token_ids else []
         return SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
                                 top_p=top_p, top_k=top_k, min_p=min_p, generators=generators,
                                 max_num_logprobs=max_num_logprobs, min_tokens_mask=min_tokens_mask,
                                 allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids,
                                 output_token_ids=output_token_ids, logit_bias=logit_bias,
-                                penalties=self._penalty_metadata(rows))
+                                penalties=self._penalty_metadata(rows, offsets))
 
-    def _penalty_metadata(self, rows: np.ndarray) -> Optional[PenaltyMetadata]:
+    def _output_with_drafts(self, row: int, state: CachedRequestState, num_drafts: int) -> list[int]:
+        if not num_drafts:
+            return state.output_token_ids
+        num_tokens = int(self.num_tokens[row])
+        return state.output_token_ids + self.token_ids[row, num_tokens:num_tokens + num_drafts].tolist()
+
+    def _penalty_metadata(self, rows: np.ndarray, offsets: np.ndarray) -> Optional[PenaltyMetadata]:
         """Penalties of the sampled rows that use one, with their prompt and output tokens cut from token_ids."""
         uses = ((self.presence_penalties[rows] != 0.0) | (self.frequency_penalties[rows] != 0.0)
                 | (self.repetition_penalties[rows] != 1.0))
@@ -188,7 +207,7 @@ class InputBatch:
         logits_rows = np.nonzero(uses)[0]
         batch_rows = rows[logits_rows]
         num_prompt = self.num_prompt_tokens[batch_rows, None]
-        num_tokens = self.num_tokens[batch_rows, None]
+        num_tokens = self.num_tokens[batch_rows, None] + offsets[logits_rows, None]
         position = np.arange(int(num_tokens.max()))
         token_ids = self.token_ids[batch_rows, :len(position)]
         prompt = np.where(position < num_prompt, token_ids, self.vocab_size)

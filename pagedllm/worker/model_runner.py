@@ -8,6 +8,10 @@ Under tensor/pipeline parallelism every rank runs this with its slice of the mod
 A stage before the last receives nothing to sample: it sends its IntermediateTensors on and learns the sampled
 tokens from the next SchedulerOutput (CachedRequestData.new_token_ids). On the last stage every TP rank joins the
 logits gather, TP rank 0 alone samples and broadcasts the tokens to the others, and only it returns an output.
+
+Speculative decoding: a request's draft tokens (SchedulerOutput.scheduled_spec_decode_tokens) are computed after
+its known tokens in the same forward, the logits of all d + 1 positions go to the RejectionSampler, and the
+driver proposes the next step's drafts from the token table (the n-gram proposer) once the accepted tokens are in.
 """
 from __future__ import annotations
 
@@ -26,8 +30,10 @@ from pagedllm.models.llama import IntermediateTensors
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice, choose_kernels, kernel_paths
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
+from pagedllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingType
+from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.structured_output.backend_xgrammar import apply_bitmask
 from pagedllm.worker.cpu_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -48,6 +54,10 @@ class ModelRunner:
                                       cdiv(max_model_len, self.block_size), self.model_config.vocab_size)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
+        spec = config.speculative_config
+        self.drafter = None if spec is None else NgramProposer(
+            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens, max_model_len)
         self.model = None
         self.kernels: KernelChoice | None = None  # this engine's, chosen as its model loads
         self.kv_caches: list = []
@@ -110,8 +120,13 @@ class ModelRunner:
                 state.output_token_ids[:] = cached.resumed_req_token_ids[i][len(state.prompt_token_ids):]
                 batch.add_request(state)
                 continue
-            state.block_ids.extend(new_block_ids)
             row = batch.req_id_to_index[req_id]
+            # Blocks only rejected drafts reached were given back by the scheduler (see CachedRequestData).
+            num_kept = cdiv(state.num_computed_tokens, self.block_size)
+            if len(state.block_ids) > num_kept:
+                del state.block_ids[num_kept:]
+                batch.num_blocks[row] = num_kept
+            state.block_ids.extend(new_block_ids)
             batch.num_computed_tokens[row] = state.num_computed_tokens
             if new_block_ids:
                 batch.append_block_ids(row, new_block_ids)
@@ -119,6 +134,8 @@ class ModelRunner:
                 known = int(batch.num_tokens[row]) - state.num_computed_tokens
                 for token in cached.new_token_ids[i][known:]:
                     batch.append_token(row, token)
+        for req_id, draft_token_ids in so.scheduled_spec_decode_tokens.items():
+            batch.set_draft_tokens(batch.req_id_to_index[req_id], draft_token_ids)
 
     # ------------------------------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -179,30 +196,60 @@ class ModelRunner:
 
         req_ids = [batch.req_ids[row] for row in rows]
         sampled_token_ids: list[list[int]] = [[] for _ in range(n)]
-        logprobs_per_req = None
+        logprobs_per_req = spec_token_ids = None
         if len(sampling):
             sample_rows = rows[sampling]
-            logits = self.model.compute_logits(hidden_states[torch.from_numpy(cu_num_tokens[sampling] - 1)])
+            spec = so.scheduled_spec_decode_tokens
+            drafts = [spec.get(req_ids[j], ()) for j in sampling.tolist()] if spec else None
+            # Each sampling request's logits rows: its last known token's position, then one per draft.
+            num_drafts = np.array([len(d) for d in drafts], dtype=np.int64) if drafts else np.zeros(len(sampling),
+                                                                                                dtype=np.int64)
+            offsets = np.arange(int(num_drafts.sum()) + len(sampling)) - np.repeat(np.cumsum(num_drafts + 1)
+                                                                                  - num_drafts - 1, num_drafts + 1)
+            logits_indices = np.repeat(cu_num_tokens[sampling] - 1 - num_drafts, num_drafts + 1) + offsets
+            logits = self.model.compute_logits(hidden_states[torch.from_numpy(logits_indices)])
             sampler_output = None
             if logits is not None:  # TP rank 0
-                if so.grammar_bitmask is not None:
-                    self._apply_grammar_bitmask(logits, sample_rows, so)
-                sampler_output = self.sampler(logits, batch.make_sampling_metadata(sample_rows))
-                sampled = sampler_output.sampled_token_ids
+                logits_rows = np.repeat(sample_rows, num_drafts + 1)
+                if so.grammar_bitmask is not None:  # a constrained request gets no drafts: one row each
+                    self._apply_grammar_bitmask(logits, logits_rows, so)
+                metadata = batch.make_sampling_metadata(logits_rows, offsets)
+                if drafts:
+                    sampler_output = self.rejection_sampler(logits, metadata, drafts)
+                else:
+                    sampler_output = self.sampler(logits, metadata)
+                sampled = sampler_output.sampled_token_ids.view(len(sampling), -1)
             else:
-                sampled = torch.empty(len(sampling), dtype=torch.int64)
+                sampled = torch.empty(len(sampling), int(num_drafts.max()) + 1, dtype=torch.int64)
             if self.rank.tp_size > 1:
                 sampled = get_tp_group().broadcast(sampled.to(torch.int64).contiguous())
-            for j, row, token in zip(sampling.tolist(), sample_rows.tolist(), sampled.tolist()):
-                batch.append_token(row, token)
-                sampled_token_ids[j] = [token]
+            for j, row, tokens in zip(sampling.tolist(), sample_rows.tolist(), sampled.tolist()):
+                tokens = [t for t in tokens if t != PLACEHOLDER_TOKEN_ID]
+                for token in tokens:
+                    batch.append_token(row, token)
+                sampled_token_ids[j] = tokens
             if sampler_output is not None and sampler_output.logprobs is not None:
-                logprobs_per_req = self._split_logprobs(n, sampling, sample_rows, sampler_output.logprobs.tolists())
+                logprobs_per_req = self._split_logprobs(n, sampling, sample_rows, sampler_output.logprobs.tolists(),
+                                                        [len(sampled_token_ids[j]) for j in sampling.tolist()])
+            if self.drafter is not None and self.rank.is_driver:
+                spec_token_ids = self._propose_drafts(n, sampling, sample_rows)
         if not self.rank.is_driver:
             return None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
-                                 prompt_logprobs_dict=prompt_logprobs_dict)
+                                 prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids)
+
+    def _propose_drafts(self, n: int, sampling: np.ndarray, sample_rows: np.ndarray) -> list[list[int]]:
+        """Per output index: the drafts for the request's next step, from its tokens so far (none for a request
+        that did not sample, or whose structured output constrains every token: its grammar would have to
+        check drafts before verification)."""
+        batch = self.input_batch
+        proposed = self.drafter.propose(batch.token_ids[sample_rows], batch.num_tokens[sample_rows])
+        spec_token_ids: list[list[int]] = [[] for _ in range(n)]
+        for j, row, drafts in zip(sampling.tolist(), sample_rows.tolist(), proposed):
+            if batch.states[row].sampling_params.structured_outputs is None:
+                spec_token_ids[j] = drafts
+        return spec_token_ids
 
     def _receive_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors | None:
         """The previous stage's hidden states and residual for this step's ``num_tokens`` tokens (None on the
@@ -228,15 +275,20 @@ class ModelRunner:
         if logits_rows:
             apply_bitmask(logits, so.grammar_bitmask[bitmask_rows], logits_rows)
 
-    def _split_logprobs(self, n: int, sampling: np.ndarray, sample_rows: np.ndarray, lists: LogprobsLists) -> list:
-        """Per output index (of the step's n requests): its sampled token's logprobs row, cut to the k it asked
-        for (None if it did not sample or ask)."""
+    def _split_logprobs(self, n: int, sampling: np.ndarray, sample_rows: np.ndarray, lists: LogprobsLists,
+                        num_emitted: list[int]) -> list:
+        """Per output index (of the step's n requests): the logprobs rows of the tokens it emitted (one each,
+        consecutive in ``lists``), cut to the k it asked for (None if it did not sample or ask)."""
         per_req = [None] * n
-        for j, (index, row) in enumerate(zip(sampling.tolist(), sample_rows.tolist())):
+        first = 0
+        for index, row, count in zip(sampling.tolist(), sample_rows.tolist(), num_emitted):
             k = self.input_batch.states[row].sampling_params.logprobs
+            rows = range(first, first + count)
+            first += count
             if k is not None:
-                per_req[index] = LogprobsLists([lists.logprob_token_ids[j][:k + 1]], [lists.logprobs[j][:k + 1]],
-                                               [lists.sampled_token_ranks[j]])
+                per_req[index] = LogprobsLists([lists.logprob_token_ids[r][:k + 1] for r in rows],
+                                               [lists.logprobs[r][:k + 1] for r in rows],
+                                               [lists.sampled_token_ranks[r] for r in rows])
         return per_req
 
     def _prompt_logprobs(self, hidden_states: torch.Tensor, rows: np.ndarray, num_computed: np.ndarray,

@@ -15,6 +15,9 @@ class ModelRunnerOutput:
     logprobs: Optional[list[Any]] = None
     # req_id -> prompt logprobs of the prompt positions computed this step.
     prompt_logprobs_dict: dict[str, Any] = field(default_factory=dict)
+    # Speculative decoding: per request (same index), the draft tokens proposed for its next step; None when
+    # speculation is off.
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -21,15 +21,15 @@ _arrival = itertools.count()
 def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched_tokens: int = 8192,
                    max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
-                   policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1
-                   ) -> Scheduler:
+                   policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
+                   num_speculative_tokens: int = 0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
-        structured_output_manager, pipeline_parallel_size)
+        structured_output_manager, pipeline_parallel_size, num_speculative_tokens)
     created_schedulers.append(scheduler)
     return scheduler
 
@@ -57,6 +57,60 @@ def fake_model_output(scheduler: Scheduler, output: SchedulerOutput,
         done = request.num_computed_tokens >= request.num_tokens
         sampled.append([token_fn(req_id, request.num_tokens)] if done else [])
     return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled)
+
+
+class SpeculatingWorker:
+    """A fake worker with speculative decoding. The 'model' samples ``token_fn(req_id, position)``; a draft is
+    accepted while it equals that token, and the token after the accepted ones is emitted too (greedy
+    verification). It then proposes ``draft_fn(req_id, num_tokens)`` for the next step. Every token it computes
+    is written to ``kv[(block_id, offset)]``, so tests can check what each slot of the cache holds."""
+
+    def __init__(self, draft_fn: Callable[[str, int], list[int]], token_fn: Callable[[str, int], int] =
+                 deterministic_token) -> None:
+        self.draft_fn, self.token_fn = draft_fn, token_fn
+        self.kv: dict[tuple[int, int], int] = {}
+
+    def execute(self, scheduler: Scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
+        req_ids = list(output.num_scheduled_tokens)
+        block_size = scheduler.block_size
+        sampled, spec = [], []
+        for req_id in req_ids:
+            request = scheduler.requests[req_id]
+            num_new = output.num_scheduled_tokens[req_id]
+            drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
+            start = request.num_computed_tokens - num_new  # advanced at schedule time
+            blocks = scheduler.kv_cache_manager.req_to_blocks[req_id]
+            for pos, token in enumerate((request.all_token_ids + drafts)[start:start + num_new], start):
+                self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = token
+            if request.num_computed_tokens < request.num_tokens:
+                sampled.append([])
+                spec.append([])
+                continue
+            emitted, pos = [], request.num_tokens
+            for draft in drafts:
+                if draft != self.token_fn(req_id, pos):
+                    break
+                emitted.append(draft)
+                pos += 1
+            emitted.append(self.token_fn(req_id, pos))
+            sampled.append(emitted)
+            spec.append(self.draft_fn(req_id, request.num_tokens + len(emitted)))
+        return ModelRunnerOutput(req_ids, {r: i for i, r in enumerate(req_ids)}, sampled, spec_token_ids=spec)
+
+    def step(self, scheduler: Scheduler) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+        output = scheduler.schedule()
+        return output, scheduler.update_from_output(output, self.execute(scheduler, output))
+
+    def assert_computed_tokens_are_in_the_cache(self, scheduler: Scheduler) -> None:
+        """Each running request's computed positions hold its own known tokens (written by it, or by the request
+        whose cached blocks it hit): never a rejected draft."""
+        block_size = scheduler.block_size
+        for request in scheduler.running:
+            blocks = scheduler.kv_cache_manager.req_to_blocks[request.request_id]
+            assert len(blocks) == -(-request.num_computed_tokens // block_size), request
+            for pos in range(request.num_computed_tokens):
+                slot = (blocks[pos // block_size].block_id, pos % block_size)
+                assert self.kv.get(slot) == request.all_token_ids[pos], (request, pos)
 
 
 def step(scheduler: Scheduler, token_fn=deterministic_token) -> tuple[SchedulerOutput, EngineCoreOutputs]:

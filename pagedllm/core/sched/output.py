@@ -30,7 +30,9 @@ class CachedRequestData:
     """Diffs for requests the workers already know, one list entry per request.
 
     A request resumed from preemption gets its whole block list in new_block_ids (it lost its old blocks) and
-    all its tokens in resumed_req_token_ids; a running one gets only blocks added this step.
+    all its tokens in resumed_req_token_ids; a running one gets only blocks added this step. Before those, a
+    running request holds exactly the blocks its num_computed_tokens fill (ceil(num_computed / block_size)):
+    the scheduler gives back blocks that only rejected draft tokens had reached, and the worker drops them too.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -62,3 +64,6 @@ class SchedulerOutput:
     # for every structured-output request scheduled this step.
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Optional[torch.Tensor] = None
+    # Speculative decoding: req_id -> the draft tokens it verifies this step (counted in num_scheduled_tokens,
+    # after its one uncomputed known token); requests without drafts are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)

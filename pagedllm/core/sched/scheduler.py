@@ -3,6 +3,11 @@
 There is no prefill or decode phase. Every request has num_computed_tokens and a target (its token count);
 a step closes part of each gap. A prompt larger than the budget left is chunked across steps. When KV blocks
 run out, the lowest-priority running request is preempted by recompute.
+
+Speculative decoding extends a running request's target by the draft tokens its worker proposed
+(num_tokens_with_spec): they take budget and KV slots like any token, and after verification the rejected
+ones give both back (num_computed_tokens moves back, blocks only they reached are freed). Drafts are never in
+a request's known tokens, so no block holding one is ever hashed into the prefix cache.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
-                 pipeline_parallel_size: int = 1) -> None:
+                 pipeline_parallel_size: int = 1, num_speculative_tokens: int = 0) -> None:
         """With ``pipeline_parallel_size`` > 1 the workers are pipeline stages: scheduled running requests carry
         their tokens, and each batch takes about 1/pp of the requests so that pp batches keep every stage busy."""
         if cache_config.num_blocks is None:
@@ -58,6 +63,9 @@ class Scheduler:
         # Requests in a batch still executing (pipeline parallel keeps several in flight): not scheduled again, and
         # not preempted, until update_from_output has that batch's tokens.
         self.in_flight: set[str] = set()
+        self.num_speculative_tokens = num_speculative_tokens
+        self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = self.spec_decode_num_accepted_tokens = 0
+        self.spec_decode_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -130,6 +138,7 @@ class Scheduler:
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
         new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
 
@@ -162,6 +171,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled_tokens:
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -172,6 +182,10 @@ class Scheduler:
             scheduled_running.append(request)
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_blocks_of[request.request_id] = new_blocks
+            # The drafts that fit after the known tokens (caps may have cut some off).
+            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            if num_spec > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             token_budget -= num_new_tokens
             req_index += 1
 
@@ -214,6 +228,7 @@ class Scheduler:
 
         output = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
                                    new_blocks_of, preempted)
+        output.scheduled_spec_decode_tokens = spec_tokens
         self._add_grammar_bitmask(output)
         # Advance at schedule time: the step's KV will exist by the time the next step is planned.
         for req_id, n in num_scheduled_tokens.items():
@@ -270,6 +285,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop its KV (cached full blocks may survive) and requeue it first."""
         self.kv_cache_manager.free(request)
+        request.set_spec_token_ids([])
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -312,6 +328,8 @@ class Scheduler:
         sampled_token_ids = model_runner_output.sampled_token_ids
         all_logprobs = model_runner_output.logprobs
         prompt_logprobs_dict = model_runner_output.prompt_logprobs_dict
+        scheduled_spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        proposed_spec_tokens = model_runner_output.spec_token_ids
         requests = self.requests
         max_model_len = self.max_model_len
         stopped_requests = []
@@ -322,6 +340,10 @@ class Scheduler:
                 continue  # aborted while the step ran
             i = index_of[req_id]
             new_token_ids = sampled_token_ids[i]
+            drafts = scheduled_spec_tokens.get(req_id)
+            if drafts and new_token_ids:
+                self._apply_verification(request, len(drafts), len(new_token_ids) - 1)
+            request.set_spec_token_ids([])
             finish_reason = None
             so_request = request.structured_output_request
             for num_appended, token_id in enumerate(new_token_ids, 1):
@@ -332,6 +354,8 @@ class Scheduler:
                     finish_reason = request.get_finished_reason()
                     stopped_requests.append(request)
                     break
+            if finish_reason is None and proposed_spec_tokens is not None:
+                request.set_spec_token_ids(self._usable_drafts(request, proposed_spec_tokens[i]))
             prompt_logprobs = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
             if not new_token_ids and prompt_logprobs is None:
                 continue
@@ -345,6 +369,28 @@ class Scheduler:
             for request in stopped_requests:
                 self._free_request(request)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic())
+
+    def _apply_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """The worker accepted ``num_accepted`` of the request's ``num_drafts`` drafts: the rejected ones' KV is
+        not the request's, so its computed tokens move back and blocks only they reached are given back."""
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_drafts
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        for pos in range(min(num_accepted, len(per_pos))):
+            per_pos[pos] += 1
+        num_rejected = num_drafts - num_accepted
+        if num_rejected > 0:
+            request.num_computed_tokens -= num_rejected
+            self.kv_cache_manager.free_blocks_beyond(request, request.num_computed_tokens)
+
+    def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """Drafts cut so that all accepted, plus the token sampled after them, would neither pass max_tokens nor
+        reach max_model_len: no step computes tokens the request could never keep."""
+        limit = self.max_model_len - 1 - request.num_tokens
+        if request.max_tokens is not None:
+            limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(limit, 0)]
 
     @staticmethod
     def _grammar_finished(request: Request, token_id: int) -> bool:
@@ -363,4 +409,7 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting), kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions, spec_decode_num_drafts=self.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos))

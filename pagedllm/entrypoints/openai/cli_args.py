@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS
 from pagedllm.engine.arg_utils import EngineArgs
@@ -12,7 +13,7 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization",
                 "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
-                "data_parallel_size", "distributed_executor_backend")
+                "data_parallel_size", "distributed_executor_backend", "speculative_config")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -59,6 +60,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of the engine process (default: one per core)")
     engine.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
                         help="run decode steps eagerly, without replaying CPU graphs")
+    engine.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineArgs.tensor_parallel_size,
                           help="ranks that split each layer's heads and MLP (default: %(default)s)")
@@ -70,6 +73,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           default=EngineArgs.distributed_executor_backend,
                           help="how ranks run: uni (one, in the engine process), mp (a process each), ray (Ray "
                                "actors); default: uni for one rank, ray inside a Ray cluster, else mp")
+
+
+def _json_object(text: str) -> dict:
+    """A flag's JSON object value; anything else is a usage error naming what was wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict:

@@ -1,0 +1,127 @@
+"""Speculative decoding (ngram) end to end, through the engine process: greedy output token for token that of
+plain decoding on the default model (8 mixed prompts in one batch, chunked prefill, forced preemption,
+prefix-cache hits, stop strings and max_tokens ending mid-draft, logprobs), and random sampling drawing the
+exact distribution of a tiny model (transformers' probabilities as the oracle)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedllm import SamplingParams
+from tests.e2e.conftest import running_llm
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+FRUITS = "apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon, mango"
+CODE = "def area(width, height):\n    result = width * height\n    return result\n"
+PROMPTS = [
+    f"Fruits: {FRUITS}.\nThe same fruits again: apple, banana,",
+    f"Copy this code exactly.\n{CODE}\nCopy:\n",
+    "The capital of France is",
+    f"Rename result to total in this code.\n{CODE}\nRenamed:\n",
+    "Count: one, two, three, four, five, six,",
+    "A short poem about the sea:\n",
+    f"Fruits: {FRUITS}.\nThe same fruits again: apple, banana,",  # a prefix-cache hit on the first
+    "def fibonacci(n):",
+]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=40),
+    SamplingParams(temperature=0, max_tokens=37, stop=["return"]),  # a stop string the draft runs past
+    SamplingParams(temperature=0, max_tokens=24, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=40),
+    SamplingParams(temperature=0, max_tokens=13),  # max_tokens ending mid-draft
+    SamplingParams(temperature=0, max_tokens=24),
+    SamplingParams(temperature=0, max_tokens=40, stop=["kiwi"]),
+    SamplingParams(temperature=0, max_tokens=30),
+]
+
+
+@pytest.fixture(scope="module")
+def spec_llm():
+    """Chunked prefill (64-token budget) and a cache of 12 blocks (192 tokens) for a batch that needs ~40 (forced
+    preemption)."""
+    with running_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=12,
+                     speculative_config=NGRAM) as engine:
+        yield engine
+
+
+def test_greedy_output_is_that_of_plain_decoding(llm, spec_llm):
+    expected = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    got = spec_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, g.prompt
+        assert g.outputs[0].text == e.outputs[0].text
+        assert g.outputs[0].finish_reason == e.outputs[0].finish_reason
+    e, g = expected[2].outputs[0], got[2].outputs[0]
+    assert [list(step) for step in g.logprobs] == [list(step) for step in e.logprobs]
+    for e_step, g_step in zip(e.logprobs, g.logprobs):
+        for token_id, logprob in e_step.items():
+            assert g_step[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+    stats = spec_llm.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    # The repeated lists and code are found in the prompts: most drafts there are right.
+    assert stats.spec_decode_num_accepted_tokens > 0.3 * stats.spec_decode_num_draft_tokens > 0
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos  # a draft token is accepted only after the ones before it
+    assert stats.spec_decode_num_drafts >= per_pos[0] and per_pos == sorted(per_pos, reverse=True)
+    assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    assert stats.kv_cache_usage == 0.0  # every block given back
+
+
+TINY_VOCAB = 8
+TOP_K = 3
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, tokenizer):
+    """A tiny random Llama over 8 tokens: the n-gram drafts a prompt over them proposes are often among its top-k,
+    so verification both accepts and rejects."""
+    path = tmp_path_factory.mktemp("tiny-spec")
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return str(path), model
+
+
+def top_k_probabilities(model, prompt: list[int], num_tokens: int) -> dict[tuple[int, ...], float]:
+    """transformers' probability of every sequence of num_tokens top-k (renormalised, temperature 1) tokens."""
+    probs: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            longer = {}
+            for seq, p in probs.items():
+                logits = model(torch.tensor([prompt + list(seq)])).logits[0, -1].double()
+                top = logits.topk(TOP_K)
+                for token, q in zip(top.indices.tolist(), top.values.softmax(-1).tolist()):
+                    longer[seq + (token,)] = p * q
+            probs = longer
+    return probs
+
+
+def test_random_sampling_draws_the_models_distribution(tiny_model):
+    path, model = tiny_model
+    prompt = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    expected = top_k_probabilities(model, prompt, 3)
+    num_samples = 3000
+    params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
+    with running_llm(path, dtype="float32", max_model_len=256, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}) as llm:
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * num_samples, params, use_tqdm=False)
+        stats = llm.get_stats()
+    # Every request verified drafts; many were accepted, many rejected.
+    assert stats.spec_decode_num_drafts >= num_samples
+    assert 0.05 < stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens < 0.95
+    counts: dict[tuple[int, ...], int] = {}
+    for out in outputs:
+        seq = tuple(out.outputs[0].token_ids)
+        counts[seq] = counts.get(seq, 0) + 1
+    assert set(counts) <= set(expected), "a sequence outside the top-k paths"
+    statistic = sum((counts.get(seq, 0) - p * num_samples) ** 2 / (p * num_samples) for seq, p in expected.items())
+    p_value = torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2, dtype=torch.float64),
+                                      torch.tensor(statistic / 2, dtype=torch.float64)).item()
+    assert p_value > 1e-3, (counts, expected)
