@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import queue
 from typing import Any, Optional
 
@@ -149,7 +150,12 @@ def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         num_running_reqs=sum(s.num_running_reqs for s in stats), num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), num_preemptions=sum(s.num_preemptions for s in stats))
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), num_preemptions=sum(s.num_preemptions for s in stats),
+        spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),
+        spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
+        spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
+        spec_decode_num_accepted_tokens_per_pos=[sum(column) for column in itertools.zip_longest(
+            *(s.spec_decode_num_accepted_tokens_per_pos for s in stats), fillvalue=0)])
 
 
 class DPAsyncMPClient(_DPClientBase):

@@ -23,7 +23,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, registry: CollectorRegistry, num_engines: int = 1,
+                 num_speculative_tokens: int = 0) -> None:
         label_names = ["model_name", "engine"]
         self._model_name = model_name
 
@@ -51,6 +52,17 @@ class PrometheusStatLogger:
                                                  "Prefix cache hits, in terms of number of cached tokens.")
         self.counter_num_preemptions = counter("pagedllm:num_preemptions_total",
                                                "Cumulative number of preemptions from the engine.")
+        self.counter_spec_decode_num_drafts = counter("pagedllm:spec_decode_num_drafts",
+                                                      "Number of spec decoding drafts.")
+        self.counter_spec_decode_num_draft_tokens = counter("pagedllm:spec_decode_num_draft_tokens",
+                                                            "Number of draft tokens.")
+        self.counter_spec_decode_num_accepted_tokens = counter("pagedllm:spec_decode_num_accepted_tokens",
+                                                               "Number of accepted tokens.")
+        per_pos = Counter("pagedllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", [*label_names, "position"], registry=registry)
+        self.counter_spec_decode_num_accepted_tokens_per_pos = [
+            [per_pos.labels(model_name, str(engine), str(pos)) for pos in range(num_speculative_tokens)]
+            for engine in range(num_engines)]
         self.counter_prompt_tokens = counter("pagedllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self.counter_generation_tokens = counter("pagedllm:generation_tokens_total",
                                                  "Number of generation tokens processed.")
@@ -88,6 +100,17 @@ class PrometheusStatLogger:
         self.counter_prefix_cache_queries[engine].inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.counter_prefix_cache_hits[engine].inc(max(stats.prefix_cache_hits - last.prefix_cache_hits, 0))
         self.counter_num_preemptions[engine].inc(max(stats.num_preemptions - last.num_preemptions, 0))
+        for counter, now, before in (
+                (self.counter_spec_decode_num_drafts, stats.spec_decode_num_drafts, last.spec_decode_num_drafts),
+                (self.counter_spec_decode_num_draft_tokens, stats.spec_decode_num_draft_tokens,
+                 last.spec_decode_num_draft_tokens),
+                (self.counter_spec_decode_num_accepted_tokens, stats.spec_decode_num_accepted_tokens,
+                 last.spec_decode_num_accepted_tokens)):
+            counter[engine].inc(max(now - before, 0))
+        last_per_pos = last.spec_decode_num_accepted_tokens_per_pos
+        for pos, (counter, now) in enumerate(zip(self.counter_spec_decode_num_accepted_tokens_per_pos[engine],
+                                                 stats.spec_decode_num_accepted_tokens_per_pos)):
+            counter.inc(max(now - (last_per_pos[pos] if pos < len(last_per_pos) else 0), 0))
         self._last_scheduler_stats[engine] = stats
 
     def _record_iteration_stats(self, stats: IterationStats, engine: int) -> None:

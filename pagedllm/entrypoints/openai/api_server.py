@@ -137,9 +137,11 @@ async def run_server(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
+    num_speculative_tokens = (args.speculative_config or {}).get("num_speculative_tokens", 0)
     engine_client = AsyncLLM.from_engine_args(
         engine_args_from(args),
-        stat_loggers=[PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size)])
+        stat_loggers=[PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
+                                           num_speculative_tokens)])
     try:
         app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
                         args.tool_call_parser)
