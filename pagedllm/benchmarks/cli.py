@@ -24,6 +24,14 @@ def _workloads(args: argparse.Namespace, default: str):
         return [random_workload("random", args.num_prompts, args.input_len, args.output_len, args.prefix_len)]
     names = (args.workload or default).split(",")
     shared = shared_workloads()
+    if any(n.startswith("W4") for n in names):  # input-grounded prompts are text: the model's tokenizer makes them
+        from pagedllm.benchmarks.workloads import grounded_workloads
+        from pagedllm.models.hf_config import load_tokenizer
+        from pagedllm.models.resolve import resolve_model
+        shared.update(grounded_workloads(load_tokenizer(resolve_model(args.model))))
+    unknown = [n for n in names if n not in shared]
+    if unknown:
+        raise SystemExit(f"unknown workload(s) {', '.join(unknown)}; known: {', '.join(shared)}, random")
     return [shared[n] for n in names]
 
 
@@ -44,7 +52,8 @@ def add_bench_parser(subparsers) -> None:
         p = kinds.add_parser(kind, help=help_text)
         p.add_argument("--model", default=DEFAULT_MODEL)
         add_engine_args(p)
-        p.add_argument("--workload", help=f"W1, W2, W3 (comma-separated), or 'random'; default {default}")
+        p.add_argument("--workload", help=f"W1, W2, W3, W4 (input-grounded, one stream), W4-8 (eight) "
+                                          f"(comma-separated), or 'random'; default {default}")
         p.add_argument("--num-prompts", type=int, default=64 if kind == "throughput" else 1)
         p.add_argument("--input-len", type=int, default=256)
         p.add_argument("--output-len", type=int, default=128)

@@ -80,6 +80,8 @@ class Request:
         self.num_tokens_with_spec = self.num_prompt_tokens
         # Draft tokens to verify in the next step (speculative decoding); never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+        # Its drafts accepted, and its verification trials (see SpecDecodeBudget.record_verification).
+        self.spec_accepted = self.spec_trials = 0
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when first scheduled (-1: not scheduled yet).

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from pagedllm.config import EngineConfig
@@ -59,7 +60,9 @@ class EngineCore:
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Only requests whose grammars are compiling: sleep until one is ready rather than spin.
             self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammars(), timeout=0.01)
+        start = time.perf_counter()
         model_runner_output = self.executor.execute_model(scheduler_output)
+        self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:

@@ -22,6 +22,7 @@ from pagedllm.core.kv_cache_utils import KVCacheBlock
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.sched.request_queue import SchedulingPolicy, create_request_queue
+from pagedllm.core.sched.spec_budget import SpecDecodeBudget
 from pagedllm.core.sched.utils import check_stop
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from pagedllm.worker.outputs import ModelRunnerOutput
@@ -66,6 +67,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = self.spec_decode_num_accepted_tokens = 0
         self.spec_decode_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+        self.spec_budget = SpecDecodeBudget() if num_speculative_tokens else None
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -141,6 +143,9 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
+
+        if self.spec_budget is not None:
+            self.spec_budget.trim_drafts([r for r in self.running if r.num_computed_tokens == r.num_tokens - 1])
 
         # A batch's share of the requests under pipeline parallelism (all of them otherwise).
         max_batch_reqs = -(-(len(self.running) + len(self.waiting)) // self.pipeline_parallel_size)
@@ -373,6 +378,7 @@ class Scheduler:
     def _apply_verification(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """The worker accepted ``num_accepted`` of the request's ``num_drafts`` drafts: the rejected ones' KV is
         not the request's, so its computed tokens move back and blocks only they reached are given back."""
+        SpecDecodeBudget.record_verification(request, num_drafts, num_accepted)
         self.spec_decode_num_drafts += 1
         self.spec_decode_num_draft_tokens += num_drafts
         self.spec_decode_num_accepted_tokens += num_accepted
@@ -383,6 +389,15 @@ class Scheduler:
         if num_rejected > 0:
             request.num_computed_tokens -= num_rejected
             self.kv_cache_manager.free_blocks_beyond(request, request.num_computed_tokens)
+
+    def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """How long the workers took for a step: decode steps (every request computing its one known token and its
+        drafts) feed the cost fit that dynamic speculation weighs drafts by."""
+        if self.spec_budget is None or scheduler_output.scheduled_new_reqs:
+            return
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        if all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items()):
+            self.spec_budget.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts cut so that all accepted, plus the token sampled after them, would neither pass max_tokens nor

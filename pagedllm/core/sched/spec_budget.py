@@ -1,0 +1,83 @@
+"""SpecDecodeBudget: how many of its draft tokens each request verifies in a step (dynamic speculation).
+
+A draft token costs the step one more token of compute and is worth the chance that it is accepted. Both are
+measured, not assumed:
+- cost: the engine times its steps; over recent decode steps (every request computing its one known token and
+  its drafts) step time is fitted as ``t0 + c * tokens``, exponentially weighted so the fit follows the batch.
+  With few rows a step is bound by reading the weights (t0 large, c small) and drafts are nearly free; with many
+  rows it turns compute-bound and each token costs its share.
+- worth: per request, acceptance is modelled as independent per draft position with probability ``a`` (its
+  accepted drafts over its verification trials, a trial ending at the first rejection, with a prior of one in
+  two), so draft j (1-based) is worth ``a ** j`` expected tokens.
+Draft tokens are taken in decreasing worth while each raises the step's expected tokens per second,
+``(rows + accepted) / (t0 + c * tokens)``. Until the fit has seen steps of different sizes every draft is kept.
+"""
+from __future__ import annotations
+
+import heapq
+from typing import Optional
+
+from pagedllm.core.request import Request
+
+_DECAY = 0.95  # weight of the older steps in the fit, per step
+_PRIOR_ACCEPTED, _PRIOR_TRIALS = 1.0, 2.0
+
+
+class SpecDecodeBudget:
+    def __init__(self) -> None:
+        # Exponentially weighted sums for the least-squares fit of step time on step tokens.
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        d = _DECAY
+        self._w = d * self._w + 1.0
+        self._n = d * self._n + num_tokens
+        self._t = d * self._t + seconds
+        self._nn = d * self._nn + num_tokens * num_tokens
+        self._nt = d * self._nt + num_tokens * seconds
+
+    def step_cost(self) -> Optional[tuple[float, float]]:
+        """(t0, c) of the current fit, or None while the steps seen do not tell a slope."""
+        variance = self._w * self._nn - self._n * self._n
+        if self._w < 2 or variance <= 1e-9 * max(self._w * self._nn, 1.0):
+            return None
+        c = max((self._w * self._nt - self._n * self._t) / variance, 0.0)
+        t0 = max((self._t - c * self._n) / self._w, 1e-6)
+        return t0, c
+
+    @staticmethod
+    def record_verification(request: Request, num_drafts: int, num_accepted: int) -> None:
+        request.spec_accepted += num_accepted
+        request.spec_trials += num_accepted + (1 if num_accepted < num_drafts else 0)
+
+    @staticmethod
+    def acceptance(request: Request) -> float:
+        return (request.spec_accepted + _PRIOR_ACCEPTED) / (request.spec_trials + _PRIOR_TRIALS)
+
+    def trim_drafts(self, decodes: list[Request]) -> None:
+        """Cuts each decoding request's spec_token_ids to the drafts this step should verify."""
+        cost = self.step_cost()
+        if cost is None:
+            return
+        t0, c = cost
+        rows = tokens = len(decodes)
+        expected = 0.0
+        keep = {id(r): 0 for r in decodes}
+        # Candidates by worth: (-a ** j, index, j); each request's drafts come in order, as worth falls with j.
+        heap = [(-self.acceptance(r), i, 1) for i, r in enumerate(decodes) if r.spec_token_ids]
+        heapq.heapify(heap)
+        while heap:
+            negative_worth, i, j = heapq.heappop(heap)
+            worth = -negative_worth
+            # Worth its cost when the token's value per second of compute beats the step's current rate.
+            if worth * (t0 + c * tokens) <= c * (rows + expected):
+                break
+            request = decodes[i]
+            keep[id(request)] = j
+            tokens += 1
+            expected += worth
+            if j < len(request.spec_token_ids):
+                heapq.heappush(heap, (negative_worth * self.acceptance(request), i, j + 1))
+        for request in decodes:
+            if keep[id(request)] < len(request.spec_token_ids):
+                request.set_spec_token_ids(request.spec_token_ids[:keep[id(request)]])
