@@ -178,9 +178,12 @@ class ParallelConfig:
         return start, start + sizes[pp_rank]
 
 
-SPECULATIVE_METHODS = ("ngram",)
-# vLLM's names for methods it has and pagedllm does not yet: refused by name rather than as unknown.
-_PLANNED_SPECULATIVE_METHODS = ("draft_model", "suffix")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -188,25 +191,54 @@ class SpeculativeConfig:
     """Speculative decoding, as vLLM's ``speculative_config``: each step a proposer drafts up to
     ``num_speculative_tokens`` tokens per request, and one forward of the target model verifies them all.
 
-    ``ngram`` (prompt lookup) proposes what followed the longest of the request's last ``prompt_lookup_min`` ..
-    ``prompt_lookup_max`` tokens found earlier in its own tokens; either bound alone sets both, neither gives 5
-    and 5, as vLLM."""
+    - ``ngram`` (prompt lookup) proposes what followed the longest of the request's last ``prompt_lookup_min`` ..
+      ``prompt_lookup_max`` tokens found earlier in its own tokens; either bound alone sets both, neither gives 5
+      and 5, as vLLM.
+    - ``draft_model``: ``model`` (a path, an alias, or the target's own GGUF file with ``quantization:
+      "gguf_int4"``) proposes greedily, one token after another, with its own paged KV cache. Giving ``model``
+      without ``method`` means this one, as in vLLM.
+    - ``suffix`` (suffix decoding): suffix trees over the request's own tokens and over recent requests' outputs
+      propose up to ``suffix_decoding_max_tree_depth`` tokens, as many as ``suffix_decoding_max_spec_factor``
+      times the length of the match that finds them, each at least ``suffix_decoding_min_token_prob`` likely by
+      the trees' counts; ``num_speculative_tokens`` defaults to the tree depth.
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 0
+    ``draft_model_config`` (the draft's ModelConfig) is filled in by EngineArgs once the draft is checked against
+    the target."""
+
+    method: Optional[str] = None
+    num_speculative_tokens: Optional[int] = None
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
+    model: Optional[str] = None
+    quantization: Optional[str] = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+    draft_model_config: Optional[ModelConfig] = None
 
     def __post_init__(self) -> None:
-        if self.method in _PLANNED_SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not supported yet; supported: "
-                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if self.method is None:
+            self.method = "draft_model" if self.model is not None else "ngram"
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                              f"{self.method!r}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config num_speculative_tokens must be a positive integer, got {k!r}")
+        if self.method == "suffix":
+            self._check_suffix_parameters()
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config method 'draft_model' needs model (a path, an alias or a .gguf file)")
+        if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
+            raise ValueError(f"speculative_config model and quantization are for method 'draft_model', not "
+                             f"{self.method!r}")
+        if self.method == "ngram":
+            self._resolve_lookup_bounds()
+
+    def _resolve_lookup_bounds(self) -> None:
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
@@ -214,24 +246,37 @@ class SpeculativeConfig:
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
+            _check_positive_int(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def _check_suffix_parameters(self) -> None:
+        _check_positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
+        _check_positive_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests)
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+            raise ValueError(f"speculative_config suffix_decoding_max_spec_factor must be a positive number, got "
+                             f"{factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
+            raise ValueError(f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its step's tokens for the proposer's own writes: a draft model computes
+        the token sampled after the step and each draft but its last, all in the request's blocks."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":
         """``LLM(speculative_config={...})`` / ``--speculative-config '<json>'``: unknown keys are errors."""
         if not isinstance(values, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f for f in cls.__dataclass_fields__} - {"draft_model_config"}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
-        if "num_speculative_tokens" not in values:
-            raise ValueError("speculative_config needs num_speculative_tokens")
         return cls(**values)
 
 

@@ -90,6 +90,11 @@ class EngineArgs:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager)
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            if parallel_config.world_size > 1:
+                raise ValueError("speculative_config method 'draft_model' is not supported with "
+                                 "tensor_parallel_size > 1 yet")
+            speculative_config.draft_model_config = draft_model_config(speculative_config, model_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
@@ -102,6 +107,26 @@ class EngineArgs:
             parallel_config=parallel_config,
             speculative_config=speculative_config,
         )
+
+
+def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's config, checked against the target's: it must share the target's vocabulary (its drafts
+    are the target's token ids) and hold the target's whole context (it computes every position the target
+    does). Same dtype and settings as the target."""
+    path = resolve_model(spec.model)
+    hf_config = load_hf_config(path)
+    if hf_config.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
+                         f"tokens; the target model's has {target.vocab_size}: they must be the same")
+    draft_max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if draft_max_len < target.max_model_len:
+        raise ValueError(f"speculative_config model {spec.model!r} holds {draft_max_len} positions "
+                         f"(max_position_embeddings), fewer than the target's max_model_len ({target.max_model_len})")
+    if spec.quantization is not None:
+        get_quant_config(spec.quantization, path, get_model_architecture(hf_config))
+        hf_config.quantization_config = {"quant_method": spec.quantization}
+    return ModelConfig(spec.model, path, hf_config, target.dtype, target.max_model_len, target.seed,
+                       spec.quantization, target.enforce_eager)
 
 
 def pp_layer_partition_from_env() -> Optional[list[int]]:

@@ -36,7 +36,8 @@ class EngineCore:
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
                                    config.parallel_config.pipeline_parallel_size,
-                                   spec.num_speculative_tokens if spec is not None else 0)
+                                   spec.num_speculative_tokens if spec is not None else 0,
+                                   spec.num_lookahead_tokens if spec is not None else 0)
         # Pipeline parallel: batches in flight, oldest first, so that every stage works on one (vLLM's batch queue).
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[ModelRunnerOutputFuture, SchedulerOutput]] = deque()

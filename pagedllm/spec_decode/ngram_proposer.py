@@ -13,6 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from pagedllm.spec_decode.proposal_step import ProposalStep
+from pagedllm.worker.input_batch import InputBatch
+
 
 class NgramProposer:
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int,
@@ -20,6 +23,12 @@ class NgramProposer:
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
+
+    def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:
+        """Per sampling request of ``step``: its drafts, from its tokens so far, at most its max_drafts."""
+        rows = step.sample_rows
+        return [drafts[:limit] for drafts, limit in zip(self.propose(batch.token_ids[rows], batch.num_tokens[rows]),
+                                                        step.max_drafts.tolist())]
 
     def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
         """Drafts for each row of ``token_ids`` ([R, >= max(num_tokens)], row r's tokens in its first

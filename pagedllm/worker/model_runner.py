@@ -11,7 +11,9 @@ logits gather, TP rank 0 alone samples and broadcasts the tokens to the others, 
 
 Speculative decoding: a request's draft tokens (SchedulerOutput.scheduled_spec_decode_tokens) are computed after
 its known tokens in the same forward, the logits of all d + 1 positions go to the RejectionSampler, and the
-driver proposes the next step's drafts from the token table (the n-gram proposer) once the accepted tokens are in.
+driver proposes the next step's drafts once the accepted tokens are in the token table: the n-gram and suffix
+proposers from the table, the draft model by running on what the step computed (every step, to keep its cache
+in step).
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingType
+from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.proposal_step import ProposalStep
 from pagedllm.structured_output.backend_xgrammar import apply_bitmask
 from pagedllm.worker.cpu_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -55,9 +59,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
-        spec = config.speculative_config
-        self.drafter = None if spec is None else NgramProposer(
-            spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens, max_model_len)
+        self.drafter = make_proposer(config)
         self.model = None
         self.kernels: KernelChoice | None = None  # this engine's, chosen as its model loads
         self.kv_caches: list = []
@@ -71,6 +73,8 @@ class ModelRunner:
                              mc.quantization)
         logger.info("Kernels (%s model): %s", str(mc.dtype).removeprefix("torch."),
                     "; ".join(f"{part}: {path}" for part, path in paths.items()))
+        if isinstance(self.drafter, DraftModelProposer):
+            self.drafter.load_model(self.kernels)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One cache per layer of this stage, holding this TP rank's KV heads."""
@@ -83,6 +87,8 @@ class ModelRunner:
         if not mc.enforce_eager and self.config.parallel_config.world_size == 1:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.input_batch.block_table.shape[1])
+        if isinstance(self.drafter, DraftModelProposer):
+            self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
 
     # ------------------------------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -231,25 +237,37 @@ class ModelRunner:
             if sampler_output is not None and sampler_output.logprobs is not None:
                 logprobs_per_req = self._split_logprobs(n, sampling, sample_rows, sampler_output.logprobs.tolists(),
                                                         [len(sampled_token_ids[j]) for j in sampling.tolist()])
-            if self.drafter is not None and self.rank.is_driver:
-                spec_token_ids = self._propose_drafts(n, sampling, sample_rows)
+        if self.drafter is not None and self.rank.is_driver:
+            spec_token_ids = self._propose_drafts(ProposalStep(rows, num_computed, num_scheduled, sampling,
+                                                               self._max_drafts(rows[sampling])))
         if not self.rank.is_driver:
             return None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids)
 
-    def _propose_drafts(self, n: int, sampling: np.ndarray, sample_rows: np.ndarray) -> list[list[int]]:
-        """Per output index: the drafts for the request's next step, from its tokens so far (none for a request
-        that did not sample, or whose structured output constrains every token: its grammar would have to
-        check drafts before verification)."""
-        batch = self.input_batch
-        proposed = self.drafter.propose(batch.token_ids[sample_rows], batch.num_tokens[sample_rows])
-        spec_token_ids: list[list[int]] = [[] for _ in range(n)]
-        for j, row, drafts in zip(sampling.tolist(), sample_rows.tolist(), proposed):
-            if batch.states[row].sampling_params.structured_outputs is None:
-                spec_token_ids[j] = drafts
+    def _propose_drafts(self, step: ProposalStep) -> list[list[int]]:
+        """Per output index: the drafts for the request's next step (none for a request that did not sample)."""
+        spec_token_ids: list[list[int]] = [[] for _ in range(len(step.rows))]
+        for j, drafts in zip(step.sampling.tolist(), self.drafter.propose_for_step(self.input_batch, step)):
+            spec_token_ids[j] = drafts
         return spec_token_ids
+
+    def _max_drafts(self, sample_rows: np.ndarray) -> np.ndarray:
+        """How many drafts each sampling row may take: all of them accepted plus the token sampled after them must
+        fit max_model_len and max_tokens; none where structured output constrains every token (its grammar
+        would have to check drafts before verification)."""
+        batch = self.input_batch
+        limits = np.minimum(self.config.speculative_config.num_speculative_tokens,
+                            self.model_config.max_model_len - 1 - batch.num_tokens[sample_rows])
+        for j, row in enumerate(sample_rows.tolist()):
+            state = batch.states[row]
+            params = state.sampling_params
+            if params.structured_outputs is not None:
+                limits[j] = 0
+            elif params.max_tokens is not None:
+                limits[j] = min(limits[j], params.max_tokens - len(state.output_token_ids) - 1)
+        return np.maximum(limits, 0)
 
     def _receive_intermediate_tensors(self, num_tokens: int) -> IntermediateTensors | None:
         """The previous stage's hidden states and residual for this step's ``num_tokens`` tokens (None on the
@@ -317,3 +335,14 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
             out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return out
+
+
+def make_proposer(config: EngineConfig) -> NgramProposer | DraftModelProposer | None:
+    """The proposer of the engine's speculative_config method (None without speculation)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        return DraftModelProposer(config)
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
+                         config.model_config.max_model_len)

@@ -26,12 +26,21 @@ DEFAULT_CPU_KV_CAP = 4 << 30
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, rank: ParallelRank = ParallelRank()) -> int:
-    """One block's K and V bytes on ``rank``: its stage's layers, its share of the KV heads."""
+    """One block's K and V bytes on ``rank``: its stage's layers, its share of the KV heads; with a draft model,
+    the draft's layers too (its cache has the same blocks, so both are sized, held and freed together)."""
     mc = config.model_config
     start, end = config.parallel_config.stage_layers(rank.pp_rank, mc.num_layers)
+    per_block = _kv_bytes_per_block(mc, end - start, kv_heads_per_rank(mc.num_kv_heads, rank.tp_size),
+                                    config.cache_config.block_size)
+    draft = config.speculative_config.draft_model_config if config.speculative_config else None
+    if draft is not None:
+        per_block += _kv_bytes_per_block(draft, draft.num_layers, draft.num_kv_heads, config.cache_config.block_size)
+    return per_block
+
+
+def _kv_bytes_per_block(mc, num_layers: int, num_kv_heads: int, block_size: int) -> int:
     element_size = torch.empty((), dtype=mc.dtype).element_size()
-    return (2 * (end - start) * config.cache_config.block_size * kv_heads_per_rank(mc.num_kv_heads, rank.tp_size)
-            * mc.head_dim * element_size)
+    return 2 * num_layers * block_size * num_kv_heads * mc.head_dim * element_size
 
 
 def kv_cache_budget(config: EngineConfig) -> int:

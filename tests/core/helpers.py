@@ -22,14 +22,14 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched
                    max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                    policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
-                   num_speculative_tokens: int = 0) -> Scheduler:
+                   num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
-        structured_output_manager, pipeline_parallel_size, num_speculative_tokens)
+        structured_output_manager, pipeline_parallel_size, num_speculative_tokens, num_lookahead_tokens)
     created_schedulers.append(scheduler)
     return scheduler
 
@@ -63,11 +63,17 @@ class SpeculatingWorker:
     """A fake worker with speculative decoding. The 'model' samples ``token_fn(req_id, position)``; a draft is
     accepted while it equals that token, and the token after the accepted ones is emitted too (greedy
     verification). It then proposes ``draft_fn(req_id, num_tokens)`` for the next step. Every token it computes
-    is written to ``kv[(block_id, offset)]``, so tests can check what each slot of the cache holds."""
+    is written to ``kv[(block_id, offset)]``, so tests can check what each slot of the cache holds.
+
+    With ``num_lookahead_tokens`` it also writes SCRATCH to that many slots past the step's tokens, as a draft model
+    proposing does: those slots must be the request's own (allocated, never a block another request reads)."""
+
+    SCRATCH = -1
 
     def __init__(self, draft_fn: Callable[[str, int], list[int]], token_fn: Callable[[str, int], int] =
-                 deterministic_token) -> None:
+                 deterministic_token, num_lookahead_tokens: int = 0) -> None:
         self.draft_fn, self.token_fn = draft_fn, token_fn
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv: dict[tuple[int, int], int] = {}
 
     def execute(self, scheduler: Scheduler, output: SchedulerOutput) -> ModelRunnerOutput:
@@ -82,6 +88,10 @@ class SpeculatingWorker:
             blocks = scheduler.kv_cache_manager.req_to_blocks[req_id]
             for pos, token in enumerate((request.all_token_ids + drafts)[start:start + num_new], start):
                 self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = token
+            end = min(start + num_new + self.num_lookahead_tokens, scheduler.max_model_len)
+            assert len(blocks) * block_size >= end, "the lookahead slots were not allocated"
+            for pos in range(start + num_new, end):
+                self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = self.SCRATCH
             if request.num_computed_tokens < request.num_tokens:
                 sampled.append([])
                 spec.append([])

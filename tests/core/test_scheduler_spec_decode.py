@@ -94,15 +94,17 @@ operations = st.lists(st.one_of(add_op, abort_op, step_op, step_op, step_op), mi
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(10, 24), budget=st.sampled_from([4, 16, 64]), caching=st.booleans(),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), lookahead=st.sampled_from([0, K]))
 def test_random_drafts_and_acceptance_keep_blocks_accounted_for_and_never_cache_a_draft(ops, num_blocks, budget,
-                                                                                      caching, seed):
+                                                                                      caching, seed, lookahead):
+    """With lookahead (a draft model's scratch slots) too: the scratch lands only in the request's own blocks,
+    which it holds no longer than the step."""
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
                                max_num_seqs=6, max_model_len=64, enable_prefix_caching=caching,
-                               num_speculative_tokens=K)
+                               num_speculative_tokens=K, num_lookahead_tokens=lookahead)
     rng = random.Random(seed)
     worker = SpeculatingWorker(lambda req_id, n: right_then_wrong(rng.randint(0, K), rng.randint(0, 2))(req_id, n)[
-        :rng.randint(0, K)])
+        :rng.randint(0, K)], num_lookahead_tokens=lookahead)
     added, ended, outputs = [], set(), {}
 
     def collect(engine_outputs):

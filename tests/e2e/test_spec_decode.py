@@ -1,7 +1,7 @@
-"""Speculative decoding (ngram) end to end, through the engine process: greedy output token for token that of
-plain decoding on the default model (8 mixed prompts in one batch, chunked prefill, forced preemption,
-prefix-cache hits, stop strings and max_tokens ending mid-draft, logprobs), and random sampling drawing the
-exact distribution of a tiny model (transformers' probabilities as the oracle)."""
+"""Speculative decoding end to end, through the engine process, for each method: greedy output token for token
+that of plain decoding on the default model (8 mixed prompts in one batch, chunked prefill, forced preemption,
+prefix-cache hits, stop strings and max_tokens ending mid-draft, logprobs), and random sampling drawing the exact
+distribution of a tiny model (transformers' probabilities as the oracle), whose greedy output is transformers'."""
 from __future__ import annotations
 
 import itertools
@@ -11,9 +11,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import SamplingParams
-from tests.e2e.conftest import running_llm
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from tests.e2e.conftest import hf_greedy, running_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+# Self-speculation: the model's own GGUF with its Q4 weights kept 4-bit. In float32 those compute what the dense
+# target computes, so every draft is the target's token and any draft computed on stale or misplaced K/V (after a
+# rejection, a preemption, a prefix hit) would show as a rejection.
+SELF_DRAFT = {"method": "draft_model", "model": resolve_model(DEFAULT_MODEL), "quantization": "gguf_int4",
+              "num_speculative_tokens": 3}
 FRUITS = "apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon, mango"
 CODE = "def area(width, height):\n    result = width * height\n    return result\n"
 PROMPTS = [
@@ -38,12 +44,14 @@ PARAMS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def spec_llm():
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def spec_llm(request):
     """Chunked prefill (64-token budget) and a cache of 12 blocks (192 tokens) for a batch that needs ~40 (forced
     preemption)."""
+    config = {"ngram": NGRAM, "draft_model": SELF_DRAFT}[request.param]
     with running_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=12,
-                     speculative_config=NGRAM) as engine:
+                     speculative_config=config) as engine:
+        engine.method = request.param
         yield engine
 
 
@@ -61,8 +69,10 @@ def test_greedy_output_is_that_of_plain_decoding(llm, spec_llm):
             assert g_step[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-4)
     stats = spec_llm.get_stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
-    # The repeated lists and code are found in the prompts: most drafts there are right.
-    assert stats.spec_decode_num_accepted_tokens > 0.3 * stats.spec_decode_num_draft_tokens > 0
+    if spec_llm.method == "ngram":  # the repeated lists and code are found in the prompts: most drafts are right
+        assert stats.spec_decode_num_accepted_tokens > 0.3 * stats.spec_decode_num_draft_tokens > 0
+    else:  # the draft computes what the target does, from K/V kept in step through preemption and prefix hits
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos  # a draft token is accepted only after the ones before it
     assert stats.spec_decode_num_drafts >= per_pos[0] and per_pos == sorted(per_pos, reverse=True)
     assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
@@ -73,19 +83,38 @@ TINY_VOCAB = 8
 TOP_K = 3
 
 
+def save_tiny_llama(path, tokenizer, seed: int, num_layers: int) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.2, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return model
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, tokenizer):
     """A tiny random Llama over 8 tokens: the n-gram drafts a prompt over them proposes are often among its top-k,
     so verification both accepts and rejects."""
     path = tmp_path_factory.mktemp("tiny-spec")
-    config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.2, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return str(path), model
+    return str(path), save_tiny_llama(path, tokenizer, seed=0, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory, tokenizer) -> str:
+    """Another tiny random Llama over the same 8 tokens, one layer: its greedy drafts are the target's top token
+    some of the time."""
+    path = tmp_path_factory.mktemp("tiny-draft")
+    save_tiny_llama(path, tokenizer, seed=1, num_layers=1)
+    return str(path)
+
+
+def tiny_speculative_config(method: str, draft: str | None) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 2}
 
 
 def top_k_probabilities(model, prompt: list[int], num_tokens: int) -> dict[tuple[int, ...], float]:
@@ -103,16 +132,37 @@ def top_k_probabilities(model, prompt: list[int], num_tokens: int) -> dict[tuple
     return probs
 
 
-def test_random_sampling_draws_the_models_distribution(tiny_model):
+# Without token 0, which transformers' generate would take for padding (pad_token_id=0) and mask out.
+GREEDY_PROMPTS = [torch.randint(3, TINY_VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+                  for n in (5, 17, 33)]
+# min_tokens masks EOS (token 2) as transformers' min_new_tokens does.
+GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+
+
+def test_tensor_parallel_verification_is_transformers_greedy(tiny_model):
+    """tp=2 (multi-process): TP rank 0 verifies the drafts and proposes, the other rank follows its tokens."""
+    path, model = tiny_model
+    with running_llm(path, dtype="float32", max_model_len=256, tensor_parallel_size=2,
+                     speculative_config=tiny_speculative_config("ngram", None)) as llm:
+        greedy = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert [g.outputs[0].token_ids for g in greedy] == [hf_greedy(model, p, 24) for p in GREEDY_PROMPTS]
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_random_sampling_draws_the_models_distribution(tiny_model, tiny_draft, method):
     path, model = tiny_model
     prompt = torch.randint(0, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     expected = top_k_probabilities(model, prompt, 3)
     num_samples = 3000
     params = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
-    with running_llm(path, dtype="float32", max_model_len=256, speculative_config={
-            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}) as llm:
+    with running_llm(path, dtype="float32", max_model_len=256,
+                     speculative_config=tiny_speculative_config(method, tiny_draft)) as llm:
         outputs = llm.generate([{"prompt_token_ids": prompt}] * num_samples, params, use_tqdm=False)
         stats = llm.get_stats()
+        greedy = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], GREEDY, use_tqdm=False)
+    assert [g.outputs[0].token_ids for g in greedy] == [hf_greedy(model, p, 24) for p in GREEDY_PROMPTS]
     # Every request verified drafts; many were accepted, many rejected.
     assert stats.spec_decode_num_drafts >= num_samples
     assert 0.05 < stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens < 0.95

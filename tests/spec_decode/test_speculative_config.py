@@ -3,6 +3,7 @@ engine starts (the CLI's JSON a usage error)."""
 import argparse
 
 import pytest
+from transformers import LlamaConfig
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.engine.arg_utils import EngineArgs
@@ -17,8 +18,11 @@ def test_ngram_bounds_default_as_vllms():
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, suffix"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model' needs model"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "model and quantization are for method"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be in"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be a"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
@@ -28,6 +32,41 @@ def test_ngram_bounds_default_as_vllms():
 def test_bad_values_are_value_errors_naming_the_field(values, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_dict(values)
+
+
+def test_model_alone_means_a_draft_model_and_suffix_speculates_up_to_its_tree_depth():
+    assert SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2}).method == "draft_model"
+    assert SpeculativeConfig.from_dict({"method": "suffix"}).num_speculative_tokens == 24
+    assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 8}
+                                       ).num_speculative_tokens == 8
+
+
+def draft_config_dir(tmp_path, **overrides) -> str:
+    """A model directory with just its config.json: all EngineArgs reads of a draft before any process starts."""
+    values = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=8192)
+    values.update(overrides)
+    LlamaConfig(**values).save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, extra, message", [
+    ({"vocab_size": 8}, {}, "has a vocabulary of 8 tokens; the target model's has 49152"),
+    ({"max_position_embeddings": 256}, {}, "holds 256 positions \(max_position_embeddings\), fewer than the "
+                                           "target's max_model_len \(1024\)"),
+    ({}, {"tensor_parallel_size": 3}, "'draft_model' is not supported with tensor_parallel_size > 1"),
+])
+def test_a_draft_model_that_does_not_fit_the_target_is_refused_before_any_process(tmp_path, overrides, extra,
+                                                                                  message):
+    spec = {"model": draft_config_dir(tmp_path, **overrides), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(max_model_len=1024, speculative_config=spec, **extra).create_engine_config()
+
+
+def test_a_draft_quantization_the_draft_cannot_take_is_refused(tmp_path):
+    spec = {"model": draft_config_dir(tmp_path), "quantization": "gguf_int4", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        EngineArgs(max_model_len=1024, speculative_config=spec).create_engine_config()
 
 
 def test_engine_args_refuse_pipeline_parallel_before_any_process():

@@ -36,9 +36,13 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
-                 pipeline_parallel_size: int = 1, num_speculative_tokens: int = 0) -> None:
+                 pipeline_parallel_size: int = 1, num_speculative_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         """With ``pipeline_parallel_size`` > 1 the workers are pipeline stages: scheduled running requests carry
-        their tokens, and each batch takes about 1/pp of the requests so that pp batches keep every stage busy."""
+        their tokens, and each batch takes about 1/pp of the requests so that pp batches keep every stage busy.
+
+        ``num_lookahead_tokens``: KV slots each scheduled request gets past its step's tokens for the proposer to
+        write (a draft model's); they are scratch, given back when the step's results come in."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the Scheduler")
         self.scheduler_config = scheduler_config
@@ -68,6 +72,7 @@ class Scheduler:
         self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = self.spec_decode_num_accepted_tokens = 0
         self.spec_decode_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.spec_budget = SpecDecodeBudget() if num_speculative_tokens else None
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -99,7 +104,7 @@ class Scheduler:
             return (f"The prompt ({request.num_prompt_tokens} tokens) is too long: this model's maximum context "
                     f"length is {self.max_model_len} tokens, and at least one token must be generated.")
         max_tokens = request.max_tokens if request.max_tokens is not None else self.max_model_len
-        peak_tokens = min(request.num_prompt_tokens + max_tokens, self.max_model_len)
+        peak_tokens = min(request.num_prompt_tokens + max_tokens + self.num_lookahead_tokens, self.max_model_len)
         if cdiv(peak_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
             return (f"The request needs up to {peak_tokens} tokens of KV cache "
                     f"({cdiv(peak_tokens, self.block_size)} blocks) but the whole cache holds "
@@ -164,7 +169,8 @@ class Scheduler:
                 req_index += 1
                 continue
             while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
                 if new_blocks is not None:
                     break
                 victim = self._pick_preemption_victim()
@@ -214,7 +220,8 @@ class Scheduler:
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break  # the head does not fit whole; shorter ones behind it must not jump ahead
             num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget, num_hit_tokens)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens)
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens,
+                                                              self.num_lookahead_tokens)
             if new_blocks is None:
                 break
             self.waiting.pop_request()
@@ -348,6 +355,8 @@ class Scheduler:
             drafts = scheduled_spec_tokens.get(req_id)
             if drafts and new_token_ids:
                 self._apply_verification(request, len(drafts), len(new_token_ids) - 1)
+            if self.num_lookahead_tokens:  # the proposer's scratch slots, past the request's computed tokens
+                self.kv_cache_manager.free_blocks_beyond(request, request.num_computed_tokens)
             request.set_spec_token_ids([])
             finish_reason = None
             so_request = request.structured_output_request

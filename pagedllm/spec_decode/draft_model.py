@@ -1,0 +1,131 @@
+"""DraftModelProposer: a second, cheaper model drafts each request's next tokens greedily (vLLM's ``draft_model``).
+
+Its paged KV cache has the same blocks as the target's, so a request's block table, slot mapping and prefix-cache
+hits serve both, and both caches are sized, held and freed together. The invariant that keeps the draft in step:
+**the draft's cache holds the right K/V for every position the target has computed** (so for every cached block
+too, and a prefix hit is a hit for the draft as well). Each step keeps it in one draft forward over what the
+target computed, less the drafts it rejected, plus the token sampled after them:
+
+- a request whose prefill chunk did not reach the prompt's end: the chunk;
+- a request that sampled: from its first scheduled position through the token it just sampled. That is its
+  accepted drafts again (the draft computed them while proposing, but the last step's bonus position and
+  anything after a rejection must be rewritten anyway) and the new token, whose logits give the first draft.
+
+Then each further draft is one single-token step of the draft model per request (replayed from CPU graphs where
+the target's are), writing K/V at positions past the request's computed tokens: scratch that the next step's
+forward overwrites, in the lookahead slots the scheduler gives each request for it (SpeculativeConfig.
+num_lookahead_tokens). Preemption needs nothing: a recomputed request is recomputed by both.
+
+Drafts are the draft model's argmax, so the proposal distribution q is one-hot and the rejection sampler's rule
+keeps the target's output distribution exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.layers.attention.kv_cache import allocate_kv_caches
+from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.sample.sampler import greedy_sample
+from pagedllm.spec_decode.proposal_step import ProposalStep
+from pagedllm.worker.cpu_graphs import DecodeGraphs
+from pagedllm.worker.input_batch import InputBatch
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig) -> None:
+        self.model_config = config.speculative_config.draft_model_config
+        self.block_size = config.cache_config.block_size
+        self.model = None
+        self.kv_caches: list = []
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def load_model(self, kernels: KernelChoice) -> None:
+        """The draft model, on the target's kernels (one dtype for both)."""
+        mc = self.model_config
+        self.model = get_model(mc.path, mc.hf_config, kernels)
+
+    def initialize_kv_cache(self, num_blocks: int, block_table_width: int) -> None:
+        mc = self.model_config
+        self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
+                                            mc.head_dim, mc.dtype)
+        if not mc.enforce_eager:
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
+
+    def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:
+        """Per sampling request of ``step``: up to its max_drafts drafts. Runs for every step that computed
+        anything, sampled or not, to keep the draft's cache in step with the target's."""
+        rows = step.rows
+        sampled = np.zeros(len(rows), dtype=bool)
+        sampled[step.sampling] = True
+        starts = step.num_computed
+        ends = np.where(sampled, batch.num_tokens[rows], starts + step.num_scheduled)
+        hidden_states = self._forward(batch, rows, starts, ends)
+        drafts: list[list[int]] = [[] for _ in step.sampling]
+        wanting = np.nonzero(step.max_drafts > 0)[0]  # indices into step.sampling
+        if not len(wanting):
+            return drafts
+        last_token = (np.cumsum(ends - starts) - 1)[step.sampling[wanting]]
+        tokens = greedy_sample(self.model.compute_logits(hidden_states[torch.from_numpy(last_token)])).numpy()
+        draft_rows = step.sample_rows[wanting]
+        num_tokens = batch.num_tokens[draft_rows]
+        for j, token in zip(wanting.tolist(), tokens.tolist()):
+            drafts[j].append(token)
+        # Draft i + 1 of each request still wanting one: the draft model's next token after draft i.
+        for i in range(1, int(step.max_drafts.max())):
+            going_on = step.max_drafts[wanting] > i
+            if not going_on.any():
+                break
+            wanting, tokens = wanting[going_on], tokens[going_on]
+            draft_rows, num_tokens = draft_rows[going_on], num_tokens[going_on]
+            tokens = self._decode(batch, draft_rows, tokens, num_tokens + i - 1)
+            for j, token in zip(wanting.tolist(), tokens.tolist()):
+                drafts[j].append(token)
+        return drafts
+
+    def _forward(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> torch.Tensor:
+        """The draft model over positions [starts[j], ends[j]) of each row's tokens (a varlen batch, eager)."""
+        lengths = ends - starts
+        cu_lengths = np.cumsum(lengths)
+        token_rows = np.repeat(rows, lengths)
+        positions = np.arange(int(cu_lengths[-1])) - np.repeat(cu_lengths - lengths, lengths) + np.repeat(starts,
+                                                                                                         lengths)
+        query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
+        query_start_loc[1:] = cu_lengths
+        block_table = batch.block_table[rows][:, :int(batch.num_blocks[rows].max())]
+        metadata = AttentionMetadata(
+            num_actual_tokens=int(cu_lengths[-1]),
+            slot_mapping=torch.from_numpy(self._slots(batch, token_rows, positions)),
+            query_start_loc=torch.from_numpy(query_start_loc),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)),
+            block_table=torch.from_numpy(block_table),
+            max_query_len=int(lengths.max()),
+            max_seq_len=int(ends.max()))
+        return self.model(torch.from_numpy(batch.token_ids[token_rows, positions]), torch.from_numpy(positions),
+                          self.kv_caches, metadata)
+
+    def _decode(self, batch: InputBatch, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """One draft token per row: ``tokens`` at ``positions``, written to the rows' lookahead slots."""
+        slot_mapping = self._slots(batch, rows, positions)
+        seq_lens = positions + 1
+        hidden_states = None
+        if self.decode_graphs is not None:
+            hidden_states = self.decode_graphs.forward(tokens, positions, slot_mapping, seq_lens,
+                                                       batch.block_table[rows])
+        if hidden_states is None:
+            metadata = AttentionMetadata(
+                num_actual_tokens=len(rows), slot_mapping=torch.from_numpy(slot_mapping),
+                query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int64),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+                block_table=torch.from_numpy(batch.block_table[rows][:, :int(batch.num_blocks[rows].max())]),
+                max_query_len=1, max_seq_len=int(seq_lens.max()))
+            hidden_states = self.model(torch.from_numpy(tokens), torch.from_numpy(positions), self.kv_caches,
+                                       metadata)
+        return greedy_sample(self.model.compute_logits(hidden_states)).numpy()
+
+    def _slots(self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        return (batch.block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size
+                + positions % self.block_size)
