@@ -38,6 +38,7 @@ from pagedllm.sampling_params import SamplingType
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposal_step import ProposalStep
+from pagedllm.spec_decode.suffix_decoding import SuffixDecodingProposer
 from pagedllm.structured_output.backend_xgrammar import apply_bitmask
 from pagedllm.worker.cpu_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
@@ -102,6 +103,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
+        if isinstance(self.drafter, SuffixDecodingProposer):
+            self.drafter.finish_requests(so.finished_req_ids)
         for req_id in sorted(so.preempted_req_ids):
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
@@ -337,12 +340,14 @@ class ModelRunner:
         return out
 
 
-def make_proposer(config: EngineConfig) -> NgramProposer | DraftModelProposer | None:
+def make_proposer(config: EngineConfig) -> NgramProposer | DraftModelProposer | SuffixDecodingProposer | None:
     """The proposer of the engine's speculative_config method (None without speculation)."""
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "draft_model":
         return DraftModelProposer(config)
+    if spec.method == "suffix":
+        return SuffixDecodingProposer(spec)
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens,
                          config.model_config.max_model_len)
