@@ -74,6 +74,14 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm()).item()
 
 
+@pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                                         GGMLQuantizationType.Q8_0])
+def test_fast_dequantization_is_ggufs_bit_for_bit(tensor_type):
+    blocks = quantize(np.random.default_rng(5).standard_normal((48, 96), dtype=np.float32), tensor_type)
+    fast = dequantize_fast(blocks, tensor_type)
+    assert fast.dtype == np.float32 and np.array_equal(fast, dequantize(blocks, tensor_type))
+
+
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
 def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
     blocks, parts = _random_q4((96, 128), tensor_type, seed=0)
