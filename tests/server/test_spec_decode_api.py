@@ -56,4 +56,4 @@ def test_a_bad_speculative_config_fails_the_command_naming_the_field():
                              '{"method": "eagle", "num_speculative_tokens": 2}'], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode != 0
-    assert "speculative_config method must be one of ngram, got 'eagle'" in result.stderr
+    assert "speculative_config method must be one of ngram, draft_model, suffix, got 'eagle'" in result.stderr

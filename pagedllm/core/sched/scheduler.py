@@ -150,7 +150,8 @@ class Scheduler:
         preempted: list[Request] = []
 
         if self.spec_budget is not None:
-            self.spec_budget.trim_drafts([r for r in self.running if r.num_computed_tokens == r.num_tokens - 1])
+            decodes = [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+            self.spec_budget.trim_drafts(decodes, only_decodes=len(decodes) == len(self.running) and not self.waiting)
 
         # A batch's share of the requests under pipeline parallelism (all of them otherwise).
         max_batch_reqs = -(-(len(self.running) + len(self.waiting)) // self.pipeline_parallel_size)
@@ -406,7 +407,8 @@ class Scheduler:
             return
         spec = scheduler_output.scheduled_spec_decode_tokens
         if all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items()):
-            self.spec_budget.observe_step(scheduler_output.total_num_scheduled_tokens, seconds)
+            self.spec_budget.observe_step(scheduler_output.total_num_scheduled_tokens,
+                                          sum(len(drafts) for drafts in spec.values()), seconds)
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts cut so that all accepted, plus the token sampled after them, would neither pass max_tokens nor

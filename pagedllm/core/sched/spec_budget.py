@@ -2,15 +2,19 @@
 
 A draft token costs the step one more token of compute and is worth the chance that it is accepted. Both are
 measured, not assumed:
-- cost: the engine times its steps; over recent decode steps (every request computing its one known token and
-  its drafts) step time is fitted as ``t0 + c * tokens``, exponentially weighted so the fit follows the batch.
-  With few rows a step is bound by reading the weights (t0 large, c small) and drafts are nearly free; with many
-  rows it turns compute-bound and each token costs its share.
+- cost: the engine times its decode steps (every request computing its one known token and its drafts). Steps
+  that verify drafts are fitted as ``t0 + c * tokens``, exponentially weighted so the fit follows the batch. With
+  few rows a step is bound by reading the weights (t0 large, c small) and drafts are nearly free; with many rows
+  it turns compute-bound and each token costs its share. Draft-free decode steps are timed apart: they may replay
+  a CPU graph where a verify step runs eagerly, so no drafts at all can be much cheaper than the fit's t0 says.
 - worth: per request, acceptance is modelled as independent per draft position with probability ``a`` (its
   accepted drafts over its verification trials, a trial ending at the first rejection, with a prior of one in
   two), so draft j (1-based) is worth ``a ** j`` expected tokens.
 Draft tokens are taken in decreasing worth while each raises the step's expected tokens per second,
-``(rows + accepted) / (t0 + c * tokens)``. Until the fit has seen steps of different sizes every draft is kept.
+``(rows + accepted) / (t0 + c * tokens)``; then, for a step of decodes only, the whole set must beat a draft-free
+step's rate ``rows / time`` or none is verified. Until the fit has seen steps of different sizes every draft is
+kept. One decode step in _PROBE_INTERVAL does the other thing than the rule says, so that both timings (and the
+acceptance record) stay current as the batch changes.
 """
 from __future__ import annotations
 
@@ -21,14 +25,17 @@ from pagedllm.core.request import Request
 
 _DECAY = 0.95  # weight of the older steps in the fit, per step
 _PRIOR_ACCEPTED, _PRIOR_TRIALS = 1.0, 2.0
+_PROBE_INTERVAL = 32
+_SAME_SIZE = 0.25  # without a slope, a mean step time stands for sizes within this fraction of its mean size
 
 
-class SpecDecodeBudget:
+class StepTimes:
+    """Exponentially weighted least-squares fit of one kind of step's time on its tokens."""
+
     def __init__(self) -> None:
-        # Exponentially weighted sums for the least-squares fit of step time on step tokens.
         self._w = self._n = self._t = self._nn = self._nt = 0.0
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float) -> None:
         d = _DECAY
         self._w = d * self._w + 1.0
         self._n = d * self._n + num_tokens
@@ -36,7 +43,7 @@ class SpecDecodeBudget:
         self._nn = d * self._nn + num_tokens * num_tokens
         self._nt = d * self._nt + num_tokens * seconds
 
-    def step_cost(self) -> Optional[tuple[float, float]]:
+    def cost(self) -> Optional[tuple[float, float]]:
         """(t0, c) of the current fit, or None while the steps seen do not tell a slope."""
         variance = self._w * self._nn - self._n * self._n
         if self._w < 2 or variance <= 1e-9 * max(self._w * self._nn, 1.0):
@@ -44,6 +51,25 @@ class SpecDecodeBudget:
         c = max((self._w * self._nt - self._n * self._t) / variance, 0.0)
         t0 = max((self._t - c * self._n) / self._w, 1e-6)
         return t0, c
+
+    def time_at(self, num_tokens: int) -> Optional[float]:
+        """A step of ``num_tokens``: by the fit, else the mean time of steps about that size, else None."""
+        cost = self.cost()
+        if cost is not None:
+            return cost[0] + cost[1] * num_tokens
+        if self._w > 0 and abs(self._n / self._w - num_tokens) <= _SAME_SIZE * num_tokens:
+            return self._t / self._w
+        return None
+
+
+class SpecDecodeBudget:
+    def __init__(self) -> None:
+        self.verify_steps = StepTimes()  # decode steps that verified drafts
+        self.plain_steps = StepTimes()  # draft-free decode steps
+        self._steps_since_probe = 0
+
+    def observe_step(self, num_tokens: int, num_drafts: int, seconds: float) -> None:
+        (self.verify_steps if num_drafts else self.plain_steps).observe(num_tokens, seconds)
 
     @staticmethod
     def record_verification(request: Request, num_drafts: int, num_accepted: int) -> None:
@@ -54,9 +80,10 @@ class SpecDecodeBudget:
     def acceptance(request: Request) -> float:
         return (request.spec_accepted + _PRIOR_ACCEPTED) / (request.spec_trials + _PRIOR_TRIALS)
 
-    def trim_drafts(self, decodes: list[Request]) -> None:
-        """Cuts each decoding request's spec_token_ids to the drafts this step should verify."""
-        cost = self.step_cost()
+    def trim_drafts(self, decodes: list[Request], only_decodes: bool = False) -> None:
+        """Cuts each decoding request's spec_token_ids to the drafts this step should verify. ``only_decodes``:
+        the step will hold these requests and nothing else (no prefill), so it could run draft-free."""
+        cost = self.verify_steps.cost()
         if cost is None:
             return
         t0, c = cost
@@ -78,6 +105,19 @@ class SpecDecodeBudget:
             expected += worth
             if j < len(request.spec_token_ids):
                 heapq.heappush(heap, (negative_worth * self.acceptance(request), i, j + 1))
+        if only_decodes and tokens > rows and not self._drafts_beat_a_plain_step(rows, expected, t0 + c * tokens):
+            keep = dict.fromkeys(keep, 0)
         for request in decodes:
             if keep[id(request)] < len(request.spec_token_ids):
                 request.set_spec_token_ids(request.spec_token_ids[:keep[id(request)]])
+
+    def _drafts_beat_a_plain_step(self, rows: int, expected: float, verify_time: float) -> bool:
+        """Whether to verify this step's drafts rather than run it draft-free; the rule's answer, except on a
+        probe step (and a plain step of this size not yet timed counts as slower)."""
+        plain_time = self.plain_steps.time_at(rows)
+        verify = plain_time is None or (rows + expected) / verify_time > rows / plain_time
+        self._steps_since_probe += 1
+        if self._steps_since_probe >= _PROBE_INTERVAL:
+            self._steps_since_probe = 0
+            return not verify
+        return verify
