@@ -75,6 +75,17 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = msgspec.field(default_factory=list)
 
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted drafts over drafts (vLLM's "Avg Draft acceptance rate"); 0 before any draft."""
+        return self.spec_decode_num_accepted_tokens / max(self.spec_decode_num_draft_tokens, 1)
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verification yields on average, the token after the drafts included (vLLM's "Mean acceptance
+        length"); 1 before any draft."""
+        return 1 + self.spec_decode_num_accepted_tokens / max(self.spec_decode_num_drafts, 1)
+
 
 class UtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The answer to a utility call (abort, reset_prefix_cache, get_stats) made over the request socket."""

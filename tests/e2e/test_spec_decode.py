@@ -79,6 +79,9 @@ def test_greedy_output_is_that_of_plain_decoding(llm, spec_llm):
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos  # a draft token is accepted only after the ones before it
     assert stats.spec_decode_num_drafts >= per_pos[0] and per_pos == sorted(per_pos, reverse=True)
     assert sum(per_pos) == stats.spec_decode_num_accepted_tokens
+    accepted = stats.spec_decode_num_accepted_tokens
+    assert stats.spec_decode_acceptance_rate == accepted / stats.spec_decode_num_draft_tokens
+    assert stats.spec_decode_mean_acceptance_length == 1 + accepted / stats.spec_decode_num_drafts
     assert stats.kv_cache_usage == 0.0  # every block given back
 
 
