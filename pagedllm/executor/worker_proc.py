@@ -18,7 +18,7 @@ import traceback
 import zmq
 
 from pagedllm.distributed.shm_broadcast import MessageQueue
-from pagedllm.engine.core_proc import exit_when_parent_dies
+from pagedllm.engine.core_proc import exit_when_parent_dies, freeze_startup_heap
 from pagedllm.executor.abstract import run_worker_method
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ def main() -> None:
     replies = ctx.socket(zmq.PUSH)
     replies.connect(reply_address)
     mq = MessageQueue.create_from_handle(mq_handle, rank)
+    freeze_startup_heap()
     replies.send(pickle.dumps((-1, rank, True, "READY")))
     mq.wait_until_ready(timeout=60)
     while True:

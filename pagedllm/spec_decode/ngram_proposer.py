@@ -27,6 +27,8 @@ class NgramProposer:
     def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:
         """Per sampling request of ``step``: its drafts, from its tokens so far, at most its max_drafts."""
         rows = step.sample_rows
+        if not step.max_drafts.any():
+            return [[] for _ in rows]
         return [drafts[:limit] for drafts, limit in zip(self.propose(batch.token_ids[rows], batch.num_tokens[rows]),
                                                         step.max_drafts.tolist())]
 

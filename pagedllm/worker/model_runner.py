@@ -241,8 +241,9 @@ class ModelRunner:
                 logprobs_per_req = self._split_logprobs(n, sampling, sample_rows, sampler_output.logprobs.tolists(),
                                                         [len(sampled_token_ids[j]) for j in sampling.tolist()])
         if self.drafter is not None and self.rank.is_driver:
+            max_drafts = self._max_drafts(rows[sampling]) if so.propose_drafts else np.zeros(len(sampling), np.int64)
             spec_token_ids = self._propose_drafts(ProposalStep(rows, num_computed, num_scheduled, sampling,
-                                                               self._max_drafts(rows[sampling])))
+                                                               max_drafts))
         if not self.rank.is_driver:
             return None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},

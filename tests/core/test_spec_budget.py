@@ -84,3 +84,23 @@ def test_drafts_stay_where_they_beat_a_draft_free_step_and_a_probe_times_one():
         if not request.spec_token_ids:
             budget.observe_step(1, 0, 0.010)
     assert kept == [4] * (_PROBE_INTERVAL - 1) + [0, 4]
+
+
+def test_while_draft_free_steps_win_the_worker_proposes_only_for_the_probes():
+    budget = fitted(0.02, 0.001)
+    for _ in range(3):
+        budget.observe_step(8, 0, 0.006)
+    requests = [drafting(i, 80, 100) for i in range(8)]
+    budget.trim_drafts(requests, only_decodes=True)
+    assert budget.proposals_wanted is False
+    wanted, verified = [], []
+    for step in range(2 * _PROBE_INTERVAL):
+        # The worker proposed only when asked after the step before.
+        requests = [drafting(i, 80, 100, num_drafts=4 if wanted and wanted[-1] else 0) for i in range(8)]
+        budget.trim_drafts(requests, only_decodes=True)
+        wanted.append(budget.proposals_wanted)
+        verified.append(sum(len(r.spec_token_ids) for r in requests))
+    assert wanted.count(True) == 2 and verified.count(24) == 2  # asked once a probe interval; the probe verifies
+    assert [i for i, v in enumerate(verified) if v] == [i + 1 for i, w in enumerate(wanted) if w]
+    budget.trim_drafts([drafting(0, 80, 100)], only_decodes=False)  # a prefill: the marginal rule, drafts wanted
+    assert budget.proposals_wanted is True

@@ -67,3 +67,6 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens it verifies this step (counted in num_scheduled_tokens,
     # after its one uncomputed known token); requests without drafts are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Whether the worker should propose drafts after this step (dynamic speculation: not while draft-free steps
+    # are faster, but before each probe).
+    propose_drafts: bool = True

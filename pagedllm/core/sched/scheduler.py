@@ -242,6 +242,7 @@ class Scheduler:
         output = self._make_output(scheduled_new, scheduled_resumed, scheduled_running, num_scheduled_tokens,
                                    new_blocks_of, preempted)
         output.scheduled_spec_decode_tokens = spec_tokens
+        output.propose_drafts = self.spec_budget is None or self.spec_budget.proposals_wanted
         self._add_grammar_bitmask(output)
         # Advance at schedule time: the step's KV will exist by the time the next step is planned.
         for req_id, n in num_scheduled_tokens.items():

@@ -14,7 +14,8 @@ Draft tokens are taken in decreasing worth while each raises the step's expected
 ``(rows + accepted) / (t0 + c * tokens)``; then, for a step of decodes only, the whole set must beat a draft-free
 step's rate ``rows / time`` or none is verified. Until the fit has seen steps of different sizes every draft is
 kept. One decode step in _PROBE_INTERVAL does the other thing than the rule says, so that both timings (and the
-acceptance record) stay current as the batch changes.
+acceptance record) stay current as the batch changes. While draft-free steps win, the worker is told not to
+propose (``proposals_wanted``: proposing costs a step time too), except for the step before a probe.
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ class SpecDecodeBudget:
         self.verify_steps = StepTimes()  # decode steps that verified drafts
         self.plain_steps = StepTimes()  # draft-free decode steps
         self._steps_since_probe = 0
+        # Whether the worker should propose drafts after the step being scheduled.
+        self.proposals_wanted = True
 
     def observe_step(self, num_tokens: int, num_drafts: int, seconds: float) -> None:
         (self.verify_steps if num_drafts else self.plain_steps).observe(num_tokens, seconds)
@@ -83,6 +86,8 @@ class SpecDecodeBudget:
     def trim_drafts(self, decodes: list[Request], only_decodes: bool = False) -> None:
         """Cuts each decoding request's spec_token_ids to the drafts this step should verify. ``only_decodes``:
         the step will hold these requests and nothing else (no prefill), so it could run draft-free."""
+        if not only_decodes:  # a step with prefill runs eagerly: only the marginal rule below applies
+            self.proposals_wanted = True
         cost = self.verify_steps.cost()
         if cost is None:
             return
@@ -105,19 +110,25 @@ class SpecDecodeBudget:
             expected += worth
             if j < len(request.spec_token_ids):
                 heapq.heappush(heap, (negative_worth * self.acceptance(request), i, j + 1))
-        if only_decodes and tokens > rows and not self._drafts_beat_a_plain_step(rows, expected, t0 + c * tokens):
+        if only_decodes and not self._verify_now(rows, tokens, expected, t0 + c * tokens):
             keep = dict.fromkeys(keep, 0)
         for request in decodes:
             if keep[id(request)] < len(request.spec_token_ids):
                 request.set_spec_token_ids(request.spec_token_ids[:keep[id(request)]])
 
-    def _drafts_beat_a_plain_step(self, rows: int, expected: float, verify_time: float) -> bool:
-        """Whether to verify this step's drafts rather than run it draft-free; the rule's answer, except on a
-        probe step (and a plain step of this size not yet timed counts as slower)."""
-        plain_time = self.plain_steps.time_at(rows)
-        verify = plain_time is None or (rows + expected) / verify_time > rows / plain_time
+    def _verify_now(self, rows: int, tokens: int, expected: float, verify_time: float) -> bool:
+        """Whether a decode-only step verifies the drafts it has (``tokens`` > ``rows``) rather than run
+        draft-free: the rule's answer (a draft-free step not yet timed at this size counts as slower), the other
+        one on a probe step. Sets proposals_wanted for the next step by the rule, and for the step before a probe."""
         self._steps_since_probe += 1
-        if self._steps_since_probe >= _PROBE_INTERVAL:
+        probe = self._steps_since_probe >= _PROBE_INTERVAL
+        if probe:
             self._steps_since_probe = 0
-            return not verify
-        return verify
+        if tokens > rows:
+            plain_time = self.plain_steps.time_at(rows)
+            verify = plain_time is None or (rows + expected) / verify_time > rows / plain_time
+            self.proposals_wanted = verify
+        else:  # nothing proposed (or worth verifying): the step is draft-free whatever the rule
+            verify = False
+        self.proposals_wanted |= self._steps_since_probe == _PROBE_INTERVAL - 1
+        return verify != probe if tokens > rows else False
