@@ -63,7 +63,8 @@ class DraftModelProposer:
         sampled[step.sampling] = True
         starts = step.num_computed
         ends = np.where(sampled, batch.num_tokens[rows], starts + step.num_scheduled)
-        hidden_states = self._forward(batch, rows, starts, ends)
+        hidden_states = self._forward(batch, rows, starts, ends, batch.token_ids[np.repeat(rows, ends - starts),
+                                                                                  _positions(starts, ends)])
         drafts: list[list[int]] = [[] for _ in step.sampling]
         wanting = np.nonzero(step.max_drafts > 0)[0]  # indices into step.sampling
         if not len(wanting):
@@ -86,46 +87,36 @@ class DraftModelProposer:
                 drafts[j].append(token)
         return drafts
 
-    def _forward(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> torch.Tensor:
-        """The draft model over positions [starts[j], ends[j]) of each row's tokens (a varlen batch, eager)."""
+    def _forward(self, batch: InputBatch, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 input_ids: np.ndarray) -> torch.Tensor:
+        """The draft model over ``input_ids`` at positions [starts[j], ends[j]) of each row (a varlen batch, eager)."""
         lengths = ends - starts
-        cu_lengths = np.cumsum(lengths)
-        token_rows = np.repeat(rows, lengths)
-        positions = np.arange(int(cu_lengths[-1])) - np.repeat(cu_lengths - lengths, lengths) + np.repeat(starts,
-                                                                                                         lengths)
+        positions = _positions(starts, ends)
         query_start_loc = np.zeros(len(rows) + 1, dtype=np.int64)
-        query_start_loc[1:] = cu_lengths
-        block_table = batch.block_table[rows][:, :int(batch.num_blocks[rows].max())]
+        query_start_loc[1:] = np.cumsum(lengths)
         metadata = AttentionMetadata(
-            num_actual_tokens=int(cu_lengths[-1]),
-            slot_mapping=torch.from_numpy(self._slots(batch, token_rows, positions)),
+            num_actual_tokens=len(positions),
+            slot_mapping=torch.from_numpy(batch.slot_mapping(np.repeat(rows, lengths), positions, self.block_size)),
             query_start_loc=torch.from_numpy(query_start_loc),
             seq_lens=torch.from_numpy(ends.astype(np.int32)),
-            block_table=torch.from_numpy(block_table),
+            block_table=torch.from_numpy(batch.block_table[rows][:, :int(batch.num_blocks[rows].max())]),
             max_query_len=int(lengths.max()),
             max_seq_len=int(ends.max()))
-        return self.model(torch.from_numpy(batch.token_ids[token_rows, positions]), torch.from_numpy(positions),
-                          self.kv_caches, metadata)
+        return self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches, metadata)
 
     def _decode(self, batch: InputBatch, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """One draft token per row: ``tokens`` at ``positions``, written to the rows' lookahead slots."""
-        slot_mapping = self._slots(batch, rows, positions)
-        seq_lens = positions + 1
         hidden_states = None
         if self.decode_graphs is not None:
-            hidden_states = self.decode_graphs.forward(tokens, positions, slot_mapping, seq_lens,
-                                                       batch.block_table[rows])
+            hidden_states = self.decode_graphs.forward(tokens, positions,
+                                                       batch.slot_mapping(rows, positions, self.block_size),
+                                                       positions + 1, batch.block_table[rows])
         if hidden_states is None:
-            metadata = AttentionMetadata(
-                num_actual_tokens=len(rows), slot_mapping=torch.from_numpy(slot_mapping),
-                query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int64),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-                block_table=torch.from_numpy(batch.block_table[rows][:, :int(batch.num_blocks[rows].max())]),
-                max_query_len=1, max_seq_len=int(seq_lens.max()))
-            hidden_states = self.model(torch.from_numpy(tokens), torch.from_numpy(positions), self.kv_caches,
-                                       metadata)
+            hidden_states = self._forward(batch, rows, positions, positions + 1, tokens)
         return greedy_sample(self.model.compute_logits(hidden_states)).numpy()
 
-    def _slots(self, batch: InputBatch, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return (batch.block_table[rows, positions // self.block_size].astype(np.int64) * self.block_size
-                + positions % self.block_size)
+
+def _positions(starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Positions [starts[j], ends[j]) of every row j, one after another."""
+    lengths = ends - starts
+    return np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths - starts, lengths)

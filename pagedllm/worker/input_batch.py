@@ -138,6 +138,11 @@ class InputBatch:
         n = self.num_tokens[i]
         self.token_ids[i, n:n + len(draft_token_ids)] = draft_token_ids
 
+    def slot_mapping(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+        """The KV cache slot (block id * block_size + offset) of each ``positions[k]`` of batch row ``rows[k]``."""
+        return (self.block_table[rows, positions // block_size].astype(np.int64) * block_size
+                + positions % block_size)
+
     def append_token(self, i: int, token_id: int) -> None:
         n = self.num_tokens[i]
         self.token_ids[i, n] = token_id

@@ -168,8 +168,7 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens[rows]
         positions = batch.num_computed_tokens[token_rows] + offsets
         input_ids = batch.token_ids[token_rows, positions]
-        slot_mapping = (batch.block_table[token_rows, positions // self.block_size].astype(np.int64)
-                        * self.block_size + positions % self.block_size)
+        slot_mapping = batch.slot_mapping(token_rows, positions, self.block_size)
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         query_start_loc[1:] = cu_num_tokens
