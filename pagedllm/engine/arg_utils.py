@@ -61,7 +61,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
         hf_config = load_hf_config(path)
-        model_max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+        model_max_len = positions_held(hf_config)
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
@@ -71,11 +71,7 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
-        if self.quantization is not None:
-            # A value that does not fit the model fails here, naming `quantization`, not in the engine process.
-            get_quant_config(self.quantization, path, get_model_architecture(hf_config))
-            # get_model reads it from there, as from a checkpoint that ships a quantization_config.
-            hf_config.quantization_config = {"quant_method": self.quantization}
+        set_quantization(hf_config, self.quantization, path)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                          self.data_parallel_size, self.distributed_executor_backend,
                                          pp_layer_partition=pp_layer_partition_from_env())
@@ -118,15 +114,27 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     if hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
                          f"tokens; the target model's has {target.vocab_size}: they must be the same")
-    draft_max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    draft_max_len = positions_held(hf_config)
     if draft_max_len < target.max_model_len:
         raise ValueError(f"speculative_config model {spec.model!r} holds {draft_max_len} positions "
                          f"(max_position_embeddings), fewer than the target's max_model_len ({target.max_model_len})")
-    if spec.quantization is not None:
-        get_quant_config(spec.quantization, path, get_model_architecture(hf_config))
-        hf_config.quantization_config = {"quant_method": spec.quantization}
+    set_quantization(hf_config, spec.quantization, path)
     return ModelConfig(spec.model, path, hf_config, target.dtype, target.max_model_len, target.seed,
                        spec.quantization, target.enforce_eager)
+
+
+def positions_held(hf_config) -> int:
+    """The longest context the model was made for (its max_position_embeddings; 2048 when it does not say)."""
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
+
+
+def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:
+    """Records ``quantization`` (if any) in ``hf_config``, where get_model reads it as from a checkpoint that ships a
+    quantization_config; a value that does not fit the model fails here, naming `quantization`, not in the engine
+    process."""
+    if quantization is not None:
+        get_quant_config(quantization, path, get_model_architecture(hf_config))
+        hf_config.quantization_config = {"quant_method": quantization}
 
 
 def pp_layer_partition_from_env() -> Optional[list[int]]:
