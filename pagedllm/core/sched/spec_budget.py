@@ -124,11 +124,10 @@ class SpecDecodeBudget:
         probe = self._steps_since_probe >= _PROBE_INTERVAL
         if probe:
             self._steps_since_probe = 0
+        verify = False  # nothing proposed (or worth verifying): the step is draft-free whatever the rule
         if tokens > rows:
             plain_time = self.plain_steps.time_at(rows)
-            verify = plain_time is None or (rows + expected) / verify_time > rows / plain_time
-            self.proposals_wanted = verify
-        else:  # nothing proposed (or worth verifying): the step is draft-free whatever the rule
-            verify = False
+            self.proposals_wanted = plain_time is None or (rows + expected) / verify_time > rows / plain_time
+            verify = self.proposals_wanted != probe
         self.proposals_wanted |= self._steps_since_probe == _PROBE_INTERVAL - 1
-        return verify != probe if tokens > rows else False
+        return verify
