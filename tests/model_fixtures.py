@@ -3,6 +3,7 @@ reference models, loaded once per pytest process (GGUF parsing is slow)."""
 
 import functools
 import random
+import unittest.mock
 from dataclasses import dataclass
 
 import gguf
@@ -37,7 +38,11 @@ def smollm_reference_tensors() -> dict[str, torch.Tensor]:
 
     (from_pretrained(gguf_file=...) itself requires accelerate, which is not a dependency.)
     """
-    return load_gguf_checkpoint(smollm_path(), return_tensors=True, model_to_load=_empty_reference())["tensors"]
+    # transformers builds gguf's name map anew for each of the model's ~400 modules (most of the load's time); the
+    # map depends only on (architecture, number of blocks), so one per pair serves them all.
+    with unittest.mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)):
+        return load_gguf_checkpoint(smollm_path(), return_tensors=True,
+                                    model_to_load=_empty_reference())["tensors"]
 
 
 @functools.lru_cache(maxsize=1)

@@ -8,6 +8,7 @@ its own KV cache).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import psutil
@@ -115,8 +116,35 @@ def hf_model():
     return smollm_reference()
 
 
-def hf_greedy(hf_model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt_token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                min_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, len(prompt_token_ids):].tolist()
+_greedy_choices: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def hf_greedy(hf_model, prompt_token_ids: list[int], output_token_ids: list[int],
+              suppress_token_ids: tuple[int, ...] = ()) -> list[int]:
+    """transformers' greedy token after the prompt and after each prefix of ``output_token_ids``, from one forward
+    pass over prompt + output (teacher forcing); ``suppress_token_ids`` never win (as min_tokens masks EOS).
+
+    Greedy decoding takes each token as the argmax given the tokens before it, which is what each position of the
+    one pass computes: so the result equals ``output_token_ids`` exactly when the output is transformers' greedy
+    continuation of the prompt, and where the two first differ it holds transformers' token. One pass instead of
+    generate's loop of one step per token (the suite's oracle took minutes that way); memoized per model, since
+    engines of different settings are checked against the same outputs."""
+    choices = _greedy_choices.setdefault(hf_model, {})
+    key = (tuple(prompt_token_ids), tuple(output_token_ids), tuple(suppress_token_ids))
+    if key not in choices:
+        with torch.inference_mode():
+            tokens = torch.tensor([list(prompt_token_ids) + list(output_token_ids)])
+            logits = hf_model(tokens).logits[0, len(prompt_token_ids) - 1:]
+            logits[:, list(suppress_token_ids)] = float("-inf")
+            choices[key] = logits.argmax(-1).tolist()[:len(output_token_ids)]
+    return choices[key]
+
+
+def assert_transformers_greedy(hf_model, prompts: list[list[int]], outputs: list[list[int]], num_tokens: int,
+                               suppress_token_ids: tuple[int, ...] = ()) -> None:
+    """Each output is ``num_tokens`` long and transformers' greedy continuation of its prompt."""
+    for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
+        assert len(got) == num_tokens, f"prompt {i}: {len(got)} tokens, not {num_tokens}"
+        expected = hf_greedy(hf_model, prompt, got, suppress_token_ids)
+        assert got == expected, f"prompt {i} ({len(prompt)} tokens) diverges from transformers at token " \
+                                f"{next(k for k, (a, b) in enumerate(zip(got, expected)) if a != b)}"

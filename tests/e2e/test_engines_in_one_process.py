@@ -7,7 +7,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.platforms.cpu import choose_kernels
-from tests.e2e.conftest import hf_greedy
+from tests.e2e.conftest import assert_transformers_greedy
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 9519, 253, 1345, 19682, 563, 260, 1085, 30]]
 NUM_TOKENS = 16
@@ -44,7 +44,7 @@ def test_float32_and_bfloat16_engines_side_by_side(hf_model):
         assert bf16_dense.panels.dtype == torch.bfloat16 and bf16_dense.data is None
 
     first_f32 = _tokens(f32)
-    assert first_f32 == [hf_greedy(hf_model, p, NUM_TOKENS) for p in PROMPTS]
+    assert_transformers_greedy(hf_model, PROMPTS, first_f32, NUM_TOKENS)
     assert _tokens(bf16) == expected_bf16
     assert _tokens(f32) == first_f32  # after the other engine ran
     f32.shutdown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from tests.e2e.conftest import hf_greedy, in_process_llm, running_llm
+from tests.e2e.conftest import assert_transformers_greedy, in_process_llm, running_llm
 
 MAX_TOKENS = 48
 PROMPT_LENGTHS = [5, 17, 33, 64, 100, 150, 260, 400]
@@ -50,54 +50,42 @@ def prompts(tokenizer):
     return make_prompts(tokenizer)
 
 
-@pytest.fixture(scope="module")
-def expected(hf_model, prompts):
-    return [hf_greedy(hf_model, p, MAX_TOKENS) for p in prompts]
-
-
 def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def assert_same(got: list[list[int]], expected: list[list[int]]) -> None:
-    for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens) diverges at token " \
-                       f"{next(k for k, (a, b) in enumerate(zip(g, e)) if a != b)}"
-
-
 def test_prompts_span_5_to_400_tokens(prompts):
     assert [len(p) for p in prompts] == PROMPT_LENGTHS
 
 
-def test_default_settings(llm, prompts, expected):
-    assert_same(run(llm, prompts), expected)
+def test_default_settings(llm, hf_model, prompts):
+    assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
 
 
-def test_chunked_prefill(prompts, expected):
+def test_chunked_prefill(hf_model, prompts):
     with running_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=512) as llm:
-        assert_same(run(llm, prompts), expected)
+        assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
 
 
-def test_preemption(prompts, expected):
+def test_preemption(hf_model, prompts):
     # 448 tokens need 28 blocks; all eight need 127. 40 blocks force preemption and recompute.
     with running_llm(dtype="float32", max_model_len=1024, num_kv_blocks=40) as llm:
-        assert_same(run(llm, prompts), expected)
+        assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
         assert llm.get_stats().num_preemptions > 0
 
 
-def test_max_num_seqs_1(prompts, expected):
+def test_max_num_seqs_1(hf_model, prompts):
     with running_llm(dtype="float32", max_model_len=1024, max_num_seqs=1, num_kv_blocks=256) as llm:
-        assert_same(run(llm, prompts), expected)
+        assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
 
 
 def test_shared_system_prompt_hits_prefix_cache(llm, tokenizer, hf_model):
     shared = make_prompts(tokenizer, prefix=SYSTEM)[:4]
-    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in shared]
     hits = llm.get_stats().prefix_cache_hits
     run(llm, shared[:1])  # warm the cache with the system prompt
-    assert_same(run(llm, shared), expected)
+    assert_transformers_greedy(hf_model, shared, run(llm, shared), MAX_TOKENS)
     assert llm.get_stats().prefix_cache_hits > hits
 
 
@@ -114,9 +102,8 @@ def test_long_shared_prefix_uses_cascade_attention(tokenizer, hf_model, monkeypa
 
     monkeypatch.setattr(cpu_backend, "build_plan", recording_build_plan)
     shared = make_prompts(tokenizer, prefix=TEXT[:1800])[:4]
-    expected = [hf_greedy(hf_model, p, MAX_TOKENS) for p in shared]
     llm = in_process_llm(dtype="float32", max_model_len=1024, num_kv_blocks=512)
     run(llm, shared[:1])  # cache the shared prefix
-    assert_same(run(llm, shared), expected)
+    assert_transformers_greedy(hf_model, shared, run(llm, shared), MAX_TOKENS)
     prefix_tokens = {p.prefix.num_tokens for p in plans if p.prefix is not None}
     assert prefix_tokens and min(prefix_tokens) >= 256

@@ -10,7 +10,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from tests.e2e.conftest import running_llm  # noqa: E402
 from tests.e2e.test_parallel_mp import STRESS, assert_same, expected, prompts, run  # noqa: E402,F401 (fixtures)
-from tests.e2e.test_parallel_tiny_models import expected_outputs, generate, save_tiny_model  # noqa: E402
+from tests.e2e.test_parallel_tiny_models import assert_parity, generate, save_tiny_model  # noqa: E402
 
 NODE = dict(num_cpus=2, object_store_memory=80 << 20)
 
@@ -38,14 +38,13 @@ def test_tiny_model_tp2_pp2_across_two_nodes(two_node_cluster, tmp_path, tokeniz
     nodes = []
     got = generate(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
                    on_engine=lambda: nodes.append(engine_nodes()))
-    assert got == expected_outputs(reference)
+    assert_parity(reference, got)
     assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
 
 
 def test_tiny_model_tp2(two_node_cluster, tmp_path, tokenizer):
     reference = save_tiny_model(tmp_path, tokenizer, "llama")
-    assert generate(tmp_path, tensor_parallel_size=2, distributed_executor_backend="ray") == \
-        expected_outputs(reference)
+    assert_parity(reference, generate(tmp_path, tensor_parallel_size=2, distributed_executor_backend="ray"))
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2)])

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pagedllm import SamplingParams
-from tests.e2e.conftest import hf_greedy, running_llm
+from tests.e2e.conftest import assert_transformers_greedy, running_llm
 
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
@@ -41,8 +41,8 @@ def generate(path, on_engine=None, **parallel) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def expected_outputs(reference) -> list[list[int]]:
-    return [hf_greedy(reference, p, MAX_TOKENS) for p in PROMPTS]
+def assert_parity(reference, outputs: list[list[int]]) -> None:
+    assert_transformers_greedy(reference, PROMPTS, outputs, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name, parallel", [
@@ -51,4 +51,4 @@ def expected_outputs(reference) -> list[list[int]]:
 ])
 def test_tiny_model_parallel_parity_mp(tmp_path, tokenizer, name, parallel):
     reference = save_tiny_model(tmp_path, tokenizer, name)
-    assert generate(tmp_path, distributed_executor_backend="mp", **parallel) == expected_outputs(reference)
+    assert_parity(reference, generate(tmp_path, distributed_executor_backend="mp", **parallel))

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import SamplingParams
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
-from tests.e2e.conftest import hf_greedy, running_llm
+from tests.e2e.conftest import assert_transformers_greedy, running_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # Self-speculation: the model's own GGUF with its Q4 weights kept 4-bit. In float32 those compute what the dense
@@ -141,10 +141,9 @@ def top_k_probabilities(model, prompt: list[int], num_tokens: int) -> dict[tuple
     return probs
 
 
-# Without token 0, which transformers' generate would take for padding (pad_token_id=0) and mask out.
 GREEDY_PROMPTS = [torch.randint(3, TINY_VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                   for n in (5, 17, 33)]
-# min_tokens masks EOS (token 2) as transformers' min_new_tokens does.
+# min_tokens masks EOS (token 2): the oracle suppresses it too.
 GREEDY = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
 
 
@@ -155,7 +154,7 @@ def test_tensor_parallel_verification_is_transformers_greedy(tiny_model):
                      speculative_config=tiny_speculative_config("ngram", None)) as llm:
         greedy = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], GREEDY, use_tqdm=False)
         stats = llm.get_stats()
-    assert [g.outputs[0].token_ids for g in greedy] == [hf_greedy(model, p, 24) for p in GREEDY_PROMPTS]
+    assert_transformers_greedy(model, GREEDY_PROMPTS, [g.outputs[0].token_ids for g in greedy], 24, (2,))
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
@@ -171,7 +170,7 @@ def test_random_sampling_draws_the_models_distribution(tiny_model, tiny_draft, m
         outputs = llm.generate([{"prompt_token_ids": prompt}] * num_samples, params, use_tqdm=False)
         stats = llm.get_stats()
         greedy = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], GREEDY, use_tqdm=False)
-    assert [g.outputs[0].token_ids for g in greedy] == [hf_greedy(model, p, 24) for p in GREEDY_PROMPTS]
+    assert_transformers_greedy(model, GREEDY_PROMPTS, [g.outputs[0].token_ids for g in greedy], 24, (2,))
     # Every request verified drafts; many were accepted, many rejected.
     assert stats.spec_decode_num_drafts >= num_samples
     assert 0.05 < stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens < 0.95

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pagedllm import SamplingParams
-from tests.e2e.conftest import hf_greedy, running_llm
+from tests.e2e.conftest import assert_transformers_greedy, running_llm
 
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 
@@ -29,9 +29,8 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
     reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra)
     prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3))]
-    expected = [hf_greedy(reference, p, 24) for p in prompts]
     with running_llm(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=64,
                      max_num_batched_tokens=32) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 24)
