@@ -1,8 +1,29 @@
-"""pagedllm: a high-throughput LLM inference and serving engine on the vLLM V1 architecture."""
-from pagedllm.beam_search import BeamSearchOutput, BeamSearchParams
-from pagedllm.entrypoints.llm import LLM
-from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+"""pagedllm: a high-throughput LLM inference and serving engine on the vLLM V1 architecture.
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput"]
+The public names are imported on first use (PEP 562), not with the package: the engine and worker processes
+import ``pagedllm.<module>`` and must not pay for the frontend (LLM pulls in transformers' tokenizers and the
+argument parsing), which would be most of their start-up."""
+import importlib
+
+_EXPORTS = {
+    "LLM": "pagedllm.entrypoints.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "BeamSearchParams": "pagedllm.beam_search",
+    "BeamSearchOutput": "pagedllm.beam_search",
+}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

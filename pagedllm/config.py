@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -69,6 +70,24 @@ def parse_memory_size(value: int | str) -> int:
     return size
 
 
+class HFConfigValues(types.SimpleNamespace):
+    """A transformers config's values without its class: what the engine and worker processes get as
+    ``ModelConfig.hf_config`` (ModelConfig pickles it so). Unpickling transformers' own class would import
+    transformers there, which is most of a process's start-up, for values the engine only reads as attributes
+    (``getattr`` with a default for the optional ones), which this copy answers alike: every attribute the config
+    holds, its class's ``model_type``, and the aliases of its ``attribute_map``."""
+
+    @classmethod
+    def of(cls, hf_config) -> "HFConfigValues":
+        if isinstance(hf_config, cls):
+            return hf_config
+        values = dict(vars(hf_config))
+        values["model_type"] = getattr(hf_config, "model_type", None)
+        for alias, name in getattr(type(hf_config), "attribute_map", {}).items():
+            values.setdefault(alias, values.get(name))
+        return cls(**values)
+
+
 @dataclass
 class ModelConfig:
     """The model: where it lives, its HF config, its dtype (also its KV cache's; the activations' dtype is the
@@ -85,6 +104,9 @@ class ModelConfig:
     # Run every step eagerly: no CPU graphs for decode steps (worker/cpu_graphs.py), as vLLM's flag turns off
     # CUDA graphs.
     enforce_eager: bool = False
+
+    def __getstate__(self) -> dict:
+        return {**vars(self), "hf_config": HFConfigValues.of(self.hf_config)}
 
     @property
     def num_layers(self) -> int:

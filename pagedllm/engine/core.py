@@ -13,7 +13,6 @@ from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, Sched
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputFuture
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -32,7 +31,7 @@ class EngineCore:
             raise
         model_config = config.model_config
         self.structured_output_manager = StructuredOutputManager(
-            lambda: load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
+            lambda: _load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
                                    config.parallel_config.pipeline_parallel_size,
@@ -97,3 +96,10 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def _load_tokenizer(path: str):
+    """The tokenizer, for the grammars of structured output: imported here, when a first request needs one, so
+    that an engine process never imports transformers (most of its start-up) for requests that do not."""
+    from pagedllm.models.hf_config import load_tokenizer
+    return load_tokenizer(path)

@@ -1,11 +1,13 @@
 """Llama decoder-only model (also Mistral without sliding window, and the
 base of Qwen2), over a flattened batch and a paged KV cache."""
 
+from __future__ import annotations
+
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.config import head_dim
 from pagedllm.distributed.parallel_state import ParallelRank
@@ -19,6 +21,9 @@ from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.weights import default_weight_loader
+
+if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
+    from transformers import PretrainedConfig
 
 
 class LlamaMLP(nn.Module):

@@ -1,10 +1,12 @@
 """Build a model from its config and fill it from a checkpoint."""
 
+from __future__ import annotations
+
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.gemm_layout import WeightLayout
@@ -15,6 +17,9 @@ from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import resolve_model
 from pagedllm.platforms.cpu import KernelChoice
 from pagedllm.models.weights import weights_iterator
+
+if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
+    from transformers import PretrainedConfig
 
 
 @contextlib.contextmanager

@@ -1,8 +1,13 @@
 """Qwen2: the Llama architecture with a bias on q/k/v (none on o_proj)."""
 
-from transformers import PretrainedConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from pagedllm.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
+    from transformers import PretrainedConfig
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

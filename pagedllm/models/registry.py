@@ -1,10 +1,16 @@
 """Map a checkpoint's architecture to the model class that runs it."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from torch import nn
-from transformers import PretrainedConfig
 
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+
+if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
+    from transformers import PretrainedConfig
 
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

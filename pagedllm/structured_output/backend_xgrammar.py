@@ -11,7 +11,6 @@ import json
 import re
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import xgrammar as xgr
 
@@ -109,19 +108,3 @@ class XgrammarBackend:
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         return xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Sets the logits of disallowed tokens to -inf, in place, for the given logits rows (bitmask row i
-    belongs to logits row rows[i]).
-
-    Bit j of 32-bit word w allows token 32 * w + j; numpy unpacks the inverted words (little-endian bytes,
-    little bit order) straight into a boolean "disallowed" mask, one vectorised pass where xgrammar's CPU
-    apply_token_bitmask_inplace is several times slower.
-    """
-    vocab_size = logits.shape[1]
-    disallowed = np.unpackbits((~bitmask.numpy()).view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
-    disallowed = torch.from_numpy(disallowed.view(bool))
-    if rows == list(range(logits.shape[0])):
-        logits.masked_fill_(disallowed, float("-inf"))
-    else:
-        logits[rows] = logits[rows].masked_fill_(disallowed, float("-inf"))

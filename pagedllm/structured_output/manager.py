@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 from pagedllm.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
+    from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
     from pagedllm.core.request import Request
 
 _CACHE_SIZE = 256
@@ -39,6 +39,7 @@ class StructuredOutputManager:
         engine's busy loop."""
         with self._backend_lock:
             if self._backend is None:
+                from pagedllm.structured_output.backend_xgrammar import XgrammarBackend  # xgrammar: on first use
                 self._backend = XgrammarBackend(self._load_tokenizer(), self._vocab_size)
             return self._backend
 

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from pagedllm.structured_output.backend_xgrammar import XgrammarGrammar
+if TYPE_CHECKING:
+    from pagedllm.structured_output.backend_xgrammar import XgrammarGrammar
 
 
 class StructuredOutputRequest:
@@ -18,5 +19,6 @@ class StructuredOutputRequest:
             return True
         if not self.future.done():
             return False
+        from pagedllm.structured_output.backend_xgrammar import XgrammarGrammar  # loaded by the compile
         self.grammar = XgrammarGrammar(self.future.result())
         return True

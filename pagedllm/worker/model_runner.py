@@ -39,7 +39,7 @@ from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposal_step import ProposalStep
 from pagedllm.spec_decode.suffix_decoding import SuffixDecodingProposer
-from pagedllm.structured_output.backend_xgrammar import apply_bitmask
+from pagedllm.structured_output.bitmask import apply_bitmask
 from pagedllm.worker.cpu_graphs import DecodeGraphs
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput

@@ -54,3 +54,25 @@ def test_ipc_types_are_msgspec_structs_that_round_trip():
                                 SchedulerStats(num_running_reqs=1))
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(outputs), type=EngineCoreOutputs)
     assert decoded.outputs[0].finish_reason == FinishReason.LENGTH and decoded.scheduler_stats.num_running_reqs == 1
+
+
+def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
+    """An engine or worker process imports its modules and unpickles the frontend's EngineConfig; neither may
+    import transformers or xgrammar (seconds of every engine start): the HF config travels as plain values
+    (config.HFConfigValues), the tokenizer and grammar library load when a first request needs a grammar."""
+    import pickle
+    import subprocess
+    import sys
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    config = EngineArgs(dtype="float32", max_model_len=512, tensor_parallel_size=3).create_engine_config()
+    (tmp_path / "config.pkl").write_bytes(pickle.dumps(config))
+    script = ("import pickle, sys\n"
+              "import pagedllm.engine.core_proc, pagedllm.executor.multiproc, pagedllm.executor.worker_proc\n"
+              f"config = pickle.loads(open({str(tmp_path / 'config.pkl')!r}, 'rb').read())\n"
+              "assert config.model_config.hf_config.num_key_value_heads == 3\n"
+              "print(sorted(m for m in ('transformers', 'xgrammar') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
