@@ -5,51 +5,54 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.ray
-ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
+from tests.e2e.conftest import running_llm
+from tests.e2e.test_parallel_mp import STRESS, assert_same, expected, prompts, run  # noqa: F401 (fixtures)
+from tests.e2e.test_parallel_tiny_models import assert_parity, generate, save_tiny_model
 
-from tests.e2e.conftest import running_llm  # noqa: E402
-from tests.e2e.test_parallel_mp import STRESS, assert_same, expected, prompts, run  # noqa: E402,F401 (fixtures)
-from tests.e2e.test_parallel_tiny_models import assert_parity, generate, save_tiny_model  # noqa: E402
+pytestmark = pytest.mark.ray
 
 NODE = dict(num_cpus=2, object_store_memory=80 << 20)
 
 
 @pytest.fixture(scope="module")
-def two_node_cluster():
+def ray():
+    """The ray module, connected to a two-node cluster of its own. Imported here, not with the module: collecting
+    the suite, which deselects these tests, would otherwise import Ray (seconds)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
     cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
     cluster.add_node(**NODE)
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
-    yield cluster
+    yield ray
     ray.shutdown()
     cluster.shutdown()
 
 
-def engine_nodes() -> set[str]:
+def engine_nodes(ray) -> set[str]:
     """The nodes the live engine's placement group put its ranks on."""
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     assert len(groups) == 1
     return set(groups[0]["bundles_to_node_id"].values())
 
 
-def test_tiny_model_tp2_pp2_across_two_nodes(two_node_cluster, tmp_path, tokenizer):
+def test_tiny_model_tp2_pp2_across_two_nodes(ray, tmp_path, tokenizer):
     reference = save_tiny_model(tmp_path, tokenizer, "qwen2")
     nodes = []
     got = generate(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
-                   on_engine=lambda: nodes.append(engine_nodes()))
+                   on_engine=lambda: nodes.append(engine_nodes(ray)))
     assert_parity(reference, got)
     assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
 
 
-def test_tiny_model_tp2(two_node_cluster, tmp_path, tokenizer):
+def test_tiny_model_tp2(ray, tmp_path, tokenizer):
     reference = save_tiny_model(tmp_path, tokenizer, "llama")
     assert_parity(reference, generate(tmp_path, tensor_parallel_size=2, distributed_executor_backend="ray"))
 
 
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2)])
-def test_default_model(two_node_cluster, prompts, expected, parallel):
+def test_default_model(ray, prompts, expected, parallel):
     with running_llm(distributed_executor_backend="ray", **parallel, **STRESS) as llm:
         assert_same(run(llm, prompts), expected)
         assert llm.get_stats().num_preemptions > 0
