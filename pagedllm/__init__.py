@@ -12,6 +12,7 @@ _EXPORTS = {
     "CompletionOutput": "pagedllm.outputs",
     "BeamSearchParams": "pagedllm.beam_search",
     "BeamSearchOutput": "pagedllm.beam_search",
+    "LoRARequest": "pagedllm.lora.request",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -209,6 +209,27 @@ def _check_positive_int(name: str, value) -> None:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving, as vLLM's ``enable_lora`` and its limits: at most ``max_loras`` adapters in one step
+    (each has a slot in every LoRA'd layer), of rank up to ``max_lora_rank``; the worker keeps up to
+    ``max_cpu_loras`` adapters loaded (default: max_loras)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+
+@dataclass
 class SpeculativeConfig:
     """Speculative decoding, as vLLM's ``speculative_config``: each step a proposer drafts up to
     ``num_speculative_tokens`` tokens per request, and one forward of the target model verifies them all.
@@ -311,3 +332,4 @@ class EngineConfig:
     # torch threads of the worker; None keeps torch's default (one per core).
     num_cpu_threads: Optional[int] = None
     speculative_config: Optional[SpeculativeConfig] = None
+    lora_config: Optional[LoRAConfig] = None  # None: LoRA not enabled

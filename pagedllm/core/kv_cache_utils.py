@@ -107,10 +107,14 @@ def hash_block_tokens(parent_block_hash: Optional[BlockHash], token_ids: Sequenc
 
 
 def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple[Any, ...]]:
-    """Keys besides the tokens that make KV differ: the cache salt (first block only); a LoRA id later."""
-    if block_index == 0 and request.cache_salt:
-        return (request.cache_salt,)
-    return None
+    """Keys besides the tokens that make KV differ: the cache salt and the LoRA adapter's id (an adapter changes
+    every layer's K/V). The first block's suffice: every later hash chains from it, so requests with different
+    keys share no block, and requests with the same keys (the same adapter) share them all."""
+    if block_index != 0:
+        return None
+    keys = ((request.cache_salt,) if request.cache_salt else ()) + (
+        ("lora", request.lora_request.lora_int_id) if request.lora_request is not None else ())
+    return keys or None
 
 
 def make_block_hasher(block_size: int) -> Callable[["Request"], list[BlockHash]]:

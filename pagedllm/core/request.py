@@ -9,6 +9,7 @@ from pagedllm.engine.protocol import FinishReason
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.structured_output.request import StructuredOutputRequest
 
 
@@ -59,6 +60,7 @@ class Request:
         priority: int = 0,
         cache_salt: Optional[str] = None,
         block_hasher: Optional[Callable[["Request"], list[bytes]]] = None,
+        lora_request: Optional["LoRARequest"] = None,
     ) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params
@@ -66,6 +68,7 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.stop_reason: Union[int, str, None] = None
         self.error: Optional[str] = None

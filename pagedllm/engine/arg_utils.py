@@ -9,7 +9,8 @@ from typing import Optional, Union
 
 import torch
 
-from pagedllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
@@ -57,6 +58,11 @@ class EngineArgs:
     distributed_executor_backend: Optional[str] = None
     # vLLM's speculative_config: a dict such as {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: Optional[Union[dict, SpeculativeConfig]] = None
+    # Multi-LoRA serving (vLLM's names and defaults).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     def create_engine_config(self) -> EngineConfig:
         path = resolve_model(self.model)
@@ -102,6 +108,8 @@ class EngineArgs:
             num_cpu_threads=self.num_cpu_threads,
             parallel_config=parallel_config,
             speculative_config=speculative_config,
+            lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
+                         else None),
         )
 
 

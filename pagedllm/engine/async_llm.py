@@ -20,6 +20,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.outputs import RequestOutput
@@ -33,7 +34,7 @@ class AsyncLLM:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
-        self.processor = Processor(config.model_config, tokenizer)
+        self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers = list(stat_loggers or [])
         self.engine_core = make_async_client(config)
@@ -64,13 +65,14 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------------ requests
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.DELTA
-                       ) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise self._dead_error or EngineDeadError()
         if request_id in self._queues:
             raise ValueError(f"Request id {request_id!r} is already running.")
-        text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority)
+        text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority,
+                                               lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False

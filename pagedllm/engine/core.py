@@ -36,7 +36,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
                                    config.parallel_config.pipeline_parallel_size,
                                    spec.num_speculative_tokens if spec is not None else 0,
-                                   spec.num_lookahead_tokens if spec is not None else 0)
+                                   spec.num_lookahead_tokens if spec is not None else 0,
+                                   config.lora_config.max_loras if config.lora_config is not None else 0)
         # Pipeline parallel: batches in flight, oldest first, so that every stage works on one (vLLM's batch queue).
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[ModelRunnerOutputFuture, SchedulerOutput]] = deque()
@@ -46,7 +47,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time, priority=request.priority,
-            cache_salt=request.cache_salt, block_hasher=self._block_hasher))
+            cache_salt=request.cache_salt, block_hasher=self._block_hasher, lora_request=request.lora_request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

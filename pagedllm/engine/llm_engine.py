@@ -17,7 +17,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.processor = Processor(config.model_config, tokenizer)
+        self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = make_sync_client(config)
 

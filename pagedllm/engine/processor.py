@@ -6,8 +6,9 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from pagedllm.config import ModelConfig
+from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
@@ -16,10 +17,35 @@ PromptType = Union[str, dict]
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: Optional[LoRAConfig] = None) -> None:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_id = self._eos_token_id()
+        self.lora_config = lora_config
+        self._checked_loras: dict[int, LoRARequest] = {}  # adapters already found to fit, by id
+
+    def validate_lora_request(self, lora_request: Optional[LoRARequest]) -> None:
+        """An adapter is checked against the base model (its files, settings and shapes) the first time its id
+        comes, here in the frontend, so that the engine only ever loads adapters that fit: a bad one is this
+        request's ValueError while the engine keeps serving. An id must keep naming the same adapter."""
+        if lora_request is None:
+            return
+        if self.lora_config is None:
+            raise ValueError(f"lora_request: LoRA is not enabled in this engine (adapter "
+                             f"{lora_request.lora_name!r}); start it with enable_lora=True")
+        known = self._checked_loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+                raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
+                                 f"{known.lora_name!r} at {known.lora_path!r}")
+            return
+        from pagedllm.lora.lora_model import LoRAModel
+        LoRAModel.from_local_checkpoint(lora_request.lora_path, lora_request.lora_int_id,
+                                        self.model_config.hf_config, self.lora_config.max_lora_rank)
+        self._checked_loras[lora_request.lora_int_id] = lora_request
+
+    def forget_lora(self, lora_int_id: int) -> None:
+        self._checked_loras.pop(lora_int_id, None)
 
     def _eos_token_id(self) -> Optional[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -84,9 +110,11 @@ class Processor:
             raise ValueError(f"{name} contains out-of-vocabulary token ids {bad} (vocabulary size {vocab_size}).")
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: Optional[float] = None, priority: int = 0) -> tuple[Optional[str], EngineCoreRequest]:
+                arrival_time: Optional[float] = None, priority: int = 0,
+                lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        self.validate_lora_request(lora_request)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
         params = self.process_sampling_controls(params)
@@ -94,5 +122,6 @@ class Processor:
             # Fill the context: the scheduler stops the request at max_model_len.
             params = msgspec.structs.replace(params, max_tokens=self.model_config.max_model_len - len(token_ids))
         return text, EngineCoreRequest(request_id, token_ids, params, self.eos_token_id,
-                                       arrival_time if arrival_time is not None else time.time(), priority)
+                                       arrival_time if arrival_time is not None else time.time(), priority,
+                                       lora_request=lora_request)
 

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sample.logprobs import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     arrival_time: float
     priority: int = 0
     cache_salt: Optional[str] = None
+    lora_request: Optional[LoRARequest] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

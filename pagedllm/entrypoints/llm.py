@@ -10,6 +10,7 @@ from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearc
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
@@ -37,8 +38,11 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
-        """Outputs come back in the order of the prompts, whatever order they finish in."""
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None,
+                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
+                 ) -> list[RequestOutput]:
+        """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request``: one
+        adapter for every prompt, or one per prompt (None: the base model)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -53,9 +57,17 @@ class LLM:
                                  "pass one, or one per prompt.")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts.")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_requests = [lora_request] * len(prompts)
+        else:
+            lora_requests = list(lora_request)
+            if len(lora_requests) != len(prompts):
+                raise ValueError(f"lora_request: got {len(lora_requests)} for {len(prompts)} prompts; pass one, or "
+                                 "one per prompt.")
         # Process (validate) everything before anything is queued, so bad input leaves no request behind.
         processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
-                                                       priority=priority[i] if priority else 0)
+                                                       priority=priority[i] if priority else 0,
+                                                       lora_request=lora_requests[i])
                      for i, (prompt, params) in enumerate(zip(prompts, params_list))]
         for text, request in processed:
             self.llm_engine.add_processed_request(text, request)
@@ -64,7 +76,9 @@ class LLM:
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False,
+             lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
+             ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
@@ -74,7 +88,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message, return_dict=False)
             prompts.append({"prompt_token_ids": list(token_ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

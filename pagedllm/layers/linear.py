@@ -86,6 +86,14 @@ class LinearBase(nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         quant_method = quant_config.get_quant_method(self, prefix) if quant_config else None
         self.quant_method = quant_method or UnquantizedLinearMethod()
+        # The adapter slots of multi-LoRA serving (lora/layers.LinearLoRA), attached by the worker's LoRA manager;
+        # while a step has adapters, forward adds their x·A·B to the rows that use them.
+        self.lora = None
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.punica.active:
+            self.lora.add_to(y, x)
+        return y
 
     def _create_params(self, out_features: int, in_features: int, bias: bool) -> None:
         self.quant_method.create_weights(self, in_features, out_features, self.params_dtype, self.weight_loader)
@@ -141,8 +149,14 @@ class ColumnParallelLinear(LinearBase):
         shard = param.shape[0]
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
+    def output_shards(self) -> list[tuple[int, int, int]]:
+        """Per output of the checkpoint this layer fuses: (offset in this rank's output, size on this rank, which
+        of the full output's equal shards this rank holds). How the weight_loader cuts weights, and the LoRA
+        slots their B."""
+        return [(0, self.output_size_per_partition, self.tp_rank)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, self.bias)
+        y = self._add_lora(self.quant_method.apply(self, x, self.bias), x)
         if self.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y)
         return y
@@ -169,14 +183,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this projection in one kernel where the weight's layout has one (bf16 panels),
         else None (then apply the activation to ``forward``'s output)."""
-        if not self.gated_silu or self.gather_output:
-            return None
+        if not self.gated_silu or self.gather_output or (self.lora is not None and self.lora.punica.active):
+            return None  # (adapters add to the projection before the activation)
         return self.quant_method.apply_silu_and_mul(self, x, self.bias)
 
+    def output_shards(self) -> list[tuple[int, int, int]]:
+        return [(sum(self.output_sizes[:i]) // self.tp_size, size // self.tp_size, self.tp_rank)
+                for i, size in enumerate(self.output_sizes)]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
-        shard = self.output_sizes[loaded_shard_id] // self.tp_size
-        offset = sum(self.output_sizes[:loaded_shard_id]) // self.tp_size
-        _copy_checked(param.data.narrow(0, offset, shard), loaded_weight.narrow(0, self.tp_rank * shard, shard))
+        offset, size, shard_rank = self.output_shards()[loaded_shard_id]
+        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -202,14 +219,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
         super().__init__(hidden_size, output_size, bias, False, params_dtype, tp_size, tp_rank, quant_config, prefix)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+    def output_shards(self) -> list[tuple[int, int, int]]:
+        """q, k, v; with more ranks than KV heads, a rank holds KV head tp_rank // replicas."""
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
-        offset, size, shard_rank = {
-            "q": (0, q_size, self.tp_rank),
-            "k": (q_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
-            "v": (q_size + kv_size, kv_size, self.tp_rank // self.num_kv_head_replicas),
-        }[loaded_shard_id]
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        return [(0, q_size, self.tp_rank), (q_size, kv_size, kv_rank), (q_size + kv_size, kv_size, kv_rank)]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+        offset, size, shard_rank = self.output_shards()["qkv".index(loaded_shard_id)]
         _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
 
 
@@ -237,7 +255,8 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel:
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
-        y = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        # This rank's part of x·A·B joins its partial output, so the one all-reduce sums both.
+        y = self._add_lora(self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None), x)
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y

@@ -14,6 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
@@ -32,6 +33,7 @@ class CachedRequestState:
     generator: Optional[torch.Generator] = None
     # Prompt positions whose prompt logprobs were already returned (a preempted request recomputes them).
     num_prompt_logprobs_done: int = 0
+    lora_request: Optional[LoRARequest] = None
 
     @property
     def num_tokens(self) -> int:

@@ -28,6 +28,7 @@ from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelRank, get_pp_group, get_tp_group
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
 from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.lora.worker_manager import WorkerLoRAManager
 from pagedllm.models.llama import IntermediateTensors
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice, choose_kernels, kernel_paths
@@ -65,6 +66,7 @@ class ModelRunner:
         self.kernels: KernelChoice | None = None  # this engine's, chosen as its model loads
         self.kv_caches: list = []
         self.decode_graphs: DecodeGraphs | None = None
+        self.lora_manager: WorkerLoRAManager | None = None  # with enable_lora
 
     def load_model(self) -> None:
         mc = self.model_config
@@ -76,6 +78,10 @@ class ModelRunner:
                     "; ".join(f"{part}: {path}" for part, path in paths.items()))
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.load_model(self.kernels)
+        lora = self.config.lora_config
+        if lora is not None:
+            self.lora_manager = WorkerLoRAManager(self.model, mc.hf_config, lora.max_loras, lora.max_lora_rank,
+                                                  lora.max_cpu_loras)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One cache per layer of this stage, holding this TP rank's KV heads."""
@@ -115,7 +121,8 @@ class ModelRunner:
             if params.sampling_type == SamplingType.RANDOM_SEED:
                 generator = torch.Generator().manual_seed(params.seed)
             state = CachedRequestState(new.req_id, new.prompt_token_ids, params, new.eos_token_id,
-                                       list(new.block_ids), new.num_computed_tokens, generator=generator)
+                                       list(new.block_ids), new.num_computed_tokens, generator=generator,
+                                       lora_request=new.lora_request)
             self.requests[new.req_id] = state
             batch.add_request(state)
 
@@ -173,8 +180,11 @@ class ModelRunner:
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         query_start_loc[1:] = cu_num_tokens
         block_table = batch.block_table[rows]
+        if self.lora_manager is not None:
+            self._set_active_loras(rows, num_scheduled)
         hidden_states = None
-        if self.decode_graphs is not None and num_tokens == n:
+        # Steps with adapters run eagerly: the graphs were captured without them.
+        if self.decode_graphs is not None and num_tokens == n and not self._loras_active:
             hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table)
         if hidden_states is None:
             block_table = block_table[:, :int(batch.num_blocks[rows].max())]
@@ -248,6 +258,17 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids)
+
+    @property
+    def _loras_active(self) -> bool:
+        return self.lora_manager is not None and self.lora_manager.punica.active
+
+    def _set_active_loras(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
+        """This step's adapters into slots, and each token's slot for the LoRA'd layers."""
+        loras = [self.input_batch.states[row].lora_request for row in rows.tolist()]
+        row_ids = np.array([lora.lora_int_id if lora is not None else 0 for lora in loras], dtype=np.int64)
+        self.lora_manager.set_active_loras({lora.lora_int_id: lora for lora in loras if lora is not None},
+                                           torch.from_numpy(np.repeat(row_ids, num_scheduled)))
 
     def _propose_drafts(self, step: ProposalStep) -> list[list[int]]:
         """Per output index: the drafts for the request's next step (none for a request that did not sample)."""

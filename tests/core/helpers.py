@@ -22,23 +22,23 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched
                    max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                    policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
-                   num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0) -> Scheduler:
+                   num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0, max_loras: int = 0) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
-        structured_output_manager, pipeline_parallel_size, num_speculative_tokens, num_lookahead_tokens)
+        structured_output_manager, pipeline_parallel_size, num_speculative_tokens, num_lookahead_tokens, max_loras)
     created_schedulers.append(scheduler)
     return scheduler
 
 
 def make_request(req_id: str, prompt_token_ids: list[int], block_size: int = 16, max_tokens: int = 16,
-                 priority: int = 0, arrival_time: Optional[float] = None, **params) -> Request:
+                 priority: int = 0, arrival_time: Optional[float] = None, lora_request=None, **params) -> Request:
     return Request(req_id, prompt_token_ids, SamplingParams(max_tokens=max_tokens, **params), eos_token_id=EOS,
                    arrival_time=arrival_time if arrival_time is not None else float(next(_arrival)),
-                   priority=priority, block_hasher=make_block_hasher(block_size))
+                   priority=priority, block_hasher=make_block_hasher(block_size), lora_request=lora_request)
 
 
 def deterministic_token(req_id: str, position: int) -> int:

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from pagedllm.core.request import Request
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -18,11 +19,12 @@ class NewRequestData:
     eos_token_id: Optional[int]
     block_ids: list[int]
     num_computed_tokens: int
+    lora_request: Optional[LoRARequest] = None
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
-                   block_ids, request.num_computed_tokens)
+                   block_ids, request.num_computed_tokens, request.lora_request)
 
 
 @dataclass

@@ -37,12 +37,15 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  structured_output_manager: Optional["StructuredOutputManager"] = None,
                  pipeline_parallel_size: int = 1, num_speculative_tokens: int = 0,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, max_loras: int = 0) -> None:
         """With ``pipeline_parallel_size`` > 1 the workers are pipeline stages: scheduled running requests carry
         their tokens, and each batch takes about 1/pp of the requests so that pp batches keep every stage busy.
 
         ``num_lookahead_tokens``: KV slots each scheduled request gets past its step's tokens for the proposer to
-        write (a draft model's); they are scratch, given back when the step's results come in."""
+        write (a draft model's); they are scratch, given back when the step's results come in.
+
+        ``max_loras`` (0: LoRA off): the most adapters the running requests may use at once, so that every step's
+        fit the workers' slots."""
         if cache_config.num_blocks is None:
             raise ValueError("cache_config.num_blocks must be set before building the Scheduler")
         self.scheduler_config = scheduler_config
@@ -73,6 +76,7 @@ class Scheduler:
         self.spec_decode_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.spec_budget = SpecDecodeBudget() if num_speculative_tokens else None
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.max_loras = max_loras
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
@@ -205,6 +209,8 @@ class Scheduler:
         scheduled_new: list[Request] = []
         scheduled_resumed: list[Request] = []
         skipped_waiting: list[Request] = []
+        running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        lora_blocked = False
         while not preempted and self.waiting and token_budget > 0:
             if len(self.running) >= self.max_num_running_reqs or len(num_scheduled_tokens) >= max_batch_reqs:
                 break
@@ -215,6 +221,15 @@ class Scheduler:
                     self._free_request(request)
                 else:
                     skipped_waiting.append(self.waiting.pop_request())
+                continue
+            lora = request.lora_request
+            if lora is not None and (lora_blocked or (lora.lora_int_id not in running_loras
+                                                      and len(running_loras) >= self.max_loras)):
+                # Every adapter slot is taken: it waits, and so does every adapter request behind it (the running
+                # adapters then drain and free a slot for it, rather than new requests keeping them busy for
+                # ever); requests for the base model go on.
+                lora_blocked = True
+                skipped_waiting.append(self.waiting.pop_request())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
@@ -227,6 +242,8 @@ class Scheduler:
                 break
             self.waiting.pop_request()
             self.running.append(request)
+            if lora is not None:
+                running_loras.add(lora.lora_int_id)
             (scheduled_resumed if request.status == RequestStatus.PREEMPTED else scheduled_new).append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens

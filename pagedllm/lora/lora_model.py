@@ -1,0 +1,97 @@
+"""An adapter's weights, loaded from its safetensors and mapped onto the model's fused layers (vLLM's LoRAModel).
+
+PEFT names a tensor ``base_model.model.<module>.lora_A.weight`` (``[r, in]``) or ``...lora_B.weight``
+(``[out, r]``) after the checkpoint's own modules (q_proj, k_proj, ...); the model fuses q/k/v into qkv_proj and
+gate/up into gate_up_proj, so each original module becomes one slice of a fused layer, with its own A and B
+(LORA_TARGETS). B is stored multiplied by the adapter's scaling, so a layer adds x·A·B with nothing else to do.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+
+from pagedllm.config import head_dim
+from pagedllm.lora.peft_helper import WEIGHTS_FILE, PEFTHelper
+
+# checkpoint module -> (the model's layer, slice index)
+LORA_TARGETS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}
+NUM_SLICES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+_TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+
+
+def slice_shapes(hf_config) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) of each slice of each LoRA'd layer, as the checkpoint's full (unsharded) modules have them."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    dim = head_dim(hf_config)
+    return {
+        "self_attn.qkv_proj": [(hidden, heads * dim), (hidden, kv_heads * dim), (hidden, kv_heads * dim)],
+        "self_attn.o_proj": [(heads * dim, hidden)],
+        "mlp.gate_up_proj": [(hidden, hf_config.intermediate_size)] * 2,
+        "mlp.down_proj": [(hf_config.intermediate_size, hidden)],
+    }
+
+
+@dataclass
+class LoRALayerWeights:
+    """One fused layer's adapter: per slice, ``(A [r, in], B·scaling [out, r])`` or None where the adapter leaves
+    that slice alone."""
+
+    slices: list[tuple[torch.Tensor, torch.Tensor] | None]
+
+
+@dataclass
+class LoRAModel:
+    lora_int_id: int
+    rank: int
+    # "model.layers.<i>.<layer>" -> its weights
+    layers: dict[str, LoRALayerWeights] = field(default_factory=dict)
+
+    @classmethod
+    def from_local_checkpoint(cls, lora_path: str, lora_int_id: int, hf_config, max_lora_rank: int,
+                              dtype: torch.dtype = torch.float32) -> LoRAModel:
+        """Load and check an adapter against the base model's config; a ValueError names what does not fit (a
+        module the model has no LoRA layer for, a shape that is not the base's, a layer past its last)."""
+        peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
+        shapes = slice_shapes(hf_config)
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+            for name in f.keys():
+                match = _TENSOR_NAME.match(name)
+                if match is None or match.group(2) not in LORA_TARGETS:
+                    raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
+                                     f"pagedllm serves adapters on ({', '.join(LORA_TARGETS)} of a decoder layer)")
+                layer_index = int(match.group(1))
+                if layer_index >= hf_config.num_hidden_layers:
+                    raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
+                                     f"base model has {hf_config.num_hidden_layers}")
+                pairs.setdefault((layer_index, match.group(2)), {})[match.group(3)] = f.get_tensor(name)
+        model = cls(lora_int_id, peft.r)
+        for (layer_index, module), ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"}:
+                raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"
+                                 f"{''.join(ab)} without its pair")
+            fused, slice_index = LORA_TARGETS[module]
+            in_features, out_features = shapes[fused][slice_index]
+            a, b = ab["A"], ab["B"]
+            if a.shape != (peft.r, in_features) or b.shape != (out_features, peft.r):
+                raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has A {tuple(a.shape)} "
+                                 f"and B {tuple(b.shape)}; the base model needs A ({peft.r}, {in_features}) and B "
+                                 f"({out_features}, {peft.r}) for rank {peft.r}")
+            weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
+                                              LoRALayerWeights([None] * NUM_SLICES[fused]))
+            weights.slices[slice_index] = (a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype))
+        if not model.layers:
+            raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
+        return model

@@ -1,0 +1,82 @@
+"""A PEFT adapter directory's adapter_config.json, read and checked (vLLM's vllm/lora/peft_helper.py).
+
+What is served: LoRA (``peft_type`` "LORA") on the attention and MLP projections, any rank up to the engine's
+``max_lora_rank``, ``lora_alpha`` scaling (``use_rslora``: alpha / sqrt(r)), ``layers_to_transform`` (the
+adapter's tensors say which layers it has). What is refused, with a ValueError naming it: DoRA, trained biases,
+``modules_to_save`` (whole replaced modules, e.g. an LM head), per-module ranks or alphas (``rank_pattern``,
+``alpha_pattern``), ``fan_in_fan_out`` (GPT-2's Conv1D layout), and weights saved as .bin (pickles: not loaded).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class PEFTHelper:
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str
+    use_rslora: bool = False
+
+    @property
+    def scaling(self) -> float:
+        """What x·A·B is multiplied by: PEFT's lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+    @classmethod
+    def from_local_dir(cls, lora_path: str, max_lora_rank: int) -> PEFTHelper:
+        """The adapter's settings, or a ValueError naming what does not fit (a missing file, a setting pagedllm
+        does not serve, a rank above ``max_lora_rank``)."""
+        if not os.path.isdir(lora_path):
+            raise ValueError(f"LoRA adapter directory {lora_path!r} does not exist")
+        config_path = os.path.join(lora_path, CONFIG_FILE)
+        if not os.path.isfile(config_path):
+            raise ValueError(f"LoRA adapter {lora_path!r} has no {CONFIG_FILE}")
+        if not os.path.isfile(os.path.join(lora_path, WEIGHTS_FILE)):
+            if os.path.isfile(os.path.join(lora_path, "adapter_model.bin")):
+                raise ValueError(f"LoRA adapter {lora_path!r} holds adapter_model.bin, a pickle, which pagedllm does "
+                                 f"not load; save it as {WEIGHTS_FILE} (peft: save_pretrained(..., "
+                                 f"safe_serialization=True))")
+            raise ValueError(f"LoRA adapter {lora_path!r} has no {WEIGHTS_FILE}")
+        try:
+            with open(config_path) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"LoRA adapter {lora_path!r}: {CONFIG_FILE} is not readable JSON ({e})") from None
+        return cls.from_config(config, max_lora_rank, lora_path)
+
+    @classmethod
+    def from_config(cls, config: dict, max_lora_rank: int, where: str = "") -> PEFTHelper:
+        def refuse(message: str) -> ValueError:
+            return ValueError(f"LoRA adapter {where!r}: {message}")
+
+        if config.get("peft_type", "LORA") != "LORA":
+            raise refuse(f"peft_type {config.get('peft_type')!r} is not LORA")
+        r, alpha = config.get("r"), config.get("lora_alpha")
+        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+            raise refuse(f"r must be a positive integer, got {r!r}")
+        if r > max_lora_rank:
+            raise refuse(f"rank r={r} exceeds max_lora_rank={max_lora_rank} (raise max_lora_rank to serve it)")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+            raise refuse(f"lora_alpha must be a number, got {alpha!r}")
+        if config.get("use_dora"):
+            raise refuse("use_dora: DoRA adapters are not supported")
+        if config.get("bias", "none") != "none":
+            raise refuse(f"bias={config['bias']!r}: adapters with trained biases are not supported")
+        if config.get("modules_to_save"):
+            raise refuse(f"modules_to_save={config['modules_to_save']!r}: adapters that replace whole modules are "
+                         f"not supported")
+        for pattern in ("rank_pattern", "alpha_pattern"):
+            if config.get(pattern):
+                raise refuse(f"{pattern}: per-module ranks and alphas are not supported")
+        if config.get("fan_in_fan_out"):
+            raise refuse("fan_in_fan_out: Conv1D-layout adapters are not supported")
+        targets = config.get("target_modules") or ()
+        return cls(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora", False)),
+                   target_modules=targets if isinstance(targets, str) else tuple(targets))

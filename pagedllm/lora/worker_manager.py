@@ -1,0 +1,78 @@
+"""The worker's adapters (vLLM's LRUCacheWorkerLoRAManager): ``max_loras`` slots on the model's LoRA'd layers,
+and up to ``max_cpu_loras`` adapters kept loaded (least recently used dropped first), so that an adapter coming
+back costs a copy into a slot, not a read of its files."""
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from pagedllm.lora.layers import LinearLoRA
+from pagedllm.lora.lora_model import NUM_SLICES, LoRAModel
+from pagedllm.lora.punica import PunicaWrapper
+from pagedllm.lora.request import LoRARequest
+
+_LORA_LAYER = re.compile(r"^model\.layers\.\d+\.(" + "|".join(re.escape(n) for n in NUM_SLICES) + r")$")
+
+
+class WorkerLoRAManager:
+    def __init__(self, model: nn.Module, hf_config, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+        self.hf_config = hf_config
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.punica = PunicaWrapper()
+        self.layers: dict[str, LinearLoRA] = {}
+        for name, module in model.named_modules():
+            if _LORA_LAYER.match(name):
+                module.lora = LinearLoRA(module, max_loras, max_lora_rank, self.punica)
+                self.layers[name] = module.lora
+        self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
+        self._slot_use = [0] * max_loras  # the step a slot last served, for choosing which to reuse
+        self._step = 0
+        self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # id -> adapter, least recently used first
+
+    def _get(self, request: LoRARequest) -> LoRAModel:
+        model = self.loaded.get(request.lora_int_id)
+        if model is None:
+            model = LoRAModel.from_local_checkpoint(request.lora_path, request.lora_int_id, self.hf_config,
+                                                    self.max_lora_rank)
+            self.loaded[request.lora_int_id] = model
+            while len(self.loaded) > self.max_cpu_loras:
+                self.loaded.popitem(last=False)
+        self.loaded.move_to_end(request.lora_int_id)
+        return model
+
+    def remove_adapter(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its files may change before it is used again); False if it was not loaded."""
+        for slot, held in enumerate(self.slot_ids):
+            if held == lora_int_id:
+                self.slot_ids[slot] = None
+        return self.loaded.pop(lora_int_id, None) is not None
+
+    def set_active_loras(self, requests: dict[int, LoRARequest], token_lora_ids: torch.Tensor) -> None:
+        """Put this step's adapters (at most max_loras: the scheduler's promise) into slots and map each token
+        (``token_lora_ids[i]``: its request's adapter id, 0 for none) to its adapter's slot."""
+        self._step += 1
+        if len(requests) > self.max_loras:
+            raise RuntimeError(f"{len(requests)} adapters in one step; max_loras is {self.max_loras}")
+        slot_of = {held: slot for slot, held in enumerate(self.slot_ids) if held in requests}
+        reusable = sorted((s for s in range(self.max_loras) if self.slot_ids[s] not in requests),
+                          key=lambda s: (self.slot_ids[s] is not None, self._slot_use[s]))
+        for lora_id, request in requests.items():
+            if lora_id not in slot_of:
+                slot = reusable.pop(0)
+                model = self._get(request)
+                for name, layer in self.layers.items():
+                    layer.set_slot(slot, model.layers.get(name))
+                self.slot_ids[slot], slot_of[lora_id] = lora_id, slot
+            else:
+                self._get(request)  # keeps it the most recently used
+            self._slot_use[slot_of[lora_id]] = self._step
+        if not requests:
+            self.punica.clear()
+            return
+        table = torch.full((max(max(requests), int(token_lora_ids.max())) + 1,), -1, dtype=torch.long)
+        for lora_id, slot in slot_of.items():
+            table[lora_id] = slot
+        self.punica.update(table[token_lora_ids])

@@ -1,0 +1,158 @@
+"""Multi-LoRA serving holds the oracle: greedy float32 output token for token that of transformers + peft with the
+same adapter, for three random peft adapters (different ranks and targets, one rsLoRA, one on q/k/v only) in one
+batch with base-model requests, through the engine process; also under chunked prefill and forced preemption, with
+fewer adapter slots than adapters (max_loras=2). The prefix cache keeps adapters apart; adapters that do not fit
+the base model are a ValueError naming the problem, and the engine serves on."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pagedllm import LoRARequest, SamplingParams
+from tests.e2e.conftest import assert_transformers_greedy, running_llm
+from tests.e2e.test_llm_parity import make_prompts
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {  # name -> peft LoraConfig settings
+    "all-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"]),
+    "rslora-r16": dict(r=16, lora_alpha=32, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"]),
+    "qkv-r4": dict(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"]),
+}
+ENGINE = dict(dtype="float32", max_model_len=1024, enable_lora=True, max_loras=2, max_lora_rank=16)
+MAX_TOKENS = 24
+
+
+def _random_adapter(hf_model, settings: dict, seed: int, path) -> torch.nn.Module:
+    """A peft model of the reference with random A and B (init_lora_weights=False), saved to ``path``."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(copy.deepcopy(hf_model),
+                                peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **settings))
+    with torch.no_grad():  # B's default, U(+-1/sqrt(r)), swamps the base model; scaled, it changes its output
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model, tmp_path_factory):
+    """name -> (LoRARequest, its transformers + peft model)."""
+    made = {}
+    for i, (name, settings) in enumerate(ADAPTERS.items()):
+        path = tmp_path_factory.mktemp(name)
+        made[name] = (LoRARequest(name, i + 1, str(path)), _random_adapter(hf_model, settings, i, path))
+    return made
+
+
+@pytest.fixture(scope="module")
+def batch(tokenizer, adapters, hf_model):
+    """8 prompts of 5 to 400 tokens, each for the base model or one of the adapters (each adapter twice)."""
+    prompts = make_prompts(tokenizer)
+    names = [None, "all-r8", "rslora-r16", "qkv-r4", "all-r8", None, "qkv-r4", "rslora-r16"]
+    requests = [adapters[n][0] if n else None for n in names]
+    oracles = [adapters[n][1] if n else hf_model for n in names]
+    return prompts, requests, oracles
+
+
+def run(llm, prompts, lora_requests) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                           lora_request=lora_requests)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_each_is_its_models_greedy(batch, outputs) -> None:
+    prompts, _, oracles = batch
+    for prompt, oracle, got in zip(prompts, oracles, outputs):
+        assert_transformers_greedy(oracle, [prompt], [got], MAX_TOKENS)
+
+
+def test_mixed_batch_equals_transformers_with_peft(batch):
+    prompts, requests, _ = batch
+    with running_llm(**ENGINE) as llm:
+        outputs = run(llm, prompts, requests)
+        base = run(llm, prompts, None)
+    assert_each_is_its_models_greedy(batch, outputs)
+    # Every adapter changed its requests' output (the test would not see a dropped adapter otherwise).
+    for i, request in enumerate(requests):
+        assert (outputs[i] == base[i]) == (request is None), f"prompt {i}"
+
+
+def test_chunked_prefill_and_preemption(batch):
+    """64-token chunks and 30 blocks of 16 for a batch that needs 77, longest prompts first (the two longest
+    alone need 44): preempted adapter requests recompute with their adapter."""
+    prompts, requests, oracles = (list(reversed(items)) for items in batch)
+    with running_llm(**ENGINE, max_num_batched_tokens=64, num_kv_blocks=30) as llm:
+        outputs = run(llm, prompts, requests)
+        assert llm.get_stats().num_preemptions > 0
+    assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
+
+
+def test_prefix_cache_shares_blocks_within_an_adapter_only(batch, adapters):
+    prompt = [batch[0][6]]  # 260 tokens: 16 full blocks
+    first, second = adapters["all-r8"][0], adapters["qkv-r4"][0]
+    with running_llm(**ENGINE) as llm:
+        run(llm, prompt, first)
+        hits = llm.get_stats().prefix_cache_hits
+        run(llm, prompt, second)
+        run(llm, prompt, None)
+        assert llm.get_stats().prefix_cache_hits == hits, "another adapter or the base model hit the first's blocks"
+        run(llm, prompt, first)
+        assert llm.get_stats().prefix_cache_hits > hits
+
+
+def _write_adapter(path, config: dict, tensors: dict) -> str:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                          "target_modules": ["q_proj"], **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return str(path)
+
+
+Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+
+
+@pytest.mark.parametrize("config, tensors, message", [
+    ({"r": 32}, {}, r"rank r=32 exceeds max_lora_rank=16"),
+    ({"use_dora": True}, {}, r"DoRA"),
+    ({"modules_to_save": ["lm_head"]}, {}, r"modules_to_save"),
+    ({}, {Q_PROJ.format("A"): torch.zeros(4, 100), Q_PROJ.format("B"): torch.zeros(576, 4)},
+     r"q_proj has A \(4, 100\) and B \(576, 4\); the base model needs A \(4, 576\)"),
+    ({}, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}, r"'base_model.model.lm_head.lora_A"),
+    ({}, {Q_PROJ.format("A").replace("layers.0", "layers.30"): torch.zeros(4, 576)}, r"layer 30; the base model "
+                                                                                     r"has 30"),
+])
+def test_an_adapter_that_does_not_fit_is_a_value_error(llm_with_lora, tmp_path, config, tensors, message):
+    good = {Q_PROJ.format("A"): torch.zeros(4, 576), Q_PROJ.format("B"): torch.zeros(576, 4)}
+    path = _write_adapter(tmp_path / "bad", config, tensors or good)
+    with pytest.raises(ValueError, match=message):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("bad", 9, path))
+    assert len(run(llm_with_lora, [[1, 2, 3]], None)[0]) == MAX_TOKENS  # the engine serves on
+
+
+def test_missing_files_and_pickled_weights_are_value_errors(llm_with_lora, tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("gone", 9, str(tmp_path / "gone")))
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (tmp_path / "pickled" / "adapter_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="adapter_model.bin, a pickle"):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("pickled", 9, str(tmp_path / "pickled")))
+
+
+def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        run(llm, [[1, 2, 3]], adapters["qkv-r4"][0])
+
+
+@pytest.fixture(scope="module")
+def llm_with_lora():
+    with running_llm(**ENGINE) as engine:
+        yield engine
