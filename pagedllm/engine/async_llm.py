@@ -89,8 +89,8 @@ class AsyncLLM:
             if not finished:
                 self._abort(request_id)
 
-    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0
-                          ) -> AsyncIterator[RequestOutput]:
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0,
+                          lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """vLLM's frontend beam search (see pagedllm.beam_search): yields one finished RequestOutput whose
         outputs are the beam_width best beams, best first. Each step runs the live beams concurrently."""
         text, token_ids = self.processor.tokenize(prompt)
@@ -99,7 +99,7 @@ class AsyncLLM:
 
         async def last_output(token_ids: list[int], beam_request_id: str) -> RequestOutput:
             async for output in self.generate({"prompt_token_ids": token_ids}, step_params, beam_request_id,
-                                              priority, RequestOutputKind.FINAL_ONLY):
+                                              priority, RequestOutputKind.FINAL_ONLY, lora_request):
                 pass
             return output
 

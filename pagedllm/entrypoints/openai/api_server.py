@@ -24,9 +24,9 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
 from pagedllm.entrypoints.openai.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.cli_args import engine_args_from
-from pagedllm.entrypoints.openai.errors import register_exception_handlers
+from pagedllm.entrypoints.openai.errors import OpenAIError, register_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  TokenizeRequest)
+                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -37,6 +37,9 @@ from pagedllm.metrics.prometheus import PrometheusStatLogger
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 
 router = APIRouter()
+# Run-time adapter loading, served only with --allow-runtime-lora-updating (as vLLM with its environment switch):
+# without it these paths are 404s.
+lora_router = APIRouter()
 
 
 def _respond(result: Any) -> Response:
@@ -89,6 +92,18 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
     return _respond(await raw_request.app.state.openai_serving_completion.create_completion(request))
 
 
+@lora_router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
+    raw_request.app.state.openai_serving_models.load_lora_adapter(request.lora_name, request.lora_path)
+    return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
+
+
+@lora_router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
+    raw_request.app.state.openai_serving_models.unload_lora_adapter(request.lora_name)
+    return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.", media_type="text/plain")
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
@@ -97,14 +112,24 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def build_app(engine_client: Any, registry: CollectorRegistry, served_model_names: list[str],
               chat_template: Optional[str] = None, api_key: Optional[str] = None,
-              tool_call_parser: Optional[str] = None) -> FastAPI:
+              tool_call_parser: Optional[str] = None, lora_modules: Optional[list[dict]] = None,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """``lora_modules``: adapters served from the start ({"name", "path"}); a bad one is a ValueError."""
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
+    if allow_runtime_lora_updating:
+        app.include_router(lora_router)
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
     model_config = engine_client.model_config
-    models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len)
+    models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
+                                 engine_client.processor)
+    for module in lora_modules or ():
+        try:
+            models.load_lora_adapter(module["name"], module["path"])
+        except OpenAIError as e:
+            raise ValueError(f"--lora-modules {module['name']}: {e.message}") from None
     state = app.state
     state.engine_client = engine_client
     state.registry = registry
@@ -136,6 +161,8 @@ class _Server(uvicorn.Server):
 async def run_server(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     served_model_names = args.served_model_name or [args.model]
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     registry = CollectorRegistry()
     num_speculative_tokens = (args.speculative_config or {}).get("num_speculative_tokens", 0)
     engine_client = AsyncLLM.from_engine_args(
@@ -144,7 +171,7 @@ async def run_server(args: argparse.Namespace) -> None:
                                            num_speculative_tokens)])
     try:
         app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
-                        args.tool_call_parser)
+                        args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5)
         logger.info("Serving %s as %s on http://%s:%d", args.model, ", ".join(served_model_names), args.host,

@@ -13,7 +13,8 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                 "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization",
                 "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
-                "data_parallel_size", "distributed_executor_backend", "speculative_config")
+                "data_parallel_size", "distributed_executor_backend", "speculative_config", "enable_lora", "max_loras",
+                "max_lora_rank", "max_cpu_loras")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,6 +63,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="run decode steps eagerly, without replaying CPU graphs")
     engine.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", default=EngineArgs.enable_lora,
+                      help="serve LoRA adapters of the model, batched with base-model requests")
+    lora.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None,
+                      help="adapters served from the start: name=path or JSON {\"name\": ..., \"path\": ...}; a "
+                           "request selects one by its name as \"model\"")
+    lora.add_argument("--max-loras", type=int, default=EngineArgs.max_loras,
+                      help="adapters in one step (default: %(default)s)")
+    lora.add_argument("--max-lora-rank", type=int, default=EngineArgs.max_lora_rank,
+                      help="the largest adapter rank served (default: %(default)s)")
+    lora.add_argument("--max-cpu-loras", type=int, default=EngineArgs.max_cpu_loras,
+                      help="adapters kept loaded (default: --max-loras)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (else they answer 404)")
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineArgs.tensor_parallel_size,
                           help="ranks that split each layer's heads and MLP (default: %(default)s)")
@@ -73,6 +88,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           default=EngineArgs.distributed_executor_backend,
                           help="how ranks run: uni (one, in the engine process), mp (a process each), ray (Ray "
                                "actors); default: uni for one rank, ray inside a Ray cluster, else mp")
+
+
+def _lora_module(text: str) -> dict:
+    """One --lora-modules entry: name=path, or vLLM's JSON form {"name": ..., "path": ..., "base_model_name": ...}."""
+    if text.lstrip().startswith("{"):
+        module = _json_object(text)
+        if not isinstance(module.get("name"), str) or not isinstance(module.get("path"), str):
+            raise argparse.ArgumentTypeError(f"a JSON LoRA module needs string 'name' and 'path', got {text!r}")
+        return {"name": module["name"], "path": module["path"], "base_model_name": module.get("base_model_name")}
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path or a JSON object, got {text!r}")
+    return {"name": name, "path": path, "base_model_name": None}
 
 
 def _json_object(text: str) -> dict:

@@ -52,7 +52,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = f"chatcmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         results = await self._start(self._generate(
-            {"prompt_token_ids": prompt_token_ids}, params, request_id, request.priority, output_kind), "messages")
+            {"prompt_token_ids": prompt_token_ids}, params, request_id, request.priority, output_kind, request.model),
+            "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
                                                          len(prompt_token_ids), tool_choice)

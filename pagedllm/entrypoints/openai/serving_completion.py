@@ -33,7 +33,7 @@ class OpenAIServingCompletion(OpenAIServing):
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         generators = [
             self._generate({"prompt": text, "prompt_token_ids": ids}, p, f"{request_id}-{i}", request.priority,
-                           output_kind)
+                           output_kind, request.model)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         results = await self._start(merge_async_iterators(*generators), "prompt")
         if request.stream:

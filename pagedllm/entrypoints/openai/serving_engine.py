@@ -75,12 +75,16 @@ class OpenAIServing:
             raise BadRequestError(str(e), named_field(e)) from e
 
     def _generate(self, prompt: dict, params: Union[SamplingParams, BeamSearchParams], request_id: str,
-                  priority: int, output_kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one prompt. Beam search yields one final output holding the n beams, best
-        first, so a stream carries each choice whole in one chunk (as vLLM streams beam search)."""
+                  priority: int, output_kind: RequestOutputKind, model: Optional[str]
+                  ) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one prompt, with the LoRA adapter ``model`` names (if it names one). Beam
+        search yields one final output holding the n beams, best first, so a stream carries each choice whole in
+        one chunk (as vLLM streams beam search)."""
+        lora_request = self.models.lora_request(model)
         if isinstance(params, BeamSearchParams):
-            return self.engine_client.beam_search(prompt, request_id, params, priority)
-        return self.engine_client.generate(prompt, params, request_id, priority=priority, output_kind=output_kind)
+            return self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
+        return self.engine_client.generate(prompt, params, request_id, priority=priority, output_kind=output_kind,
+                                           lora_request=lora_request)
 
     @staticmethod
     async def _start(results: AsyncIterator[T], prompt_param: str) -> AsyncIterator[T]:

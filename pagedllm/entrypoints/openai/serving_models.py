@@ -1,17 +1,25 @@
-"""OpenAIServingModels: the names the model is served under, /v1/models, and the 404 for any other name."""
+"""OpenAIServingModels: the names the model is served under, the LoRA adapters served beside it (each its own
+"model" in /v1/models, with the base model as its parent), and the 404 for any other name."""
 from __future__ import annotations
 
-from typing import Optional
+import itertools
+from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.errors import NotFoundError
+from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
+from pagedllm.lora.request import LoRARequest
 
 
 class OpenAIServingModels:
-    def __init__(self, served_model_names: list[str], model_path: str, max_model_len: int) -> None:
+    def __init__(self, served_model_names: list[str], model_path: str, max_model_len: int,
+                 processor: Any = None) -> None:
+        """``processor``: the engine client's, which checks an adapter against the model before it is served."""
         self.served_model_names = served_model_names
         self.model_path = model_path
         self.max_model_len = max_model_len
+        self.processor = processor
+        self.lora_requests: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)  # never reused: an id names one adapter for the engine's lifetime
 
     @property
     def model_name(self) -> str:
@@ -22,12 +30,38 @@ class OpenAIServingModels:
         """The name to answer with; a request may leave the model out, as with vLLM."""
         if not model:
             return self.model_name
-        if model not in self.served_model_names:
+        if model not in self.served_model_names and model not in self.lora_requests:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
         return model
 
+    def lora_request(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter a request's "model" names; None for the base model."""
+        return self.lora_requests.get(model) if model else None
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Serve an adapter under ``lora_name``; 400 when the name is taken or the adapter does not fit the model
+        (nothing changes then)."""
+        if lora_name in self.lora_requests or lora_name in self.served_model_names:
+            raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded.", "lora_name")
+        if self.processor is None or self.processor.lora_config is None:
+            raise BadRequestError("LoRA is not enabled on this server (start it with --enable-lora).", "lora_name")
+        try:
+            lora = LoRARequest(lora_name, next(self._lora_ids), lora_path)
+            self.processor.validate_lora_request(lora)
+        except ValueError as e:
+            raise BadRequestError(str(e), "lora_path") from e
+        self.lora_requests[lora_name] = lora
+        return lora
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        lora = self.lora_requests.pop(lora_name, None)
+        if lora is None:
+            raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", "lora_name")
+        self.processor.forget_lora(lora.lora_int_id)
+
     def show_available_models(self) -> ModelList:
-        return ModelList(data=[
-            ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len,
-                      permission=[ModelPermission()])
-            for name in self.served_model_names])
+        cards = [ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len,
+                           permission=[ModelPermission()]) for name in self.served_model_names]
+        cards += [ModelCard(id=name, root=lora.lora_path, parent=self.model_name, max_model_len=self.max_model_len,
+                            permission=[ModelPermission()]) for name, lora in self.lora_requests.items()]
+        return ModelList(data=cards)

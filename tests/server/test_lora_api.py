@@ -1,0 +1,109 @@
+"""`pagedllm serve --enable-lora`: adapters from --lora-modules (both forms) are models of their own in /v1/models
+with the base model as parent, a request names one as its "model" and gets transformers + peft's greedy output,
+streamed or not; with --allow-runtime-lora-updating adapters load and unload while requests run, a bad one is a
+400 and the others serve on; without it those paths are 404s."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.e2e.test_lora import ADAPTERS, _random_adapter
+from tests.model_fixtures import smollm_reference
+from tests.server.conftest import RemoteServer
+
+pytest.importorskip("peft")
+PROMPT = "Once upon a time, in a small village,"  # each adapter changes the base model's continuation
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """name -> (its directory, transformers + peft greedy text for PROMPT)."""
+    reference = smollm_reference()
+    made = {}
+    for i, (name, settings) in enumerate(ADAPTERS.items()):
+        path = tmp_path_factory.mktemp(name)
+        model = _random_adapter(reference, settings, i, path)
+        made[name] = (str(path), model)
+    return made
+
+
+def peft_greedy_text(model, tokenizer) -> str:
+    prompt = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, adapters):
+    qkv = json.dumps({"name": "qkv-r4", "path": adapters["qkv-r4"][0]})
+    srv = RemoteServer(tmp_path_factory.mktemp("lora") / "server.log", extra_args=[
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16", "--allow-runtime-lora-updating",
+        "--lora-modules", f"all-r8={adapters['all-r8'][0]}", qkv])
+    yield srv
+    srv.stop()
+
+
+def complete(server: RemoteServer, model: str, stream: bool) -> str:
+    client = server.get_client()
+    if not stream:
+        response = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+        return response.choices[0].text
+    chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+
+def test_adapters_are_models_whose_output_is_transformers_with_peft(lora_server, adapters, tokenizer):
+    cards = {card.id: card for card in lora_server.get_client().models.list().data}
+    base = next(name for name, card in cards.items() if getattr(card, "parent", None) is None)
+    assert {name: getattr(card, "parent", None) for name, card in cards.items() if name != base} == \
+        {"all-r8": base, "qkv-r4": base}
+    for name in ("all-r8", "qkv-r4"):
+        expected = peft_greedy_text(adapters[name][1], tokenizer)
+        assert complete(lora_server, name, stream=False) == expected
+        assert complete(lora_server, name, stream=True) == expected
+    base_text = complete(lora_server, base, stream=False)
+    assert all(complete(lora_server, name, stream=False) != base_text for name in ("all-r8", "qkv-r4"))
+
+
+def test_load_and_unload_at_run_time_and_a_bad_adapter_is_a_400(lora_server, adapters, tokenizer, tmp_path):
+    http = lora_server.http()
+    running = []  # a request on another adapter runs while adapters load and fail to
+    thread = threading.Thread(target=lambda: running.append(complete(lora_server, "all-r8", stream=True)))
+    thread.start()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 64, "lora_alpha": 8}')
+    (bad / "adapter_model.safetensors").write_bytes(b"")
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(bad)})
+    assert response.status_code == 400
+    assert "rank r=64 exceeds max_lora_rank=16" in response.json()["error"]["message"]
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "rslora-r16",
+                                                        "lora_path": adapters["rslora-r16"][0]})
+    assert response.status_code == 200, response.text
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "rslora-r16", "lora_path": "/x"}
+                     ).status_code == 400  # the name is taken
+    thread.join(60)
+    assert running == [peft_greedy_text(adapters["all-r8"][1], tokenizer)]
+
+    assert complete(lora_server, "rslora-r16", stream=False) == peft_greedy_text(adapters["rslora-r16"][1],
+                                                                                  tokenizer)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "rslora-r16"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        complete(lora_server, "rslora-r16", stream=False)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "rslora-r16"}).status_code == 404
+    assert "rslora-r16" not in {card.id for card in lora_server.get_client().models.list().data}
+
+
+def test_without_allow_runtime_lora_updating_the_paths_are_404(server):
+    response = httpx.post(server.url_for("v1", "load_lora_adapter"), headers=server.headers,
+                          json={"lora_name": "x", "lora_path": "/x"})
+    assert response.status_code == 404
