@@ -74,11 +74,16 @@ def assert_each_is_its_models_greedy(batch, outputs) -> None:
         assert_transformers_greedy(oracle, [prompt], [got], MAX_TOKENS)
 
 
-def test_mixed_batch_equals_transformers_with_peft(batch):
+@pytest.fixture(scope="module")
+def llm_with_lora():
+    with running_llm(**ENGINE) as engine:
+        yield engine
+
+
+def test_mixed_batch_equals_transformers_with_peft(llm_with_lora, batch):
     prompts, requests, _ = batch
-    with running_llm(**ENGINE) as llm:
-        outputs = run(llm, prompts, requests)
-        base = run(llm, prompts, None)
+    outputs = run(llm_with_lora, prompts, requests)
+    base = run(llm_with_lora, prompts, None)
     assert_each_is_its_models_greedy(batch, outputs)
     # Every adapter changed its requests' output (the test would not see a dropped adapter otherwise).
     for i, request in enumerate(requests):
@@ -95,17 +100,17 @@ def test_chunked_prefill_and_preemption(batch):
     assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
 
 
-def test_prefix_cache_shares_blocks_within_an_adapter_only(batch, adapters):
-    prompt = [batch[0][6]]  # 260 tokens: 16 full blocks
+def test_prefix_cache_shares_blocks_within_an_adapter_only(llm_with_lora, adapters):
+    prompt = [list(range(1000, 1260))]  # 16 full blocks of tokens no other test of the engine prompts
     first, second = adapters["all-r8"][0], adapters["qkv-r4"][0]
-    with running_llm(**ENGINE) as llm:
-        run(llm, prompt, first)
-        hits = llm.get_stats().prefix_cache_hits
-        run(llm, prompt, second)
-        run(llm, prompt, None)
-        assert llm.get_stats().prefix_cache_hits == hits, "another adapter or the base model hit the first's blocks"
-        run(llm, prompt, first)
-        assert llm.get_stats().prefix_cache_hits > hits
+    llm = llm_with_lora
+    run(llm, prompt, first)
+    hits = llm.get_stats().prefix_cache_hits
+    run(llm, prompt, second)
+    run(llm, prompt, None)
+    assert llm.get_stats().prefix_cache_hits == hits, "another adapter or the base model hit the first's blocks"
+    run(llm, prompt, first)
+    assert llm.get_stats().prefix_cache_hits > hits
 
 
 def _write_adapter(path, config: dict, tensors: dict) -> str:
@@ -151,8 +156,3 @@ def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         run(llm, [[1, 2, 3]], adapters["qkv-r4"][0])
 
-
-@pytest.fixture(scope="module")
-def llm_with_lora():
-    with running_llm(**ENGINE) as engine:
-        yield engine
