@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedllm import LoRARequest, SamplingParams
-from tests.e2e.conftest import assert_transformers_greedy, running_llm
+from tests.e2e.conftest import assert_transformers_greedy, hf_greedy, running_llm
 from tests.e2e.test_llm_parity import make_prompts
 
 peft = pytest.importorskip("peft")
@@ -156,3 +156,22 @@ def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         run(llm, [[1, 2, 3]], adapters["qkv-r4"][0])
 
+
+
+def test_tensor_parallel_2_on_a_tiny_model(tmp_path, tokenizer):
+    """tp=2 (multi-process) on a tiny random Llama (4 heads, 2 KV heads): column-parallel layers hold their shard of
+    B, row-parallel ones their shard of A before the all-reduce; output is transformers + peft's."""
+    from tests.e2e.test_parallel_tiny_models import PROMPTS, save_tiny_model
+
+    base = save_tiny_model(tmp_path / "model", tokenizer, "llama")
+    adapter = _random_adapter(base, ADAPTERS["all-r8"], 0, tmp_path / "adapter")
+    lora = LoRARequest("tiny", 1, str(tmp_path / "adapter"))
+    requests = [lora if i % 2 else None for i in range(len(PROMPTS))]
+    with running_llm(str(tmp_path / "model"), dtype="float32", max_model_len=512, num_kv_blocks=64,
+                     tensor_parallel_size=2, distributed_executor_backend="mp", enable_lora=True,
+                     max_lora_rank=8) as llm:
+        outputs = run(llm, PROMPTS, requests)
+    for prompt, request, got in zip(PROMPTS, requests, outputs):
+        assert_transformers_greedy(adapter if request else base, [prompt], [got], MAX_TOKENS)
+        if request:  # the adapter changed the output: the base model would not have chosen it
+            assert hf_greedy(base, prompt, got) != got
