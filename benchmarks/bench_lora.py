@@ -47,9 +47,12 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
 
 
 def slot_bytes(hf_config, rank: int) -> int:
-    """One adapter slot in every LoRA'd layer (float32 A and B at max_lora_rank), on one rank."""
-    per_layer = sum(rank * (in_features + out_features) * 4 for fused in NUM_SLICES
-                    for in_features, out_features in slice_shapes(hf_config)[fused])
+    """One adapter slot in every LoRA'd layer, on one rank: float32 A (each slice's, side by side) and
+    block-diagonal B at max_lora_rank (lora/layers.LinearLoRA)."""
+    per_layer = 0
+    for fused, num_slices in NUM_SLICES.items():
+        shapes = slice_shapes(hf_config)[fused]
+        per_layer += num_slices * rank * (shapes[0][0] + sum(out for _, out in shapes)) * 4
     return per_layer * hf_config.num_hidden_layers
 
 

@@ -36,8 +36,9 @@ class WeightLayout:
     ``process_weights_after_loading``. Layers laid out without one (``None``) get float32 panels in ordinary
     memory."""
 
-    def __init__(self, bf16_panels: bool = False):
+    def __init__(self, bf16_panels: bool = False, fused_silu: bool = True):
         self.bf16_panels = bf16_panels
+        self.fused_silu = fused_silu  # a gated weight's bf16 panels laid out for silu_and_mul (KernelChoice)
         self._arena = HugePageArena()
 
     def place(self, panels: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ class DenseWeight:
         if (layout is not None and layout.bf16_panels and weight.dim() == 2
                 and native_applies("gemm_bf16", weight.dtype, weight.device)):
             # ahead of MKL's float32 at every batch size, so no second copy for large batches
-            self.gated = gated
+            self.gated = gated and layout.fused_silu
             self.panels, self.data = _placed(pack_bf16_panels(weight, self.gated), layout), None
             return
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):

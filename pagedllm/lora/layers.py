@@ -15,6 +15,12 @@ from pagedllm.lora.punica import PunicaWrapper
 
 
 class LinearLoRA:
+    """``lora_a_t[slot]``: ``[in, slices x max_rank]``, each slice's A transposed side by side; ``lora_b[slot]``:
+    ``[slices x max_rank, out]``, block-diagonal (slice i's B, transposed, in its rank rows and its output columns,
+    zeros elsewhere). So a slot's rows take one shrink GEMM and one expand GEMM per layer, whatever its slices: the
+    zero blocks and the rank padding cost FLOPs (small at LoRA ranks), not kernel calls, which dominate here. A
+    slice the adapter leaves alone, and the padding past its rank, are zeros and add exactly nothing."""
+
     def __init__(self, layer, max_loras: int, max_lora_rank: int, punica: PunicaWrapper,
                  dtype: torch.dtype = torch.float32):
         from pagedllm.layers.linear import RowParallelLinear
@@ -22,35 +28,45 @@ class LinearLoRA:
         self.punica = punica
         self.row_parallel = isinstance(layer, RowParallelLinear)
         self.tp_rank = layer.tp_rank
+        self.max_lora_rank = max_lora_rank
         if self.row_parallel:
             self.in_features = layer.input_size_per_partition
             self.shards = [(0, layer.output_size, 0)]
         else:
             self.in_features = layer.input_size
             self.shards = layer.output_shards()
-        self.output_slices = [(offset, size) for offset, size, _ in self.shards]
-        self.lora_a = [torch.zeros(max_loras, max_lora_rank, self.in_features, dtype=dtype) for _ in self.shards]
-        self.lora_b = [torch.zeros(max_loras, size, max_lora_rank, dtype=dtype) for _, size, _ in self.shards]
-        self.ranks = [[0] * len(self.shards) for _ in range(max_loras)]
+        out_features = sum(size for _, size, _ in self.shards)
+        width = len(self.shards) * max_lora_rank
+        self.lora_a_t = torch.zeros(max_loras, self.in_features, width, dtype=dtype)
+        self.lora_b = torch.zeros(max_loras, width, out_features, dtype=dtype)
+        self.holds = [False] * max_loras  # whether the slot's adapter has weights for this layer
 
     def set_slot(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Copy an adapter's weights for this layer into ``slot`` (None: the adapter leaves the layer alone)."""
-        for i, (_, size, shard_rank) in enumerate(self.shards):
-            pair = weights.slices[i] if weights is not None else None
+        self.lora_a_t[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.holds[slot] = weights is not None and any(pair is not None for pair in weights.slices)
+        if not self.holds[slot]:
+            return
+        for i, ((offset, size, shard_rank), pair) in enumerate(zip(self.shards, weights.slices)):
             if pair is None:
-                self.ranks[slot][i] = 0
                 continue
             a, b = pair
             if self.row_parallel:
                 a = a.narrow(1, self.tp_rank * self.in_features, self.in_features)
             else:
                 b = b.narrow(0, shard_rank * size, size)
-            r = a.shape[0]
-            self.lora_a[i][slot, :r].copy_(a)
-            self.lora_b[i][slot, :, :r].copy_(b)
-            self.ranks[slot][i] = r
+            r, first = a.shape[0], i * self.max_lora_rank
+            self.lora_a_t[slot, :, first:first + r].copy_(a.T)
+            self.lora_b[slot, first:first + r, offset:offset + size].copy_(b.T)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Adds this step's adapters' x·A·B to the layer's output ``y`` (its rows of each slot), in place."""
-        self.punica.add_lora(y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b,
-                             self.output_slices, self.ranks)
+        y, x = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
+        for slot, rows in self.punica.groups:
+            if not self.holds[slot]:
+                continue
+            if rows is None:
+                y.addmm_(x @ self.lora_a_t[slot], self.lora_b[slot])
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ self.lora_a_t[slot]) @ self.lora_b[slot])

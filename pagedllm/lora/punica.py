@@ -1,10 +1,8 @@
-"""The rows of each adapter slot in a step, and the shrink/expand that adds an adapter to them (the idea of vLLM's
-PunicaWrapper and its SGMV kernels, on torch's GEMMs).
+"""The rows of each adapter slot in a step (the part of vLLM's PunicaWrapper that maps tokens to adapters).
 
 One PunicaWrapper per model: the model runner sets the step's token -> slot mapping once, every LoRA'd layer reads
-it. Rows are grouped by slot, so each layer does per slot and slice one shrink ``x_rows @ A.T`` (``[rows, r]``)
-and one expand ``@ B.T``: two small GEMMs over the slot's rows, never a per-row loop. Rows of no adapter (slot -1)
-are not touched, so they are bit for bit what the base model computes.
+it (lora/layers.py does its shrink and expand per group, never a per-row loop). Rows of no adapter (slot -1) are
+in no group.
 """
 from __future__ import annotations
 
@@ -31,22 +29,3 @@ class PunicaWrapper:
     @property
     def active(self) -> bool:
         return bool(self.groups)
-
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-                 output_slices: list[tuple[int, int]], ranks: list[list[int]]) -> None:
-        """``y[rows, slice] += x[rows] @ A[slot].T @ B[slot].T`` for each slot's rows and each output slice, in
-        place. ``lora_a[i]``: ``[max_loras, max_rank, in]``; ``lora_b[i]``: ``[max_loras, out_i, max_rank]`` (B
-        already scaled); ``output_slices[i]``: ``(offset, size)`` of slice i in ``y``'s last dimension;
-        ``ranks[slot][i]``: the rank of the slot's adapter on slice i, 0 where it has none."""
-        for slot, rows in self.groups:
-            xs = x if rows is None else x.index_select(0, rows)
-            for i, (offset, size) in enumerate(output_slices):
-                r = ranks[slot][i]
-                if r == 0:
-                    continue
-                delta = (xs @ lora_a[i][slot, :r].T) @ lora_b[i][slot, :, :r].T
-                target = y[:, offset:offset + size]
-                if rows is None:
-                    target += delta
-                else:
-                    target.index_add_(0, rows, delta)

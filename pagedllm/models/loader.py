@@ -74,7 +74,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
-    layout = WeightLayout(kernels.bf16_panels)
+    layout = WeightLayout(kernels.bf16_panels, kernels.fused_silu)
     for module in model.modules():
         if hasattr(module, "quant_method"):
             module.quant_method.process_weights_after_loading(module, layout)

@@ -49,10 +49,13 @@ class KernelChoice:
     ``dtype`` is the model's, which is also its KV cache's. ``bf16_panels``: a bfloat16 model runs its dense
     GEMMs against bf16 weight panels (native/gemm_bf16.c) with float32 activations, so that the float32 kernels
     around the GEMMs (fused ops, attention, CPU graphs) serve it unchanged; the attention kernels read the bf16
-    cache in place, widening as they load."""
+    cache in place, widening as they load. ``fused_silu``: a gated MLP's activation is fused into its gate_up GEMM
+    where the layout has a kernel for it (bf16 panels); off for engines serving LoRA adapters, which add to the
+    projection before the activation (the gated panels have no plain GEMM)."""
 
     dtype: torch.dtype
     bf16_panels: bool = False
+    fused_silu: bool = True
 
     @property
     def compute_dtype(self) -> torch.dtype:

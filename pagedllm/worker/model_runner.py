@@ -17,6 +17,7 @@ in step).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -71,6 +72,8 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.model_config
         self.kernels = choose_kernels(mc.dtype)
+        if self.config.lora_config is not None:
+            self.kernels = dataclasses.replace(self.kernels, fused_silu=False)
         self.model = get_model(mc.path, mc.hf_config, self.kernels, self.rank, self.layer_range)
         paths = kernel_paths(self.kernels, mc.hf_config.num_attention_heads, mc.num_kv_heads, mc.head_dim,
                              mc.quantization)
