@@ -46,24 +46,11 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts; "
-                                 "pass one, or one per prompt.")
+        params_list = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
+                                      else sampling_params, SamplingParams, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts.")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            lora_requests = [lora_request] * len(prompts)
-        else:
-            lora_requests = list(lora_request)
-            if len(lora_requests) != len(prompts):
-                raise ValueError(f"lora_request: got {len(lora_requests)} for {len(prompts)} prompts; pass one, or "
-                                 "one per prompt.")
+        lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
         # Process (validate) everything before anything is queued, so bad input leaves no request behind.
         processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
                                                        priority=priority[i] if priority else 0,
@@ -141,3 +128,13 @@ class LLM:
     def shutdown(self) -> None:
         """Stops the engine process (also done when the interpreter exits)."""
         self.llm_engine.shutdown()
+
+
+def _one_per_prompt(name: str, value, single: type | tuple[type, ...], num_prompts: int) -> list:
+    """``value`` for every prompt when it is one (an instance of ``single``), else its items, one per prompt."""
+    if isinstance(value, single):
+        return [value] * num_prompts
+    values = list(value)
+    if len(values) != num_prompts:
+        raise ValueError(f"{name}: got {len(values)} for {num_prompts} prompts; pass one, or one per prompt.")
+    return values
