@@ -12,6 +12,7 @@ import asyncio
 import copy
 import itertools
 import queue
+from collections import Counter
 from typing import Any, Optional
 
 import msgspec
@@ -155,7 +156,9 @@ def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
         spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),
         spec_decode_num_accepted_tokens_per_pos=[sum(column) for column in itertools.zip_longest(
-            *(s.spec_decode_num_accepted_tokens_per_pos for s in stats), fillvalue=0)])
+            *(s.spec_decode_num_accepted_tokens_per_pos for s in stats), fillvalue=0)],
+        running_lora_adapters=dict(sum((Counter(s.running_lora_adapters) for s in stats), Counter())),
+        waiting_lora_adapters=dict(sum((Counter(s.waiting_lora_adapters) for s in stats), Counter())))
 
 
 class DPAsyncMPClient(_DPClientBase):

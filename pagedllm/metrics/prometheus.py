@@ -24,7 +24,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry, num_engines: int = 1,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, max_loras: int = 0) -> None:
+        """``max_loras``: the engine's, with LoRA enabled (0: off, no lora_requests_info)."""
         label_names = ["model_name", "engine"]
         self._model_name = model_name
 
@@ -84,6 +85,12 @@ class PrometheusStatLogger:
                                                       _REQUEST_LATENCY_BUCKETS)
         # The engine reports cumulative totals; counters advance by the difference from the last report.
         self._last_scheduler_stats = [SchedulerStats() for _ in range(num_engines)]
+        # vLLM's: one series per (max_lora, waiting, running) combination, set to the time it was last seen; the
+        # adapters as comma-separated names (over all data-parallel engines).
+        self._max_loras = max_loras
+        self.gauge_lora_info = Gauge("pagedllm:lora_requests_info", "Running stats on lora requests.",
+                                     ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                     registry=registry) if max_loras else None
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
                engine: int = 0) -> None:
@@ -112,6 +119,13 @@ class PrometheusStatLogger:
                                                  stats.spec_decode_num_accepted_tokens_per_pos)):
             counter.inc(max(now - (last_per_pos[pos] if pos < len(last_per_pos) else 0), 0))
         self._last_scheduler_stats[engine] = stats
+        if self.gauge_lora_info is not None:
+            self.gauge_lora_info.labels(
+                max_lora=str(self._max_loras),
+                waiting_lora_adapters=",".join(sorted({a for s in self._last_scheduler_stats
+                                                       for a in s.waiting_lora_adapters})),
+                running_lora_adapters=",".join(sorted({a for s in self._last_scheduler_stats
+                                                       for a in s.running_lora_adapters}))).set_to_current_time()
 
     def _record_iteration_stats(self, stats: IterationStats, engine: int) -> None:
         self.counter_prompt_tokens[engine].inc(stats.num_prompt_tokens)

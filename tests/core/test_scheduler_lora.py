@@ -38,6 +38,9 @@ def test_no_step_holds_more_adapters_than_max_loras_and_the_third_waits_its_turn
     # it (r4, r6 wait although their adapters run), base request r5 goes on.
     assert sorted(first.num_scheduled_tokens) == ["r0", "r1", "r2", "r5"]
     assert scheduler.requests["r3"].status == RequestStatus.WAITING
+    stats = scheduler.make_stats()  # what /metrics' lora_requests_info shows
+    assert stats.running_lora_adapters == {"adapter-1": 1, "adapter-2": 1}
+    assert stats.waiting_lora_adapters == {"adapter-3": 2, "adapter-1": 1, "adapter-2": 1}
     scheduler.update_from_output(first, fake_model_output(scheduler, first))
     steps = run_to_completion(scheduler, max_loras=2)
     assert any(3 in step for step in steps)  # adapter 3 got its turn

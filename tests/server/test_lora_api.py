@@ -103,6 +103,13 @@ def test_load_and_unload_at_run_time_and_a_bad_adapter_is_a_400(lora_server, ada
     assert "rslora-r16" not in {card.id for card in lora_server.get_client().models.list().data}
 
 
+def test_lora_requests_info_names_the_adapters_that_ran(lora_server):
+    """vLLM's gauge: one series per (max_lora, waiting, running) seen, its value the time it was last seen."""
+    series = [key for key in lora_server.metrics() if key.startswith("pagedllm:lora_requests_info{")]
+    assert series and all("max_lora=2" in key for key in series)
+    assert any("running_lora_adapters=all-r8" in key for key in series)
+
+
 def test_without_allow_runtime_lora_updating_the_paths_are_404(server):
     response = httpx.post(server.url_for("v1", "load_lora_adapter"), headers=server.headers,
                           json={"lora_name": "x", "lora_path": "/x"})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
@@ -456,4 +457,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions, spec_decode_num_drafts=self.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos))
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos),
+            running_lora_adapters=_count_adapters(self.running), waiting_lora_adapters=_count_adapters(self.waiting))
+
+
+
+def _count_adapters(requests) -> dict[str, int]:
+    return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))

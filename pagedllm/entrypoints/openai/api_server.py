@@ -168,7 +168,7 @@ async def run_server(args: argparse.Namespace) -> None:
     engine_client = AsyncLLM.from_engine_args(
         engine_args_from(args),
         stat_loggers=[PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
-                                           num_speculative_tokens)])
+                                           num_speculative_tokens, args.max_loras if args.enable_lora else 0)])
     try:
         app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
