@@ -43,13 +43,6 @@ class WorkerLoRAManager:
         self.loaded.move_to_end(request.lora_int_id)
         return model
 
-    def remove_adapter(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its files may change before it is used again); False if it was not loaded."""
-        for slot, held in enumerate(self.slot_ids):
-            if held == lora_int_id:
-                self.slot_ids[slot] = None
-        return self.loaded.pop(lora_int_id, None) is not None
-
     def set_active_loras(self, requests: dict[int, LoRARequest], token_lora_ids: torch.Tensor) -> None:
         """Put this step's adapters (at most max_loras: the scheduler's promise) into slots and map each token
         (``token_lora_ids[i]``: its request's adapter id, 0 for none) to its adapter's slot."""
