@@ -65,7 +65,7 @@ class WorkerLoRAManager:
         if not requests:
             self.punica.clear()
             return
-        table = torch.full((max(max(requests), int(token_lora_ids.max())) + 1,), -1, dtype=torch.long)
+        table = torch.full((max(requests) + 1,), -1, dtype=torch.long)  # token ids: these adapters' or 0
         for lora_id, slot in slot_of.items():
             table[lora_id] = slot
         self.punica.update(table[token_lora_ids])
