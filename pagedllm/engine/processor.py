@@ -39,9 +39,8 @@ class Processor:
                 raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
                                  f"{known.lora_name!r} at {known.lora_path!r}")
             return
-        from pagedllm.lora.lora_model import LoRAModel
-        LoRAModel.from_local_checkpoint(lora_request.lora_path, lora_request.lora_int_id,
-                                        self.model_config.hf_config, self.lora_config.max_lora_rank)
+        from pagedllm.lora.lora_model import check_local_checkpoint
+        check_local_checkpoint(lora_request.lora_path, self.model_config.hf_config, self.lora_config.max_lora_rank)
         self._checked_loras[lora_request.lora_int_id] = lora_request
 
     def forget_lora(self, lora_int_id: int) -> None:

@@ -61,37 +61,51 @@ class LoRAModel:
     @classmethod
     def from_local_checkpoint(cls, lora_path: str, lora_int_id: int, hf_config, max_lora_rank: int,
                               dtype: torch.dtype = torch.float32) -> LoRAModel:
-        """Load and check an adapter against the base model's config; a ValueError names what does not fit (a
-        module the model has no LoRA layer for, a shape that is not the base's, a layer past its last)."""
-        peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
-        shapes = slice_shapes(hf_config)
-        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
-            for name in f.keys():
-                match = _TENSOR_NAME.match(name)
-                if match is None or match.group(2) not in LORA_TARGETS:
-                    raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
-                                     f"pagedllm serves adapters on ({', '.join(LORA_TARGETS)} of a decoder layer)")
-                layer_index = int(match.group(1))
-                if layer_index >= hf_config.num_hidden_layers:
-                    raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
-                                     f"base model has {hf_config.num_hidden_layers}")
-                pairs.setdefault((layer_index, match.group(2)), {})[match.group(3)] = f.get_tensor(name)
+        """Load an adapter, checked against the base model's config first (check_local_checkpoint)."""
+        peft, modules = check_local_checkpoint(lora_path, hf_config, max_lora_rank)
         model = cls(lora_int_id, peft.r)
-        for (layer_index, module), ab in sorted(pairs.items()):
-            if set(ab) != {"A", "B"}:
-                raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"
-                                 f"{''.join(ab)} without its pair")
-            fused, slice_index = LORA_TARGETS[module]
-            in_features, out_features = shapes[fused][slice_index]
-            a, b = ab["A"], ab["B"]
-            if a.shape != (peft.r, in_features) or b.shape != (out_features, peft.r):
-                raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has A {tuple(a.shape)} "
-                                 f"and B {tuple(b.shape)}; the base model needs A ({peft.r}, {in_features}) and B "
-                                 f"({out_features}, {peft.r}) for rank {peft.r}")
-            weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
-                                              LoRALayerWeights([None] * NUM_SLICES[fused]))
-            weights.slices[slice_index] = (a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype))
-        if not model.layers:
-            raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
+        with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+            for layer_index, module in modules:
+                a, b = (f.get_tensor(_tensor_name(layer_index, module, ab)) for ab in "AB")
+                fused, slice_index = LORA_TARGETS[module]
+                weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
+                                                  LoRALayerWeights([None] * NUM_SLICES[fused]))
+                weights.slices[slice_index] = (a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype))
         return model
+
+
+def _tensor_name(layer_index: int, module: str, ab: str) -> str:
+    return f"base_model.model.model.layers.{layer_index}.{module}.lora_{ab}.weight"
+
+
+def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int) -> tuple[PEFTHelper, list[tuple[int, str]]]:
+    """An adapter's settings and its (layer, module) pairs, checked against the base model's config from its
+    config file and its tensors' names and shapes, without reading their data (the frontend checks each adapter
+    this way; the worker loads it). A ValueError names what does not fit: a module the model has no LoRA layer
+    for, a shape that is not the base's, a layer past its last, an A without its B."""
+    peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
+    shapes = slice_shapes(hf_config)
+    found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+        for name in f.keys():
+            match = _TENSOR_NAME.match(name)
+            if match is None or match.group(2) not in LORA_TARGETS:
+                raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
+                                 f"pagedllm serves adapters on ({', '.join(LORA_TARGETS)} of a decoder layer)")
+            layer_index = int(match.group(1))
+            if layer_index >= hf_config.num_hidden_layers:
+                raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
+                                 f"base model has {hf_config.num_hidden_layers}")
+            found.setdefault((layer_index, match.group(2)), {})[match.group(3)] = tuple(f.get_slice(name).get_shape())
+    for (layer_index, module), ab in sorted(found.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"
+                             f"{''.join(ab)} without its pair")
+        in_features, out_features = shapes[LORA_TARGETS[module][0]][LORA_TARGETS[module][1]]
+        if ab["A"] != (peft.r, in_features) or ab["B"] != (out_features, peft.r):
+            raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has A {ab['A']} and B "
+                             f"{ab['B']}; the base model needs A ({peft.r}, {in_features}) and B "
+                             f"({out_features}, {peft.r}) for rank {peft.r}")
+    if not found:
+        raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
+    return peft, sorted(found)
