@@ -82,3 +82,22 @@ def test_graphs_sharing_a_pool_replay_in_turn_over_the_same_memory():
         n = (1, 5)[step % 2]
         inputs[n][0].normal_()
         assert torch.equal(graphs[n].replay(), _norm_then_gate(*inputs[n]))
+
+
+def test_a_capture_does_not_import_torch_dynamo():
+    """Capturing runs the forward under a TorchDispatchMode; torch wraps a mode's __torch_dispatch__ in a dynamo
+    guard unless the mode opts out, and the guard's first call imports torch._dynamo: seconds in every engine
+    process's first decode step. In a fresh interpreter, as an engine process is."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch\n"
+              "from pagedllm.native import fused\n"
+              "from pagedllm.native.graph import CpuGraph\n"
+              "x, graph = torch.randn(3, 32), CpuGraph()\n"
+              "graph.capture(lambda: fused.silu_and_mul(x))\n"
+              "assert graph.failure is None, graph.failure\n"
+              "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

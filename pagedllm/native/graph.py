@@ -88,6 +88,13 @@ class _TensorOrigins(TorchDispatchMode):
         self.tensors: list[torch.Tensor] = []
         self.computed: list[tuple[int, int]] = []  # [start, end) byte ranges
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch then leaves __torch_dispatch__ unwrapped by its dynamo guard, whose first call imports
+        torch._dynamo (seconds, in every engine process's first capture). Nothing runs torch.compile under this
+        mode, so there is nothing for the guard to do."""
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         carved = self._carve(func, args, kwargs)
