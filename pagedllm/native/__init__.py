@@ -72,6 +72,14 @@ def cascade(kv_dtype: torch.dtype = torch.float32) -> tuple[PagedPrefix, MergeAt
     return library.prefix, library.merge
 
 
+def prebuild() -> None:
+    """Builds every library the engine may load here (both attention builds) at the same time, so that an empty
+    cache fills in about the time of the slowest one; the doctor's first step."""
+    if build.mode() != "0":
+        build.build_all([(library, ()) for library in build.LIBRARIES]
+                        + [("paged_attention", flags) for flags in _KV_FLAGS.values() if flags])
+
+
 @functools.cache
 def fused_ops() -> ctypes.CDLL | None:
     """The library of fused_ops.c (called through pagedllm.native.fused), or None."""

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch  # noqa: F401  (loads torch's libgomp.so.1 before any kernel binds to that soname)
@@ -112,22 +113,50 @@ def build(library: str, extra_flags: tuple[str, ...] = ()) -> str | None:
         with open(failed, errors="replace") as f:
             return _record(BuildStatus(library, extra_flags, "failed", failed, f.read()))
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=f".{library}-", suffix=".so")
-    os.close(fd)
-    command = [compiler, *flags, *_sources(library), "-o", tmp, "-lm"]
     start = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(target), prefix=f".{library}-") as work:
+        tmp = os.path.join(work, os.path.basename(target))
+        try:
+            _compile_and_link(compiler, flags, _sources(library), work, tmp)
+            os.replace(tmp, target)
+        except _CompileError as e:
+            with open(failed, "w") as f:
+                f.write(e.message)
+            return _record(BuildStatus(library, extra_flags, "failed", failed, e.message))
+    return _record(BuildStatus(library, extra_flags, "built", target, seconds=time.monotonic() - start))
+
+
+class _CompileError(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def _run(command: list[str]) -> None:
     try:
         subprocess.run(command, check=True, capture_output=True, timeout=300)
-        os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
-        message = f"{' '.join(command)}\n{e}\n{(getattr(e, 'stderr', None) or b'').decode(errors='replace')[-4000:]}"
-        with open(failed, "w") as f:
-            f.write(message)
-        return _record(BuildStatus(library, extra_flags, "failed", failed, message))
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return _record(BuildStatus(library, extra_flags, "built", target, seconds=time.monotonic() - start))
+        stderr = (getattr(e, "stderr", None) or b"").decode(errors="replace")[-4000:]
+        raise _CompileError(f"{' '.join(command)}\n{e}\n{stderr}") from e
+
+
+def _compile_and_link(compiler: str, flags: list[str], sources: list[str], work: str, output: str) -> None:
+    """Each source compiled to an object at the same time (one compiler process each: a library's first build
+    takes as long as its slowest file, not their sum), then the objects linked into ``output``."""
+    objects = [os.path.join(work, f"{i}.o") for i in range(len(sources))]
+    with ThreadPoolExecutor(len(sources)) as pool:
+        for done in [pool.submit(_run, [compiler, *flags, "-c", source, "-o", obj])
+                     for source, obj in zip(sources, objects)]:
+            done.result()
+    _run([compiler, *flags, *objects, "-o", output, "-lm"])
+
+
+def build_all(builds: list[tuple[str, tuple[str, ...]]]) -> None:
+    """Builds (or finds cached) each ``(library, extra_flags)`` at the same time, one thread each: the compilers
+    run in parallel, so an empty cache fills in about the time of its slowest library."""
+    with ThreadPoolExecutor(max(1, len(builds))) as pool:
+        for done in [pool.submit(build, library, flags) for library, flags in builds]:
+            done.result()
 
 
 def _record(status: BuildStatus) -> str | None:

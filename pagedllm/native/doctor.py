@@ -20,6 +20,7 @@ FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "am
 
 def _libraries() -> dict[str, str]:
     """Loads every library the engine may use; what each gives this CPU, in words (None where it is not there)."""
+    native.prebuild()
     what = {}
     for kv_dtype in (torch.float32, torch.bfloat16):
         library = native.paged_attention(kv_dtype)
@@ -58,7 +59,7 @@ def report() -> tuple[str, bool]:
         return "\n".join([*lines, f"  error: {e}"]), False
     ok = True
     lines.append("libraries:")
-    for (library, flags), status in build.STATUS.items():
+    for (library, flags), status in sorted(build.STATUS.items()):
         if flags not in ((), ("-DKV_BF16",)):
             continue
         name = library + (" (bf16 cache)" if flags else "")
