@@ -1,6 +1,7 @@
 """Multi-LoRA serving cost: W1 (64 x 256 prompt + 128 out) with 4 adapters spread over the batch against the base
-model alone, and W2 (one stream, 32 + 256) with one adapter against none, in one engine and one run (the runs
-alternate, base first; medians). Also the memory an adapter slot takes.
+model alone (an engine without enable_lora), and W2 (one stream, 32 + 256) with one adapter against none, in one
+run (the runs alternate, base first; medians); also the LoRA engine's own requests without an adapter. And the
+memory an adapter slot takes.
 
     python benchmarks/bench_lora.py [--rank 16] [--repeats 3] [--dtype auto] [--workloads W1,W2]
 
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.benchmarks.workloads import shared_workloads
+from pagedllm.lora.layers import LANES
 from pagedllm.lora.lora_model import LORA_TARGETS, NUM_SLICES, slice_shapes
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
@@ -47,12 +49,13 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
 
 
 def slot_bytes(hf_config, rank: int) -> int:
-    """One adapter slot in every LoRA'd layer, on one rank: float32 A (each slice's, side by side) and
-    block-diagonal B at max_lora_rank (lora/layers.LinearLoRA)."""
+    """One adapter slot in every LoRA'd layer, on one rank: float32 A (each slice's side by side, padded to whole
+    lanes) and B (each slice's in its own columns), at max_lora_rank (lora/layers.LinearLoRA)."""
     per_layer = 0
     for fused, num_slices in NUM_SLICES.items():
         shapes = slice_shapes(hf_config)[fused]
-        per_layer += num_slices * rank * (shapes[0][0] + sum(out for _, out in shapes)) * 4
+        lanes = -(-num_slices * rank // LANES) * LANES
+        per_layer += (shapes[0][0] * lanes + rank * sum(out for _, out in shapes)) * 4
     return per_layer * hf_config.num_hidden_layers
 
 
@@ -80,22 +83,29 @@ def main() -> None:
         for i in range(NUM_ADAPTERS):
             write_adapter(Path(folder) / f"adapter-{i}", hf_config, args.rank, i)
             adapters.append(LoRARequest(f"adapter-{i}", i + 1, str(Path(folder) / f"adapter-{i}")))
+        plain = LLM(dtype=args.dtype)
         llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
         print(f"rank {args.rank}; one adapter slot: {slot_bytes(hf_config, args.rank) / 2**20:.1f} MiB "
               f"(float32, {hf_config.num_hidden_layers} layers x 7 projections)")
-        print(f"{'workload':<10}{'adapters':>10}{'base s':>9}{'LoRA s':>9}{'LoRA / base speed':>19}")
+        print("base: an engine without enable_lora; LoRA engine, no adapter: the base model's requests on the "
+              "engine with enable_lora")
+        print(f"{'workload':<10}{'adapters':>10}{'base s':>9}{'no adapter s':>14}{'LoRA s':>9}"
+              f"{'no adapter / base':>19}{'LoRA / base speed':>19}")
         for name in args.workloads.split(","):
             workload = workloads[name]
             n = workload.num_requests
             loras = [adapters[i % NUM_ADAPTERS] for i in range(n)] if n > 1 else adapters[0]
-            timed(llm, workload.prompts, 8, loras)  # warm-up: adapters loaded, kernels built
-            base, lora = [], []
+            timed(plain, workload.prompts, 8, None)  # warm-up: adapters loaded, kernels built, graphs captured
+            timed(llm, workload.prompts, 8, loras)
+            base, no_adapter, lora = [], [], []
             for _ in range(args.repeats):
-                base.append(timed(llm, workload.prompts, workload.max_tokens, None))
+                base.append(timed(plain, workload.prompts, workload.max_tokens, None))
+                no_adapter.append(timed(llm, workload.prompts, workload.max_tokens, None))
                 lora.append(timed(llm, workload.prompts, workload.max_tokens, loras))
-            b, l_ = statistics.median(base), statistics.median(lora)
-            print(f"{name:<10}{min(n, NUM_ADAPTERS):>10}{b:>9.2f}{l_:>9.2f}{b / l_:>18.2f}x")
+            b, u, l_ = statistics.median(base), statistics.median(no_adapter), statistics.median(lora)
+            print(f"{name:<10}{min(n, NUM_ADAPTERS):>10}{b:>9.2f}{u:>14.2f}{l_:>9.2f}{b / u:>18.2f}x{b / l_:>18.2f}x")
         llm.shutdown()
+        plain.shutdown()
 
 
 if __name__ == "__main__":

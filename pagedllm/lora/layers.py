@@ -12,17 +12,20 @@ import torch
 
 from pagedllm.lora.lora_model import LoRALayerWeights
 from pagedllm.lora.punica import PunicaWrapper
+from pagedllm.native.lora_ops import lora_add
+
+LANES = 16  # lora_a_t's rows are padded to a multiple of this many lanes (lora.c's shrink reads whole chunks)
 
 
 class LinearLoRA:
-    """``lora_a_t[slot]``: ``[in, slices x max_rank]``, each slice's A transposed side by side; ``lora_b[slot]``:
-    ``[slices x max_rank, out]``, block-diagonal (slice i's B, transposed, in its rank rows and its output columns,
-    zeros elsewhere). So a slot's rows take one shrink GEMM and one expand GEMM per layer, whatever its slices: the
-    zero blocks and the rank padding cost FLOPs (small at LoRA ranks), not kernel calls, which dominate here. A
-    slice the adapter leaves alone, and the padding past its rank, are zeros and add exactly nothing."""
+    """``lora_a_t[slot]``: ``[in, lanes]``, each slice's A transposed side by side (slice i in lanes
+    ``i x max_rank ..``), zeros past the last; ``lora_b[slot]``: ``[max_rank, out]``, slice i's B transposed in its
+    own output columns. So one shrink serves every slice and B holds no zero blocks; a slice the adapter leaves
+    alone, and the rank padding past an adapter's rank, are zeros and add exactly nothing. ``holds[slot]``: whether
+    the slot's adapter has weights for this layer at all. lora.c reads all of it, and each token's slot, when it
+    runs, so a CPU graph replays a LoRA step for any adapters in any slots."""
 
-    def __init__(self, layer, max_loras: int, max_lora_rank: int, punica: PunicaWrapper,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, layer, max_loras: int, max_lora_rank: int, punica: PunicaWrapper):
         from pagedllm.layers.linear import RowParallelLinear
 
         self.punica = punica
@@ -35,11 +38,13 @@ class LinearLoRA:
         else:
             self.in_features = layer.input_size
             self.shards = layer.output_shards()
+        offsets = [offset for offset, _, _ in self.shards]
         out_features = sum(size for _, size, _ in self.shards)
-        width = len(self.shards) * max_lora_rank
-        self.lora_a_t = torch.zeros(max_loras, self.in_features, width, dtype=dtype)
-        self.lora_b = torch.zeros(max_loras, width, out_features, dtype=dtype)
-        self.holds = [False] * max_loras  # whether the slot's adapter has weights for this layer
+        lanes = -(-len(self.shards) * max_lora_rank // LANES) * LANES
+        self.lora_a_t = torch.zeros(max_loras, self.in_features, lanes)
+        self.lora_b = torch.zeros(max_loras, max_lora_rank, out_features)
+        self.slice_offsets = torch.tensor([*offsets, out_features], dtype=torch.int64)
+        self.holds = torch.zeros(max_loras, dtype=torch.uint8)
 
     def set_slot(self, slot: int, weights: LoRALayerWeights | None) -> None:
         """Copy an adapter's weights for this layer into ``slot`` (None: the adapter leaves the layer alone)."""
@@ -58,15 +63,21 @@ class LinearLoRA:
                 b = b.narrow(0, shard_rank * size, size)
             r, first = a.shape[0], i * self.max_lora_rank
             self.lora_a_t[slot, :, first:first + r].copy_(a.T)
-            self.lora_b[slot, first:first + r, offset:offset + size].copy_(b.T)
+            self.lora_b[slot, :r, offset:offset + size].copy_(b.T)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """Adds this step's adapters' x·A·B to the layer's output ``y`` (its rows of each slot), in place."""
         y, x = y.view(-1, y.shape[-1]), x.reshape(-1, x.shape[-1])
-        for slot, rows in self.punica.groups:
+        if lora_add(y, x, self.punica.token_slots, self.holds, self.lora_a_t, self.lora_b, self.slice_offsets):
+            return
+        rank = self.max_lora_rank
+        for slot, rows in self.punica.groups():
             if not self.holds[slot]:
                 continue
-            if rows is None:
-                y.addmm_(x @ self.lora_a_t[slot], self.lora_b[slot])
-            else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ self.lora_a_t[slot]) @ self.lora_b[slot])
+            shrunk = (x if rows is None else x.index_select(0, rows)) @ self.lora_a_t[slot]
+            for i, (offset, size, _) in enumerate(self.shards):
+                delta = shrunk[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, :, offset:offset + size]
+                if rows is None:
+                    y[:, offset:offset + size] += delta
+                else:
+                    y[:, offset:offset + size].index_add_(0, rows, delta)

@@ -1,8 +1,8 @@
-"""The rows of each adapter slot in a step (the part of vLLM's PunicaWrapper that maps tokens to adapters).
+"""Each token's adapter slot in a step (the part of vLLM's PunicaWrapper that maps tokens to adapters).
 
-One PunicaWrapper per model: the model runner sets the step's token -> slot mapping once, every LoRA'd layer reads
-it (lora/layers.py does its shrink and expand per group, never a per-row loop). Rows of no adapter (slot -1) are
-in no group.
+One PunicaWrapper per model: the model runner sets the step's token -> slot mapping once, and every LoRA'd layer
+reads it: lora.c straight from ``token_slots`` (which a CPU graph step points at its static buffer), the torch path
+through ``groups()``, the rows of each slot. Rows of no adapter (slot -1) are in no group.
 """
 from __future__ import annotations
 
@@ -11,21 +11,26 @@ import torch
 
 class PunicaWrapper:
     def __init__(self) -> None:
-        # (slot, rows): rows an index tensor into the step's tokens, or None when every token uses the slot
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.token_slots = torch.empty(0, dtype=torch.int64)  # token i's slot, -1 for the base model
+        self.active = False  # whether any token of the step has an adapter
+        self._groups: list[tuple[int, torch.Tensor | None]] | None = None
 
     def update(self, token_slots: torch.Tensor) -> None:
-        """``token_slots[i]``: the slot of token i's adapter, -1 for the base model."""
-        self.groups = []
-        if token_slots.numel() == 0 or int(token_slots.max()) < 0:
-            return
-        for slot in torch.unique(token_slots[token_slots >= 0]).tolist():
-            rows = torch.nonzero(token_slots == slot).flatten()
-            self.groups.append((slot, None if rows.numel() == token_slots.numel() else rows))
+        """``token_slots[i]``: the slot of token i's adapter, -1 for the base model (int64)."""
+        self.token_slots = token_slots.contiguous()
+        self.active = token_slots.numel() > 0 and int(token_slots.max()) >= 0
+        self._groups = None
 
     def clear(self) -> None:
-        self.groups = []
+        self.update(torch.empty(0, dtype=torch.int64))
 
-    @property
-    def active(self) -> bool:
-        return bool(self.groups)
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, rows) per slot the step uses: rows an index tensor into the step's tokens, or None when every
+        token uses the slot."""
+        if self._groups is None:
+            slots = self.token_slots
+            self._groups = []
+            for slot in torch.unique(slots[slots >= 0]).tolist():
+                rows = torch.nonzero(slots == slot).flatten()
+                self._groups.append((slot, None if rows.numel() == slots.numel() else rows))
+        return self._groups

@@ -16,6 +16,7 @@ from pagedllm.native import build
 from pagedllm.native.attention import SIGNATURES as _ATTENTION_SIGNATURES
 from pagedllm.native.attention import MergeAttnStates, PagedAttentionLibrary, PagedDecode, PagedPrefill, PagedPrefix
 from pagedllm.native.fused import FUSED_SIGNATURES
+from pagedllm.native.lora_ops import LORA_SIGNATURES
 from pagedllm.native.gemms import (
     GEMM_BF16,
     GEMM_BF16_SIGNATURES,
@@ -84,6 +85,12 @@ def prebuild() -> None:
 def fused_ops() -> ctypes.CDLL | None:
     """The library of fused_ops.c (called through pagedllm.native.fused), or None."""
     return build.load("fused_ops", FUSED_SIGNATURES)
+
+
+@functools.cache
+def lora() -> ctypes.CDLL | None:
+    """The library of lora.c (called through pagedllm.native.lora_ops), or None."""
+    return build.load("lora", LORA_SIGNATURES)
 
 
 @functools.cache

@@ -1,7 +1,9 @@
 """Decode steps replayed from CPU graphs (native/graph.py): per decode batch size, static input buffers and the
 graphs captured over them, as vLLM's model runner keeps CUDA graphs per batch size. A graph is keyed by the
-batch size and by how long a prefix all its requests share, when attention takes that prefix once for all rows
-(cascade attention): the kernels' arguments differ with it.
+batch size, by how long a prefix all its requests share, when attention takes that prefix once for all rows
+(cascade attention): the kernels' arguments differ with it; and by whether adapters run (multi-LoRA), since the
+LoRA'd layers launch their kernel only in steps with adapters. Which adapter each row takes is an input, read from a
+static buffer like the token ids, so one graph serves any mix of adapters.
 
 Batches of up to MAX_GRAPH_BATCH rows use graphs. The graphs share one pool for their activations (~1.1 MB a row
 for SmolLM2-135M, so ~70 MB at 64 rows), which also spares replays the allocations an eager step makes. A replay
@@ -18,6 +20,7 @@ import torch
 
 from pagedllm.layers.attention.cpu_plan import shared_prefix_tokens
 from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.lora.punica import PunicaWrapper
 from pagedllm.native.graph import CpuGraph, GraphPool
 
 logger = logging.getLogger(__name__)
@@ -36,7 +39,8 @@ class _StaticInputs:
         self.seq_lens = torch.zeros(n, dtype=torch.int32)
         self.block_table = torch.zeros(n, block_table_width, dtype=torch.int32)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int64)
-        self.graphs: dict[int, CpuGraph] = {}  # by shared prefix tokens
+        self.token_slots = torch.full((n,), -1, dtype=torch.int64)  # each row's adapter slot (multi-LoRA)
+        self.graphs: dict[tuple[int, bool], CpuGraph] = {}  # by shared prefix tokens and whether adapters run
 
     def fill(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
              block_table: np.ndarray) -> None:
@@ -63,11 +67,13 @@ class DecodeGraphs:
         self._refused: set[tuple[int, int]] = set()  # (rows, shared prefix tokens)
 
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                seq_lens: np.ndarray, block_table: np.ndarray) -> torch.Tensor | None:
+                seq_lens: np.ndarray, block_table: np.ndarray, punica: PunicaWrapper | None = None
+                ) -> torch.Tensor | None:
         """Final hidden states ``[n, hidden]`` of a batch of ``n`` decode rows (one token per request), from the
         graph of its key, captured now if this is its first step; None where no graph serves the batch (too
         many rows, or its capture was refused). The result is in the graphs' shared pool: the next graph step
-        overwrites it."""
+        overwrites it. With adapters in the step (``punica`` active), its rows' slots move into the static
+        buffer the LoRA kernels read, and the graph is one captured with them."""
         n = len(input_ids)
         if n > MAX_GRAPH_BATCH:
             return None
@@ -76,19 +82,23 @@ class DecodeGraphs:
             static = self._by_size[n] = _StaticInputs(n, self.block_table_width)
         static.fill(input_ids, positions, slot_mapping, seq_lens, block_table)
         metadata = static.metadata()
-        key = (n, shared_prefix_tokens(metadata, self.block_size) if n > 1 else 0)
+        lora = punica is not None and punica.active
+        if lora:
+            static.token_slots.copy_(punica.token_slots)
+            punica.update(static.token_slots)
+        key = (n, shared_prefix_tokens(metadata, self.block_size) if n > 1 else 0, lora)
         if key in self._refused:
             return None
-        graph = static.graphs.get(key[1])
+        graph = static.graphs.get(key[1:])
         if graph is not None:
             return graph.replay()
         graph = CpuGraph(self._pool)
         hidden_states = graph.capture(lambda: self.model(static.input_ids, static.positions, self.kv_caches,
                                                          metadata))
         if graph.failure is None:
-            static.graphs[key[1]] = graph
+            static.graphs[key[1:]] = graph
         else:
-            logger.info("Decode steps of %d rows (shared prefix %d tokens) run eagerly: their CPU graph was "
-                        "refused (%s)", *key, graph.failure)
+            logger.info("Decode steps of %d rows (shared prefix %d tokens, adapters %s) run eagerly: their CPU "
+                        "graph was refused (%s)", *key, graph.failure)
             self._refused.add(key)
         return hidden_states

@@ -186,9 +186,9 @@ class ModelRunner:
         if self.lora_manager is not None:
             self._set_active_loras(rows, num_scheduled)
         hidden_states = None
-        # Steps with adapters run eagerly: the graphs were captured without them.
-        if self.decode_graphs is not None and num_tokens == n and not self._loras_active:
-            hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table)
+        if self.decode_graphs is not None and num_tokens == n:
+            hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table,
+                                                       self.lora_manager and self.lora_manager.punica)
         if hidden_states is None:
             block_table = block_table[:, :int(batch.num_blocks[rows].max())]
             attn_metadata = AttentionMetadata(
@@ -261,10 +261,6 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids)
-
-    @property
-    def _loras_active(self) -> bool:
-        return self.lora_manager is not None and self.lora_manager.punica.active
 
     def _set_active_loras(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """This step's adapters into slots, and each token's slot for the LoRA'd layers."""

@@ -65,6 +65,6 @@ def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
         if not eager and CAPTURES[None] and native.cascade() is not None:
-            keys = {(n, p) for n, static in graphs._by_size.items() for p in static.graphs}
+            keys = {(n, p) for n, static in graphs._by_size.items() for p, _ in static.graphs}
             assert any(p == 288 for _, p in keys) and not graphs._refused
     assert outputs[False] == outputs[True]

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagedllm import LoRARequest, SamplingParams
-from tests.e2e.conftest import assert_transformers_greedy, hf_greedy, running_llm
+from tests.e2e.conftest import assert_transformers_greedy, hf_greedy, in_process_llm, running_llm
 from tests.e2e.test_llm_parity import make_prompts
 
 peft = pytest.importorskip("peft")
@@ -98,6 +98,25 @@ def test_chunked_prefill_and_preemption(batch):
         outputs = run(llm, prompts, requests)
         assert llm.get_stats().num_preemptions > 0
     assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
+
+
+def test_decode_steps_with_adapters_replay_cpu_graphs(monkeypatch, batch):
+    """Decode steps with adapters replay graphs captured with the LoRA kernels, each row's slot an input; in the
+    test process, to see the graphs."""
+    from pagedllm import native
+    from pagedllm.native.graph import CpuGraph
+
+    if native.gemm() is None or native.lora() is None:
+        pytest.skip("no native GEMM or LoRA kernel here: every step runs eagerly")
+    replays, replay = [], CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    prompts, requests, oracles = (items[:4] for items in batch)  # the base model and three adapters, 2 slots
+    llm = in_process_llm(**ENGINE)
+    outputs = run(llm, prompts, requests)
+    assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+    assert any(lora for static in graphs._by_size.values() for _, lora in static.graphs) and not graphs._refused
+    assert len(replays) >= MAX_TOKENS
 
 
 def test_prefix_cache_shares_blocks_within_an_adapter_only(llm_with_lora, adapters):
