@@ -2,7 +2,7 @@
 through the engine as users run it (the EngineCore in its own process; ``llm`` is the package's shared engine of
 the default settings, conftest.py).
 
-Each engine configuration exercises a different path: one-step prefill, chunked prefill, preemption with
+Each engine configuration exercises a different path: one-step prefill, chunked prefill with preemption and
 recompute, prefix-cache hits, cascade attention, and one request at a time.
 """
 from __future__ import annotations
@@ -64,14 +64,10 @@ def test_default_settings(llm, hf_model, prompts):
     assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
 
 
-def test_chunked_prefill(hf_model, prompts):
-    with running_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=512) as llm:
-        assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
-
-
-def test_preemption(hf_model, prompts):
-    # 448 tokens need 28 blocks; all eight need 127. 40 blocks force preemption and recompute.
-    with running_llm(dtype="float32", max_model_len=1024, num_kv_blocks=40) as llm:
+def test_chunked_prefill_and_preemption(hf_model, prompts):
+    """Prompts cut into 64-token chunks (five of the eight are longer), and 40 blocks where the longest request
+    needs 28 (448 tokens) and all eight 127: requests are preempted and recomputed, in chunks too."""
+    with running_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=40) as llm:
         assert_transformers_greedy(hf_model, prompts, run(llm, prompts), MAX_TOKENS)
         assert llm.get_stats().num_preemptions > 0
 
