@@ -58,8 +58,13 @@ def spec_llm(request):
         yield engine
 
 
-def test_greedy_output_is_that_of_plain_decoding(llm, spec_llm):
-    expected = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+@pytest.fixture(scope="module")
+def expected(llm):
+    """Plain decoding's outputs, once for the three methods."""
+    return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+def test_greedy_output_is_that_of_plain_decoding(expected, spec_llm):
     got = spec_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     for e, g in zip(expected, got):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, g.prompt
