@@ -48,14 +48,14 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
     save_file(tensors, str(path / "adapter_model.safetensors"))
 
 
-def slot_bytes(hf_config, rank: int) -> int:
-    """One adapter slot in every LoRA'd layer, on one rank: float32 A (each slice's side by side, padded to whole
-    lanes) and B (each slice's in its own columns), at max_lora_rank (lora/layers.LinearLoRA)."""
+def slot_bytes(hf_config, rank: int, dtype: torch.dtype) -> int:
+    """One adapter slot in every LoRA'd layer, on one rank: A (each slice's side by side, padded to whole lanes)
+    and B (each slice's in its own columns), at max_lora_rank, in the model's dtype (lora/layers.LinearLoRA)."""
     per_layer = 0
     for fused, num_slices in NUM_SLICES.items():
         shapes = slice_shapes(hf_config)[fused]
         lanes = -(-num_slices * rank // LANES) * LANES
-        per_layer += (shapes[0][0] * lanes + rank * sum(out for _, out in shapes)) * 4
+        per_layer += (shapes[0][0] * lanes + rank * sum(out for _, out in shapes)) * dtype.itemsize
     return per_layer * hf_config.num_hidden_layers
 
 
@@ -85,8 +85,9 @@ def main() -> None:
             adapters.append(LoRARequest(f"adapter-{i}", i + 1, str(Path(folder) / f"adapter-{i}")))
         plain = LLM(dtype=args.dtype)
         llm = LLM(dtype=args.dtype, enable_lora=True, max_loras=NUM_ADAPTERS, max_lora_rank=args.rank)
-        print(f"rank {args.rank}; one adapter slot: {slot_bytes(hf_config, args.rank) / 2**20:.1f} MiB "
-              f"(float32, {hf_config.num_hidden_layers} layers x 7 projections)")
+        dtype = llm.llm_engine.config.model_config.dtype
+        print(f"rank {args.rank}; one adapter slot: {slot_bytes(hf_config, args.rank, dtype) / 2**20:.1f} MiB "
+              f"({str(dtype).removeprefix('torch.')}, {hf_config.num_hidden_layers} layers x 7 projections)")
         print("base: an engine without enable_lora; LoRA engine, no adapter: the base model's requests on the "
               "engine with enable_lora")
         print(f"{'workload':<10}{'adapters':>10}{'base s':>9}{'no adapter s':>14}{'LoRA s':>9}"

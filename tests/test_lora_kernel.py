@@ -46,7 +46,8 @@ def _adapters(in_features, slice_sizes, ranks, seed=0) -> list[LoRALayerWeights 
     return adapters
 
 
-def _expected(y, x, token_slots, adapters, slice_sizes):
+def _expected(y, x, token_slots, adapters, slice_sizes, dtype=torch.float32):
+    """In float64 from the weights as the slots hold them (rounded to ``dtype``)."""
     y = y.clone()
     for row, slot in enumerate(token_slots.tolist()):
         if slot < 0 or adapters[slot] is None:
@@ -55,7 +56,8 @@ def _expected(y, x, token_slots, adapters, slice_sizes):
         for size, pair in zip(slice_sizes, adapters[slot].slices):
             if pair is not None:
                 a, b = pair
-                y[row, offset:offset + size] += (x[row].double() @ a.T.double() @ b.T.double()).float()
+                a, b = a.to(dtype).double(), b.to(dtype).double()
+                y[row, offset:offset + size] += (x[row].double() @ a.T @ b.T).float()
             offset += size
     return y
 
@@ -68,15 +70,16 @@ CASES = [  # in, slices, max_loras, max_rank, each slot's adapter rank (None: le
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # the slots': a bf16 model's are bf16
 @pytest.mark.parametrize("native_path", [True, False])
 @pytest.mark.parametrize("in_features,slice_sizes,max_loras,max_rank,ranks,rows", CASES)
-def test_each_row_gets_its_slots_product(monkeypatch, native_path, in_features, slice_sizes, max_loras, max_rank,
-                                         ranks, rows):
+def test_each_row_gets_its_slots_product(monkeypatch, native_path, dtype, in_features, slice_sizes, max_loras,
+                                         max_rank, ranks, rows):
     if not native_path:
         monkeypatch.setattr("pagedllm.lora.layers.lora_add", lambda *args: False)
     adapters = _adapters(in_features, slice_sizes, ranks)
     punica = PunicaWrapper()
-    lora = LinearLoRA(_ColumnLayer(in_features, slice_sizes), max_loras, max_rank, punica)
+    lora = LinearLoRA(_ColumnLayer(in_features, slice_sizes), max_loras, max_rank, punica, dtype)
     for slot, adapter in enumerate(adapters):
         lora.set_slot(slot, adapter)
     generator = torch.Generator().manual_seed(rows)
@@ -86,7 +89,7 @@ def test_each_row_gets_its_slots_product(monkeypatch, native_path, in_features, 
     if rows == 1:
         token_slots[0] = 0
     punica.update(token_slots)
-    expected = _expected(y, x, token_slots, adapters, slice_sizes)
+    expected = _expected(y, x, token_slots, adapters, slice_sizes, dtype)
     lora.add_to(y, x)
     untouched = [r for r, s in enumerate(token_slots.tolist()) if s < 0 or adapters[s] is None]
     assert torch.equal(y[untouched], expected[untouched])

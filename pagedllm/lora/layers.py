@@ -23,9 +23,11 @@ class LinearLoRA:
     own output columns. So one shrink serves every slice and B holds no zero blocks; a slice the adapter leaves
     alone, and the rank padding past an adapter's rank, are zeros and add exactly nothing. ``holds[slot]``: whether
     the slot's adapter has weights for this layer at all. lora.c reads all of it, and each token's slot, when it
-    runs, so a CPU graph replays a LoRA step for any adapters in any slots."""
+    runs, so a CPU graph replays a LoRA step for any adapters in any slots. The slots are in the model's dtype
+    (bf16 for a bf16 model: half the bytes each step reads), the sums in float32."""
 
-    def __init__(self, layer, max_loras: int, max_lora_rank: int, punica: PunicaWrapper):
+    def __init__(self, layer, max_loras: int, max_lora_rank: int, punica: PunicaWrapper,
+                 dtype: torch.dtype = torch.float32):
         from pagedllm.layers.linear import RowParallelLinear
 
         self.punica = punica
@@ -41,8 +43,8 @@ class LinearLoRA:
         offsets = [offset for offset, _, _ in self.shards]
         out_features = sum(size for _, size, _ in self.shards)
         lanes = -(-len(self.shards) * max_lora_rank // LANES) * LANES
-        self.lora_a_t = torch.zeros(max_loras, self.in_features, lanes)
-        self.lora_b = torch.zeros(max_loras, max_lora_rank, out_features)
+        self.lora_a_t = torch.zeros(max_loras, self.in_features, lanes, dtype=dtype)
+        self.lora_b = torch.zeros(max_loras, max_lora_rank, out_features, dtype=dtype)
         self.slice_offsets = torch.tensor([*offsets, out_features], dtype=torch.int64)
         self.holds = torch.zeros(max_loras, dtype=torch.uint8)
 
@@ -74,9 +76,9 @@ class LinearLoRA:
         for slot, rows in self.punica.groups():
             if not self.holds[slot]:
                 continue
-            shrunk = (x if rows is None else x.index_select(0, rows)) @ self.lora_a_t[slot]
+            shrunk = (x if rows is None else x.index_select(0, rows)) @ self.lora_a_t[slot].to(x.dtype)
             for i, (offset, size, _) in enumerate(self.shards):
-                delta = shrunk[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, :, offset:offset + size]
+                delta = shrunk[:, i * rank:(i + 1) * rank] @ self.lora_b[slot, :, offset:offset + size].to(x.dtype)
                 if rows is None:
                     y[:, offset:offset + size] += delta
                 else:

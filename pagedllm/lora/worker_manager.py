@@ -18,14 +18,15 @@ _LORA_LAYER = re.compile(r"^model\.layers\.\d+\.(" + "|".join(re.escape(n) for n
 
 
 class WorkerLoRAManager:
-    def __init__(self, model: nn.Module, hf_config, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
+    def __init__(self, model: nn.Module, hf_config, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype = torch.float32):
         self.hf_config = hf_config
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.punica = PunicaWrapper()
         self.layers: dict[str, LinearLoRA] = {}
         for name, module in model.named_modules():
             if _LORA_LAYER.match(name):
-                module.lora = LinearLoRA(module, max_loras, max_lora_rank, self.punica)
+                module.lora = LinearLoRA(module, max_loras, max_lora_rank, self.punica, dtype)
                 self.layers[name] = module.lora
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self._slot_use = [0] * max_loras  # the step a slot last served, for choosing which to reuse

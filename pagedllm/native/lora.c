@@ -10,6 +10,7 @@
  * rows. Two phases split over torch's OpenMP threads: the shrink (x A, by tile and chunk of LANES lanes) into a
  * scratch buffer, then the expand (by tile and block of one slice's output columns); so one decode row still uses
  * every thread. The slots are read when the call runs: a CPU graph replays it for any mapping of rows to adapters.
+ * The weights are float32, or bf16 for a bf16 model (widened as they are read; the sums are float32 either way).
  * Plain C written to vectorise.
  */
 #include <stdint.h>
@@ -21,15 +22,29 @@
 #define COLS 256
 #define PARALLEL_MIN_MACS 65536 /* below this a parallel region costs more than it saves */
 
+/* A weight as float32: stored as float32, or as bf16 (its top 16 bits, widened exactly). */
+static inline __attribute__((always_inline)) float weight(const void *w, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)w)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)w)[i];
+}
+
 /* The shrink of one tile and lane chunk: acc[r] = x[rows[r]] . A[:, w0 : w0 + LANES]. Short tiles repeat their
  * first row, so every loop has a constant trip count and the accumulators stay in registers. */
-static void shrink_tile(const float *x, int64_t ldx, const int64_t *rows, int n, const float *a, int lda, int in_features,
-                        int w0, float *t, int width) {
+static inline __attribute__((always_inline)) void shrink_tile(const float *x, int64_t ldx, const int64_t *rows,
+                                                              int n, const void *a, int lda, int in_features, int w0,
+                                                              float *t, int width, const int bf16) {
     const float *xr[TILE];
     for (int r = 0; r < TILE; r++) xr[r] = x + rows[r < n ? r : 0] * ldx;
     float acc[TILE][LANES] = {{0}};
     for (int k = 0; k < in_features; k++) {
-        const float *ak = a + (int64_t)k * lda + w0;
+        float ak[LANES];
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) ak[l] = weight(a, (int64_t)k * lda + w0 + l, bf16);
         for (int r = 0; r < TILE; r++) {
             const float xv = xr[r][k];
 #pragma omp simd
@@ -40,24 +55,31 @@ static void shrink_tile(const float *x, int64_t ldx, const int64_t *rows, int n,
     for (int r = 0; r < n; r++) memcpy(t + (int64_t)r * width + w0, acc[r], (size_t)lanes * sizeof(float));
 }
 
-/* The expand of one tile into columns [c0, c1) of one slice: y[rows[r], c] += t[r, lane0 : lane0 + rank] . B[:, c]. */
-static void expand_tile(float *y, int64_t ldy, const int64_t *rows, int n, const float *t, int width, int lane0,
-                        const float *b, int64_t out, int rank, int64_t c0, int64_t c1) {
+/* The expand of one tile into columns [c0, c1) of one slice: y[rows[r], c] += t[r, lane0 : lane0 + rank] . B[:, c].
+ * Each row of B's block is widened once for the whole tile. */
+static inline __attribute__((always_inline)) void expand_tile(float *y, int64_t ldy, const int64_t *rows, int n,
+                                                              const float *t, int width, int lane0, const void *b,
+                                                              int64_t out, int rank, int64_t c0, int64_t c1,
+                                                              const int bf16) {
+    float bk[COLS];
+    const int64_t cols = c1 - c0;
     for (int k = 0; k < rank; k++) {
-        const float *bk = b + (int64_t)k * out;
+#pragma omp simd
+        for (int64_t c = 0; c < cols; c++) bk[c] = weight(b, (int64_t)k * out + c0 + c, bf16);
         for (int r = 0; r < n; r++) {
             const float tv = t[(int64_t)r * width + lane0 + k];
-            float *yr = y + rows[r] * ldy;
+            float *yr = y + rows[r] * ldy + c0;
 #pragma omp simd
-            for (int64_t c = c0; c < c1; c++) yr[c] += tv * bk[c];
+            for (int64_t c = 0; c < cols; c++) yr[c] += tv * bk[c];
         }
     }
 }
 
 /* Returns 0, or -1 when a row's slot is max_loras or more (nothing is written then). */
-int lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t rows, const int64_t *token_slots,
-                 const uint8_t *holds, int max_loras, const float *lora_a, int lda, const float *lora_b, int in_features,
-                 int rank, int slices, const int64_t *slice_offsets) {
+static int lora_add(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t rows, const int64_t *token_slots,
+                    const uint8_t *holds, int max_loras, const void *lora_a, int lda, const void *lora_b,
+                    int in_features, int rank, int slices, const int64_t *slice_offsets, const int bf16) {
+    const size_t wsize = bf16 ? sizeof(uint16_t) : sizeof(float);
     const int width = slices * rank;
     const int64_t out = slice_offsets[slices];
     int64_t count[max_loras + 1];
@@ -104,16 +126,25 @@ int lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t row
             const int64_t p = tile_start[item / chunks];
             const int64_t s = token_slots[order[p]];
             const int n = (int)((count[s + 1] - p) < TILE ? count[s + 1] - p : TILE);
-            shrink_tile(x, ldx, order + p, n, lora_a + s * in_features * (int64_t)lda, lda, in_features,
-                        (int)(item % chunks) * LANES, t + p * width, width);
+            const void *a = (const char *)lora_a + s * in_features * (int64_t)lda * wsize;
+            const int w0 = (int)(item % chunks) * LANES;
+            if (bf16)
+                shrink_tile(x, ldx, order + p, n, a, lda, in_features, w0, t + p * width, width, 1);
+            else
+                shrink_tile(x, ldx, order + p, n, a, lda, in_features, w0, t + p * width, width, 0);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < tiles * blocks; item++) {
             const int64_t p = tile_start[item / blocks], *bl = block + 3 * (item % blocks);
             const int64_t s = token_slots[order[p]];
             const int n = (int)((count[s + 1] - p) < TILE ? count[s + 1] - p : TILE);
-            expand_tile(y, ldy, order + p, n, t + p * width, width, (int)bl[0] * rank,
-                        lora_b + s * rank * out, out, rank, bl[1], bl[2]);
+            const void *b = (const char *)lora_b + s * rank * out * wsize;
+            if (bf16)
+                expand_tile(y, ldy, order + p, n, t + p * width, width, (int)bl[0] * rank, b, out, rank, bl[1],
+                            bl[2], 1);
+            else
+                expand_tile(y, ldy, order + p, n, t + p * width, width, (int)bl[0] * rank, b, out, rank, bl[1],
+                            bl[2], 0);
         }
     }
     free(order);
@@ -122,4 +153,20 @@ int lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t row
     free(block);
     free(t);
     return 0;
+}
+
+/* lora_a and lora_b as float32. */
+int lora_add_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t rows, const int64_t *token_slots,
+                 const uint8_t *holds, int max_loras, const float *lora_a, int lda, const float *lora_b,
+                 int in_features, int rank, int slices, const int64_t *slice_offsets) {
+    return lora_add(x, ldx, y, ldy, rows, token_slots, holds, max_loras, lora_a, lda, lora_b, in_features, rank,
+                    slices, slice_offsets, 0);
+}
+
+/* lora_a and lora_b as bf16 (a bf16 model's slots): half the bytes a step reads, float32 sums all the same. */
+int lora_add_bf16(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t rows, const int64_t *token_slots,
+                  const uint8_t *holds, int max_loras, const uint16_t *lora_a, int lda, const uint16_t *lora_b,
+                  int in_features, int rank, int slices, const int64_t *slice_offsets) {
+    return lora_add(x, ldx, y, ldy, rows, token_slots, holds, max_loras, lora_a, lda, lora_b, in_features, rank,
+                    slices, slice_offsets, 1);
 }

@@ -84,7 +84,7 @@ class ModelRunner:
         lora = self.config.lora_config
         if lora is not None:
             self.lora_manager = WorkerLoRAManager(self.model, mc.hf_config, lora.max_loras, lora.max_lora_rank,
-                                                  lora.max_cpu_loras)
+                                                  lora.max_cpu_loras, mc.dtype)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """One cache per layer of this stage, holding this TP rank's KV heads."""
