@@ -38,19 +38,15 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     replay = CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
     graphed, llm = _run(quantization=quantization)
-    eager, _ = _run(quantization=quantization, enforce_eager=True)
+    eager, eager_llm = _run(quantization=quantization, enforce_eager=True)
     assert graphed == eager
+    assert eager_llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs is None
     if not CAPTURES[quantization]:
         pytest.skip("no native GEMM for these weights here: decode steps ran eagerly, tokens compared")
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
     sizes = {n for n, static in graphs._by_size.items() if static.graphs}
     assert sizes and max(sizes) <= MAX_GRAPH_BATCH and not graphs._refused
     assert len(replays) >= 15  # steps of 8 rows or fewer, after the first two requests finish
-
-
-def test_enforce_eager_captures_nothing():
-    _, llm = _run(enforce_eager=True)
-    assert llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs is None
 
 
 def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():

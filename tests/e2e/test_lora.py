@@ -1,7 +1,8 @@
 """Multi-LoRA serving holds the oracle: greedy float32 output token for token that of transformers + peft with the
 same adapter, for three random peft adapters (different ranks and targets, one rsLoRA, one on q/k/v only) in one
 batch with base-model requests, through the engine process; also under chunked prefill and forced preemption, with
-fewer adapter slots than adapters (max_loras=2). The prefix cache keeps adapters apart; adapters that do not fit
+fewer adapter slots than adapters (max_loras=2), in the test process, where the CPU graphs of steps with adapters
+are seen. The prefix cache keeps adapters apart; adapters that do not fit
 the base model are a ValueError naming the problem, and the engine serves on."""
 from __future__ import annotations
 
@@ -90,33 +91,25 @@ def test_mixed_batch_equals_transformers_with_peft(llm_with_lora, batch):
         assert (outputs[i] == base[i]) == (request is None), f"prompt {i}"
 
 
-def test_chunked_prefill_and_preemption(batch):
+def test_chunked_prefill_preemption_and_cpu_graphs(monkeypatch, batch):
     """64-token chunks and 30 blocks of 16 for a batch that needs 77, longest prompts first (the two longest
-    alone need 44): preempted adapter requests recompute with their adapter."""
-    prompts, requests, oracles = (list(reversed(items)) for items in batch)
-    with running_llm(**ENGINE, max_num_batched_tokens=64, num_kv_blocks=30) as llm:
-        outputs = run(llm, prompts, requests)
-        assert llm.get_stats().num_preemptions > 0
-    assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
-
-
-def test_decode_steps_with_adapters_replay_cpu_graphs(monkeypatch, batch):
-    """Decode steps with adapters replay graphs captured with the LoRA kernels, each row's slot an input; in the
-    test process, to see the graphs."""
+    alone need 44): preempted adapter requests recompute with their adapter. And decode steps with adapters replay
+    graphs captured with the LoRA kernels, each row's slot an input. In the test process, to see the graphs."""
     from pagedllm import native
     from pagedllm.native.graph import CpuGraph
 
-    if native.gemm() is None or native.lora() is None:
-        pytest.skip("no native GEMM or LoRA kernel here: every step runs eagerly")
     replays, replay = [], CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
-    prompts, requests, oracles = (items[:4] for items in batch)  # the base model and three adapters, 2 slots
-    llm = in_process_llm(**ENGINE)
+    prompts, requests, oracles = (list(reversed(items)) for items in batch)
+    llm = in_process_llm(**ENGINE, max_num_batched_tokens=64, num_kv_blocks=30)
     outputs = run(llm, prompts, requests)
+    assert llm.get_stats().num_preemptions > 0
     assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
+    if native.gemm() is None or native.lora() is None:
+        pytest.skip("no native GEMM or LoRA kernel here: every step ran eagerly (outputs checked)")
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
     assert any(lora for static in graphs._by_size.values() for _, lora in static.graphs) and not graphs._refused
-    assert len(replays) >= MAX_TOKENS
+    assert len(replays) >= MAX_TOKENS // 2
 
 
 def test_prefix_cache_shares_blocks_within_an_adapter_only(llm_with_lora, adapters):
