@@ -1,9 +1,9 @@
-"""Multi-LoRA serving holds the oracle: greedy float32 output token for token that of transformers + peft with the
-same adapter, for three random peft adapters (different ranks and targets, one rsLoRA, one on q/k/v only) in one
-batch with base-model requests, through the engine process; also under chunked prefill and forced preemption, with
-fewer adapter slots than adapters (max_loras=2), in the test process, where the CPU graphs of steps with adapters
-are seen. The prefix cache keeps adapters apart; adapters that do not fit
-the base model are a ValueError naming the problem, and the engine serves on."""
+"""Multi-LoRA serving holds the oracle: greedy float32 output token for token that of transformers + peft with the same
+adapter, for three random peft adapters (different ranks and targets, one rsLoRA, one on q/k/v only) in one batch
+with base-model requests, through the engine process; also under chunked prefill and forced preemption, with fewer
+adapter slots than adapters (max_loras=2), in the test process, where the CPU graphs of steps with adapters are
+seen. The prefix cache keeps adapters apart; adapters that do not fit the base model are a ValueError naming the
+problem, and the engine serves on."""
 from __future__ import annotations
 
 import copy
