@@ -3,6 +3,7 @@ fresh ones for tests that kill or stop it.
 """
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -35,15 +36,16 @@ def free_port() -> int:
 class RemoteServer:
     """`pagedllm serve` on a free loopback port; ready once /health answers 200."""
 
-    def __init__(self, log_path: Path, extra_args: Optional[list[str]] = None, api_key: Optional[str] = None
-                 ) -> None:
+    def __init__(self, log_path: Path, extra_args: Optional[list[str]] = None, api_key: Optional[str] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_path
         args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *SERVER_ARGS,
                 *(extra_args or []), *(["--api-key", api_key] if api_key else [])]
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
         self.url_root = f"http://127.0.0.1:{self.port}"
         self._wait_until_healthy()
         self.engines = self.engine_processes()  # one per data-parallel engine

@@ -1,5 +1,6 @@
 """`pagedllm serve --speculative-config` answers greedy requests, streamed or not, exactly as the plain server
-does, counts its drafts in vLLM's spec_decode metrics, and a bad config fails the command before any engine."""
+does, counts its drafts in vLLM's spec_decode metrics and its periodic log line, and a bad config fails the command
+before any engine."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,8 @@ PROMPTS = [f"Copy this code exactly.\n{CODE}\nCopy:\n", "Count: one, two, three,
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory):
     srv = RemoteServer(tmp_path_factory.mktemp("spec") / "server.log",
-                       extra_args=["--speculative-config", json.dumps(NGRAM)])
+                       extra_args=["--speculative-config", json.dumps(NGRAM)],
+                       env={"PAGEDLLM_LOG_STATS_INTERVAL": "0"})  # a log line per output batch
     yield srv
     srv.stop()
 
@@ -49,6 +51,7 @@ def test_greedy_completions_equal_the_plain_servers_streamed_or_not(server, spec
     assert metrics["pagedllm:spec_decode_num_drafts_total"] > 0 and 0 < accepted <= drafts
     assert sum(metrics[f"pagedllm:spec_decode_num_accepted_tokens_per_pos_total{{position={pos}}}"]
                for pos in range(4)) == accepted
+    assert "SpecDecoding metrics: Mean acceptance length: " in spec_server.log()  # the periodic log line
 
 
 def test_a_bad_speculative_config_fails_the_command_naming_the_field():

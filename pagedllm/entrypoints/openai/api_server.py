@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -32,6 +33,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.utils import with_cancellation
+from pagedllm.metrics.loggers import LOG_STATS_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
@@ -165,10 +167,13 @@ async def run_server(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     registry = CollectorRegistry()
     num_speculative_tokens = (args.speculative_config or {}).get("num_speculative_tokens", 0)
-    engine_client = AsyncLLM.from_engine_args(
-        engine_args_from(args),
-        stat_loggers=[PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
-                                           num_speculative_tokens, args.max_loras if args.enable_lora else 0)])
+    stat_loggers = [PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
+                                         num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
+    if not args.disable_log_stats:
+        stat_loggers.append(LoggingStatLogger(args.data_parallel_size,
+                                              float(os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL",
+                                                                   LOG_STATS_INTERVAL_S))))
+    engine_client = AsyncLLM.from_engine_args(engine_args_from(args), stat_loggers=stat_loggers)
     try:
         app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)

@@ -32,6 +32,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                         help="the format tool calls take in free text, for tool_choice 'auto' "
                              "(default: detected from the chat template)")
+    server.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic log line of throughput, queues, KV cache and speculative decoding "
+                             "(every PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, in which requests ran)")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 

@@ -1,0 +1,61 @@
+"""The server's periodic log line (metrics/loggers.LoggingStatLogger, vLLM's LoggingStatLogger and
+SpecDecodingLogging): figures over the interval since the last line, per engine, logged once the interval has
+passed. tests/server/test_spec_decode_api.py sees the line in a server's log."""
+from __future__ import annotations
+
+import logging
+
+from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.metrics.loggers import LoggingStatLogger
+from pagedllm.metrics.stats import IterationStats
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_line_per_interval_with_the_intervals_figures(caplog):
+    clock = Clock()
+    stat_logger = LoggingStatLogger(num_engines=2, interval=10.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    first = SchedulerStats(num_running_reqs=3, prefix_cache_queries=100, prefix_cache_hits=50,
+                           spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
+                           spec_decode_num_accepted_tokens=20, spec_decode_num_accepted_tokens_per_pos=[8, 6, 4, 2])
+    clock.now = 109.0
+    stat_logger.record(first, IterationStats(num_prompt_tokens=300, num_generation_tokens=20), engine=1)
+    assert not caplog.records  # within the interval
+    clock.now = 110.0
+    stat_logger.record(first, IterationStats(num_generation_tokens=30), engine=1)
+    (line, spec) = [r.getMessage() for r in caplog.records]
+    assert line == ("Engine 001: Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
+                    "Running: 3 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 50.0%")
+    assert spec == ("Engine 001: SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: "
+                    "2.00 tokens/s, Drafted throughput: 4.00 tokens/s, Accepted: 20 tokens, Drafted: 40 tokens, "
+                    "Per-position acceptance rate: 0.800, 0.600, 0.400, 0.200, Avg Draft acceptance rate: 50.0%")
+    caplog.clear()
+    # The next interval counts from the totals the last line ended at.
+    later = SchedulerStats(kv_cache_usage=0.25, prefix_cache_queries=200, prefix_cache_hits=60,
+                           spec_decode_num_drafts=20, spec_decode_num_draft_tokens=80,
+                           spec_decode_num_accepted_tokens=30, spec_decode_num_accepted_tokens_per_pos=[12, 9, 6, 3])
+    clock.now = 125.0
+    stat_logger.record(later, IterationStats(num_generation_tokens=15), engine=1)
+    (line, spec) = [r.getMessage() for r in caplog.records]
+    assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 1.0 tokens/s" in line
+    assert "KV cache usage: 25.0%, Prefix cache hit rate: 10.0%" in line
+    assert ("Mean acceptance length: 2.00" in spec and "Accepted: 10 tokens, Drafted: 40 tokens" in spec
+            and "Per-position acceptance rate: 0.400, 0.300, 0.200, 0.100, Avg Draft acceptance rate: 25.0%" in spec)
+
+
+def test_no_speculation_no_spec_line(caplog):
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=1.0, clock=clock)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    clock.now = 101.0
+    stat_logger.record(SchedulerStats(num_waiting_reqs=2), IterationStats(num_generation_tokens=4))
+    assert [r.getMessage() for r in caplog.records] == [
+        "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 4.0 tokens/s, Running: 0 reqs, "
+        "Waiting: 2 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 0.0%"]
