@@ -65,6 +65,10 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None
 
     def create_engine_config(self) -> EngineConfig:
+        # Checks that need no model first: a bad speculative_config fails before the model's config loads.
+        speculative_config = self.speculative_config
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         path = resolve_model(self.model)
         hf_config = load_hf_config(path)
         model_max_len = positions_held(hf_config)
@@ -85,9 +89,6 @@ class EngineArgs:
         parallel_config.distributed_executor_backend = resolve_executor_backend(parallel_config)
         if parallel_config.distributed_executor_backend == "ray" and _ray_initialized():
             parallel_config.ray_address = sys.modules["ray"].get_runtime_context().gcs_address
-        speculative_config = self.speculative_config
-        if isinstance(speculative_config, dict):
-            speculative_config = SpeculativeConfig.from_dict(speculative_config)
         if speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
