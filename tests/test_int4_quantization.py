@@ -118,10 +118,15 @@ def test_tensor_parallel_shards_of_int4_layers_match_unsharded(kernel_path):
     assert _relative_error(sum(rows), full_row) < 1e-2  # each rank's partial sum is rounded to bf16
 
 
-def test_packed_gguf_q4_1_reproduces_dequantize(kernel_path):
+@pytest.fixture(scope="module")
+def smollm_reader() -> GGUFReader:
+    """gguf's reader of the default model's file, parsed once for the module (its vocabulary takes seconds)."""
+    return GGUFReader(smollm_path())
+
+
+def test_packed_gguf_q4_1_reproduces_dequantize(kernel_path, smollm_reader):
     """A real Q4_1 tensor, llama.cpp-permuted (q_proj) or not (down_proj), packed and through the kernel."""
-    path = smollm_path()
-    reader = GGUFReader(path)
+    path, reader = smollm_path(), smollm_reader
     assert gguf_tensor_types(path) == {gguf_to_hf_name(t.name): t.tensor_type for t in reader.tensors}
     raw = {gguf_to_hf_name(t.name): t for t in reader.tensors}
     n_head = int(reader.fields["llama.attention.head_count"].contents())
