@@ -75,7 +75,8 @@ static inline __attribute__((always_inline)) void expand_tile(float *y, int64_t 
     }
 }
 
-/* Returns 0, or -1 when a row's slot is max_loras or more (nothing is written then). */
+/* Returns 0; -1 when a row's slot is max_loras or more, -2 when scratch memory cannot be had (nothing is written
+ * then). */
 static int lora_add(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t rows, const int64_t *token_slots,
                     const uint8_t *holds, int max_loras, const void *lora_a, int lda, const void *lora_b,
                     int in_features, int rank, int slices, const int64_t *slice_offsets, const int bf16) {
@@ -101,6 +102,14 @@ static int lora_add(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t 
     for (int i = 0; i < slices; i++) max_blocks += (slice_offsets[i + 1] - slice_offsets[i]) / COLS;
     int64_t *block = malloc((size_t)max_blocks * 3 * sizeof(int64_t)); /* (slice, first column, end column) */
     float *t = malloc((size_t)kept * width * sizeof(float));
+    if (order == NULL || next == NULL || tile_start == NULL || block == NULL || t == NULL) {
+        free(order);
+        free(next);
+        free(tile_start);
+        free(block);
+        free(t);
+        return -2;
+    }
     memcpy(next, count, (size_t)max_loras * sizeof(int64_t));
     for (int64_t i = 0; i < rows; i++) {
         const int64_t s = token_slots[i];

@@ -44,6 +44,8 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, holds:
     status = launch(getattr(lib, name), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
                     token_slots.data_ptr(), holds.data_ptr(), max_loras, lora_a.data_ptr(), lda, lora_b.data_ptr(),
                     in_features, rank, slices, slice_offsets.data_ptr())
+    if status == -2:
+        raise MemoryError(f"{name}: no memory for the scratch of {x.shape[0]} rows")
     if status != 0:
         raise IndexError(f"{name}: a token's adapter slot is not below max_loras ({max_loras})")
     return True
