@@ -90,8 +90,13 @@ class LinearBase(nn.Module):
         # while a step has adapters, forward adds their x·A·B to the rows that use them.
         self.lora = None
 
+    @property
+    def lora_active(self) -> bool:
+        """Whether this step's forward adds adapters to this layer."""
+        return self.lora is not None and self.lora.punica.active
+
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.lora is not None and self.lora.punica.active:
+        if self.lora_active:
             self.lora.add_to(y, x)
         return y
 
@@ -183,7 +188,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this projection in one kernel where the weight's layout has one (bf16 panels),
         else None (then apply the activation to ``forward``'s output)."""
-        if not self.gated_silu or self.gather_output or (self.lora is not None and self.lora.punica.active):
+        if not self.gated_silu or self.gather_output or self.lora_active:
             return None  # (adapters add to the projection before the activation)
         return self.quant_method.apply_silu_and_mul(self, x, self.bias)
 

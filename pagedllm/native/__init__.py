@@ -16,7 +16,6 @@ from pagedllm.native import build
 from pagedllm.native.attention import SIGNATURES as _ATTENTION_SIGNATURES
 from pagedllm.native.attention import MergeAttnStates, PagedAttentionLibrary, PagedDecode, PagedPrefill, PagedPrefix
 from pagedllm.native.fused import FUSED_SIGNATURES
-from pagedllm.native.lora_ops import LORA_SIGNATURES
 from pagedllm.native.gemms import (
     GEMM_BF16,
     GEMM_BF16_SIGNATURES,
@@ -27,6 +26,7 @@ from pagedllm.native.gemms import (
     GEMM_SIGNATURES,
     Gemm,
 )
+from pagedllm.native.lora_ops import LORA_SIGNATURES
 
 _build = build.build  # (library, extra_flags) -> path or None; tests call it directly
 

@@ -122,15 +122,13 @@ def build(library: str, extra_flags: tuple[str, ...] = ()) -> str | None:
             os.replace(tmp, target)
         except _CompileError as e:
             with open(failed, "w") as f:
-                f.write(e.message)
-            return _record(BuildStatus(library, extra_flags, "failed", failed, e.message))
+                f.write(str(e))
+            return _record(BuildStatus(library, extra_flags, "failed", failed, str(e)))
     return _record(BuildStatus(library, extra_flags, "built", target, seconds=time.monotonic() - start))
 
 
 class _CompileError(Exception):
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+    """A compiler or linker run that failed; its text is the command, the error and the compiler's output."""
 
 
 def _run(command: list[str]) -> None:

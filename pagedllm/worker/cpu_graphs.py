@@ -64,7 +64,7 @@ class DecodeGraphs:
         self.block_size, self.block_table_width = block_size, block_table_width
         self._by_size: dict[int, _StaticInputs] = {}
         self._pool = GraphPool()
-        self._refused: set[tuple[int, int]] = set()  # (rows, shared prefix tokens)
+        self._refused: set[tuple[int, int, bool]] = set()  # (rows, shared prefix tokens, adapters run)
 
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 seq_lens: np.ndarray, block_table: np.ndarray, punica: PunicaWrapper | None = None

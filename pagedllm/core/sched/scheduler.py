@@ -461,6 +461,5 @@ class Scheduler:
             running_lora_adapters=_count_adapters(self.running), waiting_lora_adapters=_count_adapters(self.waiting))
 
 
-
 def _count_adapters(requests) -> dict[str, int]:
     return dict(Counter(r.lora_request.lora_name for r in requests if r.lora_request is not None))
