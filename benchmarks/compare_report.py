@@ -24,7 +24,7 @@ DECODE_TOK_S = Figure("decode tok/s", True, lambda s, w: (w["max_tokens"] - 1) /
 STARTUP_S = Figure("process start to first token s", False, lambda s, w: s["startup_s"])
 
 FIGURES = {"W1": [OUTPUT_TOK_S], "W1-nopc": [OUTPUT_TOK_S], "W2": [DECODE_TOK_S, TTFT_MS], "W3": [WALL_S],
-           "W3-nopc": [WALL_S], "startup": [STARTUP_S]}
+           "W3-nopc": [WALL_S], "W4": [DECODE_TOK_S, TTFT_MS], "W4-8": [OUTPUT_TOK_S], "startup": [STARTUP_S]}
 
 
 def summarize(runs: list[dict], workloads: dict[str, dict], engines: list[str]) -> list[dict]:

@@ -32,3 +32,18 @@ def test_prefix_caching_cost_compares_w1_with_and_without_the_cache():
     table = markdown(rows, ["pagedllm", "vllm"])
     assert "pagedllm: prefix caching costs 20.0% of W1 output tok/s" in table  # 10 vs 12.5 tok/s
     assert "vllm: prefix caching costs" not in table  # no W1-nopc run of vllm
+
+
+def test_every_workload_has_figures_and_the_grounded_ones_are_the_engines_own_prompts():
+    from compare import VARIANTS, build_workloads  # imports pagedllm, which the report module does not
+    from compare_report import FIGURES
+
+    from pagedllm.benchmarks.workloads import grounded_prompt
+    from pagedllm.models.hf_config import load_tokenizer
+
+    assert set(FIGURES) == set(VARIANTS)
+    workloads = build_workloads(["W4", "W4-8"], smoke=True)
+    assert workloads["W4"]["kind"] == "stream" and workloads["W4-8"]["kind"] == "batch"
+    assert workloads["W4-8"]["num_requests"] == 8 and workloads["W4"]["max_tokens"] == 8  # smoke: short outputs
+    text = load_tokenizer("smollm2-135m-instruct").decode(workloads["W4-8"]["prompts"][3])
+    assert grounded_prompt(3).splitlines()[0] in text

@@ -25,6 +25,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--quantization", help="for runners whose engine takes one (pagedllm: gguf_int4)")
+    parser.add_argument("--speculative-config", type=json.loads, help="JSON, vLLM's speculative_config")
     return parser.parse_args()
 
 

@@ -13,7 +13,7 @@ from pagedllm.entrypoints.llm import LLM
 class PagedLLMEngine:
     def __init__(self, args: argparse.Namespace) -> None:
         self.llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=not args.no_prefix_caching,
-                       quantization=args.quantization)
+                       quantization=args.quantization, speculative_config=args.speculative_config)
 
     def run(self, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
         # timed_run resets the prefix cache, checks exact lengths, and ends when the last token arrives.

@@ -17,7 +17,8 @@ class VLLMEngine:
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
         self.sampling_params, self.tokens_prompt = SamplingParams, TokensPrompt
-        self.llm = LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=not args.no_prefix_caching)
+        self.llm = LLM(model=args.model, dtype=args.dtype, seed=0, enable_prefix_caching=not args.no_prefix_caching,
+                            speculative_config=args.speculative_config)
         self.request_ids = itertools.count()
 
     def run(self, prompts: list[list[int]], max_tokens: int, stream: bool) -> dict:
