@@ -52,8 +52,8 @@ def draft_config_dir(tmp_path, **overrides) -> str:
 
 @pytest.mark.parametrize("overrides, extra, message", [
     ({"vocab_size": 8}, {}, "has a vocabulary of 8 tokens; the target model's has 49152"),
-    ({"max_position_embeddings": 256}, {}, "holds 256 positions \(max_position_embeddings\), fewer than the "
-                                           "target's max_model_len \(1024\)"),
+    ({"max_position_embeddings": 256}, {}, r"holds 256 positions \(max_position_embeddings\), fewer than the "
+                                           r"target's max_model_len \(1024\)"),
     ({}, {"tensor_parallel_size": 3}, "'draft_model' is not supported with tensor_parallel_size > 1"),
 ])
 def test_a_draft_model_that_does_not_fit_the_target_is_refused_before_any_process(tmp_path, overrides, extra,
