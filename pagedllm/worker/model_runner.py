@@ -109,11 +109,11 @@ class ModelRunner:
         # the sets' (string hashing differs per process): every rank's batch must have the same rows in the same
         # order, as the TP collectives combine the ranks' rows position by position.
         for req_id in sorted(so.finished_req_ids):
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
+            if state is not None and isinstance(self.drafter, SuffixDecodingProposer) and self.rank.is_driver:
+                self.drafter.cache_output(state.output_token_ids)
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)
-        if isinstance(self.drafter, SuffixDecodingProposer):
-            self.drafter.finish_requests(so.finished_req_ids)
         for req_id in sorted(so.preempted_req_ids):
             if req_id in batch.req_id_to_index:
                 batch.remove_request(req_id)

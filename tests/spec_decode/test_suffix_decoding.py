@@ -1,25 +1,29 @@
 """Suffix decoding: the trees count runs of tokens; drafts follow the most frequent continuation of the suffix that
-scores best, within the probability threshold, the spec factor and the tree depth; finished outputs serve other
-requests until they are evicted."""
+scores best, within the probability threshold, the spec factor and the tree depth; a request's own tokens draft as
+a tree over them would; finished outputs serve other requests until they are evicted."""
 import numpy as np
+import pytest
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.spec_decode.proposal_step import ProposalStep
-from pagedllm.spec_decode.suffix_decoding import SuffixDecodingProposer, SuffixTree
+from pagedllm.spec_decode.suffix_decoding import ROOT, SuffixDecodingProposer, SuffixTree, own_draft
 from pagedllm.worker.input_batch import InputBatch
 
 
 def test_tree_counts_runs_up_to_its_depth_and_removal_undoes_adding():
     tree = SuffixTree(max_depth=3)
     tree.add([1, 2, 1, 2, 3])
-    assert tree.find([1, 2]).count == 2 and tree.find([2, 1, 2]).count == 1
-    assert tree.find([1, 2, 3]).count == 1 and tree.find([1, 2, 1, 2]) is None  # deeper than 3
+    assert tree.count([1, 2]) == 2 and tree.count([2, 1, 2]) == 1
+    assert tree.count([1, 2, 3]) == 1 and tree.find([1, 2, 1, 2]) is None  # deeper than 3
     tree.add([1, 2, 3])
-    assert tree.find([1, 2]).count == 3 and tree.find([1, 2, 3]).count == 2
+    assert tree.count([1, 2]) == 3 and tree.count([1, 2, 3]) == 2
     tree.remove([1, 2, 1, 2, 3])
-    assert tree.find([1, 2, 3]).count == 1 and tree.find([2, 1]) is None
+    assert tree.count([1, 2, 3]) == 1 and tree.find([2, 1]) is None
+    num_nodes = len(tree.counts)
     tree.remove([1, 2, 3])
-    assert tree.root.children == {}
+    assert tree.children[ROOT] == {}
+    tree.add([4, 5, 6])
+    assert len(tree.counts) == num_nodes and tree.count([4, 5, 6]) == 1  # removed runs' nodes are reused
 
 
 def test_draft_follows_the_most_frequent_path_while_likely_enough():
@@ -41,6 +45,28 @@ def proposer(**overrides) -> SuffixDecodingProposer:
     values = {"method": "suffix", "suffix_decoding_max_tree_depth": 8, "suffix_decoding_max_spec_factor": 2.0}
     values.update(overrides)
     return SuffixDecodingProposer(SpeculativeConfig.from_dict(values))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_sequences_own_draft_is_that_of_a_tree_over_it(seed):
+    """own_draft searches the tokens themselves; it must propose what a tree built over them proposes (same
+    draft, same score) for every suffix length, spec factor and threshold."""
+    rng = np.random.default_rng(seed)
+    motif = rng.integers(0, 6, size=rng.integers(2, 6))
+    tokens = np.concatenate([np.where(rng.random(len(motif)) < 0.2, rng.integers(0, 6, len(motif)), motif)
+                             for _ in range(rng.integers(1, 8))])[:rng.integers(1, 40)]
+    depth, factor, min_prob = int(rng.integers(2, 10)), float(rng.choice([0.5, 1.0, 2.0])), float(rng.choice([0.1, 0.4]))
+    max_tokens = int(rng.integers(1, 12))
+    tree = SuffixTree(depth)
+    tree.add(tokens.tolist())
+    expected, expected_score = [], 0.0
+    for match_len in range(1, min(depth, len(tokens)) + 1):
+        draft, score = tree.draft_from(tree.find(tokens[-match_len:].tolist()), match_len, max_tokens, factor,
+                                       min_prob)
+        if score > expected_score:
+            expected, expected_score = draft, score
+    draft, score = own_draft(tokens.tolist(), max_tokens, depth, factor, min_prob)
+    assert draft == expected and score == pytest.approx(expected_score)
 
 
 class Batch:
@@ -77,11 +103,11 @@ def test_finished_outputs_serve_other_requests_until_evicted():
     suffix = proposer(suffix_decoding_max_cached_requests=1)
     first = Batch({"a": ([1, 2], [40, 41, 42, 43, 44])})
     assert suffix.propose_for_step(first.batch, first.step()) == [[]]  # nothing repeats within "a"
-    suffix.finish_requests({"a"})
+    suffix.cache_output([40, 41, 42, 43, 44])  # "a" finished
     second = Batch({"b": ([3, 40, 41], [])})
     assert suffix.propose_for_step(second.batch, second.step()) == [[42, 43, 44]]
-    suffix.finish_requests({"b"})  # "b" output nothing: not cached, "a" stays
+    suffix.cache_output([])  # "b" finished having output nothing: not cached, "a" stays
     third = Batch({"c": ([5, 6], [50, 51]), "d": ([40, 41], [])})
     assert suffix.propose_for_step(third.batch, third.step()) == [[], [42, 43, 44]]
-    suffix.finish_requests({"c"})  # evicts "a"
+    suffix.cache_output([50, 51])  # "c" finished: evicts "a"
     assert suffix.propose_for_step(third.batch, third.step()) == [[], []]
