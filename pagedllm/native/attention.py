@@ -23,9 +23,9 @@ PAGED_DECODE = CFunction("paged_decode_f32", INT, *arguments(
     "seq_lens", POINTER, "start_pos", INT, "out", "lse", POINTER, "num_reqs", "num_heads", "num_kv_heads",
     "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
 PAGED_PREFILL = CFunction("paged_prefill_f32", INT, *arguments(
-    "q", "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64, "query_start", "query_len",
-    "seq_len", POINTER, "start_pos", INT, "out", "lse", POINTER, "num_reqs", "num_heads", "num_kv_heads",
-    "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
+    "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
+    "query_start", "query_len", "seq_len", POINTER, "start_pos", INT, "out", "lse", POINTER, "num_reqs", "num_heads",
+    "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
 PAGED_PREFIX = CFunction("paged_prefix_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "prefix_tokens", "num_rows",
     INT, "out", "lse", POINTER, "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT,
@@ -109,21 +109,20 @@ class PagedPrefill(_AttentionKernel):
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, *, start_pos: int, block_size: int, scale: float) -> None:
-        """Chunk r's query rows query_start[r] .. + query_len[r] - 1 of q (contiguous ``[rows, heads,
-        head_size]``) are the last query_len[r] of its seq_len[r] positions, each seeing start_pos .. itself through
+        """Chunk r's query rows query_start[r] .. + query_len[r] - 1 of q (``[rows, heads, head_size]``, rows may
+        be strided) are the last query_len[r] of its seq_len[r] positions, each seeing start_pos .. itself through
         block_table[r] (contiguous int32); writes those rows of out and lse."""
         num_reqs = block_table.shape[0]
         if checks.ENABLED:
             kernel = PAGED_PREFILL.name
             _check_rows(kernel, q, k_cache, v_cache, self.kv_dtype, out, lse, q.shape[0])
-            require(kernel, q.is_contiguous(), "q must be contiguous")
             expect(kernel, "block_table", block_table, torch.int32, (num_reqs, None), contiguous=True)
             for name, t in (("query_start", query_start), ("query_len", query_len), ("seq_len", seq_len)):
                 expect(kernel, name, t, torch.int32, (num_reqs,), contiguous=True)
             require(kernel, bool((query_start + query_len <= q.shape[0]).all() & (query_len <= seq_len).all()),
                     "a chunk's rows run past q, or it has more query rows than positions")
             check_block_tables(kernel, block_table, seq_len, block_size, k_cache.shape[0])
-        self._launch(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
+        self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                      block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
                      start_pos, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1],
                      q.shape[2], block_size, scale, torch.get_num_threads())

@@ -378,14 +378,17 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
 #endif
 
 /* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
- * [rows, num_heads, head_size], the last query_len[r] of its seq_len[r] positions; each sees the positions
- * start_pos .. its own. Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
- * Returns -1 for what it does not handle (no AVX-512, head size not 64 or 128, group > 16). */
-int paged_prefill_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
-                      int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len,
-                      const int32_t *seq_len, int start_pos, float *out, float *lse, int num_reqs, int num_heads,
-                      int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
-    return run_prefill(q, (int64_t)num_heads * head_size, k_cache, v_cache, block_table, block_table_stride,
+ * [rows, num_heads, head_size] (rows q_row_stride floats apart: a view of the QKV projection's output is read in
+ * place), the last query_len[r] of its seq_len[r] positions; each sees the positions start_pos .. its own. Writes
+ * those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks' arrays are read when the
+ * kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1 for what it does not
+ * handle (no AVX-512, head size not 64 or 128, group > 16). */
+int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
+                      const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
+                      const int32_t *query_len, const int32_t *seq_len, int start_pos, float *out, float *lse,
+                      int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
+                      int num_threads) {
+    return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, block_table_stride,
                        query_start, query_len, seq_len, start_pos, INT32_MAX, out, lse, num_reqs, num_heads,
                        num_kv_heads, head_size, block_size, scale, num_threads);
 }

@@ -110,7 +110,8 @@ class DraftModelProposer:
         if self.decode_graphs is not None:
             hidden_states = self.decode_graphs.forward(tokens, positions,
                                                        batch.slot_mapping(rows, positions, self.block_size),
-                                                       positions + 1, batch.block_table[rows])
+                                                       positions + 1, batch.block_table[rows],
+                                                       np.arange(len(rows) + 1))
         if hidden_states is None:
             hidden_states = self._forward(batch, rows, positions, positions + 1, tokens)
         return greedy_sample(self.model.compute_logits(hidden_states)).numpy()

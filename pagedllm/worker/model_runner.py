@@ -186,11 +186,14 @@ class ModelRunner:
         if self.lora_manager is not None:
             self._set_active_loras(rows, num_scheduled)
         hidden_states = None
-        if self.decode_graphs is not None and num_tokens == n:
+        graphable = _decodes_or_verifies(so, num_tokens)
+        if self.decode_graphs is not None and graphable:
             hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table,
-                                                       self.lora_manager and self.lora_manager.punica)
+                                                       query_start_loc, self.lora_manager and self.lora_manager.punica)
         if hidden_states is None:
             block_table = block_table[:, :int(batch.num_blocks[rows].max())]
+            # A verify step's attention is the one its graph computes (every request a prefill chunk), also eagerly.
+            verify = graphable and num_tokens > n
             attn_metadata = AttentionMetadata(
                 num_actual_tokens=num_tokens,
                 slot_mapping=torch.from_numpy(slot_mapping),
@@ -199,6 +202,8 @@ class ModelRunner:
                 block_table=torch.from_numpy(block_table),
                 max_query_len=int(num_scheduled.max()),
                 max_seq_len=int(seq_lens.max()),
+                chunk_query_start=torch.from_numpy(query_start_loc[:-1].astype(np.int32)) if verify else None,
+                chunk_query_len=torch.from_numpy(num_scheduled.astype(np.int32)) if verify else None,
             )
             hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
                                        attn_metadata, self._receive_intermediate_tensors(num_tokens))
@@ -358,6 +363,16 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
             out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return out
+
+
+def _decodes_or_verifies(so: SchedulerOutput, num_tokens: int) -> bool:
+    """Whether every request of the step computes its one new token and, if it has any, its drafts after it (a
+    decode or verify step, which CPU graphs replay); not a step with prompt chunks."""
+    if num_tokens == len(so.num_scheduled_tokens):
+        return True
+    spec = so.scheduled_spec_decode_tokens
+    return bool(spec) and all(count == 1 + len(spec.get(req_id, ()))
+                              for req_id, count in so.num_scheduled_tokens.items())
 
 
 def make_proposer(config: EngineConfig) -> NgramProposer | DraftModelProposer | SuffixDecodingProposer | None:

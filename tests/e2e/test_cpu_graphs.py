@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams, native
+from pagedllm.core.sched.spec_budget import SpecDecodeBudget
 from pagedllm.native.graph import CpuGraph
 from pagedllm.worker import cpu_graphs
 
@@ -44,7 +45,7 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     if not CAPTURES[quantization]:
         pytest.skip("no native GEMM for these weights here: decode steps ran eagerly, tokens compared")
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
-    sizes = {n for n, static in graphs._by_size.items() if static.graphs}
+    sizes = {n for (n, _), static in graphs._by_shape.items() if static.graphs}
     assert sizes and max(sizes) <= MAX_GRAPH_BATCH and not graphs._refused
     assert len(replays) >= 15  # steps of 8 rows or fewer, after the first two requests finish
 
@@ -61,6 +62,35 @@ def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
         if not eager and CAPTURES[None] and native.cascade() is not None:
-            keys = {(n, p) for n, static in graphs._by_size.items() for p, _ in static.graphs}
+            keys = {(n, p) for (n, _), static in graphs._by_shape.items() for p, _ in static.graphs}
             assert any(p == 288 for _, p in keys) and not graphs._refused
     assert outputs[False] == outputs[True]
+
+
+def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_steps(monkeypatch):
+    """Steps verifying n-gram drafts (each request: its token, then 0-4 drafts) replay graphs keyed by their
+    requests and tokens; the native prefill kernel reads each request's query start and length from static
+    buffers, so one graph serves every split of the step's tokens."""
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    # Every draft is verified: dynamic speculation, which may run steps draft-free, is not what this test is about.
+    monkeypatch.setattr(SpecDecodeBudget, "trim_drafts", lambda self, decodes, only_decodes=False: None)
+    code = "def area(width, height):\n    result = width * height\n    return result\n"
+    prompts = [f"Copy this code exactly.\n{code}\nCopy:\n", f"Rename result to total in this code.\n{code}\nRenamed:\n",
+               "Count: one, two, three, four, five, six,", "The capital of France is"]
+    params = [SamplingParams(temperature=0.0, max_tokens=32 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager, speculative_config=ngram)
+        outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not eager:
+            graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+            verify_graphs = {graph for (n, t), static in graphs._by_shape.items() if t > n
+                             for graph in static.graphs.values()}
+    assert outputs[False] == outputs[True]
+    if not (CAPTURES[None] and native.paged_prefill() is not None):
+        pytest.skip("no native GEMM or prefill tiles here: verify steps ran eagerly, tokens compared")
+    assert verify_graphs and not graphs._refused
+    assert sum(graph in verify_graphs for graph in replays) >= 5

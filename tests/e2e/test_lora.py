@@ -108,7 +108,7 @@ def test_chunked_prefill_preemption_and_cpu_graphs(monkeypatch, batch):
     if native.gemm() is None or native.lora() is None:
         pytest.skip("no native GEMM or LoRA kernel here: every step ran eagerly (outputs checked)")
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
-    assert any(lora for static in graphs._by_size.values() for _, lora in static.graphs) and not graphs._refused
+    assert any(lora for static in graphs._by_shape.values() for _, lora in static.graphs) and not graphs._refused
     assert len(replays) >= MAX_TOKENS // 2
 
 

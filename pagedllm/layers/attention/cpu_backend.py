@@ -85,10 +85,11 @@ class TorchSDPABackendImpl(AttentionImpl):
 
     def _prefill_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
         """Every prefill chunk in one native call that reads its context through the block table (tiles of
-        query tokens x heads share each K/V load): no gathered copies, no repeated K/V heads."""
+        query tokens x heads share each K/V load): no gathered copies, no repeated K/V heads, the query rows read
+        in place."""
         chunks = plan.native_prefill
         native.paged_prefill(key_flat.dtype)(
-            query.contiguous(), key_flat, value_flat, chunks.block_table, chunks.query_start, chunks.query_len,
+            self._rows_as_read(query), key_flat, value_flat, chunks.block_table, chunks.query_start, chunks.query_len,
             chunks.seq_len, out, lse, start_pos=plan.prefix.num_tokens if plan.prefix else 0,
             block_size=plan.block_size, scale=self.scale)
 

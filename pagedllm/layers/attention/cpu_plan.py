@@ -77,6 +77,12 @@ def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) 
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, native_decode: bool,
                native_prefill: bool) -> AttentionPlan:
     prefix = _shared_prefix(md, block_size)
+    if md.chunk_query_len is not None and native_prefill:  # a verify step: every request a chunk, as given
+        # (in a graph's metadata the block table and lengths are already contiguous int32: nothing is copied)
+        chunks = NativePrefill(md.block_table.to(torch.int32).contiguous(), md.chunk_query_start,
+                               md.chunk_query_len, md.seq_lens.to(torch.int32))
+        return AttentionPlan(block_size, dtype, prefix, None, False, None, None, None, 0, None, [], chunks,
+                             _native_prefix(prefix))
     skip = prefix.num_tokens if prefix else 0
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
@@ -119,11 +125,14 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
-    native_prefix = (native_prefill and prefix is not None and prefix.block_ids.dtype == torch.int32
-                     and prefix.block_ids.stride(0) == 1)
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_only, decode_block_table, decode_seq_lens,
                          decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs),
-                         native_prefix)
+                         native_prefill and _native_prefix(prefix))
+
+
+def _native_prefix(prefix: SharedPrefix | None) -> bool:
+    """Whether the native kernel (given native prefill tiles) can read the shared prefix's blocks in place."""
+    return prefix is not None and prefix.block_ids.dtype == torch.int32 and prefix.block_ids.stride(0) == 1
 
 
 def _native_prefill(md: AttentionMetadata, reqs: list[int]) -> NativePrefill | None:

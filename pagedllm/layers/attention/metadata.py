@@ -1,7 +1,7 @@
 """Per-step description of the flattened batch that attention layers read."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -26,6 +26,12 @@ class AttentionMetadata:
     block_table: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    # Set for a verify step of speculative decoding: every request's query rows are one chunk for the native
+    # prefill kernel, one-row queries included, described by these [B] int32 tensors, which the kernel reads when
+    # it runs, so a CPU graph (worker/cpu_graphs.py) replays over new query lengths; the same computation eagerly.
+    # None: the backend sorts the rows into decode rows and chunks itself.
+    chunk_query_start: Optional[torch.Tensor] = None
+    chunk_query_len: Optional[torch.Tensor] = None
     # Scratch for a backend to keep what it derives from the fields above
     # (gather indices, masks) once per step and reuse in every layer.
     # Builders leave it empty.
