@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
+from pagedllm.layers.layernorm import HeadRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.native import fused
 
@@ -57,6 +58,32 @@ def test_rotary_in_place_matches_torch_on_a_strided_view(rows, rotary_dim):
     assert fused.rotary_neox_(qk, 5, 64, rotary_dim, positions, rope.cos_sin_cache)
     _close(qk, expected)
     assert torch.equal(qkv[:, 5 * 64 :], untouched)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_head_rms_norm_in_place_matches_torch_on_a_strided_view(rows):
+    gen = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 7 * 64, generator=gen) * 3
+    weight = torch.randn(64, generator=gen)
+    k = qkv[:, 4 * 64 : 6 * 64]  # two heads in the middle of each row (Qwen3's k_norm on the QKV output)
+    heads = k.reshape(rows, 2, 64)
+    expected = weight * (heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + 1e-6))
+    before, after = qkv[:, : 4 * 64].clone(), qkv[:, 6 * 64 :].clone()
+    assert fused.head_rms_norm_(k, 2, 64, weight, 1e-6)
+    _close(k.reshape(rows, 2, 64), expected)
+    assert torch.equal(qkv[:, : 4 * 64], before) and torch.equal(qkv[:, 6 * 64 :], after)
+
+
+def test_head_norm_layer_computes_the_same_without_the_kernel(monkeypatch):
+    norm = HeadRMSNorm(64, eps=1e-6)
+    norm.weight.data = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    qkv = torch.randn(9, 5 * 64, generator=torch.Generator().manual_seed(1))
+    native_result, torch_result = qkv.clone(), qkv.clone()
+    norm.forward_heads_(native_result[:, 64:], 3)
+    monkeypatch.setattr(fused, "head_rms_norm_", lambda *args: False)
+    norm.forward_heads_(torch_result[:, 64:], 3)
+    _close(native_result, torch_result)
+    assert torch.equal(torch_result[:, :64], qkv[:, :64]) and torch.equal(torch_result[:, 4 * 64 :], qkv[:, 4 * 64 :])
 
 
 def test_rotary_table_holds_hf_values_and_grows_past_its_end():

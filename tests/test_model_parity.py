@@ -3,9 +3,10 @@ split into prefill chunks and decodes and batched with other requests."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
@@ -133,6 +134,18 @@ def test_tiny_qwen2_parity(tmp_path):
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=4, block_size=4)
 
 
+def test_tiny_qwen3_parity(tmp_path):
+    """Per-head q/k norms before the rotary embedding, and a head size other than hidden / heads."""
+    config = Qwen3Config(**TINY, head_dim=32, tie_word_embeddings=True)
+    reference = _save_tiny(HFQwen3ForCausalLM, config, tmp_path)
+    for norm in (reference.model.layers[0].self_attn.q_norm, reference.model.layers[1].self_attn.k_norm):
+        norm.weight.data.uniform_(0.5, 1.5)  # not all ones: the norms' weights must load and apply
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    assert model.model.layers[1].self_attn.k_norm.weight.shape == (32,)
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=6, block_size=4)
+
+
 def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
     rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
                 high_freq_factor=4.0, original_max_position_embeddings=16)
@@ -143,11 +156,12 @@ def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=5, block_size=8)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_parity(tmp_path, arch):
     """Unquantized GGUF written like llama.cpp (llama q/k rows permuted, qwen2
-    biases) loads back to the original HF model's logits."""
-    classes = {"llama": (LlamaConfig, HFLlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM)}
+    biases, qwen3 q/k norms) loads back to the original HF model's logits."""
+    classes = {"llama": (LlamaConfig, HFLlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
+               "qwen3": (Qwen3Config, HFQwen3ForCausalLM)}
     config_class, hf_class = classes[arch]
     torch.manual_seed(7)
     reference = hf_class(config_class(**TINY, tie_word_embeddings=False)).eval()

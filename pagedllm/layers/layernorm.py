@@ -32,3 +32,18 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.variance_epsilon}"
+
+
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each attention head on its own (Qwen3's q_norm and k_norm: a weight of ``head_size``), in place
+    on the heads of a row, so the QKV projection's output is normalised where it lies, before the rotary
+    embedding."""
+
+    def forward_heads_(self, x: torch.Tensor, num_heads: int) -> None:
+        """Normalise the first ``num_heads`` heads of each row of ``x`` ([T, >= num_heads * head_size], rows may
+        be strided) in place."""
+        head_size = self.weight.shape[0]
+        if fused.head_rms_norm_(x, num_heads, head_size, self.weight, self.variance_epsilon):
+            return
+        heads = x[:, :num_heads * head_size].view(x.shape[0], num_heads, head_size)
+        heads.copy_(super().forward(heads))

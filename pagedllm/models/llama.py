@@ -1,5 +1,5 @@
 """Llama decoder-only model (also Mistral without sliding window, and the
-base of Qwen2), over a flattened batch and a paged KV cache."""
+base of Qwen2 and Qwen3), over a flattened batch and a paged KV cache."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
 from pagedllm.layers.gemm_layout import WeightLayout
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import HeadRMSNorm, RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.quantization import QuantizationConfig
@@ -49,7 +49,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = ""):
+                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 qk_norm: bool = False):
+        """``qk_norm``: each query and key head is RMS-normalised before the rotary embedding (Qwen3)."""
         super().__init__()
         self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(
@@ -73,10 +75,17 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb  # one module for all layers: cos/sin once per step
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.q_norm = self.k_norm = None
+        if qk_norm:
+            self.q_norm = HeadRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = HeadRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
+        if self.q_norm is not None:
+            self.q_norm.forward_heads_(qkv, self.num_heads)
+            self.k_norm.forward_heads_(qkv[:, self.q_size:], self.num_kv_heads)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, qk).split([self.q_size, self.kv_size], dim=-1)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
@@ -84,10 +93,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = ""):
+                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 qk_norm: bool = False):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
-                                        f"{prefix}.self_attn")
+                                        f"{prefix}.self_attn", qk_norm)
         self.mlp = LlamaMLP(
             config.hidden_size, config.intermediate_size, config.hidden_act,
             getattr(config, "mlp_bias", False), tp_size, tp_rank, quant_config, f"{prefix}.mlp",
@@ -126,7 +136,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  quant_config: QuantizationConfig | None = None, prefix: str = "model",
-                 layer_range: tuple[int, int] | None = None):
+                 layer_range: tuple[int, int] | None = None, qk_norm: bool = False):
         super().__init__()
         self.start_layer, self.end_layer = layer_range or (0, config.num_hidden_layers)
         self.is_first_stage = self.start_layer == 0
@@ -138,7 +148,8 @@ class LlamaModel(nn.Module):
         rotary_emb = get_rope(head_dim(config), config)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
-                              f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer else PPMissingLayer()
+                              f"{prefix}.layers.{i}", qk_norm)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
@@ -161,6 +172,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    qk_norm = False  # whether each query and key head is RMS-normalised before the rotary embedding
     # Checkpoint projections that live inside one fused parameter here:
     # (fused param name, checkpoint name, shard id)
     stacked_params_mapping = [
@@ -179,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         tp_size, tp_rank = rank.tp_size, rank.tp_rank
         self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, quant_config,
-                                layer_range=layer_range)
+                                layer_range=layer_range, qk_norm=self.qk_norm)
         if not self.model.is_last_stage:
             self.lm_head = PPMissingLayer()
         elif config.tie_word_embeddings and self.model.is_first_stage:

@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
@@ -16,12 +17,14 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 # GGUF configs carry no ``architectures``, only ``model_type``.
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 
 

@@ -20,6 +20,8 @@ _WRITE_KV_ARGS = arguments("key", "value", POINTER, "row_stride", INT64, "key_ca
 FUSED_SIGNATURES = (
     CFunction("add_rms_norm_f32", None, *arguments("x", "residual", "weight", "out", "sum_out", POINTER, "rows",
                                                    INT64, "hidden", INT, "eps", FLOAT)),
+    CFunction("head_rms_norm_f32", None, *arguments("x", POINTER, "row_stride", INT64, "weight", POINTER, "rows",
+                                                    INT64, "num_heads", "head_size", INT, "eps", FLOAT)),
     CFunction("silu_and_mul_f32", None, *arguments("x", "out", POINTER, "rows", INT64, "d", INT)),
     CFunction("rotary_neox_f32", INT, *arguments("x", POINTER, "row_stride", INT64, "positions", "cos_sin_cache",
                                                  POINTER, "num_positions", "rows", INT64, "heads", "head_size",
@@ -56,6 +58,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
            weight.data_ptr(), out.data_ptr(), None if summed is None else summed.data_ptr(), x.shape[0],
            x.shape[1], eps)
     return out if residual is None else (out, summed)
+
+
+def head_rms_norm_(x: torch.Tensor, num_heads: int, head_size: int, weight: torch.Tensor, eps: float) -> bool:
+    """Normalise each of the first ``num_heads`` heads of each row of ``x`` ([T, >= num_heads * head_size], rows
+    may be strided) in place, by its own RMS, times ``weight`` ([head_size]). False when it does not apply."""
+    lib = _lib_for(x, weight)
+    if lib is None or x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        return False
+    if checks.ENABLED:
+        require("head_rms_norm_f32", weight.shape == (head_size,) and x.shape[1] >= num_heads * head_size,
+                f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not fit {num_heads} heads of {head_size}")
+    launch(lib.head_rms_norm_f32, x.data_ptr(), x.stride(0), weight.data_ptr(), x.shape[0], num_heads, head_size,
+           eps)
+    return True
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

@@ -40,6 +40,25 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *weight
     }
 }
 
+/* In place, each of the first num_heads heads of head_size floats of each row (rows row_stride floats apart: a
+ * view of the QKV projection's output) becomes head / rms(head) * weight, in the order of add_rms_norm_f32:
+ * Qwen3's per-head q and k norms, which must run before the rotary embedding. */
+void head_rms_norm_f32(float *x, int64_t row_stride, const float *weight, int64_t rows, int num_heads,
+                       int head_size, float eps) {
+#pragma omp parallel for schedule(static) if (rows * num_heads * head_size >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        for (int h = 0; h < num_heads; h++) {
+            float *xh = x + t * row_stride + (int64_t)h * head_size;
+            float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+            for (int i = 0; i < head_size; i++) squares += xh[i] * xh[i];
+            const float inv_rms = 1.0f / sqrtf(squares / (float)head_size + eps);
+#pragma omp simd
+            for (int i = 0; i < head_size; i++) xh[i] = (xh[i] * inv_rms) * weight[i];
+        }
+    }
+}
+
 /* out[t] = silu(x[t, :d]) * x[t, d:] for rows of 2d floats. */
 void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) {
 #pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN_FLOATS)

@@ -1,18 +1,19 @@
-"""Tensor x pipeline parallelism on tiny random Llama and Qwen2 models (GQA: 4 attention heads, 2 KV heads, so tp=2
-splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the multi-process
-executor."""
+"""Tensor x pipeline parallelism on tiny random Llama, Qwen2 and Qwen3 models (GQA: 4 attention heads, 2 KV heads, so
+tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
+multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_greedy, running_llm
 
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
-          "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True})}
+          "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+          "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True})}
 # Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps.
 PROMPTS = [[1, 50, 60, 70], list(range(200, 237)), list(range(200, 300)), list(range(1000, 1150, 3))]
 MAX_TOKENS = 20
@@ -25,6 +26,9 @@ def save_tiny_model(path, tokenizer, name: str):
                         initializer_range=0.3, eos_token_id=2, bos_token_id=1, **extra)
     torch.manual_seed(0)
     model = model_cls(config).eval()
+    for name, param in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")):  # not the initial ones: the norms must apply
+            param.data.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return model
@@ -48,6 +52,8 @@ def assert_parity(reference, outputs: list[list[int]]) -> None:
 @pytest.mark.parametrize("name, parallel", [
     ("llama", dict(tensor_parallel_size=2)),
     ("qwen2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+    ("qwen3", dict(tensor_parallel_size=2)),
+    ("qwen3", dict(tensor_parallel_size=1)),
 ])
 def test_tiny_model_parallel_parity_mp(tmp_path, tokenizer, name, parallel):
     reference = save_tiny_model(tmp_path, tokenizer, name)
