@@ -63,7 +63,8 @@ class EngineCore:
             self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammars(), timeout=0.01)
         start = time.perf_counter()
         model_runner_output = self.executor.execute_model(scheduler_output)
-        self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
+        if not model_runner_output.captured_graph:  # a capture's time would tell dynamic speculation nothing true
+            self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:

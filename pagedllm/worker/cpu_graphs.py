@@ -80,6 +80,7 @@ class DecodeGraphs:
         self._by_shape: dict[tuple[int, int], _StaticInputs] = {}  # by (requests, tokens)
         self._pool = GraphPool()
         self._refused: set[tuple[int, int, int, bool]] = set()  # (requests, tokens, shared prefix, adapters run)
+        self.captured = False  # whether the last forward captured a graph (its time is no step's)
 
     def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                 seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
@@ -91,6 +92,7 @@ class DecodeGraphs:
         active), its tokens' slots move into the static buffer the LoRA kernels read, and the graph is one
         captured with them."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        self.captured = False
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
         static = self._by_shape.get((num_reqs, num_tokens))
@@ -111,6 +113,7 @@ class DecodeGraphs:
         if graph is not None:
             return graph.replay()
         graph = CpuGraph(self._pool)
+        self.captured = True
         hidden_states = graph.capture(lambda: self.model(static.input_ids, static.positions, self.kv_caches,
                                                          metadata))
         if graph.failure is None:

@@ -265,7 +265,9 @@ class ModelRunner:
             return None
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
-                                 prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids)
+                                 prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids,
+                                 captured_graph=graphable and self.decode_graphs is not None
+                                 and self.decode_graphs.captured)
 
     def _set_active_loras(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """This step's adapters into slots, and each token's slot for the LoRA'd layers."""

@@ -18,6 +18,8 @@ class ModelRunnerOutput:
     # Speculative decoding: per request (same index), the draft tokens proposed for its next step; None when
     # speculation is off.
     spec_token_ids: Optional[list[list[int]]] = None
+    # The step captured a CPU graph: its time is the capture's (several steps' worth), not what such a step costs.
+    captured_graph: bool = False
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

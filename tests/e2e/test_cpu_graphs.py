@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams, native
+from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.core.sched.spec_budget import SpecDecodeBudget
 from pagedllm.native.graph import CpuGraph
 from pagedllm.worker import cpu_graphs
+from pagedllm.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("share_loaded_models")  # the tests patch and inspect the worker
 
@@ -70,10 +72,25 @@ def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
 def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_steps(monkeypatch):
     """Steps verifying n-gram drafts (each request: its token, then 0-4 drafts) replay graphs keyed by their
     requests and tokens; the native prefill kernel reads each request's query start and length from static
-    buffers, so one graph serves every split of the step's tokens."""
-    replays = []
-    replay = CpuGraph.replay
+    buffers, so one graph serves every split of the step's tokens. A step that captured a graph is not timed for
+    dynamic speculation (a capture costs several steps)."""
+    replays, captures = [], []
+    replay, capture = CpuGraph.replay, CpuGraph.capture
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    monkeypatch.setattr(CpuGraph, "capture", lambda self, forward: captures.append(self) or capture(self, forward))
+    steps_captured, timed_steps_captured = [], []  # per step run, and per step timed: whether it captured a graph
+    execute_model = ModelRunner.execute_model
+
+    def execute_model_noting_captures(self, so):
+        before = len(captures)
+        output = execute_model(self, so)
+        steps_captured.append(len(captures) > before)
+        return output
+
+    monkeypatch.setattr(ModelRunner, "execute_model", execute_model_noting_captures)
+    record = Scheduler.record_step_time
+    monkeypatch.setattr(Scheduler, "record_step_time", lambda self, so, seconds: timed_steps_captured.append(
+        steps_captured[-1]) or record(self, so, seconds))
     # Every draft is verified: dynamic speculation, which may run steps draft-free, is not what this test is about.
     monkeypatch.setattr(SpecDecodeBudget, "trim_drafts", lambda self, decodes, only_decodes=False: None)
     code = "def area(width, height):\n    result = width * height\n    return result\n"
@@ -86,6 +103,7 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
         llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager, speculative_config=ngram)
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if not eager:
+            graphed_steps, timed_graphed_steps = list(steps_captured), list(timed_steps_captured)
             graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
             verify_graphs = {graph for (n, t), static in graphs._by_shape.items() if t > n
                              for graph in static.graphs.values()}
@@ -94,3 +112,6 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
         pytest.skip("no native GEMM or prefill tiles here: verify steps ran eagerly, tokens compared")
     assert verify_graphs and not graphs._refused
     assert sum(graph in verify_graphs for graph in replays) >= 5
+    assert any(graphed_steps) and not any(timed_graphed_steps)
+    assert len(timed_graphed_steps) == graphed_steps.count(False)  # every other step was timed
+
