@@ -206,6 +206,8 @@ class SuffixDecodingProposer:
                 node = self.global_tree.find(pattern[-match_len:])
                 if node is None:  # no longer suffix occurs either
                     break
+                if min(max_tokens, int(match_len * self.max_spec_factor), self.max_depth - match_len) <= best_score:
+                    continue  # its longest possible draft, every token certain, could not beat the best
                 draft, score = self.global_tree.draft_from(node, match_len, max_tokens, self.max_spec_factor,
                                                            self.min_token_prob)
                 if score > best_score:

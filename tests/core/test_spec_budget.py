@@ -104,3 +104,18 @@ def test_while_draft_free_steps_win_the_worker_proposes_only_for_the_probes():
     assert [i for i, v in enumerate(verified) if v] == [i + 1 for i, w in enumerate(wanted) if w]
     budget.trim_drafts([drafting(0, 80, 100)], only_decodes=False)  # a prefill: the marginal rule, drafts wanted
     assert budget.proposals_wanted is True
+
+
+def test_a_batch_whose_drafts_none_are_worth_stops_proposing_but_for_the_probes():
+    """64 doubtful requests in a compute-bound step: the marginal rule keeps none of their drafts, so the worker
+    is told not to propose (searching for drafts costs time too) until the step before a probe."""
+    budget = fitted(0.02, 0.003)
+    wanted = []
+    for step in range(2 * _PROBE_INTERVAL):
+        # The worker proposed only when asked after the step before (always before the first decision).
+        propose = not wanted or wanted[-1]
+        requests = [drafting(i, 1, 8, num_drafts=4 if propose else 0) for i in range(64)]
+        budget.trim_drafts(requests, only_decodes=True)
+        assert not any(r.spec_token_ids for r in requests)  # a = 0.2: never worth a token of this step
+        wanted.append(budget.proposals_wanted)
+    assert wanted.count(True) == 2  # asked once a probe interval

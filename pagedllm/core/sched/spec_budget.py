@@ -14,8 +14,9 @@ Draft tokens are taken in decreasing worth while each raises the step's expected
 ``(rows + accepted) / (t0 + c * tokens)``; then, for a step of decodes only, the whole set must beat a draft-free
 step's rate ``rows / time`` or none is verified. Until the fit has seen steps of different sizes every draft is
 kept. One decode step in _PROBE_INTERVAL does the other thing than the rule says, so that both timings (and the
-acceptance record) stay current as the batch changes. While draft-free steps win, the worker is told not to
-propose (``proposals_wanted``: proposing costs a step time too), except for the step before a probe.
+acceptance record) stay current as the batch changes. While draft-free steps win, or the marginal rule keeps
+none of the drafts proposed, the worker is told not to propose (``proposals_wanted``: proposing costs a step time
+too), except for the step before a probe.
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class SpecDecodeBudget:
         t0, c = cost
         rows = tokens = len(decodes)
         expected = 0.0
+        proposed = any(r.spec_token_ids for r in decodes)
         keep = {id(r): 0 for r in decodes}
         # Candidates by worth: (-a ** j, index, j); each request's drafts come in order, as worth falls with j.
         heap = [(-self.acceptance(r), i, 1) for i, r in enumerate(decodes) if r.spec_token_ids]
@@ -110,16 +112,18 @@ class SpecDecodeBudget:
             expected += worth
             if j < len(request.spec_token_ids):
                 heapq.heappush(heap, (negative_worth * self.acceptance(request), i, j + 1))
-        if only_decodes and not self._verify_now(rows, tokens, expected, t0 + c * tokens):
+        if only_decodes and not self._verify_now(rows, tokens, expected, t0 + c * tokens, proposed):
             keep = dict.fromkeys(keep, 0)
         for request in decodes:
             if keep[id(request)] < len(request.spec_token_ids):
                 request.set_spec_token_ids(request.spec_token_ids[:keep[id(request)]])
 
-    def _verify_now(self, rows: int, tokens: int, expected: float, verify_time: float) -> bool:
+    def _verify_now(self, rows: int, tokens: int, expected: float, verify_time: float, proposed: bool) -> bool:
         """Whether a decode-only step verifies the drafts it has (``tokens`` > ``rows``) rather than run
         draft-free: the rule's answer (a draft-free step not yet timed at this size counts as slower), the other
-        one on a probe step. Sets proposals_wanted for the next step by the rule, and for the step before a probe."""
+        one on a probe step. Sets proposals_wanted for the next step by the rule (not wanted either where drafts
+        were ``proposed`` but the marginal rule kept none: a compute-bound batch), and for the step before a
+        probe."""
         self._steps_since_probe += 1
         probe = self._steps_since_probe >= _PROBE_INTERVAL
         if probe:
@@ -129,5 +133,7 @@ class SpecDecodeBudget:
             plain_time = self.plain_steps.time_at(rows)
             self.proposals_wanted = plain_time is None or (rows + expected) / verify_time > rows / plain_time
             verify = self.proposals_wanted != probe
+        elif proposed:
+            self.proposals_wanted = False
         self.proposals_wanted |= self._steps_since_probe == _PROBE_INTERVAL - 1
         return verify
