@@ -15,8 +15,19 @@
 
 #define PARALLEL_MIN_FLOATS 32768 /* below this a parallel region costs more than it saves */
 
-/* out = x / rms(x) * weight per row, in the reference's order: (x * rsqrt(mean(x^2) + eps)) * weight. When
- * residual is given, x + residual is normalised and also written to sum_out. Rows are hidden floats apart. */
+/* out = src / rms(src) * weight over n floats, in the reference's order: (src * rsqrt(mean(src^2) + eps)) * weight;
+ * out may be src. */
+static inline void rms_norm_row(const float *src, const float *weight, float *out, int n, float eps) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int i = 0; i < n; i++) squares += src[i] * src[i];
+    const float inv_rms = 1.0f / sqrtf(squares / (float)n + eps);
+#pragma omp simd
+    for (int i = 0; i < n; i++) out[i] = (src[i] * inv_rms) * weight[i];
+}
+
+/* out = x / rms(x) * weight per row (rms_norm_row). When residual is given, x + residual is normalised and also
+ * written to sum_out. Rows are hidden floats apart. */
 void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *sum_out,
                       int64_t rows, int hidden, float eps) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_FLOATS)
@@ -31,30 +42,20 @@ void add_rms_norm_f32(const float *x, const float *residual, const float *weight
             for (int i = 0; i < hidden; i++) st[i] = xt[i] + rt[i];
             src = st;
         }
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int i = 0; i < hidden; i++) squares += src[i] * src[i];
-        const float inv_rms = 1.0f / sqrtf(squares / (float)hidden + eps);
-#pragma omp simd
-        for (int i = 0; i < hidden; i++) ot[i] = (src[i] * inv_rms) * weight[i];
+        rms_norm_row(src, weight, ot, hidden, eps);
     }
 }
 
 /* In place, each of the first num_heads heads of head_size floats of each row (rows row_stride floats apart: a
- * view of the QKV projection's output) becomes head / rms(head) * weight, in the order of add_rms_norm_f32:
- * Qwen3's per-head q and k norms, which must run before the rotary embedding. */
+ * view of the QKV projection's output) becomes head / rms(head) * weight (rms_norm_row): Qwen3's per-head q and k
+ * norms, which must run before the rotary embedding. */
 void head_rms_norm_f32(float *x, int64_t row_stride, const float *weight, int64_t rows, int num_heads,
                        int head_size, float eps) {
 #pragma omp parallel for schedule(static) if (rows * num_heads * head_size >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
         for (int h = 0; h < num_heads; h++) {
             float *xh = x + t * row_stride + (int64_t)h * head_size;
-            float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-            for (int i = 0; i < head_size; i++) squares += xh[i] * xh[i];
-            const float inv_rms = 1.0f / sqrtf(squares / (float)head_size + eps);
-#pragma omp simd
-            for (int i = 0; i < head_size; i++) xh[i] = (xh[i] * inv_rms) * weight[i];
+            rms_norm_row(xh, weight, xh, head_size, eps);
         }
     }
 }
