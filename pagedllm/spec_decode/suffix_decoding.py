@@ -78,7 +78,7 @@ class SuffixTree:
     def draft_from(self, node: int, match_len: int, max_tokens: int, max_spec_factor: float,
                    min_token_prob: float) -> tuple[list[int], float]:
         """The most frequent path below ``node`` (the end of a match of ``match_len`` tokens) and its score."""
-        limit = min(max_tokens, int(match_len * max_spec_factor), self.max_depth - match_len)
+        limit = draft_limit(match_len, max_tokens, self.max_depth, max_spec_factor)
         draft, score, prob = [], 0.0, 1.0
         while len(draft) < limit and self.children[node]:
             token, child = max(self.children[node].items(), key=lambda item: self.counts[item[1]])
@@ -109,6 +109,12 @@ class SuffixTree:
             self._free.append(node)
 
 
+def draft_limit(match_len: int, max_tokens: int, max_depth: int, max_spec_factor: float) -> int:
+    """The most tokens a match of ``match_len`` may draft: ``max_spec_factor`` times the match, within the tree's
+    depth and ``max_tokens``. Each drafted token scores at most 1, so this also bounds the draft's score."""
+    return min(max_tokens, int(match_len * max_spec_factor), max_depth - match_len)
+
+
 def own_draft(tokens: list[int], max_tokens: int, max_depth: int, max_spec_factor: float,
               min_token_prob: float) -> tuple[list[int], float]:
     """The best draft from a sequence's own tokens, and its score: what a suffix tree over ``tokens`` (runs of up
@@ -127,7 +133,7 @@ def own_draft(tokens: list[int], max_tokens: int, max_depth: int, max_spec_facto
     for match_len in range(1, min(max_depth, length)):
         if len(ends) < 2:  # the suffix itself only: no earlier occurrence of this match, nor of a longer one
             break
-        matches.append((min(max_tokens, int(match_len * max_spec_factor), max_depth - match_len), match_len, ends))
+        matches.append((draft_limit(match_len, max_tokens, max_depth, max_spec_factor), match_len, ends))
         before = tokens[length - 1 - match_len]
         ends = [e for e in ends if e >= match_len and tokens[e - match_len] == before]
     best, best_score, best_len = [], 0.0, 0
@@ -206,7 +212,7 @@ class SuffixDecodingProposer:
                 node = self.global_tree.find(pattern[-match_len:])
                 if node is None:  # no longer suffix occurs either
                     break
-                if min(max_tokens, int(match_len * self.max_spec_factor), self.max_depth - match_len) <= best_score:
+                if draft_limit(match_len, max_tokens, self.max_depth, self.max_spec_factor) <= best_score:
                     continue  # its longest possible draft, every token certain, could not beat the best
                 draft, score = self.global_tree.draft_from(node, match_len, max_tokens, self.max_spec_factor,
                                                            self.min_token_prob)
