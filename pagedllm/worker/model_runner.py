@@ -186,10 +186,11 @@ class ModelRunner:
         if self.lora_manager is not None:
             self._set_active_loras(rows, num_scheduled)
         hidden_states = None
-        graphable = _decodes_or_verifies(so, num_tokens)
+        graphable, captured_graph = so.decodes_only(), False
         if self.decode_graphs is not None and graphable:
             hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table,
                                                        query_start_loc, self.lora_manager and self.lora_manager.punica)
+            captured_graph = self.decode_graphs.captured
         if hidden_states is None:
             block_table = block_table[:, :int(batch.num_blocks[rows].max())]
             # A verify step's attention is the one its graph computes (every request a prefill chunk), also eagerly.
@@ -266,8 +267,7 @@ class ModelRunner:
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: j for j, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids,
-                                 captured_graph=graphable and self.decode_graphs is not None
-                                 and self.decode_graphs.captured)
+                                 captured_graph=captured_graph)
 
     def _set_active_loras(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """This step's adapters into slots, and each token's slot for the LoRA'd layers."""
@@ -365,16 +365,6 @@ class ModelRunner:
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
             out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()
         return out
-
-
-def _decodes_or_verifies(so: SchedulerOutput, num_tokens: int) -> bool:
-    """Whether every request of the step computes its one new token and, if it has any, its drafts after it (a
-    decode or verify step, which CPU graphs replay); not a step with prompt chunks."""
-    if num_tokens == len(so.num_scheduled_tokens):
-        return True
-    spec = so.scheduled_spec_decode_tokens
-    return bool(spec) and all(count == 1 + len(spec.get(req_id, ()))
-                              for req_id, count in so.num_scheduled_tokens.items())
 
 
 def make_proposer(config: EngineConfig) -> NgramProposer | DraftModelProposer | SuffixDecodingProposer | None:

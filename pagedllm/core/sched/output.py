@@ -72,3 +72,12 @@ class SchedulerOutput:
     # Whether the worker should propose drafts after this step (dynamic speculation: not while draft-free steps
     # are faster, but before each probe).
     propose_drafts: bool = True
+
+    def decodes_only(self) -> bool:
+        """Whether every request computes just its one uncomputed known token and its drafts, if any: a decode or
+        verify step (which CPU graphs replay and dynamic speculation times), not one with prompt chunks."""
+        if self.total_num_scheduled_tokens == len(self.num_scheduled_tokens):
+            return True
+        spec = self.scheduled_spec_decode_tokens
+        return bool(spec) and all(count == 1 + len(spec.get(req_id, ()))
+                                  for req_id, count in self.num_scheduled_tokens.items())

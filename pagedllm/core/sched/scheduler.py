@@ -422,12 +422,10 @@ class Scheduler:
     def record_step_time(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
         """How long the workers took for a step: decode steps (every request computing its one known token and its
         drafts) feed the cost fit that dynamic speculation weighs drafts by."""
-        if self.spec_budget is None or scheduler_output.scheduled_new_reqs:
+        if self.spec_budget is None or scheduler_output.scheduled_new_reqs or not scheduler_output.decodes_only():
             return
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        if all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduler_output.num_scheduled_tokens.items()):
-            self.spec_budget.observe_step(scheduler_output.total_num_scheduled_tokens,
-                                          sum(len(drafts) for drafts in spec.values()), seconds)
+        num_drafts = sum(len(drafts) for drafts in scheduler_output.scheduled_spec_decode_tokens.values())
+        self.spec_budget.observe_step(scheduler_output.total_num_scheduled_tokens, num_drafts, seconds)
 
     def _usable_drafts(self, request: Request, drafts: list[int]) -> list[int]:
         """Drafts cut so that all accepted, plus the token sampled after them, would neither pass max_tokens nor
