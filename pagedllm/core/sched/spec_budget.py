@@ -95,10 +95,10 @@ class SpecDecodeBudget:
         t0, c = cost
         rows = tokens = len(decodes)
         expected = 0.0
-        proposed = any(r.spec_token_ids for r in decodes)
         keep = {id(r): 0 for r in decodes}
         # Candidates by worth: (-a ** j, index, j); each request's drafts come in order, as worth falls with j.
         heap = [(-self.acceptance(r), i, 1) for i, r in enumerate(decodes) if r.spec_token_ids]
+        proposed = bool(heap)
         heapq.heapify(heap)
         while heap:
             negative_worth, i, j = heapq.heappop(heap)
