@@ -65,10 +65,10 @@ class _StaticInputs:
             self.chunk_query_len.numpy()[:] = np.diff(query_start_loc)
 
     def metadata(self) -> AttentionMetadata:
-        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        max_query_len = 1 if self.chunk_query_len is None else int(self.chunk_query_len.max())
         return AttentionMetadata(num_actual_tokens=self.input_ids.shape[0], slot_mapping=self.slot_mapping,
                                  query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-                                 block_table=self.block_table, max_query_len=int(query_lens.max()),
+                                 block_table=self.block_table, max_query_len=max_query_len,
                                  max_seq_len=int(self.seq_lens.max()), chunk_query_start=self.chunk_query_start,
                                  chunk_query_len=self.chunk_query_len)
 
