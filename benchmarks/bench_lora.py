@@ -23,10 +23,10 @@ from safetensors.torch import save_file
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from pagedllm.benchmarks.workloads import shared_workloads
-from pagedllm.lora.layers import LANES
 from pagedllm.lora.lora_model import LORA_TARGETS, NUM_SLICES, slice_shapes
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from pagedllm.native.lora_ops import lanes
 
 NUM_ADAPTERS = 4
 
@@ -54,8 +54,7 @@ def slot_bytes(hf_config, rank: int, dtype: torch.dtype) -> int:
     per_layer = 0
     for fused, num_slices in NUM_SLICES.items():
         shapes = slice_shapes(hf_config)[fused]
-        lanes = -(-num_slices * rank // LANES) * LANES
-        per_layer += (shapes[0][0] * lanes + rank * sum(out for _, out in shapes)) * dtype.itemsize
+        per_layer += (shapes[0][0] * lanes(num_slices * rank) + rank * sum(out for _, out in shapes)) * dtype.itemsize
     return per_layer * hf_config.num_hidden_layers
 
 

@@ -12,9 +12,7 @@ import torch
 
 from pagedllm.lora.lora_model import LoRALayerWeights
 from pagedllm.lora.punica import PunicaWrapper
-from pagedllm.native.lora_ops import lora_add
-
-LANES = 16  # lora_a_t's rows are padded to a multiple of this many lanes (lora.c's shrink reads whole chunks)
+from pagedllm.native.lora_ops import lanes, lora_add
 
 
 class LinearLoRA:
@@ -42,8 +40,8 @@ class LinearLoRA:
             self.shards = layer.output_shards()
         offsets = [offset for offset, _, _ in self.shards]
         out_features = sum(size for _, size, _ in self.shards)
-        lanes = -(-len(self.shards) * max_lora_rank // LANES) * LANES
-        self.lora_a_t = torch.zeros(max_loras, self.in_features, lanes, dtype=dtype)
+        self.lora_a_t = torch.zeros(max_loras, self.in_features, lanes(len(self.shards) * max_lora_rank),
+                                    dtype=dtype)
         self.lora_b = torch.zeros(max_loras, max_lora_rank, out_features, dtype=dtype)
         self.slice_offsets = torch.tensor([*offsets, out_features], dtype=torch.int64)
         self.holds = torch.zeros(max_loras, dtype=torch.uint8)

@@ -19,6 +19,12 @@ LORA_SIGNATURES = (
     CFunction("lora_add_bf16", INT, *_LORA_ADD_ARGS),
 )
 _KERNELS = {torch.float32: "lora_add_f32", torch.bfloat16: "lora_add_bf16"}  # by the slots' dtype
+LANES = 16  # lora.c's: lora_a's rows hold a whole number of chunks of this many lanes (its shrink reads them whole)
+
+
+def lanes(width: int) -> int:
+    """``width`` rank columns of lora_a rounded up to whole chunks of LANES."""
+    return -(-width // LANES) * LANES
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, holds: torch.Tensor,
@@ -38,8 +44,8 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, token_slots: torch.Tensor, holds:
         expect(name, "lora_b", lora_b, lora_a.dtype, (max_loras, None, y.shape[1]), contiguous=True)
         expect(name, "slice_offsets", slice_offsets, torch.int64, (slices + 1,), contiguous=True)
         require(name, y.shape[0] == x.shape[0], f"y {tuple(y.shape)} and x {tuple(x.shape)} differ in rows")
-        require(name, int(slice_offsets[-1]) == y.shape[1] and lda >= slices * rank and lda % 16 == 0,
-                f"{slices} slices of rank {rank} must fit lora_a's {lda} lanes (a multiple of 16) and end at "
+        require(name, int(slice_offsets[-1]) == y.shape[1] and lda >= slices * rank and lda % LANES == 0,
+                f"{slices} slices of rank {rank} must fit lora_a's {lda} lanes (a multiple of {LANES}) and end at "
                 f"y's {y.shape[1]} columns")
     status = launch(getattr(lib, name), x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), x.shape[0],
                     token_slots.data_ptr(), holds.data_ptr(), max_loras, lora_a.data_ptr(), lda, lora_b.data_ptr(),
