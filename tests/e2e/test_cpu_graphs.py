@@ -114,4 +114,3 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
     assert sum(graph in verify_graphs for graph in replays) >= 5
     assert any(graphed_steps) and not any(timed_graphed_steps)
     assert len(timed_graphed_steps) == graphed_steps.count(False)  # every other step was timed
-
