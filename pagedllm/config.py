@@ -146,6 +146,8 @@ class ParallelConfig:
     data_parallel_rank: int = 0
     # torch.distributed backend: gloo on CPU (nccl would be the CUDA platform's).
     torch_distributed_backend: str = "gloo"
+    # Mixture-of-experts layers split whole experts over the TP ranks instead of every expert's intermediate size.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -183,11 +185,33 @@ class ParallelConfig:
         if intermediate % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's intermediate_size "
                              f"({intermediate})")
+        self._verify_experts(hf_config)
         if self.pp_layer_partition is not None:
             partition = self.pp_layer_partition
             if len(partition) != pp or sum(partition) != layers or min(partition) < 1:
                 raise ValueError(f"pp_layer_partition {partition} must give each of the {pp} pipeline stages at "
                                  f"least one layer and sum to the model's {layers} layers")
+
+    def _verify_experts(self, hf_config) -> None:
+        """A mixture of experts splits over the TP ranks by experts (expert parallel) or by each expert's
+        intermediate size; either must divide evenly."""
+        tp = self.tensor_parallel_size
+        num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
+        shared = getattr(hf_config, "shared_expert_intermediate_size", 0) or 0  # a dense MLP, split as one
+        if shared % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's shared_expert_intermediate_size "
+                             f"({shared})")
+        if self.enable_expert_parallel:
+            if not num_experts:
+                raise ValueError("enable_expert_parallel needs a mixture-of-experts model; this one has no experts")
+            if num_experts % tp:
+                raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's number of experts "
+                                 f"({num_experts}) with enable_expert_parallel")
+            return
+        expert_intermediate = getattr(hf_config, "moe_intermediate_size", 0) if num_experts else 0
+        if expert_intermediate % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's moe_intermediate_size "
+                             f"({expert_intermediate}), or set enable_expert_parallel")
 
     def stage_layers(self, pp_rank: int, num_layers: int) -> tuple[int, int]:
         """The [start, end) layers of pipeline stage ``pp_rank``."""

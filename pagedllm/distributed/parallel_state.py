@@ -23,6 +23,9 @@ class ParallelRank:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # Mixture-of-experts layers split their experts over the TP ranks (each holds whole experts) rather than every
+    # expert's intermediate dimension (vLLM's enable_expert_parallel).
+    expert_parallel: bool = False
 
     @property
     def rank(self) -> int:
@@ -42,8 +45,8 @@ class ParallelRank:
         return self.tp_rank == 0 and self.is_last_pp_rank
 
     @classmethod
-    def of(cls, rank: int, tp_size: int, pp_size: int) -> "ParallelRank":
-        return cls(rank % tp_size, tp_size, rank // tp_size, pp_size)
+    def of(cls, rank: int, tp_size: int, pp_size: int, expert_parallel: bool = False) -> "ParallelRank":
+        return cls(rank % tp_size, tp_size, rank // tp_size, pp_size, expert_parallel)
 
 
 class GroupCoordinator:

@@ -56,6 +56,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
+    enable_expert_parallel: bool = False
     # vLLM's speculative_config: a dict such as {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: Optional[Union[dict, SpeculativeConfig]] = None
     # Multi-LoRA serving (vLLM's names and defaults).
@@ -84,7 +85,8 @@ class EngineArgs:
         set_quantization(hf_config, self.quantization, path)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                          self.data_parallel_size, self.distributed_executor_backend,
-                                         pp_layer_partition=pp_layer_partition_from_env())
+                                         pp_layer_partition=pp_layer_partition_from_env(),
+                                         enable_expert_parallel=self.enable_expert_parallel)
         parallel_config.verify_with_model(hf_config)
         parallel_config.distributed_executor_backend = resolve_executor_backend(parallel_config)
         if parallel_config.distributed_executor_backend == "ray" and _ray_initialized():

@@ -3,7 +3,7 @@ base of Qwen2 and Qwen3), over a flattened batch and a paged KV cache."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,6 +13,7 @@ from pagedllm.config import head_dim
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
+from pagedllm.layers.fused_moe import expert_weight_target
 from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.layernorm import HeadRMSNorm, RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -28,7 +29,10 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
-                 tp_size: int, tp_rank: int, quant_config: QuantizationConfig | None = None, prefix: str = ""):
+                 tp_size: int, tp_rank: int, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 reduce_results: bool = True):
+        """``reduce_results``: False leaves the output this rank's partial sum, for a caller that adds it to
+        another partial sum and all-reduces once (an MoE block's shared expert)."""
         super().__init__()
         if hidden_act != "silu":
             raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported, only 'silu'")
@@ -37,7 +41,8 @@ class LlamaMLP(nn.Module):
             quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", gated_silu=True,
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
-                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj",
+                                           reduce_results=reduce_results)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,15 +98,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 qk_norm: bool = False):
+                 rotary_emb: RotaryEmbedding, mlp: nn.Module, mlp_name: str = "mlp",
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", qk_norm: bool = False):
+        """``mlp``: the feed-forward block (dense, or a mixture of experts), registered as ``mlp_name`` (the
+        checkpoint's name for it, e.g. Mixtral's ``block_sparse_moe``)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
                                         f"{prefix}.self_attn", qk_norm)
-        self.mlp = LlamaMLP(
-            config.hidden_size, config.intermediate_size, config.hidden_act,
-            getattr(config, "mlp_bias", False), tp_size, tp_rank, quant_config, f"{prefix}.mlp",
-        )
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -114,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return getattr(self, self.mlp_name)(hidden_states), residual
 
 
 class PPMissingLayer(nn.Module):
@@ -135,8 +140,10 @@ class LlamaModel(nn.Module):
     the embedding, the last the final norm; layers of other stages are PPMissingLayer (and get no KV cache)."""
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
+                 make_mlp: Callable[[int, str], nn.Module], mlp_name: str = "mlp",
                  quant_config: QuantizationConfig | None = None, prefix: str = "model",
                  layer_range: tuple[int, int] | None = None, qk_norm: bool = False):
+        """``make_mlp(layer_index, prefix)``: layer ``layer_index``'s feed-forward block, named ``mlp_name``."""
         super().__init__()
         self.start_layer, self.end_layer = layer_range or (0, config.num_hidden_layers)
         self.is_first_stage = self.start_layer == 0
@@ -147,7 +154,8 @@ class LlamaModel(nn.Module):
         ) if self.is_first_stage else PPMissingLayer()
         rotary_emb = get_rope(head_dim(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
+            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb,
+                              make_mlp(i, f"{prefix}.layers.{i}.{mlp_name}"), mlp_name, quant_config,
                               f"{prefix}.layers.{i}", qk_norm)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
@@ -173,6 +181,11 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False  # whether each query and key head is RMS-normalised before the rotary embedding
+    mlp_name = "mlp"  # the checkpoint's name for a layer's feed-forward block
+    supports_cpu_graphs = True  # a step's forward is native kernels only, so decode steps can replay CPU graphs
+    # A mixture of experts' checkpoint names for an expert's gate, down and up projections (e.g. Mixtral's w1, w2,
+    # w3), which load into the layer's fused expert weights (layers/fused_moe.py); empty for a dense model.
+    expert_weight_names: tuple[str, ...] = ()
     # Checkpoint projections that live inside one fused parameter here:
     # (fused param name, checkpoint name, shard id)
     stacked_params_mapping = [
@@ -190,8 +203,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         tp_size, tp_rank = rank.tp_size, rank.tp_rank
-        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, quant_config,
-                                layer_range=layer_range, qk_norm=self.qk_norm)
+
+        def make_mlp(layer_index: int, prefix: str) -> nn.Module:
+            return self.make_mlp(config, layer_index, rank, quant_config, prefix)
+
+        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, make_mlp, self.mlp_name,
+                                quant_config, layer_range=layer_range, qk_norm=self.qk_norm)
         if not self.model.is_last_stage:
             self.lm_head = PPMissingLayer()
         elif config.tie_word_embeddings and self.model.is_first_stage:
@@ -201,6 +218,13 @@ class LlamaForCausalLM(nn.Module):
                                           quant_config=quant_config,
                                           prefix="model.embed_tokens" if config.tie_word_embeddings else "lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_index: int, rank: ParallelRank,
+                 quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+        """Layer ``layer_index``'s feed-forward block: Llama's is dense in every layer."""
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                        getattr(config, "mlp_bias", False), rank.tp_size, rank.tp_rank, quant_config, prefix)
 
     @staticmethod
     def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
@@ -247,6 +271,14 @@ class LlamaForCausalLM(nn.Module):
                 lm_name = "lm_head." + name.removeprefix("model.embed_tokens.")
                 params[lm_name].weight_loader(params[lm_name], tensor)
                 loaded.add(lm_name)
+            expert = expert_weight_target(name, self.expert_weight_names) if self.expert_weight_names else None
+            if expert is not None:  # before the stacked names: an expert's gate_proj is not a dense gate_proj
+                name, expert_id, expert_shard = expert
+                if name not in params and self._on_other_stage(name):
+                    continue
+                params[name].weight_loader(params[name], tensor, expert_id, expert_shard)
+                loaded.add(name)
+                continue
             shard_id = None
             for fused, original, stacked_shard_id in self.stacked_params_mapping:
                 if original in name:

@@ -7,8 +7,11 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
+from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
@@ -16,15 +19,21 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # GGUF configs carry no ``architectures``, only ``model_type``.
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

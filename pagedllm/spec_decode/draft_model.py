@@ -52,7 +52,7 @@ class DraftModelProposer:
         mc = self.model_config
         self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
                                             mc.head_dim, mc.dtype)
-        if not mc.enforce_eager:
+        if not mc.enforce_eager and self.model.supports_cpu_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
 
     def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:

@@ -93,8 +93,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(end - start, num_blocks, self.block_size,
                                             kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
                                             mc.dtype)
-        # A graph replays kernels, not collectives: more than one rank runs every step eagerly.
-        if not mc.enforce_eager and self.config.parallel_config.world_size == 1:
+        # A graph replays kernels, not collectives: more than one rank runs every step eagerly; so does a model
+        # whose step computes with torch ops between the kernels (a capture would be refused at every shape).
+        if (not mc.enforce_eager and self.config.parallel_config.world_size == 1
+                and self.model.supports_cpu_graphs):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.input_batch.block_table.shape[1])
         if isinstance(self.drafter, DraftModelProposer):

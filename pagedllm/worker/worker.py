@@ -59,7 +59,8 @@ class Worker:
         one rank."""
         self.config = config
         pc = config.parallel_config
-        self.rank = ParallelRank.of(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        self.rank = ParallelRank.of(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size,
+                                    pc.enable_expert_parallel)
         self.distributed_init_method = distributed_init_method
         keep_freed_memory()
         self._bind_threads()

@@ -1,11 +1,16 @@
 """Tensor x pipeline parallelism on tiny random Llama, Qwen2 and Qwen3 models (GQA: 4 attention heads, 2 KV heads, so
 tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
-multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs."""
+multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs. So do the
+mixture-of-experts models (4 experts, 2 per token): Mixtral with tp=2 splitting every expert's intermediate size,
+Qwen2-MoE (shared expert, one dense layer) with tp=2 and expert parallelism (each rank holds two whole experts),
+Qwen3-MoE on one rank."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_greedy, running_llm
@@ -13,7 +18,14 @@ from tests.e2e.conftest import assert_transformers_greedy, running_llm
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
           "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-          "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True})}
+          "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True}),
+          "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+          "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                         "shared_expert_intermediate_size": 256, "mlp_only_layers": [2]}),
+          "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                         "norm_topk_prob": True})}
 # Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps.
 PROMPTS = [[1, 50, 60, 70], list(range(200, 237)), list(range(200, 300)), list(range(1000, 1150, 3))]
 MAX_TOKENS = 20
@@ -54,6 +66,9 @@ def assert_parity(reference, outputs: list[list[int]]) -> None:
     ("qwen2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
     ("qwen3", dict(tensor_parallel_size=2)),
     ("qwen3", dict(tensor_parallel_size=1)),
+    ("mixtral", dict(tensor_parallel_size=2)),
+    ("qwen2_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
+    ("qwen3_moe", dict(tensor_parallel_size=1)),
 ])
 def test_tiny_model_parallel_parity_mp(tmp_path, tokenizer, name, parallel):
     reference = save_tiny_model(tmp_path, tokenizer, name)

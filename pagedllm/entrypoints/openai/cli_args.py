@@ -14,7 +14,7 @@ ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_token
                 "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization",
                 "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
                 "data_parallel_size", "distributed_executor_backend", "speculative_config", "enable_lora", "max_loras",
-                "max_lora_rank", "max_cpu_loras")
+                "max_lora_rank", "max_cpu_loras", "enable_expert_parallel")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -87,6 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           help="ranks that split the layers into stages (default: %(default)s)")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=EngineArgs.data_parallel_size,
                           help="engines, each with its own scheduler and KV cache (default: %(default)s)")
+    parallel.add_argument("--enable-expert-parallel", action="store_true",
+                          help="mixture-of-experts layers split their experts over the tensor-parallel ranks (each "
+                               "holds whole experts) rather than each expert's intermediate dimension")
     parallel.add_argument("--distributed-executor-backend", choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
                           default=EngineArgs.distributed_executor_backend,
                           help="how ranks run: uni (one, in the engine process), mp (a process each), ray (Ray "

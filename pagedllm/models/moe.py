@@ -1,0 +1,74 @@
+"""The sparse mixture-of-experts block of Mixtral and the Qwen MoE models, in their checkpoints' module tree:
+``gate`` (the router, one logit per expert), ``experts`` (layers/fused_moe.FusedMoE) and, in Qwen2-MoE, a dense
+``shared_expert`` every token takes, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+Routing and the experts' GEMMs are torch ops, so a model with these blocks runs its steps eagerly
+(``supports_cpu_graphs = False`` on its class: a CPU graph replays native kernels only).
+
+The router stays unquantized and whole on every rank (its logits pick the experts, so every rank must pick alike).
+The shared expert's output is a partial sum under tensor parallelism like the experts', so the block all-reduces
+once for both.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
+from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.layers.fused_moe import FusedMoE
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.quantization import QuantizationConfig
+from pagedllm.models.llama import LlamaMLP
+
+if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
+    from transformers import PretrainedConfig
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: PretrainedConfig, num_experts: int, intermediate_size: int, renormalize: bool,
+                 rank: ParallelRank, quant_config: QuantizationConfig | None, prefix: str,
+                 shared_expert_intermediate_size: int = 0):
+        """``renormalize``: a token's top-k expert weights are divided by their sum (Mixtral; Qwen's
+        norm_topk_prob). ``shared_expert_intermediate_size``: 0 for no shared expert."""
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported, only 'silu'")
+        self.tp_size = rank.tp_size
+        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
+                                renormalize, rank, reduce_results=False, prefix=f"{prefix}.experts")
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = LlamaMLP(config.hidden_size, shared_expert_intermediate_size, config.hidden_act,
+                                          False, rank.tp_size, rank.tp_rank, quant_config, f"{prefix}.shared_expert",
+                                          reduce_results=False)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False,
+                                                       prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden_states, self.gate(hidden_states))
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+
+def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:
+    """Whether a Qwen MoE layer has experts (transformers' rule: not in mlp_only_layers, and every
+    decoder_sparse_step-th layer)."""
+    return (layer_index not in (getattr(config, "mlp_only_layers", None) or [])
+            and config.num_experts > 0 and (layer_index + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+
+
+def qwen_moe_mlp(config: PretrainedConfig, layer_index: int, rank: ParallelRank,
+                 quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
+    """A Qwen2-MoE / Qwen3-MoE layer's feed-forward block: the sparse block, or a dense MLP of intermediate_size."""
+    if not is_sparse_layer(config, layer_index):
+        return LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, False, rank.tp_size,
+                        rank.tp_rank, quant_config, prefix)
+    return SparseMoeBlock(config, config.num_experts, config.moe_intermediate_size, bool(config.norm_topk_prob),
+                          rank, quant_config, prefix, getattr(config, "shared_expert_intermediate_size", 0) or 0)

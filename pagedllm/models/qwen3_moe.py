@@ -1,0 +1,13 @@
+"""Qwen3-MoE: Qwen3 (per-head q/k RMS norms) with sparse layers of routed experts and no shared expert
+(models/moe.py); layers in mlp_only_layers, or off the decoder_sparse_step, stay dense."""
+
+from __future__ import annotations
+
+from pagedllm.models.moe import qwen_moe_mlp
+from pagedllm.models.qwen3 import Qwen3ForCausalLM
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    supports_cpu_graphs = False  # models/moe.py
+    expert_weight_names = ("gate_proj", "down_proj", "up_proj")
+    make_mlp = staticmethod(qwen_moe_mlp)

@@ -1,0 +1,112 @@
+"""Mixture-of-experts models reproduce transformers' logits under every schedule of the parity suite (Mixtral,
+Qwen2-MoE with its shared expert and a dense layer, Qwen3-MoE); FusedMoE's tensor- and expert-parallel slices sum to
+the whole layer; a split the model cannot take is a config error."""
+
+import pytest
+import torch
+from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+from pagedllm.config import ParallelConfig
+from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import KernelChoice
+from tests.test_model_parity import TINY, _check_schedules, _save_tiny
+
+MOE_MODELS = {
+    "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_tiny_moe_parity(tmp_path, name):
+    config_class, hf_class, extra = MOE_MODELS[name]
+    reference = _save_tiny(hf_class, config_class(**TINY, **extra), tmp_path)
+    config = load_hf_config(str(tmp_path))
+    model = get_model(str(tmp_path), config, KernelChoice(torch.float32))
+    experts = model.model.layers[0].get_submodule(model.mlp_name).experts
+    assert experts.w13_weight.shape == (4, 2 * experts.intermediate_size_per_partition, 64)
+    _check_schedules(model, reference, config, config.vocab_size, seed=9, block_size=4)
+
+
+def _expert_weights(num_experts: int, hidden: int, inter: int) -> dict[tuple[int, str], torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    return {(e, shard): torch.randn(shape, generator=gen) for e in range(num_experts) for shard, shape in shapes.items()}
+
+
+def _moe(rank: ParallelRank, weights, renormalize: bool = True) -> FusedMoE:
+    moe = FusedMoE(4, 2, 16, 8, renormalize, rank)
+    for (expert, shard), tensor in weights.items():
+        param = moe.w2_weight if shard == "w2" else moe.w13_weight
+        moe.weight_loader(param, tensor, expert, shard)
+    return moe
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fused_moe_slices_sum_to_the_layer(expert_parallel):
+    """Two ranks' partial outputs (each rank's experts, or each expert's half of the intermediate size) add up to
+    one rank's output; and that equals a per-token loop over each token's top-2 experts."""
+    weights = _expert_weights(4, 16, 8)
+    x, logits = torch.randn(13, 16), torch.randn(13, 4)
+    with torch.inference_mode():
+        whole = _moe(ParallelRank(), weights)(x, logits)
+        parts = [_moe(ParallelRank(r, 2, expert_parallel=expert_parallel), weights) for r in range(2)]
+        # One rank's view without its process group: reduce_results would be the identity, so sum by hand.
+        partial = [m(x, logits) for m in parts]
+    held = [(m.first_expert, m.num_local_experts, m.intermediate_size_per_partition) for m in parts]
+    assert held == ([(0, 2, 8), (2, 2, 8)] if expert_parallel else [(0, 4, 4), (0, 4, 4)])
+    torch.testing.assert_close(partial[0] + partial[1], whole, rtol=1e-5, atol=1e-5)
+    probs = logits.softmax(-1)
+    expected = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        top = probs[t].topk(2)
+        for p, e in zip(top.values / top.values.sum(), top.indices.tolist()):
+            h = torch.nn.functional.silu(x[t] @ weights[e, "w1"].t()) * (x[t] @ weights[e, "w3"].t())
+            expected[t] += p * (h @ weights[e, "w2"].t())
+    torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_weight_target():
+    names = ("w1", "w2", "w3")
+    assert expert_weight_target("model.layers.3.block_sparse_moe.experts.7.w3.weight", names) == (
+        "model.layers.3.block_sparse_moe.experts.w13_weight", 7, "w3")
+    assert expert_weight_target("model.layers.0.block_sparse_moe.experts.0.w2.weight", names) == (
+        "model.layers.0.block_sparse_moe.experts.w2_weight", 0, "w2")
+    qwen = ("gate_proj", "down_proj", "up_proj")
+    assert expert_weight_target("model.layers.1.mlp.experts.2.gate_proj.weight", qwen) == (
+        "model.layers.1.mlp.experts.w13_weight", 2, "w1")
+    assert expert_weight_target("model.layers.1.mlp.shared_expert.gate_proj.weight", qwen) is None
+    assert expert_weight_target("model.layers.1.mlp.gate.weight", qwen) is None
+
+
+def test_expert_split_errors():
+    config = MixtralConfig(**TINY, num_local_experts=6)
+    with pytest.raises(ValueError, match="number of experts"):
+        ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).verify_with_model(config)
+    ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).verify_with_model(config)
+    qwen = Qwen2MoeConfig(**TINY, num_experts=4, moe_intermediate_size=30, shared_expert_intermediate_size=48)
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        ParallelConfig(tensor_parallel_size=4).verify_with_model(qwen)
+    ParallelConfig(tensor_parallel_size=4, enable_expert_parallel=True).verify_with_model(qwen)
+    with pytest.raises(ValueError, match="no experts"):
+        ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).verify_with_model(
+            Qwen2MoeConfig(**TINY, num_experts=0))
+
+
+def test_fused_moe_bfloat16_near_float32():
+    """In bfloat16 (the engine's dtype on CPUs with bf16) the layer stays near its float32 output."""
+    weights = _expert_weights(4, 16, 8)
+    x, logits = torch.randn(21, 16), torch.randn(21, 4)
+    with torch.inference_mode():
+        exact = _moe(ParallelRank(), weights)(x, logits)
+        got = _moe(ParallelRank(), weights).to(torch.bfloat16)(x.bfloat16(), logits.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
