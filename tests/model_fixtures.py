@@ -132,11 +132,21 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str) -> None:
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if num_experts:  # a mixture of experts: llama.cpp stacks each projection's experts into one tensor
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if arch != "llama":
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _stacked_experts(model.state_dict()).items():
         base, suffix = name.rsplit(".", 1)
         weight = tensor.float().numpy()
+        if base.endswith("shared_expert_gate"):
+            weight = weight.reshape(-1)  # llama.cpp's shape for its one row
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             n_head = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
             weight = _llama_cpp_permute(weight, n_head)
@@ -145,6 +155,22 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _stacked_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict with transformers' fused expert stacks (``...experts.gate_up_proj`` ``[experts, 2 * rows,
+    cols]``, ``...experts.down_proj``) as the per-projection stacks gguf-py maps to the ``_exps`` tensors."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[name.replace("gate_up_proj", "gate_proj.weight")] = gate
+            out[name.replace("gate_up_proj", "up_proj.weight")] = up
+        elif name.endswith(".experts.down_proj"):
+            out[name + ".weight"] = tensor
+        else:
+            out[name] = tensor
+    return out
 
 
 def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Mixture-of-experts models reproduce transformers' logits under every schedule of the parity suite (Mixtral,
-Qwen2-MoE with its shared expert and a dense layer, Qwen3-MoE); FusedMoE's tensor- and expert-parallel slices sum to
+Qwen2-MoE with its shared expert and a dense layer, Qwen3-MoE), from safetensors and from GGUF files written as
+llama.cpp writes them (experts stacked, Mixtral as architecture "llama"); FusedMoE's tensor- and expert-parallel slices sum to
 the whole layer; a split the model cannot take is a config error."""
 
 import pytest
@@ -13,6 +14,7 @@ from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice
+from tests.model_fixtures import write_tiny_gguf
 from tests.test_model_parity import TINY, _check_schedules, _save_tiny
 
 MOE_MODELS = {
@@ -34,6 +36,22 @@ def test_tiny_moe_parity(tmp_path, name):
     experts = model.model.layers[0].get_submodule(model.mlp_name).experts
     assert experts.w13_weight.shape == (4, 2 * experts.intermediate_size_per_partition, 64)
     _check_schedules(model, reference, config, config.vocab_size, seed=9, block_size=4)
+
+
+@pytest.mark.parametrize("name, arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")])
+def test_tiny_moe_gguf_parity(tmp_path, name, arch):
+    """The experts' sizes, count and weight normalisation come from the file's metadata (transformers' GGUF config
+    reading leaves them out); every layer is sparse, as llama.cpp has them."""
+    config_class, hf_class, extra = MOE_MODELS[name]
+    extra = {k: v for k, v in extra.items() if k != "mlp_only_layers"}
+    torch.manual_seed(11)
+    reference = hf_class(config_class(**TINY, **extra, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_tiny_gguf(reference, path, arch)
+    config = load_hf_config(path)
+    assert config.model_type == name
+    model = get_model(path, config, KernelChoice(torch.float32))
+    _check_schedules(model, reference, config, config.vocab_size, seed=12, block_size=4)
 
 
 def _expert_weights(num_experts: int, hidden: int, inter: int) -> dict[tuple[int, str], torch.Tensor]:

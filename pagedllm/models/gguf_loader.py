@@ -36,13 +36,35 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Mixture-of-experts blocks, by GGUF architecture (Mixtral's files say "llama"). The ``_exps`` tensors stack every
+# expert (``[experts, rows, cols]``); ``{expert}`` in a name stands for each expert's index.
+_MOE_BLOCK_NAMES = {
+    "llama": {
+        "ffn_gate_inp": "block_sparse_moe.gate",
+        "ffn_gate_exps": "block_sparse_moe.experts.{expert}.w1",
+        "ffn_down_exps": "block_sparse_moe.experts.{expert}.w2",
+        "ffn_up_exps": "block_sparse_moe.experts.{expert}.w3",
+    },
+    "qwen2moe": {
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+        "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+        "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    },
+}
+_MOE_BLOCK_NAMES["qwen3moe"] = _MOE_BLOCK_NAMES["qwen2moe"]
 # llama.cpp's precomputed llama3 rope factors; the model derives them from the config.
 _IGNORED = {"rope_freqs"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``.
+def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight`` (a stacked experts tensor to
+    a name with ``{expert}`` in it) for a file of GGUF architecture ``arch``.
 
     Returns None for tensors the models do not use; raises on unknown names.
     """
@@ -52,8 +74,10 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     match = _BLOCK_RE.fullmatch(base)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{suffix}"
+    if match:
+        block_names = {**_BLOCK_NAMES, **_MOE_BLOCK_NAMES.get(arch, {})}
+        if match.group(2) in block_names:
+            return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}.{suffix}"
     raise ValueError(f"Unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -149,8 +173,9 @@ def read_gguf_header(path: str) -> tuple[dict[str, object], list[GGUFTensorInfo]
 
 def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
     """HF weight name -> GGUF type of every model tensor (cheap: checks engine arguments against the file)."""
-    return {hf_name: t.tensor_type for t in read_gguf_header(path)[1]
-            if (hf_name := gguf_to_hf_name(t.name)) is not None}
+    metadata, tensors = read_gguf_header(path)
+    return {hf_name: t.tensor_type for t in tensors
+            if (hf_name := gguf_to_hf_name(t.name, metadata["general.architecture"])) is not None}
 
 
 def _tensor_data(file: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
@@ -230,8 +255,14 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         n_kv_head = int(metadata[f"{arch}.attention.head_count_kv"])
     for tensor in tensors:
         data = _tensor_data(file, tensor)
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
+            continue
+        if "{expert}" in hf_name:  # every expert's slice of the stack, as the checkpoint's per-expert tensors
+            stack = dequantize_fast(data.reshape(-1, data.shape[-1]), tensor.tensor_type)
+            stack = torch.from_numpy(np.require(stack.reshape(*data.shape[:-1], -1), requirements=["C", "W"]))
+            for expert, weight in enumerate(stack):
+                yield hf_name.format(expert=expert), weight
             continue
         module, suffix = hf_name.rsplit(".", 1)
         if suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q8_0:
@@ -240,6 +271,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q4(data, tensor.tensor_type)))
         else:
             parts = {suffix: dequantize_fast(data, tensor.tensor_type)}
+            if module.endswith("shared_expert_gate"):  # llama.cpp keeps its one row as a vector
+                parts[suffix] = parts[suffix].reshape(1, -1)
         for part, array in parts.items():
             # Every part is row-major by output row, so the q/k row permutation applies to each alike.
             if permute and ".attn_q." in tensor.name:
