@@ -10,8 +10,9 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.gemm_layout import WeightLayout
-from pagedllm.layers.quantization import QUANTIZATION_METHODS
+from pagedllm.layers.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
+from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.models.gguf_loader import gguf_tensor_types
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import resolve_model
@@ -33,13 +34,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def get_quant_config(quantization: str | None, path: str, model_class: type[nn.Module]) -> GGUFInt4Config | None:
+def get_quant_config(quantization: str | None, path: str, model_class: type[nn.Module]) -> QuantizationConfig | None:
     """The config for ``quantization`` on the checkpoint at ``path``; a ValueError naming it if they do not fit."""
     if quantization is None:
         return None
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; "
                          f"got {quantization!r}")
+    if quantization == "int8":  # any checkpoint: its weights are quantized as they load
+        return Int8Config()
     if not path.endswith(".gguf"):
         raise ValueError(f"quantization={quantization!r} needs a .gguf model with Q4_0/Q4_1 weights; "
                          f"{path!r} is not a .gguf file")

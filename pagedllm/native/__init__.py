@@ -23,7 +23,9 @@ from pagedllm.native.gemms import (
     GEMM_PACKED,
     GEMM_Q4,
     GEMM_Q8,
+    GEMM_INT8_SIGNATURES,
     GEMM_SIGNATURES,
+    GEMM_W8A8,
     Gemm,
 )
 from pagedllm.native.lora_ops import LORA_SIGNATURES
@@ -148,6 +150,14 @@ def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     (gemm_bf16_silu_mul); or None."""
     lib = _gemm_bf16_lib(extra_flags)
     return None if lib is None else Gemm(lib, GEMM_BF16_SILU_MUL)
+
+
+@functools.cache
+def gemm_w8a8() -> Gemm | None:
+    """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c, AVX512-VNNI); or
+    None, also where the CPU has no AVX512-VNNI."""
+    lib = build.load("gemm_int8", GEMM_INT8_SIGNATURES)
+    return Gemm(lib, GEMM_W8A8) if lib is not None and lib.gemm_int8_available() else None
 
 
 def gemm_bf16_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:

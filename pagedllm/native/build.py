@@ -43,6 +43,7 @@ LIBRARIES = {
     "fused_ops": ("fused_ops.c",),
     "gemm": ("gemm.c",),
     "gemm_bf16": ("gemm_bf16.c",),
+    "gemm_int8": ("gemm_int8.c",),
     "lora": ("lora.c",),
 }
 

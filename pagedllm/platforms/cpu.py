@@ -90,6 +90,9 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     if quantization == "gguf_int4":
         gemm += "; 4-bit layers: " + ("native Q4 panels" if float32 and native.gemm_q4() is not None
                                       else "torch int4 kernel")
+    elif quantization == "int8":
+        gemm = "W8A8: " + ("native int8 panels (AVX512-VNNI)" if float32 and native.gemm_w8a8() is not None
+                           else "torch int8 matmul")
     fused = "native" if float32 and native.fused_ops() is not None else "torch"
     return {"attention (decode)": decode, "attention (prefill)": prefill, "GEMMs": gemm, "fused ops": fused}
 

@@ -1,5 +1,5 @@
 """Decode steps replayed from CPU graphs give exactly the tokens of eager steps, while requests join, leave and
-cross block boundaries, in float32 dense and 4-bit."""
+cross block boundaries, in float32 dense, 4-bit and W8A8."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +17,10 @@ pytestmark = pytest.mark.usefixtures("share_loaded_models")  # the tests patch a
 PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]
 MAX_GRAPH_BATCH = 6  # fewer than the requests: larger batches run eagerly in between
 # A graph replays native kernels only: where the GEMMs are torch's (dense without AVX2 or AVX-512, gguf_int4
-# without AVX-512; cascade attention too without AVX-512) the captures are refused and every step runs
-# eagerly, which the token comparisons still check.
-CAPTURES = {None: native.gemm() is not None, "gguf_int4": native.gemm_q4() is not None}
+# without AVX-512, int8 without AVX512-VNNI; cascade attention too without AVX-512) the captures are refused and
+# every step runs eagerly, which the token comparisons still check.
+CAPTURES = {None: native.gemm() is not None, "gguf_int4": native.gemm_q4() is not None,
+            "int8": native.gemm_w8a8() is not None}
 
 
 def _run(**engine_kwargs) -> tuple[list[list[int]], LLM]:
@@ -34,7 +35,7 @@ def _run(**engine_kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in outputs], llm
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf_int4"])
+@pytest.mark.parametrize("quantization", [None, "gguf_int4", "int8"])
 def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     monkeypatch.setattr(cpu_graphs, "MAX_GRAPH_BATCH", MAX_GRAPH_BATCH)
     replays = []

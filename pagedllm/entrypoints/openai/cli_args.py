@@ -6,6 +6,7 @@ import json
 
 from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.models.resolve import DEFAULT_MODEL
 
@@ -58,8 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
                         help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
     engine.add_argument("--seed", type=int, default=EngineArgs.seed)
-    engine.add_argument("--quantization", choices=["gguf_int4"], default=EngineArgs.quantization,
-                        help="keep a GGUF file's Q4_0/Q4_1 weights at 4 bits (default: dequantize)")
+    engine.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=EngineArgs.quantization,
+                        help="gguf_int4: keep a GGUF file's Q4_0/Q4_1 weights at 4 bits; int8: W8A8, the linear "
+                             "layers' weights int8 per channel and activations int8 per token (default: dense)")
     engine.add_argument("--num-cpu-threads", type=int, default=EngineArgs.num_cpu_threads,
                         help="torch threads of the engine process (default: one per core)")
     engine.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,

@@ -43,3 +43,7 @@ class QuantizationConfig(ABC):
     def keeps_q8(self, prefix: str) -> bool:
         """Whether the embedding (or LM head) named ``prefix`` keeps the checkpoint's Q8_0 codes; no by default."""
         return False
+
+    def packed_modules(self, model: nn.Module) -> set[str]:
+        """Checkpoint modules whose GGUF weights must load still quantized (codes and scales); none by default."""
+        return set()
