@@ -1,7 +1,10 @@
 """The default model's 120 linear layers (SmolLM2-135M: 30 x qkv, o, gate_up, down) at the row counts the engine
-produces, through each weight layout: dense float32 (native panels up to 128 rows, MKL above) and the GGUF Q4_1
-panels of ``quantization="gguf_int4"`` (native/gemm.c). Random Q4_1 weights, the same values in both layouts;
-prints milliseconds for all 120 layers (best of --repeats, the two layouts alternating) and the ratio.
+produces, through each weight layout built here: dense float32 (native panels up to 128 rows, MKL above), the
+bf16 panels of a bfloat16 model (native/gemm_bf16.c, AVX512-BF16 or AMX), the GGUF Q4_1 panels of
+``quantization="gguf_int4"`` (native/gemm.c) and the W8A8 panels of ``quantization="int8"`` (native/gemm_int8.c,
+AVX512-VNNI). Random Q4_1 weights, the same values in every layout (each quantizes or rounds them its own way);
+prints milliseconds for all 120 layers (best of --repeats, the layouts alternating) and each one's speed-up over
+dense float32.
 
     python benchmarks/bench_gemm.py [--rows 1,4,16,64,256] [--repeats 7]
 """
@@ -16,11 +19,26 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagedllm import native
-from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight
+from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, WeightLayout
+from pagedllm.layers.quantization.int8 import pack_w8a8_panels, quantize_symmetric
 from pagedllm.models.gguf_loader import dequantize_fast, unpack_q4
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of qkv, o, gate_up, down
 NUM_LAYERS = 30
+
+
+def _layouts(blocks: np.ndarray) -> dict[str, object]:
+    """One layer's weight in every layout built here, each with a ``linear(x)``."""
+    weight = torch.from_numpy(dequantize_fast(blocks, GGMLQuantizationType.Q4_1))
+    layouts = {"dense f32": DenseWeight(weight)}
+    if native.gemm_bf16() is not None:
+        layouts["bf16 panels"] = DenseWeight(weight, layout=WeightLayout(bf16_panels=True))
+    if native.gemm_q4() is not None:
+        layouts["Q4"] = QuantizedWeight.q4(*(torch.from_numpy(p) for p in unpack_q4(blocks,
+                                                                                    GGMLQuantizationType.Q4_1)))
+    if native.gemm_w8a8() is not None:
+        layouts["W8A8"] = QuantizedWeight.w8a8(pack_w8a8_panels(*quantize_symmetric(weight)), weight.shape[0])
+    return layouts
 
 
 def main() -> None:
@@ -28,30 +46,30 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16,64,256")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    if native.gemm_q4() is None:
-        raise SystemExit("no native GEMM here (needs a C compiler and AVX-512)")
     rng = np.random.default_rng(0)
     layers = []
     for _ in range(NUM_LAYERS):
         for out_features, in_features in SHAPES:
             blocks = quantize(rng.standard_normal((out_features, in_features), dtype=np.float32),
                               GGMLQuantizationType.Q4_1)
-            parts = [torch.from_numpy(p) for p in unpack_q4(blocks, GGMLQuantizationType.Q4_1)]
-            dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, GGMLQuantizationType.Q4_1)))
-            layers.append((dense, QuantizedWeight.q4(*parts), in_features))
+            layers.append((_layouts(blocks), in_features))
+    names = list(layers[0][0])
     flop_per_row = 2 * NUM_LAYERS * sum(o * i for o, i in SHAPES)
-    print(f"{'rows':>6}{'dense ms':>11}{'Q4 ms':>9}{'dense/Q4':>10}{'Q4 GFLOP/s':>12}")
+    print(f"{'rows':>6}" + "".join(f"{name + ' ms':>16}" for name in names)
+          + "".join(f"{name + ' x':>14}" for name in names[1:]) + f"{'best GFLOP/s':>14}")
     for rows in (int(r) for r in args.rows.split(",")):
         inputs = {i: torch.randn(rows, i) for _, i in SHAPES}
-        best = {"dense": float("inf"), "q4": float("inf")}
+        best = dict.fromkeys(names, float("inf"))
         for _ in range(args.repeats):
-            for name, index in (("dense", 0), ("q4", 1)):
+            for name in names:
                 start = time.perf_counter()
-                for layer in layers:
-                    layer[index].linear(inputs[layer[2]])
+                for layouts, in_features in layers:
+                    layouts[name].linear(inputs[in_features])
                 best[name] = min(best[name], time.perf_counter() - start)
-        print(f"{rows:>6}{best['dense'] * 1e3:>11.2f}{best['q4'] * 1e3:>9.2f}{best['dense'] / best['q4']:>10.2f}"
-              f"{flop_per_row * rows / best['q4'] / 1e9:>12.0f}")
+        dense = best["dense f32"]
+        print(f"{rows:>6}" + "".join(f"{best[n] * 1e3:>16.2f}" for n in names)
+              + "".join(f"{dense / best[n]:>14.2f}" for n in names[1:])
+              + f"{flop_per_row * rows / min(best.values()) / 1e9:>14.0f}")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,12 @@ class QuantizedWeight:
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None) -> "QuantizedWeight":
         return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
 
+    @classmethod
+    def w8a8(cls, panels: torch.Tensor, out_features: int, layout: WeightLayout | None = None) -> "QuantizedWeight":
+        """int8 per-channel weights in gemm_int8.c's panels (layers/quantization/int8.pack_w8a8_panels); rows are
+        quantized per token by the kernel as it reads them, so ``linear`` is the W8A8 product, not F.linear's."""
+        return cls("gemm_w8a8", panels, out_features, layout)
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel(x, self.panels, bias, self.out_features)
 

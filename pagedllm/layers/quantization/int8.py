@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import native
-from pagedllm.layers.gemm_layout import WeightLayout
+from pagedllm.layers.gemm_layout import QuantizedWeight, WeightLayout
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -53,8 +53,7 @@ class Int8LinearMethod(QuantizeMethodBase):
     only its codes and scales: the native kernel's panels, or ``[N, K]`` codes for torch's int8 matmul."""
 
     def __init__(self):
-        self.panels: torch.Tensor | None = None
-        self.out_features = 0
+        self.packed: QuantizedWeight | None = None  # the native kernel's panels, where it applies
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
                        weight_loader):
@@ -65,18 +64,17 @@ class Int8LinearMethod(QuantizeMethodBase):
 
     def process_weights_after_loading(self, layer, layout: WeightLayout | None = None) -> None:
         codes, scales = quantize_symmetric(layer.weight.data.float())
-        self.out_features = codes.shape[0]
         del layer.weight
         if layer.params_dtype == torch.float32 and native.gemm_w8a8() is not None:
-            self.panels = pack_w8a8_panels(codes, scales)
-            layer.weight = nn.Parameter(self.panels, requires_grad=False)
+            self.packed = QuantizedWeight.w8a8(pack_w8a8_panels(codes, scales), codes.shape[0], layout)
+            layer.weight = nn.Parameter(self.packed.panels, requires_grad=False)
             return
         layer.weight = nn.Parameter(codes, requires_grad=False)
         layer.weight_scale = nn.Parameter(scales, requires_grad=False)
 
     def apply(self, layer, x, bias=None):
-        if self.panels is not None:
-            return native.gemm_w8a8()(x, self.panels, bias, self.out_features)
+        if self.packed is not None:
+            return self.packed.linear(x, bias)
         rows = x.reshape(-1, x.shape[-1]).float()
         codes, row_scales = quantize_symmetric(rows)
         acc = torch._int_mm(codes, layer.weight.t())
