@@ -1,15 +1,23 @@
 """quantization="int8" (W8A8): the native kernel computes exactly the quantized product (per-token activation codes
 times per-channel weight codes, summed in int32, scaled once), torch's int8 path agrees with it, and the quantized
 SmolLM2 stays close to the dense one, teacher-forced (tests/e2e/test_cpu_graphs.py: its decode steps replay CPU
-graphs)."""
+graphs); a compressed-tensors W8A8 checkpoint loads its own codes and scales."""
+
+import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.linear import ReplicatedLinear
-from pagedllm.layers.quantization.int8 import Int8Config, pack_w8a8_panels, quantize_symmetric
-from tests.model_fixtures import teacher_forced
+from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod, pack_w8a8_panels, quantize_symmetric
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import KernelChoice
+from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
 from tests.native_paths import native_or_fallback
 
 
@@ -81,3 +89,85 @@ def test_int8_model_stays_close_to_dense():
     print(f"int8 vs dense float32: teacher-forced agreement {agreement:.3f}, max |logprob diff| {max(deltas):.2e}")
     assert agreement >= 0.85
     assert 0 < max(deltas) < 2.0
+
+
+def _save_compressed_tensors(tmp_path, ignore: list[str]) -> LlamaForCausalLM:
+    """A tiny Llama as llm-compressor writes W8A8: each linear layer's int8 ``weight`` and float ``weight_scale``
+    ``[out, 1]`` (symmetric, per channel), the rest dense. Returns the dense model of the dequantized weights."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if name.endswith("proj.weight") and module not in ignore:
+            codes, scales = quantize_symmetric(tensor)
+            tensors[name], tensors[f"{module}.weight_scale"] = codes, scales[:, None].to(torch.bfloat16)
+            tensor.copy_(codes.float() * tensors[f"{module}.weight_scale"].float())  # the reference's weight
+        else:
+            tensors[name] = tensor.clone()
+    scheme = {"num_bits": 8, "type": "int", "symmetric": True}
+    config.quantization_config = {
+        "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head", *ignore],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {**scheme, "strategy": "channel",
+                                                                         "dynamic": False},
+                                      "input_activations": {**scheme, "strategy": "token", "dynamic": True}}}}
+    config.save_pretrained(tmp_path)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return model
+
+
+def test_compressed_tensors_w8a8_checkpoint(tmp_path):
+    """Its codes and scales load as they are (layers in ``ignore`` stay dense): the logits equal those of
+    ``quantization="int8"`` on the dequantized weights (which quantizes them back to the same codes), and stay
+    near the dense model's."""
+    reference = _save_compressed_tensors(tmp_path / "w8a8", ignore=[])
+    config = load_hf_config(str(tmp_path / "w8a8"))
+    model = get_model(str(tmp_path / "w8a8"), config, KernelChoice(torch.float32))
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == (
+        torch.uint8 if native.gemm_w8a8() is not None else torch.int8)
+    reference.save_pretrained(tmp_path / "dense")
+    dense_config = load_hf_config(str(tmp_path / "dense"))
+    dense_config.quantization_config = {"quant_method": "int8"}
+    requantized = get_model(str(tmp_path / "dense"), dense_config, KernelChoice(torch.float32))
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(2))
+    ours = _logits(model, config, tokens[0].tolist())
+    torch.testing.assert_close(ours, _logits(requantized, config, tokens[0].tolist()), rtol=1e-3, atol=1e-3)
+    with torch.inference_mode():
+        dense = reference(tokens).logits[0]
+    assert 0 < (ours - dense).abs().max() < 0.05 * dense.abs().max()
+
+
+def test_compressed_tensors_ignore_list_stays_dense(tmp_path):
+    attention = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    _save_compressed_tensors(tmp_path, ignore=["model.layers.1.mlp.down_proj", *attention])
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    layers = model.model.layers
+    assert isinstance(layers[1].mlp.gate_up_proj.quant_method, Int8LinearMethod)
+    assert not isinstance(layers[1].mlp.down_proj.quant_method, Int8LinearMethod)
+    assert not isinstance(layers[0].self_attn.qkv_proj.quant_method, Int8LinearMethod)
+    _save_compressed_tensors(tmp_path / "half", ignore=attention[1:2])
+    with pytest.raises(ValueError, match="qkv_proj fuses .* ignored all together"):
+        get_model(str(tmp_path / "half"), load_hf_config(str(tmp_path / "half")), KernelChoice(torch.float32))
+
+
+def _logits(model, config, tokens: list[int]) -> torch.Tensor:
+    return PagedBatchRunner(model, config, block_size=4).step({0: tokens}, [Chunk(0, 0, len(tokens))])[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda qc: qc.update(format="pack-quantized"), "format 'pack-quantized'"),
+    (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "weights must be 8-bit"),
+    (lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(dynamic=False), "dynamic per token"),
+])
+def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, change, message):
+    _save_compressed_tensors(tmp_path, ignore=[])
+    config = json.loads((tmp_path / "config.json").read_text())
+    change(config["quantization_config"])
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(str(tmp_path)).create_engine_config()
+    _save_compressed_tensors(tmp_path / "good", ignore=[])
+    with pytest.raises(ValueError, match="already quantized"):
+        EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()

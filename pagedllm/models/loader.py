@@ -34,10 +34,14 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def get_quant_config(quantization: str | None, path: str, model_class: type[nn.Module]) -> QuantizationConfig | None:
-    """The config for ``quantization`` on the checkpoint at ``path``; a ValueError naming it if they do not fit."""
+def get_quant_config(quantization: str | None, path: str, model_class: type[nn.Module],
+                     checkpoint_config: dict | None = None) -> QuantizationConfig | None:
+    """The config for ``quantization`` on the checkpoint at ``path`` (``checkpoint_config``: the checkpoint's own
+    quantization_config, for a checkpoint that ships quantized); a ValueError naming it if they do not fit."""
     if quantization is None:
         return None
+    if quantization == "compressed-tensors":
+        return Int8Config.from_compressed_tensors(checkpoint_config or {}, model_class.stacked_params_mapping)
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; "
                          f"got {quantization!r}")
@@ -68,8 +72,8 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     """
     model_class = get_model_architecture(hf_config)
     path = resolve_model(model_path)
-    quantization = (getattr(hf_config, "quantization_config", None) or {}).get("quant_method")
-    quant_config = get_quant_config(quantization, path, model_class)
+    checkpoint_config = getattr(hf_config, "quantization_config", None) or {}
+    quant_config = get_quant_config(checkpoint_config.get("quant_method"), path, model_class, checkpoint_config)
     with _default_dtype(kernels.compute_dtype):
         model = model_class(hf_config, quant_config=quant_config, rank=rank, layer_range=layer_range)
     packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()

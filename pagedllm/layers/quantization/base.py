@@ -35,6 +35,13 @@ class QuantizeMethodBase(ABC):
         return None
 
 
+def checkpoint_modules(prefix: str, stacked_params_mapping: list[tuple[str, str, object]]) -> list[str]:
+    """The checkpoint module names behind the model module ``prefix``: a fused layer (``qkv_proj``) stands for the
+    ones it stacks (``q_proj``, ``k_proj``, ``v_proj``), as the model's ``stacked_params_mapping`` says."""
+    fused = [prefix[: -len(f)] + original for f, original, _ in stacked_params_mapping if prefix.endswith(f)]
+    return fused or [prefix]
+
+
 class QuantizationConfig(ABC):
     @abstractmethod
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagedllm.layers.gemm_layout import QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, checkpoint_modules
 
 GROUP_SIZE = 32  # weights per GGUF Q4 block, and per scale/zero group of the kernels
 Q4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
@@ -85,15 +85,11 @@ class GGUFInt4Config(QuantizationConfig):
         self.tensor_types = tensor_types
         self.stacked_params_mapping = stacked_params_mapping
 
-    def checkpoint_modules(self, prefix: str) -> list[str]:
-        """The checkpoint module names behind the model module ``prefix``."""
-        fused = [prefix[: -len(f)] + original for f, original, _ in self.stacked_params_mapping if prefix.endswith(f)]
-        return fused or [prefix]
-
     def get_quant_method(self, layer, prefix):
         if not isinstance(layer, LinearBase):
             return None
-        types = [self.tensor_types.get(f"{name}.weight") for name in self.checkpoint_modules(prefix)]
+        types = [self.tensor_types.get(f"{name}.weight")
+                 for name in checkpoint_modules(prefix, self.stacked_params_mapping)]
         return GGUFInt4LinearMethod() if all(t in Q4_TYPES for t in types) else None
 
     def keeps_q8(self, prefix: str) -> bool:
@@ -105,5 +101,5 @@ class GGUFInt4Config(QuantizationConfig):
         embeddings kept in Q8_0."""
         linear = {name for prefix, module in model.named_modules()
                   if isinstance(getattr(module, "quant_method", None), GGUFInt4LinearMethod)
-                  for name in self.checkpoint_modules(prefix)}
+                  for name in checkpoint_modules(prefix, self.stacked_params_mapping)}
         return linear | {module.prefix for module in model.modules() if getattr(module, "q8", False)}

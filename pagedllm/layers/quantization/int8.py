@@ -7,8 +7,15 @@ is quantized the same way per token (``sx = max|x| / 127``), the codes multiply 
 call, quantizing the rows as they come in; elsewhere torch's int8 matmul (``torch._int_mm``) does the products after
 the same quantization in torch, with the same results up to float rounding in the epilogue. The embedding and the LM
 head stay dense (as vLLM keeps them); so do a mixture of experts' experts and router.
+
+A checkpoint already quantized so (compressed-tensors' W8A8: int8 ``weight`` and a per-channel ``weight_scale``,
+activations dynamic per token, as llm-compressor writes it) loads its codes and scales as they are, into the same
+kernels; its ``ignore`` list stays dense.
 """
 from __future__ import annotations
+
+import re
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +24,7 @@ from torch import nn
 from pagedllm import native
 from pagedllm.layers.gemm_layout import QuantizedWeight, WeightLayout
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase, checkpoint_modules
 
 PANEL_COLUMNS = 16  # gemm_int8.c's columns per panel
 K_GROUP = 4  # consecutive inputs per vpdpbusd lane
@@ -49,21 +56,34 @@ def pack_w8a8_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 class Int8LinearMethod(QuantizeMethodBase):
-    """Loads a dense weight like the unquantized method (so tensor-parallel loaders slice it as usual), then keeps
-    only its codes and scales: the native kernel's panels, or ``[N, K]`` codes for torch's int8 matmul."""
+    """Loads a dense weight like the unquantized method (so tensor-parallel loaders slice it as usual), or with
+    ``checkpoint_quantized`` the checkpoint's int8 ``weight`` and ``weight_scale`` (``[out]``: the layers' loaders
+    cut it as a bias, by output); then keeps only codes and scales: the native kernel's panels, or ``[N, K]`` codes
+    for torch's int8 matmul."""
 
-    def __init__(self):
+    def __init__(self, checkpoint_quantized: bool = False):
+        self.checkpoint_quantized = checkpoint_quantized
         self.packed: QuantizedWeight | None = None  # the native kernel's panels, where it applies
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
                        weight_loader):
-        weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition, dtype=params_dtype),
+        dtype = torch.int8 if self.checkpoint_quantized else params_dtype
+        weight = nn.Parameter(torch.empty(output_size_per_partition, input_size_per_partition, dtype=dtype),
                               requires_grad=False)
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
+        if self.checkpoint_quantized:
+            scale = nn.Parameter(torch.empty(output_size_per_partition), requires_grad=False)
+            # compressed-tensors keeps [out, 1]
+            scale.weight_loader = lambda param, loaded, *shard: weight_loader(param, loaded.reshape(-1), *shard)
+            layer.register_parameter("weight_scale", scale)
 
     def process_weights_after_loading(self, layer, layout: WeightLayout | None = None) -> None:
-        codes, scales = quantize_symmetric(layer.weight.data.float())
+        if self.checkpoint_quantized:
+            codes, scales = layer.weight.data, layer.weight_scale.data.float()
+            del layer.weight_scale
+        else:
+            codes, scales = quantize_symmetric(layer.weight.data.float())
         del layer.weight
         if layer.params_dtype == torch.float32 and native.gemm_w8a8() is not None:
             self.packed = QuantizedWeight.w8a8(pack_w8a8_panels(codes, scales), codes.shape[0], layout)
@@ -85,7 +105,50 @@ class Int8LinearMethod(QuantizeMethodBase):
 
 
 class Int8Config(QuantizationConfig):
-    """Every linear layer W8A8."""
+    """Every linear layer W8A8, quantized at load; or, ``checkpoint_quantized``, as the checkpoint has it, but for
+    the layers its ``ignore`` list names (exact module names, or ``re:`` patterns, matched against the checkpoint's
+    modules behind a fused layer, ``stacked_params_mapping`` saying which)."""
+
+    def __init__(self, checkpoint_quantized: bool = False, ignore: Sequence[str] = (),
+                 stacked_params_mapping: list[tuple[str, str, object]] = ()):
+        self.checkpoint_quantized = checkpoint_quantized
+        self.ignore = list(ignore)
+        self.stacked_params_mapping = list(stacked_params_mapping)
+
+    @classmethod
+    def from_compressed_tensors(cls, quantization_config: dict,
+                                stacked_params_mapping: list[tuple[str, str, object]]) -> "Int8Config":
+        """The config of a compressed-tensors checkpoint whose every scheme is W8A8 int8 with symmetric per-channel
+        weights and dynamic symmetric per-token activations; a ValueError naming what differs otherwise."""
+        fmt = quantization_config.get("format")
+        if fmt != "int-quantized":
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported; only 'int-quantized' (W8A8 int8)")
+        groups = quantization_config.get("config_groups") or {}
+        if not groups:
+            raise ValueError("compressed-tensors quantization_config has no config_groups")
+        for name, group in groups.items():
+            weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
+            if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric"), weights.get("strategy")) != (
+                    8, "int", True, "channel"):
+                raise ValueError(f"compressed-tensors group {name!r}: weights must be 8-bit int, symmetric, per "
+                                 f"channel; got {weights}")
+            if (inputs.get("num_bits"), inputs.get("type"), inputs.get("symmetric"), inputs.get("dynamic"),
+                    inputs.get("strategy")) != (8, "int", True, True, "token"):
+                raise ValueError(f"compressed-tensors group {name!r}: input activations must be 8-bit int, "
+                                 f"symmetric, dynamic per token; got {inputs}")
+        return cls(True, quantization_config.get("ignore") or (), stacked_params_mapping)
+
+    def _ignored(self, prefix: str) -> bool:
+        """Whether layer ``prefix`` stays dense; a fused layer must be so for all of its parts or none."""
+        names = checkpoint_modules(prefix, self.stacked_params_mapping)
+        ignored = [any(re.fullmatch(entry[3:], name) if entry.startswith("re:") else entry == name
+                       for entry in self.ignore) for name in names]
+        if any(ignored) and not all(ignored):
+            raise ValueError(f"compressed-tensors ignore list: {prefix} fuses {', '.join(names)}, which must be "
+                             f"ignored all together or not at all")
+        return all(ignored)
 
     def get_quant_method(self, layer, prefix):
-        return Int8LinearMethod() if isinstance(layer, LinearBase) else None
+        if not isinstance(layer, LinearBase) or self._ignored(prefix):
+            return None
+        return Int8LinearMethod(self.checkpoint_quantized)
