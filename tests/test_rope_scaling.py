@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.layers.rotary import get_rope
 
@@ -94,3 +95,11 @@ def test_legacy_rope_scaling_configs():
 def test_unknown_rope_type_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="'mrope'"):
         get_rope(HEAD_DIM, SimpleNamespace(max_position_embeddings=32, rope_scaling={"rope_type": "mrope"}))
+
+
+def test_engine_serves_the_positions_the_rope_scaling_serves(tmp_path):
+    _config(ROPES["linear"], max_position_embeddings=32).save_pretrained(tmp_path)
+    assert EngineArgs(str(tmp_path), max_model_len=64).create_engine_config().model_config.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len \(65\) is larger than the model's max_position_embeddings "
+                                         r"\(64, with its rope scaling\)"):
+        EngineArgs(str(tmp_path), max_model_len=65).create_engine_config()
