@@ -33,9 +33,19 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _reference_logits(reference, tokens: list[int]) -> torch.Tensor:
+def _reference_logits(reference, tokens: list[int], prompt_len: int | None = None) -> torch.Tensor:
+    """transformers' logits at every position of ``tokens``: from one forward or, given ``prompt_len``, as its
+    generate computes them: the first ``prompt_len`` tokens in one forward, then one token a step on its KV cache
+    (where dynamic and longrope rope differ from one forward: see layers/rope_scaling.py)."""
     with torch.inference_mode():
-        return reference(torch.tensor([tokens])).logits[0].float()
+        if prompt_len is None:
+            return reference(torch.tensor([tokens])).logits[0].float()
+        out = reference(torch.tensor([tokens[:prompt_len]]), use_cache=True)
+        rows = [out.logits[0]]
+        for token in tokens[prompt_len:]:
+            out = reference(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            rows.append(out.logits[0])
+        return torch.cat(rows).float()
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
@@ -71,10 +81,13 @@ MIXED_SCHEDULE = [
 MIXED_LENGTHS = {0: 40, 1: 26}
 
 
-def _check_schedules(model, reference, config, vocab_size: int, seed: int, **kwargs) -> None:
+def _check_schedules(model, reference, config, vocab_size: int, seed: int, prompt_len: int | None = None,
+                     **kwargs) -> None:
+    """Every schedule gives transformers' logits (with ``prompt_len``, those of its generate after a prompt of
+    that many tokens, see _reference_logits); ``kwargs`` go to PagedBatchRunner."""
     gen = torch.Generator().manual_seed(seed)
     tokens = {req: torch.randint(0, vocab_size, (n,), generator=gen).tolist() for req, n in MIXED_LENGTHS.items()}
-    refs = {req: _reference_logits(reference, t) for req, t in tokens.items()}
+    refs = {req: _reference_logits(reference, t, prompt_len) for req, t in tokens.items()}
     n = MIXED_LENGTHS[0]
     for schedule in ([[Chunk(0, 0, n)]], _prefill_then_decode(0, n, 16)):
         _assert_close(_run_schedule(model, config, {0: tokens[0]}, schedule, **kwargs)[0], refs[0])
@@ -154,6 +167,31 @@ def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
     model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=5, block_size=8)
+
+
+# Original context 16 (dynamic's is max_position_embeddings): the schedules' sequences, 40 and 26 tokens, cross it.
+ORIGINAL = 16
+LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=ORIGINAL,
+                short_factor=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+                long_factor=[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0])
+ROPE_SCALING = {
+    "linear": (dict(rope_type="linear", factor=2.0), {}),
+    "dynamic": (dict(rope_type="dynamic", factor=4.0), dict(max_position_embeddings=ORIGINAL)),
+    "yarn": (dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=ORIGINAL), {}),
+    "longrope": (LONGROPE, {}),
+}
+
+
+@pytest.mark.parametrize("rope_type", ROPE_SCALING)
+def test_tiny_llama_rope_scaling_parity(tmp_path, rope_type):
+    """Against transformers' generate after an 8-token prompt, within the original length: the per-position table
+    reproduces it for dynamic and longrope too, whose frequencies change when the sequence outgrows that length."""
+    rope, overrides = ROPE_SCALING[rope_type]
+    config = LlamaConfig(**{**TINY, **overrides}, rope_parameters=dict(rope, rope_theta=10000.0))
+    reference = _save_tiny(HFLlamaForCausalLM, config, tmp_path)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=9, prompt_len=8,
+                     block_size=4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
