@@ -226,6 +226,10 @@ def test_merged_column_parallel_keeps_each_ranks_gate_and_up():
     single = _load(MergedColumnParallelLinear(4, [6, 6]), torch.cat([gate, up]),
                    shards=lambda w: [(0, w[:6]), (1, w[6:])])
     assert torch.equal(single.weight, torch.cat([gate, up]))
+    # A checkpoint that holds them fused (Phi-3's gate_up_proj) loads without a shard id: each rank the same.
+    for r in range(2):
+        fused = _load(MergedColumnParallelLinear(4, [6, 6], tp_size=2, tp_rank=r), torch.cat([gate, up]))
+        assert torch.equal(fused.weight, ranks[r].weight)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
@@ -244,6 +248,9 @@ def test_qkv_parallel_shards_heads(tp_size):
         assert torch.equal(layer.weight[nq : nq + nkv], k[kv_rank * nkv : (kv_rank + 1) * nkv])
         assert torch.equal(layer.weight[nq + nkv :], v[kv_rank * nkv : (kv_rank + 1) * nkv])
         assert torch.equal(layer.bias[:nq], qb[rank * nq : (rank + 1) * nq])
+        # Fused [q; k; v] rows in the checkpoint (Phi-3's qkv_proj), loaded without a shard id: the same slices.
+        fused = _load(QKVParallelLinear(5, head, heads, kv_heads, tp_size=tp_size, tp_rank=rank), torch.cat([q, k, v]))
+        assert torch.equal(fused.weight, layer.weight)
 
 
 def test_vocab_parallel_embedding_pads_last_shard():
