@@ -3,8 +3,9 @@ split into prefill chunks and decodes and batched with other requests."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
@@ -192,6 +193,21 @@ def test_tiny_llama_rope_scaling_parity(tmp_path, rope_type):
     model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=9, prompt_len=8,
                      block_size=4)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "longrope"])
+def test_tiny_phi3_parity(tmp_path, rope_type):
+    """Fused qkv_proj and gate_up_proj checkpoint tensors; with longrope, past the original length, which Phi-3
+    configs keep beside the rope parameters (its factors are as LONGROPE's)."""
+    rope = {"rope_type": "default"}
+    if rope_type == "longrope":
+        rope = {k: v for k, v in LONGROPE.items() if k != "original_max_position_embeddings"}
+    config = Phi3Config(**TINY, original_max_position_embeddings=ORIGINAL, rope_parameters=rope, pad_token_id=None)
+    reference = _save_tiny(HFPhi3ForCausalLM, config, tmp_path)
+    assert reference.model.layers[0].self_attn.qkv_proj.weight.shape == (64 + 2 * 2 * 16, 64)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=10,
+                     prompt_len=8 if rope_type == "longrope" else None, block_size=4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -16,6 +17,7 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
@@ -23,6 +25,7 @@ _MODELS: dict[str, type[nn.Module]] = {
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
