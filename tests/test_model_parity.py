@@ -35,9 +35,9 @@ def _one_thread():
 
 
 def _reference_logits(reference, tokens: list[int], prompt_len: int | None = None) -> torch.Tensor:
-    """transformers' logits at every position of ``tokens``: from one forward or, given ``prompt_len``, as its
-    generate computes them: the first ``prompt_len`` tokens in one forward, then one token a step on its KV cache
-    (where dynamic and longrope rope differ from one forward: see layers/rope_scaling.py)."""
+    """transformers' logits at every position of ``tokens``: from one forward or, given ``prompt_len``, the first
+    ``prompt_len`` tokens in one forward, then one token a step on its KV cache, as generate runs (Phi-3's generate
+    aside, see layers/rope_scaling.py); dynamic and longrope rope differ there from one forward."""
     with torch.inference_mode():
         if prompt_len is None:
             return reference(torch.tensor([tokens])).logits[0].float()
@@ -84,7 +84,7 @@ MIXED_LENGTHS = {0: 40, 1: 26}
 
 def _check_schedules(model, reference, config, vocab_size: int, seed: int, prompt_len: int | None = None,
                      **kwargs) -> None:
-    """Every schedule gives transformers' logits (with ``prompt_len``, those of its generate after a prompt of
+    """Every schedule gives transformers' logits (with ``prompt_len``, those one token a step after a prompt of
     that many tokens, see _reference_logits); ``kwargs`` go to PagedBatchRunner."""
     gen = torch.Generator().manual_seed(seed)
     tokens = {req: torch.randint(0, vocab_size, (n,), generator=gen).tolist() for req, n in MIXED_LENGTHS.items()}
@@ -185,8 +185,9 @@ ROPE_SCALING = {
 
 @pytest.mark.parametrize("rope_type", ROPE_SCALING)
 def test_tiny_llama_rope_scaling_parity(tmp_path, rope_type):
-    """Against transformers' generate after an 8-token prompt, within the original length: the per-position table
-    reproduces it for dynamic and longrope too, whose frequencies change when the sequence outgrows that length."""
+    """Against transformers one token a step (Llama's generate) after an 8-token prompt, within the original
+    length: the per-position table reproduces it for dynamic and longrope too, whose frequencies change when the
+    sequence outgrows that length."""
     rope, overrides = ROPE_SCALING[rope_type]
     config = LlamaConfig(**{**TINY, **overrides}, rope_parameters=dict(rope, rope_theta=10000.0))
     reference = _save_tiny(HFLlamaForCausalLM, config, tmp_path)
@@ -197,8 +198,9 @@ def test_tiny_llama_rope_scaling_parity(tmp_path, rope_type):
 
 @pytest.mark.parametrize("rope_type", ["default", "longrope"])
 def test_tiny_phi3_parity(tmp_path, rope_type):
-    """Fused qkv_proj and gate_up_proj checkpoint tensors; with longrope, past the original length, which Phi-3
-    configs keep beside the rope parameters (its factors are as LONGROPE's)."""
+    """Fused qkv_proj and gate_up_proj checkpoint tensors; with longrope (LONGROPE's factors; Phi-3 configs keep
+    the original length beside the rope parameters), past the original length against transformers' Phi-3 one
+    token a step on its cache (not its generate, which re-encodes the sequence there: see layers/rope_scaling.py)."""
     rope = {"rope_type": "default"}
     if rope_type == "longrope":
         rope = {k: v for k, v in LONGROPE.items() if k != "original_max_position_embeddings"}

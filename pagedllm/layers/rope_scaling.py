@@ -8,7 +8,11 @@ frequencies of ``seq_len = p + 1``, the ones transformers uses for the token at 
 a time with a KV cache (a key keeps the rotation it got when it was cached, in both). That equals transformers'
 ``generate`` token for token whenever the prompt fits the original length (``max_position_embeddings`` for
 dynamic, ``original_max_position_embeddings`` for longrope). A longer prompt is rotated per position here, where
-transformers rotates the whole prompt with the frequencies of its full length.
+transformers rotates the whole prompt with the frequencies of its full length. Phi-3's generate is the exception:
+when its sequence first outgrows the original length it drops its KV cache and encodes the whole sequence again
+with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation), so there the two agree only while sequences
+fit the original length. (vLLM takes longrope's long factors at every position when max_model_len exceeds the
+original length, else the short ones.)
 """
 
 import math
