@@ -1,11 +1,13 @@
-"""Tensor x pipeline parallelism on tiny random Llama, Qwen2 and Qwen3 models (GQA: 4 attention heads, 2 KV heads, so
-tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
-multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs."""
+"""Tensor x pipeline parallelism on tiny random Llama, Qwen2, Qwen3 and Phi-3 models (GQA: 4 attention heads, 2 KV
+heads, so tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
+multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs. Phi-3's
+checkpoint holds q/k/v and gate/up fused: each rank cuts its slice of each out of them."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_greedy, running_llm
@@ -13,7 +15,8 @@ from tests.e2e.conftest import assert_transformers_greedy, running_llm
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
           "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
-          "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True})}
+          "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True}),
+          "phi3": (Phi3Config, Phi3ForCausalLM, {"tie_word_embeddings": False})}
 # Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps.
 PROMPTS = [[1, 50, 60, 70], list(range(200, 237)), list(range(200, 300)), list(range(1000, 1150, 3))]
 MAX_TOKENS = 20
@@ -54,6 +57,7 @@ def assert_parity(reference, outputs: list[list[int]]) -> None:
     ("qwen2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
     ("qwen3", dict(tensor_parallel_size=2)),
     ("qwen3", dict(tensor_parallel_size=1)),
+    ("phi3", dict(tensor_parallel_size=2)),
 ])
 def test_tiny_model_parallel_parity_mp(tmp_path, tokenizer, name, parallel):
     reference = save_tiny_model(tmp_path, tokenizer, name)
