@@ -21,7 +21,6 @@ from pagedllm.models.gguf_cache import gguf_cache_dir
 from pagedllm.models.gguf_loader import gguf_to_hf_name, gguf_weights_iterator
 from pagedllm.models.hf_config import load_hf_config, load_tokenizer
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
@@ -182,9 +181,9 @@ def test_registry():
     with pytest.raises(ValueError, match="Unsupported model"):
         get_model_architecture(LlamaConfig(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
     # Phi-3 by model_type (GGUF) and architecture; Phi-3-mini-128k's window (262144) never binds, 4k's (2047) does.
-    assert get_model_architecture(Phi3Config()) is Phi3ForCausalLM
+    assert get_model_architecture(Phi3Config()) is LlamaForCausalLM
     assert get_model_architecture(Phi3Config(architectures=["Phi3ForCausalLM"], sliding_window=262144,
-                                             max_position_embeddings=131072)) is Phi3ForCausalLM
+                                             max_position_embeddings=131072)) is LlamaForCausalLM
     with pytest.raises(NotImplementedError, match="sliding-window"):
         get_model_architecture(Phi3Config(sliding_window=2047, max_position_embeddings=4096))
 

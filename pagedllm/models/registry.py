@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -17,7 +16,8 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
-    "Phi3ForCausalLM": Phi3ForCausalLM,
+    # Checkpoints with q/k/v and gate/up fused, which the fused layers' loaders cut per shard (layers/linear.py).
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
