@@ -6,6 +6,7 @@ import importlib.util
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import native
 from pagedllm.layers.linear import (
@@ -24,7 +25,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
-from tests.model_fixtures import smollm_model, smollm_path, smollm_reference_tensors
+from tests.model_fixtures import smollm_model, smollm_path, smollm_reference_tensors, write_tiny_gguf
 
 
 # ---------------------------------------------------------------- resolve
@@ -109,6 +110,22 @@ def test_gguf_config_and_tokenizer(empty_cache):
     assert cached_tokenizer.eos_token_id == tokenizer.eos_token_id
 
 
+def test_gguf_sliding_window_reaches_the_config(empty_cache):
+    """transformers' phi3 GGUF config drops the window llama.cpp writes: it is restored, so one that binds
+    (Phi-3-mini-4k's) is refused as from the HF config."""
+    paths = {}
+    for window in (None, 2047):
+        config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                            vocab_size=256, max_position_embeddings=4096, sliding_window=window, pad_token_id=None)
+        paths[window] = str(empty_cache / f"phi3-{window}.gguf")
+        write_tiny_gguf(HFPhi3ForCausalLM(config), paths[window], "phi3")
+    assert load_hf_config(paths[None]).sliding_window is None
+    assert get_model_architecture(load_hf_config(paths[None])) is LlamaForCausalLM
+    assert load_hf_config(paths[2047]).sliding_window == 2047
+    with pytest.raises(NotImplementedError, match="window 2047"):
+        get_model_architecture(load_hf_config(paths[2047]))
+
+
 def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "m.gguf"
@@ -130,6 +147,12 @@ def test_gguf_names():
     assert gguf_to_hf_name("rope_freqs.weight") is None
     with pytest.raises(ValueError, match="Unsupported GGUF tensor"):
         gguf_to_hf_name("blk.0.ssm_conv1d.weight")
+    # phi3 keeps q/k/v and gate/up fused; its longrope factors are refused (its GGUF config has no longrope)
+    assert gguf_to_hf_name("blk.2.attn_qkv.weight", "phi3") == "model.layers.2.self_attn.qkv_proj.weight"
+    assert gguf_to_hf_name("blk.2.ffn_up.weight", "phi3") == "model.layers.2.mlp.gate_up_proj.weight"
+    assert gguf_to_hf_name("blk.2.ffn_up.weight") == "model.layers.2.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match="Unsupported GGUF tensor 'rope_factors_long.weight'"):
+        gguf_to_hf_name("rope_factors_long.weight", "phi3")
 
 
 def test_gguf_weights_equal_transformers_gguf_load():

@@ -212,15 +212,16 @@ def test_tiny_phi3_parity(tmp_path, rope_type):
                      prompt_len=8 if rope_type == "longrope" else None, block_size=4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_gguf_parity(tmp_path, arch):
     """Unquantized GGUF written like llama.cpp (llama q/k rows permuted, qwen2
-    biases, qwen3 q/k norms) loads back to the original HF model's logits."""
+    biases, qwen3 q/k norms, phi3 q/k/v and gate/up fused) loads back to the
+    original HF model's logits."""
     classes = {"llama": (LlamaConfig, HFLlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
-               "qwen3": (Qwen3Config, HFQwen3ForCausalLM)}
+               "qwen3": (Qwen3Config, HFQwen3ForCausalLM), "phi3": (Phi3Config, HFPhi3ForCausalLM)}
     config_class, hf_class = classes[arch]
     torch.manual_seed(7)
-    reference = hf_class(config_class(**TINY, tie_word_embeddings=False)).eval()
+    reference = hf_class(config_class(**TINY, tie_word_embeddings=False, pad_token_id=None)).eval()
     path = str(tmp_path / f"tiny-{arch}.gguf")
     write_tiny_gguf(reference, path, arch)
     config = load_hf_config(path)

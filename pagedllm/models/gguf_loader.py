@@ -36,13 +36,19 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# llama.cpp's precomputed llama3 rope factors; the model derives them from the config.
+# Per architecture, its own block names: phi3 keeps HF's fused q/k/v and gate/up ([gate; up] rows in ffn_up).
+_ARCH_BLOCK_NAMES = {
+    "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# llama.cpp's precomputed llama3 rope factors; the model derives them from the config. (Phi-3's longrope factors,
+# rope_factors_long/short, are refused: transformers' GGUF config does not carry the longrope they belong to.)
 _IGNORED = {"rope_freqs"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
 
-def gguf_to_hf_name(gguf_name: str) -> str | None:
-    """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight``.
+def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight`` for a file of
+    ``general.architecture`` ``arch``.
 
     Returns None for tensors the models do not use; raises on unknown names.
     """
@@ -52,8 +58,9 @@ def gguf_to_hf_name(gguf_name: str) -> str | None:
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     match = _BLOCK_RE.fullmatch(base)
-    if match and match.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}.{suffix}"
+    block_names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    if match and match.group(2) in block_names:
+        return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}.{suffix}"
     raise ValueError(f"Unsupported GGUF tensor {gguf_name!r}")
 
 
@@ -149,8 +156,9 @@ def read_gguf_header(path: str) -> tuple[dict[str, object], list[GGUFTensorInfo]
 
 def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
     """HF weight name -> GGUF type of every model tensor (cheap: checks engine arguments against the file)."""
-    return {hf_name: t.tensor_type for t in read_gguf_header(path)[1]
-            if (hf_name := gguf_to_hf_name(t.name)) is not None}
+    metadata, tensors = read_gguf_header(path)
+    return {hf_name: t.tensor_type for t in tensors
+            if (hf_name := gguf_to_hf_name(t.name, metadata["general.architecture"])) is not None}
 
 
 def _tensor_data(file: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
@@ -230,7 +238,7 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         n_kv_head = int(metadata[f"{arch}.attention.head_count_kv"])
     for tensor in tensors:
         data = _tensor_data(file, tensor)
-        hf_name = gguf_to_hf_name(tensor.name)
+        hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             continue
         module, suffix = hf_name.rsplit(".", 1)

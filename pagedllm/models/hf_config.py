@@ -12,6 +12,7 @@ import os
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pagedllm.models.gguf_cache import gguf_cache_dir, save_atomically
+from pagedllm.models.gguf_loader import read_gguf_header
 from pagedllm.models.resolve import resolve_model
 
 
@@ -32,7 +33,19 @@ def _from_pretrained(auto_class, path: str):
 
 @functools.lru_cache(maxsize=8)
 def _load_hf_config_cached(path: str) -> PretrainedConfig:
-    return _from_pretrained(AutoConfig, path)
+    config = _from_pretrained(AutoConfig, path)
+    if resolve_model(path).endswith(".gguf") and getattr(config, "sliding_window", None) is None:
+        _add_gguf_sliding_window(config, resolve_model(path))
+    return config
+
+
+def _add_gguf_sliding_window(config: PretrainedConfig, path: str) -> None:
+    """The file's ``{arch}.attention.sliding_window``, which transformers' GGUF config drops for phi3 (llama.cpp
+    writes Phi-3-mini-4k's 2047): the registry then refuses a window that binds, as from the HF config."""
+    metadata = read_gguf_header(path)[0]
+    window = metadata.get(f"{metadata['general.architecture']}.attention.sliding_window")
+    if window is not None:
+        config.sliding_window = int(window)
 
 
 def load_hf_config(path: str) -> PretrainedConfig:

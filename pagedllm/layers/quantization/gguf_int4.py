@@ -76,7 +76,8 @@ class GGUFInt4Config(QuantizationConfig):
     ``tensor_types`` maps HF weight names to their GGUF types; a fused layer
     (``qkv_proj``) is looked up through the checkpoint names it stacks
     (``q_proj``, ``k_proj``, ``v_proj``), given as the model's
-    ``stacked_params_mapping``. Other layers (and tensors such as Q8_0
+    ``stacked_params_mapping``, or by its own name where the checkpoint holds
+    it fused too (phi3's ``attn_qkv``). Other layers (and tensors such as Q8_0
     embeddings) stay dense and dequantized.
     """
 
@@ -87,6 +88,8 @@ class GGUFInt4Config(QuantizationConfig):
 
     def checkpoint_modules(self, prefix: str) -> list[str]:
         """The checkpoint module names behind the model module ``prefix``."""
+        if f"{prefix}.weight" in self.tensor_types:
+            return [prefix]
         fused = [prefix[: -len(f)] + original for f, original, _ in self.stacked_params_mapping if prefix.endswith(f)]
         return fused or [prefix]
 
