@@ -34,8 +34,9 @@ def _from_pretrained(auto_class, path: str):
 @functools.lru_cache(maxsize=8)
 def _load_hf_config_cached(path: str) -> PretrainedConfig:
     config = _from_pretrained(AutoConfig, path)
-    if resolve_model(path).endswith(".gguf") and getattr(config, "sliding_window", None) is None:
-        _add_gguf_sliding_window(config, resolve_model(path))
+    resolved = resolve_model(path)
+    if resolved.endswith(".gguf") and getattr(config, "sliding_window", None) is None:
+        _add_gguf_sliding_window(config, resolved)
     return config
 
 
