@@ -117,9 +117,11 @@ class PagedBatchRunner:
         return list(logits.split([c.num_new for c in chunks]))
 
 
-def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str) -> None:
-    """Write an HF model as an unquantized GGUF the way llama.cpp's converter does,
-    naming tensors with gguf-py's own map and permuting llama q/k rows."""
+def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
+                    layer_type: gguf.GGMLQuantizationType | None = None) -> None:
+    """Write an HF model as a GGUF the way llama.cpp's converter does,
+    naming tensors with gguf-py's own map and permuting llama q/k rows;
+    unquantized, or with the decoder layers' linear weights in ``layer_type``."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -140,6 +142,8 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str) -> None:
             writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         if getattr(config, "shared_expert_intermediate_size", None):
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if getattr(config, "sliding_window", None):  # as llama.cpp's converter writes Phi-3's
+        writer.add_sliding_window(config.sliding_window)
     model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     for name, tensor in _stacked_experts(model.state_dict()).items():
@@ -150,6 +154,10 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str) -> None:
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             n_head = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
             weight = _llama_cpp_permute(weight, n_head)
+        if layer_type is not None and base.startswith("model.layers.") and weight.ndim == 2:
+            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", gguf.quants.quantize(weight, layer_type),
+                              raw_dtype=layer_type)
+            continue
         writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -91,7 +91,8 @@ def test_rotary_table_holds_hf_values_and_grows_past_its_end():
     positions = torch.tensor([3, 40, 15])  # 40 is past the table: it grows
     qk = torch.randn(3, 2 * 64)
     rotated = rope(positions, qk.clone())
-    freqs = positions.float()[:, None] * rope.inv_freq  # HF's formula, per step
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    freqs = positions.float()[:, None] * inv_freq  # HF's formula, per step
     expected = rope._rotate(qk, freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1))
     _close(rotated, expected)
     assert rope.cos_sin_cache.shape == (41, 64)

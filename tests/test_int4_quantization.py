@@ -10,14 +10,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Phi3Config
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.gemm_layout import DenseWeight
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
-from pagedllm.layers.quantization.gguf_int4 import GGUFInt4Config
+from pagedllm.engine.arg_utils import set_quantization
+from pagedllm.layers.quantization.gguf_int4 import GGUFInt4Config, GGUFInt4LinearMethod
 from pagedllm.models.gguf_loader import (
     gguf_tensor_types,
     gguf_to_hf_name,
@@ -28,8 +30,10 @@ from pagedllm.models.gguf_loader import (
     unpack_q8,
 )
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.loader import get_quant_config
-from tests.model_fixtures import smollm_path, teacher_forced, write_tiny_gguf
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model, get_quant_config
+from pagedllm.platforms.cpu import KernelChoice
+from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, teacher_forced, write_tiny_gguf
 from tests.native_paths import native_or_fallback
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
@@ -116,6 +120,27 @@ def test_tensor_parallel_shards_of_int4_layers_match_unsharded(kernel_path):
             for r in range(2)]
     assert torch.equal(torch.cat(cols, dim=-1), full_col)
     assert _relative_error(sum(rows), full_row) < 1e-2  # each rank's partial sum is rounded to bf16
+
+
+def test_phi3_fused_gguf_layers_stay_4_bit(tmp_path, kernel_path):
+    """Phi-3's GGUF holds q/k/v and gate/up fused (attn_qkv, ffn_up): those layers are quantized under their own
+    names, their codes and scales cut per shard by the fused layers' loaders, and the 4-bit model computes what the
+    dense one does on the same dequantized weights."""
+    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, pad_token_id=None)
+    torch.manual_seed(0)
+    path = str(tmp_path / "phi3-q4_1.gguf")
+    write_tiny_gguf(HFPhi3ForCausalLM(config), path, "phi3", layer_type=GGMLQuantizationType.Q4_1)
+    dense = get_model(path, load_hf_config(path), KernelChoice(torch.float32))
+    quantized_config = load_hf_config(path)
+    set_quantization(quantized_config, "gguf_int4", path)
+    int4 = get_model(path, quantized_config, KernelChoice(torch.float32))
+    for layer in (int4.model.layers[1].self_attn.qkv_proj, int4.model.layers[1].mlp.gate_up_proj):
+        assert isinstance(layer.quant_method, GGUFInt4LinearMethod)
+    tokens = {0: torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()}
+    chunk = [Chunk(0, 0, 12)]
+    (expected,), (actual,) = (PagedBatchRunner(model, quantized_config).step(tokens, chunk) for model in (dense, int4))
+    assert _relative_error(actual, expected) < 1e-2
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import native
 from pagedllm.layers.linear import (
@@ -24,7 +25,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
-from tests.model_fixtures import smollm_model, smollm_path, smollm_reference_tensors
+from tests.model_fixtures import smollm_model, smollm_path, smollm_reference_tensors, write_tiny_gguf
 
 
 # ---------------------------------------------------------------- resolve
@@ -109,6 +110,22 @@ def test_gguf_config_and_tokenizer(empty_cache):
     assert cached_tokenizer.eos_token_id == tokenizer.eos_token_id
 
 
+def test_gguf_sliding_window_reaches_the_config(empty_cache):
+    """transformers' phi3 GGUF config drops the window llama.cpp writes: it is restored, so one that binds
+    (Phi-3-mini-4k's) is refused as from the HF config."""
+    paths = {}
+    for window in (None, 2047):
+        config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                            vocab_size=256, max_position_embeddings=4096, sliding_window=window, pad_token_id=None)
+        paths[window] = str(empty_cache / f"phi3-{window}.gguf")
+        write_tiny_gguf(HFPhi3ForCausalLM(config), paths[window], "phi3")
+    assert load_hf_config(paths[None]).sliding_window is None
+    assert get_model_architecture(load_hf_config(paths[None])) is LlamaForCausalLM
+    assert load_hf_config(paths[2047]).sliding_window == 2047
+    with pytest.raises(NotImplementedError, match="window 2047"):
+        get_model_architecture(load_hf_config(paths[2047]))
+
+
 def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "m.gguf"
@@ -130,6 +147,12 @@ def test_gguf_names():
     assert gguf_to_hf_name("rope_freqs.weight") is None
     with pytest.raises(ValueError, match="Unsupported GGUF tensor"):
         gguf_to_hf_name("blk.0.ssm_conv1d.weight")
+    # phi3 keeps q/k/v and gate/up fused; its longrope factors are refused (its GGUF config has no longrope)
+    assert gguf_to_hf_name("blk.2.attn_qkv.weight", "phi3") == "model.layers.2.self_attn.qkv_proj.weight"
+    assert gguf_to_hf_name("blk.2.ffn_up.weight", "phi3") == "model.layers.2.mlp.gate_up_proj.weight"
+    assert gguf_to_hf_name("blk.2.ffn_up.weight") == "model.layers.2.mlp.up_proj.weight"
+    with pytest.raises(ValueError, match="Unsupported GGUF tensor 'rope_factors_long.weight'"):
+        gguf_to_hf_name("rope_factors_long.weight", "phi3")
 
 
 def test_gguf_weights_equal_transformers_gguf_load():
@@ -180,6 +203,12 @@ def test_registry():
         get_model_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768))
     with pytest.raises(ValueError, match="Unsupported model"):
         get_model_architecture(LlamaConfig(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
+    # Phi-3 by model_type (GGUF) and architecture; Phi-3-mini-128k's window (262144) never binds, 4k's (2047) does.
+    assert get_model_architecture(Phi3Config()) is LlamaForCausalLM
+    assert get_model_architecture(Phi3Config(architectures=["Phi3ForCausalLM"], sliding_window=262144,
+                                             max_position_embeddings=131072)) is LlamaForCausalLM
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        get_model_architecture(Phi3Config(sliding_window=2047, max_position_embeddings=4096))
 
 
 # ---------------------------------------------------------------- tensor-parallel sharding
@@ -226,6 +255,10 @@ def test_merged_column_parallel_keeps_each_ranks_gate_and_up():
     single = _load(MergedColumnParallelLinear(4, [6, 6]), torch.cat([gate, up]),
                    shards=lambda w: [(0, w[:6]), (1, w[6:])])
     assert torch.equal(single.weight, torch.cat([gate, up]))
+    # A checkpoint that holds them fused (Phi-3's gate_up_proj) loads without a shard id: each rank the same.
+    for r in range(2):
+        fused = _load(MergedColumnParallelLinear(4, [6, 6], tp_size=2, tp_rank=r), torch.cat([gate, up]))
+        assert torch.equal(fused.weight, ranks[r].weight)
 
 
 @pytest.mark.parametrize("tp_size", [1, 2, 4])
@@ -244,6 +277,9 @@ def test_qkv_parallel_shards_heads(tp_size):
         assert torch.equal(layer.weight[nq : nq + nkv], k[kv_rank * nkv : (kv_rank + 1) * nkv])
         assert torch.equal(layer.weight[nq + nkv :], v[kv_rank * nkv : (kv_rank + 1) * nkv])
         assert torch.equal(layer.bias[:nq], qb[rank * nq : (rank + 1) * nq])
+        # Fused [q; k; v] rows in the checkpoint (Phi-3's qkv_proj), loaded without a shard id: the same slices.
+        fused = _load(QKVParallelLinear(5, head, heads, kv_heads, tp_size=tp_size, tp_rank=rank), torch.cat([q, k, v]))
+        assert torch.equal(fused.weight, layer.weight)
 
 
 def test_vocab_parallel_embedding_pads_last_shard():

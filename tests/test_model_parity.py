@@ -3,8 +3,9 @@ split into prefill chunks and decodes and batched with other requests."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
@@ -33,9 +34,19 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _reference_logits(reference, tokens: list[int]) -> torch.Tensor:
+def _reference_logits(reference, tokens: list[int], prompt_len: int | None = None) -> torch.Tensor:
+    """transformers' logits at every position of ``tokens``: from one forward or, given ``prompt_len``, the first
+    ``prompt_len`` tokens in one forward, then one token a step on its KV cache, as generate runs (Phi-3's generate
+    aside, see layers/rope_scaling.py); dynamic and longrope rope differ there from one forward."""
     with torch.inference_mode():
-        return reference(torch.tensor([tokens])).logits[0].float()
+        if prompt_len is None:
+            return reference(torch.tensor([tokens])).logits[0].float()
+        out = reference(torch.tensor([tokens[:prompt_len]]), use_cache=True)
+        rows = [out.logits[0]]
+        for token in tokens[prompt_len:]:
+            out = reference(torch.tensor([[token]]), cache=out.cache, use_cache=True)
+            rows.append(out.logits[0])
+        return torch.cat(rows).float()
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
@@ -71,10 +82,13 @@ MIXED_SCHEDULE = [
 MIXED_LENGTHS = {0: 40, 1: 26}
 
 
-def _check_schedules(model, reference, config, vocab_size: int, seed: int, **kwargs) -> None:
+def _check_schedules(model, reference, config, vocab_size: int, seed: int, prompt_len: int | None = None,
+                     **kwargs) -> None:
+    """Every schedule gives transformers' logits (with ``prompt_len``, those one token a step after a prompt of
+    that many tokens, see _reference_logits); ``kwargs`` go to PagedBatchRunner."""
     gen = torch.Generator().manual_seed(seed)
     tokens = {req: torch.randint(0, vocab_size, (n,), generator=gen).tolist() for req, n in MIXED_LENGTHS.items()}
-    refs = {req: _reference_logits(reference, t) for req, t in tokens.items()}
+    refs = {req: _reference_logits(reference, t, prompt_len) for req, t in tokens.items()}
     n = MIXED_LENGTHS[0]
     for schedule in ([[Chunk(0, 0, n)]], _prefill_then_decode(0, n, 16)):
         _assert_close(_run_schedule(model, config, {0: tokens[0]}, schedule, **kwargs)[0], refs[0])
@@ -156,15 +170,58 @@ def test_tiny_llama_untied_llama3_rope_parity(tmp_path):
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=5, block_size=8)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# Original context 16 (dynamic's is max_position_embeddings): the schedules' sequences, 40 and 26 tokens, cross it.
+ORIGINAL = 16
+LONGROPE = dict(rope_type="longrope", original_max_position_embeddings=ORIGINAL,
+                short_factor=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+                long_factor=[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0])
+ROPE_SCALING = {
+    "linear": (dict(rope_type="linear", factor=2.0), {}),
+    "dynamic": (dict(rope_type="dynamic", factor=4.0), dict(max_position_embeddings=ORIGINAL)),
+    "yarn": (dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=ORIGINAL), {}),
+    "longrope": (LONGROPE, {}),
+}
+
+
+@pytest.mark.parametrize("rope_type", ROPE_SCALING)
+def test_tiny_llama_rope_scaling_parity(tmp_path, rope_type):
+    """Against transformers one token a step (Llama's generate) after an 8-token prompt, within the original
+    length: the per-position table reproduces it for dynamic and longrope too, whose frequencies change when the
+    sequence outgrows that length."""
+    rope, overrides = ROPE_SCALING[rope_type]
+    config = LlamaConfig(**{**TINY, **overrides}, rope_parameters=dict(rope, rope_theta=10000.0))
+    reference = _save_tiny(HFLlamaForCausalLM, config, tmp_path)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=9, prompt_len=8,
+                     block_size=4)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "longrope"])
+def test_tiny_phi3_parity(tmp_path, rope_type):
+    """Fused qkv_proj and gate_up_proj checkpoint tensors; with longrope (LONGROPE's factors; Phi-3 configs keep
+    the original length beside the rope parameters), past the original length against transformers' Phi-3 one
+    token a step on its cache (not its generate, which re-encodes the sequence there: see layers/rope_scaling.py)."""
+    rope = {"rope_type": "default"}
+    if rope_type == "longrope":
+        rope = {k: v for k, v in LONGROPE.items() if k != "original_max_position_embeddings"}
+    config = Phi3Config(**TINY, original_max_position_embeddings=ORIGINAL, rope_parameters=rope, pad_token_id=None)
+    reference = _save_tiny(HFPhi3ForCausalLM, config, tmp_path)
+    assert reference.model.layers[0].self_attn.qkv_proj.weight.shape == (64 + 2 * 2 * 16, 64)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=10,
+                     prompt_len=8 if rope_type == "longrope" else None, block_size=4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
 def test_tiny_gguf_parity(tmp_path, arch):
     """Unquantized GGUF written like llama.cpp (llama q/k rows permuted, qwen2
-    biases, qwen3 q/k norms) loads back to the original HF model's logits."""
+    biases, qwen3 q/k norms, phi3 q/k/v and gate/up fused) loads back to the
+    original HF model's logits."""
     classes = {"llama": (LlamaConfig, HFLlamaForCausalLM), "qwen2": (Qwen2Config, HFQwen2ForCausalLM),
-               "qwen3": (Qwen3Config, HFQwen3ForCausalLM)}
+               "qwen3": (Qwen3Config, HFQwen3ForCausalLM), "phi3": (Phi3Config, HFPhi3ForCausalLM)}
     config_class, hf_class = classes[arch]
     torch.manual_seed(7)
-    reference = hf_class(config_class(**TINY, tie_word_embeddings=False)).eval()
+    reference = hf_class(config_class(**TINY, tie_word_embeddings=False, pad_token_id=None)).eval()
     path = str(tmp_path / f"tiny-{arch}.gguf")
     write_tiny_gguf(reference, path, arch)
     config = load_hf_config(path)

@@ -11,6 +11,7 @@ import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig)
+from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
@@ -72,11 +73,11 @@ class EngineArgs:
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         path = resolve_model(self.model)
         hf_config = load_hf_config(path)
-        model_max_len = positions_held(hf_config)
+        model_max_len = positions_served(hf_config)
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
-                             f"max_position_embeddings ({model_max_len}).")
+                             f"max_position_embeddings ({model_max_len}, with its rope scaling).")
         if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
             raise ValueError(f"num_cpu_threads must be at least 1; got {self.num_cpu_threads}")
         max_num_batched_tokens = self.max_num_batched_tokens
@@ -125,18 +126,13 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     if hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
                          f"tokens; the target model's has {target.vocab_size}: they must be the same")
-    draft_max_len = positions_held(hf_config)
+    draft_max_len = positions_served(hf_config)
     if draft_max_len < target.max_model_len:
         raise ValueError(f"speculative_config model {spec.model!r} holds {draft_max_len} positions "
                          f"(max_position_embeddings), fewer than the target's max_model_len ({target.max_model_len})")
     set_quantization(hf_config, spec.quantization, path)
     return ModelConfig(spec.model, path, hf_config, target.dtype, target.max_model_len, target.seed,
                        spec.quantization, target.enforce_eager)
-
-
-def positions_held(hf_config) -> int:
-    """The longest context the model was made for (its max_position_embeddings; 2048 when it does not say)."""
-    return getattr(hf_config, "max_position_embeddings", None) or 2048
 
 
 def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:

@@ -154,6 +154,13 @@ class ColumnParallelLinear(LinearBase):
         shard = param.shape[0]
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * shard, shard))
 
+    def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_sizes: dict) -> None:
+        """A checkpoint tensor holding the outputs this layer fuses already stacked as it stacks them (Phi-3's
+        qkv_proj and gate_up_proj; vLLM's loaders take it as shard id None): cut into the full outputs, shard id
+        to size in order, each loaded as its own checkpoint tensor, so each rank still takes its slice of each."""
+        for shard_id, part in zip(shard_sizes, loaded_weight.split(list(shard_sizes.values())), strict=True):
+            self.weight_loader(param, part, shard_id)
+
     def output_shards(self) -> list[tuple[int, int, int]]:
         """Per output of the checkpoint this layer fuses: (offset in this rank's output, size on this rank, which
         of the full output's equal shards this rank holds). How the weight_loader cuts weights, and the LoRA
@@ -196,7 +203,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return [(sum(self.output_sizes[:i]) // self.tp_size, size // self.tp_size, self.tp_rank)
                 for i, size in enumerate(self.output_sizes)]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: int | None = None
+                      ) -> None:
+        if loaded_shard_id is None:
+            return self._load_fused(param, loaded_weight, dict(enumerate(self.output_sizes)))
         offset, size, shard_rank = self.output_shards()[loaded_shard_id]
         _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
 
@@ -231,7 +241,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_rank = self.tp_rank // self.num_kv_head_replicas
         return [(0, q_size, self.tp_rank), (q_size, kv_size, kv_rank), (q_size + kv_size, kv_size, kv_rank)]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, loaded_shard_id: str | None = None
+                      ) -> None:
+        if loaded_shard_id is None:
+            q_size, kv_size = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+            return self._load_fused(param, loaded_weight, {"q": q_size, "k": kv_size, "v": kv_size})
         offset, size, shard_rank = self.output_shards()["qkv".index(loaded_shard_id)]
         _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
 

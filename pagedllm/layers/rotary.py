@@ -1,33 +1,17 @@
 """Rotary position embedding (neox / HF "rotate_half" layout).
 
-cos/sin come from a table computed once in float32 with HF's formula (position * inv_freq, then cos and
-sin), so every value equals HF's; it covers the model's max_position_embeddings (the engine's max_model_len
-never exceeds it) and grows past that on demand. Looking rows up by position in the kernel, as vLLM's
-cos_sin_cache does, keeps the step's per-token work inside native calls (see native/graph.py).
+cos/sin come from a table computed in float32 with HF's formulas (position * inv_freq, then cos and sin, times
+the rope type's attention factor; see rope_scaling.py for the types), so every value equals HF's; it covers the
+positions the model serves (the engine's max_model_len never exceeds them) and grows past that on demand. Looking
+rows up by position in the kernel, as vLLM's cos_sin_cache does, keeps the step's per-token work inside native
+calls (see native/graph.py).
 """
-
-import math
 
 import torch
 from torch import nn
 
+from pagedllm.layers import rope_scaling
 from pagedllm.native import fused
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: slow down low frequencies, blend the middle band."""
-    factor = params["factor"]
-    low_freq_factor = params["low_freq_factor"]
-    high_freq_factor = params["high_freq_factor"]
-    old_context_len = params["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -35,23 +19,26 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_size: int, rotary_dim: int, base: float, rope_parameters: dict | None = None,
                  max_position: int = 2048):
+        """``rope_parameters``: standardised (rope_scaling.rope_parameters), ``rope_theta`` aside: ``base`` is the
+        theta. ``max_position``: the config's max_position_embeddings; the table starts with the positions the
+        rope scaling serves from it."""
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
-        rope_type = (rope_parameters or {}).get("rope_type", "default")
-        if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_parameters)
-        elif rope_type != "default":
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("cos_sin_cache", self._table(max_position), persistent=False)
+        self.rope_parameters = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": base}
+        self.max_position = max_position
+        num_positions = rope_scaling.scaled_max_position(self.rope_parameters, max_position)
+        self.register_buffer("cos_sin_cache", self._table(num_positions), persistent=False)
         self._step_cos_sin: tuple | None = None
 
     def _table(self, num_positions: int) -> torch.Tensor:
-        """``[num_positions, rotary_dim]`` float32: per position its rotary_dim / 2 cosines, then sines."""
-        freqs = torch.arange(num_positions, dtype=torch.float).unsqueeze(-1) * self.inv_freq
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        """``[num_positions, rotary_dim]`` float32: per position its rotary_dim / 2 cosines, then sines. Each row
+        is a function of its position alone, so a grown table keeps the rows it had."""
+        positions = torch.arange(num_positions)
+        inv_freq, scale = rope_scaling.inv_freq_and_scale(self.rope_parameters, self.rotary_dim, self.max_position,
+                                                          positions)
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * scale
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         """``qk`` is ``[T, heads * head_size]``: the query and key heads of the fused QKV output, which sit side
@@ -93,16 +80,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def get_rope(head_size: int, config) -> RotaryEmbedding:
-    """Build the rotary embedding described by an HF config.
-
-    transformers >= 5 keeps ``rope_theta`` inside ``config.rope_parameters``;
-    older configs have ``config.rope_theta`` and ``config.rope_scaling``.
-    """
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.get("type", "default"))
-    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", config.max_position_embeddings)
-    rotary_dim = int(head_size * params.get("partial_rotary_factor", 1.0))
-    max_position = getattr(config, "max_position_embeddings", None) or 2048
-    return RotaryEmbedding(head_size, rotary_dim, base, params, max_position)
+    """Build the rotary embedding described by an HF config (its rope parameters standardised as transformers
+    does, see rope_scaling.rope_parameters)."""
+    params = rope_scaling.rope_parameters(config)
+    rotary_dim = int(head_size * params["partial_rotary_factor"])
+    return RotaryEmbedding(head_size, rotary_dim, params["rope_theta"], params,
+                           rope_scaling.max_position_embeddings(config))

@@ -57,14 +57,19 @@ _MOE_BLOCK_NAMES = {
     },
 }
 _MOE_BLOCK_NAMES["qwen3moe"] = _MOE_BLOCK_NAMES["qwen2moe"]
-# llama.cpp's precomputed llama3 rope factors; the model derives them from the config.
+# Per architecture, its own block names: phi3 keeps HF's fused q/k/v and gate/up ([gate; up] rows in ffn_up).
+_ARCH_BLOCK_NAMES = {
+    "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# llama.cpp's precomputed llama3 rope factors; the model derives them from the config. (Phi-3's longrope factors,
+# rope_factors_long/short, are refused: transformers' GGUF config does not carry the longrope they belong to.)
 _IGNORED = {"rope_freqs"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
 
 def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight`` (a stacked experts tensor to
-    a name with ``{expert}`` in it) for a file of GGUF architecture ``arch``.
+    a name with ``{expert}`` in it) for a file of ``general.architecture`` ``arch``.
 
     Returns None for tensors the models do not use; raises on unknown names.
     """
@@ -75,7 +80,7 @@ def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     match = _BLOCK_RE.fullmatch(base)
     if match:
-        block_names = {**_BLOCK_NAMES, **_MOE_BLOCK_NAMES.get(arch, {})}
+        block_names = {**_ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES), **_MOE_BLOCK_NAMES.get(arch, {})}
         if match.group(2) in block_names:
             return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}.{suffix}"
     raise ValueError(f"Unsupported GGUF tensor {gguf_name!r}")

@@ -12,7 +12,7 @@ import os
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pagedllm.models.gguf_cache import gguf_cache_dir, save_atomically
-from pagedllm.models.gguf_config import with_gguf_experts
+from pagedllm.models.gguf_config import complete_gguf_config
 from pagedllm.models.resolve import resolve_model
 
 
@@ -27,15 +27,15 @@ def _from_pretrained(auto_class, path: str):
     obj = auto_class.from_pretrained(
         os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
     )
-    if auto_class is AutoConfig:
-        obj = with_gguf_experts(obj, path)
     save_atomically(obj, cached)
     return obj
 
 
 @functools.lru_cache(maxsize=8)
 def _load_hf_config_cached(path: str) -> PretrainedConfig:
-    return _from_pretrained(AutoConfig, path)
+    config = _from_pretrained(AutoConfig, path)
+    resolved = resolve_model(path)
+    return complete_gguf_config(config, resolved) if resolved.endswith(".gguf") else config
 
 
 def load_hf_config(path: str) -> PretrainedConfig:

@@ -1,5 +1,11 @@
-"""Llama decoder-only model (also Mistral without sliding window, and the
-base of Qwen2 and Qwen3), over a flattened batch and a paged KV cache."""
+"""Llama decoder-only model (also Mistral and Phi-3 without sliding window, and the base of Qwen2 and Qwen3), over a
+flattened batch and a paged KV cache.
+
+Phi-3 checkpoints hold q/k/v fused in ``qkv_proj`` ([q; k; v] rows) and gate/up in ``gate_up_proj`` ([gate; up]),
+named as the fused parameters here: they reach the fused layers' loaders without a shard id, which cut them into
+their outputs and each rank's slice of each. Their config's dropouts act only in training, and their longrope is
+the rotary embedding's (layers/rope_scaling.py, where it parts from transformers' Phi-3 generate past the original
+length)."""
 
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    # Checkpoints with q/k/v and gate/up fused, which the fused layers' loaders cut per shard (layers/linear.py).
+    "Phi3ForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
@@ -30,6 +32,7 @@ _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",

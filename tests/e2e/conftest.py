@@ -148,3 +148,20 @@ def assert_transformers_greedy(hf_model, prompts: list[list[int]], outputs: list
         expected = hf_greedy(hf_model, prompt, got, suppress_token_ids)
         assert got == expected, f"prompt {i} ({len(prompt)} tokens) diverges from transformers at token " \
                                 f"{next(k for k, (a, b) in enumerate(zip(got, expected)) if a != b)}"
+
+
+def assert_transformers_generate(hf_model, prompts: list[list[int]], outputs: list[list[int]], num_tokens: int) -> None:
+    """Each output is transformers' greedy ``generate`` of ``num_tokens`` tokens after its prompt (EOS not
+    stopping it, as ignore_eos): the prompt in one forward, then one token a step on its KV cache. Where one
+    teacher-forced pass (hf_greedy) is not that: with dynamic or longrope rope past the original length, whose
+    frequencies transformers takes from each forward's length (see layers/rope_scaling.py)."""
+    for i, (prompt, got) in enumerate(zip(prompts, outputs, strict=True)):
+        assert len(got) == num_tokens, f"prompt {i}: {len(got)} tokens, not {num_tokens}"
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            generated = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        expected = generated[0, len(prompt):].tolist()
+        assert got == expected, f"prompt {i} ({len(prompt)} tokens) diverges from transformers' generate at " \
+                                f"token {next(k for k, (a, b) in enumerate(zip(got, expected)) if a != b)}"
+

@@ -1,16 +1,17 @@
-"""Tensor x pipeline parallelism on tiny random Llama, Qwen2 and Qwen3 models (GQA: 4 attention heads, 2 KV heads, so
-tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
-multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs. So do the
-mixture-of-experts models (4 experts, 2 per token): Mixtral with tp=2 splitting every expert's intermediate size,
-Qwen2-MoE (shared expert, one dense layer) with tp=2 and expert parallelism (each rank holds two whole experts),
-Qwen3-MoE on one rank."""
+"""Tensor x pipeline parallelism on tiny random Llama, Qwen2, Qwen3 and Phi-3 models (GQA: 4 attention heads, 2 KV
+heads, so tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
+multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs. Phi-3's
+checkpoint holds q/k/v and gate/up fused: each rank cuts its slice of each out of them. So do the mixture-of-experts
+models (4 experts, 2 per token): Mixtral with tp=2 splitting every expert's intermediate size, Qwen2-MoE (shared
+expert, one dense layer) with tp=2 and expert parallelism (each rank holds two whole experts), Qwen3-MoE on one
+rank."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_greedy, running_llm
@@ -25,7 +26,8 @@ MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False
                          "shared_expert_intermediate_size": 256, "mlp_only_layers": [2]}),
           "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
                         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
-                         "norm_topk_prob": True})}
+                         "norm_topk_prob": True}),
+          "phi3": (Phi3Config, Phi3ForCausalLM, {"tie_word_embeddings": False})}
 # Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps.
 PROMPTS = [[1, 50, 60, 70], list(range(200, 237)), list(range(200, 300)), list(range(1000, 1150, 3))]
 MAX_TOKENS = 20
@@ -69,6 +71,7 @@ def assert_parity(reference, outputs: list[list[int]]) -> None:
     ("mixtral", dict(tensor_parallel_size=2)),
     ("qwen2_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True)),
     ("qwen3_moe", dict(tensor_parallel_size=1)),
+    ("phi3", dict(tensor_parallel_size=2)),
 ])
 def test_tiny_model_parallel_parity_mp(tmp_path, tokenizer, name, parallel):
     reference = save_tiny_model(tmp_path, tokenizer, name)

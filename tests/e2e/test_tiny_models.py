@@ -3,18 +3,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from pagedllm import SamplingParams
-from tests.e2e.conftest import assert_transformers_greedy, running_llm
+from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, running_llm
 
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 
 
 def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
-    config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                        initializer_range=0.5, eos_token_id=2, bos_token_id=1, **extra)
+    values = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5, eos_token_id=2,
+                  bos_token_id=1, pad_token_id=0)
+    config = config_cls(**{**values, **extra})
     torch.manual_seed(0)
     model = model_cls(config).eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
@@ -25,6 +26,7 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
 @pytest.mark.parametrize("config_cls, model_cls, extra", [
     (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
+    (Phi3Config, Phi3ForCausalLM, {"tie_word_embeddings": False}),
 ])
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
     reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra)
@@ -34,3 +36,32 @@ def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, ex
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 24)
+
+
+
+ORIGINAL = 32  # the original context (dynamic's is max_position_embeddings); the prompts fit it, outputs cross it
+LONGROPE = dict(rope_type="longrope", short_factor=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7],
+                long_factor=[1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0])
+
+
+@pytest.mark.parametrize("config_cls, model_cls, extra", [
+    (LlamaConfig, LlamaForCausalLM, dict(max_position_embeddings=ORIGINAL,
+                                         rope_parameters=dict(rope_type="dynamic", factor=2.0))),
+    (LlamaConfig, LlamaForCausalLM, dict(max_position_embeddings=2 * ORIGINAL, rope_parameters=dict(
+        LONGROPE, original_max_position_embeddings=ORIGINAL))),
+    # Phi-3's generate re-encodes the whole sequence with the long factors once it outgrows the original length
+    # (Phi3ForCausalLM.prepare_inputs_for_generation), which a per-position table does not: within it only.
+    (Phi3Config, Phi3ForCausalLM, dict(max_position_embeddings=4 * ORIGINAL,
+                                       original_max_position_embeddings=2 * ORIGINAL, rope_parameters=dict(LONGROPE))),
+], ids=["llama-dynamic", "llama-longrope", "phi3-longrope-within"])
+def test_rope_scaling_matches_transformers_generate(tmp_path, tokenizer, config_cls, model_cls, extra):
+    """dynamic and longrope change frequencies where the sequence outgrows the original length: the engine (its
+    decode steps on CPU graphs, max_model_len 64 positions) generates what transformers' generate does after
+    prompts within that length."""
+    reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, tie_word_embeddings=False, **extra)
+    prompts = [[1, 50, 60, 70], list(range(200, 220)), list(range(1000, 1093, 3))]
+    with running_llm(str(tmp_path), dtype="float32", max_model_len=2 * ORIGINAL, num_kv_blocks=32,
+                     max_num_batched_tokens=32) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert_transformers_generate(reference, prompts, [o.outputs[0].token_ids for o in outputs], 30)

@@ -76,7 +76,8 @@ class GGUFInt4Config(QuantizationConfig):
     ``tensor_types`` maps HF weight names to their GGUF types; a fused layer
     (``qkv_proj``) is looked up through the checkpoint names it stacks
     (``q_proj``, ``k_proj``, ``v_proj``), given as the model's
-    ``stacked_params_mapping``. Other layers (and tensors such as Q8_0
+    ``stacked_params_mapping``, or by its own name where the checkpoint holds
+    it fused too (phi3's ``attn_qkv``). Other layers (and tensors such as Q8_0
     embeddings) stay dense and dequantized.
     """
 
@@ -85,11 +86,17 @@ class GGUFInt4Config(QuantizationConfig):
         self.tensor_types = tensor_types
         self.stacked_params_mapping = stacked_params_mapping
 
+    def _checkpoint_modules(self, prefix: str) -> list[str]:
+        """The checkpoint modules behind ``prefix``: itself where the file holds it fused too (phi3's attn_qkv)."""
+        if f"{prefix}.weight" in self.tensor_types:
+            return [prefix]
+        return checkpoint_modules(prefix, self.stacked_params_mapping)
+
     def get_quant_method(self, layer, prefix):
         if not isinstance(layer, LinearBase):
             return None
         types = [self.tensor_types.get(f"{name}.weight")
-                 for name in checkpoint_modules(prefix, self.stacked_params_mapping)]
+                 for name in self._checkpoint_modules(prefix)]
         return GGUFInt4LinearMethod() if all(t in Q4_TYPES for t in types) else None
 
     def keeps_q8(self, prefix: str) -> bool:
@@ -101,5 +108,5 @@ class GGUFInt4Config(QuantizationConfig):
         embeddings kept in Q8_0."""
         linear = {name for prefix, module in model.named_modules()
                   if isinstance(getattr(module, "quant_method", None), GGUFInt4LinearMethod)
-                  for name in checkpoint_modules(prefix, self.stacked_params_mapping)}
+                  for name in self._checkpoint_modules(prefix)}
         return linear | {module.prefix for module in model.modules() if getattr(module, "q8", False)}

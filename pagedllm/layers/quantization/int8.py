@@ -139,10 +139,16 @@ class Int8Config(QuantizationConfig):
         return cls(True, quantization_config.get("ignore") or (), stacked_params_mapping)
 
     def _ignored(self, prefix: str) -> bool:
-        """Whether layer ``prefix`` stays dense; a fused layer must be so for all of its parts or none."""
+        """Whether layer ``prefix`` stays dense (named itself, or, for a layer fused here, all of its checkpoint
+        parts; a checkpoint that ignores some parts only is an error)."""
+        def listed(name: str) -> bool:
+            return any(re.fullmatch(entry[3:], name) if entry.startswith("re:") else entry == name
+                       for entry in self.ignore)
+
+        if listed(prefix):
+            return True
         names = checkpoint_modules(prefix, self.stacked_params_mapping)
-        ignored = [any(re.fullmatch(entry[3:], name) if entry.startswith("re:") else entry == name
-                       for entry in self.ignore) for name in names]
+        ignored = [listed(name) for name in names]
         if any(ignored) and not all(ignored):
             raise ValueError(f"compressed-tensors ignore list: {prefix} fuses {', '.join(names)}, which must be "
                              f"ignored all together or not at all")
