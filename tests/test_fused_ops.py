@@ -39,10 +39,12 @@ def test_add_rms_norm_matches_torch(rows, with_residual):
 
 
 @pytest.mark.parametrize("rows", ROWS)
-def test_silu_and_mul_matches_torch(rows):
+@pytest.mark.parametrize("kernel, reference", [
+    (fused.silu_and_mul, F.silu), (fused.gelu_tanh_and_mul, lambda g: F.gelu(g, approximate="tanh"))])
+def test_gated_activations_match_torch(rows, kernel, reference):
     x = torch.randn(rows, 2 * 150, generator=torch.Generator().manual_seed(rows)) * 8  # exp far from 0 too
     gate, up = x.chunk(2, dim=-1)
-    _close(fused.silu_and_mul(x), F.silu(gate) * up)
+    _close(kernel(x), reference(gate) * up)
 
 
 @pytest.mark.parametrize("rows", ROWS)

@@ -23,6 +23,7 @@ FUSED_SIGNATURES = (
     CFunction("head_rms_norm_f32", None, *arguments("x", POINTER, "row_stride", INT64, "weight", POINTER, "rows",
                                                     INT64, "num_heads", "head_size", INT, "eps", FLOAT)),
     CFunction("silu_and_mul_f32", None, *arguments("x", "out", POINTER, "rows", INT64, "d", INT)),
+    CFunction("gelu_tanh_and_mul_f32", None, *arguments("x", "out", POINTER, "rows", INT64, "d", INT)),
     CFunction("rotary_neox_f32", INT, *arguments("x", POINTER, "row_stride", INT64, "positions", "cos_sin_cache",
                                                  POINTER, "num_positions", "rows", INT64, "heads", "head_size",
                                                  "rotary_dim", INT)),
@@ -76,14 +77,24 @@ def head_rms_norm_(x: torch.Tensor, num_heads: int, head_size: int, weight: torc
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """``silu(x[:, :d]) * x[:, d:]`` for ``[T, 2d]``; None when the native path does not apply."""
+    return _gated_activation("silu_and_mul_f32", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``gelu(x[:, :d], approximate="tanh") * x[:, d:]`` (GeGLU) for ``[T, 2d]``; None when the native path does
+    not apply."""
+    return _gated_activation("gelu_tanh_and_mul_f32", x)
+
+
+def _gated_activation(kernel: str, x: torch.Tensor) -> torch.Tensor | None:
     lib = _lib_for(x)
     if lib is None or not x.is_contiguous() or x.dim() != 2:
         return None
     if checks.ENABLED:
-        require("silu_and_mul_f32", x.shape[1] % 2 == 0, f"x {tuple(x.shape)} is not [gate | up]")
+        require(kernel, x.shape[1] % 2 == 0, f"x {tuple(x.shape)} is not [gate | up]")
     d = x.shape[1] // 2
     out = x.new_empty(x.shape[0], d)
-    launch(lib.silu_and_mul_f32, x.data_ptr(), out.data_ptr(), x.shape[0], d)
+    launch(getattr(lib, kernel), x.data_ptr(), out.data_ptr(), x.shape[0], d)
     return out
 
 

@@ -56,6 +56,13 @@ static inline float exp_poly(float x) {
 /* silu(g) * u, the gated MLP's activation, with exp_poly. */
 static inline float silu_mul(float g, float u) { return g / (1.0f + exp_poly(-g)) * u; }
 
+/* gelu_tanh(g) * u (GeGLU, torch's gelu(approximate="tanh")): 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)) with
+ * y = sqrt(2 / pi) (g + 0.044715 g^3). */
+static inline float gelu_tanh_mul(float g, float u) {
+    const float y2 = 1.5957691216057308f * (g + 0.044715f * g * g * g); /* 2y */
+    return g / (1.0f + exp_poly(-y2)) * u;
+}
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
