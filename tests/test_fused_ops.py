@@ -39,12 +39,14 @@ def test_add_rms_norm_matches_torch(rows, with_residual):
 
 
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("kernel, reference", [
-    (fused.silu_and_mul, F.silu), (fused.gelu_tanh_and_mul, lambda g: F.gelu(g, approximate="tanh"))])
-def test_gated_activations_match_torch(rows, kernel, reference):
+@pytest.mark.parametrize("kernel, reference, atol", [
+    (fused.silu_and_mul, F.silu, 2e-6),
+    # torch's 1 + tanh(y) rounds to 0 below y ~ -9, where g / (1 + exp(-2y)) keeps the tail (~1e-8 of g, times up)
+    (fused.gelu_tanh_and_mul, lambda g: F.gelu(g, approximate="tanh"), 1e-5)])
+def test_gated_activations_match_torch(rows, kernel, reference, atol):
     x = torch.randn(rows, 2 * 150, generator=torch.Generator().manual_seed(rows)) * 8  # exp far from 0 too
     gate, up = x.chunk(2, dim=-1)
-    _close(kernel(x), reference(gate) * up)
+    torch.testing.assert_close(kernel(x), reference(gate) * up, rtol=2e-6, atol=atol)
 
 
 @pytest.mark.parametrize("rows", ROWS)
