@@ -127,8 +127,8 @@ class PagedPrefill(_AttentionKernel):
             check_block_tables(kernel, block_table, seq_len, block_size, k_cache.shape[0])
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                      block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
-                     start_pos, sliding_window or 0, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1],
-                     q.shape[2], block_size, scale, torch.get_num_threads())
+                     start_pos, sliding_window or 0, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1],
+                     k_cache.shape[1], q.shape[2], block_size, scale, torch.get_num_threads())
 
 
 class PagedPrefix(_AttentionKernel):
