@@ -14,6 +14,19 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def layer_sliding_window(hf_config, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index``'s attention (each query sees its last that many positions), or
+    None for full attention, as transformers decides it: configs with ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE,
+    whose ``use_sliding_window`` and ``max_window_layers`` fill it) window their "sliding_attention" layers; others
+    (Mistral, Mixtral, Qwen3-MoE) window every layer by ``sliding_window``. A window of 0 (Qwen2-MoE's "off") or None
+    is none."""
+    window = getattr(hf_config, "sliding_window", None) or None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
+        return None
+    return window
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int = 2048

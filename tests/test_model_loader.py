@@ -5,9 +5,10 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig
 
 from pagedllm import native
+from pagedllm.config import HFConfigValues, layer_sliding_window
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -176,10 +177,26 @@ def test_registry():
     assert get_model_architecture(LlamaConfig()) is LlamaForCausalLM
     assert get_model_architecture(Qwen2Config()) is Qwen2ForCausalLM
     assert get_model_architecture(MistralConfig(sliding_window=None)) is LlamaForCausalLM
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        get_model_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768))
+    assert get_model_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768)) is LlamaForCausalLM
     with pytest.raises(ValueError, match="Unsupported model"):
         get_model_architecture(LlamaConfig(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
+
+
+def _windows(config) -> list[int | None]:
+    values = HFConfigValues.of(config)  # what the engine's processes read
+    return [layer_sliding_window(values, i) for i in range(config.num_hidden_layers)]
+
+
+def test_layer_sliding_windows_follow_transformers():
+    """Mistral windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on (its
+    layer_types); no window where the config has none or turns it off."""
+    assert _windows(MistralConfig(num_hidden_layers=2, sliding_window=8)) == [8, 8]
+    assert _windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
+    assert _windows(LlamaConfig(num_hidden_layers=2)) == [None, None]
+    assert _windows(Qwen2Config(num_hidden_layers=3, sliding_window=8)) == [None] * 3  # use_sliding_window False
+    assert _windows(Qwen2Config(num_hidden_layers=3, sliding_window=8, use_sliding_window=True,
+                                max_window_layers=1)) == [None, 8, 8]
+    assert _windows(Qwen2MoeConfig(num_hidden_layers=2)) == [None, None]  # its "off" is a window of 0
 
 
 # ---------------------------------------------------------------- tensor-parallel sharding
