@@ -58,6 +58,10 @@ class CacheConfig:
     kv_cache_memory: Optional[int | str] = None
     # Set once the KV cache is sized (or directly, in tests without a model).
     num_blocks: Optional[int] = None
+    # The sliding window every attention layer reading the cache keeps within (the largest, where they differ), from
+    # the models (EngineArgs sets it); None where some layer attends to everything. With it the KV cache manager
+    # frees a request's blocks that fell out of every window (vLLM's SlidingWindowManager).
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -120,6 +124,13 @@ class ModelConfig:
 
     def __getstate__(self) -> dict:
         return {**vars(self), "hf_config": HFConfigValues.of(self.hf_config)}
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest of the layers' sliding windows when every layer has one, else None (some layer reads the
+        whole history)."""
+        windows = [layer_sliding_window(self.hf_config, i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
 
     @property
     def num_layers(self) -> int:

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig
 
 from pagedllm import native
-from pagedllm.config import HFConfigValues, layer_sliding_window
+from pagedllm.config import HFConfigValues, ModelConfig, layer_sliding_window
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -197,6 +197,19 @@ def test_layer_sliding_windows_follow_transformers():
     assert _windows(Qwen2Config(num_hidden_layers=3, sliding_window=8, use_sliding_window=True,
                                 max_window_layers=1)) == [None, 8, 8]
     assert _windows(Qwen2MoeConfig(num_hidden_layers=2)) == [None, None]  # its "off" is a window of 0
+
+
+def test_model_sliding_window_is_every_layers_or_none():
+    """What the KV cache manager frees by: a window only where every layer keeps within one."""
+    def window(config):
+        return ModelConfig("tiny", "tiny", HFConfigValues.of(config), torch.float32, 64).sliding_window
+
+    assert window(MistralConfig(num_hidden_layers=2, sliding_window=8)) == 8
+    assert window(Qwen2Config(num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                              max_window_layers=0)) == 8
+    assert window(Qwen2Config(num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                              max_window_layers=1)) is None
+    assert window(LlamaConfig(num_hidden_layers=2)) is None
 
 
 # ---------------------------------------------------------------- tensor-parallel sharding
