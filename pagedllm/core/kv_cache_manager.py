@@ -46,6 +46,15 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def max_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of up to num_tokens tokens holds at once, when a step gives it at most
+        max_step_tokens new slots: a block per block_size tokens, or under a sliding window at most those of the
+        window before a step's first query and of the step's slots (vLLM's SlidingWindowSpec bound)."""
+        blocks = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, cdiv(self.sliding_window - 1 + max_step_tokens, self.block_size) + 1)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest run of cached full blocks that prefixes the request, and how many tokens it covers.
 
