@@ -59,3 +59,23 @@ def test_mistral_sliding_window_through_the_engine(tmp_path, tokenizer, monkeypa
     assert manager.prefix_cache_hits - hits_before == 36  # 9 blocks of 4 (the last token is recomputed)
     assert pool.get_num_free_blocks() == NUM_KV_BLOCKS
     llm.shutdown()
+
+
+def test_mistral_sliding_window_self_speculation(tmp_path, tokenizer):
+    """The model drafts for itself (draft_model, the same weights): in float32 every draft is the target's token,
+    so a draft or a verify step (the native prefill tiles, replayed from CPU graphs) reading a position outside
+    its window, or a block freed under it, would show as a rejection; greedy stays transformers'."""
+    reference = _save_tiny(tmp_path, tokenizer, MistralConfig, MistralForCausalLM, head_dim=64,
+                           sliding_window=WINDOW, tie_word_embeddings=False)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=2 * NUM_KV_BLOCKS,
+              block_size=BLOCK_SIZE, max_num_batched_tokens=16,
+              speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert scheduler.kv_cache_manager.sliding_window == WINDOW
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_transformers_greedy(reference, PROMPTS, [o.outputs[0].token_ids for o in outputs], MAX_TOKENS)
+    stats = scheduler.make_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 2 * NUM_KV_BLOCKS
+    llm.shutdown()
