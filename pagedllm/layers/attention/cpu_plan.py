@@ -11,8 +11,9 @@ copying the whole prefix out of the cache in every layer.
 A layer with a sliding window gets its own plan: each torch-path query reads only its window (a decode row's
 history starts at its window; a prefill chunk's context starts at its first query's window, masked per query), and
 there is no shared prefix. Attending a prefix once for all rows is only right where every row sees all of it; under
-a window the rows' windows start at different places, inside it or past it (and past the window the blocks may
-already be freed, their table entries all the same null block, which would look like a shared prefix).
+a window the rows' windows start at different places, inside it or past it (and the blocks out of every window may
+already be back in the pool, their table entries stale, or, after a prefix hit, the same null block's id in every
+row, which would look like a shared prefix).
 """
 
 from dataclasses import dataclass
