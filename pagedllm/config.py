@@ -14,6 +14,19 @@ def head_dim(hf_config) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def layer_sliding_window(hf_config, layer_index: int) -> int | None:
+    """The sliding window of layer ``layer_index``'s attention (each query sees its last that many positions), or
+    None for full attention, as transformers decides it: configs with ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE,
+    whose ``use_sliding_window`` and ``max_window_layers`` fill it) window their "sliding_attention" layers; others
+    (Mistral, Mixtral, Qwen3-MoE) window every layer by ``sliding_window``. A window of 0 (Qwen2-MoE's "off") or None
+    is none."""
+    window = getattr(hf_config, "sliding_window", None) or None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and layer_types[layer_index] != "sliding_attention":
+        return None
+    return window
+
+
 @dataclass
 class SchedulerConfig:
     max_model_len: int = 2048
@@ -45,6 +58,10 @@ class CacheConfig:
     kv_cache_memory: Optional[int | str] = None
     # Set once the KV cache is sized (or directly, in tests without a model).
     num_blocks: Optional[int] = None
+    # The sliding window every attention layer reading the cache keeps within (the largest, where they differ), from
+    # the models (EngineArgs sets it); None where some layer attends to everything. With it the KV cache manager
+    # frees a request's blocks that fell out of every window (vLLM's SlidingWindowManager).
+    sliding_window: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -108,6 +125,13 @@ class ModelConfig:
 
     def __getstate__(self) -> dict:
         return {**vars(self), "hf_config": HFConfigValues.of(self.hf_config)}
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest of the layers' sliding windows when every layer has one, else None (some layer reads the
+        whole history)."""
+        windows = [layer_sliding_window(self.hf_config, i) for i in range(self.num_layers)]
+        return None if None in windows else max(windows)
 
     @property
     def num_layers(self) -> int:

@@ -5,10 +5,11 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
 from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import native
+from pagedllm.config import HFConfigValues, ModelConfig, layer_sliding_window
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -111,8 +112,8 @@ def test_gguf_config_and_tokenizer(empty_cache):
 
 
 def test_gguf_sliding_window_reaches_the_config(empty_cache):
-    """transformers' phi3 GGUF config drops the window llama.cpp writes: it is restored, so one that binds
-    (Phi-3-mini-4k's) is refused as from the HF config."""
+    """transformers' phi3 GGUF config drops the window llama.cpp writes: it is restored, so Phi-3-mini-4k's layers
+    attend to their 2047 tokens as from the HF config."""
     paths = {}
     for window in (None, 2047):
         config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -122,8 +123,8 @@ def test_gguf_sliding_window_reaches_the_config(empty_cache):
     assert load_hf_config(paths[None]).sliding_window is None
     assert get_model_architecture(load_hf_config(paths[None])) is LlamaForCausalLM
     assert load_hf_config(paths[2047]).sliding_window == 2047
-    with pytest.raises(NotImplementedError, match="window 2047"):
-        get_model_architecture(load_hf_config(paths[2047]))
+    assert layer_sliding_window(load_hf_config(paths[2047]), 0) == 2047
+    assert layer_sliding_window(load_hf_config(paths[None]), 0) is None
 
 
 def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):
@@ -199,16 +200,44 @@ def test_registry():
     assert get_model_architecture(LlamaConfig()) is LlamaForCausalLM
     assert get_model_architecture(Qwen2Config()) is Qwen2ForCausalLM
     assert get_model_architecture(MistralConfig(sliding_window=None)) is LlamaForCausalLM
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        get_model_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768))
+    assert get_model_architecture(MistralConfig(sliding_window=4096, max_position_embeddings=32768)) is LlamaForCausalLM
     with pytest.raises(ValueError, match="Unsupported model"):
         get_model_architecture(LlamaConfig(architectures=["GPT2LMHeadModel"], model_type="gpt2"))
-    # Phi-3 by model_type (GGUF) and architecture; Phi-3-mini-128k's window (262144) never binds, 4k's (2047) does.
+    # Phi-3 by model_type (GGUF) and architecture, with the 4k model's window (2047) or the 128k model's
     assert get_model_architecture(Phi3Config()) is LlamaForCausalLM
     assert get_model_architecture(Phi3Config(architectures=["Phi3ForCausalLM"], sliding_window=262144,
                                              max_position_embeddings=131072)) is LlamaForCausalLM
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        get_model_architecture(Phi3Config(sliding_window=2047, max_position_embeddings=4096))
+    assert get_model_architecture(Phi3Config(sliding_window=2047, max_position_embeddings=4096)) is LlamaForCausalLM
+
+
+def _windows(config) -> list[int | None]:
+    values = HFConfigValues.of(config)  # what the engine's processes read
+    return [layer_sliding_window(values, i) for i in range(config.num_hidden_layers)]
+
+
+def test_layer_sliding_windows_follow_transformers():
+    """Mistral windows every layer; Qwen2 only with use_sliding_window, from max_window_layers on (its
+    layer_types); no window where the config has none or turns it off."""
+    assert _windows(MistralConfig(num_hidden_layers=2, sliding_window=8)) == [8, 8]
+    assert _windows(MistralConfig(num_hidden_layers=2, sliding_window=None)) == [None, None]
+    assert _windows(LlamaConfig(num_hidden_layers=2)) == [None, None]
+    assert _windows(Qwen2Config(num_hidden_layers=3, sliding_window=8)) == [None] * 3  # use_sliding_window False
+    assert _windows(Qwen2Config(num_hidden_layers=3, sliding_window=8, use_sliding_window=True,
+                                max_window_layers=1)) == [None, 8, 8]
+    assert _windows(Qwen2MoeConfig(num_hidden_layers=2)) == [None, None]  # its "off" is a window of 0
+
+
+def test_model_sliding_window_is_every_layers_or_none():
+    """What the KV cache manager frees by: a window only where every layer keeps within one."""
+    def window(config):
+        return ModelConfig("tiny", "tiny", HFConfigValues.of(config), torch.float32, 64).sliding_window
+
+    assert window(MistralConfig(num_hidden_layers=2, sliding_window=8)) == 8
+    assert window(Qwen2Config(num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                              max_window_layers=0)) == 8
+    assert window(Qwen2Config(num_hidden_layers=2, sliding_window=8, use_sliding_window=True,
+                              max_window_layers=1)) is None
+    assert window(LlamaConfig(num_hidden_layers=2)) is None
 
 
 # ---------------------------------------------------------------- tensor-parallel sharding

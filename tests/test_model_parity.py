@@ -3,8 +3,9 @@ split into prefill chunks and decodes and batched with other requests."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+from transformers import MistralForCausalLM as HFMistralForCausalLM
 from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 from transformers import Qwen2ForCausalLM as HFQwen2ForCausalLM
 from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
@@ -158,6 +159,26 @@ def test_tiny_qwen3_parity(tmp_path):
     model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
     assert model.model.layers[1].self_attn.k_norm.weight.shape == (32,)
     _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=6, block_size=4)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])  # 64: prefill chunks on the native tiles where they build
+def test_tiny_mistral_sliding_window_parity(tmp_path, head_dim):
+    """A window of 8 under sequences of 26 and 40 tokens: every prefill, chunk and decode row sees only its last 8
+    positions, as transformers' sliding-window mask has it."""
+    config = MistralConfig(**TINY, head_dim=head_dim, sliding_window=8)
+    reference = _save_tiny(HFMistralForCausalLM, config, tmp_path)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, 8]
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=9, block_size=4)
+
+
+def test_tiny_qwen2_sliding_window_parity(tmp_path):
+    """use_sliding_window with max_window_layers=1: the first layer attends to everything, the second to a window."""
+    config = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    reference = _save_tiny(HFQwen2ForCausalLM, config, tmp_path)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [None, 6]
+    _check_schedules(model, reference, load_hf_config(str(tmp_path)), config.vocab_size, seed=10, block_size=4)
 
 
 def test_tiny_llama_untied_llama3_rope_parity(tmp_path):

@@ -56,26 +56,30 @@ def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     assert not list(tmp_path.rglob("*.so"))
 
 
-def _reference(q, k, v, scale):
-    """q: [Lq, H, D] for the last Lq of the Lk positions in k/v: [Lk, KVH, D]."""
+def _reference(q, k, v, scale, sliding_window=None):
+    """q: [Lq, H, D] for the last Lq of the Lk positions in k/v: [Lk, KVH, D]; each query sees the keys up to its
+    own position, with a sliding window only those after its position - sliding_window."""
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     lq, lk = q.shape[0], k.shape[0]
     allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
+    if sliding_window is not None:
+        allowed &= torch.arange(lk)[None, :] > torch.arange(lk - lq, lk)[:, None] - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False,
-              kv_dtype=None):
+              kv_dtype=None, sliding_window=None):
     """requests: list of (num_cached, num_new). Cached K/V is written to the cache
     beforehand; never-written cache memory is NaN and must not leak into the output.
     The first ``shared_blocks`` blocks (ids and K/V) are common to all requests, as
     prefix caching leaves them; ``consecutive`` allocates block ids in order. ``kv_dtype`` is the cache's dtype
     (default ``dtype``): a bf16 cache under float32 queries holds the keys rounded, and attention must see
-    exactly those, so the reference takes them rounded too. Returns the step's attention plan."""
+    exactly those, so the reference takes them rounded too. ``sliding_window``: the layer's window, also the
+    reference's. Returns the step's attention plan."""
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -122,7 +126,7 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         max_seq_len=max(seq_lens),
     )
     scale = head_dim**-0.5
-    layer = Attention(heads, head_dim, scale, kv_heads)
+    layer = Attention(heads, head_dim, scale, kv_heads, sliding_window=sliding_window)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)])
     with torch.inference_mode():
@@ -132,16 +136,16 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     # This step's K/V landed in the cache.
     assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_k.to(kv_dtype))
     assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v.to(kv_dtype))
-    plan = metadata.backend_cache["torch_sdpa"]
+    plan = metadata.backend_cache["torch_sdpa", sliding_window]
     paired = [kv_dtype == torch.bfloat16 and native.paged_prefill_pairs(kv_dtype) and (
         plan.native_prefix or (plan.native_prefill is not None and new > 1)) for _, new in requests]
     for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
         if paired[i]:
-            expected = _reference(q.to(torch.bfloat16), k.to(kv_dtype), v.to(kv_dtype), scale)
+            expected = _reference(q.to(torch.bfloat16), k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window)
             torch.testing.assert_close(rows, expected, atol=PAIRED_TOLERANCE, rtol=PAIRED_TOLERANCE)
         else:
-            expected = _reference(q, k.to(kv_dtype), v.to(kv_dtype), scale)
+            expected = _reference(q, k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window)
             torch.testing.assert_close(rows, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     return plan
 
@@ -272,6 +276,40 @@ def test_random_batches_with_shared_prefix(requests, shared_blocks, kv_heads, gr
         mp.setattr(cpu_plan, "CASCADE_MIN_PREFIX_TOKENS", 4)
         _run_case(requests, kv_heads * group, kv_heads, head_dim, block_size, torch.float32, seed, shared_blocks,
                   consecutive)
+
+
+# Decode rows and prefill chunks (whole prompts, chunks after cached context, over several 32-lane tiles) whose
+# histories are shorter than, as long as, and longer than the windows below, windows ending inside blocks.
+WINDOW_REQUESTS = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (7, 1), (70, 1), (0, 8)]
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 8, 16, 37, 100])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 2, 128), (6, 2, 8)])
+def test_sliding_window(decode_path, sliding_window, block_size, heads, kv_heads, head_dim):
+    """Every path (the decode kernel's bodies, the prefill tiles where head sizes 64 and 128 take them, the torch
+    path's batched decode and per-chunk prefill) attends only each query's window."""
+    plan = _run_case(WINDOW_REQUESTS, heads, kv_heads, head_dim, block_size, torch.float32, seed=sliding_window,
+                     sliding_window=sliding_window)
+    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128)
+    assert (plan.native_prefill is not None) == native_prefill
+
+
+@pytest.mark.parametrize("sliding_window", [3, 12, 40])
+def test_sliding_window_bf16_cache(decode_path, sliding_window):
+    _run_case(WINDOW_REQUESTS, 9, 3, 64, 4, torch.float32, seed=3, kv_dtype=torch.bfloat16,
+              sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", [5, 12, 13, 30])
+def test_sliding_window_takes_no_shared_prefix(low_cascade_threshold, decode_path, sliding_window):
+    """Requests sharing a 3-block prefix, which the layer without a window attends once (cascade): a windowed
+    layer, whose rows' windows start inside the prefix or past it, attends each request's own window instead."""
+    requests = [(12 + 3 * i, 1) for i in range(6)] + [(13, 6), (20, 17)]
+    plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=sliding_window, shared_blocks=3,
+                     sliding_window=sliding_window)
+    assert plan.prefix is None
+    assert _run_case(requests, 9, 3, 64, 4, torch.float32, seed=1, shared_blocks=3).prefix is not None
 
 
 def test_kv_cache_allocation():

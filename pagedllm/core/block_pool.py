@@ -11,6 +11,11 @@ class BlockPool:
 
     A free block may still hold a cached full block (its hash in `cached_block_hash_to_block`): it stays
     reusable by a prefix hit until get_new_blocks evicts it, least recently freed first.
+
+    `null_block` stands in a request's block list where a block fell out of every layer's sliding window and went
+    back to the pool (vLLM's null block). It is no block of the pool: never counted, cached, handed out or freed,
+    and touch, cache_full_blocks and free_blocks pass over it. Its id (0) is also a real block's, which is safe
+    only because attention never reads a position outside its window, so no kernel reads through that entry.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -21,6 +26,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.null_block = KVCacheBlock(0)
 
     def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
         return self.cached_block_hash_to_block.get(block_hash)
@@ -36,8 +42,8 @@ class BlockPool:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
-            if block.block_hash is not None:
-                continue  # a prefix-hit block, already cached
+            if block.block_hash is not None or block is self.null_block:
+                continue  # a prefix-hit block, already cached, or one out of the window
             if block_hash not in self.cached_block_hash_to_block:
                 block.block_hash = block_hash
                 self.cached_block_hash_to_block[block_hash] = block
@@ -63,6 +69,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A prefix hit: take each block out of the free queue if it was free, and count the new owner."""
         for block in blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
@@ -70,6 +78,8 @@ class BlockPool:
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drops one reference from each; blocks reaching 0 join the queue's tail in the given order."""
         for block in ordered_blocks:
+            if block is self.null_block:
+                continue
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"{block} freed more times than it was allocated")
             block.ref_cnt -= 1

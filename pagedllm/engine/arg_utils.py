@@ -104,7 +104,8 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                                     kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks),
+                                     kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks,
+                                     sliding_window=_cache_sliding_window(model_config, speculative_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -115,6 +116,14 @@ class EngineArgs:
             lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                          else None),
         )
+
+
+def _cache_sliding_window(model_config: ModelConfig, spec: SpeculativeConfig | None) -> int | None:
+    """The window all layers reading the request's blocks keep within: the target's, and a draft model's (which
+    reads through the same block table), or None where either has a layer without one."""
+    models = [model_config] + ([spec.draft_model_config] if spec is not None and spec.draft_model_config else [])
+    windows = [model.sliding_window for model in models]
+    return None if None in windows else max(windows)
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:

@@ -1,5 +1,5 @@
-"""Llama decoder-only model (also Mistral and Phi-3 without sliding window, and the base of Qwen2 and Qwen3), over a
-flattened batch and a paged KV cache.
+"""Llama decoder-only model (also Mistral and Phi-3, and the base of Qwen2 and Qwen3), over a flattened batch and a
+paged KV cache; layers with a sliding window (config.layer_sliding_window) attend only to it.
 
 Phi-3 checkpoints hold q/k/v fused in ``qkv_proj`` ([q; k; v] rows) and gate/up in ``gate_up_proj`` ([gate; up]),
 named as the fused parameters here: they reach the fused layers' loaders without a shard id, which cut them into
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedllm.config import head_dim
+from pagedllm.config import head_dim, layer_sliding_window
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
@@ -61,8 +61,9 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 qk_norm: bool = False):
-        """``qk_norm``: each query and key head is RMS-normalised before the rotary embedding (Qwen3)."""
+                 qk_norm: bool = False, sliding_window: int | None = None):
+        """``qk_norm``: each query and key head is RMS-normalised before the rotary embedding (Qwen3);
+        ``sliding_window``: this layer's window (None: full attention)."""
         super().__init__()
         self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(
@@ -85,7 +86,8 @@ class LlamaAttention(nn.Module):
             tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = rotary_emb  # one module for all layers: cos/sin once per step
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+                              sliding_window=sliding_window)
         self.q_norm = self.k_norm = None
         if qk_norm:
             self.q_norm = HeadRMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -105,12 +107,13 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  rotary_emb: RotaryEmbedding, mlp: nn.Module, mlp_name: str = "mlp",
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", qk_norm: bool = False):
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", qk_norm: bool = False,
+                 sliding_window: int | None = None):
         """``mlp``: the feed-forward block (dense, or a mixture of experts), registered as ``mlp_name`` (the
-        checkpoint's name for it, e.g. Mixtral's ``block_sparse_moe``)."""
+        checkpoint's name for it, e.g. Mixtral's ``block_sparse_moe``); ``sliding_window``: the attention's."""
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb, quant_config,
-                                        f"{prefix}.self_attn", qk_norm)
+                                        f"{prefix}.self_attn", qk_norm, sliding_window)
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -162,7 +165,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb,
                               make_mlp(i, f"{prefix}.layers.{i}.{mlp_name}"), mlp_name, quant_config,
-                              f"{prefix}.layers.{i}", qk_norm)
+                              f"{prefix}.layers.{i}", qk_norm, layer_sliding_window(config, i))
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )

@@ -47,17 +47,8 @@ def get_model_architecture(config: PretrainedConfig) -> type[nn.Module]:
         architectures.append(_MODEL_TYPES[config.model_type])
     for arch in architectures:
         if arch in _MODELS:
-            _check_no_sliding_window(config)
             return _MODELS[arch]
     raise ValueError(
         f"Unsupported model (architectures={architectures}, model_type={config.model_type!r}); "
         f"supported: {sorted(_MODELS)}"
     )
-
-
-def _check_no_sliding_window(config: PretrainedConfig) -> None:
-    # Qwen2 configs always carry sliding_window but gate it with use_sliding_window.
-    window = getattr(config, "sliding_window", None)
-    enabled = getattr(config, "use_sliding_window", window is not None)
-    if enabled and window is not None and window < config.max_position_embeddings:
-        raise NotImplementedError(f"sliding-window attention (window {window}) is not supported")

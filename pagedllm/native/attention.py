@@ -20,12 +20,12 @@ from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, STRING, CFunct
 
 PAGED_DECODE = CFunction("paged_decode_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
-    "seq_lens", POINTER, "start_pos", INT, "out", "lse", POINTER, "num_reqs", "num_heads", "num_kv_heads",
+    "seq_lens", POINTER, "start_pos", "window", INT, "out", "lse", POINTER, "num_reqs", "num_heads", "num_kv_heads",
     "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
 PAGED_PREFILL = CFunction("paged_prefill_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
-    "query_start", "query_len", "seq_len", POINTER, "start_pos", INT, "out", "lse", POINTER, "num_reqs", "num_heads",
-    "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
+    "query_start", "query_len", "seq_len", POINTER, "start_pos", "window", INT, "out", "lse", POINTER, "num_reqs",
+    "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
 PAGED_PREFIX = CFunction("paged_prefix_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "prefix_tokens", "num_rows",
     INT, "out", "lse", POINTER, "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT,
@@ -82,10 +82,10 @@ class PagedDecode(_AttentionKernel):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, start_pos: int, block_size: int,
-                 scale: float) -> None:
+                 scale: float, sliding_window: int | None = None) -> None:
         """Request r's row q[r] ``[heads, head_size]`` attends to positions start_pos .. seq_lens[r] - 1 (each
-        seq_lens[r] > start_pos) of its blocks ``block_table[r]`` (int32, rows may be strided); writes out[r] and
-        lse[r]."""
+        seq_lens[r] > start_pos) of its blocks ``block_table[r]`` (int32, rows may be strided), under a
+        ``sliding_window`` only the last that many of them; writes out[r] and lse[r]."""
         num_reqs = block_table.shape[0]
         if checks.ENABLED:
             kernel = PAGED_DECODE.name
@@ -96,7 +96,8 @@ class PagedDecode(_AttentionKernel):
             require(kernel, bool((seq_lens > start_pos).all()), f"a sequence ends at or before start_pos {start_pos}")
             check_block_tables(kernel, block_table, seq_lens, block_size, k_cache.shape[0])
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                     block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), start_pos, out.data_ptr(),
+                     block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), start_pos,
+                     sliding_window or 0, out.data_ptr(),
                      lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1], q.shape[2], block_size, scale,
                      torch.get_num_threads())
 
@@ -108,10 +109,12 @@ class PagedPrefill(_AttentionKernel):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, *, start_pos: int, block_size: int, scale: float) -> None:
+                 lse: torch.Tensor, *, start_pos: int, block_size: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         """Chunk r's query rows query_start[r] .. + query_len[r] - 1 of q (``[rows, heads, head_size]``, rows may
         be strided) are the last query_len[r] of its seq_len[r] positions, each seeing start_pos .. itself through
-        block_table[r] (contiguous int32); writes those rows of out and lse."""
+        block_table[r] (contiguous int32), under a ``sliding_window`` only the last that many of those; writes
+        those rows of out and lse."""
         num_reqs = block_table.shape[0]
         if checks.ENABLED:
             kernel = PAGED_PREFILL.name
@@ -124,8 +127,8 @@ class PagedPrefill(_AttentionKernel):
             check_block_tables(kernel, block_table, seq_len, block_size, k_cache.shape[0])
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                      block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
-                     start_pos, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1],
-                     q.shape[2], block_size, scale, torch.get_num_threads())
+                     start_pos, sliding_window or 0, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1],
+                     k_cache.shape[1], q.shape[2], block_size, scale, torch.get_num_threads())
 
 
 class PagedPrefix(_AttentionKernel):

@@ -45,6 +45,14 @@ static inline int next_run(int block_size, const int32_t *blocks, int pos, int s
     return n;
 }
 
+/* Sliding-window attention (vLLM's sliding_window, transformers' sliding_window_overlay): the query at position p
+ * sees only the keys at positions > p - window, the window keys up to and including its own; window 0 means no
+ * window. The first position a query at `pos` reads, given the caller's own first position start_pos: a lower
+ * bound per query, so the kernels skip what lies below it instead of masking it. */
+static inline int window_start(int start_pos, int pos, int window) {
+    return window > 0 && pos + 1 - window > start_pos ? pos + 1 - window : start_pos;
+}
+
 #if defined(__AVX512F__)
 /* 16 cache elements as float32. */
 static inline __m512 kv_load16(const kv_t *p) {
@@ -67,12 +75,13 @@ static inline __m256 kv_load8(const kv_t *p) {
 }
 #endif
 
-/* The prefill tiles (paged_prefill.c) over num_reqs chunks of query rows, each seeing the positions start_pos ..
- * min(its own, stop_pos - 1); paged_prefill_f32 and paged_prefix_f32 are this with their arguments. Returns -1 for
- * what the tiles do not take (no AVX-512, head size not 64 or 128, group above 16). */
+/* The prefill tiles (paged_prefill.c) over num_reqs chunks of query rows, each seeing the positions
+ * window_start(start_pos, its own, window) .. min(its own, stop_pos - 1); paged_prefill_f32 and paged_prefix_f32
+ * are this with their arguments. Returns -1 for what the tiles do not take (no AVX-512, head size not 64 or 128,
+ * group above 16). */
 __attribute__((visibility("hidden"))) int run_prefill(
     const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
     int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len,
-    int start_pos, int stop_pos, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads,
+    int start_pos, int stop_pos, int window, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads,
     int head_size, int block_size, float scale, int num_threads);
 #endif

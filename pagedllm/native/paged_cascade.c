@@ -14,7 +14,7 @@ int paged_prefix_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, 
                      int num_heads, int num_kv_heads, int head_size, int block_size, float scale, int num_threads) {
     const int32_t query_start = 0, query_len = num_rows, seq_len = prefix_tokens + num_rows;
     return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, 0, &query_start, &query_len, &seq_len, 0,
-                       prefix_tokens, out, lse, 1, num_heads, num_kv_heads, head_size, block_size, scale,
+                       prefix_tokens, 0, out, lse, 1, num_heads, num_kv_heads, head_size, block_size, scale,
                        num_threads);
 }
 

@@ -18,7 +18,7 @@ typedef struct {
     const kv_t *k_cache, *v_cache;
     const int32_t *block_table, *seq_lens;
     int64_t block_table_stride, q_row_stride;
-    int start_pos, num_heads, num_kv_heads, head_size, block_size;
+    int start_pos, window, num_heads, num_kv_heads, head_size, block_size;
     float scale;
     float *out, *lse;
 } DecodeArgs;
@@ -29,14 +29,14 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * group * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * d; /* floats between consecutive slots */
-    const int seq_len = a->seq_lens[req];
+    const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
     float acc[MAX_GROUP][MAX_HEAD_SIZE], running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         running_max[g] = -INFINITY;
         running_sum[g] = 0.0f;
         for (int i = 0; i < d; i++) acc[g][i] = 0.0f;
     }
-    for (int pos = a->start_pos; pos < seq_len;) {
+    for (int pos = first; pos < seq_len;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, seq_len, &slot);
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * d;
-    const int seq_len = a->seq_lens[req];
+    const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
     __m512 acc[GROUP][VD], qv[GROUP][VD], running_max[GROUP], running_sum[GROUP];
     for (int g = 0; g < GROUP; g++) {
         running_max[g] = _mm512_set1_ps(-INFINITY);
@@ -142,8 +142,8 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         }
     }
     int64_t slot, next_slot;
-    int next_n = a->start_pos < seq_len ? next_run(a->block_size, blocks, a->start_pos, seq_len, &next_slot) : 0;
-    for (int pos = a->start_pos; pos < seq_len;) {
+    int next_n = first < seq_len ? next_run(a->block_size, blocks, first, seq_len, &next_slot) : 0;
+    for (int pos = first; pos < seq_len;) {
         const int n = next_n;
         slot = next_slot;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
@@ -229,7 +229,7 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * d;
-    const int seq_len = a->seq_lens[req];
+    const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
     __m256 qv[GROUP][VD], acc[GROUP][VD], partial[GROUP][RUN];
     float running_max[GROUP], running_sum[GROUP], rescale[GROUP], weights[GROUP][RUN];
     for (int g = 0; g < GROUP; g++) {
@@ -242,8 +242,8 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     }
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     int64_t slot, next_slot;
-    int next_n = a->start_pos < seq_len ? next_run(a->block_size, blocks, a->start_pos, seq_len, &next_slot) : 0;
-    for (int pos = a->start_pos; pos < seq_len;) {
+    int next_n = first < seq_len ? next_run(a->block_size, blocks, first, seq_len, &next_slot) : 0;
+    for (int pos = first; pos < seq_len;) {
         const int n = next_n;
         slot = next_slot;
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
@@ -345,17 +345,18 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
 
 /* q: [num_reqs, num_heads, head_size], rows q_row_stride floats apart (they may be a view of the fused QKV
  * output); caches: [num_slots, num_kv_heads, head_size]; block_table: [num_reqs, block_table_stride] int32;
- * request r reads positions start_pos .. seq_lens[r]-1 (each seq_lens[r] > start_pos). Writes out
+ * request r reads positions window_start(start_pos, seq_lens[r] - 1, window) .. seq_lens[r]-1 (each seq_lens[r] >
+ * start_pos; window 0: no window, see paged_attention.h). Writes out
  * [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads]. Returns 0, or -1 for sizes the kernel does
  * not handle. */
 int paged_decode_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                      const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens, int start_pos,
-                     float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size,
+                     int window, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size,
                      int block_size, float scale, int num_threads) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
         return -1;
     const DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
-                          num_heads, num_kv_heads, head_size, block_size, scale, out, lse};
+                          window, num_heads, num_kv_heads, head_size, block_size, scale, out, lse};
     const int items = num_reqs * num_kv_heads;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int item = 0; item < items; item++)

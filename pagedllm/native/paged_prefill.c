@@ -16,9 +16,9 @@
  * broadcast run at it). Groups of 3 (SmolLM2) take 48 lanes, 16 tokens: 32 lanes would hold 10 tokens and leave two
  * idle.
  * Scores for a run of 16 slots are S[slot] (vecs vectors over the tile's queries) = sum_i
- * K[slot][i] * Q^T[i]; the causal limit of each lane masks what it may not see, the online softmax works
- * lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read in place from the cache. Needs
- * AVX-512 and a head size of 64 or 128 (prefill_takes). */
+ * K[slot][i] * Q^T[i]; the causal limit of each lane (and under a sliding window its lower bound) masks what it
+ * may not see, the online softmax works lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read
+ * in place from the cache. Needs AVX-512 and a head size of 64 or 128 (prefill_takes). */
 #define MAX_VECS 3                 /* query vectors of 16 lanes per tile: 2 (32 lanes) or 3 (48) */
 #define LANE_STRIDE (16 * MAX_VECS) /* floats between a tile's rows of transposed queries */
 typedef struct {
@@ -27,7 +27,7 @@ typedef struct {
     const int32_t *block_table, *query_start, *query_len, *seq_len;
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
     int64_t block_table_stride, q_row_stride;
-    int num_reqs, start_pos, stop_pos, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
+    int num_reqs, start_pos, stop_pos, window, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
     float scale;
     float *out, *lse;
 } PrefillArgs;
@@ -150,7 +150,12 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
     const int64_t row_stride = (int64_t)a->num_kv_heads * D;
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
-    int32_t limit[LANE_STRIDE] __attribute__((aligned(64)));
+    /* The tile reads from its first token's window start on; under a window, a later token's lanes mask what lies
+     * below their own (window_start in paged_attention.h). A lane that has seen nothing but masked slots keeps a
+     * running max of -inf: its rescale exp(-inf - -inf) is exp16_nonpositive of NaN, which the clamp there makes
+     * exp(-87), so its sums stay 0 and no NaN reaches a lane. */
+    const int begin = window_start(a->start_pos, context + first, a->window);
+    int32_t limit[LANE_STRIDE] __attribute__((aligned(64))), lower[LANE_STRIDE] __attribute__((aligned(64)));
     /* lane n: token n / group, head n % group, its query and output rows (NULL for idle lanes, which see the
      * whole tile) */
     const float *q_lane[LANE_STRIDE];
@@ -159,6 +164,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         const int t = n / group, g = n % group;
         const int64_t token = (int64_t)a->query_start[r] + first + t;
         limit[n] = n < lanes ? context + first + t + 1 : end;
+        lower[n] = n < lanes ? window_start(a->start_pos, context + first + t, a->window) : begin;
         q_lane[n] = n < lanes ? a->q_all + token * a->q_row_stride + (int64_t)(kv_head * group + g) * D : NULL;
         out_row[n] = token * a->num_heads + kv_head * group + g;
     }
@@ -183,14 +189,15 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             _mm512_store_si512(qt2[p] + 16 * h,
                                bf16_pairs(_mm512_load_ps(qt[2 * p] + 16 * h), _mm512_load_ps(qt[2 * p + 1] + 16 * h)));
 #endif
-    __m512i limits[MAX_VECS];
+    __m512i limits[MAX_VECS], lowers[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
     for (int h = 0; h < VECS; h++) {
         limits[h] = _mm512_load_si512(limit + 16 * h);
+        lowers[h] = _mm512_load_si512(lower + 16 * h);
         running_max[h] = _mm512_set1_ps(-INFINITY);
         running_sum[h] = _mm512_setzero_ps();
     }
-    for (int pos = a->start_pos; pos < end;) {
+    for (int pos = begin; pos < end;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, end, &slot);
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
@@ -238,7 +245,9 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             __m512 run_max = _mm512_set1_ps(-INFINITY);
             __mmask16 valid[RUN];
             for (int j = 0; j < RUN; j++) {
-                valid[j] = j < n ? _mm512_cmplt_epi32_mask(_mm512_set1_epi32(pos + j), limits[h]) : (__mmask16)0;
+                const __m512i at = _mm512_set1_epi32(pos + j);
+                valid[j] = j < n ? _mm512_mask_cmpge_epi32_mask(_mm512_cmplt_epi32_mask(at, limits[h]), at, lowers[h])
+                                 : (__mmask16)0;
                 s[j][h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j][h]);
                 run_max = _mm512_max_ps(run_max, s[j][h]);
             }
@@ -338,8 +347,8 @@ int paged_prefill_pairs(void) { return 0; }
 
 int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
-                const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, float *out, float *lse,
-                int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
+                const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
+                float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
                 int num_threads) {
     if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 1) return -1;
     const int group = num_heads / num_kv_heads;
@@ -349,7 +358,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
     for (int r = 0; r < num_reqs; r++)
         tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
-                           block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, num_heads,
+                           block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, window, num_heads,
                            num_kv_heads, block_size, tokens_per_tile, vecs, scale, out, lse};
     const int items = tile_start[num_reqs] * num_kv_heads;
     /* Dynamic: a tile's cost grows with its position in the prompt. */
@@ -369,8 +378,8 @@ int paged_prefill_pairs(void) { return 0; }
 
 int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
-                const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, float *out, float *lse,
-                int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
+                const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
+                float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
                 int num_threads) {
     return -1;
 }
@@ -379,16 +388,17 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
 
 /* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
  * [rows, num_heads, head_size] (rows q_row_stride floats apart: a view of the QKV projection's output is read in
- * place), the last query_len[r] of its seq_len[r] positions; each sees the positions start_pos .. its own. Writes
+ * place), the last query_len[r] of its seq_len[r] positions; each sees the positions start_pos .. its own, under a
+ * sliding window (window > 0; 0: none) only the last window of them (window_start in paged_attention.h). Writes
  * those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks' arrays are read when the
  * kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1 for what it does not
  * handle (no AVX-512, head size not 64 or 128, group > 16). */
 int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
-                      const int32_t *query_len, const int32_t *seq_len, int start_pos, float *out, float *lse,
-                      int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                      int num_threads) {
+                      const int32_t *query_len, const int32_t *seq_len, int start_pos, int window, float *out,
+                      float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,
+                      float scale, int num_threads) {
     return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, block_table_stride,
-                       query_start, query_len, seq_len, start_pos, INT32_MAX, out, lse, num_reqs, num_heads,
+                       query_start, query_len, seq_len, start_pos, INT32_MAX, window, out, lse, num_reqs, num_heads,
                        num_kv_heads, head_size, block_size, scale, num_threads);
 }

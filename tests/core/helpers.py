@@ -22,13 +22,15 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched
                    max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                    policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
-                   num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0, max_loras: int = 0) -> Scheduler:
+                   num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0, max_loras: int = 0,
+                   sliding_window: Optional[int] = None) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold, policy=policy),
-        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks),
+        CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks,
+                    sliding_window=sliding_window),
         structured_output_manager, pipeline_parallel_size, num_speculative_tokens, num_lookahead_tokens, max_loras)
     created_schedulers.append(scheduler)
     return scheduler
@@ -113,12 +115,13 @@ class SpeculatingWorker:
 
     def assert_computed_tokens_are_in_the_cache(self, scheduler: Scheduler) -> None:
         """Each running request's computed positions hold its own known tokens (written by it, or by the request
-        whose cached blocks it hit): never a rejected draft."""
-        block_size = scheduler.block_size
+        whose cached blocks it hit): never a rejected draft. Under a sliding window, those its next query sees."""
+        block_size, window = scheduler.block_size, scheduler.kv_cache_manager.sliding_window
         for request in scheduler.running:
             blocks = scheduler.kv_cache_manager.req_to_blocks[request.request_id]
             assert len(blocks) == -(-request.num_computed_tokens // block_size), request
-            for pos in range(request.num_computed_tokens):
+            first = 0 if window is None else max(0, request.num_computed_tokens - window + 1)
+            for pos in range(first, request.num_computed_tokens):
                 slot = (blocks[pos // block_size].block_id, pos % block_size)
                 assert self.kv.get(slot) == request.all_token_ids[pos], (request, pos)
 
@@ -145,9 +148,11 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, token_fn=de
 
 def owners_per_block(scheduler: Scheduler) -> dict[int, int]:
     counts: dict[int, int] = {}
+    null = scheduler.kv_cache_manager.block_pool.null_block  # stands for a block out of the window: owns nothing
     for blocks in scheduler.kv_cache_manager.req_to_blocks.values():
         for b in blocks:
-            counts[b.block_id] = counts.get(b.block_id, 0) + 1
+            if b is not null:
+                counts[b.block_id] = counts.get(b.block_id, 0) + 1
     return counts
 
 

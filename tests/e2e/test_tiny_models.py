@@ -27,6 +27,10 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
     (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
     (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
     (Phi3Config, Phi3ForCausalLM, {"tie_word_embeddings": False}),
+    # the second layer attends to a window of 8, shorter than the prompts and outputs (test_sliding_window.py:
+    # Mistral, every layer windowed)
+    (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 8,
+                                     "max_window_layers": 1}),
 ])
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
     reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra)

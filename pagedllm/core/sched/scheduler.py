@@ -57,7 +57,8 @@ class Scheduler:
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                               self.max_model_len, cache_config.enable_prefix_caching)
+                                               self.max_model_len, cache_config.enable_prefix_caching,
+                                               cache_config.sliding_window)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -110,9 +111,11 @@ class Scheduler:
                     f"length is {self.max_model_len} tokens, and at least one token must be generated.")
         max_tokens = request.max_tokens if request.max_tokens is not None else self.max_model_len
         peak_tokens = min(request.num_prompt_tokens + max_tokens + self.num_lookahead_tokens, self.max_model_len)
-        if cdiv(peak_tokens, self.block_size) > self.kv_cache_manager.num_blocks:
+        peak_blocks = self.kv_cache_manager.max_blocks(peak_tokens,
+                                                       self.max_num_scheduled_tokens + self.num_lookahead_tokens)
+        if peak_blocks > self.kv_cache_manager.num_blocks:
             return (f"The request needs up to {peak_tokens} tokens of KV cache "
-                    f"({cdiv(peak_tokens, self.block_size)} blocks) but the whole cache holds "
+                    f"({peak_blocks} blocks at once) but the whole cache holds "
                     f"{self.kv_cache_manager.num_blocks} blocks of {self.block_size} tokens.")
         return None
 

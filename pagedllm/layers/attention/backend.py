@@ -12,7 +12,10 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class AttentionImpl(ABC):
     """Computes attention for one layer over the paged KV cache."""
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
+        """``sliding_window``: the query at position p attends only to the keys at positions > p - sliding_window
+        (transformers' sliding_window_overlay, vLLM's per-layer sliding_window); None attends to all before it."""
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -20,6 +23,7 @@ class AttentionImpl(ABC):
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads  # query heads per KV head
+        self.sliding_window = sliding_window
 
     @abstractmethod
     def forward(

@@ -7,7 +7,9 @@ when the layer is built; under ``PAGEDLLM_NATIVE_KERNELS=require`` sizes they do
 Otherwise decode rows are batched into one SDPA call over their histories, gathered from the cache and padded to
 the longest one, and each prefill chunk is one call, causal inside the chunk and seeing the request's cached
 earlier tokens. A prefix of blocks that every request shares is attended once for all rows and merged by
-log-sum-exp (cascade attention). Only slots below a request's ``seq_len`` are ever read, so never-written cache
+log-sum-exp (cascade attention). A layer with a sliding window has every path read only each query's window (the
+kernels start each row's history at its window, the torch paths mask or narrow what they gather), and no cascade
+attention (cpu_plan.build_plan says why). Only slots below a request's ``seq_len`` are ever read, so never-written cache
 memory (even NaN garbage) cannot leak into the result.
 
 The cache may hold bf16 while queries are float32 (a bfloat16 model with float32 activations, see
@@ -27,8 +29,9 @@ _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class TorchSDPABackendImpl(AttentionImpl):
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int):
-        super().__init__(num_heads, head_size, scale, num_kv_heads)
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
         library = native.paged_attention()  # the sizes the kernels take do not depend on the cache's dtype
         self.native_decode_sizes = self.group <= MAX_GROUP and head_size <= MAX_HEAD_SIZE
         self.native_prefill_sizes = library is not None and library.prefill_supports(num_heads, num_kv_heads,
@@ -50,11 +53,12 @@ class TorchSDPABackendImpl(AttentionImpl):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         block_size = key_cache.shape[1]
-        plan = attn_metadata.backend_cache.get("torch_sdpa")
+        plan_key = ("torch_sdpa", self.sliding_window)  # one plan per window among the step's layers
+        plan = attn_metadata.backend_cache.get(plan_key)
         if plan is None or plan.block_size != block_size or plan.dtype != query.dtype:
-            plan = attn_metadata.backend_cache["torch_sdpa"] = build_plan(
+            plan = attn_metadata.backend_cache[plan_key] = build_plan(
                 attn_metadata, block_size, query.dtype, self._native_decode(query.dtype, key_cache.dtype),
-                self._native_prefill(query.dtype, key_cache.dtype))
+                self._native_prefill(query.dtype, key_cache.dtype), self.sliding_window)
 
         key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
         value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
@@ -91,7 +95,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         native.paged_prefill(key_flat.dtype)(
             self._rows_as_read(query), key_flat, value_flat, chunks.block_table, chunks.query_start, chunks.query_len,
             chunks.seq_len, out, lse, start_pos=plan.prefix.num_tokens if plan.prefix else 0,
-            block_size=plan.block_size, scale=self.scale)
+            block_size=plan.block_size, scale=self.scale, sliding_window=self.sliding_window)
 
     def _rows_as_read(self, query: torch.Tensor) -> torch.Tensor:
         """The query rows as the kernels taking a row stride read them: in place when each row's heads are
@@ -115,7 +119,8 @@ class TorchSDPABackendImpl(AttentionImpl):
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
         native.paged_decode(key_flat.dtype)(
             q, key_flat, value_flat, plan.decode_block_table, plan.decode_seq_lens, out_rows, lse_rows,
-            start_pos=plan.prefix.num_tokens if plan.prefix else 0, block_size=plan.block_size, scale=self.scale)
+            start_pos=plan.prefix.num_tokens if plan.prefix else 0, block_size=plan.block_size, scale=self.scale,
+            sliding_window=self.sliding_window)
         if not plan.decode_only:
             out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
             lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)

@@ -7,6 +7,13 @@ with the same blocks (a shared system prompt, n > 1 samples, W3's common documen
 after them, the plan also holds that shared prefix: it is attended once for all query rows together
 (cascade attention) and each request gathers only the rest of its history, instead of every request
 copying the whole prefix out of the cache in every layer.
+
+A layer with a sliding window gets its own plan: each torch-path query reads only its window (a decode row's
+history starts at its window; a prefill chunk's context starts at its first query's window, masked per query), and
+there is no shared prefix. Attending a prefix once for all rows is only right where every row sees all of it; under
+a window the rows' windows start at different places, inside it or past it (and the blocks out of every window may
+already be back in the pool, their table entries stale, or, after a prefix hit, the same null block's id in every
+row, which would look like a shared prefix).
 """
 
 from dataclasses import dataclass
@@ -37,7 +44,8 @@ class PrefillChunk:
     # Cache slots of the context this chunk reads (after any shared prefix), or None when the chunk is the
     # request's whole context (attend to this step's K/V directly, plain causal).
     slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [q_len, len(slots)] additive: 0 = may attend, -inf = may not
+    # [q_len, context length] additive: 0 = may attend, -inf = may not; None: plain causal over this step's K/V
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -75,8 +83,8 @@ def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, native_decode: bool,
-               native_prefill: bool) -> AttentionPlan:
-    prefix = _shared_prefix(md, block_size)
+               native_prefill: bool, sliding_window: int | None = None) -> AttentionPlan:
+    prefix = None if sliding_window else _shared_prefix(md, block_size)
     if md.chunk_query_len is not None and native_prefill:  # a verify step: every request a chunk, as given
         # (in a graph's metadata the block table and lengths are already contiguous int32: nothing is copied)
         chunks = NativePrefill(md.block_table.to(torch.int32).contiguous(), md.chunk_query_start,
@@ -94,14 +102,15 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
             decode_reqs.append(i)
         elif q_len > 1 and native_prefill:
             native_prefill_reqs.append(i)
-        elif q_len > 1 and seq_len == q_len:
+        elif q_len > 1 and seq_len == q_len and (sliding_window is None or seq_len <= sliding_window):
             prefills.append(PrefillChunk(start, end, None, None))
         elif q_len > 1:
-            positions = torch.arange(skip, seq_len)
-            # Query row r sits at position seq_len - q_len + r and sees keys up to it.
-            mask = positions[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
-            prefills.append(PrefillChunk(start, end, slots_of(md.block_table[i], positions, block_size),
-                                         _additive_mask(mask, dtype)))
+            query_positions = torch.arange(seq_len - q_len, seq_len)  # query row r sits at seq_len - q_len + r
+            first = _window_start(skip, seq_len - q_len, sliding_window)
+            positions = torch.arange(first, seq_len)
+            mask = _additive_mask(_allowed(positions[None, :], query_positions[:, None], sliding_window), dtype)
+            slots = None if seq_len == q_len else slots_of(md.block_table[i], positions, block_size)
+            prefills.append(PrefillChunk(start, end, slots, mask))
 
     decode_rows = decode_block_table = decode_seq_lens = decode_slots = decode_mask = None
     decode_seq_len = 0
@@ -116,18 +125,38 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         decode_block_table = md.block_table[idx].to(torch.int32).contiguous()
         decode_seq_lens = md.seq_lens[idx].to(torch.int32)
     elif decode_reqs:
-        lens = md.seq_lens[idx].long() - skip
+        seq_lens_d = md.seq_lens[idx].long()
+        first = _window_start(skip, seq_lens_d - 1, sliding_window)
+        lens = seq_lens_d - first
         decode_seq_len = int(lens.max())
         offsets = torch.arange(decode_seq_len).expand(len(decode_reqs), -1)
         valid = offsets < lens[:, None]
-        # Padding reads the request's first slot after the prefix (real data), then is masked out.
-        positions = torch.where(valid, offsets, 0) + skip
+        # Padding reads the request's first slot it sees (real data), then is masked out.
+        positions = torch.where(valid, offsets, 0) + first[:, None]
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
     return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_only, decode_block_table, decode_seq_lens,
                          decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs),
                          native_prefill and _native_prefix(prefix))
+
+
+def _window_start(start: int, position, sliding_window: int | None):
+    """The first position a query at ``position`` (an int or a tensor of them) reads, from ``start`` on: its
+    window's first (keys > position - sliding_window), as the native kernels' window_start."""
+    if sliding_window is None:
+        return start if isinstance(position, int) else torch.full_like(position, start)
+    if isinstance(position, int):
+        return max(start, position + 1 - sliding_window)
+    return (position + 1 - sliding_window).clamp(min=start)
+
+
+def _allowed(key_positions: torch.Tensor, query_positions: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Which keys each query sees (broadcast): those up to its own position, and inside its window."""
+    allowed = key_positions <= query_positions
+    if sliding_window is not None:
+        allowed &= key_positions > query_positions - sliding_window
+    return allowed
 
 
 def _native_prefix(prefix: SharedPrefix | None) -> bool:

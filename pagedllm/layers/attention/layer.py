@@ -9,16 +9,19 @@ from pagedllm.layers.attention.selector import get_attn_backend
 
 
 class Attention(nn.Module):
-    """Paged attention over flattened ``[T, heads * head_size]`` projections."""
+    """Paged attention over flattened ``[T, heads * head_size]`` projections; with ``sliding_window`` (vLLM's
+    per-layer sliding window) a query attends only to the last ``sliding_window`` positions up to its own."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", sliding_window: int | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
         self.backend = get_attn_backend(device)
-        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads)
+        self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
+                                                sliding_window=sliding_window)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -35,5 +38,6 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, head_size={self.head_size}, "
-            f"num_kv_heads={self.num_kv_heads}, backend={self.backend.get_name()}"
+            f"num_kv_heads={self.num_kv_heads}, sliding_window={self.sliding_window}, "
+            f"backend={self.backend.get_name()}"
         )
