@@ -60,20 +60,26 @@ void head_rms_norm_f32(float *x, int64_t row_stride, const float *weight, int64_
     }
 }
 
-/* out[t] = act(x[t, :d]) * x[t, d:] for rows of 2d floats, act(g) * u being ACT_MUL(g, u). */
-#define GATED_ACTIVATION(name, ACT_MUL)                                                                       \
-    void name(const float *x, float *out, int64_t rows, int d) {                                             \
-        _Pragma("omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN_FLOATS)")                    \
-        for (int64_t t = 0; t < rows; t++) {                                                                 \
-            const float *gate = x + t * 2 * d, *up = gate + d;                                               \
-            float *ot = out + t * d;                                                                         \
-            _Pragma("omp simd")                                                                              \
-            for (int i = 0; i < d; i++) ot[i] = ACT_MUL(gate[i], up[i]);                                      \
-        }                                                                                                    \
+/* out[t] = act(x[t, :d]) * x[t, d:] for rows of 2d floats, act(g) * u being act_mul(g, u) (inlined: the callers
+ * pass a constant). */
+static inline __attribute__((always_inline)) void gated_rows(const float *x, float *out, int64_t rows, int d,
+                                                             float (*act_mul)(float, float)) {
+#pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = x + t * 2 * d, *up = gate + d;
+        float *ot = out + t * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) ot[i] = act_mul(gate[i], up[i]);
     }
+}
 
-GATED_ACTIVATION(silu_and_mul_f32, silu_mul)
-GATED_ACTIVATION(gelu_tanh_and_mul_f32, gelu_tanh_mul)
+/* SwiGLU: silu(x[t, :d]) * x[t, d:]. */
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) { gated_rows(x, out, rows, d, silu_mul); }
+
+/* GeGLU: gelu_tanh(x[t, :d]) * x[t, d:]. */
+void gelu_tanh_and_mul_f32(const float *x, float *out, int64_t rows, int d) {
+    gated_rows(x, out, rows, d, gelu_tanh_mul);
+}
 
 /* Neox-style rotary in place on the first `heads` heads of each row (rows row_stride floats apart: the
  * query and key heads at the front of a fused QKV row). Row t is at positions[t]; cos_sin_cache holds per
