@@ -264,3 +264,25 @@ def test_tiny_qwen2_bfloat16(tmp_path):
     for req, t in tokens.items():
         ref = _reference_logits(reference, t)
         assert (ours[req] - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+
+
+def test_tiny_gemma3_parity(tmp_path):
+    """Gemma 3: (1 + weight) norms, four a layer, embeddings times sqrt(hidden), GeGLU, q/k norms, scores scaled
+    by query_pre_attn_scalar, and local layers (window 8, their own rope base) beside a global one; the test's
+    sequences outgrow the window."""
+    from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+                              sliding_window=8, layer_types=["sliding_attention", "full_attention",
+                                                             "sliding_attention"])
+    reference = _save_tiny(HFGemma3ForCausalLM, config, tmp_path)
+    for name, param in reference.named_parameters():
+        if name.endswith("norm.weight"):  # Gemma's norms start at zero (a scale of one): make them matter
+            param.data.uniform_(-0.5, 0.5)
+    reference.save_pretrained(tmp_path)
+    ours = load_hf_config(str(tmp_path))
+    model = get_model(str(tmp_path), ours, KernelChoice(torch.float32))
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, None, 8]
+    _check_schedules(model, reference, ours, config.vocab_size, seed=13, block_size=4)
+

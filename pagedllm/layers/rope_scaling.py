@@ -20,14 +20,18 @@ import math
 import torch
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """A copy of ``config``'s rope parameters, standardised as transformers' ``standardize_rope_params`` does:
     ``rope_type`` (from the legacy ``type`` too), ``rope_theta``, ``partial_rotary_factor``, and for the types
     that read it ``original_max_position_embeddings`` (a value beside the rope parameters wins, as Phi-3 keeps
     it there; else max_position_embeddings). transformers >= 5 keeps them in ``config.rope_parameters``, older
     configs in ``config.rope_scaling`` with ``rope_theta`` beside. "su" is longrope's old name (Phi-3's config
-    also renames its "yarn" to longrope, which a config transformers built has already done)."""
+    also renames its "yarn" to longrope, which a config transformers built has already done). ``layer_type``: the
+    parameters of that kind of layer, where the config keeps one set per kind (Gemma 3's "sliding_attention" and
+    "full_attention")."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = "longrope" if rope_type == "su" else rope_type
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)

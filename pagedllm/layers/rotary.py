@@ -79,10 +79,10 @@ class RotaryEmbedding(nn.Module):
         return rotated.reshape(shape)
 
 
-def get_rope(head_size: int, config) -> RotaryEmbedding:
+def get_rope(head_size: int, config, layer_type: str | None = None) -> RotaryEmbedding:
     """Build the rotary embedding described by an HF config (its rope parameters standardised as transformers
-    does, see rope_scaling.rope_parameters)."""
-    params = rope_scaling.rope_parameters(config)
+    does, see rope_scaling.rope_parameters), or by its parameters for layers of ``layer_type``."""
+    params = rope_scaling.rope_parameters(config, layer_type)
     rotary_dim = int(head_size * params["partial_rotary_factor"])
     return RotaryEmbedding(head_size, rotary_dim, params["rope_theta"], params,
                            rope_scaling.max_position_embeddings(config))

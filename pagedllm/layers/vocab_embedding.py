@@ -20,8 +20,11 @@ from pagedllm.native import fused
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
                  tp_size: int = 1, tp_rank: int = 0, quant_config: QuantizationConfig | None = None,
-                 prefix: str = ""):
+                 prefix: str = "", embed_scale: float = 1.0):
+        """``embed_scale``: looked-up rows come multiplied by it (Gemma's sqrt(hidden_size); not the LM head's
+        projection, which reads the rows as they are)."""
         super().__init__()
+        self.embed_scale = embed_scale
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_size = tp_size
@@ -81,14 +84,18 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             native = None
             if self.dtype == torch.float32:  # the native lookups give float32 rows
-                native = (fused.embedding(input_ids, self.qweight, self.scales) if self.q8
-                          else fused.embedding(input_ids, self.weight))
-            return self._rows(input_ids) if native is None else native
+                native = (fused.embedding(input_ids, self.qweight, self.scales, self.embed_scale) if self.q8
+                          else fused.embedding(input_ids, self.weight, scale=self.embed_scale))
+            return self._scaled(self._rows(input_ids)) if native is None else native
         # Ids owned by other ranks embed as zeros here; the all-reduce fills them in.
         in_shard = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = torch.where(in_shard, input_ids - self.vocab_start_index, 0)
-        out = self._rows(local_ids) * in_shard.unsqueeze(-1).to(self.dtype)
+        out = self._scaled(self._rows(local_ids)) * in_shard.unsqueeze(-1).to(self.dtype)
         return tensor_model_parallel_all_reduce(out)
+
+    def _scaled(self, rows: torch.Tensor) -> torch.Tensor:
+        """Looked-up rows times ``embed_scale`` (in their dtype, as transformers' Gemma scales them)."""
+        return rows if self.embed_scale == 1.0 else rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
 
     def extra_repr(self) -> str:
         return (

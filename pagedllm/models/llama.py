@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedllm.config import head_dim, layer_sliding_window
 from pagedllm.distributed.parallel_state import ParallelRank
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.attention import Attention, AttentionMetadata, KVCache
 from pagedllm.layers.fused_moe import expert_weight_target
 from pagedllm.layers.gemm_layout import WeightLayout
@@ -33,23 +33,28 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
     from transformers import PretrainedConfig
 
 
+_GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool,
                  tp_size: int, tp_rank: int, quant_config: QuantizationConfig | None = None, prefix: str = "",
                  reduce_results: bool = True):
-        """``reduce_results``: False leaves the output this rank's partial sum, for a caller that adds it to
-        another partial sum and all-reduces once (an MoE block's shared expert)."""
+        """``hidden_act``: the gate's activation, ``silu`` (SwiGLU; fused into the gate_up GEMM where its layout
+        has a kernel for it) or ``gelu_pytorch_tanh`` (GeGLU, Gemma's). ``reduce_results``: False leaves the output
+        this rank's partial sum, for a caller that adds it to another partial sum and all-reduces once (an MoE
+        block's shared expert)."""
         super().__init__()
-        if hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported, only 'silu'")
+        if hidden_act not in _GATED_ACTIVATIONS:
+            raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported, only {sorted(_GATED_ACTIVATIONS)}")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
-            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", gated_silu=True,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", gated_silu=hidden_act == "silu",
         )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_size=tp_size, tp_rank=tp_rank,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj",
                                            reduce_results=reduce_results)
-        self.act_fn = SiluAndMul()
+        self.act_fn = _GATED_ACTIVATIONS[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         activated = self.gate_up_proj.silu_and_mul(x)  # the activation fused into the GEMM, where it can be
@@ -61,9 +66,10 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 qk_norm: bool = False, sliding_window: int | None = None):
+                 qk_norm: bool = False, sliding_window: int | None = None, scale: float | None = None):
         """``qk_norm``: each query and key head is RMS-normalised before the rotary embedding (Qwen3);
-        ``sliding_window``: this layer's window (None: full attention)."""
+        ``sliding_window``: this layer's window (None: full attention); ``scale``: of the attention scores
+        (default head_dim ** -0.5)."""
         super().__init__()
         self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(
@@ -86,7 +92,7 @@ class LlamaAttention(nn.Module):
             tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config, prefix=f"{prefix}.o_proj",
         )
         self.rotary_emb = rotary_emb  # one module for all layers: cos/sin once per step
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads,
+        self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads,
                               sliding_window=sliding_window)
         self.q_norm = self.k_norm = None
         if qk_norm:
@@ -148,25 +154,22 @@ class LlamaModel(nn.Module):
     """The decoder stack, or the layers ``[start_layer, end_layer)`` of one pipeline stage: the first stage holds
     the embedding, the last the final norm; layers of other stages are PPMissingLayer (and get no KV cache)."""
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
-                 make_mlp: Callable[[int, str], nn.Module], mlp_name: str = "mlp",
-                 quant_config: QuantizationConfig | None = None, prefix: str = "model",
-                 layer_range: tuple[int, int] | None = None, qk_norm: bool = False):
-        """``make_mlp(layer_index, prefix)``: layer ``layer_index``'s feed-forward block, named ``mlp_name``."""
+    def __init__(self, config: PretrainedConfig, make_layer: Callable[[int, str], nn.Module], tp_size: int,
+                 tp_rank: int, quant_config: QuantizationConfig | None = None, prefix: str = "model",
+                 layer_range: tuple[int, int] | None = None, embed_scale: float = 1.0):
+        """``make_layer(layer_index, prefix)``: a decoder layer, called with ``(positions, hidden_states, residual,
+        kv_cache, attn_metadata)`` and returning ``(hidden_states, residual)``; ``embed_scale`` multiplies the
+        embedded tokens (Gemma's sqrt(hidden_size))."""
         super().__init__()
         self.start_layer, self.end_layer = layer_range or (0, config.num_hidden_layers)
         self.is_first_stage = self.start_layer == 0
         self.is_last_stage = self.end_layer == config.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, tp_size=tp_size, tp_rank=tp_rank, quant_config=quant_config,
-            prefix=f"{prefix}.embed_tokens"
+            prefix=f"{prefix}.embed_tokens", embed_scale=embed_scale,
         ) if self.is_first_stage else PPMissingLayer()
-        rotary_emb = get_rope(head_dim(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, tp_size, tp_rank, rotary_emb,
-                              make_mlp(i, f"{prefix}.layers.{i}.{mlp_name}"), mlp_name, quant_config,
-                              f"{prefix}.layers.{i}", qk_norm, layer_sliding_window(config, i))
-            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            make_layer(i, f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
@@ -212,12 +215,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         tp_size, tp_rank = rank.tp_size, rank.tp_rank
-
-        def make_mlp(layer_index: int, prefix: str) -> nn.Module:
-            return self.make_mlp(config, layer_index, rank, quant_config, prefix)
-
-        self.model = LlamaModel(config, *self.attention_biases(config), tp_size, tp_rank, make_mlp, self.mlp_name,
-                                quant_config, layer_range=layer_range, qk_norm=self.qk_norm)
+        self.model = LlamaModel(config, self.layer_factory(config, rank, quant_config), tp_size, tp_rank,
+                                quant_config, layer_range=layer_range, embed_scale=self.embed_scale(config))
         if not self.model.is_last_stage:
             self.lm_head = PPMissingLayer()
         elif config.tie_word_embeddings and self.model.is_first_stage:
@@ -227,6 +226,26 @@ class LlamaForCausalLM(nn.Module):
                                           quant_config=quant_config,
                                           prefix="model.embed_tokens" if config.tie_word_embeddings else "lm_head")
         self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def layer_factory(self, config: PretrainedConfig, rank: ParallelRank,
+                      quant_config: QuantizationConfig | None) -> Callable[[int, str], nn.Module]:
+        """``make_layer(layer_index, prefix)`` for LlamaModel: Llama's decoder layers, sharing one rotary
+        embedding, each with its feed-forward block (``make_mlp``) and its attention window."""
+        rotary_emb = get_rope(head_dim(config), config)
+        qkv_bias, o_bias = self.attention_biases(config)
+
+        def make_layer(layer_index: int, prefix: str) -> nn.Module:
+            mlp = self.make_mlp(config, layer_index, rank, quant_config, f"{prefix}.{self.mlp_name}")
+            return LlamaDecoderLayer(config, qkv_bias, o_bias, rank.tp_size, rank.tp_rank, rotary_emb, mlp,
+                                     self.mlp_name, quant_config, prefix, self.qk_norm,
+                                     layer_sliding_window(config, layer_index))
+
+        return make_layer
+
+    @staticmethod
+    def embed_scale(config: PretrainedConfig) -> float:
+        """What the embedded tokens are multiplied by: 1 for Llama."""
+        return 1.0
 
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_index: int, rank: ParallelRank,

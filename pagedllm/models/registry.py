@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
     from transformers import PretrainedConfig
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -29,6 +31,7 @@ _MODELS: dict[str, type[nn.Module]] = {
 }
 # GGUF configs carry no ``architectures``, only ``model_type``.
 _MODEL_TYPES = {
+    "gemma3_text": "Gemma3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",

@@ -28,9 +28,9 @@ FUSED_SIGNATURES = (
                                                  POINTER, "num_positions", "rows", INT64, "heads", "head_size",
                                                  "rotary_dim", INT)),
     CFunction("embedding_f32", INT, *arguments("ids", "weight", "out", POINTER, "rows", INT64, "dim", INT,
-                                               "vocab_rows", INT64)),
+                                               "vocab_rows", INT64, "scale", FLOAT)),
     CFunction("embedding_q8_f32", INT, *arguments("ids", "codes", "scales", "out", POINTER, "rows", INT64, "dim",
-                                                  INT, "vocab_rows", INT64)),
+                                                  INT, "vocab_rows", INT64, "scale", FLOAT)),
     CFunction("write_kv_f32", INT, *_WRITE_KV_ARGS),
     CFunction("write_kv_bf16", INT, *_WRITE_KV_ARGS),
     CFunction("argmax_rows_f32", None, *arguments("x", POINTER, "rows", "cols", INT64, "out", POINTER)),
@@ -118,8 +118,8 @@ def rotary_neox_(x: torch.Tensor, num_heads: int, head_size: int, rotary_dim: in
     return True
 
 
-def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None):
-    """``weight[ids]`` as float32 rows; with ``scales`` the rows are Q8_0 codes, dequantized. None when the
+def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None, scale: float = 1.0):
+    """``weight[ids] * scale`` as float32 rows; with ``scales`` the rows are Q8_0 codes, dequantized. None when the
     native path does not apply."""
     lib = native.fused_ops()
     dense = weight.dtype == torch.float32 and scales is None
@@ -133,10 +133,11 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
                 f"scales {tuple(scales.shape)} must hold one per 32 of the {tuple(weight.shape)} codes")
     out = torch.empty(ids.shape[0], dim)
     if dense:
-        status = launch(lib.embedding_f32, ids.data_ptr(), weight.data_ptr(), out.data_ptr(), ids.shape[0], dim, rows)
+        status = launch(lib.embedding_f32, ids.data_ptr(), weight.data_ptr(), out.data_ptr(), ids.shape[0], dim, rows,
+                        scale)
     else:
         status = launch(lib.embedding_q8_f32, ids.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                        ids.shape[0], dim, rows)
+                        ids.shape[0], dim, rows, scale)
     if status != 0:
         raise IndexError(f"a token id is outside the embedding's {rows} rows")
     return out

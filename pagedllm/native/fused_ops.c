@@ -106,19 +106,30 @@ int rotary_neox_f32(float *x, int64_t row_stride, const int64_t *positions, cons
     return 0;
 }
 
-/* out[t] = weight[ids[t]] for rows of dim floats. Returns -1, having written nothing, when an id is outside
- * the vocab_rows rows. */
-int embedding_f32(const int64_t *ids, const float *weight, float *out, int64_t rows, int dim, int64_t vocab_rows) {
+/* out[t] = weight[ids[t]] * scale for rows of dim floats (scale 1: a copy). Returns -1, having written nothing,
+ * when an id is outside the vocab_rows rows. */
+int embedding_f32(const int64_t *ids, const float *weight, float *out, int64_t rows, int dim, int64_t vocab_rows,
+                  float scale) {
     for (int64_t t = 0; t < rows; t++)
         if (ids[t] < 0 || ids[t] >= vocab_rows) return -1;
-    for (int64_t t = 0; t < rows; t++) memcpy(out + t * dim, weight + ids[t] * dim, sizeof(float) * dim);
+    for (int64_t t = 0; t < rows; t++) {
+        const float *w = weight + ids[t] * dim;
+        float *o = out + t * dim;
+        if (scale == 1.0f) {
+            memcpy(o, w, sizeof(float) * dim);
+            continue;
+        }
+#pragma omp simd
+        for (int i = 0; i < dim; i++) o[i] = w[i] * scale;
+    }
     return 0;
 }
 
 /* out[t] = the Q8_0 row ids[t] dequantized: code * its 32-weight block's scale (one rounding, as torch's
- * codes.float() * scales). Returns -1, having written nothing, when an id is outside the vocab_rows rows. */
+ * codes.float() * scales), then times scale (a second rounding, as the dequantized weight's rows times it).
+ * Returns -1, having written nothing, when an id is outside the vocab_rows rows. */
 int embedding_q8_f32(const int64_t *ids, const int8_t *codes, const float *scales, float *out, int64_t rows,
-                     int dim, int64_t vocab_rows) {
+                     int dim, int64_t vocab_rows, float scale) {
     for (int64_t t = 0; t < rows; t++)
         if (ids[t] < 0 || ids[t] >= vocab_rows) return -1;
     for (int64_t t = 0; t < rows; t++) {
@@ -126,7 +137,7 @@ int embedding_q8_f32(const int64_t *ids, const int8_t *codes, const float *scale
         const float *s = scales + ids[t] * (dim / 32);
         float *o = out + t * dim;
 #pragma omp simd
-        for (int i = 0; i < dim; i++) o[i] = (float)c[i] * s[i / 32];
+        for (int i = 0; i < dim; i++) o[i] = ((float)c[i] * s[i / 32]) * scale;
     }
     return 0;
 }

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, running_llm
@@ -31,6 +32,9 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
     # Mistral, every layer windowed)
     (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": 8,
                                      "max_window_layers": 1}),
+    # Gemma 3: a local layer (window 8, its own rope base) and a global one
+    (Gemma3TextConfig, Gemma3ForCausalLM, {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                           "layer_types": ["sliding_attention", "full_attention"]}),
 ])
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
     reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra)
