@@ -12,7 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.gemm_layout import WeightLayout
+from pagedllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod, pack_w8a8_panels, quantize_symmetric
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
@@ -171,3 +172,23 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
     _save_compressed_tensors(tmp_path / "good", ignore=[])
     with pytest.raises(ValueError, match="already quantized"):
         EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()
+
+
+def test_gated_panels_fuse_the_activation():
+    """A gated MLP's gate_up layer laid out for fused_silu: silu_and_mul is silu(gate) * up of the quantized
+    product in one kernel, and the layer's whole output (asked for when the activation cannot be fused) is still
+    [gate | up]."""
+    if native.gemm_w8a8_silu_mul() is None:
+        pytest.skip("no AVX512-VNNI int8 kernel here")
+    layer = MergedColumnParallelLinear(96, [64, 64], bias=False, quant_config=Int8Config(), gated_silu=True)
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(128, 96, generator=gen)
+    layer.weight_loader(layer.weight, weight[:64], 0)
+    layer.weight_loader(layer.weight, weight[64:], 1)
+    layer.quant_method.process_weights_after_loading(layer, WeightLayout(fused_silu=True))
+    assert layer.quant_method.gated
+    x = torch.randn(9, 96, generator=gen)
+    expected = _reference(x, weight, None)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-5)
+    gate, up = expected.chunk(2, dim=-1)
+    torch.testing.assert_close(layer.silu_and_mul(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)

@@ -26,6 +26,7 @@ from pagedllm.native.gemms import (
     GEMM_INT8_SIGNATURES,
     GEMM_SIGNATURES,
     GEMM_W8A8,
+    GEMM_W8A8_SILU_MUL,
     Gemm,
 )
 from pagedllm.native.lora_ops import LORA_SIGNATURES
@@ -153,11 +154,24 @@ def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 
 @functools.cache
+def _gemm_int8_lib() -> ctypes.CDLL | None:
+    lib = build.load("gemm_int8", GEMM_INT8_SIGNATURES)
+    return lib if lib is not None and lib.gemm_int8_available() else None
+
+
+@functools.cache
 def gemm_w8a8() -> Gemm | None:
     """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c, AVX512-VNNI); or
     None, also where the CPU has no AVX512-VNNI."""
-    lib = build.load("gemm_int8", GEMM_INT8_SIGNATURES)
-    return Gemm(lib, GEMM_W8A8) if lib is not None and lib.gemm_int8_available() else None
+    lib = _gemm_int8_lib()
+    return None if lib is None else Gemm(lib, GEMM_W8A8)
+
+
+@functools.cache
+def gemm_w8a8_silu_mul() -> Gemm | None:
+    """The gate_up projection over gated int8 panels with silu(gate) * up applied as it is written; or None."""
+    lib = _gemm_int8_lib()
+    return None if lib is None else Gemm(lib, GEMM_W8A8_SILU_MUL)
 
 
 def gemm_bf16_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:

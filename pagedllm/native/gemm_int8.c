@@ -11,12 +11,18 @@
  * Panels: ceil(N / 16) of them, each ceil(K / 4) groups of 16 columns x 4 consecutive k (64 int8: one vector, column
  * c's four in bytes 4c..4c+3), then the 16 columns' sw (float32) and 128 * sum w (int32); K's and N's padding is zero
  * weights. The row codes are padded with zero codes to whole groups of 4.
+ *
+ * gemm_w8a8_silu_mul_f32 is the gated MLP's gate_up projection with its activation fused in: its panels alternate
+ * gate and up 16 columns at a time (gate columns 16q.., then up columns 16q..), N = 2 * d with d a multiple of 16, no
+ * bias, and y [M, d] = silu(gate) * up, so the projection's full output is never written.
  */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "simd.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -51,10 +57,12 @@ static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx)
     }
 }
 
-/* rows (<= MR) x np (<= NP) panels from panel p0: the int32 sums, then the epilogue into y. */
+/* rows (<= MR) x np (<= NP) panels from panel p0: the int32 sums, then the epilogue into y (gated: silu of each
+ * even panel's outputs times the next one's, into column 16 * p0 / 2 on). */
 static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t ldq, const float *sx,
                                                        const uint8_t *packed, int K4, int p0, const float *bias,
-                                                       float *y, int64_t ldy, int N, const int rows, const int np) {
+                                                       float *y, int64_t ldy, int N, const int rows, const int np,
+                                                       const int gated) {
     const int64_t pb = panel_bytes(K4);
     __m512i acc[MR][NP];
     for (int r = 0; r < rows; r++)
@@ -70,6 +78,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
             for (int j = 0; j < np; j++) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xb, w[j]);
         }
     }
+    float gate[NR];
     for (int j = 0; j < np; j++) {
         const uint8_t *tail = panel0 + j * pb + (int64_t)K4 * 64;
         const __m512 sw = _mm512_loadu_ps((const float *)tail);
@@ -80,14 +89,25 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
         for (int r = 0; r < rows; r++) {
             const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], comp));
             const __m512 out = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(sums, _mm512_set1_ps(sx[r])), sw), b);
-            _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
+            if (!gated) {
+                _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
+            } else if (j % 2 == 0) { /* a gate panel: kept in acc's place until its up panel comes */
+                acc[r][j] = _mm512_castps_si512(out);
+            } else {
+                float up[NR], *o = y + r * ldy + (p0 + j - 1) / 2 * NR;
+                _mm512_storeu_ps(gate, _mm512_castsi512_ps(acc[r][j - 1]));
+                _mm512_storeu_ps(up, out);
+#pragma omp simd
+                for (int i = 0; i < NR; i++) o[i] = silu_mul(gate[i], up[i]);
+            }
         }
     }
 }
 
-int gemm_w8a8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                  int M, int N, int K, int num_threads) {
-    if (M < 0 || N <= 0 || K <= 0) return -1;
+static inline __attribute__((always_inline)) int gemm_w8a8(const float *x, int64_t ldx, const uint8_t *packed,
+                                                           const float *bias, float *y, int64_t ldy, int M, int N,
+                                                           int K, int num_threads, const int gated) {
+    if (M < 0 || N <= 0 || K <= 0 || (gated && (N % (2 * NR) || bias))) return -1;
     const int K4 = (K + 3) / 4, panels = (N + NR - 1) / NR;
     const int64_t ldq = (int64_t)K4 * 4;
     uint8_t *q = malloc((size_t)M * ldq + 1);
@@ -108,22 +128,37 @@ int gemm_w8a8_f32(const float *x, int64_t ldx, const uint8_t *packed, const floa
             const uint8_t *qt = q + m0 * ldq;
             float *yt = y + m0 * ldy;
             if (rows == MR && np == NP)
-                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, MR, NP);
+                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, MR, NP, gated);
             else if (rows == 1 && np == NP)
-                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, 1, NP);
+                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, 1, NP, gated);
             else
-                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, rows, np);
+                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, rows, np, gated);
         }
     }
     free(q);
     free(sx);
     return 0;
 }
+
+int gemm_w8a8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                  int M, int N, int K, int num_threads) {
+    return gemm_w8a8(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, 0);
+}
+
+int gemm_w8a8_silu_mul_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y,
+                           int64_t ldy, int M, int N, int K, int num_threads) {
+    return gemm_w8a8(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, 1);
+}
 #else
 int gemm_int8_available(void) { return 0; }
 
 int gemm_w8a8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                   int M, int N, int K, int num_threads) {
+    return -3;
+}
+
+int gemm_w8a8_silu_mul_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y,
+                           int64_t ldy, int M, int N, int K, int num_threads) {
     return -3;
 }
 #endif

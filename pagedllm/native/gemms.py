@@ -30,8 +30,9 @@ GEMM_BF16_USES_AMX = CFunction("gemm_bf16_uses_amx", INT)
 GEMM_BF16_SIGNATURES = (GEMM_BF16, GEMM_BF16_SILU_MUL, GEMM_BF16_AVAILABLE, GEMM_BF16_USES_AMX)
 
 GEMM_W8A8 = CFunction("gemm_w8a8_f32", INT, *_GEMM_ARGS)
+GEMM_W8A8_SILU_MUL = CFunction("gemm_w8a8_silu_mul_f32", INT, *_GEMM_ARGS)
 GEMM_INT8_AVAILABLE = CFunction("gemm_int8_available", INT)
-GEMM_INT8_SIGNATURES = (GEMM_W8A8, GEMM_INT8_AVAILABLE)
+GEMM_INT8_SIGNATURES = (GEMM_W8A8, GEMM_W8A8_SILU_MUL, GEMM_INT8_AVAILABLE)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -47,6 +48,7 @@ PANELS = {
     GEMM_BF16.name: (torch.bfloat16, lambda n, k: (_cdiv(n, 32), _cdiv(k, 32), 2, 16, 16, 2)),
     GEMM_BF16_SILU_MUL.name: (torch.bfloat16, lambda n, k: (None, _cdiv(k, 32), 2, 16, 16, 2)),
     GEMM_W8A8.name: (torch.uint8, lambda n, k: (_cdiv(n, 16), _cdiv(k, 4) * 64 + 128)),
+    GEMM_W8A8_SILU_MUL.name: (torch.uint8, lambda n, k: (_cdiv(n, 16), _cdiv(k, 4) * 64 + 128)),
 }
 
 

@@ -39,6 +39,14 @@ def quantize_symmetric(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return codes, (amax / 127.0).squeeze(-1)
 
 
+def gate_up_interleaved(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """A gated projection's ``[gate; up]`` rows (or scales), gate and up alternating 16 at a time: the order of
+    gemm_w8a8_silu_mul_f32's panels; ``inverse``: back from that order."""
+    blocks = rows.shape[0] // (2 * PANEL_COLUMNS)
+    split = (blocks, 2) if inverse else (2, blocks)
+    return rows.reshape(*split, PANEL_COLUMNS, *rows.shape[1:]).transpose(0, 1).reshape(rows.shape)
+
+
 def pack_w8a8_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` int8 codes and ``[N]`` scales -> gemm_w8a8_f32's panels, ``[ceil(N / 16), ceil(K / 4) * 64 + 128]``
     bytes: per panel of 16 columns, ceil(K / 4) groups of the 16 columns' 4 consecutive codes, then the columns'
@@ -64,6 +72,9 @@ class Int8LinearMethod(QuantizeMethodBase):
     def __init__(self, checkpoint_quantized: bool = False):
         self.checkpoint_quantized = checkpoint_quantized
         self.packed: QuantizedWeight | None = None  # the native kernel's panels, where it applies
+        # The panels alternate a gated MLP's gate and up columns, for silu_and_mul's fused kernel (as the layout's
+        # fused_silu asks, for a layer without a bias whose halves are whole panels).
+        self.gated = False
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
                        weight_loader):
@@ -86,6 +97,10 @@ class Int8LinearMethod(QuantizeMethodBase):
             codes, scales = quantize_symmetric(layer.weight.data.float())
         del layer.weight
         if layer.params_dtype == torch.float32 and native.gemm_w8a8() is not None:
+            self.gated = (getattr(layer, "gated_silu", False) and layout is not None and layout.fused_silu
+                          and layer.bias is None and codes.shape[0] % (2 * PANEL_COLUMNS) == 0)
+            if self.gated:
+                codes, scales = gate_up_interleaved(codes), gate_up_interleaved(scales)
             self.packed = QuantizedWeight.w8a8(pack_w8a8_panels(codes, scales), codes.shape[0], layout)
             layer.weight = nn.Parameter(self.packed.panels, requires_grad=False)
             return
@@ -94,7 +109,10 @@ class Int8LinearMethod(QuantizeMethodBase):
 
     def apply(self, layer, x, bias=None):
         if self.packed is not None:
-            return self.packed.linear(x, bias)
+            y = self.packed.linear(x, bias)
+            if self.gated:  # back to [gate | up] from the panels' alternation (a gate_up output asked for whole)
+                y = gate_up_interleaved(y.reshape(-1, y.shape[-1]).t(), inverse=True).t().reshape(y.shape)
+            return y
         rows = x.reshape(-1, x.shape[-1]).float()
         codes, row_scales = quantize_symmetric(rows)
         acc = torch._int_mm(codes, layer.weight.t())
@@ -102,6 +120,13 @@ class Int8LinearMethod(QuantizeMethodBase):
         if bias is not None:
             y = y + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+    def apply_silu_and_mul(self, layer, x, bias=None):
+        if not self.gated:
+            return None
+        out_features = self.packed.out_features
+        return native.gemm_w8a8_silu_mul()(x, self.packed.panels, None, out_features, out_width=out_features // 2)
 
 
 class Int8Config(QuantizationConfig):
