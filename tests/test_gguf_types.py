@@ -17,6 +17,8 @@ from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice
 from tests.test_model_parity import _check_schedules
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 256, 512, 2, 256  # K-quant rows hold whole 256-element super-blocks
 # Where each K-quant super-block keeps its float16 scale(s): byte offsets. Random bytes elsewhere are valid codes.
 _K_SCALES = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -70,14 +72,6 @@ def _write(path: str, config: LlamaConfig) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_gguf_tensor_types_load_as_transformers_does(tmp_path):

@@ -39,13 +39,7 @@ from tests.native_paths import native_or_fallback
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The int4 kernel is called ~120 times a step; OpenMP threads on a busy 2-core box stall each call."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the int4 kernel is called ~120 times a step
 
 
 @pytest.fixture(params=["native", "torch"])

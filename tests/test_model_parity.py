@@ -25,14 +25,7 @@ from tests.model_fixtures import (
 ATOL = 1e-3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Many small decode steps: with OpenMP threads competing for a busy
-    2-core machine each op can wait a scheduler tick (25x slower seen here)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many small decode steps
 
 
 def _reference_logits(reference, tokens: list[int], prompt_len: int | None = None) -> torch.Tensor:

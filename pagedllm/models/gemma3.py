@@ -22,7 +22,7 @@ from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.layernorm import HeadRMSNorm, RMSNorm
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.layers.rotary import get_rope
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, input_norm
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
@@ -38,11 +38,7 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, residual, kv_cache, attn_metadata):
         """Returns (normed MLP output, residual); the next layer's input norm adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = input_norm(self.input_layernorm, hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states, kv_cache,
                                                                      attn_metadata))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)

@@ -110,6 +110,15 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
+def input_norm(norm: RMSNorm, hidden_states: torch.Tensor, residual: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm over the residual stream: (normed, residual). The first layer starts the stream
+    with its input; a later one adds the previous layer's output to it first (fused into the norm)."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    return norm(hidden_states, residual)
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  rotary_emb: RotaryEmbedding, mlp: nn.Module, mlp_name: str = "mlp",
@@ -127,11 +136,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions, hidden_states, residual, kv_cache, attn_metadata):
         """Returns (mlp output, residual); the next layer's norm adds them."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = input_norm(self.input_layernorm, hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return getattr(self, self.mlp_name)(hidden_states), residual

@@ -113,6 +113,19 @@ class SpeculatingWorker:
         output = scheduler.schedule()
         return output, scheduler.update_from_output(output, self.execute(scheduler, output))
 
+    def run(self, scheduler: Scheduler, after_step: Callable[[], None] = lambda: None) -> dict[str, list[int]]:
+        """Steps until every request finished, checking after each step that every block is accounted for and
+        that the cache holds each request's own tokens (then ``after_step``); returns each request's tokens."""
+        got: dict[str, list[int]] = {}
+        while scheduler.has_requests():
+            _, outs = self.step(scheduler)
+            for out in outs.outputs:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            assert_block_invariants(scheduler)
+            self.assert_computed_tokens_are_in_the_cache(scheduler)
+            after_step()
+        return got
+
     def assert_computed_tokens_are_in_the_cache(self, scheduler: Scheduler) -> None:
         """Each running request's computed positions hold its own known tokens (written by it, or by the request
         whose cached blocks it hit): never a rejected draft. Under a sliding window, those its next query sees."""
