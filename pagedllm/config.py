@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import re
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,6 +13,12 @@ from pagedllm.core.sched.request_queue import SchedulingPolicy
 def head_dim(hf_config) -> int:
     """Per-head size: explicit in newer configs, else hidden_size split evenly over the attention heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def common_window(windows: Iterable[int | None]) -> int | None:
+    """The window a set of layers all keep within: the largest of theirs, or None where one has none."""
+    windows = list(windows)
+    return None if None in windows else max(windows)
 
 
 def layer_sliding_window(hf_config, layer_index: int) -> int | None:
@@ -130,8 +137,7 @@ class ModelConfig:
     def sliding_window(self) -> int | None:
         """The largest of the layers' sliding windows when every layer has one, else None (some layer reads the
         whole history)."""
-        windows = [layer_sliding_window(self.hf_config, i) for i in range(self.num_layers)]
-        return None if None in windows else max(windows)
+        return common_window(layer_sliding_window(self.hf_config, i) for i in range(self.num_layers))
 
     @property
     def num_layers(self) -> int:

@@ -192,3 +192,15 @@ def test_gated_panels_fuse_the_activation():
     torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-5)
     gate, up = expected.chunk(2, dim=-1)
     torch.testing.assert_close(layer.silu_and_mul(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_compressed_tensors_mixture_of_experts_is_a_config_error(tmp_path):
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=256, num_local_experts=4)
+    config.quantization_config = {"quant_method": "compressed-tensors", "format": "int-quantized",
+                                  "config_groups": {}}
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="mixture-of-experts models .* not supported"):
+        EngineArgs(str(tmp_path)).create_engine_config()

@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig)
+                             SpeculativeConfig, common_window)
 from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
@@ -122,8 +122,7 @@ def _cache_sliding_window(model_config: ModelConfig, spec: SpeculativeConfig | N
     """The window all layers reading the request's blocks keep within: the target's, and a draft model's (which
     reads through the same block table), or None where either has a layer without one."""
     models = [model_config] + ([spec.draft_model_config] if spec is not None and spec.draft_model_config else [])
-    windows = [model.sliding_window for model in models]
-    return None if None in windows else max(windows)
+    return common_window(model.sliding_window for model in models)
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:

@@ -193,8 +193,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.gated_silu = gated_silu
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        """``silu(gate) * up`` of this projection in one kernel where the weight's layout has one (bf16 panels),
-        else None (then apply the activation to ``forward``'s output)."""
+        """``silu(gate) * up`` of this projection in one kernel where the weight's layout has one (gated bf16 or
+        int8 panels), else None (then apply the activation to ``forward``'s output)."""
         if not self.gated_silu or self.gather_output or self.lora_active:
             return None  # (adapters add to the projection before the activation)
         return self.quant_method.apply_silu_and_mul(self, x, self.bias)

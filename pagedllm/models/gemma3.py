@@ -1,7 +1,8 @@
 """Gemma 3 (text; ``Gemma3ForCausalLM``, model_type ``gemma3_text``): Llama's attention and gated MLP with Gemma's
 differences, as transformers has them:
 - every RMS norm scales by ``1 + weight`` (its checkpoints store the offset from one): the weights get their one
-  added once, after loading, so the norm kernels serve unchanged (the same float32 product);
+  added once, after loading, so the norm kernels serve unchanged (the same float32 product where the weights are
+  float32, as with float32 activations; a bfloat16 model on torch's path rounds 1 + weight to bf16);
 - four norms a layer: the attention's and the MLP's outputs are normed again before they join the residual;
 - the embedded tokens are multiplied by sqrt(hidden_size);
 - the MLP's gate is GeGLU (gelu_pytorch_tanh), the query and key heads are RMS-normed, the scores are scaled by

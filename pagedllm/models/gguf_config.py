@@ -1,7 +1,7 @@
 """What transformers' GGUF config reading leaves out, from the file's own metadata.
 
 The attention window: transformers drops ``{arch}.attention.sliding_window`` for phi3 (llama.cpp writes Phi-3-mini-4k's
-2047); with it the registry refuses a window that binds, as from the HF config.
+2047), which the layers then attend within, as from the HF config.
 
 The experts: transformers maps a GGUF's ``expert_count`` and ``expert_used_count`` for qwen2moe / qwen3moe but not the experts'
 sizes, and reads a Mixtral file (GGUF architecture ``llama`` with experts) as a dense LlamaConfig. llama.cpp

@@ -263,11 +263,10 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             continue
-        if "{expert}" in hf_name:  # every expert's slice of the stack, as the checkpoint's per-expert tensors
-            stack = dequantize_fast(data.reshape(-1, data.shape[-1]), tensor.tensor_type)
-            stack = torch.from_numpy(np.require(stack.reshape(*data.shape[:-1], -1), requirements=["C", "W"]))
-            for expert, weight in enumerate(stack):
-                yield hf_name.format(expert=expert), weight
+        if "{expert}" in hf_name:  # each expert's slice of the stack, as the checkpoint's per-expert tensors,
+            for expert, rows in enumerate(data):  # dequantized one at a time (a stack is GBs in float32)
+                weight = np.require(dequantize_fast(rows, tensor.tensor_type), requirements=["C", "W"])
+                yield hf_name.format(expert=expert), torch.from_numpy(weight)
             continue
         module, suffix = hf_name.rsplit(".", 1)
         if suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q8_0:

@@ -35,4 +35,4 @@ class AttentionMetadata:
     # Scratch for a backend to keep what it derives from the fields above
     # (gather indices, masks) once per step and reuse in every layer.
     # Builders leave it empty.
-    backend_cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    backend_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

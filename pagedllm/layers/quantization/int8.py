@@ -84,7 +84,7 @@ class Int8LinearMethod(QuantizeMethodBase):
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
         if self.checkpoint_quantized:
-            scale = nn.Parameter(torch.empty(output_size_per_partition), requires_grad=False)
+            scale = nn.Parameter(torch.empty(output_size_per_partition, dtype=torch.float32), requires_grad=False)
             # compressed-tensors keeps [out, 1]
             scale.weight_loader = lambda param, loaded, *shard: weight_loader(param, loaded.reshape(-1), *shard)
             layer.register_parameter("weight_scale", scale)
