@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 
 from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.entrypoints.openai.api_server import run_server
-from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import config_file_defaults, make_arg_parser
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -94,7 +94,8 @@ def doctor(args: argparse.Namespace) -> None:
     sys.exit(doctor_main())
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``pagedllm`` parser, and its ``serve`` subcommand's (which reads ``--config`` files)."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_parser = subparsers.add_parser("serve", help="run the OpenAI-compatible API server")
@@ -109,11 +110,15 @@ def make_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     doctor_parser = subparsers.add_parser("doctor", help="the CPU features seen and each native kernel's build")
     doctor_parser.set_defaults(func=doctor)
-    return parser
+    return parser, serve_parser
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = make_parser().parse_args(argv)
+    parser, serve_parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.config:  # the file's flags as defaults: the command line's win
+        serve_parser.set_defaults(**config_file_defaults(serve_parser, args.config))
+        args = parser.parse_args(argv)
     (args.bench_func if args.command == "bench" else args.func)(args)
 
 

@@ -21,6 +21,9 @@ ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_token
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help="model alias, Hugging Face model directory or .gguf file (default: %(default)s)")
+    parser.add_argument("--config", default=None,
+                        help="a YAML file of flags (keys are the flags' names, e.g. max-model-len: 2048); flags on the "
+                             "command line win")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -96,6 +99,53 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           default=EngineArgs.distributed_executor_backend,
                           help="how ranks run: uni (one, in the engine process), mp (a process each), ray (Ray "
                                "actors); default: uni for one rank, ray inside a Ray cluster, else mp")
+
+
+def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
+    """vLLM's ``--config FILE``: the YAML file's flags as ``parser`` defaults (so any flag given on the command line
+    wins), by dest, each converted as argparse converts its flag's text. An unknown key, or a value that does not
+    fit its flag, is a parser error naming it."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        parser.error(f"--config {path}: {e}")
+    if not isinstance(values, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    actions = {option.lstrip("-"): action for action in parser._actions for option in action.option_strings}
+    actions["model"] = next(action for action in parser._actions if action.dest == "model")
+    defaults = {}
+    for key, value in values.items():
+        action = actions.get(str(key).replace("_", "-"))
+        if action is None or action.dest in ("help", "config"):
+            parser.error(f"--config {path}: unknown flag {key!r}")
+        try:
+            defaults[action.dest] = _config_value(action, value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            parser.error(f"--config {path}: {key}: {e}")
+    return defaults
+
+
+def _config_value(action: argparse.Action, value):
+    """A YAML value as ``action`` would have parsed its flag's text: booleans for on/off flags, each item of a
+    list for flags taking several, mappings as the JSON text their flag takes."""
+    if action.nargs == 0 or isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+
+    def convert(item):
+        text = item if isinstance(item, str) else json.dumps(item) if isinstance(item, (dict, list)) else str(item)
+        converted = action.type(text) if action.type else text
+        if action.choices is not None and converted not in action.choices:
+            raise ValueError(f"{converted!r} is not one of {', '.join(map(str, action.choices))}")
+        return converted
+
+    if action.nargs in ("+", "*"):
+        return [convert(item) for item in (value if isinstance(value, list) else [value])]
+    return None if value is None else convert(value)
 
 
 def _lora_module(text: str) -> dict:

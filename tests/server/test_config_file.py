@@ -1,0 +1,64 @@
+"""`pagedllm serve --config file.yaml` as vLLM's: the file's keys are flag names (dashes or underscores), its values
+become what those flags would have given, and a flag on the command line wins; a bad file is an error naming it."""
+import argparse
+
+import pytest
+
+from pagedllm.entrypoints import cli
+from pagedllm.entrypoints.openai.cli_args import engine_args_from
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """What `serve` would have been called with, instead of serving."""
+    calls: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "serve", calls.append)
+    return calls
+
+
+def _run(argv: list[str], served: list) -> argparse.Namespace:
+    cli.main(argv)
+    return served.pop()
+
+
+CONFIG = """
+model: my-model
+port: 9001
+max-model-len: 2048
+max_num_seqs: 7
+enable-prefix-caching: false
+enforce-eager: true
+served-model-name: [alpha, beta]
+speculative-config: {method: ngram, num_speculative_tokens: 3}
+dtype: float32
+"""
+
+
+def test_the_files_flags_apply_and_the_command_line_wins(tmp_path, served):
+    path = tmp_path / "serve.yaml"
+    path.write_text(CONFIG)
+    args = _run(["serve", "--config", str(path), "--port", "9002", "--max-num-seqs", "9"], served)
+    assert (args.model, args.port, args.max_model_len, args.max_num_seqs) == ("my-model", 9002, 2048, 9)
+    assert args.served_model_name == ["alpha", "beta"]
+    engine = engine_args_from(args)
+    assert engine.enable_prefix_caching is False and engine.enforce_eager is True and engine.dtype == "float32"
+    assert engine.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    args = _run(["serve", "other-model", "--config", str(path), "--enable-prefix-caching"], served)
+    assert args.model == "other-model" and engine_args_from(args).enable_prefix_caching is True
+    assert _run(["serve"], served).port == 8000  # a file read once changes nothing after it
+
+
+@pytest.mark.parametrize("text, message", [
+    ("no-such-flag: 1\n", "unknown flag 'no-such-flag'"),
+    ("max-model-len: many\n", "max-model-len"),
+    ("enforce-eager: 3\n", "expected true or false"),
+    ("dtype: float64\n", "not one of"),
+    ("- a list\n", "expected a mapping"),
+    ("port: [1\n", "--config"),
+])
+def test_a_bad_file_is_an_error_naming_it(tmp_path, served, capsys, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--config", str(path)])
+    assert message in capsys.readouterr().err and not served
