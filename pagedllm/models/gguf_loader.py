@@ -6,6 +6,7 @@ With ``quantization="gguf_int4"``, Q4_0/Q4_1 weights of the layers that keep
 them 4-bit come out as codes and per-block scales/zeros instead.
 """
 
+import functools
 import mmap
 import re
 import struct
@@ -67,6 +68,13 @@ _IGNORED = {"rope_freqs"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
 
+@functools.cache
+def _block_names(arch: str) -> dict[str, str]:
+    """GGUF block tensor name -> HF module name for files of architecture ``arch`` (built once per architecture:
+    every tensor name is looked up in it)."""
+    return {**_ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES), **_MOE_BLOCK_NAMES.get(arch, {})}
+
+
 def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """Map e.g. ``blk.3.attn_q.weight`` to ``model.layers.3.self_attn.q_proj.weight`` (a stacked experts tensor to
     a name with ``{expert}`` in it) for a file of ``general.architecture`` ``arch``.
@@ -80,7 +88,7 @@ def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     match = _BLOCK_RE.fullmatch(base)
     if match:
-        block_names = {**_ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES), **_MOE_BLOCK_NAMES.get(arch, {})}
+        block_names = _block_names(arch)
         if match.group(2) in block_names:
             return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}.{suffix}"
     raise ValueError(f"Unsupported GGUF tensor {gguf_name!r}")

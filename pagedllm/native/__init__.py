@@ -96,11 +96,15 @@ def lora() -> ctypes.CDLL | None:
     return build.load("lora", LORA_SIGNATURES)
 
 
+def _with_body(lib: ctypes.CDLL | None, available: str) -> ctypes.CDLL | None:
+    """``lib`` where its ``available()`` function says the build has a body for this CPU, else None."""
+    return lib if lib is not None and getattr(lib, available)() else None
+
+
 @functools.cache
 def _gemm_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library of gemm.c, or None, also where the CPU has neither AVX-512 nor AVX2 with FMA."""
-    lib = build.load("gemm", GEMM_SIGNATURES, extra_flags)
-    return lib if lib is not None and lib.gemm_available() else None
+    return _with_body(build.load("gemm", GEMM_SIGNATURES, extra_flags), "gemm_available")
 
 
 @functools.cache
@@ -112,8 +116,7 @@ def gemm(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 def _gemm_quant_lib() -> ctypes.CDLL | None:
     """The library of gemm.c where it has the quantized kernels (AVX-512), or None."""
-    lib = _gemm_lib()
-    return lib if lib is not None and lib.gemm_quant_available() else None
+    return _with_body(_gemm_lib(), "gemm_quant_available")
 
 
 @functools.cache
@@ -133,8 +136,7 @@ def gemm_q8() -> Gemm | None:
 @functools.cache
 def _gemm_bf16_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library of gemm_bf16.c where this CPU has AVX512-BF16 (AMX too, where it has it), or None."""
-    lib = build.load("gemm_bf16", GEMM_BF16_SIGNATURES, extra_flags)
-    return lib if lib is not None and lib.gemm_bf16_available() else None
+    return _with_body(build.load("gemm_bf16", GEMM_BF16_SIGNATURES, extra_flags), "gemm_bf16_available")
 
 
 @functools.cache
@@ -155,8 +157,8 @@ def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 @functools.cache
 def _gemm_int8_lib() -> ctypes.CDLL | None:
-    lib = build.load("gemm_int8", GEMM_INT8_SIGNATURES)
-    return lib if lib is not None and lib.gemm_int8_available() else None
+    """The library of gemm_int8.c where this CPU has AVX512-VNNI, or None."""
+    return _with_body(build.load("gemm_int8", GEMM_INT8_SIGNATURES), "gemm_int8_available")
 
 
 @functools.cache

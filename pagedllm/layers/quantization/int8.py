@@ -121,7 +121,6 @@ class Int8LinearMethod(QuantizeMethodBase):
             y = y + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-
     def apply_silu_and_mul(self, layer, x, bias=None):
         if not self.gated:
             return None
