@@ -19,7 +19,8 @@ from pagedllm.layers.gemm_layout import DenseWeight
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.engine.arg_utils import set_quantization
-from pagedllm.layers.quantization.gguf_int4 import GGUFInt4Config, GGUFInt4LinearMethod
+from pagedllm.layers.quantization.gguf import GGUFInt4Config
+from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
 from pagedllm.models.gguf_loader import (
     gguf_tensor_types,
     gguf_to_hf_name,
@@ -281,7 +282,7 @@ def test_chat_still_answers_paris(int4):
 
 
 def test_bad_quantization_is_a_value_error_naming_it(tmp_path):
-    with pytest.raises(ValueError, match="quantization must be None or one of gguf_int4, int8; got 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of gguf, gguf_int4, int8; got 'awq'"):
         LLM(quantization="awq")
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)

@@ -2,8 +2,9 @@
 
 Weights are dequantized once at load time (the models compute in float32 or
 bfloat16), so a GGUF checkpoint feeds the same ``load_weights`` as safetensors.
-With ``quantization="gguf_int4"``, Q4_0/Q4_1 weights of the layers that keep
-them 4-bit come out as codes and per-block scales/zeros instead.
+With ``quantization="gguf"`` (or ``"gguf_int4"``), the Q4_0/Q4_1 and Q8_0 weights
+of the layers that keep them packed come out as codes and per-block scales
+(and zeros) instead.
 """
 
 import functools

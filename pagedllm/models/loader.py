@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,7 +12,8 @@ from torch import nn
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.quantization import QUANTIZATION_METHODS, QuantizationConfig
-from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4Config
+from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
+from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES
 from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.models.gguf_loader import gguf_tensor_types
 from pagedllm.models.registry import get_model_architecture
@@ -21,6 +23,8 @@ from pagedllm.models.weights import weights_iterator
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -51,9 +55,10 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
     if quantization == "int8":  # any checkpoint: its weights are quantized as they load
         return Int8Config()
     if not path.endswith(".gguf"):
-        raise ValueError(f"quantization={quantization!r} needs a .gguf model with Q4_0/Q4_1 weights; "
-                         f"{path!r} is not a .gguf file")
+        raise ValueError(f"quantization={quantization!r} needs a .gguf model; {path!r} is not a .gguf file")
     tensor_types = gguf_tensor_types(path)
+    if quantization == "gguf":  # any GGUF: what no kernel takes is dequantized, as summary() tells
+        return GGUFConfig(tensor_types, model_class.stacked_params_mapping)
     layer_types = {t for name, t in tensor_types.items() if name.startswith("model.layers.")}
     if not layer_types & Q4_TYPES:
         raise ValueError(f"quantization={quantization!r} needs Q4_0/Q4_1 layer weights; {path!r} has "
@@ -80,6 +85,8 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     with _default_dtype(kernels.compute_dtype):
         model = model_class(hf_config, quant_config=quant_config, rank=rank, layer_range=layer_range)
     packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()
+    if isinstance(quant_config, GGUFConfig):
+        logger.info("quantization=%r: %s", quant_config.name, quant_config.summary(model))
     loaded = model.load_weights(weights_iterator(path, packed_modules))
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:

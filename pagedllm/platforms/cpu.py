@@ -87,9 +87,12 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
         gemm = f"float32 panels ({'AVX-512' if 'avx512f' in cpu_flags() else 'AVX2'}; MKL above 128 rows)"
     else:
         gemm = f"torch ({_name(kernels.compute_dtype)})"
-    if quantization == "gguf_int4":
-        gemm += "; 4-bit layers: " + ("native Q4 panels" if float32 and native.gemm_q4() is not None
-                                      else "torch int4 kernel")
+    if quantization in ("gguf", "gguf_int4"):
+        gemm += "; GGUF Q4_0/Q4_1 layers: " + ("native Q4 panels" if float32 and native.gemm_q4() is not None
+                                               else "torch int4 kernel")
+    if quantization == "gguf":
+        gemm += "; GGUF Q8_0 layers: " + ("native Q8_0 panels" if float32 and native.gemm_q8() is not None
+                                          else "dequantized at load")
     elif quantization == "int8":
         gemm = "W8A8: " + ("native int8 panels (AVX512-VNNI)" if float32 and native.gemm_w8a8() is not None
                            else "torch int8 matmul")

@@ -2,6 +2,6 @@
 
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
-QUANTIZATION_METHODS = ("gguf_int4", "int8")
+QUANTIZATION_METHODS = ("gguf", "gguf_int4", "int8")
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase"]

@@ -1,0 +1,105 @@
+"""``quantization="gguf"`` (vLLM's name) and ``"gguf_int4"``: a GGUF file's linear weights stay in their GGUF type
+wherever a kernel multiplies by them in it; everything else is dequantized at load, as without quantization.
+
+``gguf``: Q4_0/Q4_1 layers by GGUFInt4LinearMethod (gemm_q4_f32; elsewhere torch's int4 kernel), Q8_0 layers by
+GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512). ``gguf_int4``: the Q4 layers
+only. Under both a Q8_0 embedding (and LM head) keeps its codes (layers/vocab_embedding.py). The other types
+(the K-quants Q2_K-Q6_K, F16, BF16, F32), and any fused layer whose checkpoint parts are not all one kernel's (a
+qkv_proj of Q4_1 q/k and a Q8_0 v), are dequantized at load. ``summary`` says which layers got which.
+"""
+
+from collections import Counter
+
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from pagedllm.layers.gemm_layout import native_applies
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantization.base import QuantizationConfig, checkpoint_modules
+from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4LinearMethod
+from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
+from pagedllm.layers.quantization.gguf_q8 import GGUFQ8LinearMethod
+
+
+class GGUFConfig(QuantizationConfig):
+    """Quantizes each linear layer whose checkpoint tensors one packed method takes (``_methods``).
+
+    ``tensor_types`` maps HF weight names to their GGUF types; a fused layer (``qkv_proj``) is looked up through
+    the checkpoint names it stacks (``q_proj``, ``k_proj``, ``v_proj``), given as the model's
+    ``stacked_params_mapping``, or by its own name where the checkpoint holds it fused too (phi3's ``attn_qkv``).
+    """
+
+    name = "gguf"
+    q8_layers = True  # Q8_0 layers stay packed where gemm_q8_f32 applies
+
+    def __init__(self, tensor_types: dict[str, GGMLQuantizationType],
+                 stacked_params_mapping: list[tuple[str, str, object]]):
+        self.tensor_types = tensor_types
+        self.stacked_params_mapping = stacked_params_mapping
+
+    def _methods(self, layer: nn.Module) -> dict[GGMLQuantizationType, type[GGUFLinearMethod]]:
+        """GGUF type -> the method keeping ``layer``'s weight of that type packed; a type not here is dequantized.
+        Decided as the model is built, so the loader knows which weights to leave packed."""
+        methods = dict.fromkeys(Q4_TYPES, GGUFInt4LinearMethod)
+        if self.q8_layers and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
+            methods[GGMLQuantizationType.Q8_0] = GGUFQ8LinearMethod
+        return methods
+
+    def _checkpoint_modules(self, prefix: str) -> list[str]:
+        """The checkpoint modules behind ``prefix``: itself where the file holds it fused too (phi3's attn_qkv)."""
+        if f"{prefix}.weight" in self.tensor_types:
+            return [prefix]
+        return checkpoint_modules(prefix, self.stacked_params_mapping)
+
+    def _types(self, prefix: str) -> list[GGMLQuantizationType | None]:
+        return [self.tensor_types.get(f"{name}.weight") for name in self._checkpoint_modules(prefix)]
+
+    def get_quant_method(self, layer, prefix):
+        if not isinstance(layer, LinearBase):
+            return None
+        methods = self._methods(layer)
+        chosen = {methods.get(t) for t in self._types(prefix)}
+        method = chosen.pop() if len(chosen) == 1 else None
+        return None if method is None else method()
+
+    def keeps_q8(self, prefix: str) -> bool:
+        """Whether the embedding (or LM head) ``prefix`` keeps its checkpoint's Q8_0 codes."""
+        return self.tensor_types.get(f"{prefix}.weight") == GGMLQuantizationType.Q8_0
+
+    def packed_modules(self, model: nn.Module) -> set[str]:
+        """Checkpoint modules whose weights must load as codes and scales: the layers quantized here and the
+        embeddings kept in Q8_0."""
+        linear = {name for prefix, module in model.named_modules()
+                  if isinstance(getattr(module, "quant_method", None), GGUFLinearMethod)
+                  for name in self._checkpoint_modules(prefix)}
+        return linear | _q8_embeddings(model)
+
+    def summary(self, model: nn.Module) -> str:
+        """Which linear layers stay packed and which are dequantized, counted by their GGUF types (a fused layer's
+        parts joined by ``+``), and the embeddings kept in Q8_0."""
+        counts = {True: Counter(), False: Counter()}
+        for prefix, module in model.named_modules():
+            if isinstance(module, LinearBase):
+                types = "+".join(sorted({t.name for t in self._types(prefix) if t is not None}))
+                if types:
+                    counts[isinstance(module.quant_method, GGUFLinearMethod)][types] += 1
+        q8 = sorted(_q8_embeddings(model))
+
+        def listed(counter: Counter) -> str:
+            return ", ".join(f"{types} x{n}" for types, n in sorted(counter.items())) or "none"
+
+        return (f"linear layers kept packed: {listed(counts[True])}; dequantized at load: {listed(counts[False])}; "
+                f"Q8_0 embeddings: {', '.join(q8) or 'none'}")
+
+
+def _q8_embeddings(model: nn.Module) -> set[str]:
+    """The checkpoint modules of the embeddings (and LM heads) that keep their Q8_0 codes."""
+    return {module.prefix for module in model.modules() if getattr(module, "q8", False)}
+
+
+class GGUFInt4Config(GGUFConfig):
+    """``gguf_int4``: only Q4_0/Q4_1 layers stay packed (Q8_0 ones are dequantized)."""
+
+    name = "gguf_int4"
+    q8_layers = False

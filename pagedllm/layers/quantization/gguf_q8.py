@@ -1,0 +1,24 @@
+"""GGUF Q8_0 weights kept 8-bit: int8 codes in blocks of 32 along the input dim with one fp16 scale each, as
+llama.cpp stores them (1.06 bytes a weight instead of float32's 4), a weight being ``code * scale``.
+
+native/gemm.c's ``gemm_q8_f32`` widens each row of codes and scales it in registers, one rounding as the loader's
+dequantization has (exact in float32), then sums in float32 in the dense kernel's order: results equal the dense
+float32 path's on the dequantized weight bit for bit. The kernel needs AVX-512 and float32 activations; where it does
+not apply, GGUFConfig leaves Q8_0 layers dense, dequantized at load (a torch path that rebuilt the weight on every
+call would be several times slower than the dense one), so this method always holds the panels.
+"""
+
+import torch
+
+from pagedllm.layers.gemm_layout import QuantizedWeight, WeightLayout
+from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
+
+
+class GGUFQ8LinearMethod(GGUFLinearMethod):
+    """Loads int8 codes and per-block float32 scales, then lays them out as gemm_q8_f32's panels."""
+
+    code_dtype = torch.int8
+    block_params = ("scales",)
+
+    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
+        self._keep_packed(layer, QuantizedWeight.q8(layer.qweight, layer.scales, layout))
