@@ -4,6 +4,7 @@ reference models, loaded once per pytest process (GGUF parsing is slow)."""
 import functools
 import random
 import unittest.mock
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gguf
@@ -118,10 +119,12 @@ class PagedBatchRunner:
 
 
 def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
-                    layer_type: gguf.GGMLQuantizationType | None = None) -> None:
+                    layer_type: gguf.GGMLQuantizationType | Callable[[str], gguf.GGMLQuantizationType] | None = None
+                    ) -> None:
     """Write an HF model as a GGUF the way llama.cpp's converter does,
     naming tensors with gguf-py's own map and permuting llama q/k rows;
-    unquantized, or with the decoder layers' linear weights in ``layer_type``."""
+    unquantized, or with the decoder layers' linear weights in ``layer_type``
+    (or in the type it gives for each HF module name)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -155,8 +158,9 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
             n_head = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
             weight = _llama_cpp_permute(weight, n_head)
         if layer_type is not None and base.startswith("model.layers.") and weight.ndim == 2:
-            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", gguf.quants.quantize(weight, layer_type),
-                              raw_dtype=layer_type)
+            tensor_type = layer_type(base) if callable(layer_type) else layer_type
+            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", gguf.quants.quantize(weight, tensor_type),
+                              raw_dtype=tensor_type)
             continue
         writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", weight)
     writer.write_header_to_file()

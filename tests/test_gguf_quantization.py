@@ -1,0 +1,241 @@
+"""quantization="gguf": a GGUF's Q4_0/Q4_1 and Q8_0 linear weights kept packed where a kernel takes them, every
+other type dequantized at load.
+
+The dense float32 path on the loader's dequantized weights is the reference: gemm_q8_f32 scales each code in
+registers with the loader's one rounding and sums in the dense kernel's order, so a Q8_0 layer must equal the dense
+native GEMM bit for bit, and so must a model of such layers (and Q4 ones, whose kernels gguf_int4's tests check).
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from transformers import LlamaConfig
+from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+from pagedllm import LLM, SamplingParams, native
+from pagedllm.engine.arg_utils import set_quantization
+from pagedllm.layers.gemm_layout import DenseWeight, pack_q8_panels
+from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, UnquantizedLinearMethod
+from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
+from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
+from pagedllm.layers.quantization.gguf_q8 import GGUFQ8LinearMethod
+from pagedllm.models.gguf_loader import dequantize_fast, unpack_q8
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.loader import get_model, get_quant_config
+from pagedllm.platforms.cpu import KernelChoice
+from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, write_tiny_gguf
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many small model steps
+
+needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
+                                     reason="no gemm_q8_f32 here (needs a C compiler and AVX-512)")
+
+
+def _q8_weight(shape: tuple[int, int], seed: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 blocks of a random weight, and their unpacked codes and scales."""
+    blocks = quantize(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), T.Q8_0)
+    codes, scales = (torch.from_numpy(part) for part in unpack_q8(blocks))
+    return blocks, codes, scales
+
+
+def _q8_layer(layer_class, codes, scales, bias=None, **kwargs):
+    """A linear layer quantized by quantization="gguf" as a Q8_0 checkpoint tensor, loaded through its loaders."""
+    out_features, in_features = codes.shape
+    config = GGUFConfig({"layer.weight": T.Q8_0}, [])
+    layer = layer_class(in_features, out_features, bias=bias is not None, quant_config=config, prefix="layer",
+                        **kwargs)
+    assert isinstance(layer.quant_method, GGUFQ8LinearMethod)
+    for name, value in (("qweight", codes), ("scales", scales), ("bias", bias)):
+        if value is not None:
+            getattr(layer, name).weight_loader(getattr(layer, name), value)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@needs_q8_kernel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias):
+    blocks, codes, scales = _q8_weight((96, 128), seed=0)
+    bias = torch.randn(96) if with_bias else None
+    layer = _q8_layer(ReplicatedLinear, codes, scales, bias)
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q8_0)))  # what the dense path holds
+    weight = torch.from_numpy(dequantize(blocks, T.Q8_0))
+    for rows in (1, 5, 6, 7, 40, 128):  # one tile (dequantized as it goes) and more (through a dense scratch panel)
+        x = torch.randn(rows, 128)
+        y = layer(x)
+        assert y.dtype == torch.float32 and y.shape == (rows, 96)
+        assert torch.equal(y, dense.linear(x, bias))
+        torch.testing.assert_close(y, torch.addmm(bias, x, weight.T) if with_bias else x @ weight.T)
+
+
+@needs_q8_kernel
+def test_q8_layer_holds_the_q8_0_bytes_only():
+    """The layer keeps the file's codes and fp16 scales in the kernel's panels, ~1.06 bytes a weight, and no
+    float copy of the weight."""
+    _, codes, scales = _q8_weight((80, 256), seed=1)
+    layer = _q8_layer(ReplicatedLinear, codes, scales)
+    assert [name for name, _ in layer.named_parameters()] == ["qweight"]
+    assert layer.qweight.dtype == torch.uint8 and torch.equal(layer.qweight, pack_q8_panels(codes, scales))
+    # Two 64-column panels (the second half padding) of eight blocks: 64 fp16 scales and 32 x 64 int8 codes each.
+    assert layer.qweight.shape == (2, 8, 64 * 2 + 32 * 64)
+    assert layer.qweight.numel() == 2 * 64 * 256 * 34 // 32
+
+
+@needs_q8_kernel
+def test_tensor_parallel_shards_of_q8_layers_match_unsharded():
+    """Codes and scales load [out, in]-major, so the dense layers' weight loaders cut whole blocks per rank."""
+    _, c_col, s_col = _q8_weight((128, 128), seed=2)
+    _, c_row, s_row = _q8_weight((48, 128), seed=3)
+    x = torch.randn(3, 128)
+    full_col = _q8_layer(ColumnParallelLinear, c_col, s_col)(x)
+    full_row = _q8_layer(RowParallelLinear, c_row, s_row, reduce_results=False)(x)
+    cols = [_q8_layer(ColumnParallelLinear, c_col, s_col, tp_size=2, tp_rank=r)(x) for r in range(2)]
+    rows = [_q8_layer(RowParallelLinear, c_row, s_row, tp_size=2, tp_rank=r, reduce_results=False)(
+        x.chunk(2, dim=-1)[r]) for r in range(2)]
+    assert torch.equal(torch.cat(cols, dim=-1), full_col)
+    torch.testing.assert_close(sum(rows), full_row)  # the same sums, added in another order
+
+
+def test_q8_layers_are_dequantized_where_the_kernel_does_not_apply(monkeypatch):
+    """Without gemm_q8_f32 (no AVX-512), or for activations it does not take, a Q8_0 layer is left to the dense
+    path, which the loader fills with the dequantized weight; Q4 layers keep gguf_int4's kernels. gguf_int4 leaves
+    Q8_0 layers dense everywhere."""
+    config = GGUFConfig({"q8.weight": T.Q8_0, "q4.weight": T.Q4_1}, [])
+
+    def method(quant_config, prefix, dtype=torch.float32):
+        return ReplicatedLinear(64, 32, bias=False, params_dtype=dtype, quant_config=quant_config,
+                                prefix=prefix).quant_method
+
+    assert isinstance(method(GGUFInt4Config(config.tensor_types, []), "q8"), UnquantizedLinearMethod)
+    assert isinstance(method(config, "q8", torch.bfloat16), UnquantizedLinearMethod)
+    assert isinstance(method(config, "q4", torch.bfloat16), GGUFInt4LinearMethod)
+    monkeypatch.setattr(native, "gemm_q8", lambda: None)
+    assert isinstance(method(config, "q8"), UnquantizedLinearMethod)
+    assert isinstance(method(config, "q4"), GGUFInt4LinearMethod)
+
+
+def _tiny_llama(tmp_path, layer_type, name: str) -> str:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = str(tmp_path / f"{name}.gguf")
+    write_tiny_gguf(HFLlamaForCausalLM(config), path, "llama", layer_type=layer_type)
+    return path
+
+
+def _load(path: str, quantization: str | None):
+    config = load_hf_config(path)
+    if quantization is not None:
+        set_quantization(config, quantization, path)
+    return get_model(path, config, KernelChoice(torch.float32)), config
+
+
+def _greedy(model, config, prompts: list[list[int]], num_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy continuations of the prompts, batched as the engine batches them (one prefill step, then decode
+    steps), and the logits of every step."""
+    runner = PagedBatchRunner(model, config)
+    tokens = {i: list(p) for i, p in enumerate(prompts)}
+    chunks = [Chunk(i, 0, len(p)) for i, p in enumerate(prompts)]
+    all_logits = []
+    for _ in range(num_tokens):
+        logits = [step[-1] for step in runner.step(tokens, chunks)]
+        all_logits += logits
+        for i, row in enumerate(logits):
+            tokens[i].append(int(row.argmax()))
+        chunks = [Chunk(i, len(tokens[i]) - 1, 1) for i in tokens]
+    return [tokens[i][len(p):] for i, p in enumerate(prompts)], torch.stack(all_logits)
+
+
+PROMPTS = [[1, 17, 200, 33, 5], [9, 9, 100, 250, 3, 4, 71, 12, 0, 45], [42]]
+
+
+@needs_q8_kernel
+def test_q8_0_model_gives_the_dense_models_greedy_tokens(tmp_path):
+    """A tiny Llama whose decoder weights are all Q8_0: with quantization="gguf" every linear layer holds Q8_0
+    panels, and its logits, so its greedy tokens, are the dense model's exactly."""
+    path = _tiny_llama(tmp_path, T.Q8_0, "llama-q8_0")
+    dense, config = _load(path, None)
+    q8, _ = _load(path, "gguf")
+    for layer in q8.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            assert isinstance(linear.quant_method, GGUFQ8LinearMethod) and linear.qweight.dtype == torch.uint8
+            assert not hasattr(linear, "weight")
+    (dense_tokens, dense_logits), (q8_tokens, q8_logits) = (_greedy(m, config, PROMPTS, 12) for m in (dense, q8))
+    assert q8_tokens == dense_tokens
+    assert torch.equal(q8_logits, dense_logits)
+
+
+# Per checkpoint module: q/k Q8_0 with a Q4_0 v (a fused qkv_proj of two kernels' types: dense), o_proj Q8_0,
+# gate/up Q4_1 (gate_up_proj on the Q4 kernel), down_proj F16 (no packed kernel: dense).
+MIXED = {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q4_0, "o_proj": T.Q8_0, "gate_proj": T.Q4_1,
+         "up_proj": T.Q4_1, "down_proj": T.F16}
+
+
+@needs_q8_kernel
+def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
+    path = _tiny_llama(tmp_path, lambda name: MIXED[name.rsplit(".", 1)[-1]], "llama-mixed")
+    dense, config = _load(path, None)
+    mixed, _ = _load(path, "gguf")
+    expected = {"self_attn.qkv_proj": UnquantizedLinearMethod, "self_attn.o_proj": GGUFQ8LinearMethod,
+                "mlp.gate_up_proj": GGUFInt4LinearMethod, "mlp.down_proj": UnquantizedLinearMethod}
+    for layer in mixed.model.layers:
+        for name, method in expected.items():
+            assert type(layer.get_submodule(name).quant_method) is method, name
+    summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(mixed)
+    assert summary == ("linear layers kept packed: Q4_1 x2, Q8_0 x2; dequantized at load: F16 x2, Q4_0+Q8_0 x2; "
+                       "Q8_0 embeddings: none")
+    (dense_tokens, dense_logits), (mixed_tokens, mixed_logits) = (_greedy(m, config, PROMPTS, 8)
+                                                                  for m in (dense, mixed))
+    assert mixed_tokens == dense_tokens and torch.equal(mixed_logits, dense_logits)
+    int4, _ = _load(path, "gguf_int4")  # the Q4 layers only
+    assert type(int4.model.layers[0].self_attn.o_proj.quant_method) is UnquantizedLinearMethod
+    assert type(int4.model.layers[0].mlp.gate_up_proj.quant_method) is GGUFInt4LinearMethod
+
+
+def test_gguf_on_a_non_gguf_model_is_a_value_error_naming_it(tmp_path):
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model; .* is not a .gguf file"):
+        LLM(str(tmp_path), quantization="gguf")
+
+
+def test_gguf_on_a_gguf_without_packed_types_loads_dense(tmp_path):
+    """vLLM's gguf takes any GGUF: with no type a kernel keeps, every layer is dequantized, and the summary says so."""
+    path = _tiny_llama(tmp_path, None, "llama-f32")
+    model, _ = _load(path, "gguf")
+    assert all(type(m.quant_method) is UnquantizedLinearMethod for m in model.modules() if hasattr(m, "quant_method"))
+    assert get_quant_config("gguf", path, LlamaForCausalLM).summary(model) == (
+        "linear layers kept packed: none; dequantized at load: F32 x8; Q8_0 embeddings: none")
+
+
+def test_default_model_keeps_q4_1_layers_and_the_q8_0_embedding():
+    """SmolLM2-135M's GGUF: Q4_1 layers on the Q4 kernels, its Q8_0 embedding (also the tied LM head) kept Q8_0."""
+    model, _ = _load(smollm_path(), "gguf")
+    linear = [m for m in model.modules() if hasattr(m, "quant_method")]
+    assert len(linear) == 30 * 4 and all(type(m.quant_method) is GGUFInt4LinearMethod for m in linear)
+    assert model.model.embed_tokens.q8 and model.model.embed_tokens.qweight.dtype == torch.int8
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with pytest.MonkeyPatch.context() as patcher:
+        patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+        args = dict(dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
+        yield LLM(**args), LLM(quantization="gguf", **args)
+
+
+def test_default_model_through_the_engine(engines):
+    """On the native kernels the gguf model is the dense one: the same greedy tokens."""
+    dense, gguf = engines
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    expected, ours = ([list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+                      for llm in (dense, gguf))
+    if native.gemm_q4() is not None:
+        assert ours == expected
+    else:  # torch's int4 kernel rounds to bf16: only the first tokens must agree
+        assert [o[0] for o in ours] == [e[0] for e in expected]
