@@ -27,6 +27,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.cpu import KernelChoice
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, write_tiny_gguf
+from tests.test_int4_quantization import gguf_layer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many small model steps
 
@@ -42,16 +43,11 @@ def _q8_weight(shape: tuple[int, int], seed: int) -> tuple[np.ndarray, torch.Ten
 
 
 def _q8_layer(layer_class, codes, scales, bias=None, **kwargs):
-    """A linear layer quantized by quantization="gguf" as a Q8_0 checkpoint tensor, loaded through its loaders."""
-    out_features, in_features = codes.shape
+    """A linear layer quantized by quantization="gguf" as a Q8_0 checkpoint tensor, loaded with its codes and
+    scales."""
     config = GGUFConfig({"layer.weight": T.Q8_0}, [])
-    layer = layer_class(in_features, out_features, bias=bias is not None, quant_config=config, prefix="layer",
-                        **kwargs)
+    layer = gguf_layer(layer_class, config, {"qweight": codes, "scales": scales}, bias, **kwargs)
     assert isinstance(layer.quant_method, GGUFQ8LinearMethod)
-    for name, value in (("qweight", codes), ("scales", scales), ("bias", bias)):
-        if value is not None:
-            getattr(layer, name).weight_loader(getattr(layer, name), value)
-    layer.quant_method.process_weights_after_loading(layer)
     return layer
 
 

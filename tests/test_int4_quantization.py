@@ -49,18 +49,23 @@ def kernel_path(request, monkeypatch):
     return native_or_fallback(request.param, monkeypatch, "gemm_q4")
 
 
-def _int4_layer(layer_class, parts, bias=None, **kwargs):
-    """A linear layer quantized by gguf_int4, loaded with ``(codes, scales, zeros)`` through its weight loaders."""
-    out_features, in_features = parts[0].shape
-    config = GGUFInt4Config({"layer.weight": GGMLQuantizationType.Q4_1}, [])
+def gguf_layer(layer_class, config, parts: dict[str, torch.Tensor], bias=None, **kwargs):
+    """A linear layer named "layer" quantized by the GGUF ``config``, loaded with ``parts`` (its codes and per-block
+    parameters by name) and ``bias`` through its weight loaders, and laid out."""
+    out_features, in_features = parts["qweight"].shape
     layer = layer_class(in_features, out_features, bias=bias is not None, quant_config=config, prefix="layer",
                         **kwargs)
-    for name, value in zip(("qweight", "scales", "zeros"), parts):
-        getattr(layer, name).weight_loader(getattr(layer, name), value)
-    if bias is not None:
-        layer.bias.weight_loader(layer.bias, bias)
+    for name, value in (*parts.items(), ("bias", bias)):
+        if value is not None:
+            getattr(layer, name).weight_loader(getattr(layer, name), value)
     layer.quant_method.process_weights_after_loading(layer)
     return layer
+
+
+def _int4_layer(layer_class, parts, bias=None, **kwargs):
+    """A linear layer quantized by gguf_int4, loaded with ``(codes, scales, zeros)``."""
+    config = GGUFInt4Config({"layer.weight": GGMLQuantizationType.Q4_1}, [])
+    return gguf_layer(layer_class, config, dict(zip(("qweight", "scales", "zeros"), parts)), bias, **kwargs)
 
 
 def _random_q4(shape: tuple[int, int], tensor_type, seed: int) -> tuple[np.ndarray, list[torch.Tensor]]:
