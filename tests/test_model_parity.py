@@ -270,21 +270,27 @@ GEMMA = {
 }
 
 
+def _tiny_gemma(arch: str, directory, **overrides):
+    """transformers' tiny GEMMA[arch] (three layers, a window of 8, ``overrides`` on top), saved in ``directory``."""
+    import transformers
+
+    config_name, model_name, extra = GEMMA[arch]
+    values = {**TINY, "num_hidden_layers": 3, "query_pre_attn_scalar": 24, "sliding_window": 8, **extra, **overrides}
+    reference = _save_tiny(getattr(transformers, model_name), getattr(transformers, config_name)(**values), directory)
+    for name, param in reference.named_parameters():
+        if name.endswith("norm.weight"):  # Gemma's norms start at zero (a scale of one): make them matter
+            param.data.uniform_(-0.5, 0.5)
+    reference.save_pretrained(directory)
+    return reference
+
+
 @pytest.mark.parametrize("arch", GEMMA)
 def test_tiny_gemma_parity(tmp_path, arch):
     """Gemma 2 and 3: (1 + weight) norms, four a layer, embeddings times sqrt(hidden), GeGLU, scores scaled by
     query_pre_attn_scalar, local layers (window 8) beside a global one (the test's sequences outgrow the window),
     and each its own (GEMMA)."""
-    import transformers
-
-    config_name, model_name, extra = GEMMA[arch]
-    config = getattr(transformers, config_name)(**{**TINY, "num_hidden_layers": 3}, query_pre_attn_scalar=24,
-                                                sliding_window=8, **extra)
-    reference = _save_tiny(getattr(transformers, model_name), config, tmp_path)
-    for name, param in reference.named_parameters():
-        if name.endswith("norm.weight"):  # Gemma's norms start at zero (a scale of one): make them matter
-            param.data.uniform_(-0.5, 0.5)
-    reference.save_pretrained(tmp_path)
+    reference = _tiny_gemma(arch, tmp_path)
+    config = reference.config
     ours = load_hf_config(str(tmp_path))
     model = get_model(str(tmp_path), ours, KernelChoice(torch.float32))
     attention = [layer.self_attn.attn for layer in model.model.layers]
@@ -292,3 +298,21 @@ def test_tiny_gemma_parity(tmp_path, arch):
     assert [a.logits_soft_cap for a in attention] == [config.attn_logit_softcapping] * 3
     assert model.logits_processor.soft_cap == config.final_logit_softcapping
     _check_schedules(model, reference, ours, config.vocab_size, seed=13, block_size=4)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_gguf_parity(tmp_path, arch):
+    """Gemma through a GGUF file written like llama.cpp's: its norms stored as the scale (1 + weight), its four
+    norms' names, the soft caps read from the file, the scores scaled by head_dim ** -0.5 (llama.cpp's rule for
+    all but the 27B models; the file has no query_pre_attn_scalar)."""
+    # llama.cpp's layer types are the config classes' defaults: six layers, Gemma 3's local five and a global one
+    reference = _tiny_gemma(arch, tmp_path, query_pre_attn_scalar=GEMMA[arch][2]["head_dim"], layer_types=None,
+                            num_hidden_layers=6)
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_tiny_gguf(reference, path, arch)
+    config = load_hf_config(path)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
+                "head_dim", "layer_types", "rope_parameters"):
+        assert getattr(config, key) == getattr(reference.config, key), key
+    model = get_model(path, config, KernelChoice(torch.float32))
+    _check_schedules(model, reference, config, config.vocab_size, seed=14, block_size=4)
