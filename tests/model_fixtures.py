@@ -122,7 +122,8 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
                     layer_type: gguf.GGMLQuantizationType | Callable[[str], gguf.GGMLQuantizationType] | None = None
                     ) -> None:
     """Write an HF model as a GGUF the way llama.cpp's converter does,
-    naming tensors with gguf-py's own map and permuting llama q/k rows;
+    naming tensors with gguf-py's own map and permuting llama q/k rows (Gemma: its head size and soft caps in the
+    metadata, its norm weights with their one added, no output tensor: it is tied);
     unquantized, or with the decoder layers' linear weights in ``layer_type``
     (or in the type it gives for each HF module name)."""
     config = model.config
@@ -134,7 +135,8 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    # Gemma 3's parameters per kind of layer: llama.cpp's file holds the global layers' base (its local one is fixed)
+    writer.add_rope_freq_base(config.rope_parameters.get("full_attention", config.rope_parameters)["rope_theta"])
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
@@ -147,11 +149,23 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if getattr(config, "sliding_window", None):  # as llama.cpp's converter writes Phi-3's
         writer.add_sliding_window(config.sliding_window)
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        if config.attn_logit_softcapping is not None:
+            writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        if config.final_logit_softcapping is not None:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
     model_arch = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     name_map = gguf.get_tensor_name_map(model_arch, config.num_hidden_layers)
     for name, tensor in _stacked_experts(model.state_dict()).items():
         base, suffix = name.rsplit(".", 1)
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
         weight = tensor.float().numpy()
+        if gemma and base.endswith("norm"):
+            weight = weight + 1.0
         if base.endswith("shared_expert_gate"):
             weight = weight.reshape(-1)  # llama.cpp's shape for its one row
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):

@@ -259,23 +259,60 @@ def test_tiny_qwen2_bfloat16(tmp_path):
         assert (ours[req] - ref).abs().max().item() < 0.1 * ref.abs().max().item()
 
 
-def test_tiny_gemma3_parity(tmp_path):
-    """Gemma 3: (1 + weight) norms, four a layer, embeddings times sqrt(hidden), GeGLU, q/k norms, scores scaled
-    by query_pre_attn_scalar, and local layers (window 8, their own rope base) beside a global one; the test's
-    sequences outgrow the window."""
-    from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
-    from transformers import Gemma3TextConfig
+GEMMA = {
+    # Gemma 2: its config's default layer types (local, global, local); soft caps that bite: the scaled attention
+    # scores reach ~17 here, the logits ~11; heads of 64 (prefill chunks on the native tiles where they build)
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=64, attn_logit_softcapping=8.0,
+                                                          final_logit_softcapping=3.0)),
+    # Gemma 3: q/k norms, and each kind of layer its own rope base
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=32, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention"])),
+}
 
-    config = Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
-                              sliding_window=8, layer_types=["sliding_attention", "full_attention",
-                                                             "sliding_attention"])
-    reference = _save_tiny(HFGemma3ForCausalLM, config, tmp_path)
+
+def _tiny_gemma(arch: str, directory, **overrides):
+    """transformers' tiny GEMMA[arch] (three layers, a window of 8, ``overrides`` on top), saved in ``directory``."""
+    import transformers
+
+    config_name, model_name, extra = GEMMA[arch]
+    values = {**TINY, "num_hidden_layers": 3, "query_pre_attn_scalar": 24, "sliding_window": 8, **extra, **overrides}
+    reference = _save_tiny(getattr(transformers, model_name), getattr(transformers, config_name)(**values), directory)
     for name, param in reference.named_parameters():
         if name.endswith("norm.weight"):  # Gemma's norms start at zero (a scale of one): make them matter
             param.data.uniform_(-0.5, 0.5)
-    reference.save_pretrained(tmp_path)
+    reference.save_pretrained(directory)
+    return reference
+
+
+@pytest.mark.parametrize("arch", GEMMA)
+def test_tiny_gemma_parity(tmp_path, arch):
+    """Gemma 2 and 3: (1 + weight) norms, four a layer, embeddings times sqrt(hidden), GeGLU, scores scaled by
+    query_pre_attn_scalar, local layers (window 8) beside a global one (the test's sequences outgrow the window),
+    and each its own (GEMMA)."""
+    reference = _tiny_gemma(arch, tmp_path)
+    config = reference.config
     ours = load_hf_config(str(tmp_path))
     model = get_model(str(tmp_path), ours, KernelChoice(torch.float32))
-    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, None, 8]
+    attention = [layer.self_attn.attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attention] == [8, None, 8]
+    assert [a.logits_soft_cap for a in attention] == [config.attn_logit_softcapping] * 3
+    assert model.logits_processor.soft_cap == config.final_logit_softcapping
     _check_schedules(model, reference, ours, config.vocab_size, seed=13, block_size=4)
 
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_tiny_gemma_gguf_parity(tmp_path, arch):
+    """Gemma through a GGUF file written like llama.cpp's: its norms stored as the scale (1 + weight), its four
+    norms' names, the soft caps read from the file, the scores scaled by head_dim ** -0.5 (llama.cpp's rule for
+    all but the 27B models; the file has no query_pre_attn_scalar)."""
+    # llama.cpp's layer types are the config classes' defaults: six layers, Gemma 3's local five and a global one
+    reference = _tiny_gemma(arch, tmp_path, query_pre_attn_scalar=GEMMA[arch][2]["head_dim"], layer_types=None,
+                            num_hidden_layers=6)
+    path = str(tmp_path / f"tiny-{arch}.gguf")
+    write_tiny_gguf(reference, path, arch)
+    config = load_hf_config(path)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
+                "head_dim", "layer_types", "rope_parameters"):
+        assert getattr(config, key) == getattr(reference.config, key), key
+    model = get_model(path, config, KernelChoice(torch.float32))
+    _check_schedules(model, reference, config, config.vocab_size, seed=14, block_size=4)

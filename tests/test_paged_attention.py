@@ -56,13 +56,16 @@ def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     assert not list(tmp_path.rglob("*.so"))
 
 
-def _reference(q, k, v, scale, sliding_window=None):
+def _reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None):
     """q: [Lq, H, D] for the last Lq of the Lk positions in k/v: [Lk, KVH, D]; each query sees the keys up to its
-    own position, with a sliding window only those after its position - sliding_window."""
+    own position, with a sliding window only those after its position - sliding_window; with a soft cap the scores
+    are cap * tanh(score / cap), as transformers' Gemma 2 has them."""
     q, k, v = q.float(), k.float(), v.float()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     lq, lk = q.shape[0], k.shape[0]
     allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
     if sliding_window is not None:
@@ -72,14 +75,14 @@ def _reference(q, k, v, scale, sliding_window=None):
 
 
 def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False,
-              kv_dtype=None, sliding_window=None):
+              kv_dtype=None, sliding_window=None, logits_soft_cap=None):
     """requests: list of (num_cached, num_new). Cached K/V is written to the cache
     beforehand; never-written cache memory is NaN and must not leak into the output.
     The first ``shared_blocks`` blocks (ids and K/V) are common to all requests, as
     prefix caching leaves them; ``consecutive`` allocates block ids in order. ``kv_dtype`` is the cache's dtype
     (default ``dtype``): a bf16 cache under float32 queries holds the keys rounded, and attention must see
-    exactly those, so the reference takes them rounded too. ``sliding_window``: the layer's window, also the
-    reference's. Returns the step's attention plan."""
+    exactly those, so the reference takes them rounded too. ``sliding_window`` and ``logits_soft_cap``: the layer's,
+    also the reference's. Returns the step's attention plan."""
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -126,7 +129,7 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         max_seq_len=max(seq_lens),
     )
     scale = head_dim**-0.5
-    layer = Attention(heads, head_dim, scale, kv_heads, sliding_window=sliding_window)
+    layer = Attention(heads, head_dim, scale, kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)])
     with torch.inference_mode():
@@ -142,10 +145,11 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
         if paired[i]:
-            expected = _reference(q.to(torch.bfloat16), k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window)
+            expected = _reference(q.to(torch.bfloat16), k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window,
+                                  logits_soft_cap)
             torch.testing.assert_close(rows, expected, atol=PAIRED_TOLERANCE, rtol=PAIRED_TOLERANCE)
         else:
-            expected = _reference(q, k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window)
+            expected = _reference(q, k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window, logits_soft_cap)
             torch.testing.assert_close(rows, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
     return plan
 
@@ -310,6 +314,32 @@ def test_sliding_window_takes_no_shared_prefix(low_cascade_threshold, decode_pat
                      sliding_window=sliding_window)
     assert plan.prefix is None
     assert _run_case(requests, 9, 3, 64, 4, torch.float32, seed=1, shared_blocks=3).prefix is not None
+
+
+# Scores here are about N(0, 1) (unit queries and keys, scale head_dim ** -0.5) and reach ~4: caps of 1 and 3 bend
+# most of them and the largest, and a row's capped scores give another softmax than its uncapped ones.
+@pytest.mark.parametrize("logits_soft_cap", [1.0, 3.0])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 2, 128), (6, 2, 8), (8, 1, 16)])
+def test_logit_soft_cap(decode_path, logits_soft_cap, heads, kv_heads, head_dim):
+    """Every path (the decode kernel's bodies, the prefill tiles where head sizes 64 and 128 take them, the torch
+    path's batched decode and per-chunk prefill in plain ops) caps the scores before the softmax."""
+    plan = _run_case(WINDOW_REQUESTS, heads, kv_heads, head_dim, 4, torch.float32, seed=heads,
+                     logits_soft_cap=logits_soft_cap)
+    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128)
+    assert (plan.native_prefill is not None) == native_prefill
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_logit_soft_cap_under_a_window_and_a_shared_prefix(low_cascade_threshold, decode_path, kv_dtype):
+    """Capped scores under a sliding window, and in cascade attention: the shared prefix (the native prefix kernel
+    where the prefill tiles build, else torch's plain ops) and the rest, merged by their capped log-sum-exps."""
+    requests = [(12 + 3 * i, 1) for i in range(6)] + [(13, 6), (20, 17)]
+    _run_case(WINDOW_REQUESTS, 9, 3, 64, 4, torch.float32, seed=2, kv_dtype=kv_dtype, sliding_window=12,
+              logits_soft_cap=2.0)
+    plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=3, shared_blocks=3, kv_dtype=kv_dtype,
+                     logits_soft_cap=2.0)
+    assert plan.prefix is not None
+    assert plan.native_prefix == (decode_path == "native" and native.paged_prefill(kv_dtype) is not None)
 
 
 def test_kv_cache_allocation():

@@ -9,9 +9,12 @@ from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, soft_cap: Optional[float] = None):
+        """``soft_cap`` (vLLM's; Gemma 2's final_logit_softcapping): the logits become soft_cap * tanh(logits /
+        soft_cap), as transformers' Gemma 2 returns them; None leaves them as the LM head makes them."""
         super().__init__()
         self.vocab_size = vocab_size
+        self.soft_cap = soft_cap
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         """Every TP rank calls it (the gather is collective); only TP rank 0 gets the logits, the others None."""
@@ -21,4 +24,7 @@ class LogitsProcessor(nn.Module):
             if logits is None:
                 return None
         # Drop the zero rows that pad the last vocab shard.
-        return logits[..., : self.vocab_size].float()
+        logits = logits[..., : self.vocab_size].float()
+        if self.soft_cap is not None:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        return logits

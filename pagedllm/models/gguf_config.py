@@ -7,6 +7,11 @@ The experts: transformers maps a GGUF's ``expert_count`` and ``expert_used_count
 sizes, and reads a Mixtral file (GGUF architecture ``llama`` with experts) as a dense LlamaConfig. llama.cpp
 renormalises a token's top-k expert weights for Mixtral and Qwen3-MoE and not for Qwen2-MoE (its per-architecture
 default, unless the file says ``expert_weights_norm``).
+
+Gemma: transformers keeps its config class's soft caps (Gemma 2's 50 and 30, Gemma 3's none) over the file's
+``{arch}.attn_logit_softcapping`` and ``final_logit_softcapping``, and the file has no query_pre_attn_scalar:
+llama.cpp scales the scores by head_dim ** -0.5, or for the 27B models (46 layers of Gemma 2, 62 of Gemma 3) by
+(hidden_size / heads) ** -0.5, which is what those models' HF configs say.
 """
 from __future__ import annotations
 
@@ -22,7 +27,23 @@ def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfi
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window is not None and getattr(config, "sliding_window", None) is None:
         config.sliding_window = int(window)
+    if arch in _GEMMA_27B_LAYERS:
+        _set_gemma_attention(config, metadata, arch)
     return _with_experts(config, metadata, arch)
+
+
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _set_gemma_attention(config: PretrainedConfig, metadata: dict, arch: str) -> None:
+    """The soft caps the file has, and the scores' scale as llama.cpp takes it (see the module's docstring)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"{arch}.{key}" in metadata:
+            setattr(config, key, float(metadata[f"{arch}.{key}"]))
+    if config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
 
 
 def _with_experts(config: PretrainedConfig, metadata: dict, arch: str) -> PretrainedConfig:

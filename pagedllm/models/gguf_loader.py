@@ -59,10 +59,18 @@ _MOE_BLOCK_NAMES = {
     },
 }
 _MOE_BLOCK_NAMES["qwen3moe"] = _MOE_BLOCK_NAMES["qwen2moe"]
-# Per architecture, its own block names: phi3 keeps HF's fused q/k/v and gate/up ([gate; up] rows in ffn_up).
+# Per architecture, its own block names: phi3 keeps HF's fused q/k/v and gate/up ([gate; up] rows in ffn_up); Gemma's
+# four norms a layer (its ffn_norm is the MLP's pre-norm, the attention's output has a norm of its own).
+_GEMMA_BLOCK_NAMES = {**_BLOCK_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_BLOCK_NAMES = {
     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "gemma2": _GEMMA_BLOCK_NAMES,
+    "gemma3": _GEMMA_BLOCK_NAMES,
 }
+# llama.cpp's converter stores Gemma's RMS norm weights as the scale itself (1 + HF's weight); the models take HF's
+# offset from one (gemma2.py), so it comes back out, as transformers' GGUF reading does.
+_NORMS_PLUS_ONE = {"gemma2", "gemma3"}
 # llama.cpp's precomputed llama3 rope factors; the model derives them from the config. (Phi-3's longrope factors,
 # rope_factors_long/short, are refused: transformers' GGUF config does not carry the longrope they belong to.)
 _IGNORED = {"rope_freqs"}
@@ -286,6 +294,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
             parts = {suffix: dequantize_fast(data, tensor.tensor_type)}
             if module.endswith("shared_expert_gate"):  # llama.cpp keeps its one row as a vector
                 parts[suffix] = parts[suffix].reshape(1, -1)
+            elif arch in _NORMS_PLUS_ONE and module.endswith("norm"):
+                parts[suffix] = parts[suffix] - 1.0
         for part, array in parts.items():
             # Every part is row-major by output row, so the q/k row permutation applies to each alike.
             if permute and ".attn_q." in tensor.name:

@@ -66,10 +66,11 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, tp_size: int, tp_rank: int,
                  rotary_emb: RotaryEmbedding, quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 qk_norm: bool = False, sliding_window: int | None = None, scale: float | None = None):
+                 qk_norm: bool = False, sliding_window: int | None = None, scale: float | None = None,
+                 logits_soft_cap: float | None = None):
         """``qk_norm``: each query and key head is RMS-normalised before the rotary embedding (Qwen3);
         ``sliding_window``: this layer's window (None: full attention); ``scale``: of the attention scores
-        (default head_dim ** -0.5)."""
+        (default head_dim ** -0.5); ``logits_soft_cap``: the scaled scores' soft cap (Gemma 2's; None: none)."""
         super().__init__()
         self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(
@@ -93,7 +94,7 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb  # one module for all layers: cos/sin once per step
         self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads,
-                              sliding_window=sliding_window)
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         self.q_norm = self.k_norm = None
         if qk_norm:
             self.q_norm = HeadRMSNorm(self.head_dim, eps=config.rms_norm_eps)

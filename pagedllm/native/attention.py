@@ -4,7 +4,9 @@ tensors, derives the sizes and strides the C side wants from them, and, with ``P
 them first (native/checks.py). The calls go through ``graph.launch`` so that CPU graphs can record them.
 
 The library is built once per KV cache dtype (float32, or bf16 with ``-DKV_BF16``); queries, outputs and
-log-sum-exps are float32 either way. Caches are passed flat, ``[num_slots, num_kv_heads, head_size]``.
+log-sum-exps are float32 either way. Caches are passed flat, ``[num_slots, num_kv_heads, head_size]``. Each
+attention kernel takes ``logits_soft_cap`` (vLLM's name; Gemma 2's attn_logit_softcapping): scores become
+cap * tanh(score / cap) before the softmax; None (0 to the C side) leaves them as they are.
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, STRING, CFunct
 PAGED_DECODE = CFunction("paged_decode_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
     "seq_lens", POINTER, "start_pos", "window", INT, "out", "lse", POINTER, "num_reqs", "num_heads", "num_kv_heads",
-    "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
+    "head_size", "block_size", INT, "scale", "softcap", FLOAT, "num_threads", INT))
 PAGED_PREFILL = CFunction("paged_prefill_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
     "query_start", "query_len", "seq_len", POINTER, "start_pos", "window", INT, "out", "lse", POINTER, "num_reqs",
-    "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT, "num_threads", INT))
+    "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", "softcap", FLOAT, "num_threads", INT))
 PAGED_PREFIX = CFunction("paged_prefix_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "prefix_tokens", "num_rows",
-    INT, "out", "lse", POINTER, "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", FLOAT,
+    INT, "out", "lse", POINTER, "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", "softcap", FLOAT,
     "num_threads", INT))
 MERGE_ATTN_STATES = CFunction("merge_attn_states_f32", None, *arguments(
     "out", "out_a", "lse_a", "out_b", "lse_b", POINTER, "rows_heads", INT64, "head_size", INT))
@@ -82,7 +84,7 @@ class PagedDecode(_AttentionKernel):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, start_pos: int, block_size: int,
-                 scale: float, sliding_window: int | None = None) -> None:
+                 scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         """Request r's row q[r] ``[heads, head_size]`` attends to positions start_pos .. seq_lens[r] - 1 (each
         seq_lens[r] > start_pos) of its blocks ``block_table[r]`` (int32, rows may be strided), under a
         ``sliding_window`` only the last that many of them; writes out[r] and lse[r]."""
@@ -99,7 +101,7 @@ class PagedDecode(_AttentionKernel):
                      block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), start_pos,
                      sliding_window or 0, out.data_ptr(),
                      lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1], q.shape[2], block_size, scale,
-                     torch.get_num_threads())
+                     logits_soft_cap or 0.0, torch.get_num_threads())
 
 
 class PagedPrefill(_AttentionKernel):
@@ -110,7 +112,7 @@ class PagedPrefill(_AttentionKernel):
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, *, start_pos: int, block_size: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None) -> None:
         """Chunk r's query rows query_start[r] .. + query_len[r] - 1 of q (``[rows, heads, head_size]``, rows may
         be strided) are the last query_len[r] of its seq_len[r] positions, each seeing start_pos .. itself through
         block_table[r] (contiguous int32), under a ``sliding_window`` only the last that many of those; writes
@@ -128,7 +130,7 @@ class PagedPrefill(_AttentionKernel):
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                      block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
                      start_pos, sliding_window or 0, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1],
-                     k_cache.shape[1], q.shape[2], block_size, scale, torch.get_num_threads())
+                     k_cache.shape[1], q.shape[2], block_size, scale, logits_soft_cap or 0.0, torch.get_num_threads())
 
 
 class PagedPrefix(_AttentionKernel):
@@ -137,7 +139,8 @@ class PagedPrefix(_AttentionKernel):
     SIGNATURE = PAGED_PREFIX
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                 prefix_tokens: int, out: torch.Tensor, lse: torch.Tensor, *, block_size: int, scale: float) -> None:
+                 prefix_tokens: int, out: torch.Tensor, lse: torch.Tensor, *, block_size: int, scale: float,
+                 logits_soft_cap: float | None = None) -> None:
         """Every row of q ``[rows, heads, head_size]`` (rows may be strided) attends to the prefix_tokens positions
         held by the blocks block_ids starts with (int32, contiguous); writes out and lse."""
         if checks.ENABLED:
@@ -148,7 +151,7 @@ class PagedPrefix(_AttentionKernel):
                                k_cache.shape[0])
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                      block_ids.data_ptr(), prefix_tokens, q.shape[0], out.data_ptr(), lse.data_ptr(), q.shape[1],
-                     k_cache.shape[1], q.shape[2], block_size, scale, torch.get_num_threads())
+                     k_cache.shape[1], q.shape[2], block_size, scale, logits_soft_cap or 0.0, torch.get_num_threads())
 
 
 class MergeAttnStates:

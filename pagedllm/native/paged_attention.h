@@ -53,7 +53,22 @@ static inline int window_start(int start_pos, int pos, int window) {
     return window > 0 && pos + 1 - window > start_pos ? pos + 1 - window : start_pos;
 }
 
+/* Attention logit soft-capping (Gemma 2's attn_logit_softcapping, vLLM's logits_soft_cap): a scaled score s becomes
+ * cap * tanh(s / cap) before the softmax; cap 0 means none. The kernels test the cap once per run of scores, not per
+ * score, so a layer without one pays a predictable branch a run. The vector forms take tanh(|x|) = (1 - e) / (1 + e)
+ * with e = exp(-2|x|) <= 1, the softmax's own exp for nonpositive arguments, and give it x's sign back. */
+static inline float softcap1(float s, float cap) { return cap * tanhf(s / cap); }
+
 #if defined(__AVX512F__)
+static inline __m512 softcap16(__m512 s, float cap) {
+    const __m512 x = _mm512_mul_ps(s, _mm512_set1_ps(1.0f / cap));
+    const __m512 e = exp16_nonpositive(_mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-2.0f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i t = _mm512_castps_si512(_mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(t, sign)), _mm512_set1_ps(cap));
+}
+
 /* 16 cache elements as float32. */
 static inline __m512 kv_load16(const kv_t *p) {
 #if defined(KV_BF16)
@@ -65,6 +80,14 @@ static inline __m512 kv_load16(const kv_t *p) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
+static inline __m256 softcap8(__m256 s, float cap) {
+    const __m256 x = _mm256_mul_ps(s, _mm256_set1_ps(1.0f / cap)), sign = _mm256_set1_ps(-0.0f);
+    const __m256 e = exp8_nonpositive(_mm256_mul_ps(_mm256_andnot_ps(sign, x), _mm256_set1_ps(-2.0f)));
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    return _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, x)), _mm256_set1_ps(cap));
+}
+
 /* 8 cache elements as float32. */
 static inline __m256 kv_load8(const kv_t *p) {
 #if defined(KV_BF16)
@@ -76,12 +99,12 @@ static inline __m256 kv_load8(const kv_t *p) {
 #endif
 
 /* The prefill tiles (paged_prefill.c) over num_reqs chunks of query rows, each seeing the positions
- * window_start(start_pos, its own, window) .. min(its own, stop_pos - 1); paged_prefill_f32 and paged_prefix_f32
- * are this with their arguments. Returns -1 for what the tiles do not take (no AVX-512, head size not 64 or 128,
- * group above 16). */
+ * window_start(start_pos, its own, window) .. min(its own, stop_pos - 1), scores soft-capped at softcap (0: not);
+ * paged_prefill_f32 and paged_prefix_f32 are this with their arguments. Returns -1 for what the tiles do not take
+ * (no AVX-512, head size not 64 or 128, group above 16). */
 __attribute__((visibility("hidden"))) int run_prefill(
     const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
     int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len,
     int start_pos, int stop_pos, int window, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads,
-    int head_size, int block_size, float scale, int num_threads);
+    int head_size, int block_size, float scale, float softcap, int num_threads);
 #endif

@@ -19,7 +19,7 @@ typedef struct {
     const int32_t *block_table, *seq_lens;
     int64_t block_table_stride, q_row_stride;
     int start_pos, window, num_heads, num_kv_heads, head_size, block_size;
-    float scale;
+    float scale, softcap; /* softcap 0: scores uncapped (paged_attention.h) */
     float *out, *lse;
 } DecodeArgs;
 
@@ -49,8 +49,11 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
                 float score = 0.0f;
                 for (int i = 0; i < d; i++) score += qg[i] * kv_float(kt[i]);
                 scores[t] = score * a->scale;
-                if (scores[t] > block_max) block_max = scores[t];
             }
+            if (a->softcap > 0.0f)
+                for (int t = 0; t < n; t++) scores[t] = softcap1(scores[t], a->softcap);
+            for (int t = 0; t < n; t++)
+                if (scores[t] > block_max) block_max = scores[t];
             const float rescale = expf(running_max[g] - block_max);
             float *acc_g = acc[g];
             running_sum[g] *= rescale;
@@ -166,7 +169,9 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
                 for (int j = 1; j < VD; j++) s = _mm512_fmadd_ps(qv[g][j], kv_load16(kt + 16 * j), s);
                 partial[t] = s;
             }
-            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum16(partial));
+            __m512 raw = sum16(partial);
+            if (a->softcap > 0.0f) raw = softcap16(raw, a->softcap);
+            const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, raw);
             const __m512 new_max = _mm512_max_ps(running_max[g], _mm512_set1_ps(_mm512_reduce_max_ps(scores)));
             const __m512 rescale = exp16_nonpositive(_mm512_sub_ps(running_max[g], new_max));
             const __m512 w = _mm512_maskz_mov_ps(valid, exp16_nonpositive(_mm512_sub_ps(scores, new_max)));
@@ -272,8 +277,13 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
                                             _CMP_LT_OQ);
         const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
         for (int g = 0; g < GROUP; g++) {
-            const __m256 s0 = _mm256_blendv_ps(minus_inf, sum8(partial[g]), valid0);
-            const __m256 s1 = _mm256_blendv_ps(minus_inf, sum8(partial[g] + 8), valid1);
+            __m256 raw0 = sum8(partial[g]), raw1 = sum8(partial[g] + 8);
+            if (a->softcap > 0.0f) {
+                raw0 = softcap8(raw0, a->softcap);
+                raw1 = softcap8(raw1, a->softcap);
+            }
+            const __m256 s0 = _mm256_blendv_ps(minus_inf, raw0, valid0);
+            const __m256 s1 = _mm256_blendv_ps(minus_inf, raw1, valid1);
             const float run_max = reduce_max8(_mm256_max_ps(s0, s1));
             const float new_max = run_max > running_max[g] ? run_max : running_max[g];
             const __m256 m = _mm256_set1_ps(new_max);
@@ -346,17 +356,17 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
 /* q: [num_reqs, num_heads, head_size], rows q_row_stride floats apart (they may be a view of the fused QKV
  * output); caches: [num_slots, num_kv_heads, head_size]; block_table: [num_reqs, block_table_stride] int32;
  * request r reads positions window_start(start_pos, seq_lens[r] - 1, window) .. seq_lens[r]-1 (each seq_lens[r] >
- * start_pos; window 0: no window, see paged_attention.h). Writes out
+ * start_pos; window 0: no window, see paged_attention.h), its scores soft-capped at softcap (0: not). Writes out
  * [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads]. Returns 0, or -1 for sizes the kernel does
  * not handle. */
 int paged_decode_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                      const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens, int start_pos,
                      int window, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size,
-                     int block_size, float scale, int num_threads) {
+                     int block_size, float scale, float softcap, int num_threads) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
         return -1;
     const DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
-                          window, num_heads, num_kv_heads, head_size, block_size, scale, out, lse};
+                          window, num_heads, num_kv_heads, head_size, block_size, scale, softcap, out, lse};
     const int items = num_reqs * num_kv_heads;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int item = 0; item < items; item++)

@@ -28,7 +28,7 @@ typedef struct {
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
     int64_t block_table_stride, q_row_stride;
     int num_reqs, start_pos, stop_pos, window, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
-    float scale;
+    float scale, softcap; /* softcap 0: scores uncapped (paged_attention.h) */
     float *out, *lse;
 } PrefillArgs;
 
@@ -240,6 +240,9 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         scores_8(qt[0], krow, D, VECS, s);
         scores_8(qt[0], krow + 8, D, VECS, s + 8);
 #endif
+        if (a->softcap > 0.0f)
+            for (int j = 0; j < RUN; j++)
+                for (int h = 0; h < VECS; h++) s[j][h] = softcap16(s[j][h], a->softcap);
         __m512 rescale[MAX_VECS];
         for (int h = 0; h < VECS; h++) {
             __m512 run_max = _mm512_set1_ps(-INFINITY);
@@ -349,7 +352,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                int num_threads) {
+                float softcap, int num_threads) {
     if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 1) return -1;
     const int group = num_heads / num_kv_heads;
     const int vecs = tile_vecs(group), tokens_per_tile = 16 * vecs / group;
@@ -359,7 +362,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
         tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
                            block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, window, num_heads,
-                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, out, lse};
+                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, softcap, out, lse};
     const int items = tile_start[num_reqs] * num_kv_heads;
     /* Dynamic: a tile's cost grows with its position in the prompt. */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -380,7 +383,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                int num_threads) {
+                float softcap, int num_threads) {
     return -1;
 }
 #pragma GCC diagnostic pop
@@ -389,7 +392,8 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
 /* Query rows of num_reqs prefill chunks: request r's are rows query_start[r] .. + query_len[r] - 1 of q
  * [rows, num_heads, head_size] (rows q_row_stride floats apart: a view of the QKV projection's output is read in
  * place), the last query_len[r] of its seq_len[r] positions; each sees the positions start_pos .. its own, under a
- * sliding window (window > 0; 0: none) only the last window of them (window_start in paged_attention.h). Writes
+ * sliding window (window > 0; 0: none) only the last window of them (window_start in paged_attention.h), the scores
+ * soft-capped at softcap (0: not). Writes
  * those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks' arrays are read when the
  * kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1 for what it does not
  * handle (no AVX-512, head size not 64 or 128, group > 16). */
@@ -397,8 +401,8 @@ int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache,
                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                       const int32_t *query_len, const int32_t *seq_len, int start_pos, int window, float *out,
                       float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,
-                      float scale, int num_threads) {
+                      float scale, float softcap, int num_threads) {
     return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, block_table_stride,
                        query_start, query_len, seq_len, start_pos, INT32_MAX, window, out, lse, num_reqs, num_heads,
-                       num_kv_heads, head_size, block_size, scale, num_threads);
+                       num_kv_heads, head_size, block_size, scale, softcap, num_threads);
 }

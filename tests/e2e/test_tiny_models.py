@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, running_llm
@@ -35,6 +35,10 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
     # Gemma 3: a local layer (window 8, its own rope base) and a global one
     (Gemma3TextConfig, Gemma3ForCausalLM, {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
                                            "layer_types": ["sliding_attention", "full_attention"]}),
+    # Gemma 2: its default layer types (local, global), soft caps that bite (scaled scores reach ~75 here, logits
+    # ~35; a final cap of a few would tie the top logits at the cap in float32)
+    (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
+                                       "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
 ])
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
     reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra)

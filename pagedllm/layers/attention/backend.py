@@ -13,9 +13,11 @@ class AttentionImpl(ABC):
     """Computes attention for one layer over the paged KV cache."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         """``sliding_window``: the query at position p attends only to the keys at positions > p - sliding_window
-        (transformers' sliding_window_overlay, vLLM's per-layer sliding_window); None attends to all before it."""
+        (transformers' sliding_window_overlay, vLLM's per-layer sliding_window); None attends to all before it.
+        ``logits_soft_cap`` (vLLM's name; Gemma 2's attn_logit_softcapping): the scaled scores become
+        cap * tanh(score / cap) before the softmax; None (or 0) leaves them as they are."""
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.num_heads = num_heads
@@ -24,6 +26,7 @@ class AttentionImpl(ABC):
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads  # query heads per KV head
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap or None
 
     @abstractmethod
     def forward(

@@ -9,7 +9,10 @@ the longest one, and each prefill chunk is one call, causal inside the chunk and
 earlier tokens. A prefix of blocks that every request shares is attended once for all rows and merged by
 log-sum-exp (cascade attention). A layer with a sliding window has every path read only each query's window (the
 kernels start each row's history at its window, the torch paths mask or narrow what they gather), and no cascade
-attention (cpu_plan.build_plan says why). Only slots below a request's ``seq_len`` are ever read, so never-written cache
+attention (cpu_plan.build_plan says why). A layer with a logit soft cap (Gemma 2's) has every path cap its scores
+before the softmax: the kernels take the cap as an argument, the torch paths, whose flash kernel has no place for
+it, compute such a layer's attention in plain ops (_soft_capped_with_lse); cascade attention stays, both partial
+softmaxes over capped scores. Only slots below a request's ``seq_len`` are ever read, so never-written cache
 memory (even NaN garbage) cannot leak into the result.
 
 The cache may hold bf16 while queries are float32 (a bfloat16 model with float32 activations, see
@@ -28,10 +31,25 @@ from pagedllm.layers.attention.metadata import AttentionMetadata
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def _soft_capped_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+                          is_causal: bool, scale: float, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """What _flash_with_lse returns (the output in q's dtype, the float32 log-sum-exps ``[B, H, Lq]``) with the
+    scaled scores soft-capped, cap * tanh(score / cap), before the mask and the softmax, as transformers' eager
+    attention does. q ``[B, H, Lq, D]``, k and v ``[B, H, Lk, D]``; ``is_causal`` as flash's (top-left aligned)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale / cap).tanh_().mul_(cap)
+    if is_causal:
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool).triu_(1), float("-inf"))
+    if attn_mask is not None:
+        scores += attn_mask
+    lse = scores.logsumexp(-1)
+    out = torch.matmul(scores.sub_(lse.unsqueeze(-1)).exp_(), v.float())
+    return out.to(q.dtype), lse
+
+
 class TorchSDPABackendImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
-        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window)
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+        super().__init__(num_heads, head_size, scale, num_kv_heads, sliding_window, logits_soft_cap)
         library = native.paged_attention()  # the sizes the kernels take do not depend on the cache's dtype
         self.native_decode_sizes = self.group <= MAX_GROUP and head_size <= MAX_HEAD_SIZE
         self.native_prefill_sizes = library is not None and library.prefill_supports(num_heads, num_kv_heads,
@@ -95,7 +113,14 @@ class TorchSDPABackendImpl(AttentionImpl):
         native.paged_prefill(key_flat.dtype)(
             self._rows_as_read(query), key_flat, value_flat, chunks.block_table, chunks.query_start, chunks.query_len,
             chunks.seq_len, out, lse, start_pos=plan.prefix.num_tokens if plan.prefix else 0,
-            block_size=plan.block_size, scale=self.scale, sliding_window=self.sliding_window)
+            block_size=plan.block_size, scale=self.scale, sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap)
+
+    def _attend(self, q, k, v, attn_mask=None, is_causal=False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch paths' attention with its log-sum-exp: torch's flash kernel, or under a soft cap plain ops."""
+        if self.logits_soft_cap is None:
+            return _flash_with_lse(q, k, v, is_causal=is_causal, attn_mask=attn_mask, scale=self.scale)
+        return _soft_capped_with_lse(q, k, v, attn_mask, is_causal, self.scale, self.logits_soft_cap)
 
     def _rows_as_read(self, query: torch.Tensor) -> torch.Tensor:
         """The query rows as the kernels taking a row stride read them: in place when each row's heads are
@@ -120,7 +145,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         native.paged_decode(key_flat.dtype)(
             q, key_flat, value_flat, plan.decode_block_table, plan.decode_seq_lens, out_rows, lse_rows,
             start_pos=plan.prefix.num_tokens if plan.prefix else 0, block_size=plan.block_size, scale=self.scale,
-            sliding_window=self.sliding_window)
+            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
         if not plan.decode_only:
             out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
             lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
@@ -133,7 +158,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         shape = (num_reqs, plan.decode_seq_len, self.num_kv_heads, self.head_size)
         k = key_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2).to(query.dtype)
         v = value_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2).to(query.dtype)
-        out_rows, lse_rows = _flash_with_lse(q, k, v, attn_mask=plan.decode_mask, scale=self.scale)
+        out_rows, lse_rows = self._attend(q, k, v, attn_mask=plan.decode_mask)
         out.index_copy_(0, plan.decode_rows, out_rows)
         lse.index_copy_(0, plan.decode_rows, lse_rows)
 
@@ -149,8 +174,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         k, v = k.to(key_flat.dtype).to(query.dtype), v.to(value_flat.dtype).to(query.dtype)
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
-        out_rows, lse_rows = _flash_with_lse(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                                             is_causal=chunk.mask is None, attn_mask=chunk.mask, scale=self.scale)
+        out_rows, lse_rows = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                                          attn_mask=chunk.mask, is_causal=chunk.mask is None)
         rows = (-1, self.num_kv_heads, self.group)
         out[chunk.start : chunk.end] = out_rows[0].transpose(0, 1).view(*rows, self.head_size)
         lse[chunk.start : chunk.end] = lse_rows[0].transpose(0, 1).view(*rows)
@@ -170,9 +195,9 @@ class TorchSDPABackendImpl(AttentionImpl):
             v_prefix = value_flat.index_select(0, prefix.slots).to(query.dtype)
         # All rows' query groups folded into one query axis per KV head: [1, KVH, T * group, D].
         q = query.view(num_tokens, self.num_kv_heads, self.group, self.head_size).transpose(0, 1)
-        out_prefix, lse_prefix = _flash_with_lse(
+        out_prefix, lse_prefix = self._attend(
             q.reshape(1, self.num_kv_heads, num_tokens * self.group, self.head_size),
-            k_prefix.transpose(0, 1).unsqueeze(0), v_prefix.transpose(0, 1).unsqueeze(0), scale=self.scale)
+            k_prefix.transpose(0, 1).unsqueeze(0), v_prefix.transpose(0, 1).unsqueeze(0))
         out_prefix = out_prefix.view(self.num_kv_heads, num_tokens, self.group, self.head_size).transpose(0, 1)
         lse_prefix = lse_prefix.view(self.num_kv_heads, num_tokens, self.group).transpose(0, 1)
 
@@ -191,7 +216,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         prefix_attention, merge = native.cascade(key_flat.dtype)
         out_prefix, lse_prefix = torch.empty_like(out_rest), torch.empty_like(lse_rest)
         prefix_attention(q, key_flat, value_flat, plan.prefix.block_ids, plan.prefix.num_tokens, out_prefix, lse_prefix,
-                         block_size=plan.block_size, scale=self.scale)
+                         block_size=plan.block_size, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
         merged = torch.empty_like(out_rest)
         merge(merged, out_prefix, lse_prefix, out_rest, lse_rest)
         return merged

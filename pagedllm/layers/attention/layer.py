@@ -10,18 +10,21 @@ from pagedllm.layers.attention.selector import get_attn_backend
 
 class Attention(nn.Module):
     """Paged attention over flattened ``[T, heads * head_size]`` projections; with ``sliding_window`` (vLLM's
-    per-layer sliding window) a query attends only to the last ``sliding_window`` positions up to its own."""
+    per-layer sliding window) a query attends only to the last ``sliding_window`` positions up to its own; with
+    ``logits_soft_cap`` its scores are soft-capped (AttentionImpl says how)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 device: torch.device | str = "cpu", sliding_window: int | None = None):
+                 device: torch.device | str = "cpu", sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.backend = get_attn_backend(device)
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
-                                                sliding_window=sliding_window)
+                                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -39,5 +42,6 @@ class Attention(nn.Module):
         return (
             f"num_heads={self.num_heads}, head_size={self.head_size}, "
             f"num_kv_heads={self.num_kv_heads}, sliding_window={self.sliding_window}, "
+            f"logits_soft_cap={self.logits_soft_cap}, "
             f"backend={self.backend.get_name()}"
         )
