@@ -170,7 +170,8 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         for (int g = 0; g < GROUP; g++) {
             __m512 partial[RUN];
             for (int t = 0; t < RUN; t++) {
-                if (g == GROUP / 2) prefetch_slot(&next, t, ROW_LINES(KV_ROW(16 * VD))); /* middle head: fetches hide best */
+                /* from the middle head, where the fetches hide best */
+                if (g == GROUP / 2) prefetch_slot(&next, t, ROW_LINES(KV_ROW(16 * VD)));
                 if (t >= n) {
                     partial[t] = _mm512_setzero_ps();
                     continue;
