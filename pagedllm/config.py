@@ -10,6 +10,15 @@ from typing import Optional
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 
 
+# vLLM's kv_cache_dtype choices (what each stores: kv_cache_dtype.py), and int8.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+def check_kv_cache_dtype(cache_dtype: str) -> None:
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {cache_dtype!r}")
+
+
 def head_dim(hf_config) -> int:
     """Per-head size: explicit in newer configs, else hidden_size split evenly over the attention heads."""
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
@@ -69,10 +78,13 @@ class CacheConfig:
     # the models (EngineArgs sets it); None where some layer attends to everything. With it the KV cache manager
     # frees a request's blocks that fell out of every window (vLLM's SlidingWindowManager).
     sliding_window: Optional[int] = None
+    # The cache's element type (vLLM's kv_cache_dtype; kv_cache_dtype.py): "auto" is the model's.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        check_kv_cache_dtype(self.cache_dtype)
 
 
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

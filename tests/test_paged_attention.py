@@ -12,8 +12,12 @@ from hypothesis import strategies as st
 from pagedllm import native
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
 from pagedllm.layers.attention.layer import Attention
+from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+# A one-byte cache's element is worth code x its row's scale: the kernels multiply a row's dot product (or softmax
+# weight) by the scale once, the reference each element first, a float32 rounding apart.
+QUANTIZED_TOLERANCE = 1e-4
 # Rows the prefill tiles attend in bf16 pairs (native.paged_prefill_pairs) have their queries and softmax weights
 # rounded to bf16. The reference rounds the queries too; the weights' rounding (up to 2^-9 of each) moves an output
 # by up to ~2^-9 of the values it averages, which reach ~4 here: this bound.
@@ -22,7 +26,6 @@ PAIRED_TOLERANCE = 1e-2
 
 # The decode kernel's bodies below the best this CPU has, built by turning instruction sets off.
 LESSER_BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
-KV_DTYPES = (torch.float32, torch.bfloat16)  # the native kernels' caches (float32 queries either way)
 
 
 @pytest.fixture(autouse=True, params=["native", "avx2", "portable", "torch"])
@@ -35,8 +38,8 @@ def decode_path(request, monkeypatch):
         monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
     elif request.param in LESSER_BUILDS:
         flags = LESSER_BUILDS[request.param]
-        lesser = {kv: native.paged_decode(kv, flags) for kv in KV_DTYPES}
-        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: lesser[kv_dtype])
+        build = native.paged_decode  # each cache dtype's lesser build made when a case first asks for it
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: build(kv_dtype, flags))
         assert native.paged_prefill(torch.float32, flags) is None
         monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
     return request.param
@@ -88,8 +91,11 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     rng = random.Random(seed)
     blocks_needed = [-(-(c + n) // block_size) for c, n in requests]
     num_blocks = sum(blocks_needed) + 3
-    key_cache, value_cache = (torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"),
-                                         dtype=kv_dtype) for _ in range(2))
+    width = row_width(head_dim, kv_dtype)
+    # NaN everywhere (in an int8 cache, all bytes 0xff: each row's scale a NaN)
+    key_cache, value_cache = (torch.full((num_blocks, block_size, kv_heads, width),
+                                         -1 if kv_dtype == torch.int8 else float("nan"), dtype=kv_dtype)
+                              for _ in range(2))
     free = list(range(num_blocks))[::-1]
     if not consecutive:
         rng.shuffle(free)
@@ -97,8 +103,8 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     block_ids = [shared_ids + [free.pop() for _ in range(n - shared_blocks)] for n in blocks_needed]
     shared_k = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
     shared_v = torch.randn(shared_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    width = max(blocks_needed) + 2
-    block_table = torch.tensor([ids + [rng.randrange(num_blocks)] * (width - len(ids)) for ids in block_ids],
+    table_width = max(blocks_needed) + 2
+    block_table = torch.tensor([ids + [rng.randrange(num_blocks)] * (table_width - len(ids)) for ids in block_ids],
                                dtype=torch.int32)
 
     def slot(i, pos):
@@ -110,8 +116,8 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         v = torch.randn(cached + new, kv_heads, head_dim, generator=gen).to(dtype)
         k[: len(shared_k)], v[: len(shared_v)] = shared_k, shared_v
         for pos in range(cached):
-            key_cache.view(-1, kv_heads, head_dim)[slot(i, pos)] = k[pos]
-            value_cache.view(-1, kv_heads, head_dim)[slot(i, pos)] = v[pos]
+            key_cache.view(-1, kv_heads, width)[slot(i, pos)] = quantize_rows(k[pos], kv_dtype)
+            value_cache.view(-1, kv_heads, width)[slot(i, pos)] = quantize_rows(v[pos], kv_dtype)
         full_k.append(k)
         full_v.append(v)
         qs.append(torch.randn(new, heads, head_dim, generator=gen).to(dtype))
@@ -136,21 +142,25 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         out = layer(torch.cat(qs).flatten(1), new_k.flatten(1), new_v.flatten(1), (key_cache, value_cache), metadata)
     assert out.dtype == dtype and out.shape == (qsl[-1], heads * head_dim)
 
-    # This step's K/V landed in the cache.
-    assert torch.equal(key_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_k.to(kv_dtype))
-    assert torch.equal(value_cache.view(-1, kv_heads, head_dim)[metadata.slot_mapping], new_v.to(kv_dtype))
+    # This step's K/V landed in the cache, as the torch path quantizes them (byte for byte where one byte each).
+    for cache, new in ((key_cache, new_k), (value_cache, new_v)):
+        written, expected_rows = cache.view(-1, kv_heads, width)[metadata.slot_mapping], quantize_rows(new, kv_dtype)
+        if kv_dtype.itemsize == 1:
+            written, expected_rows = written.view(torch.uint8), expected_rows.view(torch.uint8)
+        assert torch.equal(written, expected_rows)
     plan = metadata.backend_cache["torch_sdpa", sliding_window]
     paired = [kv_dtype == torch.bfloat16 and native.paged_prefill_pairs(kv_dtype) and (
         plan.native_prefix or (plan.native_prefill is not None and new > 1)) for _, new in requests]
     for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
+        k, v = (dequantize_rows(quantize_rows(x, kv_dtype), head_dim, torch.float32) for x in (k, v))  # as cached
         if paired[i]:
-            expected = _reference(q.to(torch.bfloat16), k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window,
-                                  logits_soft_cap)
+            expected = _reference(q.to(torch.bfloat16), k, v, scale, sliding_window, logits_soft_cap)
             torch.testing.assert_close(rows, expected, atol=PAIRED_TOLERANCE, rtol=PAIRED_TOLERANCE)
         else:
-            expected = _reference(q, k.to(kv_dtype), v.to(kv_dtype), scale, sliding_window, logits_soft_cap)
-            torch.testing.assert_close(rows, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+            expected = _reference(q, k, v, scale, sliding_window, logits_soft_cap)
+            tolerance = TOLERANCE[dtype] if kv_dtype.itemsize > 1 else QUANTIZED_TOLERANCE
+            torch.testing.assert_close(rows, expected, atol=tolerance, rtol=tolerance)
     return plan
 
 
@@ -351,3 +361,34 @@ def test_kv_cache_allocation():
     for key_cache, value_cache in caches:
         assert key_cache.shape == value_cache.shape == (10, 16, 3, 64)
         assert key_cache.dtype == torch.bfloat16 and not key_cache.any()
+
+
+QUANTIZED = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)  # the one-byte kv_cache_dtypes
+
+
+@pytest.fixture
+def quantized_path(decode_path, kv_dtype):
+    """The one-byte caches on the native path and the torch path; the lesser decode bodies only for the caches
+    whose widening they do differently (e4m3's and int8's; each lesser build costs the suite a compile)."""
+    if decode_path == "portable" and kv_dtype != torch.int8 or decode_path == "avx2" and kv_dtype == torch.float8_e5m2:
+        pytest.skip("covered by the other caches' lesser builds")
+    return decode_path
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantized_cache(quantized_path, kv_dtype):
+    """fp8 and int8 caches (kv_cache_dtype): every kernel reads exactly the values the write quantized (the
+    reference attends to the dequantized rows), on decode rows, prefill tiles and windows, NaN never leaking."""
+    requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
+    plan = _run_case(requests, 9, 3, 64, 16, torch.float32, seed=7, kv_dtype=kv_dtype)
+    assert (plan.native_prefill is not None) == (quantized_path == "native"
+                                                 and native.paged_prefill(kv_dtype) is not None)
+    _run_case(requests, 8, 2, 128, 4, torch.float32, seed=8, kv_dtype=kv_dtype, sliding_window=13)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANTIZED)
+def test_quantized_cache_after_a_shared_prefix(low_cascade_threshold, quantized_path, kv_dtype):
+    requests = [(12 + 3 * i, 1) for i in range(11)] + [(13, 6)]
+    plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=5, shared_blocks=3, kv_dtype=kv_dtype)
+    assert plan.native_prefix == (quantized_path == "native" and native.paged_prefill(kv_dtype) is not None)
+

@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, common_window)
+                             SpeculativeConfig, check_kv_cache_dtype, common_window)
 from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
@@ -48,6 +48,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     kv_cache_memory: Optional[Union[int, str]] = None
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: Optional[int] = None
     seed: int = 0
     quantization: Optional[str] = None
@@ -68,6 +69,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
+        check_kv_cache_dtype(self.kv_cache_dtype)
         speculative_config = self.speculative_config
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -105,6 +107,7 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks,
+                                     cache_dtype=self.kv_cache_dtype,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,

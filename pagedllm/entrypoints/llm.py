@@ -23,7 +23,7 @@ class LLM:
     """Generates text for a batch of prompts with continuous batching and a paged KV cache.
 
     Keyword arguments are EngineArgs fields: dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-    block_size, enable_prefix_caching, kv_cache_memory (bytes or "2GiB"), seed, scheduling_policy, ...
+    block_size, enable_prefix_caching, kv_cache_memory (bytes or "2GiB"), kv_cache_dtype, seed, scheduling_policy, ...
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:

@@ -33,13 +33,15 @@ from pagedllm.native.lora_ops import LORA_SIGNATURES
 
 _build = build.build  # (library, extra_flags) -> path or None; tests call it directly
 
-_KV_FLAGS = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",)}  # the attention library's build per cache dtype
+# The attention library's build per cache dtype (paged_attention.h): float32, bf16, and the one-byte kv_cache_dtypes.
+_KV_FLAGS = {torch.float32: (), torch.bfloat16: ("-DKV_BF16",), torch.float8_e4m3fn: ("-DKV_FP8_E4M3",),
+             torch.float8_e5m2: ("-DKV_FP8_E5M2",), torch.int8: ("-DKV_INT8",)}
 
 
 @functools.cache
 def paged_attention(kv_dtype: torch.dtype = torch.float32,
                     extra_flags: tuple[str, ...] = ()) -> PagedAttentionLibrary | None:
-    """The paged-attention library for a float32 or bf16 KV cache, or None."""
+    """The paged-attention library for a KV cache of any dtype in _KV_FLAGS, or None."""
     flags = _KV_FLAGS.get(kv_dtype)
     if flags is None:
         return None
@@ -48,13 +50,13 @@ def paged_attention(kv_dtype: torch.dtype = torch.float32,
 
 
 def paged_decode(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()) -> PagedDecode | None:
-    """Decode rows over a float32 or bf16 KV cache (paged_decode_f32), or None."""
+    """Decode rows over a KV cache of any dtype in _KV_FLAGS (paged_decode_f32), or None."""
     library = paged_attention(kv_dtype, extra_flags)
     return None if library is None else library.decode
 
 
 def paged_prefill(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()) -> PagedPrefill | None:
-    """Prefill tiles over a float32 or bf16 KV cache (paged_prefill_f32), or None, also where the CPU has no
+    """Prefill tiles over a KV cache of any dtype in _KV_FLAGS (paged_prefill_f32), or None, also where the CPU has no
     AVX-512."""
     library = paged_attention(kv_dtype, extra_flags)
     return None if library is None else library.prefill
@@ -77,7 +79,7 @@ def cascade(kv_dtype: torch.dtype = torch.float32) -> tuple[PagedPrefix, MergeAt
 
 
 def prebuild() -> None:
-    """Builds every library the engine may load here (both attention builds) at the same time, so that an empty
+    """Builds every library the engine may load here (every attention build) at the same time, so that an empty
     cache fills in about the time of the slowest one; the doctor's first step."""
     if build.mode() != "0":
         build.build_all([(library, ()) for library in build.LIBRARIES]

@@ -3,10 +3,12 @@ paged_attention.h): each C function declared once by name (its CFunction) and ca
 tensors, derives the sizes and strides the C side wants from them, and, with ``PAGEDLLM_NATIVE_CHECKS=1``, checks
 them first (native/checks.py). The calls go through ``graph.launch`` so that CPU graphs can record them.
 
-The library is built once per KV cache dtype (float32, or bf16 with ``-DKV_BF16``); queries, outputs and
-log-sum-exps are float32 either way. Caches are passed flat, ``[num_slots, num_kv_heads, head_size]``. Each
-attention kernel takes ``logits_soft_cap`` (vLLM's name; Gemma 2's attn_logit_softcapping): scores become
-cap * tanh(score / cap) before the softmax; None (0 to the C side) leaves them as they are.
+The library is built once per KV cache dtype (float32; bf16 with ``-DKV_BF16``; the kv_cache_dtypes fp8_e4m3, fp8_e5m2
+and int8 with ``-DKV_FP8_E4M3``, ``-DKV_FP8_E5M2``, ``-DKV_INT8``); queries, outputs and log-sum-exps are float32
+whatever it is. Caches are passed flat, ``[num_slots, num_kv_heads, row_width]`` (kv_cache_dtype.row_width: the head
+size, and for int8 the bytes of each row's scale after it). Each attention kernel takes ``logits_soft_cap`` (vLLM's
+name; Gemma 2's attn_logit_softcapping): scores become cap * tanh(score / cap) before the softmax; None (0 to the C
+side) leaves them as they are.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import ctypes
 
 import torch
 
+from pagedllm.kv_cache_dtype import row_width
 from pagedllm.native import checks
 from pagedllm.native.checks import check_block_tables, expect, require
 from pagedllm.native.graph import launch
@@ -51,7 +54,7 @@ def _check_rows(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     expect(kernel, "q", q, torch.float32, (rows, None, None), dense_rows=True)
     heads, head_size = q.shape[1], q.shape[2]
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        expect(kernel, name, cache, kv_dtype, (None, None, head_size), contiguous=True)
+        expect(kernel, name, cache, kv_dtype, (None, None, row_width(head_size, kv_dtype)), contiguous=True)
     require(kernel, k_cache.shape == v_cache.shape, "k_cache and v_cache differ in shape")
     require(kernel, heads % k_cache.shape[1] == 0 and heads // k_cache.shape[1] <= MAX_GROUP,
             f"{heads} query heads do not group over {k_cache.shape[1]} KV heads (at most {MAX_GROUP} a group)")

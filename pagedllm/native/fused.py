@@ -10,6 +10,7 @@ relations between the arguments (shapes, lengths) are checked before a call too 
 import torch
 
 from pagedllm import native
+from pagedllm.kv_cache_dtype import row_width
 from pagedllm.native import checks
 from pagedllm.native.checks import require
 from pagedllm.native.graph import launch
@@ -33,6 +34,9 @@ FUSED_SIGNATURES = (
                                                   INT, "vocab_rows", INT64, "scale", FLOAT)),
     CFunction("write_kv_f32", INT, *_WRITE_KV_ARGS),
     CFunction("write_kv_bf16", INT, *_WRITE_KV_ARGS),
+    CFunction("write_kv_fp8_e4m3", INT, *_WRITE_KV_ARGS),
+    CFunction("write_kv_fp8_e5m2", INT, *_WRITE_KV_ARGS),
+    CFunction("write_kv_int8", INT, *_WRITE_KV_ARGS, *arguments("head_size", INT)),
     CFunction("argmax_rows_f32", None, *arguments("x", POINTER, "rows", "cols", INT64, "out", POINTER)),
 )
 
@@ -143,14 +147,16 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
     return out
 
 
-_WRITE_KV = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16"}  # by the cache's dtype
+# by the cache's dtype (write_kv_quantized.c for the one-byte ones)
+_WRITE_KV = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16", torch.float8_e4m3fn: "write_kv_fp8_e4m3",
+             torch.float8_e5m2: "write_kv_fp8_e5m2", torch.int8: "write_kv_int8"}
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
              slot_mapping: torch.Tensor) -> bool:
     """``key_flat[slot_mapping] = key`` and the same for value, for float32 ``[T, kv_heads, head_size]`` rows
-    that may be strided views of the QKV output, into a float32 or bf16 cache (rounded to nearest even); False
-    when it does not apply."""
+    that may be strided views of the QKV output, into a cache of any kv_cache_dtype (rounded or quantized as
+    kv_cache_dtype.quantize_rows does); False when it does not apply."""
     lib = _lib_for(key, value)
     kernel = _WRITE_KV.get(key_flat.dtype)
     row_floats = key.shape[1] * key.shape[2]
@@ -162,11 +168,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, val
         return False
     if checks.ENABLED:
         require(kernel, key.shape == value.shape and key_flat.shape == value_flat.shape
-                and key_flat.shape[1:] == key.shape[1:] and slot_mapping.shape == (key.shape[0],),
+                and key_flat.shape[1:] == (*key.shape[1:2], row_width(key.shape[2], key_flat.dtype))
+                and slot_mapping.shape == (key.shape[0],),
                 f"key/value {tuple(key.shape)}, caches {tuple(key_flat.shape)}, slots {tuple(slot_mapping.shape)} "
                 "do not fit")
+    head_size = (key.shape[2],) if key_flat.dtype == torch.int8 else ()
     if launch(getattr(lib, kernel), key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(),
-              value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats) != 0:
+              value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats,
+              *head_size) != 0:
         raise IndexError(f"slot_mapping holds a slot outside the KV cache's {key_flat.shape[0]} slots")
     return True
 

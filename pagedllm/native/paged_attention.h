@@ -2,11 +2,18 @@
  * paged_cascade.c: cascade attention's shared prefix and the merge), built together into one library per KV cache
  * dtype by native/build.py.
  *
- * The cache is [num_slots, num_kv_heads, head_size] per layer for K and for V, slot = block * block_size + offset,
- * and holds float32, or, built with -DKV_BF16, bf16 (the top half of a float32: a bfloat16 model whose activations
- * are float32, see platforms/cpu.KernelChoice). Queries, outputs and all arithmetic stay float32; bf16 elements
- * widen as they load. A request's history is read through its block table in runs of up to RUN consecutive slots
- * (never crossing a block), each one step of an online softmax.
+ * The cache is [num_slots, num_kv_heads, KV_ROW(head_size)] per layer for K and for V, slot = block * block_size +
+ * offset, and holds float32, or, built with
+ * - -DKV_BF16: bf16 (the top half of a float32: a bfloat16 model whose activations are float32, see
+ *   platforms/cpu.KernelChoice);
+ * - -DKV_FP8_E4M3 / -DKV_FP8_E5M2: one byte an element, fp8 (vLLM's kv_cache_dtype fp8_e4m3 / fp8_e5m2, scale 1);
+ * - -DKV_INT8: one signed byte an element, each head's row of head_size followed by its float32 scale (4 bytes:
+ *   max |x| / 127 over the row, written by fused_ops.c's write_kv_int8).
+ * Queries, outputs and all arithmetic stay float32. An element widens as it loads (kv_float, kv_load16, kv_load8)
+ * and is worth that times its row's kv_row_scale: the int8 row's own scale; for e4m3 2^8, as its bits widen
+ * through float16's (whose exponent bias is 8 more); otherwise 1. The kernels apply a row's scale once per row (to
+ * its score, or to its softmax weight), not per element. A request's history is read through its block table in
+ * runs of up to RUN consecutive slots (never crossing a block), each one step of an online softmax.
  *
  * Threads: OpenMP, linked against the libgomp.so.1 torch has already loaded, so the parallel loops run on torch's
  * own worker threads instead of competing with them.
@@ -29,10 +36,54 @@ static inline float kv_float(kv_t x) {
     const union { uint32_t bits; float value; } widened = {(uint32_t)x << 16};
     return widened.value;
 }
+#elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
+typedef uint8_t kv_t;
+#define KV_ROW_SCALED 1
+/* The float16 whose top bits the fp8 element's are (e5m2 is float16's top byte; e4m3's exponent and mantissa sit
+ * one bit lower, so its float16 is the element's value / 2^8), exactly. */
+static inline uint16_t kv_half_bits(kv_t x) {
+#if defined(KV_FP8_E4M3)
+    return (uint16_t)(((x & 0x80u) << 8) | ((x & 0x7Fu) << 7));
 #else
+    return (uint16_t)(x << 8);
+#endif
+}
+static inline float kv_float(kv_t x) {
+    const uint16_t h = kv_half_bits(x);
+    const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+    const float magnitude = exponent ? ldexpf((float)(1024 + mantissa), exponent - 25) : ldexpf((float)mantissa, -24);
+    return h & 0x8000u ? -magnitude : magnitude;
+}
+#elif defined(KV_INT8)
+typedef int8_t kv_t;
+#define KV_ROW_SCALED 1
+#define KV_ROW_EXTRA 4 /* bytes after each head's row: its float32 scale */
+static inline float kv_float(kv_t x) { return (float)x; }
+#else
+#define KV_F32 1
 typedef float kv_t;
 static inline float kv_float(kv_t x) { return x; }
 #endif
+#if !defined(KV_ROW_EXTRA)
+#define KV_ROW_EXTRA 0
+#endif
+/* Cache elements between one head's row and the next. */
+#define KV_ROW(head_size) ((head_size) + KV_ROW_EXTRA)
+
+/* What the elements of the head's row at `row` (head_size of them) are worth per unit kv_float (see above). */
+static inline float kv_row_scale(const kv_t *row, int head_size) {
+#if defined(KV_INT8)
+    float scale;
+    memcpy(&scale, row + head_size, sizeof scale);
+    return scale;
+#elif defined(KV_FP8_E4M3)
+    (void)row, (void)head_size;
+    return 256.0f;
+#else
+    (void)row, (void)head_size;
+    return 1.0f;
+#endif
+}
 
 /* Length of the run of consecutive slots starting at pos (stays inside one block, at most RUN, not past seq_len),
  * and its first slot. */
@@ -73,6 +124,15 @@ static inline __m512 softcap16(__m512 s, float cap) {
 static inline __m512 kv_load16(const kv_t *p) {
 #if defined(KV_BF16)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+#elif defined(KV_FP8_E4M3)
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+#elif defined(KV_FP8_E5M2)
+    return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
+#elif defined(KV_INT8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 #else
     return _mm512_loadu_ps(p);
 #endif
@@ -92,6 +152,14 @@ static inline __m256 softcap8(__m256 s, float cap) {
 static inline __m256 kv_load8(const kv_t *p) {
 #if defined(KV_BF16)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#elif defined(KV_FP8_E4M3)
+    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7)));
+#elif defined(KV_FP8_E5M2)
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+#elif defined(KV_INT8)
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 #else
     return _mm256_loadu_ps(p);
 #endif

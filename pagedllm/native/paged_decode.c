@@ -28,7 +28,7 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     const int group = a->num_heads / a->num_kv_heads, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * group * d;
-    const int64_t row_stride = (int64_t)a->num_kv_heads * d; /* floats between consecutive slots */
+    const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(d); /* elements between consecutive slots */
     const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
     float acc[MAX_GROUP][MAX_HEAD_SIZE], running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (int g = 0; g < group; g++) {
@@ -39,8 +39,8 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
     for (int pos = first; pos < seq_len;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, seq_len, &slot);
-        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
-        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(d);
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(d);
         for (int g = 0; g < group; g++) {
             const float *qg = q + (int64_t)g * d;
             float scores[RUN], block_max = running_max[g];
@@ -48,7 +48,7 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
                 const kv_t *kt = k + t * row_stride;
                 float score = 0.0f;
                 for (int i = 0; i < d; i++) score += qg[i] * kv_float(kt[i]);
-                scores[t] = score * a->scale;
+                scores[t] = score * kv_row_scale(kt, d) * a->scale;
             }
             if (a->softcap > 0.0f)
                 for (int t = 0; t < n; t++) scores[t] = softcap1(scores[t], a->softcap);
@@ -61,9 +61,9 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
             running_max[g] = block_max;
             for (int t = 0; t < n; t++) {
                 const kv_t *vt = v + t * row_stride;
-                const float weight = expf(scores[t] - block_max);
+                const float weight = expf(scores[t] - block_max), v_weight = weight * kv_row_scale(vt, d);
                 running_sum[g] += weight;
-                for (int i = 0; i < d; i++) acc_g[i] += weight * kv_float(vt[i]);
+                for (int i = 0; i < d; i++) acc_g[i] += v_weight * kv_float(vt[i]);
             }
         }
         pos += n;
@@ -102,8 +102,16 @@ static inline __attribute__((always_inline)) void prefetch_slot(const NextRun *n
     }
 }
 
-/* Cache lines of a head's row of `floats` elements. */
-#define ROW_LINES(floats) (((floats) * (int)sizeof(kv_t) + 63) / 64)
+#if defined(KV_ROW_SCALED)
+/* scales[t] = the kv_row_scale of a run's row t (rows row_stride elements apart), 0 past its n rows (whose lanes
+ * are masked anyway). */
+static inline void run_scales(float scales[RUN], const kv_t *row, int n, int64_t row_stride, int d) {
+    for (int t = 0; t < RUN; t++) scales[t] = t < n ? kv_row_scale(row + t * row_stride, d) : 0.0f;
+}
+#endif
+
+/* Cache lines of a head's row of `elements`. */
+#define ROW_LINES(elements) (((elements) * (int)sizeof(kv_t) + 63) / 64)
 #endif
 
 #if defined(__AVX512F__)
@@ -133,7 +141,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
     const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
-    const int64_t row_stride = (int64_t)a->num_kv_heads * d;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(d);
     const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
     __m512 acc[GROUP][VD], qv[GROUP][VD], running_max[GROUP], running_sum[GROUP];
     for (int g = 0; g < GROUP; g++) {
@@ -150,16 +158,23 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         const int n = next_n;
         slot = next_slot;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
-        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(d);
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(d);
         pos += n;
         next_n = pos < seq_len ? next_run(a->block_size, blocks, pos, seq_len, &next_slot) : 0;
-        const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * d);
+        const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * KV_ROW(d));
+#if defined(KV_ROW_SCALED)
+        float k_scales[RUN], v_scales[RUN];
+        run_scales(k_scales, k, n, row_stride, d);
+        run_scales(v_scales, v, n, row_stride, d);
+        const __m512 k_scale = _mm512_loadu_ps(k_scales), v_scale = _mm512_loadu_ps(v_scales);
+#endif
         float weights[GROUP][RUN];
         for (int g = 0; g < GROUP; g++) {
             __m512 partial[RUN];
             for (int t = 0; t < RUN; t++) {
-                if (g == GROUP / 2) prefetch_slot(&next, t, ROW_LINES(16 * VD)); /* middle head: fetches hide best */
+                /* from the middle head, where the fetches hide best */
+                if (g == GROUP / 2) prefetch_slot(&next, t, ROW_LINES(KV_ROW(16 * VD)));
                 if (t >= n) {
                     partial[t] = _mm512_setzero_ps();
                     continue;
@@ -169,7 +184,11 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
                 for (int j = 1; j < VD; j++) s = _mm512_fmadd_ps(qv[g][j], kv_load16(kt + 16 * j), s);
                 partial[t] = s;
             }
+#if defined(KV_ROW_SCALED)
+            __m512 raw = _mm512_mul_ps(sum16(partial), k_scale);
+#else
             __m512 raw = sum16(partial);
+#endif
             if (a->softcap > 0.0f) raw = softcap16(raw, a->softcap);
             const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, raw);
             const __m512 new_max = _mm512_max_ps(running_max[g], _mm512_set1_ps(_mm512_reduce_max_ps(scores)));
@@ -178,7 +197,11 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
             running_sum[g] = _mm512_fmadd_ps(running_sum[g], rescale, _mm512_set1_ps(_mm512_reduce_add_ps(w)));
             running_max[g] = new_max;
             for (int j = 0; j < VD; j++) acc[g][j] = _mm512_mul_ps(acc[g][j], rescale);
+#if defined(KV_ROW_SCALED)
+            _mm512_storeu_ps(weights[g], _mm512_mul_ps(w, v_scale)); /* V rows' weights: the softmax's times scale */
+#else
             _mm512_storeu_ps(weights[g], w);
+#endif
         }
         for (int t = 0; t < n; t++) {
             const kv_t *vt = v + t * row_stride;
@@ -233,7 +256,7 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
-    const int64_t row_stride = (int64_t)a->num_kv_heads * d;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(d);
     const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
     __m256 qv[GROUP][VD], acc[GROUP][VD], partial[GROUP][RUN];
     float running_max[GROUP], running_sum[GROUP], rescale[GROUP], weights[GROUP][RUN];
@@ -251,13 +274,18 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     for (int pos = first; pos < seq_len;) {
         const int n = next_n;
         slot = next_slot;
-        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * d;
-        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * d;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(d);
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(d);
         pos += n;
         next_n = pos < seq_len ? next_run(a->block_size, blocks, pos, seq_len, &next_slot) : 0;
-        const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * d);
+        const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * KV_ROW(d));
+#if defined(KV_ROW_SCALED)
+        float k_scale[RUN], v_scale[RUN];
+        run_scales(k_scale, k, n, row_stride, d);
+        run_scales(v_scale, v, n, row_stride, d);
+#endif
         for (int t = 0; t < RUN; t++) {
-            prefetch_slot(&next, t, ROW_LINES(8 * VD));
+            prefetch_slot(&next, t, ROW_LINES(KV_ROW(8 * VD)));
             if (t >= n) {
                 for (int g = 0; g < GROUP; g++) partial[g][t] = _mm256_setzero_ps();
                 continue;
@@ -277,7 +305,12 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
                                             _CMP_LT_OQ);
         const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
         for (int g = 0; g < GROUP; g++) {
+#if defined(KV_ROW_SCALED)
+            __m256 raw0 = _mm256_mul_ps(sum8(partial[g]), _mm256_loadu_ps(k_scale));
+            __m256 raw1 = _mm256_mul_ps(sum8(partial[g] + 8), _mm256_loadu_ps(k_scale + 8));
+#else
             __m256 raw0 = sum8(partial[g]), raw1 = sum8(partial[g] + 8);
+#endif
             if (a->softcap > 0.0f) {
                 raw0 = softcap8(raw0, a->softcap);
                 raw1 = softcap8(raw1, a->softcap);
@@ -292,8 +325,13 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
             rescale[g] = expf(running_max[g] - new_max);
             running_sum[g] = running_sum[g] * rescale[g] + reduce_add8(_mm256_add_ps(w0, w1));
             running_max[g] = new_max;
+#if defined(KV_ROW_SCALED) /* V rows' weights: the softmax's times their scales */
+            _mm256_storeu_ps(weights[g], _mm256_mul_ps(w0, _mm256_loadu_ps(v_scale)));
+            _mm256_storeu_ps(weights[g] + 8, _mm256_mul_ps(w1, _mm256_loadu_ps(v_scale + 8)));
+#else
             _mm256_storeu_ps(weights[g], w0);
             _mm256_storeu_ps(weights[g] + 8, w1);
+#endif
         }
         for (int j = 0; j < VD; j++) {
             __m256 c[GROUP], e[GROUP]; /* even and odd slots: two chains of FMAs, not one twice as long */

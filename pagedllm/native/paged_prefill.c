@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void scores_8(const float *qt, cons
 #define PAIRED_TILES 1
 typedef kv_t tile_elem; /* the tiles read K and V rows as the cache holds them */
 #else
-typedef float tile_elem; /* the tiles read float32 rows: the cache's, or a bf16 run widened into a buffer */
+typedef float tile_elem; /* the tiles read float32 rows: the cache's, or any other run widened into a buffer */
 #endif
 #if defined(PAIRED_TILES)
 
@@ -148,7 +148,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r];
     const int end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
     const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
-    const int64_t row_stride = (int64_t)a->num_kv_heads * D;
+    const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(D);
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
     /* The tile reads from its first token's window start on; under a window, a later token's lanes mask what lies
      * below their own (window_start in paged_attention.h). A lane that has seen nothing but masked slots keeps a
@@ -200,16 +200,19 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     for (int pos = begin; pos < end;) {
         int64_t slot;
         const int n = next_run(a->block_size, blocks, pos, end, &slot);
-        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * D;
-        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * D;
+        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(D);
+        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(D);
         const tile_elem *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-#if defined(KV_BF16) && !defined(PAIRED_TILES)
+#if !defined(PAIRED_TILES) && !defined(KV_F32)
         float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
-        for (int j = 0; j < n; j++)
+        for (int j = 0; j < n; j++) {
+            const kv_t *kj = k + j * row_stride, *vj = v + j * row_stride;
+            const __m512 k_scale = _mm512_set1_ps(kv_row_scale(kj, D)), v_scale = _mm512_set1_ps(kv_row_scale(vj, D));
             for (int i = 0; i < D; i += 16) {
-                _mm512_store_ps(kbuf[j] + i, kv_load16(k + j * row_stride + i));
-                _mm512_store_ps(vbuf[j] + i, kv_load16(v + j * row_stride + i));
+                _mm512_store_ps(kbuf[j] + i, _mm512_mul_ps(kv_load16(kj + i), k_scale));
+                _mm512_store_ps(vbuf[j] + i, _mm512_mul_ps(kv_load16(vj + i), v_scale));
             }
+        }
         for (int j = 0; j < RUN; j++) {
             krow[j] = kbuf[j < n ? j : 0];
             vrow[j] = vbuf[j < n ? j : 0];
@@ -223,11 +226,11 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         if (pos + n < end) { /* fetch the next run into L1 while this one is computed */
             int64_t next_slot;
             const int next_n = next_run(a->block_size, blocks, pos + n, end, &next_slot);
-            const char *nk = (const char *)(a->k_cache + next_slot * row_stride + (int64_t)kv_head * D);
-            const char *nv = (const char *)(a->v_cache + next_slot * row_stride + (int64_t)kv_head * D);
+            const char *nk = (const char *)(a->k_cache + next_slot * row_stride + (int64_t)kv_head * KV_ROW(D));
+            const char *nv = (const char *)(a->v_cache + next_slot * row_stride + (int64_t)kv_head * KV_ROW(D));
             const int64_t row_bytes = row_stride * (int64_t)sizeof(kv_t);
             for (int t = 0; t < next_n; t++)
-                for (int j = 0; j < D * (int)sizeof(kv_t); j += 64) {
+                for (int j = 0; j < KV_ROW(D) * (int)sizeof(kv_t); j += 64) {
                     _mm_prefetch(nk + t * row_bytes + j, _MM_HINT_T0);
                     _mm_prefetch(nv + t * row_bytes + j, _MM_HINT_T0);
                 }

@@ -26,6 +26,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches
+from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice
@@ -39,6 +40,7 @@ class DraftModelProposer:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = config.speculative_config.draft_model_config
         self.block_size = config.cache_config.block_size
+        self.cache_dtype = config.cache_config.cache_dtype
         self.model = None
         self.kv_caches: list = []
         self.decode_graphs: DecodeGraphs | None = None
@@ -51,7 +53,7 @@ class DraftModelProposer:
     def initialize_kv_cache(self, num_blocks: int, block_table_width: int) -> None:
         mc = self.model_config
         self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
-                                            mc.head_dim, mc.dtype)
+                                            mc.head_dim, kv_cache_torch_dtype(self.cache_dtype, mc.dtype))
         if not mc.enforce_eager and self.model.supports_cpu_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
 

@@ -28,6 +28,7 @@ from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelRank, get_pp_group, get_tp_group
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
+from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.lora.worker_manager import WorkerLoRAManager
 from pagedllm.models.llama import IntermediateTensors
@@ -92,7 +93,7 @@ class ModelRunner:
         start, end = self.layer_range
         self.kv_caches = allocate_kv_caches(end - start, num_blocks, self.block_size,
                                             kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
-                                            mc.dtype)
+                                            kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype))
         # A graph replays kernels, not collectives: more than one rank runs every step eagerly; so does a model
         # whose step computes with torch ops between the kernels (a capture would be refused at every shape).
         if (not mc.enforce_eager and self.config.parallel_config.world_size == 1

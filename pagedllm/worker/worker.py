@@ -14,6 +14,7 @@ from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import (ParallelRank, get_tp_group, init_distributed_environment,
                                                  initialize_model_parallel)
 from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
+from pagedllm.kv_cache_dtype import kv_cache_torch_dtype, row_bytes
 from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.outputs import ModelRunnerOutput
@@ -30,17 +31,19 @@ def kv_cache_bytes_per_block(config: EngineConfig, rank: ParallelRank = Parallel
     the draft's layers too (its cache has the same blocks, so both are sized, held and freed together)."""
     mc = config.model_config
     start, end = config.parallel_config.stage_layers(rank.pp_rank, mc.num_layers)
+    cache_dtype = config.cache_config.cache_dtype
     per_block = _kv_bytes_per_block(mc, end - start, kv_heads_per_rank(mc.num_kv_heads, rank.tp_size),
-                                    config.cache_config.block_size)
+                                    config.cache_config.block_size, cache_dtype)
     draft = config.speculative_config.draft_model_config if config.speculative_config else None
     if draft is not None:
-        per_block += _kv_bytes_per_block(draft, draft.num_layers, draft.num_kv_heads, config.cache_config.block_size)
+        per_block += _kv_bytes_per_block(draft, draft.num_layers, draft.num_kv_heads, config.cache_config.block_size,
+                                         cache_dtype)
     return per_block
 
 
-def _kv_bytes_per_block(mc, num_layers: int, num_kv_heads: int, block_size: int) -> int:
-    element_size = torch.empty((), dtype=mc.dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * mc.head_dim * element_size
+def _kv_bytes_per_block(mc, num_layers: int, num_kv_heads: int, block_size: int, cache_dtype: str) -> int:
+    head_row = row_bytes(mc.head_dim, kv_cache_torch_dtype(cache_dtype, mc.dtype))
+    return 2 * num_layers * block_size * num_kv_heads * head_row
 
 
 def kv_cache_budget(config: EngineConfig) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS
+from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -12,8 +12,8 @@ from pagedllm.models.resolve import DEFAULT_MODEL
 
 # EngineArgs fields that `serve` exposes as --flags.
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "seed", "quantization",
-                "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
+                "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "kv_cache_dtype", "seed",
+                "quantization", "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
                 "data_parallel_size", "distributed_executor_backend", "speculative_config", "enable_lora", "max_loras",
                 "max_lora_rank", "max_cpu_loras", "enable_expert_parallel")
 
@@ -61,6 +61,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
     engine.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
                         help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineArgs.kv_cache_dtype,
+                        help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3) and fp8_e5m2 (one "
+                             "byte, scale 1), int8 (one byte, a scale per token and head)")
     engine.add_argument("--seed", type=int, default=EngineArgs.seed)
     engine.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=EngineArgs.quantization,
                         help="gguf: keep a GGUF file's Q4_0/Q4_1 and Q8_0 linear weights packed where a kernel "

@@ -16,7 +16,10 @@ softmaxes over capped scores. Only slots below a request's ``seq_len`` are ever 
 memory (even NaN garbage) cannot leak into the result.
 
 The cache may hold bf16 while queries are float32 (a bfloat16 model with float32 activations, see
-platforms/cpu.KernelChoice): the native kernels read it so directly; the torch paths widen what they gather.
+platforms/cpu.KernelChoice), or one byte an element (kv_cache_dtype fp8 or int8, kv_cache_dtype.py): the native
+kernels read it so directly; the torch paths widen (dequantize) what they gather. Either way this step's own keys
+and values are attended as the cache holds them (rounded or quantized), so a token's attention does not depend on
+whether its context came from this step or an earlier one.
 """
 
 import torch
@@ -26,6 +29,7 @@ from pagedllm.native import build, fused
 from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
+from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention.metadata import AttentionMetadata
 
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -78,12 +82,13 @@ class TorchSDPABackendImpl(AttentionImpl):
                 attn_metadata, block_size, query.dtype, self._native_decode(query.dtype, key_cache.dtype),
                 self._native_prefill(query.dtype, key_cache.dtype), self.sliding_window)
 
-        key_flat = key_cache.view(-1, self.num_kv_heads, self.head_size)
-        value_flat = value_cache.view(-1, self.num_kv_heads, self.head_size)
+        width = row_width(self.head_size, key_cache.dtype)
+        key_flat = key_cache.view(-1, self.num_kv_heads, width)
+        value_flat = value_cache.view(-1, self.num_kv_heads, width)
         slot_mapping = attn_metadata.slot_mapping.long()
         if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping):
-            key_flat.index_copy_(0, slot_mapping, key.to(key_flat.dtype))
-            value_flat.index_copy_(0, slot_mapping, value.to(value_flat.dtype))
+            key_flat.index_copy_(0, slot_mapping, quantize_rows(key, key_flat.dtype))
+            value_flat.index_copy_(0, slot_mapping, quantize_rows(value, value_flat.dtype))
 
         num_tokens = query.shape[0]
         # Outputs and log-sum-exps per [row, KV head, query of its group].
@@ -156,22 +161,26 @@ class TorchSDPABackendImpl(AttentionImpl):
         num_reqs = plan.decode_rows.shape[0]
         q = query.index_select(0, plan.decode_rows).view(num_reqs, self.num_kv_heads, -1, self.head_size)
         shape = (num_reqs, plan.decode_seq_len, self.num_kv_heads, self.head_size)
-        k = key_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2).to(query.dtype)
-        v = value_flat.index_select(0, plan.decode_slots).view(shape).transpose(1, 2).to(query.dtype)
+        k = self._widen(key_flat.index_select(0, plan.decode_slots), query.dtype).view(shape).transpose(1, 2)
+        v = self._widen(value_flat.index_select(0, plan.decode_slots), query.dtype).view(shape).transpose(1, 2)
         out_rows, lse_rows = self._attend(q, k, v, attn_mask=plan.decode_mask)
         out.index_copy_(0, plan.decode_rows, out_rows)
         lse.index_copy_(0, plan.decode_rows, lse_rows)
+
+    def _widen(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows ``[..., row_width]`` as ``dtype`` values ``[..., head_size]``."""
+        return dequantize_rows(rows, self.head_size, dtype)
 
     def _prefill(self, query, key, value, key_flat, value_flat, chunk: PrefillChunk, out, lse) -> None:
         """One call per chunk. K/V heads are repeated for grouped queries: SDPA's own enable_gqa falls back to
         the unfused math kernel on CPU, several times slower than the flash kernel on long prompts."""
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-        if chunk.slots is None:
-            k, v = key[chunk.start : chunk.end], value[chunk.start : chunk.end]
+        if chunk.slots is None:  # as the cache holds them (rounded or quantized), in the queries' dtype
+            k = quantize_rows(key[chunk.start : chunk.end], key_flat.dtype)
+            v = quantize_rows(value[chunk.start : chunk.end], value_flat.dtype)
         else:
             k, v = key_flat.index_select(0, chunk.slots), value_flat.index_select(0, chunk.slots)
-        # as the cache holds them (a bf16 cache rounds float32 keys), in the queries' dtype
-        k, v = k.to(key_flat.dtype).to(query.dtype), v.to(value_flat.dtype).to(query.dtype)
+        k, v = self._widen(k, query.dtype), self._widen(v, query.dtype)
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         out_rows, lse_rows = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
@@ -188,11 +197,11 @@ class TorchSDPABackendImpl(AttentionImpl):
         num_tokens = query.shape[0]
         prefix = plan.prefix
         if prefix.slots is None:
-            k_prefix = key_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens].to(query.dtype)
-            v_prefix = value_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens].to(query.dtype)
+            k_prefix = key_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
+            v_prefix = value_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
         else:
-            k_prefix = key_flat.index_select(0, prefix.slots).to(query.dtype)
-            v_prefix = value_flat.index_select(0, prefix.slots).to(query.dtype)
+            k_prefix, v_prefix = key_flat.index_select(0, prefix.slots), value_flat.index_select(0, prefix.slots)
+        k_prefix, v_prefix = self._widen(k_prefix, query.dtype), self._widen(v_prefix, query.dtype)
         # All rows' query groups folded into one query axis per KV head: [1, KVH, T * group, D].
         q = query.view(num_tokens, self.num_kv_heads, self.group, self.head_size).transpose(0, 1)
         out_prefix, lse_prefix = self._attend(

@@ -5,6 +5,7 @@ import math
 import torch
 
 from pagedllm.layers.attention.backend import AttentionBackend, KVCache
+from pagedllm.kv_cache_dtype import row_width
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.platforms.cpu import huge_page_zeros
 
@@ -24,7 +25,8 @@ def allocate_kv_caches(
     device: torch.device | str = "cpu",
     backend: type[AttentionBackend] | None = None,
 ) -> list[KVCache]:
-    """One ``(key_cache, value_cache)`` pair per layer, in the backend's layout.
+    """One ``(key_cache, value_cache)`` pair per layer, in the backend's layout, of ``dtype`` elements (the
+    resolved kv_cache_dtype: an int8 cache's head rows have room for their scales, kv_cache_dtype.row_width).
 
     Zero-filled so that stale slots hold finite values for any backend. On CPU the zeros come from fresh
     anonymous memory in huge pages (platforms/cpu.huge_page_zeros): the OS hands out zero pages as they are
@@ -32,7 +34,7 @@ def allocate_kv_caches(
     for a few GiB), and decode attention streams it with fewer TLB misses.
     """
     backend = backend or get_attn_backend(device)
-    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, row_width(head_size, dtype))
     return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
 
 
