@@ -38,7 +38,6 @@ static inline float kv_float(kv_t x) {
 }
 #elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
 typedef uint8_t kv_t;
-#define KV_ROW_SCALED 1
 /* The float16 whose top bits the fp8 element's are (e5m2 is float16's top byte; e4m3's exponent and mantissa sit
  * one bit lower, so its float16 is the element's value / 2^8), exactly. */
 static inline uint16_t kv_half_bits(kv_t x) {
@@ -56,7 +55,7 @@ static inline float kv_float(kv_t x) {
 }
 #elif defined(KV_INT8)
 typedef int8_t kv_t;
-#define KV_ROW_SCALED 1
+#define KV_ROW_SCALED 1 /* each row has its own scale */
 #define KV_ROW_EXTRA 4 /* bytes after each head's row: its float32 scale */
 static inline float kv_float(kv_t x) { return (float)x; }
 #else
@@ -70,18 +69,23 @@ static inline float kv_float(kv_t x) { return x; }
 /* Cache elements between one head's row and the next. */
 #define KV_ROW(head_size) ((head_size) + KV_ROW_EXTRA)
 
+/* What every element is worth per unit kv_float where rows have no scales of their own (KV_ROW_SCALED): the decode
+ * bodies fold it into the queries' scale and the outputs (a power of two: exactly). */
+#if defined(KV_FP8_E4M3)
+#define KV_WIDEN_SCALE 256.0f
+#else
+#define KV_WIDEN_SCALE 1.0f
+#endif
+
 /* What the elements of the head's row at `row` (head_size of them) are worth per unit kv_float (see above). */
 static inline float kv_row_scale(const kv_t *row, int head_size) {
-#if defined(KV_INT8)
+#if defined(KV_ROW_SCALED)
     float scale;
     memcpy(&scale, row + head_size, sizeof scale);
     return scale;
-#elif defined(KV_FP8_E4M3)
-    (void)row, (void)head_size;
-    return 256.0f;
 #else
     (void)row, (void)head_size;
-    return 1.0f;
+    return KV_WIDEN_SCALE;
 #endif
 }
 
@@ -125,10 +129,10 @@ static inline __m512 kv_load16(const kv_t *p) {
 #if defined(KV_BF16)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 #elif defined(KV_FP8_E4M3)
-    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
-    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
-    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
-    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    /* each byte shifted to where float16 has its exponent and mantissa, its sign landing on bit 14: adding that bit
+     * to itself carries it to bit 15 */
+    const __m256i bits = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return _mm512_cvtph_ps(_mm256_add_epi16(bits, _mm256_and_si256(bits, _mm256_set1_epi16(0x4000))));
 #elif defined(KV_FP8_E5M2)
     return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 8));
 #elif defined(KV_INT8)
@@ -153,9 +157,8 @@ static inline __m256 kv_load8(const kv_t *p) {
 #if defined(KV_BF16)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 #elif defined(KV_FP8_E4M3)
-    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
-    const __m128i sign = _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(sign, _mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x7F)), 7)));
+    const __m128i bits = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7); /* as above */
+    return _mm256_cvtph_ps(_mm_add_epi16(bits, _mm_and_si128(bits, _mm_set1_epi16(0x4000))));
 #elif defined(KV_FP8_E5M2)
     return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
 #elif defined(KV_INT8)

@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void prefetch_slot(const NextRun *n
     }
 }
 
-#if defined(KV_ROW_SCALED)
+#if defined(KV_ROW_SCALED) && !defined(__AVX512F__) /* the AVX2 body's; the AVX-512 one gathers them */
 /* scales[t] = the kv_row_scale of a run's row t (rows row_stride elements apart), 0 past its n rows (whose lanes
  * are masked anyway). */
 static inline void run_scales(float scales[RUN], const kv_t *row, int n, int64_t row_stride, int d) {
@@ -149,9 +149,15 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         running_sum[g] = _mm512_setzero_ps();
         for (int j = 0; j < VD; j++) {
             acc[g][j] = _mm512_setzero_ps();
-            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + 16 * j), _mm512_set1_ps(a->scale));
+            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + 16 * j), _mm512_set1_ps(a->scale * KV_WIDEN_SCALE));
         }
     }
+#if defined(KV_ROW_SCALED) /* byte offsets of a run's rows' scales from its first row */
+    const __m512i scale_at = _mm512_add_epi32(
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)(row_stride * (int64_t)sizeof(kv_t)))),
+        _mm512_set1_epi32(d * (int)sizeof(kv_t)));
+#endif
     int64_t slot, next_slot;
     int next_n = first < seq_len ? next_run(a->block_size, blocks, first, seq_len, &next_slot) : 0;
     for (int pos = first; pos < seq_len;) {
@@ -163,11 +169,9 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         pos += n;
         next_n = pos < seq_len ? next_run(a->block_size, blocks, pos, seq_len, &next_slot) : 0;
         const NextRun next = next_run_rows(a, next_slot, next_n, row_stride, (int64_t)kv_head * KV_ROW(d));
-#if defined(KV_ROW_SCALED)
-        float k_scales[RUN], v_scales[RUN];
-        run_scales(k_scales, k, n, row_stride, d);
-        run_scales(v_scales, v, n, row_stride, d);
-        const __m512 k_scale = _mm512_loadu_ps(k_scales), v_scale = _mm512_loadu_ps(v_scales);
+#if defined(KV_ROW_SCALED) /* the run's rows' scales, 0 past its n rows (whose lanes are masked anyway) */
+        const __m512 k_scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, scale_at, k, 1);
+        const __m512 v_scale = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, scale_at, v, 1);
 #endif
         float weights[GROUP][RUN];
         for (int g = 0; g < GROUP; g++) {
@@ -215,7 +219,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
     for (int g = 0; g < GROUP; g++) {
         const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * GROUP + g;
         const float sum = _mm512_cvtss_f32(running_sum[g]);
-        const __m512 inv = _mm512_set1_ps(1.0f / sum);
+        const __m512 inv = _mm512_set1_ps(KV_WIDEN_SCALE / sum);
         for (int j = 0; j < VD; j++) _mm512_storeu_ps(a->out + row * d + 16 * j, _mm512_mul_ps(acc[g][j], inv));
         a->lse[row] = _mm512_cvtss_f32(running_max[g]) + logf(sum);
     }
@@ -265,7 +269,7 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         running_sum[g] = 0.0f;
         for (int j = 0; j < VD; j++) {
             acc[g][j] = _mm256_setzero_ps();
-            qv[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d + 8 * j), _mm256_set1_ps(a->scale));
+            qv[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d + 8 * j), _mm256_set1_ps(a->scale * KV_WIDEN_SCALE));
         }
     }
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -357,7 +361,7 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
     }
     for (int g = 0; g < GROUP; g++) {
         const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * GROUP + g;
-        const __m256 inv = _mm256_set1_ps(1.0f / running_sum[g]);
+        const __m256 inv = _mm256_set1_ps(KV_WIDEN_SCALE / running_sum[g]);
         for (int j = 0; j < VD; j++) _mm256_storeu_ps(a->out + row * d + 8 * j, _mm256_mul_ps(acc[g][j], inv));
         a->lse[row] = running_max[g] + logf(running_sum[g]);
     }

@@ -41,12 +41,15 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
                                        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
 ])
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
+    """4 mixed prompts x 24 tokens, prefills chunked by a 32-token budget, and a cache of 8 blocks (128 tokens) for
+    the ~190 tokens they come to, so requests are preempted and recomputed."""
     reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra)
-    prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3))]
-    with running_llm(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=64,
+    prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3)), list(range(3000, 3020))]
+    with running_llm(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=8,
                      max_num_batched_tokens=32) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        assert llm.get_stats().num_preemptions > 0
     assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 24)
 
 
