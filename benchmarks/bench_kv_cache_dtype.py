@@ -9,7 +9,11 @@ machine's drift falls on all alike. Prints per round and the medians, each as a 
   histories: tokens/s from the moment every request has its first token;
 - capacity: the tokens the same --kv-cache-memory holds (the worker's own sizing).
 
-    python benchmarks/bench_kv_cache_dtype.py [--dtypes auto,fp8_e4m3,int8] [--rounds 3]
+With --kernel, only the decode kernel alone instead: one layer's call over --long-requests x --long-context
+positions (SmolLM2's 9 heads over 3 KV heads of 64), ms per call (median of 7 x 30), each cache dtype after the
+other, float32 and bf16 as well.
+
+    python benchmarks/bench_kv_cache_dtype.py [--dtypes auto,fp8_e4m3,int8] [--rounds 3] [--kernel]
 """
 from __future__ import annotations
 
@@ -17,11 +21,14 @@ import argparse
 import statistics
 import time
 
-from pagedllm import LLM, SamplingParams
+import torch
+
+from pagedllm import LLM, SamplingParams, native
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.benchmarks.offline import timed_run
 from pagedllm.benchmarks.workloads import random_workload, shared_workloads
 from pagedllm.config import parse_memory_size
+from pagedllm.kv_cache_dtype import kv_cache_torch_dtype, quantize_rows
 from pagedllm.worker.worker import kv_cache_bytes_per_block
 
 
@@ -42,6 +49,32 @@ def decode_rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     return tokens / (time.perf_counter() - since)
 
 
+def kernel_ms(cache_dtype: torch.dtype, requests: int, context: int, heads=9, kv_heads=3, head_size=64,
+              block_size=16) -> float:
+    """ms of one paged_decode call over a cache of ``cache_dtype`` (blocks in shuffled order)."""
+    generator = torch.Generator().manual_seed(0)
+    blocks = requests * context // block_size
+    table = torch.randperm(blocks, generator=generator).to(torch.int32).view(requests, -1).contiguous()
+    seq_lens = torch.full((requests,), context, dtype=torch.int32)
+    q = torch.randn(requests, heads, head_size, generator=generator)
+    k, v = (quantize_rows(torch.randn(blocks * block_size, kv_heads, head_size, generator=generator), cache_dtype)
+            for _ in range(2))
+    out, lse = torch.empty(requests, heads, head_size), torch.empty(requests, heads)
+    decode = native.paged_decode(cache_dtype)
+
+    def call():
+        decode(q, k, v, table, seq_lens, out, lse, start_pos=0, block_size=block_size, scale=head_size**-0.5)
+
+    call()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(30):
+            call()
+        times.append((time.perf_counter() - start) / 30 * 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="auto,fp8_e4m3,int8", help="kv_cache_dtypes, the first the baseline")
@@ -50,8 +83,14 @@ def main() -> None:
     parser.add_argument("--long-requests", type=int, default=4)
     parser.add_argument("--long-context", type=int, default=4096)
     parser.add_argument("--long-tokens", type=int, default=64)
+    parser.add_argument("--kernel", action="store_true", help="time the decode kernel alone")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
+    if args.kernel:
+        for cache_dtype in [torch.float32, torch.bfloat16] + [kv_cache_torch_dtype(d, torch.bfloat16)
+                                                               for d in dtypes if d != "auto"]:
+            print(f"{cache_dtype}: {kernel_ms(cache_dtype, args.long_requests, args.long_context):.3f} ms a call")
+        return
     w3 = shared_workloads()["W3"]
     long = random_workload("long", args.long_requests, args.long_context, args.long_tokens, seed_key=4)
     engines = {d: LLM(kv_cache_dtype=d, kv_cache_memory=args.kv_cache_memory,
