@@ -19,8 +19,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # weight) by the scale once, the reference each element first, a float32 rounding apart.
 QUANTIZED_TOLERANCE = 1e-4
 # Rows the prefill tiles attend in bf16 pairs (native.paged_prefill_pairs) have their queries and softmax weights
-# rounded to bf16. The reference rounds the queries too; the weights' rounding (up to 2^-9 of each) moves an output
-# by up to ~2^-9 of the values it averages, which reach ~4 here: this bound.
+# rounded to bf16 (and a one-byte cache's values, to bf16 as they widen). The reference rounds the queries too; the
+# weights' rounding (up to 2^-9 of each) moves an output by up to ~2^-9 of the values it averages, which reach ~4
+# here: this bound.
 PAIRED_TOLERANCE = 1e-2
 
 
@@ -149,7 +150,7 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
             written, expected_rows = written.view(torch.uint8), expected_rows.view(torch.uint8)
         assert torch.equal(written, expected_rows)
     plan = metadata.backend_cache["torch_sdpa", sliding_window]
-    paired = [kv_dtype == torch.bfloat16 and native.paged_prefill_pairs(kv_dtype) and (
+    paired = [native.paged_prefill_pairs(kv_dtype) and (
         plan.native_prefix or (plan.native_prefill is not None and new > 1)) for _, new in requests]
     for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)

@@ -64,7 +64,8 @@ def paged_prefill(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str,
 
 def paged_prefill_pairs(kv_dtype: torch.dtype = torch.float32) -> bool:
     """Whether the prefill tiles (and cascade attention's shared part) over a cache of this dtype multiply in bf16
-    pairs, queries and softmax weights rounded to bf16 (a bf16 cache on a CPU with AVX512-BF16)."""
+    pairs, queries and softmax weights rounded to bf16 (a bf16 or one-byte cache on a CPU with AVX512-BF16; a
+    one-byte cache's rows widened to bf16 first)."""
     library = paged_attention(kv_dtype)
     return library is not None and library.prefill_pairs
 

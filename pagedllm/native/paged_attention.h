@@ -38,6 +38,7 @@ static inline float kv_float(kv_t x) {
 }
 #elif defined(KV_FP8_E4M3) || defined(KV_FP8_E5M2)
 typedef uint8_t kv_t;
+#define KV_ONE_BYTE 1
 /* The float16 whose top bits the fp8 element's are (e5m2 is float16's top byte; e4m3's exponent and mantissa sit
  * one bit lower, so its float16 is the element's value / 2^8), exactly. */
 static inline uint16_t kv_half_bits(kv_t x) {
@@ -55,6 +56,7 @@ static inline float kv_float(kv_t x) {
 }
 #elif defined(KV_INT8)
 typedef int8_t kv_t;
+#define KV_ONE_BYTE 1
 #define KV_ROW_SCALED 1 /* each row has its own scale */
 #define KV_ROW_EXTRA 4 /* bytes after each head's row: its float32 scale */
 static inline float kv_float(kv_t x) { return (float)x; }

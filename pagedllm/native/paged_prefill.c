@@ -76,18 +76,32 @@ static inline __attribute__((always_inline)) void scores_8(const float *qt, cons
         for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
 }
 
-#if defined(KV_BF16) && defined(__AVX512BF16__)
+#if (defined(KV_BF16) || defined(KV_ONE_BYTE)) && defined(__AVX512BF16__)
 /* With a bf16 cache on CPUs with AVX512-BF16 the tiles multiply in bf16 pairs (vdpbf16ps: two multiply-adds per
  * float32 lane, twice an FMA's work), as a bfloat16 model's attention does: queries and the softmax weights are
  * rounded to bf16, K and V are read as they lie in the cache, sums stay float32. Scores: lane l of S[slot] +=
  * Q[l][2p] K[slot][2p] + Q[l][2p + 1] K[slot][2p + 1], the K pair one 32-bit broadcast straight from the cache
  * row. Outputs: O^T[i][l] += P[2m][l] V[2m][i] + P[2m + 1][l] V[2m + 1][i], over a run's V rows interleaved
- * into slot pairs once per run. */
+ * into slot pairs once per run. A one-byte cache's run is widened into bf16 rows first (fp8 exactly; an int8
+ * element's code x scale rounded to bf16, well inside the int8 step). */
 #define PAIRED_TILES 1
+#if defined(KV_BF16)
 typedef kv_t tile_elem; /* the tiles read K and V rows as the cache holds them */
+#else
+typedef uint16_t tile_elem; /* bf16 rows: a one-byte run widened into a buffer */
+#endif
 #else
 typedef float tile_elem; /* the tiles read float32 rows: the cache's, or any other run widened into a buffer */
 #endif
+
+/* 16 widened cache elements into a row of a run's buffer: bf16 for the paired tiles, else float32. */
+static inline void store_tile16(tile_elem *to, __m512 x) {
+#if defined(PAIRED_TILES)
+    _mm256_store_si256((__m256i *)to, (__m256i)_mm512_cvtneps_pbh(x));
+#else
+    _mm512_store_ps(to, x);
+#endif
+}
 #if defined(PAIRED_TILES)
 
 /* (lo[l], hi[l]) rounded to bf16, as the 32-bit lane l. */
@@ -98,7 +112,7 @@ static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
 }
 
 /* As scores_8, from qt2 (the queries as bf16 pairs along the head, [D / 2][LANE_STRIDE]) and bf16 K rows. */
-static inline __attribute__((always_inline)) void scores_8_pairs(const uint32_t *qt2, const kv_t *const k[8],
+static inline __attribute__((always_inline)) void scores_8_pairs(const uint32_t *qt2, const tile_elem *const k[8],
                                                                 const int D, const int VECS, __m512 s[8][MAX_VECS]) {
     __m512 acc[8][MAX_VECS];
     for (int j = 0; j < 8; j++)
@@ -118,7 +132,7 @@ static inline __attribute__((always_inline)) void scores_8_pairs(const uint32_t 
 }
 
 /* vp[m][i] = (V[2m][i], V[2m + 1][i]) for a run's RUN rows v[] (bf16, D of them each). */
-static inline __attribute__((always_inline)) void slot_pairs(const kv_t *const v[RUN], const int D,
+static inline __attribute__((always_inline)) void slot_pairs(const tile_elem *const v[RUN], const int D,
                                                             uint32_t vp[RUN / 2][D]) {
     /* unpack pairs dims 8L .. 8L + 3 (lo) and 8L + 4 .. 8L + 7 (hi) in each 128-bit lane L: put them in order */
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
@@ -203,14 +217,15 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(D);
         const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(D);
         const tile_elem *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-#if !defined(PAIRED_TILES) && !defined(KV_F32)
-        float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+#if defined(KV_ONE_BYTE) || defined(KV_BF16) && !defined(PAIRED_TILES)
+        /* the run widened (and scaled) into tile_elem rows: bf16 for the paired tiles, else float32 */
+        tile_elem kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
         for (int j = 0; j < n; j++) {
             const kv_t *kj = k + j * row_stride, *vj = v + j * row_stride;
             const __m512 k_scale = _mm512_set1_ps(kv_row_scale(kj, D)), v_scale = _mm512_set1_ps(kv_row_scale(vj, D));
             for (int i = 0; i < D; i += 16) {
-                _mm512_store_ps(kbuf[j] + i, _mm512_mul_ps(kv_load16(kj + i), k_scale));
-                _mm512_store_ps(vbuf[j] + i, _mm512_mul_ps(kv_load16(vj + i), v_scale));
+                store_tile16(kbuf[j] + i, _mm512_mul_ps(kv_load16(kj + i), k_scale));
+                store_tile16(vbuf[j] + i, _mm512_mul_ps(kv_load16(vj + i), v_scale));
             }
         }
         for (int j = 0; j < RUN; j++) {
