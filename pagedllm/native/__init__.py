@@ -80,11 +80,12 @@ def cascade(kv_dtype: torch.dtype = torch.float32) -> tuple[PagedPrefix, MergeAt
 
 
 def prebuild() -> None:
-    """Builds every library the engine may load here (every attention build) at the same time, so that an empty
-    cache fills in about the time of the slowest one; the doctor's first step."""
+    """Builds every library the engine loads here by default (the attention builds for the caches kv_cache_dtype
+    "auto" gives: float32 and bf16) at the same time, so that an empty cache fills in about the time of the slowest
+    one; the doctor's first step. A one-byte cache's build is made when an engine first asks for it."""
     if build.mode() != "0":
         build.build_all([(library, ()) for library in build.LIBRARIES]
-                        + [("paged_attention", flags) for flags in _KV_FLAGS.values() if flags])
+                        + [("paged_attention", _KV_FLAGS[torch.bfloat16])])
 
 
 @functools.cache
