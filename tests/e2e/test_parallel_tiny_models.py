@@ -28,7 +28,8 @@ MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False
                         {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
                          "norm_topk_prob": True}),
           "phi3": (Phi3Config, Phi3ForCausalLM, {"tie_word_embeddings": False})}
-# Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps.
+# Short and long prompts sharing a prefix (prefix-cache hits), chunked into 32-token steps, in a cache of 12 blocks
+# (192 tokens) for the ~270 they come to: requests are preempted and recomputed.
 PROMPTS = [[1, 50, 60, 70], list(range(200, 237)), list(range(200, 300)), list(range(1000, 1150, 3))]
 MAX_TOKENS = 20
 
@@ -50,12 +51,13 @@ def save_tiny_model(path, tokenizer, name: str):
 
 def generate(path, on_engine=None, **parallel) -> list[list[int]]:
     """Greedy outputs of PROMPTS; ``on_engine`` is called while the engine runs."""
-    with running_llm(str(path), dtype="float32", max_model_len=512, num_kv_blocks=64, max_num_batched_tokens=32,
+    with running_llm(str(path), dtype="float32", max_model_len=512, num_kv_blocks=12, max_num_batched_tokens=32,
                      **parallel) as llm:
         if on_engine is not None:
             on_engine()
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+        assert llm.get_stats().num_preemptions > 0
     return [o.outputs[0].token_ids for o in outputs]
 
 
