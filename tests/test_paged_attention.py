@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm import native
+from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
 from pagedllm.layers.attention.layer import Attention
-from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # A one-byte cache's element is worth code x its row's scale: the kernels multiply a row's dot product (or softmax

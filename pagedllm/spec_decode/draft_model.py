@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
+from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice

@@ -27,8 +27,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelRank, get_pp_group, get_tp_group
-from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
+from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.lora.worker_manager import WorkerLoRAManager
 from pagedllm.models.llama import IntermediateTensors

@@ -13,8 +13,8 @@ from pagedllm.config import EngineConfig, parse_memory_size
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import (ParallelRank, get_tp_group, init_distributed_environment,
                                                  initialize_model_parallel)
-from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype, row_bytes
+from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
 from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.outputs import ModelRunnerOutput

@@ -25,12 +25,12 @@ whether its context came from this step or an earlier one.
 import torch
 
 from pagedllm import native
-from pagedllm.native import build, fused
-from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
+from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
-from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.native import build, fused
+from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
 
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from pagedllm.layers.attention.backend import AttentionBackend, KVCache
 from pagedllm.kv_cache_dtype import row_width
+from pagedllm.layers.attention.backend import AttentionBackend, KVCache
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.platforms.cpu import huge_page_zeros
 
