@@ -195,6 +195,14 @@ def test_prefill_tiles(decode_path, head_dim, heads, kv_heads, block_size):
     assert plan.prefills == [] or plan.native_prefill is None
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 4), (4, 1)])
+def test_head_size_256(decode_path, heads, kv_heads):
+    """The Gemmas' head size: the vector decode bodies for groups 1, 2 and 4, and the prefill tiles."""
+    requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1)]
+    plan = _run_case(requests, heads, kv_heads, 256, 16, torch.float32, seed=heads + kv_heads)
+    assert (plan.native_prefill is not None) == (decode_path == "native" and native.paged_prefill() is not None)
+
+
 def test_prefill_tiles_after_a_shared_prefix(low_cascade_threshold, decode_path):
     plan = _run_case([(12, 1), (13, 6), (20, 17), (12, 5)], 9, 3, 64, 4, torch.float32, seed=7, shared_blocks=3)
     assert plan.prefix is not None and plan.prefix.num_tokens == 12
@@ -224,14 +232,14 @@ def test_random_batches(requests, kv_heads, group, head_dim, block_size, seed):
     _run_case(requests, kv_heads * group, kv_heads, head_dim, block_size, torch.float32, seed)
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(8, 4), (64, 16), (128, 1)])
+@pytest.mark.parametrize("head_dim,block_size", [(8, 4), (64, 16), (128, 1), (256, 4)])
 def test_bf16_cache_under_float32_queries(decode_path, head_dim, block_size):
     """A bfloat16 model with float32 activations: the kernels widen the bf16 cache as they read it (every
     decode body, the prefill tiles), the torch path widens what it gathers; float32 results either way."""
     requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
     plan = _run_case(requests, 9, 3, head_dim, block_size, torch.float32, seed=head_dim, kv_dtype=torch.bfloat16)
     native_prefill = decode_path == "native" and native.paged_prefill(torch.bfloat16) is not None
-    assert (plan.native_prefill is not None) == (native_prefill and head_dim in (64, 128))
+    assert (plan.native_prefill is not None) == (native_prefill and head_dim in (64, 128, 256))
 
 
 @pytest.mark.parametrize("consecutive", [True, False])
@@ -302,11 +310,11 @@ WINDOW_REQUESTS = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (7, 1), 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 2, 128), (6, 2, 8)])
 def test_sliding_window(decode_path, sliding_window, block_size, heads, kv_heads, head_dim):
-    """Every path (the decode kernel's bodies, the prefill tiles where head sizes 64 and 128 take them, the torch
+    """Every path (the decode kernel's bodies, the prefill tiles where head sizes 64, 128 and 256 take them, the torch
     path's batched decode and per-chunk prefill) attends only each query's window."""
     plan = _run_case(WINDOW_REQUESTS, heads, kv_heads, head_dim, block_size, torch.float32, seed=sliding_window,
                      sliding_window=sliding_window)
-    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128)
+    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128, 256)
     assert (plan.native_prefill is not None) == native_prefill
 
 
@@ -330,13 +338,14 @@ def test_sliding_window_takes_no_shared_prefix(low_cascade_threshold, decode_pat
 # Scores here are about N(0, 1) (unit queries and keys, scale head_dim ** -0.5) and reach ~4: caps of 1 and 3 bend
 # most of them and the largest, and a row's capped scores give another softmax than its uncapped ones.
 @pytest.mark.parametrize("logits_soft_cap", [1.0, 3.0])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 2, 128), (6, 2, 8), (8, 1, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (4, 2, 128), (6, 2, 8), (8, 1, 16),
+                                                     (8, 4, 256)])
 def test_logit_soft_cap(decode_path, logits_soft_cap, heads, kv_heads, head_dim):
-    """Every path (the decode kernel's bodies, the prefill tiles where head sizes 64 and 128 take them, the torch
+    """Every path (the decode kernel's bodies, the prefill tiles where head sizes 64, 128 and 256 take them, the torch
     path's batched decode and per-chunk prefill in plain ops) caps the scores before the softmax."""
     plan = _run_case(WINDOW_REQUESTS, heads, kv_heads, head_dim, 4, torch.float32, seed=heads,
                      logits_soft_cap=logits_soft_cap)
-    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128)
+    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128, 256)
     assert (plan.native_prefill is not None) == native_prefill
 
 

@@ -192,5 +192,5 @@ class PagedAttentionLibrary:
         self.prefill_pairs = self.has_prefill and bool(lib.paged_prefill_pairs())
 
     def prefill_supports(self, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
-        """Whether the prefill tiles (and so the cascade prefix) take these sizes (head sizes 64 and 128)."""
+        """Whether the prefill tiles (and so the cascade prefix) take these sizes (head sizes 64, 128 and 256)."""
         return self.has_prefill and bool(self._lib.paged_prefill_supports(num_heads, num_kv_heads, head_size))

@@ -5,8 +5,8 @@
  * them, and it walks the history in runs of up to RUN slots with an online softmax (one rescale per run).
  *
  * Three bodies, one built per instruction set (paged_decode_isa() names it): with AVX-512 (groups up to 8, head
- * sizes 16, 32, 64 or 128) the scores of a run are sixteen vector dot products reduced together by one
- * transpose-and-add tree, the softmax of the run is one vector exp, and the group's output accumulators stay in
+ * sizes 16, 32, 64 or 128; groups 1, 2 and 4 also 256) the scores of a run are sixteen vector dot products reduced
+ * together by one transpose-and-add tree, the softmax of the run is one vector exp, and the group's output accumulators stay in
  * registers; with AVX2 and FMA (the same sizes) the same on 8-float vectors, its loops turned to fit 16 registers;
  * otherwise, and for other group and head sizes up to MAX_GROUP and MAX_HEAD_SIZE, portable C. The vector bodies
  * fetch the next run into L1 slot by slot while they score the current one, so memory and arithmetic overlap.
@@ -373,18 +373,22 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
 
 #if defined(DECODE_ITEM)
 #define HEAD_SIZE_CASES(G)                                                                                   \
-    case 256 * (G) + 16: DECODE_ITEM(a, item, G, 16 / VECTOR_FLOATS); return 1;                              \
-    case 256 * (G) + 32: DECODE_ITEM(a, item, G, 32 / VECTOR_FLOATS); return 1;                              \
-    case 256 * (G) + 64: DECODE_ITEM(a, item, G, 64 / VECTOR_FLOATS); return 1;                              \
-    case 256 * (G) + 128: DECODE_ITEM(a, item, G, 128 / VECTOR_FLOATS); return 1;
+    case 512 * (G) + 16: DECODE_ITEM(a, item, G, 16 / VECTOR_FLOATS); return 1;                              \
+    case 512 * (G) + 32: DECODE_ITEM(a, item, G, 32 / VECTOR_FLOATS); return 1;                              \
+    case 512 * (G) + 64: DECODE_ITEM(a, item, G, 64 / VECTOR_FLOATS); return 1;                              \
+    case 512 * (G) + 128: DECODE_ITEM(a, item, G, 128 / VECTOR_FLOATS); return 1;
+/* Head size 256 (the Gemmas') for the groups their checkpoints have: the accumulators spill, still far ahead of the
+ * portable body. */
+#define HEAD_SIZE_256_CASE(G) case 512 * (G) + 256: DECODE_ITEM(a, item, G, 256 / VECTOR_FLOATS); return 1;
 
-/* Runs the vector body (VECTOR_FLOATS floats a vector) when (group, head_size) has one: groups up to 8, head
- * sizes 16, 32, 64 and 128; returns 0 when it has not. */
+/* Runs the vector body (VECTOR_FLOATS floats a vector) when (group, head_size) has one: groups up to 8 with head
+ * sizes 16, 32, 64 and 128, groups 1, 2 and 4 with 256; returns 0 when it has not. */
 static int decode_item_vector(const DecodeArgs *a, int item) {
     const int group = a->num_heads / a->num_kv_heads;
-    switch (256 * group + a->head_size) {
+    switch (512 * group + a->head_size) {
         HEAD_SIZE_CASES(1) HEAD_SIZE_CASES(2) HEAD_SIZE_CASES(3) HEAD_SIZE_CASES(4) HEAD_SIZE_CASES(5)
         HEAD_SIZE_CASES(6) HEAD_SIZE_CASES(7) HEAD_SIZE_CASES(8)
+        HEAD_SIZE_256_CASE(1) HEAD_SIZE_256_CASE(2) HEAD_SIZE_256_CASE(4)
     }
     return 0;
 }

@@ -18,7 +18,7 @@
  * Scores for a run of 16 slots are S[slot] (vecs vectors over the tile's queries) = sum_i
  * K[slot][i] * Q^T[i]; the causal limit of each lane (and under a sliding window its lower bound) masks what it
  * may not see, the online softmax works lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read
- * in place from the cache. Needs AVX-512 and a head size of 64 or 128 (prefill_takes). */
+ * in place from the cache. Needs AVX-512 and a head size of 64, 128 or 256 (prefill_takes). */
 #define MAX_VECS 3                 /* query vectors of 16 lanes per tile: 2 (32 lanes) or 3 (48) */
 #define LANE_STRIDE (16 * MAX_VECS) /* floats between a tile's rows of transposed queries */
 typedef struct {
@@ -335,18 +335,20 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
 /* Whether the tiles take these sizes: prefill_item below has a body for exactly these head sizes. */
 static int prefill_takes(int num_heads, int num_kv_heads, int head_size) {
     return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads >= 1
-           && num_heads / num_kv_heads <= MAX_GROUP && (head_size == 64 || head_size == 128);
+           && num_heads / num_kv_heads <= MAX_GROUP && (head_size == 64 || head_size == 128 || head_size == 256);
 }
 
-/* One tile, by the body for its width and head size (both constants in the body): 64, else 128, the only other
- * size prefill_takes admits. */
+/* One tile, by the body for its width and head size (both constants in the body): 64, 128 or 256, the sizes
+ * prefill_takes admits. */
 static void prefill_item(const PrefillArgs *a, int item, int head_size) {
     if (a->vecs == 3) {
         if (head_size == 64) prefill_item_avx512(a, item, 64, 3);
-        else prefill_item_avx512(a, item, 128, 3);
+        else if (head_size == 128) prefill_item_avx512(a, item, 128, 3);
+        else prefill_item_avx512(a, item, 256, 3);
     } else {
         if (head_size == 64) prefill_item_avx512(a, item, 64, 2);
-        else prefill_item_avx512(a, item, 128, 2);
+        else if (head_size == 128) prefill_item_avx512(a, item, 128, 2);
+        else prefill_item_avx512(a, item, 256, 2);
     }
 }
 
@@ -414,7 +416,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
  * soft-capped at softcap (0: not). Writes
  * those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks' arrays are read when the
  * kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1 for what it does not
- * handle (no AVX-512, head size not 64 or 128, group > 16). */
+ * handle (no AVX-512, head size not 64, 128 or 256, group > 16). */
 int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                       const int32_t *query_len, const int32_t *seq_len, int start_pos, int window, float *out,
