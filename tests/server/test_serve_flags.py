@@ -10,12 +10,15 @@ import re
 import shutil
 import ssl
 import subprocess
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.processor import Processor
 from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, engine_args_from, make_arg_parser
+from pagedllm.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, RemoteServer
 
 GOOD_ORIGIN = "http://good.example"
@@ -43,6 +46,15 @@ def test_engine_flags_reach_engine_args():
                                      "--num-kv-blocks", "32", "--max-logprobs", "5", "--tokenizer", "tok"))
     assert (engine.enable_chunked_prefill, engine.long_prefill_token_threshold, engine.num_kv_blocks,
             engine.max_logprobs, engine.tokenizer) == (False, 64, 32, 5, "tok")
+
+
+def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
+    model_config = EngineArgs(max_logprobs=-1, tokenizer=str(tmp_path)).create_engine_config().model_config
+    assert model_config.tokenizer == str(tmp_path)
+    processor = SimpleNamespace(model_config=model_config)  # validate_logprobs reads only the model's config
+    Processor.validate_logprobs(processor, SamplingParams(logprobs=model_config.vocab_size))  # -1: the vocabulary
+    with pytest.raises(ValueError, match=f"^prompt_logprobs must be at most {model_config.vocab_size}"):
+        Processor.validate_logprobs(processor, SamplingParams(prompt_logprobs=model_config.vocab_size + 1))
 
 
 def test_frontend_flag_defaults_and_json_lists():
