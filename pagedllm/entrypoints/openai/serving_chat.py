@@ -85,10 +85,10 @@ class OpenAIServingChat(OpenAIServing):
         # One tool-call parser per choice, when tool calls are to be read out of the text.
         parsers = [tool_choice.make_parser() if tool_choice else None for _ in range(request.n or 1)]
         try:
+            role = self.get_chat_request_role(request)
             for index in range(request.n or 1):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role=self.get_chat_request_role(request), content=""), logprobs=None,
-                    finish_reason=None))
+                    index=index, delta=DeltaMessage(role=role, content=""), logprobs=None, finish_reason=None))
             async for res in results:
                 check_output(res)
                 for output in res.outputs:
@@ -131,12 +131,13 @@ class OpenAIServingChat(OpenAIServing):
             final = res
         outputs = sorted(final.outputs, key=lambda o: o.index)
         choices = []
+        role = self.get_chat_request_role(request)
         for o in outputs:
-            message, finish_reason = ChatMessage(role=self.get_chat_request_role(request), content=o.text), o.finish_reason
+            message, finish_reason = ChatMessage(role=role, content=o.text), o.finish_reason
             parser = tool_choice.make_parser() if tool_choice else None
             if parser is not None:
                 content, calls = parser.parse(o.text)
-                message = ChatMessage(role=self.get_chat_request_role(request), content=content.strip() or None, tool_calls=calls)
+                message = ChatMessage(role=role, content=content.strip() or None, tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=self._logprobs(request, o), finish_reason=finish_reason,
