@@ -141,6 +141,14 @@ class ModelConfig:
     # Run every step eagerly: no CPU graphs for decode steps (worker/cpu_graphs.py), as vLLM's flag turns off
     # CUDA graphs.
     enforce_eager: bool = False
+    # The most logprobs (and prompt_logprobs) a request may ask for, vLLM's max_logprobs (-1: the vocabulary).
+    max_logprobs: int = 20
+    # The tokenizer's directory: the model's own (path) unless vLLM's tokenizer argument names another.
+    tokenizer: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = self.path
 
     def __getstate__(self) -> dict:
         return {**vars(self), "hf_config": HFConfigValues.of(self.hf_config)}

@@ -9,6 +9,7 @@ import msgspec
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
+# vLLM's default max_logprobs: the most logprobs a request may ask for, unless the engine says otherwise.
 MAX_LOGPROBS = 20
 
 
@@ -93,10 +94,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("min_tokens", f"must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs bounds them (Processor)
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                bad(name, f"must be between 0 and {MAX_LOGPROBS}, got {value}.")
+            if value is not None and value < 0:
+                bad(name, f"must be non-negative, got {value}.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}.")
         if any(not s for s in self.stop):

@@ -17,6 +17,7 @@ from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from pagedllm.platforms.cpu import has_native_bf16
+from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
+    # A tokenizer directory (or alias) other than the model's; None: the model's own.
+    tokenizer: Optional[str] = None
     dtype: Union[str, torch.dtype] = "auto"
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
@@ -51,6 +54,8 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     num_kv_blocks: Optional[int] = None
     seed: int = 0
+    # The most logprobs or prompt_logprobs one request may ask for (vLLM's default; -1: the whole vocabulary).
+    max_logprobs: int = MAX_LOGPROBS
     quantization: Optional[str] = None
     num_cpu_threads: Optional[int] = None
     enforce_eager: bool = False
@@ -97,7 +102,8 @@ class EngineArgs:
         if speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
-                                   self.seed, self.quantization, self.enforce_eager)
+                                   self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
+                                   resolve_model(self.tokenizer) if self.tokenizer else None)
         if speculative_config is not None and speculative_config.method == "draft_model":
             if parallel_config.world_size > 1:
                 raise ValueError("speculative_config method 'draft_model' is not supported with "

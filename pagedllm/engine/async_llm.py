@@ -48,7 +48,7 @@ class AsyncLLM:
     def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
         """Must be called with an event loop running (the engine's outputs are delivered on it)."""
         config = engine_args.create_engine_config()
-        return cls(config, load_tokenizer(config.model_config.path), stat_loggers)
+        return cls(config, load_tokenizer(config.model_config.tokenizer), stat_loggers)
 
     @property
     def errored(self) -> bool:

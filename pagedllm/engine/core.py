@@ -31,7 +31,8 @@ class EngineCore:
             raise
         model_config = config.model_config
         self.structured_output_manager = StructuredOutputManager(
-            lambda: _load_tokenizer(model_config.path), model_config.vocab_size, config.scheduler_config.max_num_seqs)
+            lambda: _load_tokenizer(model_config.tokenizer), model_config.vocab_size,
+            config.scheduler_config.max_num_seqs)
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
                                    config.parallel_config.pipeline_parallel_size,

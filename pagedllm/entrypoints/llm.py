@@ -29,7 +29,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         engine_args = EngineArgs(model=model, **kwargs)
         config = engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(config.model_config.path)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.llm_engine = LLMEngine(config, self.tokenizer)
         self._request_counter = itertools.count()
 

@@ -37,16 +37,20 @@ class RemoteServer:
     """`pagedllm serve` on a free loopback port; ready once /health answers 200."""
 
     def __init__(self, log_path: Path, extra_args: Optional[list[str]] = None, api_key: Optional[str] = None,
-                 env: Optional[dict[str, str]] = None) -> None:
+                 env: Optional[dict[str, str]] = None, url_root: Optional[str] = None,
+                 client_options: Optional[dict] = None) -> None:
+        """url_root and client_options (httpx.Client's: a transport over a Unix socket, TLS verification) say
+        how to reach a server the extra_args move off plain HTTP on the port."""
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_path
+        self.client_options = client_options or {}
         args = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port), *SERVER_ARGS,
                 *(extra_args or []), *(["--api-key", api_key] if api_key else [])]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
-        self.url_root = f"http://127.0.0.1:{self.port}"
+        self.url_root = url_root or f"http://127.0.0.1:{self.port}"
         self._wait_until_healthy()
         self.engines = self.engine_processes()  # one per data-parallel engine
         self.engine = self.engines[0]
@@ -57,8 +61,9 @@ class RemoteServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"The server exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url_for("health"), timeout=1).status_code == 200:
-                    return
+                with self.http(timeout=1) as http:
+                    if http.get("/health").status_code == 200:
+                        return
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
@@ -76,7 +81,7 @@ class RemoteServer:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def http(self, timeout: float = 60) -> httpx.Client:
-        return httpx.Client(base_url=self.url_root, headers=self.headers, timeout=timeout)
+        return httpx.Client(base_url=self.url_root, headers=self.headers, timeout=timeout, **self.client_options)
 
     def get_client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url_for("v1"), api_key=self.api_key or "EMPTY", max_retries=0, **kwargs)

@@ -16,12 +16,14 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
 from pagedllm.entrypoints.openai.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.cli_args import engine_args_from
@@ -113,10 +115,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(engine_client: Any, registry: CollectorRegistry, served_model_names: list[str],
-              chat_template: Optional[str] = None, api_key: Optional[str] = None,
+              frontend: argparse.Namespace, chat_template: Optional[str] = None, api_key: Optional[str] = None,
               tool_call_parser: Optional[str] = None, lora_modules: Optional[list[dict]] = None,
               allow_runtime_lora_updating: bool = False) -> FastAPI:
-    """``lora_modules``: adapters served from the start ({"name", "path"}); a bad one is a ValueError."""
+    """``frontend``: the HTTP and request flags (cli_args.add_frontend_args: CORS, request logging, response
+    role). ``lora_modules``: adapters served from the start ({"name", "path"}); a bad one is a ValueError."""
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
     if allow_runtime_lora_updating:
@@ -124,6 +127,11 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    # Added last, so outermost: preflights are answered before authentication, and 401s carry CORS headers too.
+    app.add_middleware(CORSMiddleware, allow_origins=frontend.allowed_origins,
+                       allow_credentials=frontend.allow_credentials, allow_methods=frontend.allowed_methods,
+                       allow_headers=frontend.allowed_headers)
+    request_logger = RequestLogger(max_log_len=frontend.max_log_len) if frontend.enable_log_requests else None
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
                                  engine_client.processor)
@@ -136,8 +144,10 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     state.engine_client = engine_client
     state.registry = registry
     state.openai_serving_models = models
-    state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser)
-    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
+    state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser,
+                                                  response_role=frontend.response_role,
+                                                  request_logger=request_logger)
+    state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
     return app
 
@@ -175,12 +185,17 @@ async def run_server(args: argparse.Namespace) -> None:
                                                                    LOG_STATS_INTERVAL_S))))
     engine_client = AsyncLLM.from_engine_args(engine_args_from(args), stat_loggers=stat_loggers)
     try:
-        app = build_app(engine_client, registry, served_model_names, chat_template, args.api_key,
+        app = build_app(engine_client, registry, served_model_names, args, chat_template, args.api_key,
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5)
-        logger.info("Serving %s as %s on http://%s:%d", args.model, ", ".join(served_model_names), args.host,
-                    args.port)
+        # --uds replaces host and port (uvicorn listens on the socket); a key or certificate file turns on TLS.
+        # --root-path is the ASGI root_path: the prefix a proxy strips, which URLs the app makes (OpenAPI) carry.
+        config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, root_path=args.root_path or "",
+                                log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, timeout_keep_alive=5)
+        scheme = "https" if args.ssl_keyfile or args.ssl_certfile else "http"
+        where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"
+        logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,
+                    args.root_path or "")
         await _Server(config, on_exit=engine_client.shutdown).serve()
     finally:
         engine_client.shutdown()

@@ -19,7 +19,7 @@ class AuthenticationMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"
-                or not scope["path"].startswith("/v1")):
+                or not _route_path(scope).startswith("/v1")):
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode("latin-1")
@@ -28,3 +28,10 @@ class AuthenticationMiddleware:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _route_path(scope: Scope) -> str:
+    """The path the routes see: with --root-path, scope["path"] carries the prefix (/api/v1/..., as ASGI says),
+    which routing strips, so the check must too or /v1 would be reachable without the key."""
+    path, root_path = scope["path"], scope.get("root_path", "")
+    return path[len(root_path):] if root_path and path.startswith(root_path + "/") else path

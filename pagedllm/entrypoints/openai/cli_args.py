@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES
@@ -10,12 +11,9 @@ from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.models.resolve import DEFAULT_MODEL
 
-# EngineArgs fields that `serve` exposes as --flags.
-ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                "enable_prefix_caching", "scheduling_policy", "kv_cache_memory", "kv_cache_dtype", "seed",
-                "quantization", "num_cpu_threads", "enforce_eager", "tensor_parallel_size", "pipeline_parallel_size",
-                "data_parallel_size", "distributed_executor_backend", "speculative_config", "enable_lora", "max_loras",
-                "max_lora_rank", "max_cpu_loras", "enable_expert_parallel")
+# Every EngineArgs field but the model (the positional argument) is a --flag of the same name, so the CLI cannot
+# fall behind the engine: add_engine_args must define each (tests/server/test_serve_flags.py checks it).
+ENGINE_FLAGS = tuple(field.name for field in dataclasses.fields(EngineArgs) if field.name != "model")
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -42,8 +40,34 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
+    add_frontend_args(parser)
     add_engine_args(parser)
     return parser
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's operational flags of the HTTP server: CORS, TLS, where it listens, and what it logs."""
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                      help="CORS: the origins allowed, as a JSON list (default: %(default)s)")
+    http.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                      help="CORS: the methods allowed, as a JSON list (default: %(default)s)")
+    http.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                      help="CORS: the headers allowed, as a JSON list (default: %(default)s)")
+    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    http.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the TLS private key file")
+    http.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the TLS certificate file")
+    http.add_argument("--root-path", default=None,
+                      help="the path prefix a reverse proxy serves this server under (FastAPI's root_path)")
+    http.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port")
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    requests = parser.add_argument_group("requests")
+    requests.add_argument("--enable-log-requests", action="store_true",
+                          help="log each request's id, prompt and sampling parameters as it arrives")
+    requests.add_argument("--max-log-len", type=int, default=None,
+                          help="logged prompts keep this many characters, and token ids (default: all)")
+    requests.add_argument("--response-role", default="assistant",
+                          help="the role of chat completion messages (default: %(default)s)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -53,9 +77,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     engine.add_argument("--max-model-len", type=int, default=EngineArgs.max_model_len,
                         help="context length (default: the model's)")
+    engine.add_argument("--tokenizer", default=EngineArgs.tokenizer,
+                        help="a tokenizer directory (or model alias) other than the model's")
+    engine.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
+                        help="the most logprobs or prompt_logprobs a request may ask for; -1: the vocabulary "
+                             "(default: %(default)s)")
     engine.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     engine.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     engine.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    engine.add_argument("--num-kv-blocks", type=int, default=EngineArgs.num_kv_blocks,
+                        help="KV cache blocks, instead of sizing the cache by --kv-cache-memory")
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.enable_chunked_prefill,
+                        help="split long prompts over steps, batched with decodes (default: %(default)s)")
+    engine.add_argument("--long-prefill-token-threshold", type=int, default=EngineArgs.long_prefill_token_threshold,
+                        help="a prompt longer than this prefills at most this many tokens a step (0: no limit)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_prefix_caching)
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
@@ -166,14 +202,23 @@ def _lora_module(text: str) -> dict:
     return {"name": name, "path": path, "base_model_name": None}
 
 
+def _json_list(text: str) -> list:
+    """A flag's JSON list value (vLLM's CORS flags), e.g. '["https://example.com"]'."""
+    return _json(text, list, "a JSON list")
+
+
 def _json_object(text: str) -> dict:
-    """A flag's JSON object value; anything else is a usage error naming what was wrong."""
+    return _json(text, dict, "a JSON object")
+
+
+def _json(text: str, kind: type, name: str):
+    """A flag's JSON value of type ``kind``; anything else is a usage error naming what was wrong."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    if not isinstance(value, kind):
+        raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}")
     return value
 
 

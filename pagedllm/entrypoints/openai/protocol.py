@@ -197,11 +197,19 @@ class SamplingRequest(OpenAIBaseModel):
             return self.response_format.to_structured_outputs()
         return None
 
+    @property
+    def renamed_params(self) -> dict[str, str]:
+        """SamplingParams field -> this request's name for it, where they differ: errors name the request's."""
+        return {}
+
+    def rename_error(self, error: ValueError) -> ValueError:
+        """``error`` (starting with a SamplingParams field) naming this request's field instead."""
+        field, _, rest = str(error).partition(" ")
+        return ValueError(f"{self.renamed_params[field]} {rest}") if field in self.renamed_params else error
+
     def _sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
-                         renamed: Optional[dict[str, str]] = None,
                          structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """renamed: SamplingParams field -> this request's name for it, where they differ. structured_outputs
-        overrides the request's own constraint (tool calls bring theirs)."""
+        """structured_outputs overrides the request's own constraint (tool calls bring theirs)."""
         if structured_outputs is None:
             structured_outputs = self.structured_outputs_params()
         try:
@@ -221,10 +229,7 @@ class SamplingRequest(OpenAIBaseModel):
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 structured_outputs=structured_outputs)
         except ValueError as e:
-            field, _, rest = str(e).partition(" ")
-            if renamed and field in renamed:
-                raise ValueError(f"{renamed[field]} {rest}") from e
-            raise
+            raise self.rename_error(e) from e
 
 
 # ------------------------------------------------------------------------------------------------ completions
@@ -328,9 +333,11 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format "
                              "or structured_outputs.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs,
-                                     {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param},
-                                     tool_call_constraint)
+        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, tool_call_constraint)
+
+    @property
+    def renamed_params(self) -> dict[str, str]:
+        return {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
 
 
 class ChatMessage(OpenAIBaseModel):

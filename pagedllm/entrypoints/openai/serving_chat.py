@@ -6,6 +6,7 @@ import time
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.output_processor import RequestOutputKind
+from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.chat_utils import apply_chat_template
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
@@ -23,12 +24,20 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
-                 tool_call_parser: Optional[str] = None) -> None:
-        super().__init__(engine_client, models)
+                 tool_call_parser: Optional[str] = None, *, response_role: str = "assistant",
+                 request_logger: Optional[RequestLogger] = None) -> None:
+        """response_role: the role of the messages answered (vLLM's --response-role)."""
+        super().__init__(engine_client, models, request_logger=request_logger)
+        self.response_role = response_role
         self.chat_template = chat_template
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.tool_call_parser = tool_call_parser or detect_tool_call_parser(
             template if isinstance(template, str) else None)
+
+    def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
+        """As vLLM: the answer's role is --response-role, unless it continues the last message (no generation
+        prompt), whose role it keeps."""
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
@@ -53,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         results = await self._start(self._generate(
             {"prompt_token_ids": prompt_token_ids}, params, request_id, request.priority, output_kind, request.model),
-            "messages")
+            request, "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
                                                          len(prompt_token_ids), tool_choice)
@@ -76,10 +85,10 @@ class OpenAIServingChat(OpenAIServing):
         # One tool-call parser per choice, when tool calls are to be read out of the text.
         parsers = [tool_choice.make_parser() if tool_choice else None for _ in range(request.n or 1)]
         try:
+            role = self.get_chat_request_role(request)
             for index in range(request.n or 1):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
-                    finish_reason=None))
+                    index=index, delta=DeltaMessage(role=role, content=""), logprobs=None, finish_reason=None))
             async for res in results:
                 check_output(res)
                 for output in res.outputs:
@@ -122,12 +131,13 @@ class OpenAIServingChat(OpenAIServing):
             final = res
         outputs = sorted(final.outputs, key=lambda o: o.index)
         choices = []
+        role = self.get_chat_request_role(request)
         for o in outputs:
-            message, finish_reason = ChatMessage(role="assistant", content=o.text), o.finish_reason
+            message, finish_reason = ChatMessage(role=role, content=o.text), o.finish_reason
             parser = tool_choice.make_parser() if tool_choice else None
             if parser is not None:
                 content, calls = parser.parse(o.text)
-                message = ChatMessage(role="assistant", content=content.strip() or None, tool_calls=calls)
+                message = ChatMessage(role=role, content=content.strip() or None, tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=self._logprobs(request, o), finish_reason=finish_reason,

@@ -35,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self._generate({"prompt": text, "prompt_token_ids": ids}, p, f"{request_id}-{i}", request.priority,
                            output_kind, request.model)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))]
-        results = await self._start(merge_async_iterators(*generators), "prompt")
+        results = await self._start(merge_async_iterators(*generators), request, "prompt")
         if request.stream:
             return self.completion_stream_generator(request, prompts, results, request_id, model_name)
         return await self.completion_full_generator(request, prompts, results, request_id, model_name)

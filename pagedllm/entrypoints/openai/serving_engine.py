@@ -6,6 +6,7 @@ from typing import Any, AsyncIterator, Optional, TypeVar, Union
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.output_processor import RequestOutputKind
+from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.errors import BadRequestError, to_openai_error
 from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -39,9 +40,12 @@ def check_output(output: RequestOutput) -> None:
 
 
 class OpenAIServing:
-    def __init__(self, engine_client: Any, models: OpenAIServingModels) -> None:
+    def __init__(self, engine_client: Any, models: OpenAIServingModels, *,
+                 request_logger: Optional[RequestLogger] = None) -> None:
+        """request_logger: logs each request as it is submitted (--enable-log-requests); None logs none."""
         self.engine_client = engine_client
         self.models = models
+        self.request_logger = request_logger
         self.tokenizer = engine_client.tokenizer
         self.max_model_len = engine_client.model_config.max_model_len
 
@@ -81,18 +85,24 @@ class OpenAIServing:
         search yields one final output holding the n beams, best first, so a stream carries each choice whole in
         one chunk (as vLLM streams beam search)."""
         lora_request = self.models.lora_request(model)
+        if self.request_logger is not None:  # a chat prompt's text is its template's output, as vLLM logs it
+            ids = prompt["prompt_token_ids"]
+            text = prompt.get("prompt") or self.tokenizer.decode(ids)
+            self.request_logger.log_inputs(request_id, text, ids, params, lora_request)
         if isinstance(params, BeamSearchParams):
             return self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
         return self.engine_client.generate(prompt, params, request_id, priority=priority, output_kind=output_kind,
                                            lora_request=lora_request)
 
     @staticmethod
-    async def _start(results: AsyncIterator[T], prompt_param: str) -> AsyncIterator[T]:
+    async def _start(results: AsyncIterator[T], request: SamplingRequest, prompt_param: str) -> AsyncIterator[T]:
         try:
             return await peek(results)
         except ValueError as e:  # the engine's Processor rejected the prompt or a sampling parameter it checks
-            field = named_field(e)
-            raise BadRequestError(str(e), field if field in SamplingParams.__struct_fields__ else prompt_param) from e
+            if named_field(e) not in SamplingParams.__struct_fields__:
+                raise BadRequestError(str(e), prompt_param) from e
+            error = request.rename_error(e)
+            raise BadRequestError(str(error), named_field(error)) from e
 
     def _token_str(self, token_id: int, logprob: Optional[Logprob]) -> str:
         if logprob is not None and logprob.decoded_token is not None:

@@ -1,0 +1,161 @@
+"""vLLM's operational flags of `pagedllm serve`: one server takes them all at once (HTTPS on a Unix socket under a
+root path, CORS for one origin, request logs, max_logprobs, response role, its own tokenizer); the flags' parsing
+and their match with EngineArgs are checked without a server."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import shutil
+import ssl
+import subprocess
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.processor import Processor
+from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, engine_args_from, make_arg_parser
+from pagedllm.sampling_params import SamplingParams
+from tests.server.conftest import API_KEY, RemoteServer
+
+GOOD_ORIGIN = "http://good.example"
+ROOT_PATH = "/api"
+MAX_LOG_LEN = 7
+MAX_LOGPROBS = 3
+# The --tokenizer's own chat template: the bare message contents, so its use shows in /tokenize.
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return make_arg_parser(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_every_engine_args_field_is_a_flag_with_its_default():
+    args = _parse()
+    assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    for name in ENGINE_FLAGS:
+        assert hasattr(args, name), f"EngineArgs.{name} has no `pagedllm serve` flag"
+    assert engine_args_from(args) == EngineArgs()
+
+
+def test_engine_flags_reach_engine_args():
+    engine = engine_args_from(_parse("--no-enable-chunked-prefill", "--long-prefill-token-threshold", "64",
+                                     "--num-kv-blocks", "32", "--max-logprobs", "5", "--tokenizer", "tok"))
+    assert (engine.enable_chunked_prefill, engine.long_prefill_token_threshold, engine.num_kv_blocks,
+            engine.max_logprobs, engine.tokenizer) == (False, 64, 32, 5, "tok")
+
+
+def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
+    model_config = EngineArgs(max_logprobs=-1, tokenizer=str(tmp_path)).create_engine_config().model_config
+    assert model_config.tokenizer == str(tmp_path)
+    processor = SimpleNamespace(model_config=model_config)  # validate_logprobs reads only the model's config
+    Processor.validate_logprobs(processor, SamplingParams(logprobs=model_config.vocab_size))  # -1: the vocabulary
+    with pytest.raises(ValueError, match=f"^prompt_logprobs must be at most {model_config.vocab_size}"):
+        Processor.validate_logprobs(processor, SamplingParams(prompt_logprobs=model_config.vocab_size + 1))
+
+
+def test_frontend_flag_defaults_and_json_lists():
+    args = _parse()
+    assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
+        ["*"], ["*"], ["*"], False)
+    assert (args.enable_log_requests, args.max_log_len, args.response_role, args.uds, args.root_path) == (
+        False, None, "assistant", None, None)
+    assert _parse("--allowed-origins", json.dumps([GOOD_ORIGIN])).allowed_origins == [GOOD_ORIGIN]
+    with pytest.raises(SystemExit):
+        _parse("--allowed-origins", GOOD_ORIGIN)  # not a JSON list
+
+
+def _self_signed_certificate(directory) -> tuple[str, str]:
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = str(directory / "key.pem"), str(directory / "cert.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"],
+                   check=True, capture_output=True)
+    return key, cert
+
+
+@pytest.fixture(scope="module")
+def flags_server(tmp_path_factory, tokenizer):
+    directory = tmp_path_factory.mktemp("flags")
+    key, cert = _self_signed_certificate(directory)
+    tokenizer_dir = directory / "tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
+    config_path = tokenizer_dir / "tokenizer_config.json"
+    (tokenizer_dir / "chat_template.jinja").unlink(missing_ok=True)
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": PLAIN_TEMPLATE}))
+    socket_path = str(directory / "server.sock")
+    srv = RemoteServer(
+        directory / "server.log", api_key=API_KEY,
+        extra_args=["--uds", socket_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", ROOT_PATH,
+                    "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
+                    "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
+                    "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir)],
+        url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
+        client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=ssl.create_default_context(
+            cafile=cert))})
+    srv.socket_path = socket_path
+    yield srv
+    srv.stop()
+
+
+def test_https_on_the_socket_under_the_root_path(flags_server):
+    with flags_server.http() as http:
+        assert http.get("/v1/models").json()["data"][0]["id"]
+        assert http.get("/openapi.json").json()["servers"] == [{"url": ROOT_PATH}]
+        assert http.get("/v1/models", headers={"Authorization": ""}).status_code == 401  # the prefix skips no check
+    with httpx.Client(transport=httpx.HTTPTransport(uds=flags_server.socket_path)) as plain:
+        with pytest.raises(httpx.HTTPError):
+            plain.get("http://localhost/health")  # TLS only
+    assert "GET /api/v1/models" not in flags_server.log()  # no access log (the line would carry the root path)
+
+
+def test_cors_preflight(flags_server):
+    def preflight(origin: str) -> httpx.Response:
+        with flags_server.http() as http:
+            return http.options("/v1/chat/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+
+    allowed = preflight(GOOD_ORIGIN)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == GOOD_ORIGIN
+    refused = preflight("http://evil.example")
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+
+
+def test_requests_are_logged_cut_at_max_log_len(flags_server):
+    prompt = "The quick brown fox jumps over the lazy dog"
+    with flags_server.http() as http:
+        response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
+    line = next(line for line in flags_server.log().splitlines() if f"Received request {response['id']}" in line)
+    assert f"prompt: {prompt[:MAX_LOG_LEN]!r}," in line
+    token_ids = re.search(r"prompt_token_ids: \[([^\]]*)\]", line).group(1).split(",")
+    assert len(token_ids) == MAX_LOG_LEN and "max_tokens=2" in line
+
+
+def test_max_logprobs_and_response_role(flags_server):
+    hi = [{"role": "user", "content": "Hi"}]
+    with flags_server.http() as http:
+        for path, body, param in [("/v1/completions", {"prompt": "Hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+                                  ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": MAX_LOGPROBS + 1},
+                                   "prompt_logprobs"),
+                                  ("/v1/chat/completions",
+                                   {"messages": hi, "logprobs": True, "top_logprobs": MAX_LOGPROBS + 1},
+                                   "top_logprobs")]:
+            response = http.post(path, json={**body, "max_tokens": 1})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param and f"at most {MAX_LOGPROBS}" in error["message"]
+        chat = http.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2, "logprobs": True,
+                                                       "top_logprobs": MAX_LOGPROBS}).json()
+    assert chat["choices"][0]["message"]["role"] == "bot"
+    assert len(chat["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == MAX_LOGPROBS
+
+
+def test_tokenizer_flag(flags_server, tokenizer):
+    with flags_server.http() as http:
+        tokens = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello there"}]}).json()
+    assert tokens["tokens"] == tokenizer.encode("Hello there", add_special_tokens=False)
