@@ -126,7 +126,7 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
-                                 engine_client.processor)
+                                 engine_client.processor, model_config.get_diff_sampling_param())
     for module in lora_modules or ():
         try:
             models.load_lora_adapter(module["name"], module["path"])

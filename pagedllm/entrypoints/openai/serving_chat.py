@@ -22,6 +22,8 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    endpoint = "chat"
+
     def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
                  tool_call_parser: Optional[str] = None) -> None:
         super().__init__(engine_client, models)
