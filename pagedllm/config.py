@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from pagedllm.core.sched.request_queue import SchedulingPolicy
+from pagedllm.models.generation_config import diff_sampling_param
 
 
 # vLLM's kv_cache_dtype choices (what each stores: kv_cache_dtype.py), and int8.
@@ -145,6 +146,9 @@ class ModelConfig:
     max_logprobs: int = 20
     # The tokenizer's directory: the model's own (path) unless vLLM's tokenizer argument names another.
     tokenizer: Optional[str] = None
+    # Where default sampling parameters come from (vLLM's --generation-config): "auto" (the model directory's
+    # generation_config.json), "vllm" (none: the engine's own defaults) or a directory holding that file.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -152,6 +156,11 @@ class ModelConfig:
 
     def __getstate__(self) -> dict:
         return {**vars(self), "hf_config": HFConfigValues.of(self.hf_config)}
+
+    def get_diff_sampling_param(self) -> dict:
+        """The sampling parameters the generation config sets (SamplingParams names); a request's own values win
+        over them, and they win over SamplingParams' defaults."""
+        return diff_sampling_param(self.path, self.generation_config)
 
     @property
     def sliding_window(self) -> int | None:

@@ -12,6 +12,7 @@ import torch
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              SpeculativeConfig, check_kv_cache_dtype, common_window)
 from pagedllm.layers.rope_scaling import positions_served
+from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
@@ -71,6 +72,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    # vLLM's generation_config: "auto", "vllm" or a directory holding generation_config.json (ModelConfig's).
+    generation_config: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
@@ -79,6 +82,7 @@ class EngineArgs:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         path = resolve_model(self.model)
+        check_generation_config(path, self.generation_config)
         hf_config = load_hf_config(path)
         model_max_len = positions_served(hf_config)
         max_model_len = self.max_model_len or model_max_len
@@ -103,7 +107,8 @@ class EngineArgs:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
-                                   resolve_model(self.tokenizer) if self.tokenizer else None)
+                                   resolve_model(self.tokenizer) if self.tokenizer else None,
+                                   self.generation_config)
         if speculative_config is not None and speculative_config.method == "draft_model":
             if parallel_config.world_size > 1:
                 raise ValueError("speculative_config method 'draft_model' is not supported with "

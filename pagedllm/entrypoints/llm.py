@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -15,6 +16,8 @@ from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 
@@ -32,9 +35,19 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model_config.tokenizer)
         self.llm_engine = LLMEngine(config, self.tokenizer)
         self._request_counter = itertools.count()
+        # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
+        self.default_sampling_params = config.model_config.get_diff_sampling_param()
+        if self.default_sampling_params:
+            logger.info("Using default sampling params from the generation config: %s",
+                        self.default_sampling_params)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() sample with when given no sampling_params: the model's generation config's
+        values over SamplingParams' defaults (these alone with generation_config="vllm")."""
+        return SamplingParams(**self.default_sampling_params)
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
@@ -46,8 +59,9 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        params_list = _one_per_prompt("sampling_params", SamplingParams() if sampling_params is None
-                                      else sampling_params, SamplingParams, len(prompts))
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params_list = _one_per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts.")
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))

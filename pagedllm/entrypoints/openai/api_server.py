@@ -134,7 +134,7 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     request_logger = RequestLogger(max_log_len=frontend.max_log_len) if frontend.enable_log_requests else None
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
-                                 engine_client.processor)
+                                 engine_client.processor, model_config.get_diff_sampling_param())
     for module in lora_modules or ():
         try:
             models.load_lora_adapter(module["name"], module["path"])

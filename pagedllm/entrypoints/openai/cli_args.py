@@ -110,6 +110,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch threads of the engine process (default: one per core)")
     engine.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
                         help="run decode steps eagerly, without replaying CPU graphs")
+    engine.add_argument("--generation-config", default=EngineArgs.generation_config,
+                        help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             "max_new_tokens as max_tokens): auto reads the model directory's generation_config.json, "
+                             "vllm ignores it, or a directory holding one (default: %(default)s)")
     engine.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     lora = parser.add_argument_group("LoRA adapters")

@@ -62,6 +62,9 @@ class ModelCard(OpenAIBaseModel):
     root: Optional[str] = None
     parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    # pagedllm's extra: the sampling parameters the server applies where a request leaves them out (the model's
+    # generation config's; empty when it has none), so a client such as `pagedllm chat` can tell.
+    default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     permission: list[ModelPermission] = Field(default_factory=list)
 
 
@@ -163,7 +166,13 @@ class SamplingRequest(OpenAIBaseModel):
     def max_tokens_param(self) -> str:
         return "max_tokens"
 
-    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+    def _or_default(self, name: str, default_sampling_params: dict, fallback: Any) -> Any:
+        """The request's own value of a sampling field; else the model's generation config's; else ``fallback``
+        (the engine's default)."""
+        value = getattr(self, name)
+        return value if value is not None else default_sampling_params.get(name, fallback)
+
+    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict) -> BeamSearchParams:
         """As vLLM's: beam_width is n; the sampling knobs do not apply. Logprobs are refused rather than left out."""
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name, None)
@@ -175,7 +184,7 @@ class SamplingRequest(OpenAIBaseModel):
         try:
             return BeamSearchParams(
                 beam_width=self.n if self.n is not None else 1, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                temperature=self.temperature if self.temperature is not None else 0.0,
+                temperature=self._or_default("temperature", default_sampling_params, 0.0),
                 length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output)
         except ValueError as e:
             field, _, rest = str(e).partition(" ")
@@ -207,25 +216,28 @@ class SamplingRequest(OpenAIBaseModel):
         field, _, rest = str(error).partition(" ")
         return ValueError(f"{self.renamed_params[field]} {rest}") if field in self.renamed_params else error
 
-    def _sampling_params(self, max_tokens: int, logprobs: Optional[int], prompt_logprobs: Optional[int],
+    def _sampling_params(self, max_tokens: int, default_sampling_params: dict, logprobs: Optional[int],
+                         prompt_logprobs: Optional[int],
                          structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """structured_outputs overrides the request's own constraint (tool calls bring theirs)."""
+        """default_sampling_params: the model's generation config's (ModelConfig.get_diff_sampling_param), for the
+        fields the request leaves out. structured_outputs overrides the request's own constraint (tool calls bring
+        theirs)."""
         if structured_outputs is None:
             structured_outputs = self.structured_outputs_params()
         try:
             return SamplingParams(
                 n=self.n if self.n is not None else 1,
-                temperature=self.temperature if self.temperature is not None else 1.0,
-                top_p=self.top_p if self.top_p is not None else 1.0,
-                top_k=self.top_k if self.top_k is not None else 0,
-                min_p=self.min_p if self.min_p is not None else 0.0,
+                temperature=self._or_default("temperature", default_sampling_params, 1.0),
+                top_p=self._or_default("top_p", default_sampling_params, 1.0),
+                top_k=self._or_default("top_k", default_sampling_params, 0),
+                min_p=self._or_default("min_p", default_sampling_params, 0.0),
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+                repetition_penalty=self._or_default("repetition_penalty", default_sampling_params, 1.0),
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 structured_outputs=structured_outputs)
         except ValueError as e:
@@ -240,11 +252,11 @@ class CompletionRequest(SamplingRequest):
     logprobs: Optional[int] = None
     add_special_tokens: bool = True
 
-    def to_sampling_params(self, max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int, default_sampling_params: dict) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
-        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(max_tokens, default_sampling_params, self.logprobs, prompt_logprobs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -324,7 +336,7 @@ class ChatCompletionRequest(SamplingRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def to_sampling_params(self, max_tokens: int,
+    def to_sampling_params(self, max_tokens: int, default_sampling_params: dict,
                            tool_call_constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
         """tool_call_constraint: the grammar a required/named tool_choice imposes."""
         if self.top_logprobs is not None and not self.logprobs:
@@ -333,7 +345,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format "
                              "or structured_outputs.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs, self.prompt_logprobs, tool_call_constraint)
+        return self._sampling_params(max_tokens, default_sampling_params, logprobs, self.prompt_logprobs,
+                                     tool_call_constraint)
 
     @property
     def renamed_params(self) -> dict[str, str]:

@@ -23,6 +23,8 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingChat(OpenAIServing):
+    endpoint = "chat"
+
     def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
                  tool_call_parser: Optional[str] = None, *, response_role: str = "assistant",
                  request_logger: Optional[RequestLogger] = None) -> None:

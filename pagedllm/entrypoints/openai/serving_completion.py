@@ -22,6 +22,8 @@ Prompt = tuple[Optional[str], list[int]]
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    endpoint = "completion"
+
     async def create_completion(self, request: CompletionRequest
                                 ) -> Union[CompletionResponse, AsyncIterator[str]]:
         """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""

@@ -2,6 +2,7 @@
 generation so early errors are HTTP errors, and the SSE framing of streams."""
 from __future__ import annotations
 
+import logging
 from typing import Any, AsyncIterator, Optional, TypeVar, Union
 
 from pagedllm.beam_search import BeamSearchParams
@@ -13,6 +14,8 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.utils import peek
 from pagedllm.outputs import Logprob, PromptLogprobs, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -40,6 +43,9 @@ def check_output(output: RequestOutput) -> None:
 
 
 class OpenAIServing:
+    # The endpoint's name in the log line of its default sampling parameters.
+    endpoint = "request"
+
     def __init__(self, engine_client: Any, models: OpenAIServingModels, *,
                  request_logger: Optional[RequestLogger] = None) -> None:
         """request_logger: logs each request as it is submitted (--enable-log-requests); None logs none."""
@@ -47,17 +53,26 @@ class OpenAIServing:
         self.models = models
         self.request_logger = request_logger
         self.tokenizer = engine_client.tokenizer
-        self.max_model_len = engine_client.model_config.max_model_len
+        model_config = engine_client.model_config
+        self.max_model_len = model_config.max_model_len
+        # The generation config's defaults, for what a request leaves out (vLLM's default_sampling_params).
+        self.default_sampling_params = model_config.get_diff_sampling_param()
+        if self.default_sampling_params:
+            source = "model" if model_config.generation_config == "auto" else model_config.generation_config
+            logger.info("Using default %s sampling params from %s: %s", self.endpoint, source,
+                        self.default_sampling_params)
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str,
                     max_tokens_param: str) -> int:
-        """The completion budget: what was asked for, or by default the rest of the context; 400 if it cannot fit."""
+        """The completion budget: what was asked for, or by default the generation config's max_tokens, at most the
+        rest of the context (all of it when there is none); 400 if what was asked for cannot fit."""
         if num_prompt_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
                 f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", prompt_param)
         if max_tokens is None:
-            return self.max_model_len - num_prompt_tokens
+            return min(self.max_model_len - num_prompt_tokens,
+                       self.default_sampling_params.get("max_tokens", self.max_model_len))
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -65,16 +80,15 @@ class OpenAIServing:
                 "the completion). Please reduce the length of the messages or completion.", max_tokens_param)
         return max_tokens
 
-    @staticmethod
-    def _sampling_params(request: SamplingRequest, max_tokens: int, **kwargs
+    def _sampling_params(self, request: SamplingRequest, max_tokens: int, **kwargs
                          ) -> Union[SamplingParams, BeamSearchParams]:
         try:
             if request.use_beam_search:
                 if kwargs.get("tool_call_constraint") is not None:
                     raise ValueError("tool_choice 'required' or a named function is not supported with "
                                      "use_beam_search.")
-                return request.to_beam_search_params(max_tokens)
-            return request.to_sampling_params(max_tokens, **kwargs)
+                return request.to_beam_search_params(max_tokens, self.default_sampling_params)
+            return request.to_sampling_params(max_tokens, self.default_sampling_params, **kwargs)
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
 

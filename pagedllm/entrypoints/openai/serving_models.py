@@ -12,11 +12,14 @@ from pagedllm.lora.request import LoRARequest
 
 class OpenAIServingModels:
     def __init__(self, served_model_names: list[str], model_path: str, max_model_len: int,
-                 processor: Any = None) -> None:
-        """``processor``: the engine client's, which checks an adapter against the model before it is served."""
+                 processor: Any = None, default_sampling_params: Optional[dict] = None) -> None:
+        """``processor``: the engine client's, which checks an adapter against the model before it is served.
+        ``default_sampling_params``: the model's generation config's, shown on every card (adapters too: their
+        requests get the same)."""
         self.served_model_names = served_model_names
         self.model_path = model_path
         self.max_model_len = max_model_len
+        self.default_sampling_params = default_sampling_params or {}
         self.processor = processor
         self.lora_requests: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)  # never reused: an id names one adapter for the engine's lifetime
@@ -60,8 +63,9 @@ class OpenAIServingModels:
         self.processor.forget_lora(lora.lora_int_id)
 
     def show_available_models(self) -> ModelList:
-        cards = [ModelCard(id=name, root=self.model_path, max_model_len=self.max_model_len,
-                           permission=[ModelPermission()]) for name in self.served_model_names]
-        cards += [ModelCard(id=name, root=lora.lora_path, parent=self.model_name, max_model_len=self.max_model_len,
-                            permission=[ModelPermission()]) for name, lora in self.lora_requests.items()]
-        return ModelList(data=cards)
+        def card(name: str, root: str, parent: Optional[str] = None) -> ModelCard:
+            return ModelCard(id=name, root=root, parent=parent, max_model_len=self.max_model_len,
+                             default_sampling_params=self.default_sampling_params, permission=[ModelPermission()])
+
+        return ModelList(data=[card(name, self.model_path) for name in self.served_model_names]
+                         + [card(name, lora.lora_path, self.model_name) for name, lora in self.lora_requests.items()])

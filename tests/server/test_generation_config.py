@@ -1,0 +1,45 @@
+"""`pagedllm serve --generation-config DIR`: the directory's generation_config.json gives the default model (a GGUF
+file, which has none of its own) default sampling parameters on both endpoints; a request's own values win."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import RemoteServer
+
+DEFAULTS = {"temperature": 0.0, "max_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def gen_server(tmp_path_factory):
+    config_dir = tmp_path_factory.mktemp("generation_config")
+    (config_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
+    srv = RemoteServer(config_dir / "server.log", extra_args=["--generation-config", str(config_dir)])
+    srv.config_dir = str(config_dir)
+    yield srv
+    srv.stop()
+
+
+def test_the_defaults_are_logged_and_listed(gen_server):
+    for endpoint in ("chat", "completion"):
+        assert f"Using default {endpoint} sampling params from {gen_server.config_dir}: {DEFAULTS}" in gen_server.log()
+    assert gen_server.get_client().models.list().data[0].default_sampling_params == DEFAULTS
+
+
+def test_chat_samples_with_the_defaults_unless_the_request_says_otherwise(gen_server):
+    client = gen_server.get_client()
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    by_default = client.chat.completions.create(model=None, messages=messages)
+    greedy = client.chat.completions.create(model=None, messages=messages, temperature=0.0, max_tokens=6)
+    assert by_default.usage.completion_tokens == 6 and by_default.choices[0].finish_reason == "length"
+    assert by_default.choices[0].message.content == greedy.choices[0].message.content
+    assert client.chat.completions.create(model=None, messages=messages, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_completions_take_the_default_max_tokens_when_the_request_leaves_it_null(gen_server):
+    with gen_server.http() as http:
+        body = {"prompt": "Once upon a time", "max_tokens": None}
+        assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 6
+        body["max_tokens"] = 3
+        assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 3
