@@ -124,6 +124,15 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    init_app_state(app.state, engine_client, served_model_names, chat_template, tool_call_parser, lora_modules)
+    app.state.registry = registry
+    return app
+
+
+def init_app_state(state: Any, engine_client: Any, served_model_names: list[str], chat_template: Optional[str],
+                   tool_call_parser: Optional[str], lora_modules: Optional[list[dict]]) -> None:
+    """The serving objects on ``state``, as the routes use them (and `pagedllm run-batch`, so that its results are
+    the server's)."""
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
                                  engine_client.processor)
@@ -132,14 +141,11 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
             models.load_lora_adapter(module["name"], module["path"])
         except OpenAIError as e:
             raise ValueError(f"--lora-modules {module['name']}: {e.message}") from None
-    state = app.state
     state.engine_client = engine_client
-    state.registry = registry
     state.openai_serving_models = models
     state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
-    return app
 
 
 class _Server(uvicorn.Server):
