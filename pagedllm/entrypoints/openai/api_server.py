@@ -1,9 +1,9 @@
 """The OpenAI-compatible API server: FastAPI routes over one AsyncLLM, served by uvicorn.
 
 `pagedllm serve` runs run_server(): the engine process starts first (the model loads), then uvicorn listens.
-On SIGINT/SIGTERM uvicorn stops accepting connections and waits for open ones; we end the in-flight requests
-(finish_reason "abort") and stop the engine process at the same moment, so that wait is short and nothing is
-left behind.
+On SIGINT/SIGTERM uvicorn stops accepting connections and waits for open ones; in-flight requests get
+--shutdown-timeout seconds to finish (default 0), then the rest end with finish_reason "abort" and the engine
+process stops, so that wait is bounded and nothing is left behind (see shutdown.py).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.shutdown import RejectWhileShuttingDown, on_exit_signal
 from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.metrics.loggers import LOG_STATS_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -124,6 +125,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    app.add_middleware(RejectWhileShuttingDown)  # added last: the outermost, so it answers before auth
+    app.state.shutting_down = False
     init_app_state(app.state, engine_client, served_model_names, chat_template, tool_call_parser, lora_modules)
     app.state.registry = registry
     return app
@@ -149,7 +152,7 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, calling on_exit (on the event loop) at the first exit signal."""
+    """uvicorn, calling on_exit (on the event loop) at each exit signal."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
@@ -161,7 +164,7 @@ class _Server(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit and self._loop is not None:
+        if self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_exit)
         super().handle_exit(sig, frame)
 
@@ -187,6 +190,6 @@ async def run_server(args: argparse.Namespace) -> None:
                                 timeout_keep_alive=5)
         logger.info("Serving %s as %s on http://%s:%d", args.model, ", ".join(served_model_names), args.host,
                     args.port)
-        await _Server(config, on_exit=engine_client.shutdown).serve()
+        await _Server(config, on_exit=lambda: on_exit_signal(app.state, args.shutdown_timeout)).serve()
     finally:
         engine_client.shutdown()

@@ -33,6 +33,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic log line of throughput, queues, KV cache and speculative decoding "
                              "(every PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, in which requests ran)")
+    server.add_argument("--shutdown-timeout", type=int, default=0,
+                        help="on SIGTERM or SIGINT, seconds in-flight requests have to finish before they are "
+                             "aborted (default: %(default)s, abort at once); new requests get 503 meanwhile")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
