@@ -7,11 +7,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from itertools import islice
 from typing import Iterator, Union
 
 import httpx
 import psutil
+
+from tests.server.conftest import RemoteServer
 
 LONG_STREAM = {"prompt": "Count to one thousand:", "max_tokens": 600, "ignore_eos": True, "stream": True}
 
@@ -69,3 +72,41 @@ def test_chat_cli(server):
     assert chat.returncode == 0, chat.stderr
     answers = [line for line in chat.stdout.splitlines() if line.startswith("> ")]
     assert len(answers) == 3 and all(len(a) > 2 for a in answers[:2]), chat.stdout
+
+
+def test_sigterm_drains_then_aborts_within_shutdown_timeout(tmp_path):
+    """--shutdown-timeout 10: after SIGTERM new requests are refused, a request in flight with one token to go
+    finishes, long ones (streamed or not; 2000 tokens, far beyond 10 s here) end with finish_reason "abort" at the
+    timeout, and the server exits leaving no child."""
+    # Eager steps: no CPU graph is captured mid-test for a new batch size, so the short request's speed is steady.
+    server = RemoteServer(tmp_path / "server.log",
+                          extra_args=["--shutdown-timeout", "10", "--enforce-eager", "--max-model-len", "2048"])
+    long_body = {**LONG_STREAM, "max_tokens": 2000}
+    try:
+        with server.http(timeout=60) as http, ThreadPoolExecutor(1) as pool, ExitStack() as streams:
+            http.post("/v1/completions", json={**LONG_STREAM, "max_tokens": 3, "stream": False})  # warm-up steps
+            full = pool.submit(http.post, "/v1/completions", json={**long_body, "stream": False})
+            long_events = sse_events(streams.enter_context(http.stream("POST", "/v1/completions", json=long_body)))
+            short_events = sse_events(streams.enter_context(
+                http.stream("POST", "/v1/completions", json={**LONG_STREAM, "max_tokens": 3})))
+            short_seen = list(islice(short_events, 2))
+            assert len(list(islice(long_events, 2))) == 2 and len(short_seen) == 2
+            server.proc.send_signal(signal.SIGTERM)
+            start = time.monotonic()
+            time.sleep(0.5)
+            try:
+                assert httpx.post(server.url_for("v1", "completions"), json=LONG_STREAM, timeout=5).status_code == 503
+            except httpx.TransportError:
+                pass  # refused: the listener is closed
+            short_seen += list(short_events)
+            assert short_seen[-1] == "[DONE]" and short_seen[-2]["choices"][0]["finish_reason"] == "length"
+            long_rest = list(long_events)
+            assert long_rest[-1] == "[DONE]" and long_rest[-2]["choices"][0]["finish_reason"] == "abort"
+            full_choice = full.result().json()["choices"][0]
+            assert full_choice["finish_reason"] == "abort" and full_choice["text"]
+            assert 9.5 < time.monotonic() - start < 30
+        server.proc.wait(30)
+        _, alive = psutil.wait_procs(server.engines, timeout=5)
+        assert not alive
+    finally:
+        server.stop()

@@ -1,9 +1,9 @@
 """The OpenAI-compatible API server: FastAPI routes over one AsyncLLM, served by uvicorn.
 
 `pagedllm serve` runs run_server(): the engine process starts first (the model loads), then uvicorn listens.
-On SIGINT/SIGTERM uvicorn stops accepting connections and waits for open ones; we end the in-flight requests
-(finish_reason "abort") and stop the engine process at the same moment, so that wait is short and nothing is
-left behind.
+On SIGINT/SIGTERM uvicorn stops accepting connections and waits for open ones; in-flight requests get
+--shutdown-timeout seconds to finish (default 0), then the rest end with finish_reason "abort" and the engine
+process stops, so that wait is bounded and nothing is left behind (see shutdown.py).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.shutdown import RejectWhileShuttingDown, on_exit_signal
 from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.metrics.loggers import LOG_STATS_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -127,11 +128,25 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
-    # Added last, so outermost: preflights are answered before authentication, and 401s carry CORS headers too.
     app.add_middleware(CORSMiddleware, allow_origins=frontend.allowed_origins,
                        allow_credentials=frontend.allow_credentials, allow_methods=frontend.allowed_methods,
                        allow_headers=frontend.allowed_headers)
+    # Added last, so outermost: a request arriving while the server drains gets its 503 before anything else;
+    # CORS comes next, so preflights are answered before authentication and 401s carry CORS headers too.
+    app.add_middleware(RejectWhileShuttingDown)
+    app.state.shutting_down = False
     request_logger = RequestLogger(max_log_len=frontend.max_log_len) if frontend.enable_log_requests else None
+    init_app_state(app.state, engine_client, served_model_names, chat_template, tool_call_parser, lora_modules,
+                   response_role=frontend.response_role, request_logger=request_logger)
+    app.state.registry = registry
+    return app
+
+
+def init_app_state(state: Any, engine_client: Any, served_model_names: list[str], chat_template: Optional[str],
+                   tool_call_parser: Optional[str], lora_modules: Optional[list[dict]], *,
+                   response_role: str = "assistant", request_logger: Optional[RequestLogger] = None) -> None:
+    """The serving objects on ``state``, as the routes use them (and `pagedllm run-batch`, so that its results are
+    the server's). ``response_role`` and ``request_logger``: --response-role, --enable-log-requests."""
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
                                  engine_client.processor, model_config.get_diff_sampling_param())
@@ -140,20 +155,16 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
             models.load_lora_adapter(module["name"], module["path"])
         except OpenAIError as e:
             raise ValueError(f"--lora-modules {module['name']}: {e.message}") from None
-    state = app.state
     state.engine_client = engine_client
-    state.registry = registry
     state.openai_serving_models = models
     state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser,
-                                                  response_role=frontend.response_role,
-                                                  request_logger=request_logger)
+                                                  response_role=response_role, request_logger=request_logger)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
-    return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, calling on_exit (on the event loop) at the first exit signal."""
+    """uvicorn, calling on_exit (on the event loop) at each exit signal."""
 
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
@@ -165,7 +176,7 @@ class _Server(uvicorn.Server):
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if not self.should_exit and self._loop is not None:
+        if self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_exit)
         super().handle_exit(sig, frame)
 
@@ -196,6 +207,6 @@ async def run_server(args: argparse.Namespace) -> None:
         where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"
         logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,
                     args.root_path or "")
-        await _Server(config, on_exit=engine_client.shutdown).serve()
+        await _Server(config, on_exit=lambda: on_exit_signal(app.state, args.shutdown_timeout)).serve()
     finally:
         engine_client.shutdown()

@@ -25,18 +25,15 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
-    server.add_argument("--served-model-name", nargs="+", default=None,
-                        help="the name(s) clients use for the model (default: the model argument)")
+    add_serving_args(server)
     server.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer <key>` on /v1/* requests")
-    server.add_argument("--chat-template", default=None,
-                        help="a Jinja chat template, or a file holding one, instead of the model's")
-    server.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="the format tool calls take in free text, for tool_choice 'auto' "
-                             "(default: detected from the chat template)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic log line of throughput, queues, KV cache and speculative decoding "
                              "(every PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, in which requests ran)")
+    server.add_argument("--shutdown-timeout", type=int, default=0,
+                        help="on SIGTERM or SIGINT, seconds in-flight requests have to finish before they are "
+                             "aborted (default: %(default)s, abort at once); new requests get 503 meanwhile")
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -70,8 +67,19 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                           help="the role of chat completion messages (default: %(default)s)")
 
 
+def add_serving_args(group) -> None:
+    """What the serving classes take (init_app_state), shared by `serve` and `run-batch`."""
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the name(s) requests use for the model (default: the model argument)")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, instead of the model's")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="the format tool calls take in free text, for tool_choice 'auto' "
+                            "(default: detected from the chat template)")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The EngineArgs flags, shared by `serve` and `bench`."""
+    """The EngineArgs flags, shared by `serve`, `run-batch` and `bench`."""
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])

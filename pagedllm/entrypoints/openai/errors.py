@@ -9,7 +9,7 @@ from __future__ import annotations
 import http
 import logging
 import re
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,12 +79,13 @@ def to_openai_error(exc: Exception) -> OpenAIError:
 _UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
 
 
-def _validation_error(exc: RequestValidationError) -> BadRequestError:
-    """The first problem, with the offending field as param ("messages", "messages.0.role", ...)."""
-    first = exc.errors()[0]
+def validation_error(errors: Sequence[Any]) -> BadRequestError:
+    """The first of a request body's validation errors (pydantic's, each located from the body down), with the
+    offending field as param ("messages", "messages.0.role", ...)."""
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return BadRequestError(f"JSON decode error: {first.get('ctx', {}).get('error', first['msg'])}")
-    loc = [str(part) for part in first.get("loc", ())[1:] if not _UNION_TAGS.search(str(part))]
+    loc = [str(part) for part in first.get("loc", ()) if not _UNION_TAGS.search(str(part))]
     param = ".".join(loc) or None
     return BadRequestError(f"{param}: {first['msg']}" if param else first["msg"], param)
 
@@ -93,8 +94,9 @@ def register_exception_handlers(app: FastAPI) -> None:
     async def openai_error(_: Request, exc: Exception) -> JSONResponse:
         return json_error(to_openai_error(exc).to_response())
 
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return json_error(_validation_error(exc).to_response())
+    async def request_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        body_errors = [{**e, "loc": e.get("loc", ())[1:]} for e in exc.errors()]  # FastAPI's start at "body"
+        return json_error(validation_error(body_errors).to_response())
 
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         return json_error(create_error_response(str(exc.detail), exc.status_code))
@@ -102,5 +104,5 @@ def register_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(EngineDeadError, openai_error)
     app.add_exception_handler(Exception, openai_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(RequestValidationError, request_validation_error)
     app.add_exception_handler(HTTPException, http_error)

@@ -1,0 +1,44 @@
+"""What the server does on SIGTERM or SIGINT, with vLLM's --shutdown-timeout.
+
+uvicorn, at the first signal, stops listening (new connections are refused) and waits for the open ones to end.
+Meanwhile any request that still reaches the app gets 503 (``app.state.shutting_down``; /health too, so a load
+balancer sees the drain). In-flight requests run on for up to the timeout; then (at once with the default 0)
+the engine is shut down, which ends every request still running with finish_reason "abort" and stops the
+engine process. If they all finish sooner, uvicorn's own exit shuts the engine down. A second signal aborts
+what is left without waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from pagedllm.entrypoints.openai.errors import ServiceUnavailableError, json_error
+
+logger = logging.getLogger(__name__)
+
+
+class RejectWhileShuttingDown:
+    """ASGI middleware: 503 for every HTTP request that arrives once shutdown has begun."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["app"].state.shutting_down:
+            response = json_error(ServiceUnavailableError("The server is shutting down.").to_response())
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def on_exit_signal(state: Any, shutdown_timeout: float) -> None:
+    """Called on the event loop at each exit signal: the first starts the drain, a later one ends it."""
+    engine_client = state.engine_client
+    if state.shutting_down or shutdown_timeout <= 0:
+        engine_client.shutdown()
+    else:
+        logger.info("Shutting down: in-flight requests have %s s to finish before they are aborted.",
+                    shutdown_timeout)
+        asyncio.get_running_loop().call_later(shutdown_timeout, engine_client.shutdown)
+    state.shutting_down = True
