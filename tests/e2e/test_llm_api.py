@@ -79,11 +79,21 @@ def test_logprobs_and_prompt_logprobs(llm, hf_model):
 
 
 @pytest.mark.parametrize("bad, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                        ({"n": 0}, "n"), ({"logprobs": 50}, "logprobs"),
+                                        ({"n": 0}, "n"), ({"logprobs": -1}, "logprobs"),
                                         ({"max_tokens": 0}, "max_tokens"), ({"min_p": 2}, "min_p")])
 def test_bad_sampling_params_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
+
+
+def test_more_logprobs_than_max_logprobs_name_the_field(llm):
+    """The engine's max_logprobs (vLLM's default 20) bounds logprobs and prompt_logprobs: a ValueError naming the
+    field, the engine serving on."""
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{field} "):
+            llm.generate("Hello", SamplingParams(max_tokens=2, **{field: 21}), use_tqdm=False)
+    assert len(llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0]
+               .logprobs[0]) >= 20
 
 
 def test_engine_threads_are_checked_and_passed_on():
