@@ -53,9 +53,10 @@ def test_bad_kv_cache_dtype_is_a_config_error():
 
 
 # Teacher-forced agreement with the float32 cache over these prompts' 64-token greedy continuations, as measured
-# (docs/benchmarks.md has the figures; int8 0.991, fp8_e4m3 0.969, fp8_e5m2 0.928 on an AVX-512 machine), less a
-# margin for other machines' kernels.
-MIN_AGREEMENT = {"int8": 0.97, "fp8_e4m3": 0.9, "fp8_e5m2": 0.85}
+# (docs/benchmarks.md has the figures: int8 0.991, fp8_e4m3 0.969 on an AVX-512 machine), less a margin for other
+# machines' kernels. fp8_e5m2 (0.928 there) differs from e4m3 only in how its bytes widen, which the attention tests
+# check on every path; one engine fewer keeps the suite's time.
+MIN_AGREEMENT = {"int8": 0.97, "fp8_e4m3": 0.9}
 
 
 def test_real_model_agrees_with_the_full_precision_cache():
