@@ -30,9 +30,11 @@ from pagedllm.entrypoints.openai.cli_args import engine_args_from
 from pagedllm.entrypoints.openai.errors import OpenAIError, register_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.shutdown import RejectWhileShuttingDown, on_exit_signal
 from pagedllm.entrypoints.openai.utils import with_cancellation
@@ -89,6 +91,12 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return _respond(await raw_request.app.state.openai_serving_chat.create_chat_completion(request))
+
+
+@router.post("/v1/responses")
+@with_cancellation
+async def create_responses(request: ResponsesRequest, raw_request: Request) -> Response:
+    return _respond(await raw_request.app.state.openai_serving_responses.create_responses(request))
 
 
 @router.post("/v1/completions")
@@ -159,6 +167,7 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
     state.openai_serving_models = models
     state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser,
                                                   response_role=response_role, request_logger=request_logger)
+    state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
 

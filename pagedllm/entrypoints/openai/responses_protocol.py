@@ -1,0 +1,171 @@
+"""Pydantic shapes of OpenAI's Responses API (/v1/responses), at the level vLLM serves it: text and function-call
+input items, function tools, and the Response object with its output items.
+
+A request is served by turning it into a chat request (to_chat_request), so every sampling and tool check is the
+chat endpoint's; nothing here generates.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBaseModel, random_uuid
+
+
+class InputTextPart(OpenAIBaseModel):
+    # output_text parts are an earlier assistant turn given back as input.
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(OpenAIBaseModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[InputTextPart]]
+
+    def to_chat_message(self) -> dict:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # Chat templates know no "developer"; OpenAI treats it as the system role.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class FunctionCallInput(OpenAIBaseModel):
+    """An earlier function_call output item, given back with its result."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+    def to_chat_message(self) -> dict:
+        return {"role": "assistant", "content": None, "tool_calls": [
+            {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}]}
+
+
+class FunctionCallOutputInput(OpenAIBaseModel):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+    def to_chat_message(self) -> dict:
+        return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
+
+
+InputItem = Union[InputMessage, FunctionCallInput, FunctionCallOutputInput]
+
+
+class FunctionTool(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class NamedFunctionToolChoice(OpenAIBaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    model: Optional[str] = None
+    input: Union[str, list[InputItem]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = True
+    stream: Optional[bool] = False
+    # Refused when set: responses are not stored, so there is no earlier one to continue (vLLM needs store).
+    previous_response_id: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The same generation as a chat request: instructions become the system message; streams report usage,
+        which response.completed carries."""
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
+        messages += [item.to_chat_message() for item in items]
+        tool_choice = self.tool_choice
+        if isinstance(tool_choice, NamedFunctionToolChoice):
+            tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
+        return ChatCompletionRequest.model_validate({
+            "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "tool_choice": tool_choice,
+            "tools": None if self.tools is None else [
+                {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
+                for t in self.tools],
+            "parallel_tool_calls": self.parallel_tool_calls, "stream": self.stream,
+            "stream_options": {"include_usage": True} if self.stream else None})
+
+
+# ------------------------------------------------------------------------------------------------ output
+class OutputText(OpenAIBaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list = Field(default_factory=list)
+
+
+class ResponseOutputMessage(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"msg_{random_uuid()}")
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class ResponseFunctionToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: f"fc_{random_uuid()}")
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+class InputTokensDetails(OpenAIBaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(OpenAIBaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(OpenAIBaseModel):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+
+
+class IncompleteDetails(OpenAIBaseModel):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponsesResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: Optional[IncompleteDetails] = None
+    error: None = None
+    output: list[Union[ResponseOutputMessage, ResponseFunctionToolCall]] = Field(default_factory=list)
+    usage: Optional[ResponseUsage] = None
+    # The request's settings, echoed as OpenAI does.
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    store: bool = False
+    metadata: Optional[dict[str, str]] = None

@@ -1,0 +1,82 @@
+"""/v1/responses through the official openai client: the greedy chat answer as a Response, streamed as the
+Responses events, a function call, and 400s naming the field."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+MODEL = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France?"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 30}},
+           "required": ["city"]}
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.get_client()
+
+
+@pytest.fixture(scope="module")
+def chat_text(client) -> str:
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                          temperature=0, max_tokens=20)
+    return chat.choices[0].message.content
+
+
+def test_response_is_the_greedy_chat_answer(client, chat_text):
+    response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=20)
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert "Paris" in response.output_text and response.output_text == chat_text
+    [message] = response.output
+    assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
+    usage = response.usage
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    if usage.output_tokens == 20:  # cut by max_output_tokens
+        assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    else:
+        assert response.status == "completed"
+
+    # The same question as a message list with input_text parts.
+    listed = client.responses.create(model=MODEL, temperature=0, max_output_tokens=20, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    assert listed.output_text == chat_text
+
+
+def test_stream_sends_the_responses_events(client, chat_text):
+    events = list(client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=20,
+                                          stream=True))
+    types = [e.type for e in events]
+    deltas = [i for i, t in enumerate(types) if t == "response.output_text.delta"]
+    assert deltas and deltas == list(range(deltas[0], deltas[-1] + 1))
+    assert types[:deltas[0]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                 "response.content_part.added"]
+    assert types[deltas[-1] + 1:-1] == ["response.output_text.done", "response.content_part.done",
+                                        "response.output_item.done"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(events[i].delta for i in deltas)
+    assert text == chat_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens > 0
+
+
+def test_required_tool_choice_gives_a_function_call(client):
+    response = client.responses.create(model=MODEL, input="What is the weather like in Paris?", tools=[TOOL],
+                                       tool_choice="required", temperature=0, max_output_tokens=60)
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    assert isinstance(json.loads(call.arguments)["city"], str)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"max_output_tokens": 10**6}, "max_output_tokens"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+])
+def test_bad_field_is_a_400_naming_it(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=QUESTION, **extra)
+    assert info.value.body["param"] == param
