@@ -62,12 +62,30 @@ def test_stream_sends_the_responses_events(client, chat_text):
     assert events[-1].response.usage.output_tokens > 0
 
 
+def test_events_are_framed_as_openai_sends_them(server):
+    with server.http() as http:
+        body = http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, "max_output_tokens": 2,
+                                                "stream": True}).text
+    first = body.split("\n\n")[0].split("\n")
+    assert first[0] == "event: response.created"
+    assert json.loads(first[1].removeprefix("data: "))["type"] == "response.created"
+    assert body.rstrip().split("\n")[-2] == "event: response.incomplete"  # cut by max_output_tokens
+
+
 def test_required_tool_choice_gives_a_function_call(client):
-    response = client.responses.create(model=MODEL, input="What is the weather like in Paris?", tools=[TOOL],
-                                       tool_choice="required", temperature=0, max_output_tokens=60)
+    ask = {"model": MODEL, "input": "What is the weather like in Paris?", "tools": [TOOL], "tool_choice": "required",
+           "temperature": 0, "max_output_tokens": 60}
+    response = client.responses.create(**ask)
     [call] = [item for item in response.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
     assert isinstance(json.loads(call.arguments)["city"], str)
+
+    events = list(client.responses.create(**ask, stream=True))
+    arguments = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert arguments == [call.arguments]
+    assert events[-1].type == "response.completed"
+    [streamed] = [item for item in events[-1].response.output if item.type == "function_call"]
+    assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
 
 
 @pytest.mark.parametrize("extra, param", [
