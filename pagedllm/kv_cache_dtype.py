@@ -7,7 +7,7 @@ and widened out of it on the torch paths.
 - ``int8``: one signed byte an element, and each head's row of ``head_size`` codes followed by its float32 scale
   (``max |x| / 127`` over the row, so every row uses the whole int8 range): ``head_size + 4`` bytes a row.
 
-The native kernels (native/write_kv_quantized.c writing, paged_attention.h reading) round exactly as
+The native kernels (native/write_kv.c writing, paged_attention.h reading) round exactly as
 ``quantize_rows`` does, so the native and torch paths hold the same bytes.
 """
 from __future__ import annotations

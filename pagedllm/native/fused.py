@@ -147,7 +147,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
     return out
 
 
-# by the cache's dtype (write_kv_quantized.c for the one-byte ones)
+# by the cache's dtype (write_kv.c for the one-byte ones)
 _WRITE_KV = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16", torch.float8_e4m3fn: "write_kv_fp8_e4m3",
              torch.float8_e5m2: "write_kv_fp8_e5m2", torch.int8: "write_kv_int8"}
 

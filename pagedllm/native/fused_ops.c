@@ -142,49 +142,6 @@ int embedding_q8_f32(const int64_t *ids, const int8_t *codes, const float *scale
     return 0;
 }
 
-/* key_cache[slot_mapping[t]] = key[t] and the same for value; rows of row_floats, the sources row_stride
- * floats apart (views into the fused QKV output), the caches dense with num_slots rows. Returns -1, having
- * written nothing, when a slot is out of range. */
-int write_kv_f32(const float *key, const float *value, int64_t row_stride, float *key_cache, float *value_cache,
-                 int64_t num_slots, const int64_t *slot_mapping, int64_t rows, int row_floats) {
-    for (int64_t t = 0; t < rows; t++)
-        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
-#pragma omp parallel for schedule(static) if (rows * row_floats >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < rows; t++) {
-        const int64_t slot = slot_mapping[t];
-        memcpy(key_cache + slot * row_floats, key + t * row_stride, sizeof(float) * row_floats);
-        memcpy(value_cache + slot * row_floats, value + t * row_stride, sizeof(float) * row_floats);
-    }
-    return 0;
-}
-
-/* x rounded to bf16, to nearest even as torch rounds (a NaN stays a quiet NaN). */
-static inline uint16_t bf16_bits(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
-/* write_kv_f32 into bf16 caches (a bfloat16 model whose activations are float32), each value rounded. */
-int write_kv_bf16(const float *key, const float *value, int64_t row_stride, uint16_t *key_cache,
-                  uint16_t *value_cache, int64_t num_slots, const int64_t *slot_mapping, int64_t rows,
-                  int row_floats) {
-    for (int64_t t = 0; t < rows; t++)
-        if (slot_mapping[t] < 0 || slot_mapping[t] >= num_slots) return -1;
-#pragma omp parallel for schedule(static) if (rows * row_floats >= PARALLEL_MIN_FLOATS)
-    for (int64_t t = 0; t < rows; t++) {
-        uint16_t *k = key_cache + slot_mapping[t] * row_floats, *v = value_cache + slot_mapping[t] * row_floats;
-        const float *kt = key + t * row_stride, *vt = value + t * row_stride;
-#pragma omp simd
-        for (int i = 0; i < row_floats; i++) {
-            k[i] = bf16_bits(kt[i]);
-            v[i] = bf16_bits(vt[i]);
-        }
-    }
-    return 0;
-}
-
 /* out[t] = the index of row t's largest value, the first of equal ones, a NaN counting as largest (the first
  * NaN), as torch.argmax, in a fraction of its time: greedy sampling over a decode batch's logits. One pass for the
  * maximum (and whether there is a NaN), one to find where it is. */
