@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import check_kv_cache_dtype
-
 _STORED = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
            "int8": torch.int8}
 _SCALE_BYTES = 4  # an int8 row's float32 scale
 
 
 def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The cache tensors' dtype for ``kv_cache_dtype`` in a model of ``model_dtype``."""
-    check_kv_cache_dtype(cache_dtype)
+    """The cache tensors' dtype for ``kv_cache_dtype`` (one CacheConfig has checked) in a model of ``model_dtype``."""
     return _STORED.get(cache_dtype, model_dtype)
 
 
