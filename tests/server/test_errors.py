@@ -19,7 +19,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": HI, "stream": True, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"temperature": 0}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),

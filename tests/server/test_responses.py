@@ -93,8 +93,13 @@ def test_required_tool_choice_gives_a_function_call(client):
     ({"temperature": "hot"}, "temperature"),
     ({"max_output_tokens": 10**6}, "max_output_tokens"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    # A bad input part or item is named by its path, as OpenAI names it.
+    ({"input": [{"role": "user", "content": QUESTION},
+                {"role": "user", "content": [{"type": "input_image", "text": "x"}]}]}, "input[1].content[0].type"),
+    ({"input": [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "web_search_call"}]}, "input[0]"),
 ])
 def test_bad_field_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(model=MODEL, input=QUESTION, **extra)
+        client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
     assert info.value.body["param"] == param

@@ -75,18 +75,30 @@ def to_openai_error(exc: Exception) -> OpenAIError:
     return OpenAIError(f"{type(exc).__name__}: {exc}")
 
 
-# Parts of a pydantic error location that name a Union member rather than a field ("prompt.list[int].0").
-_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+# Parts of a pydantic error location that name a Union member rather than a field: a plain union's member type
+# ("prompt.list[int].0"), or a discriminated union's tag, which the protocol spells "type=<value>" so it reads as one.
+_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^type=")
+
+
+def error_param(loc: Sequence[Any]) -> Optional[str]:
+    """A pydantic error location as OpenAI names the field: union tags dropped, list indices in brackets
+    ("input", 1, "content", 0, "type" -> "input[1].content[0].type"); None for the body itself."""
+    param = ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not _UNION_TAGS.search(part):
+            param += f".{part}" if param else part
+    return param or None
 
 
 def validation_error(errors: Sequence[Any]) -> BadRequestError:
     """The first of a request body's validation errors (pydantic's, each located from the body down), with the
-    offending field as param ("messages", "messages.0.role", ...)."""
+    offending field as param ("messages", "messages[0].role", ...)."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         return BadRequestError(f"JSON decode error: {first.get('ctx', {}).get('error', first['msg'])}")
-    loc = [str(part) for part in first.get("loc", ()) if not _UNION_TAGS.search(str(part))]
-    param = ".".join(loc) or None
+    param = error_param(first.get("loc", ()))
     return BadRequestError(f"{param}: {first['msg']}" if param else first["msg"], param)
 
 

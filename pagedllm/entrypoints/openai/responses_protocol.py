@@ -7,9 +7,9 @@ chat endpoint's; nothing here generates.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBaseModel, random_uuid
 
@@ -23,7 +23,8 @@ class InputTextPart(OpenAIBaseModel):
 class InputMessage(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[InputTextPart]]
+    # The list first: a bad part's 400 then names it (input[1].content[0].type), not "content is not a string".
+    content: Union[list[InputTextPart], str]
 
     def to_chat_message(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -53,7 +54,20 @@ class FunctionCallOutputInput(OpenAIBaseModel):
         return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
 
 
-InputItem = Union[InputMessage, FunctionCallInput, FunctionCallOutputInput]
+def _input_item_type(item: Any) -> Optional[str]:
+    """The tag of an input item: its type, "message" when it has none (OpenAI's easy input message)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+    return None if kind is None else f"type={kind}"
+
+
+# Chosen by type, so a bad item is checked against its own kind only and its 400 names the bad field in it; the
+# tags are spelled "type=..." so that the error's param leaves them out (errors.error_param).
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
+                            Annotated[FunctionCallInput, Tag("type=function_call")],
+                            Annotated[FunctionCallOutputInput, Tag("type=function_call_output")]],
+                      Discriminator(_input_item_type, custom_error_type="invalid_input_item",
+                                    custom_error_message="an input item's type must be 'message', 'function_call' "
+                                                         "or 'function_call_output'")]
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -71,7 +85,7 @@ class NamedFunctionToolChoice(OpenAIBaseModel):
 
 class ResponsesRequest(OpenAIBaseModel):
     model: Optional[str] = None
-    input: Union[str, list[InputItem]]
+    input: Union[list[InputItem], str]  # the list first, as InputMessage.content
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
