@@ -154,25 +154,48 @@ class NamedFunctionParser(ToolCallParser):
 
 @dataclass
 class JsonArrayParser(ToolCallParser):
-    """A JSON array of {"name", "parameters"} objects: each call is emitted once its object is complete."""
+    """A JSON array of {"name", "parameters"} objects (tool_choice "required"). A call opens once its name is read,
+    and its arguments are the raw text of its "parameters" value, streamed as it is generated: a stream's argument
+    deltas join to exactly the arguments the whole text gives (with the grammar's ", " and ": " separators, that is
+    json.dumps's form of them). A call cut off (max_tokens) keeps the arguments it had."""
 
-    _position: int = 0  # where the next unread array element starts
+    _position: int = 0  # where the array element being read starts
+    _emitted: int = 0  # how much of that element's arguments has been handed out (0 while its call is not open)
+    _open: bool = False  # whether that element's call is open (in `calls`, its id handed out)
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
-        decoder = json.JSONDecoder()
         deltas = []
         while True:
             start = self._next_value_start()
-            if start is None:
+            if start is None or self._buffer[start] != "{":  # the grammar allows objects only
                 return "", deltas
-            try:
-                item, end = decoder.raw_decode(self._buffer, start)
-            except json.JSONDecodeError:
+            element = _scan_call(self._buffer, start)
+            delta = self._stream(element)
+            if delta is not None:
+                deltas.append(delta)
+            if element.end is None:
                 return "", deltas  # the element is not complete yet
-            self._position = end
-            if isinstance(item, dict) and isinstance(item.get("name"), str):
-                deltas.append(self._add_call(item["name"], item.get("parameters", {})))
+            self._position, self._emitted, self._open = element.end, 0, False
+
+    def _stream(self, element: "_CallScan") -> Optional[DeltaToolCall]:
+        """The delta this element's call has grown by: all of it, with its id and name, when the call opens."""
+        if element.name is None:
+            return None
+        if element.arguments is not None:
+            arguments = self._buffer[element.arguments[0]:element.arguments[1]]
+        else:
+            arguments = "{}" if element.end is not None else ""  # a complete call without parameters takes none
+        new = arguments[self._emitted:]
+        self._emitted = len(arguments)
+        if not self._open:
+            self._open = True
+            self.calls.append(ToolCall(function=FunctionCall(name=element.name, arguments=arguments)))
+            call = self.calls[-1]
+            return DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+                                 function=DeltaFunctionCall(name=element.name, arguments=arguments))
+        self.calls[-1].function.arguments = arguments
+        return DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunctionCall(arguments=new)) if new else None
 
     def _next_value_start(self) -> Optional[int]:
         """Skips the opening bracket, separators and whitespace before the next element."""
@@ -183,6 +206,74 @@ class JsonArrayParser(ToolCallParser):
         if i >= len(self._buffer) or self._buffer[i] == "]":
             return None
         return i
+
+
+@dataclass
+class _CallScan:
+    """What has arrived of one {"name": ..., "parameters": ...} object: its name once that string is complete, the
+    [start, end) span of the parameters value's text (the end, while the value is still arriving, is that of its text
+    so far less trailing whitespace, which may turn out to lie outside it), and the object's end once it is closed."""
+
+    name: Optional[str] = None
+    arguments: Optional[tuple[int, int]] = None
+    end: Optional[int] = None
+
+
+def _scan_call(text: str, start: int) -> _CallScan:
+    """Reads the object at text[start] as far as it has arrived (grammar-made JSON; anything else is read as far
+    as it makes sense). Only the object's own keys count: depth 1 is inside it, deeper is inside a value."""
+    scan = _CallScan()
+    depth, key, expecting_key, value_start = 0, None, True, None
+    i = start
+    while i < len(text):
+        c = text[i]
+        if depth == 1 and not expecting_key and value_start is None and not c.isspace():
+            value_start = i  # the current key's value begins
+        if c == '"':
+            end = _string_end(text, i)
+            if end is None:
+                break
+            if depth == 1:
+                string = json.loads(text[i:end])
+                if expecting_key:
+                    key = string
+                elif key == "name":
+                    scan.name = string
+            i = end
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]" or (c == "," and depth == 1):
+            if c != ",":
+                depth -= 1
+            if depth == 1 and key == "parameters" and c != "," and value_start is not None:
+                scan.arguments = (value_start, i + 1)  # a container value closed
+            elif depth <= 1 and key == "parameters" and scan.arguments is None and value_start is not None:
+                scan.arguments = (value_start, value_start + len(text[value_start:i].rstrip()))  # a scalar ended
+            if depth == 0:
+                scan.end = i + 1
+                return scan
+            if c == ",":
+                key, expecting_key, value_start = None, True, None
+        elif c == ":" and depth == 1:
+            expecting_key = False
+        i += 1
+    if key == "parameters" and value_start is not None and scan.arguments is None:
+        scan.arguments = (value_start, value_start + len(text[value_start:].rstrip()))
+    return scan
+
+
+def _string_end(text: str, start: int) -> Optional[int]:
+    """The index after the closing quote of the JSON string opening at text[start]; None if it has not arrived."""
+    i = start + 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i + 1
+        else:
+            i += 1
+    return None
 
 
 @dataclass
