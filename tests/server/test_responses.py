@@ -1,11 +1,15 @@
 """/v1/responses through the official openai client: the greedy chat answer as a Response, streamed as the
-Responses events, a function call, and 400s naming the field."""
+Responses events, a function call with its arguments streamed, stored responses (GET, previous_response_id), and
+400s naming the field."""
 from __future__ import annotations
 
 import json
 
 import openai
 import pytest
+
+from pagedllm.entrypoints.openai.responses_protocol import ResponsesResponse
+from pagedllm.entrypoints.openai.serving_responses import ResponseStore
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
@@ -72,6 +76,18 @@ def test_events_are_framed_as_openai_sends_them(server):
     assert body.rstrip().split("\n")[-2] == "event: response.incomplete"  # cut by max_output_tokens
 
 
+def test_cut_answer_is_incomplete_down_to_its_message(client):
+    ask = {"model": MODEL, "input": QUESTION, "max_output_tokens": 2}
+    response = client.responses.create(**ask)
+    assert (response.status, response.output[0].status) == ("incomplete", "incomplete")
+    events = list(client.responses.create(**ask, stream=True))
+    [added] = [e.item for e in events if e.type == "response.output_item.added"]
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (added.status, done.status) == ("in_progress", "incomplete")
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+    assert client.responses.create(**{**ask, "max_output_tokens": 40}).output[0].status == "completed"
+
+
 def test_required_tool_choice_gives_a_function_call(client):
     ask = {"model": MODEL, "input": "What is the weather like in Paris?", "tools": [TOOL], "tool_choice": "required",
            "temperature": 0, "max_output_tokens": 60}
@@ -83,9 +99,46 @@ def test_required_tool_choice_gives_a_function_call(client):
     events = list(client.responses.create(**ask, stream=True))
     arguments = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert arguments == [call.arguments]
+    # The arguments stream as they are generated: several deltas, joined the non-streamed arguments.
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 2 and "".join(deltas) == call.arguments
     assert events[-1].type == "response.completed"
     [streamed] = [item for item in events[-1].response.output if item.type == "function_call"]
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
+
+
+def test_stored_response_is_retrieved_and_continued(client):
+    ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 8}
+    first = client.responses.create(**ask, input="My name is Ada.", instructions="Answer in one sentence.")
+    assert first.store and client.responses.retrieve(first.id) == first
+    events = list(client.responses.create(**ask, input=QUESTION, stream=True))
+    assert client.responses.retrieve(events[-1].response.id) == events[-1].response
+    unstored = client.responses.create(**ask, input=QUESTION, store=False)
+    for response_id in (unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client.responses.retrieve(response_id)
+        assert info.value.body == {"message": f"Response with id '{response_id}' not found.",
+                                   "type": "NotFoundError", "param": "response_id", "code": 404}
+
+    # Continuing it is answering its input and output, then the new input (its instructions are not carried).
+    follow_up = "What is my name?"
+    continued = client.responses.create(**ask, input=follow_up, previous_response_id=first.id)
+    by_hand = client.responses.create(**ask, store=False, input=[
+        {"role": "user", "content": "My name is Ada."}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": follow_up}])
+    assert continued.previous_response_id == first.id
+    assert continued.usage.input_tokens == by_hand.usage.input_tokens
+    assert continued.output_text == by_hand.output_text
+
+
+def test_store_is_bounded_and_drops_the_least_recently_used():
+    store = ResponseStore(capacity=2)
+    a, b, c = (ResponsesResponse(id=f"resp_{name}", model=MODEL, status="completed") for name in "abc")
+    store.put(a, [])
+    store.put(b, [])
+    assert store.get(a.id) == (a, [])  # a read keeps it
+    store.put(c, [])
+    assert store.get(b.id) is None and store.get(a.id) and store.get(c.id)
 
 
 @pytest.mark.parametrize("extra, param", [

@@ -99,6 +99,11 @@ async def create_responses(request: ResponsesRequest, raw_request: Request) -> R
     return _respond(await raw_request.app.state.openai_serving_responses.create_responses(request))
 
 
+@router.get("/v1/responses/{response_id}")
+async def retrieve_responses(response_id: str, raw_request: Request) -> Response:
+    return _respond(raw_request.app.state.openai_serving_responses.retrieve_responses(response_id))
+
+
 @router.post("/v1/completions")
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:

@@ -7,7 +7,7 @@ chat endpoint's; nothing here generates.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import Discriminator, Field, Tag
 
@@ -94,17 +94,23 @@ class ResponsesRequest(OpenAIBaseModel):
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
     stream: Optional[bool] = False
-    # Refused when set: responses are not stored, so there is no earlier one to continue (vLLM needs store).
+    # A stored response (see serving_responses.ResponseStore) whose conversation this request continues.
     previous_response_id: Optional[str] = None
-    store: Optional[bool] = None
+    # Keep the finished response for GET /v1/responses/{id} and previous_response_id (OpenAI's default: true).
+    store: Optional[bool] = True
     metadata: Optional[dict[str, str]] = None
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The same generation as a chat request: instructions become the system message; streams report usage,
-        which response.completed carries."""
+    def input_messages(self) -> list[dict]:
+        """The input as chat messages (a string is one user message)."""
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        return [item.to_chat_message() for item in items]
+
+    def to_chat_request(self, history: Sequence[dict] = ()) -> ChatCompletionRequest:
+        """The same generation as a chat request: instructions become the system message, then the ``history`` (the
+        chat messages of an earlier response's conversation, which OpenAI gives no instructions of), then the input;
+        streams report usage, which response.completed carries."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
-        messages += [item.to_chat_message() for item in items]
+        messages += [*history, *self.input_messages()]
         tool_choice = self.tool_choice
         if isinstance(tool_choice, NamedFunctionToolChoice):
             tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
@@ -132,6 +138,10 @@ class ResponseOutputMessage(OpenAIBaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     content: list[OutputText] = Field(default_factory=list)
 
+    def to_chat_message(self) -> dict:
+        """This output given back as input, as the next turn of a conversation."""
+        return InputMessage(role="assistant", content="".join(part.text for part in self.content)).to_chat_message()
+
 
 class ResponseFunctionToolCall(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: f"fc_{random_uuid()}")
@@ -140,6 +150,11 @@ class ResponseFunctionToolCall(OpenAIBaseModel):
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+    def to_chat_message(self) -> dict:
+        """This output given back as input, as the next turn of a conversation."""
+        return FunctionCallInput(type="function_call", call_id=self.call_id, name=self.name,
+                                 arguments=self.arguments).to_chat_message()
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -180,6 +195,6 @@ class ResponsesResponse(OpenAIBaseModel):
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
     parallel_tool_calls: bool = True
-    previous_response_id: None = None
-    store: bool = False
+    previous_response_id: Optional[str] = None
+    store: bool = True
     metadata: Optional[dict[str, str]] = None

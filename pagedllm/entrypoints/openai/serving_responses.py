@@ -1,21 +1,28 @@
 """OpenAIServingResponses: /v1/responses on the chat path. The request becomes a chat request, the chat
 completion (or its stream of chunks) becomes a Response object (or the Responses SSE events), so a response's text
 is the chat completion's for the same messages, and every check is the chat endpoint's, its errors naming the
-Responses field. Responses are not stored: previous_response_id is refused.
+Responses field.
+
+Finished responses are kept when the request says store (true by default, as OpenAI's) in a bounded in-memory
+ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation.
 """
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Optional, Union
+from collections import OrderedDict
+from typing import AsyncIterator, Optional, Sequence, Union
 
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.errors import BadRequestError, OpenAIError
+from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionResponse, ChatCompletionStreamResponse, random_uuid
 from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText,
                                                             ResponseFunctionToolCall, ResponseOutputMessage,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+
+# How many responses the store keeps (the least recently stored or read go first).
+RESPONSE_STORE_SIZE = 1000
 
 # The chat request's field -> the Responses request's, for the param (and leading word) of a 400.
 _RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -31,15 +38,43 @@ def _renamed(error: OpenAIError) -> OpenAIError:
     return type(error)(message, name)
 
 
+class ResponseStore:
+    """The stored responses, each with its conversation: the chat messages that led to it (an earlier response's
+    conversation, then the input; no instructions, which OpenAI does not carry over), its own output last. In memory
+    and bounded, so it costs at most ``capacity`` responses however long the server runs: past that, the least
+    recently stored or read is dropped (and is then unknown, as one never stored). Lost when the server stops."""
+
+    def __init__(self, capacity: int = RESPONSE_STORE_SIZE) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, tuple[ResponsesResponse, list[dict]]] = OrderedDict()
+
+    def put(self, response: ResponsesResponse, conversation: list[dict]) -> None:
+        self._entries[response.id] = (response, conversation)
+        self._entries.move_to_end(response.id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> Optional[tuple[ResponsesResponse, list[dict]]]:
+        """The response and its conversation; None for an id never stored or dropped since."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+
 class _ResponseBuilder:
     """One response's fixed parts (id, the request's echoed settings, the message item's id, so the streamed
     items and the final object agree) and the Response object made from a generation's result."""
 
-    def __init__(self, request: ResponsesRequest, model_name: str) -> None:
+    def __init__(self, request: ResponsesRequest, model_name: str, history: Sequence[dict],
+                 store: ResponseStore) -> None:
+        """history: the conversation of the response the request continues (none: empty)."""
         self.request = request
         self.model_name = model_name
         self.id = f"resp_{random_uuid()}"
         self.message_id = f"msg_{random_uuid()}"
+        self.conversation = [*history, *request.input_messages()]
+        self.store = store
 
     def response(self, status: str, output: list, usage: Optional[ResponseUsage] = None,
                  finish_reason: Optional[str] = None) -> ResponsesResponse:
@@ -50,7 +85,20 @@ class _ResponseBuilder:
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None, usage=usage,
             instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=r.temperature,
             top_p=r.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
-            parallel_tool_calls=r.parallel_tool_calls is not False, metadata=r.metadata)
+            parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
+            store=r.store is not False, metadata=r.metadata)
+
+    def finish(self, output: list, usage: Optional[ResponseUsage], finish_reason: Optional[str]
+               ) -> ResponsesResponse:
+        """The final Response, stored if the request asks. Its items are completed, but for an answer cut by
+        max_output_tokens the last one, which was being generated when the cut came, is incomplete (as OpenAI)."""
+        cut = finish_reason == "length"
+        items = [item.model_copy(update={"status": "incomplete" if cut and i == len(output) - 1 else "completed"})
+                 for i, item in enumerate(output)]
+        final = self.response("completed", items, usage, finish_reason)
+        if self.request.store is not False:
+            self.store.put(final, self.conversation + [item.to_chat_message() for item in items])
+        return final
 
     def message(self, text: str) -> ResponseOutputMessage:
         return ResponseOutputMessage(id=self.message_id, content=[OutputText(text=text)])
@@ -65,19 +113,32 @@ class _ResponseBuilder:
 class OpenAIServingResponses:
     def __init__(self, serving_chat: OpenAIServingChat) -> None:
         self.serving_chat = serving_chat
+        self.store = ResponseStore()
+
+    def retrieve_responses(self, response_id: str) -> ResponsesResponse:
+        """A stored response (GET /v1/responses/{id}); 404 for one not stored (or dropped since)."""
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+        return entry[0]
 
     async def create_responses(self, request: ResponsesRequest
                                ) -> Union[ResponsesResponse, AsyncIterator[str]]:
         """A Response, or for stream=True the Responses SSE events; raises OpenAIError before generating."""
+        history: list[dict] = []
         if request.previous_response_id is not None:
-            raise BadRequestError("previous_response_id is not supported: this server does not store responses.",
-                                  "previous_response_id")
-        chat_request = request.to_chat_request()
+            previous = self.store.get(request.previous_response_id)
+            if previous is None:
+                raise BadRequestError(f"Previous response with id '{request.previous_response_id}' not found.",
+                                      "previous_response_id")
+            history = previous[1]
+        chat_request = request.to_chat_request(history)
         try:
             result = await self.serving_chat.create_chat_completion(chat_request)
         except OpenAIError as e:
             raise _renamed(e) from e
-        builder = _ResponseBuilder(request, self.serving_chat.models.check_model(request.model))
+        builder = _ResponseBuilder(request, self.serving_chat.models.check_model(request.model), history,
+                                   self.store)
         if isinstance(result, ChatCompletionResponse):
             return self._from_chat(builder, result)
         return self._stream(builder, result)
@@ -89,17 +150,18 @@ class OpenAIServingResponses:
                  for c in choice.message.tool_calls]
         usage = ResponseUsage(input_tokens=chat.usage.prompt_tokens, output_tokens=chat.usage.completion_tokens,
                               total_tokens=chat.usage.total_tokens)
-        return builder.response("completed", builder.output(choice.message.content, calls), usage,
-                                choice.finish_reason)
+        return builder.finish(builder.output(choice.message.content, calls), usage, choice.finish_reason)
 
     async def _stream(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The events OpenAI sends, in its order; function calls are sent whole once the text is done (the
-        chat stream's tool-call parser hands them over by then)."""
+        """The events OpenAI sends, in its order. Output items are numbered as they open: the message at its first
+        text, a function call at its first delta (which carries its id and name), its arguments then streaming as
+        the chat stream's tool-call parser reads them; every item is done once the answer is."""
         events = _EventStream()
         yield events.send("response.created", response=builder.response("in_progress", []))
         yield events.send("response.in_progress", response=builder.response("in_progress", []))
-        text, message_open, finish_reason, usage = "", False, None, None
-        calls: dict[int, dict] = {}
+        output: list = []
+        text, message_index, finish_reason, usage = "", None, None, None
+        call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
         async for data in chunks:
             payload = data.removeprefix("data: ").strip()
             if payload == "[DONE]":
@@ -115,46 +177,54 @@ class OpenAIServingResponses:
                                       total_tokens=chunk.usage.total_tokens)
             for choice in chunk.choices:
                 finish_reason = choice.finish_reason or finish_reason
-                for delta_call in choice.delta.tool_calls or ():
-                    call = calls.setdefault(delta_call.index, {"call_id": "", "name": "", "arguments": ""})
-                    call["call_id"] = delta_call.id or call["call_id"]
-                    if delta_call.function is not None:
-                        call["name"] += delta_call.function.name or ""
-                        call["arguments"] += delta_call.function.arguments or ""
                 if choice.delta.content:
-                    if not message_open:
-                        message_open = True
-                        yield _open_message(events, builder)
+                    if message_index is None:
+                        message_index = len(output)
+                        output.append(builder.message(""))
+                        yield _open_message(events, builder, message_index)
                     text += choice.delta.content
-                    yield events.send("response.output_text.delta", item_id=builder.message_id, output_index=0,
-                                      content_index=0, delta=choice.delta.content, logprobs=[])
-        output = builder.output(text, [calls[i] for i in sorted(calls)])
-        for index, item in enumerate(output):
+                    yield events.send("response.output_text.delta", item_id=builder.message_id,
+                                      output_index=message_index, content_index=0, delta=choice.delta.content,
+                                      logprobs=[])
+                for delta_call in choice.delta.tool_calls or ():
+                    function = delta_call.function
+                    if delta_call.index not in call_indices:
+                        call_indices[delta_call.index] = len(output)
+                        output.append(ResponseFunctionToolCall(call_id=delta_call.id, name=function.name,
+                                                               arguments="", status="in_progress"))
+                        yield events.send("response.output_item.added", output_index=len(output) - 1,
+                                          item=output[-1])
+                    index = call_indices[delta_call.index]
+                    if function is not None and function.arguments:
+                        output[index].arguments += function.arguments
+                        yield events.send("response.function_call_arguments.delta", item_id=output[index].id,
+                                          output_index=index, delta=function.arguments)
+        if not output:  # no text and no call: an empty message (OpenAI's output is never empty)
+            message_index = 0
+            output.append(builder.message(""))
+            yield _open_message(events, builder, message_index)
+        if message_index is not None:
+            output[message_index] = builder.message(text)
+        final = builder.finish(output, usage, finish_reason)
+        for index, item in enumerate(final.output):
             if isinstance(item, ResponseOutputMessage):
-                if not message_open:
-                    yield _open_message(events, builder)
                 yield events.send("response.output_text.done", item_id=item.id, output_index=index,
                                   content_index=0, text=text, logprobs=[])
                 yield events.send("response.content_part.done", item_id=item.id, output_index=index,
                                   content_index=0, part=item.content[0])
             else:
-                yield events.send("response.output_item.added", output_index=index,
-                                  item=item.model_copy(update={"status": "in_progress", "arguments": ""}))
-                yield events.send("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                                  delta=item.arguments)
                 yield events.send("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                   arguments=item.arguments)
             yield events.send("response.output_item.done", output_index=index, item=item)
-        final = builder.response("completed", output, usage, finish_reason)
         yield events.send("response.incomplete" if final.status == "incomplete" else "response.completed",
                           response=final)
 
 
-def _open_message(events: "_EventStream", builder: _ResponseBuilder) -> str:
-    """The events opening the message item (always output 0: function calls come after it)."""
+def _open_message(events: "_EventStream", builder: _ResponseBuilder, output_index: int) -> str:
+    """The events opening the message item."""
     item = ResponseOutputMessage(id=builder.message_id, status="in_progress")
-    return (events.send("response.output_item.added", output_index=0, item=item)
-            + events.send("response.content_part.added", item_id=builder.message_id, output_index=0,
+    return (events.send("response.output_item.added", output_index=output_index, item=item)
+            + events.send("response.content_part.added", item_id=builder.message_id, output_index=output_index,
                           content_index=0, part=OutputText(text="")))
 
 
