@@ -13,7 +13,7 @@ from pagedllm.benchmarks.cli import add_bench_parser
 from pagedllm.entrypoints.chat_cli import add_chat_parser
 from pagedllm.entrypoints.openai.api_server import run_server
 from pagedllm.entrypoints.openai import run_batch as batch
-from pagedllm.entrypoints.openai.cli_args import config_file_defaults, make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import config_file_defaults, make_arg_parser, validate_parsed_serve_args
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -56,6 +56,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.command == "serve" and args.config:  # the file's flags as defaults: the command line's win
         serve_parser.set_defaults(**config_file_defaults(serve_parser, args.config))
         args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            validate_parsed_serve_args(args)  # before the model loads
+        except ValueError as e:
+            serve_parser.error(str(e))
     (args.bench_func if args.command == "bench" else args.func)(args)
 
 

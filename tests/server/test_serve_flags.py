@@ -1,6 +1,7 @@
-"""vLLM's operational flags of `pagedllm serve`: one server takes them all at once (HTTPS on a Unix socket under a
-root path, CORS for one origin, request logs, max_logprobs, response role, its own tokenizer); the flags' parsing
-and their match with EngineArgs are checked without a server."""
+"""vLLM's operational flags of `pagedllm serve`: one server takes them all at once (HTTPS with client certificates
+on a Unix socket under a root path, CORS for one origin, request logs, max_logprobs, response role, its own
+tokenizer); the flags' parsing, their checks before the engine starts and their match with EngineArgs are checked
+without a server."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.processor import Processor
+from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, engine_args_from, make_arg_parser
 from pagedllm.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, RemoteServer
@@ -68,6 +70,40 @@ def test_frontend_flag_defaults_and_json_lists():
         _parse("--allowed-origins", GOOD_ORIGIN)  # not a JSON list
 
 
+@pytest.fixture
+def served(monkeypatch):
+    """What `serve` would have been called with, instead of serving."""
+    calls: list[argparse.Namespace] = []
+    monkeypatch.setattr(cli, "serve", calls.append)
+    return calls
+
+
+def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys):
+    key, cert, missing = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "missing.pem"
+    key.write_text("key")
+    cert.write_text("cert")
+    for argv, message in [
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be 0 or more seconds, got -1"),
+        (["--ssl-keyfile", str(missing), "--ssl-certfile", str(cert)],
+         f"--ssl-keyfile {missing}: No such file or directory"),
+        (["--ssl-certfile", str(tmp_path)], f"--ssl-certfile {tmp_path}: Is a directory"),
+        (["--ssl-certfile", str(cert), "--ssl-ca-certs", str(missing)], f"--ssl-ca-certs {missing}:"),
+        (["--ssl-keyfile", str(key)], "--ssl-keyfile needs --ssl-certfile"),
+        (["--ssl-cert-reqs", "2"], "need HTTPS (--ssl-certfile)"),
+        (["--ssl-ca-certs", str(cert)], "need HTTPS (--ssl-certfile)"),
+        (["--ssl-certfile", str(cert), "--ssl-cert-reqs", "3"], "invalid choice: 3"),
+        (["--lora-modules", "a=b"], "need --enable-lora"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv
+    assert not served
+    cli.main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs", str(cert),
+              "--ssl-cert-reqs", "2", "--shutdown-timeout", "0"])
+    [args] = served
+    assert (args.ssl_ca_certs, args.ssl_cert_reqs) == (str(cert), ssl.CERT_REQUIRED)
+
+
 def _self_signed_certificate(directory) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
@@ -88,16 +124,19 @@ def flags_server(tmp_path_factory, tokenizer):
     (tokenizer_dir / "chat_template.jinja").unlink(missing_ok=True)
     config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": PLAIN_TEMPLATE}))
     socket_path = str(directory / "server.sock")
+    # Client certificates are required, verified against the server's own (self-signed) one, which clients send.
+    client_tls = ssl.create_default_context(cafile=cert)
+    client_tls.load_cert_chain(cert, key)
     srv = RemoteServer(
         directory / "server.log", api_key=API_KEY,
-        extra_args=["--uds", socket_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", ROOT_PATH,
+        extra_args=["--uds", socket_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", cert,
+                    "--ssl-cert-reqs", str(ssl.CERT_REQUIRED), "--root-path", ROOT_PATH,
                     "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
                     "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir)],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
-        client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=ssl.create_default_context(
-            cafile=cert))})
-    srv.socket_path = socket_path
+        client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
+    srv.socket_path, srv.cert = socket_path, cert
     yield srv
     srv.stop()
 
@@ -110,6 +149,10 @@ def test_https_on_the_socket_under_the_root_path(flags_server):
     with httpx.Client(transport=httpx.HTTPTransport(uds=flags_server.socket_path)) as plain:
         with pytest.raises(httpx.HTTPError):
             plain.get("http://localhost/health")  # TLS only
+    no_client_certificate = ssl.create_default_context(cafile=flags_server.cert)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=flags_server.socket_path, verify=no_client_certificate)) as tls:
+        with pytest.raises(httpx.HTTPError):
+            tls.get("https://localhost/health")  # --ssl-cert-reqs 2: a client certificate is required
     assert "GET /api/v1/models" not in flags_server.log()  # no access log (the line would carry the root path)
 
 

@@ -196,10 +196,9 @@ class _Server(uvicorn.Server):
 
 
 async def run_server(args: argparse.Namespace) -> None:
+    """Serves until an exit signal; ``args`` are `pagedllm serve`'s, checked by validate_parsed_serve_args."""
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     served_model_names = args.served_model_name or [args.model]
-    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
-        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
     registry = CollectorRegistry()
     num_speculative_tokens = (args.speculative_config or {}).get("num_speculative_tokens", 0)
     stat_loggers = [PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
@@ -212,12 +211,14 @@ async def run_server(args: argparse.Namespace) -> None:
     try:
         app = build_app(engine_client, registry, served_model_names, args, chat_template, args.api_key,
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
-        # --uds replaces host and port (uvicorn listens on the socket); a key or certificate file turns on TLS.
+        # --uds replaces host and port (uvicorn listens on the socket); a certificate file turns on TLS, with client
+        # certificates checked as --ssl-cert-reqs and --ssl-ca-certs say.
         # --root-path is the ASGI root_path: the prefix a proxy strips, which URLs the app makes (OpenAPI) carry.
         config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, root_path=args.root_path or "",
                                 log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, timeout_keep_alive=5)
-        scheme = "https" if args.ssl_keyfile or args.ssl_certfile else "http"
+                                ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs, timeout_keep_alive=5)
+        scheme = "https" if args.ssl_certfile else "http"
         where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"
         logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,
                     args.root_path or "")

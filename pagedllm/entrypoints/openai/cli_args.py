@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import ssl
 
 from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES
 from pagedllm.engine.arg_utils import EngineArgs
@@ -54,6 +55,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     http.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the TLS private key file")
     http.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the TLS certificate file")
+    http.add_argument("--ssl-ca-certs", default=None,
+                      help="HTTPS: the CA certificates file client certificates are verified against")
+    http.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
+                      choices=[int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED)],
+                      help="HTTPS: whether a client certificate is required, as the ssl module's constants: 0 "
+                           "CERT_NONE (not asked for), 1 CERT_OPTIONAL (verified if sent), 2 CERT_REQUIRED "
+                           "(default: %(default)s)")
     http.add_argument("--root-path", default=None,
                       help="the path prefix a reverse proxy serves this server under (FastAPI's root_path)")
     http.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port")
@@ -65,6 +73,29 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                           help="logged prompts keep this many characters, and token ids (default: all)")
     requests.add_argument("--response-role", default="assistant",
                           help="the role of chat completion messages (default: %(default)s)")
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    """The checks of `pagedllm serve`'s flags that need no model, made before the engine starts (so a mistake costs
+    no model load, and no server starts half-configured): each ValueError names its flag. The TLS files must exist
+    and be readable, a key needs its certificate, and client-certificate settings need HTTPS (without it they
+    would be silently ignored)."""
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile")
+    if (args.ssl_ca_certs or args.ssl_cert_reqs != ssl.CERT_NONE) and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS (--ssl-certfile)")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ValueError(f"--{flag.replace('_', '-')} {path}: {e.strerror}") from None
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
 
 
 def add_serving_args(group) -> None:
