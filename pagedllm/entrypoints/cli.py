@@ -35,8 +35,8 @@ def doctor(args: argparse.Namespace) -> None:
     sys.exit(doctor_main())
 
 
-def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The ``pagedllm`` parser, and its ``serve`` subcommand's (which reads ``--config`` files)."""
+def make_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``pagedllm`` parser, and the parsers of its subcommands that read ``--config`` files, by command."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_parser = subparsers.add_parser("serve", help="run the OpenAI-compatible API server")
@@ -47,20 +47,29 @@ def make_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     add_bench_parser(subparsers)
     doctor_parser = subparsers.add_parser("doctor", help="the CPU features seen and each native kernel's build")
     doctor_parser.set_defaults(func=doctor)
-    return parser, serve_parser
+    return parser, {"serve": serve_parser, "run-batch": batch_parser}
+
+
+def _config_path(argv: list[str]) -> Optional[str]:
+    """The --config a command line gives, read ahead of the full parse (which the file's flags must precede)."""
+    finder = argparse.ArgumentParser(add_help=False)  # abbreviations as the full parse takes them
+    finder.add_argument("--config")
+    return finder.parse_known_args(argv)[0].config
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    parser, serve_parser = make_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser, config_parsers = make_parser()
+    command_parser = config_parsers.get(argv[0]) if argv else None
+    config = _config_path(argv[1:]) if command_parser is not None else None
+    if config:  # the file's flags as defaults: the command line's win
+        command_parser.set_defaults(**config_file_defaults(command_parser, config))
     args = parser.parse_args(argv)
-    if args.command == "serve" and args.config:  # the file's flags as defaults: the command line's win
-        serve_parser.set_defaults(**config_file_defaults(serve_parser, args.config))
-        args = parser.parse_args(argv)
     if args.command == "serve":
         try:
             validate_parsed_serve_args(args)  # before the model loads
         except ValueError as e:
-            serve_parser.error(str(e))
+            config_parsers["serve"].error(str(e))
     (args.bench_func if args.command == "bench" else args.func)(args)
 
 

@@ -1,16 +1,20 @@
 """`pagedllm run-batch`: a batch file's results equal the server's answers to the same requests, in input order,
-with an error record for each bad line."""
+with an error record for each bad line; the files may be http(s) URLs (GET in, PUT out) and the flags may come from
+a --config file."""
 from __future__ import annotations
 
 import asyncio
 import json
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
-from pagedllm.entrypoints.openai.run_batch import run_request
+from pagedllm.entrypoints.openai.run_batch import read_file, run_request, write_file
 from pagedllm.models.resolve import DEFAULT_MODEL
 from tests.server.conftest import SERVER_ARGS
 
@@ -45,19 +49,70 @@ def test_bad_line_is_an_error_record(line, message):
     assert (output.response is not None) == (output.error.param == "prompt")  # the endpoint refused the body
 
 
-def test_run_batch_equals_server(server, tmp_path):
+class _FileHandler(BaseHTTPRequestHandler):
+    """GET answers a stored file (404 if none), PUT stores one: server.files maps a path to its bytes."""
+
+    def do_GET(self) -> None:
+        body = self.server.files.get(self.path)
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_PUT(self) -> None:
+        self.server.files[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(201)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def file_server():
+    """A local HTTP file server (http.server): its base URL, and its files by path."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FileHandler)
+    httpd.files = {}
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", httpd.files
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_files_are_paths_or_urls(file_server, tmp_path):
+    url, files = file_server
+    asyncio.run(write_file(f"{url}/out.jsonl", "a\n"))
+    asyncio.run(write_file(str(tmp_path / "out.jsonl"), "b\n"))
+    assert files == {"/out.jsonl": b"a\n"} and (tmp_path / "out.jsonl").read_text() == "b\n"
+    assert asyncio.run(read_file(f"{url}/out.jsonl")) == "a\n"
+    assert asyncio.run(read_file(str(tmp_path / "out.jsonl"))) == "b\n"
+    with pytest.raises(httpx.HTTPStatusError, match="404"):
+        asyncio.run(read_file(f"{url}/missing.jsonl"))
+
+
+def test_run_batch_equals_server(server, tmp_path, file_server):
+    """The input by GET, the output by PUT to a URL the --config file gives, with the engine flags."""
+    url, files = file_server
     requests = batch_requests(48)
     lines = [json.dumps(r) for r in requests]
     for index, line in sorted(BAD_LINES.items()):
         lines.insert(index, line)
     assert len(lines) == 50
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    batch = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i",
-                            str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), *SERVER_ARGS],
-                           capture_output=True, text=True, timeout=300)
+    files["/in.jsonl"] = ("\n".join(lines) + "\n").encode()
+    config = tmp_path / "batch.yaml"
+    config.write_text("".join(f"{flag.lstrip('-')}: {value}\n" for flag, value in zip(SERVER_ARGS[::2],
+                                                                                      SERVER_ARGS[1::2]))
+                      + f"output-file: {url}/out.jsonl\n")
+    batch = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "run-batch", "-i", f"{url}/in.jsonl",
+                            "--config", str(config)], capture_output=True, text=True, timeout=300)
     assert batch.returncode == 0, batch.stderr
     assert "Running batch" in batch.stderr  # the progress bar
-    outputs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    outputs = [json.loads(line) for line in files["/out.jsonl"].decode().splitlines()]
     assert len(outputs) == 50
 
     errors = [outputs.pop(index) for index in sorted(BAD_LINES, reverse=True)][::-1]

@@ -20,9 +20,7 @@ ENGINE_FLAGS = tuple(field.name for field in dataclasses.fields(EngineArgs) if f
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                         help="model alias, Hugging Face model directory or .gguf file (default: %(default)s)")
-    parser.add_argument("--config", default=None,
-                        help="a YAML file of flags (keys are the flags' names, e.g. max-model-len: 2048); flags on the "
-                             "command line win")
+    add_config_arg(parser)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
@@ -185,10 +183,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                                "actors); default: uni for one rank, ray inside a Ray cluster, else mp")
 
 
+def add_config_arg(parser: argparse.ArgumentParser) -> None:
+    """vLLM's ``--config FILE`` (read by entrypoints/cli.py with config_file_defaults), for `serve` and
+    `run-batch`."""
+    parser.add_argument("--config", default=None,
+                        help="a YAML file of flags (keys are the flags' names, e.g. max-model-len: 2048); flags on the "
+                             "command line win")
+
+
 def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     """vLLM's ``--config FILE``: the YAML file's flags as ``parser`` defaults (so any flag given on the command line
-    wins), by dest, each converted as argparse converts its flag's text. An unknown key, or a value that does not
-    fit its flag, is a parser error naming it."""
+    wins), by dest, each converted as argparse converts its flag's text; a required flag the file gives is no longer
+    required on the command line. An unknown key, or a value that does not fit its flag, is a parser error naming
+    it."""
     import yaml
 
     try:
@@ -209,6 +216,7 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
             defaults[action.dest] = _config_value(action, value)
         except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             parser.error(f"--config {path}: {key}: {e}")
+        action.required = False
     return defaults
 
 

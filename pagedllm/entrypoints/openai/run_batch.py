@@ -11,6 +11,9 @@ each output line, in input order, is {"id", "custom_id", "response", "error"}:
   - a line that is not a batch request (not JSON, not POST, an unknown url): response null, error as above
     (custom_id null when the line has none to read).
 One bad line costs only its own result; all requests are sent at once and the engine batches them.
+
+-i and -o are local files or, as in vLLM, http(s) URLs: the input is fetched by GET before the model loads, the
+output sent by PUT once every request is answered.
 """
 from __future__ import annotations
 
@@ -21,13 +24,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal, Optional
 
+import httpx
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import init_app_state
 from pagedllm.entrypoints.openai.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.cli_args import add_engine_args, add_serving_args, engine_args_from
+from pagedllm.entrypoints.openai.cli_args import add_config_arg, add_engine_args, add_serving_args, engine_args_from
 from pagedllm.entrypoints.openai.errors import BadRequestError, OpenAIError, to_openai_error, validation_error
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
                                                   OpenAIBaseModel, random_uuid)
@@ -60,9 +64,16 @@ class BatchRequestOutput(OpenAIBaseModel):
     error: Optional[ErrorInfo]
 
 
+# Seconds an input or output URL may go without sending or taking a byte.
+URL_TIMEOUT_S = 60
+
+
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("-i", "--input-file", required=True, help="the batch file of requests (JSON lines)")
-    parser.add_argument("-o", "--output-file", required=True, help="where the results go (JSON lines)")
+    parser.add_argument("-i", "--input-file", required=True,
+                        help="the batch file of requests (JSON lines): a path, or an http(s) URL to GET")
+    parser.add_argument("-o", "--output-file", required=True,
+                        help="where the results go (JSON lines): a path, or an http(s) URL to PUT")
+    add_config_arg(parser)
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="model alias, Hugging Face model directory or .gguf file (default: %(default)s)")
     add_serving_args(parser.add_argument_group("serving"))
@@ -112,9 +123,33 @@ async def run_request(state: Any, line: str) -> BatchRequestOutput:
     return _output(request.custom_id, BatchResponseData(status_code=error.status_code, request_id=request_id), error)
 
 
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+async def read_file(path: str) -> str:
+    """A local file's text, or an http(s) URL's body (GET); an HTTP error status is an httpx.HTTPStatusError."""
+    if not _is_url(path):
+        return Path(path).read_text()
+    async with httpx.AsyncClient(timeout=URL_TIMEOUT_S) as client:
+        response = await client.get(path)
+        response.raise_for_status()
+        return response.text
+
+
+async def write_file(path: str, text: str) -> None:
+    """Writes a local file, or PUTs an http(s) URL; an HTTP error status is an httpx.HTTPStatusError."""
+    if not _is_url(path):
+        Path(path).write_text(text)
+        return
+    async with httpx.AsyncClient(timeout=URL_TIMEOUT_S) as client:
+        response = await client.put(path, content=text.encode())
+        response.raise_for_status()
+
+
 async def run_batch(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
-    lines = [line for line in Path(args.input_file).read_text().splitlines() if line.strip()]
+    lines = [line for line in (await read_file(args.input_file)).splitlines() if line.strip()]
     engine_client = AsyncLLM.from_engine_args(engine_args_from(args))
     try:
         state = SimpleNamespace()
@@ -129,5 +164,4 @@ async def run_batch(args: argparse.Namespace) -> None:
             outputs = await asyncio.gather(*map(run, lines))
     finally:
         engine_client.shutdown()
-    with open(args.output_file, "w") as f:
-        f.writelines(output.model_dump_json() + "\n" for output in outputs)
+    await write_file(args.output_file, "".join(output.model_dump_json() + "\n" for output in outputs))
