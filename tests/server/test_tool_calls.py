@@ -1,12 +1,12 @@
-"""Tool calls read out of generated text without a server: tool_choice "required"'s JSON array streams each call's
-arguments as they are generated, and the deltas join to what the whole text gives."""
+"""Tool calls read out of generated text without a server: tool_choice "required"'s JSON array and "auto"'s Hermes
+blocks stream each call's arguments as they are generated, and the deltas join to what the whole text gives."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from pagedllm.entrypoints.openai.tool_calls import JsonArrayParser
+from pagedllm.entrypoints.openai.tool_calls import HermesParser, JsonArrayParser, ToolCallParser
 
 CALLS = [{"name": "get_weather", "parameters": {"city": "Paris \"}, [\\\\ ", "days": [1, {"x": 2}]}},
          {"parameters": {"timezone": "CET"}, "name": "get_time"},
@@ -14,17 +14,19 @@ CALLS = [{"name": "get_weather", "parameters": {"city": "Paris \"}, [\\\\ ", "da
 TEXT = json.dumps(CALLS)
 
 
-def _streamed(pieces: list[str]) -> tuple[list[dict], int]:
-    """name and arguments of each call, put together from the deltas of feeding ``pieces``; and how many deltas
-    carried arguments."""
-    parser, calls, argument_deltas = JsonArrayParser(), {}, 0
+def _streamed(pieces: list[str], parser: ToolCallParser = None) -> tuple[list[dict], int, str]:
+    """name and arguments of each call, put together from the deltas of feeding ``pieces``; how many deltas
+    carried arguments; and the content."""
+    parser, calls, argument_deltas, content = parser or JsonArrayParser(), {}, 0, ""
     for piece in pieces:
-        _, deltas = parser.feed(piece)
+        text, deltas = parser.feed(piece)
+        content += text
         for delta in deltas:
             call = calls.setdefault(delta.index, {"name": delta.function.name, "arguments": ""})
             call["arguments"] += delta.function.arguments or ""
             argument_deltas += bool(delta.function.arguments)
-    return [calls[i] for i in sorted(calls)], argument_deltas
+    content += parser.finish()[0]
+    return [calls[i] for i in sorted(calls)], argument_deltas, content
 
 
 def test_whole_text_gives_each_calls_parameters_text():
@@ -37,7 +39,7 @@ def test_whole_text_gives_each_calls_parameters_text():
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
 def test_streamed_deltas_join_to_the_whole_texts_arguments(size):
     _, whole = JsonArrayParser().parse(TEXT)
-    streamed, argument_deltas = _streamed([TEXT[i:i + size] for i in range(0, len(TEXT), size)])
+    streamed, argument_deltas, _ = _streamed([TEXT[i:i + size] for i in range(0, len(TEXT), size)])
     assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole]
     assert argument_deltas > len(CALLS)  # several deltas per call, as the arguments arrive
 
@@ -50,3 +52,25 @@ def test_a_cut_call_keeps_the_arguments_it_had():
     assert _streamed(list(cut))[0] == [{"name": "get_weather", "arguments": calls[0].function.arguments}]
     # A call whose name has not arrived (its parameters come first) is not open yet.
     assert [c.function.name for c in JsonArrayParser().parse(TEXT[:TEXT.index('"CET"')])[1]] == ["get_weather"]
+
+
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris"}}\n</tool_call>'
+          '<tool_call>{"name": "ping"}</tool_call><tool_call>not json</tool_call> Done.')
+
+
+@pytest.mark.parametrize("size", [1, 4])
+def test_hermes_blocks_stream_their_arguments(size):
+    content, whole = HermesParser().parse(HERMES)
+    assert [(c.function.name, c.function.arguments) for c in whole] == [
+        ("get_weather", '{"city": "</tool_call> Paris"}'), ("ping", "{}")]
+    assert content == "Let me check. <tool_call>not json</tool_call> Done."  # a block without a call stays text
+    streamed, argument_deltas, streamed_content = _streamed([HERMES[i:i + size] for i in range(0, len(HERMES), size)],
+                                                            HermesParser())
+    assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole]
+    assert streamed_content == content and argument_deltas > len(whole)
+
+
+def test_hermes_block_cut_inside_its_call_keeps_its_arguments():
+    cut = HERMES[:HERMES.index("Paris") + 2]
+    content, calls = HermesParser().parse(cut)
+    assert content == "Let me check. " and calls[0].function.arguments == '{"city": "</tool_call> Pa'

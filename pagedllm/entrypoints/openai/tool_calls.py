@@ -113,6 +113,8 @@ class ToolCallParser:
 
     calls: list[ToolCall] = field(default_factory=list)
     _buffer: str = ""
+    _emitted: int = 0  # how much of the call being read's arguments has been handed out
+    _open: bool = False  # whether the call being read is open (the last of `calls`, its id handed out)
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         raise NotImplementedError
@@ -126,12 +128,30 @@ class ToolCallParser:
         rest, _ = self.finish()
         return content + rest, self.calls
 
-    def _add_call(self, name: str, arguments: object) -> DeltaToolCall:
-        """A complete call, streamed as one delta."""
-        call = ToolCall(function=FunctionCall(name=name, arguments=json.dumps(arguments, ensure_ascii=False)))
-        self.calls.append(call)
-        return DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
-                             function=DeltaFunctionCall(name=name, arguments=call.function.arguments))
+    def _stream_call(self, text: str, found: "_CallScan") -> Optional[DeltaToolCall]:
+        """What the call being read (found in ``text``) has grown by: all of it, with its id and name, when it
+        opens (once its name is read); None when nothing. Its arguments are the raw text of its arguments value, so
+        the deltas join to what the whole text gives; a call without one, once complete, takes none ("{}")."""
+        if found.name is None:
+            return None
+        if found.arguments is not None:
+            arguments = text[found.arguments[0]:found.arguments[1]]
+        else:
+            arguments = "{}" if found.end is not None else ""
+        new = arguments[self._emitted:]
+        self._emitted = len(arguments)
+        if not self._open:
+            self._open = True
+            self.calls.append(ToolCall(function=FunctionCall(name=found.name, arguments=arguments)))
+            call = self.calls[-1]
+            return DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+                                 function=DeltaFunctionCall(name=found.name, arguments=arguments))
+        self.calls[-1].function.arguments = arguments
+        return DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunctionCall(arguments=new)) if new else None
+
+    def _next_call(self) -> None:
+        """The call being read is complete: the next one starts unread."""
+        self._emitted, self._open = 0, False
 
 
 @dataclass
@@ -155,13 +175,10 @@ class NamedFunctionParser(ToolCallParser):
 @dataclass
 class JsonArrayParser(ToolCallParser):
     """A JSON array of {"name", "parameters"} objects (tool_choice "required"). A call opens once its name is read,
-    and its arguments are the raw text of its "parameters" value, streamed as it is generated: a stream's argument
-    deltas join to exactly the arguments the whole text gives (with the grammar's ", " and ": " separators, that is
-    json.dumps's form of them). A call cut off (max_tokens) keeps the arguments it had."""
+    and its arguments, the raw text of its "parameters" value, stream as they are generated (with the grammar's ", "
+    and ": " separators that text is json.dumps's form of them). A call cut off (max_tokens) keeps what it had."""
 
     _position: int = 0  # where the array element being read starts
-    _emitted: int = 0  # how much of that element's arguments has been handed out (0 while its call is not open)
-    _open: bool = False  # whether that element's call is open (in `calls`, its id handed out)
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -170,32 +187,14 @@ class JsonArrayParser(ToolCallParser):
             start = self._next_value_start()
             if start is None or self._buffer[start] != "{":  # the grammar allows objects only
                 return "", deltas
-            element = _scan_call(self._buffer, start)
-            delta = self._stream(element)
+            found = _scan_call(self._buffer, start, "parameters")
+            delta = self._stream_call(self._buffer, found)
             if delta is not None:
                 deltas.append(delta)
-            if element.end is None:
+            if found.end is None:
                 return "", deltas  # the element is not complete yet
-            self._position, self._emitted, self._open = element.end, 0, False
-
-    def _stream(self, element: "_CallScan") -> Optional[DeltaToolCall]:
-        """The delta this element's call has grown by: all of it, with its id and name, when the call opens."""
-        if element.name is None:
-            return None
-        if element.arguments is not None:
-            arguments = self._buffer[element.arguments[0]:element.arguments[1]]
-        else:
-            arguments = "{}" if element.end is not None else ""  # a complete call without parameters takes none
-        new = arguments[self._emitted:]
-        self._emitted = len(arguments)
-        if not self._open:
-            self._open = True
-            self.calls.append(ToolCall(function=FunctionCall(name=element.name, arguments=arguments)))
-            call = self.calls[-1]
-            return DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
-                                 function=DeltaFunctionCall(name=element.name, arguments=arguments))
-        self.calls[-1].function.arguments = arguments
-        return DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunctionCall(arguments=new)) if new else None
+            self._position = found.end
+            self._next_call()
 
     def _next_value_start(self) -> Optional[int]:
         """Skips the opening bracket, separators and whitespace before the next element."""
@@ -210,8 +209,8 @@ class JsonArrayParser(ToolCallParser):
 
 @dataclass
 class _CallScan:
-    """What has arrived of one {"name": ..., "parameters": ...} object: its name once that string is complete, the
-    [start, end) span of the parameters value's text (the end, while the value is still arriving, is that of its text
+    """What has arrived of one {"name": ..., <arguments key>: ...} object: its name once that string is complete, the
+    [start, end) span of the arguments value's text (the end, while the value is still arriving, is that of its text
     so far less trailing whitespace, which may turn out to lie outside it), and the object's end once it is closed."""
 
     name: Optional[str] = None
@@ -219,7 +218,7 @@ class _CallScan:
     end: Optional[int] = None
 
 
-def _scan_call(text: str, start: int) -> _CallScan:
+def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
     """Reads the object at text[start] as far as it has arrived (grammar-made JSON; anything else is read as far
     as it makes sense). Only the object's own keys count: depth 1 is inside it, deeper is inside a value."""
     scan = _CallScan()
@@ -246,9 +245,9 @@ def _scan_call(text: str, start: int) -> _CallScan:
         elif c in "}]" or (c == "," and depth == 1):
             if c != ",":
                 depth -= 1
-            if depth == 1 and key == "parameters" and c != "," and value_start is not None:
+            if depth == 1 and key == arguments_key and c != "," and value_start is not None:
                 scan.arguments = (value_start, i + 1)  # a container value closed
-            elif depth <= 1 and key == "parameters" and scan.arguments is None and value_start is not None:
+            elif depth <= 1 and key == arguments_key and scan.arguments is None and value_start is not None:
                 scan.arguments = (value_start, value_start + len(text[value_start:i].rstrip()))  # a scalar ended
             if depth == 0:
                 scan.end = i + 1
@@ -258,7 +257,7 @@ def _scan_call(text: str, start: int) -> _CallScan:
         elif c == ":" and depth == 1:
             expecting_key = False
         i += 1
-    if key == "parameters" and value_start is not None and scan.arguments is None:
+    if key == arguments_key and value_start is not None and scan.arguments is None:
         scan.arguments = (value_start, value_start + len(text[value_start:].rstrip()))
     return scan
 
@@ -279,7 +278,8 @@ def _string_end(text: str, start: int) -> Optional[int]:
 @dataclass
 class HermesParser(ToolCallParser):
     """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. Text outside the blocks is
-    content; a block whose JSON does not parse is shown as content rather than dropped."""
+    content. A block's call opens once its name is read and its arguments (their raw text) stream as they are
+    generated; a block whose name never reads (its JSON does not parse) is shown as content rather than dropped."""
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -293,21 +293,31 @@ class HermesParser(ToolCallParser):
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return "".join(content), deltas
             content.append(self._buffer[:start])
-            end = self._buffer.find(_HERMES_END, start)
+            self._buffer = self._buffer[start:]  # the block, from its tag
+            rest = self._buffer[len(_HERMES_START):]
+            body = len(self._buffer) - len(rest.lstrip())
+            found = _scan_call(self._buffer, body, "arguments") if self._buffer[body:body + 1] == "{" else None
+            if found is not None:
+                delta = self._stream_call(self._buffer, found)
+                if delta is not None:
+                    deltas.append(delta)
+            # The block ends at the first end tag after its JSON (a string in it may hold one); while no call has
+            # opened, at the first end tag at all (the block may be no call).
+            if found is not None and found.end is not None:
+                end = self._buffer.find(_HERMES_END, found.end)
+            else:
+                end = -1 if self._open else self._buffer.find(_HERMES_END)
             if end < 0:
-                self._buffer = self._buffer[start:]
                 return "".join(content), deltas
-            block = self._buffer[start + len(_HERMES_START):end]
+            if not self._open:
+                content.append(self._buffer[:end + len(_HERMES_END)])
             self._buffer = self._buffer[end + len(_HERMES_END):]
-            try:
-                call = json.loads(block)
-                deltas.append(self._add_call(call["name"], call.get("arguments", {})))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                content.append(_HERMES_START + block + _HERMES_END)
+            self._next_call()
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """What is left: content, but for a block cut off inside its call, which keeps the arguments it had."""
         rest, self._buffer = self._buffer, ""
-        return rest, []
+        return ("" if self._open else rest), []
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
