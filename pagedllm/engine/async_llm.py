@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Optional
 import msgspec
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams
+from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import make_async_client
 from pagedllm.engine.exceptions import EngineDeadError
@@ -169,6 +170,11 @@ class AsyncLLM:
 
     async def get_stats(self) -> SchedulerStats:
         return msgspec.convert(await self.engine_core.call_utility_async("get_stats"), SchedulerStats)
+
+    async def get_engine_views(self) -> list[EngineView]:
+        """Each engine's view (one per data-parallel rank, in rank order; the dead ones left out)."""
+        views = await self.engine_core.call_utility_async("get_engine_view")
+        return msgspec.convert(views if isinstance(views, list) else [views], list[EngineView])
 
     def shutdown(self) -> None:
         """Ends in-flight requests with finish_reason "abort", then stops the engine process."""

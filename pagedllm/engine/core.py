@@ -8,6 +8,7 @@ from collections import deque
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.engine_view import EngineView, make_engine_view
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.core.sched.output import SchedulerOutput
@@ -95,6 +96,9 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def get_engine_view(self) -> EngineView:
+        return make_engine_view(self.scheduler)
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

@@ -101,7 +101,7 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(call_id, method, args)))
 
     def _call_utility(self, call_id: int, method: str, args: list) -> UtilityOutput:
-        if method not in ("reset_prefix_cache", "get_stats", "abort_requests"):
+        if method not in ("reset_prefix_cache", "get_stats", "get_engine_view", "abort_requests"):
             return UtilityOutput(call_id, failure_message=f"unknown utility method {method!r}")
         try:
             return UtilityOutput(call_id, result=getattr(self, method)(*args))

@@ -67,6 +67,8 @@ class Scheduler:
         # Outputs for requests refused at admission, delivered with the next update_from_output().
         self._rejected_outputs: list[EngineCoreOutput] = []
         self.num_preemptions = 0
+        # Steps that ran tokens, and those tokens, since start-up (the engine view's steps/s and tokens/step).
+        self.num_steps = self.num_step_tokens = 0
         self.structured_output_manager = structured_output_manager
         self.pipeline_parallel_size = pipeline_parallel_size
         self.use_pp = pipeline_parallel_size > 1
@@ -344,11 +346,15 @@ class Scheduler:
             cached.new_token_ids = [r.all_token_ids[r.num_computed_tokens:r.num_computed_tokens
                                                     + num_scheduled_tokens[r.request_id]] for r in running]
             cached.new_token_ids += [[] for _ in resumed]
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        if total_num_scheduled_tokens:
+            self.num_steps += 1
+            self.num_step_tokens += total_num_scheduled_tokens
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs_data,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED},
         )

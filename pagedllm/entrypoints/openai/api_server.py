@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.shutdown import RejectWhileShuttingDown, on_exit_signal
 from pagedllm.entrypoints.openai.utils import with_cancellation
+from pagedllm.entrypoints.openai.web_ui import mount_web_ui
 from pagedllm.metrics.loggers import LOG_STATS_INTERVAL_S, LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -133,11 +134,13 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
               tool_call_parser: Optional[str] = None, lora_modules: Optional[list[dict]] = None,
               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """``frontend``: the HTTP and request flags (cli_args.add_frontend_args: CORS, request logging, response
-    role). ``lora_modules``: adapters served from the start ({"name", "path"}); a bad one is a ValueError."""
+    role, the web page). ``lora_modules``: adapters served from the start ({"name", "path"}); a bad one is a ValueError."""
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
     if allow_runtime_lora_updating:
         app.include_router(lora_router)
+    if not frontend.disable_web_ui:
+        mount_web_ui(app, api_key_required=bool(api_key))
     register_exception_handlers(app)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)

@@ -1,4 +1,6 @@
-"""AuthenticationMiddleware: with --api-key, /v1/* answers 401 unless the request carries `Bearer <key>`.
+"""AuthenticationMiddleware: with --api-key, /v1/* and /engine/* (the web page's engine view) answer 401 unless the
+request carries `Bearer <key>`. The rest stays open as in vLLM (/health, /metrics, ...), and so does the web page
+itself, which asks for the key.
 
 A plain ASGI middleware rather than @app.middleware("http"), which buffers streams and hides disconnects.
 """
@@ -11,6 +13,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import create_error_response, json_error
 
+GATED_PREFIXES = ("/v1", "/engine")
+
 
 class AuthenticationMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
@@ -19,7 +23,7 @@ class AuthenticationMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"
-                or not _route_path(scope).startswith("/v1")):
+                or not _route_path(scope).startswith(GATED_PREFIXES)):
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode("latin-1")

@@ -64,6 +64,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                       help="the path prefix a reverse proxy serves this server under (FastAPI's root_path)")
     http.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port")
     http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    http.add_argument("--disable-web-ui", action="store_true",
+                      help="serve no web page at / (chat and live engine view) and no /engine/view")
     requests = parser.add_argument_group("requests")
     requests.add_argument("--enable-log-requests", action="store_true",
                           help="log each request's id, prompt and sampling parameters as it arrives")
