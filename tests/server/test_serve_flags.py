@@ -133,7 +133,7 @@ def flags_server(tmp_path_factory, tokenizer):
                     "--ssl-cert-reqs", str(ssl.CERT_REQUIRED), "--root-path", ROOT_PATH,
                     "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
-                    "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir)],
+                    "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui"],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
         client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
     srv.socket_path, srv.cert = socket_path, cert
@@ -154,6 +154,14 @@ def test_https_on_the_socket_under_the_root_path(flags_server):
         with pytest.raises(httpx.HTTPError):
             tls.get("https://localhost/health")  # --ssl-cert-reqs 2: a client certificate is required
     assert "GET /api/v1/models" not in flags_server.log()  # no access log (the line would carry the root path)
+
+
+def test_disable_web_ui(flags_server):
+    """The shared server serves the page (tests/server/test_web_ui.py); this one was told not to."""
+    with flags_server.http() as http:
+        assert http.get("/").status_code == 404
+        assert http.get("/static/app.js").status_code == 404
+        assert http.get("/engine/view").status_code == 404
 
 
 def test_cors_preflight(flags_server):
