@@ -11,6 +11,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.engine_view import EngineView, make_engine_view
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.engine.step_trace import StepTrace
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputFuture
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT
@@ -44,6 +45,8 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[ModelRunnerOutputFuture, SchedulerOutput]] = deque()
         self._block_hasher = make_block_hasher(config.cache_config.block_size)
+        # PAGEDLLM_STEP_TRACE: a line per step (step()'s; the pipeline-parallel batch queue's are not traced).
+        self.step_trace = StepTrace.from_env(config.parallel_config.data_parallel_rank)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
@@ -59,15 +62,20 @@ class EngineCore:
             return self.step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             # Only requests whose grammars are compiling: sleep until one is ready rather than spin.
             self.structured_output_manager.wait_for_any(self.scheduler.waiting_for_grammars(), timeout=0.01)
         start = time.perf_counter()
         model_runner_output = self.executor.execute_model(scheduler_output)
+        executed = time.perf_counter()
         if not model_runner_output.captured_graph:  # a capture's time would tell dynamic speculation nothing true
-            self.scheduler.record_step_time(scheduler_output, time.perf_counter() - start)
-        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+            self.scheduler.record_step_time(scheduler_output, executed - start)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        if self.step_trace is not None:
+            self.step_trace.record(scheduler_output, step_start, start, executed, time.perf_counter())
+        return outputs
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Submit a new batch while fewer than batch_queue_size are in flight; otherwise (or when nothing new can
