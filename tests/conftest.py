@@ -17,3 +17,20 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# The float32 SmolLM2 engine of the quantization and KV-cache tests' usual settings.
+DENSE_SMOLLM_ARGS = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="session")
+def dense_smollm():
+    """The dense float32 SmolLM2 engine (DENSE_SMOLLM_ARGS) that test_kv_cache_dtype.py, test_int8_quantization.py,
+    test_int4_quantization.py and test_gguf_quantization.py compare their engines against: built once for the
+    session, in the test process, on the loaded model the in-process engines share (tests/e2e/conftest.py). Its
+    tests leave it idle; it keeps no state between requests but its prefix cache."""
+    from tests.e2e.conftest import in_process_llm
+
+    llm = in_process_llm(**DENSE_SMOLLM_ARGS)
+    yield llm
+    llm.shutdown()

@@ -26,6 +26,7 @@ from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.cpu import KernelChoice
+from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, write_tiny_gguf
 from tests.test_int4_quantization import gguf_layer
 
@@ -217,11 +218,10 @@ def test_default_model_keeps_q4_1_layers_and_the_q8_0_embedding():
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(dense_smollm):
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-        args = dict(dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
-        yield LLM(**args), LLM(quantization="gguf", **args)
+        yield dense_smollm, LLM(quantization="gguf", **DENSE_SMOLLM_ARGS)
 
 
 def test_default_model_through_the_engine(engines):

@@ -34,6 +34,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.cpu import KernelChoice
+from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, teacher_forced, write_tiny_gguf
 from tests.native_paths import native_or_fallback
 
@@ -238,12 +239,12 @@ def monkeypatch_module():
         yield patcher
 
 
-LLM_ARGS = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+LLM_ARGS = DENSE_SMOLLM_ARGS
 
 
 @pytest.fixture(scope="module")
-def dense(monkeypatch_module):
-    return LLM(**LLM_ARGS)
+def dense(dense_smollm):
+    return dense_smollm
 
 
 @pytest.fixture(scope="module", params=["native", "torch"])

@@ -18,6 +18,7 @@ from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod, pack
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice
+from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
 from tests.native_paths import native_or_fallback
 
@@ -73,15 +74,15 @@ def test_layer_paths_agree(path):
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are", "To make a cup of tea, first"]
 NUM_TOKENS = 32
-LLM_ARGS = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
 
 
-def test_int8_model_stays_close_to_dense():
+def test_int8_model_stays_close_to_dense(dense_smollm):
     """Teacher-forced on the dense model's greedy continuations: the W8A8 model's top token agrees at most
     positions and its log-probs are near (not equal: the products are quantized)."""
+    dense = dense_smollm
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-        dense, int8 = LLM(**LLM_ARGS), LLM(quantization="int8", **LLM_ARGS)
+        int8 = LLM(quantization="int8", **DENSE_SMOLLM_ARGS)
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     expected = [o.prompt_token_ids + list(o.outputs[0].token_ids)
                 for o in dense.generate(PROMPTS, greedy, use_tqdm=False)]

@@ -7,11 +7,13 @@ import argparse
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows
 from pagedllm.worker.worker import kv_cache_bytes_per_block
+from tests.conftest import DENSE_SMOLLM_ARGS
+from tests.e2e.conftest import in_process_llm
 from tests.model_fixtures import teacher_forced
 from tests.test_int8_quantization import PROMPTS
 
@@ -59,21 +61,23 @@ def test_bad_kv_cache_dtype_is_a_config_error():
 MIN_AGREEMENT = {"int8": 0.97, "fp8_e4m3": 0.9}
 
 
-def test_real_model_agrees_with_the_full_precision_cache():
+def test_real_model_agrees_with_the_full_precision_cache(dense_smollm):
     """SmolLM2 with each one-byte cache, teacher-forced on its own greedy continuations with a float32 cache: the
     top token agrees at most positions, log-probs are near (every prompt's prefill and every forced token's key
-    and value go through the quantized cache: prompt_logprobs attend to the cached, quantized rows)."""
-    args = dict(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
-    with pytest.MonkeyPatch.context() as patcher:
-        patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-        reference = LLM(**args)
-        greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-        expected = [o.prompt_token_ids + list(o.outputs[0].token_ids)
-                    for o in reference.generate(PROMPTS, greedy, use_tqdm=False)]
-        for cache_dtype, least in MIN_AGREEMENT.items():
-            forced_only = LLM(kv_cache_dtype=cache_dtype, enforce_eager=True, **args)  # prefills only: no graphs
+    and value go through the quantized cache: prompt_logprobs attend to the cached, quantized rows). The engines
+    share the float32 reference's loaded model (the cache's dtype is the engine's, not the model's)."""
+    reference = dense_smollm
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    expected = [o.prompt_token_ids + list(o.outputs[0].token_ids)
+                for o in reference.generate(PROMPTS, greedy, use_tqdm=False)]
+    for cache_dtype, least in MIN_AGREEMENT.items():
+        # prefills only: no graphs
+        forced_only = in_process_llm(kv_cache_dtype=cache_dtype, enforce_eager=True, **DENSE_SMOLLM_ARGS)
+        try:
             ranks, deltas = teacher_forced(forced_only, reference, expected, 64)
-            agreement = sum(rank == 1 for rank in ranks) / len(ranks)
-            print(f"{cache_dtype} cache: teacher-forced agreement {agreement:.3f}, max |logprob diff| "
-                  f"{max(deltas):.3f}")
-            assert agreement >= least and 0 < max(deltas) < 2.0
+        finally:
+            forced_only.shutdown()
+        agreement = sum(rank == 1 for rank in ranks) / len(ranks)
+        print(f"{cache_dtype} cache: teacher-forced agreement {agreement:.3f}, max |logprob diff| "
+              f"{max(deltas):.3f}")
+        assert agreement >= least and 0 < max(deltas) < 2.0

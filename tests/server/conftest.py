@@ -3,6 +3,7 @@ fresh ones for tests that kill or stop it.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -124,6 +125,26 @@ class RemoteServer:
 def server(tmp_path_factory):
     """The shared server; /v1 needs the API key (the client helpers send it)."""
     srv = RemoteServer(tmp_path_factory.mktemp("server") / "server.log", api_key=API_KEY)
+    yield srv
+    srv.stop()
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+GENERATION_CONFIG = {"temperature": 0.0, "max_new_tokens": 6}
+
+
+@pytest.fixture(scope="session")
+def spec_server(tmp_path_factory):
+    """`pagedllm serve --speculative-config NGRAM --generation-config DIR` (DIR's generation_config.json holds
+    GENERATION_CONFIG), logging stats after every output batch: one server for test_spec_decode_api.py and
+    test_generation_config.py instead of one each. The generation config's defaults apply only to the fields a
+    request leaves unset, and the speculative decoding tests set every field it has (temperature, max_tokens)."""
+    config_dir = tmp_path_factory.mktemp("spec_and_generation_config")
+    (config_dir / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    srv = RemoteServer(config_dir / "server.log",
+                       extra_args=["--speculative-config", json.dumps(NGRAM), "--generation-config", str(config_dir)],
+                       env={"PAGEDLLM_LOG_STATS_INTERVAL": "0"})  # a log line per output batch
+    srv.config_dir = str(config_dir)
     yield srv
     srv.stop()
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from pagedllm import LLM
 from pagedllm.beam_search import BeamSearchParams
+from tests.e2e.conftest import in_process_llm
 from tests.server.conftest import MAX_MODEL_LEN
 
 MODEL = "smollm2-135m-instruct"
@@ -18,9 +18,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def offline_beams(tokenizer):
     """The offline beam search's best two beams for PROMPT and for the chat-templated MESSAGES."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-        llm = LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB")
+    llm = in_process_llm(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory="256MiB")  # shared weights
     chat = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     outs = llm.beam_search([PROMPT, {"prompt_token_ids": list(chat)}], BeamSearchParams(beam_width=2,
                                                                                         max_tokens=MAX_TOKENS))

@@ -2,23 +2,16 @@
 file, which has none of its own) default sampling parameters on both endpoints; a request's own values win."""
 from __future__ import annotations
 
-import json
-
 import pytest
-
-from tests.server.conftest import RemoteServer
 
 DEFAULTS = {"temperature": 0.0, "max_tokens": 6}
 
 
 @pytest.fixture(scope="module")
-def gen_server(tmp_path_factory):
-    config_dir = tmp_path_factory.mktemp("generation_config")
-    (config_dir / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 6}))
-    srv = RemoteServer(config_dir / "server.log", extra_args=["--generation-config", str(config_dir)])
-    srv.config_dir = str(config_dir)
-    yield srv
-    srv.stop()
+def gen_server(spec_server):
+    """The server with --generation-config DIR, DIR's generation_config.json {"temperature": 0.0,
+    "max_new_tokens": 6} (GENERATION_CONFIG; the server also speculates: tests/server/conftest.py)."""
+    return spec_server
 
 
 def test_the_defaults_are_logged_and_listed(gen_server):

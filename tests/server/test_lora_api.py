@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 
 import httpx
 import openai
@@ -33,7 +34,17 @@ def adapters(tmp_path_factory):
     return made
 
 
+_greedy_texts: "weakref.WeakKeyDictionary[torch.nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
 def peft_greedy_text(model, tokenizer) -> str:
+    """Memoized per model: two tests check the all-r8 adapter's text."""
+    if model not in _greedy_texts:
+        _greedy_texts[model] = _peft_greedy_text(model, tokenizer)
+    return _greedy_texts[model]
+
+
+def _peft_greedy_text(model, tokenizer) -> str:
     prompt = tokenizer.encode(PROMPT)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,

@@ -3,7 +3,6 @@ does, counts its drafts in vLLM's spec_decode metrics and its periodic log line,
 before any engine."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -11,19 +10,9 @@ import pytest
 
 from tests.server.conftest import RemoteServer
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 CODE = "def area(width, height):\n    result = width * height\n    return result\n"
 PROMPTS = [f"Copy this code exactly.\n{CODE}\nCopy:\n", "Count: one, two, three, four, five, six,",
            "The capital of France is"]
-
-
-@pytest.fixture(scope="module")
-def spec_server(tmp_path_factory):
-    srv = RemoteServer(tmp_path_factory.mktemp("spec") / "server.log",
-                       extra_args=["--speculative-config", json.dumps(NGRAM)],
-                       env={"PAGEDLLM_LOG_STATS_INTERVAL": "0"})  # a log line per output batch
-    yield srv
-    srv.stop()
 
 
 def completions(server: RemoteServer, stream: bool) -> list[str]:
