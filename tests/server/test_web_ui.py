@@ -91,19 +91,21 @@ def test_page_chats_and_shows_the_engine_at_work(server, browser, tmp_path):
     load.start()
     try:
         page.wait_for_selector("#requests tbody tr[data-status=running]", timeout=60_000)
-        in_use, shared, steps_per_s = [], [], []
+        in_use, shared, steps_per_s, running_rows = [], [], [], []
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(set(in_use)) < 3 and load.is_alive():
+        while True:  # the first sample right away, while the row just seen is still on the page
             shared.append(int(page.inner_text("#count-shared")))
             in_use.append(int(page.inner_text("#count-in-use")) + shared[-1])
             steps_per_s.append(float(page.inner_text("#stat-steps").replace("–", "0")))
+            running_rows.append(page.locator("#requests tbody tr[data-status=running]").count())
+            if time.monotonic() > deadline or len(set(in_use)) >= 3 or not load.is_alive():
+                break
             page.wait_for_timeout(700)
-        running_rows = page.locator("#requests tbody tr[data-status=running]").count()
         screenshot = Path(os.environ.get("PAGEDLLM_SCREENSHOT_DIR", tmp_path)) / "web_ui.png"
         page.screenshot(path=str(screenshot), full_page=True)
     finally:
         load.join()
-    assert running_rows >= 1
+    assert max(running_rows) >= 1, running_rows  # sampled while the requests ran: a fast machine ends them early
     assert len(set(in_use)) >= 3 and max(in_use) > 0, in_use  # the map changed while they ran
     assert max(shared) > 0, shared  # the common prefix's blocks, held by several requests at once
     assert max(steps_per_s) > 0, steps_per_s
