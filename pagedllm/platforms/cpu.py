@@ -105,12 +105,12 @@ def _name(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _linux_libc() -> ctypes.CDLL | None:
+def linux_libc() -> ctypes.CDLL | None:
     """The C library the process runs on, for the Linux memory calls below; None elsewhere."""
     return ctypes.CDLL(None) if sys.platform.startswith("linux") else None
 
 
-_HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
@@ -120,11 +120,11 @@ def huge_page_zeros(nbytes: int) -> torch.Tensor:
     its first touch (granted where the system gives them to regions that ask, ``madvise`` mode): mmap, not
     malloc, which may hand back memory already faulted in 4 KiB pages (with keep_freed_memory, the loader's
     freed temporaries). The OS supplies zeros as pages are first touched, so untouched memory costs nothing."""
-    size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
-    raw = torch.frombuffer(mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.frombuffer(mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
                            dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE
-    libc = _linux_libc()
+    start = -raw.data_ptr() % HUGE_PAGE
+    libc = linux_libc()
     if libc is not None:
         libc.madvise(ctypes.c_void_p(raw.data_ptr() + start), ctypes.c_size_t(size), _MADV_HUGEPAGE)
     return raw[start : start + nbytes]
@@ -161,7 +161,7 @@ def keep_freed_memory() -> None:
     settings a process faults its memory in during its first steps and reuses it after. The cost is the RSS of
     the largest step, kept. vLLM's CPU backend gets the same from the tcmalloc it preloads. A C library without
     mallopt (not glibc) is left as it is."""
-    libc = _linux_libc()
+    libc = linux_libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20)

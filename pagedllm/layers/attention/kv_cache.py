@@ -8,6 +8,7 @@ from pagedllm.kv_cache_dtype import row_width
 from pagedllm.layers.attention.backend import AttentionBackend, KVCache
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.platforms.cpu import huge_page_zeros
+from pagedllm.platforms.populate import populate_in_background
 
 
 def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> int:
@@ -31,11 +32,15 @@ def allocate_kv_caches(
     Zero-filled so that stale slots hold finite values for any backend. On CPU the zeros come from fresh
     anonymous memory in huge pages (platforms/cpu.huge_page_zeros): the OS hands out zero pages as they are
     first touched, so a multi-GiB cache costs nothing at start-up (torch.zeros would write every page, seconds
-    for a few GiB), and decode attention streams it with fewer TLB misses.
+    for a few GiB), and decode attention streams it with fewer TLB misses. A background thread faults those pages
+    in while the engine is idle (platforms/populate.py), so that steps do not pay for first touches.
     """
     backend = backend or get_attn_backend(device)
     shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, row_width(head_size, dtype))
-    return [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
+    caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
+    if torch.device(device).type == "cpu":
+        populate_in_background([tensor for pair in caches for tensor in pair])
+    return caches
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""Fault a KV cache's memory in ahead of its first use, from a background thread at the lowest CPU priority.
+
+The cache comes from fresh anonymous memory (cpu.huge_page_zeros) that costs nothing until a page is first
+written. That first write costs the kernel a zeroed page, and in a VM also the host a fault per page: on the
+Firecracker VMs seen here 2.5-5 s a GiB, so while a new engine's steps still take fresh blocks, every step that
+writes K/V into never-touched memory stalls (a 2048-token prefill step doubling), until the whole cache has been
+handed out once. vLLM pays the same once at start-up by zeroing its cache. Here it is paid while the engine is
+idle: the thread runs at nice 19, so a step's threads take the cores whenever they want them, and it populates
+in block order (every tensor's first 2 MiB, then the next), the order in which the block pool hands out fresh
+blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe beside the
+kernels writing K/V into the same pages. It stops when memory runs short (engines started side by side each size
+their cache from the memory available then, counting on untouched pages costing nothing), when the cache is
+freed, or where the call is not supported.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import time
+import weakref
+
+import psutil
+import torch
+
+from pagedllm.platforms.cpu import HUGE_PAGE, linux_libc
+
+logger = logging.getLogger(__name__)
+
+_MADV_POPULATE_WRITE = 23
+# Populating stops while less than this is available to the machine (the larger of the two).
+MIN_AVAILABLE_BYTES = 2 << 30
+MIN_AVAILABLE_FRACTION = 0.1
+_CHECK_MEMORY_EVERY = 32  # chunks; psutil's reading costs more than one chunk's madvise calls
+
+
+def populate_in_background(buffers: list[torch.Tensor]) -> threading.Thread | None:
+    """Start the populating thread over ``buffers`` (contiguous, 2 MiB-aligned CPU tensors, e.g. a cache's
+    per-layer key and value tensors); None where there is nothing to do or no Linux C library."""
+    libc = linux_libc()
+    if libc is None or not buffers:
+        return None
+    refs = [weakref.ref(b) for b in buffers]
+    thread = threading.Thread(target=_populate, args=(libc, refs), name="kv-cache-populate", daemon=True)
+    thread.start()
+    return thread
+
+
+def _populate(libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
+    total = psutil.virtual_memory().total
+    reserve = max(MIN_AVAILABLE_BYTES, int(total * MIN_AVAILABLE_FRACTION))
+    start, done, chunk = time.monotonic(), 0, 0
+    while True:
+        buffers = [b for b in (r() for r in refs) if b is not None]
+        if len(buffers) < len(refs):
+            return  # the cache was freed
+        offset = chunk * HUGE_PAGE
+        pending = [b for b in buffers if b.nbytes > offset]
+        if not pending:
+            break
+        if chunk % _CHECK_MEMORY_EVERY == 0 and psutil.virtual_memory().available < reserve:
+            logger.debug("KV cache populating stopped at %d MiB: under %d MiB available", done >> 20, reserve >> 20)
+            return
+        for b in pending:
+            size = min(HUGE_PAGE, b.nbytes - offset)
+            if libc.madvise(ctypes.c_void_p(b.data_ptr() + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE):
+                return  # not supported here (kernel before 5.14), or out of memory: first touch pays, as before
+            done += size
+        del buffers, pending
+        chunk += 1
+    logger.debug("KV cache populated: %d MiB in %.1f s", done >> 20, time.monotonic() - start)
