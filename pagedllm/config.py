@@ -52,6 +52,11 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     # Caps one request's share of a step's budget so a long prompt cannot starve decodes (0: no cap).
     long_prefill_token_threshold: int = 0
+    # Prompt tokens a step may take while it also decodes (0: no cap beyond max_num_batched_tokens): bounds how
+    # long a running request waits for its next token behind other requests' prefills (Sarathi-Serve's stall-free
+    # batching); a step with no decodes still takes max_num_batched_tokens. Needs chunked prefill (without it a
+    # prompt goes whole or not at all).
+    max_prefill_tokens_with_decodes: int = 0
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
@@ -59,9 +64,9 @@ class SchedulerConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be non-negative, "
-                             f"got {self.long_prefill_token_threshold}")
+        for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")

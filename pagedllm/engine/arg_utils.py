@@ -50,6 +50,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_prefill_tokens_with_decodes: int = 0
     scheduling_policy: str = "fcfs"
     kv_cache_memory: Optional[Union[int, str]] = None
     kv_cache_dtype: str = "auto"
@@ -123,7 +124,8 @@ class EngineArgs:
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
-                long_prefill_token_threshold=self.long_prefill_token_threshold, policy=self.scheduling_policy),
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes, policy=self.scheduling_policy),
             num_cpu_threads=self.num_cpu_threads,
             parallel_config=parallel_config,
             speculative_config=speculative_config,

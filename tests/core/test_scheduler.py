@@ -251,3 +251,22 @@ def test_request_that_can_never_fit_is_finished_with_an_error():
     assert errors["huge"].finish_reason == FinishReason.LENGTH and "whole cache holds 4 blocks" in errors["huge"].error
     assert "maximum context length is 100 tokens" in errors["too_long"].error
     assert not scheduler.has_requests()
+
+
+def test_prefill_tokens_capped_while_decoding_but_not_when_idle():
+    """max_prefill_tokens_with_decodes: a step that decodes takes at most that many prompt tokens (running
+    chunks and new prompts together); a step with nothing decoding takes the whole budget."""
+    scheduler = make_scheduler(max_num_batched_tokens=200, max_prefill_tokens_with_decodes=48)
+    for i, p in enumerate(prompts(2, 60)):
+        scheduler.add_request(make_request(f"r{i}", p, max_tokens=30, ignore_eos=True))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"r0": 60, "r1": 60}  # nothing decodes yet: the whole budget
+    for i, p in enumerate(prompts(2, 70, start=50_000)):
+        scheduler.add_request(make_request(f"n{i}", p, max_tokens=30, ignore_eos=True))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 1, "n0": 48}
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 1, "n0": 22, "n1": 26}  # the running chunk first
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"r0": 1, "r1": 1, "n0": 1, "n1": 44}
+    run_to_completion(scheduler)

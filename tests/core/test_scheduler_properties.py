@@ -18,10 +18,11 @@ operations = st.lists(st.one_of(add_op, abort_op, step_op, step_op), min_size=10
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, num_blocks=st.integers(10, 24), budget=st.sampled_from([8, 16, 64]),
-       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans())
-def test_random_workloads_keep_blocks_accounted_for(ops, num_blocks, budget, policy, caching):
+       policy=st.sampled_from(["fcfs", "priority"]), caching=st.booleans(), prefill_cap=st.sampled_from([0, 1, 5]))
+def test_random_workloads_keep_blocks_accounted_for(ops, num_blocks, budget, policy, caching, prefill_cap):
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
-                               max_num_seqs=6, max_model_len=64, enable_prefix_caching=caching, policy=policy)
+                               max_num_seqs=6, max_model_len=64, enable_prefix_caching=caching, policy=policy,
+                               max_prefill_tokens_with_decodes=prefill_cap)
     added, ended = [], set()
 
     def collect(outputs):
@@ -44,7 +45,11 @@ def test_random_workloads_keep_blocks_accounted_for(ops, num_blocks, budget, pol
                 abort(scheduler, req_id)
                 ended.add(req_id)
         else:
-            collect(step(scheduler)[1])
+            decoding = {r.request_id for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens}
+            out, outputs = step(scheduler)
+            collect(outputs)
+            if prefill_cap and decoding & set(out.num_scheduled_tokens):
+                assert sum(n for req_id, n in out.num_scheduled_tokens.items() if req_id not in decoding) <= prefill_cap
         assert_block_invariants(scheduler)
         for request in scheduler.running:
             assert request.status == RequestStatus.RUNNING

@@ -165,6 +165,14 @@ class Scheduler:
 
         # A batch's share of the requests under pipeline parallelism (all of them otherwise).
         max_batch_reqs = -(-(len(self.running) + len(self.waiting)) // self.pipeline_parallel_size)
+        # Prompt tokens this step may take: capped while running requests decode in it, so that their next token
+        # does not wait behind a whole budget of prefills.
+        prefill_budget = token_budget
+        cap = self.scheduler_config.max_prefill_tokens_with_decodes
+        if cap and self.scheduler_config.enable_chunked_prefill and any(
+                r.num_computed_tokens >= r.num_prompt_tokens and r.request_id not in self.in_flight
+                for r in self.running):
+            prefill_budget = cap
 
         # Running requests first, in order.
         req_index = 0
@@ -174,8 +182,10 @@ class Scheduler:
                 req_index += 1
                 continue
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
             if num_new_tokens > 1:  # decodes (1 token) skip the caps
-                num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget)
+                num_new_tokens = self._cap_new_tokens(
+                    request, num_new_tokens, min(token_budget, prefill_budget) if prefilling else token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -191,6 +201,8 @@ class Scheduler:
                     req_index -= 1  # the priority policy may pick one already passed this step
                 self.running.remove(victim)
                 if victim.request_id in num_scheduled_tokens:
+                    if victim.num_computed_tokens < victim.num_prompt_tokens:
+                        prefill_budget += num_scheduled_tokens[victim.request_id]
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id)
                     spec_tokens.pop(victim.request_id, None)
@@ -209,6 +221,8 @@ class Scheduler:
             if num_spec > 0:
                 spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             token_budget -= num_new_tokens
+            if prefilling:
+                prefill_budget -= num_new_tokens
             req_index += 1
 
         # Then waiting requests, unless this step had to preempt (the cache is too tight to admit more).
@@ -217,7 +231,7 @@ class Scheduler:
         skipped_waiting: list[Request] = []
         running_loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         lora_blocked = False
-        while not preempted and self.waiting and token_budget > 0:
+        while not preempted and self.waiting and min(token_budget, prefill_budget) > 0:
             if len(self.running) >= self.max_num_running_reqs or len(num_scheduled_tokens) >= max_batch_reqs:
                 break
             request = self.waiting.peek_request()
@@ -241,7 +255,8 @@ class Scheduler:
             num_new_tokens = request.num_tokens - num_hit_tokens
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break  # the head does not fit whole; shorter ones behind it must not jump ahead
-            num_new_tokens = self._cap_new_tokens(request, num_new_tokens, token_budget, num_hit_tokens)
+            num_new_tokens = self._cap_new_tokens(request, num_new_tokens, min(token_budget, prefill_budget),
+                                                  num_hit_tokens)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens,
                                                               self.num_lookahead_tokens)
             if new_blocks is None:
@@ -259,6 +274,7 @@ class Scheduler:
             num_scheduled_tokens[request.request_id] = num_new_tokens
             new_blocks_of[request.request_id] = new_blocks
             token_budget -= num_new_tokens
+            prefill_budget -= num_new_tokens
         for request in reversed(skipped_waiting):  # back at the front, in their order
             self.waiting.prepend_request(request)
 

@@ -131,6 +131,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="split long prompts over steps, batched with decodes (default: %(default)s)")
     engine.add_argument("--long-prefill-token-threshold", type=int, default=EngineArgs.long_prefill_token_threshold,
                         help="a prompt longer than this prefills at most this many tokens a step (0: no limit)")
+    engine.add_argument("--max-prefill-tokens-with-decodes", type=int,
+                        default=EngineArgs.max_prefill_tokens_with_decodes,
+                        help="prompt tokens a step that also decodes may take, bounding inter-token latency under "
+                             "load (0: up to --max-num-batched-tokens; default: %(default)s)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_prefix_caching)
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
