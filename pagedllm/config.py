@@ -13,6 +13,13 @@ from pagedllm.models.generation_config import diff_sampling_param
 
 # vLLM's kv_cache_dtype choices (what each stores: kv_cache_dtype.py), and int8.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# When the KV cache's memory is faulted in (platforms/populate.py): by a background thread while the engine is
+# idle, or before the engine takes requests (as vLLM, which zeroes its cache at start-up).
+KV_CACHE_POPULATE = ("background", "startup")
+# `pagedllm serve`'s max_prefill_tokens_with_decodes: one 256-token prompt (or chunk) a step beside the decodes, so a
+# step that decodes stays a few times a decode step's length under load, at a small cost in throughput
+# (docs/benchmarks.md has the measurements this was chosen by).
+SERVE_MAX_PREFILL_TOKENS_WITH_DECODES = 256
 
 
 def check_kv_cache_dtype(cache_dtype: str) -> None:
@@ -86,11 +93,15 @@ class CacheConfig:
     sliding_window: Optional[int] = None
     # The cache's element type (vLLM's kv_cache_dtype; kv_cache_dtype.py): "auto" is the model's.
     cache_dtype: str = "auto"
+    kv_cache_populate: str = "background"  # one of KV_CACHE_POPULATE
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         check_kv_cache_dtype(self.cache_dtype)
+        if self.kv_cache_populate not in KV_CACHE_POPULATE:
+            raise ValueError(f"kv_cache_populate must be one of {', '.join(KV_CACHE_POPULATE)}; "
+                             f"got {self.kv_cache_populate!r}")
 
 
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

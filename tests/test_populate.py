@@ -8,6 +8,8 @@ import sys
 import pytest
 import torch
 
+from pagedllm.config import CacheConfig
+from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.platforms import populate
 from pagedllm.platforms.cpu import HUGE_PAGE, huge_page_zeros, linux_libc
 
@@ -56,3 +58,14 @@ def test_it_stops_when_the_cache_is_freed(monkeypatch):
     del buffer
     thread.join(timeout=60)
     assert not thread.is_alive() and len(calls) < 64
+
+
+def test_startup_mode_returns_with_the_cache_resident():
+    caches = allocate_kv_caches(2, 16384, 16, 2, 64, torch.bfloat16, populate="startup")  # 64 MiB a tensor
+    for tensor in (t for pair in caches for t in pair):
+        assert resident_pages(tensor) == -(-tensor.nbytes // PAGE)
+
+
+def test_a_bad_mode_is_a_config_error():
+    with pytest.raises(ValueError, match="kv_cache_populate must be one of background, startup"):
+        CacheConfig(kv_cache_populate="eager")

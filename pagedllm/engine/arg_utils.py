@@ -50,10 +50,13 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
-    max_prefill_tokens_with_decodes: int = 0
+    # None: the entry point's default, as vLLM's max_num_batched_tokens by usage context: the server's
+    # SERVE_MAX_PREFILL_TOKENS_WITH_DECODES (latency under load), 0 (off) for LLM() and run-batch (throughput).
+    max_prefill_tokens_with_decodes: Optional[int] = None
     scheduling_policy: str = "fcfs"
     kv_cache_memory: Optional[Union[int, str]] = None
     kv_cache_dtype: str = "auto"
+    kv_cache_populate: str = "background"
     num_kv_blocks: Optional[int] = None
     seed: int = 0
     # The most logprobs or prompt_logprobs one request may ask for (vLLM's default; -1: the whole vocabulary).
@@ -119,13 +122,14 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks,
-                                     cache_dtype=self.kv_cache_dtype,
+                                     cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
-                max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes, policy=self.scheduling_policy),
+                max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes or 0,
+                policy=self.scheduling_policy),
             num_cpu_threads=self.num_cpu_threads,
             parallel_config=parallel_config,
             speculative_config=speculative_config,

@@ -49,25 +49,33 @@ def populate_in_background(buffers: list[torch.Tensor]) -> threading.Thread | No
 
 def _populate(libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
-    total = psutil.virtual_memory().total
-    reserve = max(MIN_AVAILABLE_BYTES, int(total * MIN_AVAILABLE_FRACTION))
+    reserve = max(MIN_AVAILABLE_BYTES, int(psutil.virtual_memory().total * MIN_AVAILABLE_FRACTION))
     start, done, chunk = time.monotonic(), 0, 0
     while True:
-        buffers = [b for b in (r() for r in refs) if b is not None]
-        if len(buffers) < len(refs):
-            return  # the cache was freed
-        offset = chunk * HUGE_PAGE
-        pending = [b for b in buffers if b.nbytes > offset]
-        if not pending:
-            break
         if chunk % _CHECK_MEMORY_EVERY == 0 and psutil.virtual_memory().available < reserve:
             logger.debug("KV cache populating stopped at %d MiB: under %d MiB available", done >> 20, reserve >> 20)
             return
-        for b in pending:
+        populated = _populate_chunk(libc, refs, chunk * HUGE_PAGE)
+        if not populated:
+            break
+        done += populated
+        chunk += 1
+    if populated == 0:
+        logger.debug("KV cache populated: %d MiB in %.1f s", done >> 20, time.monotonic() - start)
+
+
+def _populate_chunk(libc: ctypes.CDLL, refs: list[weakref.ref], offset: int) -> int | None:
+    """Bytes populated at ``offset`` of every buffer that reaches it: 0 once none does; None to stop (the cache was
+    freed, or the call failed: not supported before Linux 5.14, or out of memory, where first touches pay as
+    before). The buffers are held only for the call, so that the thread never keeps a freed cache alive."""
+    buffers = [r() for r in refs]
+    if any(b is None for b in buffers):
+        return None
+    done = 0
+    for b in buffers:
+        if b.nbytes > offset:
             size = min(HUGE_PAGE, b.nbytes - offset)
             if libc.madvise(ctypes.c_void_p(b.data_ptr() + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE):
-                return  # not supported here (kernel before 5.14), or out of memory: first touch pays, as before
+                return None
             done += size
-        del buffers, pending
-        chunk += 1
-    logger.debug("KV cache populated: %d MiB in %.1f s", done >> 20, time.monotonic() - start)
+    return done

@@ -41,6 +41,7 @@ class DraftModelProposer:
         self.model_config = config.speculative_config.draft_model_config
         self.block_size = config.cache_config.block_size
         self.cache_dtype = config.cache_config.cache_dtype
+        self.kv_cache_populate = config.cache_config.kv_cache_populate
         self.model = None
         self.kv_caches: list = []
         self.decode_graphs: DecodeGraphs | None = None
@@ -53,7 +54,8 @@ class DraftModelProposer:
     def initialize_kv_cache(self, num_blocks: int, block_table_width: int) -> None:
         mc = self.model_config
         self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
-                                            mc.head_dim, kv_cache_torch_dtype(self.cache_dtype, mc.dtype))
+                                            mc.head_dim, kv_cache_torch_dtype(self.cache_dtype, mc.dtype),
+                                            populate=self.kv_cache_populate)
         if not mc.enforce_eager and self.model.supports_cpu_graphs:
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
 

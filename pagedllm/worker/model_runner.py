@@ -93,7 +93,8 @@ class ModelRunner:
         start, end = self.layer_range
         self.kv_caches = allocate_kv_caches(end - start, num_blocks, self.block_size,
                                             kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
-                                            kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype))
+                                            kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype),
+                                            populate=self.config.cache_config.kv_cache_populate)
         # A graph replays kernels, not collectives: more than one rank runs every step eagerly; so does a model
         # whose step computes with torch ops between the kernels (a capture would be refused at every shape).
         if (not mc.enforce_eager and self.config.parallel_config.world_size == 1

@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from pagedllm.config import SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.processor import Processor
 from pagedllm.entrypoints import cli
-from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, engine_args_from, make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import ENGINE_FLAGS, engine_args_from, make_arg_parser, serve_engine_args
 from pagedllm.sampling_params import SamplingParams
 from tests.server.conftest import API_KEY, RemoteServer
 
@@ -45,9 +46,17 @@ def test_every_engine_args_field_is_a_flag_with_its_default():
 
 def test_engine_flags_reach_engine_args():
     engine = engine_args_from(_parse("--no-enable-chunked-prefill", "--long-prefill-token-threshold", "64",
-                                     "--num-kv-blocks", "32", "--max-logprobs", "5", "--tokenizer", "tok"))
+                                     "--num-kv-blocks", "32", "--max-logprobs", "5", "--tokenizer", "tok",
+                                     "--max-prefill-tokens-with-decodes", "64", "--kv-cache-populate", "startup"))
     assert (engine.enable_chunked_prefill, engine.long_prefill_token_threshold, engine.num_kv_blocks,
-            engine.max_logprobs, engine.tokenizer) == (False, 64, 32, 5, "tok")
+            engine.max_logprobs, engine.tokenizer, engine.max_prefill_tokens_with_decodes,
+            engine.kv_cache_populate) == (False, 64, 32, 5, "tok", 64, "startup")
+
+
+def test_the_server_bounds_prefill_beside_decodes_unless_told():
+    assert serve_engine_args(_parse()).max_prefill_tokens_with_decodes == SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
+    assert serve_engine_args(_parse("--max-prefill-tokens-with-decodes", "0")).max_prefill_tokens_with_decodes == 0
+    assert EngineArgs().create_engine_config().scheduler_config.max_prefill_tokens_with_decodes == 0  # LLM()
 
 
 def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):

@@ -26,7 +26,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
 from pagedllm.entrypoints.openai.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.cli_args import engine_args_from
+from pagedllm.entrypoints.openai.cli_args import serve_engine_args
 from pagedllm.entrypoints.openai.errors import OpenAIError, register_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                   LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
@@ -210,7 +210,7 @@ async def run_server(args: argparse.Namespace) -> None:
         stat_loggers.append(LoggingStatLogger(args.data_parallel_size,
                                               float(os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL",
                                                                    LOG_STATS_INTERVAL_S))))
-    engine_client = AsyncLLM.from_engine_args(engine_args_from(args), stat_loggers=stat_loggers)
+    engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
     try:
         app = build_app(engine_client, registry, served_model_names, args, chat_template, args.api_key,
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)

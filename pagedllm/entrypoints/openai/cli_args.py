@@ -6,7 +6,8 @@ import dataclasses
 import json
 import ssl
 
-from pagedllm.config import DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES
+from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
+                             SERVE_MAX_PREFILL_TOKENS_WITH_DECODES)
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -134,7 +135,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int,
                         default=EngineArgs.max_prefill_tokens_with_decodes,
                         help="prompt tokens a step that also decodes may take, bounding inter-token latency under "
-                             "load (0: up to --max-num-batched-tokens; default: %(default)s)")
+                             "load (0: up to --max-num-batched-tokens; default: "
+                             f"{SERVE_MAX_PREFILL_TOKENS_WITH_DECODES} for serve, 0 for run-batch)")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_prefix_caching)
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
@@ -143,6 +145,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineArgs.kv_cache_dtype,
                         help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3) and fp8_e5m2 (one "
                              "byte, scale 1), int8 (one byte, a scale per token and head)")
+    engine.add_argument("--kv-cache-populate", choices=KV_CACHE_POPULATE, default=EngineArgs.kv_cache_populate,
+                        help="fault the KV cache's memory in by a background thread while the engine is idle, or "
+                             "before it takes requests (steady latency from the first request where first touches "
+                             "are slow, as in VMs; start-up takes longer) (default: %(default)s)")
     engine.add_argument("--seed", type=int, default=EngineArgs.seed)
     engine.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=EngineArgs.quantization,
                         help="gguf: keep a GGUF file's Q4_0/Q4_1 and Q8_0 linear weights packed where a kernel "
@@ -285,3 +291,12 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict:
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=args.model, **engine_kwargs_from(args))
+
+
+def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine arguments of `pagedllm serve`: what the flags say, with the server's own defaults where they left
+    a field to the entry point (as vLLM's defaults by usage context)."""
+    engine_args = engine_args_from(args)
+    if engine_args.max_prefill_tokens_with_decodes is None:
+        engine_args.max_prefill_tokens_with_decodes = SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
+    return engine_args

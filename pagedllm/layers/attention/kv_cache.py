@@ -25,6 +25,7 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     backend: type[AttentionBackend] | None = None,
+    populate: str = "background",
 ) -> list[KVCache]:
     """One ``(key_cache, value_cache)`` pair per layer, in the backend's layout, of ``dtype`` elements (the
     resolved kv_cache_dtype: an int8 cache's head rows have room for their scales, kv_cache_dtype.row_width).
@@ -33,13 +34,16 @@ def allocate_kv_caches(
     anonymous memory in huge pages (platforms/cpu.huge_page_zeros): the OS hands out zero pages as they are
     first touched, so a multi-GiB cache costs nothing at start-up (torch.zeros would write every page, seconds
     for a few GiB), and decode attention streams it with fewer TLB misses. A background thread faults those pages
-    in while the engine is idle (platforms/populate.py), so that steps do not pay for first touches.
+    in while the engine is idle (platforms/populate.py), so that steps do not pay for first touches; with
+    ``populate="startup"`` (CacheConfig.kv_cache_populate) this returns once it has.
     """
     backend = backend or get_attn_backend(device)
     shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, row_width(head_size, dtype))
     caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
     if torch.device(device).type == "cpu":
-        populate_in_background([tensor for pair in caches for tensor in pair])
+        thread = populate_in_background([tensor for pair in caches for tensor in pair])
+        if populate == "startup" and thread is not None:
+            thread.join()
     return caches
 
 
