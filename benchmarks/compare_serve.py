@@ -1,5 +1,5 @@
 """`pagedllm serve` vs `vllm serve` under the same streaming load: time to first token (p50, p99), inter-token
-latency and output tok/s at fixed client concurrencies (default 1, 8 and 32).
+latency (p50, p99) and output tok/s at fixed client concurrencies (default 1, 8 and 32).
 
 Each round starts every server in turn (--engines order) on the same port, waits for /health, warms it up with
 two requests, drives each concurrency level with pagedllm.benchmarks.serve (prompts of their own per level, the
@@ -35,7 +35,8 @@ from pagedllm.platforms.cpu import has_native_bf16
 SERVED_NAME = "smollm2-135m-instruct"
 # (key in a level's result, label, higher is better)
 FIGURES = [("ttft_p50_ms", "TTFT p50 ms", False), ("ttft_p99_ms", "TTFT p99 ms", False),
-           ("itl_p50_ms", "ITL p50 ms", False), ("output_tok_s", "output tok/s", True)]
+           ("itl_p50_ms", "ITL p50 ms", False), ("itl_p99_ms", "ITL p99 ms", False),
+           ("output_tok_s", "output tok/s", True)]
 
 
 def server_command(engine: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
