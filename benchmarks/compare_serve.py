@@ -39,6 +39,16 @@ FIGURES = [("ttft_p50_ms", "TTFT p50 ms", False), ("ttft_p99_ms", "TTFT p99 ms",
            ("output_tok_s", "output tok/s", True)]
 
 
+def add_load_args(parser: argparse.ArgumentParser) -> None:
+    """The load's shape and the server's start-up limit, shared with profile_serve.py."""
+    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
+    parser.add_argument("--prompts-per-client", type=int, default=2)
+    parser.add_argument("--min-prompts", type=int, default=6, help="requests at least, per level")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--startup-timeout", type=float, default=600)
+
+
 def server_command(engine: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     common = ["--port", str(args.port), "--dtype", args.dtype, "--served-model-name", SERVED_NAME]
     if engine == "pagedllm":
@@ -139,14 +149,9 @@ def parse_args() -> argparse.Namespace:
                         default="bfloat16" if has_native_bf16() else "float32",
                         help="for both servers (default: bfloat16 only where the CPU has native bf16 matmuls, as in "
                              "compare.py)")
-    parser.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
-    parser.add_argument("--prompts-per-client", type=int, default=2)
-    parser.add_argument("--min-prompts", type=int, default=6, help="requests at least, per level")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_load_args(parser)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--log-dir", help="server logs (default: a new temporary directory)")
     parser.add_argument("--output-json")
     args = parser.parse_args()

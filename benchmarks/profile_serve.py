@@ -25,7 +25,7 @@ from pathlib import Path
 
 import psutil
 
-from compare_serve import SERVED_NAME, server_command, stop, wait_until_healthy
+from compare_serve import SERVED_NAME, add_load_args, server_command, stop, wait_until_healthy
 from step_timeline import summarize
 
 from pagedllm.benchmarks.serve import run_level, serve_prompts
@@ -55,13 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pagedllm-model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="bfloat16" if has_native_bf16() else "float32")
-    parser.add_argument("--concurrency", default="1,8,32")
-    parser.add_argument("--prompts-per-client", type=int, default=2)
-    parser.add_argument("--min-prompts", type=int, default=6)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+    add_load_args(parser)
     parser.add_argument("--port", type=int, default=8012)
-    parser.add_argument("--startup-timeout", type=float, default=600)
     parser.add_argument("--out-dir", default="/tmp/profile-serve")
     parser.add_argument("--no-py-spy", action="store_true")
     parser.add_argument("--py-spy-rate", type=int, default=50, help="samples per second")
