@@ -15,9 +15,9 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.gemm_layout import DenseWeight
+from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.layers.vocab_embedding import Q8_HEAD_MAX_ROWS, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.engine.arg_utils import set_quantization
 from pagedllm.layers.quantization.gguf import GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
@@ -33,7 +33,7 @@ from pagedllm.models.gguf_loader import (
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model, get_quant_config
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.cpu import KernelChoice, bf16_panels_apply
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, teacher_forced, write_tiny_gguf
 from tests.native_paths import native_or_fallback
@@ -212,6 +212,30 @@ def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
             assert torch.equal(embedding(ids), weight[ids])
     assert torch.allclose(torch.cat(logits, dim=-1)[:, :200], hidden @ weight.T, atol=1e-4)
 
+
+
+@pytest.mark.skipif(not bf16_panels_apply(), reason="no bf16 weight panels on this CPU")
+@pytest.mark.parametrize("tied", [True, False])
+def test_q8_lm_head_under_bf16_panels_reads_codes_for_a_few_rows_and_panels_for_more(tied):
+    """A bf16-panel model's Q8_0 LM head: up to Q8_HEAD_MAX_ROWS rows multiply by the codes (the dequantized weight
+    to float32 accuracy), more rows by the bf16 panels (bf16 rounding of weight and rows); lookups are unchanged,
+    and an untied head keeps no codes beside its panels."""
+    blocks = quantize(np.random.default_rng(5).standard_normal((300, 64), dtype=np.float32), GGMLQuantizationType.Q8_0)
+    codes, scales = (torch.from_numpy(part) for part in unpack_q8(blocks))
+    weight = torch.from_numpy(dequantize(blocks, GGMLQuantizationType.Q8_0))
+    config = GGUFInt4Config({"embedding.weight": GGMLQuantizationType.Q8_0}, [])
+    embedding = (VocabParallelEmbedding if tied else ParallelLMHead)(300, 64, quant_config=config, prefix="embedding")
+    embedding.qweight.weight_loader(embedding.qweight, codes)
+    embedding.scales.weight_loader(embedding.scales, scales)
+    embedding.prepare_projection(WeightLayout(bf16_panels=True))
+    assert tied == hasattr(embedding, "qweight")
+    few, many = torch.randn(Q8_HEAD_MAX_ROWS, 64), torch.randn(Q8_HEAD_MAX_ROWS + 1, 64)
+    assert torch.allclose(embedding.project(few), few @ weight.T, atol=1e-4)
+    rounded = many.bfloat16().float() @ weight.bfloat16().float().T
+    assert torch.allclose(embedding.project(many), rounded, atol=1e-3)
+    assert not torch.allclose(embedding.project(many), many @ weight.T, atol=1e-4)  # the panels' rounding shows
+    if tied:
+        assert torch.equal(embedding(torch.tensor([0, 299])), weight[[0, 299]])
 
 def test_q8_embedding_looks_up_rows_in_the_model_dtype():
     """float32 lookups may take the native gather; a bf16 model still gets bf16 rows."""

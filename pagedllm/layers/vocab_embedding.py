@@ -16,6 +16,11 @@ from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, We
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native import fused
 
+# Rows up to which a bf16-panel model's LM head multiplies by its Q8_0 codes instead of its bf16 panels: at a few
+# rows the LM head is bound by reading its weight (1.06 bytes a weight against 2), above it by arithmetic, where
+# vdpbf16ps beats the Q8 kernel's float32 FMAs.
+Q8_HEAD_MAX_ROWS = 6
+
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
@@ -42,6 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         else:
             self._add_param("weight", torch.empty(rows, embedding_dim, dtype=self.dtype))
         self._projection: DenseWeight | QuantizedWeight | None = None
+        self._few_rows_projection: QuantizedWeight | None = None  # see Q8_HEAD_MAX_ROWS
 
     def _add_param(self, name: str, data: torch.Tensor) -> None:
         param = nn.Parameter(data, requires_grad=False)
@@ -60,17 +66,23 @@ class VocabParallelEmbedding(nn.Module):
         """``hidden_states @ weight.T``: this shard's logits, as the LM head computes them."""
         if self._projection is None:
             return F.linear(hidden_states, self._rows())
+        if self._few_rows_projection is not None and hidden_states.shape[0] <= Q8_HEAD_MAX_ROWS:
+            return self._few_rows_projection.linear(hidden_states)
         return self._projection.linear(hidden_states)
 
     def prepare_projection(self, layout: WeightLayout | None = None) -> None:
         """Lay the LM head's weight out for its GEMM as ``layout`` says (layers/gemm_layout.py): Q8_0 panels for
-        Q8_0 rows, except under bf16 panels, where the LM head joins the other dense weights. An embedding tied to
-        the LM head keeps its rows for lookups, so where the layout differs it holds a second copy."""
-        bf16_panels = layout is not None and layout.bf16_panels
-        if self.q8 and not bf16_panels and native_applies("gemm_q8", self.dtype, self.qweight.device):
-            self._projection = QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)
+        Q8_0 rows; under bf16 panels the LM head joins the other dense weights, and Q8_0 rows keep their panels
+        too, for steps of up to Q8_HEAD_MAX_ROWS rows. An embedding tied to the LM head keeps its rows for lookups,
+        so where the layout differs it holds a second copy."""
+        q8_panels = self.q8 and native_applies("gemm_q8", self.dtype, self.qweight.device)
+        if q8_panels:
+            q8_projection = QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)
+        if q8_panels and not (layout is not None and layout.bf16_panels):
+            self._projection = q8_projection
         else:
             self._projection = DenseWeight(self._rows().data, large_batches=False, layout=layout)
+            self._few_rows_projection = q8_projection if q8_panels else None
 
     def _rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The rows ``ids`` (all rows if None) in the model's dtype."""
@@ -112,8 +124,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def prepare_projection(self, layout: WeightLayout | None = None) -> None:
         super().prepare_projection(layout)
-        # No lookups: one copy, in the GEMM's layout.
-        if isinstance(self._projection, QuantizedWeight):
+        # No lookups: only the GEMMs' layouts.
+        if isinstance(self._projection, QuantizedWeight) or self._few_rows_projection is not None:
             del self.qweight, self.scales
         elif not self.q8:
             self.weight.data = self._projection.panels if self._projection.data is None else self._projection.data
