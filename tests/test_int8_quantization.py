@@ -20,7 +20,7 @@ from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
-from tests.native_paths import native_or_fallback
+from tests.native_paths import LESSER_BUILDS, native_or_fallback
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -32,12 +32,19 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y if bias is None else y + bias
 
 
+def _body(body: str, kernel: str = "gemm_w8a8"):
+    """gemm_int8.c's AVX512-VNNI body ("native") or its AVX-VNNI one ("avx2": built without AVX-512), or a skip."""
+    built = getattr(native, kernel)(*([LESSER_BUILDS[body]] if body in LESSER_BUILDS else []))
+    if built is None:
+        pytest.skip(f"no {body} int8 kernel here (needs AVX512-VNNI, or AVX-VNNI for the avx2 body)")
+    return built
+
+
+@pytest.mark.parametrize("body", ["native", "avx2"])
 @pytest.mark.parametrize("rows, out_features, in_features", [
-    (1, 64, 64), (3, 40, 60), (5, 17, 7), (17, 1536, 576), (130, 576, 1536), (0, 16, 16)])
-def test_native_kernel_is_the_quantized_product(rows, out_features, in_features):
-    kernel = native.gemm_w8a8()
-    if kernel is None:
-        pytest.skip("no AVX512-VNNI int8 kernel here")
+    (1, 64, 64), (3, 40, 60), (5, 17, 7), (17, 1536, 576), (130, 576, 1536), (0, 16, 16), (4, 48, 70)])
+def test_native_kernel_is_the_quantized_product(body, rows, out_features, in_features):
+    kernel = _body(body)
     gen = torch.Generator().manual_seed(rows + out_features)
     weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
@@ -52,7 +59,7 @@ def test_native_kernel_is_the_quantized_product(rows, out_features, in_features)
         assert 0 < relative < 0.03  # quantized: close to the float product, not equal to it
 
 
-@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("path", ["native", "avx2", "torch"])
 def test_layer_paths_agree(path):
     """A W8A8 linear layer on either path (chosen when its weight is packed, after loading) gives the quantized
     product; torch's path multiplies the same codes with torch._int_mm."""
@@ -66,7 +73,7 @@ def test_layer_paths_agree(path):
         layer.quant_method.process_weights_after_loading(layer)
         x = torch.randn(2, 7, 96, generator=gen)
         y = layer(x)
-    assert layer.weight.dtype == (torch.uint8 if path == "native" else torch.int8)
+    assert layer.weight.dtype == (torch.int8 if path == "torch" else torch.uint8)
     assert y.shape == (2, 7, 48)
     torch.testing.assert_close(y.reshape(14, 48), _reference(x.reshape(14, 96), weight, bias), rtol=1e-5, atol=1e-4)
 
@@ -175,12 +182,26 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
         EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()
 
 
-def test_gated_panels_fuse_the_activation():
+def test_the_two_bodies_agree_to_the_bit():
+    """The AVX-VNNI body computes what the AVX512-VNNI one does, bit for bit (codes, int32 sums, epilogue order)."""
+    wide, narrow = _body("native"), _body("avx2")
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen)
+    panels = pack_w8a8_panels(*quantize_symmetric(weight))
+    x = torch.randn(37, 300, generator=gen) * torch.logspace(-3, 3, 300)  # rows with wide ranges
+    assert torch.equal(wide(x, panels, bias, 200), narrow(x, panels, bias, 200))
+    gated = pack_w8a8_panels(*quantize_symmetric(weight[:192]))
+    assert torch.equal(_body("native", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96),
+                       _body("avx2", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96))
+
+
+@pytest.mark.parametrize("body", ["native", "avx2"])
+def test_gated_panels_fuse_the_activation(body, monkeypatch):
     """A gated MLP's gate_up layer laid out for fused_silu: silu_and_mul is silu(gate) * up of the quantized
     product in one kernel, and the layer's whole output (asked for when the activation cannot be fused) is still
     [gate | up]."""
-    if native.gemm_w8a8_silu_mul() is None:
-        pytest.skip("no AVX512-VNNI int8 kernel here")
+    for kernel in ("gemm_w8a8", "gemm_w8a8_silu_mul"):
+        monkeypatch.setattr(native, kernel, lambda built=_body(body, kernel): built)
     layer = MergedColumnParallelLinear(96, [64, 64], bias=False, quant_config=Int8Config(), gated_silu=True)
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(128, 96, generator=gen)

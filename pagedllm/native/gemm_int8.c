@@ -1,6 +1,6 @@
 /* W8A8 GEMM: y[M, N] = x[M, K] @ W^T (+ bias) with W int8 per output channel and x quantized per row (token) to int8
- * as it comes in, products summed in int32 by AVX512-VNNI (vpdpbusd: 64 u8 x s8 products into 16 int32 lanes per
- * instruction, twice the multiply rate of bf16 pairs), the scales applied once per output in the epilogue.
+ * as it comes in, products summed in int32 by VNNI's vpdpbusd (on AVX-512: 64 u8 x s8 products into 16 int32 lanes
+ * per instruction, twice the multiply rate of bf16 pairs), the scales applied once per output in the epilogue.
  *
  * Quantization, symmetric: a row's scale is sx = max|x| / 127 and its codes rint(x * (127 / max|x|)) in [-127, 127]
  * (a row of zeros: scale 0, codes 0); a column's codes and scale sw come packed (layers/quantization/int8.py). vpdpbusd
@@ -11,6 +11,10 @@
  * Panels: ceil(N / 16) of them, each ceil(K / 4) groups of 16 columns x 4 consecutive k (64 int8: one vector, column
  * c's four in bytes 4c..4c+3), then the 16 columns' sw (float32) and 128 * sum w (int32); K's and N's padding is zero
  * weights. The row codes are padded with zero codes to whole groups of 4.
+ *
+ * Two bodies: AVX512-VNNI (a tile of 4 rows x 4 panels, one vector a panel) and, for CPUs with AVX-VNNI but no
+ * AVX-512 (Alder Lake and later), the same on 256-bit vectors (2 rows x 2 panels, two vectors a panel); the results
+ * are the same to the bit.
  *
  * gemm_w8a8_silu_mul_f32 is the gated MLP's gate_up projection with its activation fused in: its panels alternate
  * gate and up 16 columns at a time (gate columns 16q.., then up columns 16q..), N = 2 * d with d a multiple of 16, no
@@ -24,14 +28,14 @@
 
 #include "simd.h"
 
+#define NR 16 /* columns per panel */
+
+static inline int64_t panel_bytes(int K4) { return (int64_t)K4 * 64 + 2 * NR * 4; }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
-enum { NR = 16, MR = 4, NP = 4 }; /* columns per panel; a tile is MR rows x NP panels (16 accumulators) */
-
-int gemm_int8_available(void) { return 1; }
-
-static inline int64_t panel_bytes(int K4) { return (int64_t)K4 * 64 + 2 * NR * 4; }
+enum { MR = 4, NP = 4 }; /* a tile is MR rows x NP panels (16 accumulators) */
 
 /* Row m's codes (+128, K4 * 4 bytes) into q and its scale into sx[m]. */
 static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx) {
@@ -103,6 +107,111 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
         }
     }
 }
+
+#define GEMM_INT8_BODY
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
+/* The same panels and arithmetic with AVX-VNNI (vpdpbusd on 256-bit vectors: Alder Lake and later, Zen 5 without
+ * AVX-512): a group of 4 k for 16 columns is two vectors (columns 0-7, 8-15); a tile is MR rows x NP panels, 8
+ * accumulators, within AVX2's 16 registers. */
+#include <immintrin.h>
+
+enum { MR = 2, NP = 2 };
+
+/* 8 lanes of x * inv rounded (rint) and clamped to [-127, 127], plus 128. */
+static inline __m256i codes8(__m256 x, __m256 inv) {
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+    return _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(c, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127)),
+                            _mm256_set1_epi32(128));
+}
+
+/* Row m's codes (+128, K4 * 4 bytes) into q and its scale into sx[m]. */
+static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 vmax = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask));
+    float lanes[8], amax = 0.0f;
+    _mm256_storeu_ps(lanes, vmax);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    for (; k < K; k++) amax = fabsf(row[k]) > amax ? fabsf(row[k]) : amax;
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *sx = amax / 127.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    /* 32 codes a pass: two packs interleave the four vectors by 128-bit lane, the permute puts them in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (k = 0; k + 32 <= K; k += 32) {
+        const __m256i c0 = codes8(_mm256_loadu_ps(row + k), vinv), c1 = codes8(_mm256_loadu_ps(row + k + 8), vinv);
+        const __m256i c2 = codes8(_mm256_loadu_ps(row + k + 16), vinv);
+        const __m256i c3 = codes8(_mm256_loadu_ps(row + k + 24), vinv);
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
+        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    for (; k < K4 * 4; k++) { /* the rest, and zero codes for the padding to whole groups */
+        const float c = k < K ? rintf(row[k] * inv) : 0.0f;
+        q[k] = (uint8_t)((c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c)) + 128.0f);
+    }
+}
+
+/* rows (<= MR) x np (<= NP) panels from panel p0, as the AVX-512 body's tile. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t ldq, const float *sx,
+                                                       const uint8_t *packed, int K4, int p0, const float *bias,
+                                                       float *y, int64_t ldy, int N, const int rows, const int np,
+                                                       const int gated) {
+    const int64_t pb = panel_bytes(K4);
+    __m256i acc[MR][NP][2];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < np; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_si256();
+    const uint8_t *panel0 = packed + (int64_t)p0 * pb;
+    for (int k4 = 0; k4 < K4; k4++) {
+        __m256i w[NP][2];
+        for (int j = 0; j < np; j++)
+            for (int h = 0; h < 2; h++)
+                w[j][h] = _mm256_loadu_si256((const __m256i *)(panel0 + j * pb + (int64_t)k4 * 64 + 32 * h));
+        for (int r = 0; r < rows; r++) {
+            int32_t four;
+            memcpy(&four, q + r * ldq + (int64_t)k4 * 4, sizeof four);
+            const __m256i xb = _mm256_set1_epi32(four);
+            for (int j = 0; j < np; j++)
+                for (int h = 0; h < 2; h++) acc[r][j][h] = _mm256_dpbusd_avx_epi32(acc[r][j][h], xb, w[j][h]);
+        }
+    }
+    float gate[MR][NR];
+    for (int j = 0; j < np; j++) {
+        const uint8_t *tail = panel0 + j * pb + (int64_t)K4 * 64;
+        const int col = (p0 + j) * NR, cols = N - col < NR ? N - col : NR;
+        __m256 b[2];
+        for (int h = 0; h < 2; h++) { /* the bias of the columns that exist (lanes past them: 0) */
+            const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i exist = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * h), lanes);
+            b[h] = bias ? _mm256_maskload_ps(bias + col + 8 * h, exist) : _mm256_setzero_ps();
+        }
+        for (int r = 0; r < rows; r++) {
+            float out[NR];
+            for (int h = 0; h < 2; h++) { /* the AVX-512 body's arithmetic, in its order */
+                const __m256 sw = _mm256_loadu_ps((const float *)tail + 8 * h);
+                const __m256i comp = _mm256_loadu_si256((const __m256i *)(tail + NR * 4 + 32 * h));
+                const __m256 sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][j][h], comp));
+                _mm256_storeu_ps(out + 8 * h,
+                                 _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(sums, _mm256_set1_ps(sx[r])), sw), b[h]));
+            }
+            if (!gated) {
+                memcpy(y + r * ldy + col, out, (size_t)cols * sizeof(float));
+            } else if (j % 2 == 0) { /* a gate panel: kept until its up panel comes */
+                memcpy(gate[r], out, sizeof out);
+            } else {
+                float *o = y + r * ldy + (p0 + j - 1) / 2 * NR;
+#pragma omp simd
+                for (int i = 0; i < NR; i++) o[i] = silu_mul(gate[r][i], out[i]);
+            }
+        }
+    }
+}
+
+#define GEMM_INT8_BODY
+#endif
+
+#if defined(GEMM_INT8_BODY)
+int gemm_int8_available(void) { return 1; }
 
 static inline __attribute__((always_inline)) int gemm_w8a8(const float *x, int64_t ldx, const uint8_t *packed,
                                                            const float *bias, float *y, int64_t ldy, int M, int N,
