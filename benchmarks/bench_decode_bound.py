@@ -22,15 +22,13 @@ import argparse
 import os
 import time
 
-os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"  # the model must live in this process to be counted
+import torch
 
-import torch  # noqa: E402
-
-from pagedllm import LLM  # noqa: E402
-from pagedllm.benchmarks.offline import bench_workload  # noqa: E402
-from pagedllm.benchmarks.workloads import shared_workloads  # noqa: E402
-from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight  # noqa: E402
-from pagedllm.platforms.cpu import cpu_flags, has_native_bf16  # noqa: E402
+from pagedllm import LLM
+from pagedllm.benchmarks.offline import bench_workload
+from pagedllm.benchmarks.workloads import shared_workloads
+from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight
+from pagedllm.platforms.cpu import cpu_flags, has_native_bf16
 
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
 
@@ -78,6 +76,7 @@ def main() -> None:
     print("CPU flags: " + " ".join(f if f in flags else f"no-{f}" for f in SHOWN_FLAGS)
           + f"; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}")
     bandwidth = read_bandwidth(args.bandwidth_gib, args.bandwidth_repeats)
+    os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"  # the model must live in this process to be counted
     llm = LLM(dtype=args.dtype, quantization=args.quantization, max_model_len=2048)
     model = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
     weight_bytes, layouts = weight_bytes_per_token(model)

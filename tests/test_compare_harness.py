@@ -1,4 +1,5 @@
-"""benchmarks/compare_report.py: medians pool every round, and a ratio > 1 always means pagedllm did better."""
+"""The benchmark harnesses' own logic: compare_report.py's medians pool every round and a ratio > 1 always means
+pagedllm did better; bench_decode_bound.py counts the bytes a decode step reads."""
 import sys
 from pathlib import Path
 
@@ -47,3 +48,29 @@ def test_every_workload_has_figures_and_the_grounded_ones_are_the_engines_own_pr
     assert workloads["W4-8"]["num_requests"] == 8 and workloads["W4"]["max_tokens"] == 8  # smoke: short outputs
     text = load_tokenizer("smollm2-135m-instruct").decode(workloads["W4-8"]["prompts"][3])
     assert grounded_prompt(3).splitlines()[0] in text
+
+
+def test_decode_bound_counts_each_weight_layout_once():
+    """bench_decode_bound's bytes a decode token reads: every linear layer's layout (held by its quant method) and
+    the LM head's, a storage two layouts share counted once."""
+    import torch
+    from bench_decode_bound import weight_bytes_per_token
+
+    from pagedllm.layers.linear import ReplicatedLinear
+    from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+
+    model = torch.nn.Module()
+    model.proj = ReplicatedLinear(64, 32, bias=False, params_dtype=torch.float32)
+    model.proj.weight_loader(model.proj.weight, torch.randn(32, 64))
+    model.proj.quant_method.process_weights_after_loading(model.proj)
+    model.embed = VocabParallelEmbedding(100, 64, params_dtype=torch.float32)
+    model.embed.weight_loader(model.embed.weight, torch.randn(100, 64))
+    model.embed.prepare_projection()
+    stored = [layout.panels if layout.panels is not None else layout.data
+              for layout in (model.proj.quant_method.dense, model.embed._projection)]
+    assert stored[0].shape[-1] * stored[0].shape[-2] >= 32 * 64  # the kernel's layout, padding and all
+    expected = sum(t.numel() * t.element_size() for t in stored)
+    assert weight_bytes_per_token(model) == (expected, 2)
+    model.head = VocabParallelEmbedding(100, 64, params_dtype=torch.float32)
+    model.head._projection = model.embed._projection  # a second layout over the same storage: its bytes once
+    assert weight_bytes_per_token(model) == (expected, 3)
