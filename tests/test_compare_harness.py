@@ -52,7 +52,9 @@ def test_every_workload_has_figures_and_the_grounded_ones_are_the_engines_own_pr
 
 def test_decode_bound_counts_each_weight_layout_once():
     """bench_decode_bound's bytes a decode token reads: every linear layer's layout (held by its quant method) and
-    the LM head's, a storage two layouts share counted once."""
+    the LM head's, a storage two layouts share counted once; a layer on a torch fallback path is refused, not
+    counted as nothing."""
+    import pytest
     import torch
     from bench_decode_bound import weight_bytes_per_token
 
@@ -62,6 +64,8 @@ def test_decode_bound_counts_each_weight_layout_once():
     model = torch.nn.Module()
     model.proj = ReplicatedLinear(64, 32, bias=False, params_dtype=torch.float32)
     model.proj.weight_loader(model.proj.weight, torch.randn(32, 64))
+    with pytest.raises(SystemExit, match="proj runs on a torch fallback path"):
+        weight_bytes_per_token(model)  # its weight not laid out yet: what a fallback path keeps
     model.proj.quant_method.process_weights_after_loading(model.proj)
     model.embed = VocabParallelEmbedding(100, 64, params_dtype=torch.float32)
     model.embed.weight_loader(model.embed.weight, torch.randn(100, 64))
@@ -74,3 +78,33 @@ def test_decode_bound_counts_each_weight_layout_once():
     model.head = VocabParallelEmbedding(100, 64, params_dtype=torch.float32)
     model.head._projection = model.embed._projection  # a second layout over the same storage: its bytes once
     assert weight_bytes_per_token(model) == (expected, 3)
+
+
+def test_decode_bound_counts_the_lm_heads_few_rows_layout():
+    """A Q8_0 LM head under bf16 panels multiplies one row by its Q8_0 panels: those are its bytes, not the bf16
+    panels it keeps for larger steps."""
+    import numpy as np
+    import pytest
+    import torch
+    from bench_decode_bound import weight_bytes_per_token
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from pagedllm.layers.gemm_layout import WeightLayout
+    from pagedllm.layers.quantization.gguf import GGUFInt4Config
+    from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+    from pagedllm.models.gguf_loader import unpack_q8
+    from pagedllm.platforms.cpu import bf16_panels_apply
+
+    if not bf16_panels_apply():
+        pytest.skip("no bf16 weight panels on this CPU")
+    blocks = quantize(np.random.default_rng(0).standard_normal((300, 64), dtype=np.float32),
+                      GGMLQuantizationType.Q8_0)
+    config = GGUFInt4Config({"embedding.weight": GGMLQuantizationType.Q8_0}, [])
+    model = torch.nn.Module()
+    model.embed = VocabParallelEmbedding(300, 64, quant_config=config, prefix="embedding")
+    for param, part in zip((model.embed.qweight, model.embed.scales), unpack_q8(blocks)):
+        param.weight_loader(param, torch.from_numpy(part))
+    model.embed.prepare_projection(WeightLayout(bf16_panels=True))
+    q8_panels = model.embed._few_rows_projection.panels
+    assert weight_bytes_per_token(model) == (q8_panels.numel() * q8_panels.element_size(), 1)

@@ -213,7 +213,6 @@ def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
     assert torch.allclose(torch.cat(logits, dim=-1)[:, :200], hidden @ weight.T, atol=1e-4)
 
 
-
 @pytest.mark.skipif(not bf16_panels_apply(), reason="no bf16 weight panels on this CPU")
 @pytest.mark.parametrize("tied", [True, False])
 def test_q8_lm_head_under_bf16_panels_reads_codes_for_a_few_rows_and_panels_for_more(tied):
@@ -236,6 +235,7 @@ def test_q8_lm_head_under_bf16_panels_reads_codes_for_a_few_rows_and_panels_for_
     assert not torch.allclose(embedding.project(many), many @ weight.T, atol=1e-4)  # the panels' rounding shows
     if tied:
         assert torch.equal(embedding(torch.tensor([0, 299])), weight[[0, 299]])
+
 
 def test_q8_embedding_looks_up_rows_in_the_model_dtype():
     """float32 lookups may take the native gather; a bf16 model still gets bf16 rows."""

@@ -17,7 +17,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod, pack_w8a8_panels, quantize_symmetric
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.cpu import KernelChoice, cpu_flags
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
 from tests.native_paths import LESSER_BUILDS, native_or_fallback
@@ -182,6 +182,7 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
         EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()
 
 
+@pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the native build is the AVX-VNNI body here too")
 def test_the_two_bodies_agree_to_the_bit():
     """The AVX-VNNI body computes what the AVX512-VNNI one does, bit for bit (codes, int32 sums, epilogue order)."""
     wide, narrow = _body("native"), _body("avx2")

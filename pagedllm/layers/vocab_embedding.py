@@ -16,9 +16,11 @@ from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, We
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native import fused
 
-# Rows up to which a bf16-panel model's LM head multiplies by its Q8_0 codes instead of its bf16 panels: at a few
-# rows the LM head is bound by reading its weight (1.06 bytes a weight against 2), above it by arithmetic, where
-# vdpbf16ps beats the Q8 kernel's float32 FMAs.
+# Rows up to which a bf16-panel model's LM head multiplies by its Q8_0 codes instead of its bf16 panels: gemm.c's
+# register tile (its MR). Up to that many rows the Q8 kernel dequantizes as it reads, so the LM head costs the
+# reading of its weight (1.06 bytes a weight against the panels' 2); beyond, it first dequantizes whole panels into
+# scratch and the bf16 panels win. The head's precision so depends on the step's rows: float32 rows times the exact
+# codes up to this many, bf16-rounded rows and weights above (as every other GEMM of a bf16-panel model).
 Q8_HEAD_MAX_ROWS = 6
 
 
@@ -74,7 +76,7 @@ class VocabParallelEmbedding(nn.Module):
         """Lay the LM head's weight out for its GEMM as ``layout`` says (layers/gemm_layout.py): Q8_0 panels for
         Q8_0 rows; under bf16 panels the LM head joins the other dense weights, and Q8_0 rows keep their panels
         too, for steps of up to Q8_HEAD_MAX_ROWS rows. An embedding tied to the LM head keeps its rows for lookups,
-        so where the layout differs it holds a second copy."""
+        so where the layout differs it holds a copy in each layout besides (Q8_0 under bf16 panels: three)."""
         q8_panels = self.q8 and native_applies("gemm_q8", self.dtype, self.qweight.device)
         if q8_panels:
             q8_projection = QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)

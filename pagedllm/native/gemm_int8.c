@@ -36,6 +36,7 @@ static inline int64_t panel_bytes(int K4) { return (int64_t)K4 * 64 + 2 * NR * 4
 #include <immintrin.h>
 
 enum { MR = 4, NP = 4 }; /* a tile is MR rows x NP panels (16 accumulators) */
+_Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
 
 /* Row m's codes (+128, K4 * 4 bytes) into q and its scale into sx[m]. */
 static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx) {
@@ -110,12 +111,13 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
 
 #define GEMM_INT8_BODY
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
-/* The same panels and arithmetic with AVX-VNNI (vpdpbusd on 256-bit vectors: Alder Lake and later, Zen 5 without
- * AVX-512): a group of 4 k for 16 columns is two vectors (columns 0-7, 8-15); a tile is MR rows x NP panels, 8
- * accumulators, within AVX2's 16 registers. */
+/* The same panels and arithmetic with AVX-VNNI (vpdpbusd on 256-bit vectors: Intel's client cores from Alder Lake
+ * on, Sierra Forest): a group of 4 k for 16 columns is two vectors (columns 0-7, 8-15); a tile is MR rows x NP
+ * panels, 8 accumulators, within AVX2's 16 registers. */
 #include <immintrin.h>
 
 enum { MR = 2, NP = 2 };
+_Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
 
 /* 8 lanes of x * inv rounded (rint) and clamped to [-127, 127], plus 128. */
 static inline __m256i codes8(__m256 x, __m256 inv) {
@@ -130,25 +132,32 @@ static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx)
     __m256 vmax = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask));
+    if (k < K) {
+        const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(K - k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_maskload_ps(row + k, tail), abs_mask));
+    }
     float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, vmax);
     for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
-    for (; k < K; k++) amax = fabsf(row[k]) > amax ? fabsf(row[k]) : amax;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     *sx = amax / 127.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
     /* 32 codes a pass: two packs interleave the four vectors by 128-bit lane, the permute puts them in order */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (k = 0; k + 32 <= K; k += 32) {
-        const __m256i c0 = codes8(_mm256_loadu_ps(row + k), vinv), c1 = codes8(_mm256_loadu_ps(row + k + 8), vinv);
-        const __m256i c2 = codes8(_mm256_loadu_ps(row + k + 16), vinv);
-        const __m256i c3 = codes8(_mm256_loadu_ps(row + k + 24), vinv);
-        const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3));
-        _mm256_storeu_si256((__m256i *)(q + k), _mm256_permutevar8x32_epi32(bytes, order));
-    }
-    for (; k < K4 * 4; k++) { /* the rest, and zero codes for the padding to whole groups */
-        const float c = k < K ? rintf(row[k] * inv) : 0.0f;
-        q[k] = (uint8_t)((c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c)) + 128.0f);
+    for (k = 0; k < K4 * 4; k += 32) { /* the last pass from a copy zero-padded to 32: zero codes past K */
+        float padded[32];
+        const float *src = row + k;
+        if (K - k < 32) {
+            memset(padded, 0, sizeof padded);
+            if (K > k) memcpy(padded, row + k, (size_t)(K - k) * sizeof(float));
+            src = padded;
+        }
+        const __m256i c0 = codes8(_mm256_loadu_ps(src), vinv), c1 = codes8(_mm256_loadu_ps(src + 8), vinv);
+        const __m256i c2 = codes8(_mm256_loadu_ps(src + 16), vinv), c3 = codes8(_mm256_loadu_ps(src + 24), vinv);
+        uint8_t bytes[32];
+        _mm256_storeu_si256((__m256i *)bytes, _mm256_permutevar8x32_epi32(
+            _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3)), order));
+        memcpy(q + k, bytes, (size_t)(K4 * 4 - k < 32 ? K4 * 4 - k : 32));
     }
 }
 
