@@ -23,6 +23,25 @@ KV_CACHE_POPULATE = ("background", "startup")
 SERVE_MAX_PREFILL_TOKENS_WITH_DECODES = 192
 
 
+# vLLM's --device: where the engine runs. auto: the CPU, the only platform pagedllm has so far.
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(device: str) -> str:
+    """The device the engine runs on, or a ValueError naming what is wrong, before anything loads or starts."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    if device == "cuda":
+        import torch  # only here: this module stays importable without it
+        if not torch.cuda.is_available():
+            build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(f"device='cuda', but torch sees no CUDA GPU (torch {torch.__version__}, {build}); use "
+                             "device='cpu' or 'auto'")
+        raise ValueError("device='cuda': pagedllm runs on the CPU only so far (its CUDA platform is not built yet); "
+                         "use device='cpu' or 'auto'")
+    return "cpu"
+
+
 def check_kv_cache_dtype(cache_dtype: str) -> None:
     if cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {cache_dtype!r}")

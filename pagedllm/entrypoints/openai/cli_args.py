@@ -6,7 +6,7 @@ import dataclasses
 import json
 import ssl
 
-from pagedllm.config import (DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
+from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
                              SERVE_MAX_PREFILL_TOKENS_WITH_DECODES)
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
@@ -113,6 +113,9 @@ def add_serving_args(group) -> None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The EngineArgs flags, shared by `serve`, `run-batch` and `bench`."""
     engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", choices=DEVICES, default=EngineArgs.device,
+                        help="where the engine runs: auto (the CPU so far), cpu, cuda (not built yet: an error "
+                             "before the model loads) (default: %(default)s)")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     engine.add_argument("--max-model-len", type=int, default=EngineArgs.max_model_len,
