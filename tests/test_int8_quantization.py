@@ -20,7 +20,7 @@ from pagedllm.models.loader import get_model
 from pagedllm.platforms.cpu import KernelChoice, cpu_flags
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
-from tests.native_paths import LESSER_BUILDS, native_or_fallback
+from tests.native_paths import native_build, native_or_fallback
 
 
 def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -32,19 +32,11 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y if bias is None else y + bias
 
 
-def _body(body: str, kernel: str = "gemm_w8a8"):
-    """gemm_int8.c's AVX512-VNNI body ("native") or its AVX-VNNI one ("avx2": built without AVX-512), or a skip."""
-    built = getattr(native, kernel)(*([LESSER_BUILDS[body]] if body in LESSER_BUILDS else []))
-    if built is None:
-        pytest.skip(f"no {body} int8 kernel here (needs AVX512-VNNI, or AVX-VNNI for the avx2 body)")
-    return built
-
-
 @pytest.mark.parametrize("body", ["native", "avx2"])
 @pytest.mark.parametrize("rows, out_features, in_features", [
     (1, 64, 64), (3, 40, 60), (5, 17, 7), (17, 1536, 576), (130, 576, 1536), (0, 16, 16), (4, 48, 70)])
 def test_native_kernel_is_the_quantized_product(body, rows, out_features, in_features):
-    kernel = _body(body)
+    kernel = native_build(body, "gemm_w8a8")
     gen = torch.Generator().manual_seed(rows + out_features)
     weight, bias = torch.randn(out_features, in_features, generator=gen), torch.randn(out_features, generator=gen)
     x = torch.randn(rows, in_features, generator=gen)
@@ -185,15 +177,15 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
 @pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the native build is the AVX-VNNI body here too")
 def test_the_two_bodies_agree_to_the_bit():
     """The AVX-VNNI body computes what the AVX512-VNNI one does, bit for bit (codes, int32 sums, epilogue order)."""
-    wide, narrow = _body("native"), _body("avx2")
+    wide, narrow = native_build("native", "gemm_w8a8"), native_build("avx2", "gemm_w8a8")
     gen = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen)
     panels = pack_w8a8_panels(*quantize_symmetric(weight))
     x = torch.randn(37, 300, generator=gen) * torch.logspace(-3, 3, 300)  # rows with wide ranges
     assert torch.equal(wide(x, panels, bias, 200), narrow(x, panels, bias, 200))
     gated = pack_w8a8_panels(*quantize_symmetric(weight[:192]))
-    assert torch.equal(_body("native", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96),
-                       _body("avx2", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96))
+    assert torch.equal(native_build("native", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96),
+                       native_build("avx2", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96))
 
 
 @pytest.mark.parametrize("body", ["native", "avx2"])
@@ -202,7 +194,7 @@ def test_gated_panels_fuse_the_activation(body, monkeypatch):
     product in one kernel, and the layer's whole output (asked for when the activation cannot be fused) is still
     [gate | up]."""
     for kernel in ("gemm_w8a8", "gemm_w8a8_silu_mul"):
-        monkeypatch.setattr(native, kernel, lambda built=_body(body, kernel): built)
+        native_or_fallback(body, monkeypatch, kernel)
     layer = MergedColumnParallelLinear(96, [64, 64], bias=False, quant_config=Int8Config(), gated_silu=True)
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(128, 96, generator=gen)
