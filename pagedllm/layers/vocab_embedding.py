@@ -77,14 +77,13 @@ class VocabParallelEmbedding(nn.Module):
         Q8_0 rows; under bf16 panels the LM head joins the other dense weights, and Q8_0 rows keep their panels
         too, for steps of up to Q8_HEAD_MAX_ROWS rows. An embedding tied to the LM head keeps its rows for lookups,
         so where the layout differs it holds a copy in each layout besides (Q8_0 under bf16 panels: three)."""
-        q8_panels = self.q8 and native_applies("gemm_q8", self.dtype, self.qweight.device)
-        if q8_panels:
-            q8_projection = QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)
-        if q8_panels and not (layout is not None and layout.bf16_panels):
-            self._projection = q8_projection
+        q8 = (QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)
+              if self.q8 and native_applies("gemm_q8", self.dtype, self.qweight.device) else None)
+        if q8 is not None and not (layout is not None and layout.bf16_panels):
+            self._projection = q8
         else:
             self._projection = DenseWeight(self._rows().data, large_batches=False, layout=layout)
-            self._few_rows_projection = q8_projection if q8_panels else None
+            self._few_rows_projection = q8
 
     def _rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The rows ``ids`` (all rows if None) in the model's dtype."""
