@@ -27,8 +27,9 @@ SERVE_MAX_PREFILL_TOKENS_WITH_DECODES = 192
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(device: str) -> str:
-    """The device the engine runs on, or a ValueError naming what is wrong, before anything loads or starts."""
+def check_device(device: str) -> None:
+    """A ValueError naming what is wrong where ``device`` is not one the engine runs on (the CPU, so far), before
+    anything loads or starts."""
     if device not in DEVICES:
         raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
     if device == "cuda":
@@ -39,7 +40,6 @@ def resolve_device(device: str) -> str:
                              "device='cpu' or 'auto'")
         raise ValueError("device='cuda': pagedllm runs on the CPU only so far (its CUDA platform is not built yet); "
                          "use device='cpu' or 'auto'")
-    return "cpu"
 
 
 def check_kv_cache_dtype(cache_dtype: str) -> None:

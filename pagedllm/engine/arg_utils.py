@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_kv_cache_dtype, common_window, resolve_device)
+                             SpeculativeConfig, check_kv_cache_dtype, common_window, check_device)
 from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
@@ -40,7 +40,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
-    device: str = "auto"  # vLLM's: auto | cpu | cuda (config.resolve_device)
+    device: str = "auto"  # vLLM's: auto | cpu | cuda (config.check_device)
     # A tokenizer directory (or alias) other than the model's; None: the model's own.
     tokenizer: Optional[str] = None
     dtype: Union[str, torch.dtype] = "auto"
@@ -82,7 +82,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
-        resolve_device(self.device)
+        check_device(self.device)
         check_kv_cache_dtype(self.kv_cache_dtype)
         speculative_config = self.speculative_config
         if isinstance(speculative_config, dict):
