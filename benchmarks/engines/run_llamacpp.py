@@ -3,11 +3,12 @@
 
 ``--model`` is a GGUF file (compare.py passes the one pagedllm loads), run as it is: its own quantized weights and
 llama.cpp's own kernels, all CPUs for prompt and decode, flash attention on (llama.cpp's own default, "auto", turns
-it on for a CPU; the wrapper's default turns it off). ``--dtype`` does not apply. Tokens come from ``Llama.generate`` (greedy: temp 0, top_k 1, no penalties), which never stops at EOS by
-itself; each request stops after exactly ``max_tokens`` tokens, the last one timed as it is yielded.
+it on for a CPU; the wrapper's default turns it off). ``--dtype`` does not apply. Tokens come from
+``Llama.generate`` (greedy: temp 0, top_k 1, no penalties), which never stops at EOS by itself; each request stops
+after exactly ``max_tokens`` tokens, the last one timed as it is yielded.
 
-``Llama`` serves one sequence at a time, so a workload of several requests (W1, W3, W4-8) runs them one after another:
-its figures are llama-cpp-python's sequential throughput, not a batched engine's. Its only prefix cache is the
+``Llama`` serves one sequence at a time, so a workload of several requests (W1, W3, W4-8) runs them one after
+another: its figures are llama-cpp-python's sequential throughput, not a batched engine's. Its only prefix cache is the
 previous request's tokens, whose common prefix with the next request ``generate`` keeps (one slot): every run
 starts from an empty cache (``reset``), and with --no-prefix-caching every request does.
 """
