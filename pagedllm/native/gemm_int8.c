@@ -119,6 +119,11 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
 enum { MR = 2, NP = 2 };
 _Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
 
+/* A mask of the first n of 8 lanes (all of them for n >= 8, none for n <= 0), for maskload. */
+static inline __m256i first_lanes(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* 8 lanes of x * inv rounded (rint) and clamped to [-127, 127], plus 128. */
 static inline __m256i codes8(__m256 x, __m256 inv) {
     const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
@@ -132,10 +137,7 @@ static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx)
     __m256 vmax = _mm256_setzero_ps();
     int k = 0;
     for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask));
-    if (k < K) {
-        const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(K - k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_maskload_ps(row + k, tail), abs_mask));
-    }
+    if (k < K) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_maskload_ps(row + k, first_lanes(K - k)), abs_mask));
     float lanes[8], amax = 0.0f;
     _mm256_storeu_ps(lanes, vmax);
     for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
@@ -189,11 +191,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
         const uint8_t *tail = panel0 + j * pb + (int64_t)K4 * 64;
         const int col = (p0 + j) * NR, cols = N - col < NR ? N - col : NR;
         __m256 b[2];
-        for (int h = 0; h < 2; h++) { /* the bias of the columns that exist (lanes past them: 0) */
-            const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            const __m256i exist = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * h), lanes);
-            b[h] = bias ? _mm256_maskload_ps(bias + col + 8 * h, exist) : _mm256_setzero_ps();
-        }
+        for (int h = 0; h < 2; h++) /* the bias of the columns that exist (lanes past them: 0) */
+            b[h] = bias ? _mm256_maskload_ps(bias + col + 8 * h, first_lanes(cols - 8 * h)) : _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
             float out[NR];
             for (int h = 0; h < 2; h++) { /* the AVX-512 body's arithmetic, in its order */
