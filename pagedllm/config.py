@@ -23,23 +23,9 @@ KV_CACHE_POPULATE = ("background", "startup")
 SERVE_MAX_PREFILL_TOKENS_WITH_DECODES = 192
 
 
-# vLLM's --device: where the engine runs. auto: the CPU, the only platform pagedllm has so far.
+# vLLM's --device: where the engine runs (platforms.resolve_platform): auto is CUDA where torch sees a GPU, else the
+# CPU.
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def check_device(device: str) -> None:
-    """A ValueError naming what is wrong where ``device`` is not one the engine runs on (the CPU, so far), before
-    anything loads or starts."""
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
-    if device == "cuda":
-        import torch  # only here: this module stays importable without it
-        if not torch.cuda.is_available():
-            build = "a CPU build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-            raise ValueError(f"device='cuda', but torch sees no CUDA GPU (torch {torch.__version__}, {build}); use "
-                             "device='cpu' or 'auto'")
-        raise ValueError("device='cuda': pagedllm runs on the CPU only so far (its CUDA platform is not built yet); "
-                         "use device='cpu' or 'auto'")
 
 
 def check_kv_cache_dtype(cache_dtype: str) -> None:
@@ -114,10 +100,15 @@ class CacheConfig:
     # The cache's element type (vLLM's kv_cache_dtype; kv_cache_dtype.py): "auto" is the model's.
     cache_dtype: str = "auto"
     kv_cache_populate: str = "background"  # one of KV_CACHE_POPULATE
+    # On a GPU: the share of its memory the engine may take, weights, activations and KV cache together (vLLM's;
+    # platforms/cuda.kv_cache_memory_from_profile). The CPU's cache is sized by kv_cache_memory or its default.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check_kv_cache_dtype(self.cache_dtype)
         if self.kv_cache_populate not in KV_CACHE_POPULATE:
             raise ValueError(f"kv_cache_populate must be one of {', '.join(KV_CACHE_POPULATE)}; "
@@ -185,6 +176,10 @@ class ModelConfig:
     # Where default sampling parameters come from (vLLM's --generation-config): "auto" (the model directory's
     # generation_config.json), "vllm" (none: the engine's own defaults) or a directory holding that file.
     generation_config: str = "auto"
+    # The platform's device type ("cpu" or "cuda", resolved from EngineArgs.device) and the attention backend its
+    # layers run (AttentionBackend.get_name(), one the platform offers).
+    device: str = "cpu"
+    attention_backend: str = "TORCH_SDPA"
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:
@@ -240,7 +235,7 @@ class ParallelConfig:
     ray_address: Optional[str] = None
     # Which of the data-parallel engines this one is (set per engine process by the frontend).
     data_parallel_rank: int = 0
-    # torch.distributed backend: gloo on CPU (nccl would be the CUDA platform's).
+    # torch.distributed backend: the platform's (gloo on the CPU, nccl on CUDA).
     torch_distributed_backend: str = "gloo"
     # Mixture-of-experts layers split whole experts over the TP ranks instead of every expert's intermediate size.
     enable_expert_parallel: bool = False

@@ -1,12 +1,18 @@
 """Every test runs with the native kernels' argument checks on (native/checks.py): a kernel call whose tensors do
-not fit what its C side assumes fails there, naming the argument, instead of reading the wrong memory. Set before
-pagedllm is imported, and inherited by the engine processes tests start."""
+not fit what its C side assumes fails there, naming the argument, instead of reading the wrong memory; and, where
+torch sees no GPU, with Triton's interpreter on. Both set before pagedllm (or triton) is imported, and inherited by
+the engine processes tests start."""
 import os
 
 import pytest
 import torch
 
 os.environ.setdefault("PAGEDLLM_NATIVE_CHECKS", "1")
+# Without a GPU, Triton's kernels (the CUDA attention backend's) run under its interpreter, on CPU tensors. Triton
+# reads this when it defines a jit function, its own tl.cdiv and the like included, so it is set before anything
+# imports triton (xgrammar does, at import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pagedllm import SamplingParams
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.interface import KernelChoice
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 
 

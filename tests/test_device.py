@@ -1,4 +1,5 @@
-"""The device an engine runs on (vLLM's `device` / `--device`): auto and cpu run on the CPU; anything else is a
+"""The device an engine runs on (vLLM's `device` / `--device`) and the platform it resolves to: auto and cpu run on
+the CPU here, cuda where torch sees a GPU (faked below: the choice needs no GPU to check); anything else is a
 ValueError naming the problem before the model loads or any process starts."""
 import psutil
 import pytest
@@ -6,11 +7,22 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.platforms import CpuPlatform, CudaPlatform, resolve_platform
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch sees a GPU that computes bfloat16 (only what choosing the platform asks)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
 
 
 @pytest.mark.parametrize("device", ["auto", "cpu"])
 def test_auto_and_cpu_run_on_the_cpu(device):
-    assert EngineArgs(device=device).create_engine_config().model_config.max_model_len > 0
+    config = EngineArgs(device=device).create_engine_config()
+    assert (config.model_config.device, config.model_config.attention_backend) == ("cpu", "TORCH_SDPA")
+    assert config.parallel_config.torch_distributed_backend == "gloo"
+    assert config.model_config.dtype == CpuPlatform().default_dtype()
 
 
 def test_an_unknown_device_names_the_choices():
@@ -24,3 +36,48 @@ def test_cuda_without_a_gpu_is_a_clear_error_before_any_process_starts():
     with pytest.raises(ValueError, match=r"device='cuda', but torch sees no CUDA GPU \(torch .*\); use device='cpu'"):
         LLM(device="cuda")
     assert len(psutil.Process().children(recursive=True)) == children
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_a_visible_gpu_is_the_cuda_platform(fake_gpu, device):
+    assert isinstance(resolve_platform(device), CudaPlatform)
+    assert isinstance(resolve_platform("cpu"), CpuPlatform)
+    config = EngineArgs(device=device).create_engine_config()
+    assert (config.model_config.device, config.model_config.attention_backend) == ("cuda", "TRITON_ATTN")
+    assert config.parallel_config.torch_distributed_backend == "nccl"
+    assert config.model_config.dtype == torch.bfloat16
+
+
+def test_auto_dtype_on_a_gpu_without_bfloat16_is_float16(fake_gpu, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert EngineArgs(device="cuda").create_engine_config().model_config.dtype == torch.float16
+
+
+@pytest.mark.parametrize("kwargs, names", [
+    ({"quantization": "gguf_int4"}, "quantization"),
+    ({"enable_lora": True, "tensor_parallel_size": 2}, "enable_lora, tensor_parallel_size"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+])
+def test_what_cuda_does_not_run_yet_is_named(fake_gpu, kwargs, names):
+    with pytest.raises(ValueError, match=f"device 'cuda' does not run {names} yet"):
+        EngineArgs(device="cuda", **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize("device, backend, message", [
+    ("cpu", "FLASH_ATTN", "attention_backend must be one of TORCH_SDPA, TRITON_ATTN on cpu; got 'FLASH_ATTN'"),
+    ("cuda", "TORCH_SDPA", "attention_backend must be one of TRITON_ATTN on cuda; got 'TORCH_SDPA'"),
+])
+def test_an_attention_backend_the_platform_lacks_names_its_choices(fake_gpu, device, backend, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(device=device, attention_backend=backend).create_engine_config()
+
+
+def test_triton_attention_on_the_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"runs Triton's interpreter only \(set TRITON_INTERPRET=1 before the process "
+                                         r"starts\)"):
+        EngineArgs(attention_backend="TRITON_ATTN").create_engine_config()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': the TRITON_ATTN attention backend keeps the cache in "
+                                         "the model's dtype only"):
+        EngineArgs(attention_backend="TRITON_ATTN", kv_cache_dtype="fp8").create_engine_config()

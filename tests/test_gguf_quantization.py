@@ -25,7 +25,7 @@ from pagedllm.models.gguf_loader import dequantize_fast, unpack_q8
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, write_tiny_gguf
 from tests.test_int4_quantization import gguf_layer

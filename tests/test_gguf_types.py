@@ -14,7 +14,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.interface import KernelChoice
 from tests.test_model_parity import _check_schedules
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

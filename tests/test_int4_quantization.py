@@ -33,7 +33,8 @@ from pagedllm.models.gguf_loader import (
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model, get_quant_config
-from pagedllm.platforms.cpu import KernelChoice, bf16_panels_apply
+from pagedllm.platforms.cpu import bf16_panels_apply
+from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, teacher_forced, write_tiny_gguf
 from tests.native_paths import native_or_fallback

@@ -17,7 +17,8 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod, pack_w8a8_panels, quantize_symmetric
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice, cpu_flags
+from pagedllm.platforms.cpu import cpu_flags
+from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
 from tests.native_paths import native_build, native_or_fallback

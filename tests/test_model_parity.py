@@ -12,7 +12,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.interface import KernelChoice
 from tests.model_fixtures import (
     Chunk,
     PagedBatchRunner,

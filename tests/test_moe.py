@@ -13,7 +13,7 @@ from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.interface import KernelChoice
 from tests.model_fixtures import write_tiny_gguf
 from tests.test_model_parity import TINY, _check_schedules, _save_tiny
 

@@ -363,7 +363,7 @@ def test_logit_soft_cap_under_a_window_and_a_shared_prefix(low_cascade_threshold
 
 
 def test_kv_cache_allocation():
-    backend = get_attn_backend("cpu")
+    backend = get_attn_backend()
     assert backend.get_name() == "TORCH_SDPA"
     assert backend.get_kv_cache_shape(10, 16, 3, 64) == (10, 16, 3, 64)
     caches = allocate_kv_caches(2, 10, 16, 3, 64, torch.bfloat16)

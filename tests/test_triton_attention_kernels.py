@@ -1,19 +1,18 @@
 """The Triton kernels of the CUDA attention backend (pagedllm/layers/attention/triton_ops) against plain float32
-attention over each request's contiguous keys and values, run on CPU tensors by Triton's interpreter.
+attention over each request's contiguous keys and values: compiled for the GPU where torch sees one (the GPU check,
+benchmarks/gpu_check.py, runs this module there), else run on CPU tensors by Triton's interpreter (CI).
 
 Every cache is NaN wherever nothing was written, its requests' blocks are shuffled among spare ones, and the block
 table's entries past each request's blocks name a NaN block: a kernel that reads a slot or a table entry it should
 not puts NaN in its output.
 """
 
-import os
-
-# @triton.jit chooses between compiling and interpreting a kernel when the kernel is defined, from this variable:
-# set before the kernels' modules are imported, so that they run on the CPU tensors here.
-os.environ["TRITON_INTERPRET"] = "1"
-
 import pytest
 import torch
+
+# Without a GPU, tests/conftest.py has set TRITON_INTERPRET=1 before triton was imported: the kernels run on the CPU
+# tensors here.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 pytest.importorskip("triton")
 
@@ -49,6 +48,16 @@ def _paged_context(seq_lens, num_kv_heads, head_size, block_size, cache_dtype, g
             rows[slots] = torch.randn(seq_len, num_kv_heads, head_size, generator=generator).to(cache_dtype)
             stored.append(rows[slots].float())
     return key_cache, value_cache, block_table, keys, values
+
+
+def _on_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The kernels' arguments where they run (views stay views of a copy of their base: the strides are kept)."""
+    return [tensor if DEVICE == "cpu" else _copy_view_to_device(tensor) for tensor in tensors]
+
+
+def _copy_view_to_device(tensor: torch.Tensor) -> torch.Tensor:
+    base = tensor if tensor._base is None else tensor._base
+    return base.to(DEVICE).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 
 def _free_blocks_outside_window(block_table, seq_lens, query_lens, block_size, sliding_window):
@@ -124,9 +133,10 @@ def _check_decode(num_heads, num_kv_heads, head_size, block_size, seq_lens, num_
     query = torch.randn(len(seq_lens), num_heads, head_size, generator=generator).to(query_dtype)
     out = torch.full_like(query, float("nan"))
     scale = head_size**-0.5
-    paged_decode_attention(query, key_cache, value_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32), out,
-                           scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+    on_device = _on_device(query, key_cache, value_cache, block_table, torch.tensor(seq_lens, dtype=torch.int32), out)
+    paged_decode_attention(*on_device, scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                            num_splits=num_splits)
+    out = on_device[-1].cpu()
     for i in range(len(seq_lens)):
         expected = _reference(query[i:i + 1], keys[i], values[i], scale, sliding_window, logits_soft_cap)
         torch.testing.assert_close(out[i:i + 1].float(), expected, atol=tolerance, rtol=tolerance)
@@ -184,9 +194,11 @@ def _check_prefill(num_heads, num_kv_heads, head_size, block_size, requests, cac
     query = torch.randn(int(query_start_loc[-1]), num_heads, head_size, generator=generator).to(query_dtype)
     out = torch.full_like(query, float("nan"))
     scale = head_size**-0.5
-    paged_prefill_attention(query, key_cache, value_cache, block_table, query_start_loc,
-                            torch.tensor(seq_lens, dtype=torch.int32), out, scale, int(query_lens.max()),
-                            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    on_device = _on_device(query, key_cache, value_cache, block_table, query_start_loc,
+                           torch.tensor(seq_lens, dtype=torch.int32), out)
+    paged_prefill_attention(*on_device, scale, int(query_lens.max()), sliding_window=sliding_window,
+                            logits_soft_cap=logits_soft_cap)
+    out = on_device[-1].cpu()
     for i in range(len(requests)):
         rows = slice(query_start_loc[i], query_start_loc[i + 1])
         expected = _reference(query[rows], keys[i], values[i], scale, sliding_window, logits_soft_cap)
@@ -215,7 +227,9 @@ def test_reshape_and_cache(source_dtype, cache_dtype, slot_dtype):
     slots = slot_mapping[written].long()
     expected_key_cache.view(-1, num_kv_heads, head_size)[slots] = key[:len(slot_mapping)][written].to(cache_dtype)
     expected_value_cache.view(-1, num_kv_heads, head_size)[slots] = value[:len(slot_mapping)][written].to(cache_dtype)
+    key, value, key_cache, value_cache, slot_mapping = _on_device(key, value, key_cache, value_cache, slot_mapping)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    key_cache, value_cache = key_cache.cpu(), value_cache.cpu()
     # Exact, but where float32 is narrowed to bf16: a GPU rounds to nearest as torch does, the interpreter truncates,
     # one bf16 unit in the last place (2^-7 of a value at most) apart.
     tolerance = 2**-7 if (source_dtype, cache_dtype) == (torch.float32, torch.bfloat16) else 0

@@ -10,14 +10,14 @@ from typing import Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_kv_cache_dtype, common_window, check_device)
+                             SpeculativeConfig, check_kv_cache_dtype, common_window)
 from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
-from pagedllm.platforms.cpu import has_native_bf16
+from pagedllm.platforms import Platform, resolve_platform
 from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -26,12 +26,12 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
            "float16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
-    """'auto' is bfloat16 where the CPU has native bf16 matmuls, else float32."""
+def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform) -> torch.dtype:
+    """'auto' is the platform's default (Platform.default_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if has_native_bf16() else torch.float32
+        return platform.default_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
@@ -40,7 +40,9 @@ def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
-    device: str = "auto"  # vLLM's: auto | cpu | cuda (config.check_device)
+    device: str = "auto"  # vLLM's: auto | cpu | cuda (platforms.resolve_platform)
+    # vLLM's --attention-backend: one the platform offers (Platform.attention_backends); None: its default.
+    attention_backend: Optional[str] = None
     # A tokenizer directory (or alias) other than the model's; None: the model's own.
     tokenizer: Optional[str] = None
     dtype: Union[str, torch.dtype] = "auto"
@@ -58,6 +60,7 @@ class EngineArgs:
     kv_cache_memory: Optional[Union[int, str]] = None
     kv_cache_dtype: str = "auto"
     kv_cache_populate: str = "background"
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: Optional[int] = None
     seed: int = 0
     # The most logprobs or prompt_logprobs one request may ask for (vLLM's default; -1: the whole vocabulary).
@@ -82,8 +85,15 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
-        check_device(self.device)
+        platform = resolve_platform(self.device)
+        attention_backend = self.attention_backend or platform.attention_backends[0]
+        platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if platform.device_type == "cuda":
+            self._check_cuda_support()
+        if attention_backend == "TRITON_ATTN" and self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the TRITON_ATTN attention backend keeps the "
+                             "cache in the model's dtype only (kv_cache_dtype='auto')")
         speculative_config = self.speculative_config
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
@@ -105,16 +115,17 @@ class EngineArgs:
                                          self.data_parallel_size, self.distributed_executor_backend,
                                          pp_layer_partition=pp_layer_partition_from_env(),
                                          enable_expert_parallel=self.enable_expert_parallel)
+        parallel_config.torch_distributed_backend = platform.dist_backend
         parallel_config.verify_with_model(hf_config)
         parallel_config.distributed_executor_backend = resolve_executor_backend(parallel_config)
         if parallel_config.distributed_executor_backend == "ray" and _ray_initialized():
             parallel_config.ray_address = sys.modules["ray"].get_runtime_context().gcs_address
         if speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
-        model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype), max_model_len,
+        model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype, platform), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
-                                   self.generation_config)
+                                   self.generation_config, platform.device_type, attention_backend)
         if speculative_config is not None and speculative_config.method == "draft_model":
             if parallel_config.world_size > 1:
                 raise ValueError("speculative_config method 'draft_model' is not supported with "
@@ -125,6 +136,7 @@ class EngineArgs:
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks,
                                      cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
+                                     gpu_memory_utilization=self.gpu_memory_utilization,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
@@ -138,6 +150,18 @@ class EngineArgs:
             lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                          else None),
         )
+
+    def _check_cuda_support(self) -> None:
+        """A ValueError naming each setting the CUDA platform does not run yet (they run on the CPU)."""
+        unsupported = {"quantization": self.quantization is not None, "enable_lora": self.enable_lora,
+                       "speculative_config": self.speculative_config is not None,
+                       "tensor_parallel_size": self.tensor_parallel_size > 1,
+                       "pipeline_parallel_size": self.pipeline_parallel_size > 1,
+                       "data_parallel_size": self.data_parallel_size > 1}
+        names = [name for name, used in unsupported.items() if used]
+        if names:
+            raise ValueError(f"device 'cuda' does not run {', '.join(names)} yet (pagedllm's CUDA platform is new); "
+                             "leave them at their defaults or use device='cpu'")
 
 
 def _cache_sliding_window(model_config: ModelConfig, spec: SpeculativeConfig | None) -> int | None:
@@ -162,7 +186,8 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
                          f"(max_position_embeddings), fewer than the target's max_model_len ({target.max_model_len})")
     set_quantization(hf_config, spec.quantization, path)
     return ModelConfig(spec.model, path, hf_config, target.dtype, target.max_model_len, target.seed,
-                       spec.quantization, target.enforce_eager)
+                       spec.quantization, target.enforce_eager, device=target.device,
+                       attention_backend=target.attention_backend)
 
 
 def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.layers.attention.selector import use_attention_backend
 from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.quantization import QUANTIZATION_METHODS, QuantizationConfig
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
@@ -18,8 +19,8 @@ from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.models.gguf_loader import gguf_tensor_types
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import resolve_model
-from pagedllm.platforms.cpu import KernelChoice
 from pagedllm.models.weights import weights_iterator
+from pagedllm.platforms.interface import KernelChoice
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
@@ -82,7 +83,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     path = resolve_model(model_path)
     checkpoint_config = getattr(hf_config, "quantization_config", None) or {}
     quant_config = get_quant_config(checkpoint_config.get("quant_method"), path, model_class, checkpoint_config)
-    with _default_dtype(kernels.compute_dtype):
+    with _default_dtype(kernels.compute_dtype), use_attention_backend(kernels.attention_backend):
         model = model_class(hf_config, quant_config=quant_config, rank=rank, layer_range=layer_range)
     packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()
     if isinstance(quant_config, GGUFConfig):
@@ -91,6 +92,8 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")
+    if kernels.device != "cpu":  # before the layouts are chosen: they are the CPU kernels' only on the CPU
+        model.to(kernels.device)
     layout = WeightLayout(kernels.bf16_panels, kernels.fused_silu)
     for module in model.modules():
         if hasattr(module, "quant_method"):

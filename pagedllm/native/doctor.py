@@ -75,10 +75,9 @@ def report() -> tuple[str, bool]:
             ok = False
     lines.append("what they give this CPU:")
     lines.extend(f"  {name:34s} {text}" for name, text in what.items())
-    from pagedllm.engine.arg_utils import resolve_dtype
-    from pagedllm.platforms.cpu import choose_kernels, kernel_paths
+    from pagedllm.platforms.cpu import CpuPlatform, choose_kernels, kernel_paths
 
-    auto = str(resolve_dtype("auto")).removeprefix("torch.")
+    auto = str(CpuPlatform().default_dtype()).removeprefix("torch.")
     lines.append(f"paths for SmolLM2-135M (9 heads of 64 over 3 KV heads), by dtype (dtype=auto is {auto} here):")
     for dtype in (torch.float32, torch.bfloat16):
         paths = kernel_paths(choose_kernels(dtype), 9, 3, 64)

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import mmap
 import os
 import sys
-from dataclasses import dataclass
 
 import torch
 
 from pagedllm import native
 from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
+from pagedllm.platforms.interface import KernelChoice, Platform
 
 
 @functools.lru_cache(maxsize=1)
@@ -41,32 +42,10 @@ def bf16_panels_apply() -> bool:
     return native.gemm_bf16() is not None and native.fused_ops() is not None
 
 
-@dataclass(frozen=True)
-class KernelChoice:
-    """The kernels one engine runs: decided once per engine where its model runs (choose_kernels), before the
-    model loads, and handed to the loader, so that two engines in one process never share the decision.
-
-    ``dtype`` is the model's, which is also its KV cache's. ``bf16_panels``: a bfloat16 model runs its dense
-    GEMMs against bf16 weight panels (native/gemm_bf16.c) with float32 activations, so that the float32 kernels
-    around the GEMMs (fused ops, attention, CPU graphs) serve it unchanged; the attention kernels read the bf16
-    cache in place, widening as they load. ``fused_silu``: a gated MLP's activation is fused into its gate_up GEMM
-    where the layout has a kernel for it (bf16 panels); off for engines serving LoRA adapters, which add to the
-    projection before the activation (the gated panels have no plain GEMM)."""
-
-    dtype: torch.dtype
-    bf16_panels: bool = False
-    fused_silu: bool = True
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype of activations: float32 under bf16 panels, else the model's."""
-        return torch.float32 if self.bf16_panels else self.dtype
-
-
-def choose_kernels(dtype: torch.dtype) -> KernelChoice:
+def choose_kernels(dtype: torch.dtype, attention_backend: str = "TORCH_SDPA") -> KernelChoice:
     """This CPU's kernels for a model of ``dtype``: bf16 panels for a bfloat16 model wherever they build. Builds
     (or loads) the kernels it asks about."""
-    return KernelChoice(dtype, dtype == torch.bfloat16 and bf16_panels_apply())
+    return KernelChoice(dtype, dtype == torch.bfloat16 and bf16_panels_apply(), attention_backend=attention_backend)
 
 
 def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_size: int,
@@ -75,8 +54,8 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     them at start-up; ``python -m pagedllm.native`` prints them for the default model). Mirrors the decisions the
     layers take: native kernels need float32 activations."""
     float32 = kernels.compute_dtype == torch.float32
-    attention = native.paged_attention(kernels.dtype) if float32 else None
-    decode = prefill = "torch SDPA"
+    attention = native.paged_attention(kernels.dtype) if float32 and kernels.attention_backend == "TORCH_SDPA" else None
+    decode = prefill = "torch SDPA" if kernels.attention_backend == "TORCH_SDPA" else "Triton (interpreted)"
     if attention is not None and num_heads // num_kv_heads <= MAX_GROUP and head_size <= MAX_HEAD_SIZE:
         decode = f"native paged_decode ({attention.decode_isa}, {_name(kernels.dtype)} cache)"
     if attention is not None and attention.prefill_supports(num_heads, num_kv_heads, head_size):
@@ -176,3 +155,35 @@ def cores_of_rank(rank: int, world_size: int) -> list[int] | None:
     if per_rank == 0:
         return None
     return cores[rank * per_rank:(rank + 1) * per_rank]
+
+
+class CpuPlatform(Platform):
+    """The CPU: native C kernels, CPU graphs for decode steps, gloo between ranks. Besides its own attention
+    backend it offers the CUDA platform's Triton one where Triton's interpreter is on (TRITON_INTERPRET=1): the
+    same kernels, run by numpy, for testing them and the device-generic engine path without a GPU."""
+
+    device_type = "cpu"
+    dist_backend = "gloo"
+    attention_backends = ("TORCH_SDPA", "TRITON_ATTN")
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return True
+
+    def default_dtype(self) -> torch.dtype:
+        """bfloat16 where the CPU multiplies it natively (has_native_bf16), else float32."""
+        return torch.bfloat16 if has_native_bf16() else torch.float32
+
+    def choose_kernels(self, dtype: torch.dtype, attention_backend: str) -> KernelChoice:
+        return choose_kernels(dtype, attention_backend)
+
+    def check_attention_backend(self, name: str) -> None:
+        super().check_attention_backend(name)
+        if name != "TRITON_ATTN":
+            return
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='TRITON_ATTN' needs the triton package (pip install triton)")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention_backend='TRITON_ATTN' on the CPU runs Triton's interpreter only (set "
+                             "TRITON_INTERPRET=1 before the process starts); it is there to test the CUDA backend's "
+                             "kernels and is many times slower than TORCH_SDPA")

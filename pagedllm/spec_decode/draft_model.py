@@ -28,11 +28,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice
+from pagedllm.platforms.interface import KernelChoice
 from pagedllm.sample.sampler import greedy_sample
 from pagedllm.spec_decode.proposal_step import ProposalStep
-from pagedllm.worker.cpu_graphs import DecodeGraphs
+from pagedllm.worker.cpu_graphs import DecodeGraphs, cpu_graphs_apply
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -55,8 +56,9 @@ class DraftModelProposer:
         mc = self.model_config
         self.kv_caches = allocate_kv_caches(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads,
                                             mc.head_dim, kv_cache_torch_dtype(self.cache_dtype, mc.dtype),
+                                            backend=get_attn_backend(mc.attention_backend),
                                             populate=self.kv_cache_populate)
-        if not mc.enforce_eager and self.model.supports_cpu_graphs:
+        if cpu_graphs_apply(mc, self.model):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
 
     def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:

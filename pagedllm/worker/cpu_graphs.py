@@ -32,6 +32,15 @@ MAX_GRAPH_BATCH = 64
 MAX_GRAPH_TOKENS = 128
 
 
+def cpu_graphs_apply(model_config, model, world_size: int = 1) -> bool:
+    """Whether decode steps of ``model`` (of ``model_config``) replay CPU graphs. A graph replays kernels, not
+    collectives: more than one rank runs every step eagerly; so does a model whose step computes with torch ops
+    between the kernels (a capture would be refused at every shape), one off the CPU, and one whose attention is not
+    the CPU backend's (its kernels are what a graph replays)."""
+    return (not model_config.enforce_eager and world_size == 1 and model.supports_cpu_graphs
+            and model_config.device == "cpu" and model_config.attention_backend == "TORCH_SDPA")
+
+
 class _StaticInputs:
     """The tensors the graphs of steps of ``num_reqs`` requests and ``num_tokens`` tokens read their step's inputs
     from, in the same memory every step. The block table holds every request's full width, so a history growing by

@@ -30,10 +30,13 @@ from pagedllm.distributed.parallel_state import ParallelRank, get_pp_group, get_
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
 from pagedllm.layers.attention.metadata import AttentionMetadata
+from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.lora.worker_manager import WorkerLoRAManager
 from pagedllm.models.llama import IntermediateTensors
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import KernelChoice, choose_kernels, kernel_paths
+from pagedllm.platforms import resolve_platform
+from pagedllm.platforms.cpu import kernel_paths
+from pagedllm.platforms.interface import KernelChoice
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from pagedllm.sample.sampler import Sampler
@@ -43,7 +46,7 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposal_step import ProposalStep
 from pagedllm.spec_decode.suffix_decoding import SuffixDecodingProposer
 from pagedllm.structured_output.bitmask import apply_bitmask
-from pagedllm.worker.cpu_graphs import DecodeGraphs
+from pagedllm.worker.cpu_graphs import DecodeGraphs, cpu_graphs_apply
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -56,6 +59,8 @@ class ModelRunner:
         self.rank = rank
         self.layer_range = config.parallel_config.stage_layers(rank.pp_rank, config.model_config.num_layers)
         self.model_config = config.model_config
+        self.platform = resolve_platform(config.model_config.device)
+        self.device = torch.device(self.platform.device_type)
         self.block_size = config.cache_config.block_size
         max_model_len = self.model_config.max_model_len
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len,
@@ -72,12 +77,15 @@ class ModelRunner:
 
     def load_model(self) -> None:
         mc = self.model_config
-        self.kernels = choose_kernels(mc.dtype)
+        self.kernels = self.platform.choose_kernels(mc.dtype, mc.attention_backend)
         if self.config.lora_config is not None:
             self.kernels = dataclasses.replace(self.kernels, fused_silu=False)
         self.model = get_model(mc.path, mc.hf_config, self.kernels, self.rank, self.layer_range)
-        paths = kernel_paths(self.kernels, mc.hf_config.num_attention_heads, mc.num_kv_heads, mc.head_dim,
-                             mc.quantization)
+        if self.device.type == "cpu":
+            paths = kernel_paths(self.kernels, mc.hf_config.num_attention_heads, mc.num_kv_heads, mc.head_dim,
+                                 mc.quantization)
+        else:
+            paths = {"attention": mc.attention_backend, "GEMMs and fused ops": f"torch on {self.device.type}"}
         logger.info("Kernels (%s model): %s", str(mc.dtype).removeprefix("torch."),
                     "; ".join(f"{part}: {path}" for part, path in paths.items()))
         if isinstance(self.drafter, DraftModelProposer):
@@ -94,15 +102,41 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(end - start, num_blocks, self.block_size,
                                             kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
                                             kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype),
+                                            self.device, get_attn_backend(mc.attention_backend),
                                             populate=self.config.cache_config.kv_cache_populate)
-        # A graph replays kernels, not collectives: more than one rank runs every step eagerly; so does a model
-        # whose step computes with torch ops between the kernels (a capture would be refused at every shape).
-        if (not mc.enforce_eager and self.config.parallel_config.world_size == 1
-                and self.model.supports_cpu_graphs):
+        if cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.input_batch.block_table.shape[1])
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward at the largest step the scheduler may send (max_num_batched_tokens tokens over up to
+        max_num_seqs prompts, none longer than max_model_len) and the logits of every request, for the memory it
+        peaks at (platforms/cuda.profile_memory). Its attention runs over a one-block cache that every slot maps
+        into: what a step allocates does not depend on where its keys live."""
+        sc = self.config.scheduler_config
+        mc = self.model_config
+        num_reqs = min(sc.max_num_seqs, sc.max_num_batched_tokens)
+        per_req, extra = divmod(sc.max_num_batched_tokens, num_reqs)
+        query_lens = np.minimum(per_req + (np.arange(num_reqs) < extra), mc.max_model_len)
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+        num_tokens = int(query_start_loc[-1])
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
+        caches = allocate_kv_caches(self.layer_range[1] - self.layer_range[0], 1, self.block_size,
+                                    kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
+                                    kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype),
+                                    self.device, get_attn_backend(mc.attention_backend), populate="startup")
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=num_tokens, slot_mapping=self._on_device(positions % self.block_size),
+            query_start_loc=self._on_device(query_start_loc), seq_lens=self._on_device(query_lens.astype(np.int32)),
+            block_table=self._on_device(np.zeros((num_reqs, cdiv(int(query_lens.max()), self.block_size)),
+                                                 dtype=np.int32)),
+            max_query_len=int(query_lens.max()), max_seq_len=int(query_lens.max()))
+        hidden_states = self.model(self._on_device(np.zeros(num_tokens, dtype=np.int64)), self._on_device(positions),
+                                   caches, attn_metadata, None)
+        self.model.compute_logits(hidden_states[self._on_device(query_start_loc[1:] - 1)])
 
     # ------------------------------------------------------------------------------------------ state
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -201,16 +235,16 @@ class ModelRunner:
             verify = graphable and num_tokens > n
             attn_metadata = AttentionMetadata(
                 num_actual_tokens=num_tokens,
-                slot_mapping=torch.from_numpy(slot_mapping),
-                query_start_loc=torch.from_numpy(query_start_loc),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
-                block_table=torch.from_numpy(block_table),
+                slot_mapping=self._on_device(slot_mapping),
+                query_start_loc=self._on_device(query_start_loc),
+                seq_lens=self._on_device(seq_lens.astype(np.int32)),
+                block_table=self._on_device(block_table),
                 max_query_len=int(num_scheduled.max()),
                 max_seq_len=int(seq_lens.max()),
-                chunk_query_start=torch.from_numpy(query_start_loc[:-1].astype(np.int32)) if verify else None,
-                chunk_query_len=torch.from_numpy(num_scheduled.astype(np.int32)) if verify else None,
+                chunk_query_start=self._on_device(query_start_loc[:-1].astype(np.int32)) if verify else None,
+                chunk_query_len=self._on_device(num_scheduled.astype(np.int32)) if verify else None,
             )
-            hidden_states = self.model(torch.from_numpy(input_ids), torch.from_numpy(positions), self.kv_caches,
+            hidden_states = self.model(self._on_device(input_ids), self._on_device(positions), self.kv_caches,
                                        attn_metadata, self._receive_intermediate_tensors(num_tokens))
         if not self.rank.is_last_pp_rank:
             pp_group = get_pp_group()
@@ -238,7 +272,7 @@ class ModelRunner:
             offsets = np.arange(int(num_drafts.sum()) + len(sampling)) - np.repeat(np.cumsum(num_drafts + 1)
                                                                                   - num_drafts - 1, num_drafts + 1)
             logits_indices = np.repeat(cu_num_tokens[sampling] - 1 - num_drafts, num_drafts + 1) + offsets
-            logits = self.model.compute_logits(hidden_states[torch.from_numpy(logits_indices)])
+            logits = self._on_host(self.model.compute_logits(hidden_states[self._on_device(logits_indices)]))
             sampler_output = None
             if logits is not None:  # TP rank 0
                 logits_rows = np.repeat(sample_rows, num_drafts + 1)
@@ -272,6 +306,16 @@ class ModelRunner:
                                  sampled_token_ids=sampled_token_ids, logprobs=logprobs_per_req,
                                  prompt_logprobs_dict=prompt_logprobs_dict, spec_token_ids=spec_token_ids,
                                  captured_graph=captured_graph)
+
+    def _on_device(self, array: np.ndarray) -> torch.Tensor:
+        """A step's input array as a tensor on the model's device (on the CPU, a view of the array)."""
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
+
+    def _on_host(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+        """Logits where the sampler runs: the CPU, whose tensors (sampling metadata, generators, grammar bitmasks)
+        are the batch's (None stays None: a TP rank other than 0)."""
+        return logits if logits is None or logits.device.type == "cpu" else logits.float().cpu()
 
     def _set_active_loras(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """This step's adapters into slots, and each token's slot for the LoRA'd layers."""
@@ -310,7 +354,8 @@ class ModelRunner:
             return None
         shape = (num_tokens, self.model_config.hf_config.hidden_size)
         pp_group = get_pp_group()
-        buffers = [torch.empty(shape, dtype=self.kernels.compute_dtype) for _ in IntermediateTensors.KEYS]
+        buffers = [torch.empty(shape, dtype=self.kernels.compute_dtype, device=self.device)
+                   for _ in IntermediateTensors.KEYS]
         pp_group.recv_tensors(buffers, pp_group.prev_rank)
         return IntermediateTensors(zip(IntermediateTensors.KEYS, buffers))
 
@@ -362,7 +407,7 @@ class ModelRunner:
             if end <= first_pos:
                 continue
             first = int(query_start_loc[j]) + first_pos - start
-            logits = self.model.compute_logits(hidden_states[first:first + end - first_pos])
+            logits = self._on_host(self.model.compute_logits(hidden_states[first:first + end - first_pos]))
             state.num_prompt_logprobs_done = end
             if logits is None:  # a TP rank other than 0: it joined the gather, rank 0 reports
                 continue

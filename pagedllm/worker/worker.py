@@ -15,7 +15,9 @@ from pagedllm.distributed.parallel_state import (ParallelRank, get_tp_group, ini
                                                  initialize_model_parallel)
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype, row_bytes
 from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
+from pagedllm.platforms import resolve_platform
 from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory
+from pagedllm.platforms.cuda import kv_cache_memory_from_profile, profile_memory
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.outputs import ModelRunnerOutput
 
@@ -65,8 +67,10 @@ class Worker:
         self.rank = ParallelRank.of(rank, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                                     pc.enable_expert_parallel)
         self.distributed_init_method = distributed_init_method
-        keep_freed_memory()
-        self._bind_threads()
+        self.platform = resolve_platform(config.model_config.device)
+        if self.platform.device_type == "cpu":
+            keep_freed_memory()
+            self._bind_threads()
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.rank)
 
@@ -86,8 +90,10 @@ class Worker:
             torch.set_num_threads(threads)
 
     def init_device(self) -> None:
-        """Join the engine's process groups (more than one rank)."""
+        """Take this rank's GPU (CUDA) and join the engine's process groups (more than one rank)."""
         pc = self.config.parallel_config
+        if self.platform.device_type == "cuda":
+            torch.cuda.set_device(self.rank.rank % torch.cuda.device_count())
         if pc.world_size == 1:
             return
         init_distributed_environment(pc.world_size, self.rank.rank, self.distributed_init_method,
@@ -99,8 +105,22 @@ class Worker:
         self.model_runner.load_model()
 
     def determine_num_kv_blocks(self) -> int:
-        budget = kv_cache_budget(self.config)
+        """Blocks of this rank's KV cache: kv_cache_memory where given; else on the CPU a share of the available
+        RAM (kv_cache_budget), on a GPU what gpu_memory_utilization leaves after a profiling forward, which must hold
+        at least one max_model_len request (as vLLM checks at start-up)."""
+        cache_config = self.config.cache_config
         per_block = kv_cache_bytes_per_block(self.config, self.rank)
+        if cache_config.kv_cache_memory is None and self.platform.device_type == "cuda":
+            budget = kv_cache_memory_from_profile(profile_memory(self.model_runner.profile_run),
+                                                  cache_config.gpu_memory_utilization)
+            num_blocks = budget // per_block
+            max_len = self.config.model_config.max_model_len
+            if num_blocks * cache_config.block_size < max_len:
+                raise ValueError(f"The KV cache holds {num_blocks * cache_config.block_size} tokens on this GPU, "
+                                 f"fewer than one request of max_model_len ({max_len}); raise "
+                                 "gpu_memory_utilization or lower max_model_len")
+            return num_blocks
+        budget = kv_cache_budget(self.config)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one KV block ({per_block} bytes)")

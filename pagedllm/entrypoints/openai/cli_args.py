@@ -114,8 +114,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The EngineArgs flags, shared by `serve`, `run-batch` and `bench`."""
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", choices=DEVICES, default=EngineArgs.device,
-                        help="where the engine runs: auto (the CPU so far), cpu, cuda (not built yet: an error "
-                             "before the model loads) (default: %(default)s)")
+                        help="where the engine runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, "
+                             "cuda (default: %(default)s)")
+    engine.add_argument("--attention-backend", choices=["TORCH_SDPA", "TRITON_ATTN"],
+                        default=EngineArgs.attention_backend,
+                        help="the attention kernels: TORCH_SDPA (the CPU's: native kernels, torch SDPA elsewhere), "
+                             "TRITON_ATTN (CUDA's; on the CPU only under TRITON_INTERPRET=1, for testing) (default: "
+                             "the platform's)")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     engine.add_argument("--max-model-len", type=int, default=EngineArgs.max_model_len,
@@ -148,6 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineArgs.kv_cache_dtype,
                         help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3) and fp8_e5m2 (one "
                              "byte, scale 1), int8 (one byte, a scale per token and head)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization,
+                        help="on a GPU, the share of its memory the engine takes: weights, activations and the KV "
+                             "cache (default: %(default)s)")
     engine.add_argument("--kv-cache-populate", choices=KV_CACHE_POPULATE, default=EngineArgs.kv_cache_populate,
                         help="fault the KV cache's memory in by a background thread while the engine is idle, or "
                              "before it takes requests (steady latency from the first request where first touches "

@@ -2,7 +2,7 @@ from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, K
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches
 from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.metadata import AttentionMetadata
-from pagedllm.layers.attention.selector import get_attn_backend
+from pagedllm.layers.attention.selector import get_attn_backend, use_attention_backend
 
 __all__ = [
     "Attention",
@@ -12,4 +12,5 @@ __all__ = [
     "KVCache",
     "allocate_kv_caches",
     "get_attn_backend",
+    "use_attention_backend",
 ]

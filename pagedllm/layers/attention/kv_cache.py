@@ -37,7 +37,7 @@ def allocate_kv_caches(
     in while the engine is idle (platforms/populate.py), so that steps do not pay for first touches; with
     ``populate="startup"`` (CacheConfig.kv_cache_populate) this returns once it has.
     """
-    backend = backend or get_attn_backend(device)
+    backend = backend or get_attn_backend()
     shape = backend.get_kv_cache_shape(num_blocks, block_size, num_kv_heads, row_width(head_size, dtype))
     caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(num_layers)]
     if torch.device(device).type == "cpu":

@@ -9,12 +9,13 @@ from pagedllm.layers.attention.selector import get_attn_backend
 
 
 class Attention(nn.Module):
-    """Paged attention over flattened ``[T, heads * head_size]`` projections; with ``sliding_window`` (vLLM's
+    """Paged attention over flattened ``[T, heads * head_size]`` projections, by the backend the loader chose
+    (selector.use_attention_backend); with ``sliding_window`` (vLLM's
     per-layer sliding window) a query attends only to the last ``sliding_window`` positions up to its own; with
     ``logits_soft_cap`` its scores are soft-capped (AttentionImpl says how)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
-                 device: torch.device | str = "cpu", sliding_window: int | None = None,
+                 sliding_window: int | None = None,
                  logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads = num_heads
@@ -22,7 +23,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        self.backend = get_attn_backend(device)
+        self.backend = get_attn_backend()
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 

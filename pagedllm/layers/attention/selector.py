@@ -1,12 +1,36 @@
-"""Choose the attention backend for a device."""
+"""Choose the attention backend by name (vLLM's --attention-backend; the platform checks the name and supplies its
+default, platforms/interface.py).
 
-import torch
+The model loader sets the engine's choice around a model's construction (use_attention_backend), so that every
+Attention layer the model builds takes it without each model passing it down; two engines in one process each
+set their own. The Triton backend's module imports triton, so it is imported only when chosen."""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.cpu_backend import TorchSDPABackend
 
+_current_backend: ContextVar[str] = ContextVar("attention_backend", default=TorchSDPABackend.get_name())
 
-def get_attn_backend(device: torch.device | str = "cpu") -> type[AttentionBackend]:
-    if torch.device(device).type == "cpu":
+
+@contextmanager
+def use_attention_backend(name: str) -> Iterator[None]:
+    """Attention layers built inside this block run backend ``name``."""
+    token = _current_backend.set(name)
+    try:
+        yield
+    finally:
+        _current_backend.reset(token)
+
+
+def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
+    """The backend called ``name``; None: the one use_attention_backend set (TORCH_SDPA outside it)."""
+    name = name or _current_backend.get()
+    if name == TorchSDPABackend.get_name():
         return TorchSDPABackend
-    raise NotImplementedError(f"No attention backend for device {device!r} yet")
+    if name == "TRITON_ATTN":
+        from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend
+    raise ValueError(f"attention backend must be TORCH_SDPA or TRITON_ATTN; got {name!r}")
