@@ -13,6 +13,7 @@ from pagedllm import native
 from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
 from pagedllm.layers.attention.layer import Attention
+from tests.attention_reference import reference_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # A one-byte cache's element is worth code x its row's scale: the kernels multiply a row's dot product (or softmax
@@ -58,24 +59,6 @@ def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # exists, always fails
     assert native._build("paged_attention") is None
     assert not list(tmp_path.rglob("*.so"))
-
-
-def _reference(q, k, v, scale, sliding_window=None, logits_soft_cap=None):
-    """q: [Lq, H, D] for the last Lq of the Lk positions in k/v: [Lk, KVH, D]; each query sees the keys up to its
-    own position, with a sliding window only those after its position - sliding_window; with a soft cap the scores
-    are cap * tanh(score / cap), as transformers' Gemma 2 has them."""
-    q, k, v = q.float(), k.float(), v.float()
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if logits_soft_cap is not None:
-        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-    lq, lk = q.shape[0], k.shape[0]
-    allowed = torch.arange(lk)[None, :] <= torch.arange(lk - lq, lk)[:, None]
-    if sliding_window is not None:
-        allowed &= torch.arange(lk)[None, :] > torch.arange(lk - lq, lk)[:, None] - sliding_window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
 def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False,
@@ -156,10 +139,10 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
         k, v = (dequantize_rows(quantize_rows(x, kv_dtype), head_dim, torch.float32) for x in (k, v))  # as cached
         if paired[i]:
-            expected = _reference(q.to(torch.bfloat16), k, v, scale, sliding_window, logits_soft_cap)
+            expected = reference_attention(q.to(torch.bfloat16), k, v, scale, sliding_window, logits_soft_cap)
             torch.testing.assert_close(rows, expected, atol=PAIRED_TOLERANCE, rtol=PAIRED_TOLERANCE)
         else:
-            expected = _reference(q, k, v, scale, sliding_window, logits_soft_cap)
+            expected = reference_attention(q, k, v, scale, sliding_window, logits_soft_cap)
             tolerance = TOLERANCE[dtype] if kv_dtype.itemsize > 1 else QUANTIZED_TOLERANCE
             torch.testing.assert_close(rows, expected, atol=tolerance, rtol=tolerance)
     return plan

@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 
 from pagedllm.layers.attention.triton_ops import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 from pagedllm.layers.attention.triton_ops.decode_attention import MAX_SPLITS, MIN_KEYS_PER_SPLIT, default_num_splits
+from tests.attention_reference import reference_attention
 
 FLOAT32_TOLERANCE = 1e-5
 # A bf16 output is rounded to 8 significant bits (2^-9 of values up to ~4 here); the reference takes the cache's
@@ -68,28 +69,6 @@ def _free_blocks_outside_window(block_table, seq_lens, query_lens, block_size, s
         block_table[i, :first_key // block_size] = block_table[i, -1]
 
 
-def _reference(query, keys, values, scale, sliding_window, logits_soft_cap):
-    """query ``[Lq, H, D]``, the last Lq of the ``[Lk, KVH, D]`` positions of keys and values: each row attends to
-    the keys up to its own position, with a sliding window only to those after its position - sliding_window; with a
-    soft cap the scaled scores are cap * tanh(score / cap). No keys at all: zeros."""
-    query = query.float()
-    if keys.shape[0] == 0:
-        return torch.zeros_like(query)
-    group = query.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
-    if logits_soft_cap is not None:
-        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-    num_queries, num_keys = query.shape[0], keys.shape[0]
-    key_positions = torch.arange(num_keys)[None, :]
-    query_positions = torch.arange(num_keys - num_queries, num_keys)[:, None]
-    visible = key_positions <= query_positions
-    if sliding_window is not None:
-        visible &= key_positions > query_positions - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-
-
 DECODE_CASES = {
     # seq_lens ending exactly at a block boundary, one past it, inside the first block, across several
     "one_split": dict(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[16, 17, 5, 48],
@@ -113,7 +92,7 @@ DECODE_CASES = {
 
 
 @pytest.mark.parametrize("case", DECODE_CASES.values(), ids=DECODE_CASES.keys())
-def test_decode_matches_reference(case):
+def test_decode_matchesreference_attention(case):
     _check_decode(**case, cache_dtype=torch.float32, query_dtype=torch.float32, tolerance=FLOAT32_TOLERANCE)
 
 
@@ -138,7 +117,7 @@ def _check_decode(num_heads, num_kv_heads, head_size, block_size, seq_lens, num_
                            num_splits=num_splits)
     out = on_device[-1].cpu()
     for i in range(len(seq_lens)):
-        expected = _reference(query[i:i + 1], keys[i], values[i], scale, sliding_window, logits_soft_cap)
+        expected = reference_attention(query[i:i + 1], keys[i], values[i], scale, sliding_window, logits_soft_cap)
         torch.testing.assert_close(out[i:i + 1].float(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -170,7 +149,7 @@ PREFILL_CASES = {
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES.values(), ids=PREFILL_CASES.keys())
-def test_prefill_matches_reference(case):
+def test_prefill_matchesreference_attention(case):
     _check_prefill(**{"requests": PREFILL_REQUESTS, **case}, cache_dtype=torch.float32, query_dtype=torch.float32,
                    tolerance=FLOAT32_TOLERANCE)
 
@@ -201,7 +180,7 @@ def _check_prefill(num_heads, num_kv_heads, head_size, block_size, requests, cac
     out = on_device[-1].cpu()
     for i in range(len(requests)):
         rows = slice(query_start_loc[i], query_start_loc[i + 1])
-        expected = _reference(query[rows], keys[i], values[i], scale, sliding_window, logits_soft_cap)
+        expected = reference_attention(query[rows], keys[i], values[i], scale, sliding_window, logits_soft_cap)
         torch.testing.assert_close(out[rows].float(), expected, atol=tolerance, rtol=tolerance)
 
 

@@ -55,6 +55,19 @@ def soft_cap(scores, cap):
 
 
 @triton.jit
+def online_softmax_tile(scores, max_score, weight_sum):
+    """One tile of scores (``[rows, keys]``, -inf where a key is not seen) into each row's running maximum and sum of
+    exponentials: returns the new maximum, the factor that rescales what was accumulated under the old one, the
+    tile's weights and the new sum. A row that has seen no key yet (maximum still -inf) gets weights and rescale 0,
+    not exp(-inf - -inf)."""
+    new_max = tl.maximum(max_score, tl.max(scores, 1))
+    shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    rescale = tl.exp(max_score - shift)
+    weights = tl.exp(scores - shift[:, None])
+    return new_max, rescale, weights, weight_sum * rescale + tl.sum(weights, 1)
+
+
+@triton.jit
 def _decode_split_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr, partial_out_ptr, partial_lse_ptr,
     scale, sliding_window, logits_soft_cap,
@@ -114,13 +127,9 @@ def _decode_split_kernel(
             scores = soft_cap(scores, logits_soft_cap)
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
 
-        new_max = tl.maximum(max_score, tl.max(scores, 1))
-        rescale = tl.exp(max_score - new_max)
-        weights = tl.exp(scores - new_max[:, None])
-        weight_sum = weight_sum * rescale + tl.sum(weights, 1)
+        max_score, rescale, weights, weight_sum = online_softmax_tile(scores, max_score, weight_sum)
         values = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=DOT_PRECISION)
-        max_score = new_max
 
     # An empty split (no block in its range) has weight sum 0: its lse is -inf and its output 0, not 0 / 0.
     has_keys = weight_sum > 0

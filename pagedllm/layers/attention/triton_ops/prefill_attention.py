@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.layers.attention.triton_ops.decode_attention import check_attention_args, dot_precision, soft_cap
+from pagedllm.layers.attention.triton_ops.decode_attention import (check_attention_args, dot_precision,
+                                                                   online_softmax_tile, soft_cap)
 
 # Rows of a tile (query rows times the group's heads) and keys per step of its walk. The rows are halved for a head
 # of 256 and again for a float32 cache (whose IEEE products hold more in registers), keeping the float32 tiles of
@@ -105,14 +106,9 @@ def _prefill_kernel(
             visible = visible & (key_positions[None, :] > positions[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
 
-        new_max = tl.maximum(max_score, tl.max(scores, 1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp(max_score - shift)
-        weights = tl.exp(scores - shift[:, None])
-        weight_sum = weight_sum * rescale + tl.sum(weights, 1)
+        max_score, rescale, weights, weight_sum = online_softmax_tile(scores, max_score, weight_sum)
         values = tl.load(value_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
         acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=DOT_PRECISION)
-        max_score = new_max
 
     out = acc / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
     tl.store(out_ptr + tokens[:, None] * out_stride_token + heads[:, None] * out_stride_head + dims[None, :],
