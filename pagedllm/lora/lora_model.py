@@ -3,7 +3,9 @@
 PEFT names a tensor ``base_model.model.<module>.lora_A.weight`` (``[r, in]``) or ``...lora_B.weight``
 (``[out, r]``) after the checkpoint's own modules (q_proj, k_proj, ...); the model fuses q/k/v into qkv_proj and
 gate/up into gate_up_proj, so each original module becomes one slice of a fused layer, with its own A and B
-(LORA_TARGETS). B is stored multiplied by the adapter's scaling, so a layer adds x·A·B with nothing else to do.
+(LORA_TARGETS). Where the checkpoint's module is itself fused (Phi-3's qkv_proj and gate_up_proj), its B splits by
+rows into the slices, which share its A: x·A·B is the slices' x·A·B_i side by side. B is stored multiplied by the
+adapter's scaling, so a layer adds x·A·B with nothing else to do.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from safetensors import safe_open
 from pagedllm.config import head_dim
 from pagedllm.lora.peft_helper import WEIGHTS_FILE, PEFTHelper
 
-# checkpoint module -> (the model's layer, slice index)
+# checkpoint module -> (the model's layer, slice index; None: every slice, the checkpoint's module being the fused one)
 LORA_TARGETS = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -25,6 +27,8 @@ LORA_TARGETS = {
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
+    "self_attn.qkv_proj": ("self_attn.qkv_proj", None),
+    "mlp.gate_up_proj": ("mlp.gate_up_proj", None),
 }
 NUM_SLICES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
 _TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
@@ -64,13 +68,19 @@ class LoRAModel:
         """Load an adapter, checked against the base model's config first (check_local_checkpoint)."""
         peft, modules = check_local_checkpoint(lora_path, hf_config, max_lora_rank)
         model = cls(lora_int_id, peft.r)
+        shapes = slice_shapes(hf_config)
         with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
             for layer_index, module in modules:
                 a, b = (f.get_tensor(_tensor_name(layer_index, module, ab)) for ab in "AB")
+                a, b = a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype)
                 fused, slice_index = LORA_TARGETS[module]
                 weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
                                                   LoRALayerWeights([None] * NUM_SLICES[fused]))
-                weights.slices[slice_index] = (a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype))
+                if slice_index is None:
+                    for i, b_slice in enumerate(b.split([out for _, out in shapes[fused]])):
+                        weights.slices[i] = (a, b_slice)
+                else:
+                    weights.slices[slice_index] = (a, b)
         return model
 
 
@@ -101,7 +111,9 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int) -> tup
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"
                              f"{''.join(ab)} without its pair")
-        in_features, out_features = shapes[LORA_TARGETS[module][0]][LORA_TARGETS[module][1]]
+        fused, slice_index = LORA_TARGETS[module]
+        covered = shapes[fused] if slice_index is None else [shapes[fused][slice_index]]
+        in_features, out_features = covered[0][0], sum(out for _, out in covered)
         if ab["A"] != (peft.r, in_features) or ab["B"] != (out_features, peft.r):
             raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has A {ab['A']} and B "
                              f"{ab['B']}; the base model needs A ({peft.r}, {in_features}) and B "

@@ -187,3 +187,25 @@ def test_tensor_parallel_2_on_a_tiny_model(tmp_path, tokenizer):
         assert_transformers_greedy(adapter if request else base, [prompt], [got], MAX_TOKENS)
         if request:  # the adapter changed the output: the base model would not have chosen it
             assert hf_greedy(base, prompt, got) != got
+
+
+def test_phi3_adapter_on_its_fused_modules(tmp_path, tokenizer):
+    """Phi-3's checkpoint fuses q/k/v into qkv_proj and gate/up into gate_up_proj, so peft adapts those whole: their
+    B splits into the model's slices, which share A. Output is transformers + peft's, and the adapter changed it."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tests.e2e.test_tiny_models import _save_tiny
+
+    base = _save_tiny(tmp_path / "model", tokenizer, Phi3Config, Phi3ForCausalLM, tie_word_embeddings=False)
+    adapter = _random_adapter(base, dict(r=8, lora_alpha=16, target_modules=["qkv_proj", "o_proj", "gate_up_proj",
+                                                                              "down_proj"]), 0, tmp_path / "adapter")
+    prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3))]
+    lora = LoRARequest("phi3", 1, str(tmp_path / "adapter"))
+    requests = [lora, None, lora]
+    with running_llm(str(tmp_path / "model"), dtype="float32", max_model_len=512, enable_lora=True,
+                     max_lora_rank=8) as llm:
+        outputs = run(llm, prompts, requests)
+    for prompt, request, got in zip(prompts, requests, outputs):
+        assert_transformers_greedy(adapter if request else base, [prompt], [got], MAX_TOKENS)
+        if request:
+            assert hf_greedy(base, prompt, got) != got
