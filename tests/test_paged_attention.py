@@ -14,6 +14,7 @@ from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
 from pagedllm.layers.attention.layer import Attention
 from tests.attention_reference import reference_attention
+from tests.native_paths import LESSER_BUILDS, skip_lesser_build_that_is_native
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # A one-byte cache's element is worth code x its row's scale: the kernels multiply a row's dot product (or softmax
@@ -26,10 +27,6 @@ QUANTIZED_TOLERANCE = 1e-4
 PAIRED_TOLERANCE = 1e-2
 
 
-# The decode kernel's bodies below the best this CPU has, built by turning instruction sets off.
-LESSER_BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx2",)}
-
-
 @pytest.fixture(autouse=True, params=["native", "avx2", "portable", "torch"])
 def decode_path(request, monkeypatch):
     """Rows in float32 go to the native kernels when they build ("native": with AVX-512 where the CPU has it,
@@ -39,6 +36,7 @@ def decode_path(request, monkeypatch):
         monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
         monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
     elif request.param in LESSER_BUILDS:
+        skip_lesser_build_that_is_native(request.param)
         flags = LESSER_BUILDS[request.param]
         build = native.paged_decode  # each cache dtype's lesser build made when a case first asks for it
         monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: build(kv_dtype, flags))
