@@ -14,10 +14,14 @@ Run from a checkout on the GPU machine, where torch (a CUDA build), transformers
 project's other dependencies are importable (benchmarks/gpu_check.sh installs them from carried wheels):
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py --out /tmp/gpu_check.md
+
+``--device cpu --smoke`` runs the same script on the CPU with two-request workloads of 8 tokens, to find its mistakes
+before a GPU's minutes are spent on them (its figures mean nothing).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +29,8 @@ import time
 
 import torch
 
-from pagedllm.benchmarks.workloads import shared_workloads
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout: its tests/ helpers
+from pagedllm.benchmarks.workloads import Workload, shared_workloads  # noqa: E402
 
 TESTS = ["tests/e2e/test_cuda.py", "tests/test_triton_attention_kernels.py"]
 
@@ -41,85 +46,99 @@ def write_bf16_model(directory: str) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def copy_bandwidth() -> float:
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str) -> float:
     """Bytes a second a device-to-device copy of 1 GiB moves, counting its reads and writes."""
-    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     target.copy_(source)
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(10):
         target.copy_(source)
-    torch.cuda.synchronize()
+    synchronize(device)
     return 2 * 10 * source.numel() / (time.perf_counter() - start)
 
 
-def time_pagedllm(model_dir: str) -> dict[str, float]:
+def time_pagedllm(model_dir: str, device: str, workloads: dict) -> dict[str, float]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model_dir, device="cuda", dtype="bfloat16", max_model_len=2048)
+    llm = LLM(model_dir, device=device, dtype="bfloat16", max_model_len=2048)
     try:
         def run(prompts, max_tokens) -> float:
             start = time.perf_counter()
             llm.generate([{"prompt_token_ids": p} for p in prompts],
                          SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
             return time.perf_counter() - start
-        return _workload_times(run)
+        return _workload_times(run, workloads)
     finally:
         llm.shutdown()
 
 
-def time_transformers(model_dir: str) -> dict[str, float]:
+def time_transformers(model_dir: str, device: str, workloads: dict) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
 
     def run(prompts, max_tokens) -> float:
-        ids = torch.tensor(prompts, device="cuda")
-        torch.cuda.synchronize()
+        ids = torch.tensor(prompts, device=device)
+        synchronize(device)
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                            do_sample=False, eos_token_id=None, pad_token_id=0)
-        torch.cuda.synchronize()
+        synchronize(device)
         return time.perf_counter() - start
     try:
-        return _workload_times(run)
+        return _workload_times(run, workloads)
     finally:
         del model
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
-def _workload_times(run) -> dict[str, float]:
+def _workload_times(run, workloads: dict) -> dict[str, float]:
     """Output tokens a second of W1-W3 and W2's decode step (s), each after a warm-up run of its shape."""
     results = {}
-    for name, workload in shared_workloads().items():
+    for name, workload in workloads.items():
         run(workload.prompts, 4)
         results[name] = workload.output_tokens / run(workload.prompts, workload.max_tokens)
-    w2 = shared_workloads()["W2"]
+    w2 = workloads["W2"]
     results["W2 step"] = (run(w2.prompts, w2.max_tokens) - run(w2.prompts, 1)) / (w2.max_tokens - 1)
     return results
+
+
+def smoke_workloads() -> dict:
+    """W1-W3 cut to two requests of 8 output tokens each (prompts as they are)."""
+    return {name: Workload(name, workload.prompts[:2], 8) for name, workload in shared_workloads().items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the table here")
     parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--smoke", action="store_true", help="two-request workloads of 8 tokens: a dry run")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("torch sees no CUDA GPU: this check runs on a GPU machine")
-    rows = [("GPU", torch.cuda.get_device_name(), "", "")]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("torch sees no CUDA GPU: this check runs on a GPU machine (--device cpu --smoke: a dry run)")
+    workloads = smoke_workloads() if args.smoke else shared_workloads()
+    rows = [("device", torch.cuda.get_device_name() if args.device == "cuda" else "cpu (dry run)", "", "")]
     if not args.skip_tests:
         rc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS]).returncode
         rows.append(("CUDA tests", "passed" if rc == 0 else f"FAILED (pytest rc {rc})", "", ""))
     with tempfile.TemporaryDirectory() as model_dir:
         weight_bytes = write_bf16_model(model_dir)
-        ours = time_pagedllm(model_dir)
-        theirs = time_transformers(model_dir)
+        ours = time_pagedllm(model_dir, args.device, workloads)
+        theirs = time_transformers(model_dir, args.device, workloads)
     for name in ("W1", "W2", "W3"):
         rows.append((f"{name} output tok/s", f"{ours[name]:.1f}", f"{theirs[name]:.1f}",
                      f"{ours[name] / theirs[name]:.2f}x"))
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth(args.device)
     bound = weight_bytes / bandwidth
     rows.append(("W2 decode step (ms)", f"{ours['W2 step'] * 1e3:.3f}", f"{theirs['W2 step'] * 1e3:.3f}",
                  f"{theirs['W2 step'] / ours['W2 step']:.2f}x"))
