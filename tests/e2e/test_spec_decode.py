@@ -16,8 +16,8 @@ from tests.e2e.conftest import assert_transformers_greedy, running_llm
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # Self-speculation: the model's own GGUF with its Q4 weights kept 4-bit. In float32 on the native Q4 panels those
-# compute what the dense target computes, so every draft is the target's token and any draft computed on stale or misplaced K/V (after a
-# rejection, a preemption, a prefix hit) would show as a rejection.
+# compute what the dense target computes, so every draft is the target's token and any draft computed on stale or
+# misplaced K/V (after a rejection, a preemption, a prefix hit) would show as a rejection.
 SELF_DRAFT = {"method": "draft_model", "model": resolve_model(DEFAULT_MODEL), "quantization": "gguf_int4",
               "num_speculative_tokens": 3}
 FRUITS = "apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon, mango"
@@ -79,8 +79,8 @@ def test_greedy_output_is_that_of_plain_decoding(expected, spec_llm):
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
     if spec_llm.method != "draft_model":  # the repeated lists and code are found in the prompts: many drafts are right
         assert stats.spec_decode_num_accepted_tokens > 0.3 * stats.spec_decode_num_draft_tokens > 0
-    elif native.gemm_q4() is not None:  # the draft computes what the target does, from K/V kept in step through
-        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0  # preemption, prefix hits
+    elif native.gemm_q4() is not None:  # the draft computes what the target does, from K/V kept in step (preemption,
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0  # prefix hits)
     else:  # the draft's Q4 layers on torch's int4 kernel (no AVX-512), which rounds differently: a near-tie can flip
         assert stats.spec_decode_num_accepted_tokens >= 0.95 * stats.spec_decode_num_draft_tokens > 0
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos  # a draft token is accepted only after the ones before it
