@@ -93,12 +93,7 @@ def time_transformers(model_dir: str, device: str, workloads: dict) -> dict[str,
                            do_sample=False, eos_token_id=None, pad_token_id=0)
         synchronize(device)
         return time.perf_counter() - start
-    try:
-        return _workload_times(run, workloads)
-    finally:
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    return _workload_times(run, workloads)
 
 
 def _workload_times(run, workloads: dict) -> dict[str, float]:

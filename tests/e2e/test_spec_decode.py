@@ -4,8 +4,6 @@ prefix-cache hits, stop strings and max_tokens ending mid-draft, logprobs), and 
 distribution of a tiny model (transformers' probabilities as the oracle), whose greedy output is transformers'."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
