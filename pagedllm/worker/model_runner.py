@@ -95,15 +95,19 @@ class ModelRunner:
             self.lora_manager = WorkerLoRAManager(self.model, mc.hf_config, lora.max_loras, lora.max_lora_rank,
                                                   lora.max_cpu_loras, mc.dtype)
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """One cache per layer of this stage, holding this TP rank's KV heads."""
+    def _allocate_kv_caches(self, num_blocks: int, populate: str) -> list:
+        """One cache of ``num_blocks`` blocks per layer of this stage, holding this TP rank's KV heads, on the
+        model's device in its attention backend's layout."""
         mc = self.model_config
         start, end = self.layer_range
-        self.kv_caches = allocate_kv_caches(end - start, num_blocks, self.block_size,
-                                            kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
-                                            kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype),
-                                            self.device, get_attn_backend(mc.attention_backend),
-                                            populate=self.config.cache_config.kv_cache_populate)
+        return allocate_kv_caches(end - start, num_blocks, self.block_size,
+                                  kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
+                                  kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype), self.device,
+                                  get_attn_backend(mc.attention_backend), populate=populate)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        self.kv_caches = self._allocate_kv_caches(num_blocks, self.config.cache_config.kv_cache_populate)
         if cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size):
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.input_batch.block_table.shape[1])
@@ -124,10 +128,7 @@ class ModelRunner:
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
         num_tokens = int(query_start_loc[-1])
         positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], query_lens)
-        caches = allocate_kv_caches(self.layer_range[1] - self.layer_range[0], 1, self.block_size,
-                                    kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
-                                    kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype),
-                                    self.device, get_attn_backend(mc.attention_backend), populate="startup")
+        caches = self._allocate_kv_caches(1, populate="startup")
         attn_metadata = AttentionMetadata(
             num_actual_tokens=num_tokens, slot_mapping=self._on_device(positions % self.block_size),
             query_start_loc=self._on_device(query_start_loc), seq_lens=self._on_device(query_lens.astype(np.int32)),

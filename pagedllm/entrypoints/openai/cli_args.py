@@ -9,6 +9,7 @@ import ssl
 from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
                              SERVE_MAX_PREFILL_TOKENS_WITH_DECODES)
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.models.resolve import DEFAULT_MODEL
@@ -116,7 +117,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", choices=DEVICES, default=EngineArgs.device,
                         help="where the engine runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, "
                              "cuda (default: %(default)s)")
-    engine.add_argument("--attention-backend", choices=["TORCH_SDPA", "TRITON_ATTN"],
+    engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                         default=EngineArgs.attention_backend,
                         help="the attention kernels: TORCH_SDPA (the CPU's: native kernels, torch SDPA elsewhere), "
                              "TRITON_ATTN (CUDA's; on the CPU only under TRITON_INTERPRET=1, for testing) (default: "

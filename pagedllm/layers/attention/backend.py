@@ -56,6 +56,8 @@ class AttentionBackend(ABC):
     def get_impl_cls() -> type[AttentionImpl]: ...
 
     @staticmethod
-    @abstractmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """Shape of ONE of a layer's (key_cache, value_cache) tensors."""
+        """Shape of ONE of a layer's (key_cache, value_cache) tensors. Every backend so far keeps this layout: a
+        token's heads are one contiguous row, a block's tokens consecutive rows, so ``view(-1, heads, size)``
+        indexes the cache by slot."""
+        return (num_blocks, block_size, num_kv_heads, head_size)

@@ -239,7 +239,3 @@ class TorchSDPABackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TorchSDPABackendImpl
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        return (num_blocks, block_size, num_kv_heads, head_size)

@@ -12,6 +12,8 @@ from contextvars import ContextVar
 from pagedllm.layers.attention.backend import AttentionBackend
 from pagedllm.layers.attention.cpu_backend import TorchSDPABackend
 
+# Every attention backend by name (each platform offers some: Platform.attention_backends).
+ATTENTION_BACKENDS = (TorchSDPABackend.get_name(), "TRITON_ATTN")
 _current_backend: ContextVar[str] = ContextVar("attention_backend", default=TorchSDPABackend.get_name())
 
 
@@ -33,4 +35,4 @@ def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
     if name == "TRITON_ATTN":
         from pagedllm.layers.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend
-    raise ValueError(f"attention backend must be TORCH_SDPA or TRITON_ATTN; got {name!r}")
+    raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")

@@ -44,8 +44,3 @@ class TritonAttentionBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return TritonAttentionImpl
-
-    @staticmethod
-    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        """The CPU backend's layout: a token's heads are one contiguous row, a block's tokens consecutive rows."""
-        return (num_blocks, block_size, num_kv_heads, head_size)
