@@ -28,12 +28,19 @@ from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, write_tiny_gguf
+from tests.native_paths import native_or_fallback
 from tests.test_int4_quantization import gguf_layer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # many small model steps
 
 needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
-                                     reason="no gemm_q8_f32 here (needs a C compiler and AVX-512)")
+                                     reason="no gemm_q8_f32 here (needs a C compiler and AVX-512 or AVX2)")
+
+
+@pytest.fixture(params=["native", "avx2"])
+def q8_kernel(request, monkeypatch):
+    """gemm_q8_f32 as built for this CPU, and its AVX2 body where the CPU has AVX-512."""
+    return native_or_fallback(request.param, monkeypatch, "gemm_q8")
 
 
 def _q8_weight(shape: tuple[int, int], seed: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
@@ -54,7 +61,7 @@ def _q8_layer(layer_class, codes, scales, bias=None, **kwargs):
 
 @needs_q8_kernel
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias):
+def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
     blocks, codes, scales = _q8_weight((96, 128), seed=0)
     bias = torch.randn(96) if with_bias else None
     layer = _q8_layer(ReplicatedLinear, codes, scales, bias)
@@ -97,7 +104,7 @@ def test_tensor_parallel_shards_of_q8_layers_match_unsharded():
 
 
 def test_q8_layers_are_dequantized_where_the_kernel_does_not_apply(monkeypatch):
-    """Without gemm_q8_f32 (no AVX-512), or for activations it does not take, a Q8_0 layer is left to the dense
+    """Without gemm_q8_f32 (neither AVX-512 nor AVX2), or for activations it does not take, a Q8_0 layer is left to the dense
     path, which the loader fills with the dequantized weight; Q4 layers keep gguf_int4's kernels. gguf_int4 leaves
     Q8_0 layers dense everywhere."""
     config = GGUFConfig({"q8.weight": T.Q8_0, "q4.weight": T.Q4_1}, [])

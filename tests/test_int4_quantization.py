@@ -1,7 +1,7 @@
 """quantization="gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit.
 
 The dense float32 path is the reference: it computes with the same dequantized weights. The native kernel
-(float32, AVX-512) must equal the dense native GEMM bit for bit; torch's int4 kernel (the fallback) differs
+(float32, AVX-512 or AVX2) must equal the dense native GEMM bit for bit; torch's int4 kernel (the fallback) differs
 from it by the bfloat16 rounding of activations, scales/zeros and the kernel's output.
 """
 
@@ -45,9 +45,10 @@ BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the int4 kernel is called ~120 times a step
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "avx2", "torch"])
 def kernel_path(request, monkeypatch):
-    """Which kernel the layers built in the test pack for: gemm.c's, or torch's int4 one."""
+    """Which kernel the layers built in the test pack for: gemm.c's (its AVX2 body too, where the CPU has AVX-512),
+    or torch's int4 one."""
     return native_or_fallback(request.param, monkeypatch, "gemm_q4")
 
 

@@ -118,22 +118,22 @@ def gemm(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     return None if lib is None else Gemm(lib, GEMM_PACKED)
 
 
-def _gemm_quant_lib() -> ctypes.CDLL | None:
-    """The library of gemm.c where it has the quantized kernels (AVX-512), or None."""
-    return _with_body(_gemm_lib(), "gemm_quant_available")
+def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library of gemm.c where it has the quantized kernels (AVX-512, or AVX2 with FMA and F16C), or None."""
+    return _with_body(_gemm_lib(extra_flags), "gemm_quant_available")
 
 
 @functools.cache
-def gemm_q4() -> Gemm | None:
+def gemm_q4(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q4 panels (gemm_q4_f32), or None."""
-    lib = _gemm_quant_lib()
+    lib = _gemm_quant_lib(extra_flags)
     return None if lib is None else Gemm(lib, GEMM_Q4)
 
 
 @functools.cache
-def gemm_q8() -> Gemm | None:
+def gemm_q8(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q8_0 panels (gemm_q8_f32), or None."""
-    lib = _gemm_quant_lib()
+    lib = _gemm_quant_lib(extra_flags)
     return None if lib is None else Gemm(lib, GEMM_Q8)
 
 

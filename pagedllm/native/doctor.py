@@ -34,7 +34,7 @@ def _libraries() -> dict[str, str]:
     if native.lora() is not None:
         what["lora"] = "multi-LoRA shrink and expand (one call per layer)"
     what["gemm"] = ("float32 panels" + ("; Q4/Q8 panels" if native.gemm_q4() is not None else "; no Q4/Q8 panels "
-                                        "(need AVX-512)")) if native.gemm() is not None else "not for this CPU"
+                                        "(need AVX-512, or AVX2 with F16C)")) if native.gemm() is not None else "not for this CPU"
     what["gemm_bf16"] = (("AMX tiles" if native.gemm_bf16_uses_amx() else "AVX512-BF16 vdpbf16ps")
                          if native.gemm_bf16() is not None else "not for this CPU (needs AVX512-BF16)")
     return what

@@ -20,7 +20,9 @@
  * the dense tiles over it.
  *
  * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
- * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time; the quantized kernels need AVX-512.
+ * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time. Its quantized kernels (which also need F16C, as
+ * every AVX2 CPU has, for the fp16 scales) take one row at a time against the codes, the whole panel in 8
+ * accumulators; items of more rows dequantize their panel once and run the dense tiles over it.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
@@ -225,7 +227,7 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4) and Q8_0 (format Q8) ----
  * Per block of 32 along K, a record: the 64 columns' fp16 scales, for Q4 their float32 zeros, then 32 rows of
  * codes. Q4 rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one, a
@@ -233,10 +235,14 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * float32). Both round as the loader's dequantization does, so results equal the dense kernel's. */
 enum { Q4 = 0, Q8 = 1 };
 #define QBLOCK 32 /* weights along K per GGUF block */
-#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* separate roundings: never fused */
 
 static inline int codes_at(const int fmt) { return fmt == Q4 ? NR * 2 + NR * 4 : NR * 2; }
 static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * (fmt == Q4 ? NR / 2 : NR); }
+#endif
+
+#if defined(__AVX512F__)
+#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* separate roundings: never fused */
+#define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
 
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
                                                                __m512 z[4]) {
@@ -332,6 +338,99 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
     }
 }
 
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_TILE_ROWS 1
+
+/* Columns 8j .. 8j + 7 (wj) and 32 + 8j .. 32 + 8j + 7 (wj4) of row kk of a block's record, for j < 4. A Q4 code
+ * minus 8 times its fp16 scale is exact in float32, so one fused multiply-add with the zero rounds once, as the
+ * loader's dequantization does; a Q8 code times its scale is exact. */
+static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *record, int kk, int j, const int fmt,
+                                                               __m256 s, __m256 s4, __m256 z, __m256 z4,
+                                                               __m256 *wj, __m256 *wj4) {
+    if (fmt == Q8) {
+        const int8_t *codes = (const int8_t *)(record + codes_at(Q8)) + kk * NR + 8 * j;
+        *wj = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))), s);
+        *wj4 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32)))),
+                             s4);
+        return;
+    }
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + codes_at(Q4) +
+                                                                                 kk * (NR / 2) + 8 * j)));
+    const __m256i eight = _mm256_set1_epi32(8);
+    const __m256 low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), eight));
+    const __m256 high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
+    *wj = _mm256_fmadd_ps(low, s, z);
+    *wj4 = _mm256_fmadd_ps(high, s4, z4);
+}
+
+/* One row against a quantized panel (8 accumulators), dequantizing as it goes: single-row decode reads each weight
+ * once, a record at a time, the record three ahead fetched meanwhile. Within a record the columns go in pairs of
+ * vectors that share their Q4 code bytes, so only a pair's scales and zeros are held at once. */
+static inline __attribute__((always_inline)) void row_quant(const float *x, const uint8_t *panel, const float *bias,
+                                                            float *y, int K, int cols, const int fmt) {
+    __m256 c[NR / 8];
+    for (int j = 0; j < NR / 8; j++) c[j] = _mm256_setzero_ps();
+    const int bytes = record_bytes(fmt);
+    for (int blk = 0; blk < K / QBLOCK; blk++) {
+        const uint8_t *record = panel + (int64_t)blk * bytes;
+        const float *xb = x + blk * QBLOCK;
+        for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j)));
+            const __m256 s4 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4))));
+            const float *zeros = (const float *)(record + NR * 2);
+            const __m256 z = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps();
+            const __m256 z4 = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps();
+            __m256 cj = c[j], cj4 = c[j + 4];
+            for (int kk = 0; kk < QBLOCK; kk++) {
+                __m256 w, w4;
+                dequant_pair(record, kk, j, fmt, s, s4, z, z4, &w, &w4);
+                const __m256 b = _mm256_broadcast_ss(xb + kk);
+                cj = _mm256_fmadd_ps(b, w, cj);
+                cj4 = _mm256_fmadd_ps(b, w4, cj4);
+            }
+            c[j] = cj, c[j + 4] = cj4;
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = 0; j < NR / 8; j++) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * j), lane);
+        const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + 8 * j, m) : _mm256_setzero_ps();
+        _mm256_maskstore_ps(y + 8 * j, m, _mm256_add_ps(c[j], b));
+    }
+}
+
+static inline __attribute__((always_inline)) void quant_panel_rows(const float *x, int64_t ldx,
+                                                                   const uint8_t *panel, const float *bias, float *y,
+                                                                   int64_t ldy, int K, int row_begin, int row_end,
+                                                                   int cols, const int fmt) {
+    for (int r = row_begin; r < row_end; r++) row_quant(x + r * ldx, panel, bias, y + r * ldy, K, cols, fmt);
+}
+
+/* The quantized panel as a dense [K][64] one. */
+static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel, int K, float *dense,
+                                                                const int fmt) {
+    for (int blk = 0; blk < K / QBLOCK; blk++) {
+        const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
+        for (int j = 0; j < 4; j++) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j)));
+            const __m256 s4 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4))));
+            const float *zeros = (const float *)(record + NR * 2);
+            const __m256 z = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps();
+            const __m256 z4 = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps();
+            for (int kk = 0; kk < QBLOCK; kk++) {
+                __m256 w, w4;
+                dequant_pair(record, kk, j, fmt, s, s4, z, z4, &w, &w4);
+                float *row = dense + ((int64_t)blk * QBLOCK + kk) * NR;
+                _mm256_store_ps(row + 8 * j, w);
+                _mm256_store_ps(row + 8 * (j + 4), w4);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 static inline __attribute__((always_inline)) int gemm_quant(const float *x, int64_t ldx, const uint8_t *packed,
                                                             const float *bias, float *y, int64_t ldy, int M, int N,
                                                             int K, int num_threads, const int fmt) {
@@ -345,7 +444,7 @@ static inline __attribute__((always_inline)) int gemm_quant(const float *x, int6
     {
         /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
          * per tile. */
-        float *scratch = M > MR ? aligned_alloc(64, (size_t)K * NR * sizeof(float)) : NULL;
+        float *scratch = M > QUANT_TILE_ROWS ? aligned_alloc(64, (size_t)K * NR * sizeof(float)) : NULL;
 #pragma omp for schedule(static)
         for (int item = 0; item < items; item++) {
             const int p = item / row_blocks, rb = item % row_blocks;
@@ -353,7 +452,7 @@ static inline __attribute__((always_inline)) int gemm_quant(const float *x, int6
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const uint8_t *panel = packed + p * panel_bytes;
             const float *b = bias == NULL ? NULL : bias + p * NR;
-            if (scratch != NULL && row_end - row_begin > MR) {
+            if (scratch != NULL && row_end - row_begin > QUANT_TILE_ROWS) {
                 dequant_panel(panel, K, scratch, fmt);
                 panel_rows(x, ldx, scratch, b, y + p * NR, ldy, K, row_begin, row_end, cols, NULL);
             } else {

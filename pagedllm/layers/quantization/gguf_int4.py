@@ -4,7 +4,7 @@ Decode on CPU is bound by reading weights, and a 4-bit weight is an eighth of a
 float32 one. A GGUF Q4 block is 32 weights along the input dim with one fp16
 scale ``d`` (and, for Q4_1, one min ``m``): ``w = (q - 8) * scale + zero``, Q4_0
 ``w = d (q - 8)`` giving zero 0 and Q4_1 ``w = d q + m`` zero ``m + 8 d``.
-In float32 on CPU with AVX-512 the native kernel (native/gemm.c, ``gemm_q4_f32``)
+In float32 on CPU with AVX-512 or AVX2 the native kernel (native/gemm.c, ``gemm_q4_f32``)
 multiplies by these exactly as the dense path multiplies by the dequantized
 weights; elsewhere torch's CPU int4 kernel does, its scales and zeros rounded to
 bf16 and its activations run in bf16.

@@ -3,8 +3,8 @@ llama.cpp stores them (1.06 bytes a weight instead of float32's 4), a weight bei
 
 native/gemm.c's ``gemm_q8_f32`` widens each row of codes and scales it in registers, one rounding as the loader's
 dequantization has (exact in float32), then sums in float32 in the dense kernel's order: results equal the dense
-float32 path's on the dequantized weight bit for bit. The kernel needs AVX-512 and float32 activations; where it does
-not apply, GGUFConfig leaves Q8_0 layers dense, dequantized at load (a torch path that rebuilt the weight on every
+float32 path's on the dequantized weight bit for bit. The kernel needs AVX-512 (or AVX2 with FMA and F16C) and float32
+activations; where it does not apply, GGUFConfig leaves Q8_0 layers dense, dequantized at load (a torch path that rebuilt the weight on every
 call would be several times slower than the dense one), so this method always holds the panels.
 """
 
