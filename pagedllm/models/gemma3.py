@@ -24,3 +24,30 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def rotary_embeddings(config: PretrainedConfig) -> dict[str, RotaryEmbedding]:
         """Each layer type's rotary embedding, from its own rope parameters."""
         return {kind: get_rope(head_dim(config), config, kind) for kind in sorted(set(config.layer_types))}
+
+
+# Where a Gemma 3 multimodal checkpoint keeps its language model (the hub's layout, and the one transformers 4.52-4.5x
+# saved), and the prefixes of what only images use.
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model_name(name: str) -> str | None:
+    """A multimodal checkpoint tensor's name in Gemma3ForCausalLM, or None for the vision tower's and projector's."""
+    if name.startswith(_VISION_PREFIXES):
+        return None
+    for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name.removeprefix(prefix)
+    return name
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The language model of a Gemma 3 multimodal checkpoint (the 4B and larger models), text in and text out: its
+    config is the checkpoint's text config (models/hf_config.py), its weights the language model's, the vision
+    tower and projector left unread. Prompts are token ids or text; there is no image input."""
+
+    def load_weights(self, weights):
+        renamed = ((_language_model_name(name), tensor) for name, tensor in weights)
+        return super().load_weights((name, tensor) for name, tensor in renamed if name is not None)

@@ -31,11 +31,29 @@ def _from_pretrained(auto_class, path: str):
     return obj
 
 
+# Multimodal architectures whose language model runs on its own here, text in and text out (vLLM runs them whole):
+# the checkpoint's text config becomes the model's config, keeping the architecture's name, by which the registry
+# picks the class that loads the language model's weights and skips the vision tower's.
+TEXT_PART_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
+
+def _text_part(config: PretrainedConfig) -> PretrainedConfig:
+    """``config``, or for an architecture in TEXT_PART_ARCHITECTURES its language model's config."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not TEXT_PART_ARCHITECTURES.intersection(architectures) or getattr(config, "text_config", None) is None:
+        return config
+    text = config.text_config
+    text.architectures = architectures
+    if getattr(text, "dtype", None) is None:  # saved on the outer config only
+        text.dtype = getattr(config, "dtype", None)
+    return text
+
+
 @functools.lru_cache(maxsize=8)
 def _load_hf_config_cached(path: str) -> PretrainedConfig:
     config = _from_pretrained(AutoConfig, path)
     resolved = resolve_model(path)
-    return complete_gguf_config(config, resolved) if resolved.endswith(".gguf") else config
+    return complete_gguf_config(config, resolved) if resolved.endswith(".gguf") else _text_part(config)
 
 
 def load_hf_config(path: str) -> PretrainedConfig:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
-from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 _MODELS: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # its language model (models/hf_config.py)
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,

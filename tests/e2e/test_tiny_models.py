@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
+                          Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig)
 
 from pagedllm import SamplingParams
 from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, running_llm
@@ -52,6 +53,32 @@ def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, ex
         assert llm.get_stats().num_preemptions > 0
     assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 24)
 
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path, tokenizer):
+    """A Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration, as the 4B and larger models ship: language
+    model, SigLIP vision tower and projector, the text config nested) serves text prompts with its language model:
+    the engine's greedy tokens are transformers' for the whole model on the same token ids."""
+    text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            initializer_range=0.2, sliding_window=8, head_dim=16, query_pre_attn_scalar=16,
+                            layer_types=["sliding_attention", "full_attention"], eos_token_id=2, bos_token_id=1,
+                            pad_token_id=0, tie_word_embeddings=False)  # an LM head of its own: its name is mapped too
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                          boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = Gemma3ForConditionalGeneration(config).eval()
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3))]
+    with running_llm(str(tmp_path), dtype="float32", max_model_len=512, max_num_batched_tokens=32) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert all(len(set(t)) > 12 for t in tokens)  # varied outputs, not one token repeated
+    assert_transformers_greedy(reference, prompts, tokens, 24)
 
 
 ORIGINAL = 32  # the original context (dynamic's is max_position_embeddings); the prompts fit it, outputs cross it
