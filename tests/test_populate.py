@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 
 import pytest
 import torch
@@ -58,6 +59,29 @@ def test_it_stops_when_the_cache_is_freed(monkeypatch):
     del buffer
     thread.join(timeout=60)
     assert not thread.is_alive() and len(calls) < 64
+
+
+def test_interpreter_exit_stops_and_joins_the_thread(monkeypatch):
+    """At exit (the atexit handler) the thread leaves its loop at the next chunk and is joined, so it never comes
+    back from madvise into a finalizing interpreter."""
+    monkeypatch.setattr(populate, "_exiting", threading.Event())  # the module's own stays unset for later tests
+    entered, released, calls = threading.Event(), threading.Event(), []
+    libc = linux_libc()
+
+    class BlockingLibc:  # the first call waits until exit has begun: the thread is mid-populate then
+        def madvise(self, *args):
+            calls.append(args)
+            entered.set()
+            released.wait(timeout=60)
+            return libc.madvise(*args)
+
+    monkeypatch.setattr(populate, "linux_libc", BlockingLibc)
+    buffer = huge_page_zeros(64 * HUGE_PAGE)
+    thread = populate.populate_in_background([buffer])
+    assert entered.wait(timeout=60)
+    threading.Timer(0.2, released.set).start()  # the madvise returns while _stop_at_exit is waiting on it
+    populate._stop_at_exit()
+    assert not thread.is_alive() and len(calls) == 1
 
 
 def test_startup_mode_returns_with_the_cache_resident():

@@ -10,10 +10,13 @@ in block order (every tensor's first 2 MiB, then the next), the order in which t
 blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe beside the
 kernels writing K/V into the same pages. It stops when memory runs short (engines started side by side each size
 their cache from the memory available then, counting on untouched pages costing nothing), when the cache is
-freed, or where the call is not supported.
+freed, where the call is not supported, or at interpreter exit (the thread is stopped and joined then: a daemon
+thread that comes back from madvise into a finalizing interpreter is torn down mid-call, and in-process engines
+aborted at exit, "terminate called without an active exception", in about one run in ten).
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import os
@@ -33,6 +36,18 @@ _MADV_POPULATE_WRITE = 23
 MIN_AVAILABLE_BYTES = 2 << 30
 MIN_AVAILABLE_FRACTION = 0.1
 _CHECK_MEMORY_EVERY = 32  # chunks; psutil's reading costs more than one chunk's madvise calls
+_EXIT_JOIN_SECONDS = 5.0  # a chunk is a few 2 MiB madvise calls: the thread stops within one
+_exiting = threading.Event()
+_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """Stop every populating thread before the interpreter finalizes (atexit runs before daemon threads are
+    frozen), and wait for it to leave its madvise call."""
+    _exiting.set()
+    for thread in list(_threads):
+        thread.join(_EXIT_JOIN_SECONDS)
 
 
 def populate_in_background(buffers: list[torch.Tensor]) -> threading.Thread | None:
@@ -43,6 +58,7 @@ def populate_in_background(buffers: list[torch.Tensor]) -> threading.Thread | No
         return None
     refs = [weakref.ref(b) for b in buffers]
     thread = threading.Thread(target=_populate, args=(libc, refs), name="kv-cache-populate", daemon=True)
+    _threads.add(thread)
     thread.start()
     return thread
 
@@ -50,8 +66,8 @@ def populate_in_background(buffers: list[torch.Tensor]) -> threading.Thread | No
 def _populate(libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only
     reserve = max(MIN_AVAILABLE_BYTES, int(psutil.virtual_memory().total * MIN_AVAILABLE_FRACTION))
-    start, done, chunk = time.monotonic(), 0, 0
-    while True:
+    start, done, chunk, populated = time.monotonic(), 0, 0, None
+    while not _exiting.is_set():
         if chunk % _CHECK_MEMORY_EVERY == 0 and psutil.virtual_memory().available < reserve:
             logger.debug("KV cache populating stopped at %d MiB: under %d MiB available", done >> 20, reserve >> 20)
             return
