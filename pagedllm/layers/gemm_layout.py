@@ -21,11 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
-from pagedllm.platforms.cpu import HugePageArena
+from pagedllm.platforms.cpu import HugePageArena, cpu_flags
 
 PANEL = 64  # output columns per panel; gemm.c's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
-PANELS_MAX_ROWS = 128  # larger batches go to MKL where the weight is also kept for it
+# Larger batches go to MKL, where the weight is also kept for it. Where MKL overtakes the panels depends on their
+# body: the AVX-512 one (6 x 64 tiles) at ~128 rows; the AVX2 one (6 x 16 tiles) was level with or ahead of MKL up to
+# 1024 rows on the AVX2-only EPYC measured (docs/benchmarks.md), which serving's mixed steps (~200 rows) gain from.
+PANELS_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 BF16_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_bf16.c's PANEL_COLS, KBLOCK
 
 
