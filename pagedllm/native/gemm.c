@@ -341,17 +341,30 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_TILE_ROWS 1
 
+/* The scales and (Q4) zeros of column vectors j and j + 4 of a block's record, for j < 4. */
+typedef struct {
+    __m256 s, s4, z, z4;
+} PairParams;
+
+static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, int j, const int fmt) {
+    const float *zeros = (const float *)(record + NR * 2);
+    const PairParams p = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j))),
+                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4)))),
+                          fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps(),
+                          fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps()};
+    return p;
+}
+
 /* Columns 8j .. 8j + 7 (wj) and 32 + 8j .. 32 + 8j + 7 (wj4) of row kk of a block's record, for j < 4. A Q4 code
  * minus 8 times its fp16 scale is exact in float32, so one fused multiply-add with the zero rounds once, as the
  * loader's dequantization does; a Q8 code times its scale is exact. */
 static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *record, int kk, int j, const int fmt,
-                                                               __m256 s, __m256 s4, __m256 z, __m256 z4,
-                                                               __m256 *wj, __m256 *wj4) {
+                                                               const PairParams *p, __m256 *wj, __m256 *wj4) {
     if (fmt == Q8) {
         const int8_t *codes = (const int8_t *)(record + codes_at(Q8)) + kk * NR + 8 * j;
-        *wj = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))), s);
+        *wj = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))), p->s);
         *wj4 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32)))),
-                             s4);
+                             p->s4);
         return;
     }
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + codes_at(Q4) +
@@ -359,8 +372,8 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
     const __m256i eight = _mm256_set1_epi32(8);
     const __m256 low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), eight));
     const __m256 high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
-    *wj = _mm256_fmadd_ps(low, s, z);
-    *wj4 = _mm256_fmadd_ps(high, s4, z4);
+    *wj = _mm256_fmadd_ps(low, p->s, p->z);
+    *wj4 = _mm256_fmadd_ps(high, p->s4, p->z4);
 }
 
 /* One row against a quantized panel (8 accumulators), dequantizing as it goes: single-row decode reads each weight
@@ -376,15 +389,11 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
         const float *xb = x + blk * QBLOCK;
         for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
         for (int j = 0; j < 4; j++) {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j)));
-            const __m256 s4 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4))));
-            const float *zeros = (const float *)(record + NR * 2);
-            const __m256 z = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps();
-            const __m256 z4 = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps();
+            const PairParams params = pair_params(record, j, fmt);
             __m256 cj = c[j], cj4 = c[j + 4];
             for (int kk = 0; kk < QBLOCK; kk++) {
                 __m256 w, w4;
-                dequant_pair(record, kk, j, fmt, s, s4, z, z4, &w, &w4);
+                dequant_pair(record, kk, j, fmt, &params, &w, &w4);
                 const __m256 b = _mm256_broadcast_ss(xb + kk);
                 cj = _mm256_fmadd_ps(b, w, cj);
                 cj4 = _mm256_fmadd_ps(b, w4, cj4);
@@ -413,14 +422,10 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
     for (int blk = 0; blk < K / QBLOCK; blk++) {
         const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
         for (int j = 0; j < 4; j++) {
-            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j)));
-            const __m256 s4 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4))));
-            const float *zeros = (const float *)(record + NR * 2);
-            const __m256 z = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps();
-            const __m256 z4 = fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps();
+            const PairParams params = pair_params(record, j, fmt);
             for (int kk = 0; kk < QBLOCK; kk++) {
                 __m256 w, w4;
-                dequant_pair(record, kk, j, fmt, s, s4, z, z4, &w, &w4);
+                dequant_pair(record, kk, j, fmt, &params, &w, &w4);
                 float *row = dense + ((int64_t)blk * QBLOCK + kk) * NR;
                 _mm256_store_ps(row + 8 * j, w);
                 _mm256_store_ps(row + 8 * (j + 4), w4);
