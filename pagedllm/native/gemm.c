@@ -140,6 +140,16 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, int
     }
 }
 
+/* y[0:cols] = one row's 8 accumulators (64 columns) + bias; the row kernels' (dense and quantized) epilogue. */
+static inline void store_row(const __m256 c[NR / 8], const float *bias, float *y, int cols) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int j = 0; j < NR / 8; j++) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * j), lane);
+        const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + 8 * j, m) : _mm256_setzero_ps();
+        _mm256_maskstore_ps(y + 8 * j, m, _mm256_add_ps(c[j], b));
+    }
+}
+
 /* One row against the whole panel (8 accumulators): single-row decode reads each weight once, so the panel is
  * streamed in one pass with all its lines fetched ahead, not four strip passes. */
 static void row_tile(const float *x, const float *panel, const float *bias, float *y, int K, int cols) {
@@ -152,12 +162,7 @@ static void row_tile(const float *x, const float *panel, const float *bias, floa
         const __m256 b = _mm256_broadcast_ss(x + k);
         for (int j = 0; j < NR / 8; j++) c[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + 8 * j), c[j]);
     }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int j = 0; j < NR / 8; j++) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * j), lane);
-        const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + 8 * j, m) : _mm256_setzero_ps();
-        _mm256_maskstore_ps(y + 8 * j, m, _mm256_add_ps(c[j], b));
-    }
+    store_row(c, bias, y, cols);
 }
 
 /* As the AVX-512 panel_rows, strip by strip under each tile of rows (its rows of x stay in L1); the first tile
@@ -387,7 +392,8 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
     for (int blk = 0; blk < K / QBLOCK; blk++) {
         const uint8_t *record = panel + (int64_t)blk * bytes;
         const float *xb = x + blk * QBLOCK;
-        for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
+        for (int line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
         for (int j = 0; j < 4; j++) {
             const PairParams params = pair_params(record, j, fmt);
             __m256 cj = c[j], cj4 = c[j + 4];
@@ -401,12 +407,7 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
             c[j] = cj, c[j + 4] = cj4;
         }
     }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int j = 0; j < NR / 8; j++) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * j), lane);
-        const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + 8 * j, m) : _mm256_setzero_ps();
-        _mm256_maskstore_ps(y + 8 * j, m, _mm256_add_ps(c[j], b));
-    }
+    store_row(c, bias, y, cols);
 }
 
 static inline __attribute__((always_inline)) void quant_panel_rows(const float *x, int64_t ldx,
