@@ -20,7 +20,8 @@
  * the dense tiles over it.
  *
  * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
- * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time. Its quantized kernels (which also need F16C, as
+ * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
+ * while it multiplies the present one from cache. Its quantized kernels (which also need F16C, as
  * every AVX2 CPU has, for the fp16 scales) take one row at a time against the codes, the whole panel in 8
  * accumulators; items of more rows dequantize their panel once and run the dense tiles over it.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
@@ -28,6 +29,7 @@
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #define NR 64 /* output columns per panel */
 #define MR 6  /* rows per register tile */
@@ -116,12 +118,14 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
 /* rows x 16 strip of a panel (rows <= MR): y[r][0:cols] = x[r] . strip (+ bias), cols <= 16. */
 static inline __attribute__((always_inline)) void strip_tile(const float *x, int64_t ldx, const float *strip,
                                                              const float *bias, float *y, int64_t ldy, int K,
-                                                             const int rows, int cols, int prefetch) {
+                                                             const int rows, int cols, int prefetch,
+                                                             const char *ahead, int ahead_lines) {
     __m256 c[MR][2];
     for (int r = 0; r < rows; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
         const float *wk = strip + (int64_t)k * NR;
         if (prefetch) _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR), _MM_HINT_T0);
+        for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + ((int64_t)k * ahead_lines + l) * 64, _MM_HINT_T1);
         const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
         for (int r = 0; r < rows; r++) {
             const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
@@ -165,23 +169,52 @@ static void row_tile(const float *x, const float *panel, const float *bias, floa
     store_row(c, bias, y, cols);
 }
 
+/* Whether two panels of K rows fit in three quarters of this core's L2 (sysconf's size; 256 KB where it gives
+ * none), so that fetching the next one does not evict the one being multiplied. */
+static int two_panels_fit_l2(int K) {
+    static long l2 = -1;
+    if (l2 < 0) {
+        const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = size > 0 ? size : 256 * 1024;
+    }
+    return 2 * (int64_t)K * NR * (int64_t)sizeof(float) <= l2 / 4 * 3;
+}
+
 /* As the AVX-512 panel_rows, strip by strip under each tile of rows (its rows of x stay in L1); the first tile
- * over the panel prefetches it. next_panel is unused. */
+ * over the panel prefetches it. next_panel (this thread's next, or NULL) is fetched into L2 by the passes (a tile
+ * over a strip) after the first tile's, a share of its lines each, spread over the pass's steps: memory streams
+ * it while this panel is multiplied from cache. An item of a single tile (up to MR rows) fetches it in all its
+ * passes, its own panel having been fetched by the item before. */
 static void panel_rows(const float *x, int64_t ldx, const float *panel, const float *bias, float *y, int64_t ldy,
                        int K, int row_begin, int row_end, int cols, const float *next_panel) {
-    (void)next_panel;
     if (row_end - row_begin == 1) {
         row_tile(x + row_begin * ldx, panel, bias, y + row_begin * ldy, K, cols);
         return;
     }
+    const int strips = (cols + 15) / 16, tiles = (row_end - row_begin + MR - 1) / MR;
+    const int fetching_from = tiles == 1 ? 0 : strips, row_lines = NR * (int)sizeof(float) / 64;
+    const int fetching = tiles * strips - fetching_from; /* passes that fetch */
+    const int per_k = next_panel != NULL && fetching > 0 && two_panels_fit_l2(K)
+                          ? (row_lines + fetching - 1) / fetching : 0;
+    int pass = 0;
     for (int r = row_begin; r < row_end; r += MR) {
         const float *xr = x + r * ldx;
-        for (int s = 0; s < NR / 16 && 16 * s < cols; s++) {
+        for (int s = 0; s < strips; s++, pass++) {
             const float *strip = panel + 16 * s, *b = bias == NULL ? NULL : bias + 16 * s;
             float *yr = y + r * ldy + 16 * s;
             const int strip_cols = cols - 16 * s < 16 ? cols - 16 * s : 16, first = r == row_begin;
-#define STRIP_TILE(rows) strip_tile(xr, ldx, strip, b, yr, ldy, K, rows, strip_cols, first)
-            WITH_TILE_ROWS(row_end - r, STRIP_TILE)
+            const int64_t first_line = (int64_t)(pass - fetching_from) * K * per_k;
+            const int fetch = pass >= fetching_from && first_line < (int64_t)K * row_lines ? per_k : 0;
+            const char *ahead = fetch ? (const char *)next_panel + first_line * 64 : NULL;
+            /* two instances: a literal 0 lines drops the fetch loop from the steps of the passes without one */
+#define STRIP_TILE(rows) strip_tile(xr, ldx, strip, b, yr, ldy, K, rows, strip_cols, first, NULL, 0)
+#define STRIP_TILE_FETCHING(rows) strip_tile(xr, ldx, strip, b, yr, ldy, K, rows, strip_cols, first, ahead, fetch)
+            if (fetch) {
+                WITH_TILE_ROWS(row_end - r, STRIP_TILE_FETCHING)
+            } else {
+                WITH_TILE_ROWS(row_end - r, STRIP_TILE)
+            }
+#undef STRIP_TILE_FETCHING
 #undef STRIP_TILE
         }
     }
