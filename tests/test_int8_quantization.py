@@ -17,7 +17,6 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod, pack_w8a8_panels, quantize_symmetric
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
-from pagedllm.platforms.cpu import cpu_flags
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
@@ -33,7 +32,10 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y if bias is None else y + bias
 
 
-@pytest.mark.parametrize("body", ["native", "avx2"])
+BODIES = ["native", "avx2", "avx2_no_vnni"]  # the AVX-512 body where built, the 256-bit one with and without AVX-VNNI
+
+
+@pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("rows, out_features, in_features", [
     (1, 64, 64), (3, 40, 60), (5, 17, 7), (17, 1536, 576), (130, 576, 1536), (0, 16, 16), (4, 48, 70)])
 def test_native_kernel_is_the_quantized_product(body, rows, out_features, in_features):
@@ -52,7 +54,20 @@ def test_native_kernel_is_the_quantized_product(body, rows, out_features, in_fea
         assert 0 < relative < 0.03  # quantized: close to the float product, not equal to it
 
 
-@pytest.mark.parametrize("path", ["native", "avx2", "torch"])
+@pytest.mark.parametrize("body", BODIES)
+def test_extreme_codes_sum_exactly(body):
+    """Every code at +-127 with the signs matching (each product 127 * 127, the int16 pairs of the AVX2 steps at
+    their largest) or opposed: the sums are exact, not saturated."""
+    kernel = native_build(body, "gemm_w8a8")
+    signs = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    weight = torch.stack([signs, -signs, torch.ones(256)] * 6)  # 18 columns: a partial second panel
+    x = torch.stack([signs, -signs, signs.flip(0)])
+    y = kernel(x, pack_w8a8_panels(*quantize_symmetric(weight)), None, 18)
+    torch.testing.assert_close(y, _reference(x, weight, None), rtol=1e-6, atol=1e-5)
+    assert y[0, 0] == y[1, 1] == -y[0, 1] == -y[1, 0] == 256.0
+
+
+@pytest.mark.parametrize("path", [*BODIES, "torch"])
 def test_layer_paths_agree(path):
     """A W8A8 linear layer on either path (chosen when its weight is packed, after loading) gives the quantized
     product; torch's path multiplies the same codes with torch._int_mm."""
@@ -175,21 +190,22 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
         EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()
 
 
-@pytest.mark.skipif("avx512_vnni" not in cpu_flags(), reason="the native build is the AVX-VNNI body here too")
-def test_the_two_bodies_agree_to_the_bit():
-    """The AVX-VNNI body computes what the AVX512-VNNI one does, bit for bit (codes, int32 sums, epilogue order)."""
-    wide, narrow = native_build("native", "gemm_w8a8"), native_build("avx2", "gemm_w8a8")
+@pytest.mark.parametrize("lesser", ["avx2", "avx2_no_vnni"])
+def test_the_bodies_agree_to_the_bit(lesser):
+    """The 256-bit body (AVX-VNNI's vpdpbusd or AVX2's vpmaddubsw steps) computes what this CPU's best body does,
+    bit for bit (codes, int32 sums, epilogue order)."""
+    best, narrow = native_build("native", "gemm_w8a8"), native_build(lesser, "gemm_w8a8")
     gen = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen)
     panels = pack_w8a8_panels(*quantize_symmetric(weight))
     x = torch.randn(37, 300, generator=gen) * torch.logspace(-3, 3, 300)  # rows with wide ranges
-    assert torch.equal(wide(x, panels, bias, 200), narrow(x, panels, bias, 200))
+    assert torch.equal(best(x, panels, bias, 200), narrow(x, panels, bias, 200))
     gated = pack_w8a8_panels(*quantize_symmetric(weight[:192]))
     assert torch.equal(native_build("native", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96),
-                       native_build("avx2", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96))
+                       native_build(lesser, "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96))
 
 
-@pytest.mark.parametrize("body", ["native", "avx2"])
+@pytest.mark.parametrize("body", BODIES)
 def test_gated_panels_fuse_the_activation(body, monkeypatch):
     """A gated MLP's gate_up layer laid out for fused_silu: silu_and_mul is silu(gate) * up of the quantized
     product in one kernel, and the layer's whole output (asked for when the activation cannot be fused) is still

@@ -161,14 +161,14 @@ def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 @functools.cache
 def _gemm_int8_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The library of gemm_int8.c where this CPU has AVX512-VNNI or AVX-VNNI, or None."""
+    """The library of gemm_int8.c where this CPU has AVX2 and FMA (or better), or None."""
     return _with_body(build.load("gemm_int8", GEMM_INT8_SIGNATURES, extra_flags), "gemm_int8_available")
 
 
 @functools.cache
 def gemm_w8a8(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c, AVX512-VNNI or
-    AVX-VNNI); or None, also where the CPU has neither."""
+    """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c: AVX512-VNNI,
+    AVX-VNNI or AVX2); or None, also where the CPU has none of them."""
     lib = _gemm_int8_lib(extra_flags)
     return None if lib is None else Gemm(lib, GEMM_W8A8)
 

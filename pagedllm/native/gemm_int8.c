@@ -12,9 +12,9 @@
  * c's four in bytes 4c..4c+3), then the 16 columns' sw (float32) and 128 * sum w (int32); K's and N's padding is zero
  * weights. The row codes are padded with zero codes to whole groups of 4.
  *
- * Two bodies: AVX512-VNNI (a tile of 4 rows x 4 panels, one vector a panel) and, for CPUs with AVX-VNNI but no
- * AVX-512 (Alder Lake and later), the same on 256-bit vectors (2 rows x 2 panels, two vectors a panel); the results
- * are the same to the bit.
+ * Two bodies, whose results are the same to the bit: AVX512-VNNI (a tile of 4 rows x 4 panels, one vector a
+ * panel) and a 256-bit one (2 rows x 2 panels, two vectors a panel) for CPUs without AVX-512, with AVX-VNNI (Alder
+ * Lake and later) or AVX2 alone (see there).
  *
  * gemm_w8a8_silu_mul_f32 is the gated MLP's gate_up projection with its activation fused in: its panels alternate
  * gate and up 16 columns at a time (gate columns 16q.., then up columns 16q..), N = 2 * d with d a multiple of 16, no
@@ -110,28 +110,38 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
 }
 
 #define GEMM_INT8_BODY
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__AVXVNNI__)
-/* The same panels and arithmetic with AVX-VNNI (vpdpbusd on 256-bit vectors: Intel's client cores from Alder Lake
- * on, Sierra Forest): a group of 4 k for 16 columns is two vectors (columns 0-7, 8-15); a tile is MR rows x NP
- * panels, 8 accumulators, within AVX2's 16 registers. */
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same panels and arithmetic on 256-bit vectors: a group of 4 k for 16 columns is two vectors (columns 0-7,
+ * 8-15); a tile is MR rows x NP panels, 8 accumulators, within AVX2's 16 registers. With AVX-VNNI (Intel's client
+ * cores from Alder Lake on, Sierra Forest) vpdpbusd sums each group as the AVX-512 body's does. With AVX2 alone
+ * (AMD Zen 1-3, Intel before Alder Lake) a group's sum takes three steps, as llama.cpp's AVX2 dot products do:
+ * vpmaddubsw multiplies |q| (unsigned) by w carrying q's sign (vpsignb) and adds pairs into int16 lanes (at most
+ * 2 * 127 * 127 in magnitude: never saturated, so exact), vpmaddwd adds those pairs into int32. There the codes
+ * go in signed: no 128 is added, and nothing is taken back off. The int32 sums are the same either way. */
 #include <immintrin.h>
 
 enum { MR = 2, NP = 2 };
 _Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
+
+#if defined(__AVXVNNI__)
+#define CODE_OFFSET 128 /* vpdpbusd's operand is unsigned: q + 128, each column's 128 * sum w taken back off */
+#else
+#define CODE_OFFSET 0
+#endif
 
 /* A mask of the first n of 8 lanes (all of them for n >= 8, none for n <= 0), for maskload. */
 static inline __m256i first_lanes(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-/* 8 lanes of x * inv rounded (rint) and clamped to [-127, 127], plus 128. */
+/* 8 lanes of x * inv rounded (rint) and clamped to [-127, 127], plus CODE_OFFSET. */
 static inline __m256i codes8(__m256 x, __m256 inv) {
     const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
     return _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(c, _mm256_set1_epi32(-127)), _mm256_set1_epi32(127)),
-                            _mm256_set1_epi32(128));
+                            _mm256_set1_epi32(CODE_OFFSET));
 }
 
-/* Row m's codes (+128, K4 * 4 bytes) into q and its scale into sx[m]. */
+/* Row m's codes (+ CODE_OFFSET, K4 * 4 bytes) into q and its scale into sx[m]. */
 static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx) {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     __m256 vmax = _mm256_setzero_ps();
@@ -144,7 +154,8 @@ static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx)
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     *sx = amax / 127.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
-    /* 32 codes a pass: two packs interleave the four vectors by 128-bit lane, the permute puts them in order */
+    /* 32 codes a pass: two packs interleave the four vectors by 128-bit lane, the permute puts them in order
+     * (packs with unsigned saturation for codes + 128, in [1, 255]; signed for codes in [-127, 127]) */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (k = 0; k < K4 * 4; k += 32) { /* the last pass from a copy zero-padded to 32: zero codes past K */
         float padded[32];
@@ -156,11 +167,25 @@ static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx)
         }
         const __m256i c0 = codes8(_mm256_loadu_ps(src), vinv), c1 = codes8(_mm256_loadu_ps(src + 8), vinv);
         const __m256i c2 = codes8(_mm256_loadu_ps(src + 16), vinv), c3 = codes8(_mm256_loadu_ps(src + 24), vinv);
+        const __m256i packed = CODE_OFFSET
+                                   ? _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3))
+                                   : _mm256_packs_epi16(_mm256_packs_epi32(c0, c1), _mm256_packs_epi32(c2, c3));
         uint8_t bytes[32];
-        _mm256_storeu_si256((__m256i *)bytes, _mm256_permutevar8x32_epi32(
-            _mm256_packus_epi16(_mm256_packus_epi32(c0, c1), _mm256_packus_epi32(c2, c3)), order));
+        _mm256_storeu_si256((__m256i *)bytes, _mm256_permutevar8x32_epi32(packed, order));
         memcpy(q + k, bytes, (size_t)(K4 * 4 - k < 32 ? K4 * 4 - k : 32));
     }
+}
+
+/* acc + each lane's sum of its 4 codes times the row's 4 codes (xb: those in every lane; abs_xb: their absolute
+ * values, which only the AVX2 steps read). */
+static inline __attribute__((always_inline)) __m256i dot4(__m256i acc, __m256i xb, __m256i abs_xb, __m256i w) {
+#if defined(__AVXVNNI__)
+    (void)abs_xb;
+    return _mm256_dpbusd_avx_epi32(acc, xb, w);
+#else
+    const __m256i pairs = _mm256_maddubs_epi16(abs_xb, _mm256_sign_epi8(w, xb));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
 }
 
 /* rows (<= MR) x np (<= NP) panels from panel p0, as the AVX-512 body's tile. */
@@ -181,9 +206,9 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
         for (int r = 0; r < rows; r++) {
             int32_t four;
             memcpy(&four, q + r * ldq + (int64_t)k4 * 4, sizeof four);
-            const __m256i xb = _mm256_set1_epi32(four);
+            const __m256i xb = _mm256_set1_epi32(four), abs_xb = _mm256_abs_epi8(xb);
             for (int j = 0; j < np; j++)
-                for (int h = 0; h < 2; h++) acc[r][j][h] = _mm256_dpbusd_avx_epi32(acc[r][j][h], xb, w[j][h]);
+                for (int h = 0; h < 2; h++) acc[r][j][h] = dot4(acc[r][j][h], xb, abs_xb, w[j][h]);
         }
     }
     float gate[MR][NR];
@@ -197,10 +222,11 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
             float out[NR];
             for (int h = 0; h < 2; h++) { /* the AVX-512 body's arithmetic, in its order */
                 const __m256 sw = _mm256_loadu_ps((const float *)tail + 8 * h);
-                const __m256i comp = _mm256_loadu_si256((const __m256i *)(tail + NR * 4 + 32 * h));
-                const __m256 sums = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][j][h], comp));
-                _mm256_storeu_ps(out + 8 * h,
-                                 _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(sums, _mm256_set1_ps(sx[r])), sw), b[h]));
+                const __m256i sums = CODE_OFFSET ? _mm256_sub_epi32(acc[r][j][h], _mm256_loadu_si256(
+                                                       (const __m256i *)(tail + NR * 4 + 32 * h)))
+                                                 : acc[r][j][h];
+                _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(sx[r])), sw), b[h]));
             }
             if (!gated) {
                 memcpy(y + r * ldy + col, out, (size_t)cols * sizeof(float));

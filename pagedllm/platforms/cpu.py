@@ -63,7 +63,8 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     if kernels.bf16_panels:
         gemm = "bf16 weight panels (" + ("AMX" if native.gemm_bf16_uses_amx() else "AVX512-BF16 vdpbf16ps") + ")"
     elif float32 and native.gemm() is not None:
-        gemm = f"float32 panels ({'AVX-512' if 'avx512f' in cpu_flags() else 'AVX2'}; MKL above 128 rows)"
+        from pagedllm.layers.gemm_layout import PANELS_MAX_ROWS  # imports this module: not at the top
+        gemm = f"float32 panels ({'AVX-512' if 'avx512f' in cpu_flags() else 'AVX2'}; MKL above {PANELS_MAX_ROWS} rows)"
     else:
         gemm = f"torch ({_name(kernels.compute_dtype)})"
     if quantization in ("gguf", "gguf_int4"):
@@ -73,7 +74,7 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
         gemm += "; GGUF Q8_0 layers: " + ("native Q8_0 panels" if float32 and native.gemm_q8() is not None
                                           else "dequantized at load")
     elif quantization == "int8":
-        gemm = "W8A8: " + ("native int8 panels (VNNI)" if float32 and native.gemm_w8a8() is not None
+        gemm = "W8A8: " + ("native int8 panels" if float32 and native.gemm_w8a8() is not None
                            else "torch int8 matmul")
     fused = "native" if float32 and native.fused_ops() is not None else "torch"
     return {"attention (decode)": decode, "attention (prefill)": prefill, "GEMMs": gemm, "fused ops": fused}
