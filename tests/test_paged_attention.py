@@ -29,19 +29,20 @@ PAIRED_TOLERANCE = 1e-2
 
 @pytest.fixture(autouse=True, params=["native", "avx2", "portable", "torch"])
 def decode_path(request, monkeypatch):
-    """Rows in float32 go to the native kernels when they build ("native": with AVX-512 where the CPU has it,
-    prefill chunks too; "avx2": the decode kernel's AVX2 body where the CPU has AVX2, and "portable": its plain
-    C body, each with prefill on the torch path, as without AVX-512); "torch" forces the gather path."""
+    """Rows in float32 go to the native kernels when they build ("native": the CPU's best bodies, AVX-512 where it
+    has it; "avx2": the decode kernel's and the prefill tiles' AVX2 bodies where the CPU has AVX2, and "portable":
+    the decode kernel's plain C body, with prefill on the torch path); "torch" forces the gather path."""
     if request.param == "torch":
         monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
         monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
     elif request.param in LESSER_BUILDS:
         skip_lesser_build_that_is_native(request.param)
         flags = LESSER_BUILDS[request.param]
-        build = native.paged_decode  # each cache dtype's lesser build made when a case first asks for it
-        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: build(kv_dtype, flags))
-        assert native.paged_prefill(torch.float32, flags) is None
-        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
+        # each cache dtype's lesser build made when a case first asks for it
+        decode, prefill = native.paged_decode, native.paged_prefill
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: decode(kv_dtype, flags))
+        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: prefill(kv_dtype, flags))
+        assert (prefill(torch.float32, flags) is None) == (request.param == "portable")
     return request.param
 
 
@@ -172,7 +173,7 @@ def test_prefill_tiles(decode_path, head_dim, heads, kv_heads, block_size):
     """Prompts over several tiles (32 / group tokens each), chunks after cached context, and decode rows."""
     requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16)]
     plan = _run_case(requests, heads, kv_heads, head_dim, block_size, torch.float32, seed=head_dim + heads)
-    assert (plan.native_prefill is not None) == (decode_path == "native" and native.paged_prefill() is not None)
+    assert (plan.native_prefill is not None) == (native.paged_prefill() is not None)
     assert plan.prefills == [] or plan.native_prefill is None
 
 
@@ -181,7 +182,7 @@ def test_head_size_256(decode_path, heads, kv_heads):
     """The Gemmas' head size: the vector decode bodies for groups 1, 2 and 4, and the prefill tiles."""
     requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1)]
     plan = _run_case(requests, heads, kv_heads, 256, 16, torch.float32, seed=heads + kv_heads)
-    assert (plan.native_prefill is not None) == (decode_path == "native" and native.paged_prefill() is not None)
+    assert (plan.native_prefill is not None) == (native.paged_prefill() is not None)
 
 
 def test_prefill_tiles_after_a_shared_prefix(low_cascade_threshold, decode_path):
@@ -197,7 +198,7 @@ def test_decode_rows_after_a_shared_prefix_on_the_native_prefix_kernel(low_casca
     requests = [(12 + 3 * i, 1) for i in range(11)]  # 11 rows x 3 heads: several 32-lane tiles
     plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=11, shared_blocks=3, consecutive=consecutive)
     assert plan.prefix is not None and plan.decode_only
-    assert plan.native_prefix == (decode_path == "native" and native.paged_prefill() is not None)
+    assert plan.native_prefix == (native.paged_prefill() is not None)
 
 
 @settings(max_examples=30, deadline=None)
@@ -219,7 +220,7 @@ def test_bf16_cache_under_float32_queries(decode_path, head_dim, block_size):
     decode body, the prefill tiles), the torch path widens what it gathers; float32 results either way."""
     requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
     plan = _run_case(requests, 9, 3, head_dim, block_size, torch.float32, seed=head_dim, kv_dtype=torch.bfloat16)
-    native_prefill = decode_path == "native" and native.paged_prefill(torch.bfloat16) is not None
+    native_prefill = native.paged_prefill(torch.bfloat16) is not None
     assert (plan.native_prefill is not None) == (native_prefill and head_dim in (64, 128, 256))
 
 
@@ -229,7 +230,7 @@ def test_bf16_cache_after_a_shared_prefix(low_cascade_threshold, decode_path, co
     plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=5, shared_blocks=3, consecutive=consecutive,
                      kv_dtype=torch.bfloat16)
     assert plan.prefix is not None
-    assert plan.native_prefix == (decode_path == "native" and native.paged_prefill(torch.bfloat16) is not None)
+    assert plan.native_prefix == (native.paged_prefill(torch.bfloat16) is not None)
 
 
 @pytest.fixture
@@ -295,7 +296,7 @@ def test_sliding_window(decode_path, sliding_window, block_size, heads, kv_heads
     path's batched decode and per-chunk prefill) attends only each query's window."""
     plan = _run_case(WINDOW_REQUESTS, heads, kv_heads, head_dim, block_size, torch.float32, seed=sliding_window,
                      sliding_window=sliding_window)
-    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128, 256)
+    native_prefill = native.paged_prefill() is not None and head_dim in (64, 128, 256)
     assert (plan.native_prefill is not None) == native_prefill
 
 
@@ -326,7 +327,7 @@ def test_logit_soft_cap(decode_path, logits_soft_cap, heads, kv_heads, head_dim)
     path's batched decode and per-chunk prefill in plain ops) caps the scores before the softmax."""
     plan = _run_case(WINDOW_REQUESTS, heads, kv_heads, head_dim, 4, torch.float32, seed=heads,
                      logits_soft_cap=logits_soft_cap)
-    native_prefill = decode_path == "native" and native.paged_prefill() is not None and head_dim in (64, 128, 256)
+    native_prefill = native.paged_prefill() is not None and head_dim in (64, 128, 256)
     assert (plan.native_prefill is not None) == native_prefill
 
 
@@ -340,7 +341,7 @@ def test_logit_soft_cap_under_a_window_and_a_shared_prefix(low_cascade_threshold
     plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=3, shared_blocks=3, kv_dtype=kv_dtype,
                      logits_soft_cap=2.0)
     assert plan.prefix is not None
-    assert plan.native_prefix == (decode_path == "native" and native.paged_prefill(kv_dtype) is not None)
+    assert plan.native_prefix == (native.paged_prefill(kv_dtype) is not None)
 
 
 def test_kv_cache_allocation():
@@ -372,8 +373,7 @@ def test_quantized_cache(quantized_path, kv_dtype):
     reference attends to the dequantized rows), on decode rows, prefill tiles and windows, NaN never leaking."""
     requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
     plan = _run_case(requests, 9, 3, 64, 16, torch.float32, seed=7, kv_dtype=kv_dtype)
-    assert (plan.native_prefill is not None) == (quantized_path == "native"
-                                                 and native.paged_prefill(kv_dtype) is not None)
+    assert (plan.native_prefill is not None) == (native.paged_prefill(kv_dtype) is not None)
     _run_case(requests, 8, 2, 128, 4, torch.float32, seed=8, kv_dtype=kv_dtype, sliding_window=13)
 
 

@@ -56,8 +56,8 @@ def paged_decode(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, 
 
 
 def paged_prefill(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()) -> PagedPrefill | None:
-    """Prefill tiles over a KV cache of any dtype in _KV_FLAGS (paged_prefill_f32), or None, also where the CPU has no
-    AVX-512."""
+    """Prefill tiles over a KV cache of any dtype in _KV_FLAGS (paged_prefill_f32), or None, also where the CPU has
+    neither AVX-512 nor AVX2 with FMA."""
     library = paged_attention(kv_dtype, extra_flags)
     return None if library is None else library.prefill
 
@@ -72,7 +72,7 @@ def paged_prefill_pairs(kv_dtype: torch.dtype = torch.float32) -> bool:
 
 def cascade(kv_dtype: torch.dtype = torch.float32) -> tuple[PagedPrefix, MergeAttnStates] | None:
     """Cascade attention's shared part and its merge (paged_prefix_f32, merge_attn_states_f32) for a float32 or
-    bf16 KV cache, or None, also where the CPU has no AVX-512."""
+    bf16 KV cache, or None, also where the CPU has neither AVX-512 nor AVX2 with FMA."""
     library = paged_attention(kv_dtype)
     if library is None or library.prefix is None:
         return None

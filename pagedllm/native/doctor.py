@@ -28,7 +28,7 @@ def _libraries() -> dict[str, str]:
             what[f"paged_attention ({str(kv_dtype).removeprefix('torch.')} cache)"] = (
                 f"decode rows {library.decode_isa}; prefill tiles and cascade prefix "
                 + (("yes, bf16 pairs" if library.prefill_pairs else "yes") if library.has_prefill
-                   else "no (need AVX-512)"))
+                   else "no (need AVX-512, or AVX2 with FMA)"))
     if native.fused_ops() is not None:
         what["fused_ops"] = "RMSNorm, SiLU * up, rotary, embeddings, KV writes, argmax"
     if native.lora() is not None:

@@ -174,7 +174,7 @@ static inline __m256 kv_load8(const kv_t *p) {
 /* The prefill tiles (paged_prefill.c) over num_reqs chunks of query rows, each seeing the positions
  * window_start(start_pos, its own, window) .. min(its own, stop_pos - 1), scores soft-capped at softcap (0: not);
  * paged_prefill_f32 and paged_prefix_f32 are this with their arguments. Returns -1 for what the tiles do not take
- * (no AVX-512, head size not 64, 128 or 256, group above 16). */
+ * (neither AVX-512 nor AVX2, head size not 64, 128 or 256, group above 16). */
 __attribute__((visibility("hidden"))) int run_prefill(
     const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
     int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len,

@@ -1,26 +1,32 @@
 /* Paged attention for prefill chunks: tiles of a chunk's query tokens against their request's history, read in
  * place through its block table (the layout and dtypes in paged_attention.h), so nothing is gathered and no K/V head
  * is repeated for grouped queries; a tile's query heads share each K/V element loaded. Also the engine of cascade
- * attention's shared part (paged_cascade.c), which is these tiles over a prefix. AVX-512 only:
+ * attention's shared part (paged_cascade.c), which is these tiles over a prefix. AVX-512 or AVX2 with FMA:
  * paged_prefill_available() says whether this build has the tiles, paged_prefill_supports() which sizes they take,
  * paged_prefill_pairs() whether they multiply in bf16 pairs.
  */
 #include "paged_attention.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 
 /* ---- Prefill: tiles of query tokens against their request's cache, in place ----
- * A tile is up to 16 * vecs / group consecutive query tokens of one request with the group's heads: a query
+ * A tile is up to VEC_LANES * vecs / group consecutive query tokens of one request with the group's heads: a query
  * vector per lane of vecs (2 or 3, tile_vecs) vector registers, so one broadcast K (or V) element multiplies all
  * of them in vecs FMAs (an FMA taking its own broadcast from memory runs well below the FMA rate; two or more per
- * broadcast run at it). Groups of 3 (SmolLM2) take 48 lanes, 16 tokens: 32 lanes would hold 10 tokens and leave two
- * idle.
+ * broadcast run at it). Groups of 3 (SmolLM2) take 48 lanes on AVX-512, 16 tokens: 32 lanes would hold 10 tokens
+ * and leave two idle.
  * Scores for a run of 16 slots are S[slot] (vecs vectors over the tile's queries) = sum_i
  * K[slot][i] * Q^T[i]; the causal limit of each lane (and under a sliding window its lower bound) masks what it
  * may not see, the online softmax works lane-wise, and O^T[i] += P[slot] * V[slot][i], the K and V elements read
- * in place from the cache. Needs AVX-512 and a head size of 64, 128 or 256 (prefill_takes). */
-#define MAX_VECS 3                 /* query vectors of 16 lanes per tile: 2 (32 lanes) or 3 (48) */
-#define LANE_STRIDE (16 * MAX_VECS) /* floats between a tile's rows of transposed queries */
+ * in place from the cache. Needs a head size of 64, 128 or 256 (prefill_takes). Two bodies: AVX-512 (16 lanes a
+ * vector) and AVX2 (8 lanes, the same steps on fewer registers). */
+#if defined(__AVX512F__)
+#define VEC_LANES 16
+#else
+#define VEC_LANES 8
+#endif
+#define MAX_VECS 3                        /* query vectors per tile: 2 or 3 */
+#define LANE_STRIDE (VEC_LANES * MAX_VECS) /* floats between a tile's rows of transposed queries */
 typedef struct {
     const float *q_all;
     const kv_t *k_cache, *v_cache;
@@ -32,6 +38,78 @@ typedef struct {
     float *out, *lse;
 } PrefillArgs;
 
+/* Where one tile (a work item: a tile of a request's query tokens, for one KV head) reads and writes. */
+typedef struct {
+    int kv_head, lanes; /* lanes holding a query (the rest idle) */
+    int begin, end;     /* the positions the tile reads */
+    const int32_t *blocks;
+    int64_t row_stride; /* cache elements between slots */
+    /* lane n: token n / group, head n % group; the positions it sees are lower[n] .. limit[n] - 1 (idle lanes: the
+     * whole tile's); its query row (NULL for idle lanes) and its output row */
+    int32_t limit[LANE_STRIDE] __attribute__((aligned(64))), lower[LANE_STRIDE] __attribute__((aligned(64)));
+    const float *q_lane[LANE_STRIDE];
+    int64_t out_row[LANE_STRIDE];
+} TileLanes;
+
+/* Lay out item's tile over `lanes_in_tile` lanes. The tile reads from its first token's window start on; under a
+ * window, a later token's lanes mask what lies below their own (window_start in paged_attention.h). A lane that has
+ * seen nothing but masked slots keeps a running max of -inf: its rescale exp(-inf - -inf) is the vector exp of NaN,
+ * which the clamp there makes exp(-87), so its sums stay 0 and no NaN reaches a lane. */
+static inline void tile_lanes(const PrefillArgs *a, int item, int lanes_in_tile, int D, TileLanes *t) {
+    const int tile = item / a->num_kv_heads;
+    int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (a->tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int r = lo, group = a->num_heads / a->num_kv_heads;
+    const int first = (tile - a->tile_start[r]) * a->tokens_per_tile;
+    const int ntok = a->query_len[r] - first < a->tokens_per_tile ? a->query_len[r] - first : a->tokens_per_tile;
+    const int context = a->seq_len[r] - a->query_len[r];
+    t->kv_head = item % a->num_kv_heads;
+    t->lanes = ntok * group;
+    t->end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
+    t->blocks = a->block_table + (int64_t)r * a->block_table_stride;
+    t->row_stride = (int64_t)a->num_kv_heads * KV_ROW(D);
+    t->begin = window_start(a->start_pos, context + first, a->window);
+    for (int n = 0; n < lanes_in_tile; n++) {
+        const int tok = n / group, g = n % group;
+        const int64_t token = (int64_t)a->query_start[r] + first + tok;
+        const int used = n < t->lanes;
+        t->limit[n] = used ? context + first + tok + 1 : t->end;
+        t->lower[n] = used ? window_start(a->start_pos, context + first + tok, a->window) : t->begin;
+        t->q_lane[n] = used ? a->q_all + token * a->q_row_stride + (int64_t)(t->kv_head * group + g) * D : NULL;
+        t->out_row[n] = token * a->num_heads + t->kv_head * group + g;
+    }
+}
+
+/* The K and V rows of the run of n slots from `slot` for the tile's KV head. */
+static inline const kv_t *run_rows(const kv_t *cache, const TileLanes *t, int64_t slot, int D) {
+    return cache + slot * t->row_stride + (int64_t)t->kv_head * KV_ROW(D);
+}
+
+/* Fetch the run after the one at pos (n slots) into L1 while this one is computed. */
+static inline void fetch_next_run(const PrefillArgs *a, const TileLanes *t, int pos, int n, int D) {
+    if (pos + n >= t->end) return;
+    int64_t next_slot;
+    const int next_n = next_run(a->block_size, t->blocks, pos + n, t->end, &next_slot);
+    const char *nk = (const char *)run_rows(a->k_cache, t, next_slot, D);
+    const char *nv = (const char *)run_rows(a->v_cache, t, next_slot, D);
+    const int64_t row_bytes = t->row_stride * (int64_t)sizeof(kv_t);
+    for (int j = 0; j < next_n; j++)
+        for (int b = 0; b < KV_ROW(D) * (int)sizeof(kv_t); b += 64) {
+            _mm_prefetch(nk + j * row_bytes + b, _MM_HINT_T0);
+            _mm_prefetch(nv + j * row_bytes + b, _MM_HINT_T0);
+        }
+}
+
+/* Each lane's log-sum-exp into a->lse from its running max and sum. */
+static inline void store_lse(const PrefillArgs *a, const TileLanes *t, const float *maxes, const float *sums) {
+    for (int n = 0; n < t->lanes; n++) a->lse[t->out_row[n]] = maxes[n] + logf(sums[n]);
+}
+#endif
+
+#if defined(__AVX512F__)
 /* r[i][j] becomes r[j][i]: 64 shuffles (unpack pairs, 4 x 4 blocks inside 128-bit lanes, then the lanes). */
 static inline void transpose_16x16(__m512 r[16]) {
     __m512 t[16];
@@ -150,44 +228,15 @@ static inline __attribute__((always_inline)) void slot_pairs(const tile_elem *co
 static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D,
                                                                       const int VECS) {
     const int LANES = 16 * VECS;
-    const int tile = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
-    int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (a->tile_start[mid] <= tile) lo = mid; else hi = mid - 1;
-    }
-    const int r = lo, group = a->num_heads / a->num_kv_heads;
-    const int first = (tile - a->tile_start[r]) * a->tokens_per_tile;
-    const int ntok = a->query_len[r] - first < a->tokens_per_tile ? a->query_len[r] - first : a->tokens_per_tile;
-    const int lanes = ntok * group, context = a->seq_len[r] - a->query_len[r];
-    const int end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
-    const int32_t *blocks = a->block_table + (int64_t)r * a->block_table_stride;
-    const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(D);
+    TileLanes t;
+    tile_lanes(a, item, LANES, D, &t);
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
-    /* The tile reads from its first token's window start on; under a window, a later token's lanes mask what lies
-     * below their own (window_start in paged_attention.h). A lane that has seen nothing but masked slots keeps a
-     * running max of -inf: its rescale exp(-inf - -inf) is exp16_nonpositive of NaN, which the clamp there makes
-     * exp(-87), so its sums stay 0 and no NaN reaches a lane. */
-    const int begin = window_start(a->start_pos, context + first, a->window);
-    int32_t limit[LANE_STRIDE] __attribute__((aligned(64))), lower[LANE_STRIDE] __attribute__((aligned(64)));
-    /* lane n: token n / group, head n % group, its query and output rows (NULL for idle lanes, which see the
-     * whole tile) */
-    const float *q_lane[LANE_STRIDE];
-    int64_t out_row[LANE_STRIDE];
-    for (int n = 0; n < LANES; n++) {
-        const int t = n / group, g = n % group;
-        const int64_t token = (int64_t)a->query_start[r] + first + t;
-        limit[n] = n < lanes ? context + first + t + 1 : end;
-        lower[n] = n < lanes ? window_start(a->start_pos, context + first + t, a->window) : begin;
-        q_lane[n] = n < lanes ? a->q_all + token * a->q_row_stride + (int64_t)(kv_head * group + g) * D : NULL;
-        out_row[n] = token * a->num_heads + kv_head * group + g;
-    }
     const __m512 scale = _mm512_set1_ps(a->scale);
     for (int h = 0; h < VECS; h++)
         for (int i0 = 0; i0 < D; i0 += 16) { /* 16 lanes x 16 dims of queries, transposed into qt */
             __m512 block[16];
             for (int m = 0; m < 16; m++) {
-                const float *q = q_lane[16 * h + m];
+                const float *q = t.q_lane[16 * h + m];
                 block[m] = q != NULL ? _mm512_mul_ps(_mm512_loadu_ps(q + i0), scale) : _mm512_setzero_ps();
             }
             transpose_16x16(block);
@@ -206,16 +255,16 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     __m512i limits[MAX_VECS], lowers[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
     for (int h = 0; h < VECS; h++) {
-        limits[h] = _mm512_load_si512(limit + 16 * h);
-        lowers[h] = _mm512_load_si512(lower + 16 * h);
+        limits[h] = _mm512_load_si512(t.limit + 16 * h);
+        lowers[h] = _mm512_load_si512(t.lower + 16 * h);
         running_max[h] = _mm512_set1_ps(-INFINITY);
         running_sum[h] = _mm512_setzero_ps();
     }
-    for (int pos = begin; pos < end;) {
+    for (int pos = t.begin; pos < t.end;) {
         int64_t slot;
-        const int n = next_run(a->block_size, blocks, pos, end, &slot);
-        const kv_t *k = a->k_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(D);
-        const kv_t *v = a->v_cache + slot * row_stride + (int64_t)kv_head * KV_ROW(D);
+        const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
+        const kv_t *k = run_rows(a->k_cache, &t, slot, D), *v = run_rows(a->v_cache, &t, slot, D);
+        const int64_t row_stride = t.row_stride;
         const tile_elem *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
 #if defined(KV_ONE_BYTE) || defined(KV_BF16) && !defined(PAIRED_TILES)
         /* the run widened (and scaled) into tile_elem rows: bf16 for the paired tiles, else float32 */
@@ -238,18 +287,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             vrow[j] = v + (j < n ? j : 0) * row_stride;
         }
 #endif
-        if (pos + n < end) { /* fetch the next run into L1 while this one is computed */
-            int64_t next_slot;
-            const int next_n = next_run(a->block_size, blocks, pos + n, end, &next_slot);
-            const char *nk = (const char *)(a->k_cache + next_slot * row_stride + (int64_t)kv_head * KV_ROW(D));
-            const char *nv = (const char *)(a->v_cache + next_slot * row_stride + (int64_t)kv_head * KV_ROW(D));
-            const int64_t row_bytes = row_stride * (int64_t)sizeof(kv_t);
-            for (int t = 0; t < next_n; t++)
-                for (int j = 0; j < KV_ROW(D) * (int)sizeof(kv_t); j += 64) {
-                    _mm_prefetch(nk + t * row_bytes + j, _MM_HINT_T0);
-                    _mm_prefetch(nv + t * row_bytes + j, _MM_HINT_T0);
-                }
-        }
+        fetch_next_run(a, &t, pos, n, D);
         __m512 s[RUN][MAX_VECS];
 #if defined(PAIRED_TILES)
         scores_8_pairs(qt2[0], krow, D, VECS, s);
@@ -319,7 +357,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
     }
-    for (int n = 0; n < lanes; n++) a->lse[out_row[n]] = maxes[n] + logf(sums[n]);
+    store_lse(a, &t, maxes, sums);
     for (int h = 0; h < VECS; h++) {
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]);
         for (int i0 = 0; i0 < D; i0 += 16) { /* back from 16 dims x 16 lanes to the lanes' output rows */
@@ -327,11 +365,174 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
             for (int m = 0; m < 16; m++) block[m] = _mm512_mul_ps(_mm512_load_ps(ot[i0 + m] + 16 * h), inv);
             transpose_16x16(block);
             for (int m = 0; m < 16; m++)
-                if (q_lane[16 * h + m] != NULL) _mm512_storeu_ps(a->out + out_row[16 * h + m] * D + i0, block[m]);
+                if (t.q_lane[16 * h + m] != NULL) _mm512_storeu_ps(a->out + t.out_row[16 * h + m] * D + i0, block[m]);
         }
     }
 }
 
+#define prefill_item_body prefill_item_avx512
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 body: the AVX-512 body's steps on 8-lane vectors and 16 registers. Scores go SCORE_SLOTS slots at a
+ * time and outputs OUT_DIMS dims at a time; lanes are masked by vector compares; the arithmetic is float32 for every
+ * cache dtype (a run of a bf16 or one-byte cache widened to float32 rows first). */
+
+/* Slots whose scores, and dims whose outputs, a pass keeps in registers: 4 x vecs accumulators, which with the
+ * vecs query (or weight) vectors and a broadcast fill AVX2's 16 registers; more spill. */
+#define SCORE_SLOTS 4
+#define OUT_DIMS 4
+/* r[i][j] becomes r[j][i]: unpack pairs, 2 x 2 blocks of pairs inside 128-bit lanes, then the lanes. */
+static inline void transpose_8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* u[i + c], lane L: column 4L + c of rows i .. i + 3 */
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+
+/* s[j] = sum_i K[j][i] * Q^T[i] for the SCORE_SLOTS K rows k[j]. */
+static inline __attribute__((always_inline)) void scores_slots(const float *qt, const float *const k[SCORE_SLOTS],
+                                                              const int D, const int VECS,
+                                                              __m256 s[SCORE_SLOTS][MAX_VECS]) {
+    __m256 acc[SCORE_SLOTS][MAX_VECS];
+    for (int j = 0; j < SCORE_SLOTS; j++)
+        for (int h = 0; h < VECS; h++) acc[j][h] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i++) {
+        __m256 qv[MAX_VECS];
+        for (int h = 0; h < VECS; h++) qv[h] = _mm256_load_ps(qt + i * LANE_STRIDE + 8 * h);
+        for (int j = 0; j < SCORE_SLOTS; j++) {
+            const __m256 kb = _mm256_broadcast_ss(k[j] + i);
+            for (int h = 0; h < VECS; h++) acc[j][h] = _mm256_fmadd_ps(kb, qv[h], acc[j][h]);
+        }
+    }
+    for (int j = 0; j < SCORE_SLOTS; j++)
+        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
+}
+
+static inline __attribute__((always_inline)) void prefill_item_avx2(const PrefillArgs *a, int item, const int D,
+                                                                    const int VECS) {
+    const int LANES = 8 * VECS;
+    TileLanes t;
+    tile_lanes(a, item, LANES, D, &t);
+    float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
+    const __m256 scale = _mm256_set1_ps(a->scale);
+    for (int h = 0; h < VECS; h++)
+        for (int i0 = 0; i0 < D; i0 += 8) { /* 8 lanes x 8 dims of queries, transposed into qt */
+            __m256 block[8];
+            for (int m = 0; m < 8; m++) {
+                const float *q = t.q_lane[8 * h + m];
+                block[m] = q != NULL ? _mm256_mul_ps(_mm256_loadu_ps(q + i0), scale) : _mm256_setzero_ps();
+            }
+            transpose_8x8(block);
+            for (int m = 0; m < 8; m++) {
+                _mm256_store_ps(qt[i0 + m] + 8 * h, block[m]);
+                _mm256_store_ps(ot[i0 + m] + 8 * h, _mm256_setzero_ps());
+            }
+        }
+    __m256i limits[MAX_VECS], lowers[MAX_VECS];
+    __m256 running_max[MAX_VECS], running_sum[MAX_VECS];
+    for (int h = 0; h < VECS; h++) {
+        limits[h] = _mm256_load_si256((const __m256i *)(t.limit + 8 * h));
+        lowers[h] = _mm256_load_si256((const __m256i *)(t.lower + 8 * h));
+        running_max[h] = _mm256_set1_ps(-INFINITY);
+        running_sum[h] = _mm256_setzero_ps();
+    }
+    for (int pos = t.begin; pos < t.end;) {
+        int64_t slot;
+        const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
+        const kv_t *k = run_rows(a->k_cache, &t, slot, D), *v = run_rows(a->v_cache, &t, slot, D);
+        const float *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
+#if defined(KV_F32)
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = k + (j < n ? j : 0) * t.row_stride;
+            vrow[j] = v + (j < n ? j : 0) * t.row_stride;
+        }
+#else
+        float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+        for (int j = 0; j < n; j++) { /* the run widened and scaled into float32 rows */
+            const kv_t *kj = k + j * t.row_stride, *vj = v + j * t.row_stride;
+            const __m256 k_scale = _mm256_set1_ps(kv_row_scale(kj, D)), v_scale = _mm256_set1_ps(kv_row_scale(vj, D));
+            for (int i = 0; i < D; i += 8) {
+                _mm256_store_ps(kbuf[j] + i, _mm256_mul_ps(kv_load8(kj + i), k_scale));
+                _mm256_store_ps(vbuf[j] + i, _mm256_mul_ps(kv_load8(vj + i), v_scale));
+            }
+        }
+        for (int j = 0; j < RUN; j++) {
+            krow[j] = kbuf[j < n ? j : 0];
+            vrow[j] = vbuf[j < n ? j : 0];
+        }
+#endif
+        fetch_next_run(a, &t, pos, n, D);
+        __m256 s[RUN][MAX_VECS];
+        for (int j = 0; j < RUN; j += SCORE_SLOTS) scores_slots(qt[0], krow + j, D, VECS, s + j);
+        if (a->softcap > 0.0f)
+            for (int j = 0; j < RUN; j++)
+                for (int h = 0; h < VECS; h++) s[j][h] = softcap8(s[j][h], a->softcap);
+        __m256 rescale[MAX_VECS];
+        for (int h = 0; h < VECS; h++) {
+            __m256 run_max = _mm256_set1_ps(-INFINITY);
+            __m256 valid[RUN];
+            for (int j = 0; j < RUN; j++) { /* lower <= pos + j < limit */
+                const __m256i at = _mm256_set1_epi32(pos + j);
+                valid[j] = j < n ? _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lowers[h], at),
+                                                                           _mm256_cmpgt_epi32(limits[h], at)))
+                                 : _mm256_setzero_ps();
+                s[j][h] = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s[j][h], valid[j]);
+                run_max = _mm256_max_ps(run_max, s[j][h]);
+            }
+            const __m256 new_max = _mm256_max_ps(running_max[h], run_max);
+            rescale[h] = exp8_nonpositive(_mm256_sub_ps(running_max[h], new_max));
+            running_sum[h] = _mm256_mul_ps(running_sum[h], rescale[h]);
+            for (int j = 0; j < RUN; j++) {
+                s[j][h] = _mm256_and_ps(valid[j], exp8_nonpositive(_mm256_sub_ps(s[j][h], new_max)));
+                running_sum[h] = _mm256_add_ps(running_sum[h], s[j][h]);
+            }
+            running_max[h] = new_max;
+        }
+        for (int i = 0; i < D; i += OUT_DIMS) { /* OUT_DIMS x vecs independent sums */
+            __m256 o[OUT_DIMS][MAX_VECS];
+            for (int u = 0; u < OUT_DIMS; u++)
+                for (int h = 0; h < VECS; h++) o[u][h] = _mm256_mul_ps(_mm256_load_ps(ot[i + u] + 8 * h), rescale[h]);
+            for (int j = 0; j < RUN; j++)
+                for (int u = 0; u < OUT_DIMS; u++) {
+                    const __m256 vb = _mm256_broadcast_ss(vrow[j] + i + u);
+                    for (int h = 0; h < VECS; h++) o[u][h] = _mm256_fmadd_ps(s[j][h], vb, o[u][h]);
+                }
+            for (int u = 0; u < OUT_DIMS; u++)
+                for (int h = 0; h < VECS; h++) _mm256_store_ps(ot[i + u] + 8 * h, o[u][h]);
+        }
+        pos += n;
+    }
+    float sums[LANE_STRIDE] __attribute__((aligned(64))), maxes[LANE_STRIDE] __attribute__((aligned(64)));
+    for (int h = 0; h < VECS; h++) {
+        _mm256_store_ps(sums + 8 * h, running_sum[h]);
+        _mm256_store_ps(maxes + 8 * h, running_max[h]);
+    }
+    store_lse(a, &t, maxes, sums);
+    for (int h = 0; h < VECS; h++) {
+        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), running_sum[h]);
+        for (int i0 = 0; i0 < D; i0 += 8) { /* back from 8 dims x 8 lanes to the lanes' output rows */
+            __m256 block[8];
+            for (int m = 0; m < 8; m++) block[m] = _mm256_mul_ps(_mm256_load_ps(ot[i0 + m] + 8 * h), inv);
+            transpose_8x8(block);
+            for (int m = 0; m < 8; m++)
+                if (t.q_lane[8 * h + m] != NULL) _mm256_storeu_ps(a->out + t.out_row[8 * h + m] * D + i0, block[m]);
+        }
+    }
+}
+#define prefill_item_body prefill_item_avx2
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 /* Whether the tiles take these sizes: prefill_item below has a body for exactly these head sizes. */
 static int prefill_takes(int num_heads, int num_kv_heads, int head_size) {
     return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads >= 1
@@ -342,19 +543,22 @@ static int prefill_takes(int num_heads, int num_kv_heads, int head_size) {
  * prefill_takes admits. */
 static void prefill_item(const PrefillArgs *a, int item, int head_size) {
     if (a->vecs == 3) {
-        if (head_size == 64) prefill_item_avx512(a, item, 64, 3);
-        else if (head_size == 128) prefill_item_avx512(a, item, 128, 3);
-        else prefill_item_avx512(a, item, 256, 3);
+        if (head_size == 64) prefill_item_body(a, item, 64, 3);
+        else if (head_size == 128) prefill_item_body(a, item, 128, 3);
+        else prefill_item_body(a, item, 256, 3);
     } else {
-        if (head_size == 64) prefill_item_avx512(a, item, 64, 2);
-        else if (head_size == 128) prefill_item_avx512(a, item, 128, 2);
-        else prefill_item_avx512(a, item, 256, 2);
+        if (head_size == 64) prefill_item_body(a, item, 64, 2);
+        else if (head_size == 128) prefill_item_body(a, item, 128, 2);
+        else prefill_item_body(a, item, 256, 2);
     }
 }
 
-/* Query vectors per tile: 3 (48 lanes) where whole tokens fill more of them than of 2 (32 lanes), as for groups
- * of 3 (48 lanes hold 16 tokens; 32 only 10, the last two idle), else 2. */
-static int tile_vecs(int group) { return (48 / group) * group * 32 > (32 / group) * group * 48 ? 3 : 2; }
+/* Query vectors per tile: 3 where whole tokens fill more of their lanes than of 2's, as for groups of 3 (on
+ * AVX-512, 48 lanes hold 16 tokens; 32 only 10, the last two idle), else 2. */
+static int tile_vecs(int group) {
+    const int three = 3 * VEC_LANES, two = 2 * VEC_LANES;
+    return (three / group) * group * two > (two / group) * group * three ? 3 : 2;
+}
 
 int paged_prefill_available(void) { return 1; }
 
@@ -375,7 +579,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 float softcap, int num_threads) {
     if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 1) return -1;
     const int group = num_heads / num_kv_heads;
-    const int vecs = tile_vecs(group), tokens_per_tile = 16 * vecs / group;
+    const int vecs = tile_vecs(group), tokens_per_tile = VEC_LANES * vecs / group;
     int tile_start[num_reqs + 1];
     tile_start[0] = 0;
     for (int r = 0; r < num_reqs; r++)
@@ -390,7 +594,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
     return 0;
 }
 #else
-/* Without AVX-512 there are no tiles: the stubs say so, and the callers take the torch path. */
+/* Without AVX-512 or AVX2 there are no tiles: the stubs say so, and the callers take the torch path. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 int paged_prefill_available(void) { return 0; }
@@ -416,7 +620,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
  * soft-capped at softcap (0: not). Writes
  * those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks' arrays are read when the
  * kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1 for what it does not
- * handle (no AVX-512, head size not 64, 128 or 256, group > 16). */
+ * handle (neither AVX-512 nor AVX2, head size not 64, 128 or 256, group > 16). */
 int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                       const int32_t *query_len, const int32_t *seq_len, int start_pos, int window, float *out,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("share_loaded_models")  # the tests patch a
 PROMPT_LENGTHS = [5, 17, 30, 47, 64, 90, 120, 15, 33, 200]
 MAX_GRAPH_BATCH = 6  # fewer than the requests: larger batches run eagerly in between
 # A graph replays native kernels only: where the GEMMs are torch's (dense and gguf_int4 without AVX2 or AVX-512,
-# int8 without AVX2; cascade attention too without AVX-512) the captures are
+# int8 without AVX2; cascade attention too) the captures are
 # refused and every step runs eagerly, which the token comparisons still check.
 CAPTURES = {None: native.gemm() is not None, "gguf_int4": native.gemm_q4() is not None,
             "int8": native.gemm_w8a8() is not None}

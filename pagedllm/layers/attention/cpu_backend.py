@@ -1,7 +1,7 @@
 """Paged attention on CPU: the native kernels where they apply, torch's scaled_dot_product_attention elsewhere.
 
-Per step the batch is planned once (cpu_plan.py). In float32, decode rows and (with AVX-512 and a head size of
-64, 128 or 256) prefill chunks go to the native kernels, which read each history in place through the block table
+Per step the batch is planned once (cpu_plan.py). In float32, decode rows and (with AVX-512 or AVX2 and a head size
+of 64, 128 or 256) prefill chunks go to the native kernels, which read each history in place through the block table
 (native/attention.py; paged_decode.c, paged_prefill.c, paged_cascade.c). Which sizes those take is decided once,
 when the layer is built; under ``PAGEDLLM_NATIVE_KERNELS=require`` sizes they do not take are an error there.
 Otherwise decode rows are batched into one SDPA call over their histories, gathered from the cache and padded to
