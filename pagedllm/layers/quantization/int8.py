@@ -6,7 +6,8 @@ is quantized the same way per token (``sx = max|x| / 127``), the codes multiply 
 ``acc * sx * sw (+ bias)``. On CPUs with AVX2 (summing by VNNI where they have it) the native kernel
 (native/gemm_int8.c) does all of it in one call, quantizing the rows as they come in; elsewhere torch's int8 matmul
 (``torch._int_mm``) does the products after the same quantization in torch, with the same results up to float
-rounding in the epilogue. The embedding and the LM head stay dense (as vLLM keeps them); so do a mixture of experts' experts and router.
+rounding in the epilogue. The embedding and the LM head stay dense (as vLLM keeps them); so do a mixture of
+experts' experts and router.
 
 A checkpoint already quantized so (compressed-tensors' W8A8: int8 ``weight`` and a per-channel ``weight_scale``,
 activations dynamic per token, as llm-compressor writes it) loads its codes and scales as they are, into the same
