@@ -169,16 +169,16 @@ static void row_tile(const float *x, const float *panel, const float *bias, floa
     store_row(c, bias, y, cols);
 }
 
-/* Whether two panels of K rows fit in three quarters of this core's L2 (sysconf's size; 256 KB where it gives
- * none), so that fetching the next one does not evict the one being multiplied. */
-static int two_panels_fit_l2(int K) {
-    static long l2 = -1;
-    if (l2 < 0) {
-        const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
-        l2 = size > 0 ? size : 256 * 1024;
-    }
-    return 2 * (int64_t)K * NR * (int64_t)sizeof(float) <= l2 / 4 * 3;
+/* This core's L2 in bytes (sysconf's; 256 KB where it gives none), read once as the library loads. */
+static long l2_bytes = 256 * 1024;
+__attribute__((constructor)) static void read_l2_bytes(void) {
+    const long size = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    if (size > 0) l2_bytes = size;
 }
+
+/* Whether two panels of K rows fit in three quarters of L2, so that fetching the next one does not evict the one
+ * being multiplied. */
+static int two_panels_fit_l2(int K) { return 2 * (int64_t)K * NR * (int64_t)sizeof(float) <= l2_bytes / 4 * 3; }
 
 /* As the AVX-512 panel_rows, strip by strip under each tile of rows (its rows of x stay in L1); the first tile
  * over the panel prefetches it. next_panel (this thread's next, or NULL) is fetched into L2 by the passes (a tile
