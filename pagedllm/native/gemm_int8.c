@@ -2,11 +2,17 @@
  * as it comes in, products summed in int32 by VNNI's vpdpbusd (on AVX-512: 64 u8 x s8 products into 16 int32 lanes
  * per instruction, twice the multiply rate of bf16 pairs), the scales applied once per output in the epilogue.
  *
- * Quantization, symmetric: a row's scale is sx = max|x| / 127 and its codes rint(x * (127 / max|x|)) in [-127, 127]
- * (a row of zeros: scale 0, codes 0); a column's codes and scale sw come packed (layers/quantization/int8.py). vpdpbusd
- * takes unsigned activations, so a code q goes in as q + 128, and each column's 128 * sum_k w[n, k] (packed beside it)
- * comes back off the sum: acc = sum_k q[k] w[n, k] exactly (|acc| < 2^31 for K < 133000). Then
- * y[m, n] = (float)acc * sx[m] * sw[n] + bias[n], in that order.
+ * Quantization, symmetric, with outliers kept out (as LLM.int8() keeps outlier features in float): a row's OUTLIERS
+ * entries of largest |x| (the first on ties) stay float32, and the others are coded with scale sx = a / 127, codes
+ * rint(x * (127 / a)) in [-127, 127], a the largest |x| among them (a of 0: scale 0, codes 0); the outliers' codes
+ * are 0. A few entries of the residual stream are tens of times the rest, so a scale set by them would leave the
+ * rest a handful of codes; without them it spans them all (SmolLM2's teacher-forced agreement with float32: 0.89
+ * with every entry coded, 0.95-0.97 with the two largest kept out). A column's codes and scale sw come packed
+ * (layers/quantization/int8.py). vpdpbusd takes unsigned activations, so a code q goes in as q + 128, and each
+ * column's 128 * sum_k w[n, k] (packed beside it) comes back off the sum: acc = sum_k q[k] w[n, k] exactly
+ * (|acc| < 2^31 for K < 133000). The outliers' terms t[m, n] = sum_o x[m, k_o] * w[n, k_o] (the weight's codes; a
+ * multiply-add an outlier, in the order select_outliers gives them) come in as the sum is scaled:
+ * y[m, n] = fma((float)acc, sx[m], t[m, n]) * sw[n] + bias[n], in that order.
  *
  * Panels: ceil(N / 16) of them, each ceil(K / 4) groups of 16 columns x 4 consecutive k (64 int8: one vector, column
  * c's four in bytes 4c..4c+3), then the 16 columns' sw (float32) and 128 * sum w (int32); K's and N's padding is zero
@@ -29,8 +35,33 @@
 #include "simd.h"
 
 #define NR 16 /* columns per panel */
+#define OUTLIERS 2 /* entries of each row kept out of its codes (layers/quantization/int8.py: OUTLIERS_PER_ROW) */
 
 static inline int64_t panel_bytes(int K4) { return (int64_t)K4 * 64 + 2 * NR * 4; }
+
+/* The OUTLIERS entries of the row with the largest |x| (the first of equals), largest first, into idx and val (slots
+ * past K: index 0, value 0); returns the largest |x| of the other entries, which sets the row's scale. */
+static float select_outliers(const float *row, int K, int32_t *idx, float *val) {
+    int32_t top[OUTLIERS + 1];
+    float mag[OUTLIERS + 1];
+    int n = 0;
+    for (int k = 0; k < K; k++) {
+        const float a = fabsf(row[k]);
+        if (n == OUTLIERS + 1 && !(a > mag[OUTLIERS])) continue;
+        int i = n < OUTLIERS + 1 ? n++ : OUTLIERS;
+        for (; i > 0 && a > mag[i - 1]; i--) {
+            mag[i] = mag[i - 1];
+            top[i] = top[i - 1];
+        }
+        mag[i] = a;
+        top[i] = k;
+    }
+    for (int o = 0; o < OUTLIERS; o++) {
+        idx[o] = o < n ? top[o] : 0;
+        val[o] = o < n ? row[top[o]] : 0.0f;
+    }
+    return n > OUTLIERS ? mag[OUTLIERS] : 0.0f;
+}
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -38,21 +69,16 @@ static inline int64_t panel_bytes(int K4) { return (int64_t)K4 * 64 + 2 * NR * 4
 enum { MR = 4, NP = 4 }; /* a tile is MR rows x NP panels (16 accumulators) */
 _Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
 
-/* Row m's codes (+128, K4 * 4 bytes) into q and its scale into sx[m]. */
-static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx) {
-    __m512 vmax = _mm512_setzero_ps();
-    int k = 0;
-    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
-    if (k < K) {
-        const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
-        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, row + k)));
-    }
-    const float amax = _mm512_reduce_max_ps(vmax);
+#define ZERO_CODE 128 /* a code of 0 as vpdpbusd takes it */
+
+/* Row m's codes (+128, K4 * 4 bytes) into q and its scale into sx[m], for amax its largest |x| but the outliers'
+ * (theirs clamp to +-127 here; the caller sets them to ZERO_CODE). */
+static void quantize_row(const float *row, int K, int K4, float amax, uint8_t *q, float *sx) {
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     *sx = amax / 127.0f;
     const __m512 vinv = _mm512_set1_ps(inv);
     const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), offset = _mm512_set1_epi32(128);
-    for (k = 0; k < K4 * 4; k += 16) {
+    for (int k = 0; k < K4 * 4; k += 16) {
         const int left = K - k;
         const __mmask16 valid = left >= 16 ? (__mmask16)0xFFFF : (left > 0 ? (__mmask16)((1u << left) - 1) : 0);
         __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + k), vinv)); /* rint */
@@ -62,9 +88,22 @@ static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx)
     }
 }
 
+/* A row's outlier terms for a panel's 16 columns: over its outliers (idx, val), val * the column's code, summed. */
+static inline __m512 outlier_terms(const uint8_t *panel, const int32_t *idx, const float *val) {
+    __m512 terms = _mm512_setzero_ps();
+    for (int o = 0; o < OUTLIERS; o++) { /* each column's code is byte idx % 4 of its lane in group idx / 4 */
+        const __m512i group = _mm512_loadu_si512(panel + (int64_t)(idx[o] >> 2) * 64);
+        const __m512i codes = _mm512_srai_epi32(
+            _mm512_sll_epi32(group, _mm_cvtsi32_si128(24 - 8 * (idx[o] & 3))), 24);
+        terms = _mm512_fmadd_ps(_mm512_set1_ps(val[o]), _mm512_cvtepi32_ps(codes), terms);
+    }
+    return terms;
+}
+
 /* rows (<= MR) x np (<= NP) panels from panel p0: the int32 sums, then the epilogue into y (gated: silu of each
- * even panel's outputs times the next one's, into column 16 * p0 / 2 on). */
+ * even panel's outputs times the next one's, into column 16 * p0 / 2 on). oidx / oval: the rows' outliers. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t ldq, const float *sx,
+                                                       const int32_t *oidx, const float *oval,
                                                        const uint8_t *packed, int K4, int p0, const float *bias,
                                                        float *y, int64_t ldy, int N, const int rows, const int np,
                                                        const int gated) {
@@ -93,7 +132,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
         const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][j], comp));
-            const __m512 out = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(sums, _mm512_set1_ps(sx[r])), sw), b);
+            const __m512 terms = outlier_terms(panel0 + j * pb, oidx + r * OUTLIERS, oval + r * OUTLIERS);
+            const __m512 out = _mm512_add_ps(_mm512_mul_ps(_mm512_fmadd_ps(sums, _mm512_set1_ps(sx[r]), terms), sw), b);
             if (!gated) {
                 _mm512_mask_storeu_ps(y + r * ldy + col, mask, out);
             } else if (j % 2 == 0) { /* a gate panel: kept in acc's place until its up panel comes */
@@ -128,6 +168,7 @@ _Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
 #else
 #define CODE_OFFSET 0
 #endif
+#define ZERO_CODE CODE_OFFSET
 
 /* A mask of the first n of 8 lanes (all of them for n >= 8, none for n <= 0), for maskload. */
 static inline __m256i first_lanes(int n) {
@@ -141,23 +182,15 @@ static inline __m256i codes8(__m256 x, __m256 inv) {
                             _mm256_set1_epi32(CODE_OFFSET));
 }
 
-/* Row m's codes (+ CODE_OFFSET, K4 * 4 bytes) into q and its scale into sx[m]. */
-static void quantize_row(const float *row, int K, int K4, uint8_t *q, float *sx) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 vmax = _mm256_setzero_ps();
-    int k = 0;
-    for (; k + 8 <= K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(row + k), abs_mask));
-    if (k < K) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_maskload_ps(row + k, first_lanes(K - k)), abs_mask));
-    float lanes[8], amax = 0.0f;
-    _mm256_storeu_ps(lanes, vmax);
-    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+/* Row m's codes (+ CODE_OFFSET, K4 * 4 bytes) into q and its scale into sx[m], as the AVX-512 body's. */
+static void quantize_row(const float *row, int K, int K4, float amax, uint8_t *q, float *sx) {
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     *sx = amax / 127.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
     /* 32 codes a pass: two packs interleave the four vectors by 128-bit lane, the permute puts them in order
      * (packs with unsigned saturation for codes + 128, in [1, 255]; signed for codes in [-127, 127]) */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (k = 0; k < K4 * 4; k += 32) { /* the last pass from a copy zero-padded to 32: zero codes past K */
+    for (int k = 0; k < K4 * 4; k += 32) { /* the last pass from a copy zero-padded to 32: zero codes past K */
         float padded[32];
         const float *src = row + k;
         if (K - k < 32) {
@@ -188,8 +221,22 @@ static inline __attribute__((always_inline)) __m256i dot4(__m256i acc, __m256i x
 #endif
 }
 
+/* A row's outlier terms for 8 columns of a panel (half: the panel's start + 32 bytes for columns 8-15), as the
+ * AVX-512 body's. */
+static inline __m256 outlier_terms(const uint8_t *half, const int32_t *idx, const float *val) {
+    __m256 terms = _mm256_setzero_ps();
+    for (int o = 0; o < OUTLIERS; o++) {
+        const __m256i group = _mm256_loadu_si256((const __m256i *)(half + (int64_t)(idx[o] >> 2) * 64));
+        const __m256i codes = _mm256_srai_epi32(
+            _mm256_sll_epi32(group, _mm_cvtsi32_si128(24 - 8 * (idx[o] & 3))), 24);
+        terms = _mm256_fmadd_ps(_mm256_set1_ps(val[o]), _mm256_cvtepi32_ps(codes), terms);
+    }
+    return terms;
+}
+
 /* rows (<= MR) x np (<= NP) panels from panel p0, as the AVX-512 body's tile. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t ldq, const float *sx,
+                                                       const int32_t *oidx, const float *oval,
                                                        const uint8_t *packed, int K4, int p0, const float *bias,
                                                        float *y, int64_t ldy, int N, const int rows, const int np,
                                                        const int gated) {
@@ -225,8 +272,11 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *q, int64_t
                 const __m256i sums = CODE_OFFSET ? _mm256_sub_epi32(acc[r][j][h], _mm256_loadu_si256(
                                                        (const __m256i *)(tail + NR * 4 + 32 * h)))
                                                  : acc[r][j][h];
+                const __m256 terms = outlier_terms(panel0 + j * pb + 32 * h, oidx + r * OUTLIERS,
+                                                   oval + r * OUTLIERS);
                 _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(sx[r])), sw), b[h]));
+                    _mm256_mul_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(sx[r]), terms), sw),
+                    b[h]));
             }
             if (!gated) {
                 memcpy(y + r * ldy + col, out, (size_t)cols * sizeof(float));
@@ -254,14 +304,22 @@ static inline __attribute__((always_inline)) int gemm_w8a8(const float *x, int64
     const int K4 = (K + 3) / 4, panels = (N + NR - 1) / NR;
     const int64_t ldq = (int64_t)K4 * 4;
     uint8_t *q = malloc((size_t)M * ldq + 1);
-    float *sx = malloc((size_t)M * sizeof(float) + 1);
-    if (!q || !sx) {
+    float *sx = malloc((size_t)M * sizeof(float) + 1), *oval = malloc((size_t)M * OUTLIERS * sizeof(float) + 1);
+    int32_t *oidx = malloc((size_t)M * OUTLIERS * sizeof(int32_t) + 1);
+    if (!q || !sx || !oval || !oidx) {
         free(q);
         free(sx);
+        free(oval);
+        free(oidx);
         return -2;
     }
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int m = 0; m < M; m++) quantize_row(x + (int64_t)m * ldx, K, K4, q + m * ldq, sx + m);
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (int64_t)m * ldx;
+        int32_t *idx = oidx + (int64_t)m * OUTLIERS;
+        quantize_row(row, K, K4, select_outliers(row, K, idx, oval + (int64_t)m * OUTLIERS), q + m * ldq, sx + m);
+        for (int o = 0; o < OUTLIERS && o < K; o++) q[m * ldq + idx[o]] = ZERO_CODE;
+    }
     const int row_tiles = (M + MR - 1) / MR, panel_tiles = (panels + NP - 1) / NP;
 #pragma omp parallel for collapse(2) num_threads(num_threads) schedule(static)
     for (int pt = 0; pt < panel_tiles; pt++) {
@@ -269,17 +327,21 @@ static inline __attribute__((always_inline)) int gemm_w8a8(const float *x, int64
             const int m0 = rt * MR, p0 = pt * NP;
             const int rows = M - m0 < MR ? M - m0 : MR, np = panels - p0 < NP ? panels - p0 : NP;
             const uint8_t *qt = q + m0 * ldq;
+            const int32_t *it = oidx + (int64_t)m0 * OUTLIERS;
+            const float *vt = oval + (int64_t)m0 * OUTLIERS;
             float *yt = y + m0 * ldy;
             if (rows == MR && np == NP)
-                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, MR, NP, gated);
+                tile(qt, ldq, sx + m0, it, vt, packed, K4, p0, bias, yt, ldy, N, MR, NP, gated);
             else if (rows == 1 && np == NP)
-                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, 1, NP, gated);
+                tile(qt, ldq, sx + m0, it, vt, packed, K4, p0, bias, yt, ldy, N, 1, NP, gated);
             else
-                tile(qt, ldq, sx + m0, packed, K4, p0, bias, yt, ldy, N, rows, np, gated);
+                tile(qt, ldq, sx + m0, it, vt, packed, K4, p0, bias, yt, ldy, N, rows, np, gated);
         }
     }
     free(q);
     free(sx);
+    free(oval);
+    free(oidx);
     return 0;
 }
 

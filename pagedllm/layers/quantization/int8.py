@@ -1,9 +1,13 @@
-"""``quantization="int8"``: W8A8 as vLLM's CPU W8A8, dynamic per-token activations.
+"""``quantization="int8"``: W8A8 as vLLM's CPU W8A8, dynamic per-token activations, with outliers kept out.
 
 Each linear layer's weight is quantized at load, from whatever checkpoint filled it (safetensors or GGUF, dequantized),
 symmetric per output channel: ``sw = max|W[n]| / 127``, codes ``round(W / sw)``. At run time each row of the input
-is quantized the same way per token (``sx = max|x| / 127``), the codes multiply in int32, and the output is
-``acc * sx * sw (+ bias)``. On CPUs with AVX2 (summing by VNNI where they have it) the native kernel
+is quantized the same way per token, but for its OUTLIERS_PER_ROW entries of largest magnitude, which stay float32
+(LLM.int8()'s outlier decomposition, per token): ``sx = max|x| / 127`` over the other entries, the codes multiply
+in int32, the outliers multiply their columns' weight codes in float, and the output is
+``(acc * sx + outlier terms) * sw (+ bias)``. vLLM codes every entry; a few entries of the residual stream are tens
+of times the others, and a scale set by them leaves the others a handful of codes: SmolLM2's teacher-forced greedy
+agreement with float32 is 0.89 that way, 0.95-0.97 with two entries a token kept out (docs/benchmarks.md). On CPUs with AVX2 (summing by VNNI where they have it) the native kernel
 (native/gemm_int8.c) does all of it in one call, quantizing the rows as they come in; elsewhere torch's int8 matmul
 (``torch._int_mm``) does the products after the same quantization in torch, with the same results up to float
 rounding in the epilogue. The embedding and the LM head stay dense (as vLLM keeps them); so do a mixture of
@@ -29,6 +33,7 @@ from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethod
 
 PANEL_COLUMNS = 16  # gemm_int8.c's columns per panel
 K_GROUP = 4  # consecutive inputs per vpdpbusd lane
+OUTLIERS_PER_ROW = 2  # gemm_int8.c's OUTLIERS
 
 
 def quantize_symmetric(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,6 +43,21 @@ def quantize_symmetric(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     codes = torch.round(values * inverse).clamp_(-127, 127).to(torch.int8)
     return codes, (amax / 127.0).squeeze(-1)
+
+
+def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``[M, K]`` of float32 activations as the W8A8 kernel takes them: each row's OUTLIERS_PER_ROW entries of
+    largest |x|, their indices and values ``[M, OUTLIERS_PER_ROW]`` (fewer where K is smaller), kept out; the rest
+    as ``quantize_symmetric`` codes them (the outliers' codes 0), with the row's scale."""
+    ids = rows.abs().topk(min(OUTLIERS_PER_ROW, rows.shape[-1]), dim=-1).indices
+    codes, scales = quantize_symmetric(rows.scatter(-1, ids, 0.0))
+    return codes, scales, ids, rows.gather(-1, ids)
+
+
+def outlier_terms(ids: torch.Tensor, values: torch.Tensor, weight_codes: torch.Tensor) -> torch.Tensor:
+    """``[M, N]``: each row's outliers (``quantize_activations``) times their columns of ``weight_codes`` ``[N, K]``,
+    summed."""
+    return torch.einsum("mo,mon->mn", values, weight_codes.t()[ids].float())
 
 
 def gate_up_interleaved(rows: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -115,9 +135,9 @@ class Int8LinearMethod(QuantizeMethodBase):
                 y = gate_up_interleaved(y.reshape(-1, y.shape[-1]).t(), inverse=True).t().reshape(y.shape)
             return y
         rows = x.reshape(-1, x.shape[-1]).float()
-        codes, row_scales = quantize_symmetric(rows)
+        codes, row_scales, ids, values = quantize_activations(rows)
         acc = torch._int_mm(codes, layer.weight.t())
-        y = acc.float() * row_scales.unsqueeze(-1) * layer.weight_scale
+        y = (acc.float() * row_scales.unsqueeze(-1) + outlier_terms(ids, values, layer.weight)) * layer.weight_scale
         if bias is not None:
             y = y + bias
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
