@@ -10,7 +10,9 @@ from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwe
 
 from pagedllm.config import ParallelConfig
 from pagedllm.distributed.parallel_state import ParallelRank
-from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target
+from pagedllm import native
+from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target, fused_experts, select_experts
+from pagedllm.native.fused import fused_moe
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.interface import KernelChoice
@@ -90,6 +92,19 @@ def test_fused_moe_slices_sum_to_the_layer(expert_parallel):
             h = torch.nn.functional.silu(x[t] @ weights[e, "w1"].t()) * (x[t] @ weights[e, "w3"].t())
             expected[t] += p * (h @ weights[e, "w2"].t())
     torch.testing.assert_close(whole, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, renormalize, hidden, inter", [
+    (1, 4, 2, True, 64, 32), (7, 6, 3, False, 20, 13), (33, 8, 2, True, 72, 40), (128, 60, 4, False, 32, 24)])
+def test_native_layer_is_the_torch_layer(tokens, experts, top_k, renormalize, hidden, inter):
+    """native/fused_moe.c routes as select_experts and sums as fused_experts (sizes off the vector width too)."""
+    if native.fused_ops() is None:
+        pytest.skip("no native kernels here")
+    gen = torch.Generator().manual_seed(tokens)
+    x, logits = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, experts, generator=gen)
+    w13, w2 = torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
+    expected = fused_experts(x, w13, w2, *select_experts(logits, top_k, renormalize))
+    torch.testing.assert_close(fused_moe(x, logits, w13, w2, top_k, renormalize), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_expert_weight_target():

@@ -5,6 +5,10 @@ then its up rows) and ``w2_weight`` ``[experts, hidden, intermediate]``. A step'
 router's logits, top-k, optionally renormalised, as transformers computes it), then grouped by expert with one sort,
 so each active expert runs one GEMM over all its tokens and nothing loops over tokens in Python.
 
+A step of up to NATIVE_MAX_TOKENS float32 tokens on a rank holding every expert takes all of it in one native call
+(native/fused_moe.c, the same routing and order of sums), which a CPU graph can replay, since it decides the routing
+as it runs; larger steps run the torch code below, whose per-expert GEMMs suit many tokens an expert.
+
 Parallelism, as vLLM's: with tensor parallelism every rank holds every expert's slice of the intermediate
 dimension; with expert parallelism (``enable_expert_parallel``) each rank holds whole experts, a contiguous share of
 them. Either way a rank's output is a partial sum of the layer's, and one all-reduce over the TP group completes it.
@@ -21,7 +25,9 @@ from torch import nn
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.linear import divide
+from pagedllm.native.fused import fused_moe
 
+NATIVE_MAX_TOKENS = 128  # the most tokens a CPU graph's step takes (worker/cpu_graphs.py's MAX_GRAPH_TOKENS)
 _EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
@@ -116,6 +122,12 @@ class FusedMoE(nn.Module):
         target.copy_(source)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[0] <= NATIVE_MAX_TOKENS and self.num_local_experts == self.num_experts \
+                and self.tp_size == 1:
+            out = fused_moe(hidden_states, router_logits, self.w13_weight, self.w2_weight, self.top_k,
+                            self.renormalize)
+            if out is not None:
+                return out
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
         out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                             self.first_expert)

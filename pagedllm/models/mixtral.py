@@ -11,7 +11,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.models.moe import SparseMoeBlock
+from pagedllm.models.moe import SparseMoeBlock, experts_run_natively
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 
 class MixtralForCausalLM(LlamaForCausalLM):
     mlp_name = "block_sparse_moe"
-    supports_cpu_graphs = False  # models/moe.py
+    supports_cpu_graphs = property(experts_run_natively)
     expert_weight_names = ("w1", "w2", "w3")
 
     @staticmethod

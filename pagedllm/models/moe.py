@@ -2,8 +2,9 @@
 ``gate`` (the router, one logit per expert), ``experts`` (layers/fused_moe.FusedMoE) and, in Qwen2-MoE, a dense
 ``shared_expert`` every token takes, scaled by ``sigmoid(shared_expert_gate(x))``.
 
-Routing and the experts' GEMMs are torch ops, so a model with these blocks runs its steps eagerly
-(``supports_cpu_graphs = False`` on its class: a CPU graph replays native kernels only).
+A step's forward through the block is native calls only where layers/fused_moe.py's native path applies (float32
+experts: routing and experts in one kernel, the shared expert's gate added by another), so decode steps of such a
+model replay CPU graphs (``supports_cpu_graphs``, a property of the model classes: experts_run_natively).
 
 The router stays unquantized and whole on every rank (its logits pick the experts, so every rank must pick alike).
 The shared expert's output is a partial sum under tensor parallelism like the experts', so the block all-reduces
@@ -16,12 +17,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedllm import native
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization import QuantizationConfig
 from pagedllm.models.llama import LlamaMLP
+from pagedllm.native.fused import add_sigmoid_gated_
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
     from transformers import PretrainedConfig
@@ -51,10 +54,19 @@ class SparseMoeBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden_states, self.gate(hidden_states))
         if self.shared_expert is not None:
-            out += torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
+            shared, gate = self.shared_expert(hidden_states), self.shared_expert_gate(hidden_states)
+            if not add_sigmoid_gated_(out, gate, shared):
+                out += torch.sigmoid(gate) * shared
         if self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
+
+
+def experts_run_natively(model: nn.Module) -> bool:
+    """Whether ``model``'s MoE blocks run a decode step in native calls only (float32 experts and the native
+    kernels built), so its decode steps can replay CPU graphs."""
+    return native.fused_ops() is not None and all(
+        m.w13_weight.dtype == torch.float32 for m in model.modules() if isinstance(m, FusedMoE))
 
 
 def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:

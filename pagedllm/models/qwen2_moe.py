@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pagedllm.models.moe import qwen_moe_mlp
+from pagedllm.models.moe import experts_run_natively, qwen_moe_mlp
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 
 if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues), not this class
@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 
 
 class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
-    supports_cpu_graphs = False  # models/moe.py
+    supports_cpu_graphs = property(experts_run_natively)
     expert_weight_names = ("gate_proj", "down_proj", "up_proj")
     make_mlp = staticmethod(qwen_moe_mlp)
 

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-from pagedllm.models.moe import qwen_moe_mlp
+from pagedllm.models.moe import experts_run_natively, qwen_moe_mlp
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    supports_cpu_graphs = False  # models/moe.py
+    supports_cpu_graphs = property(experts_run_natively)
     expert_weight_names = ("gate_proj", "down_proj", "up_proj")
     make_mlp = staticmethod(qwen_moe_mlp)

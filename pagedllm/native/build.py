@@ -40,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # Each library and the C files it is built from (the headers beside them are part of every build's key).
 LIBRARIES = {
     "paged_attention": ("paged_decode.c", "paged_prefill.c", "paged_cascade.c"),
-    "fused_ops": ("fused_ops.c", "write_kv.c"),
+    "fused_ops": ("fused_ops.c", "write_kv.c", "fused_moe.c"),
     "gemm": ("gemm.c",),
     "gemm_bf16": ("gemm_bf16.c",),
     "gemm_int8": ("gemm_int8.c",),

@@ -30,7 +30,7 @@ def _libraries() -> dict[str, str]:
                 + (("yes, bf16 pairs" if library.prefill_pairs else "yes") if library.has_prefill
                    else "no (need AVX-512, or AVX2 with FMA)"))
     if native.fused_ops() is not None:
-        what["fused_ops"] = "RMSNorm, SiLU * up, rotary, embeddings, KV writes, argmax"
+        what["fused_ops"] = "RMSNorm, SiLU * up, rotary, embeddings, KV writes, argmax, MoE"
     if native.lora() is not None:
         what["lora"] = "multi-LoRA shrink and expand (one call per layer)"
     what["gemm"] = ("float32 panels" + ("; Q4/Q8 panels" if native.gemm_q4() is not None else "; no Q4/Q8 panels "

@@ -38,6 +38,9 @@ FUSED_SIGNATURES = (
     CFunction("write_kv_fp8_e5m2", INT, *_WRITE_KV_ARGS),
     CFunction("write_kv_int8", INT, *_WRITE_KV_ARGS, *arguments("head_size", INT)),
     CFunction("argmax_rows_f32", None, *arguments("x", POINTER, "rows", "cols", INT64, "out", POINTER)),
+    CFunction("add_sigmoid_gated_f32", None, *arguments("gate", "x", "out", POINTER, "rows", INT64, "d", INT)),
+    CFunction("fused_moe_f32", INT, *arguments("x", "router_logits", "w13", "w2", "out", POINTER, "tokens", INT64,
+                                               "hidden", "inter", "num_experts", "top_k", "renormalize", INT)),
 )
 
 
@@ -188,3 +191,44 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     launch(lib.argmax_rows_f32, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def fused_moe(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              renormalize: bool) -> torch.Tensor | None:
+    """A mixture-of-experts layer's output ``[T, hidden]`` for ``x`` and its router's logits ``[T, experts]``, every
+    expert held here (``w13`` ``[experts, 2 * inter, hidden]``, ``w2`` ``[experts, hidden, inter]``), routed and
+    computed as layers/fused_moe.py's select_experts and fused_experts do (native/fused_moe.c); None when the native
+    path does not apply."""
+    lib = _lib_for(x, router_logits, w13, w2)
+    operands = (x, router_logits, w13, w2)
+    if lib is None or x.dim() != 2 or not all(t.is_contiguous() for t in operands):
+        return None
+    experts, hidden = w13.shape[0], x.shape[1]
+    inter = w2.shape[2]
+    if checks.ENABLED:
+        require("fused_moe_f32", router_logits.shape == (x.shape[0], experts) and w13.shape == (experts, 2 * inter,
+                hidden) and w2.shape == (experts, hidden, inter) and 0 < top_k <= experts,
+                f"x {tuple(x.shape)}, logits {tuple(router_logits.shape)}, w13 {tuple(w13.shape)}, w2 "
+                f"{tuple(w2.shape)}, top_k {top_k} do not fit")
+    out = torch.empty_like(x)
+    status = launch(lib.fused_moe_f32, x.data_ptr(), router_logits.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                    out.data_ptr(), x.shape[0], hidden, inter, experts, top_k, int(renormalize))
+    if status == -1:
+        raise ValueError(f"fused_moe_f32: top_k {top_k} must be in 1..{experts}, the sizes positive")
+    if status != 0:
+        raise MemoryError("fused_moe_f32 could not allocate its scratch")
+    return out
+
+
+def add_sigmoid_gated_(out: torch.Tensor, gate: torch.Tensor, x: torch.Tensor) -> bool:
+    """``out += sigmoid(gate) * x`` in place, for ``[T, d]`` rows and ``gate`` ``[T, 1]``; False when it does not
+    apply."""
+    lib = _lib_for(out, gate, x)
+    operands = (out, gate, x)
+    if lib is None or x.dim() != 2 or not all(t.is_contiguous() for t in operands):
+        return False
+    if checks.ENABLED:
+        require("add_sigmoid_gated_f32", out.shape == x.shape and gate.shape == (x.shape[0], 1),
+                f"out {tuple(out.shape)}, gate {tuple(gate.shape)}, x {tuple(x.shape)} do not fit")
+    launch(lib.add_sigmoid_gated_f32, gate.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return True

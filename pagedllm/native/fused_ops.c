@@ -161,3 +161,16 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t cols, int64_t *out) {
         out[t] = at < cols ? at : 0;
     }
 }
+
+/* out[t] += sigmoid(gate[t]) * x[t] over rows of d floats, gate one float a row: Qwen2-MoE's shared expert, weighted
+ * by its gate, into the routed experts' sum (models/moe.py). */
+void add_sigmoid_gated_f32(const float *gate, const float *x, float *out, int64_t rows, int d) {
+#pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN_FLOATS)
+    for (int64_t t = 0; t < rows; t++) {
+        const float weight = 1.0f / (1.0f + expf(-gate[t]));
+        const float *xt = x + t * d;
+        float *ot = out + t * d;
+#pragma omp simd
+        for (int i = 0; i < d; i++) ot[i] += weight * xt[i];
+    }
+}

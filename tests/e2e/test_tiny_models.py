@@ -7,8 +7,10 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig)
 
-from pagedllm import SamplingParams
-from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, running_llm
+from pagedllm import SamplingParams, native
+from pagedllm.native.graph import CpuGraph
+from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, in_process_llm, running_llm
+from tests.test_moe import MOE_MODELS
 
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 
@@ -53,6 +55,30 @@ def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, ex
         assert llm.get_stats().num_preemptions > 0
     assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 24)
 
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MODELS))
+def test_moe_decode_steps_replay_cpu_graphs(tmp_path, tokenizer, monkeypatch, name):
+    """Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE through the engine: the experts' routing is
+    decided inside the native MoE kernel, so decode steps replay CPU graphs (none refused), and the tokens are
+    transformers' greedy ones, while requests join and leave the batch."""
+    if native.gemm() is None or native.fused_ops() is None:
+        pytest.skip("no native GEMM here: MoE steps run eagerly")
+    config_cls, model_cls, extra = MOE_MODELS[name]
+    reference = _save_tiny(tmp_path, tokenizer, config_cls, model_cls, tie_word_embeddings=False, **extra)
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3)), list(range(3000, 3020))]
+    llm = in_process_llm(str(tmp_path), dtype="float32", max_model_len=512, max_num_batched_tokens=32)
+    params = [SamplingParams(temperature=0, max_tokens=16 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+    llm.shutdown()
+    assert graphs is not None and not graphs._refused and len(replays) >= 10
+    for prompt, got, param in zip(prompts, outputs, params):
+        assert_transformers_greedy(reference, [prompt], [got], param.max_tokens)
 
 
 def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path, tokenizer):
