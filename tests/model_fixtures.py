@@ -173,7 +173,7 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
             weight = _llama_cpp_permute(weight, n_head)
         if layer_type is not None and base.startswith("model.layers.") and weight.ndim == 2:
             tensor_type = layer_type(base) if callable(layer_type) else layer_type
-            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", gguf.quants.quantize(weight, tensor_type),
+            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", quantize_gguf(weight, tensor_type),
                               raw_dtype=tensor_type)
             continue
         writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", weight)
@@ -181,6 +181,42 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def quantize_gguf(weight: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """``weight`` ``[rows, cols]`` as GGUF blocks of ``tensor_type``: gguf-py's quantizer, or for Q4_K (which it
+    lacks) quantize_q4_k."""
+    if tensor_type == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(weight)
+    return gguf.quants.quantize(weight, tensor_type)
+
+
+def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
+    """A plain Q4_K quantizer (round to nearest; llama.cpp's searches its scales): per 32 weights along a row a
+    6-bit scale and min, per 256 an fp16 ``d`` and ``dmin`` they multiply, codes ``q`` with ``w ~ d sc q - dmin m``.
+    Returns the blocks as llama.cpp lays them out (144 bytes per 256 weights)."""
+    rows = weight.shape[0]
+    w = weight.astype(np.float32).reshape(rows, -1, 8, 32)
+    low, high = np.minimum(w.min(-1), 0), np.maximum(w.max(-1), 0)
+    scale, minimum = (high - low) / 15, -low
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (minimum.max(-1) / 63).astype(np.float16)
+
+    def six_bits(values, unit):
+        unit = unit.astype(np.float32)[..., None]
+        return np.clip(np.round(np.divide(values, unit, out=np.zeros_like(values), where=unit > 0)), 0, 63
+                       ).astype(np.uint8)
+
+    sc, m = six_bits(scale, d), six_bits(minimum, dmin)
+    step = d.astype(np.float32)[..., None] * sc
+    offset = dmin.astype(np.float32)[..., None] * m
+    q = np.divide(w + offset[..., None], step[..., None], out=np.zeros_like(w), where=step[..., None] > 0)
+    q = np.clip(np.round(q), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
+    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
 
 
 def _stacked_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

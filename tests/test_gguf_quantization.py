@@ -1,4 +1,4 @@
-"""quantization="gguf": a GGUF's Q4_0/Q4_1 and Q8_0 linear weights kept packed where a kernel takes them, every
+"""quantization="gguf": a GGUF's Q4_0/Q4_1/Q4_K and Q8_0 linear weights kept packed where a kernel takes them, every
 other type dequantized at load.
 
 The dense float32 path on the loader's dequantized weights is the reference: gemm_q8_f32 scales each code in
@@ -121,9 +121,9 @@ def test_q8_layers_are_dequantized_where_the_kernel_does_not_apply(monkeypatch):
     assert isinstance(method(config, "q4"), GGUFInt4LinearMethod)
 
 
-def _tiny_llama(tmp_path, layer_type, name: str) -> str:
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
+def _tiny_llama(tmp_path, layer_type, name: str, hidden_size: int = 64) -> str:
+    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)
     torch.manual_seed(0)
     path = str(tmp_path / f"{name}.gguf")
     write_tiny_gguf(HFLlamaForCausalLM(config), path, "llama", layer_type=layer_type)
@@ -197,6 +197,25 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
     int4, _ = _load(path, "gguf_int4")  # the Q4 layers only
     assert type(int4.model.layers[0].self_attn.o_proj.quant_method) is UnquantizedLinearMethod
     assert type(int4.model.layers[0].mlp.gate_up_proj.quant_method) is GGUFInt4LinearMethod
+
+
+@pytest.mark.skipif(native.gemm_q4k() is None, reason="no gemm_q4k_f32 here (needs a C compiler and AVX-512 or AVX2)")
+def test_q4_k_layers_stay_packed_and_give_the_dense_models_logits(tmp_path):
+    """A tiny Llama in Q4_K (the type of most GGUF files people pull, as Q4_K_M), its down_proj in F16: the Q4_K
+    layers keep 4-bit codes with float32 scales (gemm_q4k_f32), the F16 one is dequantized, and the logits, so the
+    greedy tokens, are the dense model's on the same dequantized weights exactly."""
+    path = _tiny_llama(tmp_path, lambda name: T.F16 if name.endswith("down_proj") else T.Q4_K, "llama-q4_k", 256)
+    dense, config = _load(path, None)
+    q4_k, _ = _load(path, "gguf")
+    for layer in q4_k.model.layers:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            assert linear.quant_method.packed.kernel.name == "gemm_q4k_f32"
+        assert type(layer.mlp.down_proj.quant_method) is UnquantizedLinearMethod
+    summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(q4_k)
+    assert summary.startswith("linear layers kept packed: Q4_K x6; dequantized at load: F16 x2")
+    (dense_tokens, dense_logits), (q4_k_tokens, q4_k_logits) = (_greedy(m, config, PROMPTS, 8)
+                                                                for m in (dense, q4_k))
+    assert q4_k_tokens == dense_tokens and torch.equal(q4_k_logits, dense_logits)
 
 
 def test_gguf_on_a_non_gguf_model_is_a_value_error_naming_it(tmp_path):

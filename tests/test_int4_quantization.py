@@ -1,4 +1,4 @@
-"""quantization="gguf_int4": GGUF Q4_0/Q4_1 weights kept 4-bit.
+"""quantization="gguf_int4": GGUF Q4_0/Q4_1/Q4_K weights kept 4-bit.
 
 The dense float32 path is the reference: it computes with the same dequantized weights. The native kernel
 (float32, AVX-512 or AVX2) must equal the dense native GEMM bit for bit; torch's int4 kernel (the fallback) differs
@@ -36,7 +36,8 @@ from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.cpu import bf16_panels_apply
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
-from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, teacher_forced, write_tiny_gguf
+from tests.model_fixtures import (Chunk, PagedBatchRunner, quantize_gguf, smollm_path, teacher_forced,
+                                  write_tiny_gguf)
 from tests.native_paths import native_or_fallback
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the int4 kernel is c
 def kernel_path(request, monkeypatch):
     """Which kernel the layers built in the test pack for: gemm.c's (its AVX2 body too, where the CPU has AVX-512),
     or torch's int4 one."""
+    native_or_fallback(request.param, monkeypatch, "gemm_q4k")
     return native_or_fallback(request.param, monkeypatch, "gemm_q4")
 
 
@@ -73,7 +75,7 @@ def _int4_layer(layer_class, parts, bias=None, **kwargs):
 
 def _random_q4(shape: tuple[int, int], tensor_type, seed: int) -> tuple[np.ndarray, list[torch.Tensor]]:
     """GGUF blocks of a random weight, and their unpacked ``(codes, scales, zeros)``."""
-    blocks = quantize(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), tensor_type)
+    blocks = quantize_gguf(np.random.default_rng(seed).standard_normal(shape, dtype=np.float32), tensor_type)
     return blocks, [torch.from_numpy(part) for part in unpack_q4(blocks, tensor_type)]
 
 
@@ -82,28 +84,46 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                         GGMLQuantizationType.Q8_0])
+                                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0])
 def test_fast_dequantization_is_ggufs_bit_for_bit(tensor_type):
-    blocks = quantize(np.random.default_rng(5).standard_normal((48, 96), dtype=np.float32), tensor_type)
+    blocks = quantize_gguf(np.random.default_rng(5).standard_normal((48, 512), dtype=np.float32), tensor_type)
     fast = dequantize_fast(blocks, tensor_type)
     assert fast.dtype == np.float32 and np.array_equal(fast, dequantize(blocks, tensor_type))
 
 
-@pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_q4_k_blocks_unpack_as_gguf_dequantizes_them():
+    """Q4_K blocks of any bytes (six-bit scales and mins in all their bit positions, codes, fp16 d and dmin):
+    codes * scale + zero per 32 is gguf's dequantization bit for bit, and the scales (d * sc) are no fp16 values."""
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (16, 2, 144), dtype=np.uint8)
+    blocks[..., :4] = rng.uniform(1e-3, 0.1, (16, 2, 2)).astype(np.float16).view(np.uint8)
+    blocks = blocks.reshape(16, -1)
+    codes, scales, zeros = unpack_q4(blocks, GGMLQuantizationType.Q4_K)
+    assert codes.shape == (16, 512) and codes.max() <= 15 and scales.shape == zeros.shape == (16, 16)
+    weight = codes.reshape(16, 16, 32).astype(np.float32) * scales[..., None] + zeros[..., None]
+    assert np.array_equal(weight.reshape(16, 512), dequantize(blocks, GGMLQuantizationType.Q4_K))
+    assert not np.array_equal(scales.astype(np.float16).astype(np.float32), scales)
+
+
+@pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                                         GGMLQuantizationType.Q4_K])
 def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
-    blocks, parts = _random_q4((96, 128), tensor_type, seed=0)
+    blocks, parts = _random_q4((96, 256), tensor_type, seed=0)
     weight = torch.from_numpy(dequantize(blocks, tensor_type))
     bias = torch.randn(96)
     layer = _int4_layer(ReplicatedLinear, parts, bias)
     assert layer.qweight.dtype == torch.uint8
     if kernel_path == "torch":
-        assert layer.qweight.shape == (96, 64)  # two codes a byte
-    else:  # two 64-column panels of four 32-row blocks: fp16 scales, float32 zeros, 32 x 32 code bytes each
-        assert layer.qweight.shape == (2, 4, 64 * 2 + 64 * 4 + 32 * 32)
+        assert layer.qweight.shape == (96, 128)  # two codes a byte
+    else:  # two 64-column panels of eight 32-row blocks: scales (fp16; Q4_K float32), float32 zeros, 32 x 32 codes
+        scale_bytes = 4 if tensor_type == GGMLQuantizationType.Q4_K else 2
+        assert layer.qweight.shape == (2, 8, 64 * scale_bytes + 64 * 4 + 32 * 32)
+        assert layer.quant_method.packed.kernel.name == (
+            "gemm_q4k_f32" if tensor_type == GGMLQuantizationType.Q4_K else "gemm_q4_f32")
     # The loader's dequantized weight, as the dense path holds it (rounded as the native kernel rounds).
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
     for rows in (1, 5, 6, 7, 40):  # one tile (dequantized as it goes) and more (through a dense scratch panel)
-        x = torch.randn(rows, 128)
+        x = torch.randn(rows, 256)
         y = layer(x)
         assert y.dtype == torch.float32 and y.shape == (rows, 96)
         assert _relative_error(y, x @ weight.T + bias) < 1e-2
@@ -173,18 +193,20 @@ def test_packed_gguf_q4_1_reproduces_dequantize(kernel_path, smollm_reader):
         codes, scales, zeros = (packed[f"{module}.{part}"] for part in ("qweight", "scales", "zeros"))
         assert f"{module}.weight" not in packed and codes.dtype == torch.uint8 and int(codes.max()) <= 15
 
-        def unpacked(scales, zeros):
-            return (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
+        def unpacked(scales, zeros, offset=0):
+            return (codes.float() - offset) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
 
-        torch.testing.assert_close(unpacked(scales, zeros), expected, rtol=0, atol=1e-6)
+        assert torch.equal(unpacked(scales, zeros), expected)
         weight_t = _int4_layer(ReplicatedLinear, (codes, scales, zeros))(torch.eye(expected.shape[1]))
         if kernel_path == "native":  # x = I gives W.T exactly: the weights the dense path holds
             assert torch.equal(weight_t.T, unpacked(scales, zeros)), module
             continue
-        # The torch kernel keeps scales and zeros in bfloat16: that rounding, and no more, separates it from GGUF.
-        scales_bf16, zeros_bf16 = scales.bfloat16().float(), zeros.bfloat16().float()
-        bound = ((8 * scales.abs() + zeros.abs()) * BF16_EPS).repeat_interleave(32, 1)
-        assert ((unpacked(scales_bf16, zeros_bf16) - expected).abs() <= bound).all(), module
+        # The torch kernel takes (q - 8) * scale + zero, its scales and zeros in bfloat16: that rounding, and no
+        # more, separates it from GGUF.
+        torch_zeros = zeros + 8 * scales
+        scales_bf16, zeros_bf16 = scales.bfloat16().float(), torch_zeros.bfloat16().float()
+        bound = ((8 * scales.abs() + torch_zeros.abs()) * BF16_EPS).repeat_interleave(32, 1)
+        assert ((unpacked(scales_bf16, zeros_bf16, offset=8) - expected).abs() <= bound).all(), module
         # Through the kernel: W.T, rounded once more to bfloat16 on the way out.
         assert ((weight_t.T - expected).abs() <= bound + expected.abs() * BF16_EPS).all(), module
 
@@ -323,5 +345,5 @@ def test_bad_quantization_is_a_value_error_naming_it(tmp_path):
         LLM(str(tmp_path), quantization="gguf_int4")
     unquantized = str(tmp_path / "f32.gguf")
     write_tiny_gguf(HFLlamaForCausalLM(config), unquantized, "llama")
-    with pytest.raises(ValueError, match="quantization='gguf_int4' needs Q4_0/Q4_1 layer weights.*F32"):
+    with pytest.raises(ValueError, match="quantization='gguf_int4' needs Q4_0/Q4_1/Q4_K layer weights.*F32"):
         get_quant_config("gguf_int4", unquantized, LlamaForCausalLM)

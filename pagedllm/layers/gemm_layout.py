@@ -146,7 +146,11 @@ class QuantizedWeight:
     @classmethod
     def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            layout: WeightLayout | None = None) -> "QuantizedWeight":
-        return cls("gemm_q4", pack_q4_panels(codes, scales, zeros), codes.shape[0], layout)
+        """4-bit codes, each weight ``code * scale + zero`` per block of 32 along K: gemm_q4_f32's panels where
+        every scale is an fp16 value (Q4_0, Q4_1), else gemm_q4k_f32's, with float32 scales (Q4_K's d * sc)."""
+        scale_dtype = torch.float16 if _fp16_values(scales) else torch.float32
+        kernel = "gemm_q4" if scale_dtype == torch.float16 else "gemm_q4k"
+        return cls(kernel, pack_q4_panels(codes, scales, zeros, scale_dtype), codes.shape[0], layout)
 
     @classmethod
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None) -> "QuantizedWeight":
@@ -162,29 +166,35 @@ class QuantizedWeight:
         return self.kernel(x, self.panels, bias, self.out_features)
 
 
-def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """``[N, K]`` codes in [0, 16) and ``[N, K / 32]`` scales and zeros -> gemm_q4_f32's panels,
-    ``[ceil(N / 64), K / 32, 1408]`` bytes: per block of 32 along K, the 64 columns' scales (fp16, which GGUF's
-    are exactly), zeros (float32), then 32 rows of 32 bytes, column i in the low nibble of byte i and column
-    32 + i in its high nibble."""
-    by_row, to_block = _panel_blocks(codes, scales)
+    ``[ceil(N / 64), K / 32, 1408]`` bytes (with float32 ``scale_dtype``: gemm_q4k_f32's, 1536): per block of 32
+    along K, the 64 columns' scales (fp16, which Q4_0/Q4_1 scales are exactly), zeros (float32), then 32 rows of 32
+    bytes, column i in the low nibble of byte i and column 32 + i in its high nibble."""
+    by_row, to_block = _panel_blocks(codes, scales, scale_dtype)
     nibbles = (by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous()
-    return torch.cat([to_block(scales, torch.float16), to_block(zeros, torch.float32), to_block(nibbles)], dim=-1)
+    return torch.cat([to_block(scales, scale_dtype), to_block(zeros, torch.float32), to_block(nibbles)], dim=-1)
 
 
 def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` int8 codes and ``[N, K / 32]`` scales -> gemm_q8_f32's panels, ``[ceil(N / 64), K / 32, 2176]``
     bytes: per block of 32 along K, the 64 columns' fp16 scales, then 32 rows of their 64 codes."""
-    by_row, to_block = _panel_blocks(codes, scales)
+    by_row, to_block = _panel_blocks(codes, scales, torch.float16)
     return torch.cat([to_block(scales, torch.float16), to_block(by_row.contiguous())], dim=-1)
 
 
-def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor):
+def _fp16_values(scales: torch.Tensor) -> bool:
+    return torch.equal(scales.to(torch.float16).float(), scales.float())
+
+
+def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype):
     """The codes as ``[panel, block, row, column]`` (N padded to whole 64-column panels), and a function laying
-    a per-block ``[N, K / 32]`` tensor (or those codes) out as ``[panel, block, bytes]``."""
+    a per-block ``[N, K / 32]`` tensor (or those codes) out as ``[panel, block, bytes]``. ``scales`` must be
+    ``scale_dtype`` values (the panels hold them so)."""
     n, k = codes.shape
     panels, blocks = -(-n // PANEL), k // QBLOCK
-    if not torch.equal(scales.to(torch.float16).float(), scales.float()):
+    if scale_dtype == torch.float16 and not _fp16_values(scales):
         raise ValueError("GGUF scales must be float16 values (GGUF stores them so)")
 
     def padded(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Weights are dequantized once at load time (the models compute in float32 or
 bfloat16), so a GGUF checkpoint feeds the same ``load_weights`` as safetensors.
-With ``quantization="gguf"`` (or ``"gguf_int4"``), the Q4_0/Q4_1 and Q8_0 weights
+With ``quantization="gguf"`` (or ``"gguf_int4"``), the Q4_0/Q4_1/Q4_K and Q8_0 weights
 of the layers that keep them packed come out as codes and per-block scales
 (and zeros) instead.
 """
@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
+
+from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES
 
 # GGUF tensor name (without .weight/.bias) -> HF name, for Llama-like models.
 _GLOBAL_NAMES = {
@@ -212,42 +214,58 @@ def _tensor_data(file: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
     return raw.reshape(*rows, row_elems // block_size * type_size)
 
 
-def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q4_0/Q4_1 rows -> codes ``[N, K]`` uint8 in [0, 16), scales and zeros ``[N, K / 32]`` float32.
+def _fp16(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte ``at`` of each block, as float32."""
+    return np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16)[..., 0].astype(np.float32)
 
-    Each weight is ``(code - 8) * scale + zero`` for its block of 32 along K.
-    A block is an fp16 ``d`` (Q4_1: then an fp16 min ``m``) and 16 bytes whose
-    low nibbles are weights 0-15 and high nibbles weights 16-31.
+
+def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_0/Q4_1/Q4_K rows -> codes ``[N, K]`` uint8 in [0, 16), scales and zeros ``[N, K / 32]`` float32, each
+    weight ``code * scale + zero`` for its block of 32 along K, as gguf dequantizes it (the product is exact, so
+    the weight rounds once, at the add).
+
+    A Q4_0/Q4_1 block is an fp16 ``d`` (Q4_1: then an fp16 min ``m``) and 16 bytes whose low nibbles are weights
+    0-15 and high nibbles weights 16-31: Q4_0 ``d (q - 8)``, Q4_1 ``d q + m``. A Q4_K super-block of 256 is fp16
+    ``d`` and ``dmin``, 12 bytes of eight 6-bit scales ``sc`` and mins ``m`` (one each per 32), and 128 bytes of
+    codes, each 32 holding two blocks (low nibbles, then high): ``(d sc) q - dmin m``, where ``d sc`` is not an
+    fp16 value.
     """
-    if tensor_type not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        raise ValueError(f"expected a Q4_0 or Q4_1 tensor, got {tensor_type.name}")
+    if tensor_type not in Q4_TYPES:
+        raise ValueError(f"expected a Q4_0, Q4_1 or Q4_K tensor, got {tensor_type.name}")
+    rows = data.shape[0]
+    if tensor_type == GGMLQuantizationType.Q4_K:
+        blocks = data.reshape(rows, -1, 144)
+        packed = blocks[..., 4:16].astype(np.uint8)
+        sc = np.concatenate([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1)
+        m = np.concatenate([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        codes = (qs & 0x0F).reshape(rows, -1)
+        scales = (_fp16(blocks, 0)[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+        return codes, scales, -(_fp16(blocks, 2)[..., None] * m.astype(np.float32)).reshape(rows, -1)
     header = 4 if tensor_type == GGMLQuantizationType.Q4_1 else 2
-    blocks = data.reshape(data.shape[0], -1, header + 16)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
+    blocks = data.reshape(rows, -1, header + 16)
+    d = _fp16(blocks, 0)
     qs = blocks[..., header:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(data.shape[0], -1)
-    if tensor_type == GGMLQuantizationType.Q4_0:  # w = d (q - 8)
-        return codes, d, np.zeros_like(d)
-    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
-    return codes, d, m + 8 * d  # w = d q + m
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, -1)
+    if tensor_type == GGMLQuantizationType.Q4_0:
+        return codes, d, -8 * d
+    return codes, d, _fp16(blocks, 2)
 
 
 def unpack_q8(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 rows -> codes ``[N, K]`` int8 and scales ``[N, K / 32]`` float32; each weight is ``code * scale``
     (exact in float32). A block is an fp16 ``d`` and 32 int8 codes."""
     blocks = data.reshape(data.shape[0], -1, 2 + 32)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0].astype(np.float32)
     codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(data.shape[0], -1)
-    return codes, d
+    return codes, _fp16(blocks, 0)
 
 
 def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
-    """Dequantize to float32: Q4_0/Q4_1 and Q8_0 with whole-tensor numpy arithmetic (an order of magnitude faster
-    than gguf's loop over row groups, with the same results), other types through gguf."""
-    if tensor_type in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+    """Dequantize to float32: Q4_0/Q4_1/Q4_K and Q8_0 with whole-tensor numpy arithmetic (an order of magnitude
+    faster than gguf's loop over row groups, with the same results), other types through gguf."""
+    if tensor_type in Q4_TYPES and data.ndim == 2:
         codes, scales, zeros = unpack_q4(data, tensor_type)
         blocks = codes.reshape(*scales.shape, -1).astype(np.float32)
-        blocks -= 8.0
         blocks *= scales[..., None]
         blocks += zeros[..., None]
         return blocks.reshape(codes.shape)
@@ -263,7 +281,7 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
                           ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every model tensor in a GGUF file, dequantized to float32.
 
-    The Q4_0/Q4_1 weight of a module named in ``packed_modules`` comes instead
+    The Q4_0/Q4_1/Q4_K weight of a module named in ``packed_modules`` comes instead
     as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``),
     a Q8_0 one as ``{module}.qweight`` and ``.scales`` (see ``unpack_q8``).
     """

@@ -62,7 +62,7 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
         return GGUFConfig(tensor_types, model_class.stacked_params_mapping)
     layer_types = {t for name, t in tensor_types.items() if name.startswith("model.layers.")}
     if not layer_types & Q4_TYPES:
-        raise ValueError(f"quantization={quantization!r} needs Q4_0/Q4_1 layer weights; {path!r} has "
+        raise ValueError(f"quantization={quantization!r} needs Q4_0/Q4_1/Q4_K layer weights; {path!r} has "
                          f"{', '.join(sorted(t.name for t in layer_types))}")
     return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
 

@@ -24,7 +24,7 @@ def safetensors_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Te
 def weights_iterator(path: str, packed_modules: Container[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """Pick the reader for a ``.gguf`` file or an HF safetensors directory.
 
-    ``packed_modules``: modules whose GGUF Q4_0/Q4_1 or Q8_0 weights stay packed (see ``gguf_weights_iterator``).
+    ``packed_modules``: modules whose GGUF Q4_0/Q4_1/Q4_K or Q8_0 weights stay packed (see ``gguf_weights_iterator``).
     """
     if path.endswith(".gguf"):
         return gguf_weights_iterator(path, packed_modules)

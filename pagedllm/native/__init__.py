@@ -22,6 +22,7 @@ from pagedllm.native.gemms import (
     GEMM_BF16_SILU_MUL,
     GEMM_PACKED,
     GEMM_Q4,
+    GEMM_Q4K,
     GEMM_Q8,
     GEMM_INT8_SIGNATURES,
     GEMM_SIGNATURES,
@@ -128,6 +129,13 @@ def gemm_q4(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q4 panels (gemm_q4_f32), or None."""
     lib = _gemm_quant_lib(extra_flags)
     return None if lib is None else Gemm(lib, GEMM_Q4)
+
+
+@functools.cache
+def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over Q4 panels with float32 scales (gemm_q4k_f32: GGUF Q4_K), or None."""
+    lib = _gemm_quant_lib(extra_flags)
+    return None if lib is None else Gemm(lib, GEMM_Q4K)
 
 
 @functools.cache

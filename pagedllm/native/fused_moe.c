@@ -91,7 +91,8 @@ static void rows_times_weights(const float *const *xs, int n, const float *W, in
                 continue;
             }
             for (int i = 0; i < nx; i++)
-                for (int j = 0; j < nw; j++) y[(i0 + i) * ldy + j0 + j] = dot1(xs[i0 + i], W + (int64_t)(j0 + j) * K, K);
+                for (int j = 0; j < nw; j++)
+                    y[(i0 + i) * ldy + j0 + j] = dot1(xs[i0 + i], W + (int64_t)(j0 + j) * K, K);
         }
     }
 }
@@ -119,8 +120,8 @@ static void route(const float *logits, int E, int top_k, int renormalize, float 
 }
 
 /* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E] (T tokens, E experts); w13
- * [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), w2 [E, hidden, inter]. 0, or -1 for arguments out of range, -2 where
- * memory ran out. */
+ * [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), w2 [E, hidden, inter]. Returns 0, or -1 for
+ * arguments out of range, -2 where memory ran out. */
 int fused_moe_f32(const float *x, const float *router_logits, const float *w13, const float *w2, float *out,
                   int64_t tokens, int hidden, int inter, int num_experts, int top_k, int renormalize) {
     const int64_t T = tokens;

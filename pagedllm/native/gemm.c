@@ -13,7 +13,8 @@
  * later tiles over a panel fetch its next panel into L2 (panel_rows).
  *
  * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and
- * 1.06 bytes per weight instead of 4: single-row decode reads weights and little else). Their panels hold, per
+ * 1.06 bytes per weight instead of 4: single-row decode reads weights and little else), gemm_q4k_f32 against
+ * Q4_K's (0.75), whose scales are float32. Their panels hold, per
  * block of 32 along K, the 64 columns' scales (and zeros) and 32 rows of codes; weights are dequantized with
  * the loader's roundings, so results equal the dense kernel's on the dequantized weights bit for bit. A tile
  * of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a scratch panel and run
@@ -266,16 +267,19 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4) and Q8_0 (format Q8) ----
- * Per block of 32 along K, a record: the 64 columns' fp16 scales, for Q4 their float32 zeros, then 32 rows of
- * codes. Q4 rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one, a
- * weight being (code - 8) * scale + zero; Q8 rows are 64 int8 codes, a weight being code * scale (exact in
- * float32). Both round as the loader's dequantization does, so results equal the dense kernel's. */
-enum { Q4 = 0, Q8 = 1 };
+/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (format Q4K) and Q8_0 (format Q8) ----
+ * Per block of 32 along K, a record: the 64 columns' scales (fp16; Q4K: float32, as d * sc of a Q4_K sub-block is
+ * not an fp16 value), for Q4 and Q4K their float32 zeros, then 32 rows of codes. Q4 and Q4K rows are 32 bytes,
+ * column i in the low nibble of byte i and column 32 + i in its high one, a weight being code * scale + zero (Q4_0:
+ * zero -8 d, Q4_1: m, Q4_K: -dmin * m); Q8 rows are 64 int8 codes, a weight being code * scale. A 4-bit code times
+ * an fp16 scale, or times d * sc (at most 17 significant bits), is exact in float32, so the weight rounds once, at
+ * the zero's add, as the loader's dequantization does; a Q8 weight is exact. So results equal the dense kernel's. */
+enum { Q4 = 0, Q8 = 1, Q4K = 2 };
 #define QBLOCK 32 /* weights along K per GGUF block */
 
-static inline int codes_at(const int fmt) { return fmt == Q4 ? NR * 2 + NR * 4 : NR * 2; }
-static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * (fmt == Q4 ? NR / 2 : NR); }
+static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4K ? 4 : 2); }
+static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (fmt == Q8 ? 0 : NR * 4); }
+static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * (fmt == Q8 ? NR : NR / 2); }
 #endif
 
 #if defined(__AVX512F__)
@@ -285,8 +289,10 @@ static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * 
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
                                                                __m512 z[4]) {
     for (int j = 0; j < 4; j++) {
-        s[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
-        z[j] = fmt == Q4 ? _mm512_loadu_ps((const float *)(record + NR * 2) + 16 * j) : _mm512_setzero_ps();
+        s[j] = fmt == Q4K ? _mm512_loadu_ps((const float *)record + 16 * j)
+                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
+        z[j] = fmt == Q8 ? _mm512_setzero_ps()
+                         : _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j);
     }
 }
 
@@ -301,15 +307,14 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
                 ROUNDED);
         return;
     }
-    const uint8_t *codes = record + codes_at(Q4) + kk * (NR / 2);
-    const __m512 minus8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const uint8_t *codes = record + codes_at(fmt) + kk * (NR / 2);
     const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
     const __m512i low = _mm512_set1_epi32(15);
-    w[0] = _mm512_permutexvar_ps(_mm512_and_si512(a, low), minus8);
-    w[1] = _mm512_permutexvar_ps(_mm512_and_si512(b, low), minus8);
-    w[2] = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), minus8);
-    w[3] = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), minus8);
+    w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(a, low));
+    w[1] = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
+    w[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
+    w[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
     for (int j = 0; j < 4; j++) w[j] = _mm512_add_round_ps(_mm512_mul_round_ps(w[j], s[j], ROUNDED), z[j], ROUNDED);
 }
 
@@ -379,23 +384,25 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_TILE_ROWS 1
 
-/* The scales and (Q4) zeros of column vectors j and j + 4 of a block's record, for j < 4. */
+/* The scales and (Q4, Q4K) zeros of column vectors j and j + 4 of a block's record, for j < 4. */
 typedef struct {
     __m256 s, s4, z, z4;
 } PairParams;
 
 static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, int j, const int fmt) {
-    const float *zeros = (const float *)(record + NR * 2);
-    const PairParams p = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j))),
-                          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4)))),
-                          fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps(),
-                          fmt == Q4 ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps()};
+    const float *zeros = (const float *)(record + scale_bytes(fmt));
+    const PairParams p = {fmt == Q4K ? _mm256_loadu_ps((const float *)record + 8 * j)
+                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j))),
+                          fmt == Q4K ? _mm256_loadu_ps((const float *)record + 8 * (j + 4))
+                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4)))),
+                          fmt == Q8 ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * j),
+                          fmt == Q8 ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * (j + 4))};
     return p;
 }
 
-/* Columns 8j .. 8j + 7 (wj) and 32 + 8j .. 32 + 8j + 7 (wj4) of row kk of a block's record, for j < 4. A Q4 code
- * minus 8 times its fp16 scale is exact in float32, so one fused multiply-add with the zero rounds once, as the
- * loader's dequantization does; a Q8 code times its scale is exact. */
+/* Columns 8j .. 8j + 7 (wj) and 32 + 8j .. 32 + 8j + 7 (wj4) of row kk of a block's record, for j < 4. A 4-bit
+ * code times its scale is exact, so one fused multiply-add with the zero rounds once, as the loader's
+ * dequantization does; a Q8 code times its scale is exact. */
 static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *record, int kk, int j, const int fmt,
                                                                const PairParams *p, __m256 *wj, __m256 *wj4) {
     if (fmt == Q8) {
@@ -405,11 +412,10 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
                              p->s4);
         return;
     }
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + codes_at(Q4) +
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + codes_at(fmt) +
                                                                                  kk * (NR / 2) + 8 * j)));
-    const __m256i eight = _mm256_set1_epi32(8);
-    const __m256 low = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), eight));
-    const __m256 high = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), eight));
+    const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
     *wj = _mm256_fmadd_ps(low, p->s, p->z);
     *wj4 = _mm256_fmadd_ps(high, p->s4, p->z4);
 }
@@ -512,6 +518,12 @@ int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float 
     return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q4);
 }
 
+/* The same over [ceil(N / 64), K / 32, 1536] bytes of Q4K records. */
+int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q4K);
+}
+
 /* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
 int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
@@ -522,6 +534,11 @@ int gemm_quant_available(void) { return 0; }
 
 int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
     return -1;
 }
 

@@ -68,7 +68,7 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     else:
         gemm = f"torch ({_name(kernels.compute_dtype)})"
     if quantization in ("gguf", "gguf_int4"):
-        gemm += "; GGUF Q4_0/Q4_1 layers: " + ("native Q4 panels" if float32 and native.gemm_q4() is not None
+        gemm += "; GGUF Q4_0/Q4_1/Q4_K layers: " + ("native Q4 panels" if float32 and native.gemm_q4() is not None
                                                else "torch int4 kernel")
     if quantization == "gguf":
         gemm += "; GGUF Q8_0 layers: " + ("native Q8_0 panels" if float32 and native.gemm_q8() is not None

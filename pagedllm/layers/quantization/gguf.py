@@ -1,11 +1,12 @@
 """``quantization="gguf"`` (vLLM's name) and ``"gguf_int4"``: a GGUF file's linear weights stay in their GGUF type
 wherever a kernel multiplies by them in it; everything else is dequantized at load, as without quantization.
 
-``gguf``: Q4_0/Q4_1 layers by GGUFInt4LinearMethod (gemm_q4_f32; elsewhere torch's int4 kernel), Q8_0 layers by
+``gguf``: Q4_0/Q4_1/Q4_K layers by GGUFInt4LinearMethod (gemm_q4_f32 and gemm_q4k_f32; elsewhere torch's int4
+kernel), Q8_0 layers by
 GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512 or AVX2). ``gguf_int4``: the Q4 layers
 only. Under both a Q8_0 embedding (and LM head) keeps its codes (layers/vocab_embedding.py). The other types
-(the K-quants Q2_K-Q6_K, F16, BF16, F32), and any fused layer whose checkpoint parts are not all one kernel's (a
-qkv_proj of Q4_1 q/k and a Q8_0 v), are dequantized at load. ``summary`` says which layers got which.
+(the K-quants Q2_K, Q3_K, Q5_K, Q6_K, F16, BF16, F32), and any fused layer whose checkpoint parts are not all one
+kernel's (a qkv_proj of Q4_1 q/k and a Q8_0 v), are dequantized at load. ``summary`` says which layers got which.
 """
 
 from collections import Counter
@@ -99,7 +100,7 @@ def _q8_embeddings(model: nn.Module) -> set[str]:
 
 
 class GGUFInt4Config(GGUFConfig):
-    """``gguf_int4``: only Q4_0/Q4_1 layers stay packed (Q8_0 ones are dequantized)."""
+    """``gguf_int4``: only Q4_0/Q4_1/Q4_K layers stay packed (Q8_0 ones are dequantized)."""
 
     name = "gguf_int4"
     q8_layers = False

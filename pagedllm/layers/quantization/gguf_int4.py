@@ -1,13 +1,14 @@
-"""GGUF Q4_0/Q4_1 weights kept 4-bit.
+"""GGUF Q4_0/Q4_1/Q4_K weights kept 4-bit.
 
 Decode on CPU is bound by reading weights, and a 4-bit weight is an eighth of a
-float32 one. A GGUF Q4 block is 32 weights along the input dim with one fp16
-scale ``d`` (and, for Q4_1, one min ``m``): ``w = (q - 8) * scale + zero``, Q4_0
-``w = d (q - 8)`` giving zero 0 and Q4_1 ``w = d q + m`` zero ``m + 8 d``.
-In float32 on CPU with AVX-512 or AVX2 the native kernel (native/gemm.c, ``gemm_q4_f32``)
-multiplies by these exactly as the dense path multiplies by the dequantized
-weights; elsewhere torch's CPU int4 kernel does, its scales and zeros rounded to
-bf16 and its activations run in bf16.
+float32 one. A GGUF Q4 block is 32 weights along the input dim with a scale and
+a zero (models/gguf_loader.unpack_q4): ``w = q * scale + zero``, Q4_0
+``w = d (q - 8)`` giving zero ``-8 d``, Q4_1 ``w = d q + m`` zero ``m``, Q4_K
+(32 of a 256 super-block) ``w = (d sc) q - dmin m``.
+In float32 on CPU with AVX-512 or AVX2 the native kernel (native/gemm.c, ``gemm_q4_f32``,
+``gemm_q4k_f32`` for Q4_K's float32 scales) multiplies by these exactly as the
+dense path multiplies by the dequantized weights; elsewhere torch's CPU int4
+kernel does, its scales and zeros rounded to bf16 and its activations run in bf16.
 """
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from pagedllm.layers.gemm_layout import QBLOCK, QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 
-Q4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1})
+Q4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
 
 
 class GGUFInt4LinearMethod(GGUFLinearMethod):
@@ -34,8 +35,9 @@ class GGUFInt4LinearMethod(GGUFLinearMethod):
             self._keep_packed(layer, QuantizedWeight.q4(layer.qweight, layer.scales, layer.zeros, layout))
             return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layer.qweight.to(torch.int32), 1)
-        # The kernel wants [in / 32, out, (scale, zero)] in bfloat16.
-        scales_and_zeros = torch.stack([layer.scales, layer.zeros], dim=-1).transpose(0, 1).to(torch.bfloat16)
+        # The kernel wants [in / 32, out, (scale, zero)] in bfloat16, a weight being (q - 8) * scale + zero.
+        zeros = layer.zeros + 8 * layer.scales
+        scales_and_zeros = torch.stack([layer.scales, zeros], dim=-1).transpose(0, 1).to(torch.bfloat16)
         del layer.qweight, layer.scales, layer.zeros
         layer.qweight = nn.Parameter(packed, requires_grad=False)
         layer.scales_and_zeros = nn.Parameter(scales_and_zeros.contiguous(), requires_grad=False)

@@ -1,17 +1,17 @@
 """``quantization="int8"``: W8A8 as vLLM's CPU W8A8, dynamic per-token activations, with outliers kept out.
 
-Each linear layer's weight is quantized at load, from whatever checkpoint filled it (safetensors or GGUF, dequantized),
-symmetric per output channel: ``sw = max|W[n]| / 127``, codes ``round(W / sw)``. At run time each row of the input
-is quantized the same way per token, but for its OUTLIERS_PER_ROW entries of largest magnitude, which stay float32
-(LLM.int8()'s outlier decomposition, per token): ``sx = max|x| / 127`` over the other entries, the codes multiply
-in int32, the outliers multiply their columns' weight codes in float, and the output is
-``(acc * sx + outlier terms) * sw (+ bias)``. vLLM codes every entry; a few entries of the residual stream are tens
-of times the others, and a scale set by them leaves the others a handful of codes: SmolLM2's teacher-forced greedy
-agreement with float32 is 0.89 that way, 0.95-0.97 with two entries a token kept out (docs/benchmarks.md). On CPUs with AVX2 (summing by VNNI where they have it) the native kernel
-(native/gemm_int8.c) does all of it in one call, quantizing the rows as they come in; elsewhere torch's int8 matmul
-(``torch._int_mm``) does the products after the same quantization in torch, with the same results up to float
-rounding in the epilogue. The embedding and the LM head stay dense (as vLLM keeps them); so do a mixture of
-experts' experts and router.
+Each linear layer's weight is quantized at load, from whatever checkpoint filled it (safetensors or GGUF,
+dequantized), symmetric per output channel: ``sw = max|W[n]| / 127``, codes ``round(W / sw)``. At run time each row
+of the input is quantized the same way per token, but for its OUTLIERS_PER_ROW entries of largest magnitude, which
+stay float32 (LLM.int8()'s outlier decomposition, per token): ``sx = max|x| / 127`` over the other entries, the codes
+multiply in int32, the outliers multiply their columns' weight codes in float, and the output is (acc * sx + outlier
+terms) * sw (+ bias). vLLM codes every entry; a few entries of the residual stream are tens of times the others, and
+a scale set by them leaves the others a handful of codes: SmolLM2's teacher-forced greedy agreement with float32 is
+0.89 that way, 0.95-0.97 with two entries a token kept out (docs/benchmarks.md). On CPUs with AVX2 (summing by VNNI
+where they have it) the native kernel (native/gemm_int8.c) does all of it in one call, quantizing the rows as they
+come in; elsewhere torch's int8 matmul (``torch._int_mm``) does the products after the same quantization in torch,
+with the same results up to float rounding in the epilogue. The embedding and the LM head stay dense (as vLLM keeps
+them); so do a mixture of experts' experts and router.
 
 A checkpoint already quantized so (compressed-tensors' W8A8: int8 ``weight`` and a per-channel ``weight_scale``,
 activations dynamic per token, as llm-compressor writes it) loads its codes and scales as they are, into the same
