@@ -184,10 +184,12 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
 
 
 def quantize_gguf(weight: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
-    """``weight`` ``[rows, cols]`` as GGUF blocks of ``tensor_type``: gguf-py's quantizer, or for Q4_K (which it
-    lacks) quantize_q4_k."""
+    """``weight`` ``[rows, cols]`` as GGUF blocks of ``tensor_type``: gguf-py's quantizer, or for Q4_K and Q6_K
+    (which it lacks) quantize_q4_k and quantize_q6_k."""
     if tensor_type == gguf.GGMLQuantizationType.Q4_K:
         return quantize_q4_k(weight)
+    if tensor_type == gguf.GGMLQuantizationType.Q6_K:
+        return quantize_q6_k(weight)
     return gguf.quants.quantize(weight, tensor_type)
 
 
@@ -216,6 +218,27 @@ def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
                              (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
     qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
     blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
+    """A plain Q6_K quantizer (round to nearest): per 16 weights along a row an int8 scale, per 256 an fp16 ``d``
+    it multiplies, 6-bit codes ``q`` with ``w ~ d sc (q - 32)``. Returns the blocks as llama.cpp lays them out (210
+    bytes per 256: the codes' low nibbles, their high two bits, the scales, d)."""
+    rows = weight.shape[0]
+    w = weight.astype(np.float32).reshape(rows, -1, 16, 16)
+    scale = np.abs(w).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    unit = d.astype(np.float32)[..., None]
+    sc = np.clip(np.round(np.divide(scale, unit, out=np.zeros_like(scale), where=unit > 0)), 0, 127).astype(np.int8)
+    step = (unit * sc)[..., None]
+    q = np.clip(np.round(np.divide(w, step, out=np.zeros_like(w), where=step > 0)), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # per half of 128: four runs of 32
+    low = np.concatenate([(q[..., 0, :] & 0x0F) | ((q[..., 2, :] & 0x0F) << 4),
+                          (q[..., 1, :] & 0x0F) | ((q[..., 3, :] & 0x0F) << 4)], axis=-1)  # [rows, n, 2, 64]
+    high = sum(((q[..., g, :] >> 4) & 0x03) << (2 * g) for g in range(4)).astype(np.uint8)  # [rows, n, 2, 32]
+    blocks = np.concatenate([low.reshape(*q.shape[:2], 128), high.reshape(*q.shape[:2], 64), sc.view(np.uint8),
+                             d[..., None].view(np.uint8)], axis=-1)
     return blocks.reshape(rows, -1)
 
 

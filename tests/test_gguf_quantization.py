@@ -1,5 +1,5 @@
-"""quantization="gguf": a GGUF's Q4_0/Q4_1/Q4_K and Q8_0 linear weights kept packed where a kernel takes them, every
-other type dequantized at load.
+"""quantization="gguf": a GGUF's Q4_0/Q4_1/Q4_K, Q8_0 and Q6_K linear weights kept packed where a kernel takes them,
+every other type dequantized at load.
 
 The dense float32 path on the loader's dequantized weights is the reference: gemm_q8_f32 scales each code in
 registers with the loader's one rounding and sums in the dense kernel's order, so a Q8_0 layer must equal the dense
@@ -20,14 +20,14 @@ from pagedllm.layers.gemm_layout import DenseWeight, pack_q8_panels
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, UnquantizedLinearMethod
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ8LinearMethod
-from pagedllm.models.gguf_loader import dequantize_fast, unpack_q8
+from pagedllm.layers.quantization.gguf_q8 import GGUFQ6KLinearMethod, GGUFQ8LinearMethod
+from pagedllm.models.gguf_loader import dequantize_fast, unpack_q6_k, unpack_q8
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
-from tests.model_fixtures import Chunk, PagedBatchRunner, smollm_path, write_tiny_gguf
+from tests.model_fixtures import Chunk, PagedBatchRunner, quantize_q6_k, smollm_path, write_tiny_gguf
 from tests.native_paths import native_or_fallback
 from tests.test_int4_quantization import gguf_layer
 
@@ -39,7 +39,8 @@ needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
 
 @pytest.fixture(params=["native", "avx2"])
 def q8_kernel(request, monkeypatch):
-    """gemm_q8_f32 as built for this CPU, and its AVX2 body where the CPU has AVX-512."""
+    """gemm_q8_f32 (and gemm_q6k_f32) as built for this CPU, and its AVX2 body where the CPU has AVX-512."""
+    native_or_fallback(request.param, monkeypatch, "gemm_q6k")
     return native_or_fallback(request.param, monkeypatch, "gemm_q8")
 
 
@@ -73,6 +74,39 @@ def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
         assert y.dtype == torch.float32 and y.shape == (rows, 96)
         assert torch.equal(y, dense.linear(x, bias))
         torch.testing.assert_close(y, torch.addmm(bias, x, weight.T) if with_bias else x @ weight.T)
+
+
+@needs_q8_kernel
+def test_q6_k_layer_equals_the_dense_path_bit_for_bit(q8_kernel):
+    """Q6_K as int8 codes q - 32 with a float32 scale d * sc per 16 inputs (gemm_q6k_f32's panels, 1.25 bytes a
+    weight): one rounding per weight, the loader's, so the dense GEMM's results exactly."""
+    blocks = quantize_q6_k(np.random.default_rng(2).standard_normal((96, 512), dtype=np.float32))
+    codes, scales = (torch.from_numpy(part) for part in unpack_q6_k(blocks))
+    assert codes.dtype == torch.int8 and scales.shape == (96, 32)
+    layer = gguf_layer(ReplicatedLinear, GGUFConfig({"layer.weight": T.Q6_K}, []),
+                       {"qweight": codes, "scales": scales})
+    assert isinstance(layer.quant_method, GGUFQ6KLinearMethod)
+    assert layer.quant_method.packed.kernel.name == "gemm_q6k_f32" and layer.qweight.shape == (2, 32, 1280)
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q6_K)))
+    weight = torch.from_numpy(dequantize(blocks, T.Q6_K))
+    for rows in (1, 5, 6, 7, 40):  # one tile (dequantized as it goes) and more (through a dense scratch panel)
+        x = torch.randn(rows, 512)
+        y = layer(x)
+        assert torch.equal(y, dense.linear(x))
+        torch.testing.assert_close(y, x @ weight.T, rtol=1e-5, atol=1e-4)  # torch's own order of sums
+
+
+def test_q6_k_blocks_unpack_as_gguf_dequantizes_them():
+    """Q6_K blocks of any bytes: code * scale per 16 is gguf's dequantization bit for bit."""
+    rng = np.random.default_rng(13)
+    blocks = rng.integers(0, 256, (8, 3, 210), dtype=np.uint8)
+    blocks[..., 208:] = rng.uniform(1e-3, 0.05, (8, 3, 1)).astype(np.float16).view(np.uint8)
+    blocks = blocks.reshape(8, -1)
+    codes, scales = unpack_q6_k(blocks)
+    assert codes.min() >= -32 and codes.max() <= 31 and scales.shape == (8, 48)
+    weight = (codes.reshape(8, 48, 16).astype(np.float32) * scales[..., None]).reshape(8, -1)
+    assert np.array_equal(weight, dequantize(blocks, T.Q6_K))
+    assert np.array_equal(dequantize_fast(blocks, T.Q6_K), weight)
 
 
 @needs_q8_kernel
@@ -200,19 +234,23 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
 
 
 @pytest.mark.skipif(native.gemm_q4k() is None, reason="no gemm_q4k_f32 here (needs a C compiler and AVX-512 or AVX2)")
-def test_q4_k_layers_stay_packed_and_give_the_dense_models_logits(tmp_path):
-    """A tiny Llama in Q4_K (the type of most GGUF files people pull, as Q4_K_M), its down_proj in F16: the Q4_K
-    layers keep 4-bit codes with float32 scales (gemm_q4k_f32), the F16 one is dequantized, and the logits, so the
-    greedy tokens, are the dense model's on the same dequantized weights exactly."""
-    path = _tiny_llama(tmp_path, lambda name: T.F16 if name.endswith("down_proj") else T.Q4_K, "llama-q4_k", 256)
+def test_q4_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path):
+    """A tiny Llama as a Q4_K_M file has it (the type of most GGUF files people pull): Q4_K layers, down_proj in
+    Q6_K; and one o_proj in F16. The Q4_K layers keep 4-bit codes with float32 scales (gemm_q4k_f32), the Q6_K ones
+    6-bit codes as int8 (gemm_q6k_f32), the F16 one is dequantized; the logits, so the greedy tokens, are the dense
+    model's on the same dequantized weights exactly."""
+    types = {"down_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}
+    path = _tiny_llama(tmp_path, lambda name: next((t for key, t in types.items() if name.endswith(key)), T.Q4_K),
+                       "llama-q4_k_m", 256)
     dense, config = _load(path, None)
     q4_k, _ = _load(path, "gguf")
-    for layer in q4_k.model.layers:
-        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+    for i, layer in enumerate(q4_k.model.layers):
+        for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) + (layer.self_attn.o_proj,) * (i == 0):
             assert linear.quant_method.packed.kernel.name == "gemm_q4k_f32"
-        assert type(layer.mlp.down_proj.quant_method) is UnquantizedLinearMethod
+        assert layer.mlp.down_proj.quant_method.packed.kernel.name == "gemm_q6k_f32"
+    assert type(q4_k.model.layers[1].self_attn.o_proj.quant_method) is UnquantizedLinearMethod
     summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(q4_k)
-    assert summary.startswith("linear layers kept packed: Q4_K x6; dequantized at load: F16 x2")
+    assert summary.startswith("linear layers kept packed: Q4_K x5, Q6_K x2; dequantized at load: F16 x1")
     (dense_tokens, dense_logits), (q4_k_tokens, q4_k_logits) = (_greedy(m, config, PROMPTS, 8)
                                                                 for m in (dense, q4_k))
     assert q4_k_tokens == dense_tokens and torch.equal(q4_k_logits, dense_logits)

@@ -25,6 +25,7 @@ from pagedllm.platforms.cpu import HugePageArena, cpu_flags
 
 PANEL = 64  # output columns per panel; gemm.c's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
+Q6K_BLOCK = 16  # Q6_K's: a scale per 16
 # Larger batches go to MKL, where the weight is also kept for it. Where MKL overtakes the panels depends on their
 # body: the AVX-512 one (6 x 64 tiles) at ~128 rows; the AVX2 one (6 x 16 tiles) was level with or ahead of MKL up to
 # 1024 rows on the AVX2-only EPYC measured (docs/benchmarks.md), which serving's mixed steps (~200 rows) gain from.
@@ -154,7 +155,11 @@ class QuantizedWeight:
 
     @classmethod
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None) -> "QuantizedWeight":
-        return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
+        """int8 codes, each weight ``code * scale``: per block of 32 along K with fp16 scales (Q8_0,
+        gemm_q8_f32), or per 16 with float32 ones (Q6_K's q - 32 and d * sc, gemm_q6k_f32)."""
+        if scales.shape[1] * QBLOCK == codes.shape[1]:
+            return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
+        return cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), codes.shape[0], layout)
 
     @classmethod
     def w8a8(cls, panels: torch.Tensor, out_features: int, layout: WeightLayout | None = None) -> "QuantizedWeight":
@@ -177,23 +182,25 @@ def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return torch.cat([to_block(scales, scale_dtype), to_block(zeros, torch.float32), to_block(nibbles)], dim=-1)
 
 
-def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype = torch.float16,
+                   block: int = QBLOCK) -> torch.Tensor:
     """``[N, K]`` int8 codes and ``[N, K / 32]`` scales -> gemm_q8_f32's panels, ``[ceil(N / 64), K / 32, 2176]``
-    bytes: per block of 32 along K, the 64 columns' fp16 scales, then 32 rows of their 64 codes."""
-    by_row, to_block = _panel_blocks(codes, scales, torch.float16)
-    return torch.cat([to_block(scales, torch.float16), to_block(by_row.contiguous())], dim=-1)
+    bytes: per block of 32 along K, the 64 columns' fp16 scales, then 32 rows of their 64 codes. With float32
+    ``scale_dtype`` and ``block`` 16 (scales ``[N, K / 16]``): gemm_q6k_f32's, ``[ceil(N / 64), K / 16, 1280]``."""
+    by_row, to_block = _panel_blocks(codes, scales, scale_dtype, block)
+    return torch.cat([to_block(scales, scale_dtype), to_block(by_row.contiguous())], dim=-1)
 
 
 def _fp16_values(scales: torch.Tensor) -> bool:
     return torch.equal(scales.to(torch.float16).float(), scales.float())
 
 
-def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype):
+def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype, block: int = QBLOCK):
     """The codes as ``[panel, block, row, column]`` (N padded to whole 64-column panels), and a function laying
-    a per-block ``[N, K / 32]`` tensor (or those codes) out as ``[panel, block, bytes]``. ``scales`` must be
+    a per-block ``[N, K / block]`` tensor (or those codes) out as ``[panel, block, bytes]``. ``scales`` must be
     ``scale_dtype`` values (the panels hold them so)."""
     n, k = codes.shape
-    panels, blocks = -(-n // PANEL), k // QBLOCK
+    panels, blocks = -(-n // PANEL), k // block
     if scale_dtype == torch.float16 and not _fp16_values(scales):
         raise ValueError("GGUF scales must be float16 values (GGUF stores them so)")
 
@@ -202,7 +209,7 @@ def _panel_blocks(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.
         out[:n] = t
         return out
 
-    by_row = padded(codes).view(panels, PANEL, blocks, QBLOCK).permute(0, 2, 3, 1)
+    by_row = padded(codes).view(panels, PANEL, blocks, block).permute(0, 2, 3, 1)
 
     def to_block(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         if t.dim() == 2:  # per block and column

@@ -252,6 +252,20 @@ def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.n
     return codes, d, _fp16(blocks, 2)
 
 
+def unpack_q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K rows -> codes ``[N, K]`` int8 (``q - 32``, in [-32, 31]) and scales ``[N, K / 16]`` float32 (``d * sc``);
+    each weight is ``code * scale``, as gguf dequantizes it. A super-block of 256 is 128 bytes of the codes' low
+    nibbles, 64 of their high two bits, 16 int8 scales ``sc`` (one per 16) and an fp16 ``d``."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 210)
+    low = blocks[..., :128].reshape(rows, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    high = blocks[..., 128:192].reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    q = (low & 0x0F).reshape(rows, -1, 2, 4, 32) | ((high & 0x03).reshape(rows, -1, 2, 4, 32) << 4)
+    codes = (q.astype(np.int8) - np.int8(32)).reshape(rows, -1)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+    return codes, (_fp16(blocks, 208)[..., None] * sc).reshape(rows, -1)
+
+
 def unpack_q8(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q8_0 rows -> codes ``[N, K]`` int8 and scales ``[N, K / 32]`` float32; each weight is ``code * scale``
     (exact in float32). A block is an fp16 ``d`` and 32 int8 codes."""
@@ -269,8 +283,8 @@ def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.n
         blocks *= scales[..., None]
         blocks += zeros[..., None]
         return blocks.reshape(codes.shape)
-    if tensor_type == GGMLQuantizationType.Q8_0 and data.ndim == 2:
-        codes, scales = unpack_q8(data)
+    if tensor_type in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K) and data.ndim == 2:
+        codes, scales = (unpack_q8 if tensor_type == GGMLQuantizationType.Q8_0 else unpack_q6_k)(data)
         blocks = codes.reshape(*scales.shape, -1).astype(np.float32)
         blocks *= scales[..., None]
         return blocks.reshape(codes.shape)
@@ -283,7 +297,7 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
 
     The Q4_0/Q4_1/Q4_K weight of a module named in ``packed_modules`` comes instead
     as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``),
-    a Q8_0 one as ``{module}.qweight`` and ``.scales`` (see ``unpack_q8``).
+    a Q8_0 or Q6_K one as ``{module}.qweight`` and ``.scales`` (see ``unpack_q8``, ``unpack_q6_k``).
     """
     metadata, tensors = read_gguf_header(path)
     file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -306,6 +320,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         module, suffix = hf_name.rsplit(".", 1)
         if suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q8_0:
             parts = dict(zip(("qweight", "scales"), unpack_q8(data)))
+        elif suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q6_K:
+            parts = dict(zip(("qweight", "scales"), unpack_q6_k(data)))
         elif suffix == "weight" and module in packed_modules:
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q4(data, tensor.tensor_type)))
         else:

@@ -23,6 +23,7 @@ from pagedllm.native.gemms import (
     GEMM_PACKED,
     GEMM_Q4,
     GEMM_Q4K,
+    GEMM_Q6K,
     GEMM_Q8,
     GEMM_INT8_SIGNATURES,
     GEMM_SIGNATURES,
@@ -136,6 +137,13 @@ def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over Q4 panels with float32 scales (gemm_q4k_f32: GGUF Q4_K), or None."""
     lib = _gemm_quant_lib(extra_flags)
     return None if lib is None else Gemm(lib, GEMM_Q4K)
+
+
+@functools.cache
+def gemm_q6k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over GGUF Q6_K panels (gemm_q6k_f32: int8 codes, float32 scales per 16), or None."""
+    lib = _gemm_quant_lib(extra_flags)
+    return None if lib is None else Gemm(lib, GEMM_Q6K)
 
 
 @functools.cache

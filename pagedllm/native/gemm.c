@@ -12,13 +12,13 @@
  * Work items are (panel, block of rows), panel-major, split statically over torch's OpenMP threads; a thread's
  * later tiles over a panel fetch its next panel into L2 (panel_rows).
  *
- * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and
- * 1.06 bytes per weight instead of 4: single-row decode reads weights and little else), gemm_q4k_f32 against
- * Q4_K's (0.75), whose scales are float32. Their panels hold, per
- * block of 32 along K, the 64 columns' scales (and zeros) and 32 rows of codes; weights are dequantized with
- * the loader's roundings, so results equal the dense kernel's on the dequantized weights bit for bit. A tile
- * of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a scratch panel and run
- * the dense tiles over it.
+ * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and 1.06
+ * bytes per weight instead of 4: single-row decode reads weights and little else), gemm_q4k_f32 against Q4_K's
+ * (0.75), whose scales are float32, and gemm_q6k_f32 against Q6_K's (1.25: int8 codes, a float32 scale per 16).
+ * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
+ * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
+ * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
+ * scratch panel and run the dense tiles over it.
  *
  * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
  * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
@@ -267,19 +267,24 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (format Q4K) and Q8_0 (format Q8) ----
- * Per block of 32 along K, a record: the 64 columns' scales (fp16; Q4K: float32, as d * sc of a Q4_K sub-block is
- * not an fp16 value), for Q4 and Q4K their float32 zeros, then 32 rows of codes. Q4 and Q4K rows are 32 bytes,
- * column i in the low nibble of byte i and column 32 + i in its high one, a weight being code * scale + zero (Q4_0:
- * zero -8 d, Q4_1: m, Q4_K: -dmin * m); Q8 rows are 64 int8 codes, a weight being code * scale. A 4-bit code times
- * an fp16 scale, or times d * sc (at most 17 significant bits), is exact in float32, so the weight rounds once, at
- * the zero's add, as the loader's dequantization does; a Q8 weight is exact. So results equal the dense kernel's. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2 };
-#define QBLOCK 32 /* weights along K per GGUF block */
+/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (Q4K), Q8_0 (Q8) and Q6_K (Q6K) ----
+ * Per block of 32 along K (Q6K: 16), a record: the 64 columns' scales (fp16; Q4K and Q6K: float32, as d * sc of a
+ * K-quant's sub-block is no fp16 value), for Q4 and Q4K their float32 zeros, then a row of codes per k. Q4 and Q4K
+ * rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one, a weight being
+ * code * scale + zero (Q4_0: zero -8 d, Q4_1: m, Q4_K: -dmin * m); Q8 and Q6K rows are 64 int8 codes (Q6_K's q - 32),
+ * a weight being code * scale. A 4-bit code times an fp16 scale, or times d * sc (at most 17 significant bits), is
+ * exact in float32, so a Q4 weight rounds once, at the zero's add, and a Q8 or Q6K weight once, at the product (Q8's
+ * exactly), as the loader's dequantization does. So results equal the dense kernel's. */
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3 };
+#define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
-static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4K ? 4 : 2); }
-static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (fmt == Q8 ? 0 : NR * 4); }
-static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * (fmt == Q8 ? NR : NR / 2); }
+static inline int qblock(const int fmt) { return fmt == Q6K ? 16 : QBLOCK; }
+static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K; }
+static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4K || fmt == Q6K ? 4 : 2); }
+static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (int8_codes(fmt) ? 0 : NR * 4); }
+static inline int record_bytes(const int fmt) {
+    return codes_at(fmt) + qblock(fmt) * (int8_codes(fmt) ? NR : NR / 2);
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -289,18 +294,18 @@ static inline int record_bytes(const int fmt) { return codes_at(fmt) + QBLOCK * 
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
                                                                __m512 z[4]) {
     for (int j = 0; j < 4; j++) {
-        s[j] = fmt == Q4K ? _mm512_loadu_ps((const float *)record + 16 * j)
-                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
-        z[j] = fmt == Q8 ? _mm512_setzero_ps()
-                         : _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j);
+        s[j] = scale_bytes(fmt) == NR * 4 ? _mm512_loadu_ps((const float *)record + 16 * j)
+                                          : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
+        z[j] = int8_codes(fmt) ? _mm512_setzero_ps()
+                               : _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j);
     }
 }
 
 /* Row kk of a block: w[j] holds columns 16j .. 16j + 15. */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *record, int kk, const int fmt,
                                                               const __m512 s[4], const __m512 z[4], __m512 w[4]) {
-    if (fmt == Q8) {
-        const int8_t *codes = (const int8_t *)(record + codes_at(Q8)) + kk * NR;
+    if (int8_codes(fmt)) {
+        const int8_t *codes = (const int8_t *)(record + codes_at(fmt)) + kk * NR;
         for (int j = 0; j < 4; j++)
             w[j] = _mm512_mul_round_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)))), s[j],
@@ -327,16 +332,17 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, int
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
     const int bytes = record_bytes(fmt);
-    for (int blk = 0; blk < K / QBLOCK; blk++) {
+    const int block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * bytes;
         __m512 s[4], z[4];
         block_scales(record, fmt, s, z);
-        for (int kk = 0; kk < QBLOCK; kk++) {
-            for (int line = kk; line < bytes / 64; line += QBLOCK) /* the record 3 ahead, a line or two a row */
+        for (int kk = 0; kk < block; kk++) {
+            for (int line = kk; line < bytes / 64; line += block) /* the record 3 ahead, a line or two a row */
                 _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
             __m512 w[4];
             dequant_row(record, kk, fmt, s, z, w);
-            const int k = blk * QBLOCK + kk;
+            const int k = blk * block + kk;
             for (int r = 0; r < rows; r++) {
                 const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
                 for (int j = 0; j < 4; j++) c[r][j] = _mm512_fmadd_ps(b, w[j], c[r][j]);
@@ -369,14 +375,15 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
 /* The quantized panel as a dense [K][64] one. */
 static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel, int K, float *dense,
                                                                 const int fmt) {
-    for (int blk = 0; blk < K / QBLOCK; blk++) {
+    const int block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
         __m512 s[4], z[4];
         block_scales(record, fmt, s, z);
-        for (int kk = 0; kk < QBLOCK; kk++) {
+        for (int kk = 0; kk < block; kk++) {
             __m512 w[4];
             dequant_row(record, kk, fmt, s, z, w);
-            for (int j = 0; j < 4; j++) _mm512_store_ps(dense + ((int64_t)blk * QBLOCK + kk) * NR + 16 * j, w[j]);
+            for (int j = 0; j < 4; j++) _mm512_store_ps(dense + ((int64_t)blk * block + kk) * NR + 16 * j, w[j]);
         }
     }
 }
@@ -391,12 +398,13 @@ typedef struct {
 
 static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, int j, const int fmt) {
     const float *zeros = (const float *)(record + scale_bytes(fmt));
-    const PairParams p = {fmt == Q4K ? _mm256_loadu_ps((const float *)record + 8 * j)
-                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j))),
-                          fmt == Q4K ? _mm256_loadu_ps((const float *)record + 8 * (j + 4))
-                                     : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4)))),
-                          fmt == Q8 ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * j),
-                          fmt == Q8 ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * (j + 4))};
+    const int wide = scale_bytes(fmt) == NR * 4;
+    const PairParams p = {wide ? _mm256_loadu_ps((const float *)record + 8 * j)
+                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j))),
+                          wide ? _mm256_loadu_ps((const float *)record + 8 * (j + 4))
+                               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4)))),
+                          int8_codes(fmt) ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * j),
+                          int8_codes(fmt) ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * (j + 4))};
     return p;
 }
 
@@ -405,8 +413,8 @@ static inline __attribute__((always_inline)) PairParams pair_params(const uint8_
  * dequantization does; a Q8 code times its scale is exact. */
 static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *record, int kk, int j, const int fmt,
                                                                const PairParams *p, __m256 *wj, __m256 *wj4) {
-    if (fmt == Q8) {
-        const int8_t *codes = (const int8_t *)(record + codes_at(Q8)) + kk * NR + 8 * j;
+    if (int8_codes(fmt)) {
+        const int8_t *codes = (const int8_t *)(record + codes_at(fmt)) + kk * NR + 8 * j;
         *wj = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))), p->s);
         *wj4 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32)))),
                              p->s4);
@@ -428,15 +436,16 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
     __m256 c[NR / 8];
     for (int j = 0; j < NR / 8; j++) c[j] = _mm256_setzero_ps();
     const int bytes = record_bytes(fmt);
-    for (int blk = 0; blk < K / QBLOCK; blk++) {
+    const int block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * bytes;
-        const float *xb = x + blk * QBLOCK;
+        const float *xb = x + blk * block;
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
         for (int j = 0; j < 4; j++) {
             const PairParams params = pair_params(record, j, fmt);
             __m256 cj = c[j], cj4 = c[j + 4];
-            for (int kk = 0; kk < QBLOCK; kk++) {
+            for (int kk = 0; kk < block; kk++) {
                 __m256 w, w4;
                 dequant_pair(record, kk, j, fmt, &params, &w, &w4);
                 const __m256 b = _mm256_broadcast_ss(xb + kk);
@@ -459,14 +468,15 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
 /* The quantized panel as a dense [K][64] one. */
 static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel, int K, float *dense,
                                                                 const int fmt) {
-    for (int blk = 0; blk < K / QBLOCK; blk++) {
+    const int block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
         for (int j = 0; j < 4; j++) {
             const PairParams params = pair_params(record, j, fmt);
-            for (int kk = 0; kk < QBLOCK; kk++) {
+            for (int kk = 0; kk < block; kk++) {
                 __m256 w, w4;
                 dequant_pair(record, kk, j, fmt, &params, &w, &w4);
-                float *row = dense + ((int64_t)blk * QBLOCK + kk) * NR;
+                float *row = dense + ((int64_t)blk * block + kk) * NR;
                 _mm256_store_ps(row + 8 * j, w);
                 _mm256_store_ps(row + 8 * (j + 4), w4);
             }
@@ -479,12 +489,12 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 static inline __attribute__((always_inline)) int gemm_quant(const float *x, int64_t ldx, const uint8_t *packed,
                                                             const float *bias, float *y, int64_t ldy, int M, int N,
                                                             int K, int num_threads, const int fmt) {
-    if (K % QBLOCK != 0) return -1;
+    if (K % qblock(fmt) != 0) return -1;
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
     const int items = panels * row_blocks;
-    const int64_t panel_bytes = (int64_t)(K / QBLOCK) * record_bytes(fmt);
+    const int64_t panel_bytes = (int64_t)(K / qblock(fmt)) * record_bytes(fmt);
 #pragma omp parallel num_threads(num_threads)
     {
         /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
@@ -524,6 +534,12 @@ int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float
     return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q4K);
 }
 
+/* The same over [ceil(N / 64), K / 16, 1280] bytes of Q6K records. */
+int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q6K);
+}
+
 /* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
 int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
@@ -538,6 +554,11 @@ int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float 
 }
 
 int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                  int M, int N, int K, int num_threads) {
     return -1;
 }

@@ -1,8 +1,9 @@
 """What the GGUF linear methods share: a GGUF weight loads as its codes and per-block parameters, row-major like a
 dense weight, and is multiplied by gemm.c's quantized panels where they apply.
 
-A GGUF block is 32 weights along the input dim, so while loading ``qweight`` is ``[out, in]`` codes and each
-per-block parameter (``scales``, Q4's ``zeros``) ``[out, in / 32]`` float32: the layers' tensor-parallel weight
+A GGUF block is 32 weights along the input dim (a method's ``block``; Q6_K's scales: 16), so while loading
+``qweight`` is ``[out, in]`` codes and each per-block parameter (``scales``, Q4's ``zeros``) ``[out, in / block]``
+float32: the layers' tensor-parallel weight
 loaders slice them as they slice a dense weight, which keeps whole blocks on a rank where ``in / 32`` divides.
 """
 
@@ -20,18 +21,19 @@ class GGUFLinearMethod(QuantizeMethodBase):
     code_dtype: torch.dtype
     block_params: tuple[str, ...]
     out_multiple = 1  # the output columns per rank must be a multiple of this (torch's int4 kernel: 16)
+    block = QBLOCK  # inputs per scale
 
     def __init__(self):
         self.packed: QuantizedWeight | None = None
 
     def create_weights(self, layer, input_size_per_partition, output_size_per_partition, params_dtype,
                        weight_loader):
-        if input_size_per_partition % QBLOCK or output_size_per_partition % self.out_multiple:
-            raise ValueError(f"{type(self).__name__} needs in % {QBLOCK} == 0 and out % {self.out_multiple} == 0 "
+        if input_size_per_partition % self.block or output_size_per_partition % self.out_multiple:
+            raise ValueError(f"{type(self).__name__} needs in % {self.block} == 0 and out % {self.out_multiple} == 0 "
                              f"per rank, got in={input_size_per_partition}, out={output_size_per_partition}")
         self.params_dtype = params_dtype
         parts = [("qweight", input_size_per_partition, self.code_dtype)]
-        parts += [(name, input_size_per_partition // QBLOCK, torch.float32) for name in self.block_params]
+        parts += [(name, input_size_per_partition // self.block, torch.float32) for name in self.block_params]
         for name, cols, dtype in parts:
             param = nn.Parameter(torch.empty(output_size_per_partition, cols, dtype=dtype), requires_grad=False)
             param.weight_loader = weight_loader
