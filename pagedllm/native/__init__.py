@@ -107,6 +107,10 @@ def _with_body(lib: ctypes.CDLL | None, available: str) -> ctypes.CDLL | None:
     return lib if lib is not None and getattr(lib, available)() else None
 
 
+def _gemm_of(lib: ctypes.CDLL | None, signature) -> Gemm | None:
+    return None if lib is None else Gemm(lib, signature)
+
+
 @functools.cache
 def _gemm_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library of gemm.c, or None, also where the CPU has neither AVX-512 nor AVX2 with FMA."""
@@ -116,8 +120,7 @@ def _gemm_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 @functools.cache
 def gemm(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The float32 GEMM over packed panels (gemm_packed_f32), or None."""
-    lib = _gemm_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_PACKED)
+    return _gemm_of(_gemm_lib(extra_flags), GEMM_PACKED)
 
 
 def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
@@ -128,29 +131,25 @@ def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 @functools.cache
 def gemm_q4(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q4 panels (gemm_q4_f32), or None."""
-    lib = _gemm_quant_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_Q4)
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q4)
 
 
 @functools.cache
 def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over Q4 panels with float32 scales (gemm_q4k_f32: GGUF Q4_K), or None."""
-    lib = _gemm_quant_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_Q4K)
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q4K)
 
 
 @functools.cache
 def gemm_q6k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q6_K panels (gemm_q6k_f32: int8 codes, float32 scales per 16), or None."""
-    lib = _gemm_quant_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_Q6K)
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q6K)
 
 
 @functools.cache
 def gemm_q8(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q8_0 panels (gemm_q8_f32), or None."""
-    lib = _gemm_quant_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_Q8)
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q8)
 
 
 @functools.cache
@@ -163,16 +162,14 @@ def _gemm_bf16_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def gemm_bf16(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """float32 rows times bf16 weight panels (gemm_bf16), on AMX tiles where the CPU has them, else with vdpbf16ps;
     or None."""
-    lib = _gemm_bf16_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_BF16)
+    return _gemm_of(_gemm_bf16_lib(extra_flags), GEMM_BF16)
 
 
 @functools.cache
 def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The gate_up projection over gated bf16 panels with silu(gate) * up applied as it is written
     (gemm_bf16_silu_mul); or None."""
-    lib = _gemm_bf16_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_BF16_SILU_MUL)
+    return _gemm_of(_gemm_bf16_lib(extra_flags), GEMM_BF16_SILU_MUL)
 
 
 @functools.cache
@@ -185,15 +182,13 @@ def _gemm_int8_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 def gemm_w8a8(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c: AVX512-VNNI,
     AVX-VNNI or AVX2); or None, also where the CPU has none of them."""
-    lib = _gemm_int8_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_W8A8)
+    return _gemm_of(_gemm_int8_lib(extra_flags), GEMM_W8A8)
 
 
 @functools.cache
 def gemm_w8a8_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The gate_up projection over gated int8 panels with silu(gate) * up applied as it is written; or None."""
-    lib = _gemm_int8_lib(extra_flags)
-    return None if lib is None else Gemm(lib, GEMM_W8A8_SILU_MUL)
+    return _gemm_of(_gemm_int8_lib(extra_flags), GEMM_W8A8_SILU_MUL)
 
 
 def gemm_bf16_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:
