@@ -17,17 +17,20 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.engine.arg_utils import set_quantization
 from pagedllm.layers.gemm_layout import DenseWeight, pack_q8_panels
-from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, UnquantizedLinearMethod
+from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
+                                    RowParallelLinear, UnquantizedLinearMethod)
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
+from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
 from pagedllm.layers.quantization.gguf_q8 import GGUFQ6KLinearMethod, GGUFQ8LinearMethod
-from pagedllm.models.gguf_loader import dequantize_fast, unpack_q6_k, unpack_q8
+from pagedllm.models.gguf_loader import dequantize_fast, unpack_q4, unpack_q6_k, unpack_q8
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
+from pagedllm.native.graph import CpuGraph
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
-from tests.model_fixtures import Chunk, PagedBatchRunner, quantize_q6_k, smollm_path, write_tiny_gguf
+from tests.model_fixtures import Chunk, PagedBatchRunner, quantize_gguf, quantize_q6_k, smollm_path, write_tiny_gguf
 from tests.native_paths import native_or_fallback
 from tests.test_int4_quantization import gguf_layer
 
@@ -137,6 +140,44 @@ def test_tensor_parallel_shards_of_q8_layers_match_unsharded():
     torch.testing.assert_close(sum(rows), full_row)  # the same sums, added in another order
 
 
+@needs_q8_kernel
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_fused_layer_of_two_kinds_keeps_each_and_equals_the_dense_layer(tp_size):
+    """gate_up_proj of a Q4_K gate and a Q6_K up, with a bias, on each of tp_size ranks: every rank's shards hold
+    their own kind's panels, written into one output, equal to the dense layer's rows of that rank bit for bit."""
+    gen = np.random.default_rng(4)
+    blocks = {"gate": quantize_gguf(gen.standard_normal((128, 256), dtype=np.float32), T.Q4_K),
+              "up": quantize_gguf(gen.standard_normal((128, 256), dtype=np.float32), T.Q6_K)}
+    parts = {"gate": unpack_q4(blocks["gate"], T.Q4_K), "up": unpack_q6_k(blocks["up"])}
+    weight = torch.from_numpy(np.concatenate([dequantize_fast(blocks["gate"], T.Q4_K),
+                                              dequantize_fast(blocks["up"], T.Q6_K)]))
+    bias, x = torch.randn(256), torch.randn(5, 256)
+    config = GGUFConfig({"layer.gate_proj.weight": T.Q4_K, "layer.up_proj.weight": T.Q6_K},
+                        [(".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)])
+    for rank in range(tp_size):
+        layer = MergedColumnParallelLinear(256, [128, 128], bias=True, quant_config=config,
+                                           prefix="layer.gate_up_proj", tp_size=tp_size, tp_rank=rank)
+        assert isinstance(layer.quant_method, GGUFMixedLinearMethod)
+        for shard, (name, unpacked) in enumerate(parts.items()):
+            for param_name, value in zip(("qweight", "scales", "zeros"), unpacked):
+                param = getattr(layer, param_name)
+                param.weight_loader(param, torch.from_numpy(value), shard)
+        layer.bias.weight_loader(layer.bias, bias)
+        layer.quant_method.process_weights_after_loading(layer)
+        assert [w.kernel.name for _, _, w, _ in layer.quant_method.shards] == ["gemm_q4k_f32", "gemm_q6k_f32"]
+        half = 128 // tp_size
+        rows = torch.cat([torch.arange(rank * half, (rank + 1) * half), 128 + torch.arange(rank * half,
+                                                                                           (rank + 1) * half)])
+        dense = DenseWeight(weight[rows].contiguous())
+        assert torch.equal(layer(x), dense.linear(x, bias[rows].contiguous()))
+    # its kernels write the output: a CPU graph of the layer replays (decode steps of such models replay graphs)
+    graph, static = CpuGraph(), x.clone()
+    graph.capture(lambda: layer(static))
+    assert graph.failure is None
+    static.copy_(torch.randn(5, 256))
+    assert torch.equal(graph.replay(), layer(static))
+
+
 def test_q8_layers_are_dequantized_where_the_kernel_does_not_apply(monkeypatch):
     """Without gemm_q8_f32 (neither AVX-512 nor AVX2), or for activations it does not take, a Q8_0 layer is left to the dense
     path, which the loader fills with the dequantized weight; Q4 layers keep gguf_int4's kernels. gguf_int4 leaves
@@ -206,8 +247,8 @@ def test_q8_0_model_gives_the_dense_models_greedy_tokens(tmp_path):
     assert torch.equal(q8_logits, dense_logits)
 
 
-# Per checkpoint module: q/k Q8_0 with a Q4_0 v (a fused qkv_proj of two kernels' types: dense), o_proj Q8_0,
-# gate/up Q4_1 (gate_up_proj on the Q4 kernel), down_proj F16 (no packed kernel: dense).
+# Per checkpoint module: q/k Q8_0 with a Q4_0 v (a fused qkv_proj of two kernels' types: each shard in its own), o_proj
+# Q8_0, gate/up Q4_1 (gate_up_proj on the Q4 kernel), down_proj F16 (no packed kernel: dense).
 MIXED = {"q_proj": T.Q8_0, "k_proj": T.Q8_0, "v_proj": T.Q4_0, "o_proj": T.Q8_0, "gate_proj": T.Q4_1,
          "up_proj": T.Q4_1, "down_proj": T.F16}
 
@@ -217,19 +258,20 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
     path = _tiny_llama(tmp_path, lambda name: MIXED[name.rsplit(".", 1)[-1]], "llama-mixed")
     dense, config = _load(path, None)
     mixed, _ = _load(path, "gguf")
-    expected = {"self_attn.qkv_proj": UnquantizedLinearMethod, "self_attn.o_proj": GGUFQ8LinearMethod,
+    expected = {"self_attn.qkv_proj": GGUFMixedLinearMethod, "self_attn.o_proj": GGUFQ8LinearMethod,
                 "mlp.gate_up_proj": GGUFInt4LinearMethod, "mlp.down_proj": UnquantizedLinearMethod}
     for layer in mixed.model.layers:
         for name, method in expected.items():
             assert type(layer.get_submodule(name).quant_method) is method, name
     summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(mixed)
-    assert summary == ("linear layers kept packed: Q4_1 x2, Q8_0 x2; dequantized at load: F16 x2, Q4_0+Q8_0 x2; "
+    assert summary == ("linear layers kept packed: Q4_0+Q8_0 x2, Q4_1 x2, Q8_0 x2; dequantized at load: F16 x2; "
                        "Q8_0 embeddings: none")
     (dense_tokens, dense_logits), (mixed_tokens, mixed_logits) = (_greedy(m, config, PROMPTS, 8)
                                                                   for m in (dense, mixed))
     assert mixed_tokens == dense_tokens and torch.equal(mixed_logits, dense_logits)
-    int4, _ = _load(path, "gguf_int4")  # the Q4 layers only
+    int4, _ = _load(path, "gguf_int4")  # the Q4 layers only: a qkv_proj with Q8_0 parts is dense there
     assert type(int4.model.layers[0].self_attn.o_proj.quant_method) is UnquantizedLinearMethod
+    assert type(int4.model.layers[0].self_attn.qkv_proj.quant_method) is UnquantizedLinearMethod
     assert type(int4.model.layers[0].mlp.gate_up_proj.quant_method) is GGUFInt4LinearMethod
 
 
@@ -239,18 +281,23 @@ def test_q4_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path):
     Q6_K; and one o_proj in F16. The Q4_K layers keep 4-bit codes with float32 scales (gemm_q4k_f32), the Q6_K ones
     6-bit codes as int8 (gemm_q6k_f32), the F16 one is dequantized; the logits, so the greedy tokens, are the dense
     model's on the same dequantized weights exactly."""
-    types = {"down_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}
+    types = {"down_proj": T.Q6_K, "layers.0.self_attn.v_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}
     path = _tiny_llama(tmp_path, lambda name: next((t for key, t in types.items() if name.endswith(key)), T.Q4_K),
                        "llama-q4_k_m", 256)
     dense, config = _load(path, None)
     q4_k, _ = _load(path, "gguf")
-    for i, layer in enumerate(q4_k.model.layers):
-        for linear in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) + (layer.self_attn.o_proj,) * (i == 0):
-            assert linear.quant_method.packed.kernel.name == "gemm_q4k_f32"
+    first, second = q4_k.model.layers
+    for linear in (first.self_attn.o_proj, first.mlp.gate_up_proj, second.self_attn.qkv_proj, second.mlp.gate_up_proj):
+        assert linear.quant_method.packed.kernel.name == "gemm_q4k_f32"
+    for layer in (first, second):
         assert layer.mlp.down_proj.quant_method.packed.kernel.name == "gemm_q6k_f32"
-    assert type(q4_k.model.layers[1].self_attn.o_proj.quant_method) is UnquantizedLinearMethod
+    # layer 0's qkv_proj: Q4_K q and k, a Q6_K v, each shard in its own kind's panels
+    shards = first.self_attn.qkv_proj.quant_method.shards
+    assert [(size, weight.kernel.name) for _, size, weight, _ in shards] == [
+        (256, "gemm_q4k_f32"), (128, "gemm_q4k_f32"), (128, "gemm_q6k_f32")]
+    assert type(second.self_attn.o_proj.quant_method) is UnquantizedLinearMethod
     summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(q4_k)
-    assert summary.startswith("linear layers kept packed: Q4_K x5, Q6_K x2; dequantized at load: F16 x1")
+    assert summary.startswith("linear layers kept packed: Q4_K x4, Q4_K+Q6_K x1, Q6_K x2; dequantized at load: F16 x1")
     (dense_tokens, dense_logits), (q4_k_tokens, q4_k_logits) = (_greedy(m, config, PROMPTS, 8)
                                                                 for m in (dense, q4_k))
     assert q4_k_tokens == dense_tokens and torch.equal(q4_k_logits, dense_logits)

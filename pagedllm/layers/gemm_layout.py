@@ -167,8 +167,11 @@ class QuantizedWeight:
         quantized per token by the kernel as it reads them, so ``linear`` is the W8A8 product, not F.linear's."""
         return cls("gemm_w8a8", panels, out_features, layout)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self.kernel(x, self.panels, bias, self.out_features)
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """``x @ W.T (+ bias)``; into ``out`` (rows of float32 ``[rows, out_features]``, which may be the columns of a
+        wider tensor) where given."""
+        return self.kernel(x, self.panels, bias, self.out_features, out=out)
 
 
 def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

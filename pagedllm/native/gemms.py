@@ -64,7 +64,7 @@ class Gemm:
         self.function = getattr(lib, signature.name)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                 out_width: int | None = None) -> torch.Tensor:
+                 out_width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` over ``packed`` (W's panels in this kernel's layout), for float32 ``x`` ``[..., K]``;
         with ``out_width``, what a kernel writing that many columns per row makes of it (gemm_bf16_silu_mul).
         Called ~120 times a decode step: it keeps to the few tensor calls it needs."""
@@ -73,17 +73,21 @@ class Gemm:
             rows = rows.contiguous()
         num_rows, in_features = rows.shape
         width = out_width or out_features
-        out = rows.new_empty(num_rows, width)
+        given = out is not None
+        if not given:
+            out = rows.new_empty(num_rows, width)
         if bias is not None:
             bias = bias.contiguous()
         if checks.ENABLED:
             self._check(rows, packed, bias, out_features)
+            require(self.name, out.shape == (num_rows, width) and out.stride(1) == 1 and out.dtype == torch.float32,
+                    f"out {tuple(out.shape)} (strides {out.stride()}) must be float32 [{num_rows}, {width}] rows")
         status = launch(self.function, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
-                        None if bias is None else bias.data_ptr(), out.data_ptr(), width, num_rows, out_features,
-                        in_features, torch.get_num_threads())
+                        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), num_rows,
+                        out_features, in_features, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"{self.name} rejected its sizes (status {status})")
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], width)
+        return out if x.dim() == 2 or given else out.view(*x.shape[:-1], width)
 
     def _check(self, rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> None:
         dtype, shape = PANELS[self.name]

@@ -5,8 +5,9 @@ wherever a kernel multiplies by them in it; everything else is dequantized at lo
 kernel), Q8_0 layers by GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512 or AVX2),
 Q6_K layers by GGUFQ6KLinearMethod (gemm_q6k_f32, the same). ``gguf_int4``: the Q4 layers only. Under both a Q8_0
 embedding (and LM head) keeps its codes (layers/vocab_embedding.py). The other types (Q2_K, Q3_K, Q5_K, F16, BF16,
-F32), and any fused layer whose checkpoint parts are not all one kernel's (a qkv_proj of Q4_1 q/k and a Q8_0 v), are
-dequantized at load. ``summary`` says which layers got which.
+F32), and any fused layer with a part of those (a qkv_proj of Q4_K q/k and an F16 v), are dequantized at load; a fused
+layer whose parts are packed kinds that differ (Q4_K q/k with a Q6_K v, as Q4_K_M files have some) keeps each shard
+in its own kind (GGUFMixedLinearMethod). ``summary`` says which layers got which.
 """
 
 from collections import Counter
@@ -20,6 +21,7 @@ from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, checkpoint_modules
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
+from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
 from pagedllm.layers.quantization.gguf_q8 import GGUFQ6KLinearMethod, GGUFQ8LinearMethod
 
 
@@ -61,9 +63,15 @@ class GGUFConfig(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None
         methods = self._methods(layer)
-        chosen = {methods.get(t) for t in self._types(prefix)}
-        method = chosen.pop() if len(chosen) == 1 else None
-        return None if method is None else method()
+        parts = [methods.get(t) for t in self._types(prefix)]
+        if len(set(parts)) == 1:
+            return None if parts[0] is None else parts[0]()
+        # A fused layer of packed parts of different kinds: each shard in its own kind's panels, where every part
+        # has a native kernel (torch's int4 kernel cannot write a shard's columns).
+        native_q4 = native_applies("gemm_q4", layer.params_dtype, torch.device("cpu"))
+        if None not in parts and hasattr(layer, "output_shards") and (native_q4 or GGUFInt4LinearMethod not in parts):
+            return GGUFMixedLinearMethod(parts)
+        return None
 
     def keeps_q8(self, prefix: str) -> bool:
         """Whether the embedding (or LM head) ``prefix`` keeps its checkpoint's Q8_0 codes."""
