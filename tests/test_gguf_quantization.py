@@ -23,6 +23,7 @@ from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
 from pagedllm.layers.quantization.gguf_q8 import GGUFQ6KLinearMethod, GGUFQ8LinearMethod
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.gguf_loader import dequantize_fast, unpack_q4, unpack_q6_k, unpack_q8
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
@@ -178,6 +179,26 @@ def test_a_fused_layer_of_two_kinds_keeps_each_and_equals_the_dense_layer(tp_siz
     assert torch.equal(graph.replay(), layer(static))
 
 
+@needs_q8_kernel
+def test_an_untied_q6_k_lm_head_keeps_its_codes_and_a_tied_one_is_dense():
+    """Q4_K_M files hold an untied LM head (output.weight) in Q6_K: it keeps its codes (int8 q - 32, a float32 scale
+    per 16) and its logits equal the dense weight's exactly. An embedding that also looks tokens up keeps Q8_0 codes
+    only (the lookups' native kernel reads those), so a tied Q6_K one is dense."""
+    blocks = quantize_q6_k(np.random.default_rng(6).standard_normal((200, 256), dtype=np.float32))
+    codes, scales = (torch.from_numpy(part) for part in unpack_q6_k(blocks))
+    config = GGUFConfig({"lm_head.weight": T.Q6_K, "model.embed_tokens.weight": T.Q6_K}, [])
+    head = ParallelLMHead(200, 256, quant_config=config, prefix="lm_head")
+    assert head.q8 and head.scales.shape == (200, 16)
+    head.qweight.weight_loader(head.qweight, codes)
+    head.scales.weight_loader(head.scales, scales)
+    head.prepare_projection()
+    hidden = torch.randn(3, 256)
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q6_K)), large_batches=False)
+    assert torch.equal(head.project(hidden), dense.linear(hidden))
+    assert not hasattr(head, "qweight") or head.qweight.dtype != torch.int8  # the panels only
+    assert not VocabParallelEmbedding(200, 256, quant_config=config, prefix="model.embed_tokens").q8
+
+
 def test_q8_layers_are_dequantized_where_the_kernel_does_not_apply(monkeypatch):
     """Without gemm_q8_f32 (neither AVX-512 nor AVX2), or for activations it does not take, a Q8_0 layer is left to the dense
     path, which the loader fills with the dequantized weight; Q4 layers keep gguf_int4's kernels. gguf_int4 leaves
@@ -265,7 +286,7 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
             assert type(layer.get_submodule(name).quant_method) is method, name
     summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(mixed)
     assert summary == ("linear layers kept packed: Q4_0+Q8_0 x2, Q4_1 x2, Q8_0 x2; dequantized at load: F16 x2; "
-                       "Q8_0 embeddings: none")
+                       "embeddings and LM heads kept packed: none")
     (dense_tokens, dense_logits), (mixed_tokens, mixed_logits) = (_greedy(m, config, PROMPTS, 8)
                                                                   for m in (dense, mixed))
     assert mixed_tokens == dense_tokens and torch.equal(mixed_logits, dense_logits)
@@ -317,7 +338,7 @@ def test_gguf_on_a_gguf_without_packed_types_loads_dense(tmp_path):
     model, _ = _load(path, "gguf")
     assert all(type(m.quant_method) is UnquantizedLinearMethod for m in model.modules() if hasattr(m, "quant_method"))
     assert get_quant_config("gguf", path, LlamaForCausalLM).summary(model) == (
-        "linear layers kept packed: none; dequantized at load: F32 x8; Q8_0 embeddings: none")
+        "linear layers kept packed: none; dequantized at load: F32 x8; embeddings and LM heads kept packed: none")
 
 
 def test_default_model_keeps_q4_1_layers_and_the_q8_0_embedding():

@@ -4,7 +4,9 @@ Each rank holds rows ``[vocab_start_index, vocab_end_index)``; the last shard is
 zero-padded when the vocab does not divide evenly. With a GGUF quantization
 config and a Q8_0 checkpoint tensor the rows stay Q8_0 codes and scales
 (``q8``): lookups dequantize the rows they fetch, and the LM head multiplies by
-the codes in the native kernel's panels (1.06 bytes a weight instead of 4).
+the codes in the native kernel's panels (1.06 bytes a weight instead of 4). An
+LM head that only projects keeps a Q6_K tensor's codes too (int8 q - 32, a
+scale per 16: 1.25 bytes a weight).
 """
 
 import torch
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
-from pagedllm.layers.gemm_layout import QBLOCK, DenseWeight, QuantizedWeight, WeightLayout, native_applies
+from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native import fused
 
@@ -25,6 +27,8 @@ Q8_HEAD_MAX_ROWS = 6
 
 
 class VocabParallelEmbedding(nn.Module):
+    looks_up = True  # embeds tokens (ParallelLMHead only projects)
+
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
                  tp_size: int = 1, tp_rank: int = 0, quant_config: QuantizationConfig | None = None,
                  prefix: str = "", embed_scale: float = 1.0):
@@ -41,11 +45,13 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
         self.dtype = params_dtype or torch.get_default_dtype()
-        self.q8 = quant_config is not None and quant_config.keeps_q8(prefix)
+        # inputs per scale where the rows are int8 codes (Q8_0: 32, a projecting-only Q6_K head: 16), else None
+        self.scale_block = None if quant_config is None else quant_config.int8_rows_block(prefix, self.looks_up)
+        self.q8 = self.scale_block is not None
         rows = self.num_embeddings_per_partition
         if self.q8:
             self._add_param("qweight", torch.empty(rows, embedding_dim, dtype=torch.int8))
-            self._add_param("scales", torch.empty(rows, embedding_dim // QBLOCK, dtype=torch.float32))
+            self._add_param("scales", torch.empty(rows, embedding_dim // self.scale_block, dtype=torch.float32))
         else:
             self._add_param("weight", torch.empty(rows, embedding_dim, dtype=self.dtype))
         self._projection: DenseWeight | QuantizedWeight | None = None
@@ -91,7 +97,7 @@ class VocabParallelEmbedding(nn.Module):
             return self.weight if ids is None else F.embedding(ids, self.weight)
         codes, scales = (self.qweight, self.scales) if ids is None else (
             F.embedding(ids, self.qweight), F.embedding(ids, self.scales))
-        return (codes.float() * scales.repeat_interleave(QBLOCK, dim=-1)).to(self.dtype)  # exact in float32
+        return (codes.float() * scales.repeat_interleave(self.scale_block, dim=-1)).to(self.dtype)  # exact for Q8_0, one rounding for Q6_K
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -122,6 +128,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Models with tied embeddings use their ``VocabParallelEmbedding`` instead.
     """
+
+    looks_up = False
 
     def prepare_projection(self, layout: WeightLayout | None = None) -> None:
         super().prepare_projection(layout)

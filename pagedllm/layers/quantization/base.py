@@ -47,9 +47,10 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for ``layer`` named ``prefix``; None keeps the layer unquantized."""
 
-    def keeps_q8(self, prefix: str) -> bool:
-        """Whether the embedding (or LM head) named ``prefix`` keeps the checkpoint's Q8_0 codes; no by default."""
-        return False
+    def int8_rows_block(self, prefix: str, lookups: bool) -> int | None:
+        """Where the embedding (or LM head) named ``prefix`` keeps the checkpoint's int8 codes: their inputs per
+        scale; ``lookups``: whether it also embeds tokens (not only projects). None (by default) keeps it dense."""
+        return None
 
     def packed_modules(self, model: nn.Module) -> set[str]:
         """Checkpoint modules whose GGUF weights must load still quantized (codes and scales); none by default."""

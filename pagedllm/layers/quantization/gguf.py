@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from pagedllm.layers.gemm_layout import native_applies
+from pagedllm.layers.gemm_layout import Q6K_BLOCK, QBLOCK, native_applies
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, checkpoint_modules
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4LinearMethod
@@ -73,13 +73,17 @@ class GGUFConfig(QuantizationConfig):
             return GGUFMixedLinearMethod(parts)
         return None
 
-    def keeps_q8(self, prefix: str) -> bool:
-        """Whether the embedding (or LM head) ``prefix`` keeps its checkpoint's Q8_0 codes."""
-        return self.tensor_types.get(f"{prefix}.weight") == GGMLQuantizationType.Q8_0
+    def int8_rows_block(self, prefix: str, lookups: bool) -> int | None:
+        """A Q8_0 embedding (or LM head) keeps its codes, 32 inputs a scale; so does a Q6_K LM head that only projects
+        (an untied one, as Q4_K_M files have it), 16 a scale (its lookups would have no native kernel)."""
+        tensor_type = self.tensor_types.get(f"{prefix}.weight")
+        if tensor_type == GGMLQuantizationType.Q8_0:
+            return QBLOCK
+        return Q6K_BLOCK if tensor_type == GGMLQuantizationType.Q6_K and not lookups else None
 
     def packed_modules(self, model: nn.Module) -> set[str]:
         """Checkpoint modules whose weights must load as codes and scales: the layers quantized here and the
-        embeddings kept in Q8_0."""
+        embeddings and LM heads that keep int8 codes."""
         linear = {name for prefix, module in model.named_modules()
                   if isinstance(getattr(module, "quant_method", None), GGUFLinearMethod)
                   for name in self._checkpoint_modules(prefix)}
@@ -87,7 +91,7 @@ class GGUFConfig(QuantizationConfig):
 
     def summary(self, model: nn.Module) -> str:
         """Which linear layers stay packed and which are dequantized, counted by their GGUF types (a fused layer's
-        parts joined by ``+``), and the embeddings kept in Q8_0."""
+        parts joined by ``+``), and the embeddings and LM heads that keep their codes."""
         counts = {True: Counter(), False: Counter()}
         for prefix, module in model.named_modules():
             if isinstance(module, LinearBase):
@@ -100,11 +104,11 @@ class GGUFConfig(QuantizationConfig):
             return ", ".join(f"{types} x{n}" for types, n in sorted(counter.items())) or "none"
 
         return (f"linear layers kept packed: {listed(counts[True])}; dequantized at load: {listed(counts[False])}; "
-                f"Q8_0 embeddings: {', '.join(q8) or 'none'}")
+                f"embeddings and LM heads kept packed: {', '.join(q8) or 'none'}")
 
 
 def _q8_embeddings(model: nn.Module) -> set[str]:
-    """The checkpoint modules of the embeddings (and LM heads) that keep their Q8_0 codes."""
+    """The checkpoint modules of the embeddings (and LM heads) that keep their int8 codes (Q8_0, Q6_K)."""
     return {module.prefix for module in model.modules() if getattr(module, "q8", False)}
 
 
