@@ -184,23 +184,24 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
 
 
 def quantize_gguf(weight: np.ndarray, tensor_type: gguf.GGMLQuantizationType) -> np.ndarray:
-    """``weight`` ``[rows, cols]`` as GGUF blocks of ``tensor_type``: gguf-py's quantizer, or for Q4_K and Q6_K
+    """``weight`` ``[rows, cols]`` as GGUF blocks of ``tensor_type``: gguf-py's quantizer, or for Q4_K, Q5_K and Q6_K
     (which it lacks) quantize_q4_k and quantize_q6_k."""
-    if tensor_type == gguf.GGMLQuantizationType.Q4_K:
-        return quantize_q4_k(weight)
+    if tensor_type in (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K):
+        return quantize_q4_k(weight, five_bits=tensor_type == gguf.GGMLQuantizationType.Q5_K)
     if tensor_type == gguf.GGMLQuantizationType.Q6_K:
         return quantize_q6_k(weight)
     return gguf.quants.quantize(weight, tensor_type)
 
 
-def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
-    """A plain Q4_K quantizer (round to nearest; llama.cpp's searches its scales): per 32 weights along a row a
-    6-bit scale and min, per 256 an fp16 ``d`` and ``dmin`` they multiply, codes ``q`` with ``w ~ d sc q - dmin m``.
-    Returns the blocks as llama.cpp lays them out (144 bytes per 256 weights)."""
-    rows = weight.shape[0]
+def quantize_q4_k(weight: np.ndarray, five_bits: bool = False) -> np.ndarray:
+    """A plain Q4_K (``five_bits``: Q5_K) quantizer (round to nearest; llama.cpp's searches its scales): per 32
+    weights along a row a 6-bit scale and min, per 256 an fp16 ``d`` and ``dmin`` they multiply, codes ``q`` with
+    ``w ~ d sc q - dmin m``. Returns the blocks as llama.cpp lays them out (144 bytes per 256 weights; Q5_K: 176, the
+    codes' fifth bits between the scales and the low nibbles)."""
+    rows, top = weight.shape[0], 31 if five_bits else 15
     w = weight.astype(np.float32).reshape(rows, -1, 8, 32)
     low, high = np.minimum(w.min(-1), 0), np.maximum(w.max(-1), 0)
-    scale, minimum = (high - low) / 15, -low
+    scale, minimum = (high - low) / top, -low
     d = (scale.max(-1) / 63).astype(np.float16)
     dmin = (minimum.max(-1) / 63).astype(np.float16)
 
@@ -213,11 +214,12 @@ def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
     step = d.astype(np.float32)[..., None] * sc
     offset = dmin.astype(np.float32)[..., None] * m
     q = np.divide(w + offset[..., None], step[..., None], out=np.zeros_like(w), where=step[..., None] > 0)
-    q = np.clip(np.round(q), 0, 15).astype(np.uint8)
+    q = np.clip(np.round(q), 0, top).astype(np.uint8)
     packed = np.concatenate([sc[..., :4] | ((sc[..., 4:] >> 4) << 6), m[..., :4] | ((m[..., 4:] >> 4) << 6),
                              (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], axis=-1)
-    qs = (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).reshape(*q.shape[:2], 128)
-    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, qs], axis=-1)
+    qs = ((q[..., 0::2, :] & 0x0F) | ((q[..., 1::2, :] & 0x0F) << 4)).reshape(*q.shape[:2], 128)
+    fifth = [sum((((q[..., i, :] >> 4) & 1) << i) for i in range(8)).astype(np.uint8)] if five_bits else []
+    blocks = np.concatenate([d[..., None].view(np.uint8), dmin[..., None].view(np.uint8), packed, *fifth, qs], axis=-1)
     return blocks.reshape(rows, -1)
 
 

@@ -22,9 +22,9 @@ from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLi
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ6KLinearMethod, GGUFQ8LinearMethod
+from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod, GGUFQ8LinearMethod
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.gguf_loader import dequantize_fast, unpack_q4, unpack_q6_k, unpack_q8
+from pagedllm.models.gguf_loader import dequantize_fast, unpack_q4, unpack_q5_k, unpack_q6_k, unpack_q8
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
@@ -80,24 +80,45 @@ def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
         torch.testing.assert_close(y, torch.addmm(bias, x, weight.T) if with_bias else x @ weight.T)
 
 
+# per type: its unpacking, method, kernel and panel shape for 96 x 512
+INT8_CODED = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
+              T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5k_f32", (2, 16, 2560))}
+
+
 @needs_q8_kernel
-def test_q6_k_layer_equals_the_dense_path_bit_for_bit(q8_kernel):
-    """Q6_K as int8 codes q - 32 with a float32 scale d * sc per 16 inputs (gemm_q6k_f32's panels, 1.25 bytes a
-    weight): one rounding per weight, the loader's, so the dense GEMM's results exactly."""
-    blocks = quantize_q6_k(np.random.default_rng(2).standard_normal((96, 512), dtype=np.float32))
-    codes, scales = (torch.from_numpy(part) for part in unpack_q6_k(blocks))
-    assert codes.dtype == torch.int8 and scales.shape == (96, 32)
-    layer = gguf_layer(ReplicatedLinear, GGUFConfig({"layer.weight": T.Q6_K}, []),
-                       {"qweight": codes, "scales": scales})
-    assert isinstance(layer.quant_method, GGUFQ6KLinearMethod)
-    assert layer.quant_method.packed.kernel.name == "gemm_q6k_f32" and layer.qweight.shape == (2, 32, 1280)
-    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q6_K)))
-    weight = torch.from_numpy(dequantize(blocks, T.Q6_K))
+@pytest.mark.parametrize("tensor_type", [T.Q6_K, T.Q5_K])
+def test_q6_k_and_q5_k_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tensor_type):
+    """Q6_K as int8 codes q - 32 with a float32 scale d * sc per 16 inputs, Q5_K as codes q with a scale d * sc and
+    zero -dmin * m per 32 (gemm_q6k_f32's and gemm_q5k_f32's panels, 1.25 bytes a weight): one rounding per weight,
+    the loader's, so the dense GEMM's results exactly."""
+    unpack, method, kernel, shape = INT8_CODED[tensor_type]
+    blocks = quantize_gguf(np.random.default_rng(2).standard_normal((96, 512), dtype=np.float32), tensor_type)
+    parts = [torch.from_numpy(part) for part in unpack(blocks)]
+    assert parts[0].dtype == torch.int8
+    layer = gguf_layer(ReplicatedLinear, GGUFConfig({"layer.weight": tensor_type}, []),
+                       dict(zip(("qweight", "scales", "zeros"), parts)))
+    assert isinstance(layer.quant_method, method)
+    assert layer.quant_method.packed.kernel.name == kernel and layer.qweight.shape == shape
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
+    weight = torch.from_numpy(dequantize(blocks, tensor_type))
     for rows in (1, 5, 6, 7, 40):  # one tile (dequantized as it goes) and more (through a dense scratch panel)
         x = torch.randn(rows, 512)
         y = layer(x)
         assert torch.equal(y, dense.linear(x))
         torch.testing.assert_close(y, x @ weight.T, rtol=1e-5, atol=1e-4)  # torch's own order of sums
+
+
+def test_q5_k_blocks_unpack_as_gguf_dequantizes_them():
+    """Q5_K blocks of any bytes: code * scale + zero per 32 is gguf's dequantization bit for bit."""
+    rng = np.random.default_rng(14)
+    blocks = rng.integers(0, 256, (8, 2, 176), dtype=np.uint8)
+    blocks[..., :4] = rng.uniform(1e-3, 0.1, (8, 2, 2)).astype(np.float16).view(np.uint8)
+    blocks = blocks.reshape(8, -1)
+    codes, scales, zeros = unpack_q5_k(blocks)
+    assert codes.min() >= 0 and codes.max() == 31 and scales.shape == zeros.shape == (8, 16)
+    weight = (codes.reshape(8, 16, 32).astype(np.float32) * scales[..., None] + zeros[..., None]).reshape(8, -1)
+    assert np.array_equal(weight, dequantize(blocks, T.Q5_K))
+    assert np.array_equal(dequantize_fast(blocks, T.Q5_K), weight)
 
 
 def test_q6_k_blocks_unpack_as_gguf_dequantizes_them():
@@ -297,28 +318,31 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
 
 
 @pytest.mark.skipif(native.gemm_q4k() is None, reason="no gemm_q4k_f32 here (needs a C compiler and AVX-512 or AVX2)")
-def test_q4_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path):
-    """A tiny Llama as a Q4_K_M file has it (the type of most GGUF files people pull): Q4_K layers, down_proj in
-    Q6_K; and one o_proj in F16. The Q4_K layers keep 4-bit codes with float32 scales (gemm_q4k_f32), the Q6_K ones
-    6-bit codes as int8 (gemm_q6k_f32), the F16 one is dequantized; the logits, so the greedy tokens, are the dense
+@pytest.mark.parametrize("base, kernel", [(T.Q4_K, "gemm_q4k_f32"), (T.Q5_K, "gemm_q5k_f32")])
+def test_q4_k_m_and_q5_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path, base, kernel):
+    """A tiny Llama as a Q4_K_M (Q5_K_M) file has it (the types of most GGUF files people pull): Q4_K (Q5_K) layers,
+    down_proj and one v_proj in Q6_K; and one o_proj in F16. The Q4_K (Q5_K) layers keep their codes with float32
+    scales (gemm_q4k_f32, gemm_q5k_f32), the Q6_K ones 6-bit codes as int8 (gemm_q6k_f32), the fused qkv_proj with
+    the Q6_K v each part in its own, the F16 one is dequantized; the logits, so the greedy tokens, are the dense
     model's on the same dequantized weights exactly."""
     types = {"down_proj": T.Q6_K, "layers.0.self_attn.v_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}
-    path = _tiny_llama(tmp_path, lambda name: next((t for key, t in types.items() if name.endswith(key)), T.Q4_K),
-                       "llama-q4_k_m", 256)
+    path = _tiny_llama(tmp_path, lambda name: next((t for key, t in types.items() if name.endswith(key)), base),
+                       f"llama-{base.name.lower()}_m", 256)
     dense, config = _load(path, None)
     q4_k, _ = _load(path, "gguf")
     first, second = q4_k.model.layers
     for linear in (first.self_attn.o_proj, first.mlp.gate_up_proj, second.self_attn.qkv_proj, second.mlp.gate_up_proj):
-        assert linear.quant_method.packed.kernel.name == "gemm_q4k_f32"
+        assert linear.quant_method.packed.kernel.name == kernel
     for layer in (first, second):
         assert layer.mlp.down_proj.quant_method.packed.kernel.name == "gemm_q6k_f32"
-    # layer 0's qkv_proj: Q4_K q and k, a Q6_K v, each shard in its own kind's panels
+    # layer 0's qkv_proj: q and k of the base type, a Q6_K v, each shard in its own kind's panels
     shards = first.self_attn.qkv_proj.quant_method.shards
     assert [(size, weight.kernel.name) for _, size, weight, _ in shards] == [
-        (256, "gemm_q4k_f32"), (128, "gemm_q4k_f32"), (128, "gemm_q6k_f32")]
+        (256, kernel), (128, kernel), (128, "gemm_q6k_f32")]
     assert type(second.self_attn.o_proj.quant_method) is UnquantizedLinearMethod
     summary = get_quant_config("gguf", path, LlamaForCausalLM).summary(q4_k)
-    assert summary.startswith("linear layers kept packed: Q4_K x4, Q4_K+Q6_K x1, Q6_K x2; dequantized at load: F16 x1")
+    assert summary.startswith(f"linear layers kept packed: {base.name} x4, {base.name}+Q6_K x1, Q6_K x2; "
+                              "dequantized at load: F16 x1")
     (dense_tokens, dense_logits), (q4_k_tokens, q4_k_logits) = (_greedy(m, config, PROMPTS, 8)
                                                                 for m in (dense, q4_k))
     assert q4_k_tokens == dense_tokens and torch.equal(q4_k_logits, dense_logits)

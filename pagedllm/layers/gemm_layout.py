@@ -154,9 +154,14 @@ class QuantizedWeight:
         return cls(kernel, pack_q4_panels(codes, scales, zeros, scale_dtype), codes.shape[0], layout)
 
     @classmethod
-    def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None) -> "QuantizedWeight":
-        """int8 codes, each weight ``code * scale``: per block of 32 along K with fp16 scales (Q8_0,
-        gemm_q8_f32), or per 16 with float32 ones (Q6_K's q - 32 and d * sc, gemm_q6k_f32)."""
+    def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None,
+           zeros: torch.Tensor | None = None) -> "QuantizedWeight":
+        """int8 codes, each weight ``code * scale (+ zero)``: per block of 32 along K with fp16 scales (Q8_0,
+        gemm_q8_f32), per 16 with float32 ones (Q6_K's q - 32 and d * sc, gemm_q6k_f32), or with ``zeros`` per 32
+        with float32 scales and zeros (Q5_K's q, d * sc and -dmin * m, gemm_q5k_f32)."""
+        if zeros is not None:
+            panels = pack_q8_panels(codes, scales, torch.float32, QBLOCK, zeros)
+            return cls("gemm_q5k", panels, codes.shape[0], layout)
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
         return cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), codes.shape[0], layout)
@@ -186,12 +191,14 @@ def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
 
 
 def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype = torch.float16,
-                   block: int = QBLOCK) -> torch.Tensor:
+                   block: int = QBLOCK, zeros: torch.Tensor | None = None) -> torch.Tensor:
     """``[N, K]`` int8 codes and ``[N, K / 32]`` scales -> gemm_q8_f32's panels, ``[ceil(N / 64), K / 32, 2176]``
     bytes: per block of 32 along K, the 64 columns' fp16 scales, then 32 rows of their 64 codes. With float32
-    ``scale_dtype`` and ``block`` 16 (scales ``[N, K / 16]``): gemm_q6k_f32's, ``[ceil(N / 64), K / 16, 1280]``."""
+    ``scale_dtype`` and ``block`` 16 (scales ``[N, K / 16]``): gemm_q6k_f32's, ``[ceil(N / 64), K / 16, 1280]``;
+    with float32 scales and ``zeros`` (after the scales, float32) per 32: gemm_q5k_f32's, ``[.., K / 32, 2560]``."""
     by_row, to_block = _panel_blocks(codes, scales, scale_dtype, block)
-    return torch.cat([to_block(scales, scale_dtype), to_block(by_row.contiguous())], dim=-1)
+    params = [to_block(scales, scale_dtype)] + ([] if zeros is None else [to_block(zeros, torch.float32)])
+    return torch.cat([*params, to_block(by_row.contiguous())], dim=-1)
 
 
 def _fp16_values(scales: torch.Tensor) -> bool:

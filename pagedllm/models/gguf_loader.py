@@ -235,13 +235,8 @@ def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.n
     rows = data.shape[0]
     if tensor_type == GGMLQuantizationType.Q4_K:
         blocks = data.reshape(rows, -1, 144)
-        packed = blocks[..., 4:16].astype(np.uint8)
-        sc = np.concatenate([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1)
-        m = np.concatenate([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
         qs = blocks[..., 16:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
-        codes = (qs & 0x0F).reshape(rows, -1)
-        scales = (_fp16(blocks, 0)[..., None] * sc.astype(np.float32)).reshape(rows, -1)
-        return codes, scales, -(_fp16(blocks, 2)[..., None] * m.astype(np.float32)).reshape(rows, -1)
+        return ((qs & 0x0F).reshape(rows, -1), *_k_quant_scales_and_zeros(blocks))
     header = 4 if tensor_type == GGMLQuantizationType.Q4_1 else 2
     blocks = data.reshape(rows, -1, header + 16)
     d = _fp16(blocks, 0)
@@ -250,6 +245,31 @@ def unpack_q4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.n
     if tensor_type == GGMLQuantizationType.Q4_0:
         return codes, d, -8 * d
     return codes, d, _fp16(blocks, 2)
+
+
+def _k_quant_scales_and_zeros(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks ``[rows, n, bytes]`` (fp16 ``d`` and ``dmin``, then 12 bytes of eight 6-bit scales
+    ``sc`` and mins ``m``, as llama.cpp's get_scale_min_k4 reads them) -> per 32 weights the scale ``d * sc`` and the
+    zero ``-dmin * m``, ``[rows, n * 8]`` float32."""
+    rows = blocks.shape[0]
+    packed = blocks[..., 4:16].astype(np.uint8)
+    sc = np.concatenate([packed[..., 0:4] & 63, (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1)
+    scales = (_fp16(blocks, 0)[..., None] * sc.astype(np.float32)).reshape(rows, -1)
+    return scales, -(_fp16(blocks, 2)[..., None] * m.astype(np.float32)).reshape(rows, -1)
+
+
+def unpack_q5_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K rows -> codes ``[N, K]`` int8 in [0, 32), scales and zeros ``[N, K / 32]`` float32, each weight
+    ``code * scale + zero`` as gguf dequantizes it (``(d sc) q - dmin m``). A super-block of 256 is Q4_K's header, 32
+    bytes of the codes' fifth bits (bit i of byte l: weight l of block i) and 128 of their low nibbles (each 32 bytes
+    two blocks: low nibbles, then high)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 176)
+    low = blocks[..., 48:].reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    high = blocks[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+    codes = ((low & 0x0F).reshape(rows, -1, 8, 32) | ((high & 0x01) << 4)).astype(np.int8).reshape(rows, -1)
+    return (codes, *_k_quant_scales_and_zeros(blocks))
 
 
 def unpack_q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -283,6 +303,12 @@ def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.n
         blocks *= scales[..., None]
         blocks += zeros[..., None]
         return blocks.reshape(codes.shape)
+    if tensor_type == GGMLQuantizationType.Q5_K and data.ndim == 2:
+        codes, scales, zeros = unpack_q5_k(data)
+        blocks = codes.reshape(*scales.shape, -1).astype(np.float32)
+        blocks *= scales[..., None]
+        blocks += zeros[..., None]
+        return blocks.reshape(codes.shape)
     if tensor_type in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K) and data.ndim == 2:
         codes, scales = (unpack_q8 if tensor_type == GGMLQuantizationType.Q8_0 else unpack_q6_k)(data)
         blocks = codes.reshape(*scales.shape, -1).astype(np.float32)
@@ -297,7 +323,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
 
     The Q4_0/Q4_1/Q4_K weight of a module named in ``packed_modules`` comes instead
     as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``),
-    a Q8_0 or Q6_K one as ``{module}.qweight`` and ``.scales`` (see ``unpack_q8``, ``unpack_q6_k``).
+    a Q8_0 or Q6_K one as ``{module}.qweight`` and ``.scales`` (see ``unpack_q8``, ``unpack_q6_k``), a Q5_K one
+    as ``.qweight``, ``.scales`` and ``.zeros`` (``unpack_q5_k``).
     """
     metadata, tensors = read_gguf_header(path)
     file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -322,6 +349,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
             parts = dict(zip(("qweight", "scales"), unpack_q8(data)))
         elif suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q6_K:
             parts = dict(zip(("qweight", "scales"), unpack_q6_k(data)))
+        elif suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q5_K:
+            parts = dict(zip(("qweight", "scales", "zeros"), unpack_q5_k(data)))
         elif suffix == "weight" and module in packed_modules:
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q4(data, tensor.tensor_type)))
         else:

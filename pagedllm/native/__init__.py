@@ -23,6 +23,7 @@ from pagedllm.native.gemms import (
     GEMM_PACKED,
     GEMM_Q4,
     GEMM_Q4K,
+    GEMM_Q5K,
     GEMM_Q6K,
     GEMM_Q8,
     GEMM_INT8_SIGNATURES,
@@ -138,6 +139,12 @@ def gemm_q4(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over Q4 panels with float32 scales (gemm_q4k_f32: GGUF Q4_K), or None."""
     return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q4K)
+
+
+@functools.cache
+def gemm_q5k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over GGUF Q5_K panels (gemm_q5k_f32: int8 codes, float32 scales and zeros per 32), or None."""
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q5K)
 
 
 @functools.cache

@@ -14,7 +14,8 @@
  *
  * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and 1.06
  * bytes per weight instead of 4: single-row decode reads weights and little else), gemm_q4k_f32 against Q4_K's
- * (0.75), whose scales are float32, and gemm_q6k_f32 against Q6_K's (1.25: int8 codes, a float32 scale per 16).
+ * (0.75), whose scales are float32, gemm_q6k_f32 against Q6_K's (1.25: int8 codes, a float32 scale per 16) and
+ * gemm_q5k_f32 against Q5_K's (1.25: int8 codes, a float32 scale and zero per 32).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
@@ -267,21 +268,22 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (Q4K), Q8_0 (Q8) and Q6_K (Q6K) ----
- * Per block of 32 along K (Q6K: 16), a record: the 64 columns' scales (fp16; Q4K and Q6K: float32, as d * sc of a
- * K-quant's sub-block is no fp16 value), for Q4 and Q4K their float32 zeros, then a row of codes per k. Q4 and Q4K
- * rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one, a weight being
- * code * scale + zero (Q4_0: zero -8 d, Q4_1: m, Q4_K: -dmin * m); Q8 and Q6K rows are 64 int8 codes (Q6_K's q - 32),
- * a weight being code * scale. A 4-bit code times an fp16 scale, or times d * sc (at most 17 significant bits), is
- * exact in float32, so a Q4 weight rounds once, at the zero's add, and a Q8 or Q6K weight once, at the product (Q8's
- * exactly), as the loader's dequantization does. So results equal the dense kernel's. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3 };
+/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (Q4K), Q8_0 (Q8), Q6_K (Q6K) and Q5_K (Q5K) ----
+ * Per block of 32 along K (Q6K: 16), a record: the 64 columns' scales (fp16; Q4K, Q6K and Q5K: float32, as d * sc of
+ * a K-quant's sub-block is no fp16 value), for Q4, Q4K and Q5K their float32 zeros, then a row of codes per k. Q4
+ * and Q4K rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one; Q8, Q6K and Q5K
+ * rows are 64 int8 codes (Q6_K's q - 32, Q5_K's q). A weight is code * scale + zero (Q4_0: zero -8 d, Q4_1: m,
+ * Q4_K and Q5_K: -dmin * m; none for Q8 and Q6K). A code of up to 6 bits times an fp16 scale, or times d * sc (at
+ * most 19 significant bits together), is exact in float32 but for Q6K's, so a weight rounds once, at the zero's add
+ * or (Q6K) the product, as the loader's dequantization does. So results equal the dense kernel's. */
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4 };
 #define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
 static inline int qblock(const int fmt) { return fmt == Q6K ? 16 : QBLOCK; }
-static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K; }
-static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4K || fmt == Q6K ? 4 : 2); }
-static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (int8_codes(fmt) ? 0 : NR * 4); }
+static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K; }
+static inline int has_zeros(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q5K; }
+static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4 || fmt == Q8 ? 2 : 4); }
+static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (has_zeros(fmt) ? NR * 4 : 0); }
 static inline int record_bytes(const int fmt) {
     return codes_at(fmt) + qblock(fmt) * (int8_codes(fmt) ? NR : NR / 2);
 }
@@ -296,8 +298,8 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
     for (int j = 0; j < 4; j++) {
         s[j] = scale_bytes(fmt) == NR * 4 ? _mm512_loadu_ps((const float *)record + 16 * j)
                                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
-        z[j] = int8_codes(fmt) ? _mm512_setzero_ps()
-                               : _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j);
+        z[j] = has_zeros(fmt) ? _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j)
+                              : _mm512_setzero_ps();
     }
 }
 
@@ -306,10 +308,12 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
                                                               const __m512 s[4], const __m512 z[4], __m512 w[4]) {
     if (int8_codes(fmt)) {
         const int8_t *codes = (const int8_t *)(record + codes_at(fmt)) + kk * NR;
-        for (int j = 0; j < 4; j++)
+        for (int j = 0; j < 4; j++) {
             w[j] = _mm512_mul_round_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)))), s[j],
                 ROUNDED);
+            if (has_zeros(fmt)) w[j] = _mm512_add_round_ps(w[j], z[j], ROUNDED);
+        }
         return;
     }
     const uint8_t *codes = record + codes_at(fmt) + kk * (NR / 2);
@@ -391,7 +395,7 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QUANT_TILE_ROWS 1
 
-/* The scales and (Q4, Q4K) zeros of column vectors j and j + 4 of a block's record, for j < 4. */
+/* The scales and (Q4, Q4K, Q5K) zeros of column vectors j and j + 4 of a block's record, for j < 4. */
 typedef struct {
     __m256 s, s4, z, z4;
 } PairParams;
@@ -403,8 +407,8 @@ static inline __attribute__((always_inline)) PairParams pair_params(const uint8_
                                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * j))),
                           wide ? _mm256_loadu_ps((const float *)record + 8 * (j + 4))
                                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(record + 16 * (j + 4)))),
-                          int8_codes(fmt) ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * j),
-                          int8_codes(fmt) ? _mm256_setzero_ps() : _mm256_loadu_ps(zeros + 8 * (j + 4))};
+                          has_zeros(fmt) ? _mm256_loadu_ps(zeros + 8 * j) : _mm256_setzero_ps(),
+                          has_zeros(fmt) ? _mm256_loadu_ps(zeros + 8 * (j + 4)) : _mm256_setzero_ps()};
     return p;
 }
 
@@ -415,9 +419,10 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
                                                                const PairParams *p, __m256 *wj, __m256 *wj4) {
     if (int8_codes(fmt)) {
         const int8_t *codes = (const int8_t *)(record + codes_at(fmt)) + kk * NR + 8 * j;
-        *wj = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes))), p->s);
-        *wj4 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32)))),
-                             p->s4);
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
+        const __m256 c4 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32))));
+        *wj = has_zeros(fmt) ? _mm256_fmadd_ps(c, p->s, p->z) : _mm256_mul_ps(c, p->s);
+        *wj4 = has_zeros(fmt) ? _mm256_fmadd_ps(c4, p->s4, p->z4) : _mm256_mul_ps(c4, p->s4);
         return;
     }
     const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + codes_at(fmt) +
@@ -540,6 +545,12 @@ int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float
     return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q6K);
 }
 
+/* The same over [ceil(N / 64), K / 32, 2560] bytes of Q5K records. */
+int gemm_q5k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q5K);
+}
+
 /* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
 int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
@@ -559,6 +570,11 @@ int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float
 }
 
 int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_q5k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                  int M, int N, int K, int num_threads) {
     return -1;
 }

@@ -3,11 +3,12 @@ wherever a kernel multiplies by them in it; everything else is dequantized at lo
 
 ``gguf``: Q4_0/Q4_1/Q4_K layers by GGUFInt4LinearMethod (gemm_q4_f32 and gemm_q4k_f32; elsewhere torch's int4
 kernel), Q8_0 layers by GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512 or AVX2),
-Q6_K layers by GGUFQ6KLinearMethod (gemm_q6k_f32, the same). ``gguf_int4``: the Q4 layers only. Under both a Q8_0
-embedding (and LM head) keeps its codes (layers/vocab_embedding.py). The other types (Q2_K, Q3_K, Q5_K, F16, BF16,
-F32), and any fused layer with a part of those (a qkv_proj of Q4_K q/k and an F16 v), are dequantized at load; a fused
-layer whose parts are packed kinds that differ (Q4_K q/k with a Q6_K v, as Q4_K_M files have some) keeps each shard
-in its own kind (GGUFMixedLinearMethod). ``summary`` says which layers got which.
+Q6_K and Q5_K layers by GGUFQ6KLinearMethod and GGUFQ5KLinearMethod (gemm_q6k_f32, gemm_q5k_f32, the same).
+``gguf_int4``: the Q4 layers only. Under both a Q8_0 embedding (and LM head) keeps its codes
+(layers/vocab_embedding.py). The other types (Q2_K, Q3_K, F16, BF16, F32), and any fused layer with a part of those
+(a qkv_proj of Q4_K q/k and an F16 v), are dequantized at load; a fused layer whose parts are packed kinds that
+differ (Q4_K q/k with a Q6_K v, as Q4_K_M files have some) keeps each shard in its own kind (GGUFMixedLinearMethod).
+``summary`` says which layers got which.
 """
 
 from collections import Counter
@@ -22,7 +23,7 @@ from pagedllm.layers.quantization.base import QuantizationConfig, checkpoint_mod
 from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ6KLinearMethod, GGUFQ8LinearMethod
+from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod, GGUFQ8LinearMethod
 
 
 class GGUFConfig(QuantizationConfig):
@@ -48,6 +49,7 @@ class GGUFConfig(QuantizationConfig):
         if self.q8_layers and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
             methods[GGMLQuantizationType.Q8_0] = GGUFQ8LinearMethod
             methods[GGMLQuantizationType.Q6_K] = GGUFQ6KLinearMethod
+            methods[GGMLQuantizationType.Q5_K] = GGUFQ5KLinearMethod
         return methods
 
     def _checkpoint_modules(self, prefix: str) -> list[str]:
