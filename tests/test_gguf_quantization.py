@@ -201,10 +201,9 @@ def test_a_fused_layer_of_two_kinds_keeps_each_and_equals_the_dense_layer(tp_siz
 
 
 @needs_q8_kernel
-def test_an_untied_q6_k_lm_head_keeps_its_codes_and_a_tied_one_is_dense():
-    """Q4_K_M files hold an untied LM head (output.weight) in Q6_K: it keeps its codes (int8 q - 32, a float32 scale
-    per 16) and its logits equal the dense weight's exactly. An embedding that also looks tokens up keeps Q8_0 codes
-    only (the lookups' native kernel reads those), so a tied Q6_K one is dense."""
+def test_q6_k_lm_heads_and_embeddings_keep_their_codes():
+    """Q4_K_M files hold the LM head (output.weight, or a tied model's token_embd) in Q6_K: it keeps its codes (int8
+    q - 32, a float32 scale per 16); its logits and (tied) its looked-up rows equal the dense weight's exactly."""
     blocks = quantize_q6_k(np.random.default_rng(6).standard_normal((200, 256), dtype=np.float32))
     codes, scales = (torch.from_numpy(part) for part in unpack_q6_k(blocks))
     config = GGUFConfig({"lm_head.weight": T.Q6_K, "model.embed_tokens.weight": T.Q6_K}, [])
@@ -216,8 +215,15 @@ def test_an_untied_q6_k_lm_head_keeps_its_codes_and_a_tied_one_is_dense():
     hidden = torch.randn(3, 256)
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q6_K)), large_batches=False)
     assert torch.equal(head.project(hidden), dense.linear(hidden))
-    assert not hasattr(head, "qweight") or head.qweight.dtype != torch.int8  # the panels only
-    assert not VocabParallelEmbedding(200, 256, quant_config=config, prefix="model.embed_tokens").q8
+    assert not hasattr(head, "qweight")  # the panels only
+    tied = VocabParallelEmbedding(200, 256, quant_config=config, prefix="model.embed_tokens", embed_scale=1.5)
+    tied.qweight.weight_loader(tied.qweight, codes)
+    tied.scales.weight_loader(tied.scales, scales)
+    tied.prepare_projection()
+    assert torch.equal(tied.project(hidden), dense.linear(hidden))
+    ids = torch.tensor([0, 5, 199, 5])
+    weight = torch.from_numpy(dequantize_fast(blocks, T.Q6_K))
+    assert torch.equal(tied(ids), weight[ids] * torch.tensor(1.5))
 
 
 def test_q8_layers_are_dequantized_where_the_kernel_does_not_apply(monkeypatch):

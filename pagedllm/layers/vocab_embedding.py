@@ -4,9 +4,9 @@ Each rank holds rows ``[vocab_start_index, vocab_end_index)``; the last shard is
 zero-padded when the vocab does not divide evenly. With a GGUF quantization
 config and a Q8_0 checkpoint tensor the rows stay Q8_0 codes and scales
 (``q8``): lookups dequantize the rows they fetch, and the LM head multiplies by
-the codes in the native kernel's panels (1.06 bytes a weight instead of 4). An
-LM head that only projects keeps a Q6_K tensor's codes too (int8 q - 32, a
-scale per 16: 1.25 bytes a weight).
+the codes in the native kernel's panels (1.06 bytes a weight instead of 4). A
+Q6_K tensor's rows stay codes too (int8 q - 32, a scale per 16: 1.25 bytes a
+weight).
 """
 
 import torch
@@ -27,8 +27,6 @@ Q8_HEAD_MAX_ROWS = 6
 
 
 class VocabParallelEmbedding(nn.Module):
-    looks_up = True  # embeds tokens (ParallelLMHead only projects)
-
     def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None,
                  tp_size: int = 1, tp_rank: int = 0, quant_config: QuantizationConfig | None = None,
                  prefix: str = "", embed_scale: float = 1.0):
@@ -45,8 +43,8 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
         self.dtype = params_dtype or torch.get_default_dtype()
-        # inputs per scale where the rows are int8 codes (Q8_0: 32, a projecting-only Q6_K head: 16), else None
-        self.scale_block = None if quant_config is None else quant_config.int8_rows_block(prefix, self.looks_up)
+        # inputs per scale where the rows are int8 codes (Q8_0: 32, Q6_K: 16), else None
+        self.scale_block = None if quant_config is None else quant_config.int8_rows_block(prefix)
         self.q8 = self.scale_block is not None
         rows = self.num_embeddings_per_partition
         if self.q8:
@@ -128,8 +126,6 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Models with tied embeddings use their ``VocabParallelEmbedding`` instead.
     """
-
-    looks_up = False
 
     def prepare_projection(self, layout: WeightLayout | None = None) -> None:
         super().prepare_projection(layout)

@@ -31,7 +31,7 @@ FUSED_SIGNATURES = (
     CFunction("embedding_f32", INT, *arguments("ids", "weight", "out", POINTER, "rows", INT64, "dim", INT,
                                                "vocab_rows", INT64, "scale", FLOAT)),
     CFunction("embedding_q8_f32", INT, *arguments("ids", "codes", "scales", "out", POINTER, "rows", INT64, "dim",
-                                                  INT, "vocab_rows", INT64, "scale", FLOAT)),
+                                                  INT, "vocab_rows", INT64, "scale", FLOAT, "block", INT)),
     CFunction("write_kv_f32", INT, *_WRITE_KV_ARGS),
     CFunction("write_kv_bf16", INT, *_WRITE_KV_ARGS),
     CFunction("write_kv_fp8_e4m3", INT, *_WRITE_KV_ARGS),
@@ -126,7 +126,8 @@ def rotary_neox_(x: torch.Tensor, num_heads: int, head_size: int, rotary_dim: in
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None, scale: float = 1.0):
-    """``weight[ids] * scale`` as float32 rows; with ``scales`` the rows are Q8_0 codes, dequantized. None when the
+    """``weight[ids] * scale`` as float32 rows; with ``scales`` the rows are int8 codes (Q8_0: a scale per 32,
+    Q6_K: per 16), dequantized. None when the
     native path does not apply."""
     lib = native.fused_ops()
     dense = weight.dtype == torch.float32 and scales is None
@@ -135,16 +136,17 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | No
             or not (ids.is_contiguous() and weight.is_contiguous() and (scales is None or scales.is_contiguous()))):
         return None
     rows, dim = weight.shape
+    block = dim // scales.shape[1] if q8 and scales.shape[1] else 0
     if checks.ENABLED and q8:
-        require("embedding_q8_f32", scales.shape == (rows, dim // 32) and dim % 32 == 0,
-                f"scales {tuple(scales.shape)} must hold one per 32 of the {tuple(weight.shape)} codes")
+        require("embedding_q8_f32", block in (16, 32) and scales.shape == (rows, dim // block),
+                f"scales {tuple(scales.shape)} must hold one per 16 or 32 of the {tuple(weight.shape)} codes")
     out = torch.empty(ids.shape[0], dim)
     if dense:
         status = launch(lib.embedding_f32, ids.data_ptr(), weight.data_ptr(), out.data_ptr(), ids.shape[0], dim, rows,
                         scale)
     else:
         status = launch(lib.embedding_q8_f32, ids.data_ptr(), weight.data_ptr(), scales.data_ptr(), out.data_ptr(),
-                        ids.shape[0], dim, rows, scale)
+                        ids.shape[0], dim, rows, scale, block)
     if status != 0:
         raise IndexError(f"a token id is outside the embedding's {rows} rows")
     return out

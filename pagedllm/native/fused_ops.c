@@ -125,19 +125,20 @@ int embedding_f32(const int64_t *ids, const float *weight, float *out, int64_t r
     return 0;
 }
 
-/* out[t] = the Q8_0 row ids[t] dequantized: code * its 32-weight block's scale (one rounding, as torch's
- * codes.float() * scales), then times scale (a second rounding, as the dequantized weight's rows times it).
- * Returns -1, having written nothing, when an id is outside the vocab_rows rows. */
+/* out[t] = the int8-coded row ids[t] (Q8_0: a scale per block of 32, Q6_K: per 16) dequantized: code * its
+ * block's scale (one rounding, as torch's codes.float() * scales), then times scale (a second rounding, as the
+ * dequantized weight's rows times it). Returns -1, having written nothing, when an id is outside the vocab_rows
+ * rows. */
 int embedding_q8_f32(const int64_t *ids, const int8_t *codes, const float *scales, float *out, int64_t rows,
-                     int dim, int64_t vocab_rows, float scale) {
+                     int dim, int64_t vocab_rows, float scale, int block) {
     for (int64_t t = 0; t < rows; t++)
         if (ids[t] < 0 || ids[t] >= vocab_rows) return -1;
     for (int64_t t = 0; t < rows; t++) {
         const int8_t *c = codes + ids[t] * dim;
-        const float *s = scales + ids[t] * (dim / 32);
+        const float *s = scales + ids[t] * (dim / block);
         float *o = out + t * dim;
 #pragma omp simd
-        for (int i = 0; i < dim; i++) o[i] = ((float)c[i] * s[i / 32]) * scale;
+        for (int i = 0; i < dim; i++) o[i] = ((float)c[i] * s[i / block]) * scale;
     }
     return 0;
 }

@@ -47,9 +47,9 @@ class QuantizationConfig(ABC):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         """The method for ``layer`` named ``prefix``; None keeps the layer unquantized."""
 
-    def int8_rows_block(self, prefix: str, lookups: bool) -> int | None:
+    def int8_rows_block(self, prefix: str) -> int | None:
         """Where the embedding (or LM head) named ``prefix`` keeps the checkpoint's int8 codes: their inputs per
-        scale; ``lookups``: whether it also embeds tokens (not only projects). None (by default) keeps it dense."""
+        scale. None (by default) keeps it dense."""
         return None
 
     def packed_modules(self, model: nn.Module) -> set[str]:

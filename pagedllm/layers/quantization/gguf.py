@@ -75,13 +75,11 @@ class GGUFConfig(QuantizationConfig):
             return GGUFMixedLinearMethod(parts)
         return None
 
-    def int8_rows_block(self, prefix: str, lookups: bool) -> int | None:
-        """A Q8_0 embedding (or LM head) keeps its codes, 32 inputs a scale; so does a Q6_K LM head that only projects
-        (an untied one, as Q4_K_M files have it), 16 a scale (its lookups would have no native kernel)."""
-        tensor_type = self.tensor_types.get(f"{prefix}.weight")
-        if tensor_type == GGMLQuantizationType.Q8_0:
-            return QBLOCK
-        return Q6K_BLOCK if tensor_type == GGMLQuantizationType.Q6_K and not lookups else None
+    def int8_rows_block(self, prefix: str) -> int | None:
+        """A Q8_0 embedding (or LM head) keeps its codes, 32 inputs a scale; so does a Q6_K one (as Q4_K_M files
+        hold the LM head, or a tied embedding), 16 a scale."""
+        return {GGMLQuantizationType.Q8_0: QBLOCK, GGMLQuantizationType.Q6_K: Q6K_BLOCK}.get(
+            self.tensor_types.get(f"{prefix}.weight"))
 
     def packed_modules(self, model: nn.Module) -> set[str]:
         """Checkpoint modules whose weights must load as codes and scales: the layers quantized here and the
