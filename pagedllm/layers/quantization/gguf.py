@@ -3,12 +3,12 @@ wherever a kernel multiplies by them in it; everything else is dequantized at lo
 
 ``gguf``: Q4_0/Q4_1/Q4_K layers by GGUFInt4LinearMethod (gemm_q4_f32 and gemm_q4k_f32; elsewhere torch's int4
 kernel), Q8_0 layers by GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512 or AVX2),
-Q6_K and Q5_K layers by GGUFQ6KLinearMethod and GGUFQ5KLinearMethod (gemm_q6k_f32, gemm_q5k_f32, the same).
-``gguf_int4``: the Q4 layers only. Under both a Q8_0 embedding (and LM head) keeps its codes
-(layers/vocab_embedding.py). The other types (Q2_K, Q3_K, F16, BF16, F32), and any fused layer with a part of those
-(a qkv_proj of Q4_K q/k and an F16 v), are dequantized at load; a fused layer whose parts are packed kinds that
-differ (Q4_K q/k with a Q6_K v, as Q4_K_M files have some) keeps each shard in its own kind (GGUFMixedLinearMethod).
-``summary`` says which layers got which.
+Q6_K and Q5_K layers by GGUFQ6KLinearMethod and GGUFQ5KLinearMethod (gemm_q6k_f32, gemm_q5k_f32, the same), IQ4_NL
+and IQ4_XS ones as int8 codes (their non-linear values) by the Q8_0 and Q6_K methods. ``gguf_int4``: the Q4 layers
+only. Under both a Q8_0 embedding (and LM head) keeps its codes (layers/vocab_embedding.py). The other types (Q2_K,
+Q3_K, F16, BF16, F32), and any fused layer with a part of those (a qkv_proj of Q4_K q/k and an F16 v), are
+dequantized at load; a fused layer whose parts are packed kinds that differ (Q4_K q/k with a Q6_K v, as Q4_K_M files
+have some) keeps each shard in its own kind (GGUFMixedLinearMethod). ``summary`` says which layers got which.
 """
 
 from collections import Counter
@@ -47,8 +47,9 @@ class GGUFConfig(QuantizationConfig):
         Decided as the model is built, so the loader knows which weights to leave packed."""
         methods = dict.fromkeys(Q4_TYPES, GGUFInt4LinearMethod)
         if self.q8_layers and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
-            methods[GGMLQuantizationType.Q8_0] = GGUFQ8LinearMethod
-            methods[GGMLQuantizationType.Q6_K] = GGUFQ6KLinearMethod
+            # IQ4_NL's and IQ4_XS's codes (the non-linear values their indices pick) take the int8 panels too
+            methods[GGMLQuantizationType.Q8_0] = methods[GGMLQuantizationType.IQ4_NL] = GGUFQ8LinearMethod
+            methods[GGMLQuantizationType.Q6_K] = methods[GGMLQuantizationType.IQ4_XS] = GGUFQ6KLinearMethod
             methods[GGMLQuantizationType.Q5_K] = GGUFQ5KLinearMethod
         return methods
 
