@@ -1,0 +1,63 @@
+"""A mixture-of-experts layer alone (float32, random weights): the native layer (native/fused_moe.c: routing and
+experts in one call, what CPU graphs replay) against the torch path (layers/fused_moe.py's select_experts and
+fused_experts: a sort by expert, one GEMM pair per active expert), at the token counts a step brings. Prints
+milliseconds per call (best of --repeats, the two alternating) and the native layer's speed-up.
+
+    python benchmarks/bench_moe.py [--tokens 1,4,16,64,128,256] [--experts 8] [--top-k 2] [--hidden 1024]
+                                   [--intermediate 2816]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedllm import native
+from pagedllm.layers.fused_moe import fused_experts, select_experts
+from pagedllm.native.fused import fused_moe
+
+
+def _best_ms(call, repeats: int, calls: int = 10) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,4,16,64,128,256")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if native.fused_ops() is None:
+        raise SystemExit("no native kernels here (native/build.py: a C compiler is needed)")
+    gen = torch.Generator().manual_seed(0)
+    experts, hidden, inter = args.experts, args.hidden, args.intermediate
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.02
+    w2 = torch.randn(experts, hidden, inter, generator=gen) * 0.02
+    print(f"{experts} experts, top-{args.top_k}, hidden {hidden}, intermediate {inter}, float32, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'tokens':>8}{'torch ms':>12}{'native ms':>12}{'native x':>10}")
+    with torch.inference_mode():
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            x, logits = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, experts, generator=gen)
+            torch_ms, native_ms = float("inf"), float("inf")
+            for _ in range(2):  # alternating, the better of each
+                torch_ms = min(torch_ms, _best_ms(
+                    lambda: fused_experts(x, w13, w2, *select_experts(logits, args.top_k, True)), args.repeats))
+                native_ms = min(native_ms, _best_ms(lambda: fused_moe(x, logits, w13, w2, args.top_k, True),
+                                                    args.repeats))
+            print(f"{tokens:>8}{torch_ms:>12.2f}{native_ms:>12.2f}{torch_ms / native_ms:>10.2f}")
+
+
+if __name__ == "__main__":
+    main()
