@@ -22,11 +22,11 @@ from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLi
                                     RowParallelLinear, UnquantizedLinearMethod)
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
+from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
 from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod, GGUFQ8LinearMethod
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.gguf_loader import (dequantize_fast, unpack_int8_coded, unpack_q4, unpack_q5_k, unpack_q6_k,
-                                         unpack_q8)
+from pagedllm.models.gguf_loader import dequantize_fast, unpack_iq4, unpack_q4, unpack_q5_k, unpack_q6_k, unpack_q8
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
@@ -45,8 +45,10 @@ needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
 
 @pytest.fixture(params=["native", "avx2"])
 def q8_kernel(request, monkeypatch):
-    """gemm_q8_f32 (and gemm_q6k_f32) as built for this CPU, and its AVX2 body where the CPU has AVX-512."""
-    native_or_fallback(request.param, monkeypatch, "gemm_q6k")
+    """gemm_q8_f32 (and the other quantized GEMMs but Q4's) as built for this CPU, and its AVX2 body where the CPU
+    has AVX-512."""
+    for kernel in ("gemm_q6k", "gemm_q5k", "gemm_iq4nl", "gemm_iq4xs"):
+        native_or_fallback(request.param, monkeypatch, kernel)
     return native_or_fallback(request.param, monkeypatch, "gemm_q8")
 
 
@@ -82,11 +84,11 @@ def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
         torch.testing.assert_close(y, torch.addmm(bias, x, weight.T) if with_bias else x @ weight.T)
 
 
-# per type: its unpacking, method, kernel and panel shape for 96 x 512
-INT8_CODED = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
+# per type kept packed besides Q4_0/Q4_1/Q4_K/Q8_0: its unpacking, method, kernel and panel shape for 96 x 512
+PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
               T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5k_f32", (2, 16, 2560)),
-              T.IQ4_XS: (lambda b: unpack_int8_coded(b, T.IQ4_XS), GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
-              T.IQ4_NL: (lambda b: unpack_int8_coded(b, T.IQ4_NL), GGUFQ8LinearMethod, "gemm_q8_f32", (2, 16, 2176))}
+              T.IQ4_XS: (lambda b: unpack_iq4(b, T.IQ4_XS), GGUFIQ4LinearMethod, "gemm_iq4xs_f32", (2, 16, 1280)),
+              T.IQ4_NL: (lambda b: unpack_iq4(b, T.IQ4_NL), GGUFIQ4LinearMethod, "gemm_iq4nl_f32", (2, 16, 1152))}
 
 
 def _random_blocks(rows: int, cols: int, tensor_type: T, seed: int) -> np.ndarray:
@@ -102,16 +104,16 @@ def _random_blocks(rows: int, cols: int, tensor_type: T, seed: int) -> np.ndarra
 
 
 @needs_q8_kernel
-@pytest.mark.parametrize("tensor_type", sorted(INT8_CODED, key=lambda t: t.name), ids=lambda t: t.name)
-def test_int8_coded_k_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tensor_type):
+@pytest.mark.parametrize("tensor_type", sorted(PACKED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tensor_type):
     """Q6_K as int8 codes q - 32 with a float32 scale d * sc per 16 inputs, Q5_K as codes q with a scale d * sc and
     zero -dmin * m per 32 (gemm_q6k_f32's and gemm_q5k_f32's panels, 1.25 bytes a weight), IQ4_XS and IQ4_NL as
-    their non-linear values with their scales (per 32 repeated per 16; fp16 per 32): one rounding per weight, the
-    loader's, so gguf's dequantization and the dense GEMM's results exactly."""
-    unpack, method, kernel, shape = INT8_CODED[tensor_type]
+    4-bit indices into their 16 values with a float32 (fp16) scale per 32 (0.63 / 0.56 bytes): one rounding per
+    weight, the loader's, so gguf's dequantization and the dense GEMM's results exactly."""
+    unpack, method, kernel, shape = PACKED_TYPES[tensor_type]
     blocks = _random_blocks(96, 512, tensor_type, seed=2)
     parts = [torch.from_numpy(part) for part in unpack(blocks)]
-    assert parts[0].dtype == torch.int8
+    assert parts[0].dtype == method.code_dtype
     layer = gguf_layer(ReplicatedLinear, GGUFConfig({"layer.weight": tensor_type}, []),
                        dict(zip(("qweight", "scales", "zeros"), parts)))
     assert isinstance(layer.quant_method, method)

@@ -154,6 +154,15 @@ class QuantizedWeight:
         return cls(kernel, pack_q4_panels(codes, scales, zeros, scale_dtype), codes.shape[0], layout)
 
     @classmethod
+    def iq4(cls, indices: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None
+            ) -> "QuantizedWeight":
+        """4-bit indices into IQ4_NL's 16 values, each weight ``value * scale`` per block of 32 along K: fp16 scales
+        (IQ4_NL, gemm_iq4nl_f32) or float32 ones (IQ4_XS's d * (ls - 32), gemm_iq4xs_f32)."""
+        scale_dtype = torch.float16 if _fp16_values(scales) else torch.float32
+        kernel = "gemm_iq4nl" if scale_dtype == torch.float16 else "gemm_iq4xs"
+        return cls(kernel, pack_q4_panels(indices, scales, None, scale_dtype), indices.shape[0], layout)
+
+    @classmethod
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None,
            zeros: torch.Tensor | None = None) -> "QuantizedWeight":
         """int8 codes, each weight ``code * scale (+ zero)``: per block of 32 along K with fp16 scales (Q8_0,
@@ -179,15 +188,17 @@ class QuantizedWeight:
         return self.kernel(x, self.panels, bias, self.out_features, out=out)
 
 
-def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                    scale_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """``[N, K]`` codes in [0, 16) and ``[N, K / 32]`` scales and zeros -> gemm_q4_f32's panels,
     ``[ceil(N / 64), K / 32, 1408]`` bytes (with float32 ``scale_dtype``: gemm_q4k_f32's, 1536): per block of 32
     along K, the 64 columns' scales (fp16, which Q4_0/Q4_1 scales are exactly), zeros (float32), then 32 rows of 32
-    bytes, column i in the low nibble of byte i and column 32 + i in its high nibble."""
+    bytes, column i in the low nibble of byte i and column 32 + i in its high nibble. Without ``zeros`` (IQ4's
+    records: the codes index a table) the zeros are left out."""
     by_row, to_block = _panel_blocks(codes, scales, scale_dtype)
     nibbles = (by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous()
-    return torch.cat([to_block(scales, scale_dtype), to_block(zeros, torch.float32), to_block(nibbles)], dim=-1)
+    params = [to_block(scales, scale_dtype)] + ([] if zeros is None else [to_block(zeros, torch.float32)])
+    return torch.cat([*params, to_block(nibbles)], dim=-1)
 
 
 def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype = torch.float16,

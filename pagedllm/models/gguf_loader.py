@@ -289,23 +289,26 @@ def unpack_q6_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 IQ4_NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
 
 
+IQ4_TYPES = (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS)
+
+
 def unpack_iq4(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
-    """IQ4_NL/IQ4_XS rows -> codes ``[N, K]`` int8 (the non-linear values IQ4_NL_VALUES their 4-bit indices pick) and
-    scales float32, each weight ``code * scale`` as gguf dequantizes it: IQ4_NL per 32 (its fp16 ``d``; 2 + 16 bytes
-    a block, low nibbles weights 0-15), IQ4_XS per 16, each 32's ``d (ls - 32)`` twice (a super-block of 256: fp16
-    ``d``, the 6-bit ``ls`` as 2 high bits in a uint16 and 4 low in 4 bytes, then 16 bytes a block of 32)."""
+    """IQ4_NL/IQ4_XS rows -> indices ``[N, K]`` uint8 in [0, 16) into IQ4_NL_VALUES and scales ``[N, K / 32]``
+    float32, each weight ``IQ4_NL_VALUES[index] * scale`` as gguf dequantizes it: IQ4_NL's fp16 ``d`` (2 + 16 bytes a
+    block, low nibbles weights 0-15), IQ4_XS's ``d (ls - 32)`` (a super-block of 256: fp16 ``d``, the 6-bit ``ls``
+    as 2 high bits in a uint16 and 4 low in 4 bytes, then 16 bytes a block of 32)."""
     rows = data.shape[0]
     if tensor_type == GGMLQuantizationType.IQ4_NL:
         blocks = data.reshape(rows, -1, 18)
         qs = blocks[..., 2:].reshape(rows, -1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
-        return IQ4_NL_VALUES[(qs & 0x0F).reshape(rows, -1)], _fp16(blocks, 0)
+        return (qs & 0x0F).reshape(rows, -1), _fp16(blocks, 0)
     blocks = data.reshape(rows, -1, 136)
     high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
     low = blocks[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)
     ls = (low.reshape(rows, -1, 8) & 0x0F) | ((high & 0x03).astype(np.uint8) << 4)
     scales = _fp16(blocks, 0)[..., None] * (ls.astype(np.float32) - 32)
     qs = blocks[..., 8:].reshape(rows, -1, 8, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
-    return IQ4_NL_VALUES[(qs & 0x0F).reshape(rows, -1)], np.repeat(scales.reshape(rows, -1), 2, axis=1)
+    return (qs & 0x0F).reshape(rows, -1), scales.reshape(rows, -1)
 
 
 def unpack_q8(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -316,16 +319,13 @@ def unpack_q8(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, _fp16(blocks, 0)
 
 
-INT8_CODED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_NL,
-              GGMLQuantizationType.IQ4_XS)
+INT8_CODED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K)
 
 
 def unpack_int8_coded(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a type whose weights are int8 codes times a scale (INT8_CODED): codes ``[N, K]`` and scales per
-    32 (Q8_0, IQ4_NL) or 16 (Q6_K, IQ4_XS)."""
-    if tensor_type == GGMLQuantizationType.Q8_0:
-        return unpack_q8(data)
-    return unpack_q6_k(data) if tensor_type == GGMLQuantizationType.Q6_K else unpack_iq4(data, tensor_type)
+    32 (Q8_0) or 16 (Q6_K)."""
+    return unpack_q8(data) if tensor_type == GGMLQuantizationType.Q8_0 else unpack_q6_k(data)
 
 
 def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
@@ -343,6 +343,11 @@ def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.n
         blocks *= scales[..., None]
         blocks += zeros[..., None]
         return blocks.reshape(codes.shape)
+    if tensor_type in IQ4_TYPES and data.ndim == 2:
+        indices, scales = unpack_iq4(data, tensor_type)
+        blocks = IQ4_NL_VALUES[indices].reshape(*scales.shape, -1).astype(np.float32)
+        blocks *= scales[..., None]
+        return blocks.reshape(indices.shape)
     if tensor_type in INT8_CODED and data.ndim == 2:
         codes, scales = unpack_int8_coded(data, tensor_type)
         blocks = codes.reshape(*scales.shape, -1).astype(np.float32)
@@ -357,7 +362,7 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
 
     The Q4_0/Q4_1/Q4_K weight of a module named in ``packed_modules`` comes instead
     as ``{module}.qweight`` (codes), ``.scales`` and ``.zeros`` (see ``unpack_q4``),
-    a Q8_0, Q6_K or IQ4 one as ``{module}.qweight`` and ``.scales`` (``unpack_int8_coded``), a Q5_K one
+    a Q8_0, Q6_K or IQ4 one as ``{module}.qweight`` and ``.scales`` (``unpack_int8_coded``, ``unpack_iq4``), a Q5_K one
     as ``.qweight``, ``.scales`` and ``.zeros`` (``unpack_q5_k``).
     """
     metadata, tensors = read_gguf_header(path)
@@ -381,6 +386,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         module, suffix = hf_name.rsplit(".", 1)
         if suffix == "weight" and module in packed_modules and tensor.tensor_type in INT8_CODED:
             parts = dict(zip(("qweight", "scales"), unpack_int8_coded(data, tensor.tensor_type)))
+        elif suffix == "weight" and module in packed_modules and tensor.tensor_type in IQ4_TYPES:
+            parts = dict(zip(("qweight", "scales"), unpack_iq4(data, tensor.tensor_type)))
         elif suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q5_K:
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q5_k(data)))
         elif suffix == "weight" and module in packed_modules:

@@ -22,6 +22,8 @@ from pagedllm.native.gemms import (
     GEMM_BF16_SILU_MUL,
     GEMM_PACKED,
     GEMM_Q4,
+    GEMM_IQ4NL,
+    GEMM_IQ4XS,
     GEMM_Q4K,
     GEMM_Q5K,
     GEMM_Q6K,
@@ -151,6 +153,18 @@ def gemm_q5k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 def gemm_q6k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q6_K panels (gemm_q6k_f32: int8 codes, float32 scales per 16), or None."""
     return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q6K)
+
+
+@functools.cache
+def gemm_iq4nl(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over IQ4 panels with fp16 scales (gemm_iq4nl_f32: GGUF IQ4_NL), or None."""
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_IQ4NL)
+
+
+@functools.cache
+def gemm_iq4xs(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over IQ4 panels with float32 scales (gemm_iq4xs_f32: GGUF IQ4_XS), or None."""
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_IQ4XS)
 
 
 @functools.cache

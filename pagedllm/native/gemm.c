@@ -15,7 +15,8 @@
  * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and 1.06
  * bytes per weight instead of 4: single-row decode reads weights and little else), gemm_q4k_f32 against Q4_K's
  * (0.75), whose scales are float32, gemm_q6k_f32 against Q6_K's (1.25: int8 codes, a float32 scale per 16) and
- * gemm_q5k_f32 against Q5_K's (1.25: int8 codes, a float32 scale and zero per 32).
+ * gemm_q5k_f32 against Q5_K's (1.25: int8 codes, a float32 scale and zero per 32), gemm_iq4nl_f32 and gemm_iq4xs_f32
+ * against IQ4_NL's and IQ4_XS's (0.56 and 0.63: 4-bit indices of 16 fixed values).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
@@ -276,13 +277,17 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * Q4_K and Q5_K: -dmin * m; none for Q8 and Q6K). A code of up to 6 bits times an fp16 scale, or times d * sc (at
  * most 19 significant bits together), is exact in float32 but for Q6K's, so a weight rounds once, at the zero's add
  * or (Q6K) the product, as the loader's dequantization does. So results equal the dense kernel's. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4 };
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6 };
+/* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
+ * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
 static inline int qblock(const int fmt) { return fmt == Q6K ? 16 : QBLOCK; }
 static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K; }
 static inline int has_zeros(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q5K; }
-static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4 || fmt == Q8 ? 2 : 4); }
+static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
+static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4 || fmt == Q8 || fmt == IQ4NL ? 2 : 4); }
 static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (has_zeros(fmt) ? NR * 4 : 0); }
 static inline int record_bytes(const int fmt) {
     return codes_at(fmt) + qblock(fmt) * (int8_codes(fmt) ? NR : NR / 2);
@@ -320,11 +325,14 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
     const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
     const __m512i low = _mm512_set1_epi32(15);
-    w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(a, low));
-    w[1] = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
-    w[2] = _mm512_cvtepi32_ps(_mm512_srli_epi32(a, 4));
-    w[3] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    for (int j = 0; j < 4; j++) w[j] = _mm512_add_round_ps(_mm512_mul_round_ps(w[j], s[j], ROUNDED), z[j], ROUNDED);
+    const __m512i nibbles[4] = {_mm512_and_si512(a, low), _mm512_and_si512(b, low), _mm512_srli_epi32(a, 4),
+                                _mm512_srli_epi32(b, 4)};
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
+    for (int j = 0; j < 4; j++) {
+        w[j] = nonlinear(fmt) ? _mm512_permutexvar_ps(nibbles[j], values) : _mm512_cvtepi32_ps(nibbles[j]);
+        w[j] = _mm512_mul_round_ps(w[j], s[j], ROUNDED);
+        if (has_zeros(fmt)) w[j] = _mm512_add_round_ps(w[j], z[j], ROUNDED);
+    }
 }
 
 /* rows x 64 tile over a quantized panel, dequantizing each row of weights once for all its rows. */
@@ -412,6 +420,12 @@ static inline __attribute__((always_inline)) PairParams pair_params(const uint8_
     return p;
 }
 
+/* IQ4_VALUES[index] as floats for 8 byte indices in [0, 16) (a byte shuffle looks them up, then they widen). */
+static inline __m256 iq4_values(__m128i indices) {
+    const __m128i values = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)IQ4_VALUES), indices);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values));
+}
+
 /* Columns 8j .. 8j + 7 (wj) and 32 + 8j .. 32 + 8j + 7 (wj4) of row kk of a block's record, for j < 4. A 4-bit
  * code times its scale is exact, so one fused multiply-add with the zero rounds once, as the loader's
  * dequantization does; a Q8 code times its scale is exact. */
@@ -425,12 +439,19 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
         *wj4 = has_zeros(fmt) ? _mm256_fmadd_ps(c4, p->s4, p->z4) : _mm256_mul_ps(c4, p->s4);
         return;
     }
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(record + codes_at(fmt) +
-                                                                                 kk * (NR / 2) + 8 * j)));
-    const __m256 low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-    const __m256 high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-    *wj = _mm256_fmadd_ps(low, p->s, p->z);
-    *wj4 = _mm256_fmadd_ps(high, p->s4, p->z4);
+    const __m128i raw = _mm_loadl_epi64((const __m128i *)(record + codes_at(fmt) + kk * (NR / 2) + 8 * j));
+    __m256 low, high;
+    if (nonlinear(fmt)) {
+        const __m128i nibble = _mm_set1_epi8(15);
+        low = iq4_values(_mm_and_si128(raw, nibble));
+        high = iq4_values(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+    } else {
+        const __m256i bytes = _mm256_cvtepu8_epi32(raw);
+        low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+        high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    }
+    *wj = has_zeros(fmt) ? _mm256_fmadd_ps(low, p->s, p->z) : _mm256_mul_ps(low, p->s);
+    *wj4 = has_zeros(fmt) ? _mm256_fmadd_ps(high, p->s4, p->z4) : _mm256_mul_ps(high, p->s4);
 }
 
 /* One row against a quantized panel (8 accumulators), dequantizing as it goes: single-row decode reads each weight
@@ -551,6 +572,18 @@ int gemm_q5k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float
     return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q5K);
 }
 
+/* The same over [ceil(N / 64), K / 32, 1152] bytes of IQ4NL records. */
+int gemm_iq4nl_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, IQ4NL);
+}
+
+/* The same over [ceil(N / 64), K / 32, 1280] bytes of IQ4XS records. */
+int gemm_iq4xs_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, IQ4XS);
+}
+
 /* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
 int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
@@ -576,6 +609,16 @@ int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float
 
 int gemm_q5k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                  int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_iq4nl_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_iq4xs_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads) {
     return -1;
 }
 

@@ -1,12 +1,12 @@
 """A fused GGUF layer whose checkpoint parts are of different packed kinds: a Q4_K_M file's qkv_proj of Q4_K q and k
 with a Q6_K v (llama.cpp gives some layers' attn_v and ffn_down more bits), a gate_up_proj of Q4_K and Q8_0. Each
-output shard keeps its own kind's panels (gemm_q4/q4k, gemm_q8, gemm_q6k, gemm_q5k), and a step writes each shard's
-columns of one output tensor, so the layer stays packed where it would otherwise be dequantized whole.
+output shard keeps its own kind's panels (gemm_q4/q4k, gemm_q8, gemm_q6k, gemm_q5k, gemm_iq4nl/xs), and a step writes
+each shard's columns of one output tensor, so the layer stays packed where it would otherwise be dequantized whole.
 
 While loading, the layer's weight loaders fill one layout that holds every kind: int8 codes ``[out, in]`` (a 4-bit
-code is 0-15, a Q5_K one 0-31, a Q6_K one q - 32, a Q8_0 one itself), and per 16 inputs a float32 scale and zero (a
-part scaled per 32 has each repeated; a kind without zeros leaves 0), cut by rank like a dense weight. Each shard is
-then packed as its own kind's method would pack it.
+code or an IQ4 index is 0-15, a Q5_K code 0-31, a Q6_K one q - 32, a Q8_0 one itself), and per 16 inputs a float32
+scale and zero (a part scaled per 32 has each repeated; a kind without zeros leaves 0), cut by rank like a dense
+weight. Each shard is then packed as its own kind's method would pack it.
 """
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedllm.layers.gemm_layout import Q6K_BLOCK, QuantizedWeight, WeightLayout
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
+from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod
 
@@ -52,6 +53,8 @@ class GGUFMixedLinearMethod(GGUFLinearMethod):
                 weight = QuantizedWeight.q4(codes.to(torch.uint8), scales[:, ::2], zeros[:, ::2], layout)
             elif method is GGUFQ5KLinearMethod:
                 weight = QuantizedWeight.q8(codes, scales[:, ::2], layout, zeros[:, ::2])
+            elif method is GGUFIQ4LinearMethod:
+                weight = QuantizedWeight.iq4(codes.to(torch.uint8), scales[:, ::2], layout)
             else:
                 weight = QuantizedWeight.q8(codes, scales[:, ::2].contiguous(), layout)
             bias = None if layer.bias is None else layer.bias.data[rows]
