@@ -163,7 +163,7 @@ class ModelConfig:
     dtype: object  # torch.dtype
     max_model_len: int
     seed: int = 0
-    # Weight quantization ("gguf": GGUF Q4_0/Q4_1/Q4_K, Q8_0, Q5_K and Q6_K weights kept packed where a kernel takes
+    # Weight quantization ("gguf": GGUF Q4_0/Q4_1, Q8_0, Q2_K-Q6_K, IQ4_NL/XS weights kept packed where a kernel takes
     # them; "gguf_int4": the Q4_0/Q4_1/Q4_K ones only; "int8": W8A8, any checkpoint); None computes with dense weights.
     quantization: Optional[str] = None
     # Run every step eagerly: no CPU graphs for decode steps (worker/cpu_graphs.py), as vLLM's flag turns off

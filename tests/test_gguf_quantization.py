@@ -24,9 +24,11 @@ from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
 from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod, GGUFQ8LinearMethod
+from pagedllm.layers.quantization.gguf_q8 import (GGUFQ2KLinearMethod, GGUFQ5KLinearMethod, GGUFQ6KLinearMethod,
+                                                  GGUFQ8LinearMethod)
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.gguf_loader import dequantize_fast, unpack_iq4, unpack_q4, unpack_q5_k, unpack_q6_k, unpack_q8
+from pagedllm.models.gguf_loader import (dequantize_fast, unpack_iq4, unpack_q2_k, unpack_q3_k, unpack_q4, unpack_q5_k,
+                                         unpack_q6_k, unpack_q8)
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
@@ -47,7 +49,7 @@ needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
 def q8_kernel(request, monkeypatch):
     """gemm_q8_f32 (and the other quantized GEMMs but Q4's) as built for this CPU, and its AVX2 body where the CPU
     has AVX-512."""
-    for kernel in ("gemm_q6k", "gemm_q5k", "gemm_iq4nl", "gemm_iq4xs"):
+    for kernel in ("gemm_q6k", "gemm_q5k", "gemm_q2k", "gemm_iq4nl", "gemm_iq4xs"):
         native_or_fallback(request.param, monkeypatch, kernel)
     return native_or_fallback(request.param, monkeypatch, "gemm_q8")
 
@@ -88,28 +90,33 @@ def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
 PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
               T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5k_f32", (2, 16, 2560)),
               T.IQ4_XS: (lambda b: unpack_iq4(b, T.IQ4_XS), GGUFIQ4LinearMethod, "gemm_iq4xs_f32", (2, 16, 1280)),
-              T.IQ4_NL: (lambda b: unpack_iq4(b, T.IQ4_NL), GGUFIQ4LinearMethod, "gemm_iq4nl_f32", (2, 16, 1152))}
+              T.IQ4_NL: (lambda b: unpack_iq4(b, T.IQ4_NL), GGUFIQ4LinearMethod, "gemm_iq4nl_f32", (2, 16, 1152)),
+              T.Q3_K: (unpack_q3_k, GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
+              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2k_f32", (2, 32, 1536))}
+# where the fp16 scales of a block of each type gguf-py cannot quantize sit, for _random_blocks
+FP16_AT = {T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}
 
 
 def _random_blocks(rows: int, cols: int, tensor_type: T, seed: int) -> np.ndarray:
-    """GGUF blocks of ``tensor_type`` of any bytes but a sane fp16 ``d`` in front (the IQ4 types, which gguf-py
-    cannot quantize), else a quantized random weight."""
-    if tensor_type not in (T.IQ4_XS, T.IQ4_NL):
+    """GGUF blocks of ``tensor_type`` of any bytes but sane fp16 scales (the types gguf-py cannot quantize:
+    FP16_AT), else a quantized random weight."""
+    if tensor_type not in FP16_AT:
         return quantize_gguf(np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32), tensor_type)
     block, size = GGML_QUANT_SIZES[tensor_type]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-    blocks[..., :2] = rng.uniform(1e-3, 0.05, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
+    for at in FP16_AT[tensor_type]:
+        blocks[..., at:at + 2] = rng.uniform(1e-3, 0.05, (rows, cols // block, 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
 @needs_q8_kernel
 @pytest.mark.parametrize("tensor_type", sorted(PACKED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
 def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tensor_type):
-    """Q6_K as int8 codes q - 32 with a float32 scale d * sc per 16 inputs, Q5_K as codes q with a scale d * sc and
-    zero -dmin * m per 32 (gemm_q6k_f32's and gemm_q5k_f32's panels, 1.25 bytes a weight), IQ4_XS and IQ4_NL as
-    4-bit indices into their 16 values with a float32 (fp16) scale per 32 (0.63 / 0.56 bytes): one rounding per
-    weight, the loader's, so gguf's dequantization and the dense GEMM's results exactly."""
+    """Q6_K (Q3_K) as int8 codes q - 32 (q - 4) with a float32 scale per 16 inputs, Q5_K (Q2_K) as codes q with a
+    scale d * sc and zero -dmin * m per 32 (16) (1.25, 1.5 bytes a weight), IQ4_XS and IQ4_NL as 4-bit indices into
+    their 16 values with a float32 (fp16) scale per 32 (0.63 / 0.56 bytes): one rounding per weight, the loader's,
+    so gguf's dequantization and the dense GEMM's results exactly."""
     unpack, method, kernel, shape = PACKED_TYPES[tensor_type]
     blocks = _random_blocks(96, 512, tensor_type, seed=2)
     parts = [torch.from_numpy(part) for part in unpack(blocks)]

@@ -166,11 +166,13 @@ class QuantizedWeight:
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None,
            zeros: torch.Tensor | None = None) -> "QuantizedWeight":
         """int8 codes, each weight ``code * scale (+ zero)``: per block of 32 along K with fp16 scales (Q8_0,
-        gemm_q8_f32), per 16 with float32 ones (Q6_K's q - 32 and d * sc, gemm_q6k_f32), or with ``zeros`` per 32
-        with float32 scales and zeros (Q5_K's q, d * sc and -dmin * m, gemm_q5k_f32)."""
-        if zeros is not None:
-            panels = pack_q8_panels(codes, scales, torch.float32, QBLOCK, zeros)
-            return cls("gemm_q5k", panels, codes.shape[0], layout)
+        gemm_q8_f32), per 16 with float32 ones (Q6_K's q - 32 and d * sc, Q3_K's q - 4 and d (sc - 32):
+        gemm_q6k_f32), or with ``zeros`` per 32 or 16 with float32 scales and zeros (Q5_K's q, d * sc and
+        -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32)."""
+        if zeros is not None:  # per 32 (Q5_K) or 16 (Q2_K)
+            block = codes.shape[1] // scales.shape[1]
+            panels = pack_q8_panels(codes, scales, torch.float32, block, zeros)
+            return cls("gemm_q5k" if block == QBLOCK else "gemm_q2k", panels, codes.shape[0], layout)
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
         return cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), codes.shape[0], layout)

@@ -319,13 +319,53 @@ def unpack_q8(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, _fp16(blocks, 0)
 
 
-INT8_CODED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K)
+def _two_bit_runs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K code bytes ``[rows, n, 64]`` -> their 2-bit fields ``[rows, n * 16, 16]``: each 32 bytes hold four
+    runs of 32 codes, at bits 0-1, 2-3, 4-5, 6-7."""
+    rows = qs.shape[0]
+    fields = qs.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    return (fields & 0x03).reshape(rows, -1, 16)
+
+
+def unpack_q3_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K rows -> codes ``[N, K]`` int8 in [-4, 4) and scales ``[N, K / 16]`` float32 (``d (sc - 32)``), each weight
+    ``code * scale`` as gguf dequantizes it. A super-block of 256 is 32 bytes of the codes' high bits (a code is its
+    2 low bits, less 4 where its high bit is clear), 64 of their low bits, 12 of sixteen 6-bit scales (4 low bits in
+    bytes 0-7, two halves; 2 high bits in bytes 8-11, four quarters) and an fp16 ``d``."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 110)
+    low = blocks[..., 96:104, None] >> np.array([0, 4], dtype=np.uint8)  # [rows, n, 8, 2]
+    high = blocks[..., 104:108, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)  # [rows, n, 4, 4]
+    sc = (low.transpose(0, 1, 3, 2).reshape(rows, -1, 16) & 0x0F) | (
+        (high.transpose(0, 1, 3, 2).reshape(rows, -1, 16) & 0x03) << 4)
+    scales = _fp16(blocks, 108)[..., None] * (sc.astype(np.float32) - 32)
+    hbits = (blocks[..., :32].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+    codes = _two_bit_runs(blocks[..., 32:96]).astype(np.int8) - ((hbits.reshape(rows, -1, 16) ^ 1) << 2).astype(np.int8)
+    return codes.reshape(rows, -1), scales.reshape(rows, -1)
+
+
+def unpack_q2_k(data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q2_K rows -> codes ``[N, K]`` int8 in [0, 4), scales and zeros ``[N, K / 16]`` float32 (``d sc``,
+    ``-dmin m``), each weight ``code * scale + zero`` as gguf dequantizes it. A super-block of 256 is sixteen bytes of
+    4-bit ``sc`` (low) and ``m`` (high), 64 bytes of 2-bit codes, fp16 ``d`` and ``dmin``."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 84)
+    packed = blocks[..., :16]
+    scales = _fp16(blocks, 80)[..., None] * (packed & 0x0F).astype(np.float32)
+    zeros = -(_fp16(blocks, 82)[..., None] * (packed >> 4).astype(np.float32))
+    codes = _two_bit_runs(blocks[..., 16:80]).astype(np.int8).reshape(rows, -1)
+    return codes, scales.reshape(rows, -1), zeros.reshape(rows, -1)
+
+
+INT8_CODED = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q3_K)
 
 
 def unpack_int8_coded(data: np.ndarray, tensor_type: GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray]:
     """The rows of a type whose weights are int8 codes times a scale (INT8_CODED): codes ``[N, K]`` and scales per
-    32 (Q8_0) or 16 (Q6_K)."""
-    return unpack_q8(data) if tensor_type == GGMLQuantizationType.Q8_0 else unpack_q6_k(data)
+    32 (Q8_0) or 16 (Q6_K, Q3_K)."""
+    if tensor_type == GGMLQuantizationType.Q8_0:
+        return unpack_q8(data)
+    return unpack_q6_k(data) if tensor_type == GGMLQuantizationType.Q6_K else unpack_q3_k(data)
 
 
 def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.ndarray:
@@ -337,8 +377,8 @@ def dequantize_fast(data: np.ndarray, tensor_type: GGMLQuantizationType) -> np.n
         blocks *= scales[..., None]
         blocks += zeros[..., None]
         return blocks.reshape(codes.shape)
-    if tensor_type == GGMLQuantizationType.Q5_K and data.ndim == 2:
-        codes, scales, zeros = unpack_q5_k(data)
+    if tensor_type in (GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q2_K) and data.ndim == 2:
+        codes, scales, zeros = (unpack_q5_k if tensor_type == GGMLQuantizationType.Q5_K else unpack_q2_k)(data)
         blocks = codes.reshape(*scales.shape, -1).astype(np.float32)
         blocks *= scales[..., None]
         blocks += zeros[..., None]
@@ -390,6 +430,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
             parts = dict(zip(("qweight", "scales"), unpack_iq4(data, tensor.tensor_type)))
         elif suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q5_K:
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q5_k(data)))
+        elif suffix == "weight" and module in packed_modules and tensor.tensor_type == GGMLQuantizationType.Q2_K:
+            parts = dict(zip(("qweight", "scales", "zeros"), unpack_q2_k(data)))
         elif suffix == "weight" and module in packed_modules:
             parts = dict(zip(("qweight", "scales", "zeros"), unpack_q4(data, tensor.tensor_type)))
         else:

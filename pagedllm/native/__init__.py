@@ -24,6 +24,7 @@ from pagedllm.native.gemms import (
     GEMM_Q4,
     GEMM_IQ4NL,
     GEMM_IQ4XS,
+    GEMM_Q2K,
     GEMM_Q4K,
     GEMM_Q5K,
     GEMM_Q6K,
@@ -153,6 +154,12 @@ def gemm_q5k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 def gemm_q6k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q6_K panels (gemm_q6k_f32: int8 codes, float32 scales per 16), or None."""
     return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q6K)
+
+
+@functools.cache
+def gemm_q2k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over GGUF Q2_K panels (gemm_q2k_f32: int8 codes, float32 scales and zeros per 16), or None."""
+    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q2K)
 
 
 @functools.cache

@@ -269,23 +269,25 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (Q4K), Q8_0 (Q8), Q6_K (Q6K) and Q5_K (Q5K) ----
- * Per block of 32 along K (Q6K: 16), a record: the 64 columns' scales (fp16; Q4K, Q6K and Q5K: float32, as d * sc of
- * a K-quant's sub-block is no fp16 value), for Q4, Q4K and Q5K their float32 zeros, then a row of codes per k. Q4
- * and Q4K rows are 32 bytes, column i in the low nibble of byte i and column 32 + i in its high one; Q8, Q6K and Q5K
- * rows are 64 int8 codes (Q6_K's q - 32, Q5_K's q). A weight is code * scale + zero (Q4_0: zero -8 d, Q4_1: m,
- * Q4_K and Q5_K: -dmin * m; none for Q8 and Q6K). A code of up to 6 bits times an fp16 scale, or times d * sc (at
- * most 19 significant bits together), is exact in float32 but for Q6K's, so a weight rounds once, at the zero's add
- * or (Q6K) the product, as the loader's dequantization does. So results equal the dense kernel's. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6 };
+/* ---- Quantized panels: GGUF Q4_0/Q4_1 (format Q4), Q4_K (Q4K), Q8_0 (Q8), Q6_K and Q3_K (Q6K), Q5_K (Q5K), Q2_K
+ * (Q2K), IQ4_NL (IQ4NL) and IQ4_XS (IQ4XS) ----
+ * Per block of 32 along K (Q6K and Q2K: 16), a record: the 64 columns' scales (fp16 for Q4, Q8 and IQ4NL; float32
+ * for the others, as d * sc of a K-quant's sub-block is no fp16 value), for Q4, Q4K, Q5K and Q2K their float32
+ * zeros, then a row of codes per k. Q4, Q4K and the IQ4 formats' rows are 32 bytes of nibbles, column i in the low
+ * nibble of byte i and column 32 + i in its high one; Q8, Q6K, Q5K and Q2K rows are 64 int8 codes (Q6_K's q - 32,
+ * Q3_K's q - 4, Q5_K's and Q2_K's q). A weight is code * scale + zero (Q4_0: zero -8 d, Q4_1: m, Q4_K, Q5_K and
+ * Q2_K: -dmin m; none for Q8, Q6K and the IQ4 formats). A code of up to 5 bits times an fp16 scale or a d * sc is
+ * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
+ * loader's dequantization does. So results equal the dense kernel's. */
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7 };
 /* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
  * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
-static inline int qblock(const int fmt) { return fmt == Q6K ? 16 : QBLOCK; }
-static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K; }
-static inline int has_zeros(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q5K; }
+static inline int qblock(const int fmt) { return fmt == Q6K || fmt == Q2K ? 16 : QBLOCK; }
+static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K; }
+static inline int has_zeros(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K; }
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
 static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4 || fmt == Q8 || fmt == IQ4NL ? 2 : 4); }
 static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (has_zeros(fmt) ? NR * 4 : 0); }
@@ -584,6 +586,12 @@ int gemm_iq4xs_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
     return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, IQ4XS);
 }
 
+/* The same over [ceil(N / 64), K / 16, 1536] bytes of Q2K records. */
+int gemm_q2k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
+    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q2K);
+}
+
 /* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
 int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                 int M, int N, int K, int num_threads) {
@@ -619,6 +627,11 @@ int gemm_iq4nl_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
 
 int gemm_iq4xs_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads) {
+    return -1;
+}
+
+int gemm_q2k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                 int M, int N, int K, int num_threads) {
     return -1;
 }
 

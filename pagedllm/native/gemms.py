@@ -21,13 +21,14 @@ GEMM_Q4 = CFunction("gemm_q4_f32", INT, *_GEMM_ARGS)
 GEMM_Q4K = CFunction("gemm_q4k_f32", INT, *_GEMM_ARGS)
 GEMM_Q6K = CFunction("gemm_q6k_f32", INT, *_GEMM_ARGS)
 GEMM_Q5K = CFunction("gemm_q5k_f32", INT, *_GEMM_ARGS)
+GEMM_Q2K = CFunction("gemm_q2k_f32", INT, *_GEMM_ARGS)
 GEMM_IQ4NL = CFunction("gemm_iq4nl_f32", INT, *_GEMM_ARGS)
 GEMM_IQ4XS = CFunction("gemm_iq4xs_f32", INT, *_GEMM_ARGS)
 GEMM_Q8 = CFunction("gemm_q8_f32", INT, *_GEMM_ARGS)
 GEMM_AVAILABLE = CFunction("gemm_available", INT)
 GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
-GEMM_SIGNATURES = (GEMM_PACKED, GEMM_Q4, GEMM_Q4K, GEMM_Q5K, GEMM_Q6K, GEMM_Q8, GEMM_IQ4NL, GEMM_IQ4XS, GEMM_AVAILABLE,
-                   GEMM_QUANT_AVAILABLE)
+GEMM_SIGNATURES = (GEMM_PACKED, GEMM_Q4, GEMM_Q4K, GEMM_Q5K, GEMM_Q6K, GEMM_Q2K, GEMM_Q8, GEMM_IQ4NL, GEMM_IQ4XS,
+                   GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE)
 
 GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
 GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
@@ -53,6 +54,7 @@ PANELS = {
     GEMM_Q4K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1536)),
     GEMM_Q6K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1280)),
     GEMM_Q5K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2560)),
+    GEMM_Q2K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1536)),
     GEMM_IQ4NL.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1152)),
     GEMM_IQ4XS.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1280)),
     GEMM_Q8.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2176)),
@@ -100,9 +102,9 @@ class Gemm:
         dtype, shape = PANELS[self.name]
         expect(self.name, "x", rows, torch.float32)
         expect(self.name, "packed", packed, dtype, shape(out_features, rows.shape[1]), contiguous=True)
-        if self.name in (GEMM_Q4.name, GEMM_Q4K.name, GEMM_Q5K.name, GEMM_Q6K.name, GEMM_Q8.name, GEMM_IQ4NL.name,
-                         GEMM_IQ4XS.name):
-            block = 16 if self.name == GEMM_Q6K.name else 32
+        if self.name in (GEMM_Q4.name, GEMM_Q4K.name, GEMM_Q5K.name, GEMM_Q6K.name, GEMM_Q2K.name, GEMM_Q8.name,
+                         GEMM_IQ4NL.name, GEMM_IQ4XS.name):
+            block = 16 if self.name in (GEMM_Q6K.name, GEMM_Q2K.name) else 32
             require(self.name, rows.shape[1] % block == 0, f"K = {rows.shape[1]} is not whole blocks of {block}")
         if bias is not None:
             expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)

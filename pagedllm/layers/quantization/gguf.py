@@ -3,12 +3,13 @@ wherever a kernel multiplies by them in it; everything else is dequantized at lo
 
 ``gguf``: Q4_0/Q4_1/Q4_K layers by GGUFInt4LinearMethod (gemm_q4_f32 and gemm_q4k_f32; elsewhere torch's int4
 kernel), Q8_0 layers by GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512 or AVX2),
-Q6_K and Q5_K layers by GGUFQ6KLinearMethod and GGUFQ5KLinearMethod (gemm_q6k_f32, gemm_q5k_f32, the same), IQ4_NL
-and IQ4_XS ones by GGUFIQ4LinearMethod (gemm_iq4nl_f32 and gemm_iq4xs_f32, the same). ``gguf_int4``: the Q4 layers
-only. Under both a Q8_0 embedding (and LM head) keeps its codes (layers/vocab_embedding.py). The other types (Q2_K,
-Q3_K, F16, BF16, F32), and any fused layer with a part of those (a qkv_proj of Q4_K q/k and an F16 v), are
-dequantized at load; a fused layer whose parts are packed kinds that differ (Q4_K q/k with a Q6_K v, as Q4_K_M files
-have some) keeps each shard in its own kind (GGUFMixedLinearMethod). ``summary`` says which layers got which.
+Q6_K and Q3_K, Q5_K, Q2_K layers by GGUFQ6KLinearMethod, GGUFQ5KLinearMethod and GGUFQ2KLinearMethod (gemm_q6k_f32,
+gemm_q5k_f32, gemm_q2k_f32, the same), IQ4_NL and IQ4_XS ones by GGUFIQ4LinearMethod (gemm_iq4nl_f32 and
+gemm_iq4xs_f32, the same). ``gguf_int4``: the Q4 layers only. Under both a Q8_0 embedding (and LM head) keeps its
+codes (layers/vocab_embedding.py). The other types (F16, BF16, F32), and any fused layer with a part of those (a
+qkv_proj of Q4_K q/k and an F16 v), are dequantized at load; a fused layer whose parts are packed kinds that differ
+(Q4_K q/k with a Q6_K v, as Q4_K_M files have some) keeps each shard in its own kind (GGUFMixedLinearMethod).
+``summary`` says which layers got which.
 """
 
 from collections import Counter
@@ -24,7 +25,8 @@ from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4LinearMetho
 from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod, GGUFQ8LinearMethod
+from pagedllm.layers.quantization.gguf_q8 import (GGUFQ2KLinearMethod, GGUFQ5KLinearMethod, GGUFQ6KLinearMethod,
+                                                  GGUFQ8LinearMethod)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -49,8 +51,9 @@ class GGUFConfig(QuantizationConfig):
         methods = dict.fromkeys(Q4_TYPES, GGUFInt4LinearMethod)
         if self.q8_layers and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
             methods[GGMLQuantizationType.Q8_0] = GGUFQ8LinearMethod
-            methods[GGMLQuantizationType.Q6_K] = GGUFQ6KLinearMethod
+            methods[GGMLQuantizationType.Q6_K] = methods[GGMLQuantizationType.Q3_K] = GGUFQ6KLinearMethod
             methods[GGMLQuantizationType.Q5_K] = GGUFQ5KLinearMethod
+            methods[GGMLQuantizationType.Q2_K] = GGUFQ2KLinearMethod
             methods[GGMLQuantizationType.IQ4_NL] = methods[GGMLQuantizationType.IQ4_XS] = GGUFIQ4LinearMethod
         return methods
 

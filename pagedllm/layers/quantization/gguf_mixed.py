@@ -16,7 +16,7 @@ from pagedllm.layers.gemm_layout import Q6K_BLOCK, QuantizedWeight, WeightLayout
 from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
 from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ5KLinearMethod, GGUFQ6KLinearMethod
+from pagedllm.layers.quantization.gguf_q8 import GGUFQ2KLinearMethod, GGUFQ5KLinearMethod, GGUFQ6KLinearMethod
 
 
 class GGUFMixedLinearMethod(GGUFLinearMethod):
@@ -51,6 +51,8 @@ class GGUFMixedLinearMethod(GGUFLinearMethod):
                 weight = QuantizedWeight.q8(codes, scales, layout)
             elif method is GGUFInt4LinearMethod:
                 weight = QuantizedWeight.q4(codes.to(torch.uint8), scales[:, ::2], zeros[:, ::2], layout)
+            elif method is GGUFQ2KLinearMethod:  # per 16, as the common layout holds them
+                weight = QuantizedWeight.q8(codes, scales, layout, zeros)
             elif method is GGUFQ5KLinearMethod:
                 weight = QuantizedWeight.q8(codes, scales[:, ::2], layout, zeros[:, ::2])
             elif method is GGUFIQ4LinearMethod:
