@@ -21,14 +21,7 @@ from pagedllm.native.gemms import (
     GEMM_BF16_SIGNATURES,
     GEMM_BF16_SILU_MUL,
     GEMM_PACKED,
-    GEMM_Q4,
-    GEMM_IQ4NL,
-    GEMM_IQ4XS,
-    GEMM_Q2K,
-    GEMM_Q4K,
-    GEMM_Q5K,
-    GEMM_Q6K,
-    GEMM_Q8,
+    GEMM_QUANT,
     GEMM_INT8_SIGNATURES,
     GEMM_SIGNATURES,
     GEMM_W8A8,
@@ -132,52 +125,58 @@ def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return _with_body(_gemm_lib(extra_flags), "gemm_quant_available")
 
 
+def _quant_gemm(quant_format: str, extra_flags: tuple[str, ...]) -> Gemm | None:
+    """gemm_quant_f32 over ``quant_format``'s panels (gemms.QUANT_FORMATS), or None."""
+    lib = _gemm_quant_lib(extra_flags)
+    return None if lib is None else Gemm(lib, GEMM_QUANT, quant_format)
+
+
 @functools.cache
 def gemm_q4(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q4 panels (gemm_q4_f32), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q4)
+    return _quant_gemm("gemm_q4", extra_flags)
 
 
 @functools.cache
 def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over Q4 panels with float32 scales (gemm_q4k_f32: GGUF Q4_K), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q4K)
+    return _quant_gemm("gemm_q4k", extra_flags)
 
 
 @functools.cache
 def gemm_q5k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q5_K panels (gemm_q5k_f32: int8 codes, float32 scales and zeros per 32), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q5K)
+    return _quant_gemm("gemm_q5k", extra_flags)
 
 
 @functools.cache
 def gemm_q6k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q6_K panels (gemm_q6k_f32: int8 codes, float32 scales per 16), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q6K)
+    return _quant_gemm("gemm_q6k", extra_flags)
 
 
 @functools.cache
 def gemm_q2k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q2_K panels (gemm_q2k_f32: int8 codes, float32 scales and zeros per 16), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q2K)
+    return _quant_gemm("gemm_q2k", extra_flags)
 
 
 @functools.cache
 def gemm_iq4nl(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over IQ4 panels with fp16 scales (gemm_iq4nl_f32: GGUF IQ4_NL), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_IQ4NL)
+    return _quant_gemm("gemm_iq4nl", extra_flags)
 
 
 @functools.cache
 def gemm_iq4xs(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over IQ4 panels with float32 scales (gemm_iq4xs_f32: GGUF IQ4_XS), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_IQ4XS)
+    return _quant_gemm("gemm_iq4xs", extra_flags)
 
 
 @functools.cache
 def gemm_q8(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q8_0 panels (gemm_q8_f32), or None."""
-    return _gemm_of(_gemm_quant_lib(extra_flags), GEMM_Q8)
+    return _quant_gemm("gemm_q8", extra_flags)
 
 
 @functools.cache

@@ -12,11 +12,11 @@
  * Work items are (panel, block of rows), panel-major, split statically over torch's OpenMP threads; a thread's
  * later tiles over a panel fetch its next panel into L2 (panel_rows).
  *
- * gemm_q4_f32 and gemm_q8_f32 do the same against GGUF Q4_0/Q4_1 and Q8_0 weights kept quantized (0.69 and 1.06
- * bytes per weight instead of 4: single-row decode reads weights and little else), gemm_q4k_f32 against Q4_K's
- * (0.75), whose scales are float32, gemm_q6k_f32 against Q6_K's (1.25: int8 codes, a float32 scale per 16) and
- * gemm_q5k_f32 against Q5_K's (1.25: int8 codes, a float32 scale and zero per 32), gemm_iq4nl_f32 and gemm_iq4xs_f32
- * against IQ4_NL's and IQ4_XS's (0.56 and 0.63: 4-bit indices of 16 fixed values).
+ * gemm_quant_f32 does the same against GGUF weights kept quantized, in one of the formats below (its last argument):
+ * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.75, its
+ * scales float32), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed values), Q8_0 (1.06), Q6_K and Q3_K
+ * (1.25: int8 codes, a float32 scale per 16), Q5_K (1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.5,
+ * the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
@@ -549,94 +549,25 @@ static inline __attribute__((always_inline)) int gemm_quant(const float *x, int6
 
 int gemm_quant_available(void) { return 1; }
 
-/* packed: [ceil(N / 64), K / 32, 1408] bytes of Q4 records; K a multiple of 32. The rest as gemm_packed_f32.
- * Returns -1 for a K it cannot take. */
-int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q4);
-}
-
-/* The same over [ceil(N / 64), K / 32, 1536] bytes of Q4K records. */
-int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q4K);
-}
-
-/* The same over [ceil(N / 64), K / 16, 1280] bytes of Q6K records. */
-int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q6K);
-}
-
-/* The same over [ceil(N / 64), K / 32, 2560] bytes of Q5K records. */
-int gemm_q5k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q5K);
-}
-
-/* The same over [ceil(N / 64), K / 32, 1152] bytes of IQ4NL records. */
-int gemm_iq4nl_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                   int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, IQ4NL);
-}
-
-/* The same over [ceil(N / 64), K / 32, 1280] bytes of IQ4XS records. */
-int gemm_iq4xs_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                   int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, IQ4XS);
-}
-
-/* The same over [ceil(N / 64), K / 16, 1536] bytes of Q2K records. */
-int gemm_q2k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q2K);
-}
-
-/* The same over [ceil(N / 64), K / 32, 2176] bytes of Q8 records. */
-int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                int M, int N, int K, int num_threads) {
-    return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, Q8);
+/* packed: [ceil(N / 64), K / qblock(format), record_bytes(format)] bytes of records of one format (the enum above,
+ * which native/gemms.py's QUANT_FORMATS numbers alike); K a multiple of the format's block. The rest as
+ * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
+int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads, int format) {
+#define GEMM_FORMAT(fmt) \
+    case fmt: return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, fmt);
+    switch (format) { /* each case its own instance of the always-inlined driver */
+        GEMM_FORMAT(Q4) GEMM_FORMAT(Q8) GEMM_FORMAT(Q4K) GEMM_FORMAT(Q6K) GEMM_FORMAT(Q5K) GEMM_FORMAT(IQ4NL)
+        GEMM_FORMAT(IQ4XS) GEMM_FORMAT(Q2K)
+    }
+#undef GEMM_FORMAT
+    return -1;
 }
 #else
 int gemm_quant_available(void) { return 0; }
 
-int gemm_q4_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_q4k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_q6k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_q5k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_iq4nl_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                   int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_iq4xs_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                   int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_q2k_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                 int M, int N, int K, int num_threads) {
-    return -1;
-}
-
-int gemm_q8_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                int M, int N, int K, int num_threads) {
+int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads, int format) {
     return -1;
 }
 #endif

@@ -17,18 +17,13 @@ from pagedllm.native.signature import INT, INT64, POINTER, CFunction, arguments
 _GEMM_ARGS = arguments("x", POINTER, "ldx", INT64, "packed", "bias", "y", POINTER, "ldy", INT64, "M", "N", "K",
                        "num_threads", INT)
 GEMM_PACKED = CFunction("gemm_packed_f32", INT, *_GEMM_ARGS)
-GEMM_Q4 = CFunction("gemm_q4_f32", INT, *_GEMM_ARGS)
-GEMM_Q4K = CFunction("gemm_q4k_f32", INT, *_GEMM_ARGS)
-GEMM_Q6K = CFunction("gemm_q6k_f32", INT, *_GEMM_ARGS)
-GEMM_Q5K = CFunction("gemm_q5k_f32", INT, *_GEMM_ARGS)
-GEMM_Q2K = CFunction("gemm_q2k_f32", INT, *_GEMM_ARGS)
-GEMM_IQ4NL = CFunction("gemm_iq4nl_f32", INT, *_GEMM_ARGS)
-GEMM_IQ4XS = CFunction("gemm_iq4xs_f32", INT, *_GEMM_ARGS)
-GEMM_Q8 = CFunction("gemm_q8_f32", INT, *_GEMM_ARGS)
+GEMM_QUANT = CFunction("gemm_quant_f32", INT, *_GEMM_ARGS, *arguments("format", INT))
 GEMM_AVAILABLE = CFunction("gemm_available", INT)
 GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
-GEMM_SIGNATURES = (GEMM_PACKED, GEMM_Q4, GEMM_Q4K, GEMM_Q5K, GEMM_Q6K, GEMM_Q2K, GEMM_Q8, GEMM_IQ4NL, GEMM_IQ4XS,
-                   GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE)
+GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE)
+# gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
+QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
+                 "gemm_iq4xs": 6, "gemm_q2k": 7}
 
 GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
 GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
@@ -50,14 +45,14 @@ def _cdiv(a: int, b: int) -> int:
 # gemm_layout's pack_*; the gated bf16 panels pad each half to whole 16-column tiles, so only K is fixed for them.
 PANELS = {
     GEMM_PACKED.name: (torch.float32, lambda n, k: (_cdiv(n, 64), k, 64)),
-    GEMM_Q4.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1408)),
-    GEMM_Q4K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1536)),
-    GEMM_Q6K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1280)),
-    GEMM_Q5K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2560)),
-    GEMM_Q2K.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1536)),
-    GEMM_IQ4NL.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1152)),
-    GEMM_IQ4XS.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1280)),
-    GEMM_Q8.name: (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2176)),
+    "gemm_q4_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1408)),
+    "gemm_q4k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1536)),
+    "gemm_q6k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1280)),
+    "gemm_q5k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2560)),
+    "gemm_q2k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1536)),
+    "gemm_iq4nl_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1152)),
+    "gemm_iq4xs_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1280)),
+    "gemm_q8_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2176)),
     GEMM_BF16.name: (torch.bfloat16, lambda n, k: (_cdiv(n, 32), _cdiv(k, 32), 2, 16, 16, 2)),
     GEMM_BF16_SILU_MUL.name: (torch.bfloat16, lambda n, k: (None, _cdiv(k, 32), 2, 16, 16, 2)),
     GEMM_W8A8.name: (torch.uint8, lambda n, k: (_cdiv(n, 16), _cdiv(k, 4) * 64 + 128)),
@@ -66,11 +61,13 @@ PANELS = {
 
 
 class Gemm:
-    """One GEMM kernel of a loaded library."""
+    """One GEMM kernel of a loaded library; ``quant_format`` (a QUANT_FORMATS name): gemm_quant_f32 over that
+    format's panels, named ``<format>_f32``."""
 
-    def __init__(self, lib: ctypes.CDLL, signature: CFunction):
-        self.name = signature.name
+    def __init__(self, lib: ctypes.CDLL, signature: CFunction, quant_format: str | None = None):
+        self.name = signature.name if quant_format is None else f"{quant_format}_f32"
         self.function = getattr(lib, signature.name)
+        self.format_args = () if quant_format is None else (QUANT_FORMATS[quant_format],)
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                  out_width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,7 +90,7 @@ class Gemm:
                     f"out {tuple(out.shape)} (strides {out.stride()}) must be float32 [{num_rows}, {width}] rows")
         status = launch(self.function, rows.data_ptr(), rows.stride(0), packed.data_ptr(),
                         None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), num_rows,
-                        out_features, in_features, torch.get_num_threads())
+                        out_features, in_features, torch.get_num_threads(), *self.format_args)
         if status != 0:
             raise RuntimeError(f"{self.name} rejected its sizes (status {status})")
         return out if x.dim() == 2 or given else out.view(*x.shape[:-1], width)
@@ -102,9 +99,8 @@ class Gemm:
         dtype, shape = PANELS[self.name]
         expect(self.name, "x", rows, torch.float32)
         expect(self.name, "packed", packed, dtype, shape(out_features, rows.shape[1]), contiguous=True)
-        if self.name in (GEMM_Q4.name, GEMM_Q4K.name, GEMM_Q5K.name, GEMM_Q6K.name, GEMM_Q2K.name, GEMM_Q8.name,
-                         GEMM_IQ4NL.name, GEMM_IQ4XS.name):
-            block = 16 if self.name in (GEMM_Q6K.name, GEMM_Q2K.name) else 32
+        if self.format_args:
+            block = 16 if self.name in ("gemm_q6k_f32", "gemm_q2k_f32") else 32
             require(self.name, rows.shape[1] % block == 0, f"K = {rows.shape[1]} is not whole blocks of {block}")
         if bias is not None:
             expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)
