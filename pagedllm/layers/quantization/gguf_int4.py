@@ -30,9 +30,13 @@ class GGUFInt4LinearMethod(GGUFLinearMethod):
     block_params = ("scales", "zeros")
     out_multiple = 16
 
+    @staticmethod
+    def pack(parts: list[torch.Tensor], layout: WeightLayout | None) -> QuantizedWeight:
+        return QuantizedWeight.q4(*parts, layout)
+
     def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
         if native_applies("gemm_q4", self.params_dtype, layer.qweight.device):
-            self._keep_packed(layer, QuantizedWeight.q4(layer.qweight, layer.scales, layer.zeros, layout))
+            super().process_weights_after_loading(layer, layout)
             return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(layer.qweight.to(torch.int32), 1)
         # The kernel wants [in / 32, out, (scale, zero)] in bfloat16, a weight being (q - 8) * scale + zero.

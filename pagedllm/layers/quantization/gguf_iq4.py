@@ -18,5 +18,6 @@ class GGUFIQ4LinearMethod(GGUFLinearMethod):
     code_dtype = torch.uint8
     block_params = ("scales",)
 
-    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
-        self._keep_packed(layer, QuantizedWeight.iq4(layer.qweight, layer.scales, layout))
+    @staticmethod
+    def pack(parts: list[torch.Tensor], layout: WeightLayout | None) -> QuantizedWeight:
+        return QuantizedWeight.iq4(*parts, layout)

@@ -10,7 +10,7 @@ loaders slice them as they slice a dense weight, which keeps whole blocks on a r
 import torch
 from torch import nn
 
-from pagedllm.layers.gemm_layout import QBLOCK, QuantizedWeight
+from pagedllm.layers.gemm_layout import QBLOCK, QuantizedWeight, WeightLayout
 from pagedllm.layers.quantization.base import QuantizeMethodBase
 
 
@@ -38,6 +38,15 @@ class GGUFLinearMethod(QuantizeMethodBase):
             param = nn.Parameter(torch.empty(output_size_per_partition, cols, dtype=dtype), requires_grad=False)
             param.weight_loader = weight_loader
             layer.register_parameter(name, param)
+
+    @staticmethod
+    def pack(parts: list[torch.Tensor], layout: WeightLayout | None) -> QuantizedWeight:
+        """The kernel's panels of ``parts``: the codes, then the ``block_params`` in their order."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
+        self._keep_packed(layer, self.pack([getattr(layer, name).data for name in ("qweight", *self.block_params)],
+                                           layout))
 
     def _keep_packed(self, layer, packed: QuantizedWeight) -> None:
         """Hold only ``packed``: its panels become the layer's ``qweight``, the loaded parts are dropped."""

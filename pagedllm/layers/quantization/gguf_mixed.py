@@ -6,17 +6,14 @@ each shard's columns of one output tensor, so the layer stays packed where it wo
 While loading, the layer's weight loaders fill one layout that holds every kind: int8 codes ``[out, in]`` (a 4-bit
 code or an IQ4 index is 0-15, a Q5_K code 0-31, a Q6_K one q - 32, a Q8_0 one itself), and per 16 inputs a float32
 scale and zero (a part scaled per 32 has each repeated; a kind without zeros leaves 0), cut by rank like a dense
-weight. Each shard is then packed as its own kind's method would pack it.
+weight. Each shard is then packed by its own kind's method (``pack``).
 """
 
 import torch
 from torch import nn
 
 from pagedllm.layers.gemm_layout import Q6K_BLOCK, QuantizedWeight, WeightLayout
-from pagedllm.layers.quantization.gguf_int4 import GGUFInt4LinearMethod
-from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
-from pagedllm.layers.quantization.gguf_q8 import GGUFQ2KLinearMethod, GGUFQ5KLinearMethod, GGUFQ6KLinearMethod
 
 
 class GGUFMixedLinearMethod(GGUFLinearMethod):
@@ -46,19 +43,10 @@ class GGUFMixedLinearMethod(GGUFLinearMethod):
     def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
         for (offset, size, _), method in zip(layer.output_shards(), self.part_methods, strict=True):
             rows = slice(offset, offset + size)
-            codes, scales, zeros = layer.qweight.data[rows], layer.scales.data[rows], layer.zeros.data[rows]
-            if method is GGUFQ6KLinearMethod:
-                weight = QuantizedWeight.q8(codes, scales, layout)
-            elif method is GGUFInt4LinearMethod:
-                weight = QuantizedWeight.q4(codes.to(torch.uint8), scales[:, ::2], zeros[:, ::2], layout)
-            elif method is GGUFQ2KLinearMethod:  # per 16, as the common layout holds them
-                weight = QuantizedWeight.q8(codes, scales, layout, zeros)
-            elif method is GGUFQ5KLinearMethod:
-                weight = QuantizedWeight.q8(codes, scales[:, ::2], layout, zeros[:, ::2])
-            elif method is GGUFIQ4LinearMethod:
-                weight = QuantizedWeight.iq4(codes.to(torch.uint8), scales[:, ::2], layout)
-            else:
-                weight = QuantizedWeight.q8(codes, scales[:, ::2].contiguous(), layout)
+            step = method.block // self.block  # a per-32 part's scales and zeros are each held twice
+            parts = [layer.qweight.data[rows].to(method.code_dtype)]
+            parts += [getattr(layer, name).data[rows, ::step] for name in method.block_params]
+            weight = method.pack(parts, layout)
             bias = None if layer.bias is None else layer.bias.data[rows]
             self.shards.append((offset, size, weight, bias))
         for name in ("qweight", *self.block_params):

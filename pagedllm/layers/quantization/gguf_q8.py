@@ -23,8 +23,9 @@ class GGUFQ8LinearMethod(GGUFLinearMethod):
     code_dtype = torch.int8
     block_params = ("scales",)
 
-    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
-        self._keep_packed(layer, QuantizedWeight.q8(layer.qweight, layer.scales, layout))
+    @staticmethod
+    def pack(parts: list[torch.Tensor], layout: WeightLayout | None) -> QuantizedWeight:
+        return QuantizedWeight.q8(*parts, layout)
 
 
 class GGUFQ6KLinearMethod(GGUFQ8LinearMethod):
@@ -38,8 +39,10 @@ class GGUFQ5KLinearMethod(GGUFQ8LinearMethod):
 
     block_params = ("scales", "zeros")
 
-    def process_weights_after_loading(self, layer, layout: WeightLayout | None = None):
-        self._keep_packed(layer, QuantizedWeight.q8(layer.qweight, layer.scales, layout, layer.zeros))
+    @staticmethod
+    def pack(parts: list[torch.Tensor], layout: WeightLayout | None) -> QuantizedWeight:
+        codes, scales, zeros = parts
+        return QuantizedWeight.q8(codes, scales, layout, zeros)
 
 
 class GGUFQ2KLinearMethod(GGUFQ5KLinearMethod):
