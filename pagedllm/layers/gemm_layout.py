@@ -149,18 +149,23 @@ class QuantizedWeight:
            layout: WeightLayout | None = None) -> "QuantizedWeight":
         """4-bit codes, each weight ``code * scale + zero`` per block of 32 along K: gemm_q4_f32's panels where
         every scale is an fp16 value (Q4_0, Q4_1), else gemm_q4k_f32's, with float32 scales (Q4_K's d * sc)."""
-        scale_dtype = torch.float16 if _fp16_values(scales) else torch.float32
-        kernel = "gemm_q4" if scale_dtype == torch.float16 else "gemm_q4k"
-        return cls(kernel, pack_q4_panels(codes, scales, zeros, scale_dtype), codes.shape[0], layout)
+        return cls._nibbles(("gemm_q4", "gemm_q4k"), codes, scales, zeros, layout)
 
     @classmethod
     def iq4(cls, indices: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None
             ) -> "QuantizedWeight":
         """4-bit indices into IQ4_NL's 16 values, each weight ``value * scale`` per block of 32 along K: fp16 scales
         (IQ4_NL, gemm_iq4nl_f32) or float32 ones (IQ4_XS's d * (ls - 32), gemm_iq4xs_f32)."""
-        scale_dtype = torch.float16 if _fp16_values(scales) else torch.float32
-        kernel = "gemm_iq4nl" if scale_dtype == torch.float16 else "gemm_iq4xs"
-        return cls(kernel, pack_q4_panels(indices, scales, None, scale_dtype), indices.shape[0], layout)
+        return cls._nibbles(("gemm_iq4nl", "gemm_iq4xs"), indices, scales, None, layout)
+
+    @classmethod
+    def _nibbles(cls, kernels: tuple[str, str], codes: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, layout: WeightLayout | None) -> "QuantizedWeight":
+        """Nibble panels (pack_q4_panels) for the first of ``kernels`` where every scale is an fp16 value, else,
+        with float32 scales, for the second."""
+        fp16 = _fp16_values(scales)
+        panels = pack_q4_panels(codes, scales, zeros, torch.float16 if fp16 else torch.float32)
+        return cls(kernels[0] if fp16 else kernels[1], panels, codes.shape[0], layout)
 
     @classmethod
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None,

@@ -45,7 +45,6 @@ class VocabParallelEmbedding(nn.Module):
         self.dtype = params_dtype or torch.get_default_dtype()
         # inputs per scale where the rows are int8 codes (Q8_0: 32, Q6_K: 16), else None
         self.scale_block = None if quant_config is None else quant_config.int8_rows_block(prefix)
-        self.q8 = self.scale_block is not None
         rows = self.num_embeddings_per_partition
         if self.q8:
             self._add_param("qweight", torch.empty(rows, embedding_dim, dtype=torch.int8))
@@ -54,6 +53,11 @@ class VocabParallelEmbedding(nn.Module):
             self._add_param("weight", torch.empty(rows, embedding_dim, dtype=self.dtype))
         self._projection: DenseWeight | QuantizedWeight | None = None
         self._few_rows_projection: QuantizedWeight | None = None  # see Q8_HEAD_MAX_ROWS
+
+    @property
+    def q8(self) -> bool:
+        """Whether the rows are int8 codes (Q8_0 or Q6_K) and scales rather than a dense weight."""
+        return self.scale_block is not None
 
     def _add_param(self, name: str, data: torch.Tensor) -> None:
         param = nn.Parameter(data, requires_grad=False)
