@@ -514,15 +514,37 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-static inline __attribute__((always_inline)) int gemm_quant(const float *x, int64_t ldx, const uint8_t *packed,
-                                                            const float *bias, float *y, int64_t ldy, int M, int N,
-                                                            int K, int num_threads, const int fmt) {
-    if (K % qblock(fmt) != 0) return -1;
+/* Rows row_begin .. row_end of one panel's columns; fmt a constant after inlining, so that each format's loops
+ * compile without its tests. Items of more than one tile dequantize their panel once into scratch (when there is
+ * one) and run the dense tiles over it; others multiply the codes as they go. */
+static inline __attribute__((always_inline)) void quant_item(const float *x, int64_t ldx, const uint8_t *panel,
+                                                             const float *bias, float *y, int64_t ldy, int K,
+                                                             int row_begin, int row_end, int cols, float *scratch,
+                                                             const int fmt) {
+    if (scratch != NULL && row_end - row_begin > QUANT_TILE_ROWS) {
+        dequant_panel(panel, K, scratch, fmt);
+        panel_rows(x, ldx, scratch, bias, y, ldy, K, row_begin, row_end, cols, NULL);
+    } else {
+        quant_panel_rows(x, ldx, panel, bias, y, ldy, K, row_begin, row_end, cols, fmt);
+    }
+}
+
+/* Each format's cases, CASE(format) for every one of the enum's. */
+#define FOR_EACH_FORMAT(CASE) CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K)
+
+int gemm_quant_available(void) { return 1; }
+
+/* packed: [ceil(N / 64), K / qblock(format), record_bytes(format)] bytes of records of one format (the enum above,
+ * which native/gemms.py's QUANT_FORMATS numbers alike); K a multiple of the format's block. The rest as
+ * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
+int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads, int format) {
+    if (format < Q4 || format > Q2K || K % qblock(format) != 0) return -1;
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
     const int items = panels * row_blocks;
-    const int64_t panel_bytes = (int64_t)(K / qblock(fmt)) * record_bytes(fmt);
+    const int64_t panel_bytes = (int64_t)(K / qblock(format)) * record_bytes(format);
 #pragma omp parallel num_threads(num_threads)
     {
         /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
@@ -535,34 +557,18 @@ static inline __attribute__((always_inline)) int gemm_quant(const float *x, int6
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const uint8_t *panel = packed + p * panel_bytes;
             const float *b = bias == NULL ? NULL : bias + p * NR;
-            if (scratch != NULL && row_end - row_begin > QUANT_TILE_ROWS) {
-                dequant_panel(panel, K, scratch, fmt);
-                panel_rows(x, ldx, scratch, b, y + p * NR, ldy, K, row_begin, row_end, cols, NULL);
-            } else {
-                quant_panel_rows(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols, fmt);
-            }
+            /* The switch sits inside the parallel region: the compiler outlines the region into one function, so
+             * a format known only outside it would reach the loops as a variable. */
+#define QUANT_ITEM(fmt)                                                                                       \
+    case fmt: quant_item(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols, scratch, fmt); break;
+            switch (format) { FOR_EACH_FORMAT(QUANT_ITEM) }
+#undef QUANT_ITEM
         }
         free(scratch);
     }
     return 0;
 }
-
-int gemm_quant_available(void) { return 1; }
-
-/* packed: [ceil(N / 64), K / qblock(format), record_bytes(format)] bytes of records of one format (the enum above,
- * which native/gemms.py's QUANT_FORMATS numbers alike); K a multiple of the format's block. The rest as
- * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
-int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                   int M, int N, int K, int num_threads, int format) {
-#define GEMM_FORMAT(fmt) \
-    case fmt: return gemm_quant(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, fmt);
-    switch (format) { /* each case its own instance of the always-inlined driver */
-        GEMM_FORMAT(Q4) GEMM_FORMAT(Q8) GEMM_FORMAT(Q4K) GEMM_FORMAT(Q6K) GEMM_FORMAT(Q5K) GEMM_FORMAT(IQ4NL)
-        GEMM_FORMAT(IQ4XS) GEMM_FORMAT(Q2K)
-    }
-#undef GEMM_FORMAT
-    return -1;
-}
+#undef FOR_EACH_FORMAT
 #else
 int gemm_quant_available(void) { return 0; }
 
