@@ -470,17 +470,20 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
         const float *xb = x + blk * block;
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
-        for (int j = 0; j < 4; j++) {
-            const PairParams params = pair_params(record, j, fmt);
-            __m256 cj = c[j], cj4 = c[j + 4];
+        for (int j = 0; j < 4; j += 2) {
+            const PairParams params = pair_params(record, j, fmt), params1 = pair_params(record, j + 1, fmt);
+            __m256 cj = c[j], cj4 = c[j + 4], cj1 = c[j + 1], cj5 = c[j + 5];
             for (int kk = 0; kk < block; kk++) {
-                __m256 w, w4;
+                __m256 w, w4, w1, w5;
                 dequant_pair(record, kk, j, fmt, &params, &w, &w4);
+                dequant_pair(record, kk, j + 1, fmt, &params1, &w1, &w5);
                 const __m256 b = _mm256_broadcast_ss(xb + kk);
                 cj = _mm256_fmadd_ps(b, w, cj);
                 cj4 = _mm256_fmadd_ps(b, w4, cj4);
+                cj1 = _mm256_fmadd_ps(b, w1, cj1);
+                cj5 = _mm256_fmadd_ps(b, w5, cj5);
             }
-            c[j] = cj, c[j + 4] = cj4;
+            c[j] = cj, c[j + 4] = cj4, c[j + 1] = cj1, c[j + 5] = cj5;
         }
     }
     store_row(c, bias, y, cols);
