@@ -60,25 +60,34 @@ void head_rms_norm_f32(float *x, int64_t row_stride, const float *weight, int64_
     }
 }
 
-/* out[t] = act(x[t, :d]) * x[t, d:] for rows of 2d floats, act(g) * u being act_mul(g, u) (inlined: the callers
- * pass a constant). */
-static inline __attribute__((always_inline)) void gated_rows(const float *x, float *out, int64_t rows, int d,
-                                                             float (*act_mul)(float, float)) {
+/* The gated activations: act(g) * u. */
+enum { SILU_MUL, GELU_TANH_MUL };
+
+/* out[i] = act(gate[i]) * up[i], act(g) * u being act_mul(g, u) (inlined: the caller passes a constant). */
+static inline __attribute__((always_inline)) void gated_row(const float *gate, const float *up, float *out, int d,
+                                                            float (*act_mul)(float, float)) {
+#pragma omp simd
+    for (int i = 0; i < d; i++) out[i] = act_mul(gate[i], up[i]);
+}
+
+/* out[t] = act(x[t, :d]) * x[t, d:] for rows of 2d floats. The activation is chosen per row inside the parallel
+ * loop: the compiler outlines the loop into one function, so a function pointer passed from outside it would be
+ * called per element there, unvectorised. */
+static void gated_rows(const float *x, float *out, int64_t rows, int d, int activation) {
 #pragma omp parallel for schedule(static) if (rows * d >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
         const float *gate = x + t * 2 * d, *up = gate + d;
-        float *ot = out + t * d;
-#pragma omp simd
-        for (int i = 0; i < d; i++) ot[i] = act_mul(gate[i], up[i]);
+        if (activation == SILU_MUL) gated_row(gate, up, out + t * d, d, silu_mul);
+        else gated_row(gate, up, out + t * d, d, gelu_tanh_mul);
     }
 }
 
 /* SwiGLU: silu(x[t, :d]) * x[t, d:]. */
-void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) { gated_rows(x, out, rows, d, silu_mul); }
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d) { gated_rows(x, out, rows, d, SILU_MUL); }
 
 /* GeGLU: gelu_tanh(x[t, :d]) * x[t, d:]. */
 void gelu_tanh_and_mul_f32(const float *x, float *out, int64_t rows, int d) {
-    gated_rows(x, out, rows, d, gelu_tanh_mul);
+    gated_rows(x, out, rows, d, GELU_TANH_MUL);
 }
 
 /* Neox-style rotary in place on the first `heads` heads of each row (rows row_stride floats apart: the
