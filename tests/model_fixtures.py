@@ -124,7 +124,7 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
     """Write an HF model as a GGUF the way llama.cpp's converter does,
     naming tensors with gguf-py's own map and permuting llama q/k rows (Gemma: its head size and soft caps in the
     metadata, its norm weights with their one added, no output tensor: it is tied);
-    unquantized, or with the decoder layers' linear weights in ``layer_type``
+    unquantized, or with the decoder layers' linear weights (and stacked experts) in ``layer_type``
     (or in the type it gives for each HF module name)."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
@@ -171,9 +171,10 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
         if arch == "llama" and base.endswith(("q_proj", "k_proj")):
             n_head = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
             weight = _llama_cpp_permute(weight, n_head)
-        if layer_type is not None and base.startswith("model.layers.") and weight.ndim == 2:
+        if layer_type is not None and base.startswith("model.layers.") and weight.ndim >= 2:
             tensor_type = layer_type(base) if callable(layer_type) else layer_type
-            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", quantize_gguf(weight, tensor_type),
+            blocks = quantize_gguf(weight.reshape(-1, weight.shape[-1]), tensor_type)  # an expert stack: row-wise
+            writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", blocks.reshape(*weight.shape[:-1], -1),
                               raw_dtype=tensor_type)
             continue
         writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", weight)

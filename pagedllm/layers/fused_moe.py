@@ -9,6 +9,10 @@ A step of up to NATIVE_MAX_TOKENS float32 tokens on a rank holding every expert 
 (native/fused_moe.c, the same routing and order of sums), which a CPU graph can replay, since it decides the routing
 as it runs; larger steps run the torch code below, whose per-expert GEMMs suit many tokens an expert.
 
+The layer's ``quant_method`` (vLLM's structure) holds the experts' weights and runs them: UnquantizedFusedMoEMethod
+the stacks above; a quantization config may give another (layers/quantization/gguf_moe.py keeps a GGUF file's packed
+experts in gemm.c's quantized panels), which runs the same routing and sums through routed_experts.
+
 Parallelism, as vLLM's: with tensor parallelism every rank holds every expert's slice of the intermediate
 dimension; with expert parallelism (``enable_expert_parallel``) each rank holds whole experts, a contiguous share of
 them. Either way a rank's output is a partial sum of the layer's, and one all-reduce over the TP group completes it.
@@ -16,6 +20,7 @@ them. Either way a rank's output is a partial sum of the layer's, and one all-re
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -25,21 +30,24 @@ from torch import nn
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.layers.linear import divide
+from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native.fused import fused_moe
 
 NATIVE_MAX_TOKENS = 128  # the most tokens a CPU graph's step takes (worker/cpu_graphs.py's MAX_GRAPH_TOKENS)
-_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+# An expert's tensor: its weight, or (a GGUF expert kept packed) its codes and per-block scales and zeros.
+_EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|qweight|scales|zeros)$")
 
 
 def expert_weight_target(name: str, expert_weight_names: tuple[str, str, str]) -> Optional[tuple[str, int, str]]:
-    """For a checkpoint tensor of one expert (``...experts.<id>.<proj>.weight``, where ``expert_weight_names`` are
-    the checkpoint's names for the gate, down and up projections): the fused parameter it loads into, the expert's
-    id and its shard (``w1`` gate, ``w2`` down, ``w3`` up); None for any other tensor."""
+    """For a checkpoint tensor of one expert (``...experts.<id>.<proj>.<part>``, where ``expert_weight_names`` are
+    the checkpoint's names for the gate, down and up projections): the fused parameter it loads into
+    (``w13_<part>`` or ``w2_<part>``), the expert's id and its shard (``w1`` gate, ``w2`` down, ``w3`` up); None for
+    any other tensor."""
     match = _EXPERT_WEIGHT.match(name)
     if match is None or match.group(3) not in expert_weight_names:
         return None
     shard = ("w1", "w2", "w3")[expert_weight_names.index(match.group(3))]
-    return f"{match.group(1)}.{'w2' if shard == 'w2' else 'w13'}_weight", int(match.group(2)), shard
+    return f"{match.group(1)}.{'w2' if shard == 'w2' else 'w13'}_{match.group(4)}", int(match.group(2)), shard
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,30 +60,72 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
-    """``[T, hidden]`` -> ``[T, hidden]``: the weighted sum of each token's experts among those held here
-    (``w13``/``w2`` hold experts ``first_expert`` onwards; a token's other experts contribute nothing here).
+def routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int,
+                   expert_mlp: Callable[[int, torch.Tensor], torch.Tensor], first_expert: int = 0) -> torch.Tensor:
+    """``[T, hidden]`` -> ``[T, hidden]``: the weighted sum of each token's experts among those held here (experts
+    ``first_expert`` onwards, ``expert_mlp(local index, rows)`` each; a token's other experts contribute nothing
+    here).
 
-    The token-expert pairs are sorted by expert (one stable sort), so each held expert with tokens runs one GEMM
-    pair over a contiguous block of rows; the weighted rows are summed back into their tokens with one index_add."""
+    The token-expert pairs are sorted by expert (one stable sort), so each held expert with tokens runs once over a
+    contiguous block of rows; the weighted rows are summed back into their tokens with one index_add."""
     num_tokens, top_k = topk_ids.shape
     local_ids = topk_ids.flatten() - first_expert
     order = torch.argsort(local_ids, stable=True)
-    counts = torch.bincount(local_ids.clamp(-1, w13.shape[0]) + 1, minlength=w13.shape[0] + 2).tolist()
+    counts = torch.bincount(local_ids.clamp(-1, num_local_experts) + 1, minlength=num_local_experts + 2).tolist()
     token_of = order // top_k
     out = torch.zeros_like(x)
     start = counts[0]  # pairs whose expert sits before this rank's
     for expert, count in enumerate(counts[1:-1]):
         if count:
             pairs = slice(start, start + count)
-            gate_up = x[token_of[pairs]] @ w13[expert].t()
-            gate, up = gate_up.chunk(2, dim=-1)
-            rows = (F.silu(gate) * up) @ w2[expert].t()
+            rows = expert_mlp(expert, x[token_of[pairs]])
             rows *= topk_weights.flatten()[order[pairs]].unsqueeze(-1).to(rows.dtype)
             out.index_add_(0, token_of[pairs], rows)
             start += count
     return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """routed_experts over stacked weights (``w13``/``w2`` hold experts ``first_expert`` onwards): one GEMM pair
+    per held expert with tokens."""
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = (rows @ w13[expert].t()).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ w2[expert].t()
+
+    return routed_experts(x, topk_weights, topk_ids, w13.shape[0], expert_mlp, first_expert)
+
+
+class UnquantizedFusedMoEMethod:
+    """The experts as two stacked tensors in the model's dtype (``w13_weight``, ``w2_weight``, see the module's
+    docstring), filled by FusedMoE.weight_loader."""
+
+    def create_weights(self, layer: "FusedMoE") -> None:
+        local, inter, hidden = layer.num_local_experts, layer.intermediate_size_per_partition, layer.hidden_size
+        layer.w13_weight = nn.Parameter(torch.empty(local, 2 * inter, hidden), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(local, hidden, inter), requires_grad=False)
+        for param in (layer.w13_weight, layer.w2_weight):
+            param.weight_loader = layer.weight_loader
+
+    def process_weights_after_loading(self, layer: "FusedMoE", layout=None) -> None:
+        """Nothing to lay out: the stacks serve both paths as they are."""
+
+    def runs_natively(self, layer: "FusedMoE") -> bool:
+        """Whether every step of up to NATIVE_MAX_TOKENS tokens takes the native kernel (float32 experts, all on
+        this rank), so a CPU graph can replay it."""
+        return (layer.w13_weight.dtype == torch.float32 and layer.num_local_experts == layer.num_experts
+                and layer.tp_size == 1)
+
+    def apply(self, layer: "FusedMoE", hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[0] <= NATIVE_MAX_TOKENS and self.runs_natively(layer):
+            out = fused_moe(hidden_states, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k,
+                            layer.renormalize)
+            if out is not None:
+                return out
+        topk_weights, topk_ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+        return fused_experts(hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             layer.first_expert)
 
 
 class FusedMoE(nn.Module):
@@ -83,13 +133,16 @@ class FusedMoE(nn.Module):
     states and the router's logits."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 rank: ParallelRank = ParallelRank(), reduce_results: bool = True, prefix: str = ""):
+                 rank: ParallelRank = ParallelRank(), reduce_results: bool = True,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         """``reduce_results``: False leaves the output this rank's partial sum (the caller adds to it and
-        all-reduces once)."""
+        all-reduces once). ``quant_config`` may give the experts a quantized method (by ``prefix``, the experts'
+        checkpoint name, e.g. ``model.layers.0.mlp.experts``)."""
         super().__init__()
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.reduce_results = reduce_results
+        self.hidden_size, self.reduce_results = hidden_size, reduce_results
         self.tp_size = rank.tp_size
+        self.params_dtype = torch.get_default_dtype()
         if rank.expert_parallel:
             self.num_local_experts = divide(num_experts, rank.tp_size)
             self.first_expert = rank.tp_rank * self.num_local_experts
@@ -98,39 +151,46 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.first_expert = num_experts, 0
             self.intermediate_size_per_partition = divide(intermediate_size, rank.tp_size)
             self.intermediate_start = rank.tp_rank * self.intermediate_size_per_partition
-        local, inter = self.num_local_experts, self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(torch.empty(local, 2 * inter, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(local, hidden_size, inter), requires_grad=False)
-        for param in (self.w13_weight, self.w2_weight):
-            param.weight_loader = self.weight_loader
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self)
+
+    def local_expert(self, expert_id: int) -> int | None:
+        """The index among this rank's experts of expert ``expert_id``; None where another rank holds it."""
+        local = expert_id - self.first_expert
+        return local if 0 <= local < self.num_local_experts else None
+
+    def rank_slice(self, loaded: torch.Tensor, shard_id: str, per_input: int = 1) -> torch.Tensor:
+        """This rank's part of one expert's projection, or of a tensor with one column per ``per_input`` of its
+        inputs (a GGUF part's per-block scales): the gate's and up's rows (``w1``, ``w3``), the down's columns
+        (``w2``) of this rank's slice of the intermediate dimension."""
+        inter, start = self.intermediate_size_per_partition, self.intermediate_start
+        if shard_id == "w2":
+            return loaded.narrow(1, start // per_input, inter // per_input)
+        return loaded.narrow(0, start, inter)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int, shard_id: str) -> None:
         """One expert's projection (``w1`` gate, ``w3`` up: ``[intermediate, hidden]``; ``w2`` down:
         ``[hidden, intermediate]``) into this rank's slice; an expert held by another rank is skipped."""
-        local = expert_id - self.first_expert
-        if not 0 <= local < self.num_local_experts:
+        local = self.local_expert(expert_id)
+        if local is None:
             return
-        inter, start = self.intermediate_size_per_partition, self.intermediate_start
-        if shard_id == "w2":
-            target, source = param.data[local], loaded_weight.narrow(1, start, inter)
-        else:
-            target = param.data[local].narrow(0, 0 if shard_id == "w1" else inter, inter)
-            source = loaded_weight.narrow(0, start, inter)
+        inter = self.intermediate_size_per_partition
+        source = self.rank_slice(loaded_weight, shard_id)
+        target = param.data[local] if shard_id == "w2" else \
+            param.data[local].narrow(0, 0 if shard_id == "w1" else inter, inter)
         if target.shape != source.shape:
             raise ValueError(f"expert {expert_id} {shard_id}: checkpoint shape {tuple(loaded_weight.shape)} does "
                              f"not fit {tuple(target.shape)} (this rank's slice)")
         target.copy_(source)
 
+    @property
+    def runs_natively(self) -> bool:
+        """Whether a step of up to NATIVE_MAX_TOKENS tokens is one native call (which a CPU graph can replay)."""
+        return isinstance(self.quant_method, UnquantizedFusedMoEMethod) and self.quant_method.runs_natively(self)
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        if hidden_states.shape[0] <= NATIVE_MAX_TOKENS and self.num_local_experts == self.num_experts \
-                and self.tp_size == 1:
-            out = fused_moe(hidden_states, router_logits, self.w13_weight, self.w2_weight, self.top_k,
-                            self.renormalize)
-            if out is not None:
-                return out
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            self.first_expert)
+        out = self.quant_method.apply(self, hidden_states, router_logits)
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

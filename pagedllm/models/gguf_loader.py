@@ -398,7 +398,8 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
     """Yield ``(hf_name, tensor)`` for every model tensor in a GGUF file, dequantized to float32.
 
     The weight of a packed type (``unpack``) of a module named in ``packed_modules`` comes instead as
-    ``{module}.qweight`` (codes), ``.scales`` and, where the type has them, ``.zeros``.
+    ``{module}.qweight`` (codes), ``.scales`` and, where the type has them, ``.zeros`` (a stack of experts: named
+    with ``{expert}``, as gguf_to_hf_name names it, each expert's parts in turn).
     """
     metadata, tensors = read_gguf_header(path)
     file = np.memmap(path, dtype=np.uint8, mode="r")
@@ -413,12 +414,15 @@ def gguf_weights_iterator(path: str, packed_modules: Container[str] = frozenset(
         hf_name = gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             continue
-        if "{expert}" in hf_name:  # each expert's slice of the stack, as the checkpoint's per-expert tensors,
-            for expert, rows in enumerate(data):  # dequantized one at a time (a stack is GBs in float32)
-                weight = np.require(dequantize_fast(rows, tensor.tensor_type), requirements=["C", "W"])
-                yield hf_name.format(expert=expert), torch.from_numpy(weight)
-            continue
         module, suffix = hf_name.rsplit(".", 1)
+        if "{expert}" in hf_name:  # each expert's slice of the stack, as the checkpoint's per-expert tensors, one
+            for expert, rows in enumerate(data):  # at a time (a stack is GBs in float32), packed or dequantized
+                parts = (zip(PACKED_PARTS, unpack(rows, tensor.tensor_type)) if module in packed_modules
+                         else [(suffix, dequantize_fast(rows, tensor.tensor_type))])
+                for part, array in parts:
+                    yield (f"{module}.{part}".format(expert=expert),
+                           torch.from_numpy(np.require(array, requirements=["C", "W"])))
+            continue
         if suffix == "weight" and module in packed_modules:
             parts = dict(zip(PACKED_PARTS, unpack(data, tensor.tensor_type)))
         else:

@@ -59,12 +59,12 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
         raise ValueError(f"quantization={quantization!r} needs a .gguf model; {path!r} is not a .gguf file")
     tensor_types = gguf_tensor_types(path)
     if quantization == "gguf":  # any GGUF: what no kernel takes is dequantized, as summary() tells
-        return GGUFConfig(tensor_types, model_class.stacked_params_mapping)
+        return GGUFConfig(tensor_types, model_class.stacked_params_mapping, model_class.expert_weight_names)
     layer_types = {t for name, t in tensor_types.items() if name.startswith("model.layers.")}
     if not layer_types & Q4_TYPES:
         raise ValueError(f"quantization={quantization!r} needs Q4_0/Q4_1/Q4_K layer weights; {path!r} has "
                          f"{', '.join(sorted(t.name for t in layer_types))}")
-    return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping)
+    return GGUFInt4Config(tensor_types, model_class.stacked_params_mapping, model_class.expert_weight_names)
 
 
 def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoice, rank: ParallelRank = ParallelRank(),

@@ -42,7 +42,8 @@ class SparseMoeBlock(nn.Module):
         self.tp_size = rank.tp_size
         self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
-                                renormalize, rank, reduce_results=False, prefix=f"{prefix}.experts")
+                                renormalize, rank, reduce_results=False, quant_config=quant_config,
+                                prefix=f"{prefix}.experts")
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(config.hidden_size, shared_expert_intermediate_size, config.hidden_act,
@@ -63,10 +64,9 @@ class SparseMoeBlock(nn.Module):
 
 
 def experts_run_natively(model: nn.Module) -> bool:
-    """Whether ``model``'s MoE blocks run a decode step in native calls only (float32 experts and the native
-    kernels built), so its decode steps can replay CPU graphs."""
-    return native.fused_ops() is not None and all(
-        m.w13_weight.dtype == torch.float32 for m in model.modules() if isinstance(m, FusedMoE))
+    """Whether ``model``'s MoE blocks run a decode step in native calls only (FusedMoE.runs_natively: float32
+    experts on one rank, and the native kernels built), so its decode steps can replay CPU graphs."""
+    return native.fused_ops() is not None and all(m.runs_natively for m in model.modules() if isinstance(m, FusedMoE))
 
 
 def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:

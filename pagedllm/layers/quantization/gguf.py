@@ -9,7 +9,8 @@ gemm_iq4xs_f32, the same). ``gguf_int4``: the Q4 layers only. Under both a Q8_0 
 codes (layers/vocab_embedding.py). The other types (F16, BF16, F32), and any fused layer with a part of those (a
 qkv_proj of Q4_K q/k and an F16 v), are dequantized at load; a fused layer whose parts are packed kinds that differ
 (Q4_K q/k with a Q6_K v, as Q4_K_M files have some) keeps each shard in its own kind (GGUFMixedLinearMethod).
-``summary`` says which layers got which.
+A mixture-of-experts layer's stacked experts stay packed where each of its three stacks is of such a kind
+(GGUFFusedMoEMethod). ``summary`` says which layers got which.
 """
 
 from collections import Counter
@@ -18,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.gemm_layout import Q6K_BLOCK, QBLOCK, native_applies
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig, checkpoint_modules
@@ -25,6 +27,7 @@ from pagedllm.layers.quantization.gguf_int4 import Q4_TYPES, GGUFInt4LinearMetho
 from pagedllm.layers.quantization.gguf_iq4 import GGUFIQ4LinearMethod
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm.layers.quantization.gguf_mixed import GGUFMixedLinearMethod
+from pagedllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 from pagedllm.layers.quantization.gguf_q8 import (GGUFQ2KLinearMethod, GGUFQ5KLinearMethod, GGUFQ6KLinearMethod,
                                                   GGUFQ8LinearMethod)
 
@@ -41,9 +44,11 @@ class GGUFConfig(QuantizationConfig):
     q8_layers = True  # Q8_0 layers stay packed where gemm_q8_f32 applies
 
     def __init__(self, tensor_types: dict[str, GGMLQuantizationType],
-                 stacked_params_mapping: list[tuple[str, str, object]]):
+                 stacked_params_mapping: list[tuple[str, str, object]], expert_weight_names: tuple[str, ...] = ()):
+        """``expert_weight_names``: an MoE model's checkpoint names of its experts' gate, down and up projections."""
         self.tensor_types = tensor_types
         self.stacked_params_mapping = stacked_params_mapping
+        self.expert_weight_names = expert_weight_names
 
     def _methods(self, layer: nn.Module) -> dict[GGMLQuantizationType, type[GGUFLinearMethod]]:
         """GGUF type -> the method keeping ``layer``'s weight of that type packed; a type not here is dequantized.
@@ -67,6 +72,8 @@ class GGUFConfig(QuantizationConfig):
         return [self.tensor_types.get(f"{name}.weight") for name in self._checkpoint_modules(prefix)]
 
     def get_quant_method(self, layer, prefix):
+        if isinstance(layer, FusedMoE):
+            return self._experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None
         methods = self._methods(layer)
@@ -80,6 +87,21 @@ class GGUFConfig(QuantizationConfig):
             return GGUFMixedLinearMethod(parts)
         return None
 
+    def _expert_modules(self, prefix: str) -> list[str]:
+        """The checkpoint modules of the experts ``prefix`` (gate, down, up), ``{expert}`` standing for the index,
+        as the loader names a file's stacked ``_exps`` tensors."""
+        return [f"{prefix}.{{expert}}.{name}" for name in self.expert_weight_names]
+
+    def _experts_method(self, layer: FusedMoE, prefix: str) -> GGUFFusedMoEMethod | None:
+        """Packed experts where every stack is of a kind a native kernel takes (the Q4 kinds need gemm_q4: torch's
+        int4 kernel cannot write half an output); else None, and the layer's experts are dequantized."""
+        methods = self._methods(layer)
+        kinds = [methods.get(self.tensor_types.get(f"{name}.weight")) for name in self._expert_modules(prefix)]
+        if not kinds or None in kinds or (GGUFInt4LinearMethod in kinds and
+                                          not native_applies("gemm_q4", layer.params_dtype, torch.device("cpu"))):
+            return None
+        return GGUFFusedMoEMethod(dict(zip(("w1", "w2", "w3"), kinds)))
+
     def int8_rows_block(self, prefix: str) -> int | None:
         """A Q8_0 embedding (or LM head) keeps its codes, 32 inputs a scale; so does a Q6_K one (as Q4_K_M files
         hold the LM head, or a tied embedding), 16 a scale."""
@@ -92,24 +114,34 @@ class GGUFConfig(QuantizationConfig):
         linear = {name for prefix, module in model.named_modules()
                   if isinstance(getattr(module, "quant_method", None), GGUFLinearMethod)
                   for name in self._checkpoint_modules(prefix)}
-        return linear | _q8_embeddings(model)
+        experts = {name for prefix, module in model.named_modules()
+                   if isinstance(getattr(module, "quant_method", None), GGUFFusedMoEMethod)
+                   for name in self._expert_modules(prefix)}
+        return linear | experts | _q8_embeddings(model)
 
     def summary(self, model: nn.Module) -> str:
         """Which linear layers stay packed and which are dequantized, counted by their GGUF types (a fused layer's
         parts joined by ``+``), and the embeddings and LM heads that keep their codes."""
         counts = {True: Counter(), False: Counter()}
+        experts = {True: Counter(), False: Counter()}
         for prefix, module in model.named_modules():
             if isinstance(module, LinearBase):
                 types = "+".join(sorted({t.name for t in self._types(prefix) if t is not None}))
                 if types:
                     counts[isinstance(module.quant_method, GGUFLinearMethod)][types] += 1
+            elif isinstance(module, FusedMoE):
+                types = "+".join(sorted({t.name for name in self._expert_modules(prefix)
+                                         if (t := self.tensor_types.get(f"{name}.weight")) is not None}))
+                experts[isinstance(module.quant_method, GGUFFusedMoEMethod)][types] += 1
         q8 = sorted(_q8_embeddings(model))
 
         def listed(counter: Counter) -> str:
             return ", ".join(f"{types} x{n}" for types, n in sorted(counter.items())) or "none"
 
+        moe = (f"; experts kept packed: {listed(experts[True])}; experts dequantized at load: "
+               f"{listed(experts[False])}") if experts[True] or experts[False] else ""
         return (f"linear layers kept packed: {listed(counts[True])}; dequantized at load: {listed(counts[False])}; "
-                f"embeddings and LM heads kept packed: {', '.join(q8) or 'none'}")
+                f"embeddings and LM heads kept packed: {', '.join(q8) or 'none'}{moe}")
 
 
 def _q8_embeddings(model: nn.Module) -> set[str]:

@@ -1,0 +1,104 @@
+"""GGUF experts kept packed: a mixture-of-experts layer whose ``_exps`` stacks are of packed kinds (Qwen3-30B-A3B's
+Q4_K gate/up and Q6_K down, as a Q4_K_M file has them) holds each expert's projections in gemm.c's quantized panels
+instead of float32 stacks three to six times their size.
+
+The loader yields each expert's codes, scales and zeros (models/gguf_loader.py) and each part is cut to this rank's
+slice as it arrives; once a projection's parts are all in, they are packed into its panels and dropped, so loading
+never holds more than one layer's unpacked codes. An expert's gate and up become one ``[gate | up]`` weight where both
+are one kind and the gate fills whole panels (else two, each writing its half of the output). A step routes as the
+dense layer does (fused_moe.routed_experts: one sort, each active expert once over its tokens), each expert's rows
+through its panels: results equal the dense experts' on the dequantized weights up to the order of float32 sums.
+The routing decides in Python which experts run, so such a model's decode steps run eagerly (no CPU graph).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.fused_moe import FusedMoE, routed_experts, select_experts
+from pagedllm.layers.gemm_layout import PANEL, QuantizedWeight, WeightLayout
+from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
+from pagedllm.native.fused import silu_and_mul
+
+PROJECTIONS = {"w13": ("w1", "w3"), "w2": ("w2",)}  # FusedMoE's parameters and the shards each stacks
+
+
+class GGUFFusedMoEMethod:
+    """``methods``: per shard (``w1`` gate, ``w2`` down, ``w3`` up) the GGUF linear method of its stack's kind,
+    whose ``pack`` lays its parts out and whose ``block_params`` name them."""
+
+    def __init__(self, methods: dict[str, type[GGUFLinearMethod]]):
+        self.methods = methods
+        self.pending: dict[tuple[int, str], dict[str, torch.Tensor]] = {}  # (local expert, shard) -> parts so far
+        self.packed: dict[tuple[int, str], QuantizedWeight] = {}
+        # Per local expert, after loading: the [gate | up] weights with the column each writes from, and the down.
+        self.w13: list[list[tuple[int, QuantizedWeight]]] = []
+        self.w2: list[QuantizedWeight] = []
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        """Empty parameters named as the loader's parts (``w13_qweight``, ``w13_scales``, ...), so that loading
+        fills and checks them by name as any other; their weight_loader packs instead of storing."""
+        inter = layer.intermediate_size_per_partition
+        down = self.methods["w2"]  # a rank's slice of the intermediate dim cuts the down projection's inputs
+        if layer.num_local_experts == layer.num_experts and layer.tp_size > 1 and inter % down.block:
+            raise ValueError(f"{down.__name__} experts need the intermediate size per rank to be a multiple of "
+                             f"{down.block}; got {inter}")
+        for name, shards in PROJECTIONS.items():
+            for part in dict.fromkeys(p for s in shards for p in ("qweight", *self.methods[s].block_params)):
+                param = nn.Parameter(torch.empty(0), requires_grad=False)
+                param.part, param.weight_loader = part, self._loader(layer)
+                layer.register_parameter(f"{name}_{part}", param)
+
+    def _loader(self, layer: FusedMoE):
+        def weight_loader(param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
+            local = layer.local_expert(expert_id)
+            if local is None:
+                return
+            method = self.methods[shard_id]
+            per_input = 1 if param.part == "qweight" else method.block
+            parts = self.pending.setdefault((local, shard_id), {})
+            parts[param.part] = layer.rank_slice(loaded, shard_id, per_input).contiguous()
+            names = ("qweight", *method.block_params)
+            if all(name in parts for name in names):
+                del self.pending[(local, shard_id)]
+                self.packed[(local, shard_id)] = method.pack([parts[name] for name in names], None)
+
+        return weight_loader
+
+    def process_weights_after_loading(self, layer: FusedMoE, layout: WeightLayout | None = None) -> None:
+        missing = sorted({f"expert {layer.first_expert + e} {s}" for e in range(layer.num_local_experts)
+                          for s in self.methods if (e, s) not in self.packed})
+        if missing:
+            raise ValueError(f"GGUF experts incomplete after loading: {', '.join(missing[:4])}")
+        inter = layer.intermediate_size_per_partition
+        for expert in range(layer.num_local_experts):
+            gate, up, down = (self.packed.pop((expert, s)) for s in ("w1", "w3", "w2"))
+            if gate.kernel.name == up.kernel.name and inter % PANEL == 0:  # whole panels: [gate | up] is one weight
+                gate = QuantizedWeight(gate.kernel.name.removesuffix("_f32"), torch.cat([gate.panels, up.panels]),
+                                       2 * inter)
+                self.w13.append([(0, gate)])
+            else:
+                self.w13.append([(0, gate), (inter, up)])
+            self.w2.append(down)
+            if layout is not None:
+                for weight in (*(w for _, w in self.w13[-1]), down):
+                    weight.panels = layout.place(weight.panels)
+        for name in [name for name, _ in layer.named_parameters(recurse=False)]:
+            delattr(layer, name)
+
+    def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        """One expert's SiLU-gated MLP over its ``rows`` (float32)."""
+        gate_up = rows.new_empty(rows.shape[0], sum(weight.out_features for _, weight in self.w13[expert]))
+        for column, weight in self.w13[expert]:
+            weight.linear(rows, None, out=gate_up[:, column:column + weight.out_features])
+        act = silu_and_mul(gate_up)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = torch.nn.functional.silu(gate) * up
+        return self.w2[expert].linear(act)
+
+    def apply(self, layer: FusedMoE, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, layer.top_k, layer.renormalize)
+        return routed_experts(hidden_states, topk_weights, topk_ids, layer.num_local_experts, self.expert_mlp,
+                              layer.first_expert)

@@ -1,0 +1,119 @@
+"""quantization="gguf" on mixture-of-experts GGUFs: the stacked experts stay packed (GGUFFusedMoEMethod) where each
+stack is of a kind a native kernel takes, and the model gives the dense model's logits on the same dequantized
+weights (up to the order of float32 sums: the dense experts run torch's or fused_moe.c's GEMMs) and its greedy
+tokens; a layer's tensor- and expert-parallel slices sum to the whole layer."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from pagedllm import native
+from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from pagedllm.layers.quantization.gguf import GGUFConfig
+from pagedllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
+from pagedllm.models.gguf_loader import PACKED_PARTS, dequantize_fast, unpack
+from pagedllm.models.loader import get_quant_config
+from pagedllm.models.mixtral import MixtralForCausalLM as OurMixtral
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM as OurQwen3Moe
+from tests.model_fixtures import quantize_gguf, write_tiny_gguf
+from tests.test_gguf_quantization import PROMPTS, _greedy, _load
+from tests.test_model_parity import TINY
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q8() is None,
+                                 reason="no quantized GEMMs here (needs a C compiler and AVX-512 or AVX2)")]
+
+# Qwen3-MoE as a Q4_K_M file has it (Q4_K gate, up and attention, Q6_K down: one [gate | up] weight of Q4_K panels);
+# Mixtral with a Q4_0 gate and a Q8_0 up (two kinds: each half of the output in its own) and a Q4_1 down.
+CASES = {
+    "qwen3_moe-q4_k_m": (Qwen3MoeConfig, Qwen3MoeForCausalLM, OurQwen3Moe, "qwen3moe",
+                         dict(hidden_size=256, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                              norm_topk_prob=True),
+                         {"down_proj": T.Q6_K}, T.Q4_K, [("gemm_q4k_f32", 512)], "gemm_q6k_f32"),
+    "mixtral-mixed": (MixtralConfig, MixtralForCausalLM, OurMixtral, "llama",
+                      dict(num_local_experts=4, num_experts_per_tok=2),
+                      {"gate_proj": T.Q4_0, "up_proj": T.Q8_0, "down_proj": T.Q4_1}, T.Q8_0,
+                      [("gemm_q4_f32", 128), ("gemm_q8_f32", 128)], "gemm_q4_f32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_packed_experts_give_the_dense_models_logits(tmp_path, case):
+    config_class, hf_class, model_class, arch, extra, types, default, w13_kernels, w2_kernel = CASES[case]
+    torch.manual_seed(5)
+    reference = hf_class(config_class(**{**TINY, **extra}, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / f"{case}.gguf")
+    write_tiny_gguf(reference, path, arch,
+                    layer_type=lambda name: next((t for key, t in types.items() if key in name), default))
+    dense, config = _load(path, None)
+    packed, _ = _load(path, "gguf")
+    for layer in packed.model.layers:
+        experts = layer.get_submodule(packed.mlp_name).experts
+        method = experts.quant_method
+        assert isinstance(method, GGUFFusedMoEMethod) and not experts.runs_natively
+        assert not list(experts.parameters(recurse=False))  # only panels: no float32 stacks
+        assert len(method.w13) == len(method.w2) == 4
+        assert [(w.kernel.name, w.out_features) for _, w in method.w13[0]] == w13_kernels
+        assert method.w2[0].kernel.name == w2_kernel
+    assert not packed.supports_cpu_graphs  # the routing runs in Python: decode steps stay eager
+    summary = get_quant_config("gguf", path, model_class).summary(packed)
+    assert "; experts kept packed: " in summary and summary.endswith("experts dequantized at load: none")
+    (dense_tokens, dense_logits), (packed_tokens, packed_logits) = (_greedy(m, config, PROMPTS, 8)
+                                                                    for m in (dense, packed))
+    assert packed_tokens == dense_tokens
+    torch.testing.assert_close(packed_logits, dense_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_experts_with_a_kind_no_kernel_takes_are_dequantized(tmp_path):
+    """An F16 down stack: that layer's experts load dense (float32 stacks, the native path, CPU graphs)."""
+    config_class, hf_class, _, arch, extra, *_ = CASES["mixtral-mixed"]
+    torch.manual_seed(6)
+    reference = hf_class(config_class(**{**TINY, **extra}, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / "mixtral-f16-down.gguf")
+    write_tiny_gguf(reference, path, arch, layer_type=lambda name: T.F16 if "down_proj" in name else T.Q8_0)
+    model, _ = _load(path, "gguf")
+    experts = model.model.layers[0].block_sparse_moe.experts
+    assert experts.w13_weight.dtype == torch.float32 and experts.runs_natively
+    assert get_quant_config("gguf", path, OurMixtral).summary(model).endswith(
+        "experts kept packed: none; experts dequantized at load: F16+Q8_0 x2")
+
+
+def _q4_1_experts(num_experts: int, hidden: int, inter: int) -> dict[tuple[int, str], np.ndarray]:
+    """Each expert's projections as Q4_1 blocks."""
+    rng = np.random.default_rng(0)
+    shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    return {(e, shard): quantize_gguf(rng.standard_normal(shape).astype(np.float32), T.Q4_1)
+            for e in range(num_experts) for shard, shape in shapes.items()}
+
+
+def _packed_moe(rank: ParallelRank, blocks) -> FusedMoE:
+    types = {f"experts.{{expert}}.{name}.weight": T.Q4_1 for name in ("gate", "down", "up")}
+    moe = FusedMoE(4, 2, 64, 64, True, rank, quant_config=GGUFConfig(types, [], ("gate", "down", "up")),
+                   prefix="experts")
+    params = dict(moe.named_parameters())
+    for (expert, shard), data in blocks.items():
+        for part, array in zip(PACKED_PARTS, unpack(data, T.Q4_1)):
+            param = params[f"{'w2' if shard == 'w2' else 'w13'}_{part}"]
+            param.weight_loader(param, torch.from_numpy(array), expert, shard)
+    moe.quant_method.process_weights_after_loading(moe)
+    return moe
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_packed_slices_sum_to_the_dense_layer(expert_parallel):
+    """Two ranks' partial outputs (each rank's experts, or each expert's half of the intermediate size, its down
+    projection's scales cut per block) add up to the dense layer's on the dequantized weights."""
+    blocks = _q4_1_experts(4, 64, 64)
+    x, logits = torch.randn(9, 64), torch.randn(9, 4)
+    weights = {key: torch.from_numpy(dequantize_fast(data, T.Q4_1)) for key, data in blocks.items()}
+    w13 = torch.stack([torch.cat([weights[e, "w1"], weights[e, "w3"]]) for e in range(4)])
+    w2 = torch.stack([weights[e, "w2"] for e in range(4)])
+    with torch.inference_mode():
+        expected = fused_experts(x, w13, w2, *select_experts(logits, 2, True))
+        parts = [_packed_moe(ParallelRank(r, 2, expert_parallel=expert_parallel), blocks) for r in range(2)]
+        partial = [m(x, logits) for m in parts]
+    assert [len(m.quant_method.w2) for m in parts] == ([2, 2] if expert_parallel else [4, 4])
+    torch.testing.assert_close(partial[0] + partial[1], expected, rtol=1e-4, atol=1e-4)
