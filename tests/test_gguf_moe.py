@@ -1,7 +1,8 @@
 """quantization="gguf" on mixture-of-experts GGUFs: the stacked experts stay packed (GGUFFusedMoEMethod) where each
 stack is of a kind a native kernel takes, and the model gives the dense model's logits on the same dequantized
 weights (up to the order of float32 sums: the dense experts run torch's or fused_moe.c's GEMMs) and its greedy
-tokens; a layer's tensor- and expert-parallel slices sum to the whole layer."""
+tokens; the native layer (moe_quant.c) is the torch path's routing and sums and replays in a CPU graph; a layer's
+tensor- and expert-parallel slices sum to the whole layer."""
 
 import numpy as np
 import pytest
@@ -11,13 +12,14 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 
 from pagedllm import native
 from pagedllm.distributed.parallel_state import ParallelRank
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from pagedllm.layers.fused_moe import FusedMoE, fused_experts, routed_experts, select_experts
 from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 from pagedllm.models.gguf_loader import PACKED_PARTS, dequantize_fast, unpack
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.mixtral import MixtralForCausalLM as OurMixtral
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM as OurQwen3Moe
+from pagedllm.native.graph import CpuGraph
 from tests.model_fixtures import quantize_gguf, write_tiny_gguf
 from tests.test_gguf_quantization import PROMPTS, _greedy, _load
 from tests.test_model_parity import TINY
@@ -53,12 +55,12 @@ def test_packed_experts_give_the_dense_models_logits(tmp_path, case):
     for layer in packed.model.layers:
         experts = layer.get_submodule(packed.mlp_name).experts
         method = experts.quant_method
-        assert isinstance(method, GGUFFusedMoEMethod) and not experts.runs_natively
+        assert isinstance(method, GGUFFusedMoEMethod) and experts.runs_natively
         assert not list(experts.parameters(recurse=False))  # only panels: no float32 stacks
         assert len(method.w13) == len(method.w2) == 4
         assert [(w.kernel.name, w.out_features) for _, w in method.w13[0]] == w13_kernels
         assert method.w2[0].kernel.name == w2_kernel
-    assert not packed.supports_cpu_graphs  # the routing runs in Python: decode steps stay eager
+    assert packed.supports_cpu_graphs  # moe_quant.c decides the routing as it runs
     summary = get_quant_config("gguf", path, model_class).summary(packed)
     assert "; experts kept packed: " in summary and summary.endswith("experts dequantized at load: none")
     (dense_tokens, dense_logits), (packed_tokens, packed_logits) = (_greedy(m, config, PROMPTS, 8)
@@ -117,3 +119,26 @@ def test_packed_slices_sum_to_the_dense_layer(expert_parallel):
         partial = [m(x, logits) for m in parts]
     assert [len(m.quant_method.w2) for m in parts] == ([2, 2] if expert_parallel else [4, 4])
     torch.testing.assert_close(partial[0] + partial[1], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_native_layer_is_the_torch_path_and_replays(tokens):
+    """moe_quant.c routes and sums as routed_experts over the experts' panels; captured in a CPU graph, a replay
+    follows new inputs to new experts."""
+    moe = _packed_moe(ParallelRank(), _q4_1_experts(4, 64, 64))
+    method = moe.quant_method
+    assert moe.runs_natively
+    gen = torch.Generator().manual_seed(tokens)
+    x, logits = torch.randn(tokens, 64, generator=gen), torch.randn(tokens, 4, generator=gen)
+
+    def torch_path():
+        return routed_experts(x, *select_experts(logits, 2, True), 4, method.expert_mlp)
+
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x, logits), torch_path(), rtol=1e-4, atol=1e-4)
+        graph = CpuGraph()
+        graph.capture(lambda: moe(x, logits))
+        assert graph.failure is None and len(graph.calls) == 1
+        x.copy_(torch.randn(tokens, 64, generator=gen))
+        logits.copy_(torch.randn(tokens, 4, generator=gen))
+        torch.testing.assert_close(graph.replay(), torch_path(), rtol=1e-4, atol=1e-4)

@@ -11,7 +11,8 @@ as it runs; larger steps run the torch code below, whose per-expert GEMMs suit m
 
 The layer's ``quant_method`` (vLLM's structure) holds the experts' weights and runs them: UnquantizedFusedMoEMethod
 the stacks above; a quantization config may give another (layers/quantization/gguf_moe.py keeps a GGUF file's packed
-experts in gemm.c's quantized panels), which runs the same routing and sums through routed_experts.
+experts in gemm.c's quantized panels, run by native/moe_quant.c or through routed_experts), with the same routing
+and order of sums.
 
 Parallelism, as vLLM's: with tensor parallelism every rank holds every expert's slice of the intermediate
 dimension; with expert parallelism (``enable_expert_parallel``) each rank holds whole experts, a contiguous share of
@@ -186,8 +187,8 @@ class FusedMoE(nn.Module):
 
     @property
     def runs_natively(self) -> bool:
-        """Whether a step of up to NATIVE_MAX_TOKENS tokens is one native call (which a CPU graph can replay)."""
-        return isinstance(self.quant_method, UnquantizedFusedMoEMethod) and self.quant_method.runs_natively(self)
+        """Whether a decode step's pass is one native call (which a CPU graph can replay)."""
+        return self.quant_method.runs_natively(self)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, hidden_states, router_logits)

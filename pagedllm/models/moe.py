@@ -2,9 +2,9 @@
 ``gate`` (the router, one logit per expert), ``experts`` (layers/fused_moe.FusedMoE) and, in Qwen2-MoE, a dense
 ``shared_expert`` every token takes, scaled by ``sigmoid(shared_expert_gate(x))``.
 
-A step's forward through the block is native calls only where layers/fused_moe.py's native path applies (float32
-experts: routing and experts in one kernel, the shared expert's gate added by another), so decode steps of such a
-model replay CPU graphs (``supports_cpu_graphs``, a property of the model classes: experts_run_natively).
+A step's forward through the block is native calls only where the experts' native path applies (float32 experts:
+fused_moe.c; GGUF experts kept packed: moe_quant.c; each routing and running the experts in one call, the shared
+expert's gate added by another), so decode steps of such a model replay CPU graphs (``supports_cpu_graphs``, a property of the model classes: experts_run_natively).
 
 The router stays unquantized and whole on every rank (its logits pick the experts, so every rank must pick alike).
 The shared expert's output is a partial sum under tensor parallelism like the experts', so the block all-reduces
@@ -64,8 +64,8 @@ class SparseMoeBlock(nn.Module):
 
 
 def experts_run_natively(model: nn.Module) -> bool:
-    """Whether ``model``'s MoE blocks run a decode step in native calls only (FusedMoE.runs_natively: float32
-    experts on one rank, and the native kernels built), so its decode steps can replay CPU graphs."""
+    """Whether ``model``'s MoE blocks run a decode step in native calls only (FusedMoE.runs_natively: every expert
+    on one rank, float32 or packed, and the native kernels built), so its decode steps can replay CPU graphs."""
     return native.fused_ops() is not None and all(m.runs_natively for m in model.modules() if isinstance(m, FusedMoE))
 
 

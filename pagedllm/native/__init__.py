@@ -125,6 +125,11 @@ def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return _with_body(_gemm_lib(extra_flags), "gemm_quant_available")
 
 
+def moe_quant() -> ctypes.CDLL | None:
+    """The library whose moe_quant_f32 runs a layer of quantized experts (gemms.moe_quant calls it), or None."""
+    return _gemm_quant_lib()
+
+
 def _quant_gemm(quant_format: str, extra_flags: tuple[str, ...]) -> Gemm | None:
     """gemm_quant_f32 over ``quant_format``'s panels (gemms.QUANT_FORMATS), or None."""
     lib = _gemm_quant_lib(extra_flags)

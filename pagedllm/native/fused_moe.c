@@ -3,9 +3,8 @@
  * model's decode step is native calls only and replays a CPU graph (graph.py): the routing depends on the step's
  * values, which a graph can only follow if the kernel decides it as it runs.
  *
- * Routing per token, as transformers: p = softmax(logits) (exp of logit - max over their sum), the top_k largest (the
- * lower expert of equals first), divided by their sum with renormalize. Then per expert in ascending order, its
- * tokens in ascending order: g = x W13^T ([gate | up], 2 * inter wide), a = silu(g_gate) * g_up, out += (a W2^T) * p,
+ * Routing as moe_routing.h (transformers' softmax and top-k). Then per expert in ascending order, its tokens in
+ * ascending order: g = x W13^T ([gate | up], 2 * inter wide), a = silu(g_gate) * g_up, out += (a W2^T) * p,
  * so a token's experts add into it in the order fused_experts' index_add does. Weights as nn.Linear keeps them
  * ([out, in] rows), so each output is a dot product of two contiguous rows: a tile of 2 tokens x 4 weight rows
  * shares its loads, each weight row read once per pair of tokens. Decode steps (a few tokens an expert) stream the
@@ -18,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_routing.h"
 #include "simd.h"
 
 typedef float vec8 __attribute__((vector_size(32)));
@@ -97,28 +97,6 @@ static void rows_times_weights(const float *const *xs, int n, const float *W, in
     }
 }
 
-/* A token's top_k experts (ids) and weights from its E logits. */
-static void route(const float *logits, int E, int top_k, int renormalize, float *probs, int32_t *ids,
-                  float *weights) {
-    float max = logits[0], sum = 0.0f;
-    for (int e = 1; e < E; e++) max = logits[e] > max ? logits[e] : max;
-    for (int e = 0; e < E; e++) sum += probs[e] = expf(logits[e] - max);
-    for (int e = 0; e < E; e++) probs[e] /= sum;
-    float total = 0.0f;
-    for (int j = 0; j < top_k; j++) {
-        int best = -1;
-        for (int e = 0; e < E; e++) {
-            int taken = 0;
-            for (int i = 0; i < j; i++) taken |= ids[i] == e;
-            if (!taken && (best < 0 || probs[e] > probs[best])) best = e;
-        }
-        ids[j] = best;
-        total += weights[j] = probs[best];
-    }
-    if (renormalize)
-        for (int j = 0; j < top_k; j++) weights[j] /= total;
-}
-
 /* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E] (T tokens, E experts); w13
  * [E, 2 * inter, hidden] (each expert's gate rows, then its up rows), w2 [E, hidden, inter]. Returns 0, or -1 for
  * arguments out of range, -2 where memory ran out. */
@@ -129,32 +107,17 @@ int fused_moe_f32(const float *x, const float *router_logits, const float *w13, 
     if (T < 0 || hidden <= 0 || inter <= 0 || E <= 0 || top_k <= 0 || top_k > E) return -1;
     memset(out, 0, (size_t)T * hidden * sizeof(float));
     if (T == 0) return 0;
-    int32_t *ids = malloc((size_t)T * top_k * sizeof(int32_t)), *counts = calloc((size_t)E + 1, sizeof(int32_t));
+    int32_t *ids = malloc((size_t)T * top_k * sizeof(int32_t)), *counts = malloc(((size_t)E + 1) * sizeof(int32_t));
     int32_t *order = malloc((size_t)T * top_k * sizeof(int32_t));
-    float *weights = malloc((size_t)T * top_k * sizeof(float)), *probs = malloc((size_t)T * E * sizeof(float));
+    float *weights = malloc((size_t)T * top_k * sizeof(float));
     float *gate_up = malloc((size_t)T * 2 * inter * sizeof(float)), *act = malloc((size_t)T * inter * sizeof(float));
     float *down = malloc((size_t)T * hidden * sizeof(float));
     const float **rows = malloc((size_t)T * sizeof(float *));
     int status = 0;
-    if (!ids || !counts || !order || !weights || !probs || !gate_up || !act || !down || !rows) {
+    if (!ids || !counts || !order || !weights || !gate_up || !act || !down || !rows ||
+        route_tokens(router_logits, T, E, top_k, renormalize, ids, weights, counts, order)) {
         status = -2;
         goto done;
-    }
-#pragma omp parallel for schedule(static) if (T * E >= 4096)
-    for (int64_t t = 0; t < T; t++)
-        route(router_logits + t * E, E, top_k, renormalize, probs + t * E, ids + t * top_k, weights + t * top_k);
-    /* the (token, slot) pairs by expert, tokens ascending within each: a counting sort */
-    for (int64_t p = 0; p < T * top_k; p++) counts[ids[p] + 1]++;
-    for (int e = 0; e < E; e++) counts[e + 1] += counts[e];
-    {
-        int32_t *next = malloc((size_t)E * sizeof(int32_t));
-        if (!next) {
-            status = -2;
-            goto done;
-        }
-        memcpy(next, counts, (size_t)E * sizeof(int32_t));
-        for (int64_t p = 0; p < T * top_k; p++) order[next[ids[p]]++] = (int32_t)p;
-        free(next);
     }
 #pragma omp parallel
     for (int e = 0; e < E; e++) {
@@ -186,7 +149,6 @@ done:
     free(counts);
     free(order);
     free(weights);
-    free(probs);
     free(gate_up);
     free(act);
     free(down);

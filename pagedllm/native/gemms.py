@@ -20,7 +20,10 @@ GEMM_PACKED = CFunction("gemm_packed_f32", INT, *_GEMM_ARGS)
 GEMM_QUANT = CFunction("gemm_quant_f32", INT, *_GEMM_ARGS, *arguments("format", INT))
 GEMM_AVAILABLE = CFunction("gemm_available", INT)
 GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
-GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE)
+MOE_QUANT = CFunction("moe_quant_f32", INT, *arguments("x", "router_logits", "w13", "w13_formats", "w2", "w2_formats",
+                                                       "out", POINTER, "tokens", INT64, "hidden", "inter",
+                                                       "num_experts", "top_k", "renormalize", "num_threads", INT))
+GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, MOE_QUANT)
 # gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
 QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
                  "gemm_iq4xs": 6, "gemm_q2k": 7}
@@ -104,3 +107,28 @@ class Gemm:
             require(self.name, rows.shape[1] % block == 0, f"K = {rows.shape[1]} is not whole blocks of {block}")
         if bias is not None:
             expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)
+
+
+def moe_quant(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
+              w13_formats: torch.Tensor, w2: torch.Tensor, w2_formats: torch.Tensor, inter: int, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """moe_quant_f32: a mixture-of-experts layer's output ``[T, hidden]`` for float32 ``x`` and its router's logits
+    ``[T, experts]``, the experts' panels given by address: ``w13`` ``[experts, 2]`` int64 (the ``[gate | up]``
+    panels and 0, or the gate's and the up's), ``w2`` ``[experts]``, their formats (QUANT_FORMATS' numbers) in int32
+    tables alike."""
+    experts = w2.shape[0]
+    if checks.ENABLED:
+        require(MOE_QUANT.name, x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32 and
+                router_logits.shape == (x.shape[0], experts) and router_logits.is_contiguous() and
+                w13.shape == (experts, 2) and w13_formats.shape == (experts, 2) and w2_formats.shape == (experts,),
+                f"x {tuple(x.shape)}, logits {tuple(router_logits.shape)}, tables {tuple(w13.shape)} / "
+                f"{tuple(w2.shape)} do not fit")
+    out = torch.empty_like(x)
+    status = launch(lib.moe_quant_f32, x.data_ptr(), router_logits.data_ptr(), w13.data_ptr(), w13_formats.data_ptr(),
+                    w2.data_ptr(), w2_formats.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], inter, experts,
+                    top_k, int(renormalize), torch.get_num_threads())
+    if status == -2:
+        raise MemoryError("moe_quant_f32 could not allocate its scratch")
+    if status != 0:
+        raise RuntimeError(f"moe_quant_f32 rejected its arguments (status {status})")
+    return out

@@ -6,9 +6,10 @@ The loader yields each expert's codes, scales and zeros (models/gguf_loader.py) 
 slice as it arrives; once a projection's parts are all in, they are packed into its panels and dropped, so loading
 never holds more than one layer's unpacked codes. An expert's gate and up become one ``[gate | up]`` weight where both
 are one kind and the gate fills whole panels (else two, each writing its half of the output). A step routes as the
-dense layer does (fused_moe.routed_experts: one sort, each active expert once over its tokens), each expert's rows
-through its panels: results equal the dense experts' on the dequantized weights up to the order of float32 sums.
-The routing decides in Python which experts run, so such a model's decode steps run eagerly (no CPU graph).
+dense layer does and runs each active expert once over its tokens through its panels, in one native call
+(native/moe_quant.c) where every expert is on this rank, so a CPU graph can replay the step, else in torch
+(fused_moe.routed_experts); results equal the dense experts' on the dequantized weights up to the order of float32
+sums.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch import nn
 from pagedllm.layers.fused_moe import FusedMoE, routed_experts, select_experts
 from pagedllm.layers.gemm_layout import PANEL, QuantizedWeight, WeightLayout
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
+from pagedllm import native
 from pagedllm.native.fused import silu_and_mul
+from pagedllm.native.gemms import moe_quant
 
 PROJECTIONS = {"w13": ("w1", "w3"), "w2": ("w2",)}  # FusedMoE's parameters and the shards each stacks
 
@@ -86,6 +89,14 @@ class GGUFFusedMoEMethod:
                     weight.panels = layout.place(weight.panels)
         for name in [name for name, _ in layer.named_parameters(recurse=False)]:
             delattr(layer, name)
+        # The native layer's tables: each expert's panels by address (a merged [gate | up] and 0, or the gate's and
+        # the up's) and formats; the weights above keep the panels alive.
+        w13 = [[w for _, w in shards] + [None] * (2 - len(shards)) for shards in self.w13]
+        self.w13_table = torch.tensor([[0 if w is None else w.panels.data_ptr() for w in pair] for pair in w13])
+        self.w13_formats = torch.tensor([[0 if w is None else w.kernel.format_args[0] for w in pair] for pair in w13],
+                                        dtype=torch.int32)
+        self.w2_table = torch.tensor([w.panels.data_ptr() for w in self.w2])
+        self.w2_formats = torch.tensor([w.kernel.format_args[0] for w in self.w2], dtype=torch.int32)
 
     def expert_mlp(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
         """One expert's SiLU-gated MLP over its ``rows`` (float32)."""
@@ -98,7 +109,16 @@ class GGUFFusedMoEMethod:
             act = torch.nn.functional.silu(gate) * up
         return self.w2[expert].linear(act)
 
+    def runs_natively(self, layer: FusedMoE) -> bool:
+        """Whether a step is one native call (moe_quant_f32: every expert on this rank, float32 activations)."""
+        return (native.moe_quant() is not None and layer.num_local_experts == layer.num_experts
+                and layer.tp_size == 1 and layer.params_dtype == torch.float32)
+
     def apply(self, layer: FusedMoE, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.runs_natively(layer) and hidden_states.dtype == torch.float32:
+            return moe_quant(native.moe_quant(), hidden_states.contiguous(), router_logits.float().contiguous(),
+                             self.w13_table, self.w13_formats, self.w2_table, self.w2_formats,
+                             layer.intermediate_size_per_partition, layer.top_k, layer.renormalize)
         topk_weights, topk_ids = select_experts(router_logits, layer.top_k, layer.renormalize)
         return routed_experts(hidden_states, topk_weights, topk_ids, layer.num_local_experts, self.expert_mlp,
                               layer.first_expert)

@@ -1,0 +1,86 @@
+/* A mixture-of-experts layer of GGUF experts kept packed (layers/quantization/gguf_moe.py) in one call: the routing
+ * (moe_routing.h, as the torch path's select_experts), then per expert in ascending order its tokens' rows gathered,
+ * g = x W13^T through the expert's quantized panels (gemm_quant_f32: one [gate | up] weight, or the gate's and the
+ * up's each writing its half), a = silu(g_gate) * g_up, out += (a W2^T) * p per token, in the torch path's order
+ * (routed_experts' index_add). So a decode step of such a model is native calls only and replays a CPU graph
+ * (graph.py): the routing depends on the step's values, which a graph can only follow if the kernel decides it.
+ *
+ * The experts' panels are passed as addresses (int64, one table per projection), their formats as gemm_quant_f32
+ * numbers them; each product splits its panels over the threads as gemm_quant_f32 does.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_routing.h"
+#include "simd.h"
+
+int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                   int M, int N, int K, int num_threads, int format);
+
+/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E]. Expert e's gate and up are
+ * w13[2e] (format w13_formats[2e]), 2 * inter outputs, where w13[2e + 1] is 0; else the gate (inter outputs) and
+ * w13[2e + 1] the up (inter outputs). Its down is w2[e] (w2_formats[e]), hidden outputs over inter inputs. Returns
+ * 0, -1 for arguments out of range or a product the GEMM refused, -2 where memory ran out. */
+int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13, const int32_t *w13_formats,
+                  const int64_t *w2, const int32_t *w2_formats, float *out, int64_t tokens, int hidden, int inter,
+                  int num_experts, int top_k, int renormalize, int num_threads) {
+    const int64_t T = tokens;
+    const int E = num_experts;
+    if (T < 0 || hidden <= 0 || inter <= 0 || E <= 0 || top_k <= 0 || top_k > E) return -1;
+    memset(out, 0, (size_t)T * hidden * sizeof(float));
+    if (T == 0) return 0;
+    int32_t *ids = malloc((size_t)T * top_k * sizeof(int32_t)), *counts = malloc(((size_t)E + 1) * sizeof(int32_t));
+    int32_t *order = malloc((size_t)T * top_k * sizeof(int32_t));
+    float *weights = malloc((size_t)T * top_k * sizeof(float)), *rows = malloc((size_t)T * hidden * sizeof(float));
+    float *gate_up = malloc((size_t)T * 2 * inter * sizeof(float)), *act = malloc((size_t)T * inter * sizeof(float));
+    float *down = malloc((size_t)T * hidden * sizeof(float));
+    int status = 0;
+    if (!ids || !counts || !order || !weights || !rows || !gate_up || !act || !down ||
+        route_tokens(router_logits, T, E, top_k, renormalize, ids, weights, counts, order)) {
+        status = -2;
+        goto done;
+    }
+    for (int e = 0; e < E && status == 0; e++) {
+        const int first = counts[e], n = counts[e + 1] - first;
+        if (n == 0) continue;
+        const int32_t *pairs = order + first;
+        for (int i = 0; i < n; i++)
+            memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden, (size_t)hidden * sizeof(float));
+        const uint8_t *gate = (const uint8_t *)(intptr_t)w13[2 * e], *up = (const uint8_t *)(intptr_t)w13[2 * e + 1];
+        if (up == NULL) {
+            status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, 2 * inter, hidden, num_threads,
+                                    w13_formats[2 * e]);
+        } else {
+            status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, inter, hidden, num_threads,
+                                    w13_formats[2 * e]);
+            status |= gemm_quant_f32(rows, hidden, up, NULL, gate_up + inter, 2 * inter, n, inter, hidden,
+                                     num_threads, w13_formats[2 * e + 1]);
+        }
+        for (int i = 0; i < n; i++) {
+            const float *g = gate_up + (int64_t)i * 2 * inter;
+            float *a = act + (int64_t)i * inter;
+#pragma omp simd
+            for (int c = 0; c < inter; c++) a[c] = silu_mul(g[c], g[inter + c]);
+        }
+        status |= gemm_quant_f32(act, inter, (const uint8_t *)(intptr_t)w2[e], NULL, down, hidden, n, hidden, inter,
+                                 num_threads, w2_formats[e]);
+        for (int i = 0; i < n; i++) { /* a token appears once an expert */
+            const float weight = weights[pairs[i]], *d = down + (int64_t)i * hidden;
+            float *o = out + (int64_t)(pairs[i] / top_k) * hidden;
+#pragma omp simd
+            for (int h = 0; h < hidden; h++) o[h] += d[h] * weight;
+        }
+    }
+    status = status < 0 ? -1 : status;
+done:
+    free(ids);
+    free(counts);
+    free(order);
+    free(weights);
+    free(rows);
+    free(gate_up);
+    free(act);
+    free(down);
+    return status;
+}
