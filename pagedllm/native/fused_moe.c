@@ -104,18 +104,18 @@ int fused_moe_f32(const float *x, const float *router_logits, const float *w13, 
                   int64_t tokens, int hidden, int inter, int num_experts, int top_k, int renormalize) {
     const int64_t T = tokens;
     const int E = num_experts;
-    if (T < 0 || hidden <= 0 || inter <= 0 || E <= 0 || top_k <= 0 || top_k > E) return -1;
-    memset(out, 0, (size_t)T * hidden * sizeof(float));
-    if (T == 0) return 0;
-    int32_t *ids = malloc((size_t)T * top_k * sizeof(int32_t)), *counts = malloc(((size_t)E + 1) * sizeof(int32_t));
-    int32_t *order = malloc((size_t)T * top_k * sizeof(int32_t));
-    float *weights = malloc((size_t)T * top_k * sizeof(float));
-    float *gate_up = malloc((size_t)T * 2 * inter * sizeof(float)), *act = malloc((size_t)T * inter * sizeof(float));
-    float *down = malloc((size_t)T * hidden * sizeof(float));
-    const float **rows = malloc((size_t)T * sizeof(float *));
-    int status = 0;
-    if (!ids || !counts || !order || !weights || !gate_up || !act || !down || !rows ||
-        route_tokens(router_logits, T, E, top_k, renormalize, ids, weights, counts, order)) {
+    Routing routing;
+    int status = begin_moe_layer(router_logits, out, T, hidden, inter, E, top_k, renormalize, &routing);
+    const int32_t *counts = routing.counts, *order = routing.order;
+    const float *weights = routing.weights;
+    float *gate_up = NULL, *act = NULL, *down = NULL;
+    const float **rows = NULL;
+    if (status != 0 || T == 0) goto done;
+    gate_up = malloc((size_t)T * 2 * inter * sizeof(float));
+    act = malloc((size_t)T * inter * sizeof(float));
+    down = malloc((size_t)T * hidden * sizeof(float));
+    rows = malloc((size_t)T * sizeof(float *));
+    if (!gate_up || !act || !down || !rows) {
         status = -2;
         goto done;
     }
@@ -145,10 +145,7 @@ int fused_moe_f32(const float *x, const float *router_logits, const float *w13, 
         }
     }
 done:
-    free(ids);
-    free(counts);
-    free(order);
-    free(weights);
+    free_routing(&routing);
     free(gate_up);
     free(act);
     free(down);

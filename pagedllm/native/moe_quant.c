@@ -27,24 +27,22 @@ int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13
                   int num_experts, int top_k, int renormalize, int num_threads) {
     const int64_t T = tokens;
     const int E = num_experts;
-    if (T < 0 || hidden <= 0 || inter <= 0 || E <= 0 || top_k <= 0 || top_k > E) return -1;
-    memset(out, 0, (size_t)T * hidden * sizeof(float));
-    if (T == 0) return 0;
-    int32_t *ids = malloc((size_t)T * top_k * sizeof(int32_t)), *counts = malloc(((size_t)E + 1) * sizeof(int32_t));
-    int32_t *order = malloc((size_t)T * top_k * sizeof(int32_t));
-    float *weights = malloc((size_t)T * top_k * sizeof(float)), *rows = malloc((size_t)T * hidden * sizeof(float));
-    float *gate_up = malloc((size_t)T * 2 * inter * sizeof(float)), *act = malloc((size_t)T * inter * sizeof(float));
-    float *down = malloc((size_t)T * hidden * sizeof(float));
-    int status = 0;
-    if (!ids || !counts || !order || !weights || !rows || !gate_up || !act || !down ||
-        route_tokens(router_logits, T, E, top_k, renormalize, ids, weights, counts, order)) {
+    Routing routing;
+    int status = begin_moe_layer(router_logits, out, T, hidden, inter, E, top_k, renormalize, &routing);
+    float *rows = NULL, *gate_up = NULL, *act = NULL, *down = NULL;
+    if (status != 0 || T == 0) goto done;
+    rows = malloc((size_t)T * hidden * sizeof(float));
+    gate_up = malloc((size_t)T * 2 * inter * sizeof(float));
+    act = malloc((size_t)T * inter * sizeof(float));
+    down = malloc((size_t)T * hidden * sizeof(float));
+    if (!rows || !gate_up || !act || !down) {
         status = -2;
         goto done;
     }
     for (int e = 0; e < E && status == 0; e++) {
-        const int first = counts[e], n = counts[e + 1] - first;
+        const int first = routing.counts[e], n = routing.counts[e + 1] - first;
         if (n == 0) continue;
-        const int32_t *pairs = order + first;
+        const int32_t *pairs = routing.order + first;
         for (int i = 0; i < n; i++)
             memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden, (size_t)hidden * sizeof(float));
         const uint8_t *gate = (const uint8_t *)(intptr_t)w13[2 * e], *up = (const uint8_t *)(intptr_t)w13[2 * e + 1];
@@ -66,7 +64,7 @@ int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13
         status |= gemm_quant_f32(act, inter, (const uint8_t *)(intptr_t)w2[e], NULL, down, hidden, n, hidden, inter,
                                  num_threads, w2_formats[e]);
         for (int i = 0; i < n; i++) { /* a token appears once an expert */
-            const float weight = weights[pairs[i]], *d = down + (int64_t)i * hidden;
+            const float weight = routing.weights[pairs[i]], *d = down + (int64_t)i * hidden;
             float *o = out + (int64_t)(pairs[i] / top_k) * hidden;
 #pragma omp simd
             for (int h = 0; h < hidden; h++) o[h] += d[h] * weight;
@@ -74,10 +72,7 @@ int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13
     }
     status = status < 0 ? -1 : status;
 done:
-    free(ids);
-    free(counts);
-    free(order);
-    free(weights);
+    free_routing(&routing);
     free(rows);
     free(gate_up);
     free(act);

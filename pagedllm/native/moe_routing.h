@@ -58,4 +58,32 @@ static inline int route_tokens(const float *router_logits, int64_t T, int E, int
     return 0;
 }
 
+/* A layer's routing: ids, weights and order [T * top_k], counts [E + 1] (see route_tokens). */
+typedef struct {
+    int32_t *ids, *counts, *order;
+    float *weights;
+} Routing;
+
+static inline void free_routing(Routing *r) {
+    free(r->ids);
+    free(r->counts);
+    free(r->order);
+    free(r->weights);
+}
+
+/* A layer's start: checks its sizes, zeroes out [T, hidden] and routes the T tokens into r. Returns 0, -1 for sizes
+ * out of range, -2 where memory ran out; the caller frees r with free_routing whatever it returns. */
+static inline int begin_moe_layer(const float *router_logits, float *out, int64_t T, int hidden, int inter, int E,
+                                  int top_k, int renormalize, Routing *r) {
+    memset(r, 0, sizeof *r);
+    if (T < 0 || hidden <= 0 || inter <= 0 || E <= 0 || top_k <= 0 || top_k > E) return -1;
+    memset(out, 0, (size_t)T * hidden * sizeof(float));
+    r->ids = malloc((size_t)T * top_k * sizeof(int32_t) + 1);
+    r->counts = malloc(((size_t)E + 1) * sizeof(int32_t));
+    r->order = malloc((size_t)T * top_k * sizeof(int32_t) + 1);
+    r->weights = malloc((size_t)T * top_k * sizeof(float) + 1);
+    if (!r->ids || !r->counts || !r->order || !r->weights) return -2;
+    return route_tokens(router_logits, T, E, top_k, renormalize, r->ids, r->weights, r->counts, r->order);
+}
+
 #endif
