@@ -383,3 +383,18 @@ def test_quantized_cache_after_a_shared_prefix(low_cascade_threshold, quantized_
     plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=5, shared_blocks=3, kv_dtype=kv_dtype)
     assert plan.native_prefix == (quantized_path == "native" and native.paged_prefill(kv_dtype) is not None)
 
+
+
+@pytest.mark.parametrize("requests", [[(700, 1)], [(300, 1), (520, 1)]])
+@pytest.mark.parametrize("kv_dtype, sliding_window", [(torch.float32, None), (torch.float32, 200),
+                                                      (torch.bfloat16, None), (torch.int8, None)])
+def test_long_decode_rows_split_over_threads(monkeypatch, requests, kv_dtype, sliding_window):
+    """One or two requests of 3 KV heads are too few items for 2 threads: the decode kernel splits each history in
+    shares of whole runs (the last of the shorter request's empty) and merges them by their log-sum-exps."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run_case(requests, 9, 3, 64, block_size=16, dtype=torch.float32, seed=len(requests), kv_dtype=kv_dtype,
+                  sliding_window=sliding_window)
+    finally:
+        torch.set_num_threads(threads)

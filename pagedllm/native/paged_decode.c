@@ -2,7 +2,10 @@
  * block table (the layout and dtypes in paged_attention.h): each K/V row is read once and nothing is written but the
  * output, where the torch path gathers every history into new tensors in every layer and step. Work items are
  * (request, KV head); an item keeps the query heads of its group together, so a K/V row loaded once serves all of
- * them, and it walks the history in runs of up to RUN slots with an online softmax (one rescale per run).
+ * them, and it walks the history in runs of up to RUN slots with an online softmax (one rescale per run). Where
+ * there are too few items for the threads (one or two requests of a few KV heads) and the histories are long, each
+ * (request, KV head) is split along its history (flash-decoding's split-K): every split's partial output and
+ * log-sum-exp go to scratch and are merged by their log-sum-exps, as two cascade halves are (paged_cascade.c).
  *
  * Three bodies, one built per instruction set (paged_decode_isa() names it): with AVX-512 (groups up to 8, head
  * sizes 16, 32, 64 or 128; groups 1, 2 and 4 also 256) the scores of a run are sixteen vector dot products reduced
@@ -11,6 +14,8 @@
  * otherwise, and for other group and head sizes up to MAX_GROUP and MAX_HEAD_SIZE, portable C. The vector bodies
  * fetch the next run into L1 slot by slot while they score the current one, so memory and arithmetic overlap.
  */
+#include <stdlib.h>
+
 #include "paged_attention.h"
 
 typedef struct {
@@ -21,15 +26,47 @@ typedef struct {
     int start_pos, window, num_heads, num_kv_heads, head_size, block_size;
     float scale, softcap; /* softcap 0: scores uncapped (paged_attention.h) */
     float *out, *lse;
+    int splits;                       /* spans per (request, KV head); above 1 they write to the partials */
+    float *partial_out, *partial_lse; /* [request, KV head, split, group, head_size] and [..., group] */
 } DecodeArgs;
 
-static void decode_item_portable(const DecodeArgs *a, int item) {
-    const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads;
+/* What one work item computes: its request's KV head over history positions begin .. end - 1, into the group's
+ * output rows (head_size floats apart) and log-sum-exps. */
+typedef struct {
+    int req, kv_head, begin, end;
+    float *out, *lse;
+} DecodeSpan;
+
+/* Item i is (request, KV head, split) in that order. A split is a run-aligned share of the history; the last ones of
+ * a short history may be empty (begin == end). */
+static inline DecodeSpan decode_span(const DecodeArgs *a, int item) {
+    const int group = a->num_heads / a->num_kv_heads, pair = item / a->splits, split = item % a->splits;
+    DecodeSpan w;
+    w.req = pair / a->num_kv_heads;
+    w.kv_head = pair % a->num_kv_heads;
+    const int seq_len = a->seq_lens[w.req];
+    w.begin = window_start(a->start_pos, seq_len - 1, a->window);
+    w.end = seq_len;
+    if (a->splits == 1) {
+        w.out = a->out + ((int64_t)w.req * a->num_heads + (int64_t)w.kv_head * group) * a->head_size;
+        w.lse = a->lse + (int64_t)w.req * a->num_heads + (int64_t)w.kv_head * group;
+        return w;
+    }
+    const int share = ((seq_len - w.begin + a->splits - 1) / a->splits + RUN - 1) / RUN * RUN;
+    w.begin = w.begin + split * share < seq_len ? w.begin + split * share : seq_len;
+    w.end = w.begin + share < seq_len ? w.begin + share : seq_len;
+    w.out = a->partial_out + (int64_t)item * group * a->head_size;
+    w.lse = a->partial_lse + (int64_t)item * group;
+    return w;
+}
+
+static void decode_item_portable(const DecodeArgs *a, const DecodeSpan *w) {
+    const int req = w->req, kv_head = w->kv_head;
     const int group = a->num_heads / a->num_kv_heads, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * group * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(d); /* elements between consecutive slots */
-    const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
+    const int seq_len = w->end, first = w->begin;
     float acc[MAX_GROUP][MAX_HEAD_SIZE], running_max[MAX_GROUP], running_sum[MAX_GROUP];
     for (int g = 0; g < group; g++) {
         running_max[g] = -INFINITY;
@@ -69,10 +106,9 @@ static void decode_item_portable(const DecodeArgs *a, int item) {
         pos += n;
     }
     for (int g = 0; g < group; g++) {
-        const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * group + g;
         const float inv = 1.0f / running_sum[g];
-        for (int i = 0; i < d; i++) a->out[row * d + i] = acc[g][i] * inv;
-        a->lse[row] = running_max[g] + logf(running_sum[g]);
+        for (int i = 0; i < d; i++) w->out[(int64_t)g * d + i] = acc[g][i] * inv;
+        w->lse[g] = running_max[g] + logf(running_sum[g]);
     }
 }
 
@@ -136,13 +172,13 @@ static inline __m512 sum16(const __m512 v[16]) {
 
 /* GROUP query heads per KV head, VD 16-float vectors per head; both constants after inlining, so the
  * accumulators live in registers. */
-static inline __attribute__((always_inline)) void decode_item_avx512(const DecodeArgs *a, int item, const int GROUP,
-                                                                     const int VD) {
-    const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
+static inline __attribute__((always_inline)) void decode_item_avx512(const DecodeArgs *a, const DecodeSpan *w,
+                                                                     const int GROUP, const int VD) {
+    const int req = w->req, kv_head = w->kv_head, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(d);
-    const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
+    const int seq_len = w->end, first = w->begin;
     __m512 acc[GROUP][VD], qv[GROUP][VD], running_max[GROUP], running_sum[GROUP];
     for (int g = 0; g < GROUP; g++) {
         running_max[g] = _mm512_set1_ps(-INFINITY);
@@ -217,11 +253,10 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         }
     }
     for (int g = 0; g < GROUP; g++) {
-        const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * GROUP + g;
         const float sum = _mm512_cvtss_f32(running_sum[g]);
         const __m512 inv = _mm512_set1_ps(KV_WIDEN_SCALE / sum);
-        for (int j = 0; j < VD; j++) _mm512_storeu_ps(a->out + row * d + 16 * j, _mm512_mul_ps(acc[g][j], inv));
-        a->lse[row] = _mm512_cvtss_f32(running_max[g]) + logf(sum);
+        for (int j = 0; j < VD; j++) _mm512_storeu_ps(w->out + g * d + 16 * j, _mm512_mul_ps(acc[g][j], inv));
+        w->lse[g] = _mm512_cvtss_f32(running_max[g]) + logf(sum);
     }
 }
 
@@ -255,13 +290,13 @@ static inline float reduce_add8(__m256 v) {
 }
 
 /* GROUP query heads per KV head, VD 8-float vectors per head: constants after inlining. */
-static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeArgs *a, int item, const int GROUP,
-                                                                   const int VD) {
-    const int req = item / a->num_kv_heads, kv_head = item % a->num_kv_heads, d = a->head_size;
+static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeArgs *a, const DecodeSpan *w,
+                                                                   const int GROUP, const int VD) {
+    const int req = w->req, kv_head = w->kv_head, d = a->head_size;
     const int32_t *blocks = a->block_table + (int64_t)req * a->block_table_stride;
     const float *q = a->q_all + (int64_t)req * a->q_row_stride + (int64_t)kv_head * GROUP * d;
     const int64_t row_stride = (int64_t)a->num_kv_heads * KV_ROW(d);
-    const int seq_len = a->seq_lens[req], first = window_start(a->start_pos, seq_len - 1, a->window);
+    const int seq_len = w->end, first = w->begin;
     __m256 qv[GROUP][VD], acc[GROUP][VD], partial[GROUP][RUN];
     float running_max[GROUP], running_sum[GROUP], rescale[GROUP], weights[GROUP][RUN];
     for (int g = 0; g < GROUP; g++) {
@@ -360,10 +395,9 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         }
     }
     for (int g = 0; g < GROUP; g++) {
-        const int64_t row = (int64_t)req * a->num_heads + (int64_t)kv_head * GROUP + g;
         const __m256 inv = _mm256_set1_ps(KV_WIDEN_SCALE / running_sum[g]);
-        for (int j = 0; j < VD; j++) _mm256_storeu_ps(a->out + row * d + 8 * j, _mm256_mul_ps(acc[g][j], inv));
-        a->lse[row] = running_max[g] + logf(running_sum[g]);
+        for (int j = 0; j < VD; j++) _mm256_storeu_ps(w->out + g * d + 8 * j, _mm256_mul_ps(acc[g][j], inv));
+        w->lse[g] = running_max[g] + logf(running_sum[g]);
     }
 }
 
@@ -373,17 +407,17 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
 
 #if defined(DECODE_ITEM)
 #define HEAD_SIZE_CASES(G)                                                                                   \
-    case 512 * (G) + 16: DECODE_ITEM(a, item, G, 16 / VECTOR_FLOATS); return 1;                              \
-    case 512 * (G) + 32: DECODE_ITEM(a, item, G, 32 / VECTOR_FLOATS); return 1;                              \
-    case 512 * (G) + 64: DECODE_ITEM(a, item, G, 64 / VECTOR_FLOATS); return 1;                              \
-    case 512 * (G) + 128: DECODE_ITEM(a, item, G, 128 / VECTOR_FLOATS); return 1;
+    case 512 * (G) + 16: DECODE_ITEM(a, w, G, 16 / VECTOR_FLOATS); return 1;                                 \
+    case 512 * (G) + 32: DECODE_ITEM(a, w, G, 32 / VECTOR_FLOATS); return 1;                                 \
+    case 512 * (G) + 64: DECODE_ITEM(a, w, G, 64 / VECTOR_FLOATS); return 1;                                 \
+    case 512 * (G) + 128: DECODE_ITEM(a, w, G, 128 / VECTOR_FLOATS); return 1;
 /* Head size 256 (the Gemmas') for the groups their checkpoints have: the accumulators spill, still far ahead of the
  * portable body. */
-#define HEAD_SIZE_256_CASE(G) case 512 * (G) + 256: DECODE_ITEM(a, item, G, 256 / VECTOR_FLOATS); return 1;
+#define HEAD_SIZE_256_CASE(G) case 512 * (G) + 256: DECODE_ITEM(a, w, G, 256 / VECTOR_FLOATS); return 1;
 
 /* Runs the vector body (VECTOR_FLOATS floats a vector) when (group, head_size) has one: groups up to 8 with head
  * sizes 16, 32, 64 and 128, groups 1, 2 and 4 with 256; returns 0 when it has not. */
-static int decode_item_vector(const DecodeArgs *a, int item) {
+static int decode_item_vector(const DecodeArgs *a, const DecodeSpan *w) {
     const int group = a->num_heads / a->num_kv_heads;
     switch (512 * group + a->head_size) {
         HEAD_SIZE_CASES(1) HEAD_SIZE_CASES(2) HEAD_SIZE_CASES(3) HEAD_SIZE_CASES(4) HEAD_SIZE_CASES(5)
@@ -393,11 +427,53 @@ static int decode_item_vector(const DecodeArgs *a, int item) {
     return 0;
 }
 #else
-static int decode_item_vector(const DecodeArgs *a, int item) {
-    (void)a, (void)item;
+static int decode_item_vector(const DecodeArgs *a, const DecodeSpan *w) {
+    (void)a, (void)w;
     return 0; /* no vector body in this build */
 }
 #endif
+
+/* Spans per (request, KV head): 1 where the pairs give every thread a few items or the histories are short;
+ * otherwise enough for about MIN_ITEMS_PER_THREAD items a thread, each at least MIN_SPLIT positions. */
+#define MIN_ITEMS_PER_THREAD 4
+#define MIN_SPLIT 128
+#define MAX_SPLITS 64
+static int decode_splits(const int32_t *seq_lens, int num_reqs, int start_pos, int pairs, int num_threads) {
+    if (num_threads <= 1 || pairs >= MIN_ITEMS_PER_THREAD * num_threads) return 1;
+    int longest = 0;
+    for (int r = 0; r < num_reqs; r++) longest = seq_lens[r] - start_pos > longest ? seq_lens[r] - start_pos : longest;
+    int splits = (MIN_ITEMS_PER_THREAD * num_threads + pairs - 1) / pairs;
+    if (splits > longest / MIN_SPLIT) splits = longest / MIN_SPLIT;
+    return splits < 1 ? 1 : splits > MAX_SPLITS ? MAX_SPLITS : splits;
+}
+
+/* Output row `row` (request row / num_heads, head row % num_heads) from its splits: each split's output weighted by
+ * exp(its lse - the largest), over their sum; the lse of the whole. */
+static void merge_splits(const DecodeArgs *a, int row) {
+    const int group = a->num_heads / a->num_kv_heads, d = a->head_size;
+    const int req = row / a->num_heads, head = row % a->num_heads, kv_head = head / group, g = head % group;
+    const int64_t first = ((int64_t)req * a->num_kv_heads + kv_head) * a->splits; /* the pair's first item */
+    float top = -INFINITY;
+    for (int s = 0; s < a->splits; s++) {
+        const float l = a->partial_lse[(first + s) * group + g];
+        top = l > top ? l : top;
+    }
+    float *o = a->out + (int64_t)row * d, total = 0.0f;
+    memset(o, 0, (size_t)d * sizeof(float));
+    for (int s = 0; s < a->splits; s++) {
+        const float l = a->partial_lse[(first + s) * group + g];
+        if (l == -INFINITY) continue;
+        const float weight = expf(l - top);
+        const float *p = a->partial_out + ((first + s) * group + g) * d;
+        total += weight;
+#pragma omp simd
+        for (int i = 0; i < d; i++) o[i] += weight * p[i];
+    }
+    const float inv = 1.0f / total;
+#pragma omp simd
+    for (int i = 0; i < d; i++) o[i] *= inv;
+    a->lse[row] = top + logf(total);
+}
 
 /* q: [num_reqs, num_heads, head_size], rows q_row_stride floats apart (they may be a view of the fused QKV
  * output); caches: [num_slots, num_kv_heads, head_size]; block_table: [num_reqs, block_table_stride] int32;
@@ -411,12 +487,39 @@ int paged_decode_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, 
                      int block_size, float scale, float softcap, int num_threads) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
         return -1;
-    const DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
-                          window, num_heads, num_kv_heads, head_size, block_size, scale, softcap, out, lse};
-    const int items = num_reqs * num_kv_heads;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int item = 0; item < items; item++)
-        if (!decode_item_vector(&a, item)) decode_item_portable(&a, item);
+    DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
+                    window, num_heads, num_kv_heads, head_size, block_size, scale, softcap, out, lse, 1, NULL, NULL};
+    const int pairs = num_reqs * num_kv_heads, group = num_heads / num_kv_heads;
+    a.splits = decode_splits(seq_lens, num_reqs, start_pos, pairs, num_threads);
+    if (a.splits > 1) {
+        a.partial_out = malloc((size_t)pairs * a.splits * group * head_size * sizeof(float));
+        a.partial_lse = malloc((size_t)pairs * a.splits * group * sizeof(float));
+        if (a.partial_out == NULL || a.partial_lse == NULL) { /* unsplit, then */
+            free(a.partial_out);
+            free(a.partial_lse);
+            a.splits = 1;
+        }
+    }
+    const int items = pairs * a.splits;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            const DecodeSpan w = decode_span(&a, item);
+            if (w.begin == w.end) { /* an empty split: no weight in the merge */
+                for (int g = 0; g < group; g++) w.lse[g] = -INFINITY;
+                memset(w.out, 0, (size_t)group * head_size * sizeof(float));
+            } else if (!decode_item_vector(&a, &w)) {
+                decode_item_portable(&a, &w);
+            }
+        }
+        if (a.splits > 1) {
+#pragma omp for schedule(static)
+            for (int row = 0; row < num_reqs * num_heads; row++) merge_splits(&a, row);
+        }
+    }
+    free(a.partial_out);
+    free(a.partial_lse);
     return 0;
 }
 
