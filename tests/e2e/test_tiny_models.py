@@ -1,8 +1,10 @@
-"""Engine-level greedy parity with transformers for tiny random-weight models saved as safetensors dirs."""
+"""Engine-level greedy parity with transformers for tiny random-weight models saved as safetensors dirs (and, for
+packed GGUF experts, with the same GGUF file loaded dense)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3ForCausalLM,
                           Gemma3ForConditionalGeneration, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Phi3Config,
                           Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig)
@@ -10,6 +12,7 @@ from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3Config, Gemma3F
 from pagedllm import SamplingParams, native
 from pagedllm.native.graph import CpuGraph
 from tests.e2e.conftest import assert_transformers_generate, assert_transformers_greedy, in_process_llm, running_llm
+from tests.model_fixtures import write_tiny_gguf
 from tests.test_moe import MOE_MODELS
 
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
@@ -79,6 +82,43 @@ def test_moe_decode_steps_replay_cpu_graphs(tmp_path, tokenizer, monkeypatch, na
     assert graphs is not None and not graphs._refused and len(replays) >= 10
     for prompt, got, param in zip(prompts, outputs, params):
         assert_transformers_greedy(reference, [prompt], [got], param.max_tokens)
+
+
+@pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q8() is None,
+                    reason="no quantized GEMMs here: GGUF experts are dequantized")
+def test_packed_gguf_experts_replay_cpu_graphs(tmp_path, model_path):
+    """A Mixtral GGUF whose experts stay packed under quantization="gguf" (a Q4_0 gate, a Q8_0 up, a Q4_1 down):
+    moe_quant.c decides the routing as it runs, so decode steps replay CPU graphs (none refused), and the greedy
+    tokens are those of the same file loaded dense, while requests join and leave the batch."""
+    config_cls, model_cls, extra = MOE_MODELS["mixtral"]
+    torch.manual_seed(0)
+    values = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.5, eos_token_id=2,
+                  bos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    path = str(tmp_path / "mixtral.gguf")
+    types = {"gate_proj": GGMLQuantizationType.Q4_0, "up_proj": GGMLQuantizationType.Q8_0}
+    write_tiny_gguf(model_cls(config_cls(**values, **extra)).eval(), path, "llama",
+                    layer_type=lambda name: next((t for key, t in types.items() if key in name),
+                                                 GGMLQuantizationType.Q4_1))
+    prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3)), list(range(3000, 3020))]
+    params = [SamplingParams(temperature=0, max_tokens=16 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for quantization in (None, "gguf"):
+        llm = in_process_llm(path, tokenizer=model_path, quantization=quantization, dtype="float32",
+                             max_model_len=512, max_num_batched_tokens=32)
+        replays = []
+        replay = CpuGraph.replay
+        with pytest.MonkeyPatch.context() as patcher:
+            patcher.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+            outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        experts = runner.model.model.layers[0].block_sparse_moe.experts
+        llm.shutdown()
+        assert type(experts.quant_method).__name__ == ("GGUFFusedMoEMethod" if quantization else
+                                                       "UnquantizedFusedMoEMethod")
+        assert runner.decode_graphs is not None and not runner.decode_graphs._refused and len(replays) >= 10
+    assert outputs["gguf"] == outputs[None]
 
 
 def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path, tokenizer):
