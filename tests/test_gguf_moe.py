@@ -69,6 +69,22 @@ def test_packed_experts_give_the_dense_models_logits(tmp_path, case):
     torch.testing.assert_close(packed_logits, dense_logits, rtol=1e-4, atol=1e-4)
 
 
+def test_gguf_int4_keeps_a_q4_k_m_files_experts_packed(tmp_path):
+    """gguf_int4 keeps only Q4 linear layers packed, but a mixture's Q6_K down stacks stay packed with their Q4_K gate
+    and up (dequantizing them would take every expert of the layer to float32)."""
+    config_class, hf_class, model_class, arch, extra, types, default, *_ = CASES["qwen3_moe-q4_k_m"]
+    torch.manual_seed(7)
+    reference = hf_class(config_class(**{**TINY, **extra}, tie_word_embeddings=False)).eval()
+    path = str(tmp_path / "qwen3_moe-q4_k_m.gguf")
+    write_tiny_gguf(reference, path, arch,
+                    layer_type=lambda name: next((t for key, t in types.items() if key in name), default))
+    model, _ = _load(path, "gguf_int4")
+    method = model.model.layers[0].mlp.experts.quant_method
+    assert isinstance(method, GGUFFusedMoEMethod) and method.w2[0].kernel.name == "gemm_q6k_f32"
+    assert get_quant_config("gguf_int4", path, model_class).summary(model).endswith(
+        "experts kept packed: Q4_K+Q6_K x2; experts dequantized at load: none")
+
+
 def test_experts_with_a_kind_no_kernel_takes_are_dequantized(tmp_path):
     """An F16 down stack: that layer's experts load dense (float32 stacks, the native path, CPU graphs)."""
     config_class, hf_class, _, arch, extra, *_ = CASES["mixtral-mixed"]

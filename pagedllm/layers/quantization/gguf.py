@@ -50,11 +50,13 @@ class GGUFConfig(QuantizationConfig):
         self.stacked_params_mapping = stacked_params_mapping
         self.expert_weight_names = expert_weight_names
 
-    def _methods(self, layer: nn.Module) -> dict[GGMLQuantizationType, type[GGUFLinearMethod]]:
+    def _methods(self, layer: nn.Module, q8_layers: bool | None = None) -> dict[GGMLQuantizationType,
+                                                                                type[GGUFLinearMethod]]:
         """GGUF type -> the method keeping ``layer``'s weight of that type packed; a type not here is dequantized.
-        Decided as the model is built, so the loader knows which weights to leave packed."""
+        Decided as the model is built, so the loader knows which weights to leave packed. ``q8_layers``: whether
+        the int8-code kinds count (default: the config's own choice)."""
         methods = dict.fromkeys(Q4_TYPES, GGUFInt4LinearMethod)
-        if self.q8_layers and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
+        if (self.q8_layers if q8_layers is None else q8_layers) and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
             methods[GGMLQuantizationType.Q8_0] = GGUFQ8LinearMethod
             methods[GGMLQuantizationType.Q6_K] = methods[GGMLQuantizationType.Q3_K] = GGUFQ6KLinearMethod
             methods[GGMLQuantizationType.Q5_K] = GGUFQ5KLinearMethod
@@ -94,8 +96,10 @@ class GGUFConfig(QuantizationConfig):
 
     def _experts_method(self, layer: FusedMoE, prefix: str) -> GGUFFusedMoEMethod | None:
         """Packed experts where every stack is of a kind a native kernel takes (the Q4 kinds need gemm_q4: torch's
-        int4 kernel cannot write half an output); else None, and the layer's experts are dequantized."""
-        methods = self._methods(layer)
+        int4 kernel cannot write half an output); else None, and the layer's experts are dequantized. Under
+        gguf_int4 too the int8-code kinds count here: a Q4_K_M file's Q6_K down stacks would otherwise take the
+        whole layer's experts to float32, several times the memory of the packed ones."""
+        methods = self._methods(layer, q8_layers=True)
         kinds = [methods.get(self.tensor_types.get(f"{name}.weight")) for name in self._expert_modules(prefix)]
         if not kinds or None in kinds or (GGUFInt4LinearMethod in kinds and
                                           not native_applies("gemm_q4", layer.params_dtype, torch.device("cpu"))):
@@ -150,7 +154,8 @@ def _q8_embeddings(model: nn.Module) -> set[str]:
 
 
 class GGUFInt4Config(GGUFConfig):
-    """``gguf_int4``: only Q4_0/Q4_1/Q4_K layers stay packed (Q8_0 ones are dequantized)."""
+    """``gguf_int4``: only Q4_0/Q4_1/Q4_K linear layers stay packed (Q8_0 ones are dequantized); experts as under
+    ``gguf``."""
 
     name = "gguf_int4"
     q8_layers = False
