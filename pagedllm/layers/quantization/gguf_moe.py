@@ -17,14 +17,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE, routed_experts, select_experts
 from pagedllm.layers.gemm_layout import PANEL, QuantizedWeight, WeightLayout
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm import native
-from pagedllm.native.fused import silu_and_mul
 from pagedllm.native.gemms import moe_quant
 
 PROJECTIONS = {"w13": ("w1", "w3"), "w2": ("w2",)}  # FusedMoE's parameters and the shards each stacks
+_SILU_AND_MUL = SiluAndMul()
 
 
 class GGUFFusedMoEMethod:
@@ -91,10 +92,10 @@ class GGUFFusedMoEMethod:
             delattr(layer, name)
         # The native layer's tables: each expert's panels by address (a merged [gate | up] and 0, or the gate's and
         # the up's) and formats; the weights above keep the panels alive.
-        w13 = [[w for _, w in shards] + [None] * (2 - len(shards)) for shards in self.w13]
-        self.w13_table = torch.tensor([[0 if w is None else w.panels.data_ptr() for w in pair] for pair in w13])
-        self.w13_formats = torch.tensor([[0 if w is None else w.kernel.format_args[0] for w in pair] for pair in w13],
-                                        dtype=torch.int32)
+        w13 = [[w for _, w in shards] for shards in self.w13]
+        self.w13_table = torch.tensor([[w.panels.data_ptr() for w in pair] + [0] * (2 - len(pair)) for pair in w13])
+        self.w13_formats = torch.tensor([[w.kernel.format_args[0] for w in pair] + [0] * (2 - len(pair))
+                                         for pair in w13], dtype=torch.int32)
         self.w2_table = torch.tensor([w.panels.data_ptr() for w in self.w2])
         self.w2_formats = torch.tensor([w.kernel.format_args[0] for w in self.w2], dtype=torch.int32)
 
@@ -103,11 +104,7 @@ class GGUFFusedMoEMethod:
         gate_up = rows.new_empty(rows.shape[0], sum(weight.out_features for _, weight in self.w13[expert]))
         for column, weight in self.w13[expert]:
             weight.linear(rows, None, out=gate_up[:, column:column + weight.out_features])
-        act = silu_and_mul(gate_up)
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = torch.nn.functional.silu(gate) * up
-        return self.w2[expert].linear(act)
+        return self.w2[expert].linear(_SILU_AND_MUL(gate_up))
 
     def runs_natively(self, layer: FusedMoE) -> bool:
         """Whether a step is one native call (moe_quant_f32: every expert on this rank, float32 activations)."""
