@@ -125,6 +125,7 @@ def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return _with_body(_gemm_lib(extra_flags), "gemm_quant_available")
 
 
+@functools.cache
 def moe_quant() -> ctypes.CDLL | None:
     """The library whose moe_quant_f32 runs a layer of quantized experts (gemms.moe_quant calls it), or None."""
     return _gemm_quant_lib()
