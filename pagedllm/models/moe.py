@@ -4,7 +4,8 @@
 
 A step's forward through the block is native calls only where the experts' native path applies (float32 experts:
 fused_moe.c; GGUF experts kept packed: moe_quant.c; each routing and running the experts in one call, the shared
-expert's gate added by another), so decode steps of such a model replay CPU graphs (``supports_cpu_graphs``, a property of the model classes: experts_run_natively).
+expert's gate added by another), so decode steps of such a model replay CPU graphs (``supports_cpu_graphs``, a
+property of the model classes: experts_run_natively).
 
 The router stays unquantized and whole on every rank (its logits pick the experts, so every rank must pick alike).
 The shared expert's output is a partial sum under tensor parallelism like the experts', so the block all-reduces

@@ -43,8 +43,9 @@ int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13
         const int first = routing.counts[e], n = routing.counts[e + 1] - first;
         if (n == 0) continue;
         const int32_t *pairs = routing.order + first;
-        for (int i = 0; i < n; i++)
-            memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden, (size_t)hidden * sizeof(float));
+        for (int i = 0; i < n; i++) /* the expert's tokens' rows, gathered: the GEMM takes rows ldx apart */
+            memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden,
+                   (size_t)hidden * sizeof(float));
         const uint8_t *gate = (const uint8_t *)(intptr_t)w13[2 * e], *up = (const uint8_t *)(intptr_t)w13[2 * e + 1];
         if (up == NULL) {
             status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, 2 * inter, hidden, num_threads,

@@ -50,13 +50,13 @@ class GGUFConfig(QuantizationConfig):
         self.stacked_params_mapping = stacked_params_mapping
         self.expert_weight_names = expert_weight_names
 
-    def _methods(self, layer: nn.Module, q8_layers: bool | None = None) -> dict[GGMLQuantizationType,
-                                                                                type[GGUFLinearMethod]]:
+    @staticmethod
+    def _methods(layer: nn.Module, q8_layers: bool) -> dict[GGMLQuantizationType, type[GGUFLinearMethod]]:
         """GGUF type -> the method keeping ``layer``'s weight of that type packed; a type not here is dequantized.
         Decided as the model is built, so the loader knows which weights to leave packed. ``q8_layers``: whether
-        the int8-code kinds count (default: the config's own choice)."""
+        the int8-code kinds count."""
         methods = dict.fromkeys(Q4_TYPES, GGUFInt4LinearMethod)
-        if (self.q8_layers if q8_layers is None else q8_layers) and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
+        if q8_layers and native_applies("gemm_q8", layer.params_dtype, torch.device("cpu")):
             methods[GGMLQuantizationType.Q8_0] = GGUFQ8LinearMethod
             methods[GGMLQuantizationType.Q6_K] = methods[GGMLQuantizationType.Q3_K] = GGUFQ6KLinearMethod
             methods[GGMLQuantizationType.Q5_K] = GGUFQ5KLinearMethod
@@ -78,7 +78,7 @@ class GGUFConfig(QuantizationConfig):
             return self._experts_method(layer, prefix)
         if not isinstance(layer, LinearBase):
             return None
-        methods = self._methods(layer)
+        methods = self._methods(layer, self.q8_layers)
         parts = [methods.get(t) for t in self._types(prefix)]
         if len(set(parts)) == 1:
             return None if parts[0] is None else parts[0]()
