@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagedllm import native
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts, select_experts
+from pagedllm.layers.fused_moe import FusedMoE, expert_param_name, fused_experts, select_experts
 from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.models.gguf_loader import PACKED_PARTS, unpack
 from pagedllm.native.fused import fused_moe
@@ -46,7 +46,7 @@ def packed_layer(w13: torch.Tensor, w2: torch.Tensor, top_k: int, tensor_type: G
         gate, up = w13[expert].chunk(2)
         for shard, weight in (("w1", gate), ("w3", up), ("w2", w2[expert])):
             for part, array in zip(PACKED_PARTS, unpack(quantize(weight.numpy(), tensor_type), tensor_type)):
-                param = params[f"{'w2' if shard == 'w2' else 'w13'}_{part}"]
+                param = params[expert_param_name(shard, part)]
                 param.weight_loader(param, torch.from_numpy(array), expert, shard)
     layer.quant_method.process_weights_after_loading(layer)
     return layer

@@ -12,7 +12,7 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 
 from pagedllm import native
 from pagedllm.distributed.parallel_state import ParallelRank
-from pagedllm.layers.fused_moe import FusedMoE, fused_experts, routed_experts, select_experts
+from pagedllm.layers.fused_moe import FusedMoE, expert_param_name, fused_experts, routed_experts, select_experts
 from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 from pagedllm.models.gguf_loader import PACKED_PARTS, dequantize_fast, unpack
@@ -114,7 +114,7 @@ def _packed_moe(rank: ParallelRank, blocks) -> FusedMoE:
     params = dict(moe.named_parameters())
     for (expert, shard), data in blocks.items():
         for part, array in zip(PACKED_PARTS, unpack(data, T.Q4_1)):
-            param = params[f"{'w2' if shard == 'w2' else 'w13'}_{part}"]
+            param = params[expert_param_name(shard, part)]
             param.weight_loader(param, torch.from_numpy(array), expert, shard)
     moe.quant_method.process_weights_after_loading(moe)
     return moe

@@ -48,7 +48,13 @@ def expert_weight_target(name: str, expert_weight_names: tuple[str, str, str]) -
     if match is None or match.group(3) not in expert_weight_names:
         return None
     shard = ("w1", "w2", "w3")[expert_weight_names.index(match.group(3))]
-    return f"{match.group(1)}.{'w2' if shard == 'w2' else 'w13'}_{match.group(4)}", int(match.group(2)), shard
+    return f"{match.group(1)}.{expert_param_name(shard, match.group(4))}", int(match.group(2)), shard
+
+
+def expert_param_name(shard: str, part: str = "weight") -> str:
+    """The FusedMoE parameter a shard's ``part`` loads into: ``w13_<part>`` for the gate (``w1``) and up (``w3``),
+    ``w2_<part>`` for the down (``w2``)."""
+    return f"{'w2' if shard == 'w2' else 'w13'}_{part}"
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
