@@ -1,6 +1,10 @@
 """CPU graphs (native/graph.py): replay recomputes a captured forward for new inputs in the static buffers, and
-capture refuses a forward whose kernels read what a torch op computed (replay would not recompute it)."""
+capture refuses a forward whose kernels read what a torch op computed (replay would not recompute it). Replays
+run in C (native/graph_replay.c) where it knows the calling convention, else call by call from Python: both
+give the eager results."""
+import platform
 import shutil
+import sys
 
 import pytest
 import torch
@@ -59,12 +63,55 @@ def test_a_torch_computed_output_or_no_kernel_refuses_the_capture():
     assert graph.failure == "no native kernel ran"
 
 
-def test_a_kernel_failing_on_replay_raises():
+@pytest.fixture(params=["native replay", "python replay"])
+def replay_in(request, monkeypatch):
+    """Graphs captured here replay through graph_replay.c, or (its library taken away) call by call in Python."""
+    if request.param == "python replay":
+        monkeypatch.setattr(native, "graph_replay", lambda: None)
+    return request.param
+
+
+def test_replays_run_in_c_where_the_calling_convention_is_known(replay_in):
+    x = torch.randn(3, 32)
+    graph = CpuGraph()
+    graph.capture(lambda: fused.silu_and_mul(x))
+    known = sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+    assert (graph.packed_calls is not None) == (known and replay_in == "native replay")
+
+
+def test_replay_passes_float_and_stack_arguments(replay_in):
+    """paged_decode_f32 takes 17 integer-class arguments (11 beyond x86-64's six registers) and two floats (the
+    scale and the soft cap, here far from their defaults): a replay after new queries and K/V equals the kernel
+    called directly."""
+    heads, kv_heads, head_size, block_size = 4, 2, 64, 4
+    q = torch.randn(3, heads, head_size)
+    k_cache, v_cache = (torch.randn(8 * block_size, kv_heads, head_size) for _ in range(2))  # 8 blocks of slots
+    block_table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 6, 12], dtype=torch.int32)
+    decode = native.paged_decode()
+
+    def step() -> torch.Tensor:
+        out, lse = torch.empty(3, heads, head_size), torch.empty(3, heads)
+        decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, start_pos=0, block_size=block_size, scale=0.3,
+               sliding_window=7, logits_soft_cap=2.5)
+        return out
+
+    graph = CpuGraph()
+    graph.capture(step)
+    assert graph.failure is None
+    for seed in range(3):
+        generator = torch.Generator().manual_seed(seed)
+        for t in (q, k_cache, v_cache):
+            t.copy_(torch.randn(t.shape, generator=generator))
+        assert torch.equal(graph.replay(), step())
+
+
+def test_a_kernel_failing_on_replay_raises(replay_in):
     ids, weight = torch.tensor([1, 2]), torch.randn(5, 8)
     graph = CpuGraph()
     graph.capture(lambda: fused.embedding(ids, weight))
     ids[1] = 7  # past the 5 rows
-    with pytest.raises(GraphReplayError, match="embedding_f32"):
+    with pytest.raises(GraphReplayError, match=r"embedding_f32 failed on replay \(status -1\)"):
         graph.replay()
 
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from pagedllm import native
-from pagedllm.native import attention, build, fused, gemms, lora_ops
+from pagedllm.native import attention, build, fused, gemms, graph, lora_ops
 from pagedllm.native.checks import NativeCallError
 from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, STRING
 
 HAS_CC = shutil.which("cc") is not None
 SIGNATURES = {"paged_attention": attention.SIGNATURES, "fused_ops": fused.FUSED_SIGNATURES,
               "gemm": gemms.GEMM_SIGNATURES, "gemm_bf16": gemms.GEMM_BF16_SIGNATURES,
-              "lora": lora_ops.LORA_SIGNATURES}
+              "lora": lora_ops.LORA_SIGNATURES, "graph_replay": graph.GRAPH_REPLAY_SIGNATURES}
 
 
 def _c_type(declaration: str):

@@ -28,6 +28,7 @@ from pagedllm.native.gemms import (
     GEMM_W8A8_SILU_MUL,
     Gemm,
 )
+from pagedllm.native.graph import GRAPH_REPLAY_SIGNATURES
 from pagedllm.native.lora_ops import LORA_SIGNATURES
 
 _build = build.build  # (library, extra_flags) -> path or None; tests call it directly
@@ -97,6 +98,13 @@ def fused_ops() -> ctypes.CDLL | None:
 def lora() -> ctypes.CDLL | None:
     """The library of lora.c (called through pagedllm.native.lora_ops), or None."""
     return build.load("lora", LORA_SIGNATURES)
+
+
+@functools.cache
+def graph_replay() -> ctypes.CDLL | None:
+    """The library of graph_replay.c (a CPU graph's calls made in C), or None, also where it does not know this
+    platform's calling convention."""
+    return _with_body(build.load("graph_replay", GRAPH_REPLAY_SIGNATURES), "graph_replay_available")
 
 
 def _with_body(lib: ctypes.CDLL | None, available: str) -> ctypes.CDLL | None:

@@ -48,6 +48,7 @@ LIBRARIES = {
     "gemm_bf16": ("gemm_bf16.c",),
     "gemm_int8": ("gemm_int8.c",),
     "lora": ("lora.c",),
+    "graph_replay": ("graph_replay.c",),
 }
 
 

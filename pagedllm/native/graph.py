@@ -14,13 +14,21 @@ two kernels (a dtype conversion, a fallback path) would not run again on replay.
 and the step stays eager. Python decisions taken during capture are frozen into the graph: in a decode forward
 these are the batch's shape and the length of a prefix every request shares (attended once for all rows by
 cascade attention), which is why the model runner keys its graphs by both (worker/cpu_graphs.py).
+
+Where native/graph_replay.c knows the platform's calling convention, a replay is one ctypes call that makes the
+recorded calls in C (each a kernel's address and its arguments, packed at capture); elsewhere Python makes them one
+by one.
 """
 
+import ctypes
+import struct
 import threading
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, CFunction, arguments
 
 _aten = torch.ops.aten
 # Ops that only make memory (or a view of it): their results hold nothing until a kernel writes them.
@@ -49,6 +57,49 @@ def _as_ctypes(kernel, args: tuple) -> tuple:
 
 class GraphReplayError(RuntimeError):
     pass
+
+
+GRAPH_REPLAY_SIGNATURES = [
+    CFunction("graph_replay_available", INT),
+    CFunction("graph_replay", INT64, *arguments("calls", POINTER, "n", INT64, "status", POINTER)),
+]
+
+
+class _GraphCall(ctypes.Structure):
+    """graph_replay.c's GraphCall: a kernel's address, whether it returns a status, and its integer-class and
+    float arguments, each class in its order (a float as its bits in the low half of a double's)."""
+
+    INT_ARGS, FLOAT_ARGS = 24, 8  # GRAPH_INT_ARGS, GRAPH_FLOAT_ARGS
+    _fields_ = [("kernel", ctypes.c_void_p), ("returns_status", ctypes.c_int64),
+                ("ints", ctypes.c_int64 * INT_ARGS), ("floats", ctypes.c_double * FLOAT_ARGS)]
+
+
+_INTEGER_CLASS = (POINTER, INT, INT64)
+
+
+def _float_in_double(value: float) -> float:
+    """The double whose low 32 bits are ``value``'s float32 bits (the register a float argument travels in)."""
+    return struct.unpack("<d", struct.pack("<f4x", value))[0]
+
+
+def _packed_calls(calls: list[tuple]) -> ctypes.Array | None:
+    """``calls`` (kernel, ctypes arguments) as graph_replay.c's GraphCall array, or None where one of them does not
+    fit it: a return type other than int or void, an argument of another type, more arguments than it holds."""
+    packed = (_GraphCall * len(calls))()
+    for record, (kernel, args) in zip(packed, calls):
+        argtypes = getattr(kernel, "argtypes", None)
+        if kernel.restype not in (None, INT) or argtypes is None or len(argtypes) != len(args):
+            return None
+        ints = [0 if a is None else a.value or 0 for t, a in zip(argtypes, args) if t in _INTEGER_CLASS]
+        floats = [_float_in_double(a.value) for t, a in zip(argtypes, args) if t is FLOAT]
+        if (len(ints) + len(floats) != len(args) or len(ints) > _GraphCall.INT_ARGS
+                or len(floats) > _GraphCall.FLOAT_ARGS):
+            return None
+        record.kernel = ctypes.cast(kernel, ctypes.c_void_p).value
+        record.returns_status = kernel.restype is not None
+        record.ints[: len(ints)] = ints
+        record.floats[: len(floats)] = floats
+    return packed
 
 
 class GraphPool:
@@ -151,6 +202,8 @@ class CpuGraph:
     def __init__(self, pool: GraphPool | None = None):
         self.pool = pool or GraphPool()
         self.calls: list[tuple] = []
+        self.packed_calls: ctypes.Array | None = None  # the calls for graph_replay.c, where it replays them
+        self._replayer: ctypes.CDLL | None = None
         self.failure: str | None = None
         self.output: torch.Tensor | None = None
         self._tensors: list[torch.Tensor] = []
@@ -169,6 +222,10 @@ class CpuGraph:
         if self.failure is None:
             self.output, self._tensors = output, origins.tensors
             self.calls = [(kernel, _as_ctypes(kernel, args)) for kernel, args in self.calls]
+            from pagedllm import native  # here: pagedllm.native imports this module (its kernels call launch)
+
+            self._replayer = native.graph_replay()
+            self.packed_calls = None if self._replayer is None else _packed_calls(self.calls)
         else:
             self.calls = []
         return output
@@ -184,8 +241,19 @@ class CpuGraph:
         return None
 
     def replay(self) -> torch.Tensor:
+        if self.packed_calls is not None:
+            status = ctypes.c_int(0)
+            failed = self._replayer.graph_replay(ctypes.addressof(self.packed_calls), len(self.packed_calls),
+                                                 ctypes.addressof(status))
+            if failed:
+                self._replay_failed(self.calls[failed - 1][0], status.value)
+            return self.output
         for kernel, args in self.calls:
             status = kernel(*args)
             if status:  # None for kernels without a status, 0 for success
-                raise GraphReplayError(f"{kernel.__name__} failed on replay (status {status})")
+                self._replay_failed(kernel, status)
         return self.output
+
+    @staticmethod
+    def _replay_failed(kernel, status: int):
+        raise GraphReplayError(f"{kernel.__name__} failed on replay (status {status})")
