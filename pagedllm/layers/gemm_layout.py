@@ -48,6 +48,9 @@ class WeightLayout:
     def place(self, panels: torch.Tensor) -> torch.Tensor:
         return self._arena.copy(panels)
 
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self._arena.zeros(shape, dtype)
+
 
 def _placed(panels: torch.Tensor, layout: WeightLayout | None) -> torch.Tensor:
     return panels if layout is None else layout.place(panels)
@@ -73,8 +76,7 @@ class DenseWeight:
             self.panels, self.data = _placed(pack_bf16_panels(weight, self.gated), layout), None
             return
         if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
-            padded = F.pad(weight, (0, 0, 0, -self.out_features % PANEL))
-            self.panels = _placed(padded.view(-1, PANEL, self.in_features).transpose(1, 2).contiguous(), layout)
+            self.panels = pack_float32_panels(weight, layout)
         if self.panels is not None and not large_batches:
             self.data = None
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:
@@ -102,6 +104,19 @@ class DenseWeight:
         if self.panels.dtype == torch.bfloat16:
             return unpack_bf16_panels(self.panels, self.out_features, self.in_features, self.gated)
         return self.panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+
+def pack_float32_panels(weight: torch.Tensor, layout: WeightLayout | None = None) -> torch.Tensor:
+    """``[N, K]`` -> gemm.c's panels ``[ceil(N / 64), K, 64]`` (the last zero-padded), written in one pass into
+    their final memory (the layout's huge pages): no padded or transposed copy of a weight is made on the way."""
+    n, k = weight.shape
+    shape = (-(-n // PANEL), k, PANEL)
+    panels = torch.zeros(shape, dtype=weight.dtype) if layout is None else layout.zeros(shape, weight.dtype)
+    full = n // PANEL
+    panels[:full].copy_(weight[: full * PANEL].unflatten(0, (full, PANEL)).transpose(1, 2))
+    if n % PANEL:
+        panels[full, :, : n % PANEL].copy_(weight[full * PANEL :].t())
+    return panels
 
 
 def pack_bf16_panels(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:

@@ -123,13 +123,17 @@ class HugePageArena:
         self._chunk: torch.Tensor | None = None
         self._offset = 0
 
-    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        nbytes = tensor.numel() * tensor.element_size()
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A new tensor of zeros (memory no tensor has had: the OS's zeros, faulted in as it is written)."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if self._chunk is None or self._offset + nbytes > self._chunk.numel():
             self._chunk, self._offset = huge_page_zeros(max(self.CHUNK, nbytes)), 0
-        out = self._chunk[self._offset : self._offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        out = self._chunk[self._offset : self._offset + nbytes].view(dtype).view(shape)
         self._offset += -(-nbytes // 64) * 64
-        return out.copy_(tensor)
+        return out
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.zeros(tensor.shape, tensor.dtype).copy_(tensor)
 
 
 def keep_freed_memory() -> None:
