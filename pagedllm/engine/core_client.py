@@ -63,9 +63,11 @@ class InprocClient:
 
 
 class MPClient:
-    """Starts the EngineCore process and bridges its sockets to in-process callbacks."""
+    """Starts the EngineCore process and bridges its sockets to in-process callbacks. With ``wait=False`` the
+    constructor returns once the process is started, and the caller calls ``wait_until_ready`` before using the
+    client (so that several engines start at the same time)."""
 
-    def __init__(self, config: EngineConfig, on_outputs: Callable[[Any], None]) -> None:
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[Any], None], wait: bool = True) -> None:
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -88,13 +90,19 @@ class MPClient:
             pickle.dump((config, input_address, output_address, os.getpid()), f)
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc", "EngineCore", config_path])
         self._output_thread_handle: Optional[threading.Thread] = None
-        self._wait_until_ready()
+        if wait:
+            self.wait_until_ready()
+
+    def wait_until_ready(self) -> None:
+        """Blocks until the engine process is up (one that fails or takes too long to start shuts the client down
+        and raises), then starts the threads that take its outputs and notice its death."""
+        self._wait_for_ready_message()
         self._output_thread_handle = threading.Thread(target=self._output_thread, daemon=True,
                                                       name="EngineCoreClientOutput")
         self._output_thread_handle.start()
         threading.Thread(target=self._monitor_thread, daemon=True, name="EngineCoreMonitor").start()
 
-    def _wait_until_ready(self) -> None:
+    def _wait_for_ready_message(self) -> None:
         poller = zmq.Poller()
         poller.register(self._output_socket, zmq.POLLIN)
         waited = 0.0

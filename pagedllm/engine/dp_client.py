@@ -99,9 +99,11 @@ class _DPClientBase:
     def __init__(self, config: EngineConfig) -> None:
         self.balancer = DPLoadBalancer(config.parallel_config.data_parallel_size, config.cache_config.block_size)
         self.engines: list[MPClient] = []
-        try:
+        try:  # every engine process starts at once (each loads its model on its share of the cores)
             for index, engine_config in enumerate(engine_configs(config)):
-                self.engines.append(MPClient(engine_config, lambda o, i=index: self._deliver(i, o)))
+                self.engines.append(MPClient(engine_config, lambda o, i=index: self._deliver(i, o), wait=False))
+            for engine in self.engines:
+                engine.wait_until_ready()
         except BaseException:
             self.shutdown()
             raise
