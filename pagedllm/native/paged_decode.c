@@ -9,10 +9,11 @@
  *
  * Three bodies, one built per instruction set (paged_decode_isa() names it): with AVX-512 (groups up to 8, head
  * sizes 16, 32, 64 or 128; groups 1, 2 and 4 also 256) the scores of a run are sixteen vector dot products reduced
- * together by one transpose-and-add tree, the softmax of the run is one vector exp, and the group's output accumulators stay in
- * registers; with AVX2 and FMA (the same sizes) the same on 8-float vectors, its loops turned to fit 16 registers;
- * otherwise, and for other group and head sizes up to MAX_GROUP and MAX_HEAD_SIZE, portable C. The vector bodies
- * fetch the next run into L1 slot by slot while they score the current one, so memory and arithmetic overlap.
+ * together by one transpose-and-add tree, the softmax of the run is one vector exp, and the group's output
+ * accumulators stay in registers; with AVX2 and FMA (the same sizes) the same on 8-float vectors, its loops turned
+ * to fit 16 registers; otherwise, and for other group and head sizes up to MAX_GROUP and MAX_HEAD_SIZE, portable C.
+ * The vector bodies fetch the next run into L1 slot by slot while they compute the current one, so memory and
+ * arithmetic overlap.
  */
 #include <stdlib.h>
 
@@ -146,6 +147,17 @@ static inline void run_scales(float scales[RUN], const kv_t *row, int n, int64_t
 }
 #endif
 
+#if !defined(__AVX512F__)
+/* Fetch bytes [begin, end) of slot t's K (or V) row of the next run into L1 (the AVX2 body spreads a run's fetches
+ * over its whole computation: K rows while it scores, V rows while it weights them). */
+static inline __attribute__((always_inline)) void prefetch_row_bytes(const char *row0, const NextRun *next, int t,
+                                                                     int begin, int end) {
+    if (t >= next->n) return;
+    for (int offset = begin & ~63; offset < end; offset += 64) _mm_prefetch(row0 + t * next->row_bytes + offset,
+                                                                            _MM_HINT_T0);
+}
+#endif
+
 /* Cache lines of a head's row of `elements`. */
 #define ROW_LINES(elements) (((elements) * (int)sizeof(kv_t) + 63) / 64)
 #endif
@@ -267,8 +279,11 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
 /* ---- Decode rows with AVX2 (no AVX-512: e.g. most laptop CPUs) ----
  * The AVX-512 body's algorithm on 8-float vectors. Sixteen registers cannot hold a group's queries and output
  * accumulators, so the loops are turned for the few that fit: scores go slot by slot, one K row loaded once
- * for all the group's heads (queries read from L1), and the output vector by vector, its accumulators in
- * registers across the run's V rows. */
+ * for all the group's heads (queries read from L1), and the output a few vectors at a time for all the group's
+ * heads, those accumulators in registers across the run's V rows. The next run's K rows are fetched while this
+ * one is scored and its V rows while this one's are weighted, so the fetches spread over the whole run. Arrays
+ * the loops keep in registers have fixed sizes: GCC leaves a variable-length one (GROUP is a variable until the
+ * body is inlined) in memory, each accumulator then loaded and stored around its FMA. */
 
 /* Lane j of the result is the sum of the lanes of v[j]. */
 static inline __m256 sum8(const __m256 v[8]) {
@@ -324,13 +339,13 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         run_scales(v_scale, v, n, row_stride, d);
 #endif
         for (int t = 0; t < RUN; t++) {
-            prefetch_slot(&next, t, ROW_LINES(KV_ROW(8 * VD)));
+            prefetch_row_bytes(next.k, &next, t, 0, KV_ROW(8 * VD) * (int)sizeof(kv_t));
             if (t >= n) {
                 for (int g = 0; g < GROUP; g++) partial[g][t] = _mm256_setzero_ps();
                 continue;
             }
             const kv_t *kt = k + t * row_stride;
-            __m256 s[GROUP];
+            __m256 s[MAX_GROUP];
             const __m256 k0 = kv_load8(kt);
             for (int g = 0; g < GROUP; g++) s[g] = _mm256_mul_ps(qv[g][0], k0);
             for (int j = 1; j < VD; j++) {
@@ -372,26 +387,30 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
             _mm256_storeu_ps(weights[g] + 8, w1);
 #endif
         }
-        for (int j = 0; j < VD; j++) {
-            __m256 c[GROUP], e[GROUP]; /* even and odd slots: two chains of FMAs, not one twice as long */
+        /* The output CH vectors at a time for all the group's heads: GROUP x CH accumulator chains in registers
+         * across the run's V rows, each slot's weights broadcast once per chunk rather than once per vector. */
+        const int CH = GROUP == 1 ? (VD < 4 ? VD : 4) : GROUP <= 6 ? 2 : 1;
+        for (int j0 = 0; j0 < VD; j0 += CH) {
+            __m256 c[MAX_GROUP][8]; /* fixed sizes, not VLAs: kept in registers once the loops unroll */
             for (int g = 0; g < GROUP; g++) {
-                c[g] = _mm256_mul_ps(acc[g][j], _mm256_set1_ps(rescale[g]));
-                e[g] = _mm256_setzero_ps();
+                const __m256 r = _mm256_set1_ps(rescale[g]);
+                for (int j = 0; j < CH; j++) c[g][j] = _mm256_mul_ps(acc[g][j0 + j], r);
             }
-            int t = 0;
-            for (; t + 1 < n; t += 2) {
-                const __m256 v0 = kv_load8(v + t * row_stride + 8 * j);
-                const __m256 v1 = kv_load8(v + (t + 1) * row_stride + 8 * j);
-                for (int g = 0; g < GROUP; g++) {
-                    c[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), v0, c[g]);
-                    e[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t + 1]), v1, e[g]);
+            const int fetch_begin = 8 * j0 * (int)sizeof(kv_t);
+            const int fetch_end = (j0 + CH < VD ? 8 * (j0 + CH) : KV_ROW(8 * VD)) * (int)sizeof(kv_t);
+            for (int t = n; t < next.n; t++) prefetch_row_bytes(next.v, &next, t, fetch_begin, fetch_end);
+            for (int t = 0; t < n; t++) {
+                prefetch_row_bytes(next.v, &next, t, fetch_begin, fetch_end);
+                const kv_t *vt = v + t * row_stride + 8 * j0;
+                __m256 wt[MAX_GROUP];
+                for (int g = 0; g < GROUP; g++) wt[g] = _mm256_set1_ps(weights[g][t]);
+                for (int j = 0; j < CH; j++) {
+                    const __m256 vj = kv_load8(vt + 8 * j);
+                    for (int g = 0; g < GROUP; g++) c[g][j] = _mm256_fmadd_ps(wt[g], vj, c[g][j]);
                 }
             }
-            if (t < n) {
-                const __m256 v0 = kv_load8(v + t * row_stride + 8 * j);
-                for (int g = 0; g < GROUP; g++) c[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g][t]), v0, c[g]);
-            }
-            for (int g = 0; g < GROUP; g++) acc[g][j] = _mm256_add_ps(c[g], e[g]);
+            for (int g = 0; g < GROUP; g++)
+                for (int j = 0; j < CH; j++) acc[g][j0 + j] = c[g][j];
         }
     }
     for (int g = 0; g < GROUP; g++) {
