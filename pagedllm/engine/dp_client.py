@@ -13,7 +13,7 @@ import copy
 import itertools
 import queue
 from collections import Counter
-from typing import Any, Optional
+from typing import Any
 
 import msgspec
 
