@@ -128,15 +128,22 @@ static inline NextRun next_run_rows(const DecodeArgs *a, int64_t slot, int n, in
     return next;
 }
 
-/* Fetch slot t of the next run (the first `lines` cache lines of its K and V rows) into L1. The vector bodies call
- * it for each slot of the current run as they compute its scores, so the fetches are spread over the run (fetched
- * all at once at the run's start, they would leave the loop waiting on memory about as long as it computes). */
-static inline __attribute__((always_inline)) void prefetch_slot(const NextRun *next, int t, const int lines) {
+/* Fetch bytes [begin, end) of slot t's K (or V, by row0) row of the next run into L1. The vector bodies fetch the
+ * next run slot by slot as they compute the current one, so the fetches are spread over the run (fetched all at
+ * once at the run's start, they would leave the loop waiting on memory about as long as it computes): the AVX-512
+ * body a slot's K and V rows as it scores (prefetch_slot), the AVX2 body K rows as it scores and V rows as it
+ * weights them. */
+static inline __attribute__((always_inline)) void prefetch_row_bytes(const char *row0, const NextRun *next, int t,
+                                                                     int begin, int end) {
     if (t >= next->n) return;
-    for (int line = 0; line < lines; line++) {
-        _mm_prefetch(next->k + t * next->row_bytes + 64 * line, _MM_HINT_T0);
-        _mm_prefetch(next->v + t * next->row_bytes + 64 * line, _MM_HINT_T0);
-    }
+    for (int offset = begin & ~63; offset < end; offset += 64) _mm_prefetch(row0 + t * next->row_bytes + offset,
+                                                                            _MM_HINT_T0);
+}
+
+/* The first `lines` cache lines of slot t's K and V rows of the next run. */
+static inline __attribute__((always_inline)) void prefetch_slot(const NextRun *next, int t, const int lines) {
+    prefetch_row_bytes(next->k, next, t, 0, 64 * lines);
+    prefetch_row_bytes(next->v, next, t, 0, 64 * lines);
 }
 
 #if defined(KV_ROW_SCALED) && !defined(__AVX512F__) /* the AVX2 body's; the AVX-512 one gathers them */
@@ -144,17 +151,6 @@ static inline __attribute__((always_inline)) void prefetch_slot(const NextRun *n
  * are masked anyway). */
 static inline void run_scales(float scales[RUN], const kv_t *row, int n, int64_t row_stride, int d) {
     for (int t = 0; t < RUN; t++) scales[t] = t < n ? kv_row_scale(row + t * row_stride, d) : 0.0f;
-}
-#endif
-
-#if !defined(__AVX512F__)
-/* Fetch bytes [begin, end) of slot t's K (or V) row of the next run into L1 (the AVX2 body spreads a run's fetches
- * over its whole computation: K rows while it scores, V rows while it weights them). */
-static inline __attribute__((always_inline)) void prefetch_row_bytes(const char *row0, const NextRun *next, int t,
-                                                                     int begin, int end) {
-    if (t >= next->n) return;
-    for (int offset = begin & ~63; offset < end; offset += 64) _mm_prefetch(row0 + t * next->row_bytes + offset,
-                                                                            _MM_HINT_T0);
 }
 #endif
 
@@ -304,6 +300,8 @@ static inline float reduce_add8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+#define OUT_CHUNK 4 /* the most output vectors a head's accumulators take at a time (GROUP x chunk in registers) */
+
 /* GROUP query heads per KV head, VD 8-float vectors per head: constants after inlining. */
 static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeArgs *a, const DecodeSpan *w,
                                                                    const int GROUP, const int VD) {
@@ -389,9 +387,9 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         }
         /* The output CH vectors at a time for all the group's heads: GROUP x CH accumulator chains in registers
          * across the run's V rows, each slot's weights broadcast once per chunk rather than once per vector. */
-        const int CH = GROUP == 1 ? (VD < 4 ? VD : 4) : GROUP <= 6 ? 2 : 1;
+        const int CH = GROUP == 1 ? (VD < OUT_CHUNK ? VD : OUT_CHUNK) : GROUP <= 6 ? 2 : 1;
         for (int j0 = 0; j0 < VD; j0 += CH) {
-            __m256 c[MAX_GROUP][8]; /* fixed sizes, not VLAs: kept in registers once the loops unroll */
+            __m256 c[MAX_GROUP][OUT_CHUNK]; /* fixed sizes, not VLAs: kept in registers once the loops unroll */
             for (int g = 0; g < GROUP; g++) {
                 const __m256 r = _mm256_set1_ps(rescale[g]);
                 for (int j = 0; j < CH; j++) c[g][j] = _mm256_mul_ps(acc[g][j0 + j], r);
