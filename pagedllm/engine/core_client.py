@@ -13,7 +13,6 @@ import pickle
 import queue
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from concurrent.futures import Future
@@ -25,6 +24,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
                                       SchedulerStats)
 
@@ -88,7 +88,7 @@ class MPClient:
         config_path = os.path.join(self._ipc_dir, "config.pkl")
         with open(config_path, "wb") as f:
             pickle.dump((config, input_address, output_address, os.getpid()), f)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.engine.core_proc", "EngineCore", config_path])
+        self.proc = start_engine_core(config_path)
         self._output_thread_handle: Optional[threading.Thread] = None
         if wait:
             self.wait_until_ready()

@@ -7,6 +7,7 @@ core), and otherwise drains inputs, steps, and hands outputs to the sender.
 from __future__ import annotations
 
 import gc
+import importlib
 import logging
 import os
 import pickle
@@ -22,6 +23,7 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.launch import CONFIG_ON_STDIN
 from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest,
                                       EngineCoreRequestType, UtilityOutput)
 
@@ -159,8 +161,16 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def main() -> None:
-    """`python -m pagedllm.engine.core_proc EngineCore CONFIG_PICKLE`, as started by the MP client."""
-    with open(sys.argv[2], "rb") as f:
+    """`python -m pagedllm.engine.core_proc EngineCore CONFIG_PICKLE`, as started by the MP client (launch.py). A
+    prestarted engine's CONFIG_PICKLE is `-`: it imports the worker's modules, then reads the path from its stdin,
+    and an end of input (the frontend went without starting an engine) ends it quietly."""
+    config_path = sys.argv[2]
+    if config_path == CONFIG_ON_STDIN:
+        importlib.import_module("pagedllm.executor.uniproc")  # what the default executor imports first
+        config_path = sys.stdin.readline().strip()
+        if not config_path:
+            return
+    with open(config_path, "rb") as f:
         config, input_address, output_address, parent_pid = pickle.load(f)
     run_engine_core(config, input_address, output_address, parent_pid)
 

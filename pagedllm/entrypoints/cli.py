@@ -9,14 +9,16 @@ import logging
 import sys
 from typing import Optional
 
-from pagedllm.benchmarks.cli import add_bench_parser
-from pagedllm.entrypoints.chat_cli import add_chat_parser
-from pagedllm.entrypoints.openai.api_server import run_server
-from pagedllm.entrypoints.openai import run_batch as batch
-from pagedllm.entrypoints.openai.cli_args import config_file_defaults, make_arg_parser, validate_parsed_serve_args
+from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
+
+# The commands that start an engine process: theirs starts before this module's other imports (launch.py), which
+# are therefore made inside the functions below.
+ENGINE_COMMANDS = ("serve", "run-batch")
 
 
 def serve(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         asyncio.run(run_server(args))
@@ -25,6 +27,8 @@ def serve(args: argparse.Namespace) -> None:
 
 
 def run_batch(args: argparse.Namespace) -> None:
+    from pagedllm.entrypoints.openai import run_batch as batch
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     asyncio.run(batch.run_batch(args))
 
@@ -37,6 +41,11 @@ def doctor(args: argparse.Namespace) -> None:
 
 def make_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``pagedllm`` parser, and the parsers of its subcommands that read ``--config`` files, by command."""
+    from pagedllm.benchmarks.cli import add_bench_parser
+    from pagedllm.entrypoints.chat_cli import add_chat_parser
+    from pagedllm.entrypoints.openai import run_batch as batch
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
     subparsers = parser.add_subparsers(dest="command", required=True)
     serve_parser = subparsers.add_parser("serve", help="run the OpenAI-compatible API server")
@@ -59,6 +68,17 @@ def _config_path(argv: list[str]) -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ENGINE_COMMANDS:
+        prestart_engine_core()
+    try:
+        _run_command(argv)
+    finally:  # one the command did not take: it failed (a bad flag) before its engine started
+        discard_prestarted_engine_cores()
+
+
+def _run_command(argv: list[str]) -> None:
+    from pagedllm.entrypoints.openai.cli_args import config_file_defaults, validate_parsed_serve_args
+
     parser, config_parsers = make_parser()
     command_parser = config_parsers.get(argv[0]) if argv else None
     config = _config_path(argv[1:]) if command_parser is not None else None

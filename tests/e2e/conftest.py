@@ -92,9 +92,11 @@ def _engine_processes() -> list[psutil.Process]:
 @pytest.fixture(scope="module", autouse=True)
 def no_engine_process_left_behind():
     """Every module stops the engine processes it starts (LLM.shutdown, running_llm, or a fixture's teardown):
-    one left running holds its memory and threads until pytest exits, slowing every later test."""
+    one left running holds its memory and threads until pytest exits, slowing every later test. Engines that ran
+    before the module (another directory's session-wide server) are not the module's."""
+    before = {p.pid for p in _engine_processes()}
     yield
-    left = [p for p in _engine_processes() if p.pid not in _shared_engine_pids]
+    left = [p for p in _engine_processes() if p.pid not in _shared_engine_pids | before]
     for process in left:
         process.kill()
     assert not left, f"engine processes left running by this module: {[p.pid for p in left]}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 
 import msgspec
@@ -9,6 +10,8 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine import launch
+from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
@@ -61,7 +64,6 @@ def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
     import transformers or xgrammar (seconds of every engine start): the HF config travels as plain values
     (config.HFConfigValues), the tokenizer and grammar library load when a first request needs a grammar."""
     import pickle
-    import subprocess
     import sys
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -76,3 +78,15 @@ def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_prestarted_engine_nobody_takes_is_killed_or_leaves_at_the_end_of_its_input():
+    """launch.py: an engine interpreter started before its config holds nothing: the entry point's discard kills
+    it, and one whose frontend went (its stdin ended) exits by itself, quietly."""
+    prestart_engine_core()
+    [unused] = launch._prestarted
+    discard_prestarted_engine_cores()
+    assert unused.returncode is not None and not launch._prestarted
+    orphan = subprocess.Popen(unused.args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    orphan.stdin.close()
+    assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""

@@ -14,6 +14,7 @@ from typing import Iterator, Union
 import httpx
 import psutil
 
+from pagedllm.engine.launch import CONFIG_ON_STDIN
 from tests.server.conftest import RemoteServer
 
 LONG_STREAM = {"prompt": "Count to one thousand:", "max_tokens": 600, "ignore_eos": True, "stream": True}
@@ -31,6 +32,8 @@ def test_api_server_and_engine_core_processes(server):
     api_server = psutil.Process(server.proc.pid)
     assert "serve" in api_server.cmdline()
     assert server.engine.ppid() == api_server.pid and server.engine.is_running()
+    # the engine's interpreter started before the server had its config, and took it on its stdin (launch.py)
+    assert server.engine.cmdline()[-2:] == ["EngineCore", CONFIG_ON_STDIN]
 
 
 def test_engine_death_fails_requests_and_health(fresh_server):

@@ -14,6 +14,7 @@ import subprocess
 from types import SimpleNamespace
 
 import httpx
+import psutil
 import pytest
 
 from pagedllm.config import SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
@@ -91,6 +92,7 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
     key, cert, missing = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "missing.pem"
     key.write_text("key")
     cert.write_text("cert")
+    before = {p.pid for p in psutil.Process().children()}  # the session's shared servers, if started
     for argv, message in [
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be 0 or more seconds, got -1"),
         (["--ssl-keyfile", str(missing), "--ssl-certfile", str(cert)],
@@ -106,6 +108,8 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
         with pytest.raises(SystemExit) as info:
             cli.main(["serve", *argv])
         assert info.value.code == 2 and message in capsys.readouterr().err, argv
+        # the engine interpreter the command started at once (launch.py) went with the command
+        assert {p.pid for p in psutil.Process().children()} <= before, argv
     assert not served
     cli.main(["serve", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs", str(cert),
               "--ssl-cert-reqs", "2", "--shutdown-timeout", "0"])

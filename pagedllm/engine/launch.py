@@ -1,0 +1,51 @@
+"""Starting the EngineCore process, early where the entry point knows it will need one.
+
+The engine is a fresh interpreter (core_proc.py) that reads its EngineConfig from a pickle file. A server has no
+EngineConfig until it has imported torch and transformers and read the model's config (most of its start-up before
+the engine exists), and the engine process then spends about as long on imports of its own before it even opens the
+file. ``prestart_engine_core`` starts the engine's interpreter first thing, before the config exists: it imports
+the engine's modules beside the frontend's (on another core) and then waits on its stdin for the config's path, so
+the engine is ready that much sooner.
+
+A prestarted process holds nothing until it has the path: the entry point kills one it did not use (a bad flag's
+exit included), and one whose frontend dies reads the end of its input and leaves. It runs in a process group of its
+own, so that a Ctrl-C in the terminal reaches only the frontend, which stops the engine as it always does.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CONFIG_ON_STDIN = "-"  # core_proc's config path argument of a prestarted engine
+_prestarted: list[subprocess.Popen] = []
+
+
+def _engine_command(config_path: str) -> list[str]:
+    return [sys.executable, "-m", "pagedllm.engine.core_proc", "EngineCore", config_path]
+
+
+def prestart_engine_core() -> None:
+    """Starts an engine interpreter that the next ``start_engine_core`` call hands its config."""
+    _prestarted.append(subprocess.Popen(_engine_command(CONFIG_ON_STDIN), stdin=subprocess.PIPE, process_group=0))
+
+
+def start_engine_core(config_path: str) -> subprocess.Popen:
+    """The engine process for the config pickled at ``config_path``: a prestarted one where one is waiting, else a
+    new one."""
+    while _prestarted:
+        proc = _prestarted.pop(0)
+        try:
+            proc.stdin.write(config_path.encode() + b"\n")
+            proc.stdin.close()
+            return proc
+        except BrokenPipeError:  # it died waiting (killed from outside): a new one will say why, if it fails too
+            proc.wait()
+    return subprocess.Popen(_engine_command(config_path))
+
+
+def discard_prestarted_engine_cores() -> None:
+    """Kills the prestarted engines no ``start_engine_core`` took."""
+    while _prestarted:
+        proc = _prestarted.pop()
+        proc.kill()
+        proc.wait()
