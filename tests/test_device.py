@@ -32,10 +32,10 @@ def test_an_unknown_device_names_the_choices():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
 def test_cuda_without_a_gpu_is_a_clear_error_before_any_process_starts():
-    children = len(psutil.Process().children(recursive=True))
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match=r"device='cuda', but torch sees no CUDA GPU \(torch .*\); use device='cpu'"):
         LLM(device="cuda")
-    assert len(psutil.Process().children(recursive=True)) == children
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= children
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])

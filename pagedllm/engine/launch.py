@@ -25,27 +25,37 @@ def _engine_command(config_path: str) -> list[str]:
 
 
 def prestart_engine_core() -> None:
-    """Starts an engine interpreter that the next ``start_engine_core`` call hands its config."""
-    _prestarted.append(subprocess.Popen(_engine_command(CONFIG_ON_STDIN), stdin=subprocess.PIPE, process_group=0))
+    """Starts an engine interpreter for the next ``start_engine_core`` call, unless one waits already."""
+    if not _prestarted:
+        _prestarted.append(subprocess.Popen(_engine_command(CONFIG_ON_STDIN), stdin=subprocess.PIPE,
+                                            process_group=0))
+
+
+def waiting_engine_cores() -> list[subprocess.Popen]:
+    """The prestarted engine processes no ``start_engine_core`` has taken yet."""
+    return list(_prestarted)
 
 
 def start_engine_core(config_path: str) -> subprocess.Popen:
-    """The engine process for the config pickled at ``config_path``: a prestarted one where one is waiting, else a
-    new one."""
+    """The engine process for the config pickled at ``config_path``: the prestarted one where one waits, else a new
+    one."""
     while _prestarted:
-        proc = _prestarted.pop(0)
+        proc = _prestarted.pop()
         try:
             proc.stdin.write(config_path.encode() + b"\n")
             proc.stdin.close()
             return proc
-        except BrokenPipeError:  # it died waiting (killed from outside): a new one will say why, if it fails too
-            proc.wait()
+        except BrokenPipeError:  # it died waiting (killed from outside): a new one says why if it fails too
+            _kill(proc)
     return subprocess.Popen(_engine_command(config_path))
 
 
 def discard_prestarted_engine_cores() -> None:
     """Kills the prestarted engines no ``start_engine_core`` took."""
     while _prestarted:
-        proc = _prestarted.pop()
-        proc.kill()
-        proc.wait()
+        _kill(_prestarted.pop())
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait()

@@ -9,6 +9,8 @@ from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_client import multiprocessing_enabled
+from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -31,9 +33,15 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         engine_args = EngineArgs(model=model, **kwargs)
-        config = engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer)
-        self.llm_engine = LLMEngine(config, self.tokenizer)
+        if multiprocessing_enabled():  # the engine's interpreter imports while the config and tokenizer load
+            prestart_engine_core()
+        try:
+            config = engine_args.create_engine_config()
+            self.tokenizer = load_tokenizer(config.model_config.tokenizer)
+            self.llm_engine = LLMEngine(config, self.tokenizer)
+        except BaseException:  # a bad argument: no process outlives the error
+            discard_prestarted_engine_cores()
+            raise
         self._request_counter = itertools.count()
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
         self.default_sampling_params = config.model_config.get_diff_sampling_param()

@@ -10,8 +10,8 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine import launch
-from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
+from pagedllm.engine.launch import (CONFIG_ON_STDIN, discard_prestarted_engine_cores, prestart_engine_core,
+                                    waiting_engine_cores)
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
@@ -29,7 +29,8 @@ def test_llm_runs_the_engine_core_in_a_child_process(mp_llm):
     proc = mp_llm.llm_engine.engine_core._mp.proc
     child = psutil.Process(proc.pid)
     assert child.pid != os.getpid() and child.ppid() == os.getpid()
-    assert "EngineCore" in child.cmdline()
+    # the interpreter LLM started before its config and tokenizer loaded, handed the config's path (launch.py)
+    assert child.cmdline()[-2:] == ["EngineCore", CONFIG_ON_STDIN]
     out = mp_llm.generate(["The capital of France is", "One, two,"],
                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
@@ -84,9 +85,10 @@ def test_a_prestarted_engine_nobody_takes_is_killed_or_leaves_at_the_end_of_its_
     """launch.py: an engine interpreter started before its config holds nothing: the entry point's discard kills
     it, and one whose frontend went (its stdin ended) exits by itself, quietly."""
     prestart_engine_core()
-    [unused] = launch._prestarted
+    [unused] = waiting_engine_cores()
     discard_prestarted_engine_cores()
-    assert unused.returncode is not None and not launch._prestarted
+    assert unused.returncode is not None and not waiting_engine_cores()
     orphan = subprocess.Popen(unused.args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     orphan.stdin.close()
     assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""
+
