@@ -15,7 +15,7 @@ import msgspec
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams
 from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import make_async_client
+from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import fan_out
@@ -23,7 +23,6 @@ from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import IterationStats
-from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,14 +30,15 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config, tokenizer: Any, stat_loggers: Optional[list] = None) -> None:
+    def __init__(self, config, tokenizer: Any, engine_core: Any, stat_loggers: Optional[list] = None) -> None:
+        """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both)."""
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.stat_loggers = list(stat_loggers or [])
-        self.engine_core = make_async_client(config)
+        self.engine_core = engine_core
         # request id (the parent's, for n > 1) -> the queue its generate() reads.
         self._queues: dict[str, asyncio.Queue] = {}
         self._children: dict[str, list[str]] = {}
@@ -49,7 +49,8 @@ class AsyncLLM:
     def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
         """Must be called with an event loop running (the engine's outputs are delivered on it)."""
         config = engine_args.create_engine_config()
-        return cls(config, load_tokenizer(config.model_config.tokenizer), stat_loggers)
+        engine_core, tokenizer = start_client_and_tokenizer(config, make_async_client)
+        return cls(config, tokenizer, engine_core, stat_loggers)
 
     @property
     def errored(self) -> bool:

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -27,6 +27,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
                                       SchedulerStats)
+from pagedllm.models.hf_config import load_tokenizer
 
 ENGINE_STARTUP_TIMEOUT_S = 600
 OUTPUT_POLL_MS = 100
@@ -268,3 +269,16 @@ def make_async_client(config: EngineConfig):
         from pagedllm.engine.dp_client import DPAsyncMPClient
         return DPAsyncMPClient(config)
     return AsyncMPClient(config)
+
+
+def start_client_and_tokenizer(config: EngineConfig, make_client: Callable[[EngineConfig], Any]) -> tuple[Any, Any]:
+    """``make_client(config)`` (the engine started and ready) and the model's tokenizer, loaded meanwhile on a thread:
+    the frontend mostly waits while its engine process starts."""
+    with ThreadPoolExecutor(1, thread_name_prefix="load_tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, config.model_config.tokenizer)
+        client = make_client(config)
+        try:
+            return client, tokenizer.result()
+        except BaseException:
+            client.shutdown()
+            raise

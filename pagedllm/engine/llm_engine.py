@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_client import make_sync_client
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
@@ -14,12 +13,13 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, engine_core: Any) -> None:
+        """``engine_core``: make_sync_client's client for ``config``, started."""
         self.config = config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
-        self.engine_core = make_sync_client(config)
+        self.engine_core = engine_core
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
                     output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:

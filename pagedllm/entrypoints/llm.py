@@ -9,12 +9,11 @@ from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import multiprocessing_enabled
+from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
 from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -37,8 +36,8 @@ class LLM:
             prestart_engine_core()
         try:
             config = engine_args.create_engine_config()
-            self.tokenizer = load_tokenizer(config.model_config.tokenizer)
-            self.llm_engine = LLMEngine(config, self.tokenizer)
+            engine_core, self.tokenizer = start_client_and_tokenizer(config, make_sync_client)
+            self.llm_engine = LLMEngine(config, self.tokenizer, engine_core)
         except BaseException:  # a bad argument: no process outlives the error
             discard_prestarted_engine_cores()
             raise
