@@ -31,7 +31,9 @@ def test_an_unknown_device_names_the_choices():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
-def test_cuda_without_a_gpu_is_a_clear_error_before_any_process_starts():
+def test_cuda_without_a_gpu_is_a_clear_error_that_leaves_no_process():
+    """Raised before the model's config is read; the engine interpreter LLM() started at once (launch.py), which
+    holds nothing yet, goes with the error."""
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ValueError, match=r"device='cuda', but torch sees no CUDA GPU \(torch .*\); use device='cpu'"):
         LLM(device="cuda")

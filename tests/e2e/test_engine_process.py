@@ -10,9 +10,9 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import (CONFIG_ON_STDIN, discard_prestarted_engine_cores, prestart_engine_core,
                                     waiting_engine_cores)
-from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
 
@@ -91,4 +91,3 @@ def test_a_prestarted_engine_nobody_takes_is_killed_or_leaves_at_the_end_of_its_
     orphan = subprocess.Popen(unused.args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     orphan.stdin.close()
     assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""
-
