@@ -8,8 +8,9 @@ the engine's modules beside the frontend's (on another core) and then waits on i
 the engine is ready that much sooner.
 
 A prestarted process holds nothing until it has the path: the entry point kills one it did not use (a bad flag's
-exit included), and one whose frontend dies reads the end of its input and leaves. It runs in a process group of its
-own, so that a Ctrl-C in the terminal reaches only the frontend, which stops the engine as it always does.
+exit included), and one whose frontend dies reads the end of its input and leaves. It runs in a session of its own
+(so in a process group of its own, on every Python the package supports), so that a Ctrl-C in the terminal reaches
+only the frontend, which stops the engine as it always does.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def prestart_engine_core() -> None:
     """Starts an engine interpreter for the next ``start_engine_core`` call, unless one waits already."""
     if not _prestarted:
         _prestarted.append(subprocess.Popen(_engine_command(CONFIG_ON_STDIN), stdin=subprocess.PIPE,
-                                            process_group=0))
+                                            start_new_session=True))
 
 
 def waiting_engine_cores() -> list[subprocess.Popen]:
