@@ -9,7 +9,7 @@ import logging
 import sys
 from typing import Optional
 
-from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
+from pagedllm.engine.launch import engine_core_prestarted
 
 # The commands that start an engine process: theirs starts before this module's other imports (launch.py), which
 # are therefore made inside the functions below.
@@ -68,12 +68,8 @@ def _config_path(argv: list[str]) -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ENGINE_COMMANDS:
-        prestart_engine_core()
-    try:
+    with engine_core_prestarted(bool(argv) and argv[0] in ENGINE_COMMANDS):
         _run_command(argv)
-    finally:  # one the command did not take: it failed (a bad flag) before its engine started
-        discard_prestarted_engine_cores()
 
 
 def _run_command(argv: list[str]) -> None:

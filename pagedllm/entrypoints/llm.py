@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
-from pagedllm.engine.launch import discard_prestarted_engine_cores, prestart_engine_core
+from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -32,15 +32,11 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         engine_args = EngineArgs(model=model, **kwargs)
-        if multiprocessing_enabled():  # the engine's interpreter imports while the config and tokenizer load
-            prestart_engine_core()
-        try:
+        # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
+        with engine_core_prestarted(multiprocessing_enabled()):
             config = engine_args.create_engine_config()
             engine_core, self.tokenizer = start_client_and_tokenizer(config, make_sync_client)
             self.llm_engine = LLMEngine(config, self.tokenizer, engine_core)
-        except BaseException:  # a bad argument: no process outlives the error
-            discard_prestarted_engine_cores()
-            raise
         self._request_counter = itertools.count()
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
         self.default_sampling_params = config.model_config.get_diff_sampling_param()

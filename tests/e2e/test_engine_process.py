@@ -11,8 +11,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.launch import (CONFIG_ON_STDIN, discard_prestarted_engine_cores, prestart_engine_core,
-                                    waiting_engine_cores)
+from pagedllm.engine.launch import CONFIG_ON_STDIN, engine_core_prestarted, waiting_engine_core
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
 
@@ -83,11 +82,11 @@ def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
 
 def test_a_prestarted_engine_nobody_takes_is_killed_or_leaves_at_the_end_of_its_input():
     """launch.py: an engine interpreter started before its config holds nothing: the entry point's discard kills
-    it, and one whose frontend went (its stdin ended) exits by itself, quietly."""
-    prestart_engine_core()
-    [unused] = waiting_engine_cores()
-    discard_prestarted_engine_cores()
-    assert unused.returncode is not None and not waiting_engine_cores()
+    it as its block ends, and one whose frontend went (its stdin ended) exits by itself, quietly."""
+    with engine_core_prestarted():
+        unused = waiting_engine_core()
+        assert unused is not None and unused.poll() is None
+    assert unused.returncode is not None and waiting_engine_core() is None
     orphan = subprocess.Popen(unused.args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     orphan.stdin.close()
     assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""
