@@ -86,6 +86,19 @@ def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
         torch.testing.assert_close(y, torch.addmm(bias, x, weight.T) if with_bias else x @ weight.T)
 
 
+@needs_q8_kernel
+def test_one_row_of_int8_codes_split_by_half_panels_between_threads_equals_the_dense_path(q8_kernel):
+    """Q8_0 codes through a single row's split of an odd number of panels by halves (test_int4_quantization's test
+    for nibbles): any thread count gives the dense path's columns, bit for bit."""
+    blocks, codes, scales = _q8_weight((160, 128), seed=4)  # 3 panels, the last of 32 columns
+    layer = _q8_layer(ReplicatedLinear, codes, scales)
+    x = torch.randn(1, 128)
+    expected = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q8_0))).linear(x)
+    for threads in (2, 3, 4, 5):
+        torch.set_num_threads(threads)
+        assert torch.equal(layer(x), expected), threads
+
+
 # per type kept packed besides Q4_0/Q4_1/Q4_K/Q8_0: its unpacking, method, kernel and panel shape for 96 x 512
 PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6k_f32", (2, 32, 1280)),
               T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5k_f32", (2, 16, 2560)),

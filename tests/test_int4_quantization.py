@@ -131,6 +131,25 @@ def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
             assert torch.equal(y, dense.linear(x, bias))
 
 
+@pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K])
+@pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
+def test_one_row_split_by_half_panels_between_threads_equals_the_dense_path(tensor_type, out_features, kernel_path):
+    """A single row's GEMM splits an odd number of panels between threads by halves (gemm.c's AVX2 quant_row_halves):
+    whatever the thread count, so wherever a thread's run starts or ends mid-panel (a half of the last, partial panel
+    may hold no column at all), every column is the dense path's, bit for bit."""
+    if kernel_path == "torch":
+        pytest.skip("the native kernels' split")
+    blocks, parts = _random_q4((out_features, 256), tensor_type, seed=3)
+    bias = torch.randn(out_features)
+    layer = _int4_layer(ReplicatedLinear, parts, bias)
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
+    x = torch.randn(1, 256)
+    expected = dense.linear(x, bias)
+    for threads in (1, 2, 3, 4, 5):
+        torch.set_num_threads(threads)
+        assert torch.equal(layer(x), expected), threads
+
+
 def test_tensor_parallel_shards_of_int4_layers_match_unsharded(kernel_path):
     """Codes, scales and zeros are loaded [out, in]-major, so the dense layers' weight loaders slice them."""
     _, w_col = _random_q4((64, 128), GGMLQuantizationType.Q4_1, seed=1)

@@ -26,7 +26,8 @@
  * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
  * while it multiplies the present one from cache. Its quantized kernels (which also need F16C, as
  * every AVX2 CPU has, for the fp16 scales) take one row at a time against the codes, the whole panel in 8
- * accumulators; items of more rows dequantize their panel once and run the dense tiles over it.
+ * accumulators (a single row's threads split the panels by halves, so that an odd number of them is shared
+ * evenly); items of more rows dequantize their panel once and run the dense tiles over it.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
@@ -147,10 +148,13 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, int
     }
 }
 
-/* y[0:cols] = one row's 8 accumulators (64 columns) + bias; the row kernels' (dense and quantized) epilogue. */
-static inline void store_row(const __m256 c[NR / 8], const float *bias, float *y, int cols) {
+/* y[0:cols] = one row's 8 accumulators (64 columns) + bias, those of the vectors in the bit set `vectors` (vector j:
+ * columns 8j .. 8j + 7); the row kernels' (dense and quantized) epilogue. */
+#define ALL_VECTORS 0xFFu
+static inline void store_row(const __m256 c[NR / 8], const float *bias, float *y, int cols, unsigned vectors) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int j = 0; j < NR / 8; j++) {
+        if (!(vectors >> j & 1u)) continue;
         const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols - 8 * j), lane);
         const __m256 b = bias != NULL ? _mm256_maskload_ps(bias + 8 * j, m) : _mm256_setzero_ps();
         _mm256_maskstore_ps(y + 8 * j, m, _mm256_add_ps(c[j], b));
@@ -169,7 +173,7 @@ static void row_tile(const float *x, const float *panel, const float *bias, floa
         const __m256 b = _mm256_broadcast_ss(x + k);
         for (int j = 0; j < NR / 8; j++) c[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + 8 * j), c[j]);
     }
-    store_row(c, bias, y, cols);
+    store_row(c, bias, y, cols, ALL_VECTORS);
 }
 
 /* This core's L2 in bytes (sysconf's; 256 KB where it gives none), read once as the library loads. */
@@ -280,6 +284,8 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
  * loader's dequantization does. So results equal the dense kernel's. */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7 };
+/* Each format's cases, CASE(format) for every one of the enum's. */
+#define FOR_EACH_FORMAT(CASE) CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K)
 /* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
  * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -458,19 +464,22 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
 
 /* One row against a quantized panel (8 accumulators), dequantizing as it goes: single-row decode reads each weight
  * once, a record at a time, the record three ahead fetched meanwhile. Within a record the columns go in pairs of
- * vectors that share their Q4 code bytes, so only a pair's scales and zeros are held at once. */
+ * vectors that share their Q4 code bytes, so only a pair's scales and zeros are held at once. `half` 0 or 1: only
+ * that half of the columns (vectors 2 half, 2 half + 1 and their partners 4 on: 16 half .. 16 half + 15 and
+ * 32 + 16 half ..), as row_halves splits a panel between two threads; -1: all of them. */
 static inline __attribute__((always_inline)) void row_quant(const float *x, const uint8_t *panel, const float *bias,
-                                                            float *y, int K, int cols, const int fmt) {
+                                                            float *y, int K, int cols, int half, const int fmt) {
     __m256 c[NR / 8];
     for (int j = 0; j < NR / 8; j++) c[j] = _mm256_setzero_ps();
     const int bytes = record_bytes(fmt);
     const int block = qblock(fmt);
+    const int j_begin = half == 1 ? 2 : 0, j_end = half == 0 ? 2 : 4;
     for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * bytes;
         const float *xb = x + blk * block;
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
-        for (int j = 0; j < 4; j += 2) {
+        for (int j = j_begin; j < j_end; j += 2) {
             const PairParams params = pair_params(record, j, fmt), params1 = pair_params(record, j + 1, fmt);
             __m256 cj = c[j], cj4 = c[j + 4], cj1 = c[j + 1], cj5 = c[j + 5];
             for (int kk = 0; kk < block; kk++) {
@@ -486,14 +495,48 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
             c[j] = cj, c[j + 4] = cj4, c[j + 1] = cj1, c[j + 5] = cj5;
         }
     }
-    store_row(c, bias, y, cols);
+    store_row(c, bias, y, cols, half < 0 ? ALL_VECTORS : 0x33u << (2 * half));
 }
 
 static inline __attribute__((always_inline)) void quant_panel_rows(const float *x, int64_t ldx,
                                                                    const uint8_t *panel, const float *bias, float *y,
                                                                    int64_t ldy, int K, int row_begin, int row_end,
                                                                    int cols, const int fmt) {
-    for (int r = row_begin; r < row_end; r++) row_quant(x + r * ldx, panel, bias, y + r * ldy, K, cols, fmt);
+    for (int r = row_begin; r < row_end; r++) row_quant(x + r * ldx, panel, bias, y + r * ldy, K, cols, -1, fmt);
+}
+
+/* One row (single-sequence decode) over every panel, the threads splitting the panels' halves evenly: a layer of an
+ * odd number of panels (SmolLM2's 576 and 960 columns: 9 and 15) split by whole panels leaves one thread a panel more
+ * than the other, which waits for it at the end. Each thread takes a contiguous run of halves; its whole panels go
+ * by row_quant's blocks as ever, and a run that starts or ends mid-panel takes that panel's half alone. */
+#define ROW_HALVES 1
+static void quant_row_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
+                             int num_threads, int format) {
+    const int panels = (N + NR - 1) / NR;
+    const int64_t panel_bytes = (int64_t)(K / qblock(format)) * record_bytes(format);
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int last = (int)((int64_t)2 * panels * (thread + 1) / threads);
+        for (int h = (int)((int64_t)2 * panels * thread / threads); h < last;) {
+            const int p = h / 2, half = h % 2 == 0 && h + 2 <= last ? -1 : h % 2;
+            const int cols = N - p * NR < NR ? N - p * NR : NR;
+            const float *b = bias == NULL ? NULL : bias + p * NR;
+            /* the switch inside the parallel region, as in gemm_quant_f32; `half` a constant in each call, so that
+             * row_quant's loop over vector pairs unrolls */
+#define ROW_PART(fmt, part) row_quant(x, packed + p * panel_bytes, b, y + p * NR, K, cols, part, fmt)
+#define ROW_HALF(fmt)                                                                                          \
+    case fmt:                                                                                                   \
+        if (half < 0) ROW_PART(fmt, -1);                                                                        \
+        else if (half == 0) ROW_PART(fmt, 0);                                                                   \
+        else ROW_PART(fmt, 1);                                                                                  \
+        break;
+            switch (format) { FOR_EACH_FORMAT(ROW_HALF) }
+#undef ROW_HALF
+#undef ROW_PART
+            h += half < 0 ? 2 : 1;
+        }
+    }
 }
 
 /* The quantized panel as a dense [K][64] one. */
@@ -532,8 +575,6 @@ static inline __attribute__((always_inline)) void quant_item(const float *x, int
     }
 }
 
-/* Each format's cases, CASE(format) for every one of the enum's. */
-#define FOR_EACH_FORMAT(CASE) CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K)
 
 int gemm_quant_available(void) { return 1; }
 
@@ -543,6 +584,12 @@ int gemm_quant_available(void) { return 1; }
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
     if (format < Q4 || format > Q2K || K % qblock(format) != 0) return -1;
+#ifdef ROW_HALVES
+    if (M == 1) {
+        quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
+        return 0;
+    }
+#endif
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
