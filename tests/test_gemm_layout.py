@@ -53,6 +53,24 @@ def test_many_rows_use_every_thread_block(kernel):
     torch.testing.assert_close(dense.linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
+def test_one_row_split_by_half_panels_between_threads_is_the_same_at_every_thread_count(kernel):
+    """A single row splits an odd number of panels between threads by halves (gemm.c's AVX2 dense_row_halves): each
+    column's sum is the same whatever the thread count (6: a half of the last, partial panel alone), and F.linear's
+    up to the order of its sums."""
+    weight, bias, x = torch.randn(144, 96), torch.randn(144), torch.randn(1, 96)  # 3 panels, the last of 16 columns
+    dense = DenseWeight(weight, large_batches=False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dense.linear(x, bias)
+        for n in range(2, 7):
+            torch.set_num_threads(n)
+            assert torch.equal(dense.linear(x, bias), one), n
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(one, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
 def test_large_batches_go_to_mkl_when_the_weight_is_kept_for_it(kernel, monkeypatch):
     dense = DenseWeight(torch.randn(70, 40))
     calls = []

@@ -162,19 +162,62 @@ static inline void store_row(const __m256 c[NR / 8], const float *bias, float *y
 }
 
 /* One row against the whole panel (8 accumulators): single-row decode reads each weight once, so the panel is
- * streamed in one pass with all its lines fetched ahead, not four strip passes. */
-static void row_tile(const float *x, const float *panel, const float *bias, float *y, int K, int cols) {
+ * streamed in one pass with all its lines fetched ahead, not four strip passes. `half` 0 or 1 (a constant): only
+ * columns 32 half .. 32 half + 31, as a single row's threads split a panel (row_halves); -1: all of them. */
+static inline __attribute__((always_inline)) void row_tile(const float *x, const float *panel, const float *bias,
+                                                           float *y, int K, int cols, const int half) {
     __m256 c[NR / 8];
+    const int j_begin = half == 1 ? 4 : 0, j_end = half == 0 ? 4 : 8;
     for (int j = 0; j < NR / 8; j++) c[j] = _mm256_setzero_ps();
     for (int k = 0; k < K; k++) {
         const float *wk = panel + (int64_t)k * NR;
-        for (int line = 0; line < NR; line += 16)
+        for (int line = 8 * j_begin; line < 8 * j_end; line += 16)
             _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR + line), _MM_HINT_T0);
         const __m256 b = _mm256_broadcast_ss(x + k);
-        for (int j = 0; j < NR / 8; j++) c[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + 8 * j), c[j]);
+        for (int j = j_begin; j < j_end; j++) c[j] = _mm256_fmadd_ps(b, _mm256_loadu_ps(wk + 8 * j), c[j]);
     }
-    store_row(c, bias, y, cols, ALL_VECTORS);
+    store_row(c, bias, y, cols, half < 0 ? ALL_VECTORS : 0x0Fu << (4 * half));
 }
+
+/* A single row's share of the panels for one of `threads` threads: a contiguous run of half panels, so that an odd
+ * number of panels (SmolLM2's 576 and 960 columns: 9 and 15) is split evenly, where by whole panels one thread would
+ * have one more than the other and the other would wait for it at the end. half_run_next gives the run's panels in
+ * turn: whole ones (half -1), and a half (0 or 1) where the run starts or ends mid-panel. */
+typedef struct {
+    int h, last;
+} HalfRun;
+
+static inline HalfRun half_run(int panels, int thread, int threads) {
+    const HalfRun run = {(int)((int64_t)2 * panels * thread / threads),
+                         (int)((int64_t)2 * panels * (thread + 1) / threads)};
+    return run;
+}
+
+static inline int half_run_next(HalfRun *run, int *panel, int *half) {
+    if (run->h >= run->last) return 0;
+    *panel = run->h / 2;
+    *half = run->h % 2 == 0 && run->h + 2 <= run->last ? -1 : run->h % 2;
+    run->h += *half < 0 ? 2 : 1;
+    return 1;
+}
+
+/* y[0:N] = x . W (+ bias) for one row, the threads splitting the panels by halves (half_run). */
+static void dense_row_halves(const float *x, const float *packed, const float *bias, float *y, int N, int K,
+                             int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
+        int p, half;
+        while (half_run_next(&run, &p, &half)) {
+            const float *panel = packed + (int64_t)p * K * NR, *b = bias == NULL ? NULL : bias + p * NR;
+            const int cols = N - p * NR < NR ? N - p * NR : NR;
+            if (half < 0) row_tile(x, panel, b, y + p * NR, K, cols, -1);
+            else if (half == 0) row_tile(x, panel, b, y + p * NR, K, cols, 0);
+            else row_tile(x, panel, b, y + p * NR, K, cols, 1);
+        }
+    }
+}
+#define ROW_HALVES 1
 
 /* This core's L2 in bytes (sysconf's; 256 KB where it gives none), read once as the library loads. */
 static long l2_bytes = 256 * 1024;
@@ -195,7 +238,7 @@ static int two_panels_fit_l2(int K) { return 2 * (int64_t)K * NR * (int64_t)size
 static void panel_rows(const float *x, int64_t ldx, const float *panel, const float *bias, float *y, int64_t ldy,
                        int K, int row_begin, int row_end, int cols, const float *next_panel) {
     if (row_end - row_begin == 1) {
-        row_tile(x + row_begin * ldx, panel, bias, y + row_begin * ldy, K, cols);
+        row_tile(x + row_begin * ldx, panel, bias, y + row_begin * ldy, K, cols, -1);
         return;
     }
     const int strips = (cols + 15) / 16, tiles = (row_end - row_begin + MR - 1) / MR;
@@ -243,6 +286,12 @@ static int row_block(int M, int K, int panels, int num_threads) {
 /* x: [M, K] rows ldx apart; packed: [ceil(N / 64), K, 64]; bias: [N] or NULL; y: [M, N] rows ldy apart. */
 int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int M, int N, int K, int num_threads) {
+#ifdef ROW_HALVES
+    if (M == 1) {
+        dense_row_halves(x, packed, bias, y, N, K, num_threads);
+        return 0;
+    }
+#endif
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
@@ -505,21 +554,16 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
     for (int r = row_begin; r < row_end; r++) row_quant(x + r * ldx, panel, bias, y + r * ldy, K, cols, -1, fmt);
 }
 
-/* One row (single-sequence decode) over every panel, the threads splitting the panels' halves evenly: a layer of an
- * odd number of panels (SmolLM2's 576 and 960 columns: 9 and 15) split by whole panels leaves one thread a panel more
- * than the other, which waits for it at the end. Each thread takes a contiguous run of halves; its whole panels go
- * by row_quant's blocks as ever, and a run that starts or ends mid-panel takes that panel's half alone. */
-#define ROW_HALVES 1
+/* One row (single-sequence decode) over every panel, the threads splitting the panels by halves (half_run); whole
+ * panels go by row_quant's blocks as ever. */
 static void quant_row_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
                              int num_threads, int format) {
-    const int panels = (N + NR - 1) / NR;
     const int64_t panel_bytes = (int64_t)(K / qblock(format)) * record_bytes(format);
 #pragma omp parallel num_threads(num_threads)
     {
-        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
-        const int last = (int)((int64_t)2 * panels * (thread + 1) / threads);
-        for (int h = (int)((int64_t)2 * panels * thread / threads); h < last;) {
-            const int p = h / 2, half = h % 2 == 0 && h + 2 <= last ? -1 : h % 2;
+        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
+        int p, half;
+        while (half_run_next(&run, &p, &half)) {
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const float *b = bias == NULL ? NULL : bias + p * NR;
             /* the switch inside the parallel region, as in gemm_quant_f32; `half` a constant in each call, so that
@@ -534,7 +578,6 @@ static void quant_row_halves(const float *x, const uint8_t *packed, const float 
             switch (format) { FOR_EACH_FORMAT(ROW_HALF) }
 #undef ROW_HALF
 #undef ROW_PART
-            h += half < 0 ? 2 : 1;
         }
     }
 }
