@@ -77,12 +77,12 @@ def test_chat_cli(server):
     assert len(answers) == 3 and all(len(a) > 2 for a in answers[:2]), chat.stdout
 
 
-SHUTDOWN_TIMEOUT_S = 5
+SHUTDOWN_TIMEOUT_S = 2
 
 
 def test_sigterm_drains_then_aborts_within_shutdown_timeout(tmp_path):
-    """--shutdown-timeout 5: after SIGTERM new requests are refused, a request in flight with one token to go
-    finishes, long ones (streamed or not; 2000 tokens, far beyond 5 s here) end with finish_reason "abort" at the
+    """--shutdown-timeout 2: after SIGTERM new requests are refused, a request in flight with one token to go
+    finishes, long ones (streamed or not; 2000 tokens, far beyond 2 s here) end with finish_reason "abort" at the
     timeout, and the server exits leaving no child."""
     # Eager steps: no CPU graph is captured mid-test for a new batch size, so the short request's speed is steady.
     server = RemoteServer(tmp_path / "server.log",
