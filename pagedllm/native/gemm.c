@@ -26,8 +26,9 @@
  * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
  * while it multiplies the present one from cache. Its quantized kernels (which also need F16C, as
  * every AVX2 CPU has, for the fp16 scales) take one row at a time against the codes, the whole panel in 8
- * accumulators (a single row's threads split the panels by halves, so that an odd number of them is shared
- * evenly); items of more rows dequantize their panel once and run the dense tiles over it.
+ * accumulators; items of more rows dequantize their panel once and run the dense tiles over it. A single row
+ * (dense or quantized) is split between the threads by half panels, so that an odd number of panels is shared
+ * evenly.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
@@ -163,7 +164,7 @@ static inline void store_row(const __m256 c[NR / 8], const float *bias, float *y
 
 /* One row against the whole panel (8 accumulators): single-row decode reads each weight once, so the panel is
  * streamed in one pass with all its lines fetched ahead, not four strip passes. `half` 0 or 1 (a constant): only
- * columns 32 half .. 32 half + 31, as a single row's threads split a panel (row_halves); -1: all of them. */
+ * columns 32 half .. 32 half + 31, as a single row's threads split a panel (half_run); -1: all of them. */
 static inline __attribute__((always_inline)) void row_tile(const float *x, const float *panel, const float *bias,
                                                            float *y, int K, int cols, const int half) {
     __m256 c[NR / 8];
@@ -515,9 +516,10 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
  * once, a record at a time, the record three ahead fetched meanwhile. Within a record the columns go in pairs of
  * vectors that share their Q4 code bytes, so only a pair's scales and zeros are held at once. `half` 0 or 1: only
  * that half of the columns (vectors 2 half, 2 half + 1 and their partners 4 on: 16 half .. 16 half + 15 and
- * 32 + 16 half ..), as row_halves splits a panel between two threads; -1: all of them. */
+ * 32 + 16 half ..), as quant_row_halves splits a panel between two threads; -1: all of them. */
 static inline __attribute__((always_inline)) void row_quant(const float *x, const uint8_t *panel, const float *bias,
-                                                            float *y, int K, int cols, int half, const int fmt) {
+                                                            float *y, int K, int cols, const int half,
+                                                            const int fmt) {
     __m256 c[NR / 8];
     for (int j = 0; j < NR / 8; j++) c[j] = _mm256_setzero_ps();
     const int bytes = record_bytes(fmt);
@@ -617,7 +619,6 @@ static inline __attribute__((always_inline)) void quant_item(const float *x, int
         quant_panel_rows(x, ldx, panel, bias, y, ldy, K, row_begin, row_end, cols, fmt);
     }
 }
-
 
 int gemm_quant_available(void) { return 1; }
 
