@@ -27,6 +27,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
                                       SchedulerStats)
+from pagedllm.engine.stopping import stop_processes
 from pagedllm.models.hf_config import load_tokenizer
 
 ENGINE_STARTUP_TIMEOUT_S = 600
@@ -178,13 +179,7 @@ class MPClient:
         if self._closing:
             return
         self._closing = True
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_processes([self.proc], "EngineCore")
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
         self._input_socket.close(linger=0)

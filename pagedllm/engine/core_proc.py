@@ -26,6 +26,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.launch import CONFIG_ON_STDIN
 from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest,
                                       EngineCoreRequestType, UtilityOutput)
+from pagedllm.engine.stopping import dump_stacks_on_sigusr1
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,7 @@ def main() -> None:
     """`python -m pagedllm.engine.core_proc EngineCore CONFIG_PICKLE`, as started by the MP client (launch.py). A
     prestarted engine's CONFIG_PICKLE is `-`: it imports the worker's modules, then reads the path from its stdin,
     and an end of input (the frontend went without starting an engine) ends it quietly."""
+    dump_stacks_on_sigusr1()
     config_path = sys.argv[2]
     if config_path == CONFIG_ON_STDIN:
         importlib.import_module("pagedllm.executor.uniproc")  # what the default executor imports first

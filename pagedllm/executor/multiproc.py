@@ -23,6 +23,7 @@ import zmq
 
 from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.distributed.utils import get_open_port
+from pagedllm.engine.stopping import stop_processes
 from pagedllm.executor.abstract import Executor, WorkerMethod
 
 logger = logging.getLogger(__name__)
@@ -138,15 +139,7 @@ class MultiprocExecutor(Executor):
         if self._closed:
             return
         self._closed = True
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.workers:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self.workers, "Worker")
         self.rpc_broadcast_mq.close()
         self._replies.close(linger=0)
         self._ctx.term()

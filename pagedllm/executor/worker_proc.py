@@ -19,12 +19,14 @@ import zmq
 
 from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.engine.core_proc import exit_when_parent_dies, freeze_startup_heap
+from pagedllm.engine.stopping import dump_stacks_on_sigusr1
 from pagedllm.executor.abstract import run_worker_method
 
 logger = logging.getLogger(__name__)
 
 
 def main() -> None:
+    dump_stacks_on_sigusr1()
     startup_path, rank = sys.argv[1], int(sys.argv[2])
     with open(startup_path, "rb") as f:
         config, init_method, mq_handle, reply_address, parent_pid = pickle.load(f)
