@@ -1,8 +1,9 @@
 """EngineCoreProc: the EngineCore in its own process, talking to the frontend over ZMQ.
 
 Socket I/O runs in two background threads that feed plain queues, so the busy loop never touches a socket:
-it blocks on the input queue while idle (no spinning: on 2 cores a spinning engine steals the frontend's
-core), and otherwise drains inputs, steps, and hands outputs to the sender.
+it waits on the input queue while idle (no spinning: on 2 cores a spinning engine steals the frontend's
+core; the wait wakes ten times a second to run a pending SIGTERM handler), and otherwise drains inputs, steps, and
+hands outputs to the sender.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pagedllm.engine.stopping import dump_stacks_on_sigusr1
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 1.0
+IDLE_WAKE_S = 0.1  # how late an idle engine may run its SIGTERM handler (_process_input_queue)
 _SHUTDOWN = object()
 
 
@@ -86,9 +88,17 @@ class EngineCoreProc(EngineCore):
                     self.output_queue.put(outputs)
 
     def _process_input_queue(self) -> None:
-        """Blocks while there is nothing to run; otherwise takes whatever arrived without waiting."""
-        if not self.scheduler.has_requests():
-            self._handle(*self.input_queue.get())
+        """Blocks while there is nothing to run; otherwise takes whatever arrived without waiting. The idle wait wakes
+        every IDLE_WAKE_S: a Python signal handler runs only in the main thread, once it next runs bytecode, and the
+        kernel may hand SIGTERM to another thread (any that does not block it), which does not interrupt the main
+        thread's wait on a lock; an idle engine then outlived the frontend's SIGTERM until it was killed (seen in about
+        one first shutdown in six, core_client's wait timing out)."""
+        while not self.scheduler.has_requests():
+            try:
+                self._handle(*self.input_queue.get(timeout=IDLE_WAKE_S))
+                break
+            except queue.Empty:
+                continue
         while not self.input_queue.empty():
             self._handle(*self.input_queue.get_nowait())
 
