@@ -8,7 +8,8 @@ the engine's modules beside the frontend's (on another core) and then waits on i
 the engine is ready that much sooner.
 
 A prestarted process holds nothing until it has the path: the entry point's block kills one it did not use (a bad
-flag's exit included), and one whose frontend dies reads the end of its input and leaves. It runs in a session of
+flag's exit included), and one whose frontend dies reads the end of its input and leaves. `serve -dp N` prestarts one
+for each data-parallel engine. It runs in a session of
 its own (so in a process group of its own, on every Python the package supports), so that a Ctrl-C in the terminal
 reaches only the frontend, which stops the engine as it always does.
 """
@@ -18,27 +19,25 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
-from typing import Optional
 
 CONFIG_ON_STDIN = "-"  # core_proc's config path argument of a prestarted engine
-_waiting: Optional[subprocess.Popen] = None  # the prestarted engine no start_engine_core has taken yet
+_waiting: list[subprocess.Popen] = []  # prestarted engines no start_engine_core has taken yet, oldest first
 
 
 def _engine_command(config_path: str) -> list[str]:
     return [sys.executable, "-m", "pagedllm.engine.core_proc", "EngineCore", config_path]
 
 
-def waiting_engine_core() -> Optional[subprocess.Popen]:
-    """The prestarted engine process no ``start_engine_core`` has taken yet, if any."""
-    return _waiting
+def waiting_engine_cores() -> list[subprocess.Popen]:
+    """The prestarted engine processes no ``start_engine_core`` has taken yet."""
+    return list(_waiting)
 
 
 def start_engine_core(config_path: str) -> subprocess.Popen:
-    """The engine process for the config pickled at ``config_path``: the prestarted one where one waits, else a new
+    """The engine process for the config pickled at ``config_path``: a prestarted one where one waits, else a new
     one."""
-    global _waiting
-    proc, _waiting = _waiting, None
-    if proc is not None:
+    while _waiting:
+        proc = _waiting.pop(0)
         try:
             proc.stdin.write(config_path.encode() + b"\n")
             proc.stdin.close()
@@ -49,19 +48,18 @@ def start_engine_core(config_path: str) -> subprocess.Popen:
 
 
 @contextlib.contextmanager
-def engine_core_prestarted(wanted: bool = True) -> Iterator[None]:
-    """An entry point's block that will start an engine (if ``wanted``): the engine's interpreter starts on entry,
-    for the block's ``start_engine_core``, and one the block did not take (it failed before its engine started) is
-    killed on exit."""
-    global _waiting
-    if wanted and _waiting is None:
-        _waiting = subprocess.Popen(_engine_command(CONFIG_ON_STDIN), stdin=subprocess.PIPE, start_new_session=True)
+def engine_core_prestarted(engines: int = 1) -> Iterator[None]:
+    """An entry point's block that will start ``engines`` engines (data-parallel ones: several; 0: none): their
+    interpreters start on entry, for the block's ``start_engine_core`` calls, and those the block did not take (it
+    failed before its engines started, or started fewer) are killed on exit."""
+    while len(_waiting) < engines:
+        _waiting.append(subprocess.Popen(_engine_command(CONFIG_ON_STDIN), stdin=subprocess.PIPE,
+                                         start_new_session=True))
     try:
         yield
     finally:
-        proc, _waiting = _waiting, None
-        if proc is not None:
-            _kill(proc)
+        while _waiting:
+            _kill(_waiting.pop())
 
 
 def _kill(proc: subprocess.Popen) -> None:

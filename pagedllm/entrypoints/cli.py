@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -66,9 +67,24 @@ def _config_path(argv: list[str]) -> Optional[str]:
     return finder.parse_known_args(argv)[0].config
 
 
+def _engines_started(argv: list[str]) -> int:
+    """How many engine processes the command will start, read from its arguments before they are parsed (its engines'
+    interpreters start first thing): none but for ENGINE_COMMANDS, and for those the data-parallel size given on the
+    command line (up to the CPU count), else one. A wrong guess costs only start-up time: an interpreter not taken
+    is killed, and an engine without one starts its own."""
+    if not argv or argv[0] not in ENGINE_COMMANDS:
+        return 0
+    for flag, value in zip(argv, argv[1:] + [""]):
+        if flag.startswith("--data-parallel-size="):
+            flag, value = "--data-parallel-size", flag.split("=", 1)[1]
+        if flag in ("-dp", "--data-parallel-size"):
+            return max(1, min(int(value), os.cpu_count() or 1)) if value.isdigit() else 1
+    return 1
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    with engine_core_prestarted(bool(argv) and argv[0] in ENGINE_COMMANDS):
+    with engine_core_prestarted(_engines_started(argv)):
         _run_command(argv)
 
 

@@ -33,7 +33,7 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         engine_args = EngineArgs(model=model, **kwargs)
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
-        with engine_core_prestarted(multiprocessing_enabled()):
+        with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
             config = engine_args.create_engine_config()
             engine_core, self.tokenizer = start_client_and_tokenizer(config, make_sync_client)
             self.llm_engine = LLMEngine(config, self.tokenizer, engine_core)

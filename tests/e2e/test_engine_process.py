@@ -11,7 +11,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.launch import CONFIG_ON_STDIN, engine_core_prestarted, waiting_engine_core
+from pagedllm.engine.launch import CONFIG_ON_STDIN, engine_core_prestarted, waiting_engine_cores
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
 
@@ -80,13 +80,14 @@ def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
     assert out.stdout.strip() == "[]"
 
 
-def test_a_prestarted_engine_nobody_takes_is_killed_or_leaves_at_the_end_of_its_input():
-    """launch.py: an engine interpreter started before its config holds nothing: the entry point's discard kills
-    it as its block ends, and one whose frontend went (its stdin ended) exits by itself, quietly."""
-    with engine_core_prestarted():
-        unused = waiting_engine_core()
-        assert unused is not None and unused.poll() is None
-    assert unused.returncode is not None and waiting_engine_core() is None
-    orphan = subprocess.Popen(unused.args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+def test_prestarted_engines_nobody_takes_are_killed_or_leave_at_the_end_of_their_input():
+    """launch.py: engine interpreters started before their config hold nothing: the entry point's discard kills
+    those not taken as its block ends (two here, as for `serve -dp 2`), and one whose frontend went (its stdin
+    ended) exits by itself, quietly."""
+    with engine_core_prestarted(2):
+        unused = waiting_engine_cores()
+        assert len(unused) == 2 and all(proc.poll() is None for proc in unused)
+    assert all(proc.returncode is not None for proc in unused) and waiting_engine_cores() == []
+    orphan = subprocess.Popen(unused[0].args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     orphan.stdin.close()
     assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""

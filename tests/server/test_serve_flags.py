@@ -80,6 +80,18 @@ def test_frontend_flag_defaults_and_json_lists():
         _parse("--allowed-origins", GOOD_ORIGIN)  # not a JSON list
 
 
+def test_one_engine_interpreter_is_prestarted_per_data_parallel_engine(monkeypatch):
+    """cli._engines_started reads -dp from the arguments before they are parsed (its interpreters start first
+    thing): capped at the CPU count, one where the size is absent or not a number, none for other commands."""
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 4)
+    assert cli._engines_started(["serve", "--port", "8000"]) == 1
+    assert cli._engines_started(["serve", "-dp", "2", "--port", "8000"]) == 2
+    assert cli._engines_started(["serve", "--data-parallel-size=3"]) == 3
+    assert cli._engines_started(["run-batch", "--data-parallel-size", "16"]) == 4
+    assert cli._engines_started(["serve", "-dp", "x"]) == cli._engines_started(["serve", "-dp"]) == 1
+    assert cli._engines_started(["chat"]) == cli._engines_started([]) == 0
+
+
 @pytest.fixture
 def served(monkeypatch):
     """What `serve` would have been called with, instead of serving."""
