@@ -7,11 +7,11 @@ file. ``engine_core_prestarted`` starts the engine's interpreter first thing, be
 the engine's modules beside the frontend's (on another core) and then waits on its stdin for the config's path, so
 the engine is ready that much sooner.
 
-A prestarted process holds nothing until it has the path: the entry point's block kills one it did not use (a bad
-flag's exit included), and one whose frontend dies reads the end of its input and leaves. `serve -dp N` prestarts one
-for each data-parallel engine. It runs in a session of
-its own (so in a process group of its own, on every Python the package supports), so that a Ctrl-C in the terminal
-reaches only the frontend, which stops the engine as it always does.
+`serve -dp N` prestarts one for each data-parallel engine. A prestarted process holds nothing until it has the path:
+the entry point's block kills one it did not use (a bad flag's exit included), and one whose frontend dies reads the
+end of its input and leaves. It runs in a session of its own (so in a process group of its own, on every Python the
+package supports), so that a Ctrl-C in the terminal reaches only the frontend, which stops the engine as it always
+does.
 """
 from __future__ import annotations
 
