@@ -88,11 +88,10 @@ class EngineCoreProc(EngineCore):
                     self.output_queue.put(outputs)
 
     def _process_input_queue(self) -> None:
-        """Blocks while there is nothing to run; otherwise takes whatever arrived without waiting. The idle wait wakes
+        """Waits while there is nothing to run; otherwise takes whatever arrived without waiting. The idle wait wakes
         every IDLE_WAKE_S: a Python signal handler runs only in the main thread, once it next runs bytecode, and the
         kernel may hand SIGTERM to another thread (any that does not block it), which does not interrupt the main
-        thread's wait on a lock; an idle engine then outlived the frontend's SIGTERM until it was killed (seen in about
-        one first shutdown in six, core_client's wait timing out)."""
+        thread's wait on a lock; an idle engine would then outlive the frontend's SIGTERM until it is killed."""
         while not self.scheduler.has_requests():
             try:
                 self._handle(*self.input_queue.get(timeout=IDLE_WAKE_S))
