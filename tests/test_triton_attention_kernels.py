@@ -88,6 +88,9 @@ DECODE_CASES = {
     "block_64_sliding_window": dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=64, seq_lens=[64, 65, 130],
                                     num_splits=2, sliding_window=40),
     "empty_context": dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[0, 18], num_splits=2),
+    # one split: stage 1 writes the output itself (zeros for the empty context), no merge
+    "empty_context_one_split": dict(num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[0, 18],
+                                    num_splits=1),
 }
 
 
@@ -96,9 +99,10 @@ def test_decode_matchesreference_attention(case):
     _check_decode(**case, cache_dtype=torch.float32, query_dtype=torch.float32, tolerance=FLOAT32_TOLERANCE)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])  # 1: stage 1 writes the bf16 output itself
 @pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])
-def test_decode_bfloat16_cache(query_dtype):
-    _check_decode(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[30, 16], num_splits=2,
+def test_decode_bfloat16_cache(query_dtype, num_splits):
+    _check_decode(num_heads=8, num_kv_heads=2, head_size=64, block_size=16, seq_lens=[30, 16], num_splits=num_splits,
                   cache_dtype=torch.bfloat16, query_dtype=query_dtype, tolerance=BFLOAT16_TOLERANCE)
 
 

@@ -19,7 +19,9 @@ each context is divided into ``num_splits`` contiguous ranges of whole blocks, a
 ``(B, num_kv_heads, num_splits)``) writes for each split its output normalized over its own keys and the log-sum-exp
 of its scores, into float32 scratch; stage 2 (grid ``(B, num_heads)``) merges the splits, weighting each partial
 output by ``exp(lse_split - lse_total)``, which is exactly the softmax over the whole context. A split whose range is
-empty (fewer blocks than splits) has lse -inf and weight 0. Each split walks its keys in tiles of KEYS_PER_TILE with
+empty (fewer blocks than splits) has lse -inf and weight 0. With a single split (contexts shorter than two splits'
+worth of keys) stage 1's output is the answer: it writes into ``out`` itself and stage 2 is not launched (the merge
+of one split would multiply it by exp(0) and divide by 1: the same values). Each split walks its keys in tiles of KEYS_PER_TILE with
 an online softmax (a running maximum and sum per row, the accumulator rescaled as the maximum grows).
 
 Numerics: scores, the online softmax and the accumulators are float32. Every tile is loaded and widened to float32
@@ -137,7 +139,7 @@ def _decode_split_kernel(
     lse = tl.where(has_keys, max_score + tl.log(safe_weight_sum), float("-inf"))
     partial_out = acc / safe_weight_sum[:, None]
     tl.store(partial_out_ptr + request * partial_out_stride_request + heads[:, None] * partial_out_stride_head
-             + split * partial_out_stride_split + dims[None, :], partial_out,
+             + split * partial_out_stride_split + dims[None, :], partial_out.to(partial_out_ptr.dtype.element_ty),
              mask=row_mask[:, None] & dim_mask[None, :])
     tl.store(partial_lse_ptr + request * partial_lse_stride_request + heads * partial_lse_stride_head + split, lse,
              mask=row_mask)
@@ -194,7 +196,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = default_num_splits(block_table.shape[1] * block_size, block_size, sliding_window)
-    partial_out = torch.empty((batch, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
+    single = num_splits == 1  # stage 1 writes the output (module docstring)
+    partial_out = (out.unsqueeze(2) if single
+                   else torch.empty((batch, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device))
     partial_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
     padded_head_size = max(16, triton.next_power_of_2(head_size))
 
@@ -211,6 +215,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         HAS_SOFT_CAP=bool(logits_soft_cap), DOT_PRECISION=dot_precision(key_cache.dtype),
         num_warps=4 if padded_head_size <= 128 else 8,
     )
+    if single:
+        return
     _decode_merge_kernel[(batch, num_heads)](
         partial_out, partial_lse, out, num_splits,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
