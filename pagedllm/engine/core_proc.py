@@ -94,10 +94,11 @@ class EngineCoreProc(EngineCore):
         thread's wait on a lock; an idle engine would then outlive the frontend's SIGTERM until it is killed."""
         while not self.scheduler.has_requests():
             try:
-                self._handle(*self.input_queue.get(timeout=IDLE_WAKE_S))
-                break
+                request = self.input_queue.get(timeout=IDLE_WAKE_S)
             except queue.Empty:
                 continue
+            self._handle(*request)
+            break
         while not self.input_queue.empty():
             self._handle(*self.input_queue.get_nowait())
 

@@ -21,8 +21,9 @@ of its scores, into float32 scratch; stage 2 (grid ``(B, num_heads)``) merges th
 output by ``exp(lse_split - lse_total)``, which is exactly the softmax over the whole context. A split whose range is
 empty (fewer blocks than splits) has lse -inf and weight 0. With a single split (contexts shorter than two splits'
 worth of keys) stage 1's output is the answer: it writes into ``out`` itself and stage 2 is not launched (the merge
-of one split would multiply it by exp(0) and divide by 1: the same values). Each split walks its keys in tiles of KEYS_PER_TILE with
-an online softmax (a running maximum and sum per row, the accumulator rescaled as the maximum grows).
+of one split would multiply it by exp(0) and divide by 1: the same values). Each split walks its keys in tiles of
+KEYS_PER_TILE with an online softmax (a running maximum and sum per row, the accumulator rescaled as the maximum
+grows).
 
 Numerics: scores, the online softmax and the accumulators are float32. Every tile is loaded and widened to float32
 before it is used (the form the Triton interpreter, which the tests run, also computes correctly). The matrix
@@ -197,8 +198,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if num_splits is None:
         num_splits = default_num_splits(block_table.shape[1] * block_size, block_size, sliding_window)
     single = num_splits == 1  # stage 1 writes the output (module docstring)
-    partial_out = (out.unsqueeze(2) if single
-                   else torch.empty((batch, num_heads, num_splits, head_size), dtype=torch.float32, device=query.device))
+    partial_out = out.unsqueeze(2) if single else torch.empty((batch, num_heads, num_splits, head_size),
+                                                              dtype=torch.float32, device=query.device)
     partial_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=query.device)
     padded_head_size = max(16, triton.next_power_of_2(head_size))
 
