@@ -54,7 +54,7 @@ def test_many_rows_use_every_thread_block(kernel):
 
 
 def test_one_row_split_by_half_panels_between_threads_is_the_same_at_every_thread_count(kernel):
-    """A single row splits an odd number of panels between threads by halves (gemm.c's AVX2 dense_row_halves): each
+    """A single row splits an odd number of panels between threads by halves (gemm.c's dense_row_halves): each
     column's sum is the same whatever the thread count (6: a half of the last, partial panel alone), and F.linear's
     up to the order of its sums."""
     weight, bias, x = torch.randn(144, 96), torch.randn(144), torch.randn(1, 96)  # 3 panels, the last of 16 columns

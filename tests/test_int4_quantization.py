@@ -134,7 +134,7 @@ def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K])
 @pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
 def test_one_row_split_by_half_panels_between_threads_equals_the_dense_path(tensor_type, out_features, kernel_path):
-    """A single row's GEMM splits an odd number of panels between threads by halves (gemm.c's AVX2 quant_row_halves):
+    """A single row's GEMM splits an odd number of panels between threads by halves (gemm.c's quant_row_halves):
     whatever the thread count, so wherever a thread's run starts or ends mid-panel (a half of the last, partial panel
     may hold no column at all), every column is the dense path's, bit for bit."""
     if kernel_path == "torch":

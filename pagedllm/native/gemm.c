@@ -26,9 +26,10 @@
  * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
  * while it multiplies the present one from cache. Its quantized kernels (which also need F16C, as
  * every AVX2 CPU has, for the fp16 scales) take one row at a time against the codes, the whole panel in 8
- * accumulators; items of more rows dequantize their panel once and run the dense tiles over it. A single row
- * (dense or quantized) is split between the threads by half panels, so that an odd number of panels is shared
- * evenly.
+ * accumulators; items of more rows dequantize their panel once and run the dense tiles over it.
+ *
+ * With either body, a single row (dense or quantized) is split between the threads by half panels (half_run), so
+ * that an odd number of panels is shared evenly.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
@@ -54,31 +55,34 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* rows x 64 tile (rows <= MR, a constant after inlining): y[r][0:cols] = x[r] . panel (+ bias). */
+#define ALL_VECTORS 0xFu /* a panel's four vectors of 16 columns */
+
+/* rows x 64 tile (rows <= MR, a constant after inlining): y[r][0:cols] = x[r] . panel (+ bias), for the vectors in
+ * the bit set `vectors` (a constant; vector j: columns 16j .. 16j + 15). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel,
                                                        const float *bias, float *y, int64_t ldy, int K,
                                                        const int rows, __mmask16 masks[4], int prefetch,
-                                                       const char *ahead, int ahead_lines) {
+                                                       const char *ahead, int ahead_lines, const unsigned vectors) {
     __m512 c[MR][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
         const float *wk = panel + (int64_t)k * NR;
-        if (prefetch)
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR + 16 * j), _MM_HINT_T0);
+        for (int j = 0; j < 4; j++)
+            if (prefetch && vectors >> j & 1u)
+                _mm_prefetch((const char *)(wk + PREFETCH_ROWS * NR + 16 * j), _MM_HINT_T0);
         for (int l = 0; l < ahead_lines; l++) _mm_prefetch(ahead + ((int64_t)k * ahead_lines + l) * 64, _MM_HINT_T1);
-        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32),
-                     w3 = _mm512_loadu_ps(wk + 48);
+        __m512 w[4];
+        for (int j = 0; j < 4; j++) w[j] = vectors >> j & 1u ? _mm512_loadu_ps(wk + 16 * j) : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-            c[r][0] = _mm512_fmadd_ps(b, w0, c[r][0]);
-            c[r][1] = _mm512_fmadd_ps(b, w1, c[r][1]);
-            c[r][2] = _mm512_fmadd_ps(b, w2, c[r][2]);
-            c[r][3] = _mm512_fmadd_ps(b, w3, c[r][3]);
+            for (int j = 0; j < 4; j++)
+                if (vectors >> j & 1u) c[r][j] = _mm512_fmadd_ps(b, w[j], c[r][j]);
         }
     }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) {
+            if (!(vectors >> j & 1u)) continue;
             __m512 v = c[r][j];
             if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
             _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
@@ -111,10 +115,19 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
         const char *ahead = fetch ? (const char *)next_panel + first_line * 64 : NULL;
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
-#define DENSE_TILE(rows) tile(xr, ldx, panel, bias, yr, ldy, K, rows, masks, t == 0, ahead, fetch)
+#define DENSE_TILE(rows) tile(xr, ldx, panel, bias, yr, ldy, K, rows, masks, t == 0, ahead, fetch, ALL_VECTORS)
         WITH_TILE_ROWS(row_end - r, DENSE_TILE)
 #undef DENSE_TILE
     }
+}
+
+/* One row against the panel's columns 32 half .. 32 half + 31 (`half` 0 or 1, a constant), as a single row's
+ * threads split a panel (half_run); -1: all of them. */
+static inline __attribute__((always_inline)) void row_tile(const float *x, const float *panel, const float *bias,
+                                                           float *y, int K, int cols, const int half) {
+    __mmask16 masks[4];
+    column_masks(cols, masks);
+    tile(x, 0, panel, bias, y, 0, K, 1, masks, 1, NULL, 0, half < 0 ? ALL_VECTORS : 0x3u << (2 * half));
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -180,46 +193,6 @@ static inline __attribute__((always_inline)) void row_tile(const float *x, const
     store_row(c, bias, y, cols, half < 0 ? ALL_VECTORS : 0x0Fu << (4 * half));
 }
 
-/* A single row's share of the panels for one of `threads` threads: a contiguous run of half panels, so that an odd
- * number of panels (SmolLM2's 576 and 960 columns: 9 and 15) is split evenly, where by whole panels one thread would
- * have one more than the other and the other would wait for it at the end. half_run_next gives the run's panels in
- * turn: whole ones (half -1), and a half (0 or 1) where the run starts or ends mid-panel. */
-typedef struct {
-    int h, last;
-} HalfRun;
-
-static inline HalfRun half_run(int panels, int thread, int threads) {
-    const HalfRun run = {(int)((int64_t)2 * panels * thread / threads),
-                         (int)((int64_t)2 * panels * (thread + 1) / threads)};
-    return run;
-}
-
-static inline int half_run_next(HalfRun *run, int *panel, int *half) {
-    if (run->h >= run->last) return 0;
-    *panel = run->h / 2;
-    *half = run->h % 2 == 0 && run->h + 2 <= run->last ? -1 : run->h % 2;
-    run->h += *half < 0 ? 2 : 1;
-    return 1;
-}
-
-/* y[0:N] = x . W (+ bias) for one row, the threads splitting the panels by halves (half_run). */
-static void dense_row_halves(const float *x, const float *packed, const float *bias, float *y, int N, int K,
-                             int num_threads) {
-#pragma omp parallel num_threads(num_threads)
-    {
-        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
-        int p, half;
-        while (half_run_next(&run, &p, &half)) {
-            const float *panel = packed + (int64_t)p * K * NR, *b = bias == NULL ? NULL : bias + p * NR;
-            const int cols = N - p * NR < NR ? N - p * NR : NR;
-            if (half < 0) row_tile(x, panel, b, y + p * NR, K, cols, -1);
-            else if (half == 0) row_tile(x, panel, b, y + p * NR, K, cols, 0);
-            else row_tile(x, panel, b, y + p * NR, K, cols, 1);
-        }
-    }
-}
-#define ROW_HALVES 1
-
 /* This core's L2 in bytes (sysconf's; 256 KB where it gives none), read once as the library loads. */
 static long l2_bytes = 256 * 1024;
 __attribute__((constructor)) static void read_l2_bytes(void) {
@@ -275,6 +248,45 @@ static void panel_rows(const float *x, int64_t ldx, const float *panel, const fl
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 int gemm_available(void) { return 1; }
 
+/* A single row's share of the panels for one of `threads` threads: a contiguous run of half panels, so that an odd
+ * number of panels (SmolLM2's 576 and 960 columns: 9 and 15) is split evenly, where by whole panels one thread would
+ * have one more than the other and the other would wait for it at the end. half_run_next gives the run's panels in
+ * turn: whole ones (half -1), and a half (0 or 1) where the run starts or ends mid-panel. */
+typedef struct {
+    int h, last;
+} HalfRun;
+
+static inline HalfRun half_run(int panels, int thread, int threads) {
+    const HalfRun run = {(int)((int64_t)2 * panels * thread / threads),
+                         (int)((int64_t)2 * panels * (thread + 1) / threads)};
+    return run;
+}
+
+static inline int half_run_next(HalfRun *run, int *panel, int *half) {
+    if (run->h >= run->last) return 0;
+    *panel = run->h / 2;
+    *half = run->h % 2 == 0 && run->h + 2 <= run->last ? -1 : run->h % 2;
+    run->h += *half < 0 ? 2 : 1;
+    return 1;
+}
+
+/* y[0:N] = x . W (+ bias) for one row, the threads splitting the panels by halves (half_run). */
+static void dense_row_halves(const float *x, const float *packed, const float *bias, float *y, int N, int K,
+                             int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
+        int p, half;
+        while (half_run_next(&run, &p, &half)) {
+            const float *panel = packed + (int64_t)p * K * NR, *b = bias == NULL ? NULL : bias + p * NR;
+            const int cols = N - p * NR < NR ? N - p * NR : NR;
+            if (half < 0) row_tile(x, panel, b, y + p * NR, K, cols, -1);
+            else if (half == 0) row_tile(x, panel, b, y + p * NR, K, cols, 0);
+            else row_tile(x, panel, b, y + p * NR, K, cols, 1);
+        }
+    }
+}
+
 /* Rows per work item: whole tiles, at most 192 and x's block no larger than 256 KB (it stays in L2 next to
  * the panel), fewer when there are too few panels to give every thread several items. */
 static int row_block(int M, int K, int panels, int num_threads) {
@@ -287,12 +299,10 @@ static int row_block(int M, int K, int panels, int num_threads) {
 /* x: [M, K] rows ldx apart; packed: [ceil(N / 64), K, 64]; bias: [N] or NULL; y: [M, N] rows ldy apart. */
 int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias, float *y, int64_t ldy,
                     int M, int N, int K, int num_threads) {
-#ifdef ROW_HALVES
     if (M == 1) {
         dense_row_halves(x, packed, bias, y, N, K, num_threads);
         return 0;
     }
-#endif
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
@@ -357,8 +367,9 @@ static inline int record_bytes(const int fmt) {
 #define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
 
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
-                                                               __m512 z[4]) {
+                                                               __m512 z[4], const unsigned vectors) {
     for (int j = 0; j < 4; j++) {
+        if (!(vectors >> j & 1u)) continue;
         s[j] = scale_bytes(fmt) == NR * 4 ? _mm512_loadu_ps((const float *)record + 16 * j)
                                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
         z[j] = has_zeros(fmt) ? _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j)
@@ -366,12 +377,14 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
     }
 }
 
-/* Row kk of a block: w[j] holds columns 16j .. 16j + 15. */
+/* Row kk of a block: w[j] holds columns 16j .. 16j + 15, for the vectors j in the bit set `vectors` (a constant). */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *record, int kk, const int fmt,
-                                                              const __m512 s[4], const __m512 z[4], __m512 w[4]) {
+                                                              const __m512 s[4], const __m512 z[4], __m512 w[4],
+                                                              const unsigned vectors) {
     if (int8_codes(fmt)) {
         const int8_t *codes = (const int8_t *)(record + codes_at(fmt)) + kk * NR;
         for (int j = 0; j < 4; j++) {
+            if (!(vectors >> j & 1u)) continue;
             w[j] = _mm512_mul_round_ps(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)))), s[j],
                 ROUNDED);
@@ -387,17 +400,19 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
                                 _mm512_srli_epi32(b, 4)};
     const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
     for (int j = 0; j < 4; j++) {
+        if (!(vectors >> j & 1u)) continue;
         w[j] = nonlinear(fmt) ? _mm512_permutexvar_ps(nibbles[j], values) : _mm512_cvtepi32_ps(nibbles[j]);
         w[j] = _mm512_mul_round_ps(w[j], s[j], ROUNDED);
         if (has_zeros(fmt)) w[j] = _mm512_add_round_ps(w[j], z[j], ROUNDED);
     }
 }
 
-/* rows x 64 tile over a quantized panel, dequantizing each row of weights once for all its rows. */
+/* rows x 64 tile over a quantized panel, dequantizing each row of weights once for all its rows; only the vectors in
+ * the bit set `vectors` (a constant, as tile's). */
 static inline __attribute__((always_inline)) void tile_quant(const float *x, int64_t ldx, const uint8_t *panel,
                                                              const float *bias, float *y, int64_t ldy, int K,
                                                              const int rows, const __mmask16 masks[4],
-                                                             const int fmt) {
+                                                             const int fmt, const unsigned vectors) {
     __m512 c[MR][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
@@ -406,21 +421,23 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, int
     for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * bytes;
         __m512 s[4], z[4];
-        block_scales(record, fmt, s, z);
+        block_scales(record, fmt, s, z, vectors);
         for (int kk = 0; kk < block; kk++) {
             for (int line = kk; line < bytes / 64; line += block) /* the record 3 ahead, a line or two a row */
                 _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
             __m512 w[4];
-            dequant_row(record, kk, fmt, s, z, w);
+            dequant_row(record, kk, fmt, s, z, w, vectors);
             const int k = blk * block + kk;
             for (int r = 0; r < rows; r++) {
                 const __m512 b = _mm512_set1_ps(x[r * ldx + k]);
-                for (int j = 0; j < 4; j++) c[r][j] = _mm512_fmadd_ps(b, w[j], c[r][j]);
+                for (int j = 0; j < 4; j++)
+                    if (vectors >> j & 1u) c[r][j] = _mm512_fmadd_ps(b, w[j], c[r][j]);
             }
         }
     }
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) {
+            if (!(vectors >> j & 1u)) continue;
             __m512 v = c[r][j];
             if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
             _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
@@ -436,10 +453,20 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
     for (int r = row_begin; r < row_end; r += MR) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
-#define QUANT_TILE(rows) tile_quant(xr, ldx, panel, bias, yr, ldy, K, rows, masks, fmt)
+#define QUANT_TILE(rows) tile_quant(xr, ldx, panel, bias, yr, ldy, K, rows, masks, fmt, ALL_VECTORS)
         WITH_TILE_ROWS(row_end - r, QUANT_TILE)
 #undef QUANT_TILE
     }
+}
+
+/* One row against a quantized panel's vectors 0 and 2 (half 0: columns 0-15 and 32-47, whose Q4 codes are a record
+ * row's first 16 bytes) or 1 and 3 (half 1), as a single row's threads split a panel (half_run); -1: all of them. */
+static inline __attribute__((always_inline)) void row_quant(const float *x, const uint8_t *panel, const float *bias,
+                                                            float *y, int K, int cols, const int half,
+                                                            const int fmt) {
+    __mmask16 masks[4];
+    column_masks(cols, masks);
+    tile_quant(x, 0, panel, bias, y, 0, K, 1, masks, fmt, half < 0 ? ALL_VECTORS : 0x5u << half);
 }
 
 /* The quantized panel as a dense [K][64] one. */
@@ -449,10 +476,10 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
     for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
         __m512 s[4], z[4];
-        block_scales(record, fmt, s, z);
+        block_scales(record, fmt, s, z, ALL_VECTORS);
         for (int kk = 0; kk < block; kk++) {
             __m512 w[4];
-            dequant_row(record, kk, fmt, s, z, w);
+            dequant_row(record, kk, fmt, s, z, w, ALL_VECTORS);
             for (int j = 0; j < 4; j++) _mm512_store_ps(dense + ((int64_t)blk * block + kk) * NR + 16 * j, w[j]);
         }
     }
@@ -556,6 +583,27 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
     for (int r = row_begin; r < row_end; r++) row_quant(x + r * ldx, panel, bias, y + r * ldy, K, cols, -1, fmt);
 }
 
+/* The quantized panel as a dense [K][64] one. */
+static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel, int K, float *dense,
+                                                                const int fmt) {
+    const int block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
+        const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
+        for (int j = 0; j < 4; j++) {
+            const PairParams params = pair_params(record, j, fmt);
+            for (int kk = 0; kk < block; kk++) {
+                __m256 w, w4;
+                dequant_pair(record, kk, j, fmt, &params, &w, &w4);
+                float *row = dense + ((int64_t)blk * block + kk) * NR;
+                _mm256_store_ps(row + 8 * j, w);
+                _mm256_store_ps(row + 8 * (j + 4), w4);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* One row (single-sequence decode) over every panel, the threads splitting the panels by halves (half_run); whole
  * panels go by row_quant's blocks as ever. */
 static void quant_row_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
@@ -584,27 +632,6 @@ static void quant_row_halves(const float *x, const uint8_t *packed, const float 
     }
 }
 
-/* The quantized panel as a dense [K][64] one. */
-static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *panel, int K, float *dense,
-                                                                const int fmt) {
-    const int block = qblock(fmt);
-    for (int blk = 0; blk < K / block; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
-        for (int j = 0; j < 4; j++) {
-            const PairParams params = pair_params(record, j, fmt);
-            for (int kk = 0; kk < block; kk++) {
-                __m256 w, w4;
-                dequant_pair(record, kk, j, fmt, &params, &w, &w4);
-                float *row = dense + ((int64_t)blk * block + kk) * NR;
-                _mm256_store_ps(row + 8 * j, w);
-                _mm256_store_ps(row + 8 * (j + 4), w4);
-            }
-        }
-    }
-}
-#endif
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* Rows row_begin .. row_end of one panel's columns; fmt a constant after inlining, so that each format's loops
  * compile without its tests. Items of more than one tile dequantize their panel once into scratch (when there is
  * one) and run the dense tiles over it; others multiply the codes as they go. */
@@ -628,12 +655,10 @@ int gemm_quant_available(void) { return 1; }
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
     if (format < Q4 || format > Q2K || K % qblock(format) != 0) return -1;
-#ifdef ROW_HALVES
     if (M == 1) {
         quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
         return 0;
     }
-#endif
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
