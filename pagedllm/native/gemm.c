@@ -363,7 +363,7 @@ static inline int record_bytes(const int fmt) {
 #endif
 
 #if defined(__AVX512F__)
-#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* separate roundings: never fused */
+#define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* an explicitly rounded product: never fused */
 #define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
 
 static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
@@ -377,6 +377,13 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
     }
 }
 
+/* A weight from its code: code * scale + zero where the format has zeros (codes of up to 5 bits, whose products with
+ * their scales are exact, so one fused multiply-add rounds once, at the zero, as the loader's mul-then-add does);
+ * else the product, rounded. */
+static inline __attribute__((always_inline)) __m512 weight_of(__m512 code, __m512 s, __m512 z, const int fmt) {
+    return has_zeros(fmt) ? _mm512_fmadd_ps(code, s, z) : _mm512_mul_round_ps(code, s, ROUNDED);
+}
+
 /* Row kk of a block: w[j] holds columns 16j .. 16j + 15, for the vectors j in the bit set `vectors` (a constant). */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *record, int kk, const int fmt,
                                                               const __m512 s[4], const __m512 z[4], __m512 w[4],
@@ -385,10 +392,9 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
         const int8_t *codes = (const int8_t *)(record + codes_at(fmt)) + kk * NR;
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
-            w[j] = _mm512_mul_round_ps(
+            w[j] = weight_of(
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16 * j)))), s[j],
-                ROUNDED);
-            if (has_zeros(fmt)) w[j] = _mm512_add_round_ps(w[j], z[j], ROUNDED);
+                z[j], fmt);
         }
         return;
     }
@@ -401,9 +407,8 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
     const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
     for (int j = 0; j < 4; j++) {
         if (!(vectors >> j & 1u)) continue;
-        w[j] = nonlinear(fmt) ? _mm512_permutexvar_ps(nibbles[j], values) : _mm512_cvtepi32_ps(nibbles[j]);
-        w[j] = _mm512_mul_round_ps(w[j], s[j], ROUNDED);
-        if (has_zeros(fmt)) w[j] = _mm512_add_round_ps(w[j], z[j], ROUNDED);
+        w[j] = weight_of(nonlinear(fmt) ? _mm512_permutexvar_ps(nibbles[j], values) : _mm512_cvtepi32_ps(nibbles[j]),
+                         s[j], z[j], fmt);
     }
 }
 
