@@ -170,7 +170,11 @@ def run_engine(engine: Engine, workload: dict, workload_file: Path, log_path: Pa
     results = [line[len(RESULT_MARK):] for line in lines if line.startswith(RESULT_MARK)]
     if returncode != 0 or not results:
         tail = "\n".join(lines[-30:])
-        raise SystemExit(f"{engine.name} on {workload['name']} failed (exit {returncode}); {log_path}:\n{tail}")
+        how = f"exit {returncode}" if returncode >= 0 else f"killed by {signal.Signals(-returncode).name}"
+        if returncode == -signal.SIGILL:  # an instruction this CPU (or its OS) refuses: the engine's build
+            how += ("; for llama.cpp on an AMX CPU, build it without AMX (LLAMA_CMAKE_ARGS in "
+                    "benchmarks/setup_llama_cpp.sh)")
+        raise SystemExit(f"{engine.name} on {workload['name']} failed ({how}); {log_path}:\n{tail}")
     result = json.loads(results[-1])
     if workload["kind"] == "startup":
         result["samples"] = [{"startup_s": s["first_token_time"] - spawned} for s in result["samples"]]
