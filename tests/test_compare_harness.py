@@ -1,5 +1,6 @@
 """The benchmark harnesses' own logic: compare_report.py's medians pool every round and a ratio > 1 always means
-pagedllm did better; bench_decode_bound.py counts the bytes a decode step reads."""
+pagedllm did better; bench_decode_bound.py counts the bytes a decode step reads; compare.py names what killed an
+engine's process."""
 import sys
 from pathlib import Path
 
@@ -108,3 +109,17 @@ def test_decode_bound_counts_the_lm_heads_few_rows_layout():
     model.embed.prepare_projection(WeightLayout(bf16_panels=True))
     q8_panels = model.embed._few_rows_projection.panels
     assert weight_bytes_per_token(model) == (q8_panels.numel() * q8_panels.element_size(), 1)
+
+
+def test_an_engine_killed_by_sigill_is_reported_by_name_with_the_llama_cpp_fix(tmp_path):
+    """An engine process that dies of a signal (llama.cpp's AMX build: SIGILL at its first tile load) is named by the
+    signal, and SIGILL points at the build without AMX, where the exit status alone (-4) said nothing."""
+    from argparse import Namespace
+
+    import pytest
+    from compare import Engine, run_engine
+
+    engine = Engine("llamacpp", ["/bin/sh", "-c", 'kill -ILL $$', "runner"])
+    args = Namespace(dtype="float32", repeats=1, speculative_config=None, run_timeout=60)
+    with pytest.raises(SystemExit, match=r"failed \(killed by SIGILL; .*LLAMA_CMAKE_ARGS"):
+        run_engine(engine, {"name": "W2", "prefix_caching": True}, tmp_path / "w.json", tmp_path / "log", args)
