@@ -15,8 +15,8 @@
 #   bash benchmarks/setup_llama_cpp.sh
 # Variables: BENCH_DIR (where to put it; with another value than the default, pass compare.py --llamacpp-python),
 # PYTHON (the interpreter the venv is made from, default python3), CMAKE_BUILD_PARALLEL_LEVEL (compile jobs, default
-# 2), LLAMA_CMAKE_ARGS (ggml's instruction-set options instead of -DGGML_NATIVE=ON). A C/C++ compiler and cmake must be
-# installed. The wheel is built afresh every time (pip's cache would hand back a build made with other options).
+# 2), LLAMA_CMAKE_ARGS (ggml's instruction-set options instead of -DGGML_NATIVE=ON). A C/C++ compiler and cmake
+# must be installed. The wheel is built afresh every time (pip's cache would hand back a build made with other options).
 #
 # On a CPU with AMX (Sapphire Rapids), the native build's AMX int8 matmuls die of SIGILL at their first tileloadd in
 # 0.3.36's ggml (a 32-token prompt is enough; the process's AMX permission granted or not). Build it with every
@@ -35,8 +35,10 @@ mkdir -p "$BENCH_DIR/logs"
 echo "== llama.cpp venv: $BENCH_DIR/venv-llamacpp (log: $BENCH_DIR/logs/llamacpp.log)"
 [ -x "$BENCH_DIR/venv-llamacpp/bin/python" ] || "$PYTHON" -m venv "$BENCH_DIR/venv-llamacpp"
 "$BENCH_DIR/venv-llamacpp/bin/pip" install -q --upgrade pip
-CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=ON} -DLLAVA_BUILD=OFF" \
-    "$BENCH_DIR/venv-llamacpp/bin/pip" install -v --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python==$VERSION" numpy \
+CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+  CMAKE_ARGS="${LLAMA_CMAKE_ARGS:--DGGML_NATIVE=ON} -DLLAVA_BUILD=OFF" \
+    "$BENCH_DIR/venv-llamacpp/bin/pip" install -v --no-cache-dir --no-binary llama-cpp-python \
+    "llama-cpp-python==$VERSION" numpy \
     > "$BENCH_DIR/logs/llamacpp.log" 2>&1 || {
   echo "pip install llama-cpp-python==$VERSION failed; the end of $BENCH_DIR/logs/llamacpp.log:" >&2
   tail -20 "$BENCH_DIR/logs/llamacpp.log" >&2
