@@ -21,9 +21,9 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 # weight) by the scale once, the reference each element first, a float32 rounding apart.
 QUANTIZED_TOLERANCE = 1e-4
 # Rows the prefill tiles attend in bf16 pairs (native.paged_prefill_pairs) have their queries and softmax weights
-# rounded to bf16 (and a one-byte cache's values, to bf16 as they widen). The reference rounds the queries too; the
-# weights' rounding (up to 2^-9 of each) moves an output by up to ~2^-9 of the values it averages, which reach ~4
-# here: this bound.
+# rounded to bf16 (and a one-byte cache's values, to bf16 as they widen). The reference rounds the queries and
+# values too; the weights' rounding (up to 2^-9 of each) moves an output by up to ~2^-9 of the values it averages,
+# which reach ~4 here: this bound.
 PAIRED_TOLERANCE = 1e-2
 
 
@@ -137,7 +137,8 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
         k, v = (dequantize_rows(quantize_rows(x, kv_dtype), head_dim, torch.float32) for x in (k, v))  # as cached
-        if paired[i]:
+        if paired[i]:  # the tiles' operands: the queries and a one-byte row's widened values in bf16
+            k, v = (x.to(torch.bfloat16) for x in (k, v))
             expected = reference_attention(q.to(torch.bfloat16), k, v, scale, sliding_window, logits_soft_cap)
             torch.testing.assert_close(rows, expected, atol=PAIRED_TOLERANCE, rtol=PAIRED_TOLERANCE)
         else:
@@ -398,3 +399,40 @@ def test_long_decode_rows_split_over_threads(monkeypatch, requests, kv_dtype, sl
                   sliding_window=sliding_window)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def vdpbf16ps_tiles(decode_path, monkeypatch):
+    """On a CPU with AMX, the bf16-pair prefill tiles and cascade prefix of the build without it (vdpbf16ps), so that
+    the body the AMX one replaces stays checked here too; skipped elsewhere (there it is the native body)."""
+    if decode_path != "native":
+        pytest.skip("one build, checked once")
+    skip_lesser_build_that_is_native("no_amx")
+    flags = LESSER_BUILDS["no_amx"]
+    for kv_dtype in (torch.bfloat16, *QUANTIZED):
+        assert not native.paged_attention(kv_dtype, flags).prefill_amx
+    library = native.paged_attention
+    monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: library(kv_dtype, flags).prefill)
+    monkeypatch.setattr(native, "cascade", lambda kv_dtype=torch.float32: (library(kv_dtype, flags).prefix,
+                                                                         library(kv_dtype, flags).merge))
+
+
+def test_prefill_tiles_on_amx_where_the_os_allows():
+    """The bf16-pair tiles multiply on AMX exactly where gemm_bf16 does (the CPU has it and the OS grants it)."""
+    for kv_dtype in (torch.bfloat16, *QUANTIZED):
+        library = native.paged_attention(kv_dtype)
+        if library is not None and library.prefill_pairs:
+            assert library.prefill_amx == native.gemm_bf16_uses_amx()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_vdpbf16ps_tiles(low_cascade_threshold, vdpbf16ps_tiles, kv_dtype):
+    """The vdpbf16ps body: groups of 3 (48 lanes) and 4 (32), head sizes 64, 128 and 256, short runs (blocks of
+    4), a window, soft-capping and a shared prefix."""
+    requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
+    _run_case(requests, 9, 3, 64, 16, torch.float32, seed=1, kv_dtype=kv_dtype)
+    _run_case(requests, 8, 2, 128, 4, torch.float32, seed=2, kv_dtype=kv_dtype, sliding_window=13)
+    _run_case(requests, 4, 1, 256, 16, torch.float32, seed=3, kv_dtype=kv_dtype, logits_soft_cap=2.0)
+    plan = _run_case([(12 + 3 * i, 1) for i in range(6)] + [(13, 6), (20, 17)], 9, 3, 64, 4, torch.float32, seed=4,
+                     shared_blocks=3, kv_dtype=kv_dtype)
+    assert plan.native_prefix and plan.native_prefill is not None

@@ -42,8 +42,9 @@ PAGED_PREFILL_AVAILABLE = CFunction("paged_prefill_available", INT)
 PAGED_PREFILL_SUPPORTS = CFunction("paged_prefill_supports", INT, *arguments(
     "num_heads", "num_kv_heads", "head_size", INT))
 PAGED_PREFILL_PAIRS = CFunction("paged_prefill_pairs", INT)
+PAGED_PREFILL_AMX = CFunction("paged_prefill_amx", INT)
 SIGNATURES = (PAGED_DECODE, PAGED_PREFILL, PAGED_PREFIX, MERGE_ATTN_STATES, PAGED_DECODE_ISA, PAGED_PREFILL_AVAILABLE,
-              PAGED_PREFILL_SUPPORTS, PAGED_PREFILL_PAIRS)
+              PAGED_PREFILL_SUPPORTS, PAGED_PREFILL_PAIRS, PAGED_PREFILL_AMX)
 
 MAX_GROUP, MAX_HEAD_SIZE = 16, 256  # paged_attention.h's: the decode rows take these
 
@@ -190,6 +191,8 @@ class PagedAttentionLibrary:
         self.prefix = PagedPrefix(lib, kv_dtype) if self.has_prefill else None
         self.merge = MergeAttnStates(lib)
         self.prefill_pairs = self.has_prefill and bool(lib.paged_prefill_pairs())
+        # the pairs multiplied on AMX tiles (built for them, and the OS lets the process use them)
+        self.prefill_amx = self.prefill_pairs and bool(lib.paged_prefill_amx())
 
     def prefill_supports(self, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
         """Whether the prefill tiles (and so the cascade prefix) take these sizes (head sizes 64, 128 and 256)."""

@@ -27,7 +27,8 @@ def _libraries() -> dict[str, str]:
         if library is not None:
             what[f"paged_attention ({str(kv_dtype).removeprefix('torch.')} cache)"] = (
                 f"decode rows {library.decode_isa}; prefill tiles and cascade prefix "
-                + (("yes, bf16 pairs" if library.prefill_pairs else "yes") if library.has_prefill
+                + (("yes, bf16 pairs" + (" on AMX tiles" if library.prefill_amx else "") if library.prefill_pairs
+                    else "yes") if library.has_prefill
                    else "no (need AVX-512, or AVX2 with FMA)"))
     if native.fused_ops() is not None:
         what["fused_ops"] = "RMSNorm, SiLU * up, rotary, embeddings, KV writes, argmax, MoE"

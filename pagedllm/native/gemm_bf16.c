@@ -37,6 +37,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "amx.h"
 #include "simd.h"
 
 #define PANEL_COLS 32
@@ -189,20 +190,6 @@ static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const Pane
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-};
-
 /* Tiles 0-3 accumulate (0: rows 0-15 x cols 0-15, 1: rows 0-15 x cols 16-31, 2 and 3 the same for rows 16-31),
  * 4 and 5 hold x's two row halves, 6 and 7 the panel's two column halves. */
 static void configure(int upper_rows, int lower_rows) {
@@ -217,11 +204,7 @@ static void configure(int upper_rows, int lower_rows) {
     _tile_loadconfig(&cfg);
 }
 
-int gemm_bf16_uses_amx(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
+int gemm_bf16_uses_amx(void) { return amx_granted(); }
 
 /* Fetch one block of the panel `ahead` (2 KB) into L2. */
 static inline void fetch_block(const char *ahead, int kb) {

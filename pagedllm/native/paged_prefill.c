@@ -3,9 +3,10 @@
  * is repeated for grouped queries; a tile's query heads share each K/V element loaded. Also the engine of cascade
  * attention's shared part (paged_cascade.c), which is these tiles over a prefix. AVX-512 or AVX2 with FMA:
  * paged_prefill_available() says whether this build has the tiles, paged_prefill_supports() which sizes they take,
- * paged_prefill_pairs() whether they multiply in bf16 pairs.
+ * paged_prefill_pairs() whether they multiply in bf16 pairs, paged_prefill_amx() whether those pairs go to AMX tiles.
  */
 #include "paged_attention.h"
+#include "amx.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 
@@ -36,6 +37,7 @@ typedef struct {
     int num_reqs, start_pos, stop_pos, window, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
     float scale, softcap; /* softcap 0: scores uncapped (paged_attention.h) */
     float *out, *lse;
+    int amx; /* the tiles multiply on AMX (prefill_item_amx) */
 } PrefillArgs;
 
 /* Where one tile (a work item: a tile of a request's query tokens, for one KV head) reads and writes. */
@@ -223,7 +225,121 @@ static inline __attribute__((always_inline)) void slot_pairs(const tile_elem *co
             _mm512_store_si512(vp[m] + i + 16, _mm512_permutex2var_epi32(lo, second, hi));
         }
 }
+
+/* The transposed queries qt as bf16 pairs along the head: qt2[p][n] = (qt[2p][n], qt[2p + 1][n]). */
+static inline __attribute__((always_inline)) void pair_queries(const float (*qt)[LANE_STRIDE], const int D,
+                                                              const int VECS, uint32_t (*qt2)[LANE_STRIDE]) {
+    for (int p = 0; p < D / 2; p++)
+        for (int h = 0; h < VECS; h++)
+            _mm512_store_si512(qt2[p] + 16 * h,
+                               bf16_pairs(_mm512_load_ps(qt[2 * p] + 16 * h), _mm512_load_ps(qt[2 * p + 1] + 16 * h)));
+}
 #endif
+
+/* The tile's queries times the scale, transposed into qt: lane n's query down column n (idle lanes zero). */
+static inline __attribute__((always_inline)) void transpose_queries(const TileLanes *t, float scale, const int D,
+                                                                   const int VECS, float (*qt)[LANE_STRIDE]) {
+    const __m512 scaled = _mm512_set1_ps(scale);
+    for (int h = 0; h < VECS; h++)
+        for (int i0 = 0; i0 < D; i0 += 16) { /* 16 lanes x 16 dims at a time */
+            __m512 block[16];
+            for (int m = 0; m < 16; m++) {
+                const float *q = t->q_lane[16 * h + m];
+                block[m] = q != NULL ? _mm512_mul_ps(_mm512_loadu_ps(q + i0), scaled) : _mm512_setzero_ps();
+            }
+            transpose_16x16(block);
+            for (int m = 0; m < 16; m++) _mm512_store_ps(qt[i0 + m] + 16 * h, block[m]);
+        }
+}
+
+/* The run of n slots at `slot` as the tiles read it: krow[j] and vrow[j] for j < RUN, the slots past the run
+ * reading its first row (masked later). A bf16 cache's rows are read in place by the paired tiles; a one-byte
+ * cache's (or, without pairs, a bf16 one's) are widened and scaled into kbuf and vbuf, as tile_elem rows. */
+static inline __attribute__((always_inline)) void run_tile_rows(const kv_t *k, const kv_t *v, int64_t row_stride,
+                                                               int n, const int D, tile_elem (*kbuf)[D],
+                                                               tile_elem (*vbuf)[D], const tile_elem *krow[RUN],
+                                                               const tile_elem *vrow[RUN]) {
+#if defined(KV_ONE_BYTE) || defined(KV_BF16) && !defined(PAIRED_TILES)
+    for (int j = 0; j < n; j++) {
+        const kv_t *kj = k + j * row_stride, *vj = v + j * row_stride;
+        const __m512 k_scale = _mm512_set1_ps(kv_row_scale(kj, D)), v_scale = _mm512_set1_ps(kv_row_scale(vj, D));
+        for (int i = 0; i < D; i += 16) {
+            store_tile16(kbuf[j] + i, _mm512_mul_ps(kv_load16(kj + i), k_scale));
+            store_tile16(vbuf[j] + i, _mm512_mul_ps(kv_load16(vj + i), v_scale));
+        }
+    }
+    for (int j = 0; j < RUN; j++) {
+        krow[j] = kbuf[j < n ? j : 0];
+        vrow[j] = vbuf[j < n ? j : 0];
+    }
+#else
+    (void)kbuf, (void)vbuf;
+    for (int j = 0; j < RUN; j++) {
+        krow[j] = k + (j < n ? j : 0) * row_stride;
+        vrow[j] = v + (j < n ? j : 0) * row_stride;
+    }
+#endif
+}
+
+/* One run's step of the online softmax, lane-wise: the scores s of slots pos .. pos + RUN - 1 are soft-capped,
+ * masked to what each lane sees (the run's first n slots, lower <= slot < limit) and become the weights
+ * exp(s - new max), zero where masked; each lane's running max and sum move on, and rescale is what its outputs so
+ * far are to be multiplied by. Returns whether any lane's max moved (where none did, rescale is all ones). */
+static inline __attribute__((always_inline)) int softmax_run(__m512 s[RUN][MAX_VECS], int pos, int n, float softcap,
+                                                             const int VECS, const __m512i *limits,
+                                                             const __m512i *lowers, __m512 *running_max,
+                                                             __m512 *running_sum, __m512 *rescale) {
+    if (softcap > 0.0f)
+        for (int j = 0; j < RUN; j++)
+            for (int h = 0; h < VECS; h++) s[j][h] = softcap16(s[j][h], softcap);
+    __mmask16 moved = 0;
+    for (int h = 0; h < VECS; h++) {
+        __m512 run_max = _mm512_set1_ps(-INFINITY);
+        __mmask16 valid[RUN];
+        for (int j = 0; j < RUN; j++) {
+            const __m512i at = _mm512_set1_epi32(pos + j);
+            valid[j] = j < n ? _mm512_mask_cmpge_epi32_mask(_mm512_cmplt_epi32_mask(at, limits[h]), at, lowers[h])
+                             : (__mmask16)0;
+            s[j][h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j][h]);
+            run_max = _mm512_max_ps(run_max, s[j][h]);
+        }
+        const __m512 new_max = _mm512_max_ps(running_max[h], run_max);
+        moved |= _mm512_cmp_ps_mask(running_max[h], new_max, _CMP_NEQ_UQ);
+        rescale[h] = exp16_nonpositive(_mm512_sub_ps(running_max[h], new_max));
+        running_sum[h] = _mm512_mul_ps(running_sum[h], rescale[h]);
+        for (int j = 0; j < RUN; j++) {
+            s[j][h] = _mm512_maskz_mov_ps(valid[j], exp16_nonpositive(_mm512_sub_ps(s[j][h], new_max)));
+            running_sum[h] = _mm512_add_ps(running_sum[h], s[j][h]);
+        }
+        running_max[h] = new_max;
+    }
+    return moved != 0;
+}
+
+/* The lanes' masks and the online softmax's starting state. */
+static inline __attribute__((always_inline)) void start_softmax(const TileLanes *t, const int VECS, __m512i *limits,
+                                                               __m512i *lowers, __m512 *running_max,
+                                                               __m512 *running_sum) {
+    for (int h = 0; h < VECS; h++) {
+        limits[h] = _mm512_load_si512(t->limit + 16 * h);
+        lowers[h] = _mm512_load_si512(t->lower + 16 * h);
+        running_max[h] = _mm512_set1_ps(-INFINITY);
+        running_sum[h] = _mm512_setzero_ps();
+    }
+}
+
+/* Each lane's log-sum-exp from the final running max and sum, and its 1 / sum into inv. */
+static inline __attribute__((always_inline)) void finish_softmax(const PrefillArgs *a, const TileLanes *t,
+                                                                const int VECS, const __m512 *running_max,
+                                                                const __m512 *running_sum, float *inv) {
+    float sums[LANE_STRIDE] __attribute__((aligned(64))), maxes[LANE_STRIDE] __attribute__((aligned(64)));
+    for (int h = 0; h < VECS; h++) {
+        _mm512_store_ps(sums + 16 * h, running_sum[h]);
+        _mm512_store_ps(maxes + 16 * h, running_max[h]);
+        _mm512_store_ps(inv + 16 * h, _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]));
+    }
+    store_lse(a, t, maxes, sums);
+}
 
 static inline __attribute__((always_inline)) void prefill_item_avx512(const PrefillArgs *a, int item, const int D,
                                                                       const int VECS) {
@@ -231,62 +347,22 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     TileLanes t;
     tile_lanes(a, item, LANES, D, &t);
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
-    const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int h = 0; h < VECS; h++)
-        for (int i0 = 0; i0 < D; i0 += 16) { /* 16 lanes x 16 dims of queries, transposed into qt */
-            __m512 block[16];
-            for (int m = 0; m < 16; m++) {
-                const float *q = t.q_lane[16 * h + m];
-                block[m] = q != NULL ? _mm512_mul_ps(_mm512_loadu_ps(q + i0), scale) : _mm512_setzero_ps();
-            }
-            transpose_16x16(block);
-            for (int m = 0; m < 16; m++) {
-                _mm512_store_ps(qt[i0 + m] + 16 * h, block[m]);
-                _mm512_store_ps(ot[i0 + m] + 16 * h, _mm512_setzero_ps());
-            }
-        }
+    transpose_queries(&t, a->scale, D, VECS, qt);
+    memset(ot, 0, sizeof ot);
 #if defined(PAIRED_TILES)
     uint32_t qt2[D / 2][LANE_STRIDE] __attribute__((aligned(64)));
-    for (int p = 0; p < D / 2; p++)
-        for (int h = 0; h < VECS; h++)
-            _mm512_store_si512(qt2[p] + 16 * h,
-                               bf16_pairs(_mm512_load_ps(qt[2 * p] + 16 * h), _mm512_load_ps(qt[2 * p + 1] + 16 * h)));
+    pair_queries(qt, D, VECS, qt2);
 #endif
     __m512i limits[MAX_VECS], lowers[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
-    for (int h = 0; h < VECS; h++) {
-        limits[h] = _mm512_load_si512(t.limit + 16 * h);
-        lowers[h] = _mm512_load_si512(t.lower + 16 * h);
-        running_max[h] = _mm512_set1_ps(-INFINITY);
-        running_sum[h] = _mm512_setzero_ps();
-    }
+    start_softmax(&t, VECS, limits, lowers, running_max, running_sum);
     for (int pos = t.begin; pos < t.end;) {
         int64_t slot;
         const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
-        const kv_t *k = run_rows(a->k_cache, &t, slot, D), *v = run_rows(a->v_cache, &t, slot, D);
-        const int64_t row_stride = t.row_stride;
-        const tile_elem *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-#if defined(KV_ONE_BYTE) || defined(KV_BF16) && !defined(PAIRED_TILES)
-        /* the run widened (and scaled) into tile_elem rows: bf16 for the paired tiles, else float32 */
+        const tile_elem *krow[RUN], *vrow[RUN];
         tile_elem kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
-        for (int j = 0; j < n; j++) {
-            const kv_t *kj = k + j * row_stride, *vj = v + j * row_stride;
-            const __m512 k_scale = _mm512_set1_ps(kv_row_scale(kj, D)), v_scale = _mm512_set1_ps(kv_row_scale(vj, D));
-            for (int i = 0; i < D; i += 16) {
-                store_tile16(kbuf[j] + i, _mm512_mul_ps(kv_load16(kj + i), k_scale));
-                store_tile16(vbuf[j] + i, _mm512_mul_ps(kv_load16(vj + i), v_scale));
-            }
-        }
-        for (int j = 0; j < RUN; j++) {
-            krow[j] = kbuf[j < n ? j : 0];
-            vrow[j] = vbuf[j < n ? j : 0];
-        }
-#else
-        for (int j = 0; j < RUN; j++) {
-            krow[j] = k + (j < n ? j : 0) * row_stride;
-            vrow[j] = v + (j < n ? j : 0) * row_stride;
-        }
-#endif
+        run_tile_rows(run_rows(a->k_cache, &t, slot, D), run_rows(a->v_cache, &t, slot, D), t.row_stride, n, D, kbuf,
+                      vbuf, krow, vrow);
         fetch_next_run(a, &t, pos, n, D);
         __m512 s[RUN][MAX_VECS];
 #if defined(PAIRED_TILES)
@@ -296,29 +372,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         scores_8(qt[0], krow, D, VECS, s);
         scores_8(qt[0], krow + 8, D, VECS, s + 8);
 #endif
-        if (a->softcap > 0.0f)
-            for (int j = 0; j < RUN; j++)
-                for (int h = 0; h < VECS; h++) s[j][h] = softcap16(s[j][h], a->softcap);
         __m512 rescale[MAX_VECS];
-        for (int h = 0; h < VECS; h++) {
-            __m512 run_max = _mm512_set1_ps(-INFINITY);
-            __mmask16 valid[RUN];
-            for (int j = 0; j < RUN; j++) {
-                const __m512i at = _mm512_set1_epi32(pos + j);
-                valid[j] = j < n ? _mm512_mask_cmpge_epi32_mask(_mm512_cmplt_epi32_mask(at, limits[h]), at, lowers[h])
-                                 : (__mmask16)0;
-                s[j][h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j][h]);
-                run_max = _mm512_max_ps(run_max, s[j][h]);
-            }
-            const __m512 new_max = _mm512_max_ps(running_max[h], run_max);
-            rescale[h] = exp16_nonpositive(_mm512_sub_ps(running_max[h], new_max));
-            running_sum[h] = _mm512_mul_ps(running_sum[h], rescale[h]);
-            for (int j = 0; j < RUN; j++) {
-                s[j][h] = _mm512_maskz_mov_ps(valid[j], exp16_nonpositive(_mm512_sub_ps(s[j][h], new_max)));
-                running_sum[h] = _mm512_add_ps(running_sum[h], s[j][h]);
-            }
-            running_max[h] = new_max;
-        }
+        softmax_run(s, pos, n, a->softcap, VECS, limits, lowers, running_max, running_sum, rescale);
 #if defined(PAIRED_TILES)
         uint32_t vp[RUN / 2][D] __attribute__((aligned(64))), pp[RUN / 2][LANE_STRIDE] __attribute__((aligned(64)));
         slot_pairs(vrow, D, vp);
@@ -352,23 +407,162 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         }
         pos += n;
     }
-    float sums[LANE_STRIDE] __attribute__((aligned(64))), maxes[LANE_STRIDE] __attribute__((aligned(64)));
+    float inv[LANE_STRIDE] __attribute__((aligned(64)));
+    finish_softmax(a, &t, VECS, running_max, running_sum, inv);
     for (int h = 0; h < VECS; h++) {
-        _mm512_store_ps(sums + 16 * h, running_sum[h]);
-        _mm512_store_ps(maxes + 16 * h, running_max[h]);
-    }
-    store_lse(a, &t, maxes, sums);
-    for (int h = 0; h < VECS; h++) {
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]);
+        const __m512 lane_inv = _mm512_load_ps(inv + 16 * h);
         for (int i0 = 0; i0 < D; i0 += 16) { /* back from 16 dims x 16 lanes to the lanes' output rows */
             __m512 block[16];
-            for (int m = 0; m < 16; m++) block[m] = _mm512_mul_ps(_mm512_load_ps(ot[i0 + m] + 16 * h), inv);
+            for (int m = 0; m < 16; m++) block[m] = _mm512_mul_ps(_mm512_load_ps(ot[i0 + m] + 16 * h), lane_inv);
             transpose_16x16(block);
             for (int m = 0; m < 16; m++)
                 if (t.q_lane[16 * h + m] != NULL) _mm512_storeu_ps(a->out + t.out_row[16 * h + m] * D + i0, block[m]);
         }
     }
 }
+
+#if defined(PAIRED_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* With AMX (and the OS's leave, amx_granted) the paired tiles' products run on the tile unit: the same bf16
+ * operands and float32 sums, one tile multiply doing 16 x 16 x 32 of them. A tile's scores S^T [slots][lanes] are
+ * K (the run's rows, in place from a bf16 cache: A tiles of 16 slots x 32 dims) times the paired queries qt2 (B
+ * tiles of 16 pairs x 16 lanes, as the vdpbf16ps body holds them), one accumulator tile per 16 lanes; the online
+ * softmax stays lane-wise on vectors as above. The outputs are kept lane-major, ol [lanes][D], so that the weights
+ * go in as A tiles (P [16 lanes x 16 slots], each lane's weights: a transpose of the run's score vectors) against
+ * the run's slot pairs of V as B tiles (vp [8 pairs x 16 dims]); each 16 x 16 block of ol is loaded into an
+ * accumulator, multiplied into and stored back, after a vector pass that rescales ol where some lane's max moved.
+ * Tiles: 0-2 accumulate (a run's scores, then blocks of ol), 3 holds K, 4 the queries, 5 the weights, 6 V. */
+#define AMX_TILES 1
+
+static void configure_tiles(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    const int rows[7] = {16, 16, 16, 16, 16, 16, RUN / 2}, bytes[7] = {64, 64, 64, 64, 64, 2 * RUN, 64};
+    for (int t = 0; t < 7; t++) {
+        cfg.rows[t] = (uint8_t)rows[t];
+        cfg.bytes_per_row[t] = (uint16_t)bytes[t];
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The tile's scores for one run: A tiles of K from rows `stride` bytes apart (16 of them: past the run, whatever
+ * they hold is masked by the softmax) into s, by accumulators 0 .. VECS - 1. */
+static inline __attribute__((always_inline)) void amx_scores(const tile_elem *k, int64_t stride,
+                                                            const uint32_t (*qt2)[LANE_STRIDE], const int D,
+                                                            const int VECS, __m512 s[RUN][MAX_VECS]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (VECS == 3) _tile_zero(2);
+    for (int c = 0; c < D / 32; c++) {
+        _tile_loadd(3, k + 32 * c, stride);
+        _tile_loadd(4, qt2[16 * c], LANE_STRIDE * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(4, qt2[16 * c] + 16, LANE_STRIDE * sizeof(uint32_t));
+        _tile_dpbf16ps(1, 3, 4);
+        if (VECS == 3) {
+            _tile_loadd(4, qt2[16 * c] + 32, LANE_STRIDE * sizeof(uint32_t));
+            _tile_dpbf16ps(2, 3, 4);
+        }
+    }
+    float st[RUN][LANE_STRIDE] __attribute__((aligned(64)));
+    _tile_stored(0, st[0], LANE_STRIDE * sizeof(float));
+    _tile_stored(1, st[0] + 16, LANE_STRIDE * sizeof(float));
+    if (VECS == 3) _tile_stored(2, st[0] + 32, LANE_STRIDE * sizeof(float));
+    for (int j = 0; j < RUN; j++)
+        for (int h = 0; h < VECS; h++) s[j][h] = _mm512_load_ps(st[j] + 16 * h);
+}
+
+/* ol[n] += sum over the run's slots j of P[j][n] V[j]: the weights s transposed into lane-major bf16 rows, times
+ * the V rows' slot pairs, block by block of 16 lanes x 16 dims (accumulator h for lanes 16h ..). */
+static inline __attribute__((always_inline)) void amx_outputs(__m512 s[RUN][MAX_VECS], const tile_elem *const vrow[RUN],
+                                                             const int D, const int VECS, float (*ol)[D]) {
+    uint16_t pl[LANE_STRIDE][RUN] __attribute__((aligned(64)));
+    for (int h = 0; h < VECS; h++) {
+        __m512 block[16];
+        for (int j = 0; j < RUN; j++) block[j] = s[j][h];
+        transpose_16x16(block);
+        for (int m = 0; m < 16; m++) _mm256_store_si256((__m256i *)pl[16 * h + m], (__m256i)_mm512_cvtneps_pbh(block[m]));
+    }
+    uint32_t vp[RUN / 2][D] __attribute__((aligned(64)));
+    slot_pairs(vrow, D, vp);
+    for (int d = 0; d < D; d += 16) {
+        _tile_loadd(6, vp[0] + d, D * sizeof(uint32_t));
+        _tile_loadd(5, pl[0], RUN * sizeof(uint16_t));
+        _tile_loadd(0, ol[0] + d, D * sizeof(float));
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_stored(0, ol[0] + d, D * sizeof(float));
+        _tile_loadd(5, pl[16], RUN * sizeof(uint16_t));
+        _tile_loadd(1, ol[16] + d, D * sizeof(float));
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_stored(1, ol[16] + d, D * sizeof(float));
+        if (VECS == 3) {
+            _tile_loadd(5, pl[32], RUN * sizeof(uint16_t));
+            _tile_loadd(2, ol[32] + d, D * sizeof(float));
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_stored(2, ol[32] + d, D * sizeof(float));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void prefill_item_amx(const PrefillArgs *a, int item, const int D,
+                                                                   const int VECS) {
+    const int LANES = 16 * VECS;
+    TileLanes t;
+    tile_lanes(a, item, LANES, D, &t);
+    uint32_t qt2[D / 2][LANE_STRIDE] __attribute__((aligned(64)));
+    {
+        float qt[D][LANE_STRIDE] __attribute__((aligned(64)));
+        transpose_queries(&t, a->scale, D, VECS, qt);
+        pair_queries(qt, D, VECS, qt2);
+    }
+    float ol[LANE_STRIDE][D] __attribute__((aligned(64)));
+    memset(ol, 0, sizeof(float) * LANES * D);
+    __m512i limits[MAX_VECS], lowers[MAX_VECS];
+    __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
+    start_softmax(&t, VECS, limits, lowers, running_max, running_sum);
+    for (int pos = t.begin; pos < t.end;) {
+        int64_t slot;
+        const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
+        const tile_elem *krow[RUN], *vrow[RUN];
+        tile_elem kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+        const kv_t *k = run_rows(a->k_cache, &t, slot, D);
+        run_tile_rows(k, run_rows(a->v_cache, &t, slot, D), t.row_stride, n, D, kbuf, vbuf, krow, vrow);
+        fetch_next_run(a, &t, pos, n, D);
+        /* K as an A tile: RUN rows `stride` bytes apart, none past the run (a shorter run's rows copied, the first
+         * standing for the missing ones), in place from a bf16 cache where the run is whole */
+        const tile_elem *ktile = kbuf[0];
+        int64_t stride = D * sizeof(tile_elem);
+#if defined(KV_BF16)
+        if (n == RUN) {
+            ktile = k;
+            stride = t.row_stride * sizeof(kv_t);
+        } else
+#endif
+            for (int j = 0; j < RUN; j++)
+                if (krow[j] != kbuf[j]) memcpy(kbuf[j], krow[j], D * sizeof(tile_elem));
+        __m512 s[RUN][MAX_VECS];
+        amx_scores(ktile, stride, qt2, D, VECS, s);
+        __m512 rescale[MAX_VECS];
+        if (softmax_run(s, pos, n, a->softcap, VECS, limits, lowers, running_max, running_sum, rescale)) {
+            float factor[LANE_STRIDE] __attribute__((aligned(64)));
+            for (int h = 0; h < VECS; h++) _mm512_store_ps(factor + 16 * h, rescale[h]);
+            for (int l = 0; l < LANES; l++) {
+                const __m512 f = _mm512_set1_ps(factor[l]);
+                for (int i = 0; i < D; i += 16) _mm512_store_ps(ol[l] + i, _mm512_mul_ps(_mm512_load_ps(ol[l] + i), f));
+            }
+        }
+        amx_outputs(s, vrow, D, VECS, ol);
+        pos += n;
+    }
+    float inv[LANE_STRIDE] __attribute__((aligned(64)));
+    finish_softmax(a, &t, VECS, running_max, running_sum, inv);
+    for (int l = 0; l < t.lanes; l++) {
+        const __m512 f = _mm512_set1_ps(inv[l]);
+        for (int i = 0; i < D; i += 16)
+            _mm512_storeu_ps(a->out + t.out_row[l] * D + i, _mm512_mul_ps(_mm512_load_ps(ol[l] + i), f));
+    }
+}
+#endif
 
 #define prefill_item_body prefill_item_avx512
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -542,15 +736,21 @@ static int prefill_takes(int num_heads, int num_kv_heads, int head_size) {
 /* One tile, by the body for its width and head size (both constants in the body): 64, 128 or 256, the sizes
  * prefill_takes admits. */
 static void prefill_item(const PrefillArgs *a, int item, int head_size) {
+#if defined(AMX_TILES)
+#define item_body(a, item, D, VECS) ((a)->amx ? prefill_item_amx(a, item, D, VECS) : prefill_item_body(a, item, D, VECS))
+#else
+#define item_body prefill_item_body
+#endif
     if (a->vecs == 3) {
-        if (head_size == 64) prefill_item_body(a, item, 64, 3);
-        else if (head_size == 128) prefill_item_body(a, item, 128, 3);
-        else prefill_item_body(a, item, 256, 3);
+        if (head_size == 64) item_body(a, item, 64, 3);
+        else if (head_size == 128) item_body(a, item, 128, 3);
+        else item_body(a, item, 256, 3);
     } else {
-        if (head_size == 64) prefill_item_body(a, item, 64, 2);
-        else if (head_size == 128) prefill_item_body(a, item, 128, 2);
-        else prefill_item_body(a, item, 256, 2);
+        if (head_size == 64) item_body(a, item, 64, 2);
+        else if (head_size == 128) item_body(a, item, 128, 2);
+        else item_body(a, item, 256, 2);
     }
+#undef item_body
 }
 
 /* Query vectors per tile: 3 where whole tokens fill more of their lanes than of 2's, as for groups of 3 (on
@@ -572,6 +772,12 @@ int paged_prefill_pairs(void) { return 1; }
 int paged_prefill_pairs(void) { return 0; }
 #endif
 
+#if defined(AMX_TILES)
+int paged_prefill_amx(void) { return amx_granted(); }
+#else
+int paged_prefill_amx(void) { return 0; }
+#endif
+
 int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
@@ -586,11 +792,21 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
         tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
                            block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, window, num_heads,
-                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, softcap, out, lse};
+                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, softcap, out, lse,
+                           paged_prefill_amx()};
     const int items = tile_start[num_reqs] * num_kv_heads;
-    /* Dynamic: a tile's cost grows with its position in the prompt. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int item = 0; item < items; item++) prefill_item(&a, item, head_size);
+#pragma omp parallel num_threads(num_threads)
+    {
+#if defined(AMX_TILES)
+        if (a.amx) configure_tiles(); /* per thread */
+#endif
+        /* Dynamic: a tile's cost grows with its position in the prompt. */
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < items; item++) prefill_item(&a, item, head_size);
+#if defined(AMX_TILES)
+        if (a.amx) _tile_release();
+#endif
+    }
     return 0;
 }
 #else
@@ -602,6 +818,8 @@ int paged_prefill_available(void) { return 0; }
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) { return 0; }
 
 int paged_prefill_pairs(void) { return 0; }
+
+int paged_prefill_amx(void) { return 0; }
 
 int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,

@@ -59,7 +59,8 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     if attention is not None and num_heads // num_kv_heads <= MAX_GROUP and head_size <= MAX_HEAD_SIZE:
         decode = f"native paged_decode ({attention.decode_isa}, {_name(kernels.dtype)} cache)"
     if attention is not None and attention.prefill_supports(num_heads, num_kv_heads, head_size):
-        prefill = "native prefill tiles" + (" (bf16 pairs)" if attention.prefill_pairs else "")
+        prefill = "native prefill tiles" + ((" (bf16 pairs on AMX)" if attention.prefill_amx else " (bf16 pairs)")
+                                            if attention.prefill_pairs else "")
     if kernels.bf16_panels:
         gemm = "bf16 weight panels (" + ("AMX" if native.gemm_bf16_uses_amx() else "AVX512-BF16 vdpbf16ps") + ")"
     elif float32 and native.gemm() is not None:

@@ -13,7 +13,7 @@ limit are masked whole and leave it as it was (rescaled by exp(0) = 1 exactly).
 
 What is not: the two kernels differ. A decode row (a step's only token of a request) computes in float32 with
 the bf16 K/V widened; a prefill tile (several tokens of a request) rounds queries and softmax weights to bf16 and
-multiplies pairs (vdpbf16ps); the same position's logprobs then differ by ~1e-2 here. So the outputs change from
+multiplies pairs (vdpbf16ps, or AMX tiles); the same position's logprobs then differ by ~1e-2 here. So the outputs change from
 the first position that one run computes in a decode row and the other in a tile (position 0 excepted: a softmax
 over one key is exact in both):
   - a prefill chunk of one token: the scheduler cuts prompts where a step's token budget ends, which can leave or
@@ -26,7 +26,8 @@ over one key is exact in both):
     prefix here: every first logprob differed, and one greedy token);
   - prefix-cache hits on blocks that hold generated tokens (decode-row K/V) where a fresh prompt would fill them
     in tiles.
-Found on an AVX512-BF16 CPU without AMX (gemm_bf16.c's vdpbf16ps body); the AMX body was not measured.
+Found on an AVX512-BF16 CPU without AMX (gemm_bf16.c's vdpbf16ps body); holds on AMX too (both kernels' AMX
+bodies, a Sapphire Rapids VM).
 """
 from __future__ import annotations
 
