@@ -213,9 +213,11 @@ static inline void fetch_block(const char *ahead, int kb) {
 }
 
 /* One item on AMX tiles: rows [row0, row0 + rows) of y (rows <= 32) against one panel of `cols` (<= 32)
- * columns, the tiles configured for `rows` already. */
+ * columns, the tiles configured for `rows` already. With `stream_rows` x's rows are loaded with the non-temporal
+ * hint: where a chunk has several row blocks, the panel is what the next item reads again, and x's rows, read once
+ * per panel, would otherwise evict it from L1; a single row block is read again by every panel and loads as usual. */
 static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
-                     const char *ahead) {
+                     const char *ahead, int stream_rows) {
     const int lower = rows > 16;
     const int64_t lda = (int64_t)kp * sizeof(uint16_t);
     const char *a0 = (const char *)(a + (int64_t)row0 * kp), *a1 = a0 + 16 * lda;
@@ -226,13 +228,15 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pan
     _tile_zero(3);
     for (int kb = 0; kb < kp / KBLOCK; kb++, a0 += 64, a1 += 64, b += 2048) {
         fetch_block(ahead, kb);
-        _tile_loadd(4, a0, lda);
+        if (stream_rows) _tile_stream_loadd(4, a0, lda);
+        else _tile_loadd(4, a0, lda);
         _tile_loadd(6, b, 64);
         _tile_loadd(7, b + 1024, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (lower) {
-            _tile_loadd(5, a1, lda);
+            if (stream_rows) _tile_stream_loadd(5, a1, lda);
+            else _tile_loadd(5, a1, lda);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -301,7 +305,7 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
                     shape = rows;
                 }
                 const char *ahead = first_block && p + 1 < panels ? (const char *)(packed + (p + 1) * panel_len) : NULL;
-                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, ahead);
+                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, ahead, blocks > 1);
                 continue;
             }
 #endif
