@@ -22,7 +22,7 @@ struct tile_config {
 };
 
 /* Whether the OS lets this process use the tiles (asked on the first call; the answer holds for every thread). */
-static int amx_granted(void) {
+static inline int amx_granted(void) {
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return granted;

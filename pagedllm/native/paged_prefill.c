@@ -174,13 +174,18 @@ typedef uint16_t tile_elem; /* bf16 rows: a one-byte run widened into a buffer *
 typedef float tile_elem; /* the tiles read float32 rows: the cache's, or any other run widened into a buffer */
 #endif
 
-/* 16 widened cache elements into a row of a run's buffer: bf16 for the paired tiles, else float32. */
-static inline void store_tile16(tile_elem *to, __m512 x) {
+/* A cache row's D elements widened and scaled (kv_row_scale) into a row of a run's buffer: bf16 for the paired
+ * tiles, else float32. */
+static inline void widen_row(tile_elem *to, const kv_t *row, const int D) {
+    const __m512 scale = _mm512_set1_ps(kv_row_scale(row, D));
+    for (int i = 0; i < D; i += 16) {
+        const __m512 x = _mm512_mul_ps(kv_load16(row + i), scale);
 #if defined(PAIRED_TILES)
-    _mm256_store_si256((__m256i *)to, (__m256i)_mm512_cvtneps_pbh(x));
+        _mm256_store_si256((__m256i *)(to + i), (__m256i)_mm512_cvtneps_pbh(x));
 #else
-    _mm512_store_ps(to, x);
+        _mm512_store_ps(to + i, x);
 #endif
+    }
 }
 #if defined(PAIRED_TILES)
 
@@ -236,6 +241,90 @@ static inline __attribute__((always_inline)) void pair_queries(const float (*qt)
 }
 #endif
 
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX2 body: the AVX-512 body's steps on 8-lane vectors and 16 registers. Scores go SCORE_SLOTS slots at a
+ * time and outputs OUT_DIMS dims at a time; lanes are masked by vector compares; the arithmetic is float32 for every
+ * cache dtype (a run of a bf16 or one-byte cache widened to float32 rows first). */
+
+/* Slots whose scores, and dims whose outputs, a pass keeps in registers: 4 x vecs accumulators, which with the
+ * vecs query (or weight) vectors and a broadcast fill AVX2's 16 registers; more spill. */
+#define SCORE_SLOTS 4
+#define OUT_DIMS 4
+/* r[i][j] becomes r[j][i]: unpack pairs, 2 x 2 blocks of pairs inside 128-bit lanes, then the lanes. */
+static inline void transpose_8x8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* u[i + c], lane L: column 4L + c of rows i .. i + 3 */
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int c = 0; c < 4; c++) {
+        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+        r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+    }
+}
+
+/* s[j] = sum_i K[j][i] * Q^T[i] for the SCORE_SLOTS K rows k[j]. */
+static inline __attribute__((always_inline)) void scores_slots(const float *qt, const float *const k[SCORE_SLOTS],
+                                                              const int D, const int VECS,
+                                                              __m256 s[SCORE_SLOTS][MAX_VECS]) {
+    __m256 acc[SCORE_SLOTS][MAX_VECS];
+    for (int j = 0; j < SCORE_SLOTS; j++)
+        for (int h = 0; h < VECS; h++) acc[j][h] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i++) {
+        __m256 qv[MAX_VECS];
+        for (int h = 0; h < VECS; h++) qv[h] = _mm256_load_ps(qt + i * LANE_STRIDE + 8 * h);
+        for (int j = 0; j < SCORE_SLOTS; j++) {
+            const __m256 kb = _mm256_broadcast_ss(k[j] + i);
+            for (int h = 0; h < VECS; h++) acc[j][h] = _mm256_fmadd_ps(kb, qv[h], acc[j][h]);
+        }
+    }
+    for (int j = 0; j < SCORE_SLOTS; j++)
+        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
+}
+
+typedef float tile_elem; /* the tiles read float32 rows: the cache's, or any other run widened into a buffer */
+
+/* A cache row's D elements widened and scaled (kv_row_scale) into a float32 row of a run's buffer. */
+static inline void widen_row(float *to, const kv_t *row, const int D) {
+    const __m256 scale = _mm256_set1_ps(kv_row_scale(row, D));
+    for (int i = 0; i < D; i += 8) _mm256_store_ps(to + i, _mm256_mul_ps(kv_load8(row + i), scale));
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* The run of n slots at `slot` as the tiles read it: krow[j] and vrow[j] for j < RUN, the slots past the run
+ * reading its first row (masked later). A float32 cache's rows, and a bf16 cache's for the paired tiles, are read
+ * in place; any other cache's are widened and scaled into kbuf and vbuf, as tile_elem rows (widen_row). */
+static inline __attribute__((always_inline)) void run_tile_rows(const kv_t *k, const kv_t *v, int64_t row_stride,
+                                                               int n, const int D, tile_elem (*kbuf)[D],
+                                                               tile_elem (*vbuf)[D], const tile_elem *krow[RUN],
+                                                               const tile_elem *vrow[RUN]) {
+#if defined(KV_ONE_BYTE) || defined(KV_BF16) && !defined(PAIRED_TILES)
+    for (int j = 0; j < n; j++) {
+        widen_row(kbuf[j], k + j * row_stride, D);
+        widen_row(vbuf[j], v + j * row_stride, D);
+    }
+    for (int j = 0; j < RUN; j++) {
+        krow[j] = kbuf[j < n ? j : 0];
+        vrow[j] = vbuf[j < n ? j : 0];
+    }
+#else
+    (void)kbuf, (void)vbuf;
+    for (int j = 0; j < RUN; j++) {
+        krow[j] = k + (j < n ? j : 0) * row_stride;
+        vrow[j] = v + (j < n ? j : 0) * row_stride;
+    }
+#endif
+}
+#endif
+
+#if defined(__AVX512F__)
 /* The tile's queries times the scale, transposed into qt: lane n's query down column n (idle lanes zero). */
 static inline __attribute__((always_inline)) void transpose_queries(const TileLanes *t, float scale, const int D,
                                                                    const int VECS, float (*qt)[LANE_STRIDE]) {
@@ -250,35 +339,6 @@ static inline __attribute__((always_inline)) void transpose_queries(const TileLa
             transpose_16x16(block);
             for (int m = 0; m < 16; m++) _mm512_store_ps(qt[i0 + m] + 16 * h, block[m]);
         }
-}
-
-/* The run of n slots at `slot` as the tiles read it: krow[j] and vrow[j] for j < RUN, the slots past the run
- * reading its first row (masked later). A bf16 cache's rows are read in place by the paired tiles; a one-byte
- * cache's (or, without pairs, a bf16 one's) are widened and scaled into kbuf and vbuf, as tile_elem rows. */
-static inline __attribute__((always_inline)) void run_tile_rows(const kv_t *k, const kv_t *v, int64_t row_stride,
-                                                               int n, const int D, tile_elem (*kbuf)[D],
-                                                               tile_elem (*vbuf)[D], const tile_elem *krow[RUN],
-                                                               const tile_elem *vrow[RUN]) {
-#if defined(KV_ONE_BYTE) || defined(KV_BF16) && !defined(PAIRED_TILES)
-    for (int j = 0; j < n; j++) {
-        const kv_t *kj = k + j * row_stride, *vj = v + j * row_stride;
-        const __m512 k_scale = _mm512_set1_ps(kv_row_scale(kj, D)), v_scale = _mm512_set1_ps(kv_row_scale(vj, D));
-        for (int i = 0; i < D; i += 16) {
-            store_tile16(kbuf[j] + i, _mm512_mul_ps(kv_load16(kj + i), k_scale));
-            store_tile16(vbuf[j] + i, _mm512_mul_ps(kv_load16(vj + i), v_scale));
-        }
-    }
-    for (int j = 0; j < RUN; j++) {
-        krow[j] = kbuf[j < n ? j : 0];
-        vrow[j] = vbuf[j < n ? j : 0];
-    }
-#else
-    (void)kbuf, (void)vbuf;
-    for (int j = 0; j < RUN; j++) {
-        krow[j] = k + (j < n ? j : 0) * row_stride;
-        vrow[j] = v + (j < n ? j : 0) * row_stride;
-    }
-#endif
 }
 
 /* One run's step of the online softmax, lane-wise: the scores s of slots pos .. pos + RUN - 1 are soft-capped,
@@ -566,52 +626,6 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
 
 #define prefill_item_body prefill_item_avx512
 #elif defined(__AVX2__) && defined(__FMA__)
-/* The AVX2 body: the AVX-512 body's steps on 8-lane vectors and 16 registers. Scores go SCORE_SLOTS slots at a
- * time and outputs OUT_DIMS dims at a time; lanes are masked by vector compares; the arithmetic is float32 for every
- * cache dtype (a run of a bf16 or one-byte cache widened to float32 rows first). */
-
-/* Slots whose scores, and dims whose outputs, a pass keeps in registers: 4 x vecs accumulators, which with the
- * vecs query (or weight) vectors and a broadcast fill AVX2's 16 registers; more spill. */
-#define SCORE_SLOTS 4
-#define OUT_DIMS 4
-/* r[i][j] becomes r[j][i]: unpack pairs, 2 x 2 blocks of pairs inside 128-bit lanes, then the lanes. */
-static inline void transpose_8x8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) { /* u[i + c], lane L: column 4L + c of rows i .. i + 3 */
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int c = 0; c < 4; c++) {
-        r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-        r[c + 4] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-    }
-}
-
-/* s[j] = sum_i K[j][i] * Q^T[i] for the SCORE_SLOTS K rows k[j]. */
-static inline __attribute__((always_inline)) void scores_slots(const float *qt, const float *const k[SCORE_SLOTS],
-                                                              const int D, const int VECS,
-                                                              __m256 s[SCORE_SLOTS][MAX_VECS]) {
-    __m256 acc[SCORE_SLOTS][MAX_VECS];
-    for (int j = 0; j < SCORE_SLOTS; j++)
-        for (int h = 0; h < VECS; h++) acc[j][h] = _mm256_setzero_ps();
-    for (int i = 0; i < D; i++) {
-        __m256 qv[MAX_VECS];
-        for (int h = 0; h < VECS; h++) qv[h] = _mm256_load_ps(qt + i * LANE_STRIDE + 8 * h);
-        for (int j = 0; j < SCORE_SLOTS; j++) {
-            const __m256 kb = _mm256_broadcast_ss(k[j] + i);
-            for (int h = 0; h < VECS; h++) acc[j][h] = _mm256_fmadd_ps(kb, qv[h], acc[j][h]);
-        }
-    }
-    for (int j = 0; j < SCORE_SLOTS; j++)
-        for (int h = 0; h < VECS; h++) s[j][h] = acc[j][h];
-}
-
 static inline __attribute__((always_inline)) void prefill_item_avx2(const PrefillArgs *a, int item, const int D,
                                                                     const int VECS) {
     const int LANES = 8 * VECS;
@@ -643,28 +657,10 @@ static inline __attribute__((always_inline)) void prefill_item_avx2(const Prefil
     for (int pos = t.begin; pos < t.end;) {
         int64_t slot;
         const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
-        const kv_t *k = run_rows(a->k_cache, &t, slot, D), *v = run_rows(a->v_cache, &t, slot, D);
-        const float *krow[RUN], *vrow[RUN]; /* slots past the run read its first row, then are masked */
-#if defined(KV_F32)
-        for (int j = 0; j < RUN; j++) {
-            krow[j] = k + (j < n ? j : 0) * t.row_stride;
-            vrow[j] = v + (j < n ? j : 0) * t.row_stride;
-        }
-#else
-        float kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
-        for (int j = 0; j < n; j++) { /* the run widened and scaled into float32 rows */
-            const kv_t *kj = k + j * t.row_stride, *vj = v + j * t.row_stride;
-            const __m256 k_scale = _mm256_set1_ps(kv_row_scale(kj, D)), v_scale = _mm256_set1_ps(kv_row_scale(vj, D));
-            for (int i = 0; i < D; i += 8) {
-                _mm256_store_ps(kbuf[j] + i, _mm256_mul_ps(kv_load8(kj + i), k_scale));
-                _mm256_store_ps(vbuf[j] + i, _mm256_mul_ps(kv_load8(vj + i), v_scale));
-            }
-        }
-        for (int j = 0; j < RUN; j++) {
-            krow[j] = kbuf[j < n ? j : 0];
-            vrow[j] = vbuf[j < n ? j : 0];
-        }
-#endif
+        const tile_elem *krow[RUN], *vrow[RUN];
+        tile_elem kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+        run_tile_rows(run_rows(a->k_cache, &t, slot, D), run_rows(a->v_cache, &t, slot, D), t.row_stride, n, D, kbuf,
+                      vbuf, krow, vrow);
         fetch_next_run(a, &t, pos, n, D);
         __m256 s[RUN][MAX_VECS];
         for (int j = 0; j < RUN; j += SCORE_SLOTS) scores_slots(qt[0], krow + j, D, VECS, s + j);
