@@ -482,7 +482,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
 }
 
 #if defined(PAIRED_TILES) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* With AMX (and the OS's leave, amx_granted) the paired tiles' products run on the tile unit: the same bf16
+/* With AMX (and the OS's permission, amx_granted) the paired tiles' products run on the tile unit: the same bf16
  * operands and float32 sums, one tile multiply doing 16 x 16 x 32 of them. A tile's scores S^T [slots][lanes] are
  * K (the run's rows, in place from a bf16 cache: A tiles of 16 slots x 32 dims) times the paired queries qt2 (B
  * tiles of 16 pairs x 16 lanes, as the vdpbf16ps body holds them), one accumulator tile per 16 lanes; the online
@@ -541,7 +541,8 @@ static inline __attribute__((always_inline)) void amx_outputs(__m512 s[RUN][MAX_
         __m512 block[16];
         for (int j = 0; j < RUN; j++) block[j] = s[j][h];
         transpose_16x16(block);
-        for (int m = 0; m < 16; m++) _mm256_store_si256((__m256i *)pl[16 * h + m], (__m256i)_mm512_cvtneps_pbh(block[m]));
+        for (int m = 0; m < 16; m++)
+            _mm256_store_si256((__m256i *)pl[16 * h + m], (__m256i)_mm512_cvtneps_pbh(block[m]));
     }
     uint32_t vp[RUN / 2][D] __attribute__((aligned(64)));
     slot_pairs(vrow, D, vp);
@@ -733,7 +734,8 @@ static int prefill_takes(int num_heads, int num_kv_heads, int head_size) {
  * prefill_takes admits. */
 static void prefill_item(const PrefillArgs *a, int item, int head_size) {
 #if defined(AMX_TILES)
-#define item_body(a, item, D, VECS) ((a)->amx ? prefill_item_amx(a, item, D, VECS) : prefill_item_body(a, item, D, VECS))
+#define item_body(a, item, D, VECS)                                                                           \
+    ((a)->amx ? prefill_item_amx(a, item, D, VECS) : prefill_item_body(a, item, D, VECS))
 #else
 #define item_body prefill_item_body
 #endif

@@ -13,9 +13,9 @@ limit are masked whole and leave it as it was (rescaled by exp(0) = 1 exactly).
 
 What is not: the two kernels differ. A decode row (a step's only token of a request) computes in float32 with
 the bf16 K/V widened; a prefill tile (several tokens of a request) rounds queries and softmax weights to bf16 and
-multiplies pairs (vdpbf16ps, or AMX tiles); the same position's logprobs then differ by ~1e-2 here. So the outputs change from
-the first position that one run computes in a decode row and the other in a tile (position 0 excepted: a softmax
-over one key is exact in both):
+multiplies pairs (vdpbf16ps, or AMX tiles); the same position's logprobs then differ by ~1e-2 here. So the outputs
+change from the first position that one run computes in a decode row and the other in a tile (position 0 excepted:
+a softmax over one key is exact in both):
   - a prefill chunk of one token: the scheduler cuts prompts where a step's token budget ends, which can leave or
     take a single token (test_chunked_prefill checks the rest; test_a_one_token_chunk_goes_through_the_decode_rows
     pins this);
