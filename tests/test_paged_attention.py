@@ -402,15 +402,14 @@ def test_long_decode_rows_split_over_threads(monkeypatch, requests, kv_dtype, sl
 
 
 @pytest.fixture
-def vdpbf16ps_tiles(decode_path, monkeypatch):
+def vdpbf16ps_tiles(decode_path, monkeypatch, kv_dtype):
     """On a CPU with AMX, the bf16-pair prefill tiles and cascade prefix of the build without it (vdpbf16ps), so that
     the body the AMX one replaces stays checked here too; skipped elsewhere (there it is the native body)."""
     if decode_path != "native":
         pytest.skip("one build, checked once")
     skip_lesser_build_that_is_native("no_amx")
     flags = LESSER_BUILDS["no_amx"]
-    for kv_dtype in (torch.bfloat16, *QUANTIZED):
-        assert not native.paged_attention(kv_dtype, flags).prefill_amx
+    assert not native.paged_attention(kv_dtype, flags).prefill_amx
     library = native.paged_attention
     monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: library(kv_dtype, flags).prefill)
     monkeypatch.setattr(native, "cascade", lambda kv_dtype=torch.float32: (library(kv_dtype, flags).prefix,
@@ -419,6 +418,8 @@ def vdpbf16ps_tiles(decode_path, monkeypatch):
 
 def test_prefill_tiles_on_amx_where_the_os_allows():
     """The bf16-pair tiles multiply on AMX exactly where gemm_bf16 does (the CPU has it and the OS grants it)."""
+    if native.gemm_bf16() is None:
+        pytest.skip("no gemm_bf16 here to compare with (the CPU has no AVX512-BF16)")
     for kv_dtype in (torch.bfloat16, *QUANTIZED):
         library = native.paged_attention(kv_dtype)
         if library is not None and library.prefill_pairs:
