@@ -192,7 +192,7 @@ class PagedAttentionLibrary:
         self.merge = MergeAttnStates(lib)
         self.prefill_pairs = self.has_prefill and bool(lib.paged_prefill_pairs())
         # the pairs multiplied on AMX tiles (built for them, and the OS lets the process use them)
-        self.prefill_amx = self.prefill_pairs and bool(lib.paged_prefill_amx())
+        self.prefill_amx = bool(lib.paged_prefill_amx())
 
     def prefill_supports(self, num_heads: int, num_kv_heads: int, head_size: int) -> bool:
         """Whether the prefill tiles (and so the cascade prefix) take these sizes (head sizes 64, 128 and 256)."""
