@@ -14,8 +14,8 @@
  * weights at k = 2i, 2i + 1 (the "VNNI" pairing both vdpbf16ps and the tile multiply want). A panel is one
  * contiguous run.
  *
- * Work items are (panel, block of 32 rows), split into contiguous runs over torch's OpenMP threads: in chunks
- * of rows whose bf16 copy fits in L2 (CHUNK_BYTES), then panel by panel, so a panel read from memory by its
+ * Work items are (panel, block of 32 rows), split into contiguous runs over torch's OpenMP threads (panel_items.h):
+ * in chunks of rows whose bf16 copy fits in L2, then panel by panel, so a panel read from memory by its
  * first row block is in L2 for the next. How the first row block gets the panel out of memory differs by body,
  * each the way that was faster on a machine with that body: on AMX it fetches the next panel into L2 as it goes,
  * so that memory streams while the later row blocks multiply from cache (prefetching ahead in the panel itself,
@@ -38,6 +38,7 @@
 #include <omp.h>
 
 #include "amx.h"
+#include "panel_items.h"
 #include "simd.h"
 
 #define PANEL_COLS 32
@@ -45,7 +46,6 @@
 #define ROW_BLOCK 32  /* rows per work item: two A tiles */
 #define DP_ROWS 8     /* rows per vdpbf16ps register tile */
 #define DP_KBLOCKS 2  /* blocks along K a vdpbf16ps tile takes before the next tile does */
-#define CHUNK_BYTES (512 * 1024) /* bf16 rows of x a chunk of items shares; they stay in L2 over all panels */
 #define STREAM_AHEAD 8192 /* bytes a vdpbf16ps tile reading a panel from memory prefetches ahead of itself */
 
 #if defined(__AVX512BF16__)
@@ -190,20 +190,6 @@ static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const Pane
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* Tiles 0-3 accumulate (0: rows 0-15 x cols 0-15, 1: rows 0-15 x cols 16-31, 2 and 3 the same for rows 16-31),
- * 4 and 5 hold x's two row halves, 6 and 7 the panel's two column halves. */
-static void configure(int upper_rows, int lower_rows) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    const int rows[8] = {upper_rows, upper_rows, lower_rows, lower_rows, upper_rows, lower_rows, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
-        cfg.bytes_per_row[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 int gemm_bf16_uses_amx(void) { return amx_granted(); }
 
 /* Fetch one block of the panel `ahead` (2 KB) into L2. */
@@ -248,6 +234,7 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pan
         _tile_stored(2, c + 16 * PANEL_COLS, PANEL_COLS * sizeof(float));
         _tile_stored(3, c + 16 * PANEL_COLS + 16, PANEL_COLS * sizeof(float));
     }
+    amx_memory_barrier();
     write_rows(c, out, row0, rows);
 }
 #else
@@ -271,9 +258,7 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
 #endif
     const int panels = (N + PANEL_COLS - 1) / PANEL_COLS, row_blocks = mp / ROW_BLOCK;
     const int out_cols = gated ? PANEL_COLS / 2 : PANEL_COLS, out_n = gated ? N / 2 : N; /* per panel, in all */
-    int chunk_blocks = (int)(CHUNK_BYTES / ((int64_t)ROW_BLOCK * kp * sizeof(uint16_t)));
-    if (chunk_blocks < 1) chunk_blocks = 1;
-    if (chunk_blocks > row_blocks) chunk_blocks = row_blocks;
+    const int chunk_blocks = chunk_row_blocks((int64_t)ROW_BLOCK * kp * sizeof(uint16_t), row_blocks);
     const int items = panels * row_blocks;
     const int64_t panel_len = (int64_t)kp * PANEL_COLS;
 #pragma omp parallel num_threads(num_threads)
@@ -287,13 +272,9 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
         int shape = -1; /* the rows the tiles are configured for */
 #endif
         for (int it = first; it < last; it++) {
-            /* chunk-major, then panel, then row block within the chunk (the last chunk may be shorter) */
-            const int chunk = it / (panels * chunk_blocks), in_chunk = it - chunk * panels * chunk_blocks;
-            const int blocks = row_blocks - chunk * chunk_blocks < chunk_blocks ? row_blocks - chunk * chunk_blocks
-                                                                                 : chunk_blocks;
-            const int p = in_chunk / blocks, rb = chunk * chunk_blocks + in_chunk % blocks;
-            const int row0 = rb * ROW_BLOCK, rows = M - row0 < ROW_BLOCK ? M - row0 : ROW_BLOCK;
-            const int first_block = in_chunk % blocks == 0; /* the panel's first row block reads it from memory */
+            const PanelItem item = panel_item(it, panels, row_blocks, chunk_blocks);
+            const int p = item.panel, row0 = item.row_block * ROW_BLOCK;
+            const int rows = M - row0 < ROW_BLOCK ? M - row0 : ROW_BLOCK;
             const int col0 = p * out_cols;
             const PanelOut out = {y + col0, ldy, bias == NULL ? NULL : bias + col0,
                                   bias == NULL || !gated ? NULL : bias + out_n + col0,
@@ -301,15 +282,16 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
             if (amx) {
                 if (rows != shape) {
-                    configure(rows < 16 ? rows : 16, rows - 16);
+                    amx_configure_gemm(rows < 16 ? rows : 16, rows - 16);
                     shape = rows;
                 }
-                const char *ahead = first_block && p + 1 < panels ? (const char *)(packed + (p + 1) * panel_len) : NULL;
-                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, ahead, blocks > 1);
+                const char *ahead = item.first_block && p + 1 < panels ? (const char *)(packed + (p + 1) * panel_len)
+                                                                       : NULL;
+                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, ahead, item.blocks > 1);
                 continue;
             }
 #endif
-            item_dp(a, kp, packed + p * panel_len, &out, row0, rows, first_block);
+            item_dp(a, kp, packed + p * panel_len, &out, row0, rows, item.first_block);
         }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (shape >= 0) _tile_release();

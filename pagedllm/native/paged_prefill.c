@@ -528,6 +528,7 @@ static inline __attribute__((always_inline)) void amx_scores(const tile_elem *k,
     _tile_stored(0, st[0], LANE_STRIDE * sizeof(float));
     _tile_stored(1, st[0] + 16, LANE_STRIDE * sizeof(float));
     if (VECS == 3) _tile_stored(2, st[0] + 32, LANE_STRIDE * sizeof(float));
+    amx_memory_barrier();
     for (int j = 0; j < RUN; j++)
         for (int h = 0; h < VECS; h++) s[j][h] = _mm512_load_ps(st[j] + 16 * h);
 }
@@ -546,6 +547,7 @@ static inline __attribute__((always_inline)) void amx_outputs(__m512 s[RUN][MAX_
     }
     uint32_t vp[RUN / 2][D] __attribute__((aligned(64)));
     slot_pairs(vrow, D, vp);
+    amx_memory_barrier(); /* pl, vp and ol are written by plain stores before the tiles load them */
     for (int d = 0; d < D; d += 16) {
         _tile_loadd(6, vp[0] + d, D * sizeof(uint32_t));
         _tile_loadd(5, pl[0], RUN * sizeof(uint16_t));
@@ -563,6 +565,7 @@ static inline __attribute__((always_inline)) void amx_outputs(__m512 s[RUN][MAX_
             _tile_stored(2, ol[32] + d, D * sizeof(float));
         }
     }
+    amx_memory_barrier(); /* the rescaling and the final normalisation read ol with plain loads */
 }
 
 static inline __attribute__((always_inline)) void prefill_item_amx(const PrefillArgs *a, int item, const int D,
