@@ -19,6 +19,7 @@ from pagedllm.layers.quantization.int8 import (Int8Config, Int8LinearMethod, out
                                                pack_w8a8_panels, quantize_activations, quantize_symmetric)
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
+from pagedllm.platforms.cpu import cpu_flags
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
@@ -34,12 +35,15 @@ def _reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y if bias is None else y + bias
 
 
-BODIES = ["native", "avx2", "avx2_no_vnni"]  # the AVX-512 body where built, the 256-bit one with and without AVX-VNNI
+# the best body built here (AMX tiles where the CPU and OS allow), the AVX512-VNNI one beside AMX, the 256-bit one with
+# and without AVX-VNNI
+BODIES = ["native", "no_amx", "avx2", "avx2_no_vnni"]
 
 
 @pytest.mark.parametrize("body", BODIES)
 @pytest.mark.parametrize("rows, out_features, in_features", [
-    (1, 64, 64), (3, 40, 60), (5, 17, 7), (17, 1536, 576), (130, 576, 1536), (0, 16, 16), (4, 48, 70)])
+    (1, 64, 64), (3, 40, 60), (5, 17, 7), (17, 1536, 576), (130, 576, 1536), (0, 16, 16), (4, 48, 70),
+    (9, 40, 60), (40, 17, 7)])  # rows enough for AMX tiles (where there are), with K and N not whole tiles
 def test_native_kernel_is_the_quantized_product(body, rows, out_features, in_features):
     kernel = native_build(body, "gemm_w8a8")
     gen = torch.Generator().manual_seed(rows + out_features)
@@ -212,19 +216,33 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
         EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()
 
 
-@pytest.mark.parametrize("lesser", ["avx2", "avx2_no_vnni"])
+@pytest.mark.parametrize("lesser", ["no_amx", "avx2", "avx2_no_vnni"])
 def test_the_bodies_agree_to_the_bit(lesser):
-    """The 256-bit body (AVX-VNNI's vpdpbusd or AVX2's vpmaddubsw steps) computes what this CPU's best body does,
-    bit for bit (codes, int32 sums, epilogue order)."""
+    """The AVX512-VNNI body beside AMX tiles, and the 256-bit body (AVX-VNNI's vpdpbusd or AVX2's vpmaddubsw steps),
+    compute what this CPU's best body does, bit for bit (codes, int32 sums, epilogue order)."""
     best, narrow = native_build("native", "gemm_w8a8"), native_build(lesser, "gemm_w8a8")
     gen = torch.Generator().manual_seed(7)
     weight, bias = torch.randn(200, 300, generator=gen), torch.randn(200, generator=gen)
     panels = pack_w8a8_panels(*quantize_symmetric(weight))
     x = torch.randn(37, 300, generator=gen) * torch.logspace(-3, 3, 300)  # rows with wide ranges
+    x[0, [3, 90, 250]] = 1e4  # ties for the largest |x|: the first two are the outliers, the third sets the scale
+    x[1, [40, 41]], x[1, [7, 299]] = -1e4, 5e3  # the largest repeated, the second at both ends
+    x[2, [280, 299]], x[2, [10, 20]] = 1e4, 5e3  # the second largest twice, before the largest
+    x[3], x[4] = 0.0, 1.0  # every entry a tie
     assert torch.equal(best(x, panels, bias, 200), narrow(x, panels, bias, 200))
     gated = pack_w8a8_panels(*quantize_symmetric(weight[:192]))
     assert torch.equal(native_build("native", "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96),
                        native_build(lesser, "gemm_w8a8_silu_mul")(x, gated, None, 192, out_width=96))
+
+
+def test_amx_tiles_where_the_os_allows():
+    """The W8A8 products multiply on AMX tiles where the CPU has AMX-INT8 and the OS grants the tiles (as gemm_bf16
+    does on AMX-BF16), and never in the build without them."""
+    if native.gemm_w8a8() is None:
+        pytest.skip("no W8A8 kernel here")
+    granted = native.gemm_bf16() is not None and native.gemm_bf16_uses_amx()
+    assert native.gemm_int8_uses_amx() == (granted and "amx_int8" in cpu_flags())
+    assert not native.gemm_int8_uses_amx(("-mno-amx-tile",))
 
 
 @pytest.mark.parametrize("body", BODIES)

@@ -221,7 +221,7 @@ def _gemm_int8_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 @functools.cache
 def gemm_w8a8(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c: AVX512-VNNI,
+    """float32 rows, quantized per row as they come in, times int8 weight panels (gemm_int8.c: AMX, AVX512-VNNI,
     AVX-VNNI or AVX2); or None, also where the CPU has none of them."""
     return _gemm_of(_gemm_int8_lib(extra_flags), GEMM_W8A8)
 
@@ -236,3 +236,9 @@ def gemm_bf16_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:
     """Whether gemm_bf16 multiplies on AMX tiles here (built for them, and the OS lets the process use them)."""
     lib = _gemm_bf16_lib(extra_flags)
     return lib is not None and bool(lib.gemm_bf16_uses_amx())
+
+
+def gemm_int8_uses_amx(extra_flags: tuple[str, ...] = ()) -> bool:
+    """Whether the W8A8 GEMMs multiply on AMX tiles here (built for them, and the OS lets the process use them)."""
+    lib = _gemm_int8_lib(extra_flags)
+    return lib is not None and bool(lib.gemm_int8_uses_amx())

@@ -30,6 +30,14 @@ static inline int amx_granted(void) {
     return granted;
 }
 
+/* GCC's _tile_loadconfig tells the compiler it reads 8 bytes of the configuration, not 64, so stores to the rest
+ * (the tiles' rows and widths) may be dropped as dead: with them gone the first tile instruction faults. The
+ * configuration's address goes into an asm with a memory clobber first, so that every store to it is made. */
+static inline void amx_load_config(const struct tile_config *cfg) {
+    __asm__ volatile("" : : "r"(cfg) : "memory");
+    _tile_loadconfig(cfg);
+}
+
 /* GCC's tile loads and stores are asm statements without a memory clobber: the compiler is not told that they
  * read or write memory, so it may drop or move plain stores that a tile load is to read (a buffer written just
  * before, and read by nothing else), or plain loads of what a tile store wrote. This barrier between them keeps
@@ -49,7 +57,7 @@ static inline void amx_configure_gemm(int upper_rows, int lower_rows) {
         cfg.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
         cfg.bytes_per_row[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 #endif
 #endif

@@ -38,6 +38,8 @@ def _libraries() -> dict[str, str]:
                                         "(need AVX-512, or AVX2 with F16C)")) if native.gemm() is not None else "not for this CPU"
     what["gemm_bf16"] = (("AMX tiles" if native.gemm_bf16_uses_amx() else "AVX512-BF16 vdpbf16ps")
                          if native.gemm_bf16() is not None else "not for this CPU (needs AVX512-BF16)")
+    what["gemm_int8"] = ("W8A8" + (" on AMX tiles (8 rows or more)" if native.gemm_int8_uses_amx() else "")
+                         if native.gemm_w8a8() is not None else "not for this CPU (needs AVX2 and FMA)")
     return what
 
 

@@ -502,7 +502,7 @@ static void configure_tiles(void) {
         cfg.rows[t] = (uint8_t)rows[t];
         cfg.bytes_per_row[t] = (uint16_t)bytes[t];
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* The tile's scores for one run: A tiles of K from rows `stride` bytes apart (16 of them: past the run, whatever

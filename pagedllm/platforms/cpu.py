@@ -75,8 +75,8 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
         gemm += "; GGUF Q8_0 layers: " + ("native Q8_0 panels" if float32 and native.gemm_q8() is not None
                                           else "dequantized at load")
     elif quantization == "int8":
-        gemm = "W8A8: " + ("native int8 panels" if float32 and native.gemm_w8a8() is not None
-                           else "torch int8 matmul")
+        gemm = "W8A8: " + (("native int8 panels" + (" (AMX tiles from 8 rows)" if native.gemm_int8_uses_amx() else ""))
+                           if float32 and native.gemm_w8a8() is not None else "torch int8 matmul")
     fused = "native" if float32 and native.fused_ops() is not None else "torch"
     return {"attention (decode)": decode, "attention (prefill)": prefill, "GEMMs": gemm, "fused ops": fused}
 
