@@ -99,6 +99,15 @@ _Static_assert(NP % 2 == 0, "a gated tile pairs gate and up panels");
 
 #define MAX_CANDIDATES 64
 
+/* The third largest of v's 16 lanes, repeats counted: the largest twice taken out (one lane each), then the largest. */
+static inline float third_largest(__m512 v) {
+    for (int i = 0; i < 2; i++) {
+        const __mmask16 at = _mm512_cmp_ps_mask(v, _mm512_set1_ps(_mm512_reduce_max_ps(v)), _CMP_EQ_OQ);
+        v = _mm512_mask_mov_ps(v, (__mmask16)(at & (0u - at)), _mm512_set1_ps(-1.0f));
+    }
+    return _mm512_reduce_max_ps(v);
+}
+
 /* select_outliers' answer (for rows of finite values) from a few candidates: the third largest of the 16 lanes'
  * largest |x| is no larger than the row's third largest (three entries reach it), so every entry of the answer is
  * among those that reach it; they are taken in order as select_outliers takes all. Rows shorter than a vector, or
@@ -113,11 +122,7 @@ static float outliers_of(const float *row, int K, int32_t *idx, float *val) {
     const __mmask16 tail = (__mmask16)((1u << (K - k)) - 1);
     part[1] = _mm512_max_ps(part[1], _mm512_abs_ps(_mm512_maskz_loadu_ps(tail, row + k)));
     const __m512 lane_max = _mm512_max_ps(_mm512_max_ps(part[0], part[1]), _mm512_max_ps(part[2], part[3]));
-    float lanes[16];
-    _mm512_storeu_ps(lanes, lane_max);
-    Largest of_lanes = {.n = 0};
-    for (int l = 0; l < 16; l++) see(&of_lanes, lanes[l], l);
-    const __m512 bar = _mm512_set1_ps(of_lanes.mag[OUTLIERS]);
+    const __m512 bar = _mm512_set1_ps(third_largest(lane_max));
     int32_t candidates[MAX_CANDIDATES + 16];
     int n = 0;
     for (k = 0; k < K && n <= MAX_CANDIDATES; k += 16) {
