@@ -11,13 +11,15 @@ from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwe
 from pagedllm.config import ParallelConfig
 from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm import native
-from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target, fused_experts, select_experts
+from pagedllm.layers.fused_moe import FusedMoE, expert_weight_target, fused_experts, routed_experts, select_experts
+from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.native.fused import fused_moe
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.interface import KernelChoice
 from tests.model_fixtures import write_tiny_gguf
-from tests.test_model_parity import TINY, _check_schedules, _save_tiny
+from tests.test_model_parity import (MIXED_LENGTHS, MIXED_SCHEDULE, TINY, _check_schedules, _reference_logits,
+                                     _run_schedule, _save_tiny)
 
 MOE_MODELS = {
     "mixtral": (MixtralConfig, MixtralForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2)),
@@ -143,3 +145,78 @@ def test_fused_moe_bfloat16_near_float32():
         got = _moe(ParallelRank(), weights).to(torch.bfloat16)(x.bfloat16(), logits.bfloat16())
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().float()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k, renormalize, hidden, inter", [
+    (1, 4, 2, True, 64, 32), (33, 8, 2, True, 72, 40), (200, 6, 3, False, 96, 24)])
+def test_bf16_panel_layer_is_the_bf16_product(tokens, experts, top_k, renormalize, hidden, inter):
+    """Under bf16 panels the experts become gemm_bf16's panels (the float32 stacks dropped) and every step, past
+    NATIVE_MAX_TOKENS too, is one moe_bf16 call: the routing and order of sums of fused_experts, each product the
+    dense bf16 layers' (rows rounded to bf16, float32 sums); sizes off the panels' 32 and the tiles' 16 too."""
+    if native.moe_bf16() is None:
+        pytest.skip("no bf16 panels here (the CPU has no AVX512-BF16)")
+    gen = torch.Generator().manual_seed(tokens)
+    moe = FusedMoE(experts, top_k, hidden, inter, renormalize)
+    w13, w2 = torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
+    moe.w13_weight.data.copy_(w13)
+    moe.w2_weight.data.copy_(w2)
+    moe.quant_method.process_weights_after_loading(moe, WeightLayout(bf16_panels=True))
+    assert moe.runs_natively and not hasattr(moe, "w13_weight") and moe.quant_method.w13_panels.dtype == torch.bfloat16
+    x, logits = torch.randn(tokens, hidden, generator=gen), torch.randn(tokens, experts, generator=gen)
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = (_bf16(rows) @ _bf16(w13[expert]).t()).chunk(2, dim=-1)
+        return _bf16(torch.nn.functional.silu(gate) * up) @ _bf16(w2[expert]).t()
+
+    expected = routed_experts(x, *select_experts(logits, top_k, renormalize), experts, expert_mlp)
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x, logits), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+def test_bf16_panel_slices_sum_to_the_layer():
+    """Tensor-parallel ranks keep their slices of every expert in bf16 panels too; their partial outputs add up to
+    one rank's output. Expert-parallel ranks keep their stacks."""
+    if native.moe_bf16() is None:
+        pytest.skip("no bf16 panels here (the CPU has no AVX512-BF16)")
+    weights = _expert_weights(4, 64, 32)
+    x, logits = torch.randn(13, 64), torch.randn(13, 4)
+    layout = WeightLayout(bf16_panels=True)
+
+    def laid_out(rank: ParallelRank) -> FusedMoE:
+        moe = FusedMoE(4, 2, 64, 32, True, rank)
+        for (expert, shard), tensor in weights.items():
+            moe.weight_loader(moe.w2_weight if shard == "w2" else moe.w13_weight, tensor, expert, shard)
+        moe.quant_method.process_weights_after_loading(moe, layout)
+        return moe
+
+    with torch.inference_mode():
+        whole = laid_out(ParallelRank())(x, logits)
+        parts = [laid_out(ParallelRank(r, 2)) for r in range(2)]
+        assert all(m.quant_method.w13_panels is not None for m in parts)
+        torch.testing.assert_close(parts[0](x, logits) + parts[1](x, logits), whole, rtol=1e-4,
+                                   atol=1e-4 * whole.abs().max().item())
+    assert laid_out(ParallelRank(0, 2, expert_parallel=True)).quant_method.w13_panels is None
+
+
+def test_tiny_mixtral_in_bf16_panels(tmp_path):
+    """A bfloat16 Mixtral under bf16 panels keeps its experts in them (decode steps replay CPU graphs: every block
+    is native) and stays near transformers' bfloat16 logits over the mixed schedule."""
+    if native.moe_bf16() is None:
+        pytest.skip("no bf16 panels here (the CPU has no AVX512-BF16)")
+    config_class, hf_class, extra = MOE_MODELS["mixtral"]
+    _save_tiny(hf_class, config_class(**TINY, **extra), tmp_path)
+    reference = hf_class.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    config = load_hf_config(str(tmp_path))
+    model = get_model(str(tmp_path), config, KernelChoice(torch.bfloat16, bf16_panels=True))
+    experts = model.model.layers[0].get_submodule(model.mlp_name).experts
+    assert experts.quant_method.w13_panels is not None and model.supports_cpu_graphs
+    tokens = {req: torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(6)).tolist()
+              for req, n in MIXED_LENGTHS.items()}
+    ours = _run_schedule(model, config, tokens, MIXED_SCHEDULE)
+    for req, t in tokens.items():
+        ref = _reference_logits(reference, t)
+        assert (ours[req] - ref).abs().max().item() < 0.1 * ref.abs().max().item()

@@ -7,7 +7,8 @@ so each active expert runs one GEMM over all its tokens and nothing loops over t
 
 A step of up to NATIVE_MAX_TOKENS float32 tokens on a rank holding every expert takes all of it in one native call
 (native/fused_moe.c, the same routing and order of sums), which a CPU graph can replay, since it decides the routing
-as it runs; larger steps run the torch code below, whose per-expert GEMMs suit many tokens an expert.
+as it runs; larger steps run the torch code below, whose per-expert GEMMs suit many tokens an expert. A bfloat16
+model's experts in bf16 panels take native/moe_bf16.c at every step (UnquantizedFusedMoEMethod).
 
 The layer's ``quant_method`` (vLLM's structure) holds the experts' weights and runs them: UnquantizedFusedMoEMethod
 the stacks above; a quantization config may give another (layers/quantization/gguf_moe.py keeps a GGUF file's packed
@@ -28,11 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import native
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.layers.gemm_layout import WeightLayout, pack_bf16_panels
 from pagedllm.layers.linear import divide
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native.fused import fused_moe
+from pagedllm.native.gemms import moe_bf16
 
 NATIVE_MAX_TOKENS = 128  # the most tokens a CPU graph's step takes (worker/cpu_graphs.py's MAX_GRAPH_TOKENS)
 # An expert's tensor: its weight, or (a GGUF expert kept packed) its codes and per-block scales and zeros.
@@ -106,7 +110,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 class UnquantizedFusedMoEMethod:
     """The experts as two stacked tensors in the model's dtype (``w13_weight``, ``w2_weight``, see the module's
-    docstring), filled by FusedMoE.weight_loader."""
+    docstring), filled by FusedMoE.weight_loader.
+
+    A bfloat16 model laid out in bf16 panels (WeightLayout.bf16_panels) with every expert on this rank (whatever
+    its slice of the intermediate size under tensor parallelism) keeps them in gemm_bf16's panels instead, as its
+    dense layers: each expert's ``[gate | up]`` gated for the fused activation, its down plain; the float32 stacks
+    are dropped (half the memory), and every step is one moe_bf16 call (native/moe_bf16.c, the same routing and
+    order of sums, the products those of the dense bf16 layers)."""
+
+    def __init__(self):
+        self.w13_panels: torch.Tensor | None = None  # [experts, ...] gated bf16 panels, under bf16 panels
+        self.w2_panels: torch.Tensor | None = None
 
     def create_weights(self, layer: "FusedMoE") -> None:
         local, inter, hidden = layer.num_local_experts, layer.intermediate_size_per_partition, layer.hidden_size
@@ -115,16 +129,27 @@ class UnquantizedFusedMoEMethod:
         for param in (layer.w13_weight, layer.w2_weight):
             param.weight_loader = layer.weight_loader
 
-    def process_weights_after_loading(self, layer: "FusedMoE", layout=None) -> None:
-        """Nothing to lay out: the stacks serve both paths as they are."""
+    def process_weights_after_loading(self, layer: "FusedMoE", layout: WeightLayout | None = None) -> None:
+        """Under bf16 panels (with every expert here and the native layer built), the stacks become the experts'
+        panels; otherwise they serve both paths as they are."""
+        if (layout is None or not layout.bf16_panels or layer.num_local_experts != layer.num_experts
+                or layer.w13_weight.dtype != torch.float32 or native.moe_bf16() is None):
+            return
+        self.w13_panels = layout.place(torch.stack([pack_bf16_panels(w, gated=True) for w in layer.w13_weight]))
+        self.w2_panels = layout.place(torch.stack([pack_bf16_panels(w) for w in layer.w2_weight]))
+        del layer.w13_weight, layer.w2_weight
 
     def runs_natively(self, layer: "FusedMoE") -> bool:
-        """Whether every step of up to NATIVE_MAX_TOKENS tokens takes the native kernel (float32 experts, all on
-        this rank), so a CPU graph can replay it."""
-        return (layer.w13_weight.dtype == torch.float32 and layer.num_local_experts == layer.num_experts
-                and layer.tp_size == 1)
+        """Whether every step of up to NATIVE_MAX_TOKENS tokens takes a native kernel (bf16 panels, or float32
+        experts, all on this rank), so a CPU graph can replay it."""
+        return self.w13_panels is not None or (layer.w13_weight.dtype == torch.float32 and layer.tp_size == 1
+                                               and layer.num_local_experts == layer.num_experts)
 
     def apply(self, layer: "FusedMoE", hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        if self.w13_panels is not None:  # float32 activations, as under every bf16-panel layer
+            return moe_bf16(native.moe_bf16(), hidden_states.contiguous(), router_logits.float().contiguous(),
+                            self.w13_panels, self.w2_panels, layer.intermediate_size_per_partition, layer.top_k,
+                            layer.renormalize)
         if hidden_states.shape[0] <= NATIVE_MAX_TOKENS and self.runs_natively(layer):
             out = fused_moe(hidden_states, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k,
                             layer.renormalize)

@@ -207,6 +207,12 @@ def gemm_bf16(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 
 @functools.cache
+def moe_bf16(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library whose moe_bf16 runs a layer of experts in bf16 panels (gemms.moe_bf16 calls it), or None."""
+    return _gemm_bf16_lib(extra_flags)
+
+
+@functools.cache
 def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The gate_up projection over gated bf16 panels with silu(gate) * up applied as it is written
     (gemm_bf16_silu_mul); or None."""

@@ -45,7 +45,7 @@ LIBRARIES = {
     "paged_attention": ("paged_decode.c", "paged_prefill.c", "paged_cascade.c"),
     "fused_ops": ("fused_ops.c", "write_kv.c", "fused_moe.c"),
     "gemm": ("gemm.c", "moe_quant.c"),
-    "gemm_bf16": ("gemm_bf16.c",),
+    "gemm_bf16": ("gemm_bf16.c", "moe_bf16.c"),
     "gemm_int8": ("gemm_int8.c",),
     "lora": ("lora.c",),
     "graph_replay": ("graph_replay.c",),

@@ -18,65 +18,45 @@
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format);
 
-/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E]. Expert e's gate and up are
- * w13[2e] (format w13_formats[2e]), 2 * inter outputs, where w13[2e + 1] is 0; else the gate (inter outputs) and
- * w13[2e + 1] the up (inter outputs). Its down is w2[e] (w2_formats[e]), hidden outputs over inter inputs. Returns
- * 0, -1 for arguments out of range or a product the GEMM refused, -2 where memory ran out. */
+/* The experts' panels by address and their formats (gemm_quant_f32's numbers). */
+typedef struct {
+    const int64_t *w13, *w2;
+    const int32_t *w13_formats, *w2_formats;
+} QuantExperts;
+
+/* Expert e's MLP (moe_routing.h's ExpertMLP): its gate and up are w13[2e] (format w13_formats[2e]), 2 * inter
+ * outputs, where w13[2e + 1] is 0; else the gate (inter outputs) and w13[2e + 1] the up (inter outputs). Its down is
+ * w2[e] (w2_formats[e]), hidden outputs over inter inputs. */
+static int quant_expert(const void *weights, int e, const float *rows, int n, int hidden, int inter, float *gate_up,
+                        float *act, float *down, int num_threads) {
+    const QuantExperts *w = weights;
+    const uint8_t *gate = (const uint8_t *)(intptr_t)w->w13[2 * e], *up = (const uint8_t *)(intptr_t)w->w13[2 * e + 1];
+    int status;
+    if (up == NULL) {
+        status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, 2 * inter, hidden, num_threads,
+                                w->w13_formats[2 * e]);
+    } else {
+        status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, inter, hidden, num_threads,
+                                w->w13_formats[2 * e]);
+        status |= gemm_quant_f32(rows, hidden, up, NULL, gate_up + inter, 2 * inter, n, inter, hidden, num_threads,
+                                 w->w13_formats[2 * e + 1]);
+    }
+    for (int i = 0; i < n; i++) {
+        const float *g = gate_up + (int64_t)i * 2 * inter;
+        float *a = act + (int64_t)i * inter;
+#pragma omp simd
+        for (int c = 0; c < inter; c++) a[c] = silu_mul(g[c], g[inter + c]);
+    }
+    return status | gemm_quant_f32(act, inter, (const uint8_t *)(intptr_t)w->w2[e], NULL, down, hidden, n, hidden,
+                                   inter, num_threads, w->w2_formats[e]);
+}
+
+/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E] (quant_expert: the tables).
+ * Returns 0, -1 for arguments out of range or a product the GEMM refused, -2 where memory ran out. */
 int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13, const int32_t *w13_formats,
                   const int64_t *w2, const int32_t *w2_formats, float *out, int64_t tokens, int hidden, int inter,
                   int num_experts, int top_k, int renormalize, int num_threads) {
-    const int64_t T = tokens;
-    const int E = num_experts;
-    Routing routing;
-    int status = begin_moe_layer(router_logits, out, T, hidden, inter, E, top_k, renormalize, &routing);
-    float *rows = NULL, *gate_up = NULL, *act = NULL, *down = NULL;
-    if (status != 0 || T == 0) goto done;
-    rows = malloc((size_t)T * hidden * sizeof(float));
-    gate_up = malloc((size_t)T * 2 * inter * sizeof(float));
-    act = malloc((size_t)T * inter * sizeof(float));
-    down = malloc((size_t)T * hidden * sizeof(float));
-    if (!rows || !gate_up || !act || !down) {
-        status = -2;
-        goto done;
-    }
-    for (int e = 0; e < E && status == 0; e++) {
-        const int first = routing.counts[e], n = routing.counts[e + 1] - first;
-        if (n == 0) continue;
-        const int32_t *pairs = routing.order + first;
-        for (int i = 0; i < n; i++) /* the expert's tokens' rows, gathered: the GEMM takes rows ldx apart */
-            memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden,
-                   (size_t)hidden * sizeof(float));
-        const uint8_t *gate = (const uint8_t *)(intptr_t)w13[2 * e], *up = (const uint8_t *)(intptr_t)w13[2 * e + 1];
-        if (up == NULL) {
-            status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, 2 * inter, hidden, num_threads,
-                                    w13_formats[2 * e]);
-        } else {
-            status = gemm_quant_f32(rows, hidden, gate, NULL, gate_up, 2 * inter, n, inter, hidden, num_threads,
-                                    w13_formats[2 * e]);
-            status |= gemm_quant_f32(rows, hidden, up, NULL, gate_up + inter, 2 * inter, n, inter, hidden,
-                                     num_threads, w13_formats[2 * e + 1]);
-        }
-        for (int i = 0; i < n; i++) {
-            const float *g = gate_up + (int64_t)i * 2 * inter;
-            float *a = act + (int64_t)i * inter;
-#pragma omp simd
-            for (int c = 0; c < inter; c++) a[c] = silu_mul(g[c], g[inter + c]);
-        }
-        status |= gemm_quant_f32(act, inter, (const uint8_t *)(intptr_t)w2[e], NULL, down, hidden, n, hidden, inter,
-                                 num_threads, w2_formats[e]);
-        for (int i = 0; i < n; i++) { /* a token appears once an expert */
-            const float weight = routing.weights[pairs[i]], *d = down + (int64_t)i * hidden;
-            float *o = out + (int64_t)(pairs[i] / top_k) * hidden;
-#pragma omp simd
-            for (int h = 0; h < hidden; h++) o[h] += d[h] * weight;
-        }
-    }
-    status = status < 0 ? -1 : status;
-done:
-    free_routing(&routing);
-    free(rows);
-    free(gate_up);
-    free(act);
-    free(down);
-    return status;
+    const QuantExperts experts = {w13, w2, w13_formats, w2_formats};
+    return run_moe_layer(x, router_logits, out, tokens, hidden, inter, num_experts, top_k, renormalize, quant_expert,
+                         &experts, num_threads);
 }

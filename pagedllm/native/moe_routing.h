@@ -1,8 +1,8 @@
 /* A mixture-of-experts layer's routing, as transformers routes (layers/fused_moe.py's select_experts), shared by the
- * native layers of float32 experts (fused_moe.c) and of quantized ones (moe_quant.c): per token p = softmax(logits)
- * (exp of logit - max over their sum), its top_k largest (the lower expert of equals first), divided by their sum
- * with renormalize; then the (token, slot) pairs sorted by expert, tokens ascending within each, as fused_experts'
- * stable sort orders them. */
+ * native layers of float32 experts (fused_moe.c), of quantized ones (moe_quant.c) and of bf16 panels (moe_bf16.c):
+ * per token p = softmax(logits) (exp of logit - max over their sum), its top_k largest (the lower expert of equals
+ * first), divided by their sum with renormalize; then the (token, slot) pairs sorted by expert, tokens ascending
+ * within each, as fused_experts' stable sort orders them. The last two run their experts through run_moe_layer. */
 #ifndef PAGEDLLM_MOE_ROUTING_H
 #define PAGEDLLM_MOE_ROUTING_H
 
@@ -84,6 +84,55 @@ static inline int begin_moe_layer(const float *router_logits, float *out, int64_
     r->weights = malloc((size_t)T * top_k * sizeof(float) + 1);
     if (!r->ids || !r->counts || !r->order || !r->weights) return -2;
     return route_tokens(router_logits, T, E, top_k, renormalize, r->ids, r->weights, r->counts, r->order);
+}
+
+/* One expert's SiLU-gated MLP, as a library's GEMMs run it (moe_quant.c, moe_bf16.c): expert e of `weights` over
+ * its n gathered rows [n, hidden] into down [n, hidden], with scratch gate_up [n, 2 * inter] and act [n, inter].
+ * Returns 0, or a negative status. */
+typedef int (*ExpertMLP)(const void *weights, int e, const float *rows, int n, int hidden, int inter,
+                         float *gate_up, float *act, float *down, int num_threads);
+
+/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E]: the routing, then per expert in
+ * ascending order its tokens' rows gathered, its MLP, and out += down * p per token, in the torch path's order
+ * (routed_experts' index_add). Returns 0, -1 for sizes out of range or an MLP that failed, -2 where memory ran
+ * out. */
+static inline int run_moe_layer(const float *x, const float *router_logits, float *out, int64_t T, int hidden,
+                                int inter, int E, int top_k, int renormalize, ExpertMLP mlp, const void *weights,
+                                int num_threads) {
+    Routing routing;
+    int status = begin_moe_layer(router_logits, out, T, hidden, inter, E, top_k, renormalize, &routing);
+    float *rows = NULL, *gate_up = NULL, *act = NULL, *down = NULL;
+    if (status != 0 || T == 0) goto done;
+    rows = malloc((size_t)T * hidden * sizeof(float));
+    gate_up = malloc((size_t)T * 2 * inter * sizeof(float));
+    act = malloc((size_t)T * inter * sizeof(float));
+    down = malloc((size_t)T * hidden * sizeof(float));
+    if (!rows || !gate_up || !act || !down) {
+        status = -2;
+        goto done;
+    }
+    for (int e = 0; e < E && status == 0; e++) {
+        const int first = routing.counts[e], n = routing.counts[e + 1] - first;
+        if (n == 0) continue;
+        const int32_t *pairs = routing.order + first;
+        for (int i = 0; i < n; i++) /* the expert's tokens' rows, gathered: the GEMMs take rows ldx apart */
+            memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden,
+                   (size_t)hidden * sizeof(float));
+        status = mlp(weights, e, rows, n, hidden, inter, gate_up, act, down, num_threads) < 0 ? -1 : 0;
+        for (int i = 0; i < n && status == 0; i++) { /* a token appears once an expert */
+            const float weight = routing.weights[pairs[i]], *d = down + (int64_t)i * hidden;
+            float *o = out + (int64_t)(pairs[i] / top_k) * hidden;
+#pragma omp simd
+            for (int h = 0; h < hidden; h++) o[h] += d[h] * weight;
+        }
+    }
+done:
+    free_routing(&routing);
+    free(rows);
+    free(gate_up);
+    free(act);
+    free(down);
+    return status;
 }
 
 #endif

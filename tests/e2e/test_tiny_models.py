@@ -84,6 +84,32 @@ def test_moe_decode_steps_replay_cpu_graphs(tmp_path, tokenizer, monkeypatch, na
         assert_transformers_greedy(reference, [prompt], [got], param.max_tokens)
 
 
+@pytest.mark.skipif(native.moe_bf16() is None or native.fused_ops() is None,
+                    reason="no bf16 panels here (the CPU has no AVX512-BF16)")
+def test_bf16_experts_in_panels_replay_cpu_graphs(tmp_path, tokenizer, monkeypatch):
+    """A bfloat16 Mixtral on a CPU with bf16 panels keeps its experts in them (moe_bf16: one call a layer), so its
+    decode steps replay CPU graphs (none refused), with the eager engine's greedy tokens."""
+    config_cls, model_cls, extra = MOE_MODELS["mixtral"]
+    _save_tiny(tmp_path, tokenizer, config_cls, model_cls, tie_word_embeddings=False, **extra)
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    prompts = [{"prompt_token_ids": p} for p in ([1, 50, 60, 70], list(range(200, 237)), list(range(3000, 3020)))]
+    params = [SamplingParams(temperature=0, max_tokens=16 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
+    tokens = {}
+    for eager in (False, True):
+        llm = in_process_llm(str(tmp_path), dtype="bfloat16", max_model_len=512, max_num_batched_tokens=32,
+                             enforce_eager=eager)
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        assert runner.model.model.layers[0].block_sparse_moe.experts.quant_method.w13_panels is not None
+        graphs = runner.decode_graphs
+        llm.shutdown()
+        if not eager:
+            assert graphs is not None and not graphs._refused and len(replays) >= 10
+    assert tokens[False] == tokens[True]
+
+
 @pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q8() is None,
                     reason="no quantized GEMMs here: GGUF experts are dequantized")
 def test_packed_gguf_experts_replay_cpu_graphs(tmp_path, model_path):
