@@ -17,9 +17,10 @@
  * Work items are (panel, block of 32 rows), split into contiguous runs over torch's OpenMP threads (panel_items.h):
  * in chunks of rows whose bf16 copy fits in L2, then panel by panel, so a panel read from memory by its
  * first row block is in L2 for the next. How the first row block gets the panel out of memory differs by body,
- * each the way that was faster on a machine with that body: on AMX it fetches the next panel into L2 as it goes,
- * so that memory streams while the later row blocks multiply from cache (prefetching ahead in the panel itself,
- * into L1, does no better than no prefetch there); with vdpbf16ps the first tile over a panel prefetches 8 KB
+ * each the way that was faster on a machine with that body: on AMX the panel's items fetch the next panel into L2
+ * as they go, each its share (panel_items.h's fetch_ahead), so that memory streams while the row blocks multiply
+ * from cache (prefetching ahead in the panel itself, into L1, does no better than no prefetch there, nor into L1
+ * the next steps' rows of x); with vdpbf16ps the first tile over a panel prefetches 8 KB
  * ahead in it into L1, which keeps the stream ahead of a tile whose loads are otherwise paced by memory (fetching
  * the next panel into L2 does not help there, spread over all its tiles or not: one demand-paced tile reading
  * memory stalls on it whatever L2 holds), and the tiles take the panel 4 KB at a time in turn (item_dp), so that
@@ -192,18 +193,13 @@ static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const Pane
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 int gemm_bf16_uses_amx(void) { return amx_granted(); }
 
-/* Fetch one block of the panel `ahead` (2 KB) into L2. */
-static inline void fetch_block(const char *ahead, int kb) {
-    if (ahead != NULL)
-        for (int line = 0; line < 2048; line += 64) _mm_prefetch(ahead + (int64_t)kb * 2048 + line, _MM_HINT_T1);
-}
 
 /* One item on AMX tiles: rows [row0, row0 + rows) of y (rows <= 32) against one panel of `cols` (<= 32)
  * columns, the tiles configured for `rows` already. With `stream_rows` x's rows are loaded with the non-temporal
  * hint: where a chunk has several row blocks, the panel is what the next item reads again, and x's rows, read once
  * per panel, would otherwise evict it from L1; a single row block is read again by every panel and loads as usual. */
 static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
-                     const char *ahead, int stream_rows) {
+                     const Ahead *ahead, int stream_rows) {
     const int lower = rows > 16;
     const int64_t lda = (int64_t)kp * sizeof(uint16_t);
     const char *a0 = (const char *)(a + (int64_t)row0 * kp), *a1 = a0 + 16 * lda;
@@ -213,7 +209,7 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pan
     _tile_zero(2);
     _tile_zero(3);
     for (int kb = 0; kb < kp / KBLOCK; kb++, a0 += 64, a1 += 64, b += 2048) {
-        fetch_block(ahead, kb);
+        fetch_ahead(ahead, kb, kp / KBLOCK);
         if (stream_rows) _tile_stream_loadd(4, a0, lda);
         else _tile_loadd(4, a0, lda);
         _tile_loadd(6, b, 64);
@@ -285,13 +281,13 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
                     amx_configure_gemm(rows < 16 ? rows : 16, rows - 16);
                     shape = rows;
                 }
-                const char *ahead = item.first_block && p + 1 < panels ? (const char *)(packed + (p + 1) * panel_len)
-                                                                       : NULL;
-                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, ahead, item.blocks > 1);
+                const Ahead ahead = ahead_share(&item, p + 1 < panels ? packed + (p + 1) * panel_len : NULL,
+                                                panel_len * (int64_t)sizeof(uint16_t));
+                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, &ahead, item.blocks > 1);
                 continue;
             }
 #endif
-            item_dp(a, kp, packed + p * panel_len, &out, row0, rows, item.first_block);
+            item_dp(a, kp, packed + p * panel_len, &out, row0, rows, item.block == 0);
         }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         if (shape >= 0) _tile_release();

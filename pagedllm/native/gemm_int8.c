@@ -342,10 +342,10 @@ static void finish_rows(const Product *pr, const Item *done, const int32_t (*c)[
  * step, the epilogue of the item before it (`done`, NULL: none) from c: the vector units scale and write one item
  * while the tile unit multiplies the next (at small K, as SmolLM2's 576, the epilogue's vector work is as long as
  * the multiply; the two overlap only in part, the tile unit holding one of the vector ports while it multiplies).
- * `ahead`: the next item's panels, fetched into L2 step by step (NULL: none); `stream_rows`:
+ * `ahead`: this item's share of the next panels to fetch into L2, step by step; `stream_rows`:
  * load the codes with the non-temporal hint (several row blocks share the panels: they, not the codes, are what
  * the next item reads again). */
-static void item_amx(const Product *pr, const Item *it, const Item *done, int32_t (*c)[2 * NR], const uint8_t *ahead,
+static void item_amx(const Product *pr, const Item *it, const Item *done, int32_t (*c)[2 * NR], const Ahead *ahead,
                      int stream_rows) {
     const int64_t pb = pr->pb, ldq = pr->rc->ldq;
     const int np = it->np, lower = it->rows > 16, steps = (pr->K4 + STEP_GROUPS - 1) / STEP_GROUPS;
@@ -356,10 +356,7 @@ static void item_amx(const Product *pr, const Item *it, const Item *done, int32_
     _tile_zero(2);
     _tile_zero(3);
     for (int s = 0; s < steps; s++, a0 += 64, a1 += 64) {
-        if (ahead != NULL)
-            for (int j = 0; j < np; j++)
-                for (int line = 0; line < STEP_GROUPS * 64; line += 64)
-                    _mm_prefetch(ahead + j * pb + (int64_t)s * STEP_GROUPS * 64 + line, _MM_HINT_T1);
+        fetch_ahead(ahead, s, steps);
         if (stream_rows) _tile_stream_loadd(4, a0, ldq);
         else _tile_loadd(4, a0, ldq);
         load_weights(panel0, pb, np, s, pr->K4);
@@ -401,8 +398,9 @@ static void gemm_amx(const RowCodes *rc, int M, const uint8_t *packed, int K4, i
             const int p0 = 2 * order.panel, row0 = order.row_block * AMX_ROWS;
             const Item it = {p0, panels - p0 < 2 ? 1 : 2, row0, M - row0 < AMX_ROWS ? M - row0 : AMX_ROWS};
             if (it.rows != done.rows) amx_configure_gemm(it.rows < 16 ? it.rows : 16, it.rows - 16);
-            const uint8_t *ahead = order.first_block && p0 + 2 < panels ? packed + (p0 + 2) * pr.pb : NULL;
-            item_amx(&pr, &it, done.rows ? &done : NULL, c, ahead, order.blocks > 1);
+            const Ahead ahead = ahead_share(&order, p0 + 2 < panels ? packed + (p0 + 2) * pr.pb : NULL,
+                                            (panels - p0 - 2 < 2 ? panels - p0 - 2 : 2) * pr.pb);
+            item_amx(&pr, &it, done.rows ? &done : NULL, c, &ahead, order.blocks > 1);
             done = it;
         }
         if (done.rows) {
