@@ -177,9 +177,10 @@ def test_bf16_panel_layer_is_the_bf16_product(tokens, experts, top_k, renormaliz
         torch.testing.assert_close(moe(x, logits), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-def test_bf16_panel_slices_sum_to_the_layer():
-    """Tensor-parallel ranks keep their slices of every expert in bf16 panels too; their partial outputs add up to
-    one rank's output. Expert-parallel ranks keep their stacks."""
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_bf16_panel_slices_sum_to_the_layer(expert_parallel):
+    """Tensor- and expert-parallel ranks keep their slices of every expert, or their experts, in bf16 panels too;
+    their partial outputs add up to one rank's output."""
     if native.moe_bf16() is None:
         pytest.skip("no bf16 panels here (the CPU has no AVX512-BF16)")
     weights = _expert_weights(4, 64, 32)
@@ -195,11 +196,11 @@ def test_bf16_panel_slices_sum_to_the_layer():
 
     with torch.inference_mode():
         whole = laid_out(ParallelRank())(x, logits)
-        parts = [laid_out(ParallelRank(r, 2)) for r in range(2)]
+        parts = [laid_out(ParallelRank(r, 2, expert_parallel=expert_parallel)) for r in range(2)]
         assert all(m.quant_method.w13_panels is not None for m in parts)
         torch.testing.assert_close(parts[0](x, logits) + parts[1](x, logits), whole, rtol=1e-4,
                                    atol=1e-4 * whole.abs().max().item())
-    assert laid_out(ParallelRank(0, 2, expert_parallel=True)).quant_method.w13_panels is None
+    assert [m.num_local_experts for m in parts] == ([2, 2] if expert_parallel else [4, 4])
 
 
 def test_tiny_mixtral_in_bf16_panels(tmp_path):

@@ -112,11 +112,11 @@ class UnquantizedFusedMoEMethod:
     """The experts as two stacked tensors in the model's dtype (``w13_weight``, ``w2_weight``, see the module's
     docstring), filled by FusedMoE.weight_loader.
 
-    A bfloat16 model laid out in bf16 panels (WeightLayout.bf16_panels) with every expert on this rank (whatever
-    its slice of the intermediate size under tensor parallelism) keeps them in gemm_bf16's panels instead, as its
-    dense layers: each expert's ``[gate | up]`` gated for the fused activation, its down plain; the float32 stacks
-    are dropped (half the memory), and every step is one moe_bf16 call (native/moe_bf16.c, the same routing and
-    order of sums, the products those of the dense bf16 layers)."""
+    A bfloat16 model laid out in bf16 panels (WeightLayout.bf16_panels) keeps the experts held here (all of them,
+    or a tensor-parallel rank's slice of each, or an expert-parallel rank's share) in gemm_bf16's panels instead,
+    as its dense layers: each expert's ``[gate | up]`` gated for the fused activation, its down plain; the float32
+    stacks are dropped (half the memory), and every step is one moe_bf16 call (native/moe_bf16.c, the same routing
+    and order of sums, the products those of the dense bf16 layers)."""
 
     def __init__(self):
         self.w13_panels: torch.Tensor | None = None  # [experts, ...] gated bf16 panels, under bf16 panels
@@ -130,10 +130,10 @@ class UnquantizedFusedMoEMethod:
             param.weight_loader = layer.weight_loader
 
     def process_weights_after_loading(self, layer: "FusedMoE", layout: WeightLayout | None = None) -> None:
-        """Under bf16 panels (with every expert here and the native layer built), the stacks become the experts'
-        panels; otherwise they serve both paths as they are."""
-        if (layout is None or not layout.bf16_panels or layer.num_local_experts != layer.num_experts
-                or layer.w13_weight.dtype != torch.float32 or native.moe_bf16() is None):
+        """Under bf16 panels (where the native layer builds), the stacks become the experts' panels; otherwise they
+        serve both paths as they are."""
+        if (layout is None or not layout.bf16_panels or layer.w13_weight.dtype != torch.float32
+                or native.moe_bf16() is None):
             return
         self.w13_panels = layout.place(torch.stack([pack_bf16_panels(w, gated=True) for w in layer.w13_weight]))
         self.w2_panels = layout.place(torch.stack([pack_bf16_panels(w) for w in layer.w2_weight]))
@@ -149,7 +149,7 @@ class UnquantizedFusedMoEMethod:
         if self.w13_panels is not None:  # float32 activations, as under every bf16-panel layer
             return moe_bf16(native.moe_bf16(), hidden_states.contiguous(), router_logits.float().contiguous(),
                             self.w13_panels, self.w2_panels, layer.intermediate_size_per_partition, layer.top_k,
-                            layer.renormalize)
+                            layer.renormalize, layer.first_expert)
         if hidden_states.shape[0] <= NATIVE_MAX_TOKENS and self.runs_natively(layer):
             out = fused_moe(hidden_states, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k,
                             layer.renormalize)

@@ -34,8 +34,8 @@ GEMM_BF16_AVAILABLE = CFunction("gemm_bf16_available", INT)
 GEMM_BF16_USES_AMX = CFunction("gemm_bf16_uses_amx", INT)
 MOE_BF16 = CFunction("moe_bf16", INT, *arguments("x", "router_logits", "w13", POINTER, "w13_stride", INT64, "w2",
                                                  POINTER, "w2_stride", INT64, "out", POINTER, "tokens", INT64,
-                                                 "hidden", "inter", "num_experts", "top_k", "renormalize",
-                                                 "num_threads", INT))
+                                                 "hidden", "inter", "num_experts", "first_expert", "held",
+                                                 "top_k", "renormalize", "num_threads", INT))
 GEMM_BF16_SIGNATURES = (GEMM_BF16, GEMM_BF16_SILU_MUL, GEMM_BF16_AVAILABLE, GEMM_BF16_USES_AMX, MOE_BF16)
 
 GEMM_W8A8 = CFunction("gemm_w8a8_f32", INT, *_GEMM_ARGS)
@@ -140,21 +140,23 @@ def moe_quant(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w1
 
 
 def moe_bf16(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-             inter: int, top_k: int, renormalize: bool) -> torch.Tensor:
+             inter: int, top_k: int, renormalize: bool, first_expert: int = 0) -> torch.Tensor:
     """moe_bf16: a mixture-of-experts layer's output ``[T, hidden]`` for float32 ``x`` and its router's logits
-    ``[T, experts]``, every expert's weights in gemm_bf16's panels: ``w13`` ``[experts, ...]`` each expert's gated
-    ``[gate | up]`` (pack_bf16_panels(gated=True)), ``w2`` ``[experts, ...]`` its down."""
-    experts = w2.shape[0]
+    ``[T, experts]``, from the experts held here in gemm_bf16's panels (``first_expert`` onwards, all of them but on
+    an expert-parallel rank): ``w13`` ``[held, ...]`` each one's gated ``[gate | up]`` (pack_bf16_panels(gated=True)),
+    ``w2`` ``[held, ...]`` its down."""
+    held = w2.shape[0]
     if checks.ENABLED:
         require(MOE_BF16.name, x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32 and
-                router_logits.shape == (x.shape[0], experts) and router_logits.is_contiguous() and
-                w13.shape[0] == experts and w13.dtype == w2.dtype == torch.bfloat16 and w13.is_contiguous() and
+                router_logits.dim() == 2 and router_logits.shape[0] == x.shape[0] and
+                0 <= first_expert <= router_logits.shape[1] - held and router_logits.is_contiguous() and
+                w13.shape[0] == held and w13.dtype == w2.dtype == torch.bfloat16 and w13.is_contiguous() and
                 w2.is_contiguous(), f"x {tuple(x.shape)}, logits {tuple(router_logits.shape)}, panels "
                 f"{tuple(w13.shape)} / {tuple(w2.shape)} do not fit")
     out = torch.empty_like(x)
     status = launch(lib.moe_bf16, x.data_ptr(), router_logits.data_ptr(), w13.data_ptr(), w13[0].numel(),
-                    w2.data_ptr(), w2[0].numel(), out.data_ptr(), x.shape[0], x.shape[1], inter, experts, top_k,
-                    int(renormalize), torch.get_num_threads())
+                    w2.data_ptr(), w2[0].numel(), out.data_ptr(), x.shape[0], x.shape[1], inter,
+                    router_logits.shape[1], first_expert, held, top_k, int(renormalize), torch.get_num_threads())
     if status == -2:
         raise MemoryError("moe_bf16 could not allocate its scratch")
     if status != 0:

@@ -14,7 +14,8 @@ int gemm_bf16(const float *x, int64_t ldx, const uint16_t *packed, const float *
 int gemm_bf16_silu_mul(const float *x, int64_t ldx, const uint16_t *packed, const float *bias, float *y,
                        int64_t ldy, int M, int N, int K, int num_threads);
 
-/* Every expert's panels: expert e's gated [gate | up] at w13 + e * w13_stride, its down at w2 + e * w2_stride. */
+/* The held experts' panels: held expert e's gated [gate | up] at w13 + e * w13_stride, its down at
+ * w2 + e * w2_stride. */
 typedef struct {
     const uint16_t *w13, *w2;
     int64_t w13_stride, w2_stride;
@@ -30,12 +31,13 @@ static int bf16_expert(const void *weights, int e, const float *rows, int n, int
                               num_threads);
 }
 
-/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E]. Returns 0, -1 for arguments out
- * of range or a product the GEMM refused (no bf16 body here), -2 where memory ran out. */
+/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E] from experts [first_expert,
+ * first_expert + held) (all of them, or an expert-parallel rank's). Returns 0, -1 for arguments out of range or a
+ * product the GEMM refused (no bf16 body here), -2 where memory ran out. */
 int moe_bf16(const float *x, const float *router_logits, const uint16_t *w13, int64_t w13_stride, const uint16_t *w2,
-             int64_t w2_stride, float *out, int64_t tokens, int hidden, int inter, int num_experts, int top_k,
-             int renormalize, int num_threads) {
+             int64_t w2_stride, float *out, int64_t tokens, int hidden, int inter, int num_experts, int first_expert,
+             int held, int top_k, int renormalize, int num_threads) {
     const Bf16Experts experts = {w13, w2, w13_stride, w2_stride};
-    return run_moe_layer(x, router_logits, out, tokens, hidden, inter, num_experts, top_k, renormalize, bf16_expert,
-                         &experts, num_threads);
+    return run_moe_layer(x, router_logits, out, tokens, hidden, inter, num_experts, first_expert, held, top_k,
+                         renormalize, bf16_expert, &experts, num_threads);
 }

@@ -57,6 +57,6 @@ int moe_quant_f32(const float *x, const float *router_logits, const int64_t *w13
                   const int64_t *w2, const int32_t *w2_formats, float *out, int64_t tokens, int hidden, int inter,
                   int num_experts, int top_k, int renormalize, int num_threads) {
     const QuantExperts experts = {w13, w2, w13_formats, w2_formats};
-    return run_moe_layer(x, router_logits, out, tokens, hidden, inter, num_experts, top_k, renormalize, quant_expert,
-                         &experts, num_threads);
+    return run_moe_layer(x, router_logits, out, tokens, hidden, inter, num_experts, 0, num_experts, top_k,
+                         renormalize, quant_expert, &experts, num_threads);
 }

@@ -86,22 +86,25 @@ static inline int begin_moe_layer(const float *router_logits, float *out, int64_
     return route_tokens(router_logits, T, E, top_k, renormalize, r->ids, r->weights, r->counts, r->order);
 }
 
-/* One expert's SiLU-gated MLP, as a library's GEMMs run it (moe_quant.c, moe_bf16.c): expert e of `weights` over
+/* One expert's SiLU-gated MLP, as a library's GEMMs run it (moe_quant.c, moe_bf16.c): expert e of `weights` (its
+ * index among the experts held) over
  * its n gathered rows [n, hidden] into down [n, hidden], with scratch gate_up [n, 2 * inter] and act [n, inter].
  * Returns 0, or a negative status. */
 typedef int (*ExpertMLP)(const void *weights, int e, const float *rows, int n, int hidden, int inter,
                          float *gate_up, float *act, float *down, int num_threads);
 
-/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E]: the routing, then per expert in
+/* out [T, hidden] = the layer's output for x [T, hidden] and router_logits [T, E] from the experts held, [held_from,
+ * held_from + held) (an expert-parallel rank's; all E otherwise): the routing over all E, then per held expert in
  * ascending order its tokens' rows gathered, its MLP, and out += down * p per token, in the torch path's order
  * (routed_experts' index_add). Returns 0, -1 for sizes out of range or an MLP that failed, -2 where memory ran
  * out. */
 static inline int run_moe_layer(const float *x, const float *router_logits, float *out, int64_t T, int hidden,
-                                int inter, int E, int top_k, int renormalize, ExpertMLP mlp, const void *weights,
-                                int num_threads) {
+                                int inter, int E, int held_from, int held, int top_k, int renormalize, ExpertMLP mlp,
+                                const void *weights, int num_threads) {
     Routing routing;
     int status = begin_moe_layer(router_logits, out, T, hidden, inter, E, top_k, renormalize, &routing);
     float *rows = NULL, *gate_up = NULL, *act = NULL, *down = NULL;
+    if (status == 0 && (held_from < 0 || held <= 0 || held_from + held > E)) status = -1;
     if (status != 0 || T == 0) goto done;
     rows = malloc((size_t)T * hidden * sizeof(float));
     gate_up = malloc((size_t)T * 2 * inter * sizeof(float));
@@ -111,14 +114,14 @@ static inline int run_moe_layer(const float *x, const float *router_logits, floa
         status = -2;
         goto done;
     }
-    for (int e = 0; e < E && status == 0; e++) {
+    for (int e = held_from; e < held_from + held && status == 0; e++) {
         const int first = routing.counts[e], n = routing.counts[e + 1] - first;
         if (n == 0) continue;
         const int32_t *pairs = routing.order + first;
         for (int i = 0; i < n; i++) /* the expert's tokens' rows, gathered: the GEMMs take rows ldx apart */
             memcpy(rows + (int64_t)i * hidden, x + (int64_t)(pairs[i] / top_k) * hidden,
                    (size_t)hidden * sizeof(float));
-        status = mlp(weights, e, rows, n, hidden, inter, gate_up, act, down, num_threads) < 0 ? -1 : 0;
+        status = mlp(weights, e - held_from, rows, n, hidden, inter, gate_up, act, down, num_threads) < 0 ? -1 : 0;
         for (int i = 0; i < n && status == 0; i++) { /* a token appears once an expert */
             const float weight = routing.weights[pairs[i]], *d = down + (int64_t)i * hidden;
             float *o = out + (int64_t)(pairs[i] / top_k) * hidden;
