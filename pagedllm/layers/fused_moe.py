@@ -108,6 +108,16 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return routed_experts(x, topk_weights, topk_ids, w13.shape[0], expert_mlp, first_expert)
 
 
+def _stacked_panels(stack: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """``[experts, N, K]`` float32 -> ``[experts, ...]`` each expert's pack_bf16_panels, one expert at a time."""
+    first = pack_bf16_panels(stack[0], gated)
+    panels = torch.empty((stack.shape[0], *first.shape), dtype=first.dtype)
+    panels[0] = first
+    for expert in range(1, stack.shape[0]):
+        panels[expert] = pack_bf16_panels(stack[expert], gated)
+    return panels
+
+
 class UnquantizedFusedMoEMethod:
     """The experts as two stacked tensors in the model's dtype (``w13_weight``, ``w2_weight``, see the module's
     docstring), filled by FusedMoE.weight_loader.
@@ -135,13 +145,14 @@ class UnquantizedFusedMoEMethod:
         if (layout is None or not layout.bf16_panels or layer.w13_weight.dtype != torch.float32
                 or native.moe_bf16() is None):
             return
-        self.w13_panels = layout.place(torch.stack([pack_bf16_panels(w, gated=True) for w in layer.w13_weight]))
-        self.w2_panels = layout.place(torch.stack([pack_bf16_panels(w) for w in layer.w2_weight]))
-        del layer.w13_weight, layer.w2_weight
+        self.w13_panels = layout.place(_stacked_panels(layer.w13_weight, gated=True))
+        del layer.w13_weight  # before the down's panels: one float32 stack less at the peak
+        self.w2_panels = layout.place(_stacked_panels(layer.w2_weight))
+        del layer.w2_weight
 
     def runs_natively(self, layer: "FusedMoE") -> bool:
-        """Whether every step of up to NATIVE_MAX_TOKENS tokens takes a native kernel (bf16 panels, or float32
-        experts, all on this rank), so a CPU graph can replay it."""
+        """Whether every step of up to NATIVE_MAX_TOKENS tokens takes a native kernel (bf16 panels; or float32
+        experts, every one on this rank), so a CPU graph can replay it."""
         return self.w13_panels is not None or (layer.w13_weight.dtype == torch.float32 and layer.tp_size == 1
                                                and layer.num_local_experts == layer.num_experts)
 
