@@ -34,7 +34,7 @@ CASES = {
     "qwen3_moe-q4_k_m": (Qwen3MoeConfig, Qwen3MoeForCausalLM, OurQwen3Moe, "qwen3moe",
                          dict(hidden_size=256, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                               norm_topk_prob=True),
-                         {"down_proj": T.Q6_K}, T.Q4_K, [("gemm_q4k_f32", 512)], "gemm_q6k_f32"),
+                         {"down_proj": T.Q6_K}, T.Q4_K, [("gemm_q4kc_f32", 512)], "gemm_q6k_f32"),
     "mixtral-mixed": (MixtralConfig, MixtralForCausalLM, OurMixtral, "llama",
                       dict(num_local_experts=4, num_experts_per_tok=2),
                       {"gate_proj": T.Q4_0, "up_proj": T.Q8_0, "down_proj": T.Q4_1}, T.Q8_0,

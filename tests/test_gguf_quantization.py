@@ -226,7 +226,7 @@ def test_a_fused_layer_of_two_kinds_keeps_each_and_equals_the_dense_layer(tp_siz
                 param.weight_loader(param, torch.from_numpy(value), shard)
         layer.bias.weight_loader(layer.bias, bias)
         layer.quant_method.process_weights_after_loading(layer)
-        assert [w.kernel.name for _, _, w, _ in layer.quant_method.shards] == ["gemm_q4k_f32", "gemm_q6k_f32"]
+        assert [w.kernel.name for _, _, w, _ in layer.quant_method.shards] == ["gemm_q4kc_f32", "gemm_q6k_f32"]
         half = 128 // tp_size
         rows = torch.cat([torch.arange(rank * half, (rank + 1) * half), 128 + torch.arange(rank * half,
                                                                                            (rank + 1) * half)])
@@ -364,11 +364,11 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
 
 
 @pytest.mark.skipif(native.gemm_q4k() is None, reason="no gemm_q4k_f32 here (needs a C compiler and AVX-512 or AVX2)")
-@pytest.mark.parametrize("base, kernel", [(T.Q4_K, "gemm_q4k_f32"), (T.Q5_K, "gemm_q5k_f32")])
+@pytest.mark.parametrize("base, kernel", [(T.Q4_K, "gemm_q4kc_f32"), (T.Q5_K, "gemm_q5k_f32")])
 def test_q4_k_m_and_q5_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path, base, kernel):
     """A tiny Llama as a Q4_K_M (Q5_K_M) file has it (the types of most GGUF files people pull): Q4_K (Q5_K) layers,
-    down_proj and one v_proj in Q6_K; and one o_proj in F16. The Q4_K (Q5_K) layers keep their codes with float32
-    scales (gemm_q4k_f32, gemm_q5k_f32), the Q6_K ones 6-bit codes as int8 (gemm_q6k_f32), the fused qkv_proj with
+    down_proj and one v_proj in Q6_K; and one o_proj in F16. The Q4_K (Q5_K) layers keep their codes with their
+    scales factored per super-block (gemm_q4kc_f32; Q5_K's float32: gemm_q5k_f32), the Q6_K ones 6-bit codes as int8 (gemm_q6k_f32), the fused qkv_proj with
     the Q6_K v each part in its own, the F16 one is dequantized; the logits, so the greedy tokens, are the dense
     model's on the same dequantized weights exactly."""
     types = {"down_proj": T.Q6_K, "layers.0.self_attn.v_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}

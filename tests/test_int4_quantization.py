@@ -15,7 +15,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
+from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout, pack_q4_panels, pack_q4kc_panels
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.vocab_embedding import Q8_HEAD_MAX_ROWS, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.engine.arg_utils import set_quantization
@@ -38,7 +38,7 @@ from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.model_fixtures import (Chunk, PagedBatchRunner, quantize_gguf, smollm_path, teacher_forced,
                                   write_tiny_gguf)
-from tests.native_paths import native_or_fallback
+from tests.native_paths import native_build, native_or_fallback
 
 BF16_EPS = 2.0**-8  # bfloat16 keeps 8 significant bits: rounding moves a value by at most |v| * 2^-9
 
@@ -51,6 +51,7 @@ def kernel_path(request, monkeypatch):
     """Which kernel the layers built in the test pack for: gemm.c's (its AVX2 body too, where the CPU has AVX-512),
     or torch's int4 one."""
     native_or_fallback(request.param, monkeypatch, "gemm_q4k")
+    native_or_fallback(request.param, monkeypatch, "gemm_q4kc")
     return native_or_fallback(request.param, monkeypatch, "gemm_q4")
 
 
@@ -105,6 +106,26 @@ def test_q4_k_blocks_unpack_as_gguf_dequantizes_them():
     assert not np.array_equal(scales.astype(np.float16).astype(np.float32), scales)
 
 
+@pytest.mark.parametrize("path", ["native", "avx2"])
+def test_q4_k_compact_panels_are_the_dense_product(path):
+    """Q4_K's d * sc and -dmin * m, from blocks of any bytes, factor per super-block, so its compact panels
+    (gemm_q4kc_f32: under 0.8 of the float32 layout's bytes) give the dense product bit for bit, in both bodies;
+    scales that are no such products keep the float32 layout."""
+    kernel = native_build(path, "gemm_q4kc")
+    rng = np.random.default_rng(12)
+    blocks = rng.integers(0, 256, (80, 4, 144), dtype=np.uint8)
+    blocks[..., :4] = rng.uniform(1e-3, 0.1, (80, 4, 2)).astype(np.float16).view(np.uint8)
+    blocks = blocks.reshape(80, -1)
+    codes, scales, zeros = (torch.from_numpy(a) for a in unpack_q4(blocks, GGMLQuantizationType.Q4_K))
+    panels = pack_q4kc_panels(codes, scales, zeros)
+    assert panels is not None and panels.numel() < 0.8 * pack_q4_panels(codes, scales, zeros, torch.float32).numel()
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, GGMLQuantizationType.Q4_K)))
+    for rows in (1, 5, 40):  # one row (split by half panels), one tile, a dequantized scratch panel
+        x = torch.randn(rows, 1024)
+        assert torch.equal(kernel(x, panels, None, 80), dense.linear(x))
+    assert pack_q4kc_panels(codes, torch.rand(scales.shape, generator=torch.Generator().manual_seed(0)), zeros) is None
+
+
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
                                          GGMLQuantizationType.Q4_K])
 def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
@@ -115,11 +136,13 @@ def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
     assert layer.qweight.dtype == torch.uint8
     if kernel_path == "torch":
         assert layer.qweight.shape == (96, 128)  # two codes a byte
-    else:  # two 64-column panels of eight 32-row blocks: scales (fp16; Q4_K float32), float32 zeros, 32 x 32 codes
-        scale_bytes = 4 if tensor_type == GGMLQuantizationType.Q4_K else 2
-        assert layer.qweight.shape == (2, 8, 64 * scale_bytes + 64 * 4 + 32 * 32)
-        assert layer.quant_method.packed.kernel.name == (
-            "gemm_q4k_f32" if tensor_type == GGMLQuantizationType.Q4_K else "gemm_q4_f32")
+    elif tensor_type == GGMLQuantizationType.Q4_K:  # two 64-column panels: a super-block's header (float32 scale and
+        # zero factors), then eight 32-row blocks of uint8 scale and zero multipliers and 32 x 32 codes
+        assert layer.qweight.shape == (2, 64 * 4 * 2 + 8 * (64 + 64 + 32 * 32))
+        assert layer.quant_method.packed.kernel.name == "gemm_q4kc_f32"
+    else:  # two 64-column panels of eight 32-row blocks: fp16 scales, float32 zeros, 32 x 32 codes
+        assert layer.qweight.shape == (2, 8, 64 * 2 + 64 * 4 + 32 * 32)
+        assert layer.quant_method.packed.kernel.name == "gemm_q4_f32"
     # The loader's dequantized weight, as the dense path holds it (rounded as the native kernel rounds).
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
     for rows in (1, 5, 6, 7, 40):  # one tile (dequantized as it goes) and more (through a dense scratch panel)

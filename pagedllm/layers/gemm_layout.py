@@ -17,6 +17,7 @@ Which layout a model gets is its engine's WeightLayout, handed to every layer by
 decided by module state, so two engines in one process lay out their weights independently.
 """
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -177,8 +178,13 @@ class QuantizedWeight:
     def _nibbles(cls, kernels: tuple[str, str], codes: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, layout: WeightLayout | None) -> "QuantizedWeight":
         """Nibble panels (pack_q4_panels) for the first of ``kernels`` where every scale is an fp16 value, else,
-        with float32 scales, for the second."""
+        with float32 scales, for the second; Q4 codes with float32 scales and zeros (Q4_K's) in the compact panels
+        of gemm_q4kc_f32 where those factor (pack_q4kc_panels)."""
         fp16 = _fp16_values(scales)
+        if not fp16 and kernels[1] == "gemm_q4k" and zeros is not None and native.gemm_q4kc() is not None:
+            panels = pack_q4kc_panels(codes, scales, zeros)
+            if panels is not None:
+                return cls("gemm_q4kc", panels, codes.shape[0], layout)
         panels = pack_q4_panels(codes, scales, zeros, torch.float16 if fp16 else torch.float32)
         return cls(kernels[0] if fp16 else kernels[1], panels, codes.shape[0], layout)
 
@@ -221,6 +227,63 @@ def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     nibbles = (by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous()
     params = [to_block(scales, scale_dtype)] + ([] if zeros is None else [to_block(zeros, torch.float32)])
     return torch.cat([*params, to_block(nibbles)], dim=-1)
+
+
+SUPER = 8  # blocks per super-block of 256 in gemm_q4kc_f32's panels (gemm.c's SUPER)
+
+
+def factor_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``[N, B]`` float32 per-block values, B a multiple of SUPER -> per super-block factors ``[N, B / SUPER]``
+    (float32) and per-block multipliers ``[N, B]`` (uint8) with factor * multiplier == value exactly in float32; None
+    where some super-block has none (values of both signs, or multipliers past 255). A Q4_K super-block's d * sc
+    (and -dmin * m) always factors so: the factor is the greatest common divisor of the super-block's values, each
+    as an integer significand at the super-block's smallest exponent."""
+    n, blocks = values.shape
+    v = values.reshape(n, blocks // SUPER, SUPER).numpy().astype(np.float32)
+    sign = np.where((v < 0).any(-1), np.float32(-1), np.float32(1))[..., None]
+    if ((v * sign) < 0).any() or not np.isfinite(v).all():
+        return None
+    significand, exponent = np.frexp(np.abs(v))
+    integers = (significand.astype(np.float64) * 2.0 ** 24).astype(np.int64)  # exact: 24-bit significands
+    exponent = exponent.astype(np.int64) - 24
+    lowest = np.where(integers > 0, exponent, np.iinfo(np.int64).max).min(-1, keepdims=True)
+    shift = np.where(integers > 0, exponent - lowest, 0)
+    if (shift > 30).any():
+        return None
+    aligned = integers << shift
+    gcd = np.gcd.reduce(aligned, axis=-1, keepdims=True)
+    multipliers = aligned // np.maximum(gcd, 1)
+    factors = np.where(gcd > 0, np.ldexp(gcd.astype(np.float64), np.where(gcd > 0, lowest, 0)), 0.0) * sign
+    factors = factors.astype(np.float32)
+    if (multipliers > 255).any() or not np.array_equal(factors * multipliers.astype(np.float32), v):
+        return None
+    return (torch.from_numpy(factors.reshape(n, -1).copy()),
+            torch.from_numpy(multipliers.astype(np.uint8).reshape(n, blocks)))
+
+
+def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
+    """``[N, K]`` codes in [0, 16) and ``[N, K / 32]`` float32 scales and zeros (Q4_K's d * sc and -dmin * m) ->
+    gemm_q4kc_f32's panels, ``[ceil(N / 64), K / 256 * 512 + K / 32 * 1152]`` bytes: a header of each super-block's
+    64 scale factors then 64 zero factors (float32), then per block of 32 the 64 columns' scale multipliers, zero
+    multipliers (uint8) and pack_q4_panels' 32 rows of nibbles. None where K is no multiple of 256 or the scales or
+    zeros do not factor (factor_blocks): such weights keep pack_q4_panels' float32 layout."""
+    if codes.shape[1] % (QBLOCK * SUPER):
+        return None
+    scale_parts, zero_parts = factor_blocks(scales.float()), factor_blocks(zeros.float())
+    if scale_parts is None or zero_parts is None:
+        return None
+    by_row, to_block = _panel_blocks(codes, scales, torch.float32)
+    nibbles = to_block((by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous())
+    records = torch.cat([to_block(scale_parts[1]), to_block(zero_parts[1]), nibbles], dim=-1)
+    n, panels = codes.shape[0], nibbles.shape[0]
+
+    def per_super_block(factors: torch.Tensor) -> torch.Tensor:  # [N, S] -> [panel, S, 64]
+        padded = torch.zeros(panels * PANEL, factors.shape[1], dtype=torch.float32)
+        padded[:n] = factors
+        return padded.view(panels, PANEL, -1).permute(0, 2, 1)
+
+    header = torch.cat([per_super_block(scale_parts[0]), per_super_block(zero_parts[0])], dim=-1)
+    return torch.cat([header.contiguous().view(torch.uint8).reshape(panels, -1), records.reshape(panels, -1)], dim=-1)
 
 
 def pack_q8_panels(codes: torch.Tensor, scales: torch.Tensor, scale_dtype: torch.dtype = torch.float16,

@@ -158,6 +158,13 @@ def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 
 @functools.cache
+def gemm_q4kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over Q4 panels whose scales and zeros are factored per super-block of 256 (gemm_q4kc_f32: GGUF
+    Q4_K's compact form), or None."""
+    return _quant_gemm("gemm_q4kc", extra_flags)
+
+
+@functools.cache
 def gemm_q5k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over GGUF Q5_K panels (gemm_q5k_f32: int8 codes, float32 scales and zeros per 32), or None."""
     return _quant_gemm("gemm_q5k", extra_flags)

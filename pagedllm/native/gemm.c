@@ -13,8 +13,9 @@
  * later tiles over a panel fetch its next panel into L2 (panel_rows).
  *
  * gemm_quant_f32 does the same against GGUF weights kept quantized, in one of the formats below (its last argument):
- * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.75, its
- * scales float32), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed values), Q8_0 (1.06), Q6_K and Q3_K
+ * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.59 in
+ * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
+ * values), Q8_0 (1.06), Q6_K and Q3_K
  * (1.25: int8 codes, a float32 scale per 16), Q5_K (1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.5,
  * the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
@@ -342,10 +343,15 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * Q3_K's q - 4, Q5_K's and Q2_K's q). A weight is code * scale + zero (Q4_0: zero -8 d, Q4_1: m, Q4_K, Q5_K and
  * Q2_K: -dmin m; none for Q8, Q6K and the IQ4 formats). A code of up to 5 bits times an fp16 scale or a d * sc is
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
- * loader's dequantization does. So results equal the dense kernel's. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7 };
+ * loader's dequantization does. So results equal the dense kernel's.
+ * Q4KC, Q4_K's compact form: a block's scales and zeros are factored per super-block of 256 (SUPER blocks), each
+ * column's d' and z' (float32) in a panel header ahead of the records, each block's multipliers (uint8) in its
+ * record: scale = multiplier * d', zero = multiplier * z', products exact in float32 (the packer checks them, as
+ * Q4_K's d * sc and -dmin * m are), so the weights are Q4K's to the bit in 0.59 bytes a weight instead of 0.75. */
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
-#define FOR_EACH_FORMAT(CASE) CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K)
+#define FOR_EACH_FORMAT(CASE)                                                                                 \
+    CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC)
 /* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
  * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -353,12 +359,35 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 
 static inline int qblock(const int fmt) { return fmt == Q6K || fmt == Q2K ? 16 : QBLOCK; }
 static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K; }
-static inline int has_zeros(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K; }
+static inline int has_zeros(const int fmt) {
+    return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC;
+}
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
-static inline int scale_bytes(const int fmt) { return NR * (fmt == Q4 || fmt == Q8 || fmt == IQ4NL ? 2 : 4); }
-static inline int codes_at(const int fmt) { return scale_bytes(fmt) + (has_zeros(fmt) ? NR * 4 : 0); }
+static inline int factored(const int fmt) { return fmt == Q4KC; }
+/* bytes of a record's scales: fp16, float32, or (factored) uint8 multipliers; its zeros are float32, or factored
+ * multipliers as its scales */
+static inline int scale_bytes(const int fmt) {
+    return NR * (factored(fmt) ? 1 : fmt == Q4 || fmt == Q8 || fmt == IQ4NL ? 2 : 4);
+}
+static inline int codes_at(const int fmt) {
+    return scale_bytes(fmt) + (has_zeros(fmt) ? (factored(fmt) ? NR : NR * 4) : 0);
+}
 static inline int record_bytes(const int fmt) {
     return codes_at(fmt) + qblock(fmt) * (int8_codes(fmt) ? NR : NR / 2);
+}
+#define SUPER 8 /* blocks per super-block of a factored format: a header entry each, its d' and z' for 64 columns */
+static inline int64_t header_bytes(int K, const int fmt) {
+    return factored(fmt) ? (int64_t)(K / (QBLOCK * SUPER)) * NR * 2 * 4 : 0;
+}
+static inline int64_t quant_panel_bytes(int K, const int fmt) {
+    return header_bytes(K, fmt) + (int64_t)(K / qblock(fmt)) * record_bytes(fmt);
+}
+static inline const uint8_t *record_at(const uint8_t *panel, int K, int blk, const int fmt) {
+    return panel + header_bytes(K, fmt) + (int64_t)blk * record_bytes(fmt);
+}
+/* A factored format's d' (then z') for the panel's 64 columns in block blk's super-block; NULL for the others. */
+static inline const float *factors_at(const uint8_t *panel, int blk, const int fmt) {
+    return factored(fmt) ? (const float *)(panel + (int64_t)(blk / SUPER) * NR * 2 * 4) : NULL;
 }
 #endif
 
@@ -366,10 +395,23 @@ static inline int record_bytes(const int fmt) {
 #define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* an explicitly rounded product: never fused */
 #define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
 
-static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const int fmt, __m512 s[4],
-                                                               __m512 z[4], const unsigned vectors) {
+/* 16 uint8 multipliers times their factors (exact products, a factored format's scales or zeros). */
+static inline __m512 factored16(const uint8_t *multipliers, const float *factors) {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)multipliers))),
+                         _mm512_loadu_ps(factors));
+}
+
+/* The scales and zeros of a block's record; `factors` its super-block's (factors_at). */
+static inline __attribute__((always_inline)) void block_scales(const uint8_t *record, const float *factors,
+                                                               const int fmt, __m512 s[4], __m512 z[4],
+                                                               const unsigned vectors) {
     for (int j = 0; j < 4; j++) {
         if (!(vectors >> j & 1u)) continue;
+        if (factored(fmt)) {
+            s[j] = factored16(record + 16 * j, factors + 16 * j);
+            z[j] = factored16(record + NR + 16 * j, factors + NR + 16 * j);
+            continue;
+        }
         s[j] = scale_bytes(fmt) == NR * 4 ? _mm512_loadu_ps((const float *)record + 16 * j)
                                           : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(record + 32 * j)));
         z[j] = has_zeros(fmt) ? _mm512_loadu_ps((const float *)(record + scale_bytes(fmt)) + 16 * j)
@@ -424,9 +466,9 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, int
     const int bytes = record_bytes(fmt);
     const int block = qblock(fmt);
     for (int blk = 0; blk < K / block; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * bytes;
+        const uint8_t *record = record_at(panel, K, blk, fmt);
         __m512 s[4], z[4];
-        block_scales(record, fmt, s, z, vectors);
+        block_scales(record, factors_at(panel, blk, fmt), fmt, s, z, vectors);
         for (int kk = 0; kk < block; kk++) {
             for (int line = kk; line < bytes / 64; line += block) /* the record 3 ahead, a line or two a row */
                 _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
@@ -479,9 +521,9 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
                                                                 const int fmt) {
     const int block = qblock(fmt);
     for (int blk = 0; blk < K / block; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
+        const uint8_t *record = record_at(panel, K, blk, fmt);
         __m512 s[4], z[4];
-        block_scales(record, fmt, s, z, ALL_VECTORS);
+        block_scales(record, factors_at(panel, blk, fmt), fmt, s, z, ALL_VECTORS);
         for (int kk = 0; kk < block; kk++) {
             __m512 w[4];
             dequant_row(record, kk, fmt, s, z, w, ALL_VECTORS);
@@ -498,7 +540,22 @@ typedef struct {
     __m256 s, s4, z, z4;
 } PairParams;
 
-static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, int j, const int fmt) {
+/* 8 uint8 multipliers times their factors (exact products, a factored format's scales or zeros). */
+static inline __m256 factored8(const uint8_t *multipliers, const float *factors) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)multipliers))),
+                         _mm256_loadu_ps(factors));
+}
+
+/* `factors`: the block's super-block's (factors_at). */
+static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, const float *factors, int j,
+                                                                    const int fmt) {
+    if (factored(fmt)) {
+        const PairParams p = {factored8(record + 8 * j, factors + 8 * j),
+                              factored8(record + 8 * (j + 4), factors + 8 * (j + 4)),
+                              factored8(record + NR + 8 * j, factors + NR + 8 * j),
+                              factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4))};
+        return p;
+    }
     const float *zeros = (const float *)(record + scale_bytes(fmt));
     const int wide = scale_bytes(fmt) == NR * 4;
     const PairParams p = {wide ? _mm256_loadu_ps((const float *)record + 8 * j)
@@ -558,12 +615,14 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
     const int block = qblock(fmt);
     const int j_begin = half == 1 ? 2 : 0, j_end = half == 0 ? 2 : 4;
     for (int blk = 0; blk < K / block; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * bytes;
+        const uint8_t *record = record_at(panel, K, blk, fmt);
+        const float *factors = factors_at(panel, blk, fmt);
         const float *xb = x + blk * block;
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
         for (int j = j_begin; j < j_end; j += 2) {
-            const PairParams params = pair_params(record, j, fmt), params1 = pair_params(record, j + 1, fmt);
+            const PairParams params = pair_params(record, factors, j, fmt);
+            const PairParams params1 = pair_params(record, factors, j + 1, fmt);
             __m256 cj = c[j], cj4 = c[j + 4], cj1 = c[j + 1], cj5 = c[j + 5];
             for (int kk = 0; kk < block; kk++) {
                 __m256 w, w4, w1, w5;
@@ -593,9 +652,9 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
                                                                 const int fmt) {
     const int block = qblock(fmt);
     for (int blk = 0; blk < K / block; blk++) {
-        const uint8_t *record = panel + (int64_t)blk * record_bytes(fmt);
+        const uint8_t *record = record_at(panel, K, blk, fmt);
         for (int j = 0; j < 4; j++) {
-            const PairParams params = pair_params(record, j, fmt);
+            const PairParams params = pair_params(record, factors_at(panel, blk, fmt), j, fmt);
             for (int kk = 0; kk < block; kk++) {
                 __m256 w, w4;
                 dequant_pair(record, kk, j, fmt, &params, &w, &w4);
@@ -613,7 +672,7 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
  * panels go by row_quant's blocks as ever. */
 static void quant_row_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
                              int num_threads, int format) {
-    const int64_t panel_bytes = (int64_t)(K / qblock(format)) * record_bytes(format);
+    const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
         HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
@@ -654,12 +713,12 @@ static inline __attribute__((always_inline)) void quant_item(const float *x, int
 
 int gemm_quant_available(void) { return 1; }
 
-/* packed: [ceil(N / 64), K / qblock(format), record_bytes(format)] bytes of records of one format (the enum above,
+/* packed: [ceil(N / 64), quant_panel_bytes(K, format)] bytes of panels of one format (the enum above,
  * which native/gemms.py's QUANT_FORMATS numbers alike); K a multiple of the format's block. The rest as
  * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
-    if (format < Q4 || format > Q2K || K % qblock(format) != 0) return -1;
+    if (format < Q4 || format > Q4KC || K % (factored(format) ? QBLOCK * SUPER : qblock(format)) != 0) return -1;
     if (M == 1) {
         quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
         return 0;
@@ -668,7 +727,7 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
     const int items = panels * row_blocks;
-    const int64_t panel_bytes = (int64_t)(K / qblock(format)) * record_bytes(format);
+    const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
         /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
