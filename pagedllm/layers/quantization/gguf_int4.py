@@ -5,8 +5,9 @@ float32 one. A GGUF Q4 block is 32 weights along the input dim with a scale and
 a zero (models/gguf_loader.unpack_q4): ``w = q * scale + zero``, Q4_0
 ``w = d (q - 8)`` giving zero ``-8 d``, Q4_1 ``w = d q + m`` zero ``m``, Q4_K
 (32 of a 256 super-block) ``w = (d sc) q - dmin m``.
-In float32 on CPU with AVX-512 or AVX2 the native kernel (native/gemm.c, ``gemm_q4_f32``,
-``gemm_q4k_f32`` for Q4_K's float32 scales) multiplies by these exactly as the
+In float32 on CPU with AVX-512 or AVX2 the native kernel (native/gemm.c, ``gemm_q4_f32``; for Q4_K
+``gemm_q4kc_f32``, its scales and zeros factored per super-block, or ``gemm_q4k_f32`` with them
+float32) multiplies by these exactly as the
 dense path multiplies by the dequantized weights; elsewhere torch's CPU int4
 kernel does, its scales and zeros rounded to bf16 and its activations run in bf16.
 """
