@@ -34,7 +34,7 @@ CASES = {
     "qwen3_moe-q4_k_m": (Qwen3MoeConfig, Qwen3MoeForCausalLM, OurQwen3Moe, "qwen3moe",
                          dict(hidden_size=256, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                               norm_topk_prob=True),
-                         {"down_proj": T.Q6_K}, T.Q4_K, [("gemm_q4kc_f32", 512)], "gemm_q6k_f32"),
+                         {"down_proj": T.Q6_K}, T.Q4_K, [("gemm_q4kc_f32", 512)], "gemm_q6kc_f32"),
     "mixtral-mixed": (MixtralConfig, MixtralForCausalLM, OurMixtral, "llama",
                       dict(num_local_experts=4, num_experts_per_tok=2),
                       {"gate_proj": T.Q4_0, "up_proj": T.Q8_0, "down_proj": T.Q4_1}, T.Q8_0,
@@ -80,7 +80,7 @@ def test_gguf_int4_keeps_a_q4_k_m_files_experts_packed(tmp_path):
                     layer_type=lambda name: next((t for key, t in types.items() if key in name), default))
     model, _ = _load(path, "gguf_int4")
     method = model.model.layers[0].mlp.experts.quant_method
-    assert isinstance(method, GGUFFusedMoEMethod) and method.w2[0].kernel.name == "gemm_q6k_f32"
+    assert isinstance(method, GGUFFusedMoEMethod) and method.w2[0].kernel.name == "gemm_q6kc_f32"
     assert get_quant_config("gguf_int4", path, model_class).summary(model).endswith(
         "experts kept packed: Q4_K+Q6_K x2; experts dequantized at load: none")
 

@@ -201,6 +201,10 @@ class QuantizedWeight:
             return cls("gemm_q5k" if block == QBLOCK else "gemm_q2k", panels, codes.shape[0], layout)
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
+        if native.gemm_q6kc() is not None:
+            panels = pack_q6kc_panels(codes, scales)
+            if panels is not None:
+                return cls("gemm_q6kc", panels, codes.shape[0], layout)
         return cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), codes.shape[0], layout)
 
     @classmethod
@@ -229,18 +233,23 @@ def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return torch.cat([*params, to_block(nibbles)], dim=-1)
 
 
-SUPER = 8  # blocks per super-block of 256 in gemm_q4kc_f32's panels (gemm.c's SUPER)
+SUPER_K = 256  # weights along K per super-block of the factored panels (gemm.c's SUPER_K)
 
 
-def factor_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``[N, B]`` float32 per-block values, B a multiple of SUPER -> per super-block factors ``[N, B / SUPER]``
-    (float32) and per-block multipliers ``[N, B]`` (uint8) with factor * multiplier == value exactly in float32; None
-    where some super-block has none (values of both signs, or multipliers past 255). A Q4_K super-block's d * sc
-    (and -dmin * m) always factors so: the factor is the greatest common divisor of the super-block's values, each
-    as an integer significand at the super-block's smallest exponent."""
+def factor_blocks(values: torch.Tensor, per_super: int, signed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``[N, B]`` float32 per-block values, B a multiple of ``per_super`` -> per super-block factors
+    ``[N, B / per_super]`` (float32) and per-block multipliers ``[N, B]`` (uint8, or ``signed`` int8) with
+    factor * multiplier == value exactly in float32; None where some super-block has none (unsigned: values of both
+    signs; multipliers past the type's range). A Q4_K super-block's d * sc (and -dmin * m), a Q6_K one's d * sc,
+    always factor so: the factor is the greatest common divisor of the super-block's values, each as an integer
+    significand at the super-block's smallest exponent."""
     n, blocks = values.shape
-    v = values.reshape(n, blocks // SUPER, SUPER).numpy().astype(np.float32)
-    sign = np.where((v < 0).any(-1), np.float32(-1), np.float32(1))[..., None]
+    v = values.reshape(n, blocks // per_super, per_super).numpy().astype(np.float32)
+    if signed:
+        sign = np.where(v < 0, np.float32(-1), np.float32(1))
+    else:
+        sign = np.where((v < 0).any(-1), np.float32(-1), np.float32(1))[..., None]
     if ((v * sign) < 0).any() or not np.isfinite(v).all():
         return None
     significand, exponent = np.frexp(np.abs(v))
@@ -252,13 +261,18 @@ def factor_blocks(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | N
         return None
     aligned = integers << shift
     gcd = np.gcd.reduce(aligned, axis=-1, keepdims=True)
-    multipliers = aligned // np.maximum(gcd, 1)
-    factors = np.where(gcd > 0, np.ldexp(gcd.astype(np.float64), np.where(gcd > 0, lowest, 0)), 0.0) * sign
-    factors = factors.astype(np.float32)
-    if (multipliers > 255).any() or not np.array_equal(factors * multipliers.astype(np.float32), v):
+    factors = np.where(gcd > 0, np.ldexp(gcd.astype(np.float64), np.where(gcd > 0, lowest, 0)), 0.0)
+    if signed:
+        multipliers = (aligned // np.maximum(gcd, 1)) * sign.astype(np.int64)
+        factors, low, high, dtype = factors.astype(np.float32), -128, 127, np.int8
+    else:
+        multipliers = aligned // np.maximum(gcd, 1)
+        factors, low, high, dtype = (factors * sign).astype(np.float32), 0, 255, np.uint8
+    if (multipliers < low).any() or (multipliers > high).any() or not np.array_equal(
+            factors * multipliers.astype(np.float32), v):
         return None
     return (torch.from_numpy(factors.reshape(n, -1).copy()),
-            torch.from_numpy(multipliers.astype(np.uint8).reshape(n, blocks)))
+            torch.from_numpy(multipliers.astype(dtype).reshape(n, blocks)))
 
 
 def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor | None:
@@ -267,22 +281,45 @@ def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     64 scale factors then 64 zero factors (float32), then per block of 32 the 64 columns' scale multipliers, zero
     multipliers (uint8) and pack_q4_panels' 32 rows of nibbles. None where K is no multiple of 256 or the scales or
     zeros do not factor (factor_blocks): such weights keep pack_q4_panels' float32 layout."""
-    if codes.shape[1] % (QBLOCK * SUPER):
+    if codes.shape[1] % SUPER_K:
         return None
-    scale_parts, zero_parts = factor_blocks(scales.float()), factor_blocks(zeros.float())
+    per_super = SUPER_K // QBLOCK
+    scale_parts, zero_parts = factor_blocks(scales.float(), per_super), factor_blocks(zeros.float(), per_super)
     if scale_parts is None or zero_parts is None:
         return None
     by_row, to_block = _panel_blocks(codes, scales, torch.float32)
     nibbles = to_block((by_row[..., : PANEL // 2] | (by_row[..., PANEL // 2 :] << 4)).contiguous())
     records = torch.cat([to_block(scale_parts[1]), to_block(zero_parts[1]), nibbles], dim=-1)
-    n, panels = codes.shape[0], nibbles.shape[0]
+    return _with_header(records, codes.shape[0], [scale_parts[0], zero_parts[0]])
 
-    def per_super_block(factors: torch.Tensor) -> torch.Tensor:  # [N, S] -> [panel, S, 64]
-        padded = torch.zeros(panels * PANEL, factors.shape[1], dtype=torch.float32)
-        padded[:n] = factors
+
+def pack_q6kc_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
+    """``[N, K]`` int8 codes and ``[N, K / 16]`` float32 scales (Q6_K's d * sc, Q3_K's d * (sc - 32)) ->
+    gemm_q6kc_f32's panels, ``[ceil(N / 64), K / 256 * 256 + K / 16 * 1088]`` bytes: a header of each super-block's
+    64 scale factors (float32), then per block of 16 the 64 columns' scale multipliers (int8) and pack_q8_panels' 16
+    rows of codes. None where K is no multiple of 256 or the scales do not factor: such weights keep
+    pack_q8_panels' float32 layout."""
+    if codes.shape[1] % SUPER_K:
+        return None
+    scale_parts = factor_blocks(scales.float(), SUPER_K // Q6K_BLOCK, signed=True)
+    if scale_parts is None:
+        return None
+    by_row, to_block = _panel_blocks(codes, scales, torch.float32, Q6K_BLOCK)
+    records = torch.cat([to_block(scale_parts[1]), to_block(by_row.contiguous())], dim=-1)
+    return _with_header(records, codes.shape[0], [scale_parts[0]])
+
+
+def _with_header(records: torch.Tensor, n: int, factors: list[torch.Tensor]) -> torch.Tensor:
+    """A factored format's panels: per panel a header of each super-block's factors (``factors``' tensors
+    ``[N, super-blocks]`` float32, 64 columns of each in turn), then its ``records`` ``[panel, block, bytes]``."""
+    panels = records.shape[0]
+
+    def per_super_block(values: torch.Tensor) -> torch.Tensor:  # [N, S] -> [panel, S, 64]
+        padded = torch.zeros(panels * PANEL, values.shape[1], dtype=torch.float32)
+        padded[:n] = values
         return padded.view(panels, PANEL, -1).permute(0, 2, 1)
 
-    header = torch.cat([per_super_block(scale_parts[0]), per_super_block(zero_parts[0])], dim=-1)
+    header = torch.cat([per_super_block(f) for f in factors], dim=-1)
     return torch.cat([header.contiguous().view(torch.uint8).reshape(panels, -1), records.reshape(panels, -1)], dim=-1)
 
 

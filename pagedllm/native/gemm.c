@@ -15,9 +15,8 @@
  * gemm_quant_f32 does the same against GGUF weights kept quantized, in one of the formats below (its last argument):
  * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.59 in
  * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
- * values), Q8_0 (1.06), Q6_K and Q3_K
- * (1.25: int8 codes, a float32 scale per 16), Q5_K (1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.5,
- * the same per 16).
+ * values), Q8_0 (1.06), Q6_K and Q3_K (1.08 in their compact form, Q6KC below; 1.25: int8 codes, a float32 scale
+ * per 16), Q5_K (1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.5, the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
@@ -344,26 +343,29 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * Q2_K: -dmin m; none for Q8, Q6K and the IQ4 formats). A code of up to 5 bits times an fp16 scale or a d * sc is
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
  * loader's dequantization does. So results equal the dense kernel's.
- * Q4KC, Q4_K's compact form: a block's scales and zeros are factored per super-block of 256 (SUPER blocks), each
- * column's d' and z' (float32) in a panel header ahead of the records, each block's multipliers (uint8) in its
- * record: scale = multiplier * d', zero = multiplier * z', products exact in float32 (the packer checks them, as
- * Q4_K's d * sc and -dmin * m are), so the weights are Q4K's to the bit in 0.59 bytes a weight instead of 0.75. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8 };
+ * The factored formats, Q4KC (Q4_K's compact form) and Q6KC (Q6_K's and Q3_K's): a block's scales (and zeros) are
+ * factored per super-block of 256, each column's d' (and z', float32) in a panel header ahead of the records, each
+ * block's multipliers in its record (uint8; Q6KC's int8): scale = multiplier * d', zero = multiplier * z', products
+ * exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and Q6_K's d * sc are), so the weights
+ * are Q4K's and Q6K's to the bit in 0.59 bytes a weight instead of 0.75, and 1.08 instead of 1.25. */
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
 #define FOR_EACH_FORMAT(CASE)                                                                                 \
-    CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC)
+    CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC) CASE(Q6KC)
 /* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
  * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
-static inline int qblock(const int fmt) { return fmt == Q6K || fmt == Q2K ? 16 : QBLOCK; }
-static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K; }
+static inline int qblock(const int fmt) { return fmt == Q6K || fmt == Q2K || fmt == Q6KC ? 16 : QBLOCK; }
+static inline int int8_codes(const int fmt) {
+    return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K || fmt == Q6KC;
+}
 static inline int has_zeros(const int fmt) {
     return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC;
 }
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
-static inline int factored(const int fmt) { return fmt == Q4KC; }
+static inline int factored(const int fmt) { return fmt == Q4KC || fmt == Q6KC; }
 /* bytes of a record's scales: fp16, float32, or (factored) uint8 multipliers; its zeros are float32, or factored
  * multipliers as its scales */
 static inline int scale_bytes(const int fmt) {
@@ -375,9 +377,11 @@ static inline int codes_at(const int fmt) {
 static inline int record_bytes(const int fmt) {
     return codes_at(fmt) + qblock(fmt) * (int8_codes(fmt) ? NR : NR / 2);
 }
-#define SUPER 8 /* blocks per super-block of a factored format: a header entry each, its d' and z' for 64 columns */
+#define SUPER_K 256 /* weights along K per super-block of a factored format: a header entry each */
+/* A header entry: the 64 columns' d' (float32), then, with zeros, their z'. */
+static inline int factor_bytes(const int fmt) { return NR * 4 * (has_zeros(fmt) ? 2 : 1); }
 static inline int64_t header_bytes(int K, const int fmt) {
-    return factored(fmt) ? (int64_t)(K / (QBLOCK * SUPER)) * NR * 2 * 4 : 0;
+    return factored(fmt) ? (int64_t)(K / SUPER_K) * factor_bytes(fmt) : 0;
 }
 static inline int64_t quant_panel_bytes(int K, const int fmt) {
     return header_bytes(K, fmt) + (int64_t)(K / qblock(fmt)) * record_bytes(fmt);
@@ -387,7 +391,8 @@ static inline const uint8_t *record_at(const uint8_t *panel, int K, int blk, con
 }
 /* A factored format's d' (then z') for the panel's 64 columns in block blk's super-block; NULL for the others. */
 static inline const float *factors_at(const uint8_t *panel, int blk, const int fmt) {
-    return factored(fmt) ? (const float *)(panel + (int64_t)(blk / SUPER) * NR * 2 * 4) : NULL;
+    return factored(fmt) ? (const float *)(panel + (int64_t)(blk / (SUPER_K / qblock(fmt))) * factor_bytes(fmt))
+                         : NULL;
 }
 #endif
 
@@ -395,9 +400,11 @@ static inline const float *factors_at(const uint8_t *panel, int blk, const int f
 #define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* an explicitly rounded product: never fused */
 #define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
 
-/* 16 uint8 multipliers times their factors (exact products, a factored format's scales or zeros). */
-static inline __m512 factored16(const uint8_t *multipliers, const float *factors) {
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)multipliers))),
+/* 16 multipliers (uint8; int8 where `signed_multipliers`) times their factors (exact products, a factored format's
+ * scales or zeros). */
+static inline __m512 factored16(const uint8_t *multipliers, const float *factors, const int signed_multipliers) {
+    const __m128i m = _mm_loadu_si128((const __m128i *)multipliers);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(signed_multipliers ? _mm512_cvtepi8_epi32(m) : _mm512_cvtepu8_epi32(m)),
                          _mm512_loadu_ps(factors));
 }
 
@@ -408,8 +415,8 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
     for (int j = 0; j < 4; j++) {
         if (!(vectors >> j & 1u)) continue;
         if (factored(fmt)) {
-            s[j] = factored16(record + 16 * j, factors + 16 * j);
-            z[j] = factored16(record + NR + 16 * j, factors + NR + 16 * j);
+            s[j] = factored16(record + 16 * j, factors + 16 * j, fmt == Q6KC);
+            z[j] = has_zeros(fmt) ? factored16(record + NR + 16 * j, factors + NR + 16 * j, 0) : _mm512_setzero_ps();
             continue;
         }
         s[j] = scale_bytes(fmt) == NR * 4 ? _mm512_loadu_ps((const float *)record + 16 * j)
@@ -540,9 +547,11 @@ typedef struct {
     __m256 s, s4, z, z4;
 } PairParams;
 
-/* 8 uint8 multipliers times their factors (exact products, a factored format's scales or zeros). */
-static inline __m256 factored8(const uint8_t *multipliers, const float *factors) {
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)multipliers))),
+/* 8 multipliers (uint8; int8 where `signed_multipliers`) times their factors (exact products, a factored format's
+ * scales or zeros). */
+static inline __m256 factored8(const uint8_t *multipliers, const float *factors, const int signed_multipliers) {
+    const __m128i m = _mm_loadl_epi64((const __m128i *)multipliers);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(signed_multipliers ? _mm256_cvtepi8_epi32(m) : _mm256_cvtepu8_epi32(m)),
                          _mm256_loadu_ps(factors));
 }
 
@@ -550,10 +559,12 @@ static inline __m256 factored8(const uint8_t *multipliers, const float *factors)
 static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, const float *factors, int j,
                                                                     const int fmt) {
     if (factored(fmt)) {
-        const PairParams p = {factored8(record + 8 * j, factors + 8 * j),
-                              factored8(record + 8 * (j + 4), factors + 8 * (j + 4)),
-                              factored8(record + NR + 8 * j, factors + NR + 8 * j),
-                              factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4))};
+        const int zeros = has_zeros(fmt), signed_multipliers = fmt == Q6KC;
+        const PairParams p = {factored8(record + 8 * j, factors + 8 * j, signed_multipliers),
+                              factored8(record + 8 * (j + 4), factors + 8 * (j + 4), signed_multipliers),
+                              zeros ? factored8(record + NR + 8 * j, factors + NR + 8 * j, 0) : _mm256_setzero_ps(),
+                              zeros ? factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4), 0)
+                                    : _mm256_setzero_ps()};
         return p;
     }
     const float *zeros = (const float *)(record + scale_bytes(fmt));
@@ -718,7 +729,7 @@ int gemm_quant_available(void) { return 1; }
  * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
-    if (format < Q4 || format > Q4KC || K % (factored(format) ? QBLOCK * SUPER : qblock(format)) != 0) return -1;
+    if (format < Q4 || format > Q6KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
     if (M == 1) {
         quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
         return 0;

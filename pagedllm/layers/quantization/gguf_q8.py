@@ -1,6 +1,7 @@
 """GGUF Q8_0 weights kept 8-bit: int8 codes in blocks of 32 along the input dim with one fp16 scale each, as
 llama.cpp stores them (1.06 bytes a weight instead of float32's 4), a weight being ``code * scale``; and Q6_K ones
-as int8 codes ``q - 32`` with a float32 scale ``d * sc`` per 16 (1.25 bytes a weight; gemm_q6k_f32), and Q5_K ones
+as int8 codes ``q - 32`` with a scale ``d * sc`` per 16 (1.08 bytes a weight, the scales factored per super-block:
+gemm_q6kc_f32; 1.25 with them float32: gemm_q6k_f32), and Q5_K ones
 as int8 codes ``q`` with a float32 scale ``d * sc`` and zero ``-dmin * m`` per 32 (1.25 bytes; gemm_q5k_f32); Q3_K
 as Q6_K (codes ``q - 4``, scales ``d (sc - 32)`` per 16) and Q2_K as Q5_K per 16 (1.5 bytes; gemm_q2k_f32).
 
@@ -29,7 +30,8 @@ class GGUFQ8LinearMethod(GGUFLinearMethod):
 
 
 class GGUFQ6KLinearMethod(GGUFQ8LinearMethod):
-    """The same for Q6_K: codes ``q - 32`` and a float32 scale per 16 inputs, as gemm_q6k_f32's panels."""
+    """The same for Q6_K: codes ``q - 32`` and a float32 scale per 16 inputs, in gemm_q6kc_f32's panels (or
+    gemm_q6k_f32's where the scales do not factor per super-block)."""
 
     block = Q6K_BLOCK
 
