@@ -49,7 +49,8 @@ needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
 def q8_kernel(request, monkeypatch):
     """gemm_q8_f32 (and the other quantized GEMMs but Q4's) as built for this CPU, and its AVX2 body where the CPU
     has AVX-512."""
-    for kernel in ("gemm_q6k", "gemm_q6kc", "gemm_q5k", "gemm_q2k", "gemm_iq4nl", "gemm_iq4xs"):
+    for kernel in ("gemm_q6k", "gemm_q6kc", "gemm_q5k", "gemm_q5kc", "gemm_q2k", "gemm_q2kc", "gemm_iq4nl",
+                   "gemm_iq4xs"):
         native_or_fallback(request.param, monkeypatch, kernel)
     return native_or_fallback(request.param, monkeypatch, "gemm_q8")
 
@@ -100,14 +101,14 @@ def test_one_row_of_int8_codes_split_by_half_panels_between_threads_equals_the_d
 
 
 # per type kept packed besides Q4_0/Q4_1/Q4_K/Q8_0: its unpacking, method, kernel and panel shape for 96 x 512
-# (Q6_K and Q3_K: a header of 2 super-blocks' 64 float32 scale factors, then 32 blocks of 64 int8 multipliers and
-# 16 rows of 64 codes)
+# (the K-quants' factored panels: a header of 2 super-blocks' 64 float32 scale factors (and zero factors), then per
+# block 64 multipliers (and 64 more) and the block's rows of 64 int8 codes)
 PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 64))),
-              T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5k_f32", (2, 16, 2560)),
+              T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5kc_f32", (2, 2 * 512 + 16 * (128 + 32 * 64))),
               T.IQ4_XS: (lambda b: unpack_iq4(b, T.IQ4_XS), GGUFIQ4LinearMethod, "gemm_iq4xs_f32", (2, 16, 1280)),
               T.IQ4_NL: (lambda b: unpack_iq4(b, T.IQ4_NL), GGUFIQ4LinearMethod, "gemm_iq4nl_f32", (2, 16, 1152)),
               T.Q3_K: (unpack_q3_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 64))),
-              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2k_f32", (2, 32, 1536))}
+              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2kc_f32", (2, 2 * 512 + 32 * (128 + 16 * 64)))}
 # where the fp16 scales of a block of each type gguf-py cannot quantize sit, for _random_blocks
 FP16_AT = {T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}
 
@@ -128,9 +129,9 @@ def _random_blocks(rows: int, cols: int, tensor_type: T, seed: int) -> np.ndarra
 @needs_q8_kernel
 @pytest.mark.parametrize("tensor_type", sorted(PACKED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
 def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tensor_type):
-    """Q6_K (Q3_K) as int8 codes q - 32 (q - 4) with a scale per 16 inputs (factored per super-block: 1.08 bytes a
-    weight), Q5_K (Q2_K) as codes q with a
-    scale d * sc and zero -dmin * m per 32 (16) (1.25 / 1.5 bytes a weight), IQ4_XS and IQ4_NL as 4-bit indices into
+    """Q6_K (Q3_K) as int8 codes q - 32 (q - 4) with a scale per 16 inputs, Q5_K (Q2_K) as codes q with a scale
+    d * sc and zero -dmin * m per 32 (16), the scales and zeros factored per super-block (1.08, 1.09 / 1.16 bytes a
+    weight), IQ4_XS and IQ4_NL as 4-bit indices into
     their 16 values with a float32 (fp16) scale per 32 (0.63 / 0.56 bytes): one rounding per weight, the loader's,
     so gguf's dequantization and the dense GEMM's results exactly."""
     unpack, method, kernel, shape = PACKED_TYPES[tensor_type]
@@ -367,12 +368,12 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
 
 
 @pytest.mark.skipif(native.gemm_q4k() is None, reason="no gemm_q4k_f32 here (needs a C compiler and AVX-512 or AVX2)")
-@pytest.mark.parametrize("base, kernel", [(T.Q4_K, "gemm_q4kc_f32"), (T.Q5_K, "gemm_q5k_f32")])
+@pytest.mark.parametrize("base, kernel", [(T.Q4_K, "gemm_q4kc_f32"), (T.Q5_K, "gemm_q5kc_f32")])
 def test_q4_k_m_and_q5_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path, base, kernel):
     """A tiny Llama as a Q4_K_M (Q5_K_M) file has it (the types of most GGUF files people pull): Q4_K (Q5_K) layers,
     down_proj and one v_proj in Q6_K; and one o_proj in F16. The Q4_K (Q5_K) layers keep their codes with their
-    scales factored per super-block (gemm_q4kc_f32; Q5_K's float32: gemm_q5k_f32), the Q6_K ones 6-bit codes as int8
-    with factored scales (gemm_q6kc_f32), the fused qkv_proj with the Q6_K v each part in its own, the F16 one is
+    scales factored per super-block (gemm_q4kc_f32, gemm_q5kc_f32), the Q6_K ones 6-bit codes as int8 with factored
+    scales (gemm_q6kc_f32), the fused qkv_proj with the Q6_K v each part in its own, the F16 one is
     dequantized; the logits, so the greedy tokens, are the dense model's on the same dequantized weights exactly."""
     types = {"down_proj": T.Q6_K, "layers.0.self_attn.v_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}
     path = _tiny_llama(tmp_path, lambda name: next((t for key, t in types.items() if name.endswith(key)), base),

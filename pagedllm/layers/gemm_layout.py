@@ -197,12 +197,16 @@ class QuantizedWeight:
         -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32)."""
         if zeros is not None:  # per 32 (Q5_K) or 16 (Q2_K)
             block = codes.shape[1] // scales.shape[1]
-            panels = pack_q8_panels(codes, scales, torch.float32, block, zeros)
-            return cls("gemm_q5k" if block == QBLOCK else "gemm_q2k", panels, codes.shape[0], layout)
+            kernel = "gemm_q5k" if block == QBLOCK else "gemm_q2k"
+            if getattr(native, kernel + "c")() is not None:
+                panels = pack_q8kc_panels(codes, scales, zeros, block)
+                if panels is not None:
+                    return cls(kernel + "c", panels, codes.shape[0], layout)
+            return cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), codes.shape[0], layout)
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
         if native.gemm_q6kc() is not None:
-            panels = pack_q6kc_panels(codes, scales)
+            panels = pack_q8kc_panels(codes, scales)
             if panels is not None:
                 return cls("gemm_q6kc", panels, codes.shape[0], layout)
         return cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), codes.shape[0], layout)
@@ -293,20 +297,24 @@ def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return _with_header(records, codes.shape[0], [scale_parts[0], zero_parts[0]])
 
 
-def pack_q6kc_panels(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
-    """``[N, K]`` int8 codes and ``[N, K / 16]`` float32 scales (Q6_K's d * sc, Q3_K's d * (sc - 32)) ->
-    gemm_q6kc_f32's panels, ``[ceil(N / 64), K / 256 * 256 + K / 16 * 1088]`` bytes: a header of each super-block's
-    64 scale factors (float32), then per block of 16 the 64 columns' scale multipliers (int8) and pack_q8_panels' 16
-    rows of codes. None where K is no multiple of 256 or the scales do not factor: such weights keep
-    pack_q8_panels' float32 layout."""
+def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                     block: int = Q6K_BLOCK) -> torch.Tensor | None:
+    """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored int8-code panels:
+    without zeros gemm_q6kc_f32's (Q6_K's d * sc, Q3_K's d * (sc - 32), per 16, int8 multipliers), with them per 32
+    gemm_q5kc_f32's and per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's d * sc and -dmin * m, uint8 multipliers);
+    ``[ceil(N / 64), K / 256 * header + K / block * record]`` bytes: a header of each super-block's 64 scale factors
+    (then zero factors; float32), then per block the 64 columns' scale (then zero) multipliers and pack_q8_panels'
+    rows of codes. None where K is no multiple of 256 or the values do not factor: such weights keep pack_q8_panels'
+    float32 layout."""
     if codes.shape[1] % SUPER_K:
         return None
-    scale_parts = factor_blocks(scales.float(), SUPER_K // Q6K_BLOCK, signed=True)
-    if scale_parts is None:
+    signed, per_super = zeros is None, SUPER_K // block
+    parts = [factor_blocks(values.float(), per_super, signed) for values in ([scales] if signed else [scales, zeros])]
+    if any(part is None for part in parts):
         return None
-    by_row, to_block = _panel_blocks(codes, scales, torch.float32, Q6K_BLOCK)
-    records = torch.cat([to_block(scale_parts[1]), to_block(by_row.contiguous())], dim=-1)
-    return _with_header(records, codes.shape[0], [scale_parts[0]])
+    by_row, to_block = _panel_blocks(codes, scales, torch.float32, block)
+    records = torch.cat([*(to_block(part[1]) for part in parts), to_block(by_row.contiguous())], dim=-1)
+    return _with_header(records, codes.shape[0], [part[0] for part in parts])
 
 
 def _with_header(records: torch.Tensor, n: int, factors: list[torch.Tensor]) -> torch.Tensor:

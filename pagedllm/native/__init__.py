@@ -165,6 +165,19 @@ def gemm_q6kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 
 @functools.cache
+def gemm_q5kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same GEMM over int8-code panels whose scales and zeros are factored per super-block of 256
+    (gemm_q5kc_f32: GGUF Q5_K's compact form), or None."""
+    return _quant_gemm("gemm_q5kc", extra_flags)
+
+
+@functools.cache
+def gemm_q2kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same per 16 (gemm_q2kc_f32: GGUF Q2_K's compact form), or None."""
+    return _quant_gemm("gemm_q2kc", extra_flags)
+
+
+@functools.cache
 def gemm_q4kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over Q4 panels whose scales and zeros are factored per super-block of 256 (gemm_q4kc_f32: GGUF
     Q4_K's compact form), or None."""

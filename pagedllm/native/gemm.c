@@ -16,7 +16,8 @@
  * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.59 in
  * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
  * values), Q8_0 (1.06), Q6_K and Q3_K (1.08 in their compact form, Q6KC below; 1.25: int8 codes, a float32 scale
- * per 16), Q5_K (1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.5, the same per 16).
+ * per 16), Q5_K (1.09 compact; 1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.16; 1.5, the same per
+ * 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
@@ -343,29 +344,35 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * Q2_K: -dmin m; none for Q8, Q6K and the IQ4 formats). A code of up to 5 bits times an fp16 scale or a d * sc is
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
  * loader's dequantization does. So results equal the dense kernel's.
- * The factored formats, Q4KC (Q4_K's compact form) and Q6KC (Q6_K's and Q3_K's): a block's scales (and zeros) are
+ * The factored formats, Q4KC (Q4_K's compact form), Q6KC (Q6_K's and Q3_K's), Q5KC and Q2KC (Q5_K's and Q2_K's):
+ * a block's scales (and zeros) are
  * factored per super-block of 256, each column's d' (and z', float32) in a panel header ahead of the records, each
  * block's multipliers in its record (uint8; Q6KC's int8): scale = multiplier * d', zero = multiplier * z', products
  * exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and Q6_K's d * sc are), so the weights
- * are Q4K's and Q6K's to the bit in 0.59 bytes a weight instead of 0.75, and 1.08 instead of 1.25. */
-enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9 };
+ * are the float32 layouts' to the bit in 0.59 bytes a weight instead of 0.75 (Q4_K), 1.08 instead of 1.25 (Q6_K,
+ * Q3_K), 1.09 instead of 1.25 (Q5_K) and 1.16 instead of 1.5 (Q2_K). */
+enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
+       Q2KC = 11 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
 #define FOR_EACH_FORMAT(CASE)                                                                                 \
-    CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC) CASE(Q6KC)
+    CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC) CASE(Q6KC)      \
+    CASE(Q5KC) CASE(Q2KC)
 /* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
  * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
-static inline int qblock(const int fmt) { return fmt == Q6K || fmt == Q2K || fmt == Q6KC ? 16 : QBLOCK; }
+static inline int qblock(const int fmt) {
+    return fmt == Q6K || fmt == Q2K || fmt == Q6KC || fmt == Q2KC ? 16 : QBLOCK;
+}
 static inline int int8_codes(const int fmt) {
-    return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K || fmt == Q6KC;
+    return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K || fmt == Q6KC || fmt == Q5KC || fmt == Q2KC;
 }
 static inline int has_zeros(const int fmt) {
-    return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC;
+    return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC || fmt == Q5KC || fmt == Q2KC;
 }
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
-static inline int factored(const int fmt) { return fmt == Q4KC || fmt == Q6KC; }
+static inline int factored(const int fmt) { return fmt >= Q4KC; }
 /* bytes of a record's scales: fp16, float32, or (factored) uint8 multipliers; its zeros are float32, or factored
  * multipliers as its scales */
 static inline int scale_bytes(const int fmt) {
@@ -729,7 +736,7 @@ int gemm_quant_available(void) { return 1; }
  * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
-    if (format < Q4 || format > Q6KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
+    if (format < Q4 || format > Q2KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
     if (M == 1) {
         quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
         return 0;

@@ -26,7 +26,7 @@ MOE_QUANT = CFunction("moe_quant_f32", INT, *arguments("x", "router_logits", "w1
 GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, MOE_QUANT)
 # gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
 QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
-                 "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9}
+                 "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9, "gemm_q5kc": 10, "gemm_q2kc": 11}
 
 GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
 GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
@@ -58,6 +58,8 @@ PANELS = {
     "gemm_q4kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 32 * 1152)),
     "gemm_q6k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1280)),
     "gemm_q6kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 256 + k // 16 * 1088)),
+    "gemm_q5kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 32 * 2176)),
+    "gemm_q2kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 16 * 1152)),
     "gemm_q5k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2560)),
     "gemm_q2k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1536)),
     "gemm_iq4nl_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1152)),
@@ -110,8 +112,7 @@ class Gemm:
         expect(self.name, "x", rows, torch.float32)
         expect(self.name, "packed", packed, dtype, shape(out_features, rows.shape[1]), contiguous=True)
         if self.format_args:
-            block = 256 if self.name in ("gemm_q4kc_f32", "gemm_q6kc_f32") else 16 if self.name in (
-                "gemm_q6k_f32", "gemm_q2k_f32") else 32
+            block = 256 if self.name.endswith("kc_f32") else 16 if self.name in ("gemm_q6k_f32", "gemm_q2k_f32") else 32
             require(self.name, rows.shape[1] % block == 0, f"K = {rows.shape[1]} is not whole blocks of {block}")
         if bias is not None:
             expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)
