@@ -164,8 +164,11 @@ class QuantizedWeight:
     def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            layout: WeightLayout | None = None) -> "QuantizedWeight":
         """4-bit codes, each weight ``code * scale + zero`` per block of 32 along K: gemm_q4_f32's panels where
-        every scale is an fp16 value (Q4_0, Q4_1), else gemm_q4k_f32's, with float32 scales (Q4_K's d * sc)."""
-        return cls._nibbles(("gemm_q4", "gemm_q4k"), codes, scales, zeros, layout)
+        every scale is an fp16 value (Q4_0, Q4_1), else gemm_q4kc_f32's where the scales and zeros factor per
+        super-block (Q4_K's d * sc and -dmin * m), else gemm_q4k_f32's, with float32 scales."""
+        compact = None if _fp16_values(scales) else cls._factored(
+            "gemm_q4kc", lambda: pack_q4kc_panels(codes, scales, zeros), codes.shape[0], layout)
+        return compact or cls._nibbles(("gemm_q4", "gemm_q4k"), codes, scales, zeros, layout)
 
     @classmethod
     def iq4(cls, indices: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None
@@ -178,13 +181,8 @@ class QuantizedWeight:
     def _nibbles(cls, kernels: tuple[str, str], codes: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, layout: WeightLayout | None) -> "QuantizedWeight":
         """Nibble panels (pack_q4_panels) for the first of ``kernels`` where every scale is an fp16 value, else,
-        with float32 scales, for the second; Q4 codes with float32 scales and zeros (Q4_K's) in the compact panels
-        of gemm_q4kc_f32 where those factor (pack_q4kc_panels)."""
+        with float32 scales, for the second."""
         fp16 = _fp16_values(scales)
-        if not fp16 and kernels[1] == "gemm_q4k" and zeros is not None and native.gemm_q4kc() is not None:
-            panels = pack_q4kc_panels(codes, scales, zeros)
-            if panels is not None:
-                return cls("gemm_q4kc", panels, codes.shape[0], layout)
         panels = pack_q4_panels(codes, scales, zeros, torch.float16 if fp16 else torch.float32)
         return cls(kernels[0] if fp16 else kernels[1], panels, codes.shape[0], layout)
 
@@ -194,22 +192,27 @@ class QuantizedWeight:
         """int8 codes, each weight ``code * scale (+ zero)``: per block of 32 along K with fp16 scales (Q8_0,
         gemm_q8_f32), per 16 with float32 ones (Q6_K's q - 32 and d * sc, Q3_K's q - 4 and d (sc - 32):
         gemm_q6k_f32), or with ``zeros`` per 32 or 16 with float32 scales and zeros (Q5_K's q, d * sc and
-        -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32)."""
+        -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32); each K-quant in its factored panels
+        (gemm_q6kc_f32, gemm_q5kc_f32, gemm_q2kc_f32) where its scales and zeros factor per super-block."""
+        n = codes.shape[0]
         if zeros is not None:  # per 32 (Q5_K) or 16 (Q2_K)
             block = codes.shape[1] // scales.shape[1]
             kernel = "gemm_q5k" if block == QBLOCK else "gemm_q2k"
-            if getattr(native, kernel + "c")() is not None:
-                panels = pack_q8kc_panels(codes, scales, zeros, block)
-                if panels is not None:
-                    return cls(kernel + "c", panels, codes.shape[0], layout)
-            return cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), codes.shape[0], layout)
+            return (cls._factored(kernel + "c", lambda: pack_q8kc_panels(codes, scales, zeros, block), n, layout)
+                    or cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), n, layout))
         if scales.shape[1] * QBLOCK == codes.shape[1]:
-            return cls("gemm_q8", pack_q8_panels(codes, scales), codes.shape[0], layout)
-        if native.gemm_q6kc() is not None:
-            panels = pack_q8kc_panels(codes, scales)
-            if panels is not None:
-                return cls("gemm_q6kc", panels, codes.shape[0], layout)
-        return cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), codes.shape[0], layout)
+            return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout)
+        return (cls._factored("gemm_q6kc", lambda: pack_q8kc_panels(codes, scales), n, layout)
+                or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout))
+
+    @classmethod
+    def _factored(cls, kernel_name: str, pack, out_features: int, layout: WeightLayout | None
+                  ) -> "QuantizedWeight | None":
+        """A factored format's weight (the K-quants' scales and zeros per super-block: pack_q4kc_panels,
+        pack_q8kc_panels), where ``kernel_name``'s kernel is built here and ``pack()`` gives panels; else None, and
+        the caller keeps the float32 layout."""
+        panels = pack() if getattr(native, kernel_name)() is not None else None
+        return None if panels is None else cls(kernel_name, panels, out_features, layout)
 
     @classmethod
     def w8a8(cls, panels: torch.Tensor, out_features: int, layout: WeightLayout | None = None) -> "QuantizedWeight":
