@@ -345,12 +345,11 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
  * loader's dequantization does. So results equal the dense kernel's.
  * The factored formats, Q4KC (Q4_K's compact form), Q6KC (Q6_K's and Q3_K's), Q5KC and Q2KC (Q5_K's and Q2_K's):
- * a block's scales (and zeros) are
- * factored per super-block of 256, each column's d' (and z', float32) in a panel header ahead of the records, each
- * block's multipliers in its record (uint8; Q6KC's int8): scale = multiplier * d', zero = multiplier * z', products
- * exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and Q6_K's d * sc are), so the weights
- * are the float32 layouts' to the bit in 0.59 bytes a weight instead of 0.75 (Q4_K), 1.08 instead of 1.25 (Q6_K,
- * Q3_K), 1.09 instead of 1.25 (Q5_K) and 1.16 instead of 1.5 (Q2_K). */
+ * a block's scales (and zeros) are factored per super-block of 256, each column's d' (and z', float32) in a panel
+ * header ahead of the records, each block's multipliers in its record (uint8; Q6KC's int8): scale = multiplier *
+ * d', zero = multiplier * z', products exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and
+ * Q6_K's d * sc are), so the weights are the float32 layouts' to the bit in 0.59 bytes a weight instead of 0.75
+ * (Q4_K), 1.08 instead of 1.25 (Q6_K, Q3_K), 1.09 instead of 1.25 (Q5_K) and 1.16 instead of 1.5 (Q2_K). */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
        Q2KC = 11 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
@@ -372,7 +371,8 @@ static inline int has_zeros(const int fmt) {
     return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC || fmt == Q5KC || fmt == Q2KC;
 }
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
-static inline int factored(const int fmt) { return fmt >= Q4KC; }
+static inline int factored(const int fmt) { return fmt >= Q4KC; } /* the enum's last formats */
+static inline int signed_multipliers(const int fmt) { return fmt == Q6KC; } /* Q6_K's and Q3_K's scales: signed */
 /* bytes of a record's scales: fp16, float32, or (factored) uint8 multipliers; its zeros are float32, or factored
  * multipliers as its scales */
 static inline int scale_bytes(const int fmt) {
@@ -422,7 +422,7 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
     for (int j = 0; j < 4; j++) {
         if (!(vectors >> j & 1u)) continue;
         if (factored(fmt)) {
-            s[j] = factored16(record + 16 * j, factors + 16 * j, fmt == Q6KC);
+            s[j] = factored16(record + 16 * j, factors + 16 * j, signed_multipliers(fmt));
             z[j] = has_zeros(fmt) ? factored16(record + NR + 16 * j, factors + NR + 16 * j, 0) : _mm512_setzero_ps();
             continue;
         }
@@ -566,9 +566,9 @@ static inline __m256 factored8(const uint8_t *multipliers, const float *factors,
 static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, const float *factors, int j,
                                                                     const int fmt) {
     if (factored(fmt)) {
-        const int zeros = has_zeros(fmt), signed_multipliers = fmt == Q6KC;
-        const PairParams p = {factored8(record + 8 * j, factors + 8 * j, signed_multipliers),
-                              factored8(record + 8 * (j + 4), factors + 8 * (j + 4), signed_multipliers),
+        const int zeros = has_zeros(fmt), sign = signed_multipliers(fmt);
+        const PairParams p = {factored8(record + 8 * j, factors + 8 * j, sign),
+                              factored8(record + 8 * (j + 4), factors + 8 * (j + 4), sign),
                               zeros ? factored8(record + NR + 8 * j, factors + NR + 8 * j, 0) : _mm256_setzero_ps(),
                               zeros ? factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4), 0)
                                     : _mm256_setzero_ps()};
