@@ -118,6 +118,14 @@ class Gemm:
             expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)
 
 
+def _check_moe_status(name: str, status: int) -> None:
+    """A native MoE layer's status: -2 its scratch could not be had, other non-zero values rejected arguments."""
+    if status == -2:
+        raise MemoryError(f"{name} could not allocate its scratch")
+    if status != 0:
+        raise RuntimeError(f"{name} rejected its arguments (status {status})")
+
+
 def moe_quant(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w13_formats: torch.Tensor, w2: torch.Tensor, w2_formats: torch.Tensor, inter: int, top_k: int,
               renormalize: bool) -> torch.Tensor:
@@ -136,10 +144,7 @@ def moe_quant(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w1
     status = launch(lib.moe_quant_f32, x.data_ptr(), router_logits.data_ptr(), w13.data_ptr(), w13_formats.data_ptr(),
                     w2.data_ptr(), w2_formats.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], inter, experts,
                     top_k, int(renormalize), torch.get_num_threads())
-    if status == -2:
-        raise MemoryError("moe_quant_f32 could not allocate its scratch")
-    if status != 0:
-        raise RuntimeError(f"moe_quant_f32 rejected its arguments (status {status})")
+    _check_moe_status(MOE_QUANT.name, status)
     return out
 
 
@@ -161,8 +166,5 @@ def moe_bf16(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w13
     status = launch(lib.moe_bf16, x.data_ptr(), router_logits.data_ptr(), w13.data_ptr(), w13[0].numel(),
                     w2.data_ptr(), w2[0].numel(), out.data_ptr(), x.shape[0], x.shape[1], inter,
                     router_logits.shape[1], first_expert, held, top_k, int(renormalize), torch.get_num_threads())
-    if status == -2:
-        raise MemoryError("moe_bf16 could not allocate its scratch")
-    if status != 0:
-        raise RuntimeError(f"moe_bf16 rejected its arguments (status {status})")
+    _check_moe_status(MOE_BF16.name, status)
     return out
