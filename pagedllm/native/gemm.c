@@ -715,14 +715,17 @@ static void quant_row_halves(const float *x, const uint8_t *packed, const float 
 }
 
 /* Rows row_begin .. row_end of one panel's columns; fmt a constant after inlining, so that each format's loops
- * compile without its tests. Items of more than one tile dequantize their panel once into scratch (when there is
- * one) and run the dense tiles over it; others multiply the codes as they go. */
+ * compile without its tests. Items of more than one tile run the dense tiles over their panel dequantized into
+ * scratch (when there is one), which `held` says holds panel `p` already where the thread's previous item had it (a
+ * thread's items are consecutive, each panel's row blocks in turn, so a panel is dequantized once per thread, and
+ * a short last row block takes it from there too); others multiply the codes as they go. */
 static inline __attribute__((always_inline)) void quant_item(const float *x, int64_t ldx, const uint8_t *panel,
                                                              const float *bias, float *y, int64_t ldy, int K,
                                                              int row_begin, int row_end, int cols, float *scratch,
-                                                             const int fmt) {
-    if (scratch != NULL && row_end - row_begin > QUANT_TILE_ROWS) {
-        dequant_panel(panel, K, scratch, fmt);
+                                                             int p, int *held, const int fmt) {
+    if (scratch != NULL && (row_end - row_begin > QUANT_TILE_ROWS || *held == p)) {
+        if (*held != p) dequant_panel(panel, K, scratch, fmt);
+        *held = p;
         panel_rows(x, ldx, scratch, bias, y, ldy, K, row_begin, row_end, cols, NULL);
     } else {
         quant_panel_rows(x, ldx, panel, bias, y, ldy, K, row_begin, row_end, cols, fmt);
@@ -751,6 +754,7 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
         /* Items of more than one tile dequantize their panel once, into this; without it they dequantize
          * per tile. */
         float *scratch = M > QUANT_TILE_ROWS ? aligned_alloc(64, (size_t)K * NR * sizeof(float)) : NULL;
+        int held = -1; /* the panel in scratch */
 #pragma omp for schedule(static)
         for (int item = 0; item < items; item++) {
             const int p = item / row_blocks, rb = item % row_blocks;
@@ -761,7 +765,9 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
             /* The switch sits inside the parallel region: the compiler outlines the region into one function, so
              * a format known only outside it would reach the loops as a variable. */
 #define QUANT_ITEM(fmt)                                                                                       \
-    case fmt: quant_item(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols, scratch, fmt); break;
+    case fmt:                                                                                                   \
+        quant_item(x, ldx, panel, b, y + p * NR, ldy, K, row_begin, row_end, cols, scratch, p, &held, fmt);     \
+        break;
             switch (format) { FOR_EACH_FORMAT(QUANT_ITEM) }
 #undef QUANT_ITEM
         }
