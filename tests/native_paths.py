@@ -5,11 +5,11 @@ from pagedllm import native
 from pagedllm.platforms.cpu import cpu_flags
 
 # Lesser builds of a kernel than the best this CPU has, by turning instruction sets off.
-LESSER_BUILDS = {"no_amx": ("-mno-amx-tile",), "avx2": ("-mno-avx512f",),
+LESSER_BUILDS = {"no_amx": ("-mno-amx-tile",), "no_vbmi": ("-mno-avx512vbmi",), "avx2": ("-mno-avx512f",),
                  "avx2_no_vnni": ("-mno-avx512f", "-mno-avxvnni"), "portable": ("-mno-avx2",)}
 # The CPU flag each of those compiler flags turns off.
-_TURNED_OFF = {"-mno-amx-tile": "amx_tile", "-mno-avx512f": "avx512f", "-mno-avxvnni": "avx_vnni",
-               "-mno-avx2": "avx2"}
+_TURNED_OFF = {"-mno-amx-tile": "amx_tile", "-mno-avx512vbmi": "avx512vbmi", "-mno-avx512f": "avx512f",
+               "-mno-avxvnni": "avx_vnni", "-mno-avx2": "avx2"}
 
 
 def skip_lesser_build_that_is_native(path: str) -> None:

@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.engine.arg_utils import set_quantization
-from pagedllm.layers.gemm_layout import DenseWeight, pack_q8_panels
+from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, pack_q8_panels, pack_q8kc_panels
 from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
                                     RowParallelLinear, UnquantizedLinearMethod)
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
@@ -45,10 +45,10 @@ needs_q8_kernel = pytest.mark.skipif(native.gemm_q8() is None,
                                      reason="no gemm_q8_f32 here (needs a C compiler and AVX-512 or AVX2)")
 
 
-@pytest.fixture(params=["native", "avx2"])
+@pytest.fixture(params=["native", "no_vbmi", "avx2"])
 def q8_kernel(request, monkeypatch):
-    """gemm_q8_f32 (and the other quantized GEMMs but Q4's) as built for this CPU, and its AVX2 body where the CPU
-    has AVX-512."""
+    """gemm_q8_f32 (and the other quantized GEMMs but Q4's) as built for this CPU, without AVX512-VBMI where the CPU
+    has it (the packed K-quants' other AVX-512 body), and its AVX2 body where the CPU has AVX-512."""
     for kernel in ("gemm_q6k", "gemm_q6kc", "gemm_q5k", "gemm_q5kc", "gemm_q2k", "gemm_q2kc", "gemm_iq4nl",
                    "gemm_iq4xs"):
         native_or_fallback(request.param, monkeypatch, kernel)
@@ -102,13 +102,14 @@ def test_one_row_of_int8_codes_split_by_half_panels_between_threads_equals_the_d
 
 # per type kept packed besides Q4_0/Q4_1/Q4_K/Q8_0: its unpacking, method, kernel and panel shape for 96 x 512
 # (the K-quants' factored panels: a header of 2 super-blocks' 64 float32 scale factors (and zero factors), then per
-# block 64 multipliers (and 64 more) and the block's rows of 64 int8 codes)
-PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 64))),
-              T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5kc_f32", (2, 2 * 512 + 16 * (128 + 32 * 64))),
+# block 64 multipliers (and 64 more) and the block's codes bit-packed: rows of 32 bytes of nibbles (Q6_K, Q3_K, Q5_K)
+# then rows of their 2 (Q6_K, Q3_K, Q2_K) or 1 (Q5_K) bits above)
+PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 48))),
+              T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5kc_f32", (2, 2 * 512 + 16 * (128 + 32 * 40))),
               T.IQ4_XS: (lambda b: unpack_iq4(b, T.IQ4_XS), GGUFIQ4LinearMethod, "gemm_iq4xs_f32", (2, 16, 1280)),
               T.IQ4_NL: (lambda b: unpack_iq4(b, T.IQ4_NL), GGUFIQ4LinearMethod, "gemm_iq4nl_f32", (2, 16, 1152)),
-              T.Q3_K: (unpack_q3_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 64))),
-              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2kc_f32", (2, 2 * 512 + 32 * (128 + 16 * 64)))}
+              T.Q3_K: (unpack_q3_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 48))),
+              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2kc_f32", (2, 2 * 512 + 32 * (128 + 16 * 16)))}
 # where the fp16 scales of a block of each type gguf-py cannot quantize sit, for _random_blocks
 FP16_AT = {T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}
 
@@ -130,8 +131,8 @@ def _random_blocks(rows: int, cols: int, tensor_type: T, seed: int) -> np.ndarra
 @pytest.mark.parametrize("tensor_type", sorted(PACKED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
 def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tensor_type):
     """Q6_K (Q3_K) as int8 codes q - 32 (q - 4) with a scale per 16 inputs, Q5_K (Q2_K) as codes q with a scale
-    d * sc and zero -dmin * m per 32 (16), the scales and zeros factored per super-block (1.08, 1.09 / 1.16 bytes a
-    weight), IQ4_XS and IQ4_NL as 4-bit indices into
+    d * sc and zero -dmin * m per 32 (16), the codes bit-packed and the scales and zeros factored per super-block
+    (0.83, 0.72 / 0.41 bytes a weight), IQ4_XS and IQ4_NL as 4-bit indices into
     their 16 values with a float32 (fp16) scale per 32 (0.63 / 0.56 bytes): one rounding per weight, the loader's,
     so gguf's dequantization and the dense GEMM's results exactly."""
     unpack, method, kernel, shape = PACKED_TYPES[tensor_type]
@@ -150,6 +151,21 @@ def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tens
         y = layer(x)
         assert torch.equal(y, dense.linear(x))
         torch.testing.assert_close(y, x @ weight.T, rtol=1e-4, atol=1e-3)  # torch's own order of sums
+
+
+@needs_q8_kernel
+def test_codes_past_their_bits_keep_the_int8_layout(q8_kernel):
+    """The compact panels hold Q6_K's codes in 6 bits (q - 32 + 32): a code outside [-32, 31], which no Q6_K block
+    has, cannot be packed, and such a weight keeps the int8-code layout (gemm_q6k_f32), still the dense product."""
+    codes, scales = (torch.from_numpy(part) for part in unpack_q6_k(_random_blocks(64, 256, T.Q6_K, seed=3)))
+    assert pack_q8kc_panels(codes, scales) is not None
+    codes[5, 7] = 32
+    assert pack_q8kc_panels(codes, scales) is None
+    weight = QuantizedWeight.q8(codes, scales)
+    assert weight.kernel.name == "gemm_q6k_f32"
+    x = torch.randn(3, 256)
+    dense = (codes.float().reshape(64, 16, 16) * scales[..., None]).reshape(64, 256)
+    assert torch.equal(weight.linear(x), DenseWeight(dense).linear(x))
 
 
 def test_q5_k_blocks_unpack_as_gguf_dequantizes_them():
@@ -372,7 +388,7 @@ def test_mixed_types_each_layer_packed_by_its_kernel_or_dequantized(tmp_path):
 def test_q4_k_m_and_q5_k_m_layers_stay_packed_and_give_the_dense_models_logits(tmp_path, base, kernel):
     """A tiny Llama as a Q4_K_M (Q5_K_M) file has it (the types of most GGUF files people pull): Q4_K (Q5_K) layers,
     down_proj and one v_proj in Q6_K; and one o_proj in F16. The Q4_K (Q5_K) layers keep their codes with their
-    scales factored per super-block (gemm_q4kc_f32, gemm_q5kc_f32), the Q6_K ones 6-bit codes as int8 with factored
+    scales factored per super-block (gemm_q4kc_f32, gemm_q5kc_f32), the Q6_K ones 6-bit codes bit-packed with factored
     scales (gemm_q6kc_f32), the fused qkv_proj with the Q6_K v each part in its own, the F16 one is
     dequantized; the logits, so the greedy tokens, are the dense model's on the same dequantized weights exactly."""
     types = {"down_proj": T.Q6_K, "layers.0.self_attn.v_proj": T.Q6_K, "layers.1.self_attn.o_proj": T.F16}

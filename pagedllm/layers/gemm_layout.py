@@ -302,13 +302,13 @@ def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                      block: int = Q6K_BLOCK) -> torch.Tensor | None:
-    """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored int8-code panels:
-    without zeros gemm_q6kc_f32's (Q6_K's d * sc, Q3_K's d * (sc - 32), per 16, int8 multipliers), with them per 32
-    gemm_q5kc_f32's and per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's d * sc and -dmin * m, uint8 multipliers);
-    ``[ceil(N / 64), K / 256 * header + K / block * record]`` bytes: a header of each super-block's 64 scale factors
-    (then zero factors; float32), then per block the 64 columns' scale (then zero) multipliers and pack_q8_panels'
-    rows of codes. None where K is no multiple of 256 or the values do not factor: such weights keep pack_q8_panels'
-    float32 layout."""
+    """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored bit-packed panels:
+    without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, Q3_K's q - 4 and d * (sc - 32), per 16, int8
+    multipliers), with them per 32 gemm_q5kc_f32's and per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and
+    -dmin * m, uint8 multipliers); ``[ceil(N / 64), K / 256 * header + K / block * record]`` bytes: a header of each
+    super-block's 64 scale factors (then zero factors; float32), then per block the 64 columns' scale (then zero)
+    multipliers and the codes bit-packed (pack_code_rows). None where K is no multiple of 256, the values do not
+    factor or a code does not fit its bits: such weights keep pack_q8_panels' float32 layout."""
     if codes.shape[1] % SUPER_K:
         return None
     signed, per_super = zeros is None, SUPER_K // block
@@ -316,8 +316,33 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     if any(part is None for part in parts):
         return None
     by_row, to_block = _panel_blocks(codes, scales, torch.float32, block)
-    records = torch.cat([*(to_block(part[1]) for part in parts), to_block(by_row.contiguous())], dim=-1)
+    bits, offset = (6, 32) if signed else (5, 0) if block == QBLOCK else (2, 0)
+    rows = pack_code_rows(by_row, bits, offset)
+    if rows is None:
+        return None
+    records = torch.cat([*(to_block(part[1]) for part in parts), to_block(rows)], dim=-1)
     return _with_header(records, codes.shape[0], [part[0] for part in parts])
+
+
+def pack_code_rows(by_row: torch.Tensor, bits: int, offset: int) -> torch.Tensor | None:
+    """``[..., rows, 64]`` integer codes -> their bit-packed rows as gemm.c's packed formats hold them, ``[...,
+    rows * bytes]`` uint8: the codes made unsigned (plus ``offset``), for 5 and 6 ``bits`` their low 4 bits in
+    rows of nibbles (column i in the low nibble of byte i, 32 + i in its high one), then the bits above them (or
+    all 2 of 2-bit codes) in rows of 8 * (bits - 4) (or 16) bytes, column c at bit c * plane_bits (little-endian);
+    all the nibble rows first, then all the plane rows. None where a code does not fit in ``bits`` bits."""
+    values = by_row.to(torch.int32) + offset
+    if bool((values < 0).any()) or bool((values >= 1 << bits).any()):
+        return None
+    planes = []
+    if bits > 4:
+        low = values & 15
+        planes.append((low[..., : PANEL // 2] | (low[..., PANEL // 2 :] << 4)).to(torch.uint8))
+        values, bits = values >> 4, bits - 4
+    per_byte = 8 // bits
+    grouped = values.reshape(*values.shape[:-1], PANEL // per_byte, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    planes.append((grouped << shifts).sum(-1).to(torch.uint8))
+    return torch.cat([plane.flatten(-2) for plane in planes], dim=-1)
 
 
 def _with_header(records: torch.Tensor, n: int, factors: list[torch.Tensor]) -> torch.Tensor:

@@ -159,21 +159,21 @@ def gemm_q4k(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 @functools.cache
 def gemm_q6kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """The same GEMM over int8-code panels whose scales are factored per super-block of 256 (gemm_q6kc_f32: GGUF
-    Q6_K's and Q3_K's compact form), or None."""
+    """The same GEMM over bit-packed 6-bit codes whose scales are factored per super-block of 256 (gemm_q6kc_f32:
+    GGUF Q6_K's and Q3_K's compact form), or None."""
     return _quant_gemm("gemm_q6kc", extra_flags)
 
 
 @functools.cache
 def gemm_q5kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """The same GEMM over int8-code panels whose scales and zeros are factored per super-block of 256
+    """The same GEMM over bit-packed 5-bit codes whose scales and zeros are factored per super-block of 256
     (gemm_q5kc_f32: GGUF Q5_K's compact form), or None."""
     return _quant_gemm("gemm_q5kc", extra_flags)
 
 
 @functools.cache
 def gemm_q2kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """The same per 16 (gemm_q2kc_f32: GGUF Q2_K's compact form), or None."""
+    """The same per 16 over 2-bit codes (gemm_q2kc_f32: GGUF Q2_K's compact form), or None."""
     return _quant_gemm("gemm_q2kc", extra_flags)
 
 

@@ -15,9 +15,9 @@
  * gemm_quant_f32 does the same against GGUF weights kept quantized, in one of the formats below (its last argument):
  * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.59 in
  * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
- * values), Q8_0 (1.06), Q6_K and Q3_K (1.08 in their compact form, Q6KC below; 1.25: int8 codes, a float32 scale
- * per 16), Q5_K (1.09 compact; 1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (1.16; 1.5, the same per
- * 16).
+ * values), Q8_0 (1.06), Q6_K and Q3_K (0.83 in their compact form, Q6KC below, bit-packed codes; 1.25: int8 codes,
+ * a float32 scale per 16), Q5_K (0.72 compact; 1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (0.41;
+ * 1.5, the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
@@ -36,6 +36,7 @@
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #define NR 64 /* output columns per panel */
@@ -348,8 +349,13 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * a block's scales (and zeros) are factored per super-block of 256, each column's d' (and z', float32) in a panel
  * header ahead of the records, each block's multipliers in its record (uint8; Q6KC's int8): scale = multiplier *
  * d', zero = multiplier * z', products exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and
- * Q6_K's d * sc are), so the weights are the float32 layouts' to the bit in 0.59 bytes a weight instead of 0.75
- * (Q4_K), 1.08 instead of 1.25 (Q6_K, Q3_K), 1.09 instead of 1.25 (Q5_K) and 1.16 instead of 1.5 (Q2_K). */
+ * Q6_K's d * sc are). Q6KC, Q5KC and Q2KC hold their codes bit-packed (packed_codes): unsigned, code + code_offset
+ * (Q6_K's q, Q3_K's q - 4 + 32, Q5_K's and Q2_K's q), its low 4 bits in a row of nibbles as Q4's (Q6KC, Q5KC), the
+ * bits above (all of Q2KC's 2) in a row of plane_bits bits per column, column c at bit c * plane_bits of the row's
+ * bytes (little-endian); all the block's nibble rows, then all its plane rows. A vector of columns shifts one
+ * broadcast word of the plane by each lane's place. So the weights are the float32 layouts' to the bit in 0.59
+ * bytes a weight instead of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K, Q3_K), 0.72 instead of 1.25 (Q5_K) and 0.41
+ * instead of 1.5 (Q2_K). */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
        Q2KC = 11 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
@@ -364,12 +370,21 @@ static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 static inline int qblock(const int fmt) {
     return fmt == Q6K || fmt == Q2K || fmt == Q6KC || fmt == Q2KC ? 16 : QBLOCK;
 }
-static inline int int8_codes(const int fmt) {
-    return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K || fmt == Q6KC || fmt == Q5KC || fmt == Q2KC;
-}
+static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K; }
+static inline int packed_codes(const int fmt) { return fmt == Q6KC || fmt == Q5KC || fmt == Q2KC; }
+/* bits per code in a packed format's plane rows (above the nibbles, or all of Q2KC's), and what was added to its
+ * codes to make them unsigned */
+static inline int plane_bits(const int fmt) { return fmt == Q5KC ? 1 : fmt == Q6KC || fmt == Q2KC ? 2 : 0; }
+static inline int code_offset(const int fmt) { return fmt == Q6KC ? 32 : 0; }
+/* whether a record's rows of codes are nibbles (the 4-bit formats', and the low bits of Q6KC's and Q5KC's) */
+static inline int nibble_rows(const int fmt) { return !int8_codes(fmt) && fmt != Q2KC; }
 static inline int has_zeros(const int fmt) {
     return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC || fmt == Q5KC || fmt == Q2KC;
 }
+/* Whether a weight is code * scale + zero: the formats with zeros, and those whose codes carry an offset, whose zero
+ * is -offset * scale (exact: a power of two times the scale), so one fused multiply-add rounds (code - offset) *
+ * scale, exact, once, as the loader's product does. */
+static inline int fused_weights(const int fmt) { return has_zeros(fmt) || code_offset(fmt) != 0; }
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
 static inline int factored(const int fmt) { return fmt >= Q4KC; } /* the enum's last formats */
 static inline int signed_multipliers(const int fmt) { return fmt == Q6KC; } /* Q6_K's and Q3_K's scales: signed */
@@ -381,8 +396,20 @@ static inline int scale_bytes(const int fmt) {
 static inline int codes_at(const int fmt) {
     return scale_bytes(fmt) + (has_zeros(fmt) ? (factored(fmt) ? NR : NR * 4) : 0);
 }
-static inline int record_bytes(const int fmt) {
-    return codes_at(fmt) + qblock(fmt) * (int8_codes(fmt) ? NR : NR / 2);
+/* bytes of a record's row of codes: int8 codes, nibbles, and a packed format's plane bits */
+static inline int row_bytes(const int fmt) {
+    return int8_codes(fmt) ? NR : (nibble_rows(fmt) ? NR / 2 : 0) + NR / 8 * plane_bits(fmt);
+}
+static inline int record_bytes(const int fmt) { return codes_at(fmt) + qblock(fmt) * row_bytes(fmt); }
+/* Row kk's plane bits in a packed format's record: after the block's nibble rows. */
+static inline const uint8_t *plane_row(const uint8_t *record, int kk, const int fmt) {
+    return record + codes_at(fmt) + (nibble_rows(fmt) ? qblock(fmt) * (NR / 2) : 0) + kk * (NR / 8) * plane_bits(fmt);
+}
+/* The plane bits of `lanes` consecutive columns from `at` (their first's byte), as a word to shift per lane. */
+static inline uint32_t plane_word(const uint8_t *at, int lanes, const int fmt) {
+    uint32_t word = 0;
+    memcpy(&word, at, (size_t)(lanes * plane_bits(fmt) / 8));
+    return word;
 }
 #define SUPER_K 256 /* weights along K per super-block of a factored format: a header entry each */
 /* A header entry: the 64 columns' d' (float32), then, with zeros, their z'. */
@@ -423,7 +450,9 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
         if (!(vectors >> j & 1u)) continue;
         if (factored(fmt)) {
             s[j] = factored16(record + 16 * j, factors + 16 * j, signed_multipliers(fmt));
-            z[j] = has_zeros(fmt) ? factored16(record + NR + 16 * j, factors + NR + 16 * j, 0) : _mm512_setzero_ps();
+            z[j] = has_zeros(fmt)     ? factored16(record + NR + 16 * j, factors + NR + 16 * j, 0)
+                   : code_offset(fmt) ? _mm512_mul_ps(s[j], _mm512_set1_ps((float)-code_offset(fmt)))
+                                      : _mm512_setzero_ps();
             continue;
         }
         s[j] = scale_bytes(fmt) == NR * 4 ? _mm512_loadu_ps((const float *)record + 16 * j)
@@ -434,11 +463,38 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
 }
 
 /* A weight from its code: code * scale + zero where the format has zeros (codes of up to 5 bits, whose products with
- * their scales are exact, so one fused multiply-add rounds once, at the zero, as the loader's mul-then-add does);
- * else the product, rounded. */
+ * their scales are exact, so one fused multiply-add rounds once, at the zero, as the loader's mul-then-add does) or
+ * an offset (fused_weights); else the product, rounded. */
 static inline __attribute__((always_inline)) __m512 weight_of(__m512 code, __m512 s, __m512 z, const int fmt) {
-    return has_zeros(fmt) ? _mm512_fmadd_ps(code, s, z) : _mm512_mul_round_ps(code, s, ROUNDED);
+    return fused_weights(fmt) ? _mm512_fmadd_ps(code, s, z) : _mm512_mul_round_ps(code, s, ROUNDED);
 }
+
+#if defined(__AVX512VBMI__)
+/* Row kk of a packed format with nibbles (Q6KC, Q5KC) as its 64 codes' bytes in column order: one multishift takes
+ * each column's plane bits from its quadword of the plane (broadcast: Q6KC's columns 0-31 in the first, 32-63 in the
+ * second) to bits 4 and up, over the column's nibble. (Where there are no nibbles, Q2KC's, dequant_row's shifts of
+ * 32-bit lanes did better.) */
+static inline __attribute__((always_inline)) __m512i packed_row_bytes(const uint8_t *record, int kk, const int fmt) {
+    static const uint8_t columns[64] = {
+        0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+        22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43,
+        44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63};
+    const int bits = plane_bits(fmt);
+    const __m512i c = _mm512_loadu_si512(columns); /* column c's bits start at bit bits * c, mod 64, of its quadword */
+    const __m512i at = _mm512_sub_epi8(bits == 2 ? _mm512_add_epi8(c, c) : c, _mm512_set1_epi8(4));
+    const uint8_t *plane = plane_row(record, kk, fmt);
+    uint64_t q0, q1 = 0;
+    memcpy(&q0, plane, 8);
+    if (bits == 2) memcpy(&q1, plane + 8, 8);
+    const __m512i source = bits == 2 ? _mm512_mask_set1_epi64(_mm512_set1_epi64((long long)q0), 0xF0, (long long)q1)
+                                     : _mm512_set1_epi64((long long)q0);
+    const __m256i n = _mm256_loadu_si256((const __m256i *)(record + codes_at(fmt) + kk * (NR / 2)));
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(n), _mm256_srli_epi16(n, 4), 1), _mm512_set1_epi8(15));
+    return _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(at, source),
+                                     _mm512_set1_epi8((char)(((1 << bits) - 1) << 4)), nibbles, 0xEA);
+}
+#endif
 
 /* Row kk of a block: w[j] holds columns 16j .. 16j + 15, for the vectors j in the bit set `vectors` (a constant). */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *record, int kk, const int fmt,
@@ -454,12 +510,44 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
         }
         return;
     }
-    const uint8_t *codes = record + codes_at(fmt) + kk * (NR / 2);
-    const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
-    const __m512i low = _mm512_set1_epi32(15);
-    const __m512i nibbles[4] = {_mm512_and_si512(a, low), _mm512_and_si512(b, low), _mm512_srli_epi32(a, 4),
-                                _mm512_srli_epi32(b, 4)};
+#if defined(__AVX512VBMI__)
+    if (packed_codes(fmt) && nibble_rows(fmt)) {
+        const __m512i code = packed_row_bytes(record, kk, fmt);
+        for (int j = 0; j < 4; j++)
+            if (vectors >> j & 1u)
+                w[j] = weight_of(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(code, j))), s[j],
+                                 z[j], fmt);
+        return;
+    }
+#endif
+    __m512i nibbles[4];
+    if (nibble_rows(fmt)) {
+        const uint8_t *codes = record + codes_at(fmt) + kk * (NR / 2);
+        const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)));
+        const __m512i low = _mm512_set1_epi32(15);
+        nibbles[0] = _mm512_and_si512(a, low), nibbles[1] = _mm512_and_si512(b, low);
+        nibbles[2] = _mm512_srli_epi32(a, 4), nibbles[3] = _mm512_srli_epi32(b, 4);
+    }
+    if (packed_codes(fmt)) { /* the plane's bits of vector j's columns (each lane's shifted down to bit 0), above
+                              * its nibbles; the offset is in z (block_scales) */
+        const int bits = plane_bits(fmt);
+        const uint8_t *plane = plane_row(record, kk, fmt);
+        const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i shifts = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(bits));
+        const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
+        for (int j = 0; j < 4; j++) {
+            if (!(vectors >> j & 1u)) continue;
+            const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32((int)plane_word(plane + 2 * bits * j, 16, fmt)),
+                                                   shifts);
+            const __m512i code = nibble_rows(fmt) /* (high << 4) & (mask << 4) | nibbles */
+                                     ? _mm512_ternarylogic_epi32(_mm512_slli_epi32(high, 4), _mm512_slli_epi32(mask, 4),
+                                                                 nibbles[j], 0xEA)
+                                     : _mm512_and_si512(high, mask);
+            w[j] = weight_of(_mm512_cvtepi32_ps(code), s[j], z[j], fmt);
+        }
+        return;
+    }
     const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
     for (int j = 0; j < 4; j++) {
         if (!(vectors >> j & 1u)) continue;
@@ -567,11 +655,15 @@ static inline __attribute__((always_inline)) PairParams pair_params(const uint8_
                                                                     const int fmt) {
     if (factored(fmt)) {
         const int zeros = has_zeros(fmt), sign = signed_multipliers(fmt);
-        const PairParams p = {factored8(record + 8 * j, factors + 8 * j, sign),
-                              factored8(record + 8 * (j + 4), factors + 8 * (j + 4), sign),
-                              zeros ? factored8(record + NR + 8 * j, factors + NR + 8 * j, 0) : _mm256_setzero_ps(),
-                              zeros ? factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4), 0)
-                                    : _mm256_setzero_ps()};
+        PairParams p = {factored8(record + 8 * j, factors + 8 * j, sign),
+                        factored8(record + 8 * (j + 4), factors + 8 * (j + 4), sign),
+                        zeros ? factored8(record + NR + 8 * j, factors + NR + 8 * j, 0) : _mm256_setzero_ps(),
+                        zeros ? factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4), 0)
+                              : _mm256_setzero_ps()};
+        if (code_offset(fmt)) { /* the offset's zero (fused_weights) */
+            const __m256 minus_offset = _mm256_set1_ps((float)-code_offset(fmt));
+            p.z = _mm256_mul_ps(p.s, minus_offset), p.z4 = _mm256_mul_ps(p.s4, minus_offset);
+        }
         return p;
     }
     const float *zeros = (const float *)(record + scale_bytes(fmt));
@@ -602,6 +694,26 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
         const __m256 c4 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 32))));
         *wj = has_zeros(fmt) ? _mm256_fmadd_ps(c, p->s, p->z) : _mm256_mul_ps(c, p->s);
         *wj4 = has_zeros(fmt) ? _mm256_fmadd_ps(c4, p->s4, p->z4) : _mm256_mul_ps(c4, p->s4);
+        return;
+    }
+    if (packed_codes(fmt)) { /* the plane's bits of columns 8j .. and 32 + 8j .., above their nibbles; the offset is
+                              * in z (pair_params) */
+        const int bits = plane_bits(fmt);
+        const uint8_t *plane = plane_row(record, kk, fmt);
+        const __m256i shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
+        const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+        __m256i code = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)plane_word(plane + bits * j, 8, fmt)), shifts), mask);
+        __m256i code4 = _mm256_and_si256(
+            _mm256_srlv_epi32(_mm256_set1_epi32((int)plane_word(plane + bits * (j + 4), 8, fmt)), shifts), mask);
+        if (nibble_rows(fmt)) {
+            const __m256i bytes = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64((const __m128i *)(record + codes_at(fmt) + kk * (NR / 2) + 8 * j)));
+            code = _mm256_or_si256(_mm256_slli_epi32(code, 4), _mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+            code4 = _mm256_or_si256(_mm256_slli_epi32(code4, 4), _mm256_srli_epi32(bytes, 4));
+        }
+        *wj = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), p->s, p->z); /* fused_weights */
+        *wj4 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code4), p->s4, p->z4);
         return;
     }
     const __m128i raw = _mm_loadl_epi64((const __m128i *)(record + codes_at(fmt) + kk * (NR / 2) + 8 * j));
