@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -35,6 +36,17 @@ def test_pages_become_resident_and_keep_what_was_written():
     assert resident_pages(key) == key.nbytes // PAGE and resident_pages(value) == value.nbytes // PAGE
     assert (key[5].item(), value[-1].item()) == (7, 9)
     assert int(key.sum()) == 7 and int(value.sum()) == 9
+
+
+def test_it_waits_while_the_engine_steps():
+    """Nothing is populated while a step runs (engine_step), nor within IDLE_AFTER_SECONDS of one; then all is."""
+    buffer = huge_page_zeros(4 * HUGE_PAGE)
+    with populate.engine_step():
+        thread = populate.populate_in_background([buffer])
+        time.sleep(0.2)
+        assert resident_pages(buffer) == 0 and thread.is_alive()
+    thread.join(timeout=60)
+    assert resident_pages(buffer) == buffer.nbytes // PAGE
 
 
 def test_it_stops_when_memory_is_short(monkeypatch):

@@ -5,9 +5,11 @@ written. That first write costs the kernel a zeroed page, and in a VM also the h
 Firecracker VMs seen here 2.5-5 s a GiB, so while a new engine's steps still take fresh blocks, every step that
 writes K/V into never-touched memory stalls (a 2048-token prefill step doubling), until the whole cache has been
 handed out once. vLLM pays the same once at start-up by zeroing its cache. Here it is paid while the engine is
-idle: the thread runs at nice 19, so a step's threads take the cores whenever they want them, and it populates
-in block order (every tensor's first 2 MiB, then the next), the order in which the block pool hands out fresh
-blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe beside the
+idle: the thread waits while this process's engine runs a step and for IDLE_AFTER_SECONDS after one
+(engine_step, around the worker's steps; at nice 19 alone it still took a few per cent of the first seconds'
+decode steps: in a VM a first touch occupies its vCPU in the host, where no guest priority reaches), and it
+populates in block order (every tensor's first 2 MiB, then the next), the order in which the block pool hands out
+fresh blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe beside the
 kernels writing K/V into the same pages. It stops when memory runs short (engines started side by side each size
 their cache from the memory available then, counting on untouched pages costing nothing), when the cache is
 freed, where the call is not supported, or at interpreter exit (the thread is stopped and joined then: a daemon
@@ -17,6 +19,7 @@ aborted at exit, "terminate called without an active exception", in about one ru
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import os
@@ -37,8 +40,36 @@ MIN_AVAILABLE_BYTES = 2 << 30
 MIN_AVAILABLE_FRACTION = 0.1
 _CHECK_MEMORY_EVERY = 32  # chunks; psutil's reading costs more than one chunk's madvise calls
 _EXIT_JOIN_SECONDS = 5.0  # a chunk is a few 2 MiB madvise calls: the thread stops within one
+# The engine counts as busy while a step runs and for this long after it: a request's steps come one after the
+# other (and the next request's soon after), so populating waits for a real pause, and a request arriving during
+# one waits for one 2 MiB call at most.
+IDLE_AFTER_SECONDS = 0.05
+_IDLE_POLL_SECONDS = 0.01
 _exiting = threading.Event()
 _threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_steps_running = 0
+_last_step_end = float("-inf")
+
+
+@contextlib.contextmanager
+def engine_step():
+    """Around each step of this process's engine (Worker.execute_model): populating waits while one runs and for
+    IDLE_AFTER_SECONDS after."""
+    global _steps_running, _last_step_end
+    _steps_running += 1
+    try:
+        yield
+    finally:
+        _steps_running -= 1
+        _last_step_end = time.monotonic()
+
+
+def _wait_until_idle() -> bool:
+    """Sleep while the engine is busy (engine_step); False once the interpreter is exiting."""
+    while _steps_running or time.monotonic() - _last_step_end < IDLE_AFTER_SECONDS:
+        if _exiting.wait(_IDLE_POLL_SECONDS):
+            return False
+    return not _exiting.is_set()
 
 
 @atexit.register
@@ -81,14 +112,19 @@ def _populate(libc: ctypes.CDLL, refs: list[weakref.ref]) -> None:
 
 
 def _populate_chunk(libc: ctypes.CDLL, refs: list[weakref.ref], offset: int) -> int | None:
-    """Bytes populated at ``offset`` of every buffer that reaches it: 0 once none does; None to stop (the cache was
-    freed, or the call failed: not supported before Linux 5.14, or out of memory, where first touches pay as
-    before). The buffers are held only for the call, so that the thread never keeps a freed cache alive."""
-    buffers = [r() for r in refs]
-    if any(b is None for b in buffers):
+    """Bytes populated at ``offset`` of every buffer that reaches it, each call once the engine is idle: 0 once none
+    does; None to stop (the cache was freed, the interpreter is exiting, or the call failed: not supported before
+    Linux 5.14, or out of memory, where first touches pay as before). A buffer is held only for its call, so that
+    the thread never keeps a freed cache alive (nor while it waits)."""
+    if any(r() is None for r in refs):
         return None
     done = 0
-    for b in buffers:
+    for ref in refs:
+        if not _wait_until_idle():
+            return None
+        b = ref()
+        if b is None:
+            return None
         if b.nbytes > offset:
             size = min(HUGE_PAGE, b.nbytes - offset)
             if libc.madvise(ctypes.c_void_p(b.data_ptr() + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE):

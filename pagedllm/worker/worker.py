@@ -18,6 +18,7 @@ from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
 from pagedllm.platforms import resolve_platform
 from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory
 from pagedllm.platforms.cuda import kv_cache_memory_from_profile, profile_memory
+from pagedllm.platforms.populate import engine_step
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.outputs import ModelRunnerOutput
 
@@ -137,7 +138,8 @@ class Worker:
                     num_blocks * block_size / max_len)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
-        return self.model_runner.execute_model(scheduler_output)
+        with engine_step():  # the KV cache's populating waits meanwhile
+            return self.model_runner.execute_model(scheduler_output)
 
     def check_health(self) -> bool:
         return True
