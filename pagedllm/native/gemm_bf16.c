@@ -28,7 +28,9 @@
  * Each thread first rounds its share of x's rows to bf16 into a shared scratch (K padded to 32 with zeros).
  * On AMX an item keeps four 16 x 16 float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31;
  * the last row block's tiles are configured to the rows it has); with vdpbf16ps, tiles of up to 8 rows x 32
- * columns in 16 registers. Both add the bias on the way out.
+ * columns in 16 registers. Both add the bias on the way out (write_rows); on AMX an item's rows go out in slices
+ * between the next item's tile multiplies, as gemm_int8.c's do, the vector units writing while the tile unit
+ * multiplies.
  *
  * gemm_bf16_available() says whether this build has a body; gemm_bf16_uses_amx() whether it multiplies on AMX
  * (built for it, and the OS lets this process use the tiles).
@@ -194,13 +196,21 @@ static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const Pane
 int gemm_bf16_uses_amx(void) { return amx_granted(); }
 
 
-/* One item on AMX tiles: rows [row0, row0 + rows) of y (rows <= 32) against one panel of `cols` (<= 32)
- * columns, the tiles configured for `rows` already. With `stream_rows` x's rows are loaded with the non-temporal
- * hint: where a chunk has several row blocks, the panel is what the next item reads again, and x's rows, read once
- * per panel, would otherwise evict it from L1; a single row block is read again by every panel and loads as usual. */
-static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
-                     const Ahead *ahead, int stream_rows) {
-    const int lower = rows > 16;
+/* An item whose sums wait in c for their epilogue: where they go, from which row, how many (0: none). */
+typedef struct {
+    PanelOut out;
+    int row0, rows;
+} Pending;
+
+/* One item on AMX tiles: rows [row0, row0 + rows) of y (rows <= 32) against one panel, the tiles configured for
+ * `rows` already, its sums left in c; meanwhile, a slice of rows per K step, the epilogue of the item before it
+ * (`done`) from c, so that the vector units write one item while the tile unit multiplies the next. With
+ * `stream_rows` x's rows are loaded with the non-temporal hint: where a chunk has several row blocks, the panel is
+ * what the next item reads again, and x's rows, read once per panel, would otherwise evict it from L1; a single row
+ * block is read again by every panel and loads as usual. */
+static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pending *done, float *c, int row0,
+                     int rows, const Ahead *ahead, int stream_rows) {
+    const int lower = rows > 16, steps = kp / KBLOCK;
     const int64_t lda = (int64_t)kp * sizeof(uint16_t);
     const char *a0 = (const char *)(a + (int64_t)row0 * kp), *a1 = a0 + 16 * lda;
     const char *b = (const char *)panel;
@@ -208,8 +218,8 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pan
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int kb = 0; kb < kp / KBLOCK; kb++, a0 += 64, a1 += 64, b += 2048) {
-        fetch_ahead(ahead, kb, kp / KBLOCK);
+    for (int kb = 0; kb < steps; kb++, a0 += 64, a1 += 64, b += 2048) {
+        fetch_ahead(ahead, kb, steps);
         if (stream_rows) _tile_stream_loadd(4, a0, lda);
         else _tile_loadd(4, a0, lda);
         _tile_loadd(6, b, 64);
@@ -222,8 +232,12 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pan
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (done->rows) {
+            const int r0 = done->rows * kb / steps, r1 = done->rows * (kb + 1) / steps;
+            write_rows(c + r0 * PANEL_COLS, &done->out, done->row0 + r0, r1 - r0);
+        }
     }
-    float c[ROW_BLOCK * PANEL_COLS] __attribute__((aligned(64)));
+    amx_memory_barrier(); /* the epilogue's plain loads of c before the tile stores over them */
     _tile_stored(0, c, PANEL_COLS * sizeof(float));
     _tile_stored(1, c + 16, PANEL_COLS * sizeof(float));
     if (lower) {
@@ -231,7 +245,6 @@ static void item_amx(const uint16_t *a, int kp, const uint16_t *panel, const Pan
         _tile_stored(3, c + 16 * PANEL_COLS + 16, PANEL_COLS * sizeof(float));
     }
     amx_memory_barrier();
-    write_rows(c, out, row0, rows);
 }
 #else
 int gemm_bf16_uses_amx(void) { return 0; }
@@ -266,6 +279,8 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
         const int last = (int)((int64_t)items * (thread + 1) / threads);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
         int shape = -1; /* the rows the tiles are configured for */
+        float c[ROW_BLOCK * PANEL_COLS] __attribute__((aligned(64)));
+        Pending done = {{NULL, 0, NULL, NULL, 0, 0}, 0, 0}; /* the item whose sums are in c */
 #endif
         for (int it = first; it < last; it++) {
             const PanelItem item = panel_item(it, panels, row_blocks, chunk_blocks);
@@ -283,13 +298,15 @@ static int run_gemm(const float *x, int64_t ldx, const uint16_t *packed, const f
                 }
                 const Ahead ahead = ahead_share(&item, p + 1 < panels ? packed + (p + 1) * panel_len : NULL,
                                                 panel_len * (int64_t)sizeof(uint16_t));
-                item_amx(a, kp, packed + p * panel_len, &out, row0, rows, &ahead, item.blocks > 1);
+                item_amx(a, kp, packed + p * panel_len, &done, c, row0, rows, &ahead, item.blocks > 1);
+                done.out = out, done.row0 = row0, done.rows = rows;
                 continue;
             }
 #endif
             item_dp(a, kp, packed + p * panel_len, &out, row0, rows, item.block == 0);
         }
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (done.rows) write_rows(c, &done.out, done.row0, done.rows);
         if (shape >= 0) _tile_release();
 #endif
     }
