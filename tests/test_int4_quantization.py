@@ -120,7 +120,7 @@ def test_q4_k_compact_panels_are_the_dense_product(path):
     panels = pack_q4kc_panels(codes, scales, zeros)
     assert panels is not None and panels.numel() < 0.8 * pack_q4_panels(codes, scales, zeros, torch.float32).numel()
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, GGMLQuantizationType.Q4_K)))
-    for rows in (1, 5, 40):  # one row (split by half panels), one tile, a dequantized scratch panel
+    for rows in (1, 5, 9, 40):  # one row (split by half panels), one tile, tiles of half panels, a scratch panel
         x = torch.randn(rows, 1024)
         assert torch.equal(kernel(x, panels, None, 80), dense.linear(x))
     assert pack_q4kc_panels(codes, torch.rand(scales.shape, generator=torch.Generator().manual_seed(0)), zeros) is None
@@ -145,7 +145,7 @@ def test_kernel_matches_dequantized_weight(tensor_type, kernel_path):
         assert layer.quant_method.packed.kernel.name == "gemm_q4_f32"
     # The loader's dequantized weight, as the dense path holds it (rounded as the native kernel rounds).
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
-    for rows in (1, 5, 6, 7, 40):  # one tile (dequantized as it goes) and more (through a dense scratch panel)
+    for rows in (1, 5, 6, 7, 10, 40):  # a tile (dequantized as it goes), tiles of half panels (7-10), a scratch panel
         x = torch.randn(rows, 256)
         y = layer(x)
         assert y.dtype == torch.float32 and y.shape == (rows, 96)

@@ -20,8 +20,9 @@
  * 1.5, the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
- * weights bit for bit. A tile of up to MR rows dequantizes as it goes; more rows dequantize the panel once into a
- * scratch panel and run the dense tiles over it.
+ * weights bit for bit. A tile of up to MR rows dequantizes as it goes, as do tiles of 7 to 10 rows over half a
+ * panel each (quant_tall_halves); more rows dequantize the panel once into a scratch panel and run the dense tiles
+ * over it.
  *
  * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
  * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
@@ -433,6 +434,7 @@ static inline const float *factors_at(const uint8_t *panel, int blk, const int f
 #if defined(__AVX512F__)
 #define ROUNDED (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* an explicitly rounded product: never fused */
 #define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
+#define QUANT_TALL_ROWS 10 /* rows a tile of half a panel multiplies by the codes (20 accumulators) */
 
 /* 16 multipliers (uint8; int8 where `signed_multipliers`) times their factors (exact products, a factored format's
  * scales or zeros). */
@@ -557,12 +559,12 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
 }
 
 /* rows x 64 tile over a quantized panel, dequantizing each row of weights once for all its rows; only the vectors in
- * the bit set `vectors` (a constant, as tile's). */
+ * the bit set `vectors` (a constant, as tile's); the first `live` rows stored (the rest: x's zero padding). */
 static inline __attribute__((always_inline)) void tile_quant(const float *x, int64_t ldx, const uint8_t *panel,
                                                              const float *bias, float *y, int64_t ldy, int K,
                                                              const int rows, const __mmask16 masks[4],
-                                                             const int fmt, const unsigned vectors) {
-    __m512 c[MR][4];
+                                                             const int fmt, const unsigned vectors, int live) {
+    __m512 c[QUANT_TALL_ROWS][4];
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) c[r][j] = _mm512_setzero_ps();
     const int bytes = record_bytes(fmt);
@@ -584,7 +586,7 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, int
             }
         }
     }
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < rows && r < live; r++)
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
             __m512 v = c[r][j];
@@ -602,7 +604,7 @@ static inline __attribute__((always_inline)) void quant_panel_rows(const float *
     for (int r = row_begin; r < row_end; r += MR) {
         const float *xr = x + r * ldx;
         float *yr = y + r * ldy;
-#define QUANT_TILE(rows) tile_quant(xr, ldx, panel, bias, yr, ldy, K, rows, masks, fmt, ALL_VECTORS)
+#define QUANT_TILE(rows) tile_quant(xr, ldx, panel, bias, yr, ldy, K, rows, masks, fmt, ALL_VECTORS, rows)
         WITH_TILE_ROWS(row_end - r, QUANT_TILE)
 #undef QUANT_TILE
     }
@@ -615,7 +617,20 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
                                                             const int fmt) {
     __mmask16 masks[4];
     column_masks(cols, masks);
-    tile_quant(x, 0, panel, bias, y, 0, K, 1, masks, fmt, half < 0 ? ALL_VECTORS : 0x5u << half);
+    tile_quant(x, 0, panel, bias, y, 0, K, 1, masks, fmt, half < 0 ? ALL_VECTORS : 0x5u << half, 1);
+}
+
+/* `live` rows of x (7 to QUANT_TALL_ROWS), as a tile of 8 or 10 (x's zero rows past them, not stored), against half
+ * a quantized panel (half_run's: vectors 0 and 2, or 1 and 3), so that each weight is dequantized once for all of
+ * them. */
+static inline __attribute__((always_inline)) void tall_quant(const float *x, const uint8_t *panel, const float *bias,
+                                                             float *y, int64_t ldy, int K, int cols, int live,
+                                                             const int half, const int fmt) {
+    __mmask16 masks[4];
+    column_masks(cols, masks);
+    const unsigned vectors = 0x5u << half;
+    if (live <= 8) tile_quant(x, K, panel, bias, y, ldy, K, 8, masks, fmt, vectors, live);
+    else tile_quant(x, K, panel, bias, y, ldy, K, QUANT_TALL_ROWS, masks, fmt, vectors, live);
 }
 
 /* The quantized panel as a dense [K][64] one. */
@@ -826,6 +841,41 @@ static void quant_row_halves(const float *x, const uint8_t *packed, const float 
     }
 }
 
+#if defined(QUANT_TALL_ROWS)
+/* More rows than a tile of all 64 columns holds (QUANT_TILE_ROWS), up to QUANT_TALL_ROWS, over every panel by halves
+ * as one row goes (half_run): each half panel's weights dequantized once for all the rows, where tiles of 6 rows
+ * would dequantize them again for the rest (7 rows cost 6 and 1). (From 11 rows the FMAs bound both ways, and
+ * tiles of 6 do as well.) x is copied into QUANT_TALL_ROWS rows, zeros past M. Returns -1 where that copy cannot be
+ * had. */
+static int quant_tall_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y,
+                             int64_t ldy, int M, int N, int K, int num_threads, int format) {
+    float *padded = calloc((size_t)QUANT_TALL_ROWS * K, sizeof(float));
+    if (padded == NULL) return -1;
+    for (int r = 0; r < M; r++) memcpy(padded + (int64_t)r * K, x + r * ldx, (size_t)K * sizeof(float));
+    const int64_t panel_bytes = quant_panel_bytes(K, format);
+#pragma omp parallel num_threads(num_threads)
+    {
+        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
+        int p, half;
+        while (half_run_next(&run, &p, &half)) {
+            const int cols = N - p * NR < NR ? N - p * NR : NR;
+            const float *b = bias == NULL ? NULL : bias + p * NR;
+#define TALL_HALF(fmt, part) tall_quant(padded, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, M, part, fmt)
+#define TALL_HALVES(fmt)                                                                                       \
+    case fmt:                                                                                                   \
+        if (half != 1) TALL_HALF(fmt, 0);                                                                       \
+        if (half != 0) TALL_HALF(fmt, 1);                                                                       \
+        break;
+            switch (format) { FOR_EACH_FORMAT(TALL_HALVES) }
+#undef TALL_HALVES
+#undef TALL_HALF
+        }
+    }
+    free(padded);
+    return 0;
+}
+#endif
+
 /* Rows row_begin .. row_end of one panel's columns; fmt a constant after inlining, so that each format's loops
  * compile without its tests. Items of more than one tile run the dense tiles over their panel dequantized into
  * scratch (when there is one), which `held` says holds panel `p` already where the thread's previous item had it (a
@@ -856,6 +906,10 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
         quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
         return 0;
     }
+#if defined(QUANT_TALL_ROWS)
+    if (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS)
+        return quant_tall_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
+#endif
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
