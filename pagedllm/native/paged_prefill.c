@@ -85,6 +85,21 @@ static inline void tile_lanes(const PrefillArgs *a, int item, int lanes_in_tile,
     }
 }
 
+/* Positions [from, to) that every lane of a tile sees (idle lanes see the tile's whole range): a run within them
+ * needs no lane's mask, as most of a long prompt's runs (below its diagonal, inside any window). */
+typedef struct {
+    int from, to;
+} SeenByAll;
+
+static inline SeenByAll seen_by_all(const TileLanes *t, int lanes) {
+    SeenByAll all = {t->begin, t->end};
+    for (int n = 0; n < lanes; n++) {
+        all.from = t->lower[n] > all.from ? t->lower[n] : all.from;
+        all.to = t->limit[n] < all.to ? t->limit[n] : all.to;
+    }
+    return all;
+}
+
 /* The K and V rows of the run of n slots from `slot` for the tile's KV head. */
 static inline const kv_t *run_rows(const kv_t *cache, const TileLanes *t, int64_t slot, int D) {
     return cache + slot * t->row_stride + (int64_t)t->kv_head * KV_ROW(D);
@@ -347,8 +362,10 @@ static inline __attribute__((always_inline)) void transpose_queries(const TileLa
  * far are to be multiplied by. Returns whether any lane's max moved (where none did, rescale is all ones). */
 static inline __attribute__((always_inline)) int softmax_run(__m512 s[RUN][MAX_VECS], int pos, int n, float softcap,
                                                              const int VECS, const __m512i *limits,
-                                                             const __m512i *lowers, __m512 *running_max,
-                                                             __m512 *running_sum, __m512 *rescale) {
+                                                             const __m512i *lowers, const SeenByAll *all,
+                                                             __m512 *running_max, __m512 *running_sum,
+                                                             __m512 *rescale) {
+    const int whole = pos >= all->from && pos + n <= all->to; /* no lane masks any of the run's slots */
     if (softcap > 0.0f)
         for (int j = 0; j < RUN; j++)
             for (int h = 0; h < VECS; h++) s[j][h] = softcap16(s[j][h], softcap);
@@ -358,8 +375,9 @@ static inline __attribute__((always_inline)) int softmax_run(__m512 s[RUN][MAX_V
         __mmask16 valid[RUN];
         for (int j = 0; j < RUN; j++) {
             const __m512i at = _mm512_set1_epi32(pos + j);
-            valid[j] = j < n ? _mm512_mask_cmpge_epi32_mask(_mm512_cmplt_epi32_mask(at, limits[h]), at, lowers[h])
-                             : (__mmask16)0;
+            valid[j] = j >= n  ? (__mmask16)0
+                       : whole ? (__mmask16)0xFFFF
+                               : _mm512_mask_cmpge_epi32_mask(_mm512_cmplt_epi32_mask(at, limits[h]), at, lowers[h]);
             s[j][h] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid[j], s[j][h]);
             run_max = _mm512_max_ps(run_max, s[j][h]);
         }
@@ -376,10 +394,11 @@ static inline __attribute__((always_inline)) int softmax_run(__m512 s[RUN][MAX_V
     return moved != 0;
 }
 
-/* The lanes' masks and the online softmax's starting state. */
+/* The lanes' masks, the positions every lane sees, and the online softmax's starting state. */
 static inline __attribute__((always_inline)) void start_softmax(const TileLanes *t, const int VECS, __m512i *limits,
-                                                               __m512i *lowers, __m512 *running_max,
+                                                               __m512i *lowers, SeenByAll *all, __m512 *running_max,
                                                                __m512 *running_sum) {
+    *all = seen_by_all(t, 16 * VECS);
     for (int h = 0; h < VECS; h++) {
         limits[h] = _mm512_load_si512(t->limit + 16 * h);
         lowers[h] = _mm512_load_si512(t->lower + 16 * h);
@@ -415,7 +434,8 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
 #endif
     __m512i limits[MAX_VECS], lowers[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
-    start_softmax(&t, VECS, limits, lowers, running_max, running_sum);
+    SeenByAll all;
+    start_softmax(&t, VECS, limits, lowers, &all, running_max, running_sum);
     for (int pos = t.begin; pos < t.end;) {
         int64_t slot;
         const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
@@ -433,7 +453,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
         scores_8(qt[0], krow + 8, D, VECS, s + 8);
 #endif
         __m512 rescale[MAX_VECS];
-        softmax_run(s, pos, n, a->softcap, VECS, limits, lowers, running_max, running_sum, rescale);
+        softmax_run(s, pos, n, a->softcap, VECS, limits, lowers, &all, running_max, running_sum, rescale);
 #if defined(PAIRED_TILES)
         uint32_t vp[RUN / 2][D] __attribute__((aligned(64))), pp[RUN / 2][LANE_STRIDE] __attribute__((aligned(64)));
         slot_pairs(vrow, D, vp);
@@ -583,7 +603,8 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
     memset(ol, 0, sizeof(float) * LANES * D);
     __m512i limits[MAX_VECS], lowers[MAX_VECS];
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
-    start_softmax(&t, VECS, limits, lowers, running_max, running_sum);
+    SeenByAll all;
+    start_softmax(&t, VECS, limits, lowers, &all, running_max, running_sum);
     for (int pos = t.begin; pos < t.end;) {
         int64_t slot;
         const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
@@ -607,7 +628,7 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
         __m512 s[RUN][MAX_VECS];
         amx_scores(ktile, stride, qt2, D, VECS, s);
         __m512 rescale[MAX_VECS];
-        if (softmax_run(s, pos, n, a->softcap, VECS, limits, lowers, running_max, running_sum, rescale)) {
+        if (softmax_run(s, pos, n, a->softcap, VECS, limits, lowers, &all, running_max, running_sum, rescale)) {
             float factor[LANE_STRIDE] __attribute__((aligned(64)));
             for (int h = 0; h < VECS; h++) _mm512_store_ps(factor + 16 * h, rescale[h]);
             for (int l = 0; l < LANES; l++) {
