@@ -507,17 +507,20 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
  * K (the run's rows, in place from a bf16 cache: A tiles of 16 slots x 32 dims) times the paired queries qt2 (B
  * tiles of 16 pairs x 16 lanes, as the vdpbf16ps body holds them), one accumulator tile per 16 lanes; the online
  * softmax stays lane-wise on vectors as above. The outputs are kept lane-major, ol [lanes][D], so that the weights
- * go in as A tiles (P [16 lanes x 16 slots], each lane's weights: a transpose of the run's score vectors) against
- * the run's slot pairs of V as B tiles (vp [8 pairs x 16 dims]); each 16 x 16 block of ol is loaded into an
+ * go in as A tiles (P [16 lanes x 32 slots], each lane's weights: a transpose of two runs' score vectors) against
+ * the two runs' slot pairs of V as B tiles (vp [16 pairs x 16 dims]); each 16 x 16 block of ol is loaded into an
  * accumulator, multiplied into and stored back, after a vector pass that rescales ol where some lane's max moved.
- * Tiles: 0-2 accumulate (a run's scores, then blocks of ol), 3 holds K, 4 the queries, 5 the weights, 6 V. */
+ * Runs go to the outputs in pairs, the first held (its weights rescaled with ol where the second moves a max), so
+ * that each load and store of ol serves 32 slots and every multiply takes a whole tile's 32 along K (a lone last
+ * run pairs with weights of zero). Tiles: 0-2 accumulate (a run's scores, then blocks of ol), 3 holds K, 4 the
+ * queries, 5 the weights, 6 V. */
 #define AMX_TILES 1
 
 static void configure_tiles(void) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    const int rows[7] = {16, 16, 16, 16, 16, 16, RUN / 2}, bytes[7] = {64, 64, 64, 64, 64, 2 * RUN, 64};
+    const int rows[7] = {16, 16, 16, 16, 16, 16, RUN}, bytes[7] = {64, 64, 64, 64, 64, 4 * RUN, 64};
     for (int t = 0; t < 7; t++) {
         cfg.rows[t] = (uint8_t)rows[t];
         cfg.bytes_per_row[t] = (uint16_t)bytes[t];
@@ -553,33 +556,38 @@ static inline __attribute__((always_inline)) void amx_scores(const tile_elem *k,
         for (int h = 0; h < VECS; h++) s[j][h] = _mm512_load_ps(st[j] + 16 * h);
 }
 
-/* ol[n] += sum over the run's slots j of P[j][n] V[j]: the weights s transposed into lane-major bf16 rows, times
- * the V rows' slot pairs, block by block of 16 lanes x 16 dims (accumulator h for lanes 16h ..). */
-static inline __attribute__((always_inline)) void amx_outputs(__m512 s[RUN][MAX_VECS], const tile_elem *const vrow[RUN],
-                                                             const int D, const int VECS, float (*ol)[D]) {
-    uint16_t pl[LANE_STRIDE][RUN] __attribute__((aligned(64)));
-    for (int h = 0; h < VECS; h++) {
-        __m512 block[16];
-        for (int j = 0; j < RUN; j++) block[j] = s[j][h];
-        transpose_16x16(block);
-        for (int m = 0; m < 16; m++)
-            _mm256_store_si256((__m256i *)pl[16 * h + m], (__m256i)_mm512_cvtneps_pbh(block[m]));
-    }
-    uint32_t vp[RUN / 2][D] __attribute__((aligned(64)));
+/* ol[n] += sum over two runs' slots j of P[j][n] V[j]: the weights, the first run's held in memory (`first`,
+ * [RUN][lanes]) and the second's in s, transposed into lane-major bf16 rows of 2 * RUN, times the runs' V rows' slot
+ * pairs, block by block of 16 lanes x 16 dims (accumulator h for lanes 16h ..). */
+static inline __attribute__((always_inline)) void amx_outputs(const float (*first)[LANE_STRIDE],
+                                                             __m512 s[RUN][MAX_VECS], const tile_elem *const vrow[RUN],
+                                                             const tile_elem *const vrow2[RUN], const int D,
+                                                             const int VECS, float (*ol)[D]) {
+    uint16_t pl[LANE_STRIDE][2 * RUN] __attribute__((aligned(64)));
+    for (int h = 0; h < VECS; h++)
+        for (int run = 0; run < 2; run++) {
+            __m512 block[16];
+            for (int j = 0; j < RUN; j++) block[j] = run == 0 ? _mm512_load_ps(first[j] + 16 * h) : s[j][h];
+            transpose_16x16(block);
+            for (int m = 0; m < 16; m++)
+                _mm256_store_si256((__m256i *)(pl[16 * h + m] + RUN * run), (__m256i)_mm512_cvtneps_pbh(block[m]));
+        }
+    uint32_t vp[RUN][D] __attribute__((aligned(64)));
     slot_pairs(vrow, D, vp);
+    slot_pairs(vrow2, D, vp + RUN / 2);
     amx_memory_barrier(); /* pl, vp and ol are written by plain stores before the tiles load them */
     for (int d = 0; d < D; d += 16) {
         _tile_loadd(6, vp[0] + d, D * sizeof(uint32_t));
-        _tile_loadd(5, pl[0], RUN * sizeof(uint16_t));
+        _tile_loadd(5, pl[0], 2 * RUN * sizeof(uint16_t));
         _tile_loadd(0, ol[0] + d, D * sizeof(float));
         _tile_dpbf16ps(0, 5, 6);
         _tile_stored(0, ol[0] + d, D * sizeof(float));
-        _tile_loadd(5, pl[16], RUN * sizeof(uint16_t));
+        _tile_loadd(5, pl[16], 2 * RUN * sizeof(uint16_t));
         _tile_loadd(1, ol[16] + d, D * sizeof(float));
         _tile_dpbf16ps(1, 5, 6);
         _tile_stored(1, ol[16] + d, D * sizeof(float));
         if (VECS == 3) {
-            _tile_loadd(5, pl[32], RUN * sizeof(uint16_t));
+            _tile_loadd(5, pl[32], 2 * RUN * sizeof(uint16_t));
             _tile_loadd(2, ol[32] + d, D * sizeof(float));
             _tile_dpbf16ps(2, 5, 6);
             _tile_stored(2, ol[32] + d, D * sizeof(float));
@@ -605,13 +613,19 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
     __m512 running_max[MAX_VECS], running_sum[MAX_VECS];
     SeenByAll all;
     start_softmax(&t, VECS, limits, lowers, &all, running_max, running_sum);
-    for (int pos = t.begin; pos < t.end;) {
+    /* the run held for the next one (held: 0 none, 1 one): its weights and V rows (those widened in vbuf[its
+     * parity], which the next run's do not overwrite) */
+    float first[RUN][LANE_STRIDE] __attribute__((aligned(64)));
+    const tile_elem *first_v[RUN];
+    tile_elem vbuf[2][RUN][D] __attribute__((aligned(64)));
+    int held = 0;
+    for (int pos = t.begin, parity = 0; pos < t.end; parity ^= 1) {
         int64_t slot;
         const int n = next_run(a->block_size, t.blocks, pos, t.end, &slot);
         const tile_elem *krow[RUN], *vrow[RUN];
-        tile_elem kbuf[RUN][D] __attribute__((aligned(64))), vbuf[RUN][D] __attribute__((aligned(64)));
+        tile_elem kbuf[RUN][D] __attribute__((aligned(64)));
         const kv_t *k = run_rows(a->k_cache, &t, slot, D);
-        run_tile_rows(k, run_rows(a->v_cache, &t, slot, D), t.row_stride, n, D, kbuf, vbuf, krow, vrow);
+        run_tile_rows(k, run_rows(a->v_cache, &t, slot, D), t.row_stride, n, D, kbuf, vbuf[parity], krow, vrow);
         fetch_next_run(a, &t, pos, n, D);
         /* K as an A tile: RUN rows `stride` bytes apart, none past the run (a shorter run's rows copied, the first
          * standing for the missing ones), in place from a bf16 cache where the run is whole */
@@ -635,9 +649,26 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
                 const __m512 f = _mm512_set1_ps(factor[l]);
                 for (int i = 0; i < D; i += 16) _mm512_store_ps(ol[l] + i, _mm512_mul_ps(_mm512_load_ps(ol[l] + i), f));
             }
+            for (int j = 0; j < RUN && held; j++)
+                for (int h = 0; h < VECS; h++)
+                    _mm512_store_ps(first[j] + 16 * h, _mm512_mul_ps(_mm512_load_ps(first[j] + 16 * h), rescale[h]));
         }
-        amx_outputs(s, vrow, D, VECS, ol);
         pos += n;
+        if (held) {
+            amx_outputs((const float(*)[LANE_STRIDE])first, s, first_v, vrow, D, VECS, ol);
+        } else {
+            for (int j = 0; j < RUN; j++) {
+                for (int h = 0; h < VECS; h++) _mm512_store_ps(first[j] + 16 * h, s[j][h]);
+                first_v[j] = vrow[j];
+            }
+        }
+        held ^= 1;
+    }
+    if (held) { /* the last run alone: beside weights of zero, on its own V rows (finite) */
+        __m512 zero[RUN][MAX_VECS];
+        for (int j = 0; j < RUN; j++)
+            for (int h = 0; h < VECS; h++) zero[j][h] = _mm512_setzero_ps();
+        amx_outputs((const float(*)[LANE_STRIDE])first, zero, first_v, first_v, D, VECS, ol);
     }
     float inv[LANE_STRIDE] __attribute__((aligned(64)));
     finish_softmax(a, &t, VECS, running_max, running_sum, inv);
