@@ -21,7 +21,7 @@
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes, as do tiles of 7 to 10 rows over half a
- * panel each (quant_tall_halves); more rows dequantize the panel once into a scratch panel and run the dense tiles
+ * panel each (quant_halves); more rows dequantize the panel once into a scratch panel and run the dense tiles
  * over it.
  *
  * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
@@ -750,7 +750,7 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
  * once, a record at a time, the record three ahead fetched meanwhile. Within a record the columns go in pairs of
  * vectors that share their Q4 code bytes, so only a pair's scales and zeros are held at once. `half` 0 or 1: only
  * that half of the columns (vectors 2 half, 2 half + 1 and their partners 4 on: 16 half .. 16 half + 15 and
- * 32 + 16 half ..), as quant_row_halves splits a panel between two threads; -1: all of them. */
+ * 32 + 16 half ..), as quant_halves splits a panel between two threads; -1: all of them. */
 static inline __attribute__((always_inline)) void row_quant(const float *x, const uint8_t *panel, const float *bias,
                                                             float *y, int K, int cols, const int half,
                                                             const int fmt) {
@@ -814,9 +814,21 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 /* One row (single-sequence decode) over every panel, the threads splitting the panels by halves (half_run); whole
- * panels go by row_quant's blocks as ever. */
-static void quant_row_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
-                             int num_threads, int format) {
+ * panels go by row_quant's blocks as ever. With the tall tiles (AVX-512), more rows than a tile of all 64 columns
+ * holds (QUANT_TILE_ROWS), up to QUANT_TALL_ROWS, go the same way, each half panel's weights dequantized once for all
+ * the rows, where tiles of 6 rows would dequantize them again for the rest (7 rows cost 6 and 1); from 11 rows the
+ * FMAs bound both ways, and tiles of 6 do as well. Those rows are copied into QUANT_TALL_ROWS rows, zeros past M.
+ * Returns -1 where that copy cannot be had. */
+static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                        int M, int N, int K, int num_threads, int format) {
+#if defined(QUANT_TALL_ROWS)
+    float *padded = NULL;
+    if (M > 1) {
+        padded = calloc((size_t)QUANT_TALL_ROWS * K, sizeof(float));
+        if (padded == NULL) return -1;
+        for (int r = 0; r < M; r++) memcpy(padded + (int64_t)r * K, x + r * ldx, (size_t)K * sizeof(float));
+    }
+#endif
     const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -827,6 +839,20 @@ static void quant_row_halves(const float *x, const uint8_t *packed, const float 
             const float *b = bias == NULL ? NULL : bias + p * NR;
             /* the switch inside the parallel region, as in gemm_quant_f32; `half` a constant in each call, so that
              * row_quant's loop over vector pairs unrolls */
+#if defined(QUANT_TALL_ROWS)
+#define TALL_HALF(fmt, part) tall_quant(padded, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, M, part, fmt)
+#define TALL_HALVES(fmt)                                                                                       \
+    case fmt:                                                                                                   \
+        if (half != 1) TALL_HALF(fmt, 0);                                                                       \
+        if (half != 0) TALL_HALF(fmt, 1);                                                                       \
+        break;
+            if (M > 1) {
+                switch (format) { FOR_EACH_FORMAT(TALL_HALVES) }
+                continue;
+            }
+#undef TALL_HALVES
+#undef TALL_HALF
+#endif
 #define ROW_PART(fmt, part) row_quant(x, packed + p * panel_bytes, b, y + p * NR, K, cols, part, fmt)
 #define ROW_HALF(fmt)                                                                                          \
     case fmt:                                                                                                   \
@@ -839,42 +865,11 @@ static void quant_row_halves(const float *x, const uint8_t *packed, const float 
 #undef ROW_PART
         }
     }
-}
-
 #if defined(QUANT_TALL_ROWS)
-/* More rows than a tile of all 64 columns holds (QUANT_TILE_ROWS), up to QUANT_TALL_ROWS, over every panel by halves
- * as one row goes (half_run): each half panel's weights dequantized once for all the rows, where tiles of 6 rows
- * would dequantize them again for the rest (7 rows cost 6 and 1). (From 11 rows the FMAs bound both ways, and
- * tiles of 6 do as well.) x is copied into QUANT_TALL_ROWS rows, zeros past M. Returns -1 where that copy cannot be
- * had. */
-static int quant_tall_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y,
-                             int64_t ldy, int M, int N, int K, int num_threads, int format) {
-    float *padded = calloc((size_t)QUANT_TALL_ROWS * K, sizeof(float));
-    if (padded == NULL) return -1;
-    for (int r = 0; r < M; r++) memcpy(padded + (int64_t)r * K, x + r * ldx, (size_t)K * sizeof(float));
-    const int64_t panel_bytes = quant_panel_bytes(K, format);
-#pragma omp parallel num_threads(num_threads)
-    {
-        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
-        int p, half;
-        while (half_run_next(&run, &p, &half)) {
-            const int cols = N - p * NR < NR ? N - p * NR : NR;
-            const float *b = bias == NULL ? NULL : bias + p * NR;
-#define TALL_HALF(fmt, part) tall_quant(padded, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, M, part, fmt)
-#define TALL_HALVES(fmt)                                                                                       \
-    case fmt:                                                                                                   \
-        if (half != 1) TALL_HALF(fmt, 0);                                                                       \
-        if (half != 0) TALL_HALF(fmt, 1);                                                                       \
-        break;
-            switch (format) { FOR_EACH_FORMAT(TALL_HALVES) }
-#undef TALL_HALVES
-#undef TALL_HALF
-        }
-    }
     free(padded);
+#endif
     return 0;
 }
-#endif
 
 /* Rows row_begin .. row_end of one panel's columns; fmt a constant after inlining, so that each format's loops
  * compile without its tests. Items of more than one tile run the dense tiles over their panel dequantized into
@@ -902,14 +897,12 @@ int gemm_quant_available(void) { return 1; }
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
     if (format < Q4 || format > Q2KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
-    if (M == 1) {
-        quant_row_halves(x, packed, bias, y, N, K, num_threads, format);
-        return 0;
-    }
 #if defined(QUANT_TALL_ROWS)
-    if (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS)
-        return quant_tall_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
+    if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS))
+#else
+    if (M == 1)
 #endif
+        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
