@@ -6,15 +6,15 @@ Firecracker VMs seen here 2.5-5 s a GiB, so while a new engine's steps still tak
 writes K/V into never-touched memory stalls (a 2048-token prefill step doubling), until the whole cache has been
 handed out once. vLLM pays the same once at start-up by zeroing its cache. Here it is paid while the engine is
 idle: the thread waits while this process's engine runs a step and for IDLE_AFTER_SECONDS after one
-(engine_step, around the worker's steps; at nice 19 alone it still took a few per cent of the first seconds'
-decode steps: in a VM a first touch occupies its vCPU in the host, where no guest priority reaches), and it
-populates in block order (every tensor's first 2 MiB, then the next), the order in which the block pool hands out
-fresh blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe beside the
-kernels writing K/V into the same pages. It stops when memory runs short (engines started side by side each size
-their cache from the memory available then, counting on untouched pages costing nothing), when the cache is
-freed, where the call is not supported, or at interpreter exit (the thread is stopped and joined then: a daemon
-thread that comes back from madvise into a finalizing interpreter is torn down mid-call, and in-process engines
-aborted at exit, "terminate called without an active exception", in about one run in ten).
+(engine_step, around the worker's steps; at nice 19 alone it still cost the first seconds' decode steps up to a
+fifth of their speed: in a VM a first touch occupies its vCPU in the host, where no guest priority reaches), and
+it populates in block order (every tensor's first 2 MiB, then the next), the order in which the block pool hands
+out fresh blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe
+beside the kernels writing K/V into the same pages. It stops when memory runs short (engines started side by side
+each size their cache from the memory available then, counting on untouched pages costing nothing), when the
+cache is freed, where the call is not supported, or at interpreter exit (the thread is stopped and joined then: a
+daemon thread that comes back from madvise into a finalizing interpreter is torn down mid-call, and in-process
+engines aborted at exit, "terminate called without an active exception", in about one run in ten).
 """
 from __future__ import annotations
 
@@ -130,4 +130,5 @@ def _populate_chunk(libc: ctypes.CDLL, refs: list[weakref.ref], offset: int) -> 
             if libc.madvise(ctypes.c_void_p(b.data_ptr() + offset), ctypes.c_size_t(size), _MADV_POPULATE_WRITE):
                 return None
             done += size
+        del b  # not held while the next call waits
     return done
