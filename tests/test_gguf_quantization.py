@@ -79,7 +79,7 @@ def test_q8_layer_equals_the_dense_path_bit_for_bit(with_bias, q8_kernel):
     layer = _q8_layer(ReplicatedLinear, codes, scales, bias)
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q8_0)))  # what the dense path holds
     weight = torch.from_numpy(dequantize(blocks, T.Q8_0))
-    for rows in (1, 5, 6, 7, 10, 40, 128):  # a tile, tiles of half panels (7-10), more (a dense scratch panel)
+    for rows in (1, 2, 5, 6, 7, 10, 40, 128):  # tiles (AVX2: by vector pairs), of half panels (7-10), a scratch panel
         x = torch.randn(rows, 128)
         y = layer(x)
         assert y.dtype == torch.float32 and y.shape == (rows, 96)
@@ -146,7 +146,7 @@ def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tens
     dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, tensor_type)))
     weight = torch.from_numpy(dequantize(blocks, tensor_type))
     assert torch.equal(torch.from_numpy(dequantize_fast(blocks, tensor_type)), weight)
-    for rows in (1, 5, 6, 7, 10, 40):  # a tile, tiles of half panels (7-10), more (a dense scratch panel)
+    for rows in (1, 2, 5, 6, 7, 10, 40):  # tiles (AVX2: by vector pairs), of half panels (7-10), a scratch panel
         x = torch.randn(rows, 512)
         y = layer(x)
         assert torch.equal(y, dense.linear(x))

@@ -27,8 +27,9 @@
  * With AVX2 and FMA but no AVX-512 (most laptop CPUs), the dense kernel walks each panel in four strips of 16
  * columns, a 6 x 16 tile (12 accumulators of 8 floats) at a time, and fetches a thread's next panel into L2
  * while it multiplies the present one from cache. Its quantized kernels (which also need F16C, as
- * every AVX2 CPU has, for the fp16 scales) take one row at a time against the codes, the whole panel in 8
- * accumulators; items of more rows dequantize their panel once and run the dense tiles over it.
+ * every AVX2 CPU has, for the fp16 scales) take one row against the codes with the whole panel in 8
+ * accumulators, 2 to 6 rows by pairs of vectors (2 x rows accumulators, four passes a panel); items of more rows
+ * dequantize their panel once and run the dense tiles over it.
  *
  * With either body, a single row (dense or quantized) is split between the threads by half panels (half_run), so
  * that an odd number of panels is shared evenly.
@@ -650,7 +651,7 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define QUANT_TILE_ROWS 1
+#define QUANT_TILE_ROWS MR
 
 /* The scales and (Q4, Q4K, Q5K) zeros of column vectors j and j + 4 of a block's record, for j < 4. */
 typedef struct {
@@ -785,11 +786,54 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
     store_row(c, bias, y, cols, half < 0 ? ALL_VECTORS : 0x33u << (2 * half));
 }
 
+/* ROWS rows (a constant, up to MR) against one pair of a quantized panel's vectors, j and j + 4 (which share their
+ * Q4 code bytes): 2 x ROWS accumulators, each weight dequantized once for all the rows. A panel goes in four such
+ * passes, the first fetching the records ahead (the others find them in cache). */
+static inline __attribute__((always_inline)) void rows_quant_pair(const float *x, int64_t ldx, const uint8_t *panel,
+                                                                  const float *bias, float *y, int64_t ldy, int K,
+                                                                  int cols, int j, const int ROWS, const int fmt) {
+    __m256 c[MR][2];
+    for (int r = 0; r < ROWS; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    const int bytes = record_bytes(fmt);
+    const int block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
+        const uint8_t *record = record_at(panel, K, blk, fmt);
+        for (int line = 0; line < bytes && j == 0; line += 64)
+            _mm_prefetch((const char *)(record + 3 * bytes + line), _MM_HINT_T0);
+        const PairParams params = pair_params(record, factors_at(panel, blk, fmt), j, fmt);
+        for (int kk = 0; kk < block; kk++) {
+            __m256 w, w4;
+            dequant_pair(record, kk, j, fmt, &params, &w, &w4);
+            for (int r = 0; r < ROWS; r++) {
+                const __m256 b = _mm256_broadcast_ss(x + r * ldx + blk * block + kk);
+                c[r][0] = _mm256_fmadd_ps(b, w, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(b, w4, c[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        __m256 row[NR / 8];
+        row[j] = c[r][0], row[j + 4] = c[r][1];
+        store_row(row, bias, y + r * ldy, cols, 0x11u << j);
+    }
+}
+
+/* One row in one pass (row_quant); more, up to MR, by pairs of vectors (rows_quant_pair). */
 static inline __attribute__((always_inline)) void quant_panel_rows(const float *x, int64_t ldx,
                                                                    const uint8_t *panel, const float *bias, float *y,
                                                                    int64_t ldy, int K, int row_begin, int row_end,
                                                                    int cols, const int fmt) {
-    for (int r = row_begin; r < row_end; r++) row_quant(x + r * ldx, panel, bias, y + r * ldy, K, cols, -1, fmt);
+    if (row_end - row_begin == 1) {
+        row_quant(x + row_begin * ldx, panel, bias, y + row_begin * ldy, K, cols, -1, fmt);
+        return;
+    }
+    for (int j = 0; j < 4; j++) {
+        const float *xr = x + row_begin * ldx;
+        float *yr = y + row_begin * ldy;
+#define PAIR_ROWS(rows) rows_quant_pair(xr, ldx, panel, bias, yr, ldy, K, cols, j, rows, fmt)
+        WITH_TILE_ROWS(row_end - row_begin, PAIR_ROWS)
+#undef PAIR_ROWS
+    }
 }
 
 /* The quantized panel as a dense [K][64] one. */
