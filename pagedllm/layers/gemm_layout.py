@@ -193,7 +193,8 @@ class QuantizedWeight:
         gemm_q8_f32), per 16 with float32 ones (Q6_K's q - 32 and d * sc, Q3_K's q - 4 and d (sc - 32):
         gemm_q6k_f32), or with ``zeros`` per 32 or 16 with float32 scales and zeros (Q5_K's q, d * sc and
         -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32); each K-quant in its factored panels
-        (gemm_q6kc_f32, gemm_q5kc_f32, gemm_q2kc_f32) where its scales and zeros factor per super-block."""
+        (gemm_q6kc_f32, gemm_q3kc_f32 for codes in [-4, 3], gemm_q5kc_f32, gemm_q2kc_f32) where its scales and zeros
+        factor per super-block."""
         n = codes.shape[0]
         if zeros is not None:  # per 32 (Q5_K) or 16 (Q2_K)
             block = codes.shape[1] // scales.shape[1]
@@ -202,7 +203,9 @@ class QuantizedWeight:
                     or cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), n, layout))
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout)
-        return (cls._factored("gemm_q6kc", lambda: pack_q8kc_panels(codes, scales), n, layout)
+        three_bits = bool(codes.min() >= -4) and bool(codes.max() <= 3)  # Q3_K's q - 4: its own nibbles
+        return (cls._factored("gemm_q3kc" if three_bits else "gemm_q6kc", lambda: pack_q8kc_panels(codes, scales),
+                              n, layout)
                 or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout))
 
     @classmethod
@@ -303,12 +306,13 @@ def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
                      block: int = Q6K_BLOCK) -> torch.Tensor | None:
     """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored bit-packed panels:
-    without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, Q3_K's q - 4 and d * (sc - 32), per 16, int8
-    multipliers), with them per 32 gemm_q5kc_f32's and per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and
-    -dmin * m, uint8 multipliers); ``[ceil(N / 64), K / 256 * header + K / block * record]`` bytes: a header of each
-    super-block's 64 scale factors (then zero factors; float32), then per block the 64 columns' scale (then zero)
-    multipliers and the codes bit-packed (pack_code_rows). None where K is no multiple of 256, the values do not
-    factor or a code does not fit its bits: such weights keep pack_q8_panels' float32 layout."""
+    without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, per 16, int8 multipliers), or gemm_q3kc_f32's where
+    every code is in [-4, 3] (Q3_K's q - 4 and d * (sc - 32): nibbles alone), with them per 32 gemm_q5kc_f32's and
+    per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and -dmin * m, uint8 multipliers); ``[ceil(N / 64), K / 256
+    * header + K / block * record]`` bytes: a header of each super-block's 64 scale factors (then zero factors;
+    float32), then per block the 64 columns' scale (then zero) multipliers and the codes bit-packed
+    (pack_code_rows). None where K is no multiple of 256, the values do not factor or a code does not fit its bits:
+    such weights keep pack_q8_panels' float32 layout."""
     if codes.shape[1] % SUPER_K:
         return None
     signed, per_super = zeros is None, SUPER_K // block
@@ -316,7 +320,8 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     if any(part is None for part in parts):
         return None
     by_row, to_block = _panel_blocks(codes, scales, torch.float32, block)
-    bits, offset = (6, 32) if signed else (5, 0) if block == QBLOCK else (2, 0)
+    three_bits = signed and bool(codes.min() >= -4) and bool(codes.max() <= 3)
+    bits, offset = (4, 4) if three_bits else (6, 32) if signed else (5, 0) if block == QBLOCK else (2, 0)
     rows = pack_code_rows(by_row, bits, offset)
     if rows is None:
         return None
@@ -326,7 +331,7 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 def pack_code_rows(by_row: torch.Tensor, bits: int, offset: int) -> torch.Tensor | None:
     """``[..., rows, 64]`` integer codes -> their bit-packed rows as gemm.c's packed formats hold them, ``[...,
-    rows * bytes]`` uint8: the codes made unsigned (plus ``offset``), for 5 and 6 ``bits`` their low 4 bits in
+    rows * bytes]`` uint8: the codes made unsigned (plus ``offset``), for 4 to 6 ``bits`` their low 4 bits in
     rows of nibbles (column i in the low nibble of byte i, 32 + i in its high one), then the bits above them (or
     all 2 of 2-bit codes) in rows of 8 * (bits - 4) (or 16) bytes, column c at bit c * plane_bits (little-endian);
     all the nibble rows first, then all the plane rows. None where a code does not fit in ``bits`` bits."""
@@ -334,10 +339,12 @@ def pack_code_rows(by_row: torch.Tensor, bits: int, offset: int) -> torch.Tensor
     if bool((values < 0).any()) or bool((values >= 1 << bits).any()):
         return None
     planes = []
-    if bits > 4:
+    if bits >= 4:
         low = values & 15
         planes.append((low[..., : PANEL // 2] | (low[..., PANEL // 2 :] << 4)).to(torch.uint8))
         values, bits = values >> 4, bits - 4
+    if bits == 0:
+        return planes[0].flatten(-2)
     per_byte = 8 // bits
     grouped = values.reshape(*values.shape[:-1], PANEL // per_byte, per_byte)
     shifts = torch.arange(per_byte, dtype=torch.int32) * bits

@@ -178,6 +178,13 @@ def gemm_q2kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 
 @functools.cache
+def gemm_q3kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
+    """The same per 16 over 3-bit codes in nibbles, scales as gemm_q6kc_f32's (gemm_q3kc_f32: GGUF Q3_K's compact
+    form), or None."""
+    return _quant_gemm("gemm_q3kc", extra_flags)
+
+
+@functools.cache
 def gemm_q4kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The same GEMM over Q4 panels whose scales and zeros are factored per super-block of 256 (gemm_q4kc_f32: GGUF
     Q4_K's compact form), or None."""

@@ -15,9 +15,9 @@
  * gemm_quant_f32 does the same against GGUF weights kept quantized, in one of the formats below (its last argument):
  * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.59 in
  * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
- * values), Q8_0 (1.06), Q6_K and Q3_K (0.83 in their compact form, Q6KC below, bit-packed codes; 1.25: int8 codes,
- * a float32 scale per 16), Q5_K (0.72 compact; 1.25: int8 codes, a float32 scale and zero per 32) and Q2_K (0.41;
- * 1.5, the same per 16).
+ * values), Q8_0 (1.06), Q6_K (0.83 in its compact form, Q6KC below, bit-packed codes; 1.25: int8 codes, a float32
+ * scale per 16), Q3_K (0.58 compact, Q3KC; 1.25 as Q6_K's), Q5_K (0.72 compact; 1.25: int8 codes, a float32 scale
+ * and zero per 32) and Q2_K (0.41; 1.5, the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes, as do tiles of 7 to 10 rows over half a
@@ -347,37 +347,38 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * Q2_K: -dmin m; none for Q8, Q6K and the IQ4 formats). A code of up to 5 bits times an fp16 scale or a d * sc is
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
  * loader's dequantization does. So results equal the dense kernel's.
- * The factored formats, Q4KC (Q4_K's compact form), Q6KC (Q6_K's and Q3_K's), Q5KC and Q2KC (Q5_K's and Q2_K's):
- * a block's scales (and zeros) are factored per super-block of 256, each column's d' (and z', float32) in a panel
- * header ahead of the records, each block's multipliers in its record (uint8; Q6KC's int8): scale = multiplier *
- * d', zero = multiplier * z', products exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and
- * Q6_K's d * sc are). Q6KC, Q5KC and Q2KC hold their codes bit-packed (packed_codes): unsigned, code + code_offset
- * (Q6_K's q, Q3_K's q - 4 + 32, Q5_K's and Q2_K's q), its low 4 bits in a row of nibbles as Q4's (Q6KC, Q5KC), the
+ * The factored formats, Q4KC (Q4_K's compact form), Q6KC (Q6_K's), Q3KC (Q3_K's), Q5KC and Q2KC (Q5_K's and
+ * Q2_K's): a block's scales (and zeros) are factored per super-block of 256, each column's d' (and z', float32) in a
+ * panel header ahead of the records, each block's multipliers in its record (uint8; Q6KC's and Q3KC's int8): scale =
+ * multiplier * d', zero = multiplier * z', products exact in float32 (the packer checks them, as Q4_K's d * sc and
+ * -dmin * m and Q6_K's d * sc are). Q6KC, Q5KC and Q2KC hold their codes bit-packed (packed_codes): unsigned, code +
+ * code_offset (Q6_K's q, Q5_K's and Q2_K's q), its low 4 bits in a row of nibbles as Q4's (Q6KC, Q5KC), the
  * bits above (all of Q2KC's 2) in a row of plane_bits bits per column, column c at bit c * plane_bits of the row's
  * bytes (little-endian); all the block's nibble rows, then all its plane rows. A vector of columns shifts one
  * broadcast word of the plane by each lane's place. So the weights are the float32 layouts' to the bit in 0.59
- * bytes a weight instead of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K, Q3_K), 0.72 instead of 1.25 (Q5_K) and 0.41
- * instead of 1.5 (Q2_K). */
+ * bytes a weight instead of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K), 0.72 instead of 1.25 (Q5_K) and 0.41 instead
+ * of 1.5 (Q2_K). Q3KC holds Q3_K's codes q - 4 + 4 (code_offset) in rows of nibbles alone, its scales as Q6KC's:
+ * 0.58 bytes a weight instead of 1.25. */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
-       Q2KC = 11 };
+       Q2KC = 11, Q3KC = 12 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
 #define FOR_EACH_FORMAT(CASE)                                                                                 \
     CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC) CASE(Q6KC)      \
-    CASE(Q5KC) CASE(Q2KC)
+    CASE(Q5KC) CASE(Q2KC) CASE(Q3KC)
 /* IQ4NL and IQ4XS: Q4's rows of nibbles, but each an index into these 16 values (llama.cpp's kvalues_iq4nl), times
  * the block's scale (fp16, as IQ4_NL's d; float32, as IQ4_XS's d * (ls - 32)), no zero: the product rounds once. */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 #define QBLOCK 32 /* weights along K per GGUF block (but Q6K's: qblock) */
 
 static inline int qblock(const int fmt) {
-    return fmt == Q6K || fmt == Q2K || fmt == Q6KC || fmt == Q2KC ? 16 : QBLOCK;
+    return fmt == Q6K || fmt == Q2K || fmt == Q6KC || fmt == Q2KC || fmt == Q3KC ? 16 : QBLOCK;
 }
 static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K; }
 static inline int packed_codes(const int fmt) { return fmt == Q6KC || fmt == Q5KC || fmt == Q2KC; }
 /* bits per code in a packed format's plane rows (above the nibbles, or all of Q2KC's), and what was added to its
  * codes to make them unsigned */
 static inline int plane_bits(const int fmt) { return fmt == Q5KC ? 1 : fmt == Q6KC || fmt == Q2KC ? 2 : 0; }
-static inline int code_offset(const int fmt) { return fmt == Q6KC ? 32 : 0; }
+static inline int code_offset(const int fmt) { return fmt == Q6KC ? 32 : fmt == Q3KC ? 4 : 0; }
 /* whether a record's rows of codes are nibbles (the 4-bit formats', and the low bits of Q6KC's and Q5KC's) */
 static inline int nibble_rows(const int fmt) { return !int8_codes(fmt) && fmt != Q2KC; }
 static inline int has_zeros(const int fmt) {
@@ -389,7 +390,8 @@ static inline int has_zeros(const int fmt) {
 static inline int fused_weights(const int fmt) { return has_zeros(fmt) || code_offset(fmt) != 0; }
 static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS; }
 static inline int factored(const int fmt) { return fmt >= Q4KC; } /* the enum's last formats */
-static inline int signed_multipliers(const int fmt) { return fmt == Q6KC; } /* Q6_K's and Q3_K's scales: signed */
+/* Q6_K's and Q3_K's scales: signed */
+static inline int signed_multipliers(const int fmt) { return fmt == Q6KC || fmt == Q3KC; }
 /* bytes of a record's scales: fp16, float32, or (factored) uint8 multipliers; its zeros are float32, or factored
  * multipliers as its scales */
 static inline int scale_bytes(const int fmt) {
@@ -743,8 +745,8 @@ static inline __attribute__((always_inline)) void dequant_pair(const uint8_t *re
         low = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
         high = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
     }
-    *wj = has_zeros(fmt) ? _mm256_fmadd_ps(low, p->s, p->z) : _mm256_mul_ps(low, p->s);
-    *wj4 = has_zeros(fmt) ? _mm256_fmadd_ps(high, p->s4, p->z4) : _mm256_mul_ps(high, p->s4);
+    *wj = fused_weights(fmt) ? _mm256_fmadd_ps(low, p->s, p->z) : _mm256_mul_ps(low, p->s);
+    *wj4 = fused_weights(fmt) ? _mm256_fmadd_ps(high, p->s4, p->z4) : _mm256_mul_ps(high, p->s4);
 }
 
 /* One row against a quantized panel (8 accumulators), dequantizing as it goes: single-row decode reads each weight
@@ -940,7 +942,7 @@ int gemm_quant_available(void) { return 1; }
  * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
-    if (format < Q4 || format > Q2KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
+    if (format < Q4 || format > Q3KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
 #if defined(QUANT_TALL_ROWS)
     if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS))
 #else

@@ -26,7 +26,8 @@ MOE_QUANT = CFunction("moe_quant_f32", INT, *arguments("x", "router_logits", "w1
 GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, MOE_QUANT)
 # gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
 QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
-                 "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9, "gemm_q5kc": 10, "gemm_q2kc": 11}
+                 "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9, "gemm_q5kc": 10, "gemm_q2kc": 11,
+                 "gemm_q3kc": 12}
 
 GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
 GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
@@ -60,6 +61,7 @@ PANELS = {
     "gemm_q6kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 256 + k // 16 * 832)),
     "gemm_q5kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 32 * 1408)),
     "gemm_q2kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 16 * 384)),
+    "gemm_q3kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 256 + k // 16 * 576)),
     "gemm_q5k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2560)),
     "gemm_q2k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1536)),
     "gemm_iq4nl_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 1152)),
