@@ -203,9 +203,10 @@ class QuantizedWeight:
                     or cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), n, layout))
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout)
-        three_bits = bool(codes.min() >= -4) and bool(codes.max() <= 3)  # Q3_K's q - 4: its own nibbles
-        return (cls._factored("gemm_q3kc" if three_bits else "gemm_q6kc", lambda: pack_q8kc_panels(codes, scales),
-                              n, layout)
+        lowest, highest = torch.aminmax(codes)
+        three_bits = bool(lowest >= -4) and bool(highest <= 3)  # Q3_K's q - 4: its own nibbles
+        return (cls._factored("gemm_q3kc" if three_bits else "gemm_q6kc",
+                              lambda: pack_q8kc_panels(codes, scales, three_bits=three_bits), n, layout)
                 or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout))
 
     @classmethod
@@ -304,10 +305,10 @@ def pack_q4kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
-                     block: int = Q6K_BLOCK) -> torch.Tensor | None:
+                     block: int = Q6K_BLOCK, three_bits: bool = False) -> torch.Tensor | None:
     """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored bit-packed panels:
-    without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, per 16, int8 multipliers), or gemm_q3kc_f32's where
-    every code is in [-4, 3] (Q3_K's q - 4 and d * (sc - 32): nibbles alone), with them per 32 gemm_q5kc_f32's and
+    without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, per 16, int8 multipliers), or with ``three_bits``
+    gemm_q3kc_f32's (Q3_K's q - 4 and d * (sc - 32): nibbles alone), with them per 32 gemm_q5kc_f32's and
     per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and -dmin * m, uint8 multipliers); ``[ceil(N / 64), K / 256
     * header + K / block * record]`` bytes: a header of each super-block's 64 scale factors (then zero factors;
     float32), then per block the 64 columns' scale (then zero) multipliers and the codes bit-packed
@@ -320,7 +321,6 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     if any(part is None for part in parts):
         return None
     by_row, to_block = _panel_blocks(codes, scales, torch.float32, block)
-    three_bits = signed and bool(codes.min() >= -4) and bool(codes.max() <= 3)
     bits, offset = (4, 4) if three_bits else (6, 32) if signed else (5, 0) if block == QBLOCK else (2, 0)
     rows = pack_code_rows(by_row, bits, offset)
     if rows is None:
