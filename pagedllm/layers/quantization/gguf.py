@@ -3,8 +3,9 @@ wherever a kernel multiplies by them in it; everything else is dequantized at lo
 
 ``gguf``: Q4_0/Q4_1/Q4_K layers by GGUFInt4LinearMethod (gemm_q4_f32, gemm_q4kc_f32 and gemm_q4k_f32; elsewhere torch's
 int4 kernel), Q8_0 layers by GGUFQ8LinearMethod (gemm_q8_f32, where it applies: float32 activations on AVX-512 or AVX2),
-Q6_K and Q3_K, Q5_K, Q2_K layers by GGUFQ6KLinearMethod, GGUFQ5KLinearMethod and GGUFQ2KLinearMethod (gemm_q6kc_f32,
-gemm_q5k_f32, gemm_q2k_f32, the same), IQ4_NL and IQ4_XS ones by GGUFIQ4LinearMethod (gemm_iq4nl_f32 and gemm_iq4xs_f32,
+Q6_K and Q3_K, Q5_K, Q2_K layers by GGUFQ6KLinearMethod, GGUFQ5KLinearMethod and GGUFQ2KLinearMethod (gemm_q6kc_f32
+and gemm_q3kc_f32, gemm_q5kc_f32, gemm_q2kc_f32, or with float32 scales gemm_q6k_f32, gemm_q5k_f32, gemm_q2k_f32, the
+same), IQ4_NL and IQ4_XS ones by GGUFIQ4LinearMethod (gemm_iq4nl_f32 and gemm_iq4xs_f32,
 the same). ``gguf_int4``: the Q4 layers only. Under both a Q8_0 embedding (and LM head) keeps its codes
 (layers/vocab_embedding.py). The other types (F16, BF16, F32), and any fused layer with a part of those (a qkv_proj of
 Q4_K q/k and an F16 v), are dequantized at load; a fused layer whose parts are packed kinds that differ (Q4_K q/k with a

@@ -1,8 +1,8 @@
 """A fused GGUF layer whose checkpoint parts are of different packed kinds: a Q4_K_M file's qkv_proj of Q4_K q and k
 with a Q6_K v (llama.cpp gives some layers' attn_v and ffn_down more bits), a gate_up_proj of Q4_K and Q8_0. Each
-output shard keeps its own kind's panels (gemm_q4/q4k(c), gemm_q8, gemm_q6k(c), gemm_q5k, gemm_iq4nl/xs), and a step
-writes each shard's columns of one output tensor, so the layer stays packed where it would otherwise be dequantized
-whole.
+output shard keeps its own kind's panels (gemm_q4/q4k(c), gemm_q8, gemm_q6k(c)/q3kc, gemm_q5k(c), gemm_iq4nl/xs), and
+a step writes each shard's columns of one output tensor, so the layer stays packed where it would otherwise be
+dequantized whole.
 
 While loading, the layer's weight loaders fill one layout that holds every kind: int8 codes ``[out, in]`` (a 4-bit
 code or an IQ4 index is 0-15, a Q5_K code 0-31, a Q6_K one q - 32, a Q8_0 one itself), and per 16 inputs a float32
