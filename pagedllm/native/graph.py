@@ -1,9 +1,10 @@
-"""CPU graphs: a decode step's native kernel calls recorded once and replayed (the CPU analogue of vLLM's CUDA
-graphs, which replay a step's kernel launches without the Python that issued them).
+"""CPU graphs: a step's native kernel calls recorded once and replayed (the CPU analogue of vLLM's CUDA graphs,
+which replay a step's kernel launches without the Python that issued them).
 
-With float32 activations on CPU a decode step's forward is native kernels only (gemm.c or gemm_bf16.c, the
+With float32 activations on CPU a step's forward is native kernels only (gemm.c or gemm_bf16.c, the
 paged-attention kernels, fused_ops.c), ~10 a layer, and for a batch of a few rows the Python around them
-(modules, views, allocations, argument checks) costs about as much as the kernels. Capture runs the forward once,
+(modules, views, allocations, argument checks) costs about as much as the kernels, and still a visible share of a
+prompt's step on a few cores (whose OpenMP workers wait meanwhile). Capture runs the forward once,
 as usual, while ``launch`` records every kernel call with its arguments; replay makes the same calls again and
 nothing else.
 
@@ -11,9 +12,10 @@ That is only right under CUDA graphs' two rules. Every per-step input must sit i
 step: the model runner keeps static buffers per batch size and refreshes them before each replay. And nothing
 but the recorded kernels may compute what the kernels read: capture checks this one, since a torch op between
 two kernels (a dtype conversion, a fallback path) would not run again on replay. Such a capture is refused
-and the step stays eager. Python decisions taken during capture are frozen into the graph: in a decode forward
-these are the batch's shape and the length of a prefix every request shares (attended once for all rows by
-cascade attention), which is why the model runner keys its graphs by both (worker/cpu_graphs.py).
+and the step stays eager. Python decisions taken during capture are frozen into the graph: in a step's forward
+these are the batch's shape (requests, tokens, decode rows) and the length of a prefix every request shares
+(attended once for all rows by cascade attention), which is why the model runner keys its graphs by both
+(worker/cpu_graphs.py).
 
 Where native/graph_replay.c knows the platform's calling convention, a replay is one ctypes call that makes the
 recorded calls in C (each a kernel's address and its arguments, packed at capture); elsewhere Python makes them one
@@ -23,6 +25,7 @@ by one.
 import ctypes
 import struct
 import threading
+import weakref
 
 import torch
 from torch.utils import _pytree as pytree
@@ -111,30 +114,57 @@ class GraphPool:
     MIN_CHUNK = 1 << 22
 
     def __init__(self):
-        self._chunks: list[torch.Tensor] = []  # uint8; each capture walks them in order
+        self._chunks: list[torch.Tensor] = []  # uint8
 
     def allocator(self) -> "_Carver":
         return _Carver(self)
 
 
 class _Carver:
-    """One capture's bump allocator over its pool's chunks, adding a chunk where they run out."""
+    """One capture's allocator over its pool's chunks: first fit among the memory no live tensor of this capture
+    holds, adding a chunk where none fits. A carved tensor's memory is free again once the forward has dropped
+    every view of it, as the eager forward's allocator would reuse it: so a graph's activations take the few MB
+    its forward has live at once, not the sum of all its tensors (~1 MB a token for SmolLM2-135M), and a replay
+    writes them into memory that is still in cache. Reuse is exact on replay too: the kernels run in the order
+    they ran at capture, each done with a buffer before a later one is placed over it.
+
+    Each carved tensor gets a storage of its own over its bytes (``torch.frombuffer`` of a numpy view of the
+    chunk): the storage holds the view while any tensor uses it, so the view's weak reference dying says the
+    memory is free."""
 
     def __init__(self, pool: GraphPool):
-        self.pool, self.chunk, self.offset = pool, 0, 0
+        self.pool = pool
+        self._arrays = [chunk.numpy() for chunk in pool._chunks]
+        self._live: list[tuple[weakref.ref, int, int, int]] = []  # (the view, chunk, start, end)
 
     def empty(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
         numel = torch.Size(shape).numel()
         nbytes = max(1, numel) * dtype.itemsize
+        chunk, start = self._place(-(-nbytes // GraphPool.ALIGN) * GraphPool.ALIGN)
+        view = self._arrays[chunk][start : start + nbytes]
+        self._live.append((weakref.ref(view), chunk, start, start + nbytes))
+        return torch.frombuffer(view, dtype=torch.uint8).view(dtype)[:numel].view(shape)
+
+    def holds(self, address: int) -> bool:
+        """Whether ``address`` is in the pool's memory."""
+        return any(chunk.data_ptr() <= address < chunk.data_ptr() + chunk.numel() for chunk in self.pool._chunks)
+
+    def _place(self, nbytes: int) -> tuple[int, int]:
+        """The first (chunk, offset) with nbytes that no live carved tensor holds."""
+        self._live = [entry for entry in self._live if entry[0]() is not None]
+        for chunk, array in enumerate(self._arrays):
+            offset = 0
+            for start, end in sorted(e[2:] for e in self._live if e[1] == chunk):
+                if start - offset >= nbytes:
+                    break
+                offset = max(offset, -(-end // GraphPool.ALIGN) * GraphPool.ALIGN)
+            if array.size - offset >= nbytes:
+                return chunk, offset
         chunks = self.pool._chunks
-        while self.chunk < len(chunks) and self.offset + nbytes > chunks[self.chunk].numel():
-            self.chunk, self.offset = self.chunk + 1, 0
-        if self.chunk == len(chunks):
-            chunks.append(torch.empty(max(nbytes, GraphPool.MIN_CHUNK, 2 * sum(c.numel() for c in chunks)),
-                                      dtype=torch.uint8))
-        start = self.offset
-        self.offset += -(-nbytes // GraphPool.ALIGN) * GraphPool.ALIGN
-        return chunks[self.chunk][start : start + nbytes].view(dtype)[:numel].view(shape)
+        chunks.append(torch.empty(max(nbytes, GraphPool.MIN_CHUNK, 2 * sum(c.numel() for c in chunks)),
+                                  dtype=torch.uint8))
+        self._arrays.append(chunks[-1].numpy())
+        return len(chunks) - 1, 0
 
 
 class _TensorOrigins(TorchDispatchMode):
@@ -162,7 +192,8 @@ class _TensorOrigins(TorchDispatchMode):
             return carved
         out = func(*args, **kwargs)
         tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.tensors.extend(tensors)
+        # Views of the pool's memory live as long as the forward keeps them (the carver reuses what it drops).
+        self.tensors.extend(t for t in tensors if not self.carver.holds(t.untyped_storage().data_ptr()))
         if func in _ALLOCATIONS:
             return out
         inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
