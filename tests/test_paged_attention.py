@@ -198,7 +198,7 @@ def test_decode_rows_after_a_shared_prefix_on_the_native_prefix_kernel(low_casca
                                                                        consecutive):
     requests = [(12 + 3 * i, 1) for i in range(11)]  # 11 rows x 3 heads: several 32-lane tiles
     plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=11, shared_blocks=3, consecutive=consecutive)
-    assert plan.prefix is not None and plan.decode_only
+    assert plan.prefix is not None and plan.decodes_lead
     assert plan.native_prefix == (native.paged_prefill() is not None)
 
 

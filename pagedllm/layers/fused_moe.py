@@ -38,7 +38,7 @@ from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native.fused import fused_moe
 from pagedllm.native.gemms import moe_bf16
 
-NATIVE_MAX_TOKENS = 128  # the most tokens a CPU graph's step takes (worker/cpu_graphs.py's MAX_GRAPH_TOKENS)
+NATIVE_MAX_TOKENS = 128  # float32 experts: fused_moe.c up to decode-sized steps, torch's GEMMs beyond
 # An expert's tensor: its weight, or (a GGUF expert kept packed) its codes and per-block scales and zeros.
 _EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(weight|qweight|scales|zeros)$")
 

@@ -33,7 +33,7 @@ from pagedllm.models.loader import get_model
 from pagedllm.platforms.interface import KernelChoice
 from pagedllm.sample.sampler import greedy_sample
 from pagedllm.spec_decode.proposal_step import ProposalStep
-from pagedllm.worker.cpu_graphs import DecodeGraphs, cpu_graphs_apply
+from pagedllm.worker.cpu_graphs import StepGraphs, cpu_graphs_apply
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -45,7 +45,7 @@ class DraftModelProposer:
         self.kv_cache_populate = config.cache_config.kv_cache_populate
         self.model = None
         self.kv_caches: list = []
-        self.decode_graphs: DecodeGraphs | None = None
+        self.decode_graphs: StepGraphs | None = None
 
     def load_model(self, kernels: KernelChoice) -> None:
         """The draft model, on the target's kernels (one dtype for both)."""
@@ -59,7 +59,7 @@ class DraftModelProposer:
                                             backend=get_attn_backend(mc.attention_backend),
                                             populate=self.kv_cache_populate)
         if cpu_graphs_apply(mc, self.model):
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
+            self.decode_graphs = StepGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
 
     def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:
         """Per sampling request of ``step``: up to its max_drafts drafts. Runs for every step that computed

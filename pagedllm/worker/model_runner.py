@@ -46,7 +46,7 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposal_step import ProposalStep
 from pagedllm.spec_decode.suffix_decoding import SuffixDecodingProposer
 from pagedllm.structured_output.bitmask import apply_bitmask
-from pagedllm.worker.cpu_graphs import DecodeGraphs, cpu_graphs_apply
+from pagedllm.worker.cpu_graphs import StepGraphs, cpu_graphs_apply
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -72,7 +72,7 @@ class ModelRunner:
         self.model = None
         self.kernels: KernelChoice | None = None  # this engine's, chosen as its model loads
         self.kv_caches: list = []
-        self.decode_graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
         self.lora_manager: WorkerLoRAManager | None = None  # with enable_lora
 
     def load_model(self) -> None:
@@ -109,7 +109,7 @@ class ModelRunner:
         mc = self.model_config
         self.kv_caches = self._allocate_kv_caches(num_blocks, self.config.cache_config.kv_cache_populate)
         if cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size):
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
+            self.step_graphs = StepGraphs(self.model, self.kv_caches, self.block_size,
                                               self.input_batch.block_table.shape[1])
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
@@ -203,13 +203,22 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch = self.input_batch
-        # The step's rows in batch order (the batch also holds running requests not scheduled now).
+        # The step's rows in batch order (the batch also holds running requests not scheduled now); in a step with
+        # prompt chunks its decode rows first.
         rows = np.fromiter((batch.req_id_to_index[r] for r in so.num_scheduled_tokens), dtype=np.int64,
                            count=len(so.num_scheduled_tokens))
         rows.sort()
         n = len(rows)
         num_scheduled = np.fromiter((so.num_scheduled_tokens[batch.req_ids[row]] for row in rows), dtype=np.int64,
                                     count=n)
+        decodes_only = so.decodes_only()
+        num_decodes = None  # a decode step's rows are all decodes; a verify step's all chunks (0)
+        if not decodes_only:  # prompt chunks: decode rows first (vLLM's reorder_batch), for the decode kernel
+            order = np.argsort(num_scheduled > 1, kind="stable")
+            rows, num_scheduled = rows[order], num_scheduled[order]
+            num_decodes = int(np.count_nonzero(num_scheduled == 1))
+        elif so.total_num_scheduled_tokens > n:
+            num_decodes = 0
         cu_num_tokens = np.cumsum(num_scheduled)
         num_tokens = int(cu_num_tokens[-1])
         token_rows = np.repeat(rows, num_scheduled)
@@ -224,16 +233,16 @@ class ModelRunner:
         block_table = batch.block_table[rows]
         if self.lora_manager is not None:
             self._set_active_loras(rows, num_scheduled)
-        hidden_states = None
-        graphable, captured_graph = so.decodes_only(), False
-        if self.decode_graphs is not None and graphable:
-            hidden_states = self.decode_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table,
-                                                       query_start_loc, self.lora_manager and self.lora_manager.punica)
-            captured_graph = self.decode_graphs.captured
+        hidden_states, captured_graph = None, False
+        if self.step_graphs is not None:
+            hidden_states = self.step_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table,
+                                                     query_start_loc, self.lora_manager and self.lora_manager.punica,
+                                                     num_decodes)
+            captured_graph = self.step_graphs.captured
         if hidden_states is None:
             block_table = block_table[:, :int(batch.num_blocks[rows].max())]
             # A verify step's attention is the one its graph computes (every request a prefill chunk), also eagerly.
-            verify = graphable and num_tokens > n
+            verify = decodes_only and num_tokens > n
             attn_metadata = AttentionMetadata(
                 num_actual_tokens=num_tokens,
                 slot_mapping=self._on_device(slot_mapping),

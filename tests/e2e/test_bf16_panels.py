@@ -59,7 +59,7 @@ def test_decode_steps_replay_graphs_with_the_same_tokens(engines):
     _, bf16 = engines
     greedy = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     graphed = [o.outputs[0].token_ids for o in bf16.generate(PROMPTS, greedy, use_tqdm=False)]
-    graphs = _runner(bf16).decode_graphs
+    graphs = _runner(bf16).step_graphs
     assert any(static.graphs for static in graphs._by_shape.values()) and not graphs._refused
     with pytest.MonkeyPatch.context() as patcher:
         patcher.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")

@@ -1,5 +1,5 @@
-"""Decode steps replayed from CPU graphs give exactly the tokens of eager steps, while requests join, leave and
-cross block boundaries, in float32 dense, 4-bit and W8A8."""
+"""Steps replayed from CPU graphs (decode steps, steps with prompt chunks, verify steps) give exactly the tokens of
+eager steps, while requests join, leave and cross block boundaries, in float32 dense, 4-bit and W8A8."""
 from __future__ import annotations
 
 import pytest
@@ -44,12 +44,14 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     graphed, llm = _run(quantization=quantization)
     eager, eager_llm = _run(quantization=quantization, enforce_eager=True)
     assert graphed == eager
-    assert eager_llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs is None
+    assert eager_llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs is None
     if not CAPTURES[quantization]:
         pytest.skip("no native GEMM for these weights here: decode steps ran eagerly, tokens compared")
-    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
-    sizes = {n for (n, _), static in graphs._by_shape.items() if static.graphs}
-    assert sizes and max(sizes) <= MAX_GRAPH_BATCH and not graphs._refused
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+    shapes = {shape for shape, static in graphs._by_shape.items() if static.graphs}
+    assert shapes and max(n for n, _, _ in shapes) <= MAX_GRAPH_BATCH and not graphs._refused
+    # Steps with prompt chunks (chunked prefill: 96 tokens a step) took graphs too, some after decode rows.
+    assert any(0 < d < n for n, _, d in shapes) and any(d == 0 for _, _, d in shapes)
     assert len(replays) >= 15  # steps of 8 rows or fewer, after the first two requests finish
 
 
@@ -63,10 +65,11 @@ def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
     for eager in (False, True):
         llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager)
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+        graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
         if not eager and CAPTURES[None] and native.cascade() is not None:
-            keys = {(n, p) for (n, _), static in graphs._by_shape.items() for p, _ in static.graphs}
-            assert any(p == 288 for _, p in keys) and not graphs._refused
+            keys = {(n, p) for (n, _, _), static in graphs._by_shape.items() for p, _ in static.graphs}
+            # The first step's prompts are refused (float32 GEMMs past 128 rows are MKL's), no decode step.
+            assert any(p == 288 for _, p in keys) and all(d < n for n, _, d, _, _ in graphs._refused)
     assert outputs[False] == outputs[True]
 
 
@@ -105,8 +108,9 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
         outputs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if not eager:
             graphed_steps, timed_graphed_steps = list(steps_captured), list(timed_steps_captured)
-            graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
-            verify_graphs = {graph for (n, t), static in graphs._by_shape.items() if t > n
+            graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+            # A verify step: each request its token and up to 4 drafts, every one a chunk (prompt steps: longer).
+            verify_graphs = {graph for (n, t, d), static in graphs._by_shape.items() if n < t <= 5 * n and d == 0
                              for graph in static.graphs.values()}
     assert outputs[False] == outputs[True]
     if not (CAPTURES[None] and native.paged_prefill() is not None):

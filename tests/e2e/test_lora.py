@@ -107,7 +107,7 @@ def test_chunked_prefill_preemption_and_cpu_graphs(monkeypatch, batch):
     assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)
     if native.gemm() is None or native.lora() is None:
         pytest.skip("no native GEMM or LoRA kernel here: every step ran eagerly (outputs checked)")
-    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
     assert any(lora for static in graphs._by_shape.values() for _, lora in static.graphs) and not graphs._refused
     assert len(replays) >= MAX_TOKENS // 2
 

@@ -60,6 +60,12 @@ def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, ex
 
 
 
+def _no_decode_step_refused(graphs) -> bool:
+    """Whether every step of decodes only (as many decode rows as requests) had its graph. Steps with prompt chunks
+    may be refused here: the tiny models' head size of 16 has no native prefill tiles, so their chunks take torch."""
+    return all(d < n for n, _, d, _, _ in graphs._refused)
+
+
 @pytest.mark.parametrize("name", sorted(MOE_MODELS))
 def test_moe_decode_steps_replay_cpu_graphs(tmp_path, tokenizer, monkeypatch, name):
     """Mixtral, Qwen2-MoE (shared expert, a dense layer) and Qwen3-MoE through the engine: the experts' routing is
@@ -77,9 +83,9 @@ def test_moe_decode_steps_replay_cpu_graphs(tmp_path, tokenizer, monkeypatch, na
     params = [SamplingParams(temperature=0, max_tokens=16 + 4 * i, ignore_eos=True) for i in range(len(prompts))]
     outputs = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]
-    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.decode_graphs
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
     llm.shutdown()
-    assert graphs is not None and not graphs._refused and len(replays) >= 10
+    assert graphs is not None and _no_decode_step_refused(graphs) and len(replays) >= 10
     for prompt, got, param in zip(prompts, outputs, params):
         assert_transformers_greedy(reference, [prompt], [got], param.max_tokens)
 
@@ -103,10 +109,10 @@ def test_bf16_experts_in_panels_replay_cpu_graphs(tmp_path, tokenizer, monkeypat
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         assert runner.model.model.layers[0].block_sparse_moe.experts.quant_method.w13_panels is not None
-        graphs = runner.decode_graphs
+        graphs = runner.step_graphs
         llm.shutdown()
         if not eager:
-            assert graphs is not None and not graphs._refused and len(replays) >= 10
+            assert graphs is not None and _no_decode_step_refused(graphs) and len(replays) >= 10
     assert tokens[False] == tokens[True]
 
 
@@ -143,7 +149,7 @@ def test_packed_gguf_experts_replay_cpu_graphs(tmp_path, model_path):
         llm.shutdown()
         assert type(experts.quant_method).__name__ == ("GGUFFusedMoEMethod" if quantization else
                                                        "UnquantizedFusedMoEMethod")
-        assert runner.decode_graphs is not None and not runner.decode_graphs._refused and len(replays) >= 10
+        assert runner.step_graphs is not None and _no_decode_step_refused(runner.step_graphs) and len(replays) >= 10
     assert outputs["gguf"] == outputs[None]
 
 

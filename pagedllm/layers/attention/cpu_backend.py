@@ -139,11 +139,11 @@ class TorchSDPABackendImpl(AttentionImpl):
             self._decode_gathered(query, key_flat, value_flat, plan, out, lse)
 
     def _decode_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
-        """The native kernel walks each request's block table: no history is copied. In a batch of decode rows
-        only it writes straight into ``out`` and ``lse``."""
+        """The native kernel walks each request's block table: no history is copied. Where the decode rows
+        lead the batch it reads them and writes their results in place."""
         num_reqs = plan.decode_rows.shape[0]
-        if plan.decode_only:  # the query rows in place (a view of the QKV output), results straight into out
-            q, out_rows, lse_rows = self._rows_as_read(query), out, lse
+        if plan.decodes_lead:  # the query rows in place (a view of the QKV output), results straight into out
+            q, out_rows, lse_rows = self._rows_as_read(query[:num_reqs]), out[:num_reqs], lse[:num_reqs]
         else:
             q = query.index_select(0, plan.decode_rows)
             out_rows, lse_rows = torch.empty_like(q), torch.empty(num_reqs, self.num_heads)
@@ -151,7 +151,7 @@ class TorchSDPABackendImpl(AttentionImpl):
             q, key_flat, value_flat, plan.decode_block_table, plan.decode_seq_lens, out_rows, lse_rows,
             start_pos=plan.prefix.num_tokens if plan.prefix else 0, block_size=plan.block_size, scale=self.scale,
             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
-        if not plan.decode_only:
+        if not plan.decodes_lead:
             out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
             lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
 

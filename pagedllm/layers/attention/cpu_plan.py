@@ -64,7 +64,9 @@ class AttentionPlan:
     dtype: torch.dtype
     prefix: SharedPrefix | None
     decode_rows: torch.Tensor | None  # [Bd] query rows of the decode requests
-    decode_only: bool  # every row is a decode row, in order: decode_rows is 0 .. Bd - 1
+    # The decode rows lead, in order: decode_rows is 0 .. Bd - 1 (every row a decode row, or the model runner put
+    # them first), so the native kernel reads them and writes their results in place.
+    decodes_lead: bool
     # For the native kernel (reads the cache in place): the decode requests' block tables and lengths.
     decode_block_table: torch.Tensor | None  # [Bd, max_blocks] int32, contiguous
     decode_seq_lens: torch.Tensor | None  # [Bd] int32
@@ -85,12 +87,17 @@ def slots_of(block_ids: torch.Tensor, positions: torch.Tensor, block_size: int) 
 def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, native_decode: bool,
                native_prefill: bool, sliding_window: int | None = None) -> AttentionPlan:
     prefix = None if sliding_window else _shared_prefix(md, block_size)
-    if md.chunk_query_len is not None and native_prefill:  # a verify step: every request a chunk, as given
-        # (in a graph's metadata the block table and lengths are already contiguous int32: nothing is copied)
-        chunks = NativePrefill(md.block_table.to(torch.int32).contiguous(), md.chunk_query_start,
-                               md.chunk_query_len, md.seq_lens.to(torch.int32))
-        return AttentionPlan(block_size, dtype, prefix, None, False, None, None, None, 0, None, [], chunks,
-                             _native_prefix(prefix))
+    d = md.num_decodes
+    if md.chunk_query_len is not None and native_prefill and (d == 0 or native_decode):
+        # The batch as the model runner split it: decode rows first, then every request a chunk, as given (in a
+        # graph's metadata the block table and lengths are already contiguous int32: nothing is copied).
+        block_table, seq_lens = md.block_table.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32)
+        chunks = None
+        if md.chunk_query_len.shape[0]:
+            chunks = NativePrefill(block_table[d:], md.chunk_query_start, md.chunk_query_len, seq_lens[d:])
+        decode_rows = torch.arange(d) if d else None
+        return AttentionPlan(block_size, dtype, prefix, decode_rows, True, block_table[:d] if d else None,
+                             seq_lens[:d] if d else None, None, 0, None, [], chunks, _native_prefix(prefix))
     skip = prefix.num_tokens if prefix else 0
     qsl = md.query_start_loc.tolist()
     seq_lens = md.seq_lens.tolist()
@@ -117,9 +124,9 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
     if decode_reqs:
         idx = torch.tensor(decode_reqs)
         decode_rows = md.query_start_loc[idx].long()
-    decode_only = len(decode_reqs) == len(seq_lens) == qsl[-1]
-    if decode_only and decode_reqs and native_decode:  # every request: the metadata's own tensors when already int32
-        decode_block_table = md.block_table.to(torch.int32).contiguous()
+    decodes_lead = decode_reqs == list(range(len(decode_reqs))) and qsl[len(decode_reqs)] == len(decode_reqs)
+    if decodes_lead and len(decode_reqs) == len(seq_lens) and native_decode:  # every request: the metadata's own
+        decode_block_table = md.block_table.to(torch.int32).contiguous()  # tensors when already int32
         decode_seq_lens = md.seq_lens.to(torch.int32)
     elif decode_reqs and native_decode:
         decode_block_table = md.block_table[idx].to(torch.int32).contiguous()
@@ -136,7 +143,7 @@ def build_plan(md: AttentionMetadata, block_size: int, dtype: torch.dtype, nativ
         decode_slots = slots_of(md.block_table[idx], positions, block_size).reshape(-1)
         if not bool(valid.all()):
             decode_mask = _additive_mask(valid[:, None, None, :], dtype)
-    return AttentionPlan(block_size, dtype, prefix, decode_rows, decode_only, decode_block_table, decode_seq_lens,
+    return AttentionPlan(block_size, dtype, prefix, decode_rows, decodes_lead, decode_block_table, decode_seq_lens,
                          decode_slots, decode_seq_len, decode_mask, prefills, _native_prefill(md, native_prefill_reqs),
                          native_prefill and _native_prefix(prefix))
 

@@ -26,12 +26,15 @@ class AttentionMetadata:
     block_table: torch.Tensor
     max_query_len: int
     max_seq_len: int
-    # Set for a verify step of speculative decoding: every request's query rows are one chunk for the native
-    # prefill kernel, one-row queries included, described by these [B] int32 tensors, which the kernel reads when
-    # it runs, so a CPU graph (worker/cpu_graphs.py) replays over new query lengths; the same computation eagerly.
-    # None: the backend sorts the rows into decode rows and chunks itself.
+    # Set where the model runner splits the batch itself (a verify step of speculative decoding; a step of prompt
+    # chunks, its decode rows first): the first ``num_decodes`` requests are one-row decodes, rows 0 ..
+    # num_decodes - 1, for the decode kernel; every later request's query rows are one chunk for the native prefill
+    # kernel (in a verify step one-row queries too), described by these [B - num_decodes] int32 tensors, which the
+    # kernel reads when it runs, so a CPU graph (worker/cpu_graphs.py) replays over new query lengths; the same
+    # computation eagerly. None: the backend sorts the rows into decode rows and chunks itself.
     chunk_query_start: Optional[torch.Tensor] = None
     chunk_query_len: Optional[torch.Tensor] = None
+    num_decodes: int = 0
     # Scratch for a backend to keep what it derives from the fields above
     # (gather indices, masks) once per step and reuse in every layer.
     # Builders leave it empty.
