@@ -232,7 +232,7 @@ class CpuGraph:
 
     def __init__(self, pool: GraphPool | None = None):
         self.pool = pool or GraphPool()
-        self.calls: list[tuple] = []
+        self.calls: list[tuple] = []  # (kernel, its arguments as ctypes values; () once packed_calls holds them)
         self.packed_calls: ctypes.Array | None = None  # the calls for graph_replay.c, where it replays them
         self._replayer: ctypes.CDLL | None = None
         self.failure: str | None = None
@@ -257,6 +257,8 @@ class CpuGraph:
 
             self._replayer = native.graph_replay()
             self.packed_calls = None if self._replayer is None else _packed_calls(self.calls)
+            if self.packed_calls is not None:  # the packed arguments are the replay's: keep the kernels' names
+                self.calls = [(kernel, ()) for kernel, _ in self.calls]
         else:
             self.calls = []
         return output

@@ -20,6 +20,7 @@ chunks, larger ones run eagerly without trying (float32 GEMMs past their panels'
 """
 
 import logging
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 64
 MAX_GRAPH_TOKENS = 512
+MAX_GRAPH_SHAPES = 128  # step shapes whose static buffers and graphs (their calls, packed) are kept
 
 
 def cpu_graphs_apply(model_config, model, world_size: int = 1) -> bool:
@@ -91,7 +93,9 @@ class StepGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, block_table_width: int):
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.block_table_width = block_size, block_table_width
-        self._by_shape: dict[tuple[int, int, int], _StaticInputs] = {}  # by (requests, tokens, decode rows)
+        # By (requests, tokens, decode rows), least recently used first; and the shapes seen once, not yet kept.
+        self._by_shape: OrderedDict[tuple[int, int, int], _StaticInputs] = OrderedDict()
+        self._seen_once: OrderedDict[tuple[int, int, int], None] = OrderedDict()
         self._pool = GraphPool()
         # (requests, tokens, decode rows, shared prefix, adapters run)
         self._refused: set[tuple[int, int, int, int, bool]] = set()
@@ -102,8 +106,8 @@ class StepGraphs:
                 seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
                 punica: PunicaWrapper | None = None, num_decodes: int | None = None) -> torch.Tensor | None:
         """Final hidden states ``[tokens, hidden]`` of a step, from the graph of its key, captured now if this is
-        its first step; None where no graph serves the step (too many requests or tokens, or its capture was
-        refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode step), every
+        its first step since its shape was seen before; None where no graph serves the step (a shape's first step,
+        too many requests or tokens, or its capture was refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode step), every
         later one a chunk for the prefill kernel: a verify step's (0 decodes: each request's last token, then its
         drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it. With
         adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
@@ -114,9 +118,9 @@ class StepGraphs:
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
         shape = (num_reqs, num_tokens, num_decodes)
-        static = self._by_shape.get(shape)
+        static = self._static_inputs(shape)
         if static is None:
-            static = self._by_shape[shape] = _StaticInputs(*shape, self.block_table_width)
+            return None
         static.fill(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
         metadata = static.metadata()
         lora = punica is not None and punica.active
@@ -145,3 +149,23 @@ class StepGraphs:
                 # MKL's): steps with prompt chunks as large or larger run eagerly without trying.
                 self._chunk_tokens_refused = min(self._chunk_tokens_refused, num_tokens)
         return hidden_states
+
+    def _static_inputs(self, shape: tuple[int, int, int]) -> _StaticInputs | None:
+        """The static buffers (and graphs) of steps of ``shape``; None for a shape's first step, which runs
+        eagerly: a shape seen once (a prompt of a new length) may not come again, and a capture costs more than
+        the eager step. At most MAX_GRAPH_SHAPES shapes are kept, the least recently used dropped first."""
+        static = self._by_shape.get(shape)
+        if static is not None:
+            self._by_shape.move_to_end(shape)
+            return static
+        if shape not in self._seen_once:
+            self._seen_once[shape] = None
+            if len(self._seen_once) > MAX_GRAPH_SHAPES:
+                self._seen_once.popitem(last=False)
+            return None
+        del self._seen_once[shape]
+        static = self._by_shape[shape] = _StaticInputs(*shape, self.block_table_width)
+        if len(self._by_shape) > MAX_GRAPH_SHAPES:
+            dropped, _ = self._by_shape.popitem(last=False)
+            self._refused = {key for key in self._refused if key[:3] != dropped}
+        return static

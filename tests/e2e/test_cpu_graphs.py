@@ -23,16 +23,21 @@ CAPTURES = {None: native.gemm() is not None, "gguf_int4": native.gemm_q4() is no
             "int8": native.gemm_w8a8() is not None}
 
 
-def _run(**engine_kwargs) -> tuple[list[list[int]], LLM]:
+def _run(rounds: int = 1, **engine_kwargs) -> tuple[list[list[int]], LLM]:
+    """Rounds of prompts of the same lengths (new tokens each round, so no prefix hits): the steps with prompt
+    chunks take the same shapes each round, and a shape's graph is captured at its second step."""
     # Prompts without a common prefix: batches sharing a long one attend it by cascade attention, eagerly.
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     llm = LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=96, **engine_kwargs)
     # Different output lengths: batches shrink as requests finish; chunked prefill staggers their starts.
     params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True)
               for i in range(len(PROMPT_LENGTHS))]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs], llm
+    tokens = []
+    for _ in range(rounds):
+        prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens += [o.outputs[0].token_ids for o in outputs]
+    return tokens, llm
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf_int4", "int8"])
@@ -50,9 +55,25 @@ def test_graph_replays_match_eager_steps(monkeypatch, quantization):
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
     shapes = {shape for shape, static in graphs._by_shape.items() if static.graphs}
     assert shapes and max(n for n, _, _ in shapes) <= MAX_GRAPH_BATCH and not graphs._refused
-    # Steps with prompt chunks (chunked prefill: 96 tokens a step) took graphs too, some after decode rows.
-    assert any(0 < d < n for n, _, d in shapes) and any(d == 0 for _, _, d in shapes)
-    assert len(replays) >= 15  # steps of 8 rows or fewer, after the first two requests finish
+    assert len(replays) >= 8  # steps of 6 rows or fewer after their shape's first, once requests finish
+
+
+def test_steps_with_prompt_chunks_replay_graphs_and_match_eager_steps(monkeypatch):
+    """Chunked prefill (96 tokens a step) over three rounds of prompts of the same lengths: from the third, the
+    steps with prompt chunks replay graphs, some of them after decode rows, with the eager steps' tokens."""
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    graphed, llm = _run(rounds=3)
+    eager, _ = _run(rounds=3, enforce_eager=True)
+    assert graphed == eager
+    if not CAPTURES[None] or native.paged_prefill() is None:
+        pytest.skip("no native GEMM or prefill tiles here: steps with prompt chunks ran eagerly, tokens compared")
+    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+    replayed = {shape for shape, static in graphs._by_shape.items()
+                if any(graph in replays for graph in static.graphs.values())}
+    assert any(0 < d < n for n, _, d in replayed) and any(d == 0 for _, _, d in replayed)
+    assert not graphs._refused
 
 
 def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
@@ -116,6 +137,23 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
     if not (CAPTURES[None] and native.paged_prefill() is not None):
         pytest.skip("no native GEMM or prefill tiles here: verify steps ran eagerly, tokens compared")
     assert verify_graphs and not graphs._refused
-    assert sum(graph in verify_graphs for graph in replays) >= 5
+    assert sum(graph in verify_graphs for graph in replays) >= 3  # a shape's first step runs eagerly
     assert any(graphed_steps) and not any(timed_graphed_steps)
     assert len(timed_graphed_steps) == graphed_steps.count(False)  # every other step was timed
+
+
+def test_a_shape_gets_static_buffers_at_its_second_step_and_the_least_recently_used_go_first(monkeypatch):
+    """A shape's first step runs eagerly (no buffers, no capture: a prompt of a new length may not come again);
+    at most MAX_GRAPH_SHAPES shapes keep their buffers and graphs, the least recently used dropped first, and a
+    dropped shape's refusals with it."""
+    monkeypatch.setattr(cpu_graphs, "MAX_GRAPH_SHAPES", 2)
+    graphs = cpu_graphs.StepGraphs(model=None, kv_caches=[], block_size=16, block_table_width=4)
+    a, b, c = (1, 1, 1), (2, 40, 1), (3, 3, 3)
+    assert graphs._static_inputs(a) is None
+    kept = graphs._static_inputs(a)
+    assert kept is not None and graphs._static_inputs(a) is kept
+    graphs._refused.add((*a, 0, False))
+    for shape in (b, b, c, c):  # each seen, then kept: a, the least recently used, is dropped for c
+        graphs._static_inputs(shape)
+    assert list(graphs._by_shape) == [b, c] and not graphs._refused
+    assert graphs._static_inputs(a) is None  # seen anew
