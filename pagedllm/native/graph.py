@@ -28,7 +28,6 @@ import threading
 import weakref
 
 import torch
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, CFunction, arguments
@@ -167,6 +166,19 @@ class _Carver:
         return len(chunks) - 1, 0
 
 
+def _tensors_in(value):
+    """The tensors in an op's arguments or results (nested tuples, lists and dicts): what torch's pytree
+    flattening finds there, without its generality, which a capture paid for on every op."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
 class _TensorOrigins(TorchDispatchMode):
     """During capture: places the forward's new tensors in the graph pool (replay writes into the same memory
     again), keeps every other tensor it creates alive, and notes the memory of those a torch op computed rather
@@ -191,13 +203,12 @@ class _TensorOrigins(TorchDispatchMode):
         if carved is not None:
             return carved
         out = func(*args, **kwargs)
-        tensors = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        tensors = list(_tensors_in(out))
         # Views of the pool's memory live as long as the forward keeps them (the carver reuses what it drops).
         self.tensors.extend(t for t in tensors if not self.carver.holds(t.untyped_storage().data_ptr()))
         if func in _ALLOCATIONS:
             return out
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor)}
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors_in((args, kwargs))} if func.is_view else ()
         for t in tensors:
             storage = t.untyped_storage()
             # A view (or an op like ``to`` that returned its input) holds what its input held; anything else
