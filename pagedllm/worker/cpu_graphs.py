@@ -8,7 +8,10 @@ when it runs, so one graph serves any split of the chunks' tokens. A graph is al
 its requests share, when attention takes that prefix once for all rows (cascade attention): the kernels' arguments
 differ with it; and by whether adapters run (multi-LoRA), since the LoRA'd layers launch their kernel only in steps
 with adapters. Which adapter each token takes is an input, read from a static buffer like the token ids, so one
-graph serves any mix of adapters.
+graph serves any mix of adapters. A step with prompt chunks is padded to whole blocks of tokens by one more chunk
+whose rows write and read only a padding block past the scheduler's (as CUDA graphs pad a batch to a captured
+size), so that prompts of nearby lengths share a shape; a shape's first step runs eagerly, and the shapes kept are
+bounded (MAX_GRAPH_SHAPES), so one-off shapes cost no capture and graphs no unbounded memory.
 
 Steps of up to MAX_GRAPH_BATCH requests and MAX_GRAPH_TOKENS tokens use graphs. The graphs share one pool for
 their activations (what one forward has live at once: a few MB), which also spares replays the allocations an
@@ -90,9 +93,13 @@ class _StaticInputs:
 
 
 class StepGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, block_table_width: int):
+    def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, block_table_width: int,
+                 padding_block: int | None = None):
+        """``padding_block``: a block of ``kv_caches`` no request holds, for the rows padding steps with prompt
+        chunks (None: such steps keep their own shape)."""
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.block_table_width = block_size, block_table_width
+        self.padding_block = padding_block
         # By (requests, tokens, decode rows), least recently used first; and the shapes seen once, not yet kept.
         self._by_shape: OrderedDict[tuple[int, int, int], _StaticInputs] = OrderedDict()
         self._seen_once: OrderedDict[tuple[int, int, int], None] = OrderedDict()
@@ -107,14 +114,47 @@ class StepGraphs:
                 punica: PunicaWrapper | None = None, num_decodes: int | None = None) -> torch.Tensor | None:
         """Final hidden states ``[tokens, hidden]`` of a step, from the graph of its key, captured now if this is
         its first step since its shape was seen before; None where no graph serves the step (a shape's first step,
-        too many requests or tokens, or its capture was refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode step), every
-        later one a chunk for the prefill kernel: a verify step's (0 decodes: each request's last token, then its
-        drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it. With
-        adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
-        read, and the graph is one captured with them."""
-        num_reqs, num_tokens = len(seq_lens), len(input_ids)
-        num_decodes = num_reqs if num_decodes is None else num_decodes
+        too many requests or tokens, or its capture was refused). Its first ``num_decodes`` requests are one-row
+        decodes (None: all of them, a decode step), every later one a chunk for the prefill kernel: a verify step's
+        (0 decodes: each request's last token, then its drafts) or a prompt's. The result is in the graphs' shared
+        pool: the next graph step overwrites it. With adapters in the step (``punica`` active), its tokens' slots
+        move into the static buffer the LoRA kernels read, and the graph is one captured with them."""
+        num_tokens = len(input_ids)
+        num_decodes = len(seq_lens) if num_decodes is None else num_decodes
         self.captured = False
+        if num_decodes < len(seq_lens) and self.padding_block is not None:
+            padded = self._padded(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
+            if padded is not None:
+                input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc = padded
+        hidden_states = self._forward(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc,
+                                      punica, num_decodes)
+        return None if hidden_states is None else hidden_states[:num_tokens]
+
+    def _padded(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+                block_table: np.ndarray, query_start_loc: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """A step with prompt chunks padded to whole blocks of tokens, so that prompts of nearby lengths share a
+        shape, and a graph: the padding rows are one more chunk, at positions 0 .., whose keys and values go to the
+        padding block (one past the scheduler's) and which attends to them alone. None where the step is whole
+        blocks already, or its requests share a prefix that cascade attention would take once (a padding chunk,
+        sharing none of it, would turn that off)."""
+        pad = -len(input_ids) % self.block_size
+        if pad == 0 or (len(seq_lens) > 1 and shared_prefix_tokens(AttentionMetadata(
+                len(input_ids), torch.from_numpy(slot_mapping), torch.from_numpy(query_start_loc),
+                torch.from_numpy(seq_lens), torch.from_numpy(block_table), 0, 0), self.block_size)):
+            return None
+        rows = np.arange(pad)
+        table_row = np.zeros((1, block_table.shape[1]), dtype=block_table.dtype)
+        table_row[0, 0] = self.padding_block
+        slots = (self.padding_block * self.block_size + rows).astype(slot_mapping.dtype)
+        return (np.concatenate([input_ids, np.zeros(pad, dtype=input_ids.dtype)]),
+                np.concatenate([positions, rows.astype(positions.dtype)]), np.concatenate([slot_mapping, slots]),
+                np.append(seq_lens, pad), np.concatenate([block_table, table_row]),
+                np.append(query_start_loc, query_start_loc[-1] + pad))
+
+    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                 seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
+                 punica: PunicaWrapper | None, num_decodes: int) -> torch.Tensor | None:
+        num_reqs, num_tokens = len(seq_lens), len(input_ids)
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
         shape = (num_reqs, num_tokens, num_decodes)
@@ -124,8 +164,9 @@ class StepGraphs:
         static.fill(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
         metadata = static.metadata()
         lora = punica is not None and punica.active
-        if lora:
-            static.token_slots.copy_(punica.token_slots)
+        if lora:  # the padding rows, if any, take none
+            static.token_slots[: len(punica.token_slots)].copy_(punica.token_slots)
+            static.token_slots[len(punica.token_slots):] = -1
             punica.update(static.token_slots)
         prefix = shared_prefix_tokens(metadata, self.block_size) if num_reqs > 1 else 0
         key = (*shape, prefix, lora)

@@ -107,10 +107,12 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
-        self.kv_caches = self._allocate_kv_caches(num_blocks, self.config.cache_config.kv_cache_populate)
-        if cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size):
+        graphs = cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size)
+        # With graphs, one block past the scheduler's: the padding block of steps with prompt chunks (cpu_graphs).
+        self.kv_caches = self._allocate_kv_caches(num_blocks + graphs, self.config.cache_config.kv_cache_populate)
+        if graphs:
             self.step_graphs = StepGraphs(self.model, self.kv_caches, self.block_size,
-                                              self.input_batch.block_table.shape[1])
+                                          self.input_batch.block_table.shape[1], padding_block=num_blocks)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
 

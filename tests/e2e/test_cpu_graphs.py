@@ -142,6 +142,30 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
     assert len(timed_graphed_steps) == graphed_steps.count(False)  # every other step was timed
 
 
+def test_prompts_of_nearby_lengths_share_a_graph_padded_to_whole_blocks(monkeypatch):
+    """Prompts of 33 to 47 tokens, one at a time: each prompt step is padded to 48 rows (a padding chunk of 1 to
+    15 rows in the block past the scheduler's), so all share one shape; from the third on they replay its graph,
+    and every request's tokens are the eager engine's."""
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 40000, (n,), generator=generator).tolist() for n in (33, 40, 47, 36, 44)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager)
+        tokens[eager] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+                         for p in prompts]
+        if not eager:
+            graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+    assert tokens[False] == tokens[True]
+    if not CAPTURES[None] or native.paged_prefill() is None:
+        pytest.skip("no native GEMM or prefill tiles here: prompt steps ran eagerly, tokens compared")
+    padded = graphs._by_shape.get((2, 48, 0))
+    assert padded is not None and sum(graph in padded.graphs.values() for graph in replays) == 3
+
+
 def test_a_shape_gets_static_buffers_at_its_second_step_and_the_least_recently_used_go_first(monkeypatch):
     """A shape's first step runs eagerly (no buffers, no capture: a prompt of a new length may not come again);
     at most MAX_GRAPH_SHAPES shapes keep their buffers and graphs, the least recently used dropped first, and a
