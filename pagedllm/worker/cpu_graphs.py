@@ -10,8 +10,9 @@ differ with it; and by whether adapters run (multi-LoRA), since the LoRA'd layer
 with adapters. Which adapter each token takes is an input, read from a static buffer like the token ids, so one
 graph serves any mix of adapters. A step with prompt chunks is padded to whole blocks of tokens by one more chunk
 whose rows write and read only a padding block past the scheduler's (as CUDA graphs pad a batch to a captured
-size), so that prompts of nearby lengths share a shape; the first step of such a shape runs eagerly, and the shapes kept
-are bounded (MAX_GRAPH_SHAPES), so one-off shapes cost no capture and graphs no unbounded memory.
+size), so that prompts of nearby lengths share a shape; the first step of a shape among many (chunks beside decode rows)
+runs eagerly, and the shapes kept are bounded (MAX_GRAPH_SHAPES), so one-off shapes cost no capture and graphs no
+unbounded memory.
 
 Steps of up to MAX_GRAPH_BATCH requests and MAX_GRAPH_TOKENS tokens use graphs. The graphs share one pool for
 their activations (what one forward has live at once: a few MB), which also spares replays the allocations an
@@ -113,8 +114,8 @@ class StepGraphs:
                 seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
                 punica: PunicaWrapper | None = None, num_decodes: int | None = None) -> torch.Tensor | None:
         """Final hidden states ``[tokens, hidden]`` of a step, from the graph of its key, captured now if this is
-        its first step (with prompt chunks: since its shape was seen before); None where no graph serves the step
-        (the first step of a shape with chunks, too many requests or tokens, or its capture was refused). Its first ``num_decodes`` requests are one-row
+        its first step (of a shape among many: since its shape was seen before, see _static_inputs); None where no
+        graph serves the step (such a shape's first step, too many requests or tokens, or its capture was refused). Its first ``num_decodes`` requests are one-row
         decodes (None: all of them, a decode step), every later one a chunk for the prefill kernel: a verify step's
         (0 decodes: each request's last token, then its drafts) or a prompt's. The result is in the graphs' shared
         pool: the next graph step overwrites it. With adapters in the step (``punica`` active), its tokens' slots
@@ -192,16 +193,19 @@ class StepGraphs:
         return hidden_states
 
     def _static_inputs(self, shape: tuple[int, int, int]) -> _StaticInputs | None:
-        """The static buffers (and graphs) of steps of ``shape``; None for the first step of a shape with prompt
-        chunks, which runs eagerly: such a shape seen once (prompts of new lengths beside so many decodes) may not
-        come again, and a capture costs more than the eager step (decode steps have few shapes, all recurring).
-        At most MAX_GRAPH_SHAPES shapes are kept, the least recently used dropped first."""
+        """The static buffers (and graphs) of steps of ``shape``; None for the first step of a shape among many,
+        which runs eagerly: a shape seen once (prompt chunks of new lengths beside so many decodes) may not come
+        again, and a capture costs more than the eager step. Shapes of which there are few capture at once: a
+        decode step's (one per batch size) and one of at most two chunks and no decode rows (one per token count:
+        a lone prompt, its padding chunk beside it). At most MAX_GRAPH_SHAPES shapes are kept, the least recently
+        used dropped first."""
         static = self._by_shape.get(shape)
         if static is not None:
             self._by_shape.move_to_end(shape)
             return static
         num_reqs, _, num_decodes = shape
-        if num_decodes < num_reqs and shape not in self._seen_once:
+        few = num_decodes == num_reqs or (num_decodes == 0 and num_reqs <= 2)
+        if not few and shape not in self._seen_once:
             self._seen_once[shape] = None
             if len(self._seen_once) > MAX_GRAPH_SHAPES:
                 self._seen_once.popitem(last=False)

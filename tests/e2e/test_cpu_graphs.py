@@ -144,8 +144,8 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
 
 def test_prompts_of_nearby_lengths_share_a_graph_padded_to_whole_blocks(monkeypatch):
     """Prompts of 33 to 47 tokens, one at a time: each prompt step is padded to 48 rows (a padding chunk of 1 to
-    15 rows in the block past the scheduler's), so all share one shape; from the third on they replay its graph,
-    and every request's tokens are the eager engine's."""
+    15 rows in the block past the scheduler's), so all share one shape, captured at the first; the others replay
+    its graph, and every request's tokens are the eager engine's."""
     replays = []
     replay = CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
@@ -163,16 +163,19 @@ def test_prompts_of_nearby_lengths_share_a_graph_padded_to_whole_blocks(monkeypa
     if not CAPTURES[None] or native.paged_prefill() is None:
         pytest.skip("no native GEMM or prefill tiles here: prompt steps ran eagerly, tokens compared")
     padded = graphs._by_shape.get((2, 48, 0))
-    assert padded is not None and sum(graph in padded.graphs.values() for graph in replays) == 3
+    assert padded is not None and sum(graph in padded.graphs.values() for graph in replays) == 4
 
 
 def test_a_shape_with_prompt_chunks_gets_static_buffers_at_its_second_step_and_the_least_recently_used_go_first(
         monkeypatch):
-    """The first step of a shape with prompt chunks runs eagerly (no buffers, no capture: prompts of new lengths
-    may not come again), a decode step's has its buffers at once; at most MAX_GRAPH_SHAPES shapes keep their
-    buffers and graphs, the least recently used dropped first, and a dropped shape's refusals with it."""
+    """The first step of a shape with prompt chunks beside decode rows (or of more than two chunks) runs eagerly
+    (no buffers, no capture: such a shape may not come again); a decode step's, or a lone prompt's, has its buffers
+    at once; at most MAX_GRAPH_SHAPES shapes keep their buffers and graphs, the least recently used dropped first,
+    and a dropped shape's refusals with it."""
     monkeypatch.setattr(cpu_graphs, "MAX_GRAPH_SHAPES", 2)
     graphs = cpu_graphs.StepGraphs(model=None, kv_caches=[], block_size=16, block_table_width=4)
+    assert graphs._static_inputs((2, 48, 0)) is not None  # a lone prompt and its padding chunk
+    graphs._by_shape.clear()
     chunks, more_chunks, decodes = (2, 48, 1), (3, 64, 0), (3, 3, 3)
     assert graphs._static_inputs(chunks) is None
     kept = graphs._static_inputs(chunks)
