@@ -10,9 +10,9 @@ differ with it; and by whether adapters run (multi-LoRA), since the LoRA'd layer
 with adapters. Which adapter each token takes is an input, read from a static buffer like the token ids, so one
 graph serves any mix of adapters. A step with prompt chunks is padded to whole blocks of tokens by one more chunk
 whose rows write and read only a padding block past the scheduler's (as CUDA graphs pad a batch to a captured
-size), so that prompts of nearby lengths share a shape; the first step of a shape among many (chunks beside decode rows)
-runs eagerly, and the shapes kept are bounded (MAX_GRAPH_SHAPES), so one-off shapes cost no capture and graphs no
-unbounded memory.
+size), so that prompts of nearby lengths share a shape; the first step of a shape among many (chunks beside
+decode rows) runs eagerly, and the shapes kept are bounded (MAX_GRAPH_SHAPES), so one-off shapes cost no capture
+and graphs no unbounded memory.
 
 Steps of up to MAX_GRAPH_BATCH requests and MAX_GRAPH_TOKENS tokens use graphs. The graphs share one pool for
 their activations (what one forward has live at once: a few MB), which also spares replays the allocations an
@@ -115,11 +115,12 @@ class StepGraphs:
                 punica: PunicaWrapper | None = None, num_decodes: int | None = None) -> torch.Tensor | None:
         """Final hidden states ``[tokens, hidden]`` of a step, from the graph of its key, captured now if this is
         its first step (of a shape among many: since its shape was seen before, see _static_inputs); None where no
-        graph serves the step (such a shape's first step, too many requests or tokens, or its capture was refused). Its first ``num_decodes`` requests are one-row
-        decodes (None: all of them, a decode step), every later one a chunk for the prefill kernel: a verify step's
-        (0 decodes: each request's last token, then its drafts) or a prompt's. The result is in the graphs' shared
-        pool: the next graph step overwrites it. With adapters in the step (``punica`` active), its tokens' slots
-        move into the static buffer the LoRA kernels read, and the graph is one captured with them."""
+        graph serves the step (such a shape's first step, too many requests or tokens, or its capture was
+        refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode step), every
+        later one a chunk for the prefill kernel: a verify step's (0 decodes: each request's last token, then its
+        drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it. With
+        adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
+        read, and the graph is one captured with them."""
         num_tokens = len(input_ids)
         num_decodes = len(seq_lens) if num_decodes is None else num_decodes
         self.captured = False
@@ -165,14 +166,14 @@ class StepGraphs:
         static.fill(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
         metadata = static.metadata()
         lora = punica is not None and punica.active
-        if lora:  # the padding rows, if any, take none
-            static.token_slots[: len(punica.token_slots)].copy_(punica.token_slots)
-            static.token_slots[len(punica.token_slots):] = -1
-            punica.update(static.token_slots)
         prefix = shared_prefix_tokens(metadata, self.block_size) if num_reqs > 1 else 0
         key = (*shape, prefix, lora)
         if key in self._refused or (num_decodes < num_reqs and num_tokens >= self._chunk_tokens_refused):
             return None
+        if lora:  # the padding rows, if any, take none (an eager step, above, keeps the step's own slots)
+            static.token_slots[: len(punica.token_slots)].copy_(punica.token_slots)
+            static.token_slots[len(punica.token_slots):] = -1
+            punica.update(static.token_slots)
         graph = static.graphs.get(key[3:])
         if graph is not None:
             return graph.replay()
