@@ -122,9 +122,9 @@ class GraphPool:
 class _Carver:
     """One capture's allocator over its pool's chunks: first fit among the memory no live tensor of this capture
     holds, adding a chunk where none fits. A carved tensor's memory is free again once the forward has dropped
-    every view of it, as the eager forward's allocator would reuse it: so a graph's activations take the few MB
-    its forward has live at once, not the sum of all its tensors (~1 MB a token for SmolLM2-135M), and a replay
-    writes them into memory that is still in cache. Reuse is exact on replay too: the kernels run in the order
+    every view of it, as the eager forward's allocator would reuse it: so a graph's activations take what its
+    forward has live at once, not the sum of all its tensors (every layer's), and a replay writes them into
+    memory that is still in cache. Reuse is exact on replay too: the kernels run in the order
     they ran at capture, each done with a buffer before a later one is placed over it.
 
     Each carved tensor gets a storage of its own over its bytes (``torch.frombuffer`` of a numpy view of the

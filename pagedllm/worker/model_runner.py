@@ -109,7 +109,7 @@ class ModelRunner:
         mc = self.model_config
         graphs = cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size)
         # With graphs, one block past the scheduler's: the padding block of steps with prompt chunks (cpu_graphs).
-        self.kv_caches = self._allocate_kv_caches(num_blocks + graphs, self.config.cache_config.kv_cache_populate)
+        self.kv_caches = self._allocate_kv_caches(num_blocks + int(graphs), self.config.cache_config.kv_cache_populate)
         if graphs:
             self.step_graphs = StepGraphs(self.model, self.kv_caches, self.block_size,
                                           self.input_batch.block_table.shape[1], padding_block=num_blocks)
