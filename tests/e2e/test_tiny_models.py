@@ -45,6 +45,10 @@ def _save_tiny(tmp_path, tokenizer, config_cls, model_cls, **extra):
     # ~35; a final cap of a few would tie the top logits at the cap in float32)
     (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": 8, "head_dim": 16, "query_pre_attn_scalar": 16,
                                        "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
+    # the same at head size 64, which the native prefill tiles take: steps with prompt chunks replay CPU graphs,
+    # padded to whole blocks, under the window and the soft caps
+    (Gemma2Config, Gemma2ForCausalLM, {"sliding_window": 8, "head_dim": 64, "query_pre_attn_scalar": 64,
+                                       "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0}),
 ])
 def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, extra):
     """4 mixed prompts x 24 tokens, prefills chunked by a 32-token budget, and a cache of 8 blocks (128 tokens) for
