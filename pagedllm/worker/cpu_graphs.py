@@ -121,15 +121,22 @@ class StepGraphs:
         drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it. With
         adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
         read, and the graph is one captured with them."""
-        num_tokens = len(input_ids)
-        num_decodes = len(seq_lens) if num_decodes is None else num_decodes
+        num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        num_decodes = num_reqs if num_decodes is None else num_decodes
         self.captured = False
-        if num_decodes < len(seq_lens) and self.padding_block is not None:
+        prefix = 0
+        if num_reqs > 1:
+            prefix = shared_prefix_tokens(AttentionMetadata(
+                num_tokens, torch.from_numpy(slot_mapping), torch.from_numpy(query_start_loc),
+                torch.from_numpy(seq_lens), torch.from_numpy(block_table), 0, 0), self.block_size)
+        # A step whose requests share a prefix that cascade attention takes once keeps its shape: a padding chunk,
+        # sharing none of it, would turn that off.
+        if num_decodes < num_reqs and self.padding_block is not None and not prefix:
             padded = self._padded(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
             if padded is not None:
                 input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc = padded
         hidden_states = self._forward(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc,
-                                      punica, num_decodes)
+                                      punica, num_decodes, prefix)
         return None if hidden_states is None else hidden_states[:num_tokens]
 
     def _padded(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
@@ -137,12 +144,9 @@ class StepGraphs:
         """A step with prompt chunks padded to whole blocks of tokens, so that prompts of nearby lengths share a
         shape, and a graph: the padding rows are one more chunk, at positions 0 .., whose keys and values go to the
         padding block (one past the scheduler's) and which attends to them alone. None where the step is whole
-        blocks already, or its requests share a prefix that cascade attention would take once (a padding chunk,
-        sharing none of it, would turn that off)."""
+        blocks already."""
         pad = -len(input_ids) % self.block_size
-        if pad == 0 or (len(seq_lens) > 1 and shared_prefix_tokens(AttentionMetadata(
-                len(input_ids), torch.from_numpy(slot_mapping), torch.from_numpy(query_start_loc),
-                torch.from_numpy(seq_lens), torch.from_numpy(block_table), 0, 0), self.block_size)):
+        if pad == 0:
             return None
         rows = np.arange(pad)
         table_row = np.zeros((1, block_table.shape[1]), dtype=block_table.dtype)
@@ -155,7 +159,9 @@ class StepGraphs:
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
-                 punica: PunicaWrapper | None, num_decodes: int) -> torch.Tensor | None:
+                 punica: PunicaWrapper | None, num_decodes: int, prefix: int) -> torch.Tensor | None:
+        """forward's step as given (padded or not), ``prefix`` the tokens its requests share for cascade attention
+        (0 for a padded step)."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
@@ -166,7 +172,6 @@ class StepGraphs:
         static.fill(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
         metadata = static.metadata()
         lora = punica is not None and punica.active
-        prefix = shared_prefix_tokens(metadata, self.block_size) if num_reqs > 1 else 0
         key = (*shape, prefix, lora)
         if key in self._refused or (num_decodes < num_reqs and num_tokens >= self._chunk_tokens_refused):
             return None
