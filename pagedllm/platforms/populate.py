@@ -6,8 +6,8 @@ Firecracker VMs seen here 2.5-5 s a GiB, so while a new engine's steps still tak
 writes K/V into never-touched memory stalls (a 2048-token prefill step doubling), until the whole cache has been
 handed out once. vLLM pays the same once at start-up by zeroing its cache. Here it is paid while the engine is
 idle: the thread waits while this process's engine runs a step and for IDLE_AFTER_SECONDS after one
-(engine_step, around the worker's steps; at nice 19 alone it still cost the first seconds' decode steps up to a
-fifth of their speed: in a VM a first touch occupies its vCPU in the host, where no guest priority reaches), and
+(engine_step, around the worker's steps; at nice 19 alone it still slowed the first seconds' decode steps: in a
+VM a first touch occupies its vCPU in the host, where no guest priority reaches), and
 it populates in block order (every tensor's first 2 MiB, then the next), the order in which the block pool hands
 out fresh blocks. MADV_POPULATE_WRITE (Linux 5.14) faults pages in writable without writing them, so it is safe
 beside the kernels writing K/V into the same pages. It stops when memory runs short (engines started side by side
@@ -116,8 +116,6 @@ def _populate_chunk(libc: ctypes.CDLL, refs: list[weakref.ref], offset: int) -> 
     does; None to stop (the cache was freed, the interpreter is exiting, or the call failed: not supported before
     Linux 5.14, or out of memory, where first touches pay as before). A buffer is held only for its call, so that
     the thread never keeps a freed cache alive (nor while it waits)."""
-    if any(r() is None for r in refs):
-        return None
     done = 0
     for ref in refs:
         if not _wait_until_idle():
