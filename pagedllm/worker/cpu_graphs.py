@@ -8,9 +8,10 @@ when it runs, so one graph serves any split of the chunks' tokens. A graph is al
 its requests share, when attention takes that prefix once for all rows (cascade attention): the kernels' arguments
 differ with it; and by whether adapters run (multi-LoRA), since the LoRA'd layers launch their kernel only in steps
 with adapters. Which adapter each token takes is an input, read from a static buffer like the token ids, so one
-graph serves any mix of adapters. A step with prompt chunks is padded to whole blocks of tokens by one more chunk
-whose rows write and read only a padding block past the scheduler's (as CUDA graphs pad a batch to a captured
-size), so that prompts of nearby lengths share a shape; the first step of a shape among many (chunks beside
+graph serves any mix of adapters. A step's decode rows are padded to a bucket (1, 2, 4, 8, then multiples of 8) by
+rows before them, and a step with prompt chunks to whole blocks of tokens by one more chunk; padding rows write and
+read only a padding block past the scheduler's (as CUDA graphs pad a batch to a captured size), so that batches of
+nearby sizes and prompts of nearby lengths share a shape; the first step of a shape among many (chunks beside
 decode rows) runs eagerly, and the shapes kept are bounded (MAX_GRAPH_SHAPES), so one-off shapes cost no capture
 and graphs no unbounded memory.
 
@@ -39,6 +40,13 @@ logger = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 64
 MAX_GRAPH_TOKENS = 512
 MAX_GRAPH_SHAPES = 128  # step shapes whose static buffers and graphs (their calls, packed) are kept
+DECODE_BUCKETS = (1, 2, 4, 8)  # then multiples of 8: the decode rows a padded step has (vLLM's capture sizes)
+
+
+def decode_bucket(num_decodes: int) -> int:
+    """The decode rows a step of ``num_decodes`` is padded to: the first of DECODE_BUCKETS, or multiple of 8 past
+    them, that holds them (0 stays 0). StepGraphs pads no further than MAX_GRAPH_BATCH rows."""
+    return next((b for b in (0, *DECODE_BUCKETS) if b >= num_decodes), -(-num_decodes // 8) * 8)
 
 
 def cpu_graphs_apply(model_config, model, world_size: int = 1) -> bool:
@@ -129,15 +137,35 @@ class StepGraphs:
             prefix = shared_prefix_tokens(AttentionMetadata(
                 num_tokens, torch.from_numpy(slot_mapping), torch.from_numpy(query_start_loc),
                 torch.from_numpy(seq_lens), torch.from_numpy(block_table), 0, 0), self.block_size)
-        # A step whose requests share a prefix that cascade attention takes once keeps its shape: a padding chunk,
+        # A step whose requests share a prefix that cascade attention takes once keeps its shape: padding rows,
         # sharing none of it, would turn that off.
-        if num_decodes < num_reqs and self.padding_block is not None and not prefix:
-            padded = self._padded(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
-            if padded is not None:
-                input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc = padded
-        hidden_states = self._forward(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc,
-                                      punica, num_decodes, prefix)
-        return None if hidden_states is None else hidden_states[:num_tokens]
+        step = (input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
+        lead = 0  # padding decode rows before the step's own
+        if self.padding_block is not None and not prefix:
+            lead = min(decode_bucket(num_decodes), max(num_decodes, MAX_GRAPH_BATCH)) - num_decodes
+            if lead:
+                step = self._lead_decodes(lead, *step)
+                num_decodes += lead
+            if num_decodes < len(step[3]):
+                step = self._padded(*step) or step
+        hidden_states = self._forward(*step, punica, num_decodes, prefix, lead)
+        return None if hidden_states is None else hidden_states[lead:lead + num_tokens]
+
+    def _lead_decodes(self, lead: int, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                      seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray
+                      ) -> tuple[np.ndarray, ...]:
+        """The step with ``lead`` decode rows before its own, so that its decode rows fill a bucket
+        (decode_bucket): each the token at position 0 of the padding block, which it writes and attends to
+        alone."""
+        table_rows = np.zeros((lead, block_table.shape[1]), dtype=block_table.dtype)
+        table_rows[:, 0] = self.padding_block
+        return (np.concatenate([np.zeros(lead, dtype=input_ids.dtype), input_ids]),
+                np.concatenate([np.zeros(lead, dtype=positions.dtype), positions]),
+                np.concatenate([np.full(lead, self.padding_block * self.block_size, dtype=slot_mapping.dtype),
+                                slot_mapping]),
+                np.concatenate([np.ones(lead, dtype=seq_lens.dtype), seq_lens]),
+                np.concatenate([table_rows, block_table]),
+                np.concatenate([np.arange(lead, dtype=query_start_loc.dtype), query_start_loc + lead]))
 
     def _padded(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
                 block_table: np.ndarray, query_start_loc: np.ndarray) -> tuple[np.ndarray, ...] | None:
@@ -159,9 +187,9 @@ class StepGraphs:
 
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
-                 punica: PunicaWrapper | None, num_decodes: int, prefix: int) -> torch.Tensor | None:
+                 punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int) -> torch.Tensor | None:
         """forward's step as given (padded or not), ``prefix`` the tokens its requests share for cascade attention
-        (0 for a padded step)."""
+        (0 for a padded step), ``lead`` its padding decode rows before the step's own."""
         num_reqs, num_tokens = len(seq_lens), len(input_ids)
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
@@ -176,8 +204,8 @@ class StepGraphs:
         if key in self._refused or (num_decodes < num_reqs and num_tokens >= self._chunk_tokens_refused):
             return None
         if lora:  # the padding rows, if any, take none (an eager step, above, keeps the step's own slots)
-            static.token_slots[: len(punica.token_slots)].copy_(punica.token_slots)
-            static.token_slots[len(punica.token_slots):] = -1
+            static.token_slots.fill_(-1)
+            static.token_slots[lead:lead + len(punica.token_slots)].copy_(punica.token_slots)
             punica.update(static.token_slots)
         graph = static.graphs.get(key[3:])
         if graph is not None:

@@ -166,6 +166,32 @@ def test_prompts_of_nearby_lengths_share_a_graph_padded_to_whole_blocks(monkeypa
     assert padded is not None and sum(graph in padded.graphs.values() for graph in replays) == 4
 
 
+def test_decode_batches_of_nearby_sizes_share_a_graph_padded_to_a_bucket(monkeypatch):
+    """Twelve requests finishing one after another: decode steps of 12 down to 1 rows, each padded to its bucket
+    (16, 8, 4, 2, 1) by rows before its own that write and read only the padding block, so five decode graphs
+    serve them all (the steps of 9 to 11 rows replay the 16-row graph the 12-row step captured), with every
+    request's tokens those of the eager engine."""
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    generator = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (8 + i,), generator=generator).tolist()}
+               for i in range(12)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(12)]
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager)
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not eager:
+            graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+    assert tokens[False] == tokens[True]
+    if not CAPTURES[None]:
+        pytest.skip("no native GEMM here: decode steps ran eagerly, tokens compared")
+    decode_shapes = {shape: static for shape, static in graphs._by_shape.items() if shape[0] == shape[2]}
+    assert set(decode_shapes) == {(b, b, b) for b in (16, 8, 4, 2, 1)}
+    assert sum(graph in decode_shapes[(16, 16, 16)].graphs.values() for graph in replays) >= 5
+
+
 def test_a_shape_with_prompt_chunks_gets_static_buffers_at_its_second_step_and_the_least_recently_used_go_first(
         monkeypatch):
     """The first step of a shape with prompt chunks beside decode rows (or of more than two chunks) runs eagerly
