@@ -39,12 +39,12 @@ def build_message(num_running: int = 64, num_new: int = 2, prompt_len: int = 256
     running = [f"cmpl-{i:04d}-0" for i in range(num_running)]
     cached = CachedRequestData(req_ids=running, resumed_from_preemption=[False] * num_running,
                                resumed_req_token_ids=[None] * num_running,
-                               new_block_ids=[[4096 + i] for i in range(num_running)],
+                               new_block_ids=[([4096 + i],) for i in range(num_running)],
                                num_computed_tokens=[300 + 7 * i for i in range(num_running)])
     new = [NewRequestData(req_id=f"cmpl-{num_running + j:04d}-0",
                           prompt_token_ids=[(j * 7919 + t) % 49000 + 100 for t in range(prompt_len)],
                           sampling_params=SamplingParams(temperature=0.7, top_p=0.95, max_tokens=256),
-                          eos_token_id=2, block_ids=list(range(j * 64, j * 64 + prompt_len // block_size)),
+                          eos_token_id=2, block_ids=(list(range(j * 64, j * 64 + prompt_len // block_size)),),
                           num_computed_tokens=0)
            for j in range(num_new)]
     scheduled = {r: 1 for r in running} | {r.req_id: prompt_len for r in new}

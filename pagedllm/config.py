@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedllm.core.kv_cache_groups import KVCacheGroup
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 from pagedllm.models.generation_config import diff_sampling_param
 
@@ -97,12 +98,21 @@ class CacheConfig:
     # the models (EngineArgs sets it); None where some layer attends to everything. With it the KV cache manager
     # frees a request's blocks that fell out of every window (vLLM's SlidingWindowManager).
     sliding_window: Optional[int] = None
+    # A hybrid model's KV cache groups (core/kv_cache_groups.py: its full-attention and sliding-window layers in groups
+    # of their own, each read through a block table of its own), from the model (EngineArgs sets them); empty where
+    # every layer reads through one block table (with sliding_window).
+    kv_cache_groups: tuple[KVCacheGroup, ...] = ()
     # The cache's element type (vLLM's kv_cache_dtype; kv_cache_dtype.py): "auto" is the model's.
     cache_dtype: str = "auto"
     kv_cache_populate: str = "background"  # one of KV_CACHE_POPULATE
     # On a GPU: the share of its memory the engine may take, weights, activations and KV cache together (vLLM's;
     # platforms/cuda.kv_cache_memory_from_profile). The CPU's cache is sized by kv_cache_memory or its default.
     gpu_memory_utilization: float = 0.9
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...] | None:
+        """Each KV cache group's sliding window, or None where there is one group (of sliding_window)."""
+        return tuple(group.sliding_window for group in self.kv_cache_groups) or None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

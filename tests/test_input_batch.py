@@ -1,6 +1,6 @@
 """The persistent InputBatch against a plain model of what it holds: after any sequence of adds, removals, sampled
-tokens and new blocks, every request's row holds exactly its own tokens, blocks and sampling settings, and the rows
-stay dense (0 .. num_reqs - 1) however requests leave."""
+tokens and new blocks, every request's row holds exactly its own tokens, blocks (in each of two KV cache groups) and
+sampling settings, and the rows stay dense (0 .. num_reqs - 1) however requests leave."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,6 +12,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
 MAX_REQS, MAX_LEN, MAX_BLOCKS, BLOCK = 6, 64, 16, 4
+GROUPS = 2  # KV cache groups: a block table each (a hybrid model's)
 
 
 def _state(req_id: str, seed: int) -> CachedRequestState:
@@ -20,7 +21,7 @@ def _state(req_id: str, seed: int) -> CachedRequestState:
     params = SamplingParams(temperature=float(rng.uniform(0.1, 2.0)), top_p=float(rng.uniform(0.1, 1.0)),
                             top_k=int(rng.integers(0, 50)), repetition_penalty=float(rng.uniform(1.0, 2.0)),
                             max_tokens=8)
-    blocks = rng.integers(0, 500, -(-len(prompt) // BLOCK)).tolist()
+    blocks = tuple(rng.integers(0, 500, -(-len(prompt) // BLOCK)).tolist() for _ in range(GROUPS))
     return CachedRequestState(req_id, prompt, params, None, blocks, int(rng.integers(0, len(prompt))))
 
 
@@ -34,8 +35,9 @@ def _check(batch: InputBatch, expected: dict[str, CachedRequestState]) -> None:
         tokens = state.prompt_token_ids + state.output_token_ids
         assert batch.num_tokens[row] == len(tokens) and batch.num_prompt_tokens[row] == len(state.prompt_token_ids)
         assert batch.token_ids[row, :len(tokens)].tolist() == tokens
-        assert batch.num_blocks[row] == len(state.block_ids)
-        assert batch.block_table[row, :len(state.block_ids)].tolist() == state.block_ids
+        for table, block_ids in zip(batch.block_tables, state.block_ids, strict=True):
+            assert batch.num_blocks[row] == len(block_ids)
+            assert table[row, :len(block_ids)].tolist() == block_ids
         assert batch.num_computed_tokens[row] == state.num_computed_tokens
         params = state.sampling_params
         assert batch.temperature[row] == np.float32(params.temperature)
@@ -50,7 +52,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["add", "remove", "token", "blocks"]), 
 @settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_rows_stay_consistent_under_random_adds_and_removals(ops):
-    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000)
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000, num_kv_cache_groups=GROUPS)
     expected: dict[str, CachedRequestState] = {}
     next_id = 0
     for op, value in ops:
@@ -69,15 +71,16 @@ def test_rows_stay_consistent_under_random_adds_and_removals(ops):
                 batch.append_token(batch.req_id_to_index[state.req_id], value % 1000)
         elif op == "blocks" and live:
             state = expected[live[value % len(live)]]
-            if len(state.block_ids) < MAX_BLOCKS:
-                new = [value % 500]
-                state.block_ids.extend(new)  # as the model runner keeps its state and the batch in step
+            if len(state.block_ids[0]) < MAX_BLOCKS:
+                new = ([value % 500], [value % 499])
+                for block_ids, new_ids in zip(state.block_ids, new):
+                    block_ids.extend(new_ids)  # as the model runner keeps its state and the batch in step
                 batch.append_block_ids(batch.req_id_to_index[state.req_id], new)
         _check(batch, expected)
 
 
 def test_removing_a_row_moves_only_the_last_row_into_it():
-    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000)
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000, num_kv_cache_groups=GROUPS)
     states = [_state(f"r{i}", i) for i in range(4)]
     for state in states:
         batch.add_request(state)
@@ -89,7 +92,7 @@ def test_removing_a_row_moves_only_the_last_row_into_it():
 
 
 def test_a_full_batch_and_a_duplicate_are_refused():
-    batch = InputBatch(2, MAX_LEN, MAX_BLOCKS, vocab_size=1000)
+    batch = InputBatch(2, MAX_LEN, MAX_BLOCKS, vocab_size=1000, num_kv_cache_groups=GROUPS)
     batch.add_request(_state("a", 0))
     with pytest.raises(ValueError, match="already in the batch"):
         batch.add_request(_state("a", 1))

@@ -23,7 +23,7 @@ def make_batch(requests: list[tuple[SamplingParams, list[int], list[int]]]) -> I
     """An InputBatch holding (params, prompt, output) requests, as the model runner fills it."""
     batch = InputBatch(max_num_reqs=len(requests), max_model_len=128, max_num_blocks_per_req=1, vocab_size=V)
     for i, (params, prompt, output) in enumerate(requests):
-        batch.add_request(CachedRequestState(f"req-{i}", list(prompt), params, EOS, [], len(prompt) + len(output),
+        batch.add_request(CachedRequestState(f"req-{i}", list(prompt), params, EOS, ([],), len(prompt) + len(output),
                                              output_token_ids=list(output)))
     return batch
 

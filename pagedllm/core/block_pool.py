@@ -12,7 +12,7 @@ class BlockPool:
     A free block may still hold a cached full block (its hash in `cached_block_hash_to_block`): it stays
     reusable by a prefix hit until get_new_blocks evicts it, least recently freed first.
 
-    `null_block` stands in a request's block list where a block fell out of every layer's sliding window and went
+    `null_block` stands in a request's block list where a block fell out of its group's sliding window and went
     back to the pool (vLLM's null block). It is no block of the pool: never counted, cached, handed out or freed,
     and touch, cache_full_blocks and free_blocks pass over it. Its id (0) is also a real block's, which is safe
     only because attention never reads a position outside its window, so no kernel reads through that entry.

@@ -1,6 +1,7 @@
 """KVCacheManager: the scheduler's interface to KV memory — prefix-cache lookup, slot allocation, freeing."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 from pagedllm.core.block_pool import BlockPool
@@ -12,73 +13,55 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Maps each request to the list of blocks holding its KV, in token order.
+def max_blocks(windows: Sequence[int | None], block_size: int, num_tokens: int, max_step_tokens: int) -> int:
+    """The most blocks a request of up to num_tokens tokens holds at once in KV cache groups of these sliding
+    windows, when a step gives it at most max_step_tokens new slots: in each group a block per block_size tokens, or
+    under a sliding window at most those of the window before a step's first query and of the step's slots (vLLM's
+    SlidingWindowSpec bound)."""
+    blocks = cdiv(num_tokens, block_size)
+    return sum(blocks if window is None else min(blocks, cdiv(window - 1 + max_step_tokens, block_size) + 1)
+               for window in windows)
 
-    With a ``sliding_window`` (every attention layer's, CacheConfig.sliding_window) a request keeps only the blocks
-    its next query can see, as vLLM's SlidingWindowManager: before each allocation the blocks wholly before
-    ``num_computed_tokens - sliding_window + 1`` go back to the pool (still cached, so other requests can hit
-    them) and the pool's null block takes their place in the list, so block i still holds positions
-    i * block_size ..; a request's memory stays about a window however long it runs. A prefix hit then needs
-    only the blocks of the window before its end (see _sliding_window_hit).
+
+class GroupBlocks:
+    """One KV cache group's blocks of each request (vLLM's SingleTypeKVCacheManager), from the shared pool.
+
+    With a ``sliding_window`` (its layers', CacheConfig) a request keeps only the blocks its next query can see, as
+    vLLM's SlidingWindowManager: before each allocation the blocks wholly before ``num_computed_tokens -
+    sliding_window + 1`` go back to the pool (still cached, so other requests can hit them) and the pool's null
+    block takes their place in the list, so block i still holds positions i * block_size ..; a request's memory
+    stays about a window however long it runs. A prefix hit then needs only the blocks of the window before its end
+    (see sliding_window_hit). Every group's list of a request has the same length: a block per block_size positions.
+
+    Its blocks are cached under their hashes keyed by the group (group 0's under the hashes themselves, group g's
+    followed by g: vLLM's BlockHashWithGroupId), as the same tokens have other blocks in each group.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, sliding_window: int | None = None) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {block_size}")
+    def __init__(self, block_pool: BlockPool, block_size: int, sliding_window: int | None, group: int) -> None:
+        self.block_pool = block_pool
         self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.enable_caching = enable_caching
         self.sliding_window = sliding_window
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.suffix = group.to_bytes(2, "little") if group else b""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many of each request's leading blocks are already registered in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return self.block_pool.num_blocks
+    def cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
+        return self.block_pool.get_cached_block(block_hash + self.suffix)
 
-    @property
-    def usage(self) -> float:
-        return self.block_pool.get_usage()
-
-    def max_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
-        """The most blocks a request of up to num_tokens tokens holds at once, when a step gives it at most
-        max_step_tokens new slots: a block per block_size tokens, or under a sliding window at most those of the
-        window before a step's first query and of the step's slots (vLLM's SlidingWindowSpec bound)."""
-        blocks = cdiv(num_tokens, self.block_size)
-        if self.sliding_window is None:
-            return blocks
-        return min(blocks, cdiv(self.sliding_window - 1 + max_step_tokens, self.block_size) + 1)
-
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest run of cached full blocks that prefixes the request, and how many tokens it covers.
-
-        Never the whole sequence: the last token is always recomputed so the step yields its logits.
-        Requests asking for prompt logprobs get no hits (those need every prompt position's logits).
-        """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+    def longest_hit(self, block_hashes: list) -> list[KVCacheBlock]:
+        """The longest prefix of ``block_hashes`` whose blocks this group can take from the prefix cache."""
         if self.sliding_window is not None:
-            hits = self._sliding_window_hit(request.block_hashes[:max_hit_blocks])
-        else:
-            hits = []
-            for block_hash in request.block_hashes[:max_hit_blocks]:
-                block = self.block_pool.get_cached_block(block_hash)
-                if block is None:
-                    break
-                hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+            return self.sliding_window_hit(block_hashes)
+        hits = []
+        for block_hash in block_hashes:
+            block = self.cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-    def _sliding_window_hit(self, block_hashes: list) -> list[KVCacheBlock]:
+    def sliding_window_hit(self, block_hashes: list) -> list[KVCacheBlock]:
         """The longest prefix whose last cdiv(sliding_window - 1, block_size) blocks are cached (fewer where the
         prefix is shorter): the next query, at the prefix's end, sees no further back. Blocks before those are the
         null block. Block hashes chain over the whole prefix, so a cached block's hash vouches for every token
@@ -90,7 +73,7 @@ class KVCacheManager:
             return [null] * len(block_hashes)
         run: list[KVCacheBlock] = []  # the cached blocks from index i on, last first
         for i in range(len(block_hashes) - 1, -1, -1):
-            block = self.block_pool.get_cached_block(block_hashes[i])
+            block = self.cached_block(block_hashes[i])
             if block is None:
                 run.clear()
                 continue
@@ -99,49 +82,7 @@ class KVCacheManager:
                 return [null] * i + run[::-1]
         return run[::-1]  # fewer than needed from the first block on: the next query sees all of them
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
-                       num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> Optional[list[KVCacheBlock]]:
-        """Makes room for num_new_tokens more tokens of KV (after any prefix-hit blocks).
-
-        Returns the newly allocated blocks, or None when the pool cannot supply them — in which case nothing
-        was allocated and no ref count changed (but for blocks out of the sliding window, freed first either way:
-        no later query reads them). Full blocks are registered in the prefix cache as they fill.
-        """
-        if num_new_tokens <= 0:
-            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
-        req_blocks = self.req_to_blocks.get(request.request_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[request.request_id] = []
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        self._remove_skipped_blocks(req_blocks, request.num_computed_tokens)
-        num_tokens_after = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if num_tokens_after > self.max_model_len:
-            num_tokens_after = self.max_model_len
-        if not new_computed_blocks and num_tokens_after <= len(req_blocks) * self.block_size:
-            # The common decode step: the last block still has room.
-            self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
-            return []
-        new_computed_blocks = new_computed_blocks or []
-        num_new_blocks = cdiv(num_tokens_after, self.block_size) - len(req_blocks) - len(new_computed_blocks)
-        # Hit blocks sitting in the free queue will be taken out of it, so they cannot also be handed out.
-        null = self.block_pool.null_block
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and b is not null)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
-
-        if new_computed_blocks:
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
-        req_blocks.extend(new_blocks)
-        self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
-        return new_blocks
-
-    def _remove_skipped_blocks(self, req_blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
+    def remove_skipped_blocks(self, req_blocks: list[KVCacheBlock], num_computed_tokens: int) -> None:
         """Under a sliding window, the blocks wholly before the window of the next query (at num_computed_tokens)
         go back to the pool, the null block in their place. Walks back from the window's first block to the
         first null (those before it went earlier), and frees them in that order, as vLLM does: the later blocks
@@ -158,35 +99,157 @@ class KVCacheManager:
             req_blocks[i] = null
         self.block_pool.free_blocks(skipped)
 
-    def _cache_new_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
+    def cache_new_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Registers the blocks that the first num_tokens tokens fill (and whose hashes are known)."""
-        if not self.enable_caching:
-            return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.num_cached_block.get(request.request_id, 0)
         if num_full > num_cached:
-            self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+            hashes = request.block_hashes
+            if self.suffix:
+                hashes = [None] * num_cached + [h + self.suffix for h in hashes[num_cached:num_full]]
+            self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
             self.num_cached_block[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request_id: str) -> None:
         """Releases the request's blocks tail first, so its unique tail is evicted before a shared prefix."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
-        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request_id, [])))
+        self.num_cached_block.pop(request_id, None)
 
-    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
-        """Gives back the request's blocks past those its first ``num_tokens`` tokens fill (speculative decoding:
-        slots only rejected drafts had reached). Never a cached block: cached blocks hold known tokens only."""
-        blocks = self.req_to_blocks.get(request.request_id)
-        keep = cdiv(num_tokens, self.block_size)
+    def free_blocks_beyond(self, request_id: str, keep: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
         if blocks is None or len(blocks) <= keep:
             return
         excess = blocks[keep:]
         del blocks[keep:]
         self.block_pool.free_blocks(reversed(excess))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+class KVCacheManager:
+    """Maps each request to the lists of blocks holding its KV, in token order: one list per KV cache group
+    (core/kv_cache_groups.py; a model whose layers all attend alike has one), all from one pool.
+
+    ``group_windows``: each group's sliding window (None: full attention); by default one group of every layer, with
+    ``sliding_window``. Blocks, hits and block ids go as tuples with an entry per group.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 enable_caching: bool = True, sliding_window: int | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}")
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        windows = (sliding_window,) if group_windows is None else tuple(group_windows)
+        self.groups = [GroupBlocks(self.block_pool, block_size, window, g) for g, window in enumerate(windows)]
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def max_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+        """The most blocks a request of up to num_tokens tokens holds at once (the module's max_blocks)."""
+        return max_blocks([group.sliding_window for group in self.groups], self.block_size, num_tokens,
+                          max_step_tokens)
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Each group's run of cached blocks for the longest prefix of full blocks that every group can take from
+        the prefix cache, and how many tokens it covers.
+
+        Never the whole sequence: the last token is always recomputed so the step yields its logits.
+        Requests asking for prompt logprobs get no hits (those need every prompt position's logits).
+        A group's hit for a shorter prefix may be shorter still (a window's last blocks evicted), so the prefix
+        shrinks until every group's hit covers it (vLLM's HybridKVCacheCoordinator).
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return tuple([] for _ in self.groups), 0
+        num_hit_blocks = (request.num_tokens - 1) // self.block_size
+        while True:
+            hits = tuple(group.longest_hit(request.block_hashes[:num_hit_blocks]) for group in self.groups)
+            shortest = min(len(blocks) for blocks in hits)
+            if shortest == num_hit_blocks or len(hits) == 1:
+                break
+            num_hit_blocks = shortest
+        num_hit_tokens = len(hits[0]) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[tuple[list[KVCacheBlock], ...]] = None,
+                       num_new_computed_tokens: int = 0,
+                       num_lookahead_tokens: int = 0) -> Optional[tuple[list[KVCacheBlock], ...]]:
+        """Makes room for num_new_tokens more tokens of KV (after any prefix-hit blocks) in every group.
+
+        Returns each group's newly allocated blocks, or None when the pool cannot supply them all — in which case
+        nothing was allocated and no ref count changed (but for blocks out of a sliding window, freed first either
+        way: no later query reads them). Full blocks are registered in the prefix cache as they fill.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        request_id = request.request_id
+        fresh = request_id not in self.groups[0].req_to_blocks
+        req_blocks = [group.req_to_blocks.setdefault(request_id, []) for group in self.groups]
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        for group, blocks in zip(self.groups, req_blocks):
+            group.remove_skipped_blocks(blocks, request.num_computed_tokens)
+        num_tokens_after = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if num_tokens_after > self.max_model_len:
+            num_tokens_after = self.max_model_len
+        num_held = len(req_blocks[0])
+        if not new_computed_blocks and num_tokens_after <= num_held * self.block_size:
+            # The common decode step: the last block still has room.
+            self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
+            return tuple([] for _ in self.groups)
+        new_computed_blocks = new_computed_blocks or tuple([] for _ in self.groups)
+        num_new_blocks = cdiv(num_tokens_after, self.block_size) - num_held - len(new_computed_blocks[0])
+        # Hit blocks sitting in the free queue will be taken out of it, so they cannot also be handed out.
+        null = self.block_pool.null_block
+        num_evictable_hits = sum(1 for hits in new_computed_blocks for b in hits if b.ref_cnt == 0 and b is not null)
+        if num_new_blocks * len(self.groups) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            if fresh:
+                for group in self.groups:
+                    del group.req_to_blocks[request_id]
+            return None
+
+        new_blocks = []
+        for blocks, hits in zip(req_blocks, new_computed_blocks):
+            if hits:
+                self.block_pool.touch(hits)
+                blocks.extend(hits)
+            new = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+            blocks.extend(new)
+            new_blocks.append(new)
+        self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
+        return tuple(new_blocks)
+
+    def _cache_new_full_blocks(self, request: Request, req_blocks: list[list[KVCacheBlock]], num_tokens: int
+                               ) -> None:
+        if self.enable_caching:
+            for group, blocks in zip(self.groups, req_blocks):
+                group.cache_new_full_blocks(request, blocks, num_tokens)
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, each group's tail first, so its unique tail is evicted before a shared
+        prefix."""
+        for group in self.groups:
+            group.free(request.request_id)
+
+    def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks past those its first ``num_tokens`` tokens fill (speculative decoding:
+        slots only rejected drafts had reached). Never a cached block: cached blocks hold known tokens only."""
+        for group in self.groups:
+            group.free_blocks_beyond(request.request_id, cdiv(num_tokens, self.block_size))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group.req_to_blocks.get(request_id, ())] for group in self.groups)
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

@@ -10,7 +10,8 @@ from typing import Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_kv_cache_dtype, common_window)
+                             SpeculativeConfig, check_kv_cache_dtype, common_window, layer_sliding_window)
+from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
@@ -137,7 +138,8 @@ class EngineArgs:
                                      kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks,
                                      cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
-                                     sliding_window=_cache_sliding_window(model_config, speculative_config)),
+                                     sliding_window=_cache_sliding_window(model_config, speculative_config),
+                                     kv_cache_groups=_cache_groups(model_config, speculative_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -169,6 +171,15 @@ def _cache_sliding_window(model_config: ModelConfig, spec: SpeculativeConfig | N
     reads through the same block table), or None where either has a layer without one."""
     models = [model_config] + ([spec.draft_model_config] if spec is not None and spec.draft_model_config else [])
     return common_window(model.sliding_window for model in models)
+
+
+def _cache_groups(model_config: ModelConfig, spec: SpeculativeConfig | None) -> tuple[KVCacheGroup, ...]:
+    """A hybrid model's KV cache groups (core/kv_cache_groups.py), or none (one block table for every layer). Not
+    with a draft model, which reads through the target's one block table."""
+    if spec is not None and spec.draft_model_config is not None:
+        return ()
+    groups = kv_cache_groups([layer_sliding_window(model_config.hf_config, i) for i in range(model_config.num_layers)])
+    return groups if len(groups) > 1 else ()
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:

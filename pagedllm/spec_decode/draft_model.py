@@ -33,7 +33,7 @@ from pagedllm.models.loader import get_model
 from pagedllm.platforms.interface import KernelChoice
 from pagedllm.sample.sampler import greedy_sample
 from pagedllm.spec_decode.proposal_step import ProposalStep
-from pagedllm.worker.cpu_graphs import StepGraphs, cpu_graphs_apply
+from pagedllm.worker.cpu_graphs import Step, StepGraphs, cpu_graphs_apply
 from pagedllm.worker.input_batch import InputBatch
 
 
@@ -114,10 +114,9 @@ class DraftModelProposer:
         """One draft token per row: ``tokens`` at ``positions``, written to the rows' lookahead slots."""
         hidden_states = None
         if self.decode_graphs is not None:
-            hidden_states = self.decode_graphs.forward(tokens, positions,
-                                                       batch.slot_mapping(rows, positions, self.block_size),
-                                                       positions + 1, batch.block_table[rows],
-                                                       np.arange(len(rows) + 1))
+            hidden_states = self.decode_graphs.forward(Step(
+                tokens, positions, positions + 1, np.arange(len(rows) + 1),
+                [(batch.slot_mapping(rows, positions, self.block_size), batch.block_table[rows])]))
         if hidden_states is None:
             hidden_states = self._forward(batch, rows, positions, positions + 1, tokens)
         return greedy_sample(self.model.compute_logits(hidden_states)).numpy()

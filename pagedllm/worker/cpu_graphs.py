@@ -26,6 +26,7 @@ chunks, larger ones run eagerly without trying (float32 GEMMs past their panels'
 
 import logging
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,18 +59,29 @@ def cpu_graphs_apply(model_config, model, world_size: int = 1) -> bool:
             and model_config.device == "cpu" and model_config.attention_backend == "TORCH_SDPA")
 
 
+class Step(NamedTuple):
+    """A step's inputs as the model runner builds them: its tokens' ids and positions, its requests' lengths after the
+    step and query starts, and per KV cache group the tokens' cache slots and the requests' block table."""
+    input_ids: np.ndarray
+    positions: np.ndarray
+    seq_lens: np.ndarray
+    query_start_loc: np.ndarray
+    tables: list[tuple[np.ndarray, np.ndarray]]
+
+
 class _StaticInputs:
     """The tensors the graphs of steps of ``num_reqs`` requests, ``num_tokens`` tokens and ``num_decodes`` decode
-    rows read their step's inputs from, in the same memory every step. The block table holds every request's full
-    width, so a history growing by a block changes no shape."""
+    rows read their step's inputs from, in the same memory every step: a slot mapping and a block table per KV cache
+    group (core/kv_cache_groups.py). A block table holds every request's full width, so a history growing by a block
+    changes no shape."""
 
-    def __init__(self, num_reqs: int, num_tokens: int, num_decodes: int, block_table_width: int):
+    def __init__(self, num_reqs: int, num_tokens: int, num_decodes: int, block_table_width: int, num_groups: int):
         self.input_ids = torch.zeros(num_tokens, dtype=torch.int64)
         self.positions = torch.zeros(num_tokens, dtype=torch.int64)
-        self.slot_mapping = torch.zeros(num_tokens, dtype=torch.int64)
+        self.tables = [(torch.zeros(num_tokens, dtype=torch.int64),
+                        torch.zeros(num_reqs, block_table_width, dtype=torch.int32)) for _ in range(num_groups)]
         self.token_slots = torch.full((num_tokens,), -1, dtype=torch.int64)  # each token's adapter slot (LoRA)
         self.seq_lens = torch.zeros(num_reqs, dtype=torch.int32)
-        self.block_table = torch.zeros(num_reqs, block_table_width, dtype=torch.int32)
         self.query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int64)
         self.num_decodes = num_decodes
         # The chunks after the decode rows, as the native prefill kernel reads them; a decode step has none.
@@ -79,36 +91,39 @@ class _StaticInputs:
             self.chunk_query_len = torch.zeros(num_reqs - num_decodes, dtype=torch.int32)
         self.graphs: dict[tuple[int, bool], CpuGraph] = {}  # by shared prefix tokens and whether adapters run
 
-    def fill(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-             block_table: np.ndarray, query_start_loc: np.ndarray) -> None:
-        self.input_ids.numpy()[:] = input_ids
-        self.positions.numpy()[:] = positions
-        self.slot_mapping.numpy()[:] = slot_mapping
-        self.seq_lens.numpy()[:] = seq_lens
-        self.block_table.numpy()[:] = block_table
+    def fill(self, step: Step) -> None:
+        self.input_ids.numpy()[:] = step.input_ids
+        self.positions.numpy()[:] = step.positions
+        for (slots, table), (step_slots, step_table) in zip(self.tables, step.tables, strict=True):
+            slots.numpy()[:] = step_slots
+            table.numpy()[:] = step_table
+        self.seq_lens.numpy()[:] = step.seq_lens
         if self.chunk_query_len is not None:
-            self.query_start_loc.numpy()[:] = query_start_loc
-            self.chunk_query_start.numpy()[:] = query_start_loc[self.num_decodes:-1]
-            self.chunk_query_len.numpy()[:] = np.diff(query_start_loc[self.num_decodes:])
+            self.query_start_loc.numpy()[:] = step.query_start_loc
+            self.chunk_query_start.numpy()[:] = step.query_start_loc[self.num_decodes:-1]
+            self.chunk_query_len.numpy()[:] = np.diff(step.query_start_loc[self.num_decodes:])
 
     def metadata(self) -> AttentionMetadata:
         max_query_len = 1 if self.chunk_query_len is None else int(self.chunk_query_len.max())
-        return AttentionMetadata(num_actual_tokens=self.input_ids.shape[0], slot_mapping=self.slot_mapping,
+        slot_mapping, block_table = self.tables[0]
+        return AttentionMetadata(num_actual_tokens=self.input_ids.shape[0], slot_mapping=slot_mapping,
                                  query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-                                 block_table=self.block_table, max_query_len=max_query_len,
+                                 block_table=block_table, max_query_len=max_query_len,
                                  max_seq_len=int(self.seq_lens.max()), chunk_query_start=self.chunk_query_start,
                                  chunk_query_len=self.chunk_query_len,
-                                 num_decodes=self.num_decodes if self.chunk_query_len is not None else 0)
+                                 num_decodes=self.num_decodes if self.chunk_query_len is not None else 0
+                                 ).with_groups(self.tables)
 
 
 class StepGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, block_size: int, block_table_width: int,
-                 padding_block: int | None = None):
-        """``padding_block``: a block of ``kv_caches`` no request holds, for the rows padding steps with prompt
-        chunks (None: such steps keep their own shape)."""
+                 padding_block: int | None = None, num_groups: int = 1):
+        """``padding_block``: a block of ``kv_caches`` no request holds, for the rows padding steps (None: steps
+        keep their own shape). ``num_groups``: the model's KV cache groups (core/kv_cache_groups.py)."""
         self.model, self.kv_caches = model, kv_caches
         self.block_size, self.block_table_width = block_size, block_table_width
         self.padding_block = padding_block
+        self.num_groups = num_groups
         # By (requests, tokens, decode rows), least recently used first; and the shapes seen once, not yet kept.
         self._by_shape: OrderedDict[tuple[int, int, int], _StaticInputs] = OrderedDict()
         self._seen_once: OrderedDict[tuple[int, int, int], None] = OrderedDict()
@@ -118,10 +133,9 @@ class StepGraphs:
         self._chunk_tokens_refused = MAX_GRAPH_TOKENS + 1  # the fewest tokens of a refused step with prompt chunks
         self.captured = False  # whether the last forward captured a graph (its time is no step's)
 
-    def forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
-                punica: PunicaWrapper | None = None, num_decodes: int | None = None) -> torch.Tensor | None:
-        """Final hidden states ``[tokens, hidden]`` of a step, from the graph of its key, captured now if this is
+    def forward(self, step: Step, punica: PunicaWrapper | None = None, num_decodes: int | None = None
+                ) -> torch.Tensor | None:
+        """Final hidden states ``[tokens, hidden]`` of ``step``, from the graph of its key, captured now if this is
         its first step (of a shape among many: since its shape was seen before, see _static_inputs); None where no
         graph serves the step (such a shape's first step, too many requests or tokens, or its capture was
         refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode step), every
@@ -129,75 +143,78 @@ class StepGraphs:
         drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it. With
         adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
         read, and the graph is one captured with them."""
-        num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        num_reqs, num_tokens = len(step.seq_lens), len(step.input_ids)
         num_decodes = num_reqs if num_decodes is None else num_decodes
         self.captured = False
         prefix = 0
         if num_reqs > 1:
+            slot_mapping, block_table = step.tables[0]
             prefix = shared_prefix_tokens(AttentionMetadata(
-                num_tokens, torch.from_numpy(slot_mapping), torch.from_numpy(query_start_loc),
-                torch.from_numpy(seq_lens), torch.from_numpy(block_table), 0, 0), self.block_size)
+                num_tokens, torch.from_numpy(slot_mapping), torch.from_numpy(step.query_start_loc),
+                torch.from_numpy(step.seq_lens), torch.from_numpy(block_table), 0, 0), self.block_size)
         # A step whose requests share a prefix that cascade attention takes once keeps its shape: padding rows,
         # sharing none of it, would turn that off.
-        step = (input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
         lead = 0  # padding decode rows before the step's own
         if self.padding_block is not None and not prefix:
             lead = min(decode_bucket(num_decodes), max(num_decodes, MAX_GRAPH_BATCH)) - num_decodes
             if lead:
-                step = self._lead_decodes(lead, *step)
+                step = self._lead_decodes(step, lead)
                 num_decodes += lead
-            if num_decodes < len(step[3]):
-                step = self._padded(*step) or step
-        hidden_states = self._forward(*step, punica, num_decodes, prefix, lead)
+            if num_decodes < len(step.seq_lens):
+                step = self._padded(step)
+        hidden_states = self._forward(step, punica, num_decodes, prefix, lead)
         return None if hidden_states is None else hidden_states[lead:lead + num_tokens]
 
-    def _lead_decodes(self, lead: int, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                      seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray
-                      ) -> tuple[np.ndarray, ...]:
+    def _padding_rows(self, step: Step, num_rows: int, first_slot: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each KV cache group: ``num_rows`` block table rows holding only the padding block, and the padding
+        tokens' slots in it (``first_slot`` offsets)."""
+        padding = []
+        for slots, table in step.tables:
+            rows = np.zeros((num_rows, table.shape[1]), dtype=table.dtype)
+            rows[:, 0] = self.padding_block
+            padding.append(((self.padding_block * self.block_size + first_slot).astype(slots.dtype), rows))
+        return padding
+
+    def _lead_decodes(self, step: Step, lead: int) -> Step:
         """The step with ``lead`` decode rows before its own, so that its decode rows fill a bucket
         (decode_bucket): each the token at position 0 of the padding block, which it writes and attends to
         alone."""
-        table_rows = np.zeros((lead, block_table.shape[1]), dtype=block_table.dtype)
-        table_rows[:, 0] = self.padding_block
-        return (np.concatenate([np.zeros(lead, dtype=input_ids.dtype), input_ids]),
-                np.concatenate([np.zeros(lead, dtype=positions.dtype), positions]),
-                np.concatenate([np.full(lead, self.padding_block * self.block_size, dtype=slot_mapping.dtype),
-                                slot_mapping]),
-                np.concatenate([np.ones(lead, dtype=seq_lens.dtype), seq_lens]),
-                np.concatenate([table_rows, block_table]),
-                np.concatenate([np.arange(lead, dtype=query_start_loc.dtype), query_start_loc + lead]))
+        padding = self._padding_rows(step, lead, np.zeros(lead, dtype=np.int64))
+        return Step(np.concatenate([np.zeros(lead, dtype=step.input_ids.dtype), step.input_ids]),
+                    np.concatenate([np.zeros(lead, dtype=step.positions.dtype), step.positions]),
+                    np.concatenate([np.ones(lead, dtype=step.seq_lens.dtype), step.seq_lens]),
+                    np.concatenate([np.arange(lead, dtype=step.query_start_loc.dtype), step.query_start_loc + lead]),
+                    [(np.concatenate([pad_slots, slots]), np.concatenate([pad_rows, table]))
+                     for (slots, table), (pad_slots, pad_rows) in zip(step.tables, padding)])
 
-    def _padded(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-                block_table: np.ndarray, query_start_loc: np.ndarray) -> tuple[np.ndarray, ...] | None:
+    def _padded(self, step: Step) -> Step:
         """A step with prompt chunks padded to whole blocks of tokens, so that prompts of nearby lengths share a
         shape, and a graph: the padding rows are one more chunk, at positions 0 .., whose keys and values go to the
-        padding block (one past the scheduler's) and which attends to them alone. None where the step is whole
-        blocks already."""
-        pad = -len(input_ids) % self.block_size
+        padding block (one past the scheduler's) and which attends to them alone. As it is where it is whole blocks
+        already."""
+        pad = -len(step.input_ids) % self.block_size
         if pad == 0:
-            return None
+            return step
         rows = np.arange(pad)
-        table_row = np.zeros((1, block_table.shape[1]), dtype=block_table.dtype)
-        table_row[0, 0] = self.padding_block
-        slots = (self.padding_block * self.block_size + rows).astype(slot_mapping.dtype)
-        return (np.concatenate([input_ids, np.zeros(pad, dtype=input_ids.dtype)]),
-                np.concatenate([positions, rows.astype(positions.dtype)]), np.concatenate([slot_mapping, slots]),
-                np.append(seq_lens, pad), np.concatenate([block_table, table_row]),
-                np.append(query_start_loc, query_start_loc[-1] + pad))
+        padding = self._padding_rows(step, 1, rows)
+        return Step(np.concatenate([step.input_ids, np.zeros(pad, dtype=step.input_ids.dtype)]),
+                    np.concatenate([step.positions, rows.astype(step.positions.dtype)]),
+                    np.append(step.seq_lens, pad), np.append(step.query_start_loc, step.query_start_loc[-1] + pad),
+                    [(np.concatenate([slots, pad_slots]), np.concatenate([table, pad_rows]))
+                     for (slots, table), (pad_slots, pad_rows) in zip(step.tables, padding)])
 
-    def _forward(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-                 seq_lens: np.ndarray, block_table: np.ndarray, query_start_loc: np.ndarray,
-                 punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int) -> torch.Tensor | None:
+    def _forward(self, step: Step, punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int
+                 ) -> torch.Tensor | None:
         """forward's step as given (padded or not), ``prefix`` the tokens its requests share for cascade attention
         (0 for a padded step), ``lead`` its padding decode rows before the step's own."""
-        num_reqs, num_tokens = len(seq_lens), len(input_ids)
+        num_reqs, num_tokens = len(step.seq_lens), len(step.input_ids)
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
         shape = (num_reqs, num_tokens, num_decodes)
         static = self._static_inputs(shape)
         if static is None:
             return None
-        static.fill(input_ids, positions, slot_mapping, seq_lens, block_table, query_start_loc)
+        static.fill(step)
         metadata = static.metadata()
         lora = punica is not None and punica.active
         key = (*shape, prefix, lora)
@@ -245,7 +262,7 @@ class StepGraphs:
                 self._seen_once.popitem(last=False)
             return None
         self._seen_once.pop(shape, None)
-        static = self._by_shape[shape] = _StaticInputs(*shape, self.block_table_width)
+        static = self._by_shape[shape] = _StaticInputs(*shape, self.block_table_width, self.num_groups)
         if len(self._by_shape) > MAX_GRAPH_SHAPES:
             dropped, _ = self._by_shape.popitem(last=False)
             self._refused = {key for key in self._refused if key[:3] != dropped}

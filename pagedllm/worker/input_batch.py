@@ -1,6 +1,7 @@
 """The worker's persistent batch: per-request state kept across steps and updated by diffs.
 
-Rows hold each running request's tokens, block table and sampling settings in preallocated numpy arrays, so
+Rows hold each running request's tokens, block tables (one per KV cache group, core/kv_cache_groups.py) and
+sampling settings in preallocated numpy arrays, so
 building a step's inputs is array indexing rather than per-token Python. A request keeps its row while it runs,
 scheduled in a step or not; it leaves when it finishes or is preempted, and the last row moves into its hole
 (vLLM's condense), so rows 0 .. num_reqs - 1 stay dense and a removal copies one row, not the batch.
@@ -27,7 +28,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group, all of the same length
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     generator: Optional[torch.Generator] = None
@@ -51,8 +52,8 @@ class CachedRequestState:
 
 
 class InputBatch:
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int
-                 ) -> None:
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int,
+                 num_kv_cache_groups: int = 1) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -62,8 +63,11 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Each group's block table; block_table is the first group's (every layer's, where there is one group).
+        self.block_tables = [np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+                             for _ in range(num_kv_cache_groups)]
+        self.block_table = self.block_tables[0]
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)  # a row's blocks in each group
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -103,14 +107,16 @@ class InputBatch:
         self.frequency_penalties[i] = params.frequency_penalty
         self.repetition_penalties[i] = params.repetition_penalty
 
-    def set_block_ids(self, i: int, block_ids: list[int]) -> None:
-        self.block_table[i, :len(block_ids)] = block_ids
-        self.num_blocks[i] = len(block_ids)
+    def set_block_ids(self, i: int, block_ids: tuple[list[int], ...]) -> None:
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table[i, :len(ids)] = ids
+        self.num_blocks[i] = len(block_ids[0])
 
-    def append_block_ids(self, i: int, block_ids: list[int]) -> None:
+    def append_block_ids(self, i: int, block_ids: tuple[list[int], ...]) -> None:
         start = self.num_blocks[i]
-        self.block_table[i, start:start + len(block_ids)] = block_ids
-        self.num_blocks[i] = start + len(block_ids)
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
+            table[i, start:start + len(ids)] = ids
+        self.num_blocks[i] = start + len(block_ids[0])
 
     def remove_request(self, req_id: str) -> None:
         """Drops the request's row: the last row moves into it (its used part only), the others stay put."""
@@ -120,7 +126,8 @@ class InputBatch:
             moved = self.req_ids[last]
             num_tokens, num_blocks = self.num_tokens[last], self.num_blocks[last]
             self.token_ids[hole, :num_tokens] = self.token_ids[last, :num_tokens]
-            self.block_table[hole, :num_blocks] = self.block_table[last, :num_blocks]
+            for table in self.block_tables:
+                table[hole, :num_blocks] = table[last, :num_blocks]
             for arr in self._per_row_values():
                 arr[hole] = arr[last]
             self.req_ids[hole], self.states[hole] = moved, self.states[last]
@@ -140,9 +147,10 @@ class InputBatch:
         n = self.num_tokens[i]
         self.token_ids[i, n:n + len(draft_token_ids)] = draft_token_ids
 
-    def slot_mapping(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-        """The KV cache slot (block id * block_size + offset) of each ``positions[k]`` of batch row ``rows[k]``."""
-        return (self.block_table[rows, positions // block_size].astype(np.int64) * block_size
+    def slot_mapping(self, rows: np.ndarray, positions: np.ndarray, block_size: int, group: int = 0) -> np.ndarray:
+        """The KV cache slot (block id * block_size + offset) of each ``positions[k]`` of batch row ``rows[k]``, in
+        KV cache group ``group``."""
+        return (self.block_tables[group][rows, positions // block_size].astype(np.int64) * block_size
                 + positions % block_size)
 
     def append_token(self, i: int, token_id: int) -> None:

@@ -24,11 +24,13 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_groups import layer_placement, stage_cache_tensors
 from pagedllm.core.kv_cache_manager import cdiv
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import ParallelRank, get_pp_group, get_tp_group
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype
 from pagedllm.layers.attention.kv_cache import allocate_kv_caches, kv_heads_per_rank
+from pagedllm.layers.attention.layer import Attention
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.lora.worker_manager import WorkerLoRAManager
@@ -46,7 +48,7 @@ from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposal_step import ProposalStep
 from pagedllm.spec_decode.suffix_decoding import SuffixDecodingProposer
 from pagedllm.structured_output.bitmask import apply_bitmask
-from pagedllm.worker.cpu_graphs import StepGraphs, cpu_graphs_apply
+from pagedllm.worker.cpu_graphs import Step, StepGraphs, cpu_graphs_apply
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
@@ -63,8 +65,11 @@ class ModelRunner:
         self.device = torch.device(self.platform.device_type)
         self.block_size = config.cache_config.block_size
         max_model_len = self.model_config.max_model_len
+        # A hybrid model's KV cache groups (core/kv_cache_groups.py; none: one block table for every layer).
+        self.kv_cache_groups = config.cache_config.kv_cache_groups
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len,
-                                      cdiv(max_model_len, self.block_size), self.model_config.vocab_size)
+                                      cdiv(max_model_len, self.block_size), self.model_config.vocab_size,
+                                      max(1, len(self.kv_cache_groups)))
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -96,23 +101,37 @@ class ModelRunner:
                                                   lora.max_cpu_loras, mc.dtype)
 
     def _allocate_kv_caches(self, num_blocks: int, populate: str) -> list:
-        """One cache of ``num_blocks`` blocks per layer of this stage, holding this TP rank's KV heads, on the
-        model's device in its attention backend's layout."""
+        """A cache of ``num_blocks`` blocks for each layer of this stage, holding this TP rank's KV heads, on the
+        model's device in its attention backend's layout: each layer's own, or a hybrid model's shared by its KV
+        cache groups (layer j of every group the same, core/kv_cache_groups.py)."""
         mc = self.model_config
+        tensors = stage_cache_tensors(self.kv_cache_groups, *self.layer_range)
+        caches = allocate_kv_caches(max(tensors) + 1, num_blocks, self.block_size,
+                                    kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
+                                    kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype), self.device,
+                                    get_attn_backend(mc.attention_backend), populate=populate)
+        return [caches[j] for j in tensors]
+
+    def _assign_kv_cache_groups(self) -> None:
+        """Tells each attention layer of this stage which KV cache group's metadata it reads."""
+        layers = [module for module in self.model.modules() if isinstance(module, Attention)]
         start, end = self.layer_range
-        return allocate_kv_caches(end - start, num_blocks, self.block_size,
-                                  kv_heads_per_rank(mc.num_kv_heads, self.rank.tp_size), mc.head_dim,
-                                  kv_cache_torch_dtype(self.config.cache_config.cache_dtype, mc.dtype), self.device,
-                                  get_attn_backend(mc.attention_backend), populate=populate)
+        assert len(layers) == end - start, "one attention layer per decoder layer"
+        placement = layer_placement(self.kv_cache_groups)
+        for layer_index, layer in enumerate(layers, start):
+            layer.kv_cache_group = placement[layer_index][0]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.kv_cache_groups:
+            self._assign_kv_cache_groups()
         mc = self.model_config
         graphs = cpu_graphs_apply(mc, self.model, self.config.parallel_config.world_size)
         # With graphs, one block past the scheduler's: the padding block of steps with prompt chunks (cpu_graphs).
         self.kv_caches = self._allocate_kv_caches(num_blocks + int(graphs), self.config.cache_config.kv_cache_populate)
         if graphs:
             self.step_graphs = StepGraphs(self.model, self.kv_caches, self.block_size,
-                                          self.input_batch.block_table.shape[1], padding_block=num_blocks)
+                                          self.input_batch.block_table.shape[1], padding_block=num_blocks,
+                                          num_groups=len(self.input_batch.block_tables))
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
 
@@ -165,8 +184,8 @@ class ModelRunner:
             if params.sampling_type == SamplingType.RANDOM_SEED:
                 generator = torch.Generator().manual_seed(params.seed)
             state = CachedRequestState(new.req_id, new.prompt_token_ids, params, new.eos_token_id,
-                                       list(new.block_ids), new.num_computed_tokens, generator=generator,
-                                       lora_request=new.lora_request)
+                                       tuple(list(ids) for ids in new.block_ids), new.num_computed_tokens,
+                                       generator=generator, lora_request=new.lora_request)
             self.requests[new.req_id] = state
             batch.add_request(state)
 
@@ -176,19 +195,21 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
-                state.block_ids = list(new_block_ids)
+                state.block_ids = tuple(list(ids) for ids in new_block_ids)
                 state.output_token_ids[:] = cached.resumed_req_token_ids[i][len(state.prompt_token_ids):]
                 batch.add_request(state)
                 continue
             row = batch.req_id_to_index[req_id]
             # Blocks only rejected drafts reached were given back by the scheduler (see CachedRequestData).
             num_kept = cdiv(state.num_computed_tokens, self.block_size)
-            if len(state.block_ids) > num_kept:
-                del state.block_ids[num_kept:]
+            if len(state.block_ids[0]) > num_kept:
+                for ids in state.block_ids:
+                    del ids[num_kept:]
                 batch.num_blocks[row] = num_kept
-            state.block_ids.extend(new_block_ids)
+            for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                ids.extend(new_ids)
             batch.num_computed_tokens[row] = state.num_computed_tokens
-            if new_block_ids:
+            if new_block_ids[0]:
                 batch.append_block_ids(row, new_block_ids)
             if cached.new_token_ids:  # pipeline parallel: tokens sampled on the last stage, news to this one
                 known = int(batch.num_tokens[row]) - state.num_computed_tokens
@@ -228,34 +249,35 @@ class ModelRunner:
         num_computed = batch.num_computed_tokens[rows]
         positions = batch.num_computed_tokens[token_rows] + offsets
         input_ids = batch.token_ids[token_rows, positions]
-        slot_mapping = batch.slot_mapping(token_rows, positions, self.block_size)
         seq_lens = num_computed + num_scheduled
         query_start_loc = np.zeros(n + 1, dtype=np.int64)
         query_start_loc[1:] = cu_num_tokens
-        block_table = batch.block_table[rows]
+        # Each KV cache group's slots for the step's tokens and block table rows for its requests.
+        tables = [(batch.slot_mapping(token_rows, positions, self.block_size, group), table[rows])
+                  for group, table in enumerate(batch.block_tables)]
         if self.lora_manager is not None:
             self._set_active_loras(rows, num_scheduled)
         hidden_states, captured_graph = None, False
         if self.step_graphs is not None:
-            hidden_states = self.step_graphs.forward(input_ids, positions, slot_mapping, seq_lens, block_table,
-                                                     query_start_loc, self.lora_manager and self.lora_manager.punica,
-                                                     num_decodes)
+            hidden_states = self.step_graphs.forward(Step(input_ids, positions, seq_lens, query_start_loc, tables),
+                                                     self.lora_manager and self.lora_manager.punica, num_decodes)
             captured_graph = self.step_graphs.captured
         if hidden_states is None:
-            block_table = block_table[:, :int(batch.num_blocks[rows].max())]
+            width = int(batch.num_blocks[rows].max())
+            tables = [(self._on_device(slots), self._on_device(table[:, :width])) for slots, table in tables]
             # A verify step's attention is the one its graph computes (every request a prefill chunk), also eagerly.
             verify = decodes_only and num_tokens > n
             attn_metadata = AttentionMetadata(
                 num_actual_tokens=num_tokens,
-                slot_mapping=self._on_device(slot_mapping),
+                slot_mapping=tables[0][0],
                 query_start_loc=self._on_device(query_start_loc),
                 seq_lens=self._on_device(seq_lens.astype(np.int32)),
-                block_table=self._on_device(block_table),
+                block_table=tables[0][1],
                 max_query_len=int(num_scheduled.max()),
                 max_seq_len=int(seq_lens.max()),
                 chunk_query_start=self._on_device(query_start_loc[:-1].astype(np.int32)) if verify else None,
                 chunk_query_len=self._on_device(num_scheduled.astype(np.int32)) if verify else None,
-            )
+            ).with_groups(tables)
             hidden_states = self.model(self._on_device(input_ids), self._on_device(positions), self.kv_caches,
                                        attn_metadata, self._receive_intermediate_tensors(num_tokens))
         if not self.rank.is_last_pp_rank:

@@ -10,6 +10,8 @@ import psutil
 import torch
 
 from pagedllm.config import EngineConfig, parse_memory_size
+from pagedllm.core.kv_cache_groups import stage_cache_tensors
+from pagedllm.core.kv_cache_manager import max_blocks
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.parallel_state import (ParallelRank, get_tp_group, init_distributed_environment,
                                                  initialize_model_parallel)
@@ -30,12 +32,14 @@ DEFAULT_CPU_KV_CAP = 4 << 30
 
 
 def kv_cache_bytes_per_block(config: EngineConfig, rank: ParallelRank = ParallelRank()) -> int:
-    """One block's K and V bytes on ``rank``: its stage's layers, its share of the KV heads; with a draft model,
-    the draft's layers too (its cache has the same blocks, so both are sized, held and freed together)."""
+    """One block's K and V bytes on ``rank``: its stage's cache tensors (one per layer, or a hybrid model's shared by
+    its KV cache groups, core/kv_cache_groups.py), its share of the KV heads; with a draft model, the draft's layers
+    too (its cache has the same blocks, so both are sized, held and freed together)."""
     mc = config.model_config
     start, end = config.parallel_config.stage_layers(rank.pp_rank, mc.num_layers)
     cache_dtype = config.cache_config.cache_dtype
-    per_block = _kv_bytes_per_block(mc, end - start, kv_heads_per_rank(mc.num_kv_heads, rank.tp_size),
+    num_tensors = len(set(stage_cache_tensors(config.cache_config.kv_cache_groups, start, end)))
+    per_block = _kv_bytes_per_block(mc, num_tensors, kv_heads_per_rank(mc.num_kv_heads, rank.tp_size),
                                     config.cache_config.block_size, cache_dtype)
     draft = config.speculative_config.draft_model_config if config.speculative_config else None
     if draft is not None:
@@ -131,11 +135,14 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
         if self.rank.rank != 0:
             return
-        block_size = self.config.cache_config.block_size
+        cache_config = self.config.cache_config
+        block_size = cache_config.block_size
         max_len = self.config.model_config.max_model_len
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); max concurrency at %d tokens per request: "
-                    "%.2fx", num_blocks, block_size, num_blocks * block_size, max_len,
-                    num_blocks * block_size / max_len)
+        windows = cache_config.group_windows or (cache_config.sliding_window,)
+        per_request = max_blocks(windows, block_size, max_len, self.config.scheduler_config.max_num_batched_tokens)
+        logger.info("KV cache: %d blocks of %d tokens in %d group(s) (%d tokens); max concurrency at %d tokens per "
+                    "request: %.2fx", num_blocks, block_size, len(windows), num_blocks * block_size // len(windows),
+                    max_len, num_blocks / per_request)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         with engine_step():  # the KV cache's populating waits meanwhile

@@ -23,7 +23,8 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                    policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
                    num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0, max_loras: int = 0,
-                   sliding_window: Optional[int] = None, max_prefill_tokens_with_decodes: int = 0) -> Scheduler:
+                   sliding_window: Optional[int] = None, max_prefill_tokens_with_decodes: int = 0,
+                   kv_cache_groups: tuple = ()) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
@@ -31,7 +32,7 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched
                         long_prefill_token_threshold=long_prefill_token_threshold,
                         max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes, policy=policy),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks,
-                    sliding_window=sliding_window),
+                    sliding_window=sliding_window, kv_cache_groups=kv_cache_groups),
         structured_output_manager, pipeline_parallel_size, num_speculative_tokens, num_lookahead_tokens, max_loras)
     created_schedulers.append(scheduler)
     return scheduler
@@ -88,13 +89,14 @@ class SpeculatingWorker:
             num_new = output.num_scheduled_tokens[req_id]
             drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
             start = request.num_computed_tokens - num_new  # advanced at schedule time
-            blocks = scheduler.kv_cache_manager.req_to_blocks[req_id]
-            for pos, token in enumerate((request.all_token_ids + drafts)[start:start + num_new], start):
-                self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = token
             end = min(start + num_new + self.num_lookahead_tokens, scheduler.max_model_len)
-            assert len(blocks) * block_size >= end, "the lookahead slots were not allocated"
-            for pos in range(start + num_new, end):
-                self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = self.SCRATCH
+            for group in scheduler.kv_cache_manager.groups:  # each group's layers write its blocks
+                blocks = group.req_to_blocks[req_id]
+                for pos, token in enumerate((request.all_token_ids + drafts)[start:start + num_new], start):
+                    self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = token
+                assert len(blocks) * block_size >= end, "the lookahead slots were not allocated"
+                for pos in range(start + num_new, end):
+                    self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = self.SCRATCH
             if request.num_computed_tokens < request.num_tokens:
                 sampled.append([])
                 spec.append([])
@@ -129,11 +131,13 @@ class SpeculatingWorker:
 
     def assert_computed_tokens_are_in_the_cache(self, scheduler: Scheduler) -> None:
         """Each running request's computed positions hold its own known tokens (written by it, or by the request
-        whose cached blocks it hit): never a rejected draft. Under a sliding window, those its next query sees."""
-        block_size, window = scheduler.block_size, scheduler.kv_cache_manager.sliding_window
-        for request in scheduler.running:
-            blocks = scheduler.kv_cache_manager.req_to_blocks[request.request_id]
+        whose cached blocks it hit), in every KV cache group: never a rejected draft. Under a group's sliding window,
+        those its next query sees."""
+        block_size = scheduler.block_size
+        for group, request in itertools.product(scheduler.kv_cache_manager.groups, scheduler.running):
+            blocks = group.req_to_blocks[request.request_id]
             assert len(blocks) == -(-request.num_computed_tokens // block_size), request
+            window = group.sliding_window
             first = 0 if window is None else max(0, request.num_computed_tokens - window + 1)
             for pos in range(first, request.num_computed_tokens):
                 slot = (blocks[pos // block_size].block_id, pos % block_size)
@@ -160,10 +164,15 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, token_fn=de
     raise AssertionError(f"requests did not finish in {max_steps} steps")
 
 
+def held_blocks(scheduler: Scheduler) -> list[list]:
+    """Every request's block list in every KV cache group."""
+    return [blocks for group in scheduler.kv_cache_manager.groups for blocks in group.req_to_blocks.values()]
+
+
 def owners_per_block(scheduler: Scheduler) -> dict[int, int]:
     counts: dict[int, int] = {}
     null = scheduler.kv_cache_manager.block_pool.null_block  # stands for a block out of the window: owns nothing
-    for blocks in scheduler.kv_cache_manager.req_to_blocks.values():
+    for blocks in held_blocks(scheduler):
         for b in blocks:
             if b is not null:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
@@ -183,7 +192,8 @@ def assert_block_invariants(scheduler: Scheduler) -> None:
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
     # Only live requests hold blocks.
-    assert set(scheduler.kv_cache_manager.req_to_blocks) <= set(scheduler.requests)
+    for group in scheduler.kv_cache_manager.groups:
+        assert set(group.req_to_blocks) <= set(scheduler.requests)
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
@@ -194,7 +204,7 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert pool.get_num_free_blocks() == pool.num_blocks
-    assert not scheduler.kv_cache_manager.req_to_blocks
+    assert not any(group.req_to_blocks for group in scheduler.kv_cache_manager.groups)
     assert_block_invariants(scheduler)
 
 

@@ -18,7 +18,7 @@ def test_several_prompts_prefilled_in_one_step_within_budget():
     assert [r.req_id for r in out.scheduled_new_reqs] == ["r0", "r1", "r2"]
     assert out.num_scheduled_tokens == {"r0": 30, "r1": 30, "r2": 30}
     assert out.total_num_scheduled_tokens == 90
-    assert all(len(r.block_ids) == 2 for r in out.scheduled_new_reqs)
+    assert all(len(r.block_ids[0]) == 2 for r in out.scheduled_new_reqs)
     abort(scheduler, "r0", "r1", "r2")
 
 
@@ -62,7 +62,7 @@ def test_prefix_hit_through_the_scheduler():
     assert out.num_scheduled_tokens["b"] == 42 - 32
     assert scheduler.requests["b"].num_cached_tokens == 32
     assert scheduler.make_stats().prefix_cache_hits == 32
-    a_blocks = scheduler.kv_cache_manager.req_to_blocks["a"]
+    a_blocks = scheduler.kv_cache_manager.groups[0].req_to_blocks["a"]
     assert a_blocks[0].ref_cnt == a_blocks[1].ref_cnt == 2 and a_blocks[2].ref_cnt == 1
     run_to_completion(scheduler)
 

@@ -9,7 +9,7 @@ WINDOW = 6  # a query at p sees p - 5 .. p: the blocks of the last two (cdiv(WIN
 def _held(manager, request_id):
     """The request's block list as (null or not) and how many real blocks it holds."""
     null = manager.block_pool.null_block
-    blocks = manager.req_to_blocks[request_id]
+    blocks = manager.groups[0].req_to_blocks[request_id]
     return [b is null for b in blocks], sum(b is not null for b in blocks)
 
 
@@ -50,14 +50,14 @@ def test_a_hit_needs_only_the_blocks_of_the_window_before_its_end():
     pool = manager.block_pool
     a = req("a", list(range(26)))  # full blocks 0..5 cached
     admit(manager, a)
-    a_blocks = list(manager.req_to_blocks["a"])
+    a_blocks = list(manager.groups[0].req_to_blocks["a"])
     manager.free(a)
     for block in a_blocks[:3]:  # evicted: the prefix's first blocks are gone from the cache
         pool._maybe_evict_cached_block(block)
     b = req("b", list(range(26)) + [99] * 5)
     hits, num_hit = admit(manager, b)
     assert num_hit == 24  # ends after block 5: its query at 24 sees from 19, in blocks 4 and 5
-    assert hits[:4] == [pool.null_block] * 4 and hits[4:] == a_blocks[4:6]
+    assert hits[0][:4] == [pool.null_block] * 4 and hits[0][4:] == a_blocks[4:6]
     assert [b.ref_cnt for b in a_blocks[4:6]] == [1, 1]
     nulls, held = _held(manager, "b")
     assert nulls == [True] * 4 + [False] * 4 and pool.get_num_free_blocks() == 16 - held
@@ -77,7 +77,7 @@ def test_short_hits_and_a_failed_allocation_with_null_hits():
     admit(manager, a)
     manager.free(a)
     hits, num_hit = manager.get_computed_blocks(req("b", list(range(9))))
-    assert num_hit == 4 and pool.null_block not in hits
+    assert num_hit == 4 and pool.null_block not in hits[0]
 
     c = req("c", list(range(26)))
     admit(manager, c)
@@ -85,8 +85,8 @@ def test_short_hits_and_a_failed_allocation_with_null_hits():
     # A hit's null blocks take nothing from the pool: 2 hit blocks and 5 new ones fill 7 of the 9.
     fits = req("fits", list(range(26)) + list(range(200, 217)))
     hits, num_hit = manager.get_computed_blocks(fits)
-    assert num_hit == 24 and hits.count(pool.null_block) == 4
-    assert len(manager.allocate_slots(fits, fits.num_tokens - num_hit, hits, num_hit)) == 5
+    assert num_hit == 24 and hits[0].count(pool.null_block) == 4
+    assert len(manager.allocate_slots(fits, fits.num_tokens - num_hit, hits, num_hit)[0]) == 5
     assert pool.get_num_free_blocks() == 2
     manager.free(fits)
     # One that does not fit changes nothing.

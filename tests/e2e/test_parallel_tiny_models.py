@@ -1,4 +1,5 @@
-"""Tensor x pipeline parallelism on tiny random Llama, Qwen2, Qwen3 and Phi-3 models (GQA: 4 attention heads, 2 KV
+"""Tensor x pipeline parallelism on tiny random Llama, Qwen2 (also with windowed layers beside a full one, in KV
+cache groups), Qwen3 and Phi-3 models (GQA: 4 attention heads, 2 KV
 heads, so tp=2 splits both) holds the oracle: greedy float32 output token for token equal to transformers', on the
 multi-process executor; Qwen3 (per-head q/k norms) also on one rank, where decode steps replay CPU graphs. Phi-3's
 checkpoint holds q/k/v and gate/up fused: each rank cuts its slice of each out of them. So do the mixture-of-experts
@@ -19,6 +20,10 @@ from tests.e2e.conftest import assert_transformers_greedy, running_llm
 VOCAB = 49152  # the SmolLM2 tokenizer is saved beside the weights so the directory is a complete model
 MODELS = {"llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
           "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+          # a full-attention layer, then three windowed ones: four KV cache groups of one layer each, the layers of
+          # a pipeline stage sharing one cache tensor (core/kv_cache_groups.py)
+          "qwen2_hybrid": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "use_sliding_window": True,
+                                                          "sliding_window": 8, "max_window_layers": 1}),
           "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True}),
           "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
           "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
@@ -49,10 +54,10 @@ def save_tiny_model(path, tokenizer, name: str):
     return model
 
 
-def generate(path, on_engine=None, **parallel) -> list[list[int]]:
+def generate(path, on_engine=None, num_kv_blocks: int = 12, **parallel) -> list[list[int]]:
     """Greedy outputs of PROMPTS; ``on_engine`` is called while the engine runs."""
-    with running_llm(str(path), dtype="float32", max_model_len=512, num_kv_blocks=12, max_num_batched_tokens=32,
-                     **parallel) as llm:
+    with running_llm(str(path), dtype="float32", max_model_len=512, num_kv_blocks=num_kv_blocks,
+                     max_num_batched_tokens=32, **parallel) as llm:
         if on_engine is not None:
             on_engine()
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -68,6 +73,8 @@ def assert_parity(reference, outputs: list[list[int]]) -> None:
 @pytest.mark.parametrize("name, parallel", [
     ("llama", dict(tensor_parallel_size=2)),
     ("qwen2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+    # blocks of one layer's bytes (a group's), the memory of 10 blocks of every layer: still preempting
+    ("qwen2_hybrid", dict(tensor_parallel_size=1, pipeline_parallel_size=2, num_kv_blocks=40)),
     ("qwen3", dict(tensor_parallel_size=2)),
     ("qwen3", dict(tensor_parallel_size=1)),
     ("mixtral", dict(tensor_parallel_size=2)),

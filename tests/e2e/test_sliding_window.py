@@ -1,12 +1,12 @@
 """A sliding-window model (tiny Mistral, window 8) through the engine: greedy tokens equal transformers' with
 prompts and outputs longer than the window, chunked prefill and decode steps replayed from CPU graphs; blocks out
 of the window go back to the pool, so requests whose whole histories would not fit together run without
-preemption; prefix-cache hits (only the window before a hit's end cached) give the same tokens."""
+preemption; prefix-cache hits (only the window before a hit's end cached) give the same tokens. A hybrid model
+(tiny Gemma 2, local and global layers) does the same for its local layers' blocks, in KV cache groups."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.core.kv_cache_utils import make_block_hasher
@@ -33,7 +33,7 @@ def test_mistral_sliding_window_through_the_engine(tmp_path, tokenizer, monkeypa
               block_size=BLOCK_SIZE, max_num_batched_tokens=16)
     core = llm.llm_engine.engine_core.engine_core
     manager = core.scheduler.kv_cache_manager
-    assert manager.sliding_window == WINDOW
+    assert [group.sliding_window for group in manager.groups] == [WINDOW]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
@@ -71,11 +71,60 @@ def test_mistral_sliding_window_self_speculation(tmp_path, tokenizer):
               block_size=BLOCK_SIZE, max_num_batched_tokens=16,
               speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    assert scheduler.kv_cache_manager.sliding_window == WINDOW
+    assert [group.sliding_window for group in scheduler.kv_cache_manager.groups] == [WINDOW]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     assert_transformers_greedy(reference, PROMPTS, [o.outputs[0].token_ids for o in outputs], MAX_TOKENS)
     stats = scheduler.make_stats()
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 2 * NUM_KV_BLOCKS
+    llm.shutdown()
+
+
+def test_a_hybrid_model_gives_back_its_local_layers_blocks(tmp_path, tokenizer, monkeypatch):
+    """Gemma 2 (four layers, local with a window of 8 and global alternating): two KV cache groups over one pool,
+    each layer pair (a local and a global one) sharing cache tensors, steps replaying CPU graphs. The local group gives back the blocks out of
+    its window while the global group keeps every request's history: greedy tokens equal transformers', each
+    request holds at most a step's window of blocks in the local group, and requests whose histories in both groups
+    (76 blocks) would not fit the pool run without preemption; a prefix hit gives the same tokens again."""
+    reference = _save_tiny(tmp_path, tokenizer, Gemma2Config, Gemma2ForCausalLM, num_hidden_layers=4,
+                           sliding_window=WINDOW, head_dim=64, query_pre_attn_scalar=64)
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    num_blocks = 60  # the histories take 38 blocks a group; 3 requests x at most 7 local ones on top
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=num_blocks, block_size=BLOCK_SIZE,
+              max_num_batched_tokens=16)
+    core = llm.llm_engine.engine_core.engine_core
+    manager = core.scheduler.kv_cache_manager
+    assert [group.sliding_window for group in manager.groups] == [None, WINDOW]
+    runner = core.executor.worker.model_runner
+    assert len(runner.kv_caches) == 4 and len({id(key) for key, _ in runner.kv_caches}) == 2
+    local_held = []
+    allocate = manager.allocate_slots
+
+    def allocate_and_count(*args, **kwargs):
+        blocks = allocate(*args, **kwargs)
+        null = manager.block_pool.null_block
+        local_held.extend(sum(b is not null for b in held) for held in manager.groups[1].req_to_blocks.values())
+        return blocks
+    monkeypatch.setattr(manager, "allocate_slots", allocate_and_count)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    first = [o.outputs[0].token_ids for o in outputs]
+    assert_transformers_greedy(reference, PROMPTS, first, MAX_TOKENS)
+    assert core.scheduler.num_preemptions == 0
+    # at most the blocks of a 16-token step and the window before it
+    assert max(local_held) <= -(-(WINDOW - 1 + 16) // BLOCK_SIZE) + 1
+    assert manager.block_pool.get_num_free_blocks() == num_blocks
+    if native.gemm() is not None:  # steps replayed graphs over both groups' block tables
+        assert replays and not runner.step_graphs._refused
+    # The longest prompt twice, one token each: the second hits the first's blocks in both groups (the first run's
+    # local blocks went back to the pool as the window passed them, and were reused).
+    one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], one, use_tqdm=False)
+    hits_before = manager.prefix_cache_hits
+    again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], one, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first[0][:1]
+    assert manager.prefix_cache_hits - hits_before == 36  # 9 blocks of 4 (the last token is recomputed)
     llm.shutdown()

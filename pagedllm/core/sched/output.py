@@ -17,12 +17,12 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]  # per KV cache group (core/kv_cache_groups.py)
     num_computed_tokens: int
     lora_request: Optional[LoRARequest] = None
 
     @classmethod
-    def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
+    def from_request(cls, request: Request, block_ids: tuple[list[int], ...]) -> "NewRequestData":
         return cls(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id,
                    block_ids, request.num_computed_tokens, request.lora_request)
 
@@ -31,16 +31,17 @@ class NewRequestData:
 class CachedRequestData:
     """Diffs for requests the workers already know, one list entry per request.
 
-    A request resumed from preemption gets its whole block list in new_block_ids (it lost its old blocks) and
-    all its tokens in resumed_req_token_ids; a running one gets only blocks added this step. Before those, a
-    running request holds exactly the blocks its num_computed_tokens fill (ceil(num_computed / block_size)):
-    the scheduler gives back blocks that only rejected draft tokens had reached, and the worker drops them too.
+    Block ids go per KV cache group, a list each. A request resumed from preemption gets its whole block lists in
+    new_block_ids (it lost its old blocks) and all its tokens in resumed_req_token_ids; a running one gets only
+    blocks added this step. Before those, a running request holds exactly the blocks its num_computed_tokens fill
+    (ceil(num_computed / block_size)) in each group: the scheduler gives back blocks that only rejected draft
+    tokens had reached, and the worker drops them too.
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     resumed_req_token_ids: list[Optional[list[int]]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     # Pipeline parallel only (else empty): the tokens each request computes this step, so that stages before the
     # last, which never sample, learn the tokens the last stage sampled (vLLM's new_token_ids).

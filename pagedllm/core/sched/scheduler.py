@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Optional
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_cache_utils import KVCacheBlock
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -58,7 +58,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                self.max_model_len, cache_config.enable_prefix_caching,
-                                               cache_config.sliding_window)
+                                               cache_config.sliding_window, cache_config.group_windows)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -154,7 +154,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_blocks_of: dict[str, list[KVCacheBlock]] = {}
+        new_blocks_of: dict[str, tuple[list[KVCacheBlock], ...]] = {}
         spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
@@ -346,7 +346,8 @@ class Scheduler:
         self.waiting.prepend_request(request)
 
     def _make_output(self, new_reqs: list[Request], resumed: list[Request], running: list[Request],
-                     num_scheduled_tokens: dict[str, int], new_blocks_of: dict[str, list[KVCacheBlock]],
+                     num_scheduled_tokens: dict[str, int],
+                     new_blocks_of: dict[str, tuple[list[KVCacheBlock], ...]],
                      preempted: list[Request]) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in new_reqs]
@@ -354,7 +355,8 @@ class Scheduler:
             req_ids=[r.request_id for r in running] + [r.request_id for r in resumed],
             resumed_from_preemption=[False] * len(running) + [True] * len(resumed),
             resumed_req_token_ids=[None] * len(running) + [list(r.all_token_ids) for r in resumed],
-            new_block_ids=([[b.block_id for b in new_blocks_of[r.request_id]] for r in running]
+            new_block_ids=([tuple([b.block_id for b in blocks] for blocks in new_blocks_of[r.request_id])
+                            for r in running]
                            + [kv.get_block_ids(r.request_id) for r in resumed]),
             num_computed_tokens=[r.num_computed_tokens for r in running] + [r.num_computed_tokens for r in resumed],
         )

@@ -23,6 +23,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.kv_cache_group = 0  # its KV cache group's metadata it reads (set with the KV cache, model runner)
         self.backend = get_attn_backend()
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
@@ -30,6 +31,8 @@ class Attention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = query.shape[0]
+        if attn_metadata.group_metadata is not None:
+            attn_metadata = attn_metadata.group_metadata[self.kv_cache_group]
         out = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),

@@ -1,5 +1,6 @@
 """Per-step description of the flattened batch that attention layers read."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,7 +36,19 @@ class AttentionMetadata:
     chunk_query_start: Optional[torch.Tensor] = None
     chunk_query_len: Optional[torch.Tensor] = None
     num_decodes: int = 0
+    # A hybrid model's (core/kv_cache_groups.py): each KV cache group's metadata, its own slot_mapping and
+    # block_table, the rest as here (this is the first group's); an Attention layer reads its group's. None: every
+    # layer reads through these.
+    group_metadata: Optional[list["AttentionMetadata"]] = None
     # Scratch for a backend to keep what it derives from the fields above
     # (gather indices, masks) once per step and reuse in every layer.
     # Builders leave it empty.
     backend_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def with_groups(self, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> "AttentionMetadata":
+        """Sets group_metadata from each KV cache group's (slot_mapping, block_table), the first group's being this
+        metadata's own (one group: nothing to set); returns self."""
+        if len(tables) > 1:
+            self.group_metadata = [self] + [dataclasses.replace(self, slot_mapping=slots, block_table=table,
+                                                                backend_cache={}) for slots, table in tables[1:]]
+        return self
