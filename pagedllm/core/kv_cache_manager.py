@@ -24,14 +24,14 @@ def max_blocks(windows: Sequence[int | None], block_size: int, num_tokens: int, 
 
 
 class GroupBlocks:
-    """One KV cache group's blocks of each request (vLLM's SingleTypeKVCacheManager), from the shared pool.
+    """One KV cache group's handling of a request's blocks (vLLM's SingleTypeKVCacheManager), from the shared pool.
 
     With a ``sliding_window`` (its layers', CacheConfig) a request keeps only the blocks its next query can see, as
     vLLM's SlidingWindowManager: before each allocation the blocks wholly before ``num_computed_tokens -
     sliding_window + 1`` go back to the pool (still cached, so other requests can hit them) and the pool's null
     block takes their place in the list, so block i still holds positions i * block_size ..; a request's memory
     stays about a window however long it runs. A prefix hit then needs only the blocks of the window before its end
-    (see sliding_window_hit). Every group's list of a request has the same length: a block per block_size positions.
+    (see sliding_window_hit).
 
     Its blocks are cached under their hashes keyed by the group (group 0's under the hashes themselves, group g's
     followed by g: vLLM's BlockHashWithGroupId), as the same tokens have other blocks in each group.
@@ -42,9 +42,6 @@ class GroupBlocks:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.suffix = group.to_bytes(2, "little") if group else b""
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # How many of each request's leading blocks are already registered in the prefix cache.
-        self.num_cached_block: dict[str, int] = {}
 
     def cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
         return self.block_pool.get_cached_block(block_hash + self.suffix)
@@ -87,8 +84,6 @@ class GroupBlocks:
         go back to the pool, the null block in their place. Walks back from the window's first block to the
         first null (those before it went earlier), and frees them in that order, as vLLM does: the later blocks
         are evicted first."""
-        if self.sliding_window is None:
-            return
         null = self.block_pool.null_block
         skipped = []
         for i in range(min((num_computed_tokens - self.sliding_window + 1) // self.block_size, len(req_blocks)) - 1,
@@ -99,34 +94,18 @@ class GroupBlocks:
             req_blocks[i] = null
         self.block_pool.free_blocks(skipped)
 
-    def cache_new_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock], num_tokens: int) -> None:
-        """Registers the blocks that the first num_tokens tokens fill (and whose hashes are known)."""
-        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        num_cached = self.num_cached_block.get(request.request_id, 0)
-        if num_full > num_cached:
-            hashes = request.block_hashes
-            if self.suffix:
-                hashes = [None] * num_cached + [h + self.suffix for h in hashes[num_cached:num_full]]
-            self.block_pool.cache_full_blocks(req_blocks, hashes, num_cached, num_full)
-            self.num_cached_block[request.request_id] = num_full
-
-    def free(self, request_id: str) -> None:
-        """Releases the request's blocks tail first, so its unique tail is evicted before a shared prefix."""
-        self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(request_id, [])))
-        self.num_cached_block.pop(request_id, None)
-
-    def free_blocks_beyond(self, request_id: str, keep: int) -> None:
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is None or len(blocks) <= keep:
-            return
-        excess = blocks[keep:]
-        del blocks[keep:]
-        self.block_pool.free_blocks(reversed(excess))
+    def cache_full_blocks(self, block_hashes: list, req_blocks: list[KVCacheBlock], num_cached: int,
+                          num_full: int) -> None:
+        """Registers req_blocks[num_cached:num_full] under their hashes, keyed by the group."""
+        if self.suffix:
+            block_hashes = [None] * num_cached + [h + self.suffix for h in block_hashes[num_cached:num_full]]
+        self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached, num_full)
 
 
 class KVCacheManager:
-    """Maps each request to the lists of blocks holding its KV, in token order: one list per KV cache group
-    (core/kv_cache_groups.py; a model whose layers all attend alike has one), all from one pool.
+    """Maps each request to its blocks in token order, a list per KV cache group (core/kv_cache_groups.py; a model
+    whose layers all attend alike has one), all from one pool. A request's lists all have the same length: a block
+    per block_size positions (a windowed group's null block where its blocks went back).
 
     ``group_windows``: each group's sliding window (None: full attention); by default one group of every layer, with
     ``sliding_window``. Blocks, hits and block ids go as tuples with an entry per group.
@@ -143,6 +122,11 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching)
         windows = (sliding_window,) if group_windows is None else tuple(group_windows)
         self.groups = [GroupBlocks(self.block_pool, block_size, window, g) for g, window in enumerate(windows)]
+        self._windowed = [(g, group) for g, group in enumerate(self.groups) if group.sliding_window is not None]
+        self.req_to_blocks: dict[str, tuple[list[KVCacheBlock], ...]] = {}
+        # How many of each request's leading blocks are already registered in the prefix cache (in every group).
+        self.num_cached_block: dict[str, int] = {}
+        self.no_new_blocks: tuple[tuple[()], ...] = ((),) * len(windows)  # what a step that needs none gets
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -185,38 +169,40 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[tuple[list[KVCacheBlock], ...]] = None,
                        num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> Optional[tuple[list[KVCacheBlock], ...]]:
+                       num_lookahead_tokens: int = 0) -> Optional[tuple[Sequence[KVCacheBlock], ...]]:
         """Makes room for num_new_tokens more tokens of KV (after any prefix-hit blocks) in every group.
 
-        Returns each group's newly allocated blocks, or None when the pool cannot supply them all — in which case
-        nothing was allocated and no ref count changed (but for blocks out of a sliding window, freed first either
-        way: no later query reads them). Full blocks are registered in the prefix cache as they fill.
+        Returns each group's newly allocated blocks (no_new_blocks where none was needed), or None when the pool
+        cannot supply them all — in which case nothing was allocated and no ref count changed (but for blocks out of
+        a sliding window, freed first either way: no later query reads them). Full blocks are registered in the
+        prefix cache as they fill.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         request_id = request.request_id
-        fresh = request_id not in self.groups[0].req_to_blocks
-        req_blocks = [group.req_to_blocks.setdefault(request_id, []) for group in self.groups]
+        req_blocks = self.req_to_blocks.get(request_id)
+        fresh = req_blocks is None
+        if fresh:
+            req_blocks = self.req_to_blocks[request_id] = tuple([] for _ in self.groups)
+        for g, group in self._windowed:
+            group.remove_skipped_blocks(req_blocks[g], request.num_computed_tokens)
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
-        for group, blocks in zip(self.groups, req_blocks):
-            group.remove_skipped_blocks(blocks, request.num_computed_tokens)
-        num_tokens_after = num_computed_tokens + num_new_tokens + num_lookahead_tokens
-        if num_tokens_after > self.max_model_len:
-            num_tokens_after = self.max_model_len
+        num_tokens_after = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_held = len(req_blocks[0])
         if not new_computed_blocks and num_tokens_after <= num_held * self.block_size:
             # The common decode step: the last block still has room.
             self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
-            return tuple([] for _ in self.groups)
-        new_computed_blocks = new_computed_blocks or tuple([] for _ in self.groups)
+            return self.no_new_blocks
+        new_computed_blocks = new_computed_blocks or self.no_new_blocks
         num_new_blocks = cdiv(num_tokens_after, self.block_size) - num_held - len(new_computed_blocks[0])
         # Hit blocks sitting in the free queue will be taken out of it, so they cannot also be handed out.
-        null = self.block_pool.null_block
-        num_evictable_hits = sum(1 for hits in new_computed_blocks for b in hits if b.ref_cnt == 0 and b is not null)
+        num_evictable_hits = 0
+        if new_computed_blocks[0]:
+            null = self.block_pool.null_block
+            num_evictable_hits = sum(b.ref_cnt == 0 and b is not null for hits in new_computed_blocks for b in hits)
         if num_new_blocks * len(self.groups) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             if fresh:
-                for group in self.groups:
-                    del group.req_to_blocks[request_id]
+                del self.req_to_blocks[request_id]
             return None
 
         new_blocks = []
@@ -230,26 +216,47 @@ class KVCacheManager:
         self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
         return tuple(new_blocks)
 
-    def _cache_new_full_blocks(self, request: Request, req_blocks: list[list[KVCacheBlock]], num_tokens: int
+    def _cache_new_full_blocks(self, request: Request, req_blocks: tuple[list[KVCacheBlock], ...], num_tokens: int
                                ) -> None:
-        if self.enable_caching:
+        """Registers, in every group, the blocks that the first num_tokens tokens fill (and whose hashes are
+        known)."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        if num_full > num_cached:
             for group, blocks in zip(self.groups, req_blocks):
-                group.cache_new_full_blocks(request, blocks, num_tokens)
+                group.cache_full_blocks(request.block_hashes, blocks, num_cached, num_full)
+            self.num_cached_block[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, each group's tail first, so its unique tail is evicted before a shared
         prefix."""
-        for group in self.groups:
-            group.free(request.request_id)
+        for blocks in self.req_to_blocks.pop(request.request_id, ()):
+            self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request.request_id, None)
 
     def free_blocks_beyond(self, request: Request, num_tokens: int) -> None:
         """Gives back the request's blocks past those its first ``num_tokens`` tokens fill (speculative decoding:
         slots only rejected drafts had reached). Never a cached block: cached blocks hold known tokens only."""
-        for group in self.groups:
-            group.free_blocks_beyond(request.request_id, cdiv(num_tokens, self.block_size))
+        keep = cdiv(num_tokens, self.block_size)
+        for blocks in self.req_to_blocks.get(request.request_id, ()):
+            if len(blocks) > keep:
+                excess = blocks[keep:]
+                del blocks[keep:]
+                self.block_pool.free_blocks(reversed(excess))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return tuple([b.block_id for b in group.req_to_blocks.get(request_id, ())] for group in self.groups)
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return tuple([] for _ in self.groups)
+        return tuple([b.block_id for b in group_blocks] for group_blocks in blocks)
+
+    def new_block_ids(self, new_blocks: tuple[Sequence[KVCacheBlock], ...]) -> tuple[Sequence[int], ...]:
+        """The ids of allocate_slots' new blocks, per group (no_new_blocks as it is: a tuple of empty tuples)."""
+        if new_blocks is self.no_new_blocks:
+            return new_blocks
+        return tuple([[b.block_id for b in blocks] for blocks in new_blocks])
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

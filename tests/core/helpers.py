@@ -90,8 +90,7 @@ class SpeculatingWorker:
             drafts = output.scheduled_spec_decode_tokens.get(req_id, [])
             start = request.num_computed_tokens - num_new  # advanced at schedule time
             end = min(start + num_new + self.num_lookahead_tokens, scheduler.max_model_len)
-            for group in scheduler.kv_cache_manager.groups:  # each group's layers write its blocks
-                blocks = group.req_to_blocks[req_id]
+            for blocks in scheduler.kv_cache_manager.req_to_blocks[req_id]:  # each group's layers write its blocks
                 for pos, token in enumerate((request.all_token_ids + drafts)[start:start + num_new], start):
                     self.kv[(blocks[pos // block_size].block_id, pos % block_size)] = token
                 assert len(blocks) * block_size >= end, "the lookahead slots were not allocated"
@@ -134,8 +133,9 @@ class SpeculatingWorker:
         whose cached blocks it hit), in every KV cache group: never a rejected draft. Under a group's sliding window,
         those its next query sees."""
         block_size = scheduler.block_size
-        for group, request in itertools.product(scheduler.kv_cache_manager.groups, scheduler.running):
-            blocks = group.req_to_blocks[request.request_id]
+        manager = scheduler.kv_cache_manager
+        for (g, group), request in itertools.product(enumerate(manager.groups), scheduler.running):
+            blocks = manager.req_to_blocks[request.request_id][g]
             assert len(blocks) == -(-request.num_computed_tokens // block_size), request
             window = group.sliding_window
             first = 0 if window is None else max(0, request.num_computed_tokens - window + 1)
@@ -166,7 +166,7 @@ def run_to_completion(scheduler: Scheduler, max_steps: int = 10_000, token_fn=de
 
 def held_blocks(scheduler: Scheduler) -> list[list]:
     """Every request's block list in every KV cache group."""
-    return [blocks for group in scheduler.kv_cache_manager.groups for blocks in group.req_to_blocks.values()]
+    return [blocks for group_blocks in scheduler.kv_cache_manager.req_to_blocks.values() for blocks in group_blocks]
 
 
 def owners_per_block(scheduler: Scheduler) -> dict[int, int]:
@@ -192,8 +192,7 @@ def assert_block_invariants(scheduler: Scheduler) -> None:
     for block_hash, block in pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
     # Only live requests hold blocks.
-    for group in scheduler.kv_cache_manager.groups:
-        assert set(group.req_to_blocks) <= set(scheduler.requests)
+    assert set(scheduler.kv_cache_manager.req_to_blocks) <= set(scheduler.requests)
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
@@ -204,7 +203,7 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     assert pool.get_num_free_blocks() == pool.num_blocks
-    assert not any(group.req_to_blocks for group in scheduler.kv_cache_manager.groups)
+    assert not scheduler.kv_cache_manager.req_to_blocks
     assert_block_invariants(scheduler)
 
 

@@ -24,7 +24,7 @@ def test_view_follows_requests_blocks_and_steps_through_a_prefix_hit_and_a_preem
     a, b = view.running
     assert (a.request_id, a.status, a.num_prompt_tokens, a.num_output_tokens, a.max_tokens) == ("a", "running", 9, 2, 20)
     assert (b.request_id, b.num_cached_tokens, b.num_output_tokens) == ("b", 8, 1)
-    assert a.num_blocks == len(scheduler.kv_cache_manager.groups[0].req_to_blocks["a"])
+    assert a.num_blocks == len(scheduler.kv_cache_manager.req_to_blocks["a"][0])
     assert view.num_running_reqs == 2 and view.prefix_cache_hits == 8
     assert view.kv_cache_usage == scheduler.kv_cache_manager.usage
 

@@ -51,14 +51,12 @@ def test_outputs_equal_plain_decoding_with_speculation_preemption_and_prefix_hit
         tight.add_request(r)
     rng = random.Random(0)
     worker = SpeculatingWorker(lambda req_id, n: right_then_wrong(rng.randint(0, K), rng.randint(0, 1))(req_id, n)[:K])
-    full, local = tight.kv_cache_manager.groups
     null = tight.kv_cache_manager.block_pool.null_block
     held = []  # per step and request: (its blocks in the full group, its blocks in the windowed group, not null)
 
     def count_held():
-        for req_id, blocks in full.req_to_blocks.items():
-            held.append((sum(b is not null for b in blocks), sum(b is not null for b in local.req_to_blocks[req_id]),
-                         len(blocks)))
+        for blocks, local in tight.kv_cache_manager.req_to_blocks.values():
+            held.append((sum(b is not null for b in blocks), sum(b is not null for b in local), len(blocks)))
     assert worker.run(tight, count_held) == expected
     assert all(num_full == num_blocks for num_full, _, num_blocks in held)  # the full group keeps everything
     assert max(num_local for _, num_local, _ in held) <= -(-(WINDOW - 1 + 8 + K) // BS) + 1
@@ -75,11 +73,10 @@ def _req(req_id, tokens):
 
 def test_a_prefix_hit_is_cut_to_what_every_group_has_cached():
     manager = KVCacheManager(num_blocks=40, block_size=BS, max_model_len=100, group_windows=(None, WINDOW))
-    full, local = manager.groups
     a = _req("a", list(range(26)))  # full blocks 0..5 cached in each group
     assert manager.allocate_slots(a, a.num_tokens) is not None
     a.num_computed_tokens = a.num_tokens
-    a_full, a_local = list(full.req_to_blocks["a"]), list(local.req_to_blocks["a"])
+    a_full, a_local = (list(blocks) for blocks in manager.req_to_blocks["a"])
     assert not set(map(id, a_full)) & set(map(id, a_local))  # each group its own blocks
     manager.free(a)
     b = _req("b", list(range(26)) + [99] * 5)

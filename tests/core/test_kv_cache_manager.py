@@ -27,7 +27,7 @@ def test_shared_prefix_hits_only_full_blocks():
     b = req("b", list(range(10)) + [99])
     hits, num_hit = admit(manager, b)
     assert num_hit == 8
-    a_blocks, b_blocks = manager.groups[0].req_to_blocks["a"], manager.groups[0].req_to_blocks["b"]
+    a_blocks, b_blocks = manager.req_to_blocks["a"][0], manager.req_to_blocks["b"][0]
     assert [blk.block_id for blk in hits[0]] == [a_blocks[0].block_id, a_blocks[1].block_id]
     assert a_blocks[0].ref_cnt == a_blocks[1].ref_cnt == 2
     # The partial third block is never shared.
@@ -81,7 +81,7 @@ def test_failed_allocation_changes_nothing():
     assert manager.allocate_slots(big, big.num_tokens - num_hit, hits, num_hit) is None
     assert [(blk.block_id, blk.ref_cnt, blk.block_hash) for blk in pool.blocks] == before
     assert [blk.block_id for blk in pool.free_block_queue.get_all_free_blocks()] == free_before
-    assert "big" not in manager.groups[0].req_to_blocks
+    assert "big" not in manager.req_to_blocks
 
 
 def test_blocks_filled_during_decode_are_cached():
@@ -92,7 +92,7 @@ def test_blocks_filled_during_decode_are_cached():
         a.append_output_token_id(token)
         assert manager.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
-    first_block = manager.groups[0].req_to_blocks["a"][0]
+    first_block = manager.req_to_blocks["a"][0][0]
     assert first_block.block_hash == a.block_hashes[0]
     assert manager.block_pool.get_cached_block(a.block_hashes[0]) is first_block
     manager.free(a)

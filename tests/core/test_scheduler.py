@@ -62,7 +62,7 @@ def test_prefix_hit_through_the_scheduler():
     assert out.num_scheduled_tokens["b"] == 42 - 32
     assert scheduler.requests["b"].num_cached_tokens == 32
     assert scheduler.make_stats().prefix_cache_hits == 32
-    a_blocks = scheduler.kv_cache_manager.groups[0].req_to_blocks["a"]
+    a_blocks = scheduler.kv_cache_manager.req_to_blocks["a"][0]
     assert a_blocks[0].ref_cnt == a_blocks[1].ref_cnt == 2 and a_blocks[2].ref_cnt == 1
     run_to_completion(scheduler)
 

@@ -34,7 +34,7 @@ def test_drafts_are_scheduled_after_the_known_token_and_counted_in_the_budget():
     assert len(engine_out.outputs[0].new_token_ids) == 2
     assert request.num_computed_tokens == request.num_tokens - 1 == 8
     # 8 computed tokens: slots 9-10 went back
-    assert len(scheduler.kv_cache_manager.groups[0].req_to_blocks["a"]) == 2
+    assert len(scheduler.kv_cache_manager.req_to_blocks["a"][0]) == 2
     stats = scheduler.make_stats()
     assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
             stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_accepted_tokens_per_pos) == (1, 3, 1, [1, 0, 0])

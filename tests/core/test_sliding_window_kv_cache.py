@@ -9,7 +9,7 @@ WINDOW = 6  # a query at p sees p - 5 .. p: the blocks of the last two (cdiv(WIN
 def _held(manager, request_id):
     """The request's block list as (null or not) and how many real blocks it holds."""
     null = manager.block_pool.null_block
-    blocks = manager.groups[0].req_to_blocks[request_id]
+    blocks = manager.req_to_blocks[request_id][0]
     return [b is null for b in blocks], sum(b is not null for b in blocks)
 
 
@@ -50,7 +50,7 @@ def test_a_hit_needs_only_the_blocks_of_the_window_before_its_end():
     pool = manager.block_pool
     a = req("a", list(range(26)))  # full blocks 0..5 cached
     admit(manager, a)
-    a_blocks = list(manager.groups[0].req_to_blocks["a"])
+    a_blocks = list(manager.req_to_blocks["a"][0])
     manager.free(a)
     for block in a_blocks[:3]:  # evicted: the prefix's first blocks are gone from the cache
         pool._maybe_evict_cached_block(block)

@@ -106,7 +106,7 @@ def test_a_hybrid_model_gives_back_its_local_layers_blocks(tmp_path, tokenizer, 
     def allocate_and_count(*args, **kwargs):
         blocks = allocate(*args, **kwargs)
         null = manager.block_pool.null_block
-        local_held.extend(sum(b is not null for b in held) for held in manager.groups[1].req_to_blocks.values())
+        local_held.extend(sum(b is not null for b in local) for _, local in manager.req_to_blocks.values())
         return blocks
     monkeypatch.setattr(manager, "allocate_slots", allocate_and_count)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -82,7 +82,7 @@ def _block_map(scheduler: "Scheduler") -> str:
 def _request_view(request: Request, kv) -> RequestView:
     status = ("running" if request.status == RequestStatus.RUNNING
               else "preempted" if request.status == RequestStatus.PREEMPTED else "waiting")
-    blocks = [b for group in kv.groups for b in group.req_to_blocks.get(request.request_id, ())]
+    blocks = [b for group_blocks in kv.req_to_blocks.get(request.request_id, ()) for b in group_blocks]
     return RequestView(
         request_id=request.request_id, status=status, num_prompt_tokens=request.num_prompt_tokens,
         num_computed_tokens=request.num_computed_tokens, num_output_tokens=request.num_output_tokens,

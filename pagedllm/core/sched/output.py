@@ -1,6 +1,7 @@
 """SchedulerOutput: one step's plan, sent to the workers. New requests travel in full, running ones as diffs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -41,7 +42,7 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     resumed_req_token_ids: list[Optional[list[int]]] = field(default_factory=list)
-    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
+    new_block_ids: list[tuple[Sequence[int], ...]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     # Pipeline parallel only (else empty): the tokens each request computes this step, so that stages before the
     # last, which never sample, learn the tokens the last stage sampled (vLLM's new_token_ids).

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Optional
 
 from pagedllm.config import CacheConfig, SchedulerConfig
@@ -154,7 +154,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         token_budget = self.max_num_scheduled_tokens
         num_scheduled_tokens: dict[str, int] = {}
-        new_blocks_of: dict[str, tuple[list[KVCacheBlock], ...]] = {}
+        new_blocks_of: dict[str, tuple[Sequence[KVCacheBlock], ...]] = {}
         spec_tokens: dict[str, list[int]] = {}
         scheduled_running: list[Request] = []
         preempted: list[Request] = []
@@ -347,7 +347,7 @@ class Scheduler:
 
     def _make_output(self, new_reqs: list[Request], resumed: list[Request], running: list[Request],
                      num_scheduled_tokens: dict[str, int],
-                     new_blocks_of: dict[str, tuple[list[KVCacheBlock], ...]],
+                     new_blocks_of: dict[str, tuple[Sequence[KVCacheBlock], ...]],
                      preempted: list[Request]) -> SchedulerOutput:
         kv = self.kv_cache_manager
         new_reqs_data = [NewRequestData.from_request(r, kv.get_block_ids(r.request_id)) for r in new_reqs]
@@ -355,8 +355,7 @@ class Scheduler:
             req_ids=[r.request_id for r in running] + [r.request_id for r in resumed],
             resumed_from_preemption=[False] * len(running) + [True] * len(resumed),
             resumed_req_token_ids=[None] * len(running) + [list(r.all_token_ids) for r in resumed],
-            new_block_ids=([tuple([b.block_id for b in blocks] for blocks in new_blocks_of[r.request_id])
-                            for r in running]
+            new_block_ids=([kv.new_block_ids(new_blocks_of[r.request_id]) for r in running]
                            + [kv.get_block_ids(r.request_id) for r in resumed]),
             num_computed_tokens=[r.num_computed_tokens for r in running] + [r.num_computed_tokens for r in resumed],
         )
