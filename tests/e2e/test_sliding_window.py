@@ -83,10 +83,11 @@ def test_mistral_sliding_window_self_speculation(tmp_path, tokenizer):
 
 def test_a_hybrid_model_gives_back_its_local_layers_blocks(tmp_path, tokenizer, monkeypatch):
     """Gemma 2 (four layers, local with a window of 8 and global alternating): two KV cache groups over one pool,
-    each layer pair (a local and a global one) sharing cache tensors, steps replaying CPU graphs. The local group gives back the blocks out of
-    its window while the global group keeps every request's history: greedy tokens equal transformers', each
-    request holds at most a step's window of blocks in the local group, and requests whose histories in both groups
-    (76 blocks) would not fit the pool run without preemption; a prefix hit gives the same tokens again."""
+    each layer pair (a local and a global one) sharing cache tensors, steps replaying CPU graphs. The local group
+    gives back the blocks out of its window while the global group keeps every request's history: greedy tokens
+    equal transformers', each request holds at most a step's window of blocks in the local group, and requests
+    whose histories in both groups (76 blocks) would not fit the pool run without preemption; a prefix hit gives
+    the same tokens again."""
     reference = _save_tiny(tmp_path, tokenizer, Gemma2Config, Gemma2ForCausalLM, num_hidden_layers=4,
                            sliding_window=WINDOW, head_dim=64, query_pre_attn_scalar=64)
     replays = []
