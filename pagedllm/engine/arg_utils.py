@@ -139,7 +139,7 @@ class EngineArgs:
                                      cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config),
-                                     kv_cache_groups=_cache_groups(model_config, speculative_config)),
+                                     kv_cache_groups=_cache_groups(model_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
@@ -173,11 +173,9 @@ def _cache_sliding_window(model_config: ModelConfig, spec: SpeculativeConfig | N
     return common_window(model.sliding_window for model in models)
 
 
-def _cache_groups(model_config: ModelConfig, spec: SpeculativeConfig | None) -> tuple[KVCacheGroup, ...]:
-    """A hybrid model's KV cache groups (core/kv_cache_groups.py), or none (one block table for every layer). Not
-    with a draft model, which reads through the target's one block table."""
-    if spec is not None and spec.draft_model_config is not None:
-        return ()
+def _cache_groups(model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
+    """A hybrid model's KV cache groups (core/kv_cache_groups.py), or none (one block table for every layer). A
+    draft model reads through the first group's table, of full-attention layers: every block of the history."""
     groups = kv_cache_groups([layer_sliding_window(model_config.hf_config, i) for i in range(model_config.num_layers)])
     return groups if len(groups) > 1 else ()
 

@@ -129,3 +129,24 @@ def test_a_hybrid_model_gives_back_its_local_layers_blocks(tmp_path, tokenizer, 
     assert again[0].outputs[0].token_ids == first[0][:1]
     assert manager.prefix_cache_hits - hits_before == 36  # 9 blocks of 4 (the last token is recomputed)
     llm.shutdown()
+
+
+def test_a_hybrid_model_speculating_with_itself_as_its_draft(tmp_path, tokenizer):
+    """The hybrid Gemma 2 drafting for itself (draft_model, the same weights): the draft reads through the target's
+    first KV cache group's table (the global layers': every block of the history) while the target's local group
+    frees its blocks; in float32 every draft is the target's token, so a draft or verify step reading a block the
+    local group gave back would show as a rejection. Greedy stays transformers'."""
+    reference = _save_tiny(tmp_path, tokenizer, Gemma2Config, Gemma2ForCausalLM, num_hidden_layers=4,
+                           sliding_window=WINDOW, head_dim=64, query_pre_attn_scalar=64)
+    llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=120, block_size=BLOCK_SIZE,
+              max_num_batched_tokens=16,
+              speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 3})
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    assert [group.sliding_window for group in scheduler.kv_cache_manager.groups] == [None, WINDOW]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    assert_transformers_greedy(reference, PROMPTS, [o.outputs[0].token_ids for o in outputs], MAX_TOKENS)
+    stats = scheduler.make_stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 120
+    llm.shutdown()
