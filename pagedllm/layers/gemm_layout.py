@@ -204,7 +204,7 @@ class QuantizedWeight:
         if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout)
         lowest, highest = torch.aminmax(codes)
-        three_bits = bool(lowest >= -4) and bool(highest <= 3)  # Q3_K's q - 4: its own nibbles
+        three_bits = bool(lowest >= -4) and bool(highest <= 3)  # Q3_K's q - 4: its own 3-bit plane
         return (cls._factored("gemm_q3kc" if three_bits else "gemm_q6kc",
                               lambda: pack_q8kc_panels(codes, scales, three_bits=three_bits), n, layout)
                 or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout))
@@ -308,7 +308,7 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
                      block: int = Q6K_BLOCK, three_bits: bool = False) -> torch.Tensor | None:
     """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored bit-packed panels:
     without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, per 16, int8 multipliers), or with ``three_bits``
-    gemm_q3kc_f32's (Q3_K's q - 4 and d * (sc - 32): nibbles alone), with them per 32 gemm_q5kc_f32's and
+    gemm_q3kc_f32's (Q3_K's q - 4 and d * (sc - 32): a 3-bit plane alone), with them per 32 gemm_q5kc_f32's and
     per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and -dmin * m, uint8 multipliers); ``[ceil(N / 64), K / 256
     * header + K / block * record]`` bytes: a header of each super-block's 64 scale factors (then zero factors;
     float32), then per block the 64 columns' scale (then zero) multipliers and the codes bit-packed
@@ -321,7 +321,7 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     if any(part is None for part in parts):
         return None
     by_row, to_block = _panel_blocks(codes, scales, torch.float32, block)
-    bits, offset = (4, 4) if three_bits else (6, 32) if signed else (5, 0) if block == QBLOCK else (2, 0)
+    bits, offset = (3, 4) if three_bits else (6, 32) if signed else (5, 0) if block == QBLOCK else (2, 0)
     rows = pack_code_rows(by_row, bits, offset)
     if rows is None:
         return None
@@ -333,7 +333,7 @@ def pack_code_rows(by_row: torch.Tensor, bits: int, offset: int) -> torch.Tensor
     """``[..., rows, 64]`` integer codes -> their bit-packed rows as gemm.c's packed formats hold them, ``[...,
     rows * bytes]`` uint8: the codes made unsigned (plus ``offset``), for 4 to 6 ``bits`` their low 4 bits in
     rows of nibbles (column i in the low nibble of byte i, 32 + i in its high one), then the bits above them (or
-    all 2 of 2-bit codes) in rows of 8 * (bits - 4) (or 16) bytes, column c at bit c * plane_bits (little-endian);
+    all of 2- and 3-bit codes) in rows of 8 * plane_bits bytes, column c at bit c * plane_bits (little-endian);
     all the nibble rows first, then all the plane rows. None where a code does not fit in ``bits`` bits."""
     values = by_row.to(torch.int32) + offset
     if bool((values < 0).any()) or bool((values >= 1 << bits).any()):
@@ -345,10 +345,10 @@ def pack_code_rows(by_row: torch.Tensor, bits: int, offset: int) -> torch.Tensor
         values, bits = values >> 4, bits - 4
     if bits == 0:
         return planes[0].flatten(-2)
-    per_byte = 8 // bits
-    grouped = values.reshape(*values.shape[:-1], PANEL // per_byte, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
-    planes.append((grouped << shifts).sum(-1).to(torch.uint8))
+    # each code's bits, lowest first, in column order: the plane's bits in order, 8 to a byte
+    plane_bits = (values[..., None] >> torch.arange(bits, dtype=torch.int32)) & 1
+    by_byte = plane_bits.reshape(*values.shape[:-1], PANEL * bits // 8, 8)
+    planes.append((by_byte << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8))
     return torch.cat([plane.flatten(-2) for plane in planes], dim=-1)
 
 

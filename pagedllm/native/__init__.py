@@ -179,7 +179,7 @@ def gemm_q2kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 
 @functools.cache
 def gemm_q3kc(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
-    """The same per 16 over 3-bit codes in nibbles, scales as gemm_q6kc_f32's (gemm_q3kc_f32: GGUF Q3_K's compact
+    """The same per 16 over 3-bit codes in a 3-bit plane, scales as gemm_q6kc_f32's (gemm_q3kc_f32: GGUF Q3_K's compact
     form), or None."""
     return _quant_gemm("gemm_q3kc", extra_flags)
 

@@ -16,7 +16,7 @@
  * Q4_0/Q4_1 (0.69 bytes per weight instead of 4: single-row decode reads weights and little else), Q4_K (0.59 in
  * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
  * values), Q8_0 (1.06), Q6_K (0.83 in its compact form, Q6KC below, bit-packed codes; 1.25: int8 codes, a float32
- * scale per 16), Q3_K (0.58 compact, Q3KC; 1.25 as Q6_K's), Q5_K (0.72 compact; 1.25: int8 codes, a float32 scale
+ * scale per 16), Q3_K (0.45 compact, Q3KC; 1.25 as Q6_K's), Q5_K (0.72 compact; 1.25: int8 codes, a float32 scale
  * and zero per 32) and Q2_K (0.41; 1.5, the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
@@ -343,7 +343,7 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * for the others, as d * sc of a K-quant's sub-block is no fp16 value), for Q4, Q4K, Q5K and Q2K their float32
  * zeros, then a row of codes per k. Q4, Q4K and the IQ4 formats' rows are 32 bytes of nibbles, column i in the low
  * nibble of byte i and column 32 + i in its high one; Q8, Q6K, Q5K and Q2K rows are 64 int8 codes (Q6_K's q - 32,
- * Q3_K's q - 4, Q5_K's and Q2_K's q). A weight is code * scale + zero (Q4_0: zero -8 d, Q4_1: m, Q4_K, Q5_K and
+ * Q5_K's and Q2_K's q). A weight is code * scale + zero (Q4_0: zero -8 d, Q4_1: m, Q4_K, Q5_K and
  * Q2_K: -dmin m; none for Q8, Q6K and the IQ4 formats). A code of up to 5 bits times an fp16 scale or a d * sc is
  * exact in float32, so such a weight rounds once, at the zero's add; Q6K's and IQ4's once, at the product; as the
  * loader's dequantization does. So results equal the dense kernel's.
@@ -351,14 +351,14 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * Q2_K's): a block's scales (and zeros) are factored per super-block of 256, each column's d' (and z', float32) in a
  * panel header ahead of the records, each block's multipliers in its record (uint8; Q6KC's and Q3KC's int8): scale =
  * multiplier * d', zero = multiplier * z', products exact in float32 (the packer checks them, as Q4_K's d * sc and
- * -dmin * m and Q6_K's d * sc are). Q6KC, Q5KC and Q2KC hold their codes bit-packed (packed_codes): unsigned, code +
- * code_offset (Q6_K's q, Q5_K's and Q2_K's q), its low 4 bits in a row of nibbles as Q4's (Q6KC, Q5KC), the
- * bits above (all of Q2KC's 2) in a row of plane_bits bits per column, column c at bit c * plane_bits of the row's
- * bytes (little-endian); all the block's nibble rows, then all its plane rows. A vector of columns shifts one
- * broadcast word of the plane by each lane's place. So the weights are the float32 layouts' to the bit in 0.59
- * bytes a weight instead of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K), 0.72 instead of 1.25 (Q5_K) and 0.41 instead
- * of 1.5 (Q2_K). Q3KC holds Q3_K's codes q - 4 + 4 (code_offset) in rows of nibbles alone, its scales as Q6KC's:
- * 0.58 bytes a weight instead of 1.25. */
+ * -dmin * m and Q6_K's d * sc are). Q6KC, Q5KC, Q2KC and Q3KC hold their codes bit-packed (packed_codes): unsigned,
+ * code + code_offset (Q6_K's q, Q5_K's, Q2_K's and Q3_K's q), its low 4 bits in a row of nibbles as Q4's (Q6KC,
+ * Q5KC), the bits above (all of Q2KC's 2 and Q3KC's 3) in a row of plane_bits bits per column, column c at bit
+ * c * plane_bits of the row's bytes (little-endian); all the block's nibble rows, then all its plane rows. A vector
+ * of columns shifts a broadcast word of the plane by each lane's place (per 8 lanes for Q3KC, whose 16 lanes' 48
+ * bits do not fit a 32-bit lane). So the weights are the float32 layouts' to the bit in 0.59 bytes a weight instead
+ * of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K), 0.72 instead of 1.25 (Q5_K), 0.41 instead of 1.5 (Q2_K) and 0.45
+ * instead of 1.25 (Q3_K, its scales as Q6KC's). */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
        Q2KC = 11, Q3KC = 12 };
 /* Each format's cases, CASE(format) for every one of the enum's. */
@@ -374,13 +374,15 @@ static inline int qblock(const int fmt) {
     return fmt == Q6K || fmt == Q2K || fmt == Q6KC || fmt == Q2KC || fmt == Q3KC ? 16 : QBLOCK;
 }
 static inline int int8_codes(const int fmt) { return fmt == Q8 || fmt == Q6K || fmt == Q5K || fmt == Q2K; }
-static inline int packed_codes(const int fmt) { return fmt == Q6KC || fmt == Q5KC || fmt == Q2KC; }
-/* bits per code in a packed format's plane rows (above the nibbles, or all of Q2KC's), and what was added to its
- * codes to make them unsigned */
-static inline int plane_bits(const int fmt) { return fmt == Q5KC ? 1 : fmt == Q6KC || fmt == Q2KC ? 2 : 0; }
+static inline int packed_codes(const int fmt) { return fmt == Q6KC || fmt == Q5KC || fmt == Q2KC || fmt == Q3KC; }
+/* bits per code in a packed format's plane rows (above the nibbles, or all of Q2KC's and Q3KC's), and what was added
+ * to its codes to make them unsigned */
+static inline int plane_bits(const int fmt) {
+    return fmt == Q5KC ? 1 : fmt == Q6KC || fmt == Q2KC ? 2 : fmt == Q3KC ? 3 : 0;
+}
 static inline int code_offset(const int fmt) { return fmt == Q6KC ? 32 : fmt == Q3KC ? 4 : 0; }
 /* whether a record's rows of codes are nibbles (the 4-bit formats', and the low bits of Q6KC's and Q5KC's) */
-static inline int nibble_rows(const int fmt) { return !int8_codes(fmt) && fmt != Q2KC; }
+static inline int nibble_rows(const int fmt) { return !int8_codes(fmt) && fmt != Q2KC && fmt != Q3KC; }
 static inline int has_zeros(const int fmt) {
     return fmt == Q4 || fmt == Q4K || fmt == Q5K || fmt == Q2K || fmt == Q4KC || fmt == Q5KC || fmt == Q2KC;
 }
@@ -409,11 +411,26 @@ static inline int record_bytes(const int fmt) { return codes_at(fmt) + qblock(fm
 static inline const uint8_t *plane_row(const uint8_t *record, int kk, const int fmt) {
     return record + codes_at(fmt) + (nibble_rows(fmt) ? qblock(fmt) * (NR / 2) : 0) + kk * (NR / 8) * plane_bits(fmt);
 }
-/* The plane bits of `lanes` consecutive columns from `at` (their first's byte), as a word to shift per lane. */
+/* The plane bits of `lanes` consecutive columns from `at` (their first's byte), as a word to shift per lane, by one
+ * load (bytes copied into a word and read back as one stall its load on the store): 3 bytes as the word ending at
+ * their last, the byte before them shifted out (a plane row follows the record's multipliers: it is the record's). */
 static inline uint32_t plane_word(const uint8_t *at, int lanes, const int fmt) {
-    uint32_t word = 0;
-    memcpy(&word, at, (size_t)(lanes * plane_bits(fmt) / 8));
-    return word;
+    const int bytes = lanes * plane_bits(fmt) / 8;
+    uint32_t word;
+    if (bytes == 3) {
+        memcpy(&word, at - 1, 4);
+        return word >> 8;
+    }
+    if (bytes == 4) {
+        memcpy(&word, at, 4);
+        return word;
+    }
+    uint16_t half;
+    if (bytes == 2) {
+        memcpy(&half, at, 2);
+        return half;
+    }
+    return at[0];
 }
 #define SUPER_K 256 /* weights along K per super-block of a factored format: a header entry each */
 /* A header entry: the 64 columns' d' (float32), then, with zeros, their z'. */
@@ -501,6 +518,28 @@ static inline __attribute__((always_inline)) __m512i packed_row_bytes(const uint
 }
 #endif
 
+/* Q3KC's 16 codes (one a lane) of the 48 plane bits at `at`: a row's columns 16j .. from its plane row + 6j, read
+ * with a byte or two before them (the row's or the record's multipliers: a plane row follows them), none past the
+ * row's end. */
+static inline __attribute__((always_inline)) __m512i plane3_codes(const uint8_t *at) {
+#if defined(__AVX512VBMI__)
+    /* the 48 bits above the 2 bytes before them, in a quadword broadcast; lane i's first byte multishifted from bit
+     * 16 + 3i of it */
+    int64_t quad;
+    memcpy(&quad, at - 2, 8);
+    const __m512i from = _mm512_set_epi32(61, 58, 55, 52, 49, 46, 43, 40, 37, 34, 31, 28, 25, 22, 19, 16);
+    return _mm512_and_si512(_mm512_multishift_epi64_epi8(from, _mm512_set1_epi64(quad)), _mm512_set1_epi32(7));
+#else
+    /* each 8 lanes' 24 bits in the word ending at their last byte, above the byte before them */
+    int32_t low, high;
+    memcpy(&low, at - 1, 4);
+    memcpy(&high, at + 2, 4);
+    const __m512i word = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(low), _mm512_set1_epi32(high));
+    const __m512i shifts = _mm512_set_epi32(29, 26, 23, 20, 17, 14, 11, 8, 29, 26, 23, 20, 17, 14, 11, 8);
+    return _mm512_and_si512(_mm512_srlv_epi32(word, shifts), _mm512_set1_epi32(7));
+#endif
+}
+
 /* Row kk of a block: w[j] holds columns 16j .. 16j + 15, for the vectors j in the bit set `vectors` (a constant). */
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *record, int kk, const int fmt,
                                                               const __m512 s[4], const __m512 z[4], __m512 w[4],
@@ -543,6 +582,10 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *rec
         const __m512i mask = _mm512_set1_epi32((1 << bits) - 1);
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
+            if (bits == 3) {
+                w[j] = weight_of(_mm512_cvtepi32_ps(plane3_codes(plane + 6 * j)), s[j], z[j], fmt);
+                continue;
+            }
             const __m512i high = _mm512_srlv_epi32(_mm512_set1_epi32((int)plane_word(plane + 2 * bits * j, 16, fmt)),
                                                    shifts);
             const __m512i code = nibble_rows(fmt) /* (high << 4) & (mask << 4) | nibbles */
