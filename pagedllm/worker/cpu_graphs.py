@@ -165,14 +165,14 @@ class StepGraphs:
         hidden_states = self._forward(step, punica, num_decodes, prefix, lead)
         return None if hidden_states is None else hidden_states[lead:lead + num_tokens]
 
-    def _padding_rows(self, step: Step, num_rows: int, first_slot: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each KV cache group: ``num_rows`` block table rows holding only the padding block, and the padding
-        tokens' slots in it (``first_slot`` offsets)."""
+    def _padding_rows(self, step: Step, num_rows: int, offsets: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each KV cache group: the padding tokens' slots, at ``offsets`` in the padding block, and ``num_rows``
+        block table rows holding only the padding block."""
         padding = []
         for slots, table in step.tables:
             rows = np.zeros((num_rows, table.shape[1]), dtype=table.dtype)
             rows[:, 0] = self.padding_block
-            padding.append(((self.padding_block * self.block_size + first_slot).astype(slots.dtype), rows))
+            padding.append(((self.padding_block * self.block_size + offsets).astype(slots.dtype), rows))
         return padding
 
     def _lead_decodes(self, step: Step, lead: int) -> Step:
@@ -190,7 +190,7 @@ class StepGraphs:
     def _padded(self, step: Step) -> Step:
         """A step with prompt chunks padded to whole blocks of tokens, so that prompts of nearby lengths share a
         shape, and a graph: the padding rows are one more chunk, at positions 0 .., whose keys and values go to the
-        padding block (one past the scheduler's) and which attends to them alone. As it is where it is whole blocks
+        padding block (one past the scheduler's) and which attends to them alone. Unchanged where it is whole blocks
         already."""
         pad = -len(step.input_ids) % self.block_size
         if pad == 0:

@@ -23,7 +23,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
-        self.kv_cache_group = 0  # its KV cache group's metadata it reads (set with the KV cache, model runner)
+        self.kv_cache_group = 0  # whose metadata it reads (core/kv_cache_groups.py; the model runner sets it)
         self.backend = get_attn_backend()
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
