@@ -153,6 +153,34 @@ def test_k_quant_and_iq4_layers_equal_the_dense_path_bit_for_bit(q8_kernel, tens
         torch.testing.assert_close(y, x @ weight.T, rtol=1e-4, atol=1e-3)  # torch's own order of sums
 
 
+@pytest.mark.skipif(not native.gemm_bf16_uses_amx() or native.dequant_bf16() is None,
+                    reason="no AMX tiles here: quantized layers keep their own kernels at every row count")
+@pytest.mark.parametrize("tensor_type", [T.Q4_1, T.Q4_K, T.Q6_K, T.Q3_K, T.Q8_0], ids=lambda t: t.name)
+def test_a_bfloat16_models_long_steps_multiply_quantized_layers_on_bf16_panels(tensor_type):
+    """In a bfloat16 model on AMX a step of BF16_MIN_ROWS rows or more dequantizes a quantized layer's weight into
+    the model's bf16 scratch as gemm_bf16's panels and multiplies there: bit for bit the dense bf16 layer on the
+    dequantized weight (what the same model without quantization computes); fewer rows keep the quantized kernel,
+    the float32 product. The scratch, shared by the model's layers, holds the largest of them."""
+    from pagedllm.layers.gemm_layout import BF16_MIN_ROWS, WeightLayout, pack_bf16_panels
+    unpack = {T.Q4_1: lambda b: unpack_q4(b, T.Q4_1), T.Q4_K: lambda b: unpack_q4(b, T.Q4_K), T.Q6_K: unpack_q6_k,
+              T.Q3_K: unpack_q3_k, T.Q8_0: unpack_q8}[tensor_type]
+    layout = WeightLayout(bf16_panels=True)
+    weights = []
+    for n, k in ((96, 512), (200, 256)):  # the second has more panels, fewer inputs, and a partial panel
+        blocks = _random_blocks(n, k, tensor_type, seed=n)
+        parts = [torch.from_numpy(part) for part in unpack(blocks)]
+        make = QuantizedWeight.q4 if tensor_type in (T.Q4_1, T.Q4_K) else QuantizedWeight.q8
+        weights.append((make(*parts, layout=layout), torch.from_numpy(dequantize_fast(blocks, tensor_type))))
+    assert all(w.bf16_layout is layout for w, _ in weights)
+    for weight, dense in weights:
+        bf16 = pack_bf16_panels(dense)
+        for rows in (BF16_MIN_ROWS, 70):
+            x = torch.randn(rows, dense.shape[1])
+            assert torch.equal(weight.linear(x), native.gemm_bf16()(x, bf16, None, dense.shape[0]))
+        x = torch.randn(BF16_MIN_ROWS - 1, dense.shape[1])
+        assert torch.equal(weight.linear(x), DenseWeight(dense).linear(x))
+
+
 @needs_q8_kernel
 def test_codes_past_their_bits_keep_the_int8_layout(q8_kernel):
     """The compact panels hold Q6_K's codes in 6 bits (q - 32 + 32): a code outside [-32, 31], which no Q6_K block

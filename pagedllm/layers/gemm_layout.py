@@ -17,6 +17,8 @@ Which layout a model gets is its engine's WeightLayout, handed to every layer by
 decided by module state, so two engines in one process lay out their weights independently.
 """
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,8 @@ Q6K_BLOCK = 16  # Q6_K's: a scale per 16
 # body: the AVX-512 one (6 x 64 tiles) at ~128 rows; the AVX2 one (6 x 16 tiles) was level with or ahead of MKL up to
 # 1024 rows on the AVX2-only EPYC measured (docs/benchmarks.md), which serving's mixed steps (~200 rows) gain from.
 PANELS_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
+# Rows of a step from which a bfloat16 model's quantized layers multiply on AMX tiles (QuantizedWeight.linear).
+BF16_MIN_ROWS = 32
 BF16_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_bf16.c's PANEL_COLS, KBLOCK
 
 
@@ -45,6 +49,24 @@ class WeightLayout:
         self.bf16_panels = bf16_panels
         self.fused_silu = fused_silu  # a gated weight's bf16 panels laid out for silu_and_mul (KernelChoice)
         self._arena = HugePageArena()
+        # One buffer the model's quantized layers take turns to hold their weight in as bf16 panels (QuantizedWeight),
+        # as large as the largest one's: grown only while the model loads, so that CPU graphs keep its address.
+        self._bf16_scratch = torch.empty(0, dtype=torch.bfloat16)
+
+    def reserve_bf16_panels(self, out_features: int, in_features: int) -> bool:
+        """Makes the bf16 scratch hold a weight of this size as gemm_bf16's panels, where the model multiplies on bf16
+        panels on AMX tiles (else False)."""
+        if not self.bf16_panels or not native.gemm_bf16_uses_amx() or native.dequant_bf16() is None:
+            return False
+        numel = -(-out_features // BF16_PANEL) * -(-in_features // BF16_PANEL) * BF16_PANEL * BF16_PANEL
+        if numel > self._bf16_scratch.numel():
+            self._bf16_scratch = torch.empty(numel, dtype=torch.bfloat16)
+        return True
+
+    def bf16_panels_scratch(self, out_features: int, in_features: int) -> torch.Tensor:
+        """The scratch as gemm_bf16's panels of a weight reserve_bf16_panels made room for."""
+        shape = (-(-out_features // BF16_PANEL), -(-in_features // BF16_PANEL), 2, 16, 16, 2)
+        return self._bf16_scratch[: math.prod(shape)].view(shape)
 
     def place(self, panels: torch.Tensor) -> torch.Tensor:
         return self._arena.copy(panels)
@@ -153,12 +175,19 @@ def unpack_bf16_panels(panels: torch.Tensor, out_features: int, in_features: int
 
 class QuantizedWeight:
     """A GGUF-quantized ``[out, in]`` weight in gemm.c's quantized panels; ``linear(x, bias)`` equals
-    ``F.linear`` on the dequantized weight (float32 rows; needs the native library)."""
+    ``F.linear`` on the dequantized weight (float32 rows; needs the native library). In a bfloat16 model on AMX
+    (``layout`` with bf16 panels; ``in_features`` given), a step of BF16_MIN_ROWS rows or more instead dequantizes
+    the weight into the model's bf16 scratch as gemm_bf16's panels and multiplies on AMX tiles: F.linear on the
+    dequantized weight rounded to bf16, as the model's dense layers compute (prefill 3-4x faster than the
+    quantized kernels' float32 FMAs)."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int,
-                 layout: WeightLayout | None = None):
+                 layout: WeightLayout | None = None, in_features: int | None = None):
         self.kernel, self.out_features = getattr(native, kernel_name)(), out_features
         self.panels = _placed(panels, layout)
+        self.bf16_layout = None  # the layout whose bf16 scratch the weight uses for long steps
+        if layout is not None and in_features is not None and layout.reserve_bf16_panels(out_features, in_features):
+            self.bf16_layout = layout
 
     @classmethod
     def q4(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -167,7 +196,7 @@ class QuantizedWeight:
         every scale is an fp16 value (Q4_0, Q4_1), else gemm_q4kc_f32's where the scales and zeros factor per
         super-block (Q4_K's d * sc and -dmin * m), else gemm_q4k_f32's, with float32 scales."""
         compact = None if _fp16_values(scales) else cls._factored(
-            "gemm_q4kc", lambda: pack_q4kc_panels(codes, scales, zeros), codes.shape[0], layout)
+            "gemm_q4kc", lambda: pack_q4kc_panels(codes, scales, zeros), codes.shape, layout)
         return compact or cls._nibbles(("gemm_q4", "gemm_q4k"), codes, scales, zeros, layout)
 
     @classmethod
@@ -184,7 +213,7 @@ class QuantizedWeight:
         with float32 scales, for the second."""
         fp16 = _fp16_values(scales)
         panels = pack_q4_panels(codes, scales, zeros, torch.float16 if fp16 else torch.float32)
-        return cls(kernels[0] if fp16 else kernels[1], panels, codes.shape[0], layout)
+        return cls(kernels[0] if fp16 else kernels[1], panels, codes.shape[0], layout, codes.shape[1])
 
     @classmethod
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None,
@@ -195,28 +224,29 @@ class QuantizedWeight:
         -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32); each K-quant in its factored panels
         (gemm_q6kc_f32, gemm_q3kc_f32 for codes in [-4, 3], gemm_q5kc_f32, gemm_q2kc_f32) where its scales and zeros
         factor per super-block."""
-        n = codes.shape[0]
+        n, k = codes.shape
         if zeros is not None:  # per 32 (Q5_K) or 16 (Q2_K)
-            block = codes.shape[1] // scales.shape[1]
+            block = k // scales.shape[1]
             kernel = "gemm_q5k" if block == QBLOCK else "gemm_q2k"
-            return (cls._factored(kernel + "c", lambda: pack_q8kc_panels(codes, scales, zeros, block), n, layout)
-                    or cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), n, layout))
-        if scales.shape[1] * QBLOCK == codes.shape[1]:
-            return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout)
+            return (cls._factored(kernel + "c", lambda: pack_q8kc_panels(codes, scales, zeros, block), codes.shape,
+                                  layout)
+                    or cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), n, layout, k))
+        if scales.shape[1] * QBLOCK == k:
+            return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout, k)
         lowest, highest = torch.aminmax(codes)
         three_bits = bool(lowest >= -4) and bool(highest <= 3)  # Q3_K's q - 4: its own 3-bit plane
         return (cls._factored("gemm_q3kc" if three_bits else "gemm_q6kc",
-                              lambda: pack_q8kc_panels(codes, scales, three_bits=three_bits), n, layout)
-                or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout))
+                              lambda: pack_q8kc_panels(codes, scales, three_bits=three_bits), codes.shape, layout)
+                or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout, k))
 
     @classmethod
-    def _factored(cls, kernel_name: str, pack, out_features: int, layout: WeightLayout | None
+    def _factored(cls, kernel_name: str, pack, shape: torch.Size, layout: WeightLayout | None
                   ) -> "QuantizedWeight | None":
-        """A factored format's weight (the K-quants' scales and zeros per super-block: pack_q4kc_panels,
-        pack_q8kc_panels), where ``kernel_name``'s kernel is built here and ``pack()`` gives panels; else None, and
-        the caller keeps the float32 layout."""
+        """A factored format's ``[out, in]`` weight (the K-quants' scales and zeros per super-block:
+        pack_q4kc_panels, pack_q8kc_panels), where ``kernel_name``'s kernel is built here and ``pack()`` gives panels;
+        else None, and the caller keeps the float32 layout."""
         panels = pack() if getattr(native, kernel_name)() is not None else None
-        return None if panels is None else cls(kernel_name, panels, out_features, layout)
+        return None if panels is None else cls(kernel_name, panels, shape[0], layout, shape[1])
 
     @classmethod
     def w8a8(cls, panels: torch.Tensor, out_features: int, layout: WeightLayout | None = None) -> "QuantizedWeight":
@@ -228,6 +258,11 @@ class QuantizedWeight:
                ) -> torch.Tensor:
         """``x @ W.T (+ bias)``; into ``out`` (rows of float32 ``[rows, out_features]``, which may be the columns of a
         wider tensor) where given."""
+        in_features = x.shape[-1]
+        if self.bf16_layout is not None and x.numel() >= BF16_MIN_ROWS * in_features:
+            panels = self.bf16_layout.bf16_panels_scratch(self.out_features, in_features)
+            native.dequant_bf16()(self.panels, panels, self.out_features, in_features, self.kernel.name[:-4])
+            return native.gemm_bf16()(x, panels, bias, self.out_features, out=out)
         return self.kernel(x, self.panels, bias, self.out_features, out=out)
 
 

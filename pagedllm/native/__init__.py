@@ -26,6 +26,7 @@ from pagedllm.native.gemms import (
     GEMM_SIGNATURES,
     GEMM_W8A8,
     GEMM_W8A8_SILU_MUL,
+    DequantBf16,
     Gemm,
 )
 from pagedllm.native.graph import GRAPH_REPLAY_SIGNATURES
@@ -131,6 +132,14 @@ def gemm(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
 def _gemm_quant_lib(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The library of gemm.c where it has the quantized kernels (AVX-512, or AVX2 with FMA and F16C), or None."""
     return _with_body(_gemm_lib(extra_flags), "gemm_quant_available")
+
+
+@functools.cache
+def dequant_bf16() -> DequantBf16 | None:
+    """A quantized weight's panels as gemm_bf16's (dequant_bf16_panels), where gemm.c has the quantized kernels and
+    this CPU AVX512-BF16; or None."""
+    lib = _gemm_quant_lib()
+    return None if lib is None or _gemm_bf16_lib() is None else DequantBf16(lib)
 
 
 @functools.cache

@@ -1023,12 +1023,75 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
     }
     return 0;
 }
+
+#if defined(__AVX512BF16__)
+/* Panel p's 64 columns (dequantized, `dense` [K][64]) as gemm_bf16's panels 2p and 2p + 1 (as many of them as
+ * there are, `out_panels`): per block of 32 along K two tiles (columns 0-15, 16-31) whose row i holds each column's
+ * weights at k = 2i, 2i + 1, rounded to bf16 (nearest even), as gemm_layout.pack_bf16_panels lays them out. */
+static void bf16_panels_of(const float *dense, int K, int p, int out_panels, uint16_t *out) {
+    static const uint16_t pairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512(pairs);
+    for (int half = 0; half < 2 && 2 * p + half < out_panels; half++) {
+        uint16_t *panel = out + (int64_t)(2 * p + half) * (K / 32) * 2 * 16 * 32;
+        for (int b = 0; b < K / 32; b++)
+            for (int t = 0; t < 2; t++)
+                for (int i = 0; i < 16; i++) { /* row i: columns 32 half + 16 t .., at k = 32 b + 2 i, + 1 */
+                    const float *even = dense + (int64_t)(32 * b + 2 * i) * NR + 32 * half + 16 * t;
+                    /* k's 16 values in the low half, k + 1's in the high one, then paired column by column */
+                    const __m512i both =
+                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(even + NR), _mm512_load_ps(even));
+                    _mm512_storeu_si512(panel + ((b * 2 + t) * 16 + i) * 32,
+                                        _mm512_permutexvar_epi16(interleave, both));
+                }
+    }
+}
+
+/* A quantized weight as gemm_bf16's panels (out: [ceil(N / 32), K / 32, 2, 16, 16, 2] bf16), each weight as the
+ * quantized kernels dequantize it, then rounded to bf16: for a bfloat16 model's rows that multiply faster on bf16
+ * panels (AMX tiles) than by dequantizing as they go. Returns -1 for a K or a format it cannot take, -2 where a
+ * thread's scratch could not be had. */
+int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int num_threads, int format) {
+    if (format < Q4 || format > Q3KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0 || K % 32 != 0)
+        return -1;
+    const int panels = (N + NR - 1) / NR, out_panels = (N + 31) / 32;
+    const int64_t panel_bytes = quant_panel_bytes(K, format);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *dense = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        if (dense == NULL) failed = 1;
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            if (dense == NULL) continue;
+            const uint8_t *panel = packed + p * panel_bytes;
+#define DEQUANT_PANEL(fmt)                                                                                     \
+    case fmt:                                                                                                   \
+        dequant_panel(panel, K, dense, fmt);                                                                    \
+        break;
+            switch (format) { FOR_EACH_FORMAT(DEQUANT_PANEL) }
+#undef DEQUANT_PANEL
+            bf16_panels_of(dense, K, p, out_panels, out);
+        }
+        free(dense);
+    }
+    return failed ? -2 : 0;
+}
+#else
+int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int num_threads, int format) {
+    return -1;
+}
+#endif
 #undef FOR_EACH_FORMAT
 #else
 int gemm_quant_available(void) { return 0; }
 
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
+    return -1;
+}
+
+int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int num_threads, int format) {
     return -1;
 }
 #endif

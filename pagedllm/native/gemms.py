@@ -23,7 +23,9 @@ GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
 MOE_QUANT = CFunction("moe_quant_f32", INT, *arguments("x", "router_logits", "w13", "w13_formats", "w2", "w2_formats",
                                                        "out", POINTER, "tokens", INT64, "hidden", "inter",
                                                        "num_experts", "top_k", "renormalize", "num_threads", INT))
-GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, MOE_QUANT)
+DEQUANT_BF16 = CFunction("dequant_bf16_panels", INT, *arguments("packed", "out", POINTER, "N", "K", "num_threads",
+                                                                "format", INT))
+GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, MOE_QUANT, DEQUANT_BF16)
 # gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
 QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
                  "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9, "gemm_q5kc": 10, "gemm_q2kc": 11,
@@ -118,6 +120,25 @@ class Gemm:
             require(self.name, rows.shape[1] % block == 0, f"K = {rows.shape[1]} is not whole blocks of {block}")
         if bias is not None:
             expect(self.name, "bias", bias, torch.float32, (out_features,), contiguous=True)
+
+
+class DequantBf16:
+    """dequant_bf16_panels: a quantized weight's panels (``quant_format``'s, gemms.QUANT_FORMATS) as gemm_bf16's,
+    written into ``out`` (PANELS[GEMM_BF16.name]'s shape for ``out_features`` x ``in_features``)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.function = lib.dequant_bf16_panels
+
+    def __call__(self, packed: torch.Tensor, out: torch.Tensor, out_features: int, in_features: int,
+                 quant_format: str) -> torch.Tensor:
+        if checks.ENABLED:
+            expect(DEQUANT_BF16.name, "out", out, torch.bfloat16,
+                   PANELS[GEMM_BF16.name][1](out_features, in_features), contiguous=True)
+        status = launch(self.function, packed.data_ptr(), out.data_ptr(), out_features, in_features,
+                        torch.get_num_threads(), QUANT_FORMATS[quant_format])
+        if status != 0:
+            raise RuntimeError(f"{DEQUANT_BF16.name} rejected its arguments or had no scratch (status {status})")
+        return out
 
 
 def _check_moe_status(name: str, status: int) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.layers.gemm_layout import BF16_MIN_ROWS
 from pagedllm.core.sched.spec_budget import SpecDecodeBudget
 from pagedllm.native.graph import CpuGraph
 from pagedllm.worker import cpu_graphs
@@ -74,6 +75,34 @@ def test_steps_with_prompt_chunks_replay_graphs_and_match_eager_steps(monkeypatc
                 if any(graph in replays for graph in static.graphs.values())}
     assert any(0 < d < n for n, _, d in replayed) and any(d == 0 for _, _, d in replayed)
     assert not graphs._refused
+
+
+@pytest.mark.skipif(not native.gemm_bf16_uses_amx() or native.dequant_bf16() is None,
+                    reason="no AMX tiles here: a bfloat16 model's quantized layers keep their own kernels")
+def test_a_bfloat16_gguf_models_long_steps_on_bf16_panels_replay_graphs(monkeypatch):
+    """gguf_int4 in a bfloat16 model: steps of BF16_MIN_ROWS rows or more dequantize each Q4 layer into the model's
+    bf16 scratch and multiply on AMX tiles; graphs of such steps (prompt chunks up to 128 tokens) replay those calls
+    over the same scratch, with the eager engine's tokens, two rounds of prompts of the same lengths."""
+    replays = []
+    replay = CpuGraph.replay
+    monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+    generator = torch.Generator().manual_seed(4)
+    rounds = [[{"prompt_token_ids": torch.randint(100, 40000, (n,), generator=generator).tolist()}
+               for n in (40, 100, 33, 250, 64)] for _ in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(dtype="bfloat16", quantization="gguf_int4", max_model_len=1024, max_num_batched_tokens=128,
+                  enforce_eager=eager)
+        tokens[eager] = [[o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                         for prompts in rounds]
+        if not eager:
+            runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+            assert runner.model.model.layers[0].mlp.down_proj.quant_method.packed.bf16_layout is not None
+            graphs = runner.step_graphs
+            long_steps = [static for (_, t, _), static in graphs._by_shape.items() if t >= BF16_MIN_ROWS]
+    assert tokens[False] == tokens[True]
+    assert any(graph in static.graphs.values() for static in long_steps for graph in replays)
 
 
 def test_graphs_with_cascade_attention_over_a_shared_prefix_match_eager_steps():
