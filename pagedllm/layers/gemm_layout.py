@@ -217,34 +217,34 @@ class QuantizedWeight:
 
     @classmethod
     def q8(cls, codes: torch.Tensor, scales: torch.Tensor, layout: WeightLayout | None = None,
-           zeros: torch.Tensor | None = None) -> "QuantizedWeight":
+           zeros: torch.Tensor | None = None, bf16_steps: bool = True) -> "QuantizedWeight":
         """int8 codes, each weight ``code * scale (+ zero)``: per block of 32 along K with fp16 scales (Q8_0,
         gemm_q8_f32), per 16 with float32 ones (Q6_K's q - 32 and d * sc, Q3_K's q - 4 and d (sc - 32):
         gemm_q6k_f32), or with ``zeros`` per 32 or 16 with float32 scales and zeros (Q5_K's q, d * sc and
         -dmin * m: gemm_q5k_f32; Q2_K's, per 16: gemm_q2k_f32); each K-quant in its factored panels
         (gemm_q6kc_f32, gemm_q3kc_f32 for codes in [-4, 3], gemm_q5kc_f32, gemm_q2kc_f32) where its scales and zeros
-        factor per super-block."""
-        n, k = codes.shape
+        factor per super-block. Without ``bf16_steps`` (an embedding or LM head, whose bf16 copy would be the size of
+        the vocabulary's weight, for logits of a few rows a step) long steps keep the quantized kernel too."""
+        n, k = codes.shape[0], codes.shape[1] if bf16_steps else None
         if zeros is not None:  # per 32 (Q5_K) or 16 (Q2_K)
-            block = k // scales.shape[1]
+            block = codes.shape[1] // scales.shape[1]
             kernel = "gemm_q5k" if block == QBLOCK else "gemm_q2k"
-            return (cls._factored(kernel + "c", lambda: pack_q8kc_panels(codes, scales, zeros, block), codes.shape,
-                                  layout)
+            return (cls._factored(kernel + "c", lambda: pack_q8kc_panels(codes, scales, zeros, block), (n, k), layout)
                     or cls(kernel, pack_q8_panels(codes, scales, torch.float32, block, zeros), n, layout, k))
-        if scales.shape[1] * QBLOCK == k:
+        if scales.shape[1] * QBLOCK == codes.shape[1]:
             return cls("gemm_q8", pack_q8_panels(codes, scales), n, layout, k)
         lowest, highest = torch.aminmax(codes)
         three_bits = bool(lowest >= -4) and bool(highest <= 3)  # Q3_K's q - 4: its own 3-bit plane
         return (cls._factored("gemm_q3kc" if three_bits else "gemm_q6kc",
-                              lambda: pack_q8kc_panels(codes, scales, three_bits=three_bits), codes.shape, layout)
+                              lambda: pack_q8kc_panels(codes, scales, three_bits=three_bits), (n, k), layout)
                 or cls("gemm_q6k", pack_q8_panels(codes, scales, torch.float32, Q6K_BLOCK), n, layout, k))
 
     @classmethod
-    def _factored(cls, kernel_name: str, pack, shape: torch.Size, layout: WeightLayout | None
+    def _factored(cls, kernel_name: str, pack, shape: tuple[int, int | None], layout: WeightLayout | None
                   ) -> "QuantizedWeight | None":
         """A factored format's ``[out, in]`` weight (the K-quants' scales and zeros per super-block:
         pack_q4kc_panels, pack_q8kc_panels), where ``kernel_name``'s kernel is built here and ``pack()`` gives panels;
-        else None, and the caller keeps the float32 layout."""
+        else None, and the caller keeps the float32 layout. ``in`` None: no bf16 steps (QuantizedWeight)."""
         panels = pack() if getattr(native, kernel_name)() is not None else None
         return None if panels is None else cls(kernel_name, panels, shape[0], layout, shape[1])
 

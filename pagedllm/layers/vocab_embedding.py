@@ -85,7 +85,7 @@ class VocabParallelEmbedding(nn.Module):
         Q8_0 rows; under bf16 panels the LM head joins the other dense weights, and Q8_0 rows keep their panels
         too, for steps of up to Q8_HEAD_MAX_ROWS rows. An embedding tied to the LM head keeps its rows for lookups,
         so where the layout differs it holds a copy in each layout besides (Q8_0 under bf16 panels: three)."""
-        q8 = (QuantizedWeight.q8(self.qweight.data, self.scales.data, layout)
+        q8 = (QuantizedWeight.q8(self.qweight.data, self.scales.data, layout, bf16_steps=False)
               if self.q8 and native_applies("gemm_q8", self.dtype, self.qweight.device) else None)
         if q8 is not None and not (layout is not None and layout.bf16_panels):
             self._projection = q8
