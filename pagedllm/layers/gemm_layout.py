@@ -178,8 +178,8 @@ class QuantizedWeight:
     ``F.linear`` on the dequantized weight (float32 rows; needs the native library). In a bfloat16 model on AMX
     (``layout`` with bf16 panels; ``in_features`` given), a step of BF16_MIN_ROWS rows or more instead dequantizes
     the weight into the model's bf16 scratch as gemm_bf16's panels and multiplies on AMX tiles: F.linear on the
-    dequantized weight rounded to bf16, as the model's dense layers compute (prefill 3-4x faster than the
-    quantized kernels' float32 FMAs)."""
+    dequantized weight rounded to bf16, as the model's dense layers compute, and faster than the quantized kernels'
+    float32 FMAs from about that many rows (docs/benchmarks.md)."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int,
                  layout: WeightLayout | None = None, in_features: int | None = None):
