@@ -438,6 +438,10 @@ static inline int factor_bytes(const int fmt) { return NR * 4 * (has_zeros(fmt) 
 static inline int64_t header_bytes(int K, const int fmt) {
     return factored(fmt) ? (int64_t)(K / SUPER_K) * factor_bytes(fmt) : 0;
 }
+/* Whether `format` is one of the enum's and K whole blocks of it (super-blocks, where factored). */
+static inline int takes_format(int format, int K) {
+    return format >= Q4 && format <= Q3KC && K % (factored(format) ? SUPER_K : qblock(format)) == 0;
+}
 static inline int64_t quant_panel_bytes(int K, const int fmt) {
     return header_bytes(K, fmt) + (int64_t)(K / qblock(fmt)) * record_bytes(fmt);
 }
@@ -985,7 +989,7 @@ int gemm_quant_available(void) { return 1; }
  * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
-    if (format < Q4 || format > Q3KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0) return -1;
+    if (!takes_format(format, K)) return -1;
 #if defined(QUANT_TALL_ROWS)
     if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS))
 #else
@@ -1052,8 +1056,7 @@ static void bf16_panels_of(const float *dense, int K, int p, int out_panels, uin
  * panels (AMX tiles) than by dequantizing as they go. Returns -1 for a K or a format it cannot take, -2 where a
  * thread's scratch could not be had. */
 int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int num_threads, int format) {
-    if (format < Q4 || format > Q3KC || K % (factored(format) ? SUPER_K : qblock(format)) != 0 || K % 32 != 0)
-        return -1;
+    if (!takes_format(format, K) || K % 32 != 0) return -1;
     const int panels = (N + NR - 1) / NR, out_panels = (N + 31) / 32;
     const int64_t panel_bytes = quant_panel_bytes(K, format);
     int failed = 0;
