@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
+from pagedllm.native.gemms import GEMM_BF16, PANELS
 from pagedllm.platforms.cpu import HugePageArena, cpu_flags
 
 PANEL = 64  # output columns per panel; gemm.c's NR
@@ -58,14 +59,14 @@ class WeightLayout:
         panels on AMX tiles (else False)."""
         if not self.bf16_panels or not native.gemm_bf16_uses_amx() or native.dequant_bf16() is None:
             return False
-        numel = -(-out_features // BF16_PANEL) * -(-in_features // BF16_PANEL) * BF16_PANEL * BF16_PANEL
+        numel = math.prod(PANELS[GEMM_BF16.name][1](out_features, in_features))
         if numel > self._bf16_scratch.numel():
             self._bf16_scratch = torch.empty(numel, dtype=torch.bfloat16)
         return True
 
     def bf16_panels_scratch(self, out_features: int, in_features: int) -> torch.Tensor:
         """The scratch as gemm_bf16's panels of a weight reserve_bf16_panels made room for."""
-        shape = (-(-out_features // BF16_PANEL), -(-in_features // BF16_PANEL), 2, 16, 16, 2)
+        shape = PANELS[GEMM_BF16.name][1](out_features, in_features)
         return self._bf16_scratch[: math.prod(shape)].view(shape)
 
     def place(self, panels: torch.Tensor) -> torch.Tensor:
