@@ -165,27 +165,24 @@ class StepGraphs:
         hidden_states = self._forward(step, punica, num_decodes, prefix, lead)
         return None if hidden_states is None else hidden_states[lead:lead + num_tokens]
 
-    def _padding_rows(self, step: Step, num_rows: int, offsets: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-        """For each KV cache group: the padding tokens' slots, at ``offsets`` in the padding block, and ``num_rows``
-        block table rows holding only the padding block."""
-        padding = []
-        for slots, table in step.tables:
-            rows = np.zeros((num_rows, table.shape[1]), dtype=table.dtype)
-            rows[:, 0] = self.padding_block
-            padding.append(((self.padding_block * self.block_size + offsets).astype(slots.dtype), rows))
-        return padding
+    def _padding_rows(self, num_rows: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The padding tokens' slots, at ``offsets`` in the padding block, and ``num_rows`` block table rows holding
+        only the padding block: the same in every KV cache group (the padding block is past every group's blocks)."""
+        rows = np.zeros((num_rows, self.block_table_width), dtype=np.int32)
+        rows[:, 0] = self.padding_block
+        return self.padding_block * self.block_size + offsets.astype(np.int64), rows
 
     def _lead_decodes(self, step: Step, lead: int) -> Step:
         """The step with ``lead`` decode rows before its own, so that its decode rows fill a bucket
         (decode_bucket): each the token at position 0 of the padding block, which it writes and attends to
         alone."""
-        padding = self._padding_rows(step, lead, np.zeros(lead, dtype=np.int64))
+        pad_slots, pad_rows = self._padding_rows(lead, np.zeros(lead, dtype=np.int64))
         return Step(np.concatenate([np.zeros(lead, dtype=step.input_ids.dtype), step.input_ids]),
                     np.concatenate([np.zeros(lead, dtype=step.positions.dtype), step.positions]),
                     np.concatenate([np.ones(lead, dtype=step.seq_lens.dtype), step.seq_lens]),
                     np.concatenate([np.arange(lead, dtype=step.query_start_loc.dtype), step.query_start_loc + lead]),
                     [(np.concatenate([pad_slots, slots]), np.concatenate([pad_rows, table]))
-                     for (slots, table), (pad_slots, pad_rows) in zip(step.tables, padding)])
+                     for slots, table in step.tables])
 
     def _padded(self, step: Step) -> Step:
         """A step with prompt chunks padded to whole blocks of tokens, so that prompts of nearby lengths share a
@@ -196,12 +193,12 @@ class StepGraphs:
         if pad == 0:
             return step
         rows = np.arange(pad)
-        padding = self._padding_rows(step, 1, rows)
+        pad_slots, pad_rows = self._padding_rows(1, rows)
         return Step(np.concatenate([step.input_ids, np.zeros(pad, dtype=step.input_ids.dtype)]),
                     np.concatenate([step.positions, rows.astype(step.positions.dtype)]),
                     np.append(step.seq_lens, pad), np.append(step.query_start_loc, step.query_start_loc[-1] + pad),
                     [(np.concatenate([slots, pad_slots]), np.concatenate([table, pad_rows]))
-                     for (slots, table), (pad_slots, pad_rows) in zip(step.tables, padding)])
+                     for slots, table in step.tables])
 
     def _forward(self, step: Step, punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int
                  ) -> torch.Tensor | None:
