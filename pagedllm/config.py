@@ -110,9 +110,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
     @property
-    def group_windows(self) -> tuple[int | None, ...] | None:
-        """Each KV cache group's sliding window, or None where there is one group (of sliding_window)."""
-        return tuple(group.sliding_window for group in self.kv_cache_groups) or None
+    def group_windows(self) -> tuple[int | None, ...]:
+        """Each KV cache group's sliding window; where there is one group, sliding_window."""
+        return tuple(group.sliding_window for group in self.kv_cache_groups) or (self.sliding_window,)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -138,7 +138,7 @@ class Worker:
         cache_config = self.config.cache_config
         block_size = cache_config.block_size
         max_len = self.config.model_config.max_model_len
-        windows = cache_config.group_windows or (cache_config.sliding_window,)
+        windows = cache_config.group_windows
         per_request = max_blocks(windows, block_size, max_len, self.config.scheduler_config.max_num_batched_tokens)
         logger.info("KV cache: %d blocks of %d tokens in %d group(s) (%d tokens); max concurrency at %d tokens per "
                     "request: %.2fx", num_blocks, block_size, len(windows), num_blocks * block_size // len(windows),

@@ -58,7 +58,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                self.max_model_len, cache_config.enable_prefix_caching,
-                                               cache_config.sliding_window, cache_config.group_windows)
+                                               group_windows=cache_config.group_windows)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
