@@ -342,11 +342,11 @@ static void finish_rows(const Product *pr, const Item *done, const int32_t (*c)[
  * step, the epilogue of the item before it (`done`, NULL: none) from c: the vector units scale and write one item
  * while the tile unit multiplies the next (at small K, as SmolLM2's 576, the epilogue's vector work is as long as
  * the multiply; the two overlap only in part, the tile unit holding one of the vector ports while it multiplies).
- * `ahead`: this item's share of the next panels to fetch into L2, step by step; `stream_rows`:
- * load the codes with the non-temporal hint (several row blocks share the panels: they, not the codes, are what
- * the next item reads again). */
-static void item_amx(const Product *pr, const Item *it, const Item *done, int32_t (*c)[2 * NR], const Ahead *ahead,
-                     int stream_rows) {
+ * `ahead`: this item's share of the next panels to fetch into L2, step by step. The codes load as usual, not with
+ * the non-temporal hint gemm_bf16.c gives its rows where a chunk has several row blocks: an item's two panels of
+ * int8 codes are half the bytes of the bf16 kernel's panel, and the codes' rows, read again by every panel pair of
+ * the chunk, are what the hint would evict. */
+static void item_amx(const Product *pr, const Item *it, const Item *done, int32_t (*c)[2 * NR], const Ahead *ahead) {
     const int64_t pb = pr->pb, ldq = pr->rc->ldq;
     const int np = it->np, lower = it->rows > 16, steps = (pr->K4 + STEP_GROUPS - 1) / STEP_GROUPS;
     const uint8_t *a0 = pr->rc->q + (int64_t)it->row0 * ldq, *a1 = a0 + 16 * ldq;
@@ -357,14 +357,12 @@ static void item_amx(const Product *pr, const Item *it, const Item *done, int32_
     _tile_zero(3);
     for (int s = 0; s < steps; s++, a0 += 64, a1 += 64) {
         fetch_ahead(ahead, s, steps);
-        if (stream_rows) _tile_stream_loadd(4, a0, ldq);
-        else _tile_loadd(4, a0, ldq);
+        _tile_loadd(4, a0, ldq);
         load_weights(panel0, pb, np, s, pr->K4);
         _tile_dpbusd(0, 4, 6);
         if (np > 1) _tile_dpbusd(1, 4, 7);
         if (lower) {
-            if (stream_rows) _tile_stream_loadd(5, a1, ldq);
-            else _tile_loadd(5, a1, ldq);
+            _tile_loadd(5, a1, ldq);
             _tile_dpbusd(2, 5, 6);
             if (np > 1) _tile_dpbusd(3, 5, 7);
         }
@@ -400,7 +398,7 @@ static void gemm_amx(const RowCodes *rc, int M, const uint8_t *packed, int K4, i
             if (it.rows != done.rows) amx_configure_gemm(it.rows < 16 ? it.rows : 16, it.rows - 16);
             const Ahead ahead = ahead_share(&order, p0 + 2 < panels ? packed + (p0 + 2) * pr.pb : NULL,
                                             (panels - p0 - 2 < 2 ? panels - p0 - 2 : 2) * pr.pb);
-            item_amx(&pr, &it, done.rows ? &done : NULL, c, &ahead, order.blocks > 1);
+            item_amx(&pr, &it, done.rows ? &done : NULL, c, &ahead);
             done = it;
         }
         if (done.rows) {
