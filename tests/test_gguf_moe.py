@@ -12,7 +12,9 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 
 from pagedllm import native
 from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE, expert_param_name, fused_experts, routed_experts, select_experts
+from pagedllm.layers.gemm_layout import BF16_MIN_ROWS, WeightLayout
 from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 from pagedllm.models.gguf_loader import PACKED_PARTS, dequantize_fast, unpack
@@ -107,7 +109,7 @@ def _q4_1_experts(num_experts: int, hidden: int, inter: int) -> dict[tuple[int, 
             for e in range(num_experts) for shard, shape in shapes.items()}
 
 
-def _packed_moe(rank: ParallelRank, blocks) -> FusedMoE:
+def _packed_moe(rank: ParallelRank, blocks, layout: WeightLayout | None = None) -> FusedMoE:
     types = {f"experts.{{expert}}.{name}.weight": T.Q4_1 for name in ("gate", "down", "up")}
     moe = FusedMoE(4, 2, 64, 64, True, rank, quant_config=GGUFConfig(types, [], ("gate", "down", "up")),
                    prefix="experts")
@@ -116,7 +118,7 @@ def _packed_moe(rank: ParallelRank, blocks) -> FusedMoE:
         for part, array in zip(PACKED_PARTS, unpack(data, T.Q4_1)):
             param = params[expert_param_name(shard, part)]
             param.weight_loader(param, torch.from_numpy(array), expert, shard)
-    moe.quant_method.process_weights_after_loading(moe)
+    moe.quant_method.process_weights_after_loading(moe, layout)
     return moe
 
 
@@ -158,3 +160,33 @@ def test_native_layer_is_the_torch_path_and_replays(tokens):
         x.copy_(torch.randn(tokens, 64, generator=gen))
         logits.copy_(torch.randn(tokens, 4, generator=gen))
         torch.testing.assert_close(graph.replay(), torch_path(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not WeightLayout(bf16_panels=True).quantized_steps_on_amx(), reason="no AMX tiles granted here")
+def test_long_steps_multiply_dequantized_on_amx_tiles():
+    """In a bfloat16 model on AMX the native layer's experts with BF16_MIN_ROWS rows or more in a step multiply their
+    projections dequantized to bf16 panels on the tiles, as the model's dense quantized layers do (rows rounded to
+    bf16, float32 sums); an expert with fewer keeps its quantized panels."""
+    blocks = _q4_1_experts(4, 64, 64)
+    weights = {key: torch.from_numpy(dequantize_fast(data, T.Q4_1)) for key, data in blocks.items()}
+    moe = _packed_moe(ParallelRank(), blocks, WeightLayout(bf16_panels=True))
+    assert moe.runs_natively and moe.quant_method.bf16_gemm is not None
+    gen = torch.Generator().manual_seed(3)
+    x, logits = torch.randn(100, 64, generator=gen), torch.randn(100, 4, generator=gen)
+    logits[:, 3] -= 4.0  # expert 3 gets a few rows only
+    topk_weights, topk_ids = select_experts(logits, 2, True)
+    rows_per_expert = torch.bincount(topk_ids.flatten(), minlength=4).tolist()
+    assert min(rows_per_expert) < BF16_MIN_ROWS <= max(rows_per_expert)
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        on_tiles = rows.shape[0] >= BF16_MIN_ROWS
+
+        def linear(r: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return r.bfloat16().float() @ w.bfloat16().float().t() if on_tiles else r @ w.t()
+
+        gate_up = torch.cat([linear(rows, weights[expert, "w1"]), linear(rows, weights[expert, "w3"])], dim=1)
+        return linear(SiluAndMul()(gate_up), weights[expert, "w2"])
+
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x, logits), routed_experts(x, topk_weights, topk_ids, 4, expert_mlp),
+                                   rtol=1e-4, atol=1e-4)

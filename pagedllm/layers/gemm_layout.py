@@ -54,10 +54,15 @@ class WeightLayout:
         # as large as the largest one's: grown only while the model loads, so that CPU graphs keep its address.
         self._bf16_scratch = torch.empty(0, dtype=torch.bfloat16)
 
+    def quantized_steps_on_amx(self) -> bool:
+        """Whether the model's quantized layers multiply steps of BF16_MIN_ROWS rows or more dequantized to bf16
+        panels, on AMX tiles: a model on bf16 panels where the tiles are granted and dequant_bf16_panels is built."""
+        return self.bf16_panels and native.gemm_bf16_uses_amx() and native.dequant_bf16() is not None
+
     def reserve_bf16_panels(self, out_features: int, in_features: int) -> bool:
         """Makes the bf16 scratch hold a weight of this size as gemm_bf16's panels, where the model multiplies on bf16
         panels on AMX tiles (else False)."""
-        if not self.bf16_panels or not native.gemm_bf16_uses_amx() or native.dequant_bf16() is None:
+        if not self.quantized_steps_on_amx():
             return False
         numel = math.prod(PANELS[GEMM_BF16.name][1](out_features, in_features))
         if numel > self._bf16_scratch.numel():

@@ -255,6 +255,12 @@ def moe_bf16(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return _gemm_bf16_lib(extra_flags)
 
 
+def gemm_bf16_address() -> int | None:
+    """gemm_bf16's address, for the C callers in other libraries that take it (moe_quant_f32), or None."""
+    lib = _gemm_bf16_lib()
+    return None if lib is None else ctypes.cast(lib.gemm_bf16, ctypes.c_void_p).value
+
+
 @functools.cache
 def gemm_bf16_silu_mul(extra_flags: tuple[str, ...] = ()) -> Gemm | None:
     """The gate_up projection over gated bf16 panels with silu(gate) * up applied as it is written

@@ -22,7 +22,8 @@ GEMM_AVAILABLE = CFunction("gemm_available", INT)
 GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
 MOE_QUANT = CFunction("moe_quant_f32", INT, *arguments("x", "router_logits", "w13", "w13_formats", "w2", "w2_formats",
                                                        "out", POINTER, "tokens", INT64, "hidden", "inter",
-                                                       "num_experts", "top_k", "renormalize", "num_threads", INT))
+                                                       "num_experts", "top_k", "renormalize", "num_threads", INT,
+                                                       "bf16_gemm", POINTER, "bf16_min_rows", INT))
 DEQUANT_BF16 = CFunction("dequant_bf16_panels", INT, *arguments("packed", "out", POINTER, "N", "K", "num_threads",
                                                                 "format", INT))
 GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, MOE_QUANT, DEQUANT_BF16)
@@ -151,11 +152,12 @@ def _check_moe_status(name: str, status: int) -> None:
 
 def moe_quant(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
               w13_formats: torch.Tensor, w2: torch.Tensor, w2_formats: torch.Tensor, inter: int, top_k: int,
-              renormalize: bool) -> torch.Tensor:
+              renormalize: bool, bf16_gemm: int | None = None, bf16_min_rows: int = 0) -> torch.Tensor:
     """moe_quant_f32: a mixture-of-experts layer's output ``[T, hidden]`` for float32 ``x`` and its router's logits
     ``[T, experts]``, the experts' panels given by address: ``w13`` ``[experts, 2]`` int64 (the ``[gate | up]``
     panels and 0, or the gate's and the up's), ``w2`` ``[experts]``, their formats (QUANT_FORMATS' numbers) in int32
-    tables alike."""
+    tables alike. ``bf16_gemm``: gemm_bf16's address (native.gemm_bf16_address), through which an expert of
+    ``bf16_min_rows`` rows or more multiplies its projections dequantized to bf16 panels."""
     experts = w2.shape[0]
     if checks.ENABLED:
         require(MOE_QUANT.name, x.dim() == 2 and x.is_contiguous() and x.dtype == torch.float32 and
@@ -166,7 +168,7 @@ def moe_quant(lib: ctypes.CDLL, x: torch.Tensor, router_logits: torch.Tensor, w1
     out = torch.empty_like(x)
     status = launch(lib.moe_quant_f32, x.data_ptr(), router_logits.data_ptr(), w13.data_ptr(), w13_formats.data_ptr(),
                     w2.data_ptr(), w2_formats.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], inter, experts,
-                    top_k, int(renormalize), torch.get_num_threads())
+                    top_k, int(renormalize), torch.get_num_threads(), bf16_gemm, bf16_min_rows)
     _check_moe_status(MOE_QUANT.name, status)
     return out
 

@@ -9,7 +9,8 @@ are one kind and the gate fills whole panels (else two, each writing its half of
 dense layer does and runs each active expert once over its tokens through its panels, in one native call
 (native/moe_quant.c) where every expert is on this rank, so a CPU graph can replay the step, else in torch
 (fused_moe.routed_experts); results equal the dense experts' on the dequantized weights up to the order of float32
-sums.
+sums. In a bfloat16 model on AMX the native layer's experts with BF16_MIN_ROWS rows or more in a step multiply as
+the model's dense quantized layers then do: dequantized to bf16 panels, on the tiles (rows rounded to bf16).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE, routed_experts, select_experts
-from pagedllm.layers.gemm_layout import PANEL, QuantizedWeight, WeightLayout
+from pagedllm.layers.gemm_layout import BF16_MIN_ROWS, PANEL, QuantizedWeight, WeightLayout
 from pagedllm.layers.quantization.gguf_linear import GGUFLinearMethod
 from pagedllm import native
 from pagedllm.native.gemms import moe_quant
@@ -39,6 +40,7 @@ class GGUFFusedMoEMethod:
         # Per local expert, after loading: the [gate | up] weights with the column each writes from, and the down.
         self.w13: list[list[tuple[int, QuantizedWeight]]] = []
         self.w2: list[QuantizedWeight] = []
+        self.bf16_gemm: int | None = None  # gemm_bf16's address, where long steps multiply on bf16 panels (AMX)
 
     def create_weights(self, layer: FusedMoE) -> None:
         """Empty parameters named as the loader's parts (``w13_qweight``, ``w13_scales``, ...), so that loading
@@ -90,6 +92,8 @@ class GGUFFusedMoEMethod:
                     weight.panels = layout.place(weight.panels)
         for name in [name for name, _ in layer.named_parameters(recurse=False)]:
             delattr(layer, name)
+        if layout is not None and layout.quantized_steps_on_amx():
+            self.bf16_gemm = native.gemm_bf16_address()
         # The native layer's tables: each expert's panels by address (a merged [gate | up] and 0, or the gate's and
         # the up's) and formats; the weights above keep the panels alive.
         w13 = [[w for _, w in shards] for shards in self.w13]
@@ -115,7 +119,8 @@ class GGUFFusedMoEMethod:
         if self.runs_natively(layer) and hidden_states.dtype == torch.float32:
             return moe_quant(native.moe_quant(), hidden_states.contiguous(), router_logits.float().contiguous(),
                              self.w13_table, self.w13_formats, self.w2_table, self.w2_formats,
-                             layer.intermediate_size_per_partition, layer.top_k, layer.renormalize)
+                             layer.intermediate_size_per_partition, layer.top_k, layer.renormalize, self.bf16_gemm,
+                             BF16_MIN_ROWS)
         topk_weights, topk_ids = select_experts(router_logits, layer.top_k, layer.renormalize)
         return routed_experts(hidden_states, topk_weights, topk_ids, layer.num_local_experts, self.expert_mlp,
                               layer.first_expert)
