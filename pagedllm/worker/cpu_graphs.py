@@ -165,6 +165,24 @@ class StepGraphs:
         hidden_states = self._forward(step, punica, num_decodes, prefix, lead)
         return None if hidden_states is None else hidden_states[lead:lead + num_tokens]
 
+    @torch.inference_mode()
+    def capture_decode_steps(self, max_rows: int) -> int:
+        """Captures the graphs of decode steps of every bucket (decode_bucket) up to ``max_rows`` (the most
+        requests a step has) or MAX_GRAPH_BATCH rows, as vLLM captures its CUDA graphs at start-up, so that no
+        request's decode waits for a capture (which costs several times a decode step's kernels); returns how
+        many. Their rows are padding rows, in the padding block; none without one (steps then keep their own
+        shape)."""
+        if self.padding_block is None:
+            return 0
+        empty = Step(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32),
+                     np.zeros(1, dtype=np.int64),
+                     [(np.zeros(0, dtype=np.int64), np.zeros((0, self.block_table_width), dtype=np.int32))] *
+                     self.num_groups)
+        buckets = sorted({min(decode_bucket(rows), MAX_GRAPH_BATCH) for rows in range(1, max_rows + 1)})
+        for rows in buckets:
+            self._forward(self._lead_decodes(empty, rows), None, rows, 0, rows)
+        return len(buckets)
+
     def _padding_rows(self, num_rows: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The padding tokens' slots, at ``offsets`` in the padding block, and ``num_rows`` block table rows holding
         only the padding block: the same in every KV cache group (the padding block is past every group's blocks)."""

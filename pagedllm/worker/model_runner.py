@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import torch
@@ -132,6 +133,10 @@ class ModelRunner:
             self.step_graphs = StepGraphs(self.model, self.kv_caches, self.block_size,
                                           self.input_batch.block_table.shape[1], padding_block=num_blocks,
                                           num_groups=len(self.input_batch.block_tables))
+            start = time.perf_counter()
+            shapes = self.step_graphs.capture_decode_steps(self.config.scheduler_config.max_num_seqs)
+            logger.info("Captured the CPU graphs of decode steps of %d batch sizes in %.2f s", shapes,
+                        time.perf_counter() - start)
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
 

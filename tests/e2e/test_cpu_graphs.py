@@ -198,8 +198,9 @@ def test_prompts_of_nearby_lengths_share_a_graph_padded_to_whole_blocks(monkeypa
 def test_decode_batches_of_nearby_sizes_share_a_graph_padded_to_a_bucket(monkeypatch):
     """Twelve requests finishing one after another: decode steps of 12 down to 1 rows, each padded to its bucket
     (16, 8, 4, 2, 1) by rows before its own that write and read only the padding block, so five decode graphs
-    serve them all (the steps of 9 to 11 rows replay the 16-row graph the 12-row step captured), with every
-    request's tokens those of the eager engine."""
+    serve them all (the steps of 9 to 12 rows replay the 16-row graph), with every request's tokens those of the
+    eager engine. The engine captured every bucket's decode graph at start-up (up to MAX_GRAPH_BATCH rows) and
+    no decode step captures another."""
     replays = []
     replay = CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
@@ -210,14 +211,20 @@ def test_decode_batches_of_nearby_sizes_share_a_graph_padded_to_a_bucket(monkeyp
     tokens = {}
     for eager in (False, True):
         llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=eager)
-        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if not eager:
             graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+            at_start = {shape: dict(static.graphs) for shape, static in graphs._by_shape.items()}
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[False] == tokens[True]
     if not CAPTURES[None]:
         pytest.skip("no native GEMM here: decode steps ran eagerly, tokens compared")
+    buckets = {cpu_graphs.decode_bucket(rows) for rows in range(1, cpu_graphs.MAX_GRAPH_BATCH + 1)}
+    assert set(at_start) == {(b, b, b) for b in buckets} and all(len(g) == 1 for g in at_start.values())
     decode_shapes = {shape: static for shape, static in graphs._by_shape.items() if shape[0] == shape[2]}
-    assert set(decode_shapes) == {(b, b, b) for b in (16, 8, 4, 2, 1)}
+    assert {shape: static.graphs for shape, static in decode_shapes.items()} == at_start  # none captured since
+    replayed = {shape[0] for shape, static in decode_shapes.items()
+                if any(graph in static.graphs.values() for graph in replays)}
+    assert replayed == {16, 8, 4, 2, 1}
     assert sum(graph in decode_shapes[(16, 16, 16)].graphs.values() for graph in replays) >= 5
 
 
