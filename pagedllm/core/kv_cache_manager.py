@@ -107,20 +107,19 @@ class KVCacheManager:
     whose layers all attend alike has one), all from one pool. A request's lists all have the same length: a block
     per block_size positions (a windowed group's null block where its blocks went back).
 
-    ``group_windows``: each group's sliding window (None: full attention); by default one group of every layer, with
-    ``sliding_window``. Blocks, hits and block ids go as tuples with an entry per group.
+    ``group_windows``: each group's sliding window (None: full attention), CacheConfig.group_windows; by default one
+    group of full attention. Blocks, hits and block ids go as tuples with an entry per group.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, sliding_window: int | None = None,
-                 group_windows: Sequence[int | None] | None = None) -> None:
+                 enable_caching: bool = True, group_windows: Sequence[int | None] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        windows = (sliding_window,) if group_windows is None else tuple(group_windows)
+        windows = tuple(group_windows)
         self.groups = [GroupBlocks(self.block_pool, block_size, window, g) for g, window in enumerate(windows)]
         self._windowed = [(g, group) for g, group in enumerate(self.groups) if group.sliding_window is not None]
         self.req_to_blocks: dict[str, tuple[list[KVCacheBlock], ...]] = {}

@@ -14,7 +14,7 @@ def _held(manager, request_id):
 
 
 def test_blocks_out_of_the_window_are_freed_as_the_request_decodes():
-    manager = KVCacheManager(num_blocks=12, block_size=BS, max_model_len=100, sliding_window=WINDOW)
+    manager = KVCacheManager(num_blocks=12, block_size=BS, max_model_len=100, group_windows=(WINDOW,))
     a = req("a", list(range(10)))
     admit(manager, a)
     assert _held(manager, "a") == ([False] * 3, 3)  # the prompt's first query sees from position 0
@@ -46,7 +46,7 @@ def test_without_a_window_every_block_is_kept():
 
 
 def test_a_hit_needs_only_the_blocks_of_the_window_before_its_end():
-    manager = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=100, sliding_window=WINDOW)
+    manager = KVCacheManager(num_blocks=16, block_size=BS, max_model_len=100, group_windows=(WINDOW,))
     pool = manager.block_pool
     a = req("a", list(range(26)))  # full blocks 0..5 cached
     admit(manager, a)
@@ -71,7 +71,7 @@ def test_a_hit_needs_only_the_blocks_of_the_window_before_its_end():
 
 
 def test_short_hits_and_a_failed_allocation_with_null_hits():
-    manager = KVCacheManager(num_blocks=9, block_size=BS, max_model_len=100, sliding_window=WINDOW)
+    manager = KVCacheManager(num_blocks=9, block_size=BS, max_model_len=100, group_windows=(WINDOW,))
     pool = manager.block_pool
     a = req("a", list(range(5)))  # one full block: fewer than the two a hit needs, from the first block on
     admit(manager, a)
