@@ -69,6 +69,16 @@ class Step(NamedTuple):
     tables: list[tuple[np.ndarray, np.ndarray]]
 
 
+def _joined(first: Step, second: Step) -> Step:
+    """One step of ``first``'s requests, then ``second``'s."""
+    return Step(np.concatenate([first.input_ids, second.input_ids]),
+                np.concatenate([first.positions, second.positions]),
+                np.concatenate([first.seq_lens, second.seq_lens]),
+                np.concatenate([first.query_start_loc, second.query_start_loc[1:] + first.query_start_loc[-1]]),
+                [(np.concatenate([slots, more_slots]), np.concatenate([table, more_table]))
+                 for (slots, table), (more_slots, more_table) in zip(first.tables, second.tables, strict=True)])
+
+
 class _StaticInputs:
     """The tensors the graphs of steps of ``num_reqs`` requests, ``num_tokens`` tokens and ``num_decodes`` decode
     rows read their step's inputs from, in the same memory every step: a slot mapping and a block table per KV cache
@@ -174,49 +184,33 @@ class StepGraphs:
         shape)."""
         if self.padding_block is None:
             return 0
-        empty = Step(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32),
-                     np.zeros(1, dtype=np.int64),
-                     [(np.zeros(0, dtype=np.int64), np.zeros((0, self.block_table_width), dtype=np.int32))] *
-                     self.num_groups)
         buckets = sorted({min(decode_bucket(rows), MAX_GRAPH_BATCH) for rows in range(1, max_rows + 1)})
         for rows in buckets:
-            self._forward(self._lead_decodes(empty, rows), None, rows, 0, rows)
+            self._forward(self._padding_step(np.ones(rows, dtype=np.int64)), None, rows, 0, rows)
         return len(buckets)
 
-    def _padding_rows(self, num_rows: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The padding tokens' slots, at ``offsets`` in the padding block, and ``num_rows`` block table rows holding
-        only the padding block: the same in every KV cache group (the padding block is past every group's blocks)."""
-        rows = np.zeros((num_rows, self.block_table_width), dtype=np.int32)
+    def _padding_step(self, query_lens: np.ndarray) -> Step:
+        """Padding requests of ``query_lens`` tokens each, at positions 0 .., which write their keys and values to
+        the padding block (past the scheduler's, and every KV cache group's, blocks) and attend to them alone."""
+        num_tokens = int(query_lens.sum())
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        query_start_loc[1:] = np.cumsum(query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(query_start_loc[:-1], query_lens)
+        rows = np.zeros((len(query_lens), self.block_table_width), dtype=np.int32)
         rows[:, 0] = self.padding_block
-        return self.padding_block * self.block_size + offsets.astype(np.int64), rows
+        return Step(np.zeros(num_tokens, dtype=np.int64), positions, query_lens.astype(np.int32), query_start_loc,
+                    [(self.padding_block * self.block_size + positions, rows)] * self.num_groups)
 
     def _lead_decodes(self, step: Step, lead: int) -> Step:
-        """The step with ``lead`` decode rows before its own, so that its decode rows fill a bucket
-        (decode_bucket): each the token at position 0 of the padding block, which it writes and attends to
-        alone."""
-        pad_slots, pad_rows = self._padding_rows(lead, np.zeros(lead, dtype=np.int64))
-        return Step(np.concatenate([np.zeros(lead, dtype=step.input_ids.dtype), step.input_ids]),
-                    np.concatenate([np.zeros(lead, dtype=step.positions.dtype), step.positions]),
-                    np.concatenate([np.ones(lead, dtype=step.seq_lens.dtype), step.seq_lens]),
-                    np.concatenate([np.arange(lead, dtype=step.query_start_loc.dtype), step.query_start_loc + lead]),
-                    [(np.concatenate([pad_slots, slots]), np.concatenate([pad_rows, table]))
-                     for slots, table in step.tables])
+        """The step with ``lead`` padding decode rows before its own, so that its decode rows fill a bucket
+        (decode_bucket)."""
+        return _joined(self._padding_step(np.ones(lead, dtype=np.int64)), step)
 
     def _padded(self, step: Step) -> Step:
-        """A step with prompt chunks padded to whole blocks of tokens, so that prompts of nearby lengths share a
-        shape, and a graph: the padding rows are one more chunk, at positions 0 .., whose keys and values go to the
-        padding block (one past the scheduler's) and which attends to them alone. Unchanged where it is whole blocks
-        already."""
+        """A step with prompt chunks padded to whole blocks of tokens by one more chunk of padding rows, so that
+        prompts of nearby lengths share a shape, and a graph. Unchanged where it is whole blocks already."""
         pad = -len(step.input_ids) % self.block_size
-        if pad == 0:
-            return step
-        rows = np.arange(pad)
-        pad_slots, pad_rows = self._padding_rows(1, rows)
-        return Step(np.concatenate([step.input_ids, np.zeros(pad, dtype=step.input_ids.dtype)]),
-                    np.concatenate([step.positions, rows.astype(step.positions.dtype)]),
-                    np.append(step.seq_lens, pad), np.append(step.query_start_loc, step.query_start_loc[-1] + pad),
-                    [(np.concatenate([slots, pad_slots]), np.concatenate([table, pad_rows]))
-                     for slots, table in step.tables])
+        return step if pad == 0 else _joined(step, self._padding_step(np.array([pad])))
 
     def _forward(self, step: Step, punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int
                  ) -> torch.Tensor | None:
