@@ -11,8 +11,8 @@
  * In a bfloat16 model on AMX (the caller passes gemm_bf16, which lives in the other library, by address) an expert
  * with bf16_min_rows rows or more multiplies as the model's dense quantized layers do in such steps
  * (layers/gemm_layout.py's QuantizedWeight): each projection's panels are dequantized into bf16 panels
- * (dequant_bf16_panels) and multiplied on the tiles (rows rounded to bf16, float32 sums), about three times the
- * float32 FMAs' rate; fewer rows keep the quantized panels, whose bytes bound them.
+ * (dequant_bf16_panels) and multiplied on the tiles (rows rounded to bf16, float32 sums), which outpaces the float32
+ * FMAs over the codes from about that many rows on; fewer rows keep the quantized panels, whose bytes bound them.
  */
 #include <stdint.h>
 #include <stdlib.h>
