@@ -190,8 +190,9 @@ class StepGraphs:
         return len(buckets)
 
     def _padding_step(self, query_lens: np.ndarray) -> Step:
-        """Padding requests of ``query_lens`` tokens each, at positions 0 .., which write their keys and values to
-        the padding block (past the scheduler's, and every KV cache group's, blocks) and attend to them alone."""
+        """Padding requests of ``query_lens`` tokens each (at most a block's), at positions 0 .., which write their
+        keys and values to the padding block (past the scheduler's, and every KV cache group's, blocks) and attend to
+        them alone."""
         num_tokens = int(query_lens.sum())
         query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
         query_start_loc[1:] = np.cumsum(query_lens)
