@@ -12,16 +12,19 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen
 
 from pagedllm import native
 from pagedllm.distributed.parallel_state import ParallelRank
+from pagedllm.engine.arg_utils import set_quantization
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE, expert_param_name, fused_experts, routed_experts, select_experts
 from pagedllm.layers.gemm_layout import BF16_MIN_ROWS, WeightLayout
 from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.gguf_moe import GGUFFusedMoEMethod
 from pagedllm.models.gguf_loader import PACKED_PARTS, dequantize_fast, unpack
-from pagedllm.models.loader import get_quant_config
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.models.mixtral import MixtralForCausalLM as OurMixtral
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM as OurQwen3Moe
 from pagedllm.native.graph import CpuGraph
+from pagedllm.platforms.cpu import choose_kernels
 from tests.model_fixtures import quantize_gguf, write_tiny_gguf
 from tests.test_gguf_quantization import PROMPTS, _greedy, _load
 from tests.test_model_parity import TINY
@@ -44,20 +47,27 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_packed_experts_give_the_dense_models_logits(tmp_path, case):
-    config_class, hf_class, model_class, arch, extra, types, default, w13_kernels, w2_kernel = CASES[case]
+def _write_case(tmp_path, case: str) -> str:
+    """CASES[case]'s tiny random model as a GGUF file of its types; the file's path."""
+    config_class, hf_class, _, arch, extra, types, default, _, _ = CASES[case]
     torch.manual_seed(5)
     reference = hf_class(config_class(**{**TINY, **extra}, tie_word_embeddings=False)).eval()
     path = str(tmp_path / f"{case}.gguf")
     write_tiny_gguf(reference, path, arch,
                     layer_type=lambda name: next((t for key, t in types.items() if key in name), default))
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_packed_experts_give_the_dense_models_logits(tmp_path, case):
+    _, _, model_class, _, _, _, _, w13_kernels, w2_kernel = CASES[case]
+    path = _write_case(tmp_path, case)
     dense, config = _load(path, None)
     packed, _ = _load(path, "gguf")
     for layer in packed.model.layers:
         experts = layer.get_submodule(packed.mlp_name).experts
         method = experts.quant_method
-        assert isinstance(method, GGUFFusedMoEMethod) and experts.runs_natively
+        assert isinstance(method, GGUFFusedMoEMethod) and experts.runs_natively and method.bf16_gemm is None
         assert not list(experts.parameters(recurse=False))  # only panels: no float32 stacks
         assert len(method.w13) == len(method.w2) == 4
         assert [(w.kernel.name, w.out_features) for _, w in method.w13[0]] == w13_kernels
@@ -162,7 +172,24 @@ def test_native_layer_is_the_torch_path_and_replays(tokens):
         torch.testing.assert_close(graph.replay(), torch_path(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.skipif(not WeightLayout(bf16_panels=True).quantized_steps_on_amx(), reason="no AMX tiles granted here")
+AMX = pytest.mark.skipif(not WeightLayout(bf16_panels=True).quantized_steps_on_amx(),
+                         reason="no AMX tiles granted here")
+
+
+@AMX
+def test_a_bfloat16_models_experts_take_the_tiles_in_long_steps(tmp_path):
+    """Loaded into a bfloat16 model on AMX, a file's packed experts multiply their long steps on the tiles (the
+    float32 models above keep the quantized panels in every step)."""
+    path = _write_case(tmp_path, "qwen3_moe-q4_k_m")
+    config = load_hf_config(path)
+    set_quantization(config, "gguf", path)
+    model = get_model(path, config, choose_kernels(torch.bfloat16))
+    for layer in model.model.layers:
+        experts = layer.get_submodule(model.mlp_name).experts
+        assert experts.runs_natively and experts.quant_method.bf16_gemm == native.gemm_bf16_address()
+
+
+@AMX
 def test_long_steps_multiply_dequantized_on_amx_tiles():
     """In a bfloat16 model on AMX the native layer's experts with BF16_MIN_ROWS rows or more in a step multiply their
     projections dequantized to bf16 panels on the tiles, as the model's dense quantized layers do (rows rounded to
