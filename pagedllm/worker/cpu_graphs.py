@@ -179,15 +179,15 @@ class StepGraphs:
     def capture_decode_steps(self, max_rows: int) -> int:
         """Captures the graphs of decode steps of every bucket (decode_bucket) up to ``max_rows`` (the most
         requests a step has) or MAX_GRAPH_BATCH rows, as vLLM captures its CUDA graphs at start-up, so that no
-        request's decode waits for a capture (which costs several times a decode step's kernels); returns how
-        many. Their rows are padding rows, in the padding block; none without one (steps then keep their own
-        shape)."""
+        request's decode waits for a capture (which costs several times a decode step's kernels); returns how many
+        were captured (a refused one is logged, and its steps run eagerly). Their rows are padding rows, in the
+        padding block; none without one (steps then keep their own shape)."""
         if self.padding_block is None:
             return 0
         buckets = sorted({min(decode_bucket(rows), MAX_GRAPH_BATCH) for rows in range(1, max_rows + 1)})
         for rows in buckets:
             self._forward(self._padding_step(np.ones(rows, dtype=np.int64)), None, rows, 0, rows)
-        return len(buckets)
+        return sum((rows, rows, rows, 0, False) not in self._refused for rows in buckets)
 
     def _padding_step(self, query_lens: np.ndarray) -> Step:
         """Padding requests of ``query_lens`` tokens each (at most a block's), at positions 0 .., which write their
