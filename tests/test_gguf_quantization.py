@@ -102,14 +102,15 @@ def test_one_row_of_int8_codes_split_by_half_panels_between_threads_equals_the_d
 
 # per type kept packed besides Q4_0/Q4_1/Q4_K/Q8_0: its unpacking, method, kernel and panel shape for 96 x 512
 # (the K-quants' factored panels: a header of 2 super-blocks' 64 float32 scale factors (and zero factors), then per
-# block 64 multipliers (and 64 more) and the block's codes bit-packed: rows of 32 bytes of nibbles (Q6_K, Q5_K)
-# then rows of their 2 (Q6_K, Q2_K) or 1 (Q5_K) bits above; Q3_K's 3-bit codes in rows of 24 bytes alone)
+# block 64 multipliers (and 64 more; Q2_K's two 4-bit ones in one byte each) and the block's codes bit-packed: rows
+# of 32 bytes of nibbles (Q6_K, Q5_K) then rows of their 2 (Q6_K, Q2_K) or 1 (Q5_K) bits above; Q3_K's 3-bit codes
+# in rows of 24 bytes alone)
 PACKED_TYPES = {T.Q6_K: (unpack_q6_k, GGUFQ6KLinearMethod, "gemm_q6kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 48))),
               T.Q5_K: (unpack_q5_k, GGUFQ5KLinearMethod, "gemm_q5kc_f32", (2, 2 * 512 + 16 * (128 + 32 * 40))),
               T.IQ4_XS: (lambda b: unpack_iq4(b, T.IQ4_XS), GGUFIQ4LinearMethod, "gemm_iq4xs_f32", (2, 16, 1280)),
               T.IQ4_NL: (lambda b: unpack_iq4(b, T.IQ4_NL), GGUFIQ4LinearMethod, "gemm_iq4nl_f32", (2, 16, 1152)),
               T.Q3_K: (unpack_q3_k, GGUFQ6KLinearMethod, "gemm_q3kc_f32", (2, 2 * 256 + 32 * (64 + 16 * 24))),
-              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2kc_f32", (2, 2 * 512 + 32 * (128 + 16 * 16)))}
+              T.Q2_K: (unpack_q2_k, GGUFQ2KLinearMethod, "gemm_q2kc_f32", (2, 2 * 512 + 32 * (64 + 16 * 16)))}
 # where the fp16 scales of a block of each type gguf-py cannot quantize sit, for _random_blocks
 FP16_AT = {T.IQ4_XS: (0,), T.IQ4_NL: (0,), T.Q3_K: (108,), T.Q2_K: (80, 82)}
 

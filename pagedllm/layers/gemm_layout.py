@@ -350,11 +350,12 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     """``[N, K]`` int8 codes and ``[N, K / block]`` float32 scales (and zeros) -> the factored bit-packed panels:
     without zeros gemm_q6kc_f32's (Q6_K's q - 32 and d * sc, per 16, int8 multipliers), or with ``three_bits``
     gemm_q3kc_f32's (Q3_K's q - 4 and d * (sc - 32): a 3-bit plane alone), with them per 32 gemm_q5kc_f32's and
-    per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and -dmin * m, uint8 multipliers); ``[ceil(N / 64), K / 256
-    * header + K / block * record]`` bytes: a header of each super-block's 64 scale factors (then zero factors;
-    float32), then per block the 64 columns' scale (then zero) multipliers and the codes bit-packed
-    (pack_code_rows). None where K is no multiple of 256, the values do not factor or a code does not fit its bits:
-    such weights keep pack_q8_panels' float32 layout."""
+    per 16 gemm_q2kc_f32's (Q5_K's and Q2_K's q, d * sc and -dmin * m, uint8 multipliers; Q2_K's 4-bit ones sharing
+    a byte, the scale's low); ``[ceil(N / 64), K / 256 * header + K / block * record]`` bytes: a header of each
+    super-block's 64 scale factors (then zero factors; float32), then per block the 64 columns' scale (then zero)
+    multipliers and the codes bit-packed (pack_code_rows). None where K is no multiple of 256, the values do not
+    factor, a code does not fit its bits or a Q2_K multiplier its nibble: such weights keep pack_q8_panels' float32
+    layout."""
     if codes.shape[1] % SUPER_K:
         return None
     signed, per_super = zeros is None, SUPER_K // block
@@ -366,7 +367,12 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     rows = pack_code_rows(by_row, bits, offset)
     if rows is None:
         return None
-    records = torch.cat([*(to_block(part[1]) for part in parts), to_block(rows)], dim=-1)
+    multipliers = [part[1] for part in parts]
+    if bits == 2:  # Q2_K's: its 4-bit scale and zero multipliers share a byte (gemm.c's nibble_multipliers)
+        if any(bool((m >= 16).any()) for m in multipliers):
+            return None
+        multipliers = [multipliers[0] | (multipliers[1] << 4)]
+    records = torch.cat([*(to_block(m) for m in multipliers), to_block(rows)], dim=-1)
     return _with_header(records, codes.shape[0], [part[0] for part in parts])
 
 

@@ -17,7 +17,7 @@
  * its compact form, Q4KC below; 0.75 with float32 scales), IQ4_NL / IQ4_XS (0.56 / 0.63: 4-bit indices of 16 fixed
  * values), Q8_0 (1.06), Q6_K (0.83 in its compact form, Q6KC below, bit-packed codes; 1.25: int8 codes, a float32
  * scale per 16), Q3_K (0.45 compact, Q3KC; 1.25 as Q6_K's), Q5_K (0.72 compact; 1.25: int8 codes, a float32 scale
- * and zero per 32) and Q2_K (0.41; 1.5, the same per 16).
+ * and zero per 32) and Q2_K (0.34; 1.5, the same per 16).
  * Their panels hold, per block of 32 (Q6_K: 16) along K, the 64 columns' scales (and zeros) and a row of codes per k;
  * weights are dequantized with the loader's roundings, so results equal the dense kernel's on the dequantized
  * weights bit for bit. A tile of up to MR rows dequantizes as it goes, as do tiles of 7 to 10 rows over half a
@@ -349,15 +349,16 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * loader's dequantization does. So results equal the dense kernel's.
  * The factored formats, Q4KC (Q4_K's compact form), Q6KC (Q6_K's), Q3KC (Q3_K's), Q5KC and Q2KC (Q5_K's and
  * Q2_K's): a block's scales (and zeros) are factored per super-block of 256, each column's d' (and z', float32) in a
- * panel header ahead of the records, each block's multipliers in its record (uint8; Q6KC's and Q3KC's int8): scale =
- * multiplier * d', zero = multiplier * z', products exact in float32 (the packer checks them, as Q4_K's d * sc and
- * -dmin * m and Q6_K's d * sc are). Q6KC, Q5KC, Q2KC and Q3KC hold their codes bit-packed (packed_codes): unsigned,
+ * panel header ahead of the records, each block's multipliers in its record (uint8; Q6KC's and Q3KC's int8; Q2KC's
+ * scale and zero multipliers, 4 bits each, in one byte): scale = multiplier * d', zero = multiplier * z', products
+ * exact in float32 (the packer checks them, as Q4_K's d * sc and -dmin * m and Q6_K's d * sc are). Q6KC, Q5KC,
+ * Q2KC and Q3KC hold their codes bit-packed (packed_codes): unsigned,
  * code + code_offset (Q6_K's q, Q5_K's, Q2_K's and Q3_K's q), its low 4 bits in a row of nibbles as Q4's (Q6KC,
  * Q5KC), the bits above (all of Q2KC's 2 and Q3KC's 3) in a row of plane_bits bits per column, column c at bit
  * c * plane_bits of the row's bytes (little-endian); all the block's nibble rows, then all its plane rows. A vector
  * of columns shifts a broadcast word of the plane by each lane's place (per 8 lanes for Q3KC, whose 16 lanes' 48
  * bits do not fit a 32-bit lane). So the weights are the float32 layouts' to the bit in 0.59 bytes a weight instead
- * of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K), 0.72 instead of 1.25 (Q5_K), 0.41 instead of 1.5 (Q2_K) and 0.45
+ * of 0.75 (Q4_K), 0.83 instead of 1.25 (Q6_K), 0.72 instead of 1.25 (Q5_K), 0.34 instead of 1.5 (Q2_K) and 0.45
  * instead of 1.25 (Q3_K, its scales as Q6KC's). */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
        Q2KC = 11, Q3KC = 12 };
@@ -394,13 +395,18 @@ static inline int nonlinear(const int fmt) { return fmt == IQ4NL || fmt == IQ4XS
 static inline int factored(const int fmt) { return fmt >= Q4KC; } /* the enum's last formats */
 /* Q6_K's and Q3_K's scales: signed */
 static inline int signed_multipliers(const int fmt) { return fmt == Q6KC || fmt == Q3KC; }
+/* Q2KC's scale and zero multipliers (Q2_K's 4-bit sc and m) share a byte, the scale's in its low nibble and the
+ * zero's in its high one, as Q2_K's own scales bytes hold them */
+static inline int nibble_multipliers(const int fmt) { return fmt == Q2KC; }
+/* where a factored record's zero multipliers start: after its scale multipliers, or in the same bytes */
+static inline int zero_multipliers_at(const int fmt) { return nibble_multipliers(fmt) ? 0 : NR; }
 /* bytes of a record's scales: fp16, float32, or (factored) uint8 multipliers; its zeros are float32, or factored
  * multipliers as its scales */
 static inline int scale_bytes(const int fmt) {
     return NR * (factored(fmt) ? 1 : fmt == Q4 || fmt == Q8 || fmt == IQ4NL ? 2 : 4);
 }
 static inline int codes_at(const int fmt) {
-    return scale_bytes(fmt) + (has_zeros(fmt) ? (factored(fmt) ? NR : NR * 4) : 0);
+    return scale_bytes(fmt) + (has_zeros(fmt) ? (factored(fmt) ? zero_multipliers_at(fmt) : NR * 4) : 0);
 }
 /* bytes of a record's row of codes: int8 codes, nibbles, and a packed format's plane bits */
 static inline int row_bytes(const int fmt) {
@@ -460,12 +466,15 @@ static inline const float *factors_at(const uint8_t *panel, int blk, const int f
 #define QUANT_TILE_ROWS MR /* rows a tile multiplies by the codes; items of more dequantize their panel once */
 #define QUANT_TALL_ROWS 10 /* rows a tile of half a panel multiplies by the codes (20 accumulators) */
 
-/* 16 multipliers (uint8; int8 where `signed_multipliers`) times their factors (exact products, a factored format's
- * scales or zeros). */
-static inline __m512 factored16(const uint8_t *multipliers, const float *factors, const int signed_multipliers) {
+/* 16 multipliers (uint8; int8 where signed_multipliers; nibble_multipliers: the bytes' low nibbles, or with
+ * `high` their high ones) times their factors (exact products, a factored format's scales or zeros). */
+static inline __attribute__((always_inline)) __m512 factored16(const uint8_t *multipliers, const float *factors,
+                                                               const int fmt, const int high) {
     const __m128i m = _mm_loadu_si128((const __m128i *)multipliers);
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(signed_multipliers ? _mm512_cvtepi8_epi32(m) : _mm512_cvtepu8_epi32(m)),
-                         _mm512_loadu_ps(factors));
+    __m512i v = signed_multipliers(fmt) ? _mm512_cvtepi8_epi32(m) : _mm512_cvtepu8_epi32(m);
+    if (nibble_multipliers(fmt))
+        v = high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_loadu_ps(factors));
 }
 
 /* The scales and zeros of a block's record; `factors` its super-block's (factors_at). */
@@ -475,8 +484,9 @@ static inline __attribute__((always_inline)) void block_scales(const uint8_t *re
     for (int j = 0; j < 4; j++) {
         if (!(vectors >> j & 1u)) continue;
         if (factored(fmt)) {
-            s[j] = factored16(record + 16 * j, factors + 16 * j, signed_multipliers(fmt));
-            z[j] = has_zeros(fmt)     ? factored16(record + NR + 16 * j, factors + NR + 16 * j, 0)
+            s[j] = factored16(record + 16 * j, factors + 16 * j, fmt, 0);
+            z[j] = has_zeros(fmt)     ? factored16(record + zero_multipliers_at(fmt) + 16 * j, factors + NR + 16 * j,
+                                                   fmt, 1)
                    : code_offset(fmt) ? _mm512_mul_ps(s[j], _mm512_set1_ps((float)-code_offset(fmt)))
                                       : _mm512_setzero_ps();
             continue;
@@ -707,23 +717,26 @@ typedef struct {
     __m256 s, s4, z, z4;
 } PairParams;
 
-/* 8 multipliers (uint8; int8 where `signed_multipliers`) times their factors (exact products, a factored format's
- * scales or zeros). */
-static inline __m256 factored8(const uint8_t *multipliers, const float *factors, const int signed_multipliers) {
+/* 8 multipliers times their factors, as the AVX-512 body's factored16. */
+static inline __attribute__((always_inline)) __m256 factored8(const uint8_t *multipliers, const float *factors,
+                                                              const int fmt, const int high) {
     const __m128i m = _mm_loadl_epi64((const __m128i *)multipliers);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(signed_multipliers ? _mm256_cvtepi8_epi32(m) : _mm256_cvtepu8_epi32(m)),
-                         _mm256_loadu_ps(factors));
+    __m256i v = signed_multipliers(fmt) ? _mm256_cvtepi8_epi32(m) : _mm256_cvtepu8_epi32(m);
+    if (nibble_multipliers(fmt))
+        v = high ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_loadu_ps(factors));
 }
 
 /* `factors`: the block's super-block's (factors_at). */
 static inline __attribute__((always_inline)) PairParams pair_params(const uint8_t *record, const float *factors, int j,
                                                                     const int fmt) {
     if (factored(fmt)) {
-        const int zeros = has_zeros(fmt), sign = signed_multipliers(fmt);
-        PairParams p = {factored8(record + 8 * j, factors + 8 * j, sign),
-                        factored8(record + 8 * (j + 4), factors + 8 * (j + 4), sign),
-                        zeros ? factored8(record + NR + 8 * j, factors + NR + 8 * j, 0) : _mm256_setzero_ps(),
-                        zeros ? factored8(record + NR + 8 * (j + 4), factors + NR + 8 * (j + 4), 0)
+        const int zeros = has_zeros(fmt);
+        const uint8_t *zero_multipliers = record + zero_multipliers_at(fmt);
+        PairParams p = {factored8(record + 8 * j, factors + 8 * j, fmt, 0),
+                        factored8(record + 8 * (j + 4), factors + 8 * (j + 4), fmt, 0),
+                        zeros ? factored8(zero_multipliers + 8 * j, factors + NR + 8 * j, fmt, 1) : _mm256_setzero_ps(),
+                        zeros ? factored8(zero_multipliers + 8 * (j + 4), factors + NR + 8 * (j + 4), fmt, 1)
                               : _mm256_setzero_ps()};
         if (code_offset(fmt)) { /* the offset's zero (fused_weights) */
             const __m256 minus_offset = _mm256_set1_ps((float)-code_offset(fmt));

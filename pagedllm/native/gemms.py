@@ -63,7 +63,7 @@ PANELS = {
     "gemm_q6k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1280)),
     "gemm_q6kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 256 + k // 16 * 832)),
     "gemm_q5kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 32 * 1408)),
-    "gemm_q2kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 16 * 384)),
+    "gemm_q2kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 512 + k // 16 * 320)),
     "gemm_q3kc_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 256 * 256 + k // 16 * 448)),
     "gemm_q5k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 32, 2560)),
     "gemm_q2k_f32": (torch.uint8, lambda n, k: (_cdiv(n, 64), k // 16, 1536)),

@@ -4,7 +4,7 @@ as int8 codes ``q - 32`` with a scale ``d * sc`` per 16 (0.83 bytes a weight wit
 scales factored per super-block: gemm_q6kc_f32; 1.25 as int8 codes and float32 scales: gemm_q6k_f32), and Q5_K ones
 as int8 codes ``q`` with a scale ``d * sc`` and zero ``-dmin * m`` per 32 (0.72 bytes, packed and factored:
 gemm_q5kc_f32; 1.25: gemm_q5k_f32); Q3_K as Q6_K (codes ``q - 4``, scales ``d (sc - 32)`` per 16; 0.45 bytes, its
-codes in a 3-bit plane: gemm_q3kc_f32) and Q2_K as Q5_K per 16 (0.41 / 1.5 bytes; gemm_q2kc_f32, gemm_q2k_f32).
+codes in a 3-bit plane: gemm_q3kc_f32) and Q2_K as Q5_K per 16 (0.34 / 1.5 bytes; gemm_q2kc_f32, gemm_q2k_f32).
 
 native/gemm.c's ``gemm_q8_f32`` widens each row of codes and scales it in registers, one rounding as the loader's
 dequantization has (exact in float32), then sums in float32 in the dense kernel's order: results equal the dense
