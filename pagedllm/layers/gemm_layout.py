@@ -39,6 +39,12 @@ BF16_MIN_ROWS = 32
 BF16_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_bf16.c's PANEL_COLS, KBLOCK
 
 
+def quantized_steps_on_amx(bf16_panels: bool) -> bool:
+    """Whether a model's quantized layers multiply steps of BF16_MIN_ROWS rows or more dequantized to bf16 panels,
+    on AMX tiles: a model on bf16 panels where the tiles are granted and dequant_bf16_panels is built."""
+    return bf16_panels and native.gemm_bf16_uses_amx() and native.dequant_bf16() is not None
+
+
 class WeightLayout:
     """How one model's weights are laid out: ``bf16_panels`` rounds dense float32 weights to gemm_bf16.c's bf16
     panels (the engine's KernelChoice decides it), and panels are placed in huge pages (HugePageArena), which every
@@ -55,9 +61,8 @@ class WeightLayout:
         self._bf16_scratch = torch.empty(0, dtype=torch.bfloat16)
 
     def quantized_steps_on_amx(self) -> bool:
-        """Whether the model's quantized layers multiply steps of BF16_MIN_ROWS rows or more dequantized to bf16
-        panels, on AMX tiles: a model on bf16 panels where the tiles are granted and dequant_bf16_panels is built."""
-        return self.bf16_panels and native.gemm_bf16_uses_amx() and native.dequant_bf16() is not None
+        """The module's quantized_steps_on_amx for this layout's model."""
+        return quantized_steps_on_amx(self.bf16_panels)
 
     def reserve_bf16_panels(self, out_features: int, in_features: int) -> bool:
         """Makes the bf16 scratch hold a weight of this size as gemm_bf16's panels, where the model multiplies on bf16

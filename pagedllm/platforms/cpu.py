@@ -74,9 +74,8 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     if quantization == "gguf":
         gemm += "; GGUF Q8_0 layers: " + ("native Q8_0 panels" if float32 and native.gemm_q8() is not None
                                           else "dequantized at load")
-    if (quantization in ("gguf", "gguf_int4") and float32 and kernels.bf16_panels and native.gemm_bf16_uses_amx()
-            and native.dequant_bf16() is not None):
-        from pagedllm.layers.gemm_layout import BF16_MIN_ROWS  # imports this module: not at the top
+    from pagedllm.layers.gemm_layout import BF16_MIN_ROWS, quantized_steps_on_amx  # imports this module: not at the top
+    if quantization in ("gguf", "gguf_int4") and float32 and quantized_steps_on_amx(kernels.bf16_panels):
         gemm += f"; packed GGUF layers in steps of {BF16_MIN_ROWS}+ rows: dequantized to bf16 panels, AMX"
     elif quantization == "int8":
         gemm = "W8A8: " + (("native int8 panels" + (" (AMX tiles from 8 rows)" if native.gemm_int8_uses_amx() else ""))
