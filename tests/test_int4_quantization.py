@@ -31,7 +31,7 @@ from pagedllm.models.gguf_loader import (
     unpack_q8,
 )
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.native.gemms import BF16_ROWS
+from pagedllm.native.gemms import BF16_MODEL
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.cpu import bf16_panels_apply
@@ -174,33 +174,33 @@ def test_one_row_split_by_half_panels_between_threads_equals_the_dense_path(tens
         assert torch.equal(layer(x), expected), threads
 
 
-@pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().with_bf16_rows() is None,
-                    reason="no bf16 dot products for single rows here (gemm.c's row_quant_bf16: AVX512-BF16 and VBMI)")
+@pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().for_bf16_model() is None,
+                    reason="no block sums for single rows here (gemm.c's row_quant_sums: AVX512-VBMI)")
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
                                          GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
-def test_a_bfloat16_models_single_row_takes_bf16_dot_products(tensor_type, out_features):
-    """In a bfloat16 model (a layout with bf16 panels) a single row rounds x to bf16, as the model's dense layers do,
-    and multiplies the codes in bf16 dot products (gemm.c's row_quant_bf16): the product of the rounded row and the
-    dequantized weight to float32 rounding, whatever the thread count splits of the panels' halves; not the float32
-    kernel's product of the unrounded row (which more rows, and a float32 model, keep)."""
+def test_a_bfloat16_models_single_row_takes_block_sums(tensor_type, out_features):
+    """In a bfloat16 model (a layout with bf16 panels) a single row's product is s * sum(x * code) + zero * sum(x) per
+    block (gemm.c's row_quant_sums): the product of the row and the dequantized weight to float32 rounding, whatever
+    the thread count splits of the panels' halves, but not the dense kernel's bits, which a float32 model and more
+    rows keep."""
     blocks, parts = _random_q4((out_features, 512), tensor_type, seed=4)
     layer = QuantizedWeight.q4(*parts, layout=WeightLayout(bf16_panels=True))
-    assert layer.kernel.format_args[0] & BF16_ROWS
-    weight = torch.from_numpy(dequantize_fast(blocks, tensor_type)).double()
+    float32_model = QuantizedWeight.q4(*parts)
+    assert layer.kernel.format_args[0] & BF16_MODEL and not float32_model.kernel.format_args[0] & BF16_MODEL
+    weight = torch.from_numpy(dequantize_fast(blocks, tensor_type))
     bias = torch.randn(out_features)
     x = torch.randn(1, 512) * 3
-    rounded = x.bfloat16().double()
-    expected = rounded @ weight.T + bias.double()
-    scale = rounded.abs() @ weight.abs().T + bias.double().abs()  # what float32 rounding errors are relative to
-    float32_product = QuantizedWeight.q4(*parts).linear(x, bias)
-    assert ((float32_product - expected).abs() / scale).max() > 1e-4  # the unrounded row: its own product
+    expected = x.double() @ weight.double().T + bias.double()
+    scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()  # what rounding errors are relative to
+    dense = DenseWeight(weight).linear(x, bias)
     for threads in range(1, 7):  # 6 threads: a half of the last panel alone
         torch.set_num_threads(threads)
         y = layer.linear(x, bias)
-        assert ((y - expected).abs() / scale).max() < 1e-6, threads
+        assert ((y - expected).abs() / scale).max() < 1e-5, threads
+        assert not torch.equal(y, dense) and torch.equal(float32_model.linear(x, bias), dense)
     rows = torch.randn(3, 512)
-    assert torch.equal(layer.linear(rows), QuantizedWeight.q4(*parts).linear(rows))  # more rows: the float32 kernel
+    assert torch.equal(layer.linear(rows), DenseWeight(weight).linear(rows))  # more rows: the dense kernel's bits
 
 
 def test_tensor_parallel_shards_of_int4_layers_match_unsharded(kernel_path):

@@ -191,14 +191,14 @@ class QuantizedWeight:
     the weight into the model's bf16 scratch as gemm_bf16's panels and multiplies on AMX tiles: F.linear on the
     dequantized weight rounded to bf16, as the model's dense layers compute, and faster than the quantized kernels'
     float32 FMAs from about that many rows (docs/benchmarks.md). In a bfloat16 model a single row of the 4-bit
-    formats is rounded to bf16 too, as the dense layers round it, and multiplies the codes in bf16 dot products
-    where the CPU has them (Gemm.with_bf16_rows)."""
+    formats takes gemm.c's block sums (Gemm.for_bf16_model): float32 rounding in an order of its own, not the dense
+    kernel's bits."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int,
                  layout: WeightLayout | None = None, in_features: int | None = None):
         self.kernel, self.out_features = getattr(native, kernel_name)(), out_features
-        if layout is not None and layout.bf16_panels:  # a bfloat16 model's single rows in bf16 dot products
-            self.kernel = self.kernel.with_bf16_rows() or self.kernel
+        if layout is not None and layout.bf16_panels:  # a bfloat16 model: single rows by block sums
+            self.kernel = self.kernel.for_bf16_model() or self.kernel
         self.panels = _placed(panels, layout)
         self.bf16_layout = None  # the layout whose bf16 scratch the weight uses for long steps
         if layout is not None and in_features is not None and layout.reserve_bf16_panels(out_features, in_features):

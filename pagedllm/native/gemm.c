@@ -362,9 +362,10 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
  * instead of 1.25 (Q3_K, its scales as Q6KC's). */
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
        Q2KC = 11, Q3KC = 12 };
-/* gemm_quant_f32's format flag: x's values may be rounded to bf16 (a bfloat16 model's rows, as gemm_bf16 rounds
- * them), which a single row of a nibble format then is where the CPU has bf16 dot products (row_quant_bf16). */
-#define BF16_ROWS 0x100
+/* gemm_quant_f32's format flag: the caller is a bfloat16 model's layer, whose products need not be the float32 dense
+ * kernel's bit for bit (its dense layers round x to bf16): a single row of a nibble format then takes the block sums
+ * (row_quant_sums), where this build has them. */
+#define BF16_MODEL 0x100
 /* Each format's cases, CASE(format) for every one of the enum's. */
 #define FOR_EACH_FORMAT(CASE)                                                                                 \
     CASE(Q4) CASE(Q8) CASE(Q4K) CASE(Q6K) CASE(Q5K) CASE(IQ4NL) CASE(IQ4XS) CASE(Q2K) CASE(Q4KC) CASE(Q6KC)      \
@@ -683,46 +684,40 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
     tile_quant(x, 0, panel, bias, y, 0, K, 1, masks, fmt, half < 0 ? ALL_VECTORS : 0x5u << half, 1);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#define BF16_ROW_DOTS
-/* The formats whose single rows take bf16 dot products (row_quant_bf16): nibble codes, a zero per block of 32. */
-static inline int bf16_row_format(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q4KC; }
+#if defined(__AVX512VBMI__)
+#define BLOCK_SUMS
+/* The formats whose single rows take block sums (row_quant_sums): nibble codes, a zero per block of 32. */
+static inline int block_sum_format(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q4KC; }
 
-/* A row of x rounded to bf16 (nearest even), as gemm_bf16 rounds it: `pairs` holds k and k + 1 in word k / 2 (the
- * pair vdpbf16ps takes), `sums` each block of 32's sum of the rounded values. */
-static void bf16_row(const float *x, int K, uint32_t *pairs, float *sums) {
-    for (int blk = 0; blk < K / QBLOCK; blk++) {
-        const __m512i rounded =
-            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + QBLOCK * blk + 16), _mm512_loadu_ps(x + QBLOCK * blk));
-        _mm512_storeu_si512(pairs + 16 * blk, rounded);
-        const __m512 low = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(rounded)), 16);
-        const __m512 high = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(rounded, 1)), 16);
-        sums[blk] = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
-    }
+/* Each block of 32's sum of x's K values. */
+static void block_sums_of(const float *x, int K, float *sums) {
+    for (int blk = 0; blk < K / QBLOCK; blk++)
+        sums[blk] = _mm512_reduce_add_ps(
+            _mm512_add_ps(_mm512_loadu_ps(x + QBLOCK * blk), _mm512_loadu_ps(x + QBLOCK * blk + 16)));
 }
 
-/* One row, rounded to bf16 (bf16_row), against a nibble panel's vectors (row_quant's halves), two k a vdpbf16ps:
- * a weight is code * s + zero, so a block's sum is s * sum(x * code) + zero * sum(x), and a code c is the bf16
- * 128 + c with its bits 0x4300 | c, one ternary-logic op from its nibble; so a block is
- * s * sum(x * (128 + c)) + (zero - 128 s) * sum(x). The products are exact in float32 (bf16 times an 8-bit
- * integer); against gemm_bf16 on the weights rounded to bf16 (what the model's dense layers compute) this keeps
- * them exact, and it does a third of the float32 kernel's vector work a weight. Rows k and k + 1 are one 64-byte
- * load; a byte permutation puts each column's byte of row k in its lane's low word and of row k + 1 in its high
- * one (columns 16 h + i, low nibble: vector h; high nibble: vector h + 2). Each vector sums even and odd pairs
- * apart, so that four to eight chains of dot products hide their latency. */
-static inline __attribute__((always_inline)) void row_quant_bf16(const uint32_t *pairs, const float *sums,
+/* One row against a nibble panel's vectors (row_quant's halves) by block sums: a weight is c * s + zero, so a block
+ * of the row's product is s * sum(x * c) + zero * sum(x), and the codes need no float conversion: 0x3F800000 | c << 16
+ * is the float 1 + c / 128 (exact), one ternary-logic op from a lane holding c's byte at bits 16-23 (a byte
+ * permutation of the row puts column 16 h + i's byte in lane i; its high nibble, a shift away, is vector h + 2's).
+ * So a block is 128 s * sum(x * (1 + c / 128)) + (zero - 128 s) * sum(x): three vector ops a 16 weights where
+ * row_quant's exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost
+ * that many of the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32
+ * model keeps. Each vector sums even and odd k apart, so that a half panel still has four chains of FMAs. */
+static inline __attribute__((always_inline)) void row_quant_sums(const float *x, const float *sums,
                                                                  const uint8_t *panel, const float *bias, float *y,
                                                                  int K, int cols, const int half, const int fmt) {
-    static const uint8_t pick[2][64] = { /* lane i: row k's byte 16 h + i, then row k + 1's (32 bytes on) */
-        {0,  0,  32, 32, 1,  1,  33, 33, 2,  2,  34, 34, 3,  3,  35, 35, 4,  4,  36, 36, 5,  5,
-         37, 37, 6,  6,  38, 38, 7,  7,  39, 39, 8,  8,  40, 40, 9,  9,  41, 41, 10, 10, 42, 42,
-         11, 11, 43, 43, 12, 12, 44, 44, 13, 13, 45, 45, 14, 14, 46, 46, 15, 15, 47, 47},
-        {16, 16, 48, 48, 17, 17, 49, 49, 18, 18, 50, 50, 19, 19, 51, 51, 20, 20, 52, 52, 21, 21,
-         53, 53, 22, 22, 54, 54, 23, 23, 55, 55, 24, 24, 56, 56, 25, 25, 57, 57, 26, 26, 58, 58,
-         27, 27, 59, 59, 28, 28, 60, 60, 29, 29, 61, 61, 30, 30, 62, 62, 31, 31, 63, 63}};
+    static const uint8_t pick[2][64] = { /* lane i: byte 16 h + i of the row (in all four of its bytes) */
+        {0,  0,  0,  0,  1,  1,  1,  1,  2,  2,  2,  2,  3,  3,  3,  3,  4,  4,  4,  4,  5,  5,
+         5,  5,  6,  6,  6,  6,  7,  7,  7,  7,  8,  8,  8,  8,  9,  9,  9,  9,  10, 10, 10, 10,
+         11, 11, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15},
+        {16, 16, 16, 16, 17, 17, 17, 17, 18, 18, 18, 18, 19, 19, 19, 19, 20, 20, 20, 20, 21, 21,
+         21, 21, 22, 22, 22, 22, 23, 23, 23, 23, 24, 24, 24, 24, 25, 25, 25, 25, 26, 26, 26, 26,
+         27, 27, 27, 27, 28, 28, 28, 28, 29, 29, 29, 29, 30, 30, 30, 30, 31, 31, 31, 31}};
     const unsigned vectors = half < 0 ? ALL_VECTORS : 0x5u << half;
-    const __m512i nibble = _mm512_set1_epi32(0x000F000F), offset = _mm512_set1_epi32(0x43004300);
+    const __m512i code_bits = _mm512_set1_epi32(0x000F0000), one = _mm512_set1_epi32(0x3F800000);
     const __m512i picks[2] = {_mm512_loadu_si512(pick[0]), _mm512_loadu_si512(pick[1])};
+    const __m512 unit = _mm512_set1_ps(128.0f);
     __mmask16 masks[4];
     column_masks(cols, masks);
     __m512 out[4];
@@ -733,20 +728,21 @@ static inline __attribute__((always_inline)) void row_quant_bf16(const uint32_t 
         const uint8_t *codes = record + codes_at(fmt);
         __m512 acc[4][2];
         for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
-        for (int pair = 0; pair < QBLOCK / 2; pair += 2)
+        for (int kk = 0; kk < QBLOCK; kk += 2)
             for (int odd = 0; odd < 2; odd++) { /* unrolled: odd indexes the accumulators by a constant */
-                for (int line = pair + odd; line < bytes / 64; line += QBLOCK / 2) /* the record 3 ahead */
+                for (int line = kk + odd; line < bytes / 64; line += QBLOCK) /* the record 3 ahead */
                     _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
-                const __m512i rows = _mm512_loadu_si512(codes + 64 * (pair + odd));
-                const __m512bh xk = (__m512bh)_mm512_set1_epi32((int)pairs[QBLOCK / 2 * blk + pair + odd]);
+                const __m512i row =
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + (kk + odd) * (NR / 2))));
+                const __m512 xk = _mm512_set1_ps(x[blk * QBLOCK + kk + odd]);
                 for (int h = 0; h < 2; h++) {
                     if (!(vectors >> h & 1u)) continue;
-                    const __m512i lanes = _mm512_permutexvar_epi8(picks[h], rows);
-                    const __m512i low = _mm512_ternarylogic_epi32(lanes, nibble, offset, 0xEA); /* (a & b) | c */
-                    const __m512i high =
-                        _mm512_ternarylogic_epi32(_mm512_srli_epi16(lanes, 4), nibble, offset, 0xEA);
-                    acc[h][odd] = _mm512_dpbf16_ps(acc[h][odd], (__m512bh)low, xk);
-                    acc[h + 2][odd] = _mm512_dpbf16_ps(acc[h + 2][odd], (__m512bh)high, xk);
+                    const __m512i lanes = _mm512_permutexvar_epi8(picks[h], row);
+                    const __m512 low = (__m512)_mm512_ternarylogic_epi32(lanes, code_bits, one, 0xEA); /* a&b | c */
+                    const __m512 high =
+                        (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4), code_bits, one, 0xEA);
+                    acc[h][odd] = _mm512_fmadd_ps(xk, low, acc[h][odd]);
+                    acc[h + 2][odd] = _mm512_fmadd_ps(xk, high, acc[h + 2][odd]);
                 }
             }
         __m512 s[4], z[4];
@@ -754,8 +750,9 @@ static inline __attribute__((always_inline)) void row_quant_bf16(const uint32_t 
         const __m512 sum = _mm512_set1_ps(sums[blk]);
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
-            out[j] = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), s[j], out[j]);
-            out[j] = _mm512_fmadd_ps(sum, _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), s[j], z[j]), out[j]);
+            const __m512 scaled = _mm512_mul_ps(s[j], unit);
+            out[j] = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), scaled, out[j]);
+            out[j] = _mm512_fmadd_ps(sum, _mm512_sub_ps(z[j], scaled), out[j]);
         }
     }
     for (int j = 0; j < 4; j++) {
@@ -1006,15 +1003,14 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
-#if defined(BF16_ROW_DOTS)
-/* quant_halves' single row in bf16 dot products (row_quant_bf16), the row rounded once for all threads. Returns -1
- * where its rounded copy cannot be had. */
-static int bf16_row_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
-                           int num_threads, int format) {
-    uint32_t *pairs = malloc((size_t)K * 2 + (size_t)K / QBLOCK * sizeof(float));
-    if (pairs == NULL) return -1;
-    float *sums = (float *)(pairs + K / 2);
-    bf16_row(x, K, pairs, sums);
+#if defined(BLOCK_SUMS)
+/* quant_halves' single row by block sums (row_quant_sums), the row's sums taken once for all threads. Returns -1
+ * where they cannot be had. */
+static int block_sum_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
+                            int num_threads, int format) {
+    float *sums = malloc((size_t)K / QBLOCK * sizeof(float));
+    if (sums == NULL) return -1;
+    block_sums_of(x, K, sums);
     const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1023,19 +1019,19 @@ static int bf16_row_halves(const float *x, const uint8_t *packed, const float *b
         while (half_run_next(&run, &p, &half)) {
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const float *b = bias == NULL ? NULL : bias + p * NR;
-#define BF16_PART(fmt, part) row_quant_bf16(pairs, sums, packed + p * panel_bytes, b, y + p * NR, K, cols, part, fmt)
-#define BF16_HALF(fmt)                                                                                         \
+#define SUMS_PART(fmt, part) row_quant_sums(x, sums, packed + p * panel_bytes, b, y + p * NR, K, cols, part, fmt)
+#define SUMS_HALF(fmt)                                                                                         \
     case fmt:                                                                                                   \
-        if (half < 0) BF16_PART(fmt, -1);                                                                       \
-        else if (half == 0) BF16_PART(fmt, 0);                                                                  \
-        else BF16_PART(fmt, 1);                                                                                 \
+        if (half < 0) SUMS_PART(fmt, -1);                                                                       \
+        else if (half == 0) SUMS_PART(fmt, 0);                                                                  \
+        else SUMS_PART(fmt, 1);                                                                                 \
         break;
-            switch (format) { BF16_HALF(Q4) BF16_HALF(Q4K) BF16_HALF(Q4KC) }
-#undef BF16_HALF
-#undef BF16_PART
+            switch (format) { SUMS_HALF(Q4) SUMS_HALF(Q4K) SUMS_HALF(Q4KC) }
+#undef SUMS_HALF
+#undef SUMS_PART
         }
     }
-    free(pairs);
+    free(sums);
     return 0;
 }
 #endif
@@ -1047,10 +1043,10 @@ static int bf16_row_halves(const float *x, const uint8_t *packed, const float *b
  * FMAs bound both ways, and tiles of 6 do as well. Those rows are copied into QUANT_TALL_ROWS rows, zeros past M.
  * Returns -1 where that copy cannot be had. */
 static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                        int M, int N, int K, int num_threads, int format, int bf16_rows) {
-#if defined(BF16_ROW_DOTS)
-    if (M == 1 && bf16_rows && bf16_row_format(format)) return bf16_row_halves(x, packed, bias, y, N, K, num_threads,
-                                                                               format);
+                        int M, int N, int K, int num_threads, int format, int bf16_model) {
+#if defined(BLOCK_SUMS)
+    if (M == 1 && bf16_model && block_sum_format(format))
+        return block_sum_halves(x, packed, bias, y, N, K, num_threads, format);
 #endif
 #if defined(QUANT_TALL_ROWS)
     float *padded = NULL;
@@ -1122,10 +1118,10 @@ static inline __attribute__((always_inline)) void quant_item(const float *x, int
 
 int gemm_quant_available(void) { return 1; }
 
-/* Whether a single row of `format` flagged BF16_ROWS multiplies in bf16 dot products in this build. */
-int gemm_quant_bf16_rows(int format) {
-#if defined(BF16_ROW_DOTS)
-    return bf16_row_format(format);
+/* Whether a single row of `format` flagged BF16_MODEL takes block sums in this build. */
+int gemm_quant_block_sums(int format) {
+#if defined(BLOCK_SUMS)
+    return block_sum_format(format);
 #else
     return 0;
 #endif
@@ -1136,15 +1132,15 @@ int gemm_quant_bf16_rows(int format) {
  * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
-    const int bf16_rows = format & BF16_ROWS;
-    format &= ~BF16_ROWS;
+    const int bf16_model = format & BF16_MODEL;
+    format &= ~BF16_MODEL;
     if (!takes_format(format, K)) return -1;
 #if defined(QUANT_TALL_ROWS)
     if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS))
 #else
     if (M == 1)
 #endif
-        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format, bf16_rows);
+        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format, bf16_model);
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
@@ -1205,7 +1201,7 @@ static void bf16_panels_of(const float *dense, int K, int p, int out_panels, uin
  * panels (AMX tiles) than by dequantizing as they go. Returns -1 for a K or a format it cannot take, -2 where a
  * thread's scratch could not be had. */
 int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int num_threads, int format) {
-    format &= ~BF16_ROWS; /* gemm_quant_f32's format numbers, flag and all (moe_quant_f32 passes them on) */
+    format &= ~BF16_MODEL; /* gemm_quant_f32's format numbers, flag and all (moe_quant_f32 passes them on) */
     if (!takes_format(format, K) || K % 32 != 0) return -1;
     const int panels = (N + NR - 1) / NR, out_panels = (N + 31) / 32;
     const int64_t panel_bytes = quant_panel_bytes(K, format);
@@ -1239,7 +1235,7 @@ int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int 
 #else
 int gemm_quant_available(void) { return 0; }
 
-int gemm_quant_bf16_rows(int format) { return 0; }
+int gemm_quant_block_sums(int format) { return 0; }
 
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {

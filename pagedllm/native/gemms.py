@@ -21,20 +21,20 @@ GEMM_PACKED = CFunction("gemm_packed_f32", INT, *_GEMM_ARGS)
 GEMM_QUANT = CFunction("gemm_quant_f32", INT, *_GEMM_ARGS, *arguments("format", INT))
 GEMM_AVAILABLE = CFunction("gemm_available", INT)
 GEMM_QUANT_AVAILABLE = CFunction("gemm_quant_available", INT)
-GEMM_QUANT_BF16_ROWS = CFunction("gemm_quant_bf16_rows", INT, *arguments("format", INT))
+GEMM_QUANT_BLOCK_SUMS = CFunction("gemm_quant_block_sums", INT, *arguments("format", INT))
 MOE_QUANT = CFunction("moe_quant_f32", INT, *arguments("x", "router_logits", "w13", "w13_formats", "w2", "w2_formats",
                                                        "out", POINTER, "tokens", INT64, "hidden", "inter",
                                                        "num_experts", "top_k", "renormalize", "num_threads", INT,
                                                        "bf16_gemm", POINTER, "bf16_min_rows", INT))
 DEQUANT_BF16 = CFunction("dequant_bf16_panels", INT, *arguments("packed", "out", POINTER, "N", "K", "num_threads",
                                                                 "format", INT))
-GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, GEMM_QUANT_BF16_ROWS, MOE_QUANT,
+GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, GEMM_QUANT_BLOCK_SUMS, MOE_QUANT,
                    DEQUANT_BF16)
 # gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
 QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
                  "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9, "gemm_q5kc": 10, "gemm_q2kc": 11,
                  "gemm_q3kc": 12}
-BF16_ROWS = 0x100  # gemm.c's format flag: x's values may be rounded to bf16 (Gemm.with_bf16_rows)
+BF16_MODEL = 0x100  # gemm.c's format flag: a bfloat16 model's layer (Gemm.for_bf16_model)
 
 GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
 GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
@@ -90,14 +90,14 @@ class Gemm:
         self.lib, self.function = lib, getattr(lib, signature.name)
         self.format_args = () if quant_format is None else (QUANT_FORMATS[quant_format],)
 
-    def with_bf16_rows(self) -> "Gemm | None":
-        """This quantized GEMM for a bfloat16 model, whose rows it may round to bf16 as gemm_bf16 does: a single
-        row then multiplies in bf16 dot products (gemm.c's row_quant_bf16); None where this build does not do
-        that for this format."""
-        if not self.format_args or not self.lib.gemm_quant_bf16_rows(self.format_args[0]):
+    def for_bf16_model(self) -> "Gemm | None":
+        """This quantized GEMM for a bfloat16 model's layer, whose products need not be the float32 dense kernel's bit
+        for bit: a single row then takes gemm.c's block sums (row_quant_sums, a third fewer vector ops a weight,
+        float32 rounding of its own order); None where this build has no such path for this format."""
+        if not self.format_args or not self.lib.gemm_quant_block_sums(self.format_args[0]):
             return None
         variant = copy.copy(self)
-        variant.format_args = (self.format_args[0] | BF16_ROWS,)
+        variant.format_args = (self.format_args[0] | BF16_MODEL,)
         return variant
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
