@@ -177,16 +177,21 @@ def test_one_row_split_by_half_panels_between_threads_equals_the_dense_path(tens
 @pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().for_bf16_model() is None,
                     reason="no block sums for single rows here (gemm.c's row_quant_sums: AVX512-VBMI)")
 @pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                         GGMLQuantizationType.Q4_K], ids=lambda t: t.name)
+                                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
 def test_a_bfloat16_models_single_row_takes_block_sums(tensor_type, out_features):
     """In a bfloat16 model (a layout with bf16 panels) a single row's product is s * sum(x * code) + zero * sum(x) per
-    block (gemm.c's row_quant_sums): the product of the row and the dequantized weight to float32 rounding, whatever
-    the thread count splits of the panels' halves, but not the dense kernel's bits, which a float32 model and more
-    rows keep."""
-    blocks, parts = _random_q4((out_features, 512), tensor_type, seed=4)
-    layer = QuantizedWeight.q4(*parts, layout=WeightLayout(bf16_panels=True))
-    float32_model = QuantizedWeight.q4(*parts)
+    block (gemm.c's row_quant_sums; Q8_0's LM heads too): the product of the row and the dequantized weight to
+    float32 rounding, whatever the thread count splits of the panels' halves, but not the dense kernel's bits, which a
+    float32 model and more rows keep."""
+    if tensor_type == GGMLQuantizationType.Q8_0:
+        blocks = quantize_gguf(np.random.default_rng(4).standard_normal((out_features, 512), dtype=np.float32),
+                               tensor_type)
+        parts, make = [torch.from_numpy(part) for part in unpack_q8(blocks)], QuantizedWeight.q8
+    else:
+        (blocks, parts), make = _random_q4((out_features, 512), tensor_type, seed=4), QuantizedWeight.q4
+    layer = make(*parts, layout=WeightLayout(bf16_panels=True))
+    float32_model = make(*parts)
     assert layer.kernel.format_args[0] & BF16_MODEL and not float32_model.kernel.format_args[0] & BF16_MODEL
     weight = torch.from_numpy(dequantize_fast(blocks, tensor_type))
     bias = torch.randn(out_features)

@@ -686,8 +686,9 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
 
 #if defined(__AVX512VBMI__)
 #define BLOCK_SUMS
-/* The formats whose single rows take block sums (row_quant_sums): nibble codes, a zero per block of 32. */
-static inline int block_sum_format(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q4KC; }
+/* The formats whose single rows take block sums (row_quant_sums): nibble codes with a zero per block of 32, and
+ * Q8_0's int8 codes, a scale per 32. */
+static inline int block_sum_format(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q8; }
 
 /* Each block of 32's sum of x's K values. */
 static void block_sums_of(const float *x, int K, float *sums) {
@@ -703,7 +704,9 @@ static void block_sums_of(const float *x, int K, float *sums) {
  * So a block is 128 s * sum(x * (1 + c / 128)) + (zero - 128 s) * sum(x): three vector ops a 16 weights where
  * row_quant's exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost
  * that many of the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32
- * model keeps. Each vector sums even and odd k apart, so that a half panel still has four chains of FMAs. */
+ * model keeps. Q8's int8 codes are converted as row_quant converts them, but summed per block before their
+ * scale: s * sum(x * c), a multiply a weight fewer. Each vector sums even and odd k apart, so that a half panel still
+ * has four chains of FMAs. */
 static inline __attribute__((always_inline)) void row_quant_sums(const float *x, const float *sums,
                                                                  const uint8_t *panel, const float *bias, float *y,
                                                                  int K, int cols, const int half, const int fmt) {
@@ -732,9 +735,17 @@ static inline __attribute__((always_inline)) void row_quant_sums(const float *x,
             for (int odd = 0; odd < 2; odd++) { /* unrolled: odd indexes the accumulators by a constant */
                 for (int line = kk + odd; line < bytes / 64; line += QBLOCK) /* the record 3 ahead */
                     _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
+                const __m512 xk = _mm512_set1_ps(x[blk * QBLOCK + kk + odd]);
+                if (int8_codes(fmt)) { /* Q8's codes, converted: the sums of x * c are all it needs */
+                    for (int j = 0; j < 4; j++)
+                        if (vectors >> j & 1u)
+                            acc[j][odd] = _mm512_fmadd_ps(xk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                                                  (const __m128i *)(codes + (kk + odd) * NR + 16 * j)))),
+                                                          acc[j][odd]);
+                    continue;
+                }
                 const __m512i row =
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + (kk + odd) * (NR / 2))));
-                const __m512 xk = _mm512_set1_ps(x[blk * QBLOCK + kk + odd]);
                 for (int h = 0; h < 2; h++) {
                     if (!(vectors >> h & 1u)) continue;
                     const __m512i lanes = _mm512_permutexvar_epi8(picks[h], row);
@@ -750,6 +761,10 @@ static inline __attribute__((always_inline)) void row_quant_sums(const float *x,
         const __m512 sum = _mm512_set1_ps(sums[blk]);
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
+            if (int8_codes(fmt)) {
+                out[j] = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), s[j], out[j]);
+                continue;
+            }
             const __m512 scaled = _mm512_mul_ps(s[j], unit);
             out[j] = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), scaled, out[j]);
             out[j] = _mm512_fmadd_ps(sum, _mm512_sub_ps(z[j], scaled), out[j]);
@@ -1026,7 +1041,7 @@ static int block_sum_halves(const float *x, const uint8_t *packed, const float *
         else if (half == 0) SUMS_PART(fmt, 0);                                                                  \
         else SUMS_PART(fmt, 1);                                                                                 \
         break;
-            switch (format) { SUMS_HALF(Q4) SUMS_HALF(Q4K) SUMS_HALF(Q4KC) }
+            switch (format) { SUMS_HALF(Q4) SUMS_HALF(Q4K) SUMS_HALF(Q4KC) SUMS_HALF(Q8) }
 #undef SUMS_HALF
 #undef SUMS_PART
         }
