@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.engine.arg_utils import set_quantization
-from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, pack_q8_panels, pack_q8kc_panels
+from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, WeightLayout, pack_q8_panels, pack_q8kc_panels
 from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear,
                                     RowParallelLinear, UnquantizedLinearMethod)
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFInt4Config
@@ -32,6 +32,7 @@ from pagedllm.models.gguf_loader import (dequantize_fast, unpack_iq4, unpack_q2_
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.loader import get_model, get_quant_config
+from pagedllm.native.gemms import BF16_MODEL
 from pagedllm.native.graph import CpuGraph
 from pagedllm.platforms.interface import KernelChoice
 from tests.conftest import DENSE_SMOLLM_ARGS
@@ -180,6 +181,42 @@ def test_a_bfloat16_models_long_steps_multiply_quantized_layers_on_bf16_panels(t
             assert torch.equal(weight.linear(x), native.gemm_bf16()(x, bf16, None, dense.shape[0]))
         x = torch.randn(BF16_MIN_ROWS - 1, dense.shape[1])
         assert torch.equal(weight.linear(x), DenseWeight(dense).linear(x))
+
+
+@pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().for_bf16_model() is None,
+                    reason="no block sums for single rows here (gemm.c's row_quant_sums: AVX512-VBMI)")
+@pytest.mark.parametrize("tensor_type", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
+def test_a_bfloat16_models_single_row_takes_block_sums(tensor_type, out_features):
+    """In a bfloat16 model (a layout with bf16 panels) a single row's product is s * sum(x * code) + zero * sum(x) per
+    block (gemm.c's row_quant_sums; Q8_0's LM heads too): the product of the row and the dequantized weight to
+    float32 rounding, whatever the thread count splits of the panels' halves, but not the dense kernel's bits, which a
+    float32 model and more rows keep."""
+    blocks = _random_blocks(out_features, 512, tensor_type, seed=4)
+    four_bit = tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K)
+    unpack = {T.Q8_0: unpack_q8, T.Q6_K: unpack_q6_k, T.Q5_K: unpack_q5_k}.get(tensor_type)
+    codes, scales, *zeros = (torch.from_numpy(part) for part in (unpack_q4(blocks, tensor_type) if four_bit
+                                                                 else unpack(blocks)))
+
+    def make(layout: WeightLayout | None) -> QuantizedWeight:
+        return (QuantizedWeight.q4(codes, scales, zeros[0], layout) if four_bit
+                else QuantizedWeight.q8(codes, scales, layout, *zeros))
+
+    layer, float32_model = make(WeightLayout(bf16_panels=True)), make(None)
+    assert layer.kernel.format_args[0] & BF16_MODEL and not float32_model.kernel.format_args[0] & BF16_MODEL
+    weight = torch.from_numpy(dequantize_fast(blocks, tensor_type))
+    bias = torch.randn(out_features)
+    x = torch.randn(1, 512) * 3
+    expected = x.double() @ weight.double().T + bias.double()
+    scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()  # what rounding errors are relative to
+    dense = DenseWeight(weight).linear(x, bias)
+    for threads in range(1, 7):  # 6 threads: a half of the last panel alone
+        torch.set_num_threads(threads)
+        y = layer.linear(x, bias)
+        assert ((y - expected).abs() / scale).max() < 1e-5, threads
+        assert not torch.equal(y, dense) and torch.equal(float32_model.linear(x, bias), dense)
+    rows = torch.randn(3, 512)
+    assert torch.equal(layer.linear(rows), DenseWeight(weight).linear(rows))  # more rows: the dense kernel's bits
 
 
 @needs_q8_kernel

@@ -14,8 +14,8 @@ from transformers import LlamaConfig, Phi3Config
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
-from pagedllm import LLM, SamplingParams, native
-from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, WeightLayout, pack_q4_panels, pack_q4kc_panels
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout, pack_q4_panels, pack_q4kc_panels
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.vocab_embedding import Q8_HEAD_MAX_ROWS, ParallelLMHead, VocabParallelEmbedding
 from pagedllm.engine.arg_utils import set_quantization
@@ -31,7 +31,6 @@ from pagedllm.models.gguf_loader import (
     unpack_q8,
 )
 from pagedllm.models.llama import LlamaForCausalLM
-from pagedllm.native.gemms import BF16_MODEL
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.platforms.cpu import bf16_panels_apply
@@ -172,40 +171,6 @@ def test_one_row_split_by_half_panels_between_threads_equals_the_dense_path(tens
     for threads in range(1, 7):  # 6 threads: a half of the last panel alone
         torch.set_num_threads(threads)
         assert torch.equal(layer(x), expected), threads
-
-
-@pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().for_bf16_model() is None,
-                    reason="no block sums for single rows here (gemm.c's row_quant_sums: AVX512-VBMI)")
-@pytest.mark.parametrize("tensor_type", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                         GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
-@pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
-def test_a_bfloat16_models_single_row_takes_block_sums(tensor_type, out_features):
-    """In a bfloat16 model (a layout with bf16 panels) a single row's product is s * sum(x * code) + zero * sum(x) per
-    block (gemm.c's row_quant_sums; Q8_0's LM heads too): the product of the row and the dequantized weight to
-    float32 rounding, whatever the thread count splits of the panels' halves, but not the dense kernel's bits, which a
-    float32 model and more rows keep."""
-    if tensor_type == GGMLQuantizationType.Q8_0:
-        blocks = quantize_gguf(np.random.default_rng(4).standard_normal((out_features, 512), dtype=np.float32),
-                               tensor_type)
-        parts, make = [torch.from_numpy(part) for part in unpack_q8(blocks)], QuantizedWeight.q8
-    else:
-        (blocks, parts), make = _random_q4((out_features, 512), tensor_type, seed=4), QuantizedWeight.q4
-    layer = make(*parts, layout=WeightLayout(bf16_panels=True))
-    float32_model = make(*parts)
-    assert layer.kernel.format_args[0] & BF16_MODEL and not float32_model.kernel.format_args[0] & BF16_MODEL
-    weight = torch.from_numpy(dequantize_fast(blocks, tensor_type))
-    bias = torch.randn(out_features)
-    x = torch.randn(1, 512) * 3
-    expected = x.double() @ weight.double().T + bias.double()
-    scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()  # what rounding errors are relative to
-    dense = DenseWeight(weight).linear(x, bias)
-    for threads in range(1, 7):  # 6 threads: a half of the last panel alone
-        torch.set_num_threads(threads)
-        y = layer.linear(x, bias)
-        assert ((y - expected).abs() / scale).max() < 1e-5, threads
-        assert not torch.equal(y, dense) and torch.equal(float32_model.linear(x, bias), dense)
-    rows = torch.randn(3, 512)
-    assert torch.equal(layer.linear(rows), DenseWeight(weight).linear(rows))  # more rows: the dense kernel's bits
 
 
 def test_tensor_parallel_shards_of_int4_layers_match_unsharded(kernel_path):

@@ -32,7 +32,9 @@
  * dequantize their panel once and run the dense tiles over it.
  *
  * With either body, a single row (dense or quantized) is split between the threads by half panels (half_run), so
- * that an odd number of panels is shared evenly.
+ * that an odd number of panels is shared evenly. A bfloat16 model's single row (the format flag BF16_MODEL), which
+ * need not equal the dense kernel's bits, takes block sums instead where the AVX-512 body has VBMI (row_quant_sums):
+ * each block's codes summed against x before their scale, a third fewer vector ops a weight.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
@@ -686,75 +688,87 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
 
 #if defined(__AVX512VBMI__)
 #define BLOCK_SUMS
-/* The formats whose single rows take block sums (row_quant_sums): nibble codes with a zero per block of 32, and
- * Q8_0's int8 codes, a scale per 32. */
-static inline int block_sum_format(const int fmt) { return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q8; }
-
-/* Each block of 32's sum of x's K values. */
-static void block_sums_of(const float *x, int K, float *sums) {
-    for (int blk = 0; blk < K / QBLOCK; blk++)
-        sums[blk] = _mm512_reduce_add_ps(
-            _mm512_add_ps(_mm512_loadu_ps(x + QBLOCK * blk), _mm512_loadu_ps(x + QBLOCK * blk + 16)));
+/* The formats whose single rows take block sums (row_quant_sums): codes of up to 7 bits as nibbles (Q4, Q4K, Q4KC)
+ * or nibbles and plane bits (Q6KC, Q5KC), and Q8_0's int8 codes. */
+static inline int block_sum_format(const int fmt) {
+    return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q6KC || fmt == Q5KC || fmt == Q8;
 }
 
-/* One row against a nibble panel's vectors (row_quant's halves) by block sums: a weight is c * s + zero, so a block
- * of the row's product is s * sum(x * c) + zero * sum(x), and the codes need no float conversion: 0x3F800000 | c << 16
- * is the float 1 + c / 128 (exact), one ternary-logic op from a lane holding c's byte at bits 16-23 (a byte
- * permutation of the row puts column 16 h + i's byte in lane i; its high nibble, a shift away, is vector h + 2's).
- * So a block is 128 s * sum(x * (1 + c / 128)) + (zero - 128 s) * sum(x): three vector ops a 16 weights where
- * row_quant's exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost
- * that many of the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32
- * model keeps. Q8's int8 codes are converted as row_quant converts them, but summed per block before their
- * scale: s * sum(x * c), a multiply a weight fewer. Each vector sums even and odd k apart, so that a half panel still
- * has four chains of FMAs. */
+/* Each block's sum of x's K values (blocks of `block`, 16 or 32). */
+static void block_sums_of(const float *x, int K, int block, float *sums) {
+    for (int blk = 0; blk < K / block; blk++) {
+        __m512 v = _mm512_loadu_ps(x + block * blk);
+        if (block == 32) v = _mm512_add_ps(v, _mm512_loadu_ps(x + block * blk + 16));
+        sums[blk] = _mm512_reduce_add_ps(v);
+    }
+}
+
+/* The byte permutation putting byte `first` + i of a row in every byte of lane i. */
+static inline __m512i lane_bytes_from(int first) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(first)), _mm512_set1_epi32(0x01010101));
+}
+
+/* One row against a panel's vectors (row_quant's halves) by block sums: a weight is c * s + zero (a code offset's
+ * zero is -offset * s), so a block of the row's product is s * sum(x * c) + zero * sum(x), and codes of up to 7 bits
+ * need no float conversion: 0x3F800000 | c << 16 is the float 1 + c / 128 (exact), one ternary-logic op from a lane
+ * holding c's byte at bits 16-23 (a byte permutation of a row's bytes puts column 16 j + i's in lane i; Q4's high
+ * nibbles, a shift away, are vectors 2 and 3; the packed formats' codes come as bytes from packed_row_bytes). So a
+ * block is 128 s * sum(x * (1 + c / 128)) + (zero - 128 s) * sum(x): three vector ops a 16 weights where row_quant's
+ * exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost that many of
+ * the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32 model keeps. Q8's
+ * int8 codes are converted as row_quant converts them, but summed per block before their scale: s * sum(x * c), a
+ * multiply a weight fewer. Each vector sums even and odd k apart, so that a half panel still has four chains of
+ * FMAs. */
 static inline __attribute__((always_inline)) void row_quant_sums(const float *x, const float *sums,
                                                                  const uint8_t *panel, const float *bias, float *y,
                                                                  int K, int cols, const int half, const int fmt) {
-    static const uint8_t pick[2][64] = { /* lane i: byte 16 h + i of the row (in all four of its bytes) */
-        {0,  0,  0,  0,  1,  1,  1,  1,  2,  2,  2,  2,  3,  3,  3,  3,  4,  4,  4,  4,  5,  5,
-         5,  5,  6,  6,  6,  6,  7,  7,  7,  7,  8,  8,  8,  8,  9,  9,  9,  9,  10, 10, 10, 10,
-         11, 11, 11, 11, 12, 12, 12, 12, 13, 13, 13, 13, 14, 14, 14, 14, 15, 15, 15, 15},
-        {16, 16, 16, 16, 17, 17, 17, 17, 18, 18, 18, 18, 19, 19, 19, 19, 20, 20, 20, 20, 21, 21,
-         21, 21, 22, 22, 22, 22, 23, 23, 23, 23, 24, 24, 24, 24, 25, 25, 25, 25, 26, 26, 26, 26,
-         27, 27, 27, 27, 28, 28, 28, 28, 29, 29, 29, 29, 30, 30, 30, 30, 31, 31, 31, 31}};
     const unsigned vectors = half < 0 ? ALL_VECTORS : 0x5u << half;
-    const __m512i code_bits = _mm512_set1_epi32(0x000F0000), one = _mm512_set1_epi32(0x3F800000);
-    const __m512i picks[2] = {_mm512_loadu_si512(pick[0]), _mm512_loadu_si512(pick[1])};
+    const __m512i code_bits = _mm512_set1_epi32(0x007F0000), nibble_bits = _mm512_set1_epi32(0x000F0000);
+    const __m512i one = _mm512_set1_epi32(0x3F800000);
+    const __m512i picks[4] = {lane_bytes_from(0), lane_bytes_from(16), lane_bytes_from(32), lane_bytes_from(48)};
     const __m512 unit = _mm512_set1_ps(128.0f);
     __mmask16 masks[4];
     column_masks(cols, masks);
     __m512 out[4];
     for (int j = 0; j < 4; j++) out[j] = _mm512_setzero_ps();
-    const int bytes = record_bytes(fmt);
-    for (int blk = 0; blk < K / QBLOCK; blk++) {
+    const int bytes = record_bytes(fmt), block = qblock(fmt);
+    for (int blk = 0; blk < K / block; blk++) {
         const uint8_t *record = record_at(panel, K, blk, fmt);
         const uint8_t *codes = record + codes_at(fmt);
         __m512 acc[4][2];
         for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
-        for (int kk = 0; kk < QBLOCK; kk += 2)
+        for (int kk = 0; kk < block; kk += 2)
             for (int odd = 0; odd < 2; odd++) { /* unrolled: odd indexes the accumulators by a constant */
-                for (int line = kk + odd; line < bytes / 64; line += QBLOCK) /* the record 3 ahead */
+                const int k = kk + odd;
+                for (int line = k; line < bytes / 64; line += block) /* the record 3 ahead */
                     _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
-                const __m512 xk = _mm512_set1_ps(x[blk * QBLOCK + kk + odd]);
+                const __m512 xk = _mm512_set1_ps(x[blk * block + k]);
+                __m512 w[4];
                 if (int8_codes(fmt)) { /* Q8's codes, converted: the sums of x * c are all it needs */
                     for (int j = 0; j < 4; j++)
                         if (vectors >> j & 1u)
-                            acc[j][odd] = _mm512_fmadd_ps(xk, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-                                                                  (const __m128i *)(codes + (kk + odd) * NR + 16 * j)))),
-                                                          acc[j][odd]);
-                    continue;
+                            w[j] = _mm512_cvtepi32_ps(
+                                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * NR + 16 * j))));
+                } else if (packed_codes(fmt)) { /* Q6KC's and Q5KC's codes as bytes in column order */
+                    const __m512i row = packed_row_bytes(record, k, fmt);
+                    for (int j = 0; j < 4; j++)
+                        if (vectors >> j & 1u)
+                            w[j] = (__m512)_mm512_ternarylogic_epi32(_mm512_permutexvar_epi8(picks[j], row),
+                                                                     code_bits, one, 0xEA); /* a & b | c */
+                } else { /* Q4's nibbles: columns 16 h + i and 32 + 16 h + i in byte 16 h + i of the row */
+                    const __m512i row =
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + k * (NR / 2))));
+                    for (int h = 0; h < 2; h++) {
+                        if (!(vectors >> h & 1u)) continue;
+                        const __m512i lanes = _mm512_permutexvar_epi8(picks[h], row);
+                        w[h] = (__m512)_mm512_ternarylogic_epi32(lanes, nibble_bits, one, 0xEA);
+                        w[h + 2] =
+                            (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4), nibble_bits, one, 0xEA);
+                    }
                 }
-                const __m512i row =
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + (kk + odd) * (NR / 2))));
-                for (int h = 0; h < 2; h++) {
-                    if (!(vectors >> h & 1u)) continue;
-                    const __m512i lanes = _mm512_permutexvar_epi8(picks[h], row);
-                    const __m512 low = (__m512)_mm512_ternarylogic_epi32(lanes, code_bits, one, 0xEA); /* a&b | c */
-                    const __m512 high =
-                        (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4), code_bits, one, 0xEA);
-                    acc[h][odd] = _mm512_fmadd_ps(xk, low, acc[h][odd]);
-                    acc[h + 2][odd] = _mm512_fmadd_ps(xk, high, acc[h + 2][odd]);
-                }
+                for (int j = 0; j < 4; j++)
+                    if (vectors >> j & 1u) acc[j][odd] = _mm512_fmadd_ps(xk, w[j], acc[j][odd]);
             }
         __m512 s[4], z[4];
         block_scales(record, factors_at(panel, blk, fmt), fmt, s, z, vectors);
@@ -1023,9 +1037,9 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
  * where they cannot be had. */
 static int block_sum_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
                             int num_threads, int format) {
-    float *sums = malloc((size_t)K / QBLOCK * sizeof(float));
+    float *sums = malloc((size_t)K / qblock(format) * sizeof(float));
     if (sums == NULL) return -1;
-    block_sums_of(x, K, sums);
+    block_sums_of(x, K, qblock(format), sums);
     const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1041,7 +1055,9 @@ static int block_sum_halves(const float *x, const uint8_t *packed, const float *
         else if (half == 0) SUMS_PART(fmt, 0);                                                                  \
         else SUMS_PART(fmt, 1);                                                                                 \
         break;
-            switch (format) { SUMS_HALF(Q4) SUMS_HALF(Q4K) SUMS_HALF(Q4KC) SUMS_HALF(Q8) }
+            switch (format) {
+                SUMS_HALF(Q4) SUMS_HALF(Q4K) SUMS_HALF(Q4KC) SUMS_HALF(Q8) SUMS_HALF(Q6KC) SUMS_HALF(Q5KC)
+            }
 #undef SUMS_HALF
 #undef SUMS_PART
         }
