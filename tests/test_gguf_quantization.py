@@ -187,11 +187,11 @@ def test_a_bfloat16_models_long_steps_multiply_quantized_layers_on_bf16_panels(t
                     reason="no block sums for single rows here (gemm.c's row_quant_sums: AVX512-VBMI)")
 @pytest.mark.parametrize("tensor_type", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K, T.Q5_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
-def test_a_bfloat16_models_single_row_takes_block_sums(tensor_type, out_features):
-    """In a bfloat16 model (a layout with bf16 panels) a single row's product is s * sum(x * code) + zero * sum(x) per
-    block (gemm.c's row_quant_sums; Q8_0's LM heads too): the product of the row and the dequantized weight to
-    float32 rounding, whatever the thread count splits of the panels' halves, but not the dense kernel's bits, which a
-    float32 model and more rows keep."""
+def test_a_bfloat16_models_decode_rows_take_block_sums(tensor_type, out_features):
+    """In a bfloat16 model (a layout with bf16 panels) the product of up to 4 rows (decode steps' batches) is
+    s * sum(x * code) + zero * sum(x) per block (gemm.c's tile_quant_sums; Q8_0's LM heads too): the product of the
+    rows and the dequantized weight to float32 rounding, whatever the thread count splits of the panels' halves, but
+    not the dense kernel's bits, which a float32 model and more rows keep."""
     blocks = _random_blocks(out_features, 512, tensor_type, seed=4)
     four_bit = tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K)
     unpack = {T.Q8_0: unpack_q8, T.Q6_K: unpack_q6_k, T.Q5_K: unpack_q5_k}.get(tensor_type)
@@ -206,17 +206,20 @@ def test_a_bfloat16_models_single_row_takes_block_sums(tensor_type, out_features
     assert layer.kernel.format_args[0] & BF16_MODEL and not float32_model.kernel.format_args[0] & BF16_MODEL
     weight = torch.from_numpy(dequantize_fast(blocks, tensor_type))
     bias = torch.randn(out_features)
-    x = torch.randn(1, 512) * 3
-    expected = x.double() @ weight.double().T + bias.double()
-    scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()  # what rounding errors are relative to
-    dense = DenseWeight(weight).linear(x, bias)
-    for threads in range(1, 7):  # 6 threads: a half of the last panel alone
-        torch.set_num_threads(threads)
-        y = layer.linear(x, bias)
-        assert ((y - expected).abs() / scale).max() < 1e-5, threads
-        assert not torch.equal(y, dense) and torch.equal(float32_model.linear(x, bias), dense)
-    rows = torch.randn(3, 512)
-    assert torch.equal(layer.linear(rows), DenseWeight(weight).linear(rows))  # more rows: the dense kernel's bits
+    for rows, thread_counts in ((1, range(1, 7)), (2, (1, 3)), (4, (2,)), (5, (2,))):  # 6 threads: a half panel alone
+        x = torch.randn(rows, 512) * 3
+        expected = x.double() @ weight.double().T + bias.double()
+        scale = x.double().abs() @ weight.double().abs().T + bias.double().abs()  # what rounding errors are relative to
+        dense = DenseWeight(weight).linear(x, bias)
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            y = layer.linear(x, bias)
+            assert torch.equal(float32_model.linear(x, bias), dense)
+            if rows > 4:  # more rows: the dense kernel's bits
+                assert torch.equal(y, dense)
+                continue
+            assert ((y - expected).abs() / scale).max() < 1e-5, (rows, threads)
+            assert not torch.equal(y, dense)
 
 
 @needs_q8_kernel

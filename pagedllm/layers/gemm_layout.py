@@ -190,14 +190,14 @@ class QuantizedWeight:
     (``layout`` with bf16 panels; ``in_features`` given), a step of BF16_MIN_ROWS rows or more instead dequantizes
     the weight into the model's bf16 scratch as gemm_bf16's panels and multiplies on AMX tiles: F.linear on the
     dequantized weight rounded to bf16, as the model's dense layers compute, and faster than the quantized kernels'
-    float32 FMAs from about that many rows (docs/benchmarks.md). In a bfloat16 model a single row of Q4_0/Q4_1,
-    Q4_K, Q5_K, Q6_K and Q8_0 takes gemm.c's block sums (Gemm.for_bf16_model): float32 rounding in an order of its
+    float32 FMAs from about that many rows (docs/benchmarks.md). In a bfloat16 model up to 4 rows of Q4_0/Q4_1,
+    Q4_K, Q5_K, Q6_K and Q8_0 take gemm.c's block sums (Gemm.for_bf16_model): float32 rounding in an order of its
     own, not the dense kernel's bits."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int,
                  layout: WeightLayout | None = None, in_features: int | None = None):
         self.kernel, self.out_features = getattr(native, kernel_name)(), out_features
-        if layout is not None and layout.bf16_panels:  # a bfloat16 model: single rows by block sums
+        if layout is not None and layout.bf16_panels:  # a bfloat16 model: decode rows by block sums
             self.kernel = self.kernel.for_bf16_model() or self.kernel
         self.panels = _placed(panels, layout)
         self.bf16_layout = None  # the layout whose bf16 scratch the weight uses for long steps

@@ -32,9 +32,9 @@
  * dequantize their panel once and run the dense tiles over it.
  *
  * With either body, a single row (dense or quantized) is split between the threads by half panels (half_run), so
- * that an odd number of panels is shared evenly. A bfloat16 model's single row (the format flag BF16_MODEL), which
- * need not equal the dense kernel's bits, takes block sums instead where the AVX-512 body has VBMI (row_quant_sums):
- * each block's codes summed against x before their scale, a third fewer vector ops a weight.
+ * that an odd number of panels is shared evenly. A bfloat16 model's rows (the format flag BF16_MODEL), which need not
+ * equal the dense kernel's bits, take block sums instead, up to 4 of them, where the AVX-512 body has VBMI
+ * (tile_quant_sums): each block's codes summed against x before their scale, fewer vector ops a weight.
  * gemm_available() and gemm_quant_available() say what this build has; without it callers use torch.
  */
 #include <stdint.h>
@@ -365,8 +365,8 @@ int gemm_packed_f32(const float *x, int64_t ldx, const float *packed, const floa
 enum { Q4 = 0, Q8 = 1, Q4K = 2, Q6K = 3, Q5K = 4, IQ4NL = 5, IQ4XS = 6, Q2K = 7, Q4KC = 8, Q6KC = 9, Q5KC = 10,
        Q2KC = 11, Q3KC = 12 };
 /* gemm_quant_f32's format flag: the caller is a bfloat16 model's layer, whose products need not be the float32 dense
- * kernel's bit for bit (its dense layers round x to bf16): a single row of a nibble format then takes the block sums
- * (row_quant_sums), where this build has them. */
+ * kernel's bit for bit (its dense layers round x to bf16): up to SUM_TILE_ROWS rows of the formats
+ * block_sum_format names then take block sums (tile_quant_sums), where this build has them. */
 #define BF16_MODEL 0x100
 /* Each format's cases, CASE(format) for every one of the enum's. */
 #define FOR_EACH_FORMAT(CASE)                                                                                 \
@@ -688,7 +688,8 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
 
 #if defined(__AVX512VBMI__)
 #define BLOCK_SUMS
-/* The formats whose single rows take block sums (row_quant_sums): codes of up to 7 bits as nibbles (Q4, Q4K, Q4KC)
+#define SUM_TILE_ROWS 4 /* rows tile_quant_sums takes: from 5 the dequantizing tiles do about as well */
+/* The formats whose rows take block sums (tile_quant_sums): codes of up to 7 bits as nibbles (Q4, Q4K, Q4KC)
  * or nibbles and plane bits (Q6KC, Q5KC), and Q8_0's int8 codes. */
 static inline int block_sum_format(const int fmt) {
     return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q6KC || fmt == Q5KC || fmt == Q8;
@@ -709,7 +710,8 @@ static inline __m512i lane_bytes_from(int first) {
     return _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(first)), _mm512_set1_epi32(0x01010101));
 }
 
-/* One row against a panel's vectors (row_quant's halves) by block sums: a weight is c * s + zero (a code offset's
+/* `rows` rows (a constant, up to SUM_TILE_ROWS; more than one: half a panel) against a panel's vectors (row_quant's
+ * halves) by block sums: a weight is c * s + zero (a code offset's
  * zero is -offset * s), so a block of the row's product is s * sum(x * c) + zero * sum(x), and codes of up to 7 bits
  * need no float conversion: 0x3F800000 | c << 16 is the float 1 + c / 128 (exact), one ternary-logic op from a lane
  * holding c's byte at bits 16-23 (a byte permutation of a row's bytes puts column 16 j + i's in lane i; Q4's high
@@ -718,32 +720,35 @@ static inline __m512i lane_bytes_from(int first) {
  * exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost that many of
  * the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32 model keeps. Q8's
  * int8 codes are converted as row_quant converts them, but summed per block before their scale: s * sum(x * c), a
- * multiply a weight fewer. Each vector sums even and odd k apart, so that a half panel still has four chains of
- * FMAs. */
-static inline __attribute__((always_inline)) void row_quant_sums(const float *x, const float *sums,
-                                                                 const uint8_t *panel, const float *bias, float *y,
-                                                                 int K, int cols, const int half, const int fmt) {
+ * multiply a weight fewer. A code's float serves every row. A single row sums even and odd k apart, so that a half
+ * panel still has four chains of FMAs. */
+static inline __attribute__((always_inline)) void tile_quant_sums(const float *x, int64_t ldx, const float *sums,
+                                                                  const uint8_t *panel, const float *bias, float *y,
+                                                                  int64_t ldy, int K, int cols, const int half,
+                                                                  const int rows, const int fmt) {
     const unsigned vectors = half < 0 ? ALL_VECTORS : 0x5u << half;
+    const int parities = rows == 1 ? 2 : 1, blocks = K / qblock(fmt);
     const __m512i code_bits = _mm512_set1_epi32(0x007F0000), nibble_bits = _mm512_set1_epi32(0x000F0000);
     const __m512i one = _mm512_set1_epi32(0x3F800000);
     const __m512i picks[4] = {lane_bytes_from(0), lane_bytes_from(16), lane_bytes_from(32), lane_bytes_from(48)};
     const __m512 unit = _mm512_set1_ps(128.0f);
     __mmask16 masks[4];
     column_masks(cols, masks);
-    __m512 out[4];
-    for (int j = 0; j < 4; j++) out[j] = _mm512_setzero_ps();
+    __m512 out[SUM_TILE_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) out[r][j] = _mm512_setzero_ps();
     const int bytes = record_bytes(fmt), block = qblock(fmt);
-    for (int blk = 0; blk < K / block; blk++) {
+    for (int blk = 0; blk < blocks; blk++) {
         const uint8_t *record = record_at(panel, K, blk, fmt);
         const uint8_t *codes = record + codes_at(fmt);
-        __m512 acc[4][2];
-        for (int j = 0; j < 4; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+        __m512 acc[SUM_TILE_ROWS][4][2];
+        for (int r = 0; r < rows; r++)
+            for (int j = 0; j < 4; j++) acc[r][j][0] = acc[r][j][1] = _mm512_setzero_ps();
         for (int kk = 0; kk < block; kk += 2)
             for (int odd = 0; odd < 2; odd++) { /* unrolled: odd indexes the accumulators by a constant */
-                const int k = kk + odd;
+                const int k = kk + odd, parity = odd % parities;
                 for (int line = k; line < bytes / 64; line += block) /* the record 3 ahead */
                     _mm_prefetch((const char *)(record + 3 * bytes + 64 * line), _MM_HINT_T0);
-                const __m512 xk = _mm512_set1_ps(x[blk * block + k]);
                 __m512 w[4];
                 if (int8_codes(fmt)) { /* Q8's codes, converted: the sums of x * c are all it needs */
                     for (int j = 0; j < 4; j++)
@@ -767,29 +772,33 @@ static inline __attribute__((always_inline)) void row_quant_sums(const float *x,
                             (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4), nibble_bits, one, 0xEA);
                     }
                 }
-                for (int j = 0; j < 4; j++)
-                    if (vectors >> j & 1u) acc[j][odd] = _mm512_fmadd_ps(xk, w[j], acc[j][odd]);
+                for (int r = 0; r < rows; r++) {
+                    const __m512 xk = _mm512_set1_ps(x[r * ldx + blk * block + k]);
+                    for (int j = 0; j < 4; j++)
+                        if (vectors >> j & 1u) acc[r][j][parity] = _mm512_fmadd_ps(xk, w[j], acc[r][j][parity]);
+                }
             }
         __m512 s[4], z[4];
         block_scales(record, factors_at(panel, blk, fmt), fmt, s, z, vectors);
-        const __m512 sum = _mm512_set1_ps(sums[blk]);
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
-            if (int8_codes(fmt)) {
-                out[j] = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), s[j], out[j]);
-                continue;
+            const __m512 scaled = int8_codes(fmt) ? s[j] : _mm512_mul_ps(s[j], unit);
+            const __m512 offset = _mm512_sub_ps(z[j], scaled); /* (zero - 128 s); Q8: none */
+            for (int r = 0; r < rows; r++) {
+                const __m512 both = parities == 2 ? _mm512_add_ps(acc[r][j][0], acc[r][j][1]) : acc[r][j][0];
+                out[r][j] = _mm512_fmadd_ps(both, scaled, out[r][j]);
+                if (!int8_codes(fmt))
+                    out[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + blk]), offset, out[r][j]);
             }
-            const __m512 scaled = _mm512_mul_ps(s[j], unit);
-            out[j] = _mm512_fmadd_ps(_mm512_add_ps(acc[j][0], acc[j][1]), scaled, out[j]);
-            out[j] = _mm512_fmadd_ps(sum, _mm512_sub_ps(z[j], scaled), out[j]);
         }
     }
-    for (int j = 0; j < 4; j++) {
-        if (!(vectors >> j & 1u)) continue;
-        __m512 v = out[j];
-        if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
-        _mm512_mask_storeu_ps(y + 16 * j, masks[j], v);
-    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) {
+            if (!(vectors >> j & 1u)) continue;
+            __m512 v = out[r][j];
+            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
+            _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
+        }
 }
 #endif
 
@@ -1033,13 +1042,15 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #if defined(BLOCK_SUMS)
-/* quant_halves' single row by block sums (row_quant_sums), the row's sums taken once for all threads. Returns -1
- * where they cannot be had. */
-static int block_sum_halves(const float *x, const uint8_t *packed, const float *bias, float *y, int N, int K,
-                            int num_threads, int format) {
-    float *sums = malloc((size_t)K / qblock(format) * sizeof(float));
+/* gemm_quant_f32's rows (up to SUM_TILE_ROWS) by block sums (tile_quant_sums), each row's sums taken once for all
+ * threads: one row against whole panels or halves as half_run gives them, more by halves (two vectors a row leave the
+ * accumulators room). Returns -1 where the sums cannot be had. */
+static int block_sum_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y,
+                            int64_t ldy, int M, int N, int K, int num_threads, int format) {
+    const int blocks = K / qblock(format);
+    float *sums = malloc((size_t)M * blocks * sizeof(float));
     if (sums == NULL) return -1;
-    block_sums_of(x, K, qblock(format), sums);
+    for (int r = 0; r < M; r++) block_sums_of(x + r * ldx, K, qblock(format), sums + r * blocks);
     const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1048,18 +1059,31 @@ static int block_sum_halves(const float *x, const uint8_t *packed, const float *
         while (half_run_next(&run, &p, &half)) {
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const float *b = bias == NULL ? NULL : bias + p * NR;
-#define SUMS_PART(fmt, part) row_quant_sums(x, sums, packed + p * panel_bytes, b, y + p * NR, K, cols, part, fmt)
-#define SUMS_HALF(fmt)                                                                                         \
+            /* `half` and the rows constants in each call, so that the loops over vectors and rows unroll */
+#define SUMS_TILE(fmt, part, rows)                                                                             \
+    tile_quant_sums(x, ldx, sums, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, part, rows, fmt)
+#define SUMS_HALVES(fmt, rows)                                                                                 \
+    if (half != 1) SUMS_TILE(fmt, 0, rows);                                                                     \
+    if (half != 0) SUMS_TILE(fmt, 1, rows);
+#define SUMS_ROWS(fmt)                                                                                         \
     case fmt:                                                                                                   \
-        if (half < 0) SUMS_PART(fmt, -1);                                                                       \
-        else if (half == 0) SUMS_PART(fmt, 0);                                                                  \
-        else SUMS_PART(fmt, 1);                                                                                 \
+        switch (M) {                                                                                            \
+        case 1:                                                                                                 \
+            if (half < 0) SUMS_TILE(fmt, -1, 1);                                                                \
+            else if (half == 0) SUMS_TILE(fmt, 0, 1);                                                           \
+            else SUMS_TILE(fmt, 1, 1);                                                                          \
+            break;                                                                                              \
+        case 2: SUMS_HALVES(fmt, 2) break;                                                                      \
+        case 3: SUMS_HALVES(fmt, 3) break;                                                                      \
+        default: SUMS_HALVES(fmt, 4) break;                                                                     \
+        }                                                                                                       \
         break;
             switch (format) {
-                SUMS_HALF(Q4) SUMS_HALF(Q4K) SUMS_HALF(Q4KC) SUMS_HALF(Q8) SUMS_HALF(Q6KC) SUMS_HALF(Q5KC)
+                SUMS_ROWS(Q4) SUMS_ROWS(Q4K) SUMS_ROWS(Q4KC) SUMS_ROWS(Q8) SUMS_ROWS(Q6KC) SUMS_ROWS(Q5KC)
             }
-#undef SUMS_HALF
-#undef SUMS_PART
+#undef SUMS_ROWS
+#undef SUMS_HALVES
+#undef SUMS_TILE
         }
     }
     free(sums);
@@ -1074,11 +1098,8 @@ static int block_sum_halves(const float *x, const uint8_t *packed, const float *
  * FMAs bound both ways, and tiles of 6 do as well. Those rows are copied into QUANT_TALL_ROWS rows, zeros past M.
  * Returns -1 where that copy cannot be had. */
 static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                        int M, int N, int K, int num_threads, int format, int bf16_model) {
-#if defined(BLOCK_SUMS)
-    if (M == 1 && bf16_model && block_sum_format(format))
-        return block_sum_halves(x, packed, bias, y, N, K, num_threads, format);
-#endif
+                        int M, int N, int K, int num_threads, int format) {
+
 #if defined(QUANT_TALL_ROWS)
     float *padded = NULL;
     if (M > 1) {
@@ -1166,12 +1187,16 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
     const int bf16_model = format & BF16_MODEL;
     format &= ~BF16_MODEL;
     if (!takes_format(format, K)) return -1;
+#if defined(BLOCK_SUMS)
+    if (bf16_model && M >= 1 && M <= SUM_TILE_ROWS && block_sum_format(format))
+        return block_sum_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
+#endif
 #if defined(QUANT_TALL_ROWS)
     if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS))
 #else
     if (M == 1)
 #endif
-        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format, bf16_model);
+        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;

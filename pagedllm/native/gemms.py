@@ -92,8 +92,8 @@ class Gemm:
 
     def for_bf16_model(self) -> "Gemm | None":
         """This quantized GEMM for a bfloat16 model's layer, whose products need not be the float32 dense kernel's bit
-        for bit: a single row then takes gemm.c's block sums (row_quant_sums, a third fewer vector ops a weight,
-        float32 rounding of its own order); None where this build has no such path for this format."""
+        for bit: up to 4 rows then take gemm.c's block sums (tile_quant_sums, fewer vector ops a weight, float32
+        rounding of its own order); None where this build has no such path for this format."""
         if not self.format_args or not self.lib.gemm_quant_block_sums(self.format_args[0]):
             return None
         variant = copy.copy(self)

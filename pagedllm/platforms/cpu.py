@@ -71,7 +71,7 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     if quantization in ("gguf", "gguf_int4"):
         q4 = native.gemm_q4() if float32 else None
         gemm += "; GGUF Q4_0/Q4_1/Q4_K layers: " + ("torch int4 kernel" if q4 is None else "native Q4 panels" + (
-            " (single rows by block sums)" if kernels.bf16_panels and q4.for_bf16_model() is not None else ""))
+            " (decode rows by block sums)" if kernels.bf16_panels and q4.for_bf16_model() is not None else ""))
     if quantization == "gguf":
         gemm += "; GGUF Q8_0 layers: " + ("native Q8_0 panels" if float32 and native.gemm_q8() is not None
                                           else "dequantized at load")
