@@ -690,10 +690,12 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
 #define BLOCK_SUMS
 #define SUM_TILE_ROWS 4 /* rows tile_quant_sums takes: from 5 the dequantizing tiles do about as well */
 /* The formats whose rows take block sums (tile_quant_sums): codes of up to 7 bits as nibbles (Q4, Q4K, Q4KC)
- * or nibbles and plane bits (Q6KC, Q5KC), and Q8_0's int8 codes. */
+ * or nibbles and plane bits (Q6KC, Q5KC), IQ4's nibble indices, and Q8_0's int8 codes. */
 static inline int block_sum_format(const int fmt) {
-    return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q6KC || fmt == Q5KC || fmt == Q8;
+    return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q6KC || fmt == Q5KC || fmt == Q8 || nonlinear(fmt);
 }
+/* Whether tile_quant_sums takes a format's codes as the floats 1 + c / 128 (else as their values: Q8's, IQ4's). */
+static inline int unit_codes(const int fmt) { return !int8_codes(fmt) && !nonlinear(fmt); }
 
 /* Each block's sum of x's K values (blocks of `block`, 16 or 32). */
 static void block_sums_of(const float *x, int K, int block, float *sums) {
@@ -719,7 +721,8 @@ static inline __m512i lane_bytes_from(int first) {
  * block is 128 s * sum(x * (1 + c / 128)) + (zero - 128 s) * sum(x): three vector ops a 16 weights where row_quant's
  * exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost that many of
  * the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32 model keeps. Q8's
- * int8 codes are converted as row_quant converts them, but summed per block before their scale: s * sum(x * c), a
+ * int8 codes are converted as row_quant converts them, and IQ4's indices looked up in its values' floats by a
+ * permutation (which reads an index's low 4 bits), but summed per block before their scale: s * sum(x * c), a
  * multiply a weight fewer. A code's float serves every row. A single row sums even and odd k apart, so that a half
  * panel still has four chains of FMAs. */
 static inline __attribute__((always_inline)) void tile_quant_sums(const float *x, int64_t ldx, const float *sums,
@@ -732,6 +735,7 @@ static inline __attribute__((always_inline)) void tile_quant_sums(const float *x
     const __m512i one = _mm512_set1_epi32(0x3F800000);
     const __m512i picks[4] = {lane_bytes_from(0), lane_bytes_from(16), lane_bytes_from(32), lane_bytes_from(48)};
     const __m512 unit = _mm512_set1_ps(128.0f);
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES)));
     __mmask16 masks[4];
     column_masks(cols, masks);
     __m512 out[SUM_TILE_ROWS][4];
@@ -761,15 +765,17 @@ static inline __attribute__((always_inline)) void tile_quant_sums(const float *x
                         if (vectors >> j & 1u)
                             w[j] = (__m512)_mm512_ternarylogic_epi32(_mm512_permutexvar_epi8(picks[j], row),
                                                                      code_bits, one, 0xEA); /* a & b | c */
-                } else { /* Q4's nibbles: columns 16 h + i and 32 + 16 h + i in byte 16 h + i of the row */
+                } else { /* nibbles: columns 16 h + i and 32 + 16 h + i in byte 16 h + i of the row */
                     const __m512i row =
                         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(codes + k * (NR / 2))));
                     for (int h = 0; h < 2; h++) {
                         if (!(vectors >> h & 1u)) continue;
                         const __m512i lanes = _mm512_permutexvar_epi8(picks[h], row);
-                        w[h] = (__m512)_mm512_ternarylogic_epi32(lanes, nibble_bits, one, 0xEA);
-                        w[h + 2] =
-                            (__m512)_mm512_ternarylogic_epi32(_mm512_srli_epi32(lanes, 4), nibble_bits, one, 0xEA);
+                        const __m512i high = _mm512_srli_epi32(lanes, 4);
+                        w[h] = nonlinear(fmt) ? _mm512_permutexvar_ps(lanes, values)
+                                              : (__m512)_mm512_ternarylogic_epi32(lanes, nibble_bits, one, 0xEA);
+                        w[h + 2] = nonlinear(fmt) ? _mm512_permutexvar_ps(high, values)
+                                                  : (__m512)_mm512_ternarylogic_epi32(high, nibble_bits, one, 0xEA);
                     }
                 }
                 for (int r = 0; r < rows; r++) {
@@ -782,12 +788,12 @@ static inline __attribute__((always_inline)) void tile_quant_sums(const float *x
         block_scales(record, factors_at(panel, blk, fmt), fmt, s, z, vectors);
         for (int j = 0; j < 4; j++) {
             if (!(vectors >> j & 1u)) continue;
-            const __m512 scaled = int8_codes(fmt) ? s[j] : _mm512_mul_ps(s[j], unit);
-            const __m512 offset = _mm512_sub_ps(z[j], scaled); /* (zero - 128 s); Q8: none */
+            const __m512 scaled = unit_codes(fmt) ? _mm512_mul_ps(s[j], unit) : s[j];
+            const __m512 offset = _mm512_sub_ps(z[j], scaled); /* zero - 128 s (used for unit codes only) */
             for (int r = 0; r < rows; r++) {
                 const __m512 both = parities == 2 ? _mm512_add_ps(acc[r][j][0], acc[r][j][1]) : acc[r][j][0];
                 out[r][j] = _mm512_fmadd_ps(both, scaled, out[r][j]);
-                if (!int8_codes(fmt))
+                if (unit_codes(fmt))
                     out[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(sums[r * blocks + blk]), offset, out[r][j]);
             }
         }
@@ -1080,6 +1086,7 @@ static int block_sum_halves(const float *x, int64_t ldx, const uint8_t *packed, 
         break;
             switch (format) {
                 SUMS_ROWS(Q4) SUMS_ROWS(Q4K) SUMS_ROWS(Q4KC) SUMS_ROWS(Q8) SUMS_ROWS(Q6KC) SUMS_ROWS(Q5KC)
+                SUMS_ROWS(IQ4NL) SUMS_ROWS(IQ4XS)
             }
 #undef SUMS_ROWS
 #undef SUMS_HALVES
