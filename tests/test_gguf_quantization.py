@@ -184,7 +184,7 @@ def test_a_bfloat16_models_long_steps_multiply_quantized_layers_on_bf16_panels(t
 
 
 @pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().for_bf16_model() is None,
-                    reason="no block sums for single rows here (gemm.c's row_quant_sums: AVX512-VBMI)")
+                    reason="no block sums here (gemm.c's tile_quant_sums: AVX512-VBMI)")
 @pytest.mark.parametrize("tensor_type", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K, T.Q5_K, T.IQ4_NL, T.IQ4_XS],
                          ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns

@@ -713,18 +713,17 @@ static inline __m512i lane_bytes_from(int first) {
 }
 
 /* `rows` rows (a constant, up to SUM_TILE_ROWS; more than one: half a panel) against a panel's vectors (row_quant's
- * halves) by block sums: a weight is c * s + zero (a code offset's
- * zero is -offset * s), so a block of the row's product is s * sum(x * c) + zero * sum(x), and codes of up to 7 bits
- * need no float conversion: 0x3F800000 | c << 16 is the float 1 + c / 128 (exact), one ternary-logic op from a lane
- * holding c's byte at bits 16-23 (a byte permutation of a row's bytes puts column 16 j + i's in lane i; Q4's high
- * nibbles, a shift away, are vectors 2 and 3; the packed formats' codes come as bytes from packed_row_bytes). So a
- * block is 128 s * sum(x * (1 + c / 128)) + (zero - 128 s) * sum(x): three vector ops a 16 weights where row_quant's
- * exact dequantization takes about five. Rounded in its own order (the codes' 7 bits below the 1 cost that many of
- * the sums' 24), within ~1e-6 of the product's scale: not the dense kernel's bits, which a float32 model keeps. Q8's
- * int8 codes are converted as row_quant converts them, and IQ4's indices looked up in its values' floats by a
- * permutation (which reads an index's low 4 bits), but summed per block before their scale: s * sum(x * c), a
- * multiply a weight fewer. A code's float serves every row. A single row sums even and odd k apart, so that a half
- * panel still has four chains of FMAs. */
+ * halves) by block sums: a weight is c * s + zero (a code offset's zero is -offset * s), so a block of a row's product
+ * is s * sum(x * c) + zero * sum(x), and codes of up to 7 bits need no float conversion: 0x3F800000 | c << 16 is the
+ * float 1 + c / 128 (exact), one ternary-logic op from a lane holding c's byte at bits 16-23 (a byte permutation of a
+ * row's bytes puts column 16 j + i's in lane i; Q4's high nibbles, a shift away, are vectors 2 and 3; the packed
+ * formats' codes come as bytes from packed_row_bytes). So a block is 128 s * sum(x * (1 + c / 128)) +
+ * (zero - 128 s) * sum(x): three vector ops per 16 weights where row_quant's exact dequantization takes about five.
+ * Rounded in its own order (the codes' 7 bits below the 1 cost that many of the sums' 24), within ~1e-6 of the
+ * product's scale: not the dense kernel's bits, which a float32 model keeps. Q8's int8 codes are converted as
+ * row_quant converts them, and IQ4's indices looked up in its values' floats by a permutation (which reads an index's
+ * low 4 bits), but summed per block before their scale: s * sum(x * c), a multiply a weight fewer. A code's float
+ * serves every row. A single row sums even and odd k apart, so that a half panel still has four chains of FMAs. */
 static inline __attribute__((always_inline)) void tile_quant_sums(const float *x, int64_t ldx, const float *sums,
                                                                   const uint8_t *panel, const float *bias, float *y,
                                                                   int64_t ldy, int K, int cols, const int half,
@@ -1106,7 +1105,6 @@ static int block_sum_halves(const float *x, int64_t ldx, const uint8_t *packed, 
  * Returns -1 where that copy cannot be had. */
 static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                         int M, int N, int K, int num_threads, int format) {
-
 #if defined(QUANT_TALL_ROWS)
     float *padded = NULL;
     if (M > 1) {
@@ -1177,7 +1175,7 @@ static inline __attribute__((always_inline)) void quant_item(const float *x, int
 
 int gemm_quant_available(void) { return 1; }
 
-/* Whether a single row of `format` flagged BF16_MODEL takes block sums in this build. */
+/* Whether rows of `format` flagged BF16_MODEL take block sums in this build (up to SUM_TILE_ROWS of them). */
 int gemm_quant_block_sums(int format) {
 #if defined(BLOCK_SUMS)
     return block_sum_format(format);
@@ -1187,8 +1185,8 @@ int gemm_quant_block_sums(int format) {
 }
 
 /* packed: [ceil(N / 64), quant_panel_bytes(K, format)] bytes of panels of one format (the enum above,
- * which native/gemms.py's QUANT_FORMATS numbers alike); K a multiple of the format's block. The rest as
- * gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
+ * which native/gemms.py's QUANT_FORMATS numbers alike, or'd with BF16_MODEL for a bfloat16 model's layer); K a
+ * multiple of the format's block. The rest as gemm_packed_f32. Returns -1 for a K or a format it cannot take. */
 int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
                    int M, int N, int K, int num_threads, int format) {
     const int bf16_model = format & BF16_MODEL;
