@@ -1046,16 +1046,42 @@ static inline __attribute__((always_inline)) void dequant_panel(const uint8_t *p
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+/* Whether M rows take block sums (tile_quant_sums): a bfloat16 model's (the BF16_MODEL flag), up to SUM_TILE_ROWS,
+ * of a format block_sum_format names, where this build has them. */
+static inline int block_sum_rows(int M, int format, int bf16_model) {
 #if defined(BLOCK_SUMS)
-/* gemm_quant_f32's rows (up to SUM_TILE_ROWS) by block sums (tile_quant_sums), each row's sums taken once for all
- * threads: one row against whole panels or halves as half_run gives them, more by halves (two vectors a row leave the
- * accumulators room). Returns -1 where the sums cannot be had. */
-static int block_sum_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y,
-                            int64_t ldy, int M, int N, int K, int num_threads, int format) {
+    return bf16_model && M >= 1 && M <= SUM_TILE_ROWS && block_sum_format(format);
+#else
+    return 0;
+#endif
+}
+
+/* One row (single-sequence decode) over every panel, the threads splitting the panels by halves (half_run); whole
+ * panels go by row_quant's blocks as ever. With the tall tiles (AVX-512), more rows than a tile of all 64 columns
+ * holds (QUANT_TILE_ROWS), up to QUANT_TALL_ROWS, go the same way, each half panel's weights dequantized once for all
+ * the rows, where tiles of 6 rows would dequantize them again for the rest (7 rows cost 6 and 1); from 11 rows the
+ * FMAs bound both ways, and tiles of 6 do as well. Those rows are copied into QUANT_TALL_ROWS rows, zeros past M.
+ * A bfloat16 model's rows that take block sums (block_sum_rows) go the same way too, each row's sums taken once for
+ * all threads. Returns -1 where that copy or those sums cannot be had. */
+static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
+                        int M, int N, int K, int num_threads, int format, int bf16_model) {
+#if defined(BLOCK_SUMS)
+    float *sums = NULL; /* each row's block sums, where its rows take them (block_sum_rows) */
     const int blocks = K / qblock(format);
-    float *sums = malloc((size_t)M * blocks * sizeof(float));
-    if (sums == NULL) return -1;
-    for (int r = 0; r < M; r++) block_sums_of(x + r * ldx, K, qblock(format), sums + r * blocks);
+    if (block_sum_rows(M, format, bf16_model)) {
+        sums = malloc((size_t)M * blocks * sizeof(float));
+        if (sums == NULL) return -1;
+        for (int r = 0; r < M; r++) block_sums_of(x + r * ldx, K, qblock(format), sums + r * blocks);
+    }
+#endif
+#if defined(QUANT_TALL_ROWS)
+    float *padded = NULL;
+    if (M > QUANT_TILE_ROWS) {
+        padded = calloc((size_t)QUANT_TALL_ROWS * K, sizeof(float));
+        if (padded == NULL) return -1;
+        for (int r = 0; r < M; r++) memcpy(padded + (int64_t)r * K, x + r * ldx, (size_t)K * sizeof(float));
+    }
+#endif
     const int64_t panel_bytes = quant_panel_bytes(K, format);
 #pragma omp parallel num_threads(num_threads)
     {
@@ -1064,7 +1090,9 @@ static int block_sum_halves(const float *x, int64_t ldx, const uint8_t *packed, 
         while (half_run_next(&run, &p, &half)) {
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const float *b = bias == NULL ? NULL : bias + p * NR;
-            /* `half` and the rows constants in each call, so that the loops over vectors and rows unroll */
+            /* the switch inside the parallel region, as in gemm_quant_f32; `half` (and the rows) a constant in each
+             * call, so that the loops over vector pairs (and rows) unroll */
+#if defined(BLOCK_SUMS)
 #define SUMS_TILE(fmt, part, rows)                                                                             \
     tile_quant_sums(x, ldx, sums, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, part, rows, fmt)
 #define SUMS_HALVES(fmt, rows)                                                                                 \
@@ -1083,46 +1111,17 @@ static int block_sum_halves(const float *x, int64_t ldx, const uint8_t *packed, 
         default: SUMS_HALVES(fmt, 4) break;                                                                     \
         }                                                                                                       \
         break;
-            switch (format) {
-                SUMS_ROWS(Q4) SUMS_ROWS(Q4K) SUMS_ROWS(Q4KC) SUMS_ROWS(Q8) SUMS_ROWS(Q6KC) SUMS_ROWS(Q5KC)
-                SUMS_ROWS(IQ4NL) SUMS_ROWS(IQ4XS)
+            if (sums != NULL) {
+                switch (format) {
+                    SUMS_ROWS(Q4) SUMS_ROWS(Q4K) SUMS_ROWS(Q4KC) SUMS_ROWS(Q8) SUMS_ROWS(Q6KC) SUMS_ROWS(Q5KC)
+                    SUMS_ROWS(IQ4NL) SUMS_ROWS(IQ4XS)
+                }
+                continue;
             }
 #undef SUMS_ROWS
 #undef SUMS_HALVES
 #undef SUMS_TILE
-        }
-    }
-    free(sums);
-    return 0;
-}
 #endif
-
-/* One row (single-sequence decode) over every panel, the threads splitting the panels by halves (half_run); whole
- * panels go by row_quant's blocks as ever. With the tall tiles (AVX-512), more rows than a tile of all 64 columns
- * holds (QUANT_TILE_ROWS), up to QUANT_TALL_ROWS, go the same way, each half panel's weights dequantized once for all
- * the rows, where tiles of 6 rows would dequantize them again for the rest (7 rows cost 6 and 1); from 11 rows the
- * FMAs bound both ways, and tiles of 6 do as well. Those rows are copied into QUANT_TALL_ROWS rows, zeros past M.
- * Returns -1 where that copy cannot be had. */
-static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, const float *bias, float *y, int64_t ldy,
-                        int M, int N, int K, int num_threads, int format) {
-#if defined(QUANT_TALL_ROWS)
-    float *padded = NULL;
-    if (M > 1) {
-        padded = calloc((size_t)QUANT_TALL_ROWS * K, sizeof(float));
-        if (padded == NULL) return -1;
-        for (int r = 0; r < M; r++) memcpy(padded + (int64_t)r * K, x + r * ldx, (size_t)K * sizeof(float));
-    }
-#endif
-    const int64_t panel_bytes = quant_panel_bytes(K, format);
-#pragma omp parallel num_threads(num_threads)
-    {
-        HalfRun run = half_run((N + NR - 1) / NR, omp_get_thread_num(), omp_get_num_threads());
-        int p, half;
-        while (half_run_next(&run, &p, &half)) {
-            const int cols = N - p * NR < NR ? N - p * NR : NR;
-            const float *b = bias == NULL ? NULL : bias + p * NR;
-            /* the switch inside the parallel region, as in gemm_quant_f32; `half` a constant in each call, so that
-             * row_quant's loop over vector pairs unrolls */
 #if defined(QUANT_TALL_ROWS)
 #define TALL_HALF(fmt, part) tall_quant(padded, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, M, part, fmt)
 #define TALL_HALVES(fmt)                                                                                       \
@@ -1152,6 +1151,9 @@ static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, cons
 #if defined(QUANT_TALL_ROWS)
     free(padded);
 #endif
+#if defined(BLOCK_SUMS)
+    free(sums);
+#endif
     return 0;
 }
 
@@ -1176,13 +1178,7 @@ static inline __attribute__((always_inline)) void quant_item(const float *x, int
 int gemm_quant_available(void) { return 1; }
 
 /* Whether rows of `format` flagged BF16_MODEL take block sums in this build (up to SUM_TILE_ROWS of them). */
-int gemm_quant_block_sums(int format) {
-#if defined(BLOCK_SUMS)
-    return block_sum_format(format);
-#else
-    return 0;
-#endif
-}
+int gemm_quant_block_sums(int format) { return block_sum_rows(1, format, 1); }
 
 /* packed: [ceil(N / 64), quant_panel_bytes(K, format)] bytes of panels of one format (the enum above,
  * which native/gemms.py's QUANT_FORMATS numbers alike, or'd with BF16_MODEL for a bfloat16 model's layer); K a
@@ -1192,16 +1188,12 @@ int gemm_quant_f32(const float *x, int64_t ldx, const uint8_t *packed, const flo
     const int bf16_model = format & BF16_MODEL;
     format &= ~BF16_MODEL;
     if (!takes_format(format, K)) return -1;
-#if defined(BLOCK_SUMS)
-    if (bf16_model && M >= 1 && M <= SUM_TILE_ROWS && block_sum_format(format))
-        return block_sum_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
-#endif
 #if defined(QUANT_TALL_ROWS)
-    if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS))
+    if (M == 1 || (M > QUANT_TILE_ROWS && M <= QUANT_TALL_ROWS) || block_sum_rows(M, format, bf16_model))
 #else
     if (M == 1)
 #endif
-        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format);
+        return quant_halves(x, ldx, packed, bias, y, ldy, M, N, K, num_threads, format, bf16_model);
     const int panels = (N + NR - 1) / NR;
     const int block = row_block(M, K, panels, num_threads);
     const int row_blocks = (M + block - 1) / block;
