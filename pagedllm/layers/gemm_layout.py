@@ -276,7 +276,7 @@ class QuantizedWeight:
         in_features = x.shape[-1]
         if self.bf16_layout is not None and x.numel() >= BF16_MIN_ROWS * in_features:
             panels = self.bf16_layout.bf16_panels_scratch(self.out_features, in_features)
-            native.dequant_bf16()(self.panels, panels, self.out_features, in_features, self.kernel.name[:-4])
+            native.dequant_bf16()(self.panels, panels, self.out_features, in_features, self.kernel)
             return native.gemm_bf16()(x, panels, bias, self.out_features, out=out)
         return self.kernel(x, self.panels, bias, self.out_features, out=out)
 

@@ -1254,7 +1254,7 @@ static void bf16_panels_of(const float *dense, int K, int p, int out_panels, uin
  * panels (AMX tiles) than by dequantizing as they go. Returns -1 for a K or a format it cannot take, -2 where a
  * thread's scratch could not be had. */
 int dequant_bf16_panels(const uint8_t *packed, uint16_t *out, int N, int K, int num_threads, int format) {
-    format &= ~BF16_MODEL; /* gemm_quant_f32's format numbers, flag and all (moe_quant_f32 passes them on) */
+    format &= ~BF16_MODEL; /* gemm_quant_f32's format numbers, flag and all, as a layer's kernel holds them */
     if (!takes_format(format, K) || K % 32 != 0) return -1;
     const int panels = (N + NR - 1) / NR, out_panels = (N + 31) / 32;
     const int64_t panel_bytes = quant_panel_bytes(K, format);

@@ -138,19 +138,20 @@ class Gemm:
 
 
 class DequantBf16:
-    """dequant_bf16_panels: a quantized weight's panels (``quant_format``'s, gemms.QUANT_FORMATS) as gemm_bf16's,
-    written into ``out`` (PANELS[GEMM_BF16.name]'s shape for ``out_features`` x ``in_features``)."""
+    """dequant_bf16_panels: a quantized weight's panels (in the format of ``kernel``, the quantized Gemm whose panels
+    they are) as gemm_bf16's, written into ``out`` (PANELS[GEMM_BF16.name]'s shape for ``out_features`` x
+    ``in_features``)."""
 
     def __init__(self, lib: ctypes.CDLL):
         self.function = lib.dequant_bf16_panels
 
     def __call__(self, packed: torch.Tensor, out: torch.Tensor, out_features: int, in_features: int,
-                 quant_format: str) -> torch.Tensor:
+                 kernel: Gemm) -> torch.Tensor:
         if checks.ENABLED:
             expect(DEQUANT_BF16.name, "out", out, torch.bfloat16,
                    PANELS[GEMM_BF16.name][1](out_features, in_features), contiguous=True)
         status = launch(self.function, packed.data_ptr(), out.data_ptr(), out_features, in_features,
-                        torch.get_num_threads(), QUANT_FORMATS[quant_format])
+                        torch.get_num_threads(), *kernel.format_args)
         if status != 0:
             raise RuntimeError(f"{DEQUANT_BF16.name} rejected its arguments or had no scratch (status {status})")
         return out
