@@ -191,8 +191,8 @@ class QuantizedWeight:
     the weight into the model's bf16 scratch as gemm_bf16's panels and multiplies on AMX tiles: F.linear on the
     dequantized weight rounded to bf16, as the model's dense layers compute, and faster than the quantized kernels'
     float32 FMAs from about that many rows (docs/benchmarks.md). In a bfloat16 model up to 4 rows of Q4_0/Q4_1,
-    Q4_K, Q5_K, Q6_K, Q8_0 and IQ4 take gemm.c's block sums (Gemm.for_bf16_model): float32 rounding in an order of its
-    own, not the dense kernel's bits."""
+    Q2_K-Q6_K (compact panels), Q8_0 and IQ4 take gemm.c's block sums (Gemm.for_bf16_model): float32 rounding in an
+    order of its own, not the dense kernel's bits."""
 
     def __init__(self, kernel_name: str, panels: torch.Tensor, out_features: int,
                  layout: WeightLayout | None = None, in_features: int | None = None):

@@ -689,10 +689,11 @@ static inline __attribute__((always_inline)) void row_quant(const float *x, cons
 #if defined(__AVX512VBMI__)
 #define BLOCK_SUMS
 #define SUM_TILE_ROWS 4 /* rows tile_quant_sums takes: from 5 the dequantizing tiles do about as well */
-/* The formats whose rows take block sums (tile_quant_sums): codes of up to 7 bits as nibbles (Q4, Q4K, Q4KC)
- * or nibbles and plane bits (Q6KC, Q5KC), IQ4's nibble indices, and Q8_0's int8 codes. */
+/* The formats whose rows take block sums (tile_quant_sums): codes of up to 7 bits as nibbles (Q4, Q4K, Q4KC),
+ * nibbles and plane bits (Q6KC, Q5KC) or plane bits alone (Q3KC, Q2KC), IQ4's nibble indices, and Q8_0's int8
+ * codes. */
 static inline int block_sum_format(const int fmt) {
-    return fmt == Q4 || fmt == Q4K || fmt == Q4KC || fmt == Q6KC || fmt == Q5KC || fmt == Q8 || nonlinear(fmt);
+    return fmt == Q4 || fmt == Q4K || fmt == Q4KC || packed_codes(fmt) || fmt == Q8 || nonlinear(fmt);
 }
 /* Whether tile_quant_sums takes a format's codes as the floats 1 + c / 128 (else as their values: Q8's, IQ4's). */
 static inline int unit_codes(const int fmt) { return !int8_codes(fmt) && !nonlinear(fmt); }
@@ -704,6 +705,25 @@ static void block_sums_of(const float *x, int K, int block, float *sums) {
         if (block == 32) v = _mm512_add_ps(v, _mm512_loadu_ps(x + block * blk + 16));
         sums[blk] = _mm512_reduce_add_ps(v);
     }
+}
+
+/* Vector j's 16 codes of a plane-only row (Q3KC's 3 bits, Q2KC's 2 a column) at bits 16 and up of their lanes (the
+ * bits above them not cleared): one multishift from a quadword holding the vector's plane bits, lane i's byte 2 taken
+ * from its column's first bit. Q3KC's 48 bits are read with the 2 bytes before them, as plane3_codes reads them;
+ * Q2KC's 32 bits fill both halves of the quadword. */
+static inline __attribute__((always_inline)) __m512i plane_codes_at_16(const uint8_t *plane, int j, const int fmt) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int64_t quad;
+    if (plane_bits(fmt) == 3) {
+        memcpy(&quad, plane + 6 * j - 2, 8);
+        return _mm512_multishift_epi64_epi8(
+            _mm512_slli_epi32(_mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(3)), _mm512_set1_epi32(16)),
+                              16),
+            _mm512_set1_epi64(quad));
+    }
+    const uint32_t word = plane_word(plane + 4 * j, 16, fmt);
+    quad = (int64_t)((uint64_t)word << 32 | word);
+    return _mm512_multishift_epi64_epi8(_mm512_slli_epi32(_mm512_add_epi32(lane, lane), 16), _mm512_set1_epi64(quad));
 }
 
 /* The byte permutation putting byte `first` + i of a row in every byte of lane i. */
@@ -758,6 +778,13 @@ static inline __attribute__((always_inline)) void tile_quant_sums(const float *x
                         if (vectors >> j & 1u)
                             w[j] = _mm512_cvtepi32_ps(
                                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + k * NR + 16 * j))));
+                } else if (packed_codes(fmt) && !nibble_rows(fmt)) { /* Q3KC's and Q2KC's plane bits alone */
+                    const uint8_t *plane = plane_row(record, k, fmt);
+                    const __m512i plane_bits16 = _mm512_set1_epi32(((1 << plane_bits(fmt)) - 1) << 16);
+                    for (int j = 0; j < 4; j++)
+                        if (vectors >> j & 1u)
+                            w[j] = (__m512)_mm512_ternarylogic_epi32(plane_codes_at_16(plane, j, fmt), plane_bits16,
+                                                                     one, 0xEA);
                 } else if (packed_codes(fmt)) { /* Q6KC's and Q5KC's codes as bytes in column order */
                     const __m512i row = packed_row_bytes(record, k, fmt);
                     for (int j = 0; j < 4; j++)
@@ -1056,6 +1083,40 @@ static inline int block_sum_rows(int M, int format, int bf16_model) {
 #endif
 }
 
+#if defined(BLOCK_SUMS)
+/* quant_halves' item (panel p's half `half`, or all of it) for M rows by block sums: a function of its own, which
+ * keeps quant_halves' parallel region, and the compile time of its formats' other paths, small. `half` and the rows
+ * are constants in each call, so that the loops over vectors and rows unroll. */
+static __attribute__((noinline)) void block_sum_item(const float *x, int64_t ldx, const float *sums,
+                                                     const uint8_t *panel, const float *b, float *y, int64_t ldy,
+                                                     int K, int cols, int half, int M, int format) {
+#define SUMS_TILE(fmt, part, rows) tile_quant_sums(x, ldx, sums, panel, b, y, ldy, K, cols, part, rows, fmt)
+#define SUMS_HALVES(fmt, rows)                                                                                 \
+    if (half != 1) SUMS_TILE(fmt, 0, rows);                                                                     \
+    if (half != 0) SUMS_TILE(fmt, 1, rows);
+#define SUMS_ROWS(fmt)                                                                                         \
+    case fmt:                                                                                                   \
+        switch (M) {                                                                                            \
+        case 1:                                                                                                 \
+            if (half < 0) SUMS_TILE(fmt, -1, 1);                                                                \
+            else if (half == 0) SUMS_TILE(fmt, 0, 1);                                                           \
+            else SUMS_TILE(fmt, 1, 1);                                                                          \
+            break;                                                                                              \
+        case 2: SUMS_HALVES(fmt, 2) break;                                                                      \
+        case 3: SUMS_HALVES(fmt, 3) break;                                                                      \
+        default: SUMS_HALVES(fmt, 4) break;                                                                     \
+        }                                                                                                       \
+        break;
+    switch (format) {
+        SUMS_ROWS(Q4) SUMS_ROWS(Q4K) SUMS_ROWS(Q4KC) SUMS_ROWS(Q8) SUMS_ROWS(Q6KC) SUMS_ROWS(Q5KC)
+        SUMS_ROWS(IQ4NL) SUMS_ROWS(IQ4XS) SUMS_ROWS(Q3KC) SUMS_ROWS(Q2KC)
+    }
+#undef SUMS_ROWS
+#undef SUMS_HALVES
+#undef SUMS_TILE
+}
+#endif
+
 /* One row (single-sequence decode) over every panel, the threads splitting the panels by halves (half_run); whole
  * panels go by row_quant's blocks as ever. With the tall tiles (AVX-512), more rows than a tile of all 64 columns
  * holds (QUANT_TILE_ROWS), up to QUANT_TALL_ROWS, go the same way, each half panel's weights dequantized once for all
@@ -1090,37 +1151,13 @@ static int quant_halves(const float *x, int64_t ldx, const uint8_t *packed, cons
         while (half_run_next(&run, &p, &half)) {
             const int cols = N - p * NR < NR ? N - p * NR : NR;
             const float *b = bias == NULL ? NULL : bias + p * NR;
-            /* the switch inside the parallel region, as in gemm_quant_f32; `half` (and the rows) a constant in each
-             * call, so that the loops over vector pairs (and rows) unroll */
+            /* the switch inside the parallel region, as in gemm_quant_f32; `half` a constant in each call, so that
+             * row_quant's loop over vector pairs unrolls */
 #if defined(BLOCK_SUMS)
-#define SUMS_TILE(fmt, part, rows)                                                                             \
-    tile_quant_sums(x, ldx, sums, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, part, rows, fmt)
-#define SUMS_HALVES(fmt, rows)                                                                                 \
-    if (half != 1) SUMS_TILE(fmt, 0, rows);                                                                     \
-    if (half != 0) SUMS_TILE(fmt, 1, rows);
-#define SUMS_ROWS(fmt)                                                                                         \
-    case fmt:                                                                                                   \
-        switch (M) {                                                                                            \
-        case 1:                                                                                                 \
-            if (half < 0) SUMS_TILE(fmt, -1, 1);                                                                \
-            else if (half == 0) SUMS_TILE(fmt, 0, 1);                                                           \
-            else SUMS_TILE(fmt, 1, 1);                                                                          \
-            break;                                                                                              \
-        case 2: SUMS_HALVES(fmt, 2) break;                                                                      \
-        case 3: SUMS_HALVES(fmt, 3) break;                                                                      \
-        default: SUMS_HALVES(fmt, 4) break;                                                                     \
-        }                                                                                                       \
-        break;
             if (sums != NULL) {
-                switch (format) {
-                    SUMS_ROWS(Q4) SUMS_ROWS(Q4K) SUMS_ROWS(Q4KC) SUMS_ROWS(Q8) SUMS_ROWS(Q6KC) SUMS_ROWS(Q5KC)
-                    SUMS_ROWS(IQ4NL) SUMS_ROWS(IQ4XS)
-                }
+                block_sum_item(x, ldx, sums, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, half, M, format);
                 continue;
             }
-#undef SUMS_ROWS
-#undef SUMS_HALVES
-#undef SUMS_TILE
 #endif
 #if defined(QUANT_TALL_ROWS)
 #define TALL_HALF(fmt, part) tall_quant(padded, packed + p * panel_bytes, b, y + p * NR, ldy, K, cols, M, part, fmt)
