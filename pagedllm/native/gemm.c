@@ -538,17 +538,24 @@ static inline __attribute__((always_inline)) __m512i packed_row_bytes(const uint
 }
 #endif
 
+#if defined(__AVX512VBMI__)
+/* Q3KC's 16 codes of the 48 plane bits at `at` (as plane3_codes reads them), each at byte `byte` (a constant) of its
+ * lane, the bits above it not cleared: the 48 bits above the 2 bytes before them, in a quadword broadcast; lane i's
+ * byte multishifted from bit 16 + 3i of it. */
+static inline __attribute__((always_inline)) __m512i plane3_lanes(const uint8_t *at, const int byte) {
+    int64_t quad;
+    memcpy(&quad, at - 2, 8);
+    const __m512i from = _mm512_set_epi32(61, 58, 55, 52, 49, 46, 43, 40, 37, 34, 31, 28, 25, 22, 19, 16);
+    return _mm512_multishift_epi64_epi8(_mm512_slli_epi32(from, 8 * byte), _mm512_set1_epi64(quad));
+}
+#endif
+
 /* Q3KC's 16 codes (one a lane) of the 48 plane bits at `at`: a row's columns 16j .. from its plane row + 6j, read
  * with a byte or two before them (the row's or the record's multipliers: a plane row follows them), none past the
  * row's end. */
 static inline __attribute__((always_inline)) __m512i plane3_codes(const uint8_t *at) {
 #if defined(__AVX512VBMI__)
-    /* the 48 bits above the 2 bytes before them, in a quadword broadcast; lane i's first byte multishifted from bit
-     * 16 + 3i of it */
-    int64_t quad;
-    memcpy(&quad, at - 2, 8);
-    const __m512i from = _mm512_set_epi32(61, 58, 55, 52, 49, 46, 43, 40, 37, 34, 31, 28, 25, 22, 19, 16);
-    return _mm512_and_si512(_mm512_multishift_epi64_epi8(from, _mm512_set1_epi64(quad)), _mm512_set1_epi32(7));
+    return _mm512_and_si512(plane3_lanes(at, 0), _mm512_set1_epi32(7));
 #else
     /* each 8 lanes' 24 bits in the word ending at their last byte, above the byte before them */
     int32_t low, high;
@@ -709,21 +716,13 @@ static void block_sums_of(const float *x, int K, int block, float *sums) {
 
 /* Vector j's 16 codes of a plane-only row (Q3KC's 3 bits, Q2KC's 2 a column) at bits 16 and up of their lanes (the
  * bits above them not cleared): one multishift from a quadword holding the vector's plane bits, lane i's byte 2 taken
- * from its column's first bit. Q3KC's 48 bits are read with the 2 bytes before them, as plane3_codes reads them;
- * Q2KC's 32 bits fill both halves of the quadword. */
+ * from its column's first bit (Q3KC: plane3_lanes; Q2KC's 32 bits fill both halves of the quadword). */
 static inline __attribute__((always_inline)) __m512i plane_codes_at_16(const uint8_t *plane, int j, const int fmt) {
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    int64_t quad;
-    if (plane_bits(fmt) == 3) {
-        memcpy(&quad, plane + 6 * j - 2, 8);
-        return _mm512_multishift_epi64_epi8(
-            _mm512_slli_epi32(_mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(3)), _mm512_set1_epi32(16)),
-                              16),
-            _mm512_set1_epi64(quad));
-    }
+    if (plane_bits(fmt) == 3) return plane3_lanes(plane + 6 * j, 2);
     const uint32_t word = plane_word(plane + 4 * j, 16, fmt);
-    quad = (int64_t)((uint64_t)word << 32 | word);
-    return _mm512_multishift_epi64_epi8(_mm512_slli_epi32(_mm512_add_epi32(lane, lane), 16), _mm512_set1_epi64(quad));
+    const __m512i from = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_multishift_epi64_epi8(_mm512_slli_epi32(from, 16),
+                                        _mm512_set1_epi64((int64_t)((uint64_t)word << 32 | word)));
 }
 
 /* The byte permutation putting byte `first` + i of a row in every byte of lane i. */
