@@ -63,6 +63,18 @@
 
 #define ALL_VECTORS 0xFu /* a panel's four vectors of 16 columns */
 
+/* y[0:64] = one row's 4 accumulators (+ bias), those of the vectors in the bit set `vectors` (a constant; vector j:
+ * columns 16j .. 16j + 15) under the panel's column masks (column_masks); the tiles' epilogue. */
+static inline __attribute__((always_inline)) void store_vectors(const __m512 c[4], const float *bias, float *y,
+                                                                const __mmask16 masks[4], const unsigned vectors) {
+    for (int j = 0; j < 4; j++) {
+        if (!(vectors >> j & 1u)) continue;
+        __m512 v = c[j];
+        if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
+        _mm512_mask_storeu_ps(y + 16 * j, masks[j], v);
+    }
+}
+
 /* rows x 64 tile (rows <= MR, a constant after inlining): y[r][0:cols] = x[r] . panel (+ bias), for the vectors in
  * the bit set `vectors` (a constant; vector j: columns 16j .. 16j + 15). */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const float *panel,
@@ -86,13 +98,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
                 if (vectors >> j & 1u) c[r][j] = _mm512_fmadd_ps(b, w[j], c[r][j]);
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) {
-            if (!(vectors >> j & 1u)) continue;
-            __m512 v = c[r][j];
-            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
-            _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
-        }
+    for (int r = 0; r < rows; r++) store_vectors(c[r], bias, y + r * ldy, masks, vectors);
 }
 
 /* Store masks for a panel's last `cols` columns (64 for a full panel). */
@@ -659,13 +665,7 @@ static inline __attribute__((always_inline)) void tile_quant(const float *x, int
             }
         }
     }
-    for (int r = 0; r < rows && r < live; r++)
-        for (int j = 0; j < 4; j++) {
-            if (!(vectors >> j & 1u)) continue;
-            __m512 v = c[r][j];
-            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
-            _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
-        }
+    for (int r = 0; r < rows && r < live; r++) store_vectors(c[r], bias, y + r * ldy, masks, vectors);
 }
 
 static inline __attribute__((always_inline)) void quant_panel_rows(const float *x, int64_t ldx,
@@ -823,13 +823,7 @@ static inline __attribute__((always_inline)) void tile_quant_sums(const float *x
             }
         }
     }
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) {
-            if (!(vectors >> j & 1u)) continue;
-            __m512 v = out[r][j];
-            if (bias != NULL) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(masks[j], bias + 16 * j));
-            _mm512_mask_storeu_ps(y + r * ldy + 16 * j, masks[j], v);
-        }
+    for (int r = 0; r < rows; r++) store_vectors(out[r], bias, y + r * ldy, masks, vectors);
 }
 #endif
 
