@@ -204,11 +204,15 @@ class KVCacheManager:
                 del self.req_to_blocks[request_id]
             return None
 
-        new_blocks = []
+        # Every group's hits out of the free queue before any group's new blocks come from it: a hit block near the
+        # queue's front would otherwise be handed out (its hash dropped) as another group's new block, and then held
+        # by both (vLLM's coordinator saves all hits before allocating).
         for blocks, hits in zip(req_blocks, new_computed_blocks):
             if hits:
                 self.block_pool.touch(hits)
                 blocks.extend(hits)
+        new_blocks = []
+        for blocks in req_blocks:
             new = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
             blocks.extend(new)
             new_blocks.append(new)

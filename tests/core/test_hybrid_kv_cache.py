@@ -49,3 +49,29 @@ def test_a_prefix_hit_is_cut_to_what_every_group_has_cached():
     assert [len(blocks) for blocks in new] == [3, 3] and all(block.ref_cnt == 1 for block in a_full[:5])
     manager.free(b)
     assert manager.block_pool.get_num_free_blocks() == 40
+
+
+def test_a_hit_block_at_the_free_queues_front_is_no_other_groups_new_block():
+    """Every group's hit blocks leave the free queue before any group takes new blocks from it: a windowed group's
+    hit at the queue's front must not also become the full-attention group's fresh block (held by both, one
+    overwriting the other's cached K/V)."""
+    manager = KVCacheManager(num_blocks=12, block_size=BS, max_model_len=100, group_windows=(None, WINDOW))
+    a = _req("a", list(range(100, 108)))  # two full blocks cached in each group, then freed
+    manager.allocate_slots(a, a.num_tokens)
+    a.num_computed_tokens = a.num_tokens
+    manager.free(a)
+    c = _req("c", list(range(500, 516)))  # an unrelated request cycles the other blocks: a's are first to go
+    manager.allocate_slots(c, c.num_tokens)
+    c.num_computed_tokens = c.num_tokens
+    manager.free(c)
+    b = _req("b", list(range(100, 108)) + list(range(900, 909)))  # a's prefix and more
+    hits, num_hit = manager.get_computed_blocks(b)
+    assert num_hit == 8
+    assert manager.allocate_slots(b, b.num_tokens - num_hit, hits, num_hit) is not None
+    full, local = manager.req_to_blocks["b"]
+    null = manager.block_pool.null_block
+    assert not {id(block) for block in full} & {id(block) for block in local if block is not null}
+    assert all(block.ref_cnt == 1 for block in full + local if block is not null)
+    assert all(block.block_hash is not None for block in full[:2] + [local[1]])  # the hits still cached
+    manager.free(b)
+    assert manager.block_pool.get_num_free_blocks() == 12
