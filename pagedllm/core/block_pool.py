@@ -66,6 +66,11 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops the blocks' hashes from the prefix cache (the null block has none), wherever they are held."""
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """A prefix hit: take each block out of the free queue if it was free, and count the new owner."""
         for block in blocks:

@@ -232,6 +232,16 @@ class KVCacheManager:
                 group.cache_full_blocks(request.block_hashes, blocks, num_cached, num_full)
             self.num_cached_block[request.request_id] = num_full
 
+    def uncache_uncomputed_blocks(self, request: Request) -> None:
+        """Drops from the prefix cache the request's blocks that hold a token it has not computed: registered when
+        its slots were allocated for a step that will not run them (a request preempted in the step that scheduled
+        it, which the priority policy may pick), they would otherwise serve later hits K/V never written."""
+        first = request.num_computed_tokens // self.block_size
+        for blocks in self.req_to_blocks.get(request.request_id, ()):
+            self.block_pool.uncache_blocks(blocks[first:])
+        if self.num_cached_block.get(request.request_id, 0) > first:
+            self.num_cached_block[request.request_id] = first
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks, each group's tail first, so its unique tail is evicted before a shared
         prefix."""

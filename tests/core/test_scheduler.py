@@ -2,8 +2,8 @@
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.protocol import FinishReason
 from pagedllm.worker.outputs import ModelRunnerOutput
-from tests.core.helpers import (EOS, abort, assert_block_invariants, fake_model_output, make_request,
-                                make_scheduler, run_to_completion, step)
+from tests.core.helpers import (EOS, SpeculatingWorker, abort, assert_block_invariants, assert_no_leaks,
+                                fake_model_output, make_request, make_scheduler, run_to_completion, step)
 
 
 def prompts(n, length, start=100):
@@ -128,6 +128,24 @@ def test_priority_preemption_picks_the_lowest_priority():
     assert victims == ["low"]
     assert scheduler.requests["low"].status == RequestStatus.PREEMPTED
     abort(scheduler, "low", "high", "mid")
+
+
+def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_no_uncomputed_block_cached():
+    """The priority policy may preempt a request it already scheduled this step; the full blocks its allocation
+    registered in the prefix cache hold tokens no step computed, so they must not serve a hit when it resumes."""
+    scheduler = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+                               policy="priority", enable_prefix_caching=True)
+    worker = SpeculatingWorker(draft_fn=lambda req_id, num_tokens: [])
+    scheduler.add_request(make_request("low", list(range(100, 124)), block_size=4, priority=5, max_tokens=4))
+    worker.step(scheduler)
+    scheduler.add_request(make_request("high", list(range(200, 224)), block_size=4, priority=0, max_tokens=4))
+    worker.step(scheduler)
+    out, _ = worker.step(scheduler)
+    assert out.preempted_req_ids == {"low"} and "low" not in out.num_scheduled_tokens
+    abort(scheduler, "high")  # "low" resumes alone, through whatever its prefix hits
+    got = worker.run(scheduler)  # checks after each step that the computed positions hold the request's tokens
+    assert len(got["low"]) == 4
+    assert_no_leaks(scheduler)
 
 
 def test_priority_waiting_order_is_value_then_arrival():

@@ -207,6 +207,8 @@ class Scheduler:
                     new_blocks_of.pop(victim.request_id)
                     spec_tokens.pop(victim.request_id, None)
                     scheduled_running.remove(victim)
+                    # Its allocation this step registered the blocks its tokens would fill, which no step computes now.
+                    self.kv_cache_manager.uncache_uncomputed_blocks(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
