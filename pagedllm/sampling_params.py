@@ -1,6 +1,8 @@
 """SamplingParams: how one request is decoded, validated up front so bad input fails fast with the field named."""
 from __future__ import annotations
 
+import math
+import os
 from enum import IntEnum
 from typing import Optional, Union
 
@@ -11,6 +13,10 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 _SAMPLING_EPS = 1e-5
 # vLLM's default max_logprobs: the most logprobs a request may ask for, unless the engine says otherwise.
 MAX_LOGPROBS = 20
+# The most sequences (n) one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES): each is a request of its own.
+MAX_N_SEQUENCES = int(os.environ.get("PAGEDLLM_MAX_N_SEQUENCES", "16384"))
+# Integers cross to the engine process as MessagePack, which holds 64 bits.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class SamplingType(IntEnum):
@@ -80,8 +86,26 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
+        if self.n > MAX_N_SEQUENCES:
+            bad("n", f"must be at most {MAX_N_SEQUENCES}, got {self.n}. To increase this limit, set the "
+                     "PAGEDLLM_MAX_N_SEQUENCES environment variable.")
+        for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:
+                bad(name, f"must be a 64-bit integer, got {value}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if any(isinstance(t, int) and not _INT64_MIN <= t <= _INT64_MAX for t in getattr(self, name) or ()):
+                bad(name, "must hold 64-bit integers.")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                bad(name, f"must be a finite number, got {value}.")
         if self.temperature < 0.0:
             bad("temperature", f"must be non-negative, got {self.temperature}.")
+        if self.temperature > 2.0:
+            bad("temperature", f"must be in [0, 2], got {self.temperature}.")
+        if self.temperature < _SAMPLING_EPS and self.n > 1:
+            bad("n", f"must be 1 when using greedy sampling, got {self.n}.")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p}.")
         if self.top_k < 0:
@@ -130,6 +154,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 def _int_keys_clamped(logit_bias: dict) -> dict[int, float]:
     """Token ids as ints (JSON sends them as strings) and biases clamped to [-100, 100], as vLLM does."""
     try:
-        return {int(token_id): min(100.0, max(-100.0, float(bias))) for token_id, bias in logit_bias.items()}
+        biases = {int(token_id): float(bias) for token_id, bias in logit_bias.items()}
     except (TypeError, ValueError):
         raise ValueError(f"logit_bias keys must be token ids (integers), got {list(logit_bias)!r}.") from None
+    if not all(math.isfinite(bias) for bias in biases.values()):
+        raise ValueError(f"logit_bias values must be finite numbers, got {list(biases.values())!r}.")
+    return {token_id: min(100.0, max(-100.0, bias)) for token_id, bias in biases.items()}

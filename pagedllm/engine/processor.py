@@ -121,6 +121,8 @@ class Processor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None, priority: int = 0,
                 lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
+        if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         self.validate_lora_request(lora_request)

@@ -23,15 +23,44 @@ def test_streamed_deltas_equal_the_greedy_completion(client, tokenizer):
 
 
 def test_batch_of_prompts_with_n(client, tokenizer):
-    """Choice i * n + j is prompt i's choice j."""
+    """Choice i * n + j is prompt i's choice j (prompt i's, as its text shows with a prompt that forces it)."""
     prompts = [PROMPT, "Once upon a time"]
-    full = client.completions.create(model="smollm2-135m-instruct", prompt=prompts, n=2, temperature=0,
-                                     max_tokens=5, extra_body={"ignore_eos": True})
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=prompts, n=2, temperature=1.0, seed=0,
+                                     max_tokens=5, echo=True, extra_body={"ignore_eos": True})
     assert [c.index for c in full.choices] == [0, 1, 2, 3]
-    single = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=5)
-    assert full.choices[0].text == full.choices[1].text == single.choices[0].text
+    assert [c.text.startswith(prompts[c.index // 2]) for c in full.choices] == [True] * 4
     assert full.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
     assert full.usage.completion_tokens == 4 * 5
+
+
+def test_echo_without_generation(client, tokenizer):
+    """echo with max_tokens 0 returns the prompt and its logprobs alone (vLLM's answer, which
+    lm-evaluation-harness's loglikelihood requests use), streamed or not."""
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=0, echo=True,
+                                     logprobs=1)
+    choice = full.choices[0]
+    num_prompt = len(tokenizer.encode(PROMPT))
+    assert choice.text == PROMPT and len(choice.logprobs.tokens) == num_prompt
+    assert choice.logprobs.token_logprobs[0] is None and all(lp < 0 for lp in choice.logprobs.token_logprobs[1:])
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (num_prompt, 0)
+    stream = list(client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=0, echo=True,
+                                            logprobs=1, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in stream if c.choices) == PROMPT
+    assert [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs] \
+        == choice.logprobs.token_logprobs
+    assert stream[-1].usage == full.usage
+
+
+def test_continuous_usage_stats(client, tokenizer):
+    """With stream_options.continuous_usage_stats every chunk carries its choice's usage so far (vLLM's)."""
+    stream = list(client.completions.create(
+        model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=6, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    num_prompt = len(tokenizer.encode(PROMPT))
+    counts = [c.usage.completion_tokens for c in stream[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 6
+    assert all(c.usage.prompt_tokens == num_prompt for c in stream)
+    assert stream[-1].choices == [] and stream[-1].usage.completion_tokens == 6
 
 
 def test_token_id_prompt(client, tokenizer):

@@ -2,6 +2,8 @@
 key), and the server keeps serving afterwards."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -31,13 +33,37 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {str(10 ** 6): 5}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": HI, "allowed_token_ids": [-1]}, "allowed_token_ids"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "xml"}}, "response_format.type"),
+    # vLLM's limits: n at most 16384 (each choice a request of its own), one choice when greedy, temperature in
+    # [0, 2], finite numbers, integers that fit the 64 bits the engine's messages carry.
+    ("/v1/completions", {"prompt": "Hi", "n": 10 ** 9}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "n": 3, "temperature": 0}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": 2.5}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": float("nan")}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": float("inf")}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"28": float("nan")}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "seed": 2 ** 70}, "seed"),
+    ("/v1/completions", {"prompt": "Hi", "top_k": 2 ** 70}, "top_k"),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [2 ** 70]}, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": HI, "priority": 2 ** 70}, "priority"),
+    # Stream-only options, and a prompt that both continues its last message and opens a new one.
+    ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "Hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
+    ("/tokenize", {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
 ]
+
+
+def post(http: httpx.Client, path: str, body: dict) -> httpx.Response:
+    """``body`` as JSON, NaN and Infinity included (as Python's json writes them, and servers' parsers read them)."""
+    return http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.parametrize("path, body, param", BAD_REQUESTS, ids=[f"{p}:{param}" for p, _, param in BAD_REQUESTS])
 def test_bad_request_names_the_field(server, path, body, param):
     with server.http() as http:
-        response = http.post(path, json=body)
+        response = post(http, path, body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["type"], error["param"], error["code"]) == ("BadRequestError", param, 400)
@@ -90,6 +116,6 @@ def test_api_key_is_required_for_v1(server):
 def test_server_answers_after_bad_requests(server):
     for path, body, _ in BAD_REQUESTS:
         with server.http() as http:
-            http.post(path, json=body)
+            post(http, path, body)
     reply = server.get_client().chat.completions.create(model="smollm2-135m-instruct", messages=HI, max_tokens=4)
     assert reply.choices[0].message.content
