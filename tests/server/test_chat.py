@@ -78,6 +78,26 @@ def test_n_choices(client, model):
     assert chunks[-1].usage == full.usage
 
 
+def test_continuous_usage_stats_count_each_choice(client, model):
+    """With stream_options.continuous_usage_stats every chunk carries its choice's usage so far (vLLM's); the last
+    chunk the request's."""
+    stream = client.chat.completions.create(
+        model=model, messages=MESSAGES, n=2, max_tokens=5, seed=3, temperature=1.0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    _, _, chunks = stream_text(stream)
+    per_choice: dict[int, list[int]] = {}
+    for chunk in chunks[:-1]:
+        per_choice.setdefault(chunk.choices[0].index, []).append(chunk.usage.completion_tokens)
+    assert all(counts[0] == 0 and counts == sorted(counts) and counts[-1] == 5 for counts in per_choice.values())
+    assert set(per_choice) == {0, 1} and chunks[-1].usage.completion_tokens == 10
+
+
+def test_top_logprobs_0_needs_no_logprobs(client, model):
+    """As vLLM: only a top_logprobs that asks for some needs logprobs on."""
+    full = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, top_logprobs=0)
+    assert full.choices[0].logprobs is None
+
+
 def test_logprobs(client, model):
     full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
                                           logprobs=True, top_logprobs=3)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
-from pagedllm.entrypoints.openai.protocol import ChatMessageParam
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TokenizeChatRequest
 
 
 def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
@@ -19,14 +19,25 @@ def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
     raise ValueError(f"--chat-template: {chat_template!r} is neither a file nor a Jinja template.")
 
 
+def check_generation_prompt(request: Union[ChatCompletionRequest, TokenizeChatRequest]) -> None:
+    """As vLLM: a request continues its last message or opens a new one, not both. add_generation_prompt is on by
+    default, so only a request that sets both is refused (continuing alone turns the generation prompt off)."""
+    if request.continue_final_message and request.add_generation_prompt and \
+            "add_generation_prompt" in request.model_fields_set:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
+
+
 def _text_content(content: Any, index: int) -> str:
     """OpenAI allows content as a list of parts; a text model reads their text, joined by newlines."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
-    for part in content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"messages.{index}.content: only text parts are supported, got {part.get('type')!r}.")
+    for j, part in enumerate(content):
+        if part.get("type") != "text":
+            raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got "
+                             f"{part.get('type')!r}.")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{index}].content[{j}].text must be a string.")
         texts.append(part["text"])
     return "\n".join(texts)
 

@@ -96,7 +96,11 @@ class UsageInfo(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
+    include_usage: Optional[bool] = False  # a last chunk with the request's usage
+    continuous_usage_stats: Optional[bool] = False  # with include_usage, every chunk with its choice's usage so far
+
+# priority crosses to the engine process as MessagePack, which holds 64 bits (SamplingParams checks its own fields).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 class JsonSchemaResponseFormat(OpenAIBaseModel):
@@ -142,7 +146,7 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
-    priority: int = 0
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's beam search extras: n beams, best first.
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -158,9 +162,21 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}.
     structured_outputs: Optional[dict[str, Any]] = None
 
+    def check_stream_options(self) -> None:
+        """As vLLM: stream_options need stream; prompt logprobs have no place in a stream."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be defined when stream=True.")
+        if self.stream and self.prompt_logprobs:
+            raise ValueError("prompt_logprobs are not available when stream=True.")
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def include_continuous_usage(self) -> bool:
+        """Whether every chunk of the stream carries its choice's usage so far (vLLM's continuous_usage_stats)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     @property
     def max_tokens_param(self) -> str:
@@ -211,9 +227,19 @@ class SamplingRequest(OpenAIBaseModel):
         """SamplingParams field -> this request's name for it, where they differ: errors name the request's."""
         return {}
 
+    @property
+    def constraint_field(self) -> str:
+        """The request field the output constraint came from, for errors about it (SamplingParams calls every
+        constraint structured_outputs)."""
+        if self.structured_outputs is None and self.response_format is not None:
+            return "response_format.json_schema"
+        return "structured_outputs"
+
     def rename_error(self, error: ValueError) -> ValueError:
         """``error`` (starting with a SamplingParams field) naming this request's field instead."""
         field, _, rest = str(error).partition(" ")
+        if field.split(".", 1)[0] == "structured_outputs":
+            return ValueError(f"{self.constraint_field} {rest}")
         return ValueError(f"{self.renamed_params[field]} {rest}") if field in self.renamed_params else error
 
     def _sampling_params(self, max_tokens: int, default_sampling_params: dict, logprobs: Optional[int],
@@ -251,6 +277,12 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: Optional[int] = None
     add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) back, nothing generated (as vLLM answers it, which
+        lm-evaluation-harness's loglikelihood requests use)."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self, max_tokens: int, default_sampling_params: dict) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
@@ -339,7 +371,7 @@ class ChatCompletionRequest(SamplingRequest):
     def to_sampling_params(self, max_tokens: int, default_sampling_params: dict,
                            tool_call_constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
         """tool_call_constraint: the grammar a required/named tool_choice imposes."""
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
         if tool_call_constraint is not None and self.structured_outputs_params() is not None:
             raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format "
@@ -351,6 +383,13 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def renamed_params(self) -> dict[str, str]:
         return {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
+
+    @property
+    def constraint_field(self) -> str:
+        """A required or named tool_choice constrains the output by the tools' schemas."""
+        if self.structured_outputs is None and self.response_format is None and self.tools:
+            return "tools"
+        return super().constraint_field
 
 
 class ChatMessage(OpenAIBaseModel):

@@ -7,15 +7,15 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.logger import RequestLogger
-from pagedllm.entrypoints.openai.chat_utils import apply_chat_template
+from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, check_generation_prompt
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatCompletionResponseChoice,
                                                   ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                                   ChatMessage, DeltaMessage, UsageInfo, random_uuid)
-from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, check_output, sse,
-                                                        sse_error)
+from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, check_output, named_field,
+                                                        sse, sse_error)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import (ToolCallParser, ToolChoice, detect_tool_call_parser,
                                                     resolve_tool_choice)
@@ -52,11 +52,12 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise BadRequestError(str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from e
         try:
+            check_generation_prompt(request)
             prompt_token_ids = apply_chat_template(
                 self.tokenizer, request.messages, self.chat_template, request.add_generation_prompt,
                 request.continue_final_message, [t.model_dump(exclude_none=True) for t in request.tools or []])
         except ValueError as e:
-            raise BadRequestError(str(e), "messages") from e
+            raise BadRequestError(str(e), named_field(e)) from e
         max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages",
                                       request.max_tokens_param)
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
@@ -75,15 +76,17 @@ class OpenAIServingChat(OpenAIServing):
                                                model_name: str, num_prompt_tokens: int,
                                                tool_choice: Optional[ToolChoice]) -> AsyncIterator[str]:
         created = int(time.time())
-        # With include_usage, every chunk carries "usage": null but the last, as from OpenAI.
-        usage_field = {"usage": None} if request.include_usage else {}
+        num_generated = [0] * (request.n or 1)  # each choice's completion tokens so far
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
+            # continuous_usage_stats, its choice's usage so far.
+            usage = UsageInfo.of(num_prompt_tokens, num_generated[choice.index]) \
+                if request.include_continuous_usage else None
             return sse(ChatCompletionStreamResponse(
-                id=request_id, object="chat.completion.chunk", created=created, model=model_name,
-                choices=[choice], **usage_field).model_dump_json(exclude_unset=True))
+                id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice],
+                **({"usage": usage} if request.include_usage else {})).model_dump_json(exclude_unset=True))
 
-        num_completion_tokens = 0
         # One tool-call parser per choice, when tool calls are to be read out of the text.
         parsers = [tool_choice.make_parser() if tool_choice else None for _ in range(request.n or 1)]
         try:
@@ -94,17 +97,21 @@ class OpenAIServingChat(OpenAIServing):
             async for res in results:
                 check_output(res)
                 for output in res.outputs:
-                    num_completion_tokens += len(output.token_ids)
+                    num_generated[output.index] += len(output.token_ids)
                     if not output.text and not output.token_ids and output.finish_reason is None:
                         continue
                     delta, finish_reason = self._stream_delta(output, parsers[output.index], tool_choice)
+                    logprobs = self._logprobs(request, output)
+                    if delta.content is None and delta.tool_calls is None and finish_reason is None and \
+                            logprobs is None:
+                        continue  # text a tool-call parser holds until it knows what it is
                     yield chunk(ChatCompletionResponseStreamChoice(
-                        index=output.index, delta=delta, logprobs=self._logprobs(request, output),
-                        finish_reason=finish_reason, stop_reason=output.stop_reason))
+                        index=output.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                        stop_reason=output.stop_reason))
             if request.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[],
-                    usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
+                    usage=UsageInfo.of(num_prompt_tokens, sum(num_generated)),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)

@@ -29,8 +29,9 @@ class OpenAIServingCompletion(OpenAIServing):
         """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""
         model_name = self.models.check_model(request.model)
         prompts = self._prompts(request)
-        params = [self._sampling_params(request, self._max_tokens(len(ids), request.max_tokens, "prompt",
-                                                                  "max_tokens")) for _, ids in prompts]
+        max_tokens = 1 if request.echo_only else request.max_tokens  # echo_only: the token generated is not sent
+        params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt", "max_tokens"))
+                  for _, ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         generators = [
@@ -51,53 +52,64 @@ class OpenAIServingCompletion(OpenAIServing):
         return [(p, self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)) if isinstance(p, str)
                 else (None, list(p)) for p in prompt]
 
+    @staticmethod
+    def _generated(request: CompletionRequest, output: CompletionOutput
+                   ) -> tuple[str, list[int], Optional[SampleLogprobs]]:
+        """The output's text, tokens and logprobs as sent: none of them for echo_only."""
+        if request.echo_only:
+            return "", [], None if output.logprobs is None else []
+        return output.text, output.token_ids, output.logprobs
+
     def _echoed(self, request: CompletionRequest, prompt: Prompt, res: RequestOutput, output: CompletionOutput
                 ) -> tuple[str, list[int], Optional[SampleLogprobs]]:
         """The output's text, tokens and logprobs, with the prompt's in front when echoing."""
+        text, token_ids, logprobs = self._generated(request, output)
         if not request.echo:
-            return output.text, output.token_ids, output.logprobs
-        text, ids = prompt
-        text = text if text is not None else self.tokenizer.decode(ids)
-        logprobs = None
-        if output.logprobs is not None:
-            logprobs = (res.prompt_logprobs or [None] * len(ids)) + output.logprobs
-        return text + output.text, ids + output.token_ids, logprobs
+            return text, token_ids, logprobs
+        prompt_text, ids = prompt
+        prompt_text = prompt_text if prompt_text is not None else self.tokenizer.decode(ids)
+        if logprobs is not None:
+            logprobs = (res.prompt_logprobs or [None] * len(ids)) + logprobs
+        return prompt_text + text, ids + token_ids, logprobs
 
     async def completion_stream_generator(self, request: CompletionRequest, prompts: list[Prompt],
                                           results: AsyncIterator[tuple[int, RequestOutput]], request_id: str,
                                           model_name: str) -> AsyncIterator[str]:
         created = int(time.time())
         n = request.n or 1
-        usage_field = {"usage": None} if request.include_usage else {}
         text_offsets = [0] * (len(prompts) * n)
+        num_generated = [0] * (len(prompts) * n)  # each choice's completion tokens so far
         started: set[int] = set()
-        num_completion_tokens = 0
         try:
             async for prompt_index, res in results:
                 check_output(res)
                 for output in res.outputs:
                     index = prompt_index * n + output.index
-                    num_completion_tokens += len(output.token_ids)
                     if index in started:
-                        text, token_ids, logprobs = output.text, output.token_ids, output.logprobs
+                        text, token_ids, logprobs = self._generated(request, output)
                     else:  # the first delta of a choice carries the echoed prompt
                         started.add(index)
                         text, token_ids, logprobs = self._echoed(request, prompts[prompt_index], res, output)
+                    num_generated[index] += len(self._generated(request, output)[1])
                     if not text and not token_ids and output.finish_reason is None:
                         continue
+                    # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
+                    # continuous_usage_stats, its choice's usage so far.
+                    usage = UsageInfo.of(len(prompts[prompt_index][1]), num_generated[index]) \
+                        if request.include_continuous_usage else None
                     yield sse(CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
                             index=index, text=text, finish_reason=output.finish_reason,
                             stop_reason=output.stop_reason,
                             logprobs=self._logprobs(request, token_ids, logprobs, text_offsets[index]))],
-                        **usage_field).model_dump_json(exclude_unset=True))
+                        **({"usage": usage} if request.include_usage else {})).model_dump_json(exclude_unset=True))
                     text_offsets[index] += len(text)
             if request.include_usage:
                 num_prompt_tokens = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(
                     id=request_id, object="text_completion", created=created, model=model_name, choices=[],
-                    usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
+                    usage=UsageInfo.of(num_prompt_tokens, sum(num_generated)),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)
@@ -116,7 +128,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt_index, prompt in enumerate(prompts):
             res = finals[prompt_index]
             for output in sorted(res.outputs, key=lambda o: o.index):
-                num_completion_tokens += len(output.token_ids)
+                num_completion_tokens += len(self._generated(request, output)[1])
                 text, token_ids, logprobs = self._echoed(request, prompt, res, output)
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * n + output.index, text=text,

@@ -24,8 +24,9 @@ MIN_LOGPROB = -9999.0
 
 
 def named_field(error: ValueError) -> str:
-    """The request field a ValueError names first ("structured_outputs.json is invalid" -> structured_outputs)."""
-    return str(error).split(" ", 1)[0].split(".", 1)[0]
+    """The request field a ValueError names first ("structured_outputs.json is invalid" -> structured_outputs,
+    "structured_outputs: ..." -> structured_outputs)."""
+    return str(error).split(" ", 1)[0].split(".", 1)[0].rstrip(":")
 
 
 def sse(data: str) -> str:
@@ -83,6 +84,7 @@ class OpenAIServing:
     def _sampling_params(self, request: SamplingRequest, max_tokens: int, **kwargs
                          ) -> Union[SamplingParams, BeamSearchParams]:
         try:
+            request.check_stream_options()
             if request.use_beam_search:
                 if kwargs.get("tool_call_constraint") is not None:
                     raise ValueError("tool_choice 'required' or a named function is not supported with "

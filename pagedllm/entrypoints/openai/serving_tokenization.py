@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.chat_utils import apply_chat_template
+from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, check_generation_prompt
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                                   TokenizeRequest, TokenizeResponse)
+from pagedllm.entrypoints.openai.serving_engine import named_field
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 
@@ -21,10 +22,11 @@ class OpenAIServingTokenization:
         self.models.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             try:
+                check_generation_prompt(request)
                 tokens = apply_chat_template(self.tokenizer, request.messages, self.chat_template,
                                              request.add_generation_prompt, request.continue_final_message)
             except ValueError as e:
-                raise BadRequestError(str(e), "messages") from e
+                raise BadRequestError(str(e), named_field(e)) from e
         else:
             tokens = self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(
