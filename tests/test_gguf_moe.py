@@ -23,6 +23,7 @@ from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model, get_quant_config
 from pagedllm.models.mixtral import MixtralForCausalLM as OurMixtral
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM as OurQwen3Moe
+from pagedllm.native.gemms import BF16_MODEL
 from pagedllm.native.graph import CpuGraph
 from pagedllm.platforms.cpu import choose_kernels
 from tests.model_fixtures import quantize_gguf, write_tiny_gguf
@@ -170,6 +171,26 @@ def test_native_layer_is_the_torch_path_and_replays(tokens):
         x.copy_(torch.randn(tokens, 64, generator=gen))
         logits.copy_(torch.randn(tokens, 4, generator=gen))
         torch.testing.assert_close(graph.replay(), torch_path(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(native.gemm_q4().for_bf16_model() is None,
+                    reason="no block sums here (gemm.c's tile_quant_sums: AVX512-VBMI)")
+def test_a_bfloat16_models_experts_take_block_sums_in_decode_rows():
+    """As its dense GGUF layers do, a bfloat16 model's packed experts sum each block's codes against a decode step's
+    rows before their scale (gemm.c's block sums, the BF16_MODEL format flag): the float32 model's result (the dense
+    kernel's, which the tests above hold to the dequantized experts) up to sums rounded in another order."""
+    blocks = _q4_1_experts(4, 64, 64)
+    float32_model, moe = _packed_moe(ParallelRank(), blocks), _packed_moe(ParallelRank(), blocks,
+                                                                          WeightLayout(bf16_panels=True))
+    method = moe.quant_method
+    assert (method.w13_formats[:, 0] & BF16_MODEL).all() and (method.w2_formats & BF16_MODEL).all()
+    assert not (float32_model.quant_method.w2_formats & BF16_MODEL).any()
+    gen = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(3, 64, generator=gen), torch.randn(3, 4, generator=gen)  # up to 3 rows an expert
+    with torch.inference_mode():
+        expected, got = float32_model(x, logits), moe(x, logits)
+    assert not torch.equal(got, expected)
+    assert (got - expected).abs().max() < 1e-4 * expected.abs().max()
 
 
 AMX = pytest.mark.skipif(not WeightLayout(bf16_panels=True).quantized_steps_on_amx(),

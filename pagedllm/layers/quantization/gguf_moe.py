@@ -90,6 +90,8 @@ class GGUFFusedMoEMethod:
             if layout is not None:
                 for weight in (*(w for _, w in self.w13[-1]), down):
                     weight.panels = layout.place(weight.panels)
+                    if layout.bf16_panels:  # a bfloat16 model: decode rows by block sums, as its dense layers'
+                        weight.kernel = weight.kernel.for_bf16_model() or weight.kernel
         for name in [name for name, _ in layer.named_parameters(recurse=False)]:
             delattr(layer, name)
         if layout is not None and layout.quantized_steps_on_amx():
