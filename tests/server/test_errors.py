@@ -45,6 +45,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hi", "top_k": 2 ** 70}, "top_k"),
     ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [2 ** 70]}, "stop_token_ids"),
     ("/v1/chat/completions", {"messages": HI, "priority": 2 ** 70}, "priority"),
+    ("/tokenize", {}, "prompt"),  # the first member of the request union, not its class, is named
     # Stream-only options, and a prompt that both continues its last message and opens a new one.
     ("/v1/completions", {"prompt": "Hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/completions", {"prompt": "Hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),

@@ -76,8 +76,9 @@ def to_openai_error(exc: Exception) -> OpenAIError:
 
 
 # Parts of a pydantic error location that name a Union member rather than a field: a plain union's member type
-# ("prompt.list[int].0"), or a discriminated union's tag, which the protocol spells "type=<value>" so it reads as one.
-_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^type=")
+# ("prompt.list[int].0"), a union of models' member class ("TokenizeCompletionRequest.prompt": field names are
+# never capitalised), or a discriminated union's tag, which the protocol spells "type=<value>" so it reads as one.
+_UNION_TAGS = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[|^type=|^[A-Z]")
 
 
 def error_param(loc: Sequence[Any]) -> Optional[str]:
