@@ -16,6 +16,11 @@ class LogprobsLists(NamedTuple):
     # [N]
     sampled_token_ranks: list[int]
 
+    def first(self, n: int) -> "LogprobsLists":
+        """The rows of the first n tokens (a step's tokens cut at a stop)."""
+        return self if n >= len(self.sampled_token_ranks) else LogprobsLists(
+            self.logprob_token_ids[:n], self.logprobs[:n], self.sampled_token_ranks[:n])
+
 
 class LogprobsTensors(NamedTuple):
     # [N, k+1] int64: column 0 the sampled (or given) token, then the top-k ids.

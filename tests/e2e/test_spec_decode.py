@@ -90,6 +90,21 @@ def test_greedy_output_is_that_of_plain_decoding(expected, spec_llm):
     assert stats.kv_cache_usage == 0.0  # every block given back
 
 
+def test_a_stop_token_among_accepted_drafts_cuts_the_logprobs_too(spec_llm):
+    """A stop token accepted mid-draft ends the output there, and its logprobs with it (the drafts after it were
+    sampled, and had logprobs, but are not the output)."""
+    count = "one, two, three, four, five, six, seven, eight, nine, ten"
+    prompt = f"Count: {count}. Again: {count}. Again: one, two,"  # whose continuation its drafts find in it
+    plain = spec_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    for at in (4, 6, 9):
+        stop = plain.token_ids[at]
+        params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], logprobs=1)
+        got = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        end = plain.token_ids.index(stop) + 1
+        assert got.token_ids == plain.token_ids[:end] and got.finish_reason == "stop"
+        assert len(got.logprobs) == end
+
+
 TINY_VOCAB = 8
 TOP_K = 3
 

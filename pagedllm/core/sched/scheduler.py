@@ -421,8 +421,11 @@ class Scheduler:
             prompt_logprobs = prompt_logprobs_dict.get(req_id) if prompt_logprobs_dict else None
             if not new_token_ids and prompt_logprobs is None:
                 continue
+            logprobs = all_logprobs[i] if all_logprobs else None
+            if logprobs is not None:  # only the tokens kept: a stop among accepted drafts cuts the rest
+                logprobs = logprobs.first(len(new_token_ids))
             outputs.append(EngineCoreOutput(
-                req_id, new_token_ids, all_logprobs[i] if all_logprobs else None, prompt_logprobs, finish_reason,
+                req_id, new_token_ids, logprobs, prompt_logprobs, finish_reason,
                 request.stop_reason, None, request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                 request.first_scheduled_time if request.num_output_tokens == len(new_token_ids) else 0.0))
         if stopped_requests:
