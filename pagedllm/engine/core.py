@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_utils import make_block_hasher
@@ -14,6 +15,7 @@ from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, Sched
 from pagedllm.engine.step_trace import StepTrace
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.executor.abstract import Executor, ModelRunnerOutputFuture
+from pagedllm.lora.request import LoRARequest
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from pagedllm.structured_output.manager import StructuredOutputManager
 
@@ -45,14 +47,30 @@ class EngineCore:
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[ModelRunnerOutputFuture, SchedulerOutput]] = deque()
         self._block_hasher = make_block_hasher(config.cache_config.block_size)
+        self._added_loras: set[int] = set()  # the adapter ids every worker has loaded once (_add_lora)
         # PAGEDLLM_STEP_TRACE: a line per step (step()'s; the pipeline-parallel batch queue's are not traced).
         self.step_trace = StepTrace.from_env(config.parallel_config.data_parallel_rank)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        new = Request(
             request.request_id, request.prompt_token_ids, request.sampling_params,
             eos_token_id=request.eos_token_id, arrival_time=request.arrival_time, priority=request.priority,
-            cache_salt=request.cache_salt, block_hasher=self._block_hasher, lora_request=request.lora_request))
+            cache_salt=request.cache_salt, block_hasher=self._block_hasher, lora_request=request.lora_request)
+        error = self._add_lora(request.lora_request)
+        if error is not None:
+            self.scheduler.reject(new, error)
+            return
+        self.scheduler.add_request(new)
+
+    def _add_lora(self, lora_request: Optional[LoRARequest]) -> Optional[str]:
+        """Every worker loads an adapter the first time a request names it (vLLM loads it when it is added), so that
+        files that cannot be read fail that request rather than a step; why the request cannot run, else None."""
+        if lora_request is None or lora_request.lora_int_id in self._added_loras:
+            return None
+        error = next((e for e in self.executor.collective_rpc("add_lora", (lora_request,)) if e is not None), None)
+        if error is None:
+            self._added_loras.add(lora_request.lora_int_id)
+        return error
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

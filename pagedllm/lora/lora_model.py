@@ -9,11 +9,12 @@ adapter's scaling, so a layer adds x·A·B with nothing else to do.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import head_dim
 from pagedllm.lora.peft_helper import WEIGHTS_FILE, PEFTHelper
@@ -69,7 +70,7 @@ class LoRAModel:
         peft, modules = check_local_checkpoint(lora_path, hf_config, max_lora_rank)
         model = cls(lora_int_id, peft.r)
         shapes = slice_shapes(hf_config)
-        with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+        with _weights(lora_path) as f:
             for layer_index, module in modules:
                 a, b = (f.get_tensor(_tensor_name(layer_index, module, ab)) for ab in "AB")
                 a, b = a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype)
@@ -84,6 +85,17 @@ class LoRAModel:
         return model
 
 
+@contextlib.contextmanager
+def _weights(lora_path: str):
+    """The adapter's safetensors file open for reading; a file that is not one (truncated, corrupt, gone) is a
+    ValueError naming it, as every other thing wrong with an adapter is."""
+    try:
+        with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+            yield f
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"LoRA adapter {lora_path!r}: {WEIGHTS_FILE} cannot be read ({e})") from None
+
+
 def _tensor_name(layer_index: int, module: str, ab: str) -> str:
     return f"base_model.model.model.layers.{layer_index}.{module}.lora_{ab}.weight"
 
@@ -96,17 +108,18 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int) -> tup
     peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
     shapes = slice_shapes(hf_config)
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
-    with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
-        for name in f.keys():
-            match = _TENSOR_NAME.match(name)
-            if match is None or match.group(2) not in LORA_TARGETS:
-                raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
-                                 f"pagedllm serves adapters on ({', '.join(LORA_TARGETS)} of a decoder layer)")
-            layer_index = int(match.group(1))
-            if layer_index >= hf_config.num_hidden_layers:
-                raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
-                                 f"base model has {hf_config.num_hidden_layers}")
-            found.setdefault((layer_index, match.group(2)), {})[match.group(3)] = tuple(f.get_slice(name).get_shape())
+    with _weights(lora_path) as f:
+        tensor_shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+    for name, shape in tensor_shapes:
+        match = _TENSOR_NAME.match(name)
+        if match is None or match.group(2) not in LORA_TARGETS:
+            raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
+                             f"pagedllm serves adapters on ({', '.join(LORA_TARGETS)} of a decoder layer)")
+        layer_index = int(match.group(1))
+        if layer_index >= hf_config.num_hidden_layers:
+            raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
+                             f"base model has {hf_config.num_hidden_layers}")
+        found.setdefault((layer_index, match.group(2)), {})[match.group(3)] = shape
     for (layer_index, module), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"

@@ -49,6 +49,9 @@ class PEFTHelper:
                 config = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"LoRA adapter {lora_path!r}: {CONFIG_FILE} is not readable JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"LoRA adapter {lora_path!r}: {CONFIG_FILE} holds {type(config).__name__}, not an "
+                             "object of settings")
         return cls.from_config(config, max_lora_rank, lora_path)
 
     @classmethod
@@ -63,8 +66,8 @@ class PEFTHelper:
             raise refuse(f"r must be a positive integer, got {r!r}")
         if r > max_lora_rank:
             raise refuse(f"rank r={r} exceeds max_lora_rank={max_lora_rank} (raise max_lora_rank to serve it)")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            raise refuse(f"lora_alpha must be a number, got {alpha!r}")
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+            raise refuse(f"lora_alpha must be a finite number, got {alpha!r}")
         if config.get("use_dora"):
             raise refuse("use_dora: DoRA adapters are not supported")
         if config.get("bias", "none") != "none":

@@ -44,6 +44,11 @@ class WorkerLoRAManager:
         self.loaded.move_to_end(request.lora_int_id)
         return model
 
+    def add(self, request: LoRARequest) -> None:
+        """Loads an adapter into the kept ones ahead of its first step (vLLM's add_lora), so that reading its files
+        fails its request, not a step (and so the engine); raises what loading raises."""
+        self._get(request)
+
     def set_active_loras(self, requests: dict[int, LoRARequest], token_lora_ids: torch.Tensor) -> None:
         """Put this step's adapters (at most max_loras: the scheduler's promise) into slots and map each token
         (``token_lora_ids[i]``: its request's adapter id, 0 for none) to its adapter's slot."""
@@ -66,7 +71,9 @@ class WorkerLoRAManager:
         if not requests:
             self.punica.clear()
             return
-        table = torch.full((max(requests) + 1,), -1, dtype=torch.long)  # token ids: these adapters' or 0
-        for lora_id, slot in slot_of.items():
-            table[lora_id] = slot
-        self.punica.update(table[token_lora_ids])
+        # Each token's slot: its adapter id looked up among this step's (sorted), -1 for none (id 0) — ids are any
+        # positive integers, so no table indexed by them.
+        ids = torch.tensor(sorted(slot_of), dtype=token_lora_ids.dtype)
+        slots = torch.tensor([slot_of[lora_id] for lora_id in sorted(slot_of)], dtype=torch.long)
+        at = torch.searchsorted(ids, token_lora_ids).clamp_(max=len(ids) - 1)
+        self.punica.update(torch.where(ids[at] == token_lora_ids, slots[at], -1))

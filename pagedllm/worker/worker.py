@@ -148,6 +148,15 @@ class Worker:
         with engine_step():  # the KV cache's populating waits meanwhile
             return self.model_runner.execute_model(scheduler_output)
 
+    def add_lora(self, lora_request) -> Optional[str]:
+        """Loads an adapter ahead of its requests' steps; what went wrong (its files unreadable, gone), else None.
+        Returned, not raised: an RPC that raises ends the engine, and this fails one adapter's requests only."""
+        try:
+            self.model_runner.lora_manager.add(lora_request)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+        return None
+
     def check_health(self) -> bool:
         return True
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -162,6 +163,47 @@ def test_missing_files_and_pickled_weights_are_value_errors(llm_with_lora, tmp_p
     (tmp_path / "pickled" / "adapter_model.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="adapter_model.bin, a pickle"):
         run(llm_with_lora, [[1, 2, 3]], LoRARequest("pickled", 9, str(tmp_path / "pickled")))
+    (tmp_path / "list").mkdir()  # JSON, but no object of settings
+    (tmp_path / "list" / "adapter_config.json").write_text("[4, 8]")
+    (tmp_path / "list" / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="holds list, not an object"):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("list", 9, str(tmp_path / "list")))
+    (tmp_path / "list" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (tmp_path / "list" / "adapter_model.safetensors").write_bytes(b"\xff" * 64)  # no safetensors header
+    with pytest.raises(ValueError, match="adapter_model.safetensors cannot be read"):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("list", 9, str(tmp_path / "list")))
+
+
+def test_an_adapter_id_may_be_any_positive_integer(llm_with_lora, adapters):
+    """Ids are names, not indices (a step maps each token's id to its slot without a table indexed by them)."""
+    first = adapters["all-r8"][0]
+    prompt = [list(range(2000, 2040))]
+    assert run(llm_with_lora, prompt, LoRARequest("all-r8, again", 10 ** 13, first.lora_path)) == \
+        run(llm_with_lora, prompt, first)
+
+
+def test_adapter_files_gone_before_the_engine_loads_them_fail_its_request_only(monkeypatch, tmp_path):
+    """The engine loads an adapter when a request first names it (as vLLM loads one when it is added), not in a
+    step: files the frontend checked but that are gone (or unreadable) by then fail that request, and the engine
+    serves on (a step that raised would end the engine)."""
+    from pagedllm.engine.processor import Processor
+
+    path = _write_adapter(tmp_path / "vanishing", {}, {Q_PROJ.format("A"): torch.zeros(4, 576),
+                                                         Q_PROJ.format("B"): torch.zeros(576, 4)})
+    check = Processor.validate_lora_request
+
+    def check_then_delete(self, lora_request):
+        check(self, lora_request)
+        if lora_request is not None:
+            shutil.rmtree(lora_request.lora_path)
+
+    monkeypatch.setattr(Processor, "validate_lora_request", check_then_delete)
+    llm = in_process_llm(**ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=4)
+    gone = llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, lora_request=LoRARequest("v", 7, path),
+                        use_tqdm=False)[0]
+    assert "does not exist" in gone.error and not gone.outputs[0].token_ids
+    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
 def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):

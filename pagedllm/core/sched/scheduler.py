@@ -86,18 +86,18 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         error = self._admission_error(request)
         if error is not None:
-            self._reject(request, error)
+            self.reject(request, error)
             return
         if request.sampling_params.structured_outputs is not None:
             if self.structured_output_manager is None:
-                self._reject(request, "structured output is not enabled in this engine.")
+                self.reject(request, "structured output is not enabled in this engine.")
                 return
             self.structured_output_manager.grammar_init(request)
             request.status = RequestStatus.WAITING_FOR_FSM
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
-    def _reject(self, request: Request, error: str) -> None:
+    def reject(self, request: Request, error: str) -> None:
         """Finishes a request that can never run; its output (with the error) goes out with the next update."""
         request.status = RequestStatus.FINISHED_IGNORED
         request.error = error
@@ -297,7 +297,7 @@ class Scheduler:
         try:
             ready = request.structured_output_request.is_ready()
         except ValueError as e:
-            self._reject(request, str(e))
+            self.reject(request, str(e))
             return False
         if ready:
             request.status = RequestStatus.WAITING
