@@ -11,6 +11,8 @@ import msgspec
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 _SAMPLING_EPS = 1e-5
+# A temperature above 0 but below this is raised to it (vLLM's _MAX_TEMP): dividing logits by less overflows.
+_MIN_TEMPERATURE = 1e-2
 # vLLM's default max_logprobs: the most logprobs a request may ask for, unless the engine says otherwise.
 MAX_LOGPROBS = 20
 # The most sequences (n) one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES): each is a request of its own.
@@ -28,7 +30,8 @@ class SamplingType(IntEnum):
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Sampling parameters, as in vLLM. A msgspec Struct so it crosses process boundaries cheaply.
 
-    temperature 0 means greedy. top_k 0 or -1 means no top-k. logprobs/prompt_logprobs ask for that many
+    temperature 0 means greedy (one below 0.01 is raised to 0.01, as vLLM does). seed -1 means none. top_k 0 or -1
+    means no top-k. logprobs/prompt_logprobs ask for that many
     top alternatives (the sampled/prompt token's own logprob is always included). presence/frequency penalties
     count output tokens; repetition_penalty also counts prompt tokens. logit_bias values are clamped to
     [-100, 100] as OpenAI does; its keys, allowed_token_ids and bad_words are checked against the vocabulary
@@ -64,6 +67,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            self.temperature = _MIN_TEMPERATURE
+        if self.seed == -1:  # vLLM's spelling of no seed
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -110,12 +110,21 @@ def test_combined_masks_match_reference(seed):
     k = torch.randint(0, 50, (B,), generator=gen)
     p = torch.rand(B, generator=gen) * 0.9 + 0.1
     min_p = torch.rand(B, generator=gen) * 0.2
-    out = apply_min_p(apply_top_k_top_p(logits.clone(), k, p), min_p)
+    out = apply_top_k_top_p(apply_min_p(logits.clone(), min_p), k, p)
     ref = np.stack([
-        ref_min_p(ref_top_p(ref_top_k(row, int(ki)), float(pi)), float(mi))
+        ref_top_p(ref_top_k(ref_min_p(row, float(mi)), int(ki)), float(pi))
         for row, ki, pi, mi in zip(logits.double().numpy(), k, p, min_p)
     ])
     np.testing.assert_array_equal(kept(out), np.isfinite(ref))
+
+
+def test_min_p_comes_before_top_p():
+    """vLLM V1's order: min-p (a logits processor) before the top-k/top-p sampler, whose top-p mass is then that
+    of what min-p kept: [.5, .3, .1, .1] with min_p 0.3 keeps [.625, .375], of which top_p 0.6 keeps the first
+    (top-p first would keep [.625, .375])."""
+    logits = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
+    probs = Sampler.probs(logits, make_metadata([1.0], top_p=[0.6], min_p=[0.3]))
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 
 def test_all_greedy_is_argmax():

@@ -106,7 +106,8 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top probability. In place.
 
     Compared in log space (logit < max_logit + log(min_p)), so no softmax is needed; min_p 0 gives -inf
-    and drops nothing. Masks that keep the top token do not change the ratio, so the order is free.
+    and drops nothing. Masks that keep the top token do not change the ratio (top-k drops the same tokens either
+    way), but top-p's cumulative mass is over what min-p left: Sampler.probs applies min-p first, as vLLM V1.
     """
     threshold = logits.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)
     return logits.masked_fill_(logits < threshold, float("-inf"))

@@ -66,17 +66,18 @@ class Sampler(nn.Module):
 
     @staticmethod
     def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distribution each random row samples from (processed logits -> temperature -> top-k -> top-p ->
-        min-p -> softmax); greedy rows get temperature 1 and are not meant to be read. A new tensor."""
+        """The distribution each random row samples from (processed logits -> temperature -> min-p -> top-k ->
+        top-p -> softmax, vLLM V1's order: min-p, as a logits processor, before the top-k/top-p sampler); greedy
+        rows get temperature 1 and are not meant to be read. A new tensor."""
         assert metadata.temperature is not None, "a batch with random rows needs temperatures"
         temperature = metadata.temperature
         if not metadata.all_random:
             # Greedy rows take the argmax; divide them by 1 to avoid dividing by zero.
             temperature = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature)
         logits = logits / temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         return logits.softmax(dim=-1)
 
 
