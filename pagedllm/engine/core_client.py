@@ -204,6 +204,7 @@ class SyncMPClient:
     def get_output(self) -> EngineCoreOutputs:
         outputs = self._outputs.get()
         if isinstance(outputs, Exception):
+            self._outputs.put(outputs)  # a dead engine stays dead: every later call raises too, none waits
             raise outputs
         return outputs
 

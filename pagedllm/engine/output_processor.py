@@ -94,7 +94,7 @@ class RequestState:
         if self.detokenizer is not None and out.new_token_ids:
             stop_str = self.detokenizer.update(out.new_token_ids,
                                                stop_terminated=finish_reason == FinishReason.STOP)
-            if stop_str is not None and finish_reason is None:
+            if stop_str is not None:  # a stop string ends it, also in the step the engine ended it by length
                 finish_reason, stop_reason = FinishReason.STOP, stop_str
         return finish_reason, stop_reason
 
@@ -143,6 +143,10 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """The engine requests still running here (an n > 1 request's children each)."""
+        return list(self.request_states)
 
     def process_outputs(self, engine_core_outputs: list[EngineCoreOutput],
                         iteration_stats: Optional[IterationStats] = None) -> OutputProcessorOutput:

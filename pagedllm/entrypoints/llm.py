@@ -73,9 +73,13 @@ class LLM:
                                                        priority=priority[i] if priority else 0,
                                                        lora_request=lora_requests[i])
                      for i, (prompt, params) in enumerate(zip(prompts, params_list))]
-        for text, request in processed:
-            self.llm_engine.add_processed_request(text, request)
-        return self._run_engine([request.request_id for _, request in processed], use_tqdm)
+        try:
+            for text, request in processed:
+                self.llm_engine.add_processed_request(text, request)
+            return self._run_engine([request.request_id for _, request in processed], use_tqdm)
+        except BaseException:  # Ctrl-C, a dead engine: no request of this call runs on, or waits in the next call
+            self.llm_engine.abort_request(self.llm_engine.output_processor.unfinished_request_ids())
+            raise
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,

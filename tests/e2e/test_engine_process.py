@@ -45,6 +45,14 @@ def test_dead_engine_raises_instead_of_hanging(mp_llm):
     with pytest.raises(EngineDeadError):
         mp_llm.generate("Hello", SamplingParams(max_tokens=64), use_tqdm=False)
     assert time.monotonic() - start < 10
+    # and stays dead: every later call raises, none waits for outputs that cannot come
+    assert not mp_llm.llm_engine.has_unfinished_requests()
+    for _ in range(2):
+        with pytest.raises(EngineDeadError):
+            mp_llm.llm_engine.step()
+    with pytest.raises(EngineDeadError):
+        mp_llm.generate("Hello", SamplingParams(max_tokens=64), use_tqdm=False)
+    assert time.monotonic() - start < 10
 
 
 def test_ipc_types_are_msgspec_structs_that_round_trip():

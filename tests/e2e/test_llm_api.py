@@ -56,6 +56,13 @@ def test_stop_string_truncates_text(llm):
                                                               include_stop_str_in_output=True),
                             use_tqdm=False)[0].outputs[0]
     assert included.text == full[:full.index(" 6") + 2]
+    # The stop string completed by the last token max_tokens allows: a stop, as vLLM reports it, not "length".
+    tokens = llm.generate("Count: 1, 2, 3,", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    last = next(n for n in range(1, len(tokens) + 1) if " 6" in llm.get_tokenizer().decode(tokens[:n]))
+    at_the_limit = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=last, stop=[" 6"]),
+                                use_tqdm=False)[0].outputs[0]
+    assert at_the_limit.text == stopped.text
+    assert (at_the_limit.finish_reason, at_the_limit.stop_reason) == ("stop", " 6")
 
 
 def test_logprobs_and_prompt_logprobs(llm, hf_model):
@@ -143,3 +150,24 @@ def test_a_finished_request_id_can_be_used_again(llm):
     first = run(story)
     assert run(recipe) != first
     assert run(story) == first
+
+
+def test_an_interrupted_generate_leaves_no_request_running(llm, monkeypatch):
+    """Ctrl-C (or any error) in generate aborts its requests: none keeps running in the engine, and the next call
+    waits only for its own."""
+    step, steps = llm.llm_engine.step, []
+
+    def interrupted_at_the_third_step():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.llm_engine, "step", interrupted_at_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Tell me a story"] * 4, SamplingParams(n=2, max_tokens=400, ignore_eos=True), use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    assert llm.get_stats().num_running_reqs == 0
