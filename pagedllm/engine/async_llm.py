@@ -114,10 +114,10 @@ class AsyncLLM:
 
     def _add_request(self, request_id: str, text: Optional[str], request, output_kind: RequestOutputKind) -> None:
         parent, requests = fan_out(request)
+        self.output_processor.add_requests(requests, text, output_kind, parent)
         if parent is not None:
             self._children[request_id] = parent.child_ids
-        for index, engine_request in enumerate(requests):
-            self.output_processor.add_request(engine_request, text, output_kind, index, parent)
+        for engine_request in requests:
             self.engine_core.add_request(engine_request)
 
     async def abort(self, request_id: str) -> None:

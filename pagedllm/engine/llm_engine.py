@@ -30,8 +30,8 @@ class LLMEngine:
                               output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
         """Queues a request the Processor has already validated and tokenized."""
         parent, requests = fan_out(request)
-        for index, engine_request in enumerate(requests):
-            self.output_processor.add_request(engine_request, text, output_kind, index, parent)
+        self.output_processor.add_requests(requests, text, output_kind, parent)
+        for engine_request in requests:
             self.engine_core.add_request(engine_request)
 
     def step(self) -> list[RequestOutput]:

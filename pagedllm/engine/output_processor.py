@@ -129,13 +129,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
 
-    def add_request(self, request: EngineCoreRequest, prompt: Optional[str], output_kind: RequestOutputKind,
-                    index: int = 0, parent: Optional[ParentRequest] = None) -> None:
-        if request.request_id in self.request_states:
-            raise ValueError(f"Request id {request.request_id!r} is already running.")
-        self.request_states[request.request_id] = RequestState(
-            request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params, self.tokenizer,
-            output_kind, parent, request.arrival_time)
+    def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str], output_kind: RequestOutputKind,
+                     parent: Optional[ParentRequest] = None) -> None:
+        """One request's engine requests (an n > 1 request's children, parallel_sampling.fan_out), all or none: an
+        id already running refuses them before any is added, so that undoing the request never touches another's."""
+        for request in requests:
+            if request.request_id in self.request_states:
+                of = f" (a sequence of request {parent.request_id!r})" if parent is not None else ""
+                raise ValueError(f"Request id {request.request_id!r}{of} is already running.")
+        for index, request in enumerate(requests):
+            self.request_states[request.request_id] = RequestState(
+                request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
+                self.tokenizer, output_kind, parent, request.arrival_time)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -152,6 +152,20 @@ def test_a_finished_request_id_can_be_used_again(llm):
     assert run(story) == first
 
 
+def test_a_request_whose_sequence_ids_are_taken_is_refused_whole(llm):
+    """An n > 1 request's sequences run as requests "<i>_<id>": one of those ids already running refuses the whole
+    request before any sequence is added, and the running one goes on untouched."""
+    engine = llm.llm_engine
+    engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    with pytest.raises(ValueError, match=r"'1_x' \(a sequence of request 'x'\) is already running"):
+        engine.add_request("x", {"prompt_token_ids": [4, 5]}, SamplingParams(n=2, max_tokens=6))
+    assert engine.output_processor.unfinished_request_ids() == ["1_x"]
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(out.request_id, len(out.outputs[0].token_ids)) for out in outputs] == [("1_x", 6)]
+
+
 def test_an_interrupted_generate_leaves_no_request_running(llm, monkeypatch):
     """Ctrl-C (or any error) in generate aborts its requests: none keeps running in the engine, and the next call
     waits only for its own."""
