@@ -9,6 +9,7 @@ import msgspec
 from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.lora.request import LoRARequest
+from pagedllm.models.generation_config import generation_eos_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
@@ -21,6 +22,9 @@ class Processor:
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.eos_token_id = self._eos_token_id()
+        # The model's other end-of-generation ids, stop tokens of every request that does not ignore EOS (vLLM's).
+        self.extra_eos_token_ids = [t for t in generation_eos_token_ids(
+            model_config.path, model_config.generation_config, model_config.hf_config) if t != self.eos_token_id]
         self.lora_config = lora_config
         self._checked_loras: dict[int, LoRARequest] = {}  # adapters already found to fit, by id
 
@@ -130,6 +134,9 @@ class Processor:
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
         params = self.process_sampling_controls(params)
+        extra_eos = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        if extra_eos and not params.ignore_eos:
+            params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra_eos)
         if params.max_tokens is None:
             # Fill the context: the scheduler stops the request at max_model_len.
             params = msgspec.structs.replace(params, max_tokens=self.model_config.max_model_len - len(token_ids))

@@ -54,3 +54,19 @@ def diff_sampling_param(model_path: str, generation_config: str) -> dict[str, An
     if "max_new_tokens" in params:
         params["max_tokens"] = params.pop("max_new_tokens")
     return params
+
+
+def generation_eos_token_ids(model_path: str, generation_config: str, hf_config: Any) -> list[int]:
+    """Every token id that ends generation by the model's own word (vLLM's update_from_generation_config): the
+    generation config's ``eos_token_id`` (an id or a list: Llama 3 Instruct ends turns with <|eot_id|> and
+    <|eom_id|> too), read from the model's directory under "auto" and "vllm" or from the given one, else the model
+    config's."""
+    directory = model_path if generation_config in ("auto", "vllm") else generation_config
+    path = os.path.join(directory, GENERATION_CONFIG_FILE)
+    eos = getattr(hf_config, "eos_token_id", None)
+    if os.path.isdir(directory) and os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return [int(token_id) for token_id in ids if isinstance(token_id, int)]
+

@@ -23,3 +23,29 @@ def test_llm_defaults_come_from_the_generation_config(tmp_path):
                                 use_tqdm=False)[0].outputs[0].token_ids) == 2
     finally:
         llm.shutdown()
+
+
+def test_every_eos_id_of_the_generation_config_ends_generation(tmp_path):
+    """The generation config's eos_token_id list (Llama 3 Instruct's <|eot_id|> and <|eom_id|> beside
+    <|end_of_text|>) ends generation as the tokenizer's EOS does (vLLM's update_from_generation_config): a stop token
+    of every request that does not ignore EOS, which min_tokens holds back like EOS."""
+    prompt = "The capital of France is"
+    llm = in_process_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
+    try:
+        tokens = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    eos = llm.get_tokenizer().eos_token_id
+    end = next(t for t in tokens.token_ids[1:] if t not in tokens.token_ids[:1])  # a token that comes second
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, end]}))
+    llm = in_process_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+                         generation_config=str(tmp_path))
+    try:
+        ended = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+        at = tokens.token_ids.index(end)
+        assert ended.token_ids == tokens.token_ids[:at + 1] and ended.finish_reason == "stop"
+        ignoring = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0]
+        assert ignoring.token_ids == tokens.token_ids
+    finally:
+        llm.shutdown()
