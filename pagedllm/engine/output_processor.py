@@ -101,7 +101,10 @@ class RequestState:
     def make_output(self, finish_reason: Optional[FinishReason], stop_reason: Any,
                     error: Optional[str], num_cached_tokens: int) -> Optional[RequestOutput]:
         finished = finish_reason is not None
-        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if not finished and (self.output_kind == RequestOutputKind.FINAL_ONLY or
+                             len(self.token_ids) == self.num_sent_tokens):
+            # Nothing to send yet: a prompt chunk's prompt logprobs wait for the first token, which carries them
+            # all (as vLLM sends them once, complete); a stream's delta would otherwise repeat them per chunk.
             return None
         delta = self.output_kind == RequestOutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer else ""

@@ -185,3 +185,25 @@ def test_an_interrupted_generate_leaves_no_request_running(llm, monkeypatch):
     out = llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert llm.get_stats().num_running_reqs == 0
+
+
+def test_streamed_prompt_logprobs_come_once_and_whole_with_the_first_token():
+    """A prompt prefilled in chunks sends no output per chunk: its prompt logprobs come once, all of them, with the
+    first token (as vLLM sends them), so a stream neither repeats them nor starts with a part."""
+    from pagedllm.engine.output_processor import RequestOutputKind
+    from tests.e2e.conftest import in_process_llm
+
+    llm = in_process_llm(dtype="float32", max_model_len=512, kv_cache_memory="64MiB", max_num_batched_tokens=64)
+    try:
+        engine = llm.llm_engine
+        prompt = {"prompt_token_ids": list(range(1000, 1151))}  # three chunks of at most 64
+        engine.add_request("streamed", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0, temperature=0),
+                           output_kind=RequestOutputKind.DELTA)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert all(out.outputs[0].token_ids for out in outputs)
+        assert len(outputs[0].prompt_logprobs) == 151 and outputs[0].prompt_logprobs[0] is None
+        assert all(out.prompt_logprobs is None for out in outputs[1:])
+    finally:
+        llm.shutdown()
