@@ -13,8 +13,11 @@ Drafts are checked in order and the first rejection ends a request's run:
   distributed as p. The proposers here (n-gram) propose one token for sure, so q_j is one-hot at x: accept with
   probability p_j(x), else sample p_j with x removed.
 When all d_i drafts are accepted, the bonus token is sampled from p_{d_i}. A request thus emits 1 .. d_i + 1
-tokens. Seeded requests draw their uniforms and their final sample from their own generator, in a fixed order,
-so the same seed and drafts give the same tokens whatever else is in the batch.
+tokens. A seeded request's rows each sample their token by the exponential race with the noise of that token's
+output position (sampler.position_generator), and a draft is accepted while it is the token sampled there: for
+a one-hot q the same rule (the token is x with probability p_j(x); when it is not, it is distributed as p_j less
+x), and the tokens are those plain decoding with that seed emits, whatever else is in the batch and however many
+drafts the step verified.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 from pagedllm.sample.logprobs import compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, SamplerOutput, greedy_sample, is_greedy
+from pagedllm.sample.sampler import Sampler, SamplerOutput, greedy_sample, is_greedy, random_sample
 
 PLACEHOLDER_TOKEN_ID = -1  # pads each request's row of output tokens past the ones it emits
 
@@ -58,21 +61,32 @@ class RejectionSampler:
             target = greedy_sample(processed)
             target_at = target[row_of_t]  # [n, width]
             accepted[greedy] = (target_at == drafts_t)[greedy]
+        seeded = torch.tensor([int(start) in metadata.generators for start in starts], dtype=torch.bool)
+        unseeded = ~greedy & ~seeded
         if not metadata.all_greedy:
             probs = self.sampler.probs(processed, metadata)
-            uniforms = self._uniforms(num_drafts, width, starts, metadata.generators)
-            draft_probs = probs[row_of_t, drafts_t.clamp(min=0)]
-            accepted[~greedy] = (uniforms < draft_probs)[~greedy]
+            if unseeded.any():
+                draft_probs = probs[row_of_t, drafts_t.clamp(min=0)]
+                accepted[unseeded] = (torch.rand(n, width) < draft_probs)[unseeded]
+            if seeded.any():  # every row's own token (see the module's docstring)
+                rows = sorted(metadata.generators)
+                sampled_at = torch.empty(len(logits), dtype=torch.int64)
+                sampled_at[rows] = random_sample(probs[rows], {k: metadata.generators[row]
+                                                               for k, row in enumerate(rows)})
+                seeded_target = sampled_at[row_of_t]
+                accepted[seeded] = (seeded_target == drafts_t)[seeded]
         accepted &= torch.from_numpy(draft_mask)
         # The first draft not accepted (d_i when all are): where the run ends and the final token is sampled.
         num_accepted = (~accepted).int().argmax(dim=1)
         final_rows = torch.from_numpy(starts) + num_accepted
         if greedy.any():
             final[greedy] = target[final_rows[greedy]]
-        if not greedy.all():
-            random = (~greedy).nonzero().squeeze(1)
-            final[random] = self._sample_after_rejection(probs, final_rows[random], drafts_t[random, num_accepted[random]],
-                                                         random, starts, metadata.generators)
+        if seeded.any():
+            final[seeded] = sampled_at[final_rows[seeded]]
+        if unseeded.any():
+            random = unseeded.nonzero().squeeze(1)
+            final[random] = self._sample_after_rejection(probs, final_rows[random],
+                                                         drafts_t[random, num_accepted[random]])
         columns = torch.arange(width)
         sampled = torch.where(columns < num_accepted.unsqueeze(1), drafts_t, PLACEHOLDER_TOKEN_ID)
         sampled[torch.arange(n), num_accepted] = final
@@ -83,29 +97,11 @@ class RejectionSampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def _uniforms(num_drafts: np.ndarray, width: int, starts: np.ndarray,
-                  generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """[n, width] U[0, 1) acceptance draws; a seeded request's d_i from its own generator."""
-        uniforms = torch.rand(len(num_drafts), width)
-        for i, start in enumerate(starts.tolist()):
-            generator = generators.get(start)
-            if generator is not None and num_drafts[i]:
-                uniforms[i, :num_drafts[i]].uniform_(generator=generator)
-        return uniforms
-
-    @staticmethod
-    def _sample_after_rejection(probs: torch.Tensor, rows: torch.Tensor, rejected: torch.Tensor,
-                                requests: torch.Tensor, starts: np.ndarray,
-                                generators: dict[int, torch.Generator]) -> torch.Tensor:
-        """One token per given request from p at its final row, less the draft rejected there (none where all
-        were accepted: ``rejected`` is PLACEHOLDER_TOKEN_ID), by the exponential race as the Sampler draws."""
+    def _sample_after_rejection(probs: torch.Tensor, rows: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        """One token per given (unseeded) request from p at its final row, less the draft rejected there (none
+        where all were accepted: ``rejected`` is PLACEHOLDER_TOKEN_ID), by the exponential race as the Sampler
+        draws."""
         p = probs[rows]
         has_rejected = rejected >= 0
         p[has_rejected.nonzero().squeeze(1), rejected[has_rejected]] = 0.0
-        noise = torch.empty_like(p).uniform_()
-        for k, i in enumerate(requests.tolist()):
-            generator = generators.get(int(starts[i]))
-            if generator is not None:
-                noise[k].uniform_(generator=generator)
-        return p.div_(noise.log_().neg_()).argmax(dim=-1)
-
+        return random_sample(p, {})

@@ -26,7 +26,7 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     """Samples as vLLM V1 does: allowed_token_ids, bad_words, min_tokens, logit_bias and penalties, then greedy
-    argmax or temperature -> top-k -> top-p -> min-p.
+    argmax or temperature -> min-p -> top-k -> top-p.
 
     Logprobs are taken from the raw logits (vLLM's default "raw_logprobs"), so they do not depend on the
     sampling knobs. The input logits are not modified.
@@ -92,6 +92,20 @@ def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax: native where it applies (a float32 decode batch on CPU), torch's otherwise."""
     sampled = fused.argmax_rows(logits)
     return logits.argmax(dim=-1) if sampled is None else sampled
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator a seeded request's token at output ``position`` draws its noise from: its own for each
+    position (splitmix64 of the seed and the position), so that what a token draws does not depend on how many
+    draws came before it: the same seed gives the same tokens whatever else is in the batch, after a preemption,
+    and with speculative decoding whatever drafts were verified (RejectionSampler)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator().manual_seed(z ^ (z >> 31))
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
+from pagedllm.sample.sampler import position_generator
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 
@@ -31,7 +32,6 @@ class CachedRequestState:
     block_ids: tuple[list[int], ...]  # per KV cache group, all of the same length
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
-    generator: Optional[torch.Generator] = None
     # Prompt positions whose prompt logprobs were already returned (a preempted request recomputes them).
     num_prompt_logprobs_done: int = 0
     lora_request: Optional[LoRARequest] = None
@@ -180,7 +180,9 @@ class InputBatch:
                 top_k = torch.from_numpy(self.top_k[rows])
             if (self.min_p[rows] > 0.0).any():
                 min_p = torch.from_numpy(self.min_p[rows])
-        generators = {row: s.generator for row, s in enumerate(states) if s.generator is not None}
+        # A seeded row's noise is its token's own (by output position, drafts counted): sampler.position_generator.
+        generators = {row: position_generator(s.sampling_params.seed, len(s.output_token_ids) + int(offsets[row]))
+                      for row, (s, kind) in enumerate(zip(states, types)) if kind == SamplingType.RANDOM_SEED}
         max_num_logprobs = max((s.sampling_params.logprobs for s in states
                                 if s.sampling_params.logprobs is not None), default=None)
         min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias = {}, {}, {}, {}

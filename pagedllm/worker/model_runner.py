@@ -43,7 +43,6 @@ from pagedllm.platforms.interface import KernelChoice
 from pagedllm.sample.logprobs import LogprobsLists, compute_token_logprobs
 from pagedllm.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from pagedllm.sample.sampler import Sampler
-from pagedllm.sampling_params import SamplingType
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.proposal_step import ProposalStep
@@ -184,13 +183,9 @@ class ModelRunner:
                 batch.remove_request(req_id)
 
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            generator = None
-            if params.sampling_type == SamplingType.RANDOM_SEED:
-                generator = torch.Generator().manual_seed(params.seed)
-            state = CachedRequestState(new.req_id, new.prompt_token_ids, params, new.eos_token_id,
+            state = CachedRequestState(new.req_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
                                        tuple(list(ids) for ids in new.block_ids), new.num_computed_tokens,
-                                       generator=generator, lora_request=new.lora_request)
+                                       lora_request=new.lora_request)
             self.requests[new.req_id] = state
             batch.add_request(state)
 

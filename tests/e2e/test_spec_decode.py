@@ -90,6 +90,18 @@ def test_greedy_output_is_that_of_plain_decoding(expected, spec_llm):
     assert stats.kv_cache_usage == 0.0  # every block given back
 
 
+def test_a_seeded_request_samples_what_plain_decoding_does(llm, spec_llm):
+    """A seeded request draws each token's noise by its output position, so with speculation it emits the tokens
+    plain decoding with that seed emits, alone or in a batch, however many drafts each step verified."""
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, presence_penalty=0.2, seed=1234, max_tokens=24,
+                            ignore_eos=True)
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    plain = llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    alone = spec_llm.generate(PROMPTS[0], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batched = spec_llm.generate(PROMPTS[:4], [seeded, others, others, others], use_tqdm=False)[0].outputs[0]
+    assert alone == plain and batched.token_ids == plain
+
+
 def test_a_stop_token_among_accepted_drafts_cuts_the_logprobs_too(spec_llm):
     """A stop token accepted mid-draft ends the output there, and its logprobs with it (the drafts after it were
     sampled, and had logprobs, but are not the output)."""
