@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -38,6 +39,9 @@ class LLM:
             engine_core, self.tokenizer = start_client_and_tokenizer(config, make_sync_client)
             self.llm_engine = LLMEngine(config, self.tokenizer, engine_core)
         self._request_counter = itertools.count()
+        # The engine stops with this object: on shutdown(), when it is garbage-collected, or at the interpreter's
+        # exit, whichever comes first (the finalizer holds the engine, not this object, so the object can go).
+        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
         self.default_sampling_params = config.model_config.get_diff_sampling_param()
         if self.default_sampling_params:
@@ -147,8 +151,8 @@ class LLM:
         return self.llm_engine.get_stats()
 
     def shutdown(self) -> None:
-        """Stops the engine process (also done when the interpreter exits)."""
-        self.llm_engine.shutdown()
+        """Stops the engine process (also done when this object is garbage-collected, or the interpreter exits)."""
+        self._finalizer()
 
 
 def _one_per_prompt(name: str, value, single: type | tuple[type, ...], num_prompts: int) -> list:

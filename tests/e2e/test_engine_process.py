@@ -1,6 +1,7 @@
 """The EngineCore in its own process: the LLM default, its wire types, and what happens when it dies."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import time
@@ -53,6 +54,19 @@ def test_dead_engine_raises_instead_of_hanging(mp_llm):
     with pytest.raises(EngineDeadError):
         mp_llm.generate("Hello", SamplingParams(max_tokens=64), use_tqdm=False)
     assert time.monotonic() - start < 10
+
+
+def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
+    """As vLLM's client: an LLM dropped without shutdown() stops its engine process and removes its IPC directory
+    when it is collected (and at the latest when the interpreter exits), not when the process ends."""
+    monkeypatch.delenv("PAGEDLLM_ENABLE_MULTIPROCESSING", raising=False)
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    client = llm.llm_engine.engine_core._mp
+    proc, ipc_dir = psutil.Process(client.proc.pid), client._ipc_dir
+    del llm, client
+    gc.collect()
+    assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+    assert not os.path.exists(ipc_dir)
 
 
 def test_ipc_types_are_msgspec_structs_that_round_trip():
