@@ -89,17 +89,23 @@ class LLM:
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
+             lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+             tools: Optional[list[dict[str, Any]]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None
              ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates."""
+        """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's,
+        ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to
+        the template, and each output's ``prompt`` is the rendered text. Continuing the last message
+        (``continue_final_message``) turns the generation prompt off."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template_args = dict(chat_template=chat_template, tools=tools, continue_final_message=continue_final_message,
+                             add_generation_prompt=add_generation_prompt and not continue_final_message,
+                             **(chat_template_kwargs or {}))
         prompts = []
         for conversation in conversations:
-            token_ids = self.tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=True,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, return_dict=False)
-            prompts.append({"prompt_token_ids": list(token_ids)})
+            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **template_args)
+            token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
+                                                           **template_args)
+            prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,

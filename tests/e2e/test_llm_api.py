@@ -12,10 +12,23 @@ from pagedllm.engine.arg_utils import EngineArgs
 
 
 def test_chat_answers_paris(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
+    rendered = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out[0].prompt == rendered  # as vLLM's chat: the template's text
+
+
+def test_chat_passes_chat_template_kwargs_and_tools_to_the_template(llm):
+    """As vLLM's LLM.chat: chat_template_kwargs (e.g. Qwen3's enable_thinking) and tools reach the template."""
+    template = ("{% for m in messages %}{{ m.content }}{% endfor %}|{{ flavour }}|"
+                "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False,
+                   chat_template=template, chat_template_kwargs={"flavour": "vanilla"}, tools=[tool])
+    assert out[0].prompt == "Hi|vanilla|get_weather"
+    assert out[0].prompt_token_ids == llm.get_tokenizer().encode("Hi|vanilla|get_weather", add_special_tokens=False)
 
 
 def test_seeded_request_same_alone_and_in_a_batch(llm):
