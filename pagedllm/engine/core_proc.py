@@ -91,11 +91,13 @@ class EngineCoreProc(EngineCore):
         """Waits while there is nothing to run; otherwise takes whatever arrived without waiting. The idle wait wakes
         every IDLE_WAKE_S: a Python signal handler runs only in the main thread, once it next runs bytecode, and the
         kernel may hand SIGTERM to another thread (any that does not block it), which does not interrupt the main
-        thread's wait on a lock; an idle engine would then outlive the frontend's SIGTERM until it is killed."""
+        thread's wait on a lock; an idle engine would then outlive the frontend's SIGTERM until it is killed. Each
+        wake also looks at the workers, so that one that died meanwhile ends the engine (and /health says so)."""
         while not self.scheduler.has_requests():
             try:
                 request = self.input_queue.get(timeout=IDLE_WAKE_S)
             except queue.Empty:
+                self.executor.check_workers_alive()  # a worker lost while idle ends the engine now (vLLM's monitor)
                 continue
             self._handle(*request)
             break

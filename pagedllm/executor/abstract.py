@@ -69,6 +69,11 @@ class Executor(ABC):
         """Raises if a worker is gone or does not answer."""
         self.collective_rpc("check_health", timeout=10)
 
+    def check_workers_alive(self) -> None:
+        """Raises if a worker process has exited (a cheap look, no call: what an idle engine checks between
+        waits, so that a worker lost while nothing runs ends the engine then, not at the next request). Executors
+        whose workers are not processes of this one have nothing to look at."""
+
     @property
     def max_concurrent_batches(self) -> int:
         """Batches the engine core may keep in flight: one per pipeline stage (stages then overlap) where calls

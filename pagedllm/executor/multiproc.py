@@ -121,6 +121,11 @@ class MultiprocExecutor(Executor):
         del self._replies_of[seq]
         return results
 
+    def check_workers_alive(self) -> None:
+        dead = self._dead_workers()
+        if dead:
+            self._fail(dead)
+
     def _dead_workers(self, starting: bool = False) -> str:
         """Which workers have exited, in words ("" if none)."""
         what = "failed to start" if starting else "died"

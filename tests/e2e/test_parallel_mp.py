@@ -70,3 +70,17 @@ def test_tensor_parallel_3_then_a_rank_dies(prompts, expected):
         assert time.monotonic() - started < 11
     assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
     assert shm_segments() <= before, "the broadcast queue's segment was left in /dev/shm"
+
+
+def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then():
+    """As vLLM's worker monitor: an idle engine looks at its workers at every idle wake, so a rank lost while
+    nothing runs ends the engine then (a server's /health turns 503), not at the next request."""
+    before = shm_segments()
+    with running_llm(pipeline_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory="32MiB") as llm:
+        workers = worker_processes()
+        next(w for w in workers if w.cmdline()[-1] == "1").kill()
+        assert wait_until(lambda: llm.llm_engine.engine_core._mp.dead, 10), "the idle engine did not notice"
+        with pytest.raises(EngineDeadError):
+            llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
+    assert shm_segments() <= before
