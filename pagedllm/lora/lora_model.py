@@ -32,7 +32,10 @@ LORA_TARGETS = {
     "mlp.gate_up_proj": ("mlp.gate_up_proj", None),
 }
 NUM_SLICES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-_TENSOR_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+# A decoder layer's LoRA A or B as peft names it; a multimodal checkpoint's (Gemma 3 4B and up) under its
+# language model, as either transformers layout spells it.
+_TENSOR_NAME = re.compile(r"^base_model\.model\.(?:model\.language_model\.|language_model\.model\.|model\.)"
+                          r"layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 
 def slice_shapes(hf_config) -> dict[str, list[tuple[int, int]]]:
@@ -71,8 +74,8 @@ class LoRAModel:
         model = cls(lora_int_id, peft.r)
         shapes = slice_shapes(hf_config)
         with _weights(lora_path) as f:
-            for layer_index, module in modules:
-                a, b = (f.get_tensor(_tensor_name(layer_index, module, ab)) for ab in "AB")
+            for (layer_index, module), names in modules.items():
+                a, b = (f.get_tensor(names[ab]) for ab in "AB")
                 a, b = a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype)
                 fused, slice_index = LORA_TARGETS[module]
                 weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
@@ -96,18 +99,17 @@ def _weights(lora_path: str):
         raise ValueError(f"LoRA adapter {lora_path!r}: {WEIGHTS_FILE} cannot be read ({e})") from None
 
 
-def _tensor_name(layer_index: int, module: str, ab: str) -> str:
-    return f"base_model.model.model.layers.{layer_index}.{module}.lora_{ab}.weight"
-
-
-def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int) -> tuple[PEFTHelper, list[tuple[int, str]]]:
-    """An adapter's settings and its (layer, module) pairs, checked against the base model's config from its
-    config file and its tensors' names and shapes, without reading their data (the frontend checks each adapter
-    this way; the worker loads it). A ValueError names what does not fit: a module the model has no LoRA layer
-    for, a shape that is not the base's, a layer past its last, an A without its B."""
+def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
+                           ) -> tuple[PEFTHelper, dict[tuple[int, str], dict[str, str]]]:
+    """An adapter's settings and, per (layer, module) it adapts in layer order, the names of its A and B tensors,
+    checked against the base model's config from its config file and its tensors' names and shapes, without
+    reading their data (the frontend checks each adapter this way; the worker loads it). A ValueError names what
+    does not fit: a module the model has no LoRA layer for, a shape that is not the base's, a layer past its last,
+    an A without its B."""
     peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
     shapes = slice_shapes(hf_config)
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
+    names: dict[tuple[int, str], dict[str, str]] = {}
     with _weights(lora_path) as f:
         tensor_shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
     for name, shape in tensor_shapes:
@@ -120,6 +122,7 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int) -> tup
             raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
                              f"base model has {hf_config.num_hidden_layers}")
         found.setdefault((layer_index, match.group(2)), {})[match.group(3)] = shape
+        names.setdefault((layer_index, match.group(2)), {})[match.group(3)] = name
     for (layer_index, module), ab in sorted(found.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"
@@ -133,4 +136,4 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int) -> tup
                              f"({out_features}, {peft.r}) for rank {peft.r}")
     if not found:
         raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
-    return peft, sorted(found)
+    return peft, {key: names[key] for key in sorted(names)}

@@ -251,3 +251,21 @@ def test_phi3_adapter_on_its_fused_modules(tmp_path, tokenizer):
         assert_transformers_greedy(adapter if request else base, [prompt], [got], MAX_TOKENS)
         if request:
             assert hf_greedy(base, prompt, got) != got
+
+
+def test_a_gemma3_multimodal_checkpoints_adapter_on_its_language_model(tmp_path, tokenizer):
+    """peft names a Gemma 3 multimodal checkpoint's language-model tensors under model.language_model: such an
+    adapter serves as one of a plain model does (transformers + peft's output, and the adapter changed it)."""
+    from tests.e2e.test_tiny_models import save_tiny_gemma3_multimodal
+
+    base = save_tiny_gemma3_multimodal(tmp_path / "model", tokenizer)
+    adapter = _random_adapter(base, dict(r=8, lora_alpha=16, target_modules=r".*language_model.*\.(q_proj|v_proj|"
+                                                                            r"down_proj)"), 0, tmp_path / "adapter")
+    prompts = [[1, 50, 60, 70], list(range(200, 237))]
+    lora = LoRARequest("gemma3", 1, str(tmp_path / "adapter"))
+    with running_llm(str(tmp_path / "model"), dtype="float32", max_model_len=512, enable_lora=True,
+                     max_lora_rank=8) as llm:
+        outputs = run(llm, prompts, [lora, None])
+    assert_transformers_greedy(adapter, [prompts[0]], [outputs[0]], MAX_TOKENS)
+    assert_transformers_greedy(base, [prompts[1]], [outputs[1]], MAX_TOKENS)
+    assert hf_greedy(base, prompts[0], outputs[0]) != outputs[0]

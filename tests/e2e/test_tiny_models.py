@@ -157,10 +157,9 @@ def test_packed_gguf_experts_replay_cpu_graphs(tmp_path, model_path):
     assert outputs["gguf"] == outputs[None]
 
 
-def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path, tokenizer):
-    """A Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration, as the 4B and larger models ship: language
-    model, SigLIP vision tower and projector, the text config nested) serves text prompts with its language model:
-    the engine's greedy tokens are transformers' for the whole model on the same token ids."""
+def save_tiny_gemma3_multimodal(path, tokenizer) -> Gemma3ForConditionalGeneration:
+    """A tiny random Gemma 3 multimodal checkpoint (Gemma3ForConditionalGeneration, as the 4B and larger models
+    ship: language model, SigLIP vision tower and projector, the text config nested), saved to ``path``."""
     text = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                             initializer_range=0.2, sliding_window=8, head_dim=16, query_pre_attn_scalar=16,
@@ -172,8 +171,15 @@ def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path, tokenize
                           boi_token_index=VOCAB - 2, eoi_token_index=VOCAB - 3, tie_word_embeddings=False)
     torch.manual_seed(0)
     reference = Gemma3ForConditionalGeneration(config).eval()
-    reference.save_pretrained(tmp_path, safe_serialization=True)
-    tokenizer.save_pretrained(tmp_path)
+    reference.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return reference
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path, tokenizer):
+    """A Gemma 3 multimodal checkpoint serves text prompts with its language model: the engine's greedy tokens are
+    transformers' for the whole model on the same token ids."""
+    reference = save_tiny_gemma3_multimodal(tmp_path, tokenizer)
     prompts = [[1, 50, 60, 70], list(range(200, 237)), list(range(1000, 1100, 3))]
     with running_llm(str(tmp_path), dtype="float32", max_model_len=512, max_num_batched_tokens=32) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
