@@ -74,3 +74,31 @@ def test_hermes_block_cut_inside_its_call_keeps_its_arguments():
     cut = HERMES[:HERMES.index("Paris") + 2]
     content, calls = HermesParser().parse(cut)
     assert content == "Let me check. " and calls[0].function.arguments == '{"city": "</tool_call> Pa'
+
+
+BROKEN = ('<tool_call>{"name": "f", "arguments": {"a": }}</tool_call> Then '
+          '<tool_call>{"name": "g", "arguments": {"a": 1}</tool_call> and <tool_call>{"name": "h", "arguments": {}}'
+          '</tool_call> end')
+
+
+def test_a_hermes_block_that_is_no_json_call_is_content_and_ends_at_its_tag():
+    """As vLLM's parser: a block whose JSON does not parse is no call but content (its arguments would not be
+    JSON), and a block whose object never closes ends at its end tag rather than taking the text after it."""
+    content, calls = HermesParser().parse(BROKEN)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("h", {})]
+    assert content == BROKEN[:BROKEN.index("<tool_call>{\"name\": \"h\"")] + " end"
+    # Streamed, what went out of the broken calls cannot be taken back; the good one keeps an index of its own.
+    streamed, _, _ = _streamed(list(BROKEN), HermesParser())
+    assert [call["name"] for call in streamed] == ["f", "g", "h"] and streamed[-1]["arguments"] == "{}"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    """As vLLM: with parallel_tool_calls false an "auto" answer carries its first call only, streamed or not."""
+    from pagedllm.entrypoints.openai.tool_calls import ToolChoice
+
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    single, parallel = ToolChoice("auto", [], parallel=False), ToolChoice("auto", [])
+    _, calls = HermesParser().parse(text)
+    assert [c.function.name for c in single.kept_calls(calls)] == ["a"] and len(parallel.kept_calls(calls)) == 2
+    _, deltas = HermesParser().feed(text)
+    assert {d.index for d in single.kept_deltas(deltas)} == {0} and {d.index for d in deltas} == {0, 1}

@@ -127,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         if output.finish_reason is not None:
             rest, more_calls = parser.finish()
             content, tool_calls = content + rest, tool_calls + more_calls
-        delta = DeltaMessage(content=content or None, tool_calls=tool_calls or None)
+        delta = DeltaMessage(content=content or None, tool_calls=tool_choice.kept_deltas(tool_calls) or None)
         return delta, tool_choice.finish_reason(parser.calls, output.finish_reason)
 
     async def chat_completion_full_generator(self, request: ChatCompletionRequest,
@@ -146,6 +146,7 @@ class OpenAIServingChat(OpenAIServing):
             parser = tool_choice.make_parser() if tool_choice else None
             if parser is not None:
                 content, calls = parser.parse(o.text)
+                calls = tool_choice.kept_calls(calls)
                 message = ChatMessage(role=role, content=content.strip() or None, tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
             choices.append(ChatCompletionResponseChoice(

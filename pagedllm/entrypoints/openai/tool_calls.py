@@ -53,6 +53,15 @@ class ToolChoice:
             return HermesParser()
         return None
 
+    def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """The calls the answer carries: with parallel_tool_calls false the first only, as vLLM keeps them (a
+        grammar already holds "required" to one)."""
+        return calls if self.parallel else calls[:1]
+
+    def kept_deltas(self, deltas: list[DeltaToolCall]) -> list[DeltaToolCall]:
+        """A stream's call deltas of the calls kept_calls keeps."""
+        return deltas if self.parallel else [delta for delta in deltas if delta.index == 0]
+
     def finish_reason(self, calls: list[ToolCall], finish_reason: Optional[str]) -> Optional[str]:
         """OpenAI says "tool_calls" when the model chose to call (auto/required); a forced named call "stops"."""
         if calls and finish_reason == "stop" and self.mode in ("auto", "required"):
@@ -115,6 +124,7 @@ class ToolCallParser:
     _buffer: str = ""
     _emitted: int = 0  # how much of the call being read's arguments has been handed out
     _open: bool = False  # whether the call being read is open (the last of `calls`, its id handed out)
+    _opened: int = 0  # calls opened so far: a stream's delta index of the next (a call found broken keeps its own)
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         raise NotImplementedError
@@ -141,13 +151,13 @@ class ToolCallParser:
         new = arguments[self._emitted:]
         self._emitted = len(arguments)
         if not self._open:
-            self._open = True
+            self._open, self._opened = True, self._opened + 1
             self.calls.append(ToolCall(function=FunctionCall(name=found.name, arguments=arguments)))
             call = self.calls[-1]
-            return DeltaToolCall(index=len(self.calls) - 1, id=call.id, type="function",
+            return DeltaToolCall(index=self._opened - 1, id=call.id, type="function",
                                  function=DeltaFunctionCall(name=found.name, arguments=arguments))
         self.calls[-1].function.arguments = arguments
-        return DeltaToolCall(index=len(self.calls) - 1, function=DeltaFunctionCall(arguments=new)) if new else None
+        return DeltaToolCall(index=self._opened - 1, function=DeltaFunctionCall(arguments=new)) if new else None
 
     def _next_call(self) -> None:
         """The call being read is complete: the next one starts unread."""
@@ -216,6 +226,7 @@ class _CallScan:
     name: Optional[str] = None
     arguments: Optional[tuple[int, int]] = None
     end: Optional[int] = None
+    broken: Optional[int] = None  # where a "<" outside any string shows the object is no JSON (a tag follows)
 
 
 def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
@@ -226,6 +237,9 @@ def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
     i = start
     while i < len(text):
         c = text[i]
+        if c == "<":  # no JSON outside a string: the object never closed before what follows (an end tag)
+            scan.broken = i
+            return scan
         if depth == 1 and not expecting_key and value_start is None and not c.isspace():
             value_start = i  # the current key's value begins
         if c == '"':
@@ -279,7 +293,9 @@ def _string_end(text: str, start: int) -> Optional[int]:
 class HermesParser(ToolCallParser):
     """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. Text outside the blocks is
     content. A block's call opens once its name is read and its arguments (their raw text) stream as they are
-    generated; a block whose name never reads (its JSON does not parse) is shown as content rather than dropped."""
+    generated; a block that is no call (its JSON does not parse, or is no object with a name) is content, as vLLM's
+    parser shows it: whole when the text is read at once (parse), and from where it ends when streamed (what was
+    streamed of its call cannot be taken back, but the call is not among the calls)."""
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -301,14 +317,21 @@ class HermesParser(ToolCallParser):
                 delta = self._stream_call(self._buffer, found)
                 if delta is not None:
                     deltas.append(delta)
-            # The block ends at the first end tag after its JSON (a string in it may hold one); while no call has
-            # opened, at the first end tag at all (the block may be no call).
+            # The block ends at the first end tag after its JSON (a string in it may hold one); at one where its
+            # JSON broke off; while no call has opened, at the first end tag at all (the block may be no call).
             if found is not None and found.end is not None:
                 end = self._buffer.find(_HERMES_END, found.end)
+            elif found is not None and found.broken is not None and self._buffer.startswith(_HERMES_END,
+                                                                                              found.broken):
+                end = found.broken
             else:
                 end = -1 if self._open else self._buffer.find(_HERMES_END)
             if end < 0:
                 return "".join(content), deltas
+            if self._open and not _is_call(self._buffer[body:found.end] if found.end is not None else ""):
+                self.calls.pop()
+                deltas = [delta for delta in deltas if delta.index != self._opened - 1]
+                self._open = False
             if not self._open:
                 content.append(self._buffer[:end + len(_HERMES_END)])
             self._buffer = self._buffer[end + len(_HERMES_END):]
@@ -318,6 +341,16 @@ class HermesParser(ToolCallParser):
         """What is left: content, but for a block cut off inside its call, which keeps the arguments it had."""
         rest, self._buffer = self._buffer, ""
         return ("" if self._open else rest), []
+
+
+def _is_call(text: str) -> bool:
+    """Whether a block's JSON is a call: an object with a name, and arguments (if any) an object."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}),
+                                                                                       dict)
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
