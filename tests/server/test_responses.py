@@ -142,6 +142,17 @@ def test_store_is_bounded_and_drops_the_least_recently_used():
     assert store.get(b.id) is None and store.get(a.id) and store.get(c.id)
 
 
+def test_text_format_constrains_the_output(client):
+    """text.format (OpenAI's structured output for Responses) is chat's response_format: the text is JSON of the
+    schema, and the response echoes the format."""
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}}, "required": ["capital"],
+              "additionalProperties": False}
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0,
+                                       text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
+    assert set(json.loads(response.output_text)) == {"capital"}
+    assert response.text.format.type == "json_schema"
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"temperature": "hot"}, "temperature"),
@@ -152,6 +163,7 @@ def test_store_is_bounded_and_drops_the_least_recently_used():
                 {"role": "user", "content": [{"type": "input_image", "text": "x"}]}]}, "input[1].content[0].type"),
     ({"input": [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "web_search_call"}]}, "input[0]"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
 ])
 def test_bad_field_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:

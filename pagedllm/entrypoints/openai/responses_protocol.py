@@ -83,6 +83,26 @@ class NamedFunctionToolChoice(OpenAIBaseModel):
     name: str
 
 
+class TextFormat(OpenAIBaseModel):
+    """OpenAI's text.format: plain text, any JSON object, or JSON of a schema (the chat API's response_format)."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # "schema" shadows a BaseModel attribute in pydantic, hence the alias.
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+    def to_response_format(self) -> Optional[dict]:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "json_schema": {
+            "name": self.name, "description": self.description, "schema": self.json_schema, "strict": self.strict}}
+
+
+class ResponseTextConfig(OpenAIBaseModel):
+    format: Optional[TextFormat] = None
+
+
 class ResponsesRequest(OpenAIBaseModel):
     model: Optional[str] = None
     input: Union[list[InputItem], str]  # the list first, as InputMessage.content
@@ -99,6 +119,7 @@ class ResponsesRequest(OpenAIBaseModel):
     # Keep the finished response for GET /v1/responses/{id} and previous_response_id (OpenAI's default: true).
     store: Optional[bool] = True
     metadata: Optional[dict[str, str]] = None
+    text: Optional[ResponseTextConfig] = None  # the output's format: structured output, as chat's response_format
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message)."""
@@ -121,7 +142,9 @@ class ResponsesRequest(OpenAIBaseModel):
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": self.stream,
-            "stream_options": {"include_usage": True} if self.stream else None})
+            "stream_options": {"include_usage": True} if self.stream else None,
+            "response_format": None if self.text is None or self.text.format is None
+            else self.text.format.to_response_format()})
 
 
 # ------------------------------------------------------------------------------------------------ output
@@ -198,3 +221,4 @@ class ResponsesResponse(OpenAIBaseModel):
     previous_response_id: Optional[str] = None
     store: bool = True
     metadata: Optional[dict[str, str]] = None
+    text: ResponseTextConfig = Field(default_factory=lambda: ResponseTextConfig(format=TextFormat(type="text")))

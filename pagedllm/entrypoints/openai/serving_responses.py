@@ -26,7 +26,7 @@ RESPONSE_STORE_SIZE = 1000
 
 # The chat request's field -> the Responses request's, for the param (and leading word) of a 400.
 _RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                    "max_tokens": "max_output_tokens"}
+                    "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
 def _renamed(error: OpenAIError) -> OpenAIError:
@@ -86,7 +86,8 @@ class _ResponseBuilder:
             instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=r.temperature,
             top_p=r.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
-            store=r.store is not False, metadata=r.metadata)
+            store=r.store is not False, metadata=r.metadata,
+            **({"text": r.text} if r.text is not None and r.text.format is not None else {}))
 
     def finish(self, output: list, usage: Optional[ResponseUsage], finish_reason: Optional[str]
                ) -> ResponsesResponse:
