@@ -74,13 +74,15 @@ class SchedulerConfig:
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
-        self.policy = SchedulingPolicy(self.policy)
+        try:
+            self.policy = SchedulingPolicy(self.policy)
+        except ValueError:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in SchedulingPolicy)}, "
+                             f"got {self.policy!r}") from None
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+            check_int(name, getattr(self, name), 1)
         for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
+            check_int(name, getattr(self, name), 0)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
@@ -115,14 +117,26 @@ class CacheConfig:
         return tuple(group.sliding_window for group in self.kv_cache_groups) or (self.sliding_window,)
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        check_int("block_size", self.block_size, 1)
+        if self.num_blocks is not None:
+            check_int("num_kv_blocks", self.num_blocks, 1)
+        if self.kv_cache_memory is not None:
+            parse_memory_size(self.kv_cache_memory)  # a bad size fails here, before any process starts
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         check_kv_cache_dtype(self.cache_dtype)
         if self.kv_cache_populate not in KV_CACHE_POPULATE:
             raise ValueError(f"kv_cache_populate must be one of {', '.join(KV_CACHE_POPULATE)}; "
                              f"got {self.kv_cache_populate!r}")
+
+
+def check_int(name: str, value, lowest: int) -> None:
+    """A ValueError naming the field unless ``value`` is an integer (not a bool, not a float such as 16.0) of at
+    least ``lowest``: a float or string would otherwise pass the config and fail in the engine process."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lowest:
+        raise ValueError(f"{name} must be at least {lowest}, got {value}")
 
 
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2,

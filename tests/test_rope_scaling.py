@@ -92,9 +92,13 @@ def test_legacy_rope_scaling_configs():
     assert torch.equal(get_rope(HEAD_DIM, phi3).cos_sin_cache, expected)
 
 
-def test_unknown_rope_type_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="'mrope'"):
+def test_unknown_rope_type_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="'mrope' is not supported"):
         get_rope(HEAD_DIM, SimpleNamespace(max_position_embeddings=32, rope_scaling={"rope_type": "mrope"}))
+    # by the engine's config, before any process starts or weight is read
+    _config({"rope_type": "foobar", "factor": 2.0}, max_position_embeddings=32).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="rope_scaling: rope_type 'foobar' is not supported"):
+        EngineArgs(str(tmp_path)).create_engine_config()
 
 
 def test_engine_serves_the_positions_the_rope_scaling_serves(tmp_path):

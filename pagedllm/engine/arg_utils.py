@@ -10,9 +10,10 @@ from typing import Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_kv_cache_dtype, common_window, layer_sliding_window)
+                             SpeculativeConfig, check_int, check_kv_cache_dtype, common_window,
+                             layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
-from pagedllm.layers.rope_scaling import positions_served
+from pagedllm.layers.rope_scaling import check_rope_types, positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
@@ -101,8 +102,11 @@ class EngineArgs:
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config)
         hf_config = load_hf_config(path)
+        get_model_architecture(hf_config)  # an architecture or rope type not served fails here, before any process
+        check_rope_types(hf_config)
         model_max_len = positions_served(hf_config)
-        max_model_len = self.max_model_len or model_max_len
+        max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
+        check_int("max_model_len", max_model_len, 1)
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({model_max_len}, with its rope scaling).")

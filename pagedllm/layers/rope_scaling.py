@@ -44,6 +44,17 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
+def check_rope_types(config) -> None:
+    """A ValueError naming the config's rope type where one of its rope parameter sets (Gemma 3 keeps one per kind
+    of layer) has a type not served, before any weight is read."""
+    raw = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    for params in [value for value in raw.values() if isinstance(value, dict)] or [raw]:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type != "su" and rope_type not in _INV_FREQ:
+            raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported; supported: "
+                             f"{', '.join(sorted(_INV_FREQ))}")
+
+
 def max_position_embeddings(config) -> int:
     """The context the model was trained for (2048 when the config does not say)."""
     return getattr(config, "max_position_embeddings", None) or 2048
@@ -74,7 +85,8 @@ def inv_freq_and_scale(params: dict, rotary_dim: int, max_position: int, positio
     cos and sin (transformers' attention_scaling). ``max_position``: the config's max_position_embeddings."""
     rope_type = params["rope_type"]
     if rope_type not in _INV_FREQ:
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(_INV_FREQ))}")
     return _INV_FREQ[rope_type](params, rotary_dim, max_position, positions)
 
 

@@ -116,6 +116,25 @@ def test_more_logprobs_than_max_logprobs_name_the_field(llm):
                .logprobs[0]) >= 20
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("max_num_seqs", 2.5, "must be an integer"), ("block_size", 16.0, "must be an integer"),
+    ("max_model_len", "128", "must be an integer"), ("max_model_len", 0, "must be at least 1"),
+    ("num_kv_blocks", -3, "must be at least 1"), ("kv_cache_memory", "2 gigs", "a size like '2GiB'"),
+    ("scheduling_policy", "lifo", "must be one of fcfs, priority")])
+def test_engine_arguments_of_the_wrong_kind_name_the_field(field, value, message):
+    """Checked with the config, before any process starts, rather than failing in the engine process."""
+    with pytest.raises(ValueError, match=f"{field}.*{message}"):
+        EngineArgs(**{field: value}).create_engine_config()
+
+
+def test_an_architecture_not_served_is_refused_with_the_config(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Unsupported model"):
+        EngineArgs(str(tmp_path)).create_engine_config()
+
+
 def test_engine_threads_are_checked_and_passed_on():
     with pytest.raises(ValueError, match="num_cpu_threads"):
         EngineArgs(num_cpu_threads=0).create_engine_config()
