@@ -89,7 +89,8 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _run_command(argv: list[str]) -> None:
-    from pagedllm.entrypoints.openai.cli_args import config_file_defaults, validate_parsed_serve_args
+    from pagedllm.entrypoints.openai.cli_args import (config_file_defaults, validate_parsed_serve_args,
+                                                      validate_serving_args)
 
     parser, config_parsers = make_parser()
     command_parser = config_parsers.get(argv[0]) if argv else None
@@ -97,11 +98,11 @@ def _run_command(argv: list[str]) -> None:
     if config:  # the file's flags as defaults: the command line's win
         command_parser.set_defaults(**config_file_defaults(command_parser, config))
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        try:
-            validate_parsed_serve_args(args)  # before the model loads
+    if args.command in ("serve", "run-batch"):
+        try:  # before the model loads
+            (validate_parsed_serve_args if args.command == "serve" else validate_serving_args)(args)
         except ValueError as e:
-            config_parsers["serve"].error(str(e))
+            config_parsers[args.command].error(str(e))
     (args.bench_func if args.command == "bench" else args.func)(args)
 
 

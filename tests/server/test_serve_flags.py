@@ -72,7 +72,7 @@ def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
 def test_frontend_flag_defaults_and_json_lists():
     args = _parse()
     assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
-        ["*"], ["*"], ["*"], False)
+        [], ["*"], ["*"], False)  # vLLM 0.32's: no cross-origin browser access unless origins are named
     assert (args.enable_log_requests, args.max_log_len, args.response_role, args.uds, args.root_path) == (
         False, None, "assistant", None, None)
     assert _parse("--allowed-origins", json.dumps([GOOD_ORIGIN])).allowed_origins == [GOOD_ORIGIN]
@@ -116,9 +116,12 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
         (["--ssl-ca-certs", str(cert)], "need HTTPS (--ssl-certfile)"),
         (["--ssl-certfile", str(cert), "--ssl-cert-reqs", "3"], "invalid choice: 3"),
         (["--lora-modules", "a=b"], "need --enable-lora"),
+        (["--port", "70000"], "--port must be in 0-65535, got 70000"),
+        (["--kv-cache-memory", "lots"], "a size like '2GiB'"),
+        (["run-batch", "-i", str(key), "-o", str(cert), "--lora-modules", "a=b"], "need --enable-lora"),
     ]:
         with pytest.raises(SystemExit) as info:
-            cli.main(["serve", *argv])
+            cli.main(argv if argv[0] == "run-batch" else ["serve", *argv])
         assert info.value.code == 2 and message in capsys.readouterr().err, argv
         # the engine interpreter the command started at once (launch.py) went with the command
         assert {p.pid for p in psutil.Process().children()} <= before, argv

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel
 
 import pagedllm
+from pagedllm.config import SpeculativeConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
@@ -203,7 +204,9 @@ async def run_server(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
-    num_speculative_tokens = (args.speculative_config or {}).get("num_speculative_tokens", 0)
+    # The resolved count (suffix decoding's default is its tree depth), which sizes the per-position counter.
+    num_speculative_tokens = SpeculativeConfig.from_dict(args.speculative_config).num_speculative_tokens \
+        if args.speculative_config else 0
     stat_loggers = [PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
                                          num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
     if not args.disable_log_stats:

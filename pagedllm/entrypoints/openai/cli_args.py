@@ -7,7 +7,7 @@ import json
 import ssl
 
 from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
-                             SERVE_MAX_PREFILL_TOKENS_WITH_DECODES)
+                             SERVE_MAX_PREFILL_TOKENS_WITH_DECODES, parse_memory_size)
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
@@ -43,11 +43,21 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _memory_size(value: str) -> str:
+    """--kv-cache-memory: bytes, or a size like "2GiB" (config.parse_memory_size), checked as the flags are read."""
+    try:
+        parse_memory_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's operational flags of the HTTP server: CORS, TLS, where it listens, and what it logs."""
     http = parser.add_argument_group("HTTP")
-    http.add_argument("--allowed-origins", type=_json_list, default=["*"],
-                      help="CORS: the origins allowed, as a JSON list (default: %(default)s)")
+    http.add_argument("--allowed-origins", type=_json_list, default=[],
+                      help="CORS: the origins allowed, as a JSON list (default: %(default)s: cross-origin browser "
+                           "access is off, as in vLLM)")
     http.add_argument("--allowed-methods", type=_json_list, default=["*"],
                       help="CORS: the methods allowed, as a JSON list (default: %(default)s)")
     http.add_argument("--allowed-headers", type=_json_list, default=["*"],
@@ -84,6 +94,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     would be silently ignored)."""
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0-65535, got {args.port}")
     if args.ssl_keyfile and not args.ssl_certfile:
         raise ValueError("--ssl-keyfile needs --ssl-certfile")
     if (args.ssl_ca_certs or args.ssl_cert_reqs != ssl.CERT_NONE) and not args.ssl_certfile:
@@ -96,7 +108,12 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
                     pass
             except OSError as e:
                 raise ValueError(f"--{flag.replace('_', '-')} {path}: {e.strerror}") from None
-    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+    validate_serving_args(args)
+
+
+def validate_serving_args(args: argparse.Namespace) -> None:
+    """The checks `serve` and `run-batch` share, made before the model loads."""
+    if (args.lora_modules or getattr(args, "allow_runtime_lora_updating", False)) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
 
 
@@ -149,7 +166,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_prefix_caching)
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
-    engine.add_argument("--kv-cache-memory", default=EngineArgs.kv_cache_memory,
+    engine.add_argument("--kv-cache-memory", type=_memory_size, default=EngineArgs.kv_cache_memory,
                         help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineArgs.kv_cache_dtype,
                         help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3) and fp8_e5m2 (one "
