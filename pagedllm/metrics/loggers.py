@@ -1,11 +1,13 @@
-"""The server's periodic log line (vLLM's LoggingStatLogger): every ``interval`` seconds in which engines produced
-output, per engine, the prompt and generation throughput since the last line, running and waiting requests, KV
-cache usage and the prefix cache's hit rate; with speculative decoding a second line (vLLM's SpecDecodingLogging)
-with the mean acceptance length, accepted and drafted throughput and tokens, the acceptance rate per draft position
-and overall, all over the interval. Off with ``--disable-log-stats``."""
+"""The server's periodic log line (vLLM's LoggingStatLogger): every ``interval`` seconds, by a timer of its own, per
+engine that did something in that interval or the one before (so the line after a burst shows it over, then it
+goes quiet while idle, as vLLM's), the prompt and generation throughput over the interval, running and waiting
+requests, KV cache usage and the prefix cache's hit rate; with speculative decoding a second line (vLLM's
+SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the acceptance
+rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Optional
 
@@ -15,22 +17,41 @@ from pagedllm.metrics.stats import IterationStats
 logger = logging.getLogger(__name__)
 
 LOG_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
+MIN_INTERVAL_S = 0.1  # the timer's shortest tick (an interval of 0: every tick)
 
 
 class LoggingStatLogger:
-    def __init__(self, num_engines: int = 1, interval: float = LOG_STATS_INTERVAL_S, clock=time.monotonic):
+    def __init__(self, num_engines: int = 1, interval: float = LOG_STATS_INTERVAL_S, clock=time.monotonic,
+                 timer: bool = True):
+        """``timer``: log every ``interval`` from a daemon thread (tests call log() themselves)."""
         self.interval, self.clock = interval, clock
+        self._lock = threading.Lock()  # record() runs on the server's loop, log() on the timer's thread
         self._engines = [_EngineWindow(clock()) for _ in range(num_engines)]
+        self._idle = [True] * num_engines  # whether each engine's last interval was idle
+        if timer:
+            threading.Thread(target=self._log_every_interval, name="log-stats", daemon=True).start()
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
                engine: int = 0) -> None:
-        window = self._engines[engine]
-        window.add(scheduler_stats, iteration_stats)
+        with self._lock:
+            self._engines[engine].add(scheduler_stats, iteration_stats)
+
+    def log(self) -> None:
+        """The interval's lines of each engine that was not idle in it or in the one before; a new interval."""
         now = self.clock()
-        if now - window.start >= self.interval:
-            for line in window.lines(engine, now):
-                logger.info(line)
-            window.restart(now)
+        with self._lock:
+            for engine, window in enumerate(self._engines):
+                idle = window.idle()
+                if not (idle and self._idle[engine]):
+                    for line in window.lines(engine, now):
+                        logger.info(line)
+                self._idle[engine] = idle
+                window.restart(now)
+
+    def _log_every_interval(self) -> None:
+        while True:
+            time.sleep(max(self.interval, MIN_INTERVAL_S))
+            self.log()
 
 
 class _EngineWindow:
@@ -52,6 +73,12 @@ class _EngineWindow:
             self.generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
             self.latest = scheduler_stats
+
+    def idle(self) -> bool:
+        """No tokens in the window and no request running or waiting at its end."""
+        latest = self.latest or SchedulerStats()
+        return not (self.prompt_tokens or self.generation_tokens or latest.num_running_reqs
+                    or latest.num_waiting_reqs)
 
     def lines(self, engine: int, now: float) -> list[str]:
         seconds = max(now - self.start, 1e-9)

@@ -143,7 +143,7 @@ def spec_server(tmp_path_factory):
     (config_dir / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     srv = RemoteServer(config_dir / "server.log",
                        extra_args=["--speculative-config", json.dumps(NGRAM), "--generation-config", str(config_dir)],
-                       env={"PAGEDLLM_LOG_STATS_INTERVAL": "0"})  # a log line per output batch
+                       env={"PAGEDLLM_LOG_STATS_INTERVAL": "0"})  # a log line every 0.1 s tick
     srv.config_dir = str(config_dir)
     yield srv
     srv.stop()

@@ -1,9 +1,11 @@
 """The server's periodic log line (metrics/loggers.LoggingStatLogger, vLLM's LoggingStatLogger and
-SpecDecodingLogging): figures over the interval since the last line, per engine, logged once the interval has
-passed. tests/server/test_spec_decode_api.py sees the line in a server's log."""
+SpecDecodingLogging): figures over the interval since the last line, per engine, logged by a timer each interval
+(here called by hand), quiet once an engine has been idle for an interval. tests/server/test_spec_decode_api.py
+sees the line in a server's log."""
 from __future__ import annotations
 
 import logging
+import time
 
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.metrics.loggers import LoggingStatLogger
@@ -20,16 +22,17 @@ class Clock:
 
 def test_a_line_per_interval_with_the_intervals_figures(caplog):
     clock = Clock()
-    stat_logger = LoggingStatLogger(num_engines=2, interval=10.0, clock=clock)
+    stat_logger = LoggingStatLogger(num_engines=2, interval=10.0, clock=clock, timer=False)
     caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
     first = SchedulerStats(num_running_reqs=3, prefix_cache_queries=100, prefix_cache_hits=50,
                            spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
                            spec_decode_num_accepted_tokens=20, spec_decode_num_accepted_tokens_per_pos=[8, 6, 4, 2])
     clock.now = 109.0
     stat_logger.record(first, IterationStats(num_prompt_tokens=300, num_generation_tokens=20), engine=1)
-    assert not caplog.records  # within the interval
+    assert not caplog.records  # a record logs nothing: the timer's tick does
     clock.now = 110.0
     stat_logger.record(first, IterationStats(num_generation_tokens=30), engine=1)
+    stat_logger.log()  # engine 0 was idle, and idle the interval before: no line
     (line, spec) = [r.getMessage() for r in caplog.records]
     assert line == ("Engine 001: Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
                     "Running: 3 reqs, Waiting: 0 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 50.0%")
@@ -43,6 +46,7 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
                            spec_decode_num_accepted_tokens=30, spec_decode_num_accepted_tokens_per_pos=[12, 9, 6, 3])
     clock.now = 125.0
     stat_logger.record(later, IterationStats(num_generation_tokens=15), engine=1)
+    stat_logger.log()
     (line, spec) = [r.getMessage() for r in caplog.records]
     assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 1.0 tokens/s" in line
     assert "KV cache usage: 25.0%, Prefix cache hit rate: 10.0%" in line
@@ -52,10 +56,38 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
 
 def test_no_speculation_no_spec_line(caplog):
     clock = Clock()
-    stat_logger = LoggingStatLogger(interval=1.0, clock=clock)
+    stat_logger = LoggingStatLogger(interval=1.0, clock=clock, timer=False)
     caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
     clock.now = 101.0
     stat_logger.record(SchedulerStats(num_waiting_reqs=2), IterationStats(num_generation_tokens=4))
+    stat_logger.log()
     assert [r.getMessage() for r in caplog.records] == [
         "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 4.0 tokens/s, Running: 0 reqs, "
         "Waiting: 2 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 0.0%"]
+
+
+def test_the_interval_after_a_burst_is_logged_then_idle_ones_are_not(caplog):
+    """As vLLM's: the tick after the last tokens shows the engine idle (Running: 0), later idle ticks log nothing,
+    whether or not any output came (the line no longer waits for a request's output to be written)."""
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=10.0, clock=clock, timer=False)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    clock.now = 105.0
+    stat_logger.record(SchedulerStats(num_running_reqs=1), IterationStats(num_generation_tokens=50))
+    stat_logger.record(SchedulerStats(num_running_reqs=0), IterationStats(num_generation_tokens=10))
+    for now in (110.0, 120.0, 130.0):
+        clock.now = now
+        stat_logger.log()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and "Avg generation throughput: 6.0 tokens/s, Running: 0 reqs" in lines[0]
+    assert "Avg generation throughput: 0.0 tokens/s, Running: 0 reqs" in lines[1]
+
+
+def test_the_timer_logs_without_any_record(caplog):
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    stat_logger = LoggingStatLogger(interval=0.05)
+    stat_logger.record(SchedulerStats(num_running_reqs=2), None)
+    deadline = time.monotonic() + 5
+    while not caplog.records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "Running: 2 reqs" in caplog.records[0].getMessage()
