@@ -324,3 +324,30 @@ def test_vocab_parallel_embedding_pads_last_shard():
 def test_weight_loader_rejects_wrong_shape():
     with pytest.raises(ValueError, match="shape mismatch"):
         _load(ColumnParallelLinear(8, 12), torch.randn(12, 9))
+    # A tensor larger than the layer is not cut down to it (the whole of it must be what the config says).
+    with pytest.raises(ValueError, match="expected 12 along dimension 0"):
+        _load(ColumnParallelLinear(8, 12), torch.randn(16, 8))
+    with pytest.raises(ValueError, match="expected 12 along dimension 1"):
+        _load(RowParallelLinear(12, 8), torch.randn(8, 16))
+    with pytest.raises(ValueError, match="expected 16 along dimension 0"):  # 2 KV heads of 8, the checkpoint 4
+        _load(QKVParallelLinear(8, 8, 4, 2), torch.randn(96, 8), shards=lambda w: zip("qkv", w.split([32, 32, 32])))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_hidden_layers=1), "'model.layers.1.input_layernorm.weight' matches no parameter"),
+    (dict(intermediate_size=96), "Checkpoint tensor 'model.layers.0.mlp.[a-z_]+.weight': weight shape mismatch"),
+    (dict(num_key_value_heads=1), "'model.layers.0.self_attn.qkv_proj.weight': weight shape mismatch"),
+])
+def test_a_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, change, message):
+    """Tensors of layers or sizes the config does not have fail the load naming the tensor, as vLLM's loader does,
+    rather than loading a cut-down model."""
+    from pagedllm.platforms.cpu import choose_kernels
+    from pagedllm.models.loader import get_model
+
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True)
+    from transformers import LlamaForCausalLM as HFLlama
+    HFLlama(LlamaConfig(**config)).save_pretrained(tmp_path)
+    LlamaConfig(**{**config, **change}).save_pretrained(tmp_path)  # the config, not the tensors, changed
+    with pytest.raises(ValueError, match=message):
+        get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))

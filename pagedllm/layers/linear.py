@@ -24,6 +24,15 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
+def _shard(loaded_weight: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:
+    """``loaded_weight``'s [start, start + size) along ``dim``, once it is checked to be ``full`` long there: a
+    checkpoint tensor larger than its config implies would otherwise be cut to size without a word."""
+    if loaded_weight.shape[dim] != full:
+        raise ValueError(f"weight shape mismatch: expected {full} along dimension {dim}, got "
+                         f"{tuple(loaded_weight.shape)}")
+    return loaded_weight.narrow(dim, start, size)
+
+
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"weight shape mismatch: expected {tuple(dst.shape)}, got {tuple(src.shape)}")
@@ -152,7 +161,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         shard = param.shape[0]
-        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+        _copy_checked(param.data, _shard(loaded_weight, 0, shard * self.tp_size, self.tp_rank * shard, shard))
 
     def _load_fused(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_sizes: dict) -> None:
         """A checkpoint tensor holding the outputs this layer fuses already stacked as it stacks them (Phi-3's
@@ -208,7 +217,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if loaded_shard_id is None:
             return self._load_fused(param, loaded_weight, dict(enumerate(self.output_sizes)))
         offset, size, shard_rank = self.output_shards()[loaded_shard_id]
-        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
+        _copy_checked(param.data.narrow(0, offset, size), _shard(loaded_weight, 0, self.output_sizes[loaded_shard_id],
+                                                                 shard_rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -247,7 +257,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             q_size, kv_size = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
             return self._load_fused(param, loaded_weight, {"q": q_size, "k": kv_size, "v": kv_size})
         offset, size, shard_rank = self.output_shards()["qkv".index(loaded_shard_id)]
-        _copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, shard_rank * size, size))
+        heads = self.total_num_heads if loaded_shard_id == "q" else self.total_num_kv_heads
+        _copy_checked(param.data.narrow(0, offset, size),
+                      _shard(loaded_weight, 0, heads * self.head_size, shard_rank * size, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -267,7 +279,7 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if param.dim() == 2:
             shard = param.shape[1]
-            loaded_weight = loaded_weight.narrow(1, self.tp_rank * shard, shard)
+            loaded_weight = _shard(loaded_weight, 1, shard * self.tp_size, self.tp_rank * shard, shard)
         _copy_checked(param.data, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

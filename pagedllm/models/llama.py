@@ -282,11 +282,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.prepare_projection(layout)
 
     def _on_other_stage(self, name: str) -> bool:
-        """Whether checkpoint tensor ``name`` belongs to a module of another pipeline stage."""
+        """Whether checkpoint tensor ``name`` belongs to a module of another pipeline stage. A module the model does
+        not have at all (a layer past its last, a name no architecture of its kind has) is not: such a tensor is a
+        checkpoint that does not fit the config, an error rather than a tensor to skip."""
         module: nn.Module = self
         for part in name.split(".")[:-1]:
             module = getattr(module, part, None)
-            if module is None or isinstance(module, PPMissingLayer):
+            if module is None:
+                return False
+            if isinstance(module, PPMissingLayer):
                 return True
         return False
 
@@ -323,9 +327,12 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
             param = params[name]
-            if shard_id is None:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            else:
-                param.weight_loader(param, tensor, shard_id)
+            try:
+                if shard_id is None:
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                else:
+                    param.weight_loader(param, tensor, shard_id)
+            except ValueError as e:  # a shape that does not fit the config: name the tensor
+                raise ValueError(f"Checkpoint tensor {name!r}: {e}") from None
             loaded.add(name)
         return loaded
