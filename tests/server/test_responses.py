@@ -169,3 +169,43 @@ def test_bad_field_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
     assert info.value.body["param"] == param
+
+
+def _streamed_output(deltas: list) -> list:
+    """The final output items _stream makes of chat stream chunks with these deltas (content strings, or tool
+    calls as (index, id, name, arguments))."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.protocol import (ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
+                                                      DeltaMessage)
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, _ResponseBuilder
+    from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall
+
+    def chunk(delta: DeltaMessage, finish_reason=None) -> str:
+        choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason)
+        return "data: " + ChatCompletionStreamResponse(id="c", created=0, model=MODEL, choices=[choice]).model_dump_json()
+
+    lines = [chunk(DeltaMessage(content=d)) if isinstance(d, str) else chunk(DeltaMessage(tool_calls=[DeltaToolCall(
+        index=d[0], id=d[1], type="function", function=DeltaFunctionCall(name=d[2], arguments=d[3]))]))
+        for d in deltas] + [chunk(DeltaMessage(), "stop"), "data: [DONE]"]
+
+    async def events():
+        async def chunks():
+            for line in lines:
+                yield line
+        builder = _ResponseBuilder(ResponsesRequest(input="x", stream=True, store=False), MODEL, [], ResponseStore())
+        return [event async for event in OpenAIServingResponses._stream(None, builder, chunks())]
+
+    final = json.loads(asyncio.run(events())[-1].split("data: ", 1)[1])["response"]
+    return [(item["type"], item["content"][0]["text"] if item["type"] == "message" else item["name"])
+            for item in final["output"]]
+
+
+def test_streamed_text_is_the_stripped_content_as_unstreamed():
+    """Streamed, the message's text is the chat content stripped, as the unstreamed response has it: whitespace
+    around tool calls opens no message item."""
+    call = (0, "call_1", "get_weather", '{"city": "Paris"}')
+    assert _streamed_output(["\n\n", call, "\n"]) == [("function_call", "get_weather")]
+    assert _streamed_output(["  Checking", ". ", call, " "]) == [("message", "Checking."),
+                                                                ("function_call", "get_weather")]

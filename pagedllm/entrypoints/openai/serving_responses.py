@@ -162,6 +162,7 @@ class OpenAIServingResponses:
         yield events.send("response.in_progress", response=builder.response("in_progress", []))
         output: list = []
         text, message_index, finish_reason, usage = "", None, None, None
+        held = ""  # whitespace not sent yet: the answer's text is the chat content stripped, as it is unstreamed
         call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
         async for data in chunks:
             payload = data.removeprefix("data: ").strip()
@@ -178,15 +179,19 @@ class OpenAIServingResponses:
                                       total_tokens=chunk.usage.total_tokens)
             for choice in chunk.choices:
                 finish_reason = choice.finish_reason or finish_reason
-                if choice.delta.content:
+                held += choice.delta.content or ""
+                if message_index is None:
+                    held = held.lstrip()  # leading whitespace (before or between tool calls) opens no message
+                delta = held.rstrip()  # trailing whitespace waits: it may end the answer
+                if delta:
+                    held = held[len(delta):]
                     if message_index is None:
                         message_index = len(output)
                         output.append(builder.message(""))
                         yield _open_message(events, builder, message_index)
-                    text += choice.delta.content
+                    text += delta
                     yield events.send("response.output_text.delta", item_id=builder.message_id,
-                                      output_index=message_index, content_index=0, delta=choice.delta.content,
-                                      logprobs=[])
+                                      output_index=message_index, content_index=0, delta=delta, logprobs=[])
                 for delta_call in choice.delta.tool_calls or ():
                     function = delta_call.function
                     if delta_call.index not in call_indices:
