@@ -111,3 +111,25 @@ def test_page_chats_and_shows_the_engine_at_work(server, browser, tmp_path):
     assert max(steps_per_s) > 0, steps_per_s
     assert not problems, problems
     page.close()
+
+
+def test_new_chat_while_an_answer_streams_starts_empty(server, browser):
+    """"New chat" during a streamed answer: the next request carries none of the old conversation (the stopped
+    answer used to land in the new one, unseen)."""
+    page = browser.new_page()
+    page.goto(server.url_for(""))
+    page.evaluate(f"localStorage.setItem('pagedllm-api-key', '{API_KEY}')")
+    page.reload()
+    page.wait_for_function("document.getElementById('model-name').textContent !== 'connecting…'")
+    page.click("#settings summary")
+    page.fill("#max-tokens", "400")
+    page.fill("#chat-input", "Tell me a long story about a cat.")
+    page.press("#chat-input", "Enter")
+    page.wait_for_function("document.querySelector('.message.assistant')?.textContent.length > 20", timeout=60_000)
+    page.click("#clear")
+    page.wait_for_function("!document.getElementById('stop') || document.getElementById('stop').disabled")
+    with page.expect_request(lambda r: r.url.endswith("v1/chat/completions")) as sent:
+        page.fill("#chat-input", "hello")
+        page.press("#chat-input", "Enter")
+    assert [m["content"] for m in sent.value.post_data_json["messages"] if m["role"] != "system"] == ["hello"]
+    page.close()

@@ -98,10 +98,13 @@ function setMeta(element, text) {
 
 async function send(text) {
   const system = $("system-prompt").value.trim();
-  conversation.push({ role: "user", content: text });
+  // This exchange's conversation: "New chat" replaces `conversation` while it may still be streaming, and the
+  // answer must not land in the new one.
+  const turns = conversation;
+  turns.push({ role: "user", content: text });
   addMessage("user", text);
   const answer = addMessage("assistant", "");
-  const messages = system ? [{ role: "system", content: system }, ...conversation] : conversation;
+  const messages = system ? [{ role: "system", content: system }, ...turns] : turns;
   streaming = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
@@ -134,8 +137,8 @@ async function send(text) {
     }
   } finally {
     // A stopped answer stays in the conversation as far as it went; a failed one takes its question back out.
-    if (answer.classList.contains("error")) conversation.pop();
-    else conversation.push({ role: "assistant", content });
+    if (answer.classList.contains("error")) turns.pop();
+    else turns.push({ role: "assistant", content });
     streaming = null;
     $("send").disabled = false;
     $("stop").disabled = true;
