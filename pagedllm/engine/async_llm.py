@@ -137,8 +137,12 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
-                if outputs.failed_request_ids:  # one data-parallel engine died: only its requests fail
+                if outputs.engine_dead is not None:  # one data-parallel engine died: only its requests fail
+                    logger.error("%s; failing its %d in-flight requests, the other engines serve on.",
+                                 outputs.engine_dead, len(outputs.failed_request_ids))
                     self._fail_requests(outputs.failed_request_ids, EngineDeadError(outputs.engine_dead))
+                    for stat_logger in self.stat_loggers:  # its gauges fall to nothing held, its log line stops
+                        stat_logger.record(SchedulerStats(), None, outputs.engine_index)
                     continue
                 iteration_stats = IterationStats() if self.stat_loggers else None
                 processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)

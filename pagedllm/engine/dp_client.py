@@ -12,7 +12,7 @@ import asyncio
 import copy
 import itertools
 import queue
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import msgspec
@@ -23,6 +23,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 AFFINITY_SLACK = 8  # score points: two waiting requests
+AFFINITY_ENTRIES = 4096  # first prompt blocks remembered (least recently sent first out)
 
 
 class DPLoadBalancer:
@@ -33,7 +34,8 @@ class DPLoadBalancer:
         self.stats = [SchedulerStats() for _ in range(num_engines)]
         self.sent_since_stats = [0] * num_engines
         self.engine_of: dict[str, int] = {}
-        self.affinity: dict[tuple[int, ...], int] = {}
+        # First prompt block -> the engine that last took it, most recent last, at most AFFINITY_ENTRIES.
+        self.affinity: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self.dead: set[int] = set()
 
     def score(self, engine: int) -> int:
@@ -52,6 +54,9 @@ class DPLoadBalancer:
             if cached in alive and self.score(cached) <= self.score(best) + AFFINITY_SLACK:
                 engine = cached
             self.affinity[key] = engine
+            self.affinity.move_to_end(key)
+            if len(self.affinity) > AFFINITY_ENTRIES:  # distinct prompts would grow it without end
+                self.affinity.popitem(last=False)
         self.engine_of[request.request_id] = engine
         self.sent_since_stats[engine] += 1
         return engine
@@ -78,7 +83,7 @@ class DPLoadBalancer:
         failed = [r for r, e in self.engine_of.items() if e == engine]
         for request_id in failed:
             del self.engine_of[request_id]
-        self.affinity = {k: e for k, e in self.affinity.items() if e != engine}
+        self.affinity = OrderedDict((k, e) for k, e in self.affinity.items() if e != engine)
         return failed
 
 
@@ -132,7 +137,14 @@ class _DPClientBase:
         return sorted(self.balancer.dead)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.engines[self.balancer.choose(request)].add_request(request)
+        """To the engine the balancer chooses; one whose process is gone but whose death is not delivered yet
+        (its monitor is still collecting the engine's last words) is passed over, not sent the request."""
+        while True:
+            engine = self.balancer.choose(request)
+            try:
+                return self.engines[engine].add_request(request)
+            except EngineDeadError:
+                self.balancer.dead.add(engine)  # its delivered death (mark_dead) then fails the requests it held
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for engine, ids in self.balancer.by_engine(request_ids).items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.dp_client import AFFINITY_SLACK, DPLoadBalancer
+from pagedllm.engine.dp_client import AFFINITY_ENTRIES, AFFINITY_SLACK, DPLoadBalancer
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
@@ -44,3 +44,33 @@ def test_aborts_and_a_dead_engine():
     balancer.mark_dead(1 - d)
     with pytest.raises(EngineDeadError):
         balancer.choose(request("f", [1]))
+
+
+def test_affinity_remembers_a_bounded_number_of_prefixes():
+    """Distinct prompts' first blocks do not grow the table without end: the least recently sent go first."""
+    balancer = DPLoadBalancer(2, block_size=2)
+    for i in range(AFFINITY_ENTRIES + 10):
+        balancer.choose(request(f"r{i}", [i, i, 0]))
+    assert len(balancer.affinity) == AFFINITY_ENTRIES
+    assert (0, 0) not in balancer.affinity and (AFFINITY_ENTRIES + 9,) * 2 in balancer.affinity
+
+
+def test_a_request_to_an_engine_dying_unreported_goes_to_another():
+    """An engine whose process is gone before its death is delivered raises on send: the request goes to a live
+    engine instead of failing."""
+    from pagedllm.engine.dp_client import _DPClientBase as DPClientBase
+
+    class Engine:
+        def __init__(self, dead: bool):
+            self.dead, self.requests = dead, []
+
+        def add_request(self, request):
+            if self.dead:
+                raise EngineDeadError()
+            self.requests.append(request.request_id)
+
+    client = DPClientBase.__new__(DPClientBase)
+    client.balancer, client.engines = DPLoadBalancer(2, block_size=4), [Engine(dead=True), Engine(dead=False)]
+    client.balancer.on_outputs(1, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=5)))
+    client.add_request(request("a", [1, 2]))  # engine 0 is the less loaded, but dead
+    assert client.engines[1].requests == ["a"] and client.balancer.dead == {0}

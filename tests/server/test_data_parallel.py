@@ -71,6 +71,8 @@ def test_serve_dp2(server, tmp_path):
             assert http.get("/health").status_code == 503
             response = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "ignore_eos": True})
             assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        assert dp.metrics()["pagedllm:num_requests_running{engine=1}"] == 0  # the dead engine holds nothing
+        assert "data-parallel engine 1" in dp.log() and "the other engines serve on" in dp.log()
         pool.shutdown(wait=False)  # the other stream ends (aborted) when the server stops
     finally:
         dp.stop()
