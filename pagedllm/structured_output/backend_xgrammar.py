@@ -66,8 +66,45 @@ def _clear_error(e: Exception, params: StructuredOutputsParams) -> ValueError:
     return ValueError(f"structured_outputs.{params.kind} is invalid: {message}")
 
 
+# JSON-schema keywords xgrammar ignores (warning at most): an output it allows could break the schema, so a schema
+# using them is refused, as vLLM's xgrammar backend refuses them (has_xgrammar_unsupported_json_features).
+_UNSUPPORTED_ALWAYS = ("multipleOf", "contains", "minContains", "maxContains", "propertyNames", "patternProperties",
+                       "dependentRequired", "dependentSchemas")
+_LENGTH_BOUNDS = ("minLength", "maxLength")
+
+
+def _unsupported_json_feature(schema) -> Optional[str]:
+    """The first keyword of ``schema`` (at any depth) that xgrammar would not enforce, if any."""
+    if isinstance(schema, list):
+        return next((found for item in schema if (found := _unsupported_json_feature(item))), None)
+    if not isinstance(schema, dict):
+        return None
+    for keyword in _UNSUPPORTED_ALWAYS:
+        if keyword in schema:
+            return keyword
+    if schema.get("uniqueItems") is True:
+        return "uniqueItems"
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return "allOf of several schemas"
+    for keyword in ("pattern", "format"):
+        if keyword in schema and any(bound in schema for bound in _LENGTH_BOUNDS):
+            return f"{keyword} with minLength/maxLength"
+    subschemas = []
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions") and isinstance(value, dict):
+            subschemas.extend(value.values())  # names to schemas: a property may be called "multipleOf"
+        elif key not in ("enum", "const", "default", "examples", "required"):
+            subschemas.append(value)
+    return next((found for sub in subschemas if (found := _unsupported_json_feature(sub))), None)
+
+
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Frontend check, without the tokenizer: a bad schema/regex/grammar becomes a ValueError (HTTP 400)."""
+    if params.kind == "json":
+        feature = _unsupported_json_feature(_json_schema(params))
+        if feature is not None:
+            raise ValueError(f"structured_outputs.json is invalid: {feature} is not supported (the grammar would "
+                             "not enforce it, so outputs could break the schema)")
     try:
         _build(params, None)
     except ValueError:

@@ -43,7 +43,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         """The spec as canonical text: the key of the compiled-grammar cache."""
         value = getattr(self, self.kind)
         if self.kind == "json" and isinstance(value, dict):
-            return json.dumps(value, sort_keys=True)
+            return json.dumps(value)  # key order kept: the grammar emits properties in the schema's order
         if self.kind == "choice":
             return json.dumps(value)
         if self.kind == "json_object":

@@ -86,6 +86,11 @@ def test_json_object_gives_an_object(llm):
     ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
     ({"regex": "a(b"}, "structured_outputs.regex is invalid: .*parenthesis"),
     ({"grammar": "root ::= missing_rule"}, "structured_outputs.grammar is invalid: .*missing_rule"),
+    # keywords the grammar would not enforce (vLLM's xgrammar backend refuses them too)
+    ({"json": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 7}}}},
+     "structured_outputs.json is invalid: multipleOf is not supported"),
+    ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "uniqueItems is not supported"),
+    ({"json": {"type": "string", "pattern": "[a-z]+", "maxLength": 3}}, "pattern with minLength/maxLength"),
 ])
 def test_invalid_specs_are_value_errors_without_leaks(llm, spec, message):
     # A valid request ahead of the bad one must not be left queued either.
