@@ -48,11 +48,14 @@ def check_rope_types(config) -> None:
     """A ValueError naming the config's rope type where one of its rope parameter sets (Gemma 3 keeps one per kind
     of layer) has a type not served, before any weight is read."""
     raw = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    for params in [value for value in raw.values() if isinstance(value, dict)] or [raw]:
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "su" and rope_type not in _INV_FREQ:
-            raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported; supported: "
-                             f"{', '.join(sorted(_INV_FREQ))}")
+    for layer_type in [key for key, value in raw.items() if isinstance(value, dict)] or [None]:
+        _check_rope_type(rope_parameters(config, layer_type)["rope_type"])
+
+
+def _check_rope_type(rope_type: str) -> None:
+    if rope_type not in _INV_FREQ:
+        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(_INV_FREQ))}")
 
 
 def max_position_embeddings(config) -> int:
@@ -84,9 +87,7 @@ def inv_freq_and_scale(params: dict, rotary_dim: int, max_position: int, positio
     ``[len(positions), rotary_dim / 2]``, one row per position of ``positions``) and the factor that multiplies
     cos and sin (transformers' attention_scaling). ``max_position``: the config's max_position_embeddings."""
     rope_type = params["rope_type"]
-    if rope_type not in _INV_FREQ:
-        raise ValueError(f"rope_scaling: rope_type {rope_type!r} is not supported; supported: "
-                         f"{', '.join(sorted(_INV_FREQ))}")
+    _check_rope_type(rope_type)
     return _INV_FREQ[rope_type](params, rotary_dim, max_position, positions)
 
 
