@@ -85,12 +85,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 check_output(res)
                 for output in res.outputs:
                     index = prompt_index * n + output.index
+                    generated = self._generated(request, output)
+                    num_generated[index] += len(generated[1])
                     if index in started:
-                        text, token_ids, logprobs = self._generated(request, output)
+                        text, token_ids, logprobs = generated
                     else:  # the first delta of a choice carries the echoed prompt
                         started.add(index)
                         text, token_ids, logprobs = self._echoed(request, prompts[prompt_index], res, output)
-                    num_generated[index] += len(self._generated(request, output)[1])
                     if not text and not token_ids and output.finish_reason is None:
                         continue
                     # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
