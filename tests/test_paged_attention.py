@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm import native
+from pagedllm.native import fused
 from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.attention import AttentionMetadata, allocate_kv_caches, cpu_plan, get_attn_backend
 from pagedllm.layers.attention.layer import Attention
@@ -31,10 +32,12 @@ PAIRED_TOLERANCE = 1e-2
 def decode_path(request, monkeypatch):
     """Rows in float32 go to the native kernels when they build ("native": the CPU's best bodies, AVX-512 where it
     has it; "avx2": the decode kernel's and the prefill tiles' AVX2 bodies where the CPU has AVX2, and "portable":
-    the decode kernel's plain C body, with prefill on the torch path); "torch" forces the gather path."""
+    the decode kernel's plain C body, with prefill on the torch path); "torch" forces the gather path and the
+    torch write of K/V into the cache (PAGEDLLM_NATIVE_KERNELS=0's)."""
     if request.param == "torch":
         monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
         monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(fused, "write_kv", lambda *cache_and_rows: False)
     elif request.param in LESSER_BUILDS:
         skip_lesser_build_that_is_native(request.param)
         flags = LESSER_BUILDS[request.param]

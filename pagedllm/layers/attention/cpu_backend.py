@@ -35,6 +35,14 @@ from pagedllm.native.attention import MAX_GROUP, MAX_HEAD_SIZE
 _flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
+def _write_rows(cache_flat: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Writes ``rows`` into the cache's ``slots``. A one-byte cache is written as its bytes: torch's CPU
+    ``index_copy_`` has no float8 kernel, and a byte copy keeps every bit."""
+    if cache_flat.dtype.itemsize == 1:
+        cache_flat, rows = cache_flat.view(torch.uint8), rows.view(torch.uint8)
+    cache_flat.index_copy_(0, slots, rows)
+
+
 def _soft_capped_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
                           is_causal: bool, scale: float, cap: float) -> tuple[torch.Tensor, torch.Tensor]:
     """What _flash_with_lse returns (the output in q's dtype, the float32 log-sum-exps ``[B, H, Lq]``) with the
@@ -87,8 +95,8 @@ class TorchSDPABackendImpl(AttentionImpl):
         value_flat = value_cache.view(-1, self.num_kv_heads, width)
         slot_mapping = attn_metadata.slot_mapping.long()
         if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping):
-            key_flat.index_copy_(0, slot_mapping, quantize_rows(key, key_flat.dtype))
-            value_flat.index_copy_(0, slot_mapping, quantize_rows(value, value_flat.dtype))
+            _write_rows(key_flat, slot_mapping, quantize_rows(key, key_flat.dtype))
+            _write_rows(value_flat, slot_mapping, quantize_rows(value, value_flat.dtype))
 
         num_tokens = query.shape[0]
         # Outputs and log-sum-exps per [row, KV head, query of its group].
