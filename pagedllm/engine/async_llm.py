@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import msgspec
 
@@ -30,14 +30,17 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncLLM:
-    def __init__(self, config, tokenizer: Any, engine_core: Any, stat_loggers: Optional[list] = None) -> None:
-        """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both)."""
+    def __init__(self, config, tokenizer: Any, engine_core: Any,
+                 stat_loggers: Optional[list[Callable[[Any], Any]]] = None) -> None:
+        """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both).
+        ``stat_loggers``: factories (vLLM's StatLoggerFactory), each called with the resolved config (the
+        Prometheus buckets follow its max_model_len), whose loggers record every step's stats."""
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
-        self.stat_loggers = list(stat_loggers or [])
+        self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
         self.engine_core = engine_core
         # request id (the parent's, for n > 1) -> the queue its generate() reads.
         self._queues: dict[str, asyncio.Queue] = {}
@@ -46,7 +49,8 @@ class AsyncLLM:
         self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, stat_loggers: Optional[list] = None) -> "AsyncLLM":
+    def from_engine_args(cls, engine_args: EngineArgs,
+                         stat_loggers: Optional[list[Callable[[Any], Any]]] = None) -> "AsyncLLM":
         """Must be called with an event loop running (the engine's outputs are delivered on it)."""
         config = engine_args.create_engine_config()
         engine_core, tokenizer = start_client_and_tokenizer(config, make_async_client)

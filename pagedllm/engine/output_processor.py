@@ -47,15 +47,20 @@ class RequestState:
         self.first_token_time: Optional[float] = None
         self.last_token_time = arrival_time
         self.num_sent_tokens = 0
+        self.num_preemptions = 0
+        self.num_cached_tokens = 0
 
     def record_timing(self, out: EngineCoreOutput, now: float, stats: IterationStats) -> None:
         if out.first_scheduled_time:
             self.first_scheduled_time = out.first_scheduled_time
+        self.num_preemptions = max(self.num_preemptions, out.num_preemptions)
         if not out.new_token_ids:
             return
         if self.first_token_time is None:
             self.first_token_time = now
+            self.num_cached_tokens = out.num_cached_tokens
             stats.num_prompt_tokens += len(self.prompt_token_ids)
+            stats.num_cached_prompt_tokens += out.num_cached_tokens
             stats.time_to_first_tokens_iter.append(now - self.arrival_time)
         else:
             stats.inter_token_latencies_iter.append(now - self.last_token_time)
@@ -63,9 +68,18 @@ class RequestState:
         stats.num_generation_tokens += len(out.new_token_ids)
 
     def finished_stats(self, finish_reason: str, now: float) -> FinishedRequestStats:
-        queued = (self.first_scheduled_time or now) - self.arrival_time
-        return FinishedRequestStats(finish_reason, now - self.arrival_time, max(queued, 0.0),
-                                    len(self.prompt_token_ids), len(self.token_ids))
+        scheduled = self.first_scheduled_time or now
+        first_token = self.first_token_time or scheduled  # none generated: no prefill phase, no decode phase
+        last_token = self.last_token_time if self.first_token_time is not None else scheduled
+        decode_time = last_token - first_token
+        num_tokens = len(self.token_ids)
+        return FinishedRequestStats(
+            finish_reason, now - self.arrival_time, max(scheduled - self.arrival_time, 0.0),
+            len(self.prompt_token_ids), num_tokens, prefill_time=max(first_token - scheduled, 0.0),
+            decode_time=decode_time, inference_time=max(last_token - scheduled, 0.0),
+            mean_time_per_output_token=decode_time / (num_tokens - 1) if num_tokens > 1 else 0.0,
+            num_preemptions=self.num_preemptions, num_cached_tokens=self.num_cached_tokens,
+            max_tokens_param=self.params.max_tokens)
 
     def decode_token(self, token_id: int) -> Optional[str]:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -173,9 +187,22 @@ class OutputProcessor:
                     result.reqs_to_abort.append(out.request_id)
                 if iteration_stats is not None:
                     iteration_stats.finished_requests.append(state.finished_stats(str(finish_reason), now))
+                    self._observe_sequence_finished(state, iteration_stats)
             self._emit(state, state.make_output(finish_reason, stop_reason, out.error, out.num_cached_tokens),
                        result)
         return result
+
+    @staticmethod
+    def _observe_sequence_finished(state: RequestState, stats: IterationStats) -> None:
+        """A user request's n and its longest sequence, once its last sequence finishes (vLLM's
+        request_params_n and request_max_num_generation_tokens)."""
+        num_tokens = len(state.token_ids)
+        if state.parent is not None:
+            num_tokens = state.parent.observe_num_generation_tokens(num_tokens)
+            if num_tokens is None:
+                return
+        stats.n_params_iter.append(state.parent.n if state.parent is not None else 1)
+        stats.max_num_generation_tokens_iter.append(num_tokens)
 
     def _emit(self, state: RequestState, request_output: Optional[RequestOutput],
               result: OutputProcessorOutput) -> None:

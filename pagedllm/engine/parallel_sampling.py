@@ -18,11 +18,19 @@ class ParentRequest:
         self.child_ids = [f"{i}_{request_id}" for i in range(self.n)]
         self._completions: list[Optional[CompletionOutput]] = [None] * self.n
         self._num_finished = 0
+        self._num_observed = 0  # sequences whose generated-token count the metrics have seen
+        self._max_generation_tokens = 0
 
     def child_params(self, index: int) -> SamplingParams:
         """Each child samples one sequence; a seeded parent gives child i the seed seed + i."""
         seed = self.params.seed + index if self.params.seed is not None else None
         return msgspec.structs.replace(self.params, n=1, seed=seed)
+
+    def observe_num_generation_tokens(self, num_tokens: int) -> Optional[int]:
+        """A finished sequence's generated-token count; once all n have finished, the most of them (else None)."""
+        self._num_observed += 1
+        self._max_generation_tokens = max(self._max_generation_tokens, num_tokens)
+        return self._max_generation_tokens if self._num_observed == self.n else None
 
     def add_child_output(self, child: RequestOutput, final_only: bool) -> Optional[RequestOutput]:
         """Streaming: pass each child's delta on under the parent's id. Final-only: wait for all n."""

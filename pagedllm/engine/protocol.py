@@ -55,6 +55,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Wall-clock time the request was first scheduled; sent with its first output (for queue-time metrics).
     first_scheduled_time: float = 0.0
+    # Times the request has been preempted so far (vLLM's request_num_preemptions); 0, left out, for most.
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.engine.protocol import SchedulerStats
-from pagedllm.metrics.stats import IterationStats
+from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -19,13 +19,28 @@ _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0]
 _REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+_REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+def request_tokens_buckets(max_model_len: int) -> list[int]:
+    """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry, num_engines: int = 1,
+    def __init__(self, model_name: str, registry: CollectorRegistry, max_model_len: int, num_engines: int = 1,
                  num_speculative_tokens: int = 0, max_loras: int = 0) -> None:
-        """``max_loras``: the engine's, with LoRA enabled (0: off, no lora_requests_info)."""
+        """``max_model_len`` bounds the per-request token histograms' buckets; ``max_loras``: the engine's, with
+        LoRA enabled (0: off, no lora_requests_info)."""
         label_names = ["model_name", "engine"]
         self._model_name = model_name
 
@@ -83,6 +98,43 @@ class PrometheusStatLogger:
         self.histogram_request_queue_time = histogram("pagedllm:request_queue_time_seconds",
                                                       "Histogram of time spent in WAITING phase for request.",
                                                       _REQUEST_LATENCY_BUCKETS)
+        self.histogram_request_inference_time = histogram("pagedllm:request_inference_time_seconds",
+                                                          "Histogram of time spent in RUNNING phase for request.",
+                                                          _REQUEST_LATENCY_BUCKETS)
+        self.histogram_request_prefill_time = histogram("pagedllm:request_prefill_time_seconds",
+                                                        "Histogram of time spent in PREFILL phase for request.",
+                                                        _REQUEST_LATENCY_BUCKETS)
+        self.histogram_request_decode_time = histogram("pagedllm:request_decode_time_seconds",
+                                                       "Histogram of time spent in DECODE phase for request.",
+                                                       _REQUEST_LATENCY_BUCKETS)
+        self.histogram_request_time_per_output_token = histogram(
+            "pagedllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
+        self.histogram_request_num_preemptions = histogram(
+            "pagedllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
+            _REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        token_buckets = request_tokens_buckets(max_model_len)
+        self.histogram_request_prompt_tokens = histogram("pagedllm:request_prompt_tokens",
+                                                         "Number of prefill tokens processed.", token_buckets)
+        self.histogram_request_generation_tokens = histogram("pagedllm:request_generation_tokens",
+                                                             "Number of generation tokens processed.", token_buckets)
+        self.histogram_request_prefill_kv_computed = histogram(
+            "pagedllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets)
+        self.histogram_request_params_max_tokens = histogram("pagedllm:request_params_max_tokens",
+                                                             "Histogram of the max_tokens request parameter.",
+                                                             token_buckets)
+        self.histogram_request_max_num_generation_tokens = histogram(
+            "pagedllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", token_buckets)
+        self.histogram_request_params_n = histogram("pagedllm:request_params_n",
+                                                    "Histogram of the n request parameter.",
+                                                    _REQUEST_PARAMS_N_BUCKETS)
+        self.histogram_iteration_tokens = histogram("pagedllm:iteration_tokens_total",
+                                                    "Histogram of number of tokens per engine_step.",
+                                                    _ITERATION_TOKENS_BUCKETS)
+        self.counter_prompt_tokens_cached = counter("pagedllm:prompt_tokens_cached",
+                                                    "Number of cached prompt tokens (local + external).")
         # The engine reports cumulative totals; counters advance by the difference from the last report.
         self._last_scheduler_stats = [SchedulerStats() for _ in range(num_engines)]
         # vLLM's: one series per (max_lora, waiting, running) combination, set to the time it was last seen; the
@@ -129,12 +181,36 @@ class PrometheusStatLogger:
 
     def _record_iteration_stats(self, stats: IterationStats, engine: int) -> None:
         self.counter_prompt_tokens[engine].inc(stats.num_prompt_tokens)
+        self.counter_prompt_tokens_cached[engine].inc(stats.num_cached_prompt_tokens)
         self.counter_generation_tokens[engine].inc(stats.num_generation_tokens)
+        # vLLM's: the prompt tokens computed (not cached) of prefills that completed, and the tokens generated
+        self.histogram_iteration_tokens[engine].observe(
+            stats.num_prompt_tokens - stats.num_cached_prompt_tokens + stats.num_generation_tokens)
         for ttft in stats.time_to_first_tokens_iter:
             self.histogram_time_to_first_token[engine].observe(ttft)
         for itl in stats.inter_token_latencies_iter:
             self.histogram_inter_token_latency[engine].observe(itl)
+        for n in stats.n_params_iter:
+            self.histogram_request_params_n[engine].observe(n)
+        for num_tokens in stats.max_num_generation_tokens_iter:
+            self.histogram_request_max_num_generation_tokens[engine].observe(num_tokens)
         for finished in stats.finished_requests:
-            self.counter_request_success.labels(self._model_name, str(engine), finished.finish_reason).inc()
-            self.histogram_e2e_request_latency[engine].observe(finished.e2e_latency)
-            self.histogram_request_queue_time[engine].observe(finished.queued_time)
+            self._record_finished(finished, engine)
+
+    def _record_finished(self, finished: FinishedRequestStats, engine: int) -> None:
+        self.counter_request_success.labels(self._model_name, str(engine), finished.finish_reason).inc()
+        for histogram, observed in (
+                (self.histogram_e2e_request_latency, finished.e2e_latency),
+                (self.histogram_request_queue_time, finished.queued_time),
+                (self.histogram_request_prefill_time, finished.prefill_time),
+                (self.histogram_request_inference_time, finished.inference_time),
+                (self.histogram_request_decode_time, finished.decode_time),
+                (self.histogram_request_num_preemptions, finished.num_preemptions),
+                (self.histogram_request_prefill_kv_computed,
+                 finished.num_prompt_tokens - max(finished.num_cached_tokens, 0)),
+                (self.histogram_request_prompt_tokens, finished.num_prompt_tokens),
+                (self.histogram_request_generation_tokens, finished.num_generation_tokens),
+                (self.histogram_request_time_per_output_token, finished.mean_time_per_output_token)):
+            histogram[engine].observe(observed)
+        if finished.max_tokens_param:
+            self.histogram_request_params_max_tokens[engine].observe(finished.max_tokens_param)

@@ -427,7 +427,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, logprobs, prompt_logprobs, finish_reason,
                 request.stop_reason, None, request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
-                request.first_scheduled_time if request.num_output_tokens == len(new_token_ids) else 0.0))
+                request.first_scheduled_time if request.num_output_tokens == len(new_token_ids) else 0.0,
+                request.num_preemptions))
         if stopped_requests:
             stopped_ids = {r.request_id for r in stopped_requests}
             self.running = [r for r in self.running if r.request_id not in stopped_ids]

@@ -207,12 +207,12 @@ async def run_server(args: argparse.Namespace) -> None:
     # The resolved count (suffix decoding's default is its tree depth), which sizes the per-position counter.
     num_speculative_tokens = SpeculativeConfig.from_dict(args.speculative_config).num_speculative_tokens \
         if args.speculative_config else 0
-    stat_loggers = [PrometheusStatLogger(served_model_names[0], registry, args.data_parallel_size,
-                                         num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
+    stat_loggers = [lambda config: PrometheusStatLogger(
+        served_model_names[0], registry, config.model_config.max_model_len, args.data_parallel_size,
+        num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
     if not args.disable_log_stats:
-        stat_loggers.append(LoggingStatLogger(args.data_parallel_size,
-                                              float(os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL",
-                                                                   LOG_STATS_INTERVAL_S))))
+        interval = float(os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL", LOG_STATS_INTERVAL_S))
+        stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
     engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
     try:
         app = build_app(engine_client, registry, served_model_names, args, chat_template, args.api_key,

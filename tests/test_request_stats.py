@@ -1,0 +1,79 @@
+"""The frontend's per-request statistics (OutputProcessor): each request's phases split as vLLM splits them, its
+preemptions and cached prompt tokens as the engine reports them, and an n > 1 request's n and longest sequence
+once its last sequence finishes."""
+from __future__ import annotations
+
+from pagedllm.engine import output_processor
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.parallel_sampling import fan_out
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.metrics.stats import IterationStats
+from pagedllm.sampling_params import SamplingParams
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
+def step(processor: OutputProcessor, clock: Clock, now: float, *outputs: EngineCoreOutput) -> IterationStats:
+    clock.now = now
+    stats = IterationStats()
+    processor.process_outputs(list(outputs), stats)
+    return stats
+
+
+def test_phases_preemptions_and_cached_tokens(monkeypatch):
+    clock = Clock(100.0)
+    monkeypatch.setattr(output_processor, "time", clock)
+    processor = OutputProcessor(tokenizer=None)
+    params = SamplingParams(max_tokens=4, detokenize=False)
+    processor.add_requests([EngineCoreRequest("r", list(range(10)), params, None, 100.0)], None,
+                           RequestOutputKind.DELTA)
+    first = step(processor, clock, 101.0, EngineCoreOutput("r", [5], num_cached_tokens=8,
+                                                           first_scheduled_time=100.5))
+    assert (first.num_prompt_tokens, first.num_cached_prompt_tokens, first.time_to_first_tokens_iter) == (
+        10, 8, [1.0])
+    step(processor, clock, 101.5, EngineCoreOutput("r", [6], num_cached_tokens=8, num_preemptions=1))
+    last = step(processor, clock, 103.0, EngineCoreOutput("r", [7, 8], finish_reason=FinishReason.LENGTH,
+                                                          num_cached_tokens=8, num_preemptions=2))
+    [finished] = last.finished_requests
+    assert (finished.e2e_latency, finished.queued_time, finished.prefill_time, finished.decode_time,
+            finished.inference_time) == (3.0, 0.5, 0.5, 2.0, 2.5)
+    assert finished.mean_time_per_output_token == 2.0 / 3  # decode time over the 3 tokens after the first
+    assert (finished.num_generation_tokens, finished.num_preemptions, finished.num_cached_tokens,
+            finished.max_tokens_param) == (4, 2, 8, 4)
+    assert (last.n_params_iter, last.max_num_generation_tokens_iter) == ([1], [4])
+
+
+def test_a_request_that_generated_nothing_has_no_prefill_or_decode_phase(monkeypatch):
+    clock = Clock(10.0)
+    monkeypatch.setattr(output_processor, "time", clock)
+    processor = OutputProcessor(tokenizer=None)
+    processor.add_requests([EngineCoreRequest("r", [1, 2], SamplingParams(detokenize=False), None, 10.0)],
+                           None, RequestOutputKind.DELTA)
+    stats = step(processor, clock, 12.0, EngineCoreOutput("r", [], finish_reason=FinishReason.ABORT,
+                                                          first_scheduled_time=11.0))
+    [finished] = stats.finished_requests
+    assert (finished.queued_time, finished.prefill_time, finished.decode_time, finished.inference_time,
+            finished.mean_time_per_output_token) == (1.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_parallel_sampling_reports_n_and_the_longest_sequence_once(monkeypatch):
+    clock = Clock(0.0)
+    monkeypatch.setattr(output_processor, "time", clock)
+    processor = OutputProcessor(tokenizer=None)
+    params = SamplingParams(n=3, max_tokens=5, seed=1, detokenize=False)
+    parent, children = fan_out(EngineCoreRequest("p", [1, 2, 3], params, None, 0.0))
+    processor.add_requests(children, None, RequestOutputKind.FINAL_ONLY, parent)
+    first, second, third = (child.request_id for child in children)
+    stats = step(processor, clock, 1.0, EngineCoreOutput(first, [4, 5, 6], finish_reason=FinishReason.STOP),
+                 EngineCoreOutput(second, [4]), EngineCoreOutput(third, [7]))
+    assert stats.n_params_iter == [] and len(stats.finished_requests) == 1
+    stats = step(processor, clock, 2.0, EngineCoreOutput(second, [5, 6, 7, 8], finish_reason=FinishReason.LENGTH))
+    assert stats.n_params_iter == []
+    stats = step(processor, clock, 3.0, EngineCoreOutput(third, [8], finish_reason=FinishReason.STOP))
+    assert (stats.n_params_iter, stats.max_num_generation_tokens_iter) == ([3], [5])
