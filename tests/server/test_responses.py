@@ -4,12 +4,14 @@ Responses events, a function call with its arguments streamed, stored responses 
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
 
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesResponse
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore
+from tests.server.test_load import wait_until_idle
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
@@ -209,3 +211,77 @@ def test_streamed_text_is_the_stripped_content_as_unstreamed():
     assert _streamed_output(["\n\n", call, "\n"]) == [("function_call", "get_weather")]
     assert _streamed_output(["  Checking", ". ", call, " "]) == [("message", "Checking."),
                                                                 ("function_call", "get_weather")]
+
+
+def _wait_until_done(client, response_id: str, timeout: float = 60.0):
+    """The stored response once it is no longer in progress (a bound on how long the server may take, not on how
+    fast the machine is)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status != "in_progress":
+            return response
+        assert time.monotonic() < deadline, f"{response_id} still in progress after {timeout} s"
+        time.sleep(0.05)
+
+
+def test_background_response_is_read_back_when_done(client, chat_text):
+    started = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=20,
+                                      background=True)
+    assert (started.status, started.background, started.output) == ("in_progress", True, [])
+    done = _wait_until_done(client, started.id)
+    assert done.status in ("completed", "incomplete") and done.background
+    assert done.output_text == chat_text
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(started.id)  # finished
+
+
+def test_background_stream_is_rejoined_where_it_was_left(server, client, chat_text):
+    """A client reads a background stream's first events and goes away; the generation runs on, and a GET with
+    stream and starting_after gives every later event once, to the end."""
+    body = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 20, "stream": True,
+            "background": True}
+    with server.http() as http, http.stream("POST", "/v1/responses", json=body) as response:
+        first = []
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                first.append(json.loads(line.removeprefix("data: ")))
+                if len(first) == 3:
+                    break
+    assert [e["sequence_number"] for e in first] == [0, 1, 2]
+    response_id = first[0]["response"]["id"]
+    assert first[0]["response"]["background"] is True
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in rest] == list(range(3, 3 + len(rest)))
+    assert rest[-1].type in ("response.completed", "response.incomplete")
+    text = "".join(e.delta for e in rest if e.type == "response.output_text.delta")
+    assert text == chat_text == rest[-1].response.output_text
+    assert _wait_until_done(client, response_id).output_text == chat_text
+    everything = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.sequence_number for e in everything] == list(range(3 + len(rest)))
+
+
+def test_background_response_is_cancelled_and_its_request_aborted(server, client):
+    started = client.responses.create(model=MODEL, input="Count from one to one thousand, in words.",
+                                      max_output_tokens=900, background=True)
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    wait_until_idle(server, 0.0)  # the engine request aborted, its blocks freed
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(started.id)
+    synchronous = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(synchronous.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_unknown")
+
+
+def test_background_needs_store(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=QUESTION, background=True, store=False)
+    assert info.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError) as info:  # not a background stream: nothing to stream
+        list(client.responses.retrieve(client.responses.create(model=MODEL, input=QUESTION,
+                                                               max_output_tokens=2).id, stream=True))
+    assert info.value.body["param"] == "stream"

@@ -102,8 +102,15 @@ async def create_responses(request: ResponsesRequest, raw_request: Request) -> R
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_responses(response_id: str, raw_request: Request) -> Response:
-    return _respond(raw_request.app.state.openai_serving_responses.retrieve_responses(response_id))
+async def retrieve_responses(response_id: str, raw_request: Request, stream: bool = False,
+                             starting_after: Optional[int] = None) -> Response:
+    return _respond(raw_request.app.state.openai_serving_responses.retrieve_responses(response_id, stream,
+                                                                                      starting_after))
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_responses(response_id: str, raw_request: Request) -> Response:
+    return _respond(await raw_request.app.state.openai_serving_responses.cancel_responses(response_id))
 
 
 @router.post("/v1/completions")

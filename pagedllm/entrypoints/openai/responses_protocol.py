@@ -120,6 +120,9 @@ class ResponsesRequest(OpenAIBaseModel):
     store: Optional[bool] = True
     metadata: Optional[dict[str, str]] = None
     text: Optional[ResponseTextConfig] = None  # the output's format: structured output, as chat's response_format
+    # Generate after the reply: the POST returns the response in progress, GET /v1/responses/{id} follows it (with
+    # stream, its events from any point), POST /v1/responses/{id}/cancel stops it. Needs store.
+    background: Optional[bool] = False
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message)."""
@@ -129,7 +132,9 @@ class ResponsesRequest(OpenAIBaseModel):
     def to_chat_request(self, history: Sequence[dict] = ()) -> ChatCompletionRequest:
         """The same generation as a chat request: instructions become the system message, then the ``history`` (the
         chat messages of an earlier response's conversation, which OpenAI gives no instructions of), then the input;
-        streams report usage, which response.completed carries."""
+        streams report usage, which response.completed carries. A background response is made from the chat
+        stream too (its events are what a reader joining later replays)."""
+        streamed = bool(self.stream or self.background)
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
         messages += [*history, *self.input_messages()]
         tool_choice = self.tool_choice
@@ -141,8 +146,8 @@ class ResponsesRequest(OpenAIBaseModel):
             "tools": None if self.tools is None else [
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
-            "parallel_tool_calls": self.parallel_tool_calls, "stream": self.stream,
-            "stream_options": {"include_usage": True} if self.stream else None,
+            "parallel_tool_calls": self.parallel_tool_calls, "stream": streamed,
+            "stream_options": {"include_usage": True} if streamed else None,
             "response_format": None if self.text is None or self.text.format is None
             else self.text.format.to_response_format()})
 
@@ -200,14 +205,20 @@ class IncompleteDetails(OpenAIBaseModel):
     reason: Literal["max_output_tokens"]
 
 
+class ResponseError(OpenAIBaseModel):
+    code: str
+    message: str
+
+
 class ResponsesResponse(OpenAIBaseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    status: Literal["in_progress", "completed", "incomplete"]
+    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
     incomplete_details: Optional[IncompleteDetails] = None
-    error: None = None
+    error: Optional[ResponseError] = None
+    background: bool = False
     output: list[Union[ResponseOutputMessage, ResponseFunctionToolCall]] = Field(default_factory=list)
     usage: Optional[ResponseUsage] = None
     # The request's settings, echoed as OpenAI does.

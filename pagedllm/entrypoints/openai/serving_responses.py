@@ -5,10 +5,19 @@ Responses field.
 
 Finished responses are kept when the request says store (true by default, as OpenAI's) in a bounded in-memory
 ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation.
+
+A background request (OpenAI's and vLLM's ``background``) is answered once its generation has started: the response
+in progress, stored, which GET /v1/responses/{id} returns as it stands (then as it ends: completed, incomplete,
+cancelled or failed). Its generation runs on as a task, apart from the request that started it; POST
+/v1/responses/{id}/cancel stops it and aborts its engine request. A streamed background response's events are kept
+(_BackgroundRun), so GET /v1/responses/{id}?stream=true&starting_after=N gives them from sequence number N + 1 on,
+those sent so far and then the rest as they come; a client that lost the stream rejoins where it was.
 """
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections import OrderedDict
 from typing import AsyncIterator, Optional, Sequence, Union
 
@@ -16,13 +25,18 @@ from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionResponse, ChatCompletionStreamResponse, random_uuid
-from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText,
+from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText, ResponseError,
                                                             ResponseFunctionToolCall, ResponseOutputMessage,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
+logger = logging.getLogger(__name__)
+
 # How many responses the store keeps (the least recently stored or read go first).
 RESPONSE_STORE_SIZE = 1000
+# How many streamed background responses keep their events once finished, for readers joining late (the oldest
+# go first; one still generating is always kept).
+BACKGROUND_STREAMS_KEPT = 100
 
 # The chat request's field -> the Responses request's, for the param (and leading word) of a 400.
 _RESPONSES_PARAM = {"messages": "input", "max_completion_tokens": "max_output_tokens",
@@ -77,12 +91,13 @@ class _ResponseBuilder:
         self.store = store
 
     def response(self, status: str, output: list, usage: Optional[ResponseUsage] = None,
-                 finish_reason: Optional[str] = None) -> ResponsesResponse:
+                 finish_reason: Optional[str] = None, error: Optional[ResponseError] = None) -> ResponsesResponse:
         r = self.request
         incomplete = finish_reason == "length"
         return ResponsesResponse(
             id=self.id, model=self.model_name, status="incomplete" if incomplete else status, output=output,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None, usage=usage,
+            error=error, background=r.background is True,
             instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=r.temperature,
             top_p=r.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
@@ -101,6 +116,12 @@ class _ResponseBuilder:
             self.store.put(final, self.conversation + [item.to_chat_message() for item in items])
         return final
 
+    def store_unfinished(self, status: str, error: Optional[ResponseError] = None) -> ResponsesResponse:
+        """A background response's state while it has no final output (in progress, cancelled, failed), stored."""
+        response = self.response(status, [], error=error)
+        self.store.put(response, self.conversation)
+        return response
+
     def message(self, text: str) -> ResponseOutputMessage:
         return ResponseOutputMessage(id=self.message_id, content=[OutputText(text=text)])
 
@@ -111,27 +132,101 @@ class _ResponseBuilder:
         return items + [ResponseFunctionToolCall(**call) for call in calls]
 
 
+class _BackgroundRun:
+    """A background response's generation: its task and, when streamed, the events sent so far (event i has
+    sequence number i), which each reader replays from where it asks and then follows until the run is done."""
+
+    def __init__(self, streamed: bool) -> None:
+        self.streamed = streamed
+        self.events: list[str] = []
+        self.done = False
+        self.task: Optional[asyncio.Task] = None
+        self._changed = asyncio.Event()
+
+    def add(self, sent: str) -> None:
+        """What the response's stream sent: one event or several (an item's opening events come together)."""
+        if self.streamed:
+            self.events += [event + "\n\n" for event in sent.split("\n\n") if event]
+            self._wake()
+
+    def finish(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, starting_after: int) -> AsyncIterator[str]:
+        """The events after sequence number ``starting_after``, those sent and those to come, until the end."""
+        index = starting_after + 1
+        while True:
+            while index < len(self.events):
+                yield self.events[index]
+                index += 1
+            if self.done:
+                return
+            await self._changed.wait()
+
+
 class OpenAIServingResponses:
     def __init__(self, serving_chat: OpenAIServingChat) -> None:
         self.serving_chat = serving_chat
         self.store = ResponseStore()
+        # Background responses: those generating, and the streamed ones' runs kept for late readers.
+        self._running: dict[str, _BackgroundRun] = {}
+        self._streams: OrderedDict[str, _BackgroundRun] = OrderedDict()
 
-    def retrieve_responses(self, response_id: str) -> ResponsesResponse:
-        """A stored response (GET /v1/responses/{id}); 404 for one not stored (or dropped since)."""
+    def retrieve_responses(self, response_id: str, stream: bool = False, starting_after: Optional[int] = None
+                           ) -> Union[ResponsesResponse, AsyncIterator[str]]:
+        """A stored response (GET /v1/responses/{id}) as it stands; with ``stream``, a streamed background
+        response's events after sequence number ``starting_after`` (default: all). 404 for one not stored (or
+        dropped since)."""
         entry = self.store.get(response_id)
-        if entry is None:
+        run = self._streams.get(response_id)
+        if entry is None and run is None:
             raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
-        return entry[0]
+        if not stream:
+            if entry is None:
+                raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+            return entry[0]
+        if run is None:
+            raise BadRequestError(f"Response with id '{response_id}' was not created with background and stream: "
+                                  "it has no events to stream.", "stream")
+        if starting_after is not None and starting_after < -1:
+            raise BadRequestError(f"starting_after must be at least -1, got {starting_after}.", "starting_after")
+        return run.follow(-1 if starting_after is None else starting_after)
+
+    async def cancel_responses(self, response_id: str) -> ResponsesResponse:
+        """Stops a background response still generating (POST /v1/responses/{id}/cancel) and aborts its engine
+        request; returns it, cancelled. 404 for an unknown id; 400 for a response not generating in the
+        background (a synchronous one, or one already finished), as vLLM."""
+        run = self._running.get(response_id)
+        if run is None:
+            if self.store.get(response_id) is None and response_id not in self._streams:
+                raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+            raise BadRequestError("Cannot cancel a synchronous response.", "response_id")
+        run.task.cancel()
+        await asyncio.wait([run.task])
+        return self.store.get(response_id)[0]
 
     async def create_responses(self, request: ResponsesRequest
                                ) -> Union[ResponsesResponse, AsyncIterator[str]]:
-        """A Response, or for stream=True the Responses SSE events; raises OpenAIError before generating."""
+        """A Response, or for stream=True the Responses SSE events; raises OpenAIError before generating. In the
+        background, the response in progress (streamed: its events so far and to come) once generation has
+        started."""
+        if request.background and request.store is False:
+            raise BadRequestError("background responses need store: a background response is read back by its "
+                                  "id.", "background")
         history: list[dict] = []
         if request.previous_response_id is not None:
             previous = self.store.get(request.previous_response_id)
             if previous is None:
                 raise BadRequestError(f"Previous response with id '{request.previous_response_id}' not found.",
                                       "previous_response_id")
+            if previous[0].status == "in_progress":
+                raise BadRequestError(f"Previous response with id '{request.previous_response_id}' is still in "
+                                      "progress.", "previous_response_id")
             history = previous[1]
         chat_request = request.to_chat_request(history)
         try:
@@ -140,9 +235,48 @@ class OpenAIServingResponses:
             raise _renamed(e) from e
         builder = _ResponseBuilder(request, self.serving_chat.models.check_model(request.model), history,
                                    self.store)
+        if request.background:
+            return self._start_in_background(builder, result)
         if isinstance(result, ChatCompletionResponse):
             return self._from_chat(builder, result)
         return self._stream(builder, result)
+
+    def _start_in_background(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]
+                             ) -> Union[ResponsesResponse, AsyncIterator[str]]:
+        run = _BackgroundRun(streamed=bool(builder.request.stream))
+        in_progress = builder.store_unfinished("in_progress")
+        run.task = asyncio.get_running_loop().create_task(self._generate_in_background(builder, chunks, run))
+        self._running[builder.id] = run
+        if run.streamed:
+            self._streams[builder.id] = run
+            finished = [i for i, kept in self._streams.items() if kept.done]
+            for response_id in finished[:max(len(finished) - BACKGROUND_STREAMS_KEPT, 0)]:
+                del self._streams[response_id]
+            return run.follow(-1)
+        return in_progress
+
+    async def _generate_in_background(self, builder: _ResponseBuilder, chunks: AsyncIterator[str],
+                                      run: _BackgroundRun) -> None:
+        """Runs the response's event stream to its end; builder.finish stores the final response. A stream that
+        ends in an error event (or an exception) leaves it failed, a cancel cancelled."""
+        error: Optional[ResponseError] = None
+        try:
+            async for sent in self._stream(builder, chunks):
+                run.add(sent)
+                if sent.startswith("event: error\n"):
+                    body = json.loads(sent.partition("data: ")[2])
+                    error = ResponseError(code=str(body.get("code")), message=body.get("message") or "")
+            if error is not None:
+                builder.store_unfinished("failed", error)
+        except asyncio.CancelledError:
+            builder.store_unfinished("cancelled")
+            raise
+        except Exception as e:  # the response fails; the server serves on
+            logger.exception("Background response %s failed", builder.id)
+            builder.store_unfinished("failed", ResponseError(code="server_error", message=str(e)))
+        finally:
+            run.finish()
+            self._running.pop(builder.id, None)
 
     @staticmethod
     def _from_chat(builder: _ResponseBuilder, chat: ChatCompletionResponse) -> ResponsesResponse:
