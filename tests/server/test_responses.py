@@ -1,6 +1,6 @@
 """/v1/responses through the official openai client: the greedy chat answer as a Response, streamed as the
-Responses events, a function call with its arguments streamed, stored responses (GET, previous_response_id), and
-400s naming the field."""
+Responses events, a function call with its arguments streamed, stored responses (GET, previous_response_id),
+background responses (read back, rejoined as a stream, cancelled), and 400s naming the field."""
 from __future__ import annotations
 
 import json
