@@ -109,11 +109,18 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's frontend beam search (see pagedllm.beam_search): each step runs every live beam of every prompt
-        as one batch of one-token requests. Outputs come back in the order of the prompts."""
+                    lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+                    use_tqdm: bool = False, concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
+        """vLLM's frontend beam search (see pagedllm.beam_search): each step runs every live beam of the prompts
+        searched together as one batch of one-token requests. Outputs come back in the order of the prompts.
+        ``lora_request``: one adapter for every prompt, or one per prompt (None: the base model);
+        ``concurrency_limit``: how many prompts are searched together (None: all)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        prompts = list(prompts)
+        lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}.")
         processor = self.llm_engine.processor
         instances = []
         for prompt in prompts:
@@ -124,16 +131,20 @@ class LLM:
                                  f"after the prompt's {len(token_ids)} tokens, got {params.max_tokens}.")
             instances.append(BeamSearchInstance(token_ids, params, processor.eos_token_id))
         step_params = params.step_sampling_params()
-        for _ in tqdm(range(params.max_tokens), desc="Beam search steps", disable=not use_tqdm):
-            live = [instance for instance in instances if not instance.finished]
-            if not live:
-                break
-            beams = [beam for instance in live for beam in instance.beams]
-            outputs = self.generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params, use_tqdm=False)
-            for instance in live:
-                num_beams = len(instance.beams)
-                instance.step(outputs[:num_beams])
-                outputs = outputs[num_beams:]
+        together = concurrency_limit or max(len(instances), 1)
+        for start in range(0, len(instances), together):
+            group = list(zip(instances[start:start + together], lora_requests[start:start + together]))
+            for _ in tqdm(range(params.max_tokens), desc="Beam search steps", disable=not use_tqdm):
+                live = [(instance, lora) for instance, lora in group if not instance.finished]
+                if not live:
+                    break
+                beams = [(beam, lora) for instance, lora in live for beam in instance.beams]
+                outputs = self.generate([{"prompt_token_ids": beam.tokens} for beam, _ in beams], step_params,
+                                        use_tqdm=False, lora_request=[lora for _, lora in beams])
+                for instance, _ in live:
+                    num_beams = len(instance.beams)
+                    instance.step(outputs[:num_beams])
+                    outputs = outputs[num_beams:]
         return [instance.output(self.tokenizer) for instance in instances]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

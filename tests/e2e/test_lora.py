@@ -16,6 +16,8 @@ from safetensors.torch import save_file
 
 from pagedllm import LoRARequest, SamplingParams
 from tests.e2e.conftest import assert_transformers_greedy, hf_greedy, in_process_llm, running_llm
+from pagedllm.beam_search import BeamSearchParams
+from tests.e2e.test_beam_search import BEAM_WIDTH, hf_beam_search
 from tests.e2e.test_llm_parity import make_prompts
 
 peft = pytest.importorskip("peft")
@@ -269,3 +271,29 @@ def test_a_gemma3_multimodal_checkpoints_adapter_on_its_language_model(tmp_path,
     assert_transformers_greedy(adapter, [prompts[0]], [outputs[0]], MAX_TOKENS)
     assert_transformers_greedy(base, [prompts[1]], [outputs[1]], MAX_TOKENS)
     assert hf_greedy(base, prompts[0], outputs[0]) != outputs[0]
+
+
+def test_beam_search_with_an_adapter_per_prompt_equals_transformers_with_peft(llm_with_lora, adapters, hf_model,
+                                                                               tokenizer):
+    """LLM.beam_search's lora_request, one per prompt (vLLM's offline beam search): each prompt's beams are its
+    model's, transformers' beam search on the peft model or the base; searched one prompt at a time
+    (concurrency_limit=1), the same beams."""
+    prompts = [tokenizer.encode(text) for text in ("The weather today is", "My favourite colour is",
+                                                   "The weather today is")]
+    names = ["all-r8", None, "qkv-r4"]
+    params = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=10)
+    outs = llm_with_lora.beam_search([{"prompt_token_ids": p} for p in prompts], params,
+                                     lora_request=[adapters[n][0] if n else None for n in names])
+    base = hf_beam_search(hf_model, prompts[0], 10, tokenizer.eos_token_id)
+    assert all(hf_beam_search(adapters[n][1], prompts[0], 10, tokenizer.eos_token_id) != base
+               for n in ("all-r8", "qkv-r4"))  # the adapters change the beams: a search ignoring them fails
+    for prompt, name, out in zip(prompts, names, outs):
+        oracle = adapters[name][1] if name else hf_model
+        assert [seq.tokens[len(prompt):] for seq in out.sequences] == hf_beam_search(oracle, prompt, 10,
+                                                                                     tokenizer.eos_token_id), name
+    one_at_a_time = llm_with_lora.beam_search([{"prompt_token_ids": p} for p in prompts], params,
+                                              lora_request=[adapters[n][0] if n else None for n in names],
+                                              concurrency_limit=1)
+    assert [[s.tokens for s in o.sequences] for o in one_at_a_time] == [[s.tokens for s in o.sequences] for o in outs]
+    with pytest.raises(ValueError, match="^lora_request"):
+        llm_with_lora.beam_search("Hi", params, lora_request=[None, None])
