@@ -351,3 +351,43 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, change, 
     LlamaConfig(**{**config, **change}).save_pretrained(tmp_path)  # the config, not the tensors, changed
     with pytest.raises(ValueError, match=message):
         get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
+
+
+def test_a_sharded_checkpoint_loads_only_the_files_its_index_names(tmp_path):
+    """A hub Mistral snapshot: HF shards with model.safetensors.index.json beside consolidated.safetensors, the same
+    weights under Mistral's own names (which match no parameter: loading them fails); only the indexed files load,
+    as vLLM filters them."""
+    from safetensors.torch import save_file
+    from transformers import MistralForCausalLM as HFMistral
+
+    from pagedllm.models.loader import get_model
+    from pagedllm.models.weights import safetensors_files
+    from pagedllm.platforms.cpu import choose_kernels
+
+    torch.manual_seed(0)
+    reference = HFMistral(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    reference.save_pretrained(tmp_path, max_shard_size="20KB")
+    state = reference.state_dict()
+    save_file({"tok_embeddings.weight": state["model.embed_tokens.weight"].clone(),
+               "layers.0.attention.wq.weight": state["model.layers.0.self_attn.q_proj.weight"].clone()},
+              str(tmp_path / "consolidated.safetensors"))
+    files = safetensors_files(str(tmp_path))
+    assert len(files) > 1 and not any(f.endswith("consolidated.safetensors") for f in files)
+    model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
+    assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("outer, text, tied", [(False, None, False), (True, False, True), (False, True, False)])
+def test_gemma3_multimodal_ties_its_lm_head_by_the_whole_models_config(tmp_path, outer, text, tied):
+    """transformers ties a Gemma3ForConditionalGeneration's LM head to the embedding by the outer config's
+    tie_word_embeddings; the text config's own (default true) does not decide it."""
+    from transformers import Gemma3Config, Gemma3TextConfig
+
+    text_config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   **({} if text is None else {"tie_word_embeddings": text}))
+    Gemma3Config(text_config=text_config, tie_word_embeddings=outer,
+                 architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(tmp_path)
+    config = load_hf_config(str(tmp_path))
+    assert config.model_type == "gemma3_text" and config.tie_word_embeddings is tied

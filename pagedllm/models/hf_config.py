@@ -46,6 +46,9 @@ def _text_part(config: PretrainedConfig) -> PretrainedConfig:
     text.architectures = architectures
     if getattr(text, "dtype", None) is None:  # saved on the outer config only
         text.dtype = getattr(config, "dtype", None)
+    # Whether the LM head is the embedding is the whole model's setting (transformers ties by the outer config; the
+    # text config's own defaults to tied whatever the checkpoint holds).
+    text.tie_word_embeddings = getattr(config, "tie_word_embeddings", text.tie_word_embeddings)
     return text
 
 

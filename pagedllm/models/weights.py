@@ -1,6 +1,7 @@
 """Iterate a checkpoint's tensors as ``(hf_name, tensor)`` pairs, one at a time."""
 
 import glob
+import json
 import os
 from collections.abc import Container, Iterator
 
@@ -10,11 +11,27 @@ from safetensors import safe_open
 from pagedllm.models.gguf_loader import gguf_weights_iterator
 
 
-def safetensors_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of every ``*.safetensors`` file in an HF directory."""
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def safetensors_files(directory: str) -> list[str]:
+    """The checkpoint's ``*.safetensors`` files in an HF directory: with an index (sharded checkpoints), only the
+    files its weight_map names, as vLLM takes them; a directory may hold the same weights in another layout beside
+    them (Mistral's ``consolidated.safetensors``)."""
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    index = os.path.join(directory, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            named = set(json.load(f).get("weight_map", {}).values())
+        files = [file for file in files if os.path.basename(file) in named]
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {directory!r}")
+    return files
+
+
+def safetensors_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of the checkpoint's ``*.safetensors`` files in an HF directory (safetensors_files)."""
+    files = safetensors_files(directory)
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
