@@ -33,10 +33,10 @@ def stream(detok: IncrementalDetokenizer, token_ids: list[int]) -> tuple[list[st
     """Feed tokens one by one like the output processor; return the deltas sent and the stop string hit."""
     deltas = []
     for token_id in token_ids:
-        stop_str = detok.update([token_id])
-        if stop_str is not None:
+        match = detok.update([token_id])
+        if match is not None:
             deltas.append(detok.get_next_output_text(finished=True, delta=True))
-            return deltas, stop_str
+            return deltas, match[0]
         deltas.append(detok.get_next_output_text(finished=False, delta=True))
     deltas.append(detok.get_next_output_text(finished=True, delta=True))
     return deltas, None
@@ -112,14 +112,64 @@ def test_stop_string_spanning_tokens(tokenizer, include):
 def test_stop_string_ending_mid_token_truncates_rest(tokenizer, include):
     ids = encode(tokenizer, TEXT)
     detok = make(tokenizer, stop=["nsw"], include_stop_str_in_output=include)
-    assert detok.update(ids) == "nsw"
+    stop_str, num_kept = detok.update(ids)
+    assert stop_str == "nsw" and num_kept == 2  # "The", " answer": the tokens after the one completing it go
+    assert detok.output_token_ids == ids[:2]
     assert detok.output_text == ("The answ" if include else "The a")
 
 
 def test_earliest_stop_string_wins(tokenizer):
     detok = make(tokenizer, stop=["42", "answer"])
-    assert detok.update(encode(tokenizer, TEXT)) == "answer"
+    assert detok.update(encode(tokenizer, TEXT))[0] == "answer"
     assert detok.output_text == "The "
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_of_several_stop_strings_the_one_ending_first_wins(tokenizer, include):
+    """vLLM's rule, what appending one character at a time finds: " answer" holds "sw", which ends before "answer"
+    does though it starts after it; of two ending together, the first listed."""
+    detok = make(tokenizer, stop=["answer", "sw"], include_stop_str_in_output=include)
+    assert detok.update(encode(tokenizer, "The answer"))[0] == "sw"
+    assert detok.output_text == ("The answ" if include else "The an")
+    detok = make(tokenizer, stop=["User:", "\nUser:"])
+    assert detok.update(encode(tokenizer, "Sure.\nUser: hi"))[0] == "User:"
+    assert detok.output_text == "Sure.\n"
+
+
+def test_tokens_past_the_stop_string_in_one_step_are_dropped(tokenizer):
+    """A step that brings several tokens (accepted drafts) and completes a stop string early keeps only the tokens
+    up to the one completing it; a stop string in the step that also ends with the EOS is still found."""
+    ids = encode(tokenizer, TEXT)
+    detok = make(tokenizer, stop=["42"])
+    assert detok.update(ids[:2]) is None  # "The answer"
+    stop_str, num_kept = detok.update(ids[2:] + [EOS], stop_terminated=True)
+    assert stop_str == "42" and detok.output_text == "The answer is "
+    assert tokenizer.decode(detok.output_token_ids) == "The answer is 42"
+    assert num_kept == len(detok.output_token_ids) - 2
+
+
+def test_cumulative_text_grows_while_shorter_than_the_stop_buffer(tokenizer):
+    """Non-delta outputs hold back the stop buffer: nothing until the text is longer than it, then a prefix that
+    only grows."""
+    detok = make(tokenizer, stop=["Hello world, this is long!"])
+    sent = []
+    for token_id in encode(tokenizer, "Hello world, this is a test of the cumulative output."):
+        detok.update([token_id])
+        sent.append(detok.get_next_output_text(finished=False, delta=False))
+    assert sent[0] == "" and all(later.startswith(earlier) for earlier, later in zip(sent, sent[1:]))
+    assert detok.output_text.startswith(sent[-1])
+
+
+def test_prompt_ending_inside_a_character(tokenizer):
+    """Token ids that end a prompt within a character (a generation cut there, continued): the output's text starts
+    with that character completed, never with the prompt's text, and a stop string in the prompt does not match."""
+    ids = encode(tokenizer, "The word is 你好 and more text")
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    prompt, output = ids[:cut], ids[cut:]
+    detok = IncrementalDetokenizer(tokenizer, prompt, SamplingParams(stop=["word"]))
+    assert detok.update(output) is None
+    assert not detok.output_text.startswith("The") and detok.output_text.endswith(" and more text")
+    assert "The word is " + detok.output_text in ("The word is 你好 and more text", "The word is 好 and more text")
 
 
 def test_stop_string_with_split_emoji(tokenizer):
@@ -147,8 +197,7 @@ def test_streaming_deltas_never_leak_partial_stop_string(tokenizer, include, tex
     final = text[:text.index(stop) + (len(stop) if include else 0)] if stop in text else text
     sent = ""
     for token_id in encode(tokenizer, text):
-        stop_str = detok.update([token_id])
-        finished = stop_str is not None
+        finished = detok.update([token_id]) is not None
         sent += detok.get_next_output_text(finished=finished, delta=True)
         # Everything already sent must be part of the final text.
         assert final.startswith(sent)

@@ -95,7 +95,18 @@ class RequestState:
         return out
 
     def update(self, out: EngineCoreOutput) -> tuple[Optional[FinishReason], Any]:
-        """Folds one engine output in; returns (finish reason, stop reason), a stop string possibly found here."""
+        """Folds one engine output in; returns (finish reason, stop reason), a stop string possibly found here. The
+        tokens after the one completing a stop string (a step of accepted drafts brings several) are dropped from
+        ``out`` with their logprobs, as vLLM trims them."""
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if self.detokenizer is not None and out.new_token_ids:
+            match = self.detokenizer.update(out.new_token_ids, stop_terminated=finish_reason == FinishReason.STOP)
+            if match is not None:  # a stop string ends it, also in the step the engine ended it by length
+                stop_str, num_kept = match
+                finish_reason, stop_reason = FinishReason.STOP, stop_str
+                del out.new_token_ids[num_kept:]
+                if out.new_logprobs is not None:
+                    out.new_logprobs = out.new_logprobs.first(num_kept)
         self.token_ids.extend(out.new_token_ids)
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
@@ -104,12 +115,6 @@ class RequestState:
             self.logprobs.extend(entries)
             for entry, tok in zip(entries, out.new_token_ids):
                 self.cumulative_logprob += entry[tok].logprob
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if self.detokenizer is not None and out.new_token_ids:
-            stop_str = self.detokenizer.update(out.new_token_ids,
-                                               stop_terminated=finish_reason == FinishReason.STOP)
-            if stop_str is not None:  # a stop string ends it, also in the step the engine ended it by length
-                finish_reason, stop_reason = FinishReason.STOP, stop_str
         return finish_reason, stop_reason
 
     def make_output(self, finish_reason: Optional[FinishReason], stop_reason: Any,

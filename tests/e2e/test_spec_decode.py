@@ -117,6 +117,22 @@ def test_a_stop_token_among_accepted_drafts_cuts_the_logprobs_too(spec_llm):
         assert len(got.logprobs) == end
 
 
+def test_a_stop_string_among_accepted_drafts_cuts_the_tokens_and_logprobs(spec_llm):
+    """A stop string completed by an accepted draft ends the output at the token completing it, as plain decoding
+    ends it: the tokens after it in the same step, and their logprobs, are not the output."""
+    count = "one, two, three, four, five, six, seven, eight, nine, ten"
+    prompt = f"Count: {count}. Again: {count}. Again: one, two,"
+    plain = spec_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    tokenizer = spec_llm.get_tokenizer()
+    for word in ("four", "six", "nine"):
+        params = SamplingParams(temperature=0, max_tokens=30, stop=[word], logprobs=1)
+        got = spec_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        end = next(n for n in range(1, len(plain.token_ids) + 1)
+                   if word in tokenizer.decode(plain.token_ids[:n]))
+        assert got.token_ids == plain.token_ids[:end] and len(got.logprobs) == end, word
+        assert (got.text, got.finish_reason, got.stop_reason) == (plain.text[:plain.text.index(word)], "stop", word)
+
+
 TINY_VOCAB = 8
 TOP_K = 3
 
