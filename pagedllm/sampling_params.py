@@ -63,6 +63,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     bad_words: Optional[list[str]] = None
     # Set by the Processor: each bad word as token ids, with and without a leading space.
     _bad_words_token_ids: Optional[list[list[int]]] = None
+    # Set by the Processor: the generation config's end-of-generation ids beyond the tokenizer's EOS, which
+    # min_tokens holds back whether or not they stop the request (ignore_eos), as vLLM's all_stop_token_ids.
+    _extra_eos_token_ids: Optional[list[int]] = None
     # The output must match this JSON schema / regex / choice / grammar (see StructuredOutputsParams).
     structured_outputs: Optional[StructuredOutputsParams] = None
 
@@ -133,6 +136,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("seed", f"must be an integer, got {self.seed!r}.")
         if any(not s for s in self.stop):
             bad("stop", "cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            bad("stop", "strings are only supported when detokenize is True; set detokenize=True to use them.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", f"must be non-negative integers, got {self.stop_token_ids}.")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -150,6 +155,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     @property
     def bad_words_token_ids(self) -> Optional[list[list[int]]]:
         return self._bad_words_token_ids
+
+    @property
+    def extra_eos_token_ids(self) -> list[int]:
+        return self._extra_eos_token_ids or []
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -245,3 +245,9 @@ def test_check_stop_strings_searches_only_new_text():
     # A match straddling old and new text is found.
     assert check_stop_strings("xxab", 1, ["ab"], True) == ("ab", 4)
     assert check_stop_strings("xxab", 0, ["ab"], True) is None
+
+
+def test_stop_strings_need_detokenize():
+    """vLLM refuses stop strings without detokenize: with no text to look in, they would be silently ignored."""
+    with pytest.raises(ValueError, match="^stop strings are only supported when detokenize is True"):
+        SamplingParams(stop=["x"], detokenize=False)

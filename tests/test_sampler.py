@@ -268,6 +268,12 @@ def test_min_tokens_mask_suppresses_stop_tokens():
     assert greedy.logprobs.selected_token_ranks.tolist() == [3, 1, 3, 1]
     torch.testing.assert_close(logits, before)
 
+    # A row with nothing but its stop tokens left (a grammar that may only end) gets them back: it ends.
+    only_stops = torch.full((1, V), float("-inf"))
+    only_stops[0, eos], only_stops[0, stop] = 1.0, 2.0
+    ended = Sampler()(only_stops, make_metadata([0.0], min_tokens_mask={0: {eos, stop}}))
+    assert ended.sampled_token_ids.tolist() == [stop]
+
     torch.manual_seed(0)
     n = 2000
     many = logits[0].expand(n, -1)

@@ -94,9 +94,10 @@ class Processor:
                 raise ValueError(f"{name} must be at most {max_logprobs} (the engine's max_logprobs), got {value}.")
 
     def process_sampling_controls(self, params: SamplingParams) -> SamplingParams:
-        """Checks logit_bias and allowed_token_ids against the vocabulary (SamplingParams does not know it) and
-        tokenizes bad_words for the engine."""
-        for name, token_ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        """Checks logit_bias, allowed_token_ids and stop_token_ids against the vocabulary (SamplingParams does not
+        know it; each indexes the logits) and tokenizes bad_words for the engine."""
+        for name, token_ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                                ("stop_token_ids", params.stop_token_ids)):
             self._check_in_vocab(name, token_ids or ())
         if not params.bad_words:
             return params
@@ -135,8 +136,9 @@ class Processor:
             validate_structured_outputs(params.structured_outputs)
         params = self.process_sampling_controls(params)
         extra_eos = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
-        if extra_eos and not params.ignore_eos:
-            params = msgspec.structs.replace(params, stop_token_ids=params.stop_token_ids + extra_eos)
+        if extra_eos:  # they stop the request unless ignore_eos; min_tokens holds them back either way
+            params = msgspec.structs.replace(params, _extra_eos_token_ids=extra_eos, stop_token_ids=(
+                params.stop_token_ids if params.ignore_eos else params.stop_token_ids + extra_eos))
         if params.max_tokens is None:
             # Fill the context: the scheduler stops the request at max_model_len.
             params = msgspec.structs.replace(params, max_tokens=self.model_config.max_model_len - len(token_ids))

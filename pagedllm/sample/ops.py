@@ -35,8 +35,20 @@ def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[li
 
 
 def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, set[int]]) -> torch.Tensor:
-    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early. In place."""
-    return _drop(logits, [(row, token_id) for row, token_ids in min_tokens_mask.items() for token_id in token_ids])
+    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early. A row left
+    with no token at all (a grammar that lets it only end here, allowed_token_ids of stop tokens only) gets its stop
+    tokens back, as vLLM restores them for structured output: it ends rather than sample a token nothing allows.
+    In place."""
+    if not min_tokens_mask:
+        return logits
+    rows = torch.tensor([row for row, token_ids in min_tokens_mask.items() for _ in token_ids])
+    cols = torch.tensor([token_id for token_ids in min_tokens_mask.values() for token_id in token_ids])
+    kept = logits[rows, cols]  # a copy
+    logits[rows, cols] = float("-inf")
+    emptied = torch.isneginf(logits[rows]).all(dim=-1) & torch.isfinite(kept)
+    if emptied.any():
+        logits[rows[emptied], cols[emptied]] = kept[emptied]
+    return logits
 
 
 def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]]

@@ -194,11 +194,12 @@ def test_max_tokens_and_max_model_len():
     assert sum(len(o.new_token_ids) for o in outs) == 5 and outs[-1].finish_reason == FinishReason.LENGTH
 
 
-def test_min_tokens_suppresses_eos_and_stop_tokens():
-    outs = _one_request_outputs(lambda r, pos: EOS if pos % 2 else 77, max_tokens=10, min_tokens=4,
+def test_a_stop_token_under_min_tokens_still_ends_the_request():
+    """min_tokens is the sampler's (it holds EOS and the stop tokens back); one it lets through, where nothing else
+    may come (a grammar's end), ends the request, as vLLM's check_stop has it."""
+    outs = _one_request_outputs(lambda r, pos: 77 if pos == 5 else 5, max_tokens=10, min_tokens=4,
                                 stop_token_ids=[77])
-    tokens = [t for o in outs for t in o.new_token_ids]
-    assert tokens == [EOS, 77, EOS, 77]  # neither ends the request before the 4th token
+    assert [t for o in outs for t in o.new_token_ids] == [5, 5, 77]
     assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == 77
 
 

@@ -47,5 +47,8 @@ def test_every_eos_id_of_the_generation_config_ends_generation(tmp_path):
         ignoring = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                                 use_tqdm=False)[0].outputs[0]
         assert ignoring.token_ids == tokens.token_ids
+        held = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+        assert end not in held.token_ids  # min_tokens holds it back, ignore_eos or not (vLLM's all_stop_token_ids)
     finally:
         llm.shutdown()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 FRANCE = "The capital of France is"
 APPLES = "I like to eat apples. I like to eat"  # greedy decoding repeats " I'm a big apple." over and over
@@ -56,9 +57,30 @@ def test_logit_bias_and_allowed_token_ids_leave_other_requests_alone(llm, greedy
 
 
 @pytest.mark.parametrize("bad, field", [({"logit_bias": {10 ** 6: 1.0}}, "logit_bias"),
-                                        ({"allowed_token_ids": [0, -1]}, "allowed_token_ids")])
+                                        ({"allowed_token_ids": [0, -1]}, "allowed_token_ids"),
+                                        ({"stop_token_ids": [49157], "min_tokens": 2}, "stop_token_ids")])
 def test_out_of_vocab_ids_are_rejected_without_leaking(llm, bad, field):
+    """(A stop token id past the vocabulary under min_tokens indexed the logits out of bounds in the engine.)"""
     with pytest.raises(ValueError, match=f"^{field} contains out-of-vocabulary token ids"):
         llm.generate(FRANCE, SamplingParams(max_tokens=4, **bad), use_tqdm=False)
     stats = llm.get_stats()
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_min_tokens_holds_back_eos_under_ignore_eos(llm):
+    """vLLM masks EOS under min_tokens whether or not ignore_eos: a bias that makes EOS every greedy choice still
+    gives min_tokens other tokens first."""
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=5, min_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    tokens = llm.generate(FRANCE, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert eos not in tokens[:3] and tokens[3:] == [eos, eos]
+
+
+def test_a_grammar_that_can_only_end_ends_under_min_tokens(llm):
+    """A choice grammar done before min_tokens leaves only EOS: the request ends there with the choice (vLLM
+    restores the stop tokens for structured output), instead of sampling a token the grammar forbids."""
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=6,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate("Is Paris in France? Answer yes or no:", params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.token_ids[-1] == eos and out.finish_reason == "stop"
