@@ -86,6 +86,34 @@ def test_logprobs_and_echo(client, tokenizer):
         assert max(top.values()) == pytest.approx(logprob) and top[token] == logprob  # greedy
 
 
+def test_streamed_logprobs_offsets_are_the_unstreamed_ones(client):
+    """text_offset follows the tokens, also while a stream holds text back for a stop string that may begin there
+    (it never matches here)."""
+    ask = dict(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=10, logprobs=1,
+               stop=["zzzzzzzzzzzzzzzz"])
+    full = client.completions.create(**ask).choices[0].logprobs
+    stream = [c.choices[0].logprobs for c in client.completions.create(**ask, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [o for lp in stream for o in lp.text_offset] == full.text_offset
+    assert full.text_offset == [len("".join(full.tokens[:i])) for i in range(len(full.tokens))]
+
+
+def test_echoed_prompt_alternatives_are_cut_to_logprobs(client):
+    """prompt_logprobs asking for more alternatives than logprobs: an echoed prompt position lists logprobs + 1 of
+    them, as a generated one does (vLLM's)."""
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2, echo=True,
+                                     logprobs=1, extra_body={"prompt_logprobs": 3})
+    assert all(top is None or len(top) <= 2 for top in full.choices[0].logprobs.top_logprobs)
+    assert full.choices[0].prompt_logprobs[1] is not None and len(full.choices[0].prompt_logprobs[1]) >= 3
+
+
+def test_null_max_tokens_is_sixteen(client):
+    """"max_tokens": null is OpenAI's default of 16 for completions (vLLM's reading), not the rest of the context."""
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=None,
+                                     extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == 16
+
+
 def test_tokenize_detokenize(server, tokenizer):
     with server.http() as http:
         tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()

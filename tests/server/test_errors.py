@@ -18,14 +18,15 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "top_p": 1.01}, "top_p"),
     ("/v1/chat/completions", {"messages": HI, "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": HI, "stream": True, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {"temperature": 0}, "messages"),
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
-    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 3 + 1}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
     ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 2.5}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"banana": 5}}, "logit_bias"),
@@ -72,13 +73,15 @@ def test_bad_request_names_the_field(server, path, body, param):
 
 
 def test_context_length_messages(server):
+    """A prompt that fills the context is a 400; a max_tokens past what is left is cut to it (vLLM 0.32's
+    get_max_tokens)."""
     with server.http() as http:
         too_long = http.post("/v1/completions", json={"prompt": "hello " * MAX_MODEL_LEN}).json()["error"]
-        too_much = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN}).json()
+        clamped = http.post("/v1/completions", json={"prompt": list(range(100, 100 + MAX_MODEL_LEN - 8)),
+                                                     "max_tokens": MAX_MODEL_LEN, "min_tokens": 8}).json()
     assert too_long["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
-    assert too_much["error"]["message"].startswith(
-        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
-        f"{MAX_MODEL_LEN + 3} tokens (3 in the messages, {MAX_MODEL_LEN} in the completion).")
+    assert clamped["usage"]["completion_tokens"] == 8
+    assert clamped["choices"][0]["finish_reason"] == "length"
 
 
 def test_malformed_json_is_400(server):

@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import SamplingParams
@@ -277,6 +277,15 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: Optional[int] = None
     add_special_tokens: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_max_tokens_is_the_default(cls, data: Any) -> Any:
+        """"max_tokens": null means OpenAI's default of 16 for completions, as vLLM reads it (chat's null fills
+        the context)."""
+        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
+            data = {**data, "max_tokens": cls.model_fields["max_tokens"].default}
+        return data
 
     @property
     def echo_only(self) -> bool:

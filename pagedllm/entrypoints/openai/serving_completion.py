@@ -4,6 +4,7 @@ Choice i * n + j is prompt i's choice j, as with OpenAI and vLLM.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import AsyncIterator, Optional, Union
 
@@ -30,7 +31,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = self.models.check_model(request.model)
         prompts = self._prompts(request)
         max_tokens = 1 if request.echo_only else request.max_tokens  # echo_only: the token generated is not sent
-        params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt", "max_tokens"))
+        params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt"))
                   for _, ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -98,14 +99,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     # continuous_usage_stats, its choice's usage so far.
                     usage = UsageInfo.of(len(prompts[prompt_index][1]), num_generated[index]) \
                         if request.include_continuous_usage else None
+                    choice_logprobs = self._logprobs(request, token_ids, logprobs, text_offsets[index])
                     yield sse(CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
                             index=index, text=text, finish_reason=output.finish_reason,
-                            stop_reason=output.stop_reason,
-                            logprobs=self._logprobs(request, token_ids, logprobs, text_offsets[index]))],
+                            stop_reason=output.stop_reason, logprobs=choice_logprobs)],
                         **({"usage": usage} if request.include_usage else {})).model_dump_json(exclude_unset=True))
-                    text_offsets[index] += len(text)
+                    # Offsets follow the tokens, not the text sent (held back while it may start a stop string),
+                    # so the stream's are the unstreamed response's (vLLM's).
+                    if choice_logprobs is not None and choice_logprobs.tokens:
+                        text_offsets[index] = choice_logprobs.text_offset[-1] + len(choice_logprobs.tokens[-1])
             if request.include_usage:
                 num_prompt_tokens = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(
@@ -151,8 +155,11 @@ class OpenAIServingCompletion(OpenAIServing):
             token = self._token_str(token_id, chosen)
             tokens.append(token)
             token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
+            # at most logprobs + 1 alternatives (the token and the top ones), also at an echoed prompt's positions
+            # whose prompt_logprobs asked for more (vLLM's)
             top_logprobs.append(None if step is None else {
-                self._token_str(t, lp): max(lp.logprob, MIN_LOGPROB) for t, lp in step.items()})
+                self._token_str(t, lp): max(lp.logprob, MIN_LOGPROB)
+                for t, lp in itertools.islice(step.items(), request.logprobs + 1)})
             offsets.append(text_offset)
             text_offset += len(token)
         return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,

@@ -63,23 +63,17 @@ class OpenAIServing:
             logger.info("Using default %s sampling params from %s: %s", self.endpoint, source,
                         self.default_sampling_params)
 
-    def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str,
-                    max_tokens_param: str) -> int:
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str) -> int:
         """The completion budget: what was asked for, or by default the generation config's max_tokens, at most the
-        rest of the context (all of it when there is none); 400 if what was asked for cannot fit."""
+        rest of the context (all of it when there is none), as vLLM 0.32's get_max_tokens; 400 only for a prompt
+        that leaves no room."""
         if num_prompt_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
                 f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", prompt_param)
         if max_tokens is None:
-            return min(self.max_model_len - num_prompt_tokens,
-                       self.default_sampling_params.get("max_tokens", self.max_model_len))
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise BadRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} in "
-                "the completion). Please reduce the length of the messages or completion.", max_tokens_param)
-        return max_tokens
+            max_tokens = self.default_sampling_params.get("max_tokens", self.max_model_len)
+        return min(max_tokens, self.max_model_len - num_prompt_tokens)
 
     def _sampling_params(self, request: SamplingRequest, max_tokens: int, **kwargs
                          ) -> Union[SamplingParams, BeamSearchParams]:
