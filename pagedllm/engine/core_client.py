@@ -96,9 +96,14 @@ class MPClient:
             self.wait_until_ready()
 
     def wait_until_ready(self) -> None:
-        """Blocks until the engine process is up (one that fails or takes too long to start shuts the client down
-        and raises), then starts the threads that take its outputs and notice its death."""
-        self._wait_for_ready_message()
+        """Blocks until the engine process is up, then starts the threads that take its outputs and notice its
+        death. Anything that ends the wait (an engine that fails or takes too long to start, a Ctrl-C) shuts the
+        client down, engine process and its workers with it, before it propagates (vLLM's MPClient)."""
+        try:
+            self._wait_for_ready_message()
+        except BaseException:
+            self.shutdown()
+            raise
         self._output_thread_handle = threading.Thread(target=self._output_thread, daemon=True,
                                                       name="EngineCoreClientOutput")
         self._output_thread_handle.start()
@@ -111,10 +116,8 @@ class MPClient:
         while not poller.poll(timeout=500):
             waited += 0.5
             if self.proc.poll() is not None:
-                self.shutdown()
                 raise RuntimeError("The engine process failed to start; see its log above.")
             if waited > ENGINE_STARTUP_TIMEOUT_S:
-                self.shutdown()
                 raise TimeoutError(f"The engine process did not start in {ENGINE_STARTUP_TIMEOUT_S} s.")
         if self._output_socket.recv() != READY_MESSAGE:
             raise RuntimeError("Unexpected first message from the engine process.")

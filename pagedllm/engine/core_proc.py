@@ -143,10 +143,16 @@ def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
             os._exit(1)
 
 
+def _exit_while_starting(*_) -> None:
+    """SIGTERM (the frontend's shutdown) before the engine is up: unwind, so that the engine's start-up gives back
+    what it started (EngineCore's executor stops the workers it has launched)."""
+    raise SystemExit(0)
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
     """Entry point of the engine process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle; it stops us
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGTERM, _exit_while_starting)
     before_exit: list = []
     threading.Thread(target=exit_when_parent_dies, args=(parent_pid, before_exit), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s %(message)s")

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any, Optional
 
@@ -48,6 +49,7 @@ class MultiprocExecutor(Executor):
         self._replies_of: dict[int, dict[int, Any]] = {}  # call seq -> replies so far, for calls not yet gathered
         self._failure: Optional[str] = None
         self._closed = False
+        self._shutdown_lock = threading.Lock()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
@@ -141,14 +143,18 @@ class MultiprocExecutor(Executor):
         return self.parallel_config.pipeline_parallel_size
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        stop_processes(self.workers, "Worker")
-        self.rpc_broadcast_mq.close()
-        self._replies.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        """Stops the workers and removes what they shared. Callable from any thread, more than once: a second
+        caller (the engine's loop while the parent-death watchdog shuts down) waits for the first to finish, so
+        that the process does not exit with the cleanup half done."""
+        with self._shutdown_lock:
+            if self._closed:
+                return
+            self._closed = True
+            stop_processes(self.workers, "Worker")
+            self.rpc_broadcast_mq.close()
+            self._replies.close(linger=0)
+            self._ctx.term()
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 class _Replies:

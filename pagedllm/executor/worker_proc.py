@@ -21,6 +21,7 @@ from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.engine.core_proc import exit_when_parent_dies, freeze_startup_heap
 from pagedllm.engine.stopping import dump_stacks_on_sigusr1
 from pagedllm.executor.abstract import run_worker_method
+from pagedllm.executor.multiproc import WORKER_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,9 @@ def main() -> None:
     mq = MessageQueue.create_from_handle(mq_handle, rank)
     freeze_startup_heap()
     replies.send(pickle.dumps((-1, rank, True, "READY")))
-    mq.wait_until_ready(timeout=60)
+    # The go-ahead comes once every rank has loaded, which may be long after this one (uneven pipeline stages, a
+    # cold disk): as long as the executor gives them all (an executor that dies is the watchdog's to notice).
+    mq.wait_until_ready(timeout=WORKER_STARTUP_TIMEOUT_S)
     while True:
         seq, method, args, kwargs, reply_rank = mq.dequeue()
         try:
