@@ -89,28 +89,27 @@ def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then():
     assert shm_segments() <= before
 
 
-def _engine_process() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children(recursive=True)
-            if c.status() != psutil.STATUS_ZOMBIE and "pagedllm.engine.core_proc" in " ".join(c.cmdline())]
-
-
 @pytest.mark.parametrize("interruption", ["ctrl-c in the caller", "sigterm to the engine"])
 def test_a_start_up_interrupted_leaves_no_engine_or_worker(interruption):
     """Ctrl-C while LLM(...) waits for its engine (a notebook's interrupt), or the engine told to stop (SIGTERM, what
     the client's shutdown sends) while its workers load: the engine and every worker are gone by the time the
     error reaches the caller, and the caller lives on (vLLM's MPClient shuts down on any exception)."""
     before = shm_segments()
+    engines = []  # the engine process whose workers were seen loading
 
     def interrupt() -> None:
         if not wait_until(lambda: len(worker_processes()) == 2, 60, interval=0.02):
             return
+        engines.append(worker_processes()[0].parent())
         if interruption == "ctrl-c in the caller":
             os.kill(os.getpid(), signal.SIGINT)
         else:
-            _engine_process()[0].terminate()
+            engines[0].terminate()
 
     threading.Thread(target=interrupt, daemon=True).start()
     with pytest.raises((KeyboardInterrupt, RuntimeError)):
         LLM(pipeline_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory="32MiB")
-    assert not worker_processes() and not _engine_process()
+    [engine] = engines
+    assert not worker_processes()
+    assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
     assert shm_segments() <= before
