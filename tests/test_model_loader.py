@@ -391,3 +391,27 @@ def test_gemma3_multimodal_ties_its_lm_head_by_the_whole_models_config(tmp_path,
                  architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(tmp_path)
     config = load_hf_config(str(tmp_path))
     assert config.model_type == "gemma3_text" and config.tie_word_embeddings is tied
+
+
+@pytest.mark.parametrize("config, message", [
+    (LlamaConfig(hidden_act="gelu"), "hidden_act: 'gelu' is not supported for LlamaForCausalLM; supported: "
+                                     "gelu_pytorch_tanh, silu"),
+    (Qwen2MoeConfig(hidden_act="gelu_pytorch_tanh"), "hidden_act: 'gelu_pytorch_tanh' is not supported for "
+                                                     "Qwen2MoeForCausalLM; supported: silu"),
+    ("gemma2-gelu", "hidden_activation: 'gelu' is not supported for Gemma2ForCausalLM"),
+    ("gemma3-bidirectional", "use_bidirectional_attention: bidirectional attention"),
+])
+def test_what_the_layers_do_not_compute_is_refused_before_any_process(tmp_path, config, message):
+    """An activation the MLP does not compute, or Gemma's bidirectional attention, is a ValueError naming the field
+    from the engine's config (it failed inside the engine process, or ran causal attention silently)."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    if config == "gemma2-gelu":
+        config = Gemma2Config(hidden_activation="gelu")
+    elif config == "gemma3-bidirectional":
+        config = Gemma3TextConfig(use_bidirectional_attention=True)
+    config.architectures = None
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        EngineArgs(str(tmp_path)).create_engine_config()

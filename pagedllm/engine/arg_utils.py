@@ -17,7 +17,7 @@ from pagedllm.layers.rope_scaling import check_rope_types, positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
-from pagedllm.models.registry import get_model_architecture
+from pagedllm.models.registry import check_model_config, get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from pagedllm.platforms import Platform, resolve_platform
 from pagedllm.sampling_params import MAX_LOGPROBS
@@ -102,8 +102,8 @@ class EngineArgs:
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config)
         hf_config = load_hf_config(path)
-        get_model_architecture(hf_config)  # an architecture or rope type not served fails here, before any process
-        check_rope_types(hf_config)
+        check_model_config(hf_config)  # an architecture, activation or rope type not served fails here, before any
+        check_rope_types(hf_config)  # process
         model_max_len = positions_served(hf_config)
         max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
         check_int("max_model_len", max_model_len, 1)

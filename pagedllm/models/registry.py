@@ -59,3 +59,24 @@ def get_model_architecture(config: PretrainedConfig) -> type[nn.Module]:
         f"Unsupported model (architectures={architectures}, model_type={config.model_type!r}); "
         f"supported: {sorted(_MODELS)}"
     )
+
+
+# The MLP activations the layers compute: the dense gated MLP's (layers/activation.py), the experts' (silu only).
+DENSE_ACTIVATIONS = ("gelu_pytorch_tanh", "silu")
+_EXPERT_MODELS = (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
+
+
+def check_model_config(config: PretrainedConfig) -> None:
+    """A ValueError naming the config's field for what its model class does not compute, before any process starts
+    or weight is read (the architecture and rope type are checked beside this): the MLP's activation, and Gemma's
+    bidirectional attention (an embedding model's, which would silently run causal)."""
+    model_class = get_model_architecture(config)
+    field = "hidden_activation" if getattr(config, "hidden_activation", None) is not None else "hidden_act"
+    activation = getattr(config, field, None) or "silu"
+    supported = ("silu",) if issubclass(model_class, _EXPERT_MODELS) else DENSE_ACTIVATIONS
+    if activation not in supported:
+        raise ValueError(f"{field}: {activation!r} is not supported for {model_class.__name__}; supported: "
+                         f"{', '.join(supported)}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention: bidirectional attention (an embedding model's) is not "
+                         "supported; the models here attend causally")
