@@ -119,13 +119,14 @@ class PagedBatchRunner:
 
 
 def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
-                    layer_type: gguf.GGMLQuantizationType | Callable[[str], gguf.GGMLQuantizationType] | None = None
-                    ) -> None:
+                    layer_type: gguf.GGMLQuantizationType | Callable[[str], gguf.GGMLQuantizationType] | None = None,
+                    extra: Callable[[gguf.GGUFWriter], None] | None = None) -> None:
     """Write an HF model as a GGUF the way llama.cpp's converter does,
     naming tensors with gguf-py's own map and permuting llama q/k rows (Gemma: its head size and soft caps in the
     metadata, its norm weights with their one added, no output tensor: it is tied);
     unquantized, or with the decoder layers' linear weights (and stacked experts) in ``layer_type``
-    (or in the type it gives for each HF module name)."""
+    (or in the type it gives for each HF module name). ``extra`` adds what else the converter would write (rope
+    scaling metadata, rope_freqs) to the writer before the file is written."""
     config = model.config
     writer = gguf.GGUFWriter(path, arch)
     writer.add_name(f"tiny-{arch}")
@@ -178,6 +179,8 @@ def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,
                               raw_dtype=tensor_type)
             continue
         writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", weight)
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

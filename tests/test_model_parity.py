@@ -1,6 +1,7 @@
 """Our paged model must reproduce transformers' logits, however a sequence is
 split into prefill chunks and decodes and batched with other requests."""
 
+import gguf
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
@@ -240,6 +241,40 @@ def test_tiny_gguf_parity(tmp_path, arch):
     write_tiny_gguf(reference, path, arch)
     config = load_hf_config(path)
     assert config.model_type == arch and not config.tie_word_embeddings
+    model = get_model(path, config, KernelChoice(torch.float32))
+    _check_schedules(model, reference, config, config.vocab_size, seed=8, block_size=4)
+
+
+GGUF_ROPES = {"linear": dict(rope_type="linear", factor=4.0),
+              "yarn": dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+              "llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=32)}
+
+
+@pytest.mark.parametrize("rope", GGUF_ROPES)
+def test_tiny_gguf_rope_scaling_parity(tmp_path, rope):
+    """A GGUF of a rope-scaled Llama as llama.cpp's converter writes it (linear and yarn as rope.scaling metadata,
+    llama3 as the rope_freqs tensor of per-frequency divisors) is the scaled model, not the plain rope one."""
+    from pagedllm.layers.rope_scaling import _default_inv_freq, inv_freq_and_scale
+    params = dict(GGUF_ROPES[rope], rope_theta=10000.0)
+    torch.manual_seed(7)
+    reference = HFLlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=False, rope_parameters=dict(params)))
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+
+    def scaling(writer) -> None:
+        if rope == "llama3":
+            scaled, _ = inv_freq_and_scale(params, head_dim, TINY["max_position_embeddings"], None)
+            writer.add_tensor("rope_freqs.weight", (_default_inv_freq(10000.0, head_dim) / scaled).numpy())
+            return
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope))
+        writer.add_rope_scaling_factor(params["factor"])
+        if rope == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+
+    path = str(tmp_path / f"tiny-{rope}.gguf")
+    write_tiny_gguf(reference.eval(), path, "llama", extra=scaling)
+    config = load_hf_config(path)
+    assert config.rope_parameters["rope_type"] == ("default" if rope == "llama3" else rope)
     model = get_model(path, config, KernelChoice(torch.float32))
     _check_schedules(model, reference, config, config.vocab_size, seed=8, block_size=4)
 

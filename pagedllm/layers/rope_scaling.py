@@ -88,7 +88,10 @@ def inv_freq_and_scale(params: dict, rotary_dim: int, max_position: int, positio
     cos and sin (transformers' attention_scaling). ``max_position``: the config's max_position_embeddings."""
     rope_type = params["rope_type"]
     _check_rope_type(rope_type)
-    return _INV_FREQ[rope_type](params, rotary_dim, max_position, positions)
+    inv_freq, scale = _INV_FREQ[rope_type](params, rotary_dim, max_position, positions)
+    if "freq_factors" in params:  # a GGUF's rope_freqs (models/gguf_config.py): each frequency divided, as llama.cpp
+        inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float32)
+    return inv_freq, scale
 
 
 def _default_inv_freq(base: float, dim: int) -> torch.Tensor:

@@ -8,6 +8,11 @@ sizes, and reads a Mixtral file (GGUF architecture ``llama`` with experts) as a 
 renormalises a token's top-k expert weights for Mixtral and Qwen3-MoE and not for Qwen2-MoE (its per-architecture
 default, unless the file says ``expert_weights_norm``).
 
+Rope scaling: transformers keeps none of llama.cpp's ``{arch}.rope.scaling.*`` (type linear or yarn, factor,
+original context, yarn's betas) nor the ``rope_freqs`` tensor, Llama 3.1's scaling as a divisor per frequency; they
+become the config's rope parameters (the divisors as ``freq_factors``, which layers/rope_scaling.py applies as
+llama.cpp does). Gemma 3 scales its global layers only (its ``full_attention`` parameters).
+
 Gemma: transformers keeps its config class's soft caps (Gemma 2's 50 and 30, Gemma 3's none) over the file's
 ``{arch}.attn_logit_softcapping`` and ``final_logit_softcapping``, and the file has no query_pre_attn_scalar:
 llama.cpp scales the scores by head_dim ** -0.5, or for the 27B models (46 layers of Gemma 2, 62 of Gemma 3) by
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from transformers import MixtralConfig, PretrainedConfig
 
-from pagedllm.models.gguf_loader import read_gguf_header
+from pagedllm.models.gguf_loader import read_gguf_header, read_gguf_tensor
 
 
 def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfig:
@@ -29,7 +34,39 @@ def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfi
         config.sliding_window = int(window)
     if arch in _GEMMA_27B_LAYERS:
         _set_gemma_attention(config, metadata, arch)
+    _set_rope_scaling(config, metadata, arch, path)
     return _with_experts(config, metadata, arch)
+
+
+_ROPE_SCALING_TYPES = ("none", "linear", "yarn")
+
+
+def _set_rope_scaling(config: PretrainedConfig, metadata: dict, arch: str, path: str) -> None:
+    """The file's rope scaling into the config's rope parameters (see the module's docstring)."""
+    kind = str(metadata.get(f"{arch}.rope.scaling.type", "none"))
+    if kind not in _ROPE_SCALING_TYPES:
+        raise ValueError(f"{arch}.rope.scaling.type: {kind!r} is not supported; supported: "
+                         f"{', '.join(_ROPE_SCALING_TYPES)}")
+    scaling: dict = {}
+    if kind != "none":
+        scaling = {"rope_type": kind, "factor": float(metadata[f"{arch}.rope.scaling.factor"])}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = int(metadata[f"{arch}.rope.scaling.original_context_length"])
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{key}" in metadata:
+                scaling[name] = float(metadata[f"{arch}.rope.scaling.{key}"])
+    freq_factors = read_gguf_tensor(path, "rope_freqs.weight")
+    if freq_factors is not None:
+        scaling["freq_factors"] = [float(f) for f in freq_factors.reshape(-1)]
+    if not scaling:
+        return
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(params.get("full_attention"), dict):  # Gemma 3: one set per kind of layer
+        params["full_attention"] = {**params["full_attention"], **scaling}
+    else:
+        params.update(scaling)
+        params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    config.rope_parameters = params
 
 
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}

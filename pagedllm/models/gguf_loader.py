@@ -73,8 +73,9 @@ _ARCH_BLOCK_NAMES = {
 # llama.cpp's converter stores Gemma's RMS norm weights as the scale itself (1 + HF's weight); the models take HF's
 # offset from one (gemma2.py), so it comes back out, as transformers' GGUF reading does.
 _NORMS_PLUS_ONE = {"gemma2", "gemma3"}
-# llama.cpp's precomputed llama3 rope factors; the model derives them from the config. (Phi-3's longrope factors,
-# rope_factors_long/short, are refused: transformers' GGUF config does not carry the longrope they belong to.)
+# llama.cpp's per-dimension rope frequency divisors (Llama 3's rope scaling): the config carries them
+# (gguf_config.py), not the model's weights. (Phi-3's longrope factors, rope_factors_long/short, are refused:
+# transformers' GGUF config does not carry the longrope they belong to.)
 _IGNORED = {"rope_freqs"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
@@ -200,6 +201,14 @@ def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
     metadata, tensors = read_gguf_header(path)
     return {hf_name: t.tensor_type for t in tensors
             if (hf_name := gguf_to_hf_name(t.name, metadata["general.architecture"])) is not None}
+
+
+def read_gguf_tensor(path: str, name: str) -> np.ndarray | None:
+    """One tensor of the file, by its GGUF name, as GGUFReader presents it (a copy); None when the file has none."""
+    tensor = next((t for t in read_gguf_header(path)[1] if t.name == name), None)
+    if tensor is None:
+        return None
+    return np.array(_tensor_data(np.memmap(path, mode="r"), tensor))
 
 
 def _tensor_data(file: np.memmap, tensor: GGUFTensorInfo) -> np.ndarray:
