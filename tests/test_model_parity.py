@@ -279,6 +279,22 @@ def test_tiny_gguf_rope_scaling_parity(tmp_path, rope):
     _check_schedules(model, reference, config, config.vocab_size, seed=8, block_size=4)
 
 
+def test_tiny_gguf_llama_with_biases_parity(tmp_path):
+    """A Llama-architecture GGUF with q/k/v/o and MLP biases (its config cannot say so) loads them."""
+    torch.manual_seed(7)
+    reference = HFLlamaForCausalLM(LlamaConfig(**TINY, attention_bias=True, mlp_bias=True, tie_word_embeddings=False))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)  # not zeros: they must load and apply
+    path = str(tmp_path / "tiny-llama-biases.gguf")
+    write_tiny_gguf(reference.eval(), path, "llama")
+    config = load_hf_config(path)
+    assert config.attention_bias and config.mlp_bias
+    model = get_model(path, config, KernelChoice(torch.float32))
+    _check_schedules(model, reference, config, config.vocab_size, seed=8, block_size=4)
+
+
 def test_tiny_qwen2_bfloat16(tmp_path):
     """bfloat16 runs end to end and stays near transformers' bfloat16 logits."""
     config = Qwen2Config(**TINY)

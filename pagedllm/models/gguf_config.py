@@ -13,6 +13,9 @@ original context, yarn's betas) nor the ``rope_freqs`` tensor, Llama 3.1's scali
 become the config's rope parameters (the divisors as ``freq_factors``, which layers/rope_scaling.py applies as
 llama.cpp does). Gemma 3 scales its global layers only (its ``full_attention`` parameters).
 
+Biases: a Llama-architecture file with q/k/v or MLP biases (the converter writes them when the HF model has
+them) loads with them; transformers' config says attention_bias and mlp_bias false.
+
 Gemma: transformers keeps its config class's soft caps (Gemma 2's 50 and 30, Gemma 3's none) over the file's
 ``{arch}.attn_logit_softcapping`` and ``final_logit_softcapping``, and the file has no query_pre_attn_scalar:
 llama.cpp scales the scores by head_dim ** -0.5, or for the 27B models (46 layers of Gemma 2, 62 of Gemma 3) by
@@ -27,7 +30,7 @@ from pagedllm.models.gguf_loader import read_gguf_header, read_gguf_tensor
 
 def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfig:
     """``config`` (transformers' reading of the GGUF file at ``path``) completed with its window and experts."""
-    metadata, _ = read_gguf_header(path)
+    metadata, tensors = read_gguf_header(path)
     arch = metadata["general.architecture"]
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window is not None and getattr(config, "sliding_window", None) is None:
@@ -35,7 +38,16 @@ def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfi
     if arch in _GEMMA_27B_LAYERS:
         _set_gemma_attention(config, metadata, arch)
     _set_rope_scaling(config, metadata, arch, path)
+    if arch == "llama":
+        _set_llama_biases(config, {t.name for t in tensors})
     return _with_experts(config, metadata, arch)
+
+
+def _set_llama_biases(config: PretrainedConfig, tensor_names: set[str]) -> None:
+    """A Llama-architecture file's q/k/v/o and MLP biases, which its config does not say it has (transformers'
+    reading gives none): from the first layer's tensors, as the HF config's attention_bias and mlp_bias."""
+    config.attention_bias = "blk.0.attn_q.bias" in tensor_names
+    config.mlp_bias = "blk.0.ffn_gate.bias" in tensor_names or "blk.0.ffn_up.bias" in tensor_names
 
 
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
