@@ -107,3 +107,15 @@ def test_engine_serves_the_positions_the_rope_scaling_serves(tmp_path):
     with pytest.raises(ValueError, match=r"max_model_len \(65\) is larger than the model's max_position_embeddings "
                                          r"\(64, with its rope scaling\)"):
         EngineArgs(str(tmp_path), max_model_len=65).create_engine_config()
+
+
+def test_gemma3_global_table_covers_the_served_positions_only():
+    """Gemma 3's global layers scale their rope 8 times (linear), but the model serves max_position_embeddings
+    positions: their table stops there too (8x the rows, 1 GiB for the 4B model, before)."""
+    from transformers import Gemma3TextConfig
+    config = Gemma3TextConfig(max_position_embeddings=64, head_dim=16, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})
+    tables = {kind: get_rope(16, config, kind).cos_sin_cache for kind in ("sliding_attention", "full_attention")}
+    assert [t.shape[0] for t in tables.values()] == [64, 64]
+    assert not torch.equal(tables["sliding_attention"], tables["full_attention"])

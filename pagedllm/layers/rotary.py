@@ -18,16 +18,17 @@ class RotaryEmbedding(nn.Module):
     """Rotates the first ``rotary_dim`` dims of each q/k head by position."""
 
     def __init__(self, head_size: int, rotary_dim: int, base: float, rope_parameters: dict | None = None,
-                 max_position: int = 2048):
+                 max_position: int = 2048, num_positions: int | None = None):
         """``rope_parameters``: standardised (rope_scaling.rope_parameters), ``rope_theta`` aside: ``base`` is the
-        theta. ``max_position``: the config's max_position_embeddings; the table starts with the positions the
-        rope scaling serves from it."""
+        theta. ``max_position``: the config's max_position_embeddings. ``num_positions``: the positions the table
+        starts with, the model's (default: those these parameters' scaling serves from max_position)."""
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim
         self.rope_parameters = {"rope_type": "default", **(rope_parameters or {}), "rope_theta": base}
         self.max_position = max_position
-        num_positions = rope_scaling.scaled_max_position(self.rope_parameters, max_position)
+        if num_positions is None:
+            num_positions = rope_scaling.scaled_max_position(self.rope_parameters, max_position)
         self.register_buffer("cos_sin_cache", self._table(num_positions), persistent=False)
         self._step_cos_sin: tuple | None = None
 
@@ -81,8 +82,10 @@ class RotaryEmbedding(nn.Module):
 
 def get_rope(head_size: int, config, layer_type: str | None = None) -> RotaryEmbedding:
     """Build the rotary embedding described by an HF config (its rope parameters standardised as transformers
-    does, see rope_scaling.rope_parameters), or by its parameters for layers of ``layer_type``."""
+    does, see rope_scaling.rope_parameters), or by its parameters for layers of ``layer_type``. Its table covers
+    the positions the model serves (rope_scaling.positions_served, which bounds the engine's max_model_len): for
+    Gemma 3's global layers, whose own scaling would stretch it 8 times (1 GiB for the 4B model), no more."""
     params = rope_scaling.rope_parameters(config, layer_type)
     rotary_dim = int(head_size * params["partial_rotary_factor"])
     return RotaryEmbedding(head_size, rotary_dim, params["rope_theta"], params,
-                           rope_scaling.max_position_embeddings(config))
+                           rope_scaling.max_position_embeddings(config), rope_scaling.positions_served(config))
