@@ -35,6 +35,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         max_width = MAX_LOGPROBS // 2
@@ -119,7 +120,7 @@ class BeamSearchInstance:
             generated = seq.tokens[self.prompt_len:]
             if seq.finish_reason == "stop" and not self.params.include_stop_str_in_output:
                 generated = generated[:-1]
-            seq.text = tokenizer.decode(generated, skip_special_tokens=True)
+            seq.text = tokenizer.decode(generated, skip_special_tokens=self.params.skip_special_tokens)
         return BeamSearchOutput(sequences)
 
     def request_output(self, request_id: str, prompt: Optional[str], tokenizer: Any) -> RequestOutput:

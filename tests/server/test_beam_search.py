@@ -53,3 +53,16 @@ def test_logprobs_are_refused(server):
                                                       "use_beam_search": True})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "logprobs"
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_beams_text(server):
+    """A prompt that ends a turn: the beams start a new one with <|im_start|>, kept in the text when asked."""
+    prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+    texts = {}
+    for skip in (True, False):
+        response = server.get_client().completions.create(
+            model=MODEL, prompt=prompt, n=2, max_tokens=4,
+            extra_body={"use_beam_search": True, "skip_special_tokens": skip, "ignore_eos": True})
+        texts[skip] = [c.text for c in response.choices]
+    assert any("<|im_start|>" in text for text in texts[False])
+    assert not any("<|im_start|>" in text for text in texts[True])

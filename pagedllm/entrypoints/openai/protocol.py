@@ -201,7 +201,8 @@ class SamplingRequest(OpenAIBaseModel):
             return BeamSearchParams(
                 beam_width=self.n if self.n is not None else 1, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                 temperature=self._or_default("temperature", default_sampling_params, 0.0),
-                length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output)
+                length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens)
         except ValueError as e:
             field, _, rest = str(e).partition(" ")
             renamed = {"beam_width": "n", "max_tokens": self.max_tokens_param}
