@@ -151,6 +151,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids}.")
         if self.bad_words is not None and any(not isinstance(w, str) for w in self.bad_words):
             bad("bad_words", f"must be a list of strings, got {self.bad_words!r}.")
+        if self.bad_words and any(not w.strip() for w in self.bad_words):
+            bad("bad_words", f"cannot contain an empty (or whitespace-only) word, got {self.bad_words!r}.")
 
     @property
     def bad_words_token_ids(self) -> Optional[list[list[int]]]:

@@ -104,8 +104,9 @@ class Processor:
         if self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer to be turned into token ids.")
         bad_words_token_ids = []
-        for word in filter(None, (w.lstrip() for w in params.bad_words)):
-            # As vLLM: ban the word at the start of the text and after a space, which tokenize differently.
+        for word in (w.lstrip() for w in params.bad_words):
+            # As vLLM: ban the word at the start of the text and after a space, which tokenize differently (both,
+            # whatever their lengths: vLLM keeps the spaced form only when it has as many tokens).
             for text in (word, " " + word):
                 token_ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if token_ids and token_ids not in bad_words_token_ids:

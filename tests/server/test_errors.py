@@ -24,6 +24,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "Hi", "bad_words": [" "]}, "bad_words"),  # banned nothing, silently
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 2, 3], "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
