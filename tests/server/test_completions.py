@@ -1,6 +1,7 @@
 """/v1/completions, /tokenize and /detokenize: streaming equals non-streaming, batches of prompts, echo, logprobs."""
 from __future__ import annotations
 
+import openai
 import pytest
 
 PROMPT = "The capital of France is"
@@ -124,3 +125,25 @@ def test_tokenize_detokenize(server, tokenizer):
                                                                add_generation_prompt=True, tokenize=True,
                                                                return_dict=False)
         assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": PROMPT}
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, tokenizer):
+    """vLLM's truncate_prompt_tokens: the prompt cut to its last N tokens (truncation_side "right": its first N),
+    the usage and the echoed prompt those tokens'; more than max_model_len is a 400."""
+    ids = tokenizer.encode("One two three four five six seven eight nine ten")
+    ask = dict(model="smollm2-135m-instruct", prompt=ids, temperature=0, max_tokens=3, echo=True)
+    last = client.completions.create(**ask, extra_body={"truncate_prompt_tokens": 3})
+    assert last.usage.prompt_tokens == 3 and last.choices[0].text.startswith(tokenizer.decode(ids[-3:]))
+    alone = client.completions.create(**{**ask, "prompt": ids[-3:]})
+    assert last.choices[0].text == alone.choices[0].text
+    first = client.completions.create(**ask, extra_body={"truncate_prompt_tokens": 2, "truncation_side": "right"})
+    assert first.usage.prompt_tokens == 2 and first.choices[0].text.startswith(tokenizer.decode(ids[:2]))
+    whole = client.completions.create(**ask, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**ask, extra_body={"truncate_prompt_tokens": 10 ** 6})
+    assert info.value.body["param"] == "truncate_prompt_tokens"
+    chat = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2,
+                                          messages=[{"role": "user", "content": "Hello there, how are you?"}],
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5

@@ -136,6 +136,10 @@ class SamplingRequest(OpenAIBaseModel):
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
+    # vLLM's: keep only this many prompt tokens (-1: max_model_len), the last ones (truncation_side "left", the
+    # default) or the first ("right").
+    truncate_prompt_tokens: Optional[int] = Field(default=None, ge=-1)
+    truncation_side: Optional[Literal["left", "right"]] = None
     # vLLM's extra sampling parameters.
     top_k: Optional[int] = None
     min_p: Optional[float] = None

@@ -58,6 +58,7 @@ class OpenAIServingChat(OpenAIServing):
                 request.continue_final_message, [t.model_dump(exclude_none=True) for t in request.tools or []])
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
+        prompt_token_ids = self._truncated(request, list(prompt_token_ids))
         max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages")
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
         request_id = f"chatcmpl-{random_uuid()}"

@@ -50,8 +50,12 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise BadRequestError("prompt must not be empty.", "prompt")
-        return [(p, self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)) if isinstance(p, str)
-                else (None, list(p)) for p in prompt]
+        prompts = [(p, self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)) if isinstance(p, str)
+                   else (None, list(p)) for p in prompt]
+        if request.truncate_prompt_tokens is None:
+            return prompts
+        # cut prompts are their tokens (an echo decodes them)
+        return [(None, self._truncated(request, ids)) for _, ids in prompts]
 
     @staticmethod
     def _generated(request: CompletionRequest, output: CompletionOutput

@@ -63,6 +63,22 @@ class OpenAIServing:
             logger.info("Using default %s sampling params from %s: %s", self.endpoint, source,
                         self.default_sampling_params)
 
+    def _truncated(self, request: SamplingRequest, token_ids: list[int]) -> list[int]:
+        """The prompt's tokens cut to truncate_prompt_tokens (vLLM's): the last ones, or with truncation_side
+        "right" the first; -1 means max_model_len. More than max_model_len is a 400."""
+        limit = request.truncate_prompt_tokens
+        if limit is None:
+            return token_ids
+        if limit == -1:
+            limit = self.max_model_len
+        if limit > self.max_model_len:
+            raise BadRequestError(f"truncate_prompt_tokens={limit} cannot be greater than max_model_len="
+                                  f"{self.max_model_len}. Please request a smaller truncation size.",
+                                  "truncate_prompt_tokens")
+        if request.truncation_side == "right":
+            return token_ids[:limit]
+        return token_ids[len(token_ids) - limit:] if limit < len(token_ids) else token_ids
+
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str) -> int:
         """The completion budget: what was asked for, or by default the generation config's max_tokens, at most the
         rest of the context (all of it when there is none), as vLLM 0.32's get_max_tokens; 400 only for a prompt
