@@ -251,3 +251,32 @@ def test_stop_strings_need_detokenize():
     """vLLM refuses stop strings without detokenize: with no text to look in, they would be silently ignored."""
     with pytest.raises(ValueError, match="^stop strings are only supported when detokenize is True"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_logprob_tokens_of_a_character_split_over_tokens(tokenizer):
+    """A logprob's token text, where its character's bytes are split over byte-fallback tokens: "" for the leading
+    parts, the whole character on the token completing it (vLLM's), in sampled and prompt logprobs alike; joined,
+    they are the text."""
+    from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+    from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest
+    from pagedllm.sample.logprobs import LogprobsLists
+
+    text = "I love 😀 and 日本語 text"
+    ids = encode(tokenizer, text)
+    assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)
+    prompt = encode(tokenizer, PROMPT)
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=len(ids), logprobs=0, prompt_logprobs=0, ignore_eos=True)
+    processor.add_requests([EngineCoreRequest("r", prompt + ids, params, None, 0.0)], None, RequestOutputKind.DELTA)
+    rows = [[t] for t in prompt[1:] + ids]
+    processor.process_outputs([EngineCoreOutput(
+        "r", [ids[0]], new_prompt_logprobs=LogprobsLists(rows, [[-1.0]] * len(rows), [1] * len(rows)))])
+    state = processor.request_states["r"]
+    prompt_tokens = [next(iter(entry.values())).decoded_token for entry in state.prompt_logprobs[len(prompt):]]
+    assert "".join(prompt_tokens) == text and "\ufffd" not in "".join(prompt_tokens)
+    for token_id in ids[1:]:
+        processor.process_outputs([EngineCoreOutput("r", [token_id], new_logprobs=LogprobsLists(
+            [[token_id]], [[-1.0]], [1]))])
+    sampled = [entry[t].decoded_token for entry, t in zip(state.logprobs, ids[1:])]
+    assert "".join(sampled) == tokenizer.decode(ids[1:]) and "\ufffd" not in "".join(sampled)
+    assert "" in sampled  # the leading parts of a character

@@ -81,17 +81,26 @@ class RequestState:
             num_preemptions=self.num_preemptions, num_cached_tokens=self.num_cached_tokens,
             max_tokens_param=self.params.max_tokens)
 
-    def decode_token(self, token_id: int) -> Optional[str]:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+    def decode_token(self, token_id: int, context: list[int] = ()) -> Optional[str]:
+        """A logprob's token as text: decoded alone, or, when that ends inside a character (byte-fallback tokens of
+        a character split over several), with the tokens before it (``context``, the sequence's): the text it
+        completes, or "" for a leading part (vLLM's _correct_decoded_token)."""
+        if self.tokenizer is None:
+            return None
+        text = self.tokenizer.decode([token_id])
+        return _completed_text(self.tokenizer, token_id, context) if text.endswith("\ufffd") else text
 
-    def _logprob_dicts(self, lists) -> list[dict[int, Logprob]]:
-        """LogprobsLists rows → {token: Logprob}; column 0 is the chosen token with its true rank."""
+    def _logprob_dicts(self, lists, context: list[int]) -> list[dict[int, Logprob]]:
+        """LogprobsLists rows → {token: Logprob}; column 0 is the chosen token with its true rank. ``context``: the
+        sequence's tokens before the first row; each row's chosen token extends it for the next."""
         out = []
+        context = list(context[-_MAX_CONTEXT_TOKENS:])
         for ids, lps, rank in zip(lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks):
-            entry = {ids[0]: Logprob(lps[0], rank, self.decode_token(ids[0]))}
+            entry = {ids[0]: Logprob(lps[0], rank, self.decode_token(ids[0], context))}
             for k, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), 1):
-                entry.setdefault(tok, Logprob(lp, k, self.decode_token(tok)))
+                entry.setdefault(tok, Logprob(lp, k, self.decode_token(tok, context)))
             out.append(entry)
+            context = (context + [ids[0]])[-_MAX_CONTEXT_TOKENS:]
         return out
 
     def update(self, out: EngineCoreOutput) -> tuple[Optional[FinishReason], Any]:
@@ -107,11 +116,15 @@ class RequestState:
                 del out.new_token_ids[num_kept:]
                 if out.new_logprobs is not None:
                     out.new_logprobs = out.new_logprobs.first(num_kept)
+        generated_before = len(self.token_ids)
         self.token_ids.extend(out.new_token_ids)
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
-            self.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs))
+            position = len(self.prompt_logprobs)  # of the first prompt token these rows score
+            self.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs,
+                                                            self.prompt_token_ids[:position]))
         if out.new_logprobs is not None and self.logprobs is not None:
-            entries = self._logprob_dicts(out.new_logprobs)
+            entries = self._logprob_dicts(out.new_logprobs,
+                                          self.prompt_token_ids + self.token_ids[:generated_before])
             self.logprobs.extend(entries)
             for entry, tok in zip(entries, out.new_token_ids):
                 self.cumulative_logprob += entry[tok].logprob
@@ -137,6 +150,29 @@ class RequestState:
         self.num_sent_tokens = len(self.token_ids)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
                              finished, num_cached_tokens=num_cached_tokens, error=error)
+
+
+# The tokens before a logprob's token that can hold the first bytes of the character it completes (UTF-8: 4).
+_MAX_CONTEXT_TOKENS = 4
+
+
+def _completed_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
+    """The text ``token_id`` completes after ``context``: decoded with the fewest context tokens that end its
+    character, less the text of the context tokens before the character's first bytes; "" when even four do not
+    (a leading part of the character: its text goes with the token that completes it)."""
+    for num_context in range(1, min(len(context), _MAX_CONTEXT_TOKENS) + 1):
+        tail = context[len(context) - num_context:]
+        decoded = tokenizer.decode(tail + [token_id])
+        if decoded.endswith("\ufffd"):
+            continue
+        clean_end = len(tail)  # the context tokens before the ones holding the character's first bytes
+        while clean_end > 0 and tokenizer.decode([tail[clean_end - 1]]).endswith("\ufffd"):
+            clean_end -= 1
+        prefix = tokenizer.decode(tail[:clean_end]) if clean_end else ""
+        common = len(prefix) if decoded.startswith(prefix) else next(
+            (i for i, (a, b) in enumerate(zip(prefix, decoded)) if a != b), min(len(prefix), len(decoded)))
+        return decoded[common:]
+    return ""
 
 
 @dataclass
