@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any, Optional
 
 from pagedllm.executor.abstract import Executor, WorkerMethod, run_worker_method
@@ -18,6 +19,7 @@ from pagedllm.executor.multiproc import WorkerError
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120
+ALIVE_CHECK_S = 1.0  # how often an idle engine looks at the actors, and how long it waits for their answers
 WAIT_SLICE_S = 0.5
 
 
@@ -63,6 +65,7 @@ class RayExecutor(Executor):
         self.world_size = pc.world_size
         self._failure: Optional[str] = None
         self._started_ray = False
+        self._last_alive_check = 0.0
         self.workers: list = []
         self.placement_group = None
         if not ray.is_initialized():
@@ -108,6 +111,27 @@ class RayExecutor(Executor):
     @property
     def max_concurrent_batches(self) -> int:
         return self.parallel_config.pipeline_parallel_size
+
+    def check_workers_alive(self) -> None:
+        """A look at each actor, a call it answers at once while it lives (the actors are no processes of this
+        one): a dead one fails the executor now, so an idle engine ends then, not at the next request. One that is
+        merely slow to answer is left for the next look. At most one look every ALIVE_CHECK_S (the idle engine
+        asks far more often)."""
+        if self._failure is not None:
+            raise WorkerError(self._failure)
+        now = time.monotonic()
+        if now - self._last_alive_check < ALIVE_CHECK_S:
+            return
+        self._last_alive_check = now
+        refs = [w.get_node_ip.remote() for w in self.workers]
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=ALIVE_CHECK_S)
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        for ref in ready:
+            try:
+                self.ray.get(ref)
+            except Exception as e:
+                self._failure = f"worker rank {rank_of[ref]} died: {type(e).__name__}: {e}"
+                raise WorkerError(self._failure) from None
 
     def _wait(self, refs: list, timeout: Optional[float]) -> list:
         """Every rank's result, in rank order; the first failure raises WorkerError naming its rank."""

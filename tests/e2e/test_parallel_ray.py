@@ -3,9 +3,13 @@ the engine's ranks placed on both nodes by its placement group, greedy float32 o
 models) and to one rank (SmolLM2, under chunked prefill and preemption)."""
 from __future__ import annotations
 
+import psutil
 import pytest
 
+from pagedllm import SamplingParams
+from pagedllm.engine.exceptions import EngineDeadError
 from tests.e2e.conftest import running_llm
+from tests.e2e.parallel_helpers import wait_until
 from tests.e2e.test_parallel_mp import STRESS, assert_same, expected, prompts, run  # noqa: F401 (fixtures)
 from tests.e2e.test_parallel_tiny_models import assert_parity, generate, save_tiny_model
 
@@ -56,3 +60,17 @@ def test_default_model(ray, prompts, expected, parallel):
     with running_llm(distributed_executor_backend="ray", **parallel, **STRESS) as llm:
         assert_same(run(llm, prompts), expected)
         assert llm.get_stats().num_preemptions > 0
+
+
+def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then(ray):
+    """As with the multi-process executor: an idle engine looks at its actors, so one lost while nothing runs ends
+    the engine then (a server's /health turns 503), not at the next request."""
+    with running_llm(distributed_executor_backend="ray", pipeline_parallel_size=2, dtype="float32",
+                     max_model_len=256, kv_cache_memory="32MiB") as llm:
+        actors = [p for p in psutil.process_iter(["cmdline"])
+                  if any("RayWorkerWrapper" in part for part in p.info["cmdline"] or ())]
+        assert len(actors) == 2
+        actors[1].kill()
+        assert wait_until(lambda: llm.llm_engine.engine_core._mp.dead, 15), "the idle engine did not notice"
+        with pytest.raises(EngineDeadError):
+            llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
