@@ -2,6 +2,7 @@
 run on every rank, its results gathered (vLLM V1's Executor)."""
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -11,6 +12,10 @@ from pagedllm.worker.outputs import ModelRunnerOutput
 
 # A worker method by name, or a function called with the worker as its first argument.
 WorkerMethod = Union[str, Callable[..., Any]]
+
+# How long a step may take before its workers are taken for hung (alive but not answering: a stopped process, a
+# deadlocked collective) and the engine fails, as vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
+EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "300"))
 
 
 class Executor(ABC):
@@ -57,13 +62,17 @@ class Executor(ABC):
                       ) -> Union[ModelRunnerOutput, "ModelRunnerOutputFuture"]:
         """The step's output; with ``non_block``, a future of it (the call is under way when this returns)."""
         if non_block:
-            return self.submit_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
-        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank)
+            return self.submit_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
+                                   timeout=EXECUTE_MODEL_TIMEOUT_S)
+        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
+                                   timeout=EXECUTE_MODEL_TIMEOUT_S)
 
     def submit_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
-                   unique_reply_rank: Optional[int] = None) -> "ModelRunnerOutputFuture":
-        """collective_rpc without waiting: executors that can overlap calls override it."""
-        return _Done(self.collective_rpc(method, args, kwargs, unique_reply_rank=unique_reply_rank))
+                   unique_reply_rank: Optional[int] = None, timeout: Optional[float] = None
+                   ) -> "ModelRunnerOutputFuture":
+        """collective_rpc without waiting (``timeout`` bounds the wait for its result): executors that can overlap
+        calls override it."""
+        return _Done(self.collective_rpc(method, args, kwargs, timeout=timeout, unique_reply_rank=unique_reply_rank))
 
     def check_health(self) -> None:
         """Raises if a worker is gone or does not answer."""

@@ -91,7 +91,7 @@ class MultiprocExecutor(Executor):
         self.rpc_broadcast_mq.enqueue((self._seq, method, args, kwargs or {}, unique_reply_rank), timeout=timeout)
         expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
         self._replies_of[self._seq] = {}
-        return _Replies(self, self._seq, expected, unique_reply_rank)
+        return _Replies(self, self._seq, expected, unique_reply_rank, timeout)
 
     def _wait_for_replies(self, seq: int, expected: set[int], timeout: Optional[float],
                           starting: bool = False) -> dict[int, Any]:
@@ -160,11 +160,15 @@ class MultiprocExecutor(Executor):
 class _Replies:
     """The future of one submitted call."""
 
-    def __init__(self, executor: MultiprocExecutor, seq: int, expected: set[int], unique_reply_rank: Optional[int]):
+    def __init__(self, executor: MultiprocExecutor, seq: int, expected: set[int], unique_reply_rank: Optional[int],
+                 timeout: Optional[float] = None):
+        """``timeout``: the submitter's bound on the wait for the replies, where result() is given none."""
         self.executor, self.seq, self.expected, self.unique_reply_rank = executor, seq, expected, unique_reply_rank
+        self.timeout = timeout
 
     def result(self, timeout: Optional[float] = None) -> Any:
-        results = self.executor._wait_for_replies(self.seq, self.expected, timeout)
+        results = self.executor._wait_for_replies(self.seq, self.expected, timeout if timeout is not None
+                                                  else self.timeout)
         if self.unique_reply_rank is not None:
             return results[self.unique_reply_rank]
         return [results[rank] for rank in range(self.executor.world_size)]

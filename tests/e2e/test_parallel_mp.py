@@ -5,6 +5,7 @@ pp=2 splits its 30 layers. A rank killed mid-generation fails the engine within 
 shared-memory segment behind."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -113,3 +114,22 @@ def test_a_start_up_interrupted_leaves_no_engine_or_worker(interruption):
     assert not worker_processes()
     assert not engine.is_running() or engine.status() == psutil.STATUS_ZOMBIE
     assert shm_segments() <= before
+
+
+def test_a_hung_rank_fails_the_step_after_the_timeout(monkeypatch):
+    """A rank alive but not answering (stopped here; a deadlocked collective alike) fails the engine once a step
+    has waited PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS), naming the rank,
+    instead of blocking every request forever."""
+    monkeypatch.setenv("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3")
+    with running_llm(pipeline_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory="32MiB") as llm:
+        hung = next(w for w in worker_processes() if w.cmdline()[-1] == "1")
+        hung.suspend()
+        try:
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match=r"worker rank\(s\) \[1\] did not answer within 3.0 s"):
+                llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+            assert time.monotonic() - started < 30
+        finally:
+            with contextlib.suppress(psutil.NoSuchProcess):  # the engine's failure stops it
+                hung.resume()
+    assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
