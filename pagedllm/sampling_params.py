@@ -130,8 +130,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         for name in ("logprobs", "prompt_logprobs"):  # the engine's max_logprobs bounds them (Processor)
             value = getattr(self, name)
-            if value is not None and value < 0:
-                bad(name, f"must be non-negative, got {value}.")
+            if value is not None and value < -1:
+                bad(name, f"must be non-negative, or -1 for the whole vocabulary, got {value}.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}.")
         if any(not s for s in self.stop):

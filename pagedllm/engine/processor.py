@@ -83,15 +83,21 @@ class Processor:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary "
                              f"(size {self.model_config.vocab_size}).")
 
-    def validate_logprobs(self, params: SamplingParams) -> None:
-        """vLLM's max_logprobs: no request asks for more alternatives per token (-1: up to the vocabulary)."""
+    def validate_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's max_logprobs: no request asks for more alternatives per token (-1: up to the vocabulary). A
+        request's -1 is the whole vocabulary (vLLM's), which the params then say as a count."""
+        vocab_size = self.model_config.vocab_size
         max_logprobs = self.model_config.max_logprobs
         if max_logprobs == -1:
-            max_logprobs = self.model_config.vocab_size
+            max_logprobs = vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
+            if value == -1:
+                value = vocab_size
+                params = msgspec.structs.replace(params, **{name: value})
             if value is not None and value > max_logprobs:
                 raise ValueError(f"{name} must be at most {max_logprobs} (the engine's max_logprobs), got {value}.")
+        return params
 
     def process_sampling_controls(self, params: SamplingParams) -> SamplingParams:
         """Checks logit_bias, allowed_token_ids and stop_token_ids against the vocabulary (SamplingParams does not
@@ -132,7 +138,7 @@ class Processor:
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         self.validate_lora_request(lora_request)
-        self.validate_logprobs(params)
+        params = self.validate_logprobs(params)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
         params = self.process_sampling_controls(params)

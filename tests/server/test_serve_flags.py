@@ -67,6 +67,13 @@ def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
     Processor.validate_logprobs(processor, SamplingParams(logprobs=model_config.vocab_size))  # -1: the vocabulary
     with pytest.raises(ValueError, match=f"^prompt_logprobs must be at most {model_config.vocab_size}"):
         Processor.validate_logprobs(processor, SamplingParams(prompt_logprobs=model_config.vocab_size + 1))
+    # A request's -1 is the whole vocabulary (vLLM's), which the engine's default max_logprobs (20) refuses.
+    assert Processor.validate_logprobs(processor, SamplingParams(logprobs=-1)).logprobs == model_config.vocab_size
+    bounded = SimpleNamespace(model_config=EngineArgs(tokenizer=str(tmp_path)).create_engine_config().model_config)
+    with pytest.raises(ValueError, match=f"^logprobs must be at most 20 .* got {model_config.vocab_size}"):
+        Processor.validate_logprobs(bounded, SamplingParams(logprobs=-1))
+    with pytest.raises(ValueError, match="^logprobs must be non-negative, or -1"):
+        SamplingParams(logprobs=-2)
 
 
 def test_frontend_flag_defaults_and_json_lists():
