@@ -99,7 +99,7 @@ def test_logprobs_and_prompt_logprobs(llm, hf_model):
 
 
 @pytest.mark.parametrize("bad, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                                        ({"n": 0}, "n"), ({"logprobs": -1}, "logprobs"),
+                                        ({"n": 0}, "n"), ({"logprobs": -2}, "logprobs"),
                                         ({"max_tokens": 0}, "max_tokens"), ({"min_p": 2}, "min_p")])
 def test_bad_sampling_params_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
