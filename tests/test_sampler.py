@@ -12,7 +12,7 @@ from pagedllm.sample.sampler import Sampler
 
 
 def make_metadata(temperature, top_p=None, top_k=None, min_p=None, generators=None, max_num_logprobs=None,
-                  min_tokens_mask=None) -> SamplingMetadata:
+                  min_tokens_mask=None, min_tokens_restorable=frozenset()) -> SamplingMetadata:
     """Build metadata the way a runner would: None for knobs no row uses."""
     greedy = [t == 0.0 for t in temperature]
     return SamplingMetadata(
@@ -25,6 +25,7 @@ def make_metadata(temperature, top_p=None, top_k=None, min_p=None, generators=No
         generators=generators or {},
         max_num_logprobs=max_num_logprobs,
         min_tokens_mask=min_tokens_mask or {},
+        min_tokens_restorable=min_tokens_restorable,
     )
 
 
@@ -268,11 +269,14 @@ def test_min_tokens_mask_suppresses_stop_tokens():
     assert greedy.logprobs.selected_token_ranks.tolist() == [3, 1, 3, 1]
     torch.testing.assert_close(logits, before)
 
-    # A row with nothing but its stop tokens left (a grammar that may only end) gets them back: it ends.
-    only_stops = torch.full((1, V), float("-inf"))
-    only_stops[0, eos], only_stops[0, stop] = 1.0, 2.0
-    ended = Sampler()(only_stops, make_metadata([0.0], min_tokens_mask={0: {eos, stop}}))
-    assert ended.sampled_token_ids.tolist() == [stop]
+    # A row with nothing but its stop tokens left (a grammar that may only end) gets them back: it ends. (Rows no
+    # grammar or allowed_token_ids constrains are not looked at: the mask alone never empties them.)
+    only_stops = torch.full((2, V), float("-inf"))
+    only_stops[:, eos], only_stops[:, stop] = 1.0, 2.0
+    ended = Sampler().process_logits(only_stops, make_metadata(
+        [0.0, 0.0], min_tokens_mask={0: {eos, stop}, 1: {eos, stop}}, min_tokens_restorable=frozenset({0})))
+    assert ended[0].argmax().item() == stop and ended[0, eos] == 1.0
+    assert torch.isneginf(ended[1]).all()
 
     torch.manual_seed(0)
     n = 2000

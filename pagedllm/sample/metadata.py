@@ -44,6 +44,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # Row -> token ids (EOS and stop tokens) to suppress because the request is still under min_tokens.
     min_tokens_mask: dict[int, set[int]]
+    # The rows of min_tokens_mask that the mask may leave with no token at all (a grammar, allowed_token_ids): they
+    # get their stop tokens back if it does (sample/ops.apply_min_tokens).
+    min_tokens_restorable: frozenset[int] = frozenset()
     # Row -> its allowed token ids ([n] int64), for rows with allowed_token_ids.
     allowed_token_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     # Row -> its bad words as token-id sequences; output_token_ids (every row's, only when some row has bad

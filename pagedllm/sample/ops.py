@@ -34,20 +34,22 @@ def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[li
     return _drop(logits, pairs)
 
 
-def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, set[int]]) -> torch.Tensor:
-    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early. A row left
-    with no token at all (a grammar that lets it only end here, allowed_token_ids of stop tokens only) gets its stop
-    tokens back, as vLLM restores them for structured output: it ends rather than sample a token nothing allows.
+def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, set[int]],
+                     restorable: frozenset[int] = frozenset()) -> torch.Tensor:
+    """Suppress EOS/stop tokens of rows still under min_tokens, so they cannot end the request early. A row of
+    ``restorable`` (one a grammar or allowed_token_ids may leave with nothing else) that has no token left gets its
+    stop tokens back, as vLLM restores them for structured output: it ends rather than sample a token nothing
+    allows. Only those rows are looked at, one reduction each (a whole row per masked token cost a step dearly).
     In place."""
     if not min_tokens_mask:
         return logits
-    rows = torch.tensor([row for row, token_ids in min_tokens_mask.items() for _ in token_ids])
-    cols = torch.tensor([token_id for token_ids in min_tokens_mask.values() for token_id in token_ids])
-    kept = logits[rows, cols]  # a copy
-    logits[rows, cols] = float("-inf")
-    emptied = torch.isneginf(logits[rows]).all(dim=-1) & torch.isfinite(kept)
-    if emptied.any():
-        logits[rows[emptied], cols[emptied]] = kept[emptied]
+    kept = {row: [(token_id, logits[row, token_id].item()) for token_id in token_ids]
+            for row, token_ids in min_tokens_mask.items() if row in restorable}
+    _drop(logits, [(row, token_id) for row, token_ids in min_tokens_mask.items() for token_id in token_ids])
+    for row, stops in kept.items():
+        if logits[row].max().item() == float("-inf"):
+            for token_id, value in stops:
+                logits[row, token_id] = value
     return logits
 
 

@@ -49,7 +49,7 @@ class Sampler(nn.Module):
         logits = logits.clone()
         apply_allowed_token_ids(logits, metadata.allowed_token_ids)
         apply_bad_words(logits, metadata.bad_words_token_ids, metadata.output_token_ids)
-        apply_min_tokens(logits, metadata.min_tokens_mask)
+        apply_min_tokens(logits, metadata.min_tokens_mask, metadata.min_tokens_restorable)
         apply_logit_bias(logits, metadata.logit_bias)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)

@@ -186,6 +186,7 @@ class InputBatch:
         max_num_logprobs = max((s.sampling_params.logprobs for s in states
                                 if s.sampling_params.logprobs is not None), default=None)
         min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias = {}, {}, {}, {}
+        min_tokens_restorable = set()
         for row, s in enumerate(states):
             params = s.sampling_params
             if len(s.output_token_ids) + offsets[row] < params.min_tokens:
@@ -195,6 +196,8 @@ class InputBatch:
                     suppressed.add(s.eos_token_id)
                 if suppressed:
                     min_tokens_mask[row] = suppressed
+                    if params.structured_outputs is not None or params.allowed_token_ids:
+                        min_tokens_restorable.add(row)
             if params.allowed_token_ids:
                 allowed_token_ids[row] = s.allowed_token_ids
             if params.bad_words_token_ids:
@@ -206,6 +209,7 @@ class InputBatch:
         return SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
                                 top_p=top_p, top_k=top_k, min_p=min_p, generators=generators,
                                 max_num_logprobs=max_num_logprobs, min_tokens_mask=min_tokens_mask,
+                                min_tokens_restorable=frozenset(min_tokens_restorable),
                                 allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids,
                                 output_token_ids=output_token_ids, logit_bias=logit_bias,
                                 penalties=self._penalty_metadata(rows, offsets))
