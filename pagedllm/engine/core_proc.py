@@ -166,7 +166,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         engine.executor.shutdown()
         os._exit(0)
 
-    signal.signal(signal.SIGTERM, stop)
+    try:
+        signal.signal(signal.SIGTERM, stop)
+    except BaseException:  # a SIGTERM that came after the engine was built, before this handler
+        engine.executor.shutdown()
+        raise
     before_exit.append(engine.executor.shutdown)
     freeze_startup_heap()
     try:

@@ -19,7 +19,8 @@ from pagedllm.executor.multiproc import WorkerError
 logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120
-ALIVE_CHECK_S = 1.0  # how often an idle engine looks at the actors, and how long it waits for their answers
+ALIVE_CHECK_S = 1.0  # how often an idle engine looks at the actors
+ALIVE_WAIT_S = 0.2  # how long a look waits for their answers (an idle actor answers in milliseconds)
 WAIT_SLICE_S = 0.5
 
 
@@ -124,7 +125,7 @@ class RayExecutor(Executor):
             return
         self._last_alive_check = now
         refs = [w.get_node_ip.remote() for w in self.workers]
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=ALIVE_CHECK_S)
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=ALIVE_WAIT_S)
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         for ref in ready:
             try:

@@ -208,7 +208,10 @@ class OpenAIServingResponses:
             raise BadRequestError("Cannot cancel a synchronous response.", "response_id")
         run.task.cancel()
         await asyncio.wait([run.task])
-        return self.store.get(response_id)[0]
+        entry = self.store.get(response_id)
+        if entry is None:  # the bounded store dropped it while it ran
+            raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+        return entry[0]
 
     async def create_responses(self, request: ResponsesRequest
                                ) -> Union[ResponsesResponse, AsyncIterator[str]]:
