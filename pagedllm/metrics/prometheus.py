@@ -6,7 +6,7 @@ prometheus_client's global one, so several servers can share a process (tests). 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -23,6 +23,29 @@ _ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 
 _REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
 _REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's histograms of a finished request: (name, documentation, bucket kind, the figure observed).
+_FINISHED_REQUEST_HISTOGRAMS: list[tuple[str, str, str, Callable[[FinishedRequestStats], float]]] = [
+    ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "latency",
+     lambda f: f.e2e_latency),
+    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "latency",
+     lambda f: f.queued_time),
+    ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", "latency",
+     lambda f: f.inference_time),
+    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", "latency",
+     lambda f: f.prefill_time),
+    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "latency",
+     lambda f: f.decode_time),
+    ("request_time_per_output_token_seconds", "Histogram of time_per_output_token_seconds per request.", "itl",
+     lambda f: f.mean_time_per_output_token),
+    ("request_num_preemptions", "Histogram of the number of times a request was preempted.", "preemptions",
+     lambda f: f.num_preemptions),
+    ("request_prompt_tokens", "Number of prefill tokens processed.", "tokens", lambda f: f.num_prompt_tokens),
+    ("request_generation_tokens", "Number of generation tokens processed.", "tokens",
+     lambda f: f.num_generation_tokens),
+    ("request_prefill_kv_computed_tokens",
+     "Histogram of new KV tokens computed during prefill (excluding cached tokens).", "tokens",
+     lambda f: f.num_prompt_tokens - max(f.num_cached_tokens, 0)),
+]
 
 
 def request_tokens_buckets(max_model_len: int) -> list[int]:
@@ -92,41 +115,16 @@ class PrometheusStatLogger:
                                                        "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
         self.histogram_inter_token_latency = histogram("pagedllm:inter_token_latency_seconds",
                                                        "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
-        self.histogram_e2e_request_latency = histogram("pagedllm:e2e_request_latency_seconds",
-                                                       "Histogram of e2e request latency in seconds.",
-                                                       _REQUEST_LATENCY_BUCKETS)
-        self.histogram_request_queue_time = histogram("pagedllm:request_queue_time_seconds",
-                                                      "Histogram of time spent in WAITING phase for request.",
-                                                      _REQUEST_LATENCY_BUCKETS)
-        self.histogram_request_inference_time = histogram("pagedllm:request_inference_time_seconds",
-                                                          "Histogram of time spent in RUNNING phase for request.",
-                                                          _REQUEST_LATENCY_BUCKETS)
-        self.histogram_request_prefill_time = histogram("pagedllm:request_prefill_time_seconds",
-                                                        "Histogram of time spent in PREFILL phase for request.",
-                                                        _REQUEST_LATENCY_BUCKETS)
-        self.histogram_request_decode_time = histogram("pagedllm:request_decode_time_seconds",
-                                                       "Histogram of time spent in DECODE phase for request.",
-                                                       _REQUEST_LATENCY_BUCKETS)
-        self.histogram_request_time_per_output_token = histogram(
-            "pagedllm:request_time_per_output_token_seconds",
-            "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
-        self.histogram_request_num_preemptions = histogram(
-            "pagedllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
-            _REQUEST_NUM_PREEMPTIONS_BUCKETS)
-        token_buckets = request_tokens_buckets(max_model_len)
-        self.histogram_request_prompt_tokens = histogram("pagedllm:request_prompt_tokens",
-                                                         "Number of prefill tokens processed.", token_buckets)
-        self.histogram_request_generation_tokens = histogram("pagedllm:request_generation_tokens",
-                                                             "Number of generation tokens processed.", token_buckets)
-        self.histogram_request_prefill_kv_computed = histogram(
-            "pagedllm:request_prefill_kv_computed_tokens",
-            "Histogram of new KV tokens computed during prefill (excluding cached tokens).", token_buckets)
+        buckets = {"latency": _REQUEST_LATENCY_BUCKETS, "itl": _ITL_BUCKETS,
+                   "preemptions": _REQUEST_NUM_PREEMPTIONS_BUCKETS, "tokens": request_tokens_buckets(max_model_len)}
+        self.finished_request_histograms = [(histogram(f"pagedllm:{name}", documentation, buckets[kind]), figure)
+                                            for name, documentation, kind, figure in _FINISHED_REQUEST_HISTOGRAMS]
         self.histogram_request_params_max_tokens = histogram("pagedllm:request_params_max_tokens",
                                                              "Histogram of the max_tokens request parameter.",
-                                                             token_buckets)
+                                                             buckets["tokens"])
         self.histogram_request_max_num_generation_tokens = histogram(
             "pagedllm:request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", token_buckets)
+            "Histogram of maximum number of requested generation tokens.", buckets["tokens"])
         self.histogram_request_params_n = histogram("pagedllm:request_params_n",
                                                     "Histogram of the n request parameter.",
                                                     _REQUEST_PARAMS_N_BUCKETS)
@@ -199,18 +197,7 @@ class PrometheusStatLogger:
 
     def _record_finished(self, finished: FinishedRequestStats, engine: int) -> None:
         self.counter_request_success.labels(self._model_name, str(engine), finished.finish_reason).inc()
-        for histogram, observed in (
-                (self.histogram_e2e_request_latency, finished.e2e_latency),
-                (self.histogram_request_queue_time, finished.queued_time),
-                (self.histogram_request_prefill_time, finished.prefill_time),
-                (self.histogram_request_inference_time, finished.inference_time),
-                (self.histogram_request_decode_time, finished.decode_time),
-                (self.histogram_request_num_preemptions, finished.num_preemptions),
-                (self.histogram_request_prefill_kv_computed,
-                 finished.num_prompt_tokens - max(finished.num_cached_tokens, 0)),
-                (self.histogram_request_prompt_tokens, finished.num_prompt_tokens),
-                (self.histogram_request_generation_tokens, finished.num_generation_tokens),
-                (self.histogram_request_time_per_output_token, finished.mean_time_per_output_token)):
-            histogram[engine].observe(observed)
+        for histogram, figure in self.finished_request_histograms:
+            histogram[engine].observe(figure(finished))
         if finished.max_tokens_param:
             self.histogram_request_params_max_tokens[engine].observe(finished.max_tokens_param)
