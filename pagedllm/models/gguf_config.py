@@ -23,9 +23,11 @@ llama.cpp scales the scores by head_dim ** -0.5, or for the 27B models (46 layer
 """
 from __future__ import annotations
 
+from collections.abc import Container
+
 from transformers import MixtralConfig, PretrainedConfig
 
-from pagedllm.models.gguf_loader import read_gguf_header, read_gguf_tensor
+from pagedllm.models.gguf_loader import GGUFTensorInfo, read_gguf_header, read_gguf_tensor
 
 
 def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfig:
@@ -37,13 +39,14 @@ def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfi
         config.sliding_window = int(window)
     if arch in _GEMMA_27B_LAYERS:
         _set_gemma_attention(config, metadata, arch)
-    _set_rope_scaling(config, metadata, arch, path)
+    tensors_by_name = {t.name: t for t in tensors}
+    _set_rope_scaling(config, metadata, arch, path, tensors_by_name.get("rope_freqs.weight"))
     if arch == "llama":
-        _set_llama_biases(config, {t.name for t in tensors})
+        _set_llama_biases(config, tensors_by_name)
     return _with_experts(config, metadata, arch)
 
 
-def _set_llama_biases(config: PretrainedConfig, tensor_names: set[str]) -> None:
+def _set_llama_biases(config: PretrainedConfig, tensor_names: Container[str]) -> None:
     """A Llama-architecture file's q/k/v/o and MLP biases, which its config does not say it has (transformers'
     reading gives none): from the first layer's tensors, as the HF config's attention_bias and mlp_bias."""
     config.attention_bias = "blk.0.attn_q.bias" in tensor_names
@@ -53,8 +56,10 @@ def _set_llama_biases(config: PretrainedConfig, tensor_names: set[str]) -> None:
 _ROPE_SCALING_TYPES = ("none", "linear", "yarn")
 
 
-def _set_rope_scaling(config: PretrainedConfig, metadata: dict, arch: str, path: str) -> None:
-    """The file's rope scaling into the config's rope parameters (see the module's docstring)."""
+def _set_rope_scaling(config: PretrainedConfig, metadata: dict, arch: str, path: str,
+                      rope_freqs: GGUFTensorInfo | None) -> None:
+    """The file's rope scaling into the config's rope parameters (see the module's docstring); ``rope_freqs``: the
+    header's entry of that tensor, if the file has it."""
     kind = str(metadata.get(f"{arch}.rope.scaling.type", "none"))
     if kind not in _ROPE_SCALING_TYPES:
         raise ValueError(f"{arch}.rope.scaling.type: {kind!r} is not supported; supported: "
@@ -67,9 +72,8 @@ def _set_rope_scaling(config: PretrainedConfig, metadata: dict, arch: str, path:
         for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if f"{arch}.rope.scaling.{key}" in metadata:
                 scaling[name] = float(metadata[f"{arch}.rope.scaling.{key}"])
-    freq_factors = read_gguf_tensor(path, "rope_freqs.weight")
-    if freq_factors is not None:
-        scaling["freq_factors"] = [float(f) for f in freq_factors.reshape(-1)]
+    if rope_freqs is not None:
+        scaling["freq_factors"] = [float(f) for f in read_gguf_tensor(path, rope_freqs).reshape(-1)]
     if not scaling:
         return
     params = dict(getattr(config, "rope_parameters", None) or {})

@@ -203,11 +203,8 @@ def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
             if (hf_name := gguf_to_hf_name(t.name, metadata["general.architecture"])) is not None}
 
 
-def read_gguf_tensor(path: str, name: str) -> np.ndarray | None:
-    """One tensor of the file, by its GGUF name, as GGUFReader presents it (a copy); None when the file has none."""
-    tensor = next((t for t in read_gguf_header(path)[1] if t.name == name), None)
-    if tensor is None:
-        return None
+def read_gguf_tensor(path: str, tensor: GGUFTensorInfo) -> np.ndarray:
+    """One tensor of the file (read_gguf_header's entry for it), as GGUFReader presents it (a copy)."""
     return np.array(_tensor_data(np.memmap(path, mode="r"), tensor))
 
 
