@@ -79,7 +79,7 @@ class MultiprocExecutor(Executor):
 
     def collective_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
                        timeout: Optional[float] = None, unique_reply_rank: Optional[int] = None) -> Any:
-        return self.submit_rpc(method, args, kwargs, unique_reply_rank, timeout).result(timeout)
+        return self.submit_rpc(method, args, kwargs, unique_reply_rank, timeout).result()
 
     def submit_rpc(self, method: WorkerMethod, args: tuple = (), kwargs: Optional[dict] = None,
                    unique_reply_rank: Optional[int] = None, timeout: Optional[float] = None) -> "_Replies":
@@ -162,13 +162,12 @@ class _Replies:
 
     def __init__(self, executor: MultiprocExecutor, seq: int, expected: set[int], unique_reply_rank: Optional[int],
                  timeout: Optional[float] = None):
-        """``timeout``: the submitter's bound on the wait for the replies, where result() is given none."""
+        """``timeout``: the submitter's bound on the wait for the replies."""
         self.executor, self.seq, self.expected, self.unique_reply_rank = executor, seq, expected, unique_reply_rank
         self.timeout = timeout
 
-    def result(self, timeout: Optional[float] = None) -> Any:
-        results = self.executor._wait_for_replies(self.seq, self.expected, timeout if timeout is not None
-                                                  else self.timeout)
+    def result(self) -> Any:
+        results = self.executor._wait_for_replies(self.seq, self.expected, self.timeout)
         if self.unique_reply_rank is not None:
             return results[self.unique_reply_rank]
         return [results[rank] for rank in range(self.executor.world_size)]
