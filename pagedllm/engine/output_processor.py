@@ -6,6 +6,7 @@ process, and a stop string found here is sent back to the engine as an abort.
 from __future__ import annotations
 
 import enum
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -120,11 +121,13 @@ class RequestState:
         self.token_ids.extend(out.new_token_ids)
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
             position = len(self.prompt_logprobs)  # of the first prompt token these rows score
-            self.prompt_logprobs.extend(self._logprob_dicts(out.new_prompt_logprobs,
-                                                            self.prompt_token_ids[:position]))
+            self.prompt_logprobs.extend(self._logprob_dicts(
+                out.new_prompt_logprobs, self.prompt_token_ids[max(position - _MAX_CONTEXT_TOKENS, 0):position]))
         if out.new_logprobs is not None and self.logprobs is not None:
-            entries = self._logprob_dicts(out.new_logprobs,
-                                          self.prompt_token_ids + self.token_ids[:generated_before])
+            # the last tokens before this step's (never the whole sequence: this runs every step)
+            context = (self.prompt_token_ids[-_MAX_CONTEXT_TOKENS:]
+                       + self.token_ids[max(generated_before - _MAX_CONTEXT_TOKENS, 0):generated_before])
+            entries = self._logprob_dicts(out.new_logprobs, context)
             self.logprobs.extend(entries)
             for entry, tok in zip(entries, out.new_token_ids):
                 self.cumulative_logprob += entry[tok].logprob
@@ -169,9 +172,8 @@ def _completed_text(tokenizer: Any, token_id: int, context: list[int]) -> str:
         while clean_end > 0 and tokenizer.decode([tail[clean_end - 1]]).endswith("\ufffd"):
             clean_end -= 1
         prefix = tokenizer.decode(tail[:clean_end]) if clean_end else ""
-        common = len(prefix) if decoded.startswith(prefix) else next(
-            (i for i, (a, b) in enumerate(zip(prefix, decoded)) if a != b), min(len(prefix), len(decoded)))
-        return decoded[common:]
+        # what the character's tokens add (normalisation may change the prefix's text: their common part)
+        return decoded[len(os.path.commonprefix([prefix, decoded])):]
     return ""
 
 
