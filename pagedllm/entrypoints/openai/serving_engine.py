@@ -77,7 +77,7 @@ class OpenAIServing:
                                   "truncate_prompt_tokens")
         if request.truncation_side == "right":
             return token_ids[:limit]
-        return token_ids[len(token_ids) - limit:] if limit < len(token_ids) else token_ids
+        return token_ids[max(len(token_ids) - limit, 0):]
 
     def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str) -> int:
         """The completion budget: what was asked for, or by default the generation config's max_tokens, at most the
