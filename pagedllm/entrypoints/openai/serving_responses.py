@@ -184,11 +184,9 @@ class OpenAIServingResponses:
         dropped since)."""
         entry = self.store.get(response_id)
         run = self._streams.get(response_id)
-        if entry is None and run is None:
-            raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+        if entry is None and (run is None or not stream):
+            raise _not_found(response_id)
         if not stream:
-            if entry is None:
-                raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
             return entry[0]
         if run is None:
             raise BadRequestError(f"Response with id '{response_id}' was not created with background and stream: "
@@ -204,13 +202,13 @@ class OpenAIServingResponses:
         run = self._running.get(response_id)
         if run is None:
             if self.store.get(response_id) is None and response_id not in self._streams:
-                raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+                raise _not_found(response_id)
             raise BadRequestError("Cannot cancel a synchronous response.", "response_id")
         run.task.cancel()
         await asyncio.wait([run.task])
         entry = self.store.get(response_id)
         if entry is None:  # the bounded store dropped it while it ran
-            raise NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
+            raise _not_found(response_id)
         return entry[0]
 
     async def create_responses(self, request: ResponsesRequest
@@ -361,6 +359,10 @@ class OpenAIServingResponses:
             yield events.send("response.output_item.done", output_index=index, item=item)
         yield events.send("response.incomplete" if final.status == "incomplete" else "response.completed",
                           response=final)
+
+
+def _not_found(response_id: str) -> NotFoundError:
+    return NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
 
 
 def _open_message(events: "_EventStream", builder: _ResponseBuilder, output_index: int) -> str:
