@@ -23,7 +23,7 @@
  * the next steps' rows of x); with vdpbf16ps the first tile over a panel prefetches 8 KB
  * ahead in it into L1, which keeps the stream ahead of a tile whose loads are otherwise paced by memory (fetching
  * the next panel into L2 does not help there, spread over all its tiles or not: one demand-paced tile reading
- * memory stalls on it whatever L2 holds), and the tiles take the panel 4 KB at a time in turn (item_dp), so that
+ * memory stalls on it whatever L2 holds), and the tiles take the panel 8 KB at a time in turn (item_dp), so that
  * stream is spread over all of them.
  * Each thread first rounds its share of x's rows to bf16 into a shared scratch (K padded to 32 with zeros).
  * On AMX an item keeps four 16 x 16 float32 accumulator tiles (rows 0-15 and 16-31 by columns 0-15 and 16-31;
@@ -48,7 +48,7 @@
 #define KBLOCK 32     /* bf16 values along K per tile row */
 #define ROW_BLOCK 32  /* rows per work item: two A tiles */
 #define DP_ROWS 8     /* rows per vdpbf16ps register tile */
-#define DP_KBLOCKS 2  /* blocks along K a vdpbf16ps tile takes before the next tile does */
+#define DP_KBLOCKS 4  /* blocks along K a vdpbf16ps tile takes before the next tile does */
 #define STREAM_AHEAD 8192 /* bytes a vdpbf16ps tile reading a panel from memory prefetches ahead of itself */
 
 #if defined(__AVX512BF16__)
@@ -163,7 +163,7 @@ static inline void prefetch_rows_for_write(const PanelOut *out, int r, int n) {
 }
 
 /* One item with vdpbf16ps: rows [row0, row0 + rows) of y against one panel, in tiles of DP_ROWS rows that take
- * the panel DP_KBLOCKS blocks (4 KB) at a time, so the first tile's reading of a block from memory (`stream`: the
+ * the panel DP_KBLOCKS blocks (8 KB) at a time, so the first tile's reading of a block from memory (`stream`: the
  * panel's first row block) is spread over the item instead of being one tile's whole pass, and the others find
  * the block in L1. */
 static void item_dp(const uint16_t *a, int kp, const uint16_t *panel, const PanelOut *out, int row0, int rows,
