@@ -150,8 +150,10 @@ class KVCacheManager:
         Requests asking for prompt logprobs get no hits (those need every prompt position's logits).
         A group's hit for a shorter prefix may be shorter still (a window's last blocks evicted), so the prefix
         shrinks until every group's hit covers it (vLLM's HybridKVCacheCoordinator).
+        Counts nothing in the hit rate: a request the pool cannot take yet is looked up again the next step
+        (record_prefix_cache_stats counts it once it is admitted).
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.lookup_enabled(request):
             return tuple([] for _ in self.groups), 0
         num_hit_blocks = (request.num_tokens - 1) // self.block_size
         while True:
@@ -160,10 +162,22 @@ class KVCacheManager:
             if shortest == num_hit_blocks or len(hits) == 1:
                 break
             num_hit_blocks = shortest
-        num_hit_tokens = len(hits[0]) * self.block_size
+        return hits, len(hits[0]) * self.block_size
+
+    def lookup_enabled(self, request: Request) -> bool:
+        """Whether the request reads the prefix cache (not with prompt logprobs, which need every position's
+        logits)."""
+        return self.enable_caching and request.sampling_params.prompt_logprobs is None
+
+    def record_prefix_cache_stats(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts a lookup in the hit rate once its request is admitted (vLLM's record_prefix_cache_stats, called at
+        admission): its tokens as queries, its hit as hits. A request that skipped the lookup counts nothing, and
+        neither does one resuming from preemption, which mostly finds its own blocks again (vLLM keeps those apart
+        from queries and hits, in PrefixCacheStats' preempted_* fields)."""
+        if not self.lookup_enabled(request) or request.num_preemptions > 0:
+            return
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[tuple[list[KVCacheBlock], ...]] = None,

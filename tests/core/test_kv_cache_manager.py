@@ -12,10 +12,12 @@ def req(req_id, tokens, **params):
 
 
 def admit(manager, request):
-    """Does what the scheduler does for a waiting request: prefix lookup, then allocation of the rest."""
+    """Does what the scheduler does for a waiting request: prefix lookup, allocation of the rest, and the lookup
+    counted in the hit rate."""
     hits, num_hit = manager.get_computed_blocks(request)
     blocks = manager.allocate_slots(request, request.num_tokens - num_hit, hits, num_hit)
     assert blocks is not None
+    manager.record_prefix_cache_stats(request, num_hit)
     request.num_computed_tokens = request.num_tokens
     return hits, num_hit
 

@@ -67,6 +67,28 @@ def test_prefix_hit_through_the_scheduler():
     run_to_completion(scheduler)
 
 
+def test_prefix_cache_stats_count_a_lookup_once_at_admission_and_not_on_resumption():
+    """The hit rate counts a request's tokens and hit once, when it is admitted: not at every step it waits for
+    blocks (each step looks it up again), and not when it resumes from preemption and finds its own blocks (vLLM's
+    record_prefix_cache_stats, called at admission; preempted requests kept apart)."""
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    scheduler.add_request(make_request("a", list(range(100, 120)), block_size=4, max_tokens=4))  # 5 blocks, then 6
+    step(scheduler)
+    # Hits a's first two blocks but needs one more, which only frees when a finishes three steps on.
+    scheduler.add_request(make_request("b", list(range(100, 108)) + [1, 2, 3], block_size=4, max_tokens=2))
+    run_to_completion(scheduler)
+    stats = scheduler.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20 + 11, 8)
+
+    scheduler = make_scheduler(num_blocks=6, block_size=4)
+    scheduler.add_request(make_request("old", list(range(100, 108)), block_size=4, max_tokens=14))
+    scheduler.add_request(make_request("new", list(range(200, 208)), block_size=4, max_tokens=14))
+    run_to_completion(scheduler)
+    stats = scheduler.make_stats()
+    assert scheduler.num_preemptions > 0
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 0)
+
+
 def test_max_num_seqs_caps_running():
     scheduler = make_scheduler(max_num_seqs=2)
     for i, p in enumerate(prompts(3, 10)):

@@ -263,6 +263,7 @@ class Scheduler:
                                                               self.num_lookahead_tokens)
             if new_blocks is None:
                 break
+            self.kv_cache_manager.record_prefix_cache_stats(request, num_hit_tokens)
             self.waiting.pop_request()
             self.running.append(request)
             if lora is not None:
