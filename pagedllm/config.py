@@ -64,7 +64,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
-    # Caps one request's share of a step's budget so a long prompt cannot starve decodes (0: no cap).
+    # Caps one request's share of a step's budget so a long prompt cannot starve decodes (0: no cap); not applied
+    # while the request is the only one (vLLM's), as there is nothing to starve.
     long_prefill_token_threshold: int = 0
     # Prompt tokens a step may take while it also decodes (0: no cap beyond max_num_batched_tokens): bounds how
     # long a running request waits for its next token behind other requests' prefills (Sarathi-Serve's stall-free

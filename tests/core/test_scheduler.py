@@ -40,6 +40,19 @@ def test_long_prompts_chunked_by_budget_and_threshold_then_mixed_with_decodes():
     run_to_completion(scheduler)
 
 
+def test_long_prefill_threshold_spares_a_lone_request():
+    """The threshold keeps a long prompt from starving the other requests; a lone request has none to starve and
+    takes the whole budget (vLLM's schedule()). A second request brings the cap back."""
+    scheduler = make_scheduler(max_num_batched_tokens=2048, long_prefill_token_threshold=256)
+    scheduler.add_request(make_request("lone", list(range(100, 1100)), max_tokens=3))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"lone": 1000}
+    scheduler.add_request(make_request("other", list(range(2000, 3000)), max_tokens=3))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"lone": 1, "other": 256}
+    run_to_completion(scheduler)
+
+
 def test_without_chunking_a_long_prompt_is_not_skipped_by_shorter_ones():
     scheduler = make_scheduler(max_num_batched_tokens=64, max_model_len=64, enable_chunked_prefill=False)
     scheduler.add_request(make_request("short0", list(range(100, 140)), max_tokens=2))
@@ -159,6 +172,8 @@ def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_no_uncomputed_
                                policy="priority", enable_prefix_caching=True)
     worker = SpeculatingWorker(draft_fn=lambda req_id, num_tokens: [])
     scheduler.add_request(make_request("low", list(range(100, 124)), block_size=4, priority=5, max_tokens=4))
+    # A one-token request beside it for one step, so that "low" is not alone and the threshold chunks its prompt.
+    scheduler.add_request(make_request("filler", [7], block_size=4, priority=9, max_tokens=1))
     worker.step(scheduler)
     scheduler.add_request(make_request("high", list(range(200, 224)), block_size=4, priority=0, max_tokens=4))
     worker.step(scheduler)

@@ -173,6 +173,11 @@ class Scheduler:
                 r.num_computed_tokens >= r.num_prompt_tokens and r.request_id not in self.in_flight
                 for r in self.running):
             prefill_budget = cap
+        # A long prompt's share of a step: capped so that it does not starve the other requests, unless there are
+        # none (vLLM's schedule(): the cap is not applied to the only request).
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            threshold = 0
 
         # Running requests first, in order.
         req_index = 0
@@ -185,7 +190,8 @@ class Scheduler:
             prefilling = request.num_computed_tokens < request.num_prompt_tokens
             if num_new_tokens > 1:  # decodes (1 token) skip the caps
                 num_new_tokens = self._cap_new_tokens(
-                    request, num_new_tokens, min(token_budget, prefill_budget) if prefilling else token_budget)
+                    request, num_new_tokens, min(token_budget, prefill_budget) if prefilling else token_budget,
+                    threshold)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -258,7 +264,7 @@ class Scheduler:
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break  # the head does not fit whole; shorter ones behind it must not jump ahead
             num_new_tokens = self._cap_new_tokens(request, num_new_tokens, min(token_budget, prefill_budget),
-                                                  num_hit_tokens)
+                                                  threshold, num_hit_tokens)
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens,
                                                               self.num_lookahead_tokens)
             if new_blocks is None:
@@ -320,9 +326,10 @@ class Scheduler:
         """Waiting requests whose grammar is still compiling."""
         return [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM]
 
-    def _cap_new_tokens(self, request: Request, num_new_tokens: int, token_budget: int,
+    def _cap_new_tokens(self, request: Request, num_new_tokens: int, token_budget: int, threshold: int,
                         num_computed_tokens: Optional[int] = None) -> int:
-        threshold = self.scheduler_config.long_prefill_token_threshold
+        """The tokens a request computes this step: at most ``threshold`` (0: no cap) and the budget left, and never
+        a position at max_model_len."""
         if threshold:
             num_new_tokens = min(num_new_tokens, threshold)
         computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens

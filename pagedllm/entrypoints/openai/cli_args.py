@@ -157,7 +157,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         default=EngineArgs.enable_chunked_prefill,
                         help="split long prompts over steps, batched with decodes (default: %(default)s)")
     engine.add_argument("--long-prefill-token-threshold", type=int, default=EngineArgs.long_prefill_token_threshold,
-                        help="a prompt longer than this prefills at most this many tokens a step (0: no limit)")
+                        help="a prompt longer than this prefills at most this many tokens a step, unless it is the "
+                             "only request (0: no limit)")
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int,
                         default=EngineArgs.max_prefill_tokens_with_decodes,
                         help="prompt tokens a step that also decodes may take, bounding inter-token latency under "
