@@ -69,8 +69,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Prompt tokens a step may take while it also decodes (0: no cap beyond max_num_batched_tokens): bounds how
     # long a running request waits for its next token behind other requests' prefills (Sarathi-Serve's stall-free
-    # batching); a step with no decodes still takes max_num_batched_tokens. Needs chunked prefill (without it a
-    # prompt goes whole or not at all).
+    # batching); a step with no decodes still takes max_num_batched_tokens. A request resumed from preemption counts
+    # the outputs it computes again as prompt tokens. Needs chunked prefill (without it a prompt goes whole or not at
+    # all).
     max_prefill_tokens_with_decodes: int = 0
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
 

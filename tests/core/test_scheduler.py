@@ -326,3 +326,20 @@ def test_prefill_tokens_capped_while_decoding_but_not_when_idle():
     out, _ = step(scheduler)
     assert out.num_scheduled_tokens == {"r0": 1, "r1": 1, "n0": 1, "n1": 44}
     run_to_completion(scheduler)
+
+
+def test_prefill_cap_counts_a_resumed_requests_recomputed_outputs():
+    """A request resumed from preemption computes its prompt and its outputs again, a prefill that costs a step what
+    a prompt does (vLLM's prefill_end, max(num_prompt_tokens, num_tokens - 1)): while others decode, each of its
+    chunks keeps within max_prefill_tokens_with_decodes, not only the first."""
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8,
+                               enable_prefix_caching=False)
+    for req_id, start, max_tokens in (("d", 100, 45), ("x", 300, 22), ("r", 200, 40)):
+        scheduler.add_request(make_request(req_id, list(range(start, start + 4)), block_size=4, max_tokens=max_tokens,
+                                           ignore_eos=True))
+    while scheduler.has_requests():
+        decoding = {r.request_id for r in scheduler.running if r.num_computed_tokens == r.num_tokens - 1}
+        out, _ = step(scheduler)
+        if decoding & set(out.num_scheduled_tokens):
+            assert sum(n for req_id, n in out.num_scheduled_tokens.items() if req_id not in decoding) <= 8, out
+    assert scheduler.num_preemptions > 0

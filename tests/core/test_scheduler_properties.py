@@ -51,7 +51,8 @@ def test_random_workloads_keep_blocks_accounted_for(ops, num_blocks, budget, pol
                 abort(scheduler, req_id)
                 ended.add(req_id)
         else:
-            decoding = {r.request_id for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens}
+            decoding = {r.request_id for r in scheduler.running
+                        if r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1)}
             out, outputs = step(scheduler)
             collect(outputs)
             if prefill_cap and decoding & set(out.num_scheduled_tokens):

@@ -170,8 +170,7 @@ class Scheduler:
         prefill_budget = token_budget
         cap = self.scheduler_config.max_prefill_tokens_with_decodes
         if cap and self.scheduler_config.enable_chunked_prefill and any(
-                r.num_computed_tokens >= r.num_prompt_tokens and r.request_id not in self.in_flight
-                for r in self.running):
+                not _prefilling(r) and r.request_id not in self.in_flight for r in self.running):
             prefill_budget = cap
         # A long prompt's share of a step: capped so that it does not starve the other requests, unless there are
         # none (vLLM's schedule(): the cap is not applied to the only request).
@@ -187,7 +186,7 @@ class Scheduler:
                 req_index += 1
                 continue
             num_new_tokens = request.num_tokens_with_spec - request.num_computed_tokens
-            prefilling = request.num_computed_tokens < request.num_prompt_tokens
+            prefilling = _prefilling(request)
             if num_new_tokens > 1:  # decodes (1 token) skip the caps
                 num_new_tokens = self._cap_new_tokens(
                     request, num_new_tokens, min(token_budget, prefill_budget) if prefilling else token_budget,
@@ -207,7 +206,7 @@ class Scheduler:
                     req_index -= 1  # the priority policy may pick one already passed this step
                 self.running.remove(victim)
                 if victim.request_id in num_scheduled_tokens:
-                    if victim.num_computed_tokens < victim.num_prompt_tokens:
+                    if _prefilling(victim):
                         prefill_budget += num_scheduled_tokens[victim.request_id]
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_blocks_of.pop(victim.request_id)
@@ -497,6 +496,13 @@ class Scheduler:
             spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos),
             running_lora_adapters=_count_adapters(self.running), waiting_lora_adapters=_count_adapters(self.waiting))
+
+
+def _prefilling(request: Request) -> bool:
+    """Whether the request has more to compute than its one uncomputed known token (and its drafts): its prompt, or
+    after a preemption its prompt and its outputs again (vLLM's prefill_end, max(num_prompt_tokens, num_tokens - 1)),
+    which costs a step what a prompt does."""
+    return request.num_computed_tokens < max(request.num_prompt_tokens, request.num_tokens - 1)
 
 
 def _count_adapters(requests) -> dict[str, int]:
