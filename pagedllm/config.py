@@ -342,6 +342,7 @@ class ParallelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
+_NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM's model names meaning method ngram
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -377,10 +378,12 @@ class SpeculativeConfig:
 
     - ``ngram`` (prompt lookup) proposes what followed the longest of the request's last ``prompt_lookup_min`` ..
       ``prompt_lookup_max`` tokens found earlier in its own tokens; either bound alone sets both, neither gives 5
-      and 5, as vLLM.
+      and 5, as vLLM. vLLM's older spellings name it too: ``model: "ngram"`` (or ``"[ngram]"``) without
+      ``method``, and ``method: "[ngram]"``.
     - ``draft_model``: ``model`` (a path, an alias, or the target's own GGUF file with ``quantization:
       "gguf_int4"``) proposes greedily, one token after another, with its own paged KV cache. Giving ``model``
-      without ``method`` means this one, as in vLLM.
+      without ``method`` means this one, as in vLLM; giving neither is an error, as in vLLM (which then has a
+      draft model without a model), not some default method.
     - ``suffix`` (suffix decoding): suffix trees over the request's own tokens and over recent requests' outputs
       propose up to ``suffix_decoding_max_tree_depth`` tokens, as many as ``suffix_decoding_max_spec_factor``
       times the length of the match that finds them, each at least ``suffix_decoding_min_token_prob`` likely by
@@ -402,8 +405,15 @@ class SpeculativeConfig:
     draft_model_config: Optional[ModelConfig] = None
 
     def __post_init__(self) -> None:
+        # vLLM's SpeculativeConfig.__post_init__: the method follows from the model where not given.
         if self.method is None:
-            self.method = "draft_model" if self.model is not None else "ngram"
+            if self.model is None:
+                raise ValueError("speculative_config needs a method, or a model (method 'draft_model')")
+            self.method = "ngram" if self.model in _NGRAM_NAMES else "draft_model"
+        if self.method in _NGRAM_NAMES:
+            self.method = "ngram"
+            if self.model in _NGRAM_NAMES:  # vLLM's model of the ngram method: no model
+                self.model = None
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, got "
                              f"{self.method!r}")

@@ -11,8 +11,8 @@ from pagedllm.entrypoints.openai.cli_args import engine_args_from, make_arg_pars
 
 
 def test_ngram_bounds_default_as_vllms():
-    assert (SpeculativeConfig(num_speculative_tokens=3).prompt_lookup_min,
-            SpeculativeConfig(num_speculative_tokens=3).prompt_lookup_max) == (5, 5)
+    assert (SpeculativeConfig(method="ngram", num_speculative_tokens=3).prompt_lookup_min,
+            SpeculativeConfig(method="ngram", num_speculative_tokens=3).prompt_lookup_max) == (5, 5)
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
 
@@ -25,6 +25,7 @@ def test_ngram_bounds_default_as_vllms():
     ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be a"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 2}, "needs a method, or a model"),  # vLLM: "... but without speculative model"
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min \\(4\\) must not exceed prompt_lookup_max \\(2\\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys \\['lookahead'\\]"),
@@ -36,6 +37,11 @@ def test_bad_values_are_value_errors_naming_the_field(values, message):
 
 def test_model_alone_means_a_draft_model_and_suffix_speculates_up_to_its_tree_depth():
     assert SpeculativeConfig.from_dict({"model": "m", "num_speculative_tokens": 2}).method == "draft_model"
+    # vLLM's older spellings of the ngram method: a model named ngram, and "[ngram]".
+    for values in ({"model": "ngram"}, {"model": "[ngram]"}, {"method": "[ngram]"},
+                   {"method": "ngram", "model": "ngram"}):
+        config = SpeculativeConfig.from_dict({**values, "num_speculative_tokens": 2})
+        assert (config.method, config.model, config.prompt_lookup_min) == ("ngram", None, 5), values
     assert SpeculativeConfig.from_dict({"method": "suffix"}).num_speculative_tokens == 24
     assert SpeculativeConfig.from_dict({"method": "suffix", "suffix_decoding_max_tree_depth": 8}
                                        ).num_speculative_tokens == 8
