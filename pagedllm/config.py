@@ -447,11 +447,15 @@ class SpeculativeConfig:
 
     def _check_suffix_parameters(self) -> None:
         _check_positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
-        _check_positive_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests)
+        # 0 cached requests is vLLM's "no global tree" (own tokens still draft); a factor of 0 drafts nothing.
+        cached = self.suffix_decoding_max_cached_requests
+        if isinstance(cached, bool) or not isinstance(cached, int) or cached < 0:
+            raise ValueError(f"speculative_config suffix_decoding_max_cached_requests must be a non-negative "
+                             f"integer, got {cached!r}")
         factor = self.suffix_decoding_max_spec_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-            raise ValueError(f"speculative_config suffix_decoding_max_spec_factor must be a positive number, got "
-                             f"{factor!r}")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 0:
+            raise ValueError(f"speculative_config suffix_decoding_max_spec_factor must be a non-negative number, "
+                             f"got {factor!r}")
         prob = self.suffix_decoding_min_token_prob
         if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0 <= prob <= 1:
             raise ValueError(f"speculative_config suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")

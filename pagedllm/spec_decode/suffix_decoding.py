@@ -195,8 +195,9 @@ class SuffixDecodingProposer:
                 for row, limit in zip(step.sample_rows.tolist(), step.max_drafts.tolist())]
 
     def cache_output(self, output_token_ids: list[int]) -> None:
-        """A finished request's output joins the global tree (the oldest leaves it past max_cached_requests)."""
-        if not output_token_ids:
+        """A finished request's output joins the global tree (the oldest leaves it past max_cached_requests; with
+        max_cached_requests 0 there is no global tree, as in vLLM)."""
+        if not output_token_ids or not self.max_cached_requests:
             return
         output = list(output_token_ids)
         self.global_tree.add(output)

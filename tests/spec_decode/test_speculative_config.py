@@ -23,6 +23,9 @@ def test_ngram_bounds_default_as_vllms():
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "model and quantization are for method"),
     ({"method": "suffix", "suffix_decoding_min_token_prob": 1.5}, "suffix_decoding_min_token_prob must be in"),
     ({"method": "suffix", "suffix_decoding_max_tree_depth": 0}, "suffix_decoding_max_tree_depth must be a"),
+    ({"method": "suffix", "suffix_decoding_max_cached_requests": -1},  # 0 is vLLM's "no global tree"
+     "suffix_decoding_max_cached_requests must be a non-negative integer"),
+    ({"method": "suffix", "suffix_decoding_max_spec_factor": -0.5}, "max_spec_factor must be a non-negative number"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 2}, "needs a method, or a model"),  # vLLM: "... but without speculative model"

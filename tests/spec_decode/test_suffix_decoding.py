@@ -111,3 +111,16 @@ def test_finished_outputs_serve_other_requests_until_evicted():
     assert suffix.propose_for_step(third.batch, third.step()) == [[], [42, 43, 44]]
     suffix.cache_output([50, 51])  # "c" finished: evicts "a"
     assert suffix.propose_for_step(third.batch, third.step()) == [[], []]
+
+
+def test_no_cached_requests_is_vllms_request_only_suffix_decoding_and_a_zero_factor_drafts_nothing():
+    """vLLM's suffix_decoding_max_cached_requests 0: no global tree, the request's own tokens still draft;
+    suffix_decoding_max_spec_factor 0 (vLLM's lower bound too): every match may draft 0 tokens."""
+    suffix = proposer(suffix_decoding_max_cached_requests=0)
+    suffix.cache_output([40, 41, 42, 43, 44])
+    batch = Batch({"b": ([3, 40, 41], []), "a": ([7, 8, 9, 10, 11, 3, 7, 8], [])})
+    assert suffix.propose_for_step(batch.batch, batch.step()) == [[], [9, 10, 11, 3]]
+    assert suffix.global_tree.children[ROOT] == {}
+    suffix = proposer(suffix_decoding_max_spec_factor=0)
+    suffix.cache_output([40, 41, 42, 43, 44])
+    assert suffix.propose_for_step(batch.batch, batch.step()) == [[], []]
