@@ -398,6 +398,9 @@ class SpeculativeConfig:
     prompt_lookup_max: Optional[int] = None
     model: Optional[str] = None
     quantization: Optional[str] = None
+    # vLLM's: the draft model's tensor parallel size, 1 or the target's (EngineArgs checks it; the draft runs on one
+    # rank here, so 1). The other methods have no draft model and ignore it, as vLLM does.
+    draft_tensor_parallel_size: Optional[int] = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -424,6 +427,8 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens")
         _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.draft_tensor_parallel_size is not None:
+            _check_positive_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size)
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config method 'draft_model' needs model (a path, an alias or a .gguf file)")
         if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
@@ -471,6 +476,9 @@ class SpeculativeConfig:
         """``LLM(speculative_config={...})`` / ``--speculative-config '<json>'``: unknown keys are errors."""
         if not isinstance(values, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        if "tensor_parallel_size" in values:  # vLLM's own error for it
+            raise ValueError("'tensor_parallel_size' is not a valid argument in the speculative_config. Please pass "
+                             "'draft_tensor_parallel_size' instead.")
         known = {f for f in cls.__dataclass_fields__} - {"draft_model_config"}
         unknown = sorted(set(values) - known)
         if unknown:

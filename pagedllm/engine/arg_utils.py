@@ -132,6 +132,10 @@ class EngineArgs:
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend)
         if speculative_config is not None and speculative_config.method == "draft_model":
+            draft_tp = speculative_config.draft_tensor_parallel_size
+            if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp
+                raise ValueError(f"speculative_config draft_tensor_parallel_size={draft_tp} cannot be other value "
+                                 f"than 1 or target model tensor_parallel_size")
             if parallel_config.world_size > 1:
                 raise ValueError("speculative_config method 'draft_model' is not supported with "
                                  "tensor_parallel_size > 1 yet")

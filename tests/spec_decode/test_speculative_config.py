@@ -32,6 +32,11 @@ def test_ngram_bounds_default_as_vllms():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min \\(4\\) must not exceed prompt_lookup_max \\(2\\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys \\['lookahead'\\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "tensor_parallel_size": 1},
+     "'tensor_parallel_size' is not a valid argument in the speculative_config. Please pass "
+     "'draft_tensor_parallel_size' instead."),
+    ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
+     "draft_tensor_parallel_size must be a positive integer"),
 ])
 def test_bad_values_are_value_errors_naming_the_field(values, message):
     with pytest.raises(ValueError, match=message):
@@ -70,6 +75,18 @@ def test_a_draft_model_that_does_not_fit_the_target_is_refused_before_any_proces
     spec = {"model": draft_config_dir(tmp_path, **overrides), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=message):
         EngineArgs(max_model_len=1024, speculative_config=spec, **extra).create_engine_config()
+
+
+def test_draft_tensor_parallel_size_is_vllms_one_or_the_targets(tmp_path):
+    """vLLM's key: 1 or the target's tensor_parallel_size for a draft model; ignored by the other methods."""
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2,
+                                        "draft_tensor_parallel_size": 4}).method == "ngram"
+    spec = {"model": draft_config_dir(tmp_path), "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}
+    config = EngineArgs(max_model_len=1024, speculative_config=spec).create_engine_config()
+    assert config.speculative_config.draft_model_config is not None
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 cannot be other value than 1 or target"):
+        EngineArgs(max_model_len=1024, speculative_config={**spec, "draft_tensor_parallel_size": 2}
+                   ).create_engine_config()
 
 
 def test_a_draft_quantization_the_draft_cannot_take_is_refused(tmp_path):
