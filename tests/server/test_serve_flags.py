@@ -54,6 +54,18 @@ def test_engine_flags_reach_engine_args():
             engine.kv_cache_populate) == (False, 64, 32, 5, "tok", 64, "startup")
 
 
+def test_token_counts_take_vllms_human_readable_forms(capsys):
+    """vLLM's human_readable_int: k, m, g, t are powers of 1000 (decimals allowed), K, M, G, T powers of 1024."""
+    args = _parse("--max-model-len", "4k", "--max-num-batched-tokens", "8K")
+    assert (args.max_model_len, args.max_num_batched_tokens) == (4000, 8192)
+    assert (_parse("--max-model-len", "25.6k").max_model_len, _parse("--max-model-len", "2048").max_model_len) == (
+        25600, 2048)
+    for value, message in [("1.5K", "decimals are not allowed with binary suffixes like K"), ("lots", "'lots'")]:
+        with pytest.raises(SystemExit):
+            _parse("--max-model-len", value)
+        assert message in capsys.readouterr().err
+
+
 def test_the_server_bounds_prefill_beside_decodes_unless_told():
     assert serve_engine_args(_parse()).max_prefill_tokens_with_decodes == SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
     assert serve_engine_args(_parse("--max-prefill-tokens-with-decodes", "0")).max_prefill_tokens_with_decodes == 0

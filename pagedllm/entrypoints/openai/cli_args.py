@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import ssl
 
 from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
@@ -41,6 +42,21 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_frontend_args(parser)
     add_engine_args(parser)
     return parser
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's human_readable_int (--max-model-len, --max-num-batched-tokens): a plain integer, or one with a decimal
+    suffix k, m, g, t (10**3 ...; "25.6k" is 25600) or a binary one K, M, G, T (2**10 ...; whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value.strip())
+    if match is None:
+        return int(value)  # a ValueError argparse reports as an invalid value of the flag
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"decimals are not allowed with binary suffixes like {suffix}; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) << 10 * ("KMGT".index(suffix) + 1)
 
 
 def _memory_size(value: str) -> str:
@@ -141,15 +157,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "the platform's)")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    engine.add_argument("--max-model-len", type=int, default=EngineArgs.max_model_len,
-                        help="context length (default: the model's)")
+    engine.add_argument("--max-model-len", type=human_readable_int, default=EngineArgs.max_model_len,
+                        help="context length, e.g. 2048, 4k (4000) or 4K (4096) (default: the model's)")
     engine.add_argument("--tokenizer", default=EngineArgs.tokenizer,
                         help="a tokenizer directory (or model alias) other than the model's")
     engine.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                         help="the most logprobs or prompt_logprobs a request may ask for; -1: the vocabulary "
                              "(default: %(default)s)")
     engine.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    engine.add_argument("--max-num-batched-tokens", type=human_readable_int,
+                        default=EngineArgs.max_num_batched_tokens, help="tokens a step may take, e.g. 8192 or 8K")
     engine.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     engine.add_argument("--num-kv-blocks", type=int, default=EngineArgs.num_kv_blocks,
                         help="KV cache blocks, instead of sizing the cache by --kv-cache-memory")
