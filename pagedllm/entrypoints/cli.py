@@ -82,8 +82,32 @@ def _engines_started(argv: list[str]) -> int:
     return 1
 
 
+def vllm_argv(argv: list[str]) -> list[str]:
+    """The command line as vLLM's FlexibleArgumentParser.parse_args reads it, in the form our parser takes: a flag's
+    name may spell its dashes as underscores (``--max_model_len=2048``; the value is left alone), and `serve` takes
+    its model as ``--model M`` too (moved to the positional argument). Nothing after ``--`` is a flag."""
+    converted = []
+    for index, arg in enumerate(argv):
+        if arg == "--":
+            converted += argv[index:]
+            break
+        if arg.startswith("--"):
+            name, sep, value = arg.partition("=")
+            arg = name.replace("_", "-") + sep + value
+        converted.append(arg)
+    if converted[:1] == ["serve"]:
+        for index, arg in enumerate(converted):
+            if arg == "--":
+                break
+            if arg == "--model" and index + 1 < len(converted):
+                return ["serve", converted[index + 1], *converted[1:index], *converted[index + 2:]]
+            if arg.startswith("--model="):
+                return ["serve", arg.removeprefix("--model="), *converted[1:index], *converted[index + 1:]]
+    return converted
+
+
 def main(argv: Optional[list[str]] = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = vllm_argv(sys.argv[1:] if argv is None else argv)
     with engine_core_prestarted(_engines_started(argv)):
         _run_command(argv)
 

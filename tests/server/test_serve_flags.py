@@ -151,6 +151,17 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
     assert (args.ssl_ca_certs, args.ssl_cert_reqs) == (str(cert), ssl.CERT_REQUIRED)
 
 
+def test_vllms_spellings_of_flags(served):
+    """vLLM's FlexibleArgumentParser: underscores for dashes in a flag's name (not its value), and `serve --model`."""
+    cli.main(["serve", "--max_model_len=4096", "--max_num_seqs", "8", "--model", "my_model", "--served_model_name",
+              "a_b", "--port", "8001"])
+    cli.main(["serve", "--model=other_model"])
+    first, second = served
+    assert (first.model, first.max_model_len, first.max_num_seqs, first.served_model_name, first.port) == (
+        "my_model", 4096, 8, ["a_b"], 8001)
+    assert second.model == "other_model"
+
+
 def _self_signed_certificate(directory) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")
