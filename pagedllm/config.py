@@ -124,8 +124,9 @@ class CacheConfig:
             check_int("num_kv_blocks", self.num_blocks, 1)
         if self.kv_cache_memory is not None:
             parse_memory_size(self.kv_cache_memory)  # a bad size fails here, before any process starts
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {utilization!r}")
         check_kv_cache_dtype(self.cache_dtype)
         if self.kv_cache_populate not in KV_CACHE_POPULATE:
             raise ValueError(f"kv_cache_populate must be one of {', '.join(KV_CACHE_POPULATE)}; "
@@ -208,6 +209,11 @@ class ModelConfig:
     attention_backend: str = "TORCH_SDPA"
 
     def __post_init__(self) -> None:
+        """seed is an integer and max_logprobs one of at least -1 (vLLM's ModelConfig fields): else the seed would fail
+        in the engine process (torch.manual_seed) and a bad max_logprobs would refuse every request for logprobs."""
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        check_int("max_logprobs", self.max_logprobs, -1)
         if self.tokenizer is None:
             self.tokenizer = self.path
 

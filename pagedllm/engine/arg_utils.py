@@ -110,8 +110,8 @@ class EngineArgs:
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({model_max_len}, with its rope scaling).")
-        if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
-            raise ValueError(f"num_cpu_threads must be at least 1; got {self.num_cpu_threads}")
+        if self.num_cpu_threads is not None:
+            check_int("num_cpu_threads", self.num_cpu_threads, 1)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len

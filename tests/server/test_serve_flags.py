@@ -88,6 +88,19 @@ def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
         SamplingParams(logprobs=-2)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_logprobs": -2}, "max_logprobs must be at least -1, got -2"),  # vLLM's ModelConfig: ge=-1
+    ({"max_logprobs": "20"}, "max_logprobs must be an integer, got '20'"),
+    ({"seed": None}, "seed must be an integer, got None"),  # torch.manual_seed would fail in the engine process
+    ({"seed": "abc"}, "seed must be an integer, got 'abc'"),
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number in (0, 1], got '0.5'"),
+    ({"num_cpu_threads": "4"}, "num_cpu_threads must be an integer, got '4'"),
+])
+def test_engine_values_of_the_wrong_kind_fail_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        EngineArgs(**kwargs).create_engine_config()
+
+
 def test_frontend_flag_defaults_and_json_lists():
     args = _parse()
     assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (
