@@ -101,6 +101,18 @@ def test_engine_values_of_the_wrong_kind_fail_naming_the_field(kwargs, message):
         EngineArgs(**kwargs).create_engine_config()
 
 
+def test_vllms_on_off_flags_take_their_no_forms():
+    """vLLM's boolean flags are argparse.BooleanOptionalAction: --x and --no-x (the last one given wins)."""
+    names = ("enforce_eager", "enable_lora", "enable_expert_parallel", "enable_log_requests", "allow_credentials",
+             "disable_uvicorn_access_log")
+    flags = [f"--{name.replace('_', '-')}" for name in names]
+    on = _parse(*flags)
+    assert all(getattr(on, name) is True for name in names)
+    off = _parse(*flags, *[f"--no-{flag[2:]}" for flag in flags])
+    assert all(getattr(off, name) is False for name in names)
+    assert _parse("-ep").enable_expert_parallel is True
+
+
 def test_frontend_flag_defaults_and_json_lists():
     args = _parse()
     assert (args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials) == (

@@ -78,7 +78,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                       help="CORS: the methods allowed, as a JSON list (default: %(default)s)")
     http.add_argument("--allowed-headers", type=_json_list, default=["*"],
                       help="CORS: the headers allowed, as a JSON list (default: %(default)s)")
-    http.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    http.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                      help="CORS: allow credentials (cookies)")
     http.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the TLS private key file")
     http.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the TLS certificate file")
     http.add_argument("--ssl-ca-certs", default=None,
@@ -91,11 +92,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--root-path", default=None,
                       help="the path prefix a reverse proxy serves this server under (FastAPI's root_path)")
     http.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port")
-    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    http.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
+                      help="no log line per HTTP request")
     http.add_argument("--disable-web-ui", action="store_true",
                       help="serve no web page at / (chat and live engine view) and no /engine/view")
     requests = parser.add_argument_group("requests")
-    requests.add_argument("--enable-log-requests", action="store_true",
+    requests.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                           help="log each request's id, prompt and sampling parameters as it arrives")
     requests.add_argument("--max-log-len", type=int, default=None,
                           help="logged prompts keep this many characters, and token ids (default: all)")
@@ -205,7 +207,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "dense)")
     engine.add_argument("--num-cpu-threads", type=int, default=EngineArgs.num_cpu_threads,
                         help="torch threads of the engine process (default: one per core)")
-    engine.add_argument("--enforce-eager", action="store_true", default=EngineArgs.enforce_eager,
+    engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineArgs.enforce_eager,
                         help="run decode steps eagerly, without replaying CPU graphs")
     engine.add_argument("--generation-config", default=EngineArgs.generation_config,
                         help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -214,7 +216,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable-lora", action="store_true", default=EngineArgs.enable_lora,
+    lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
                       help="serve LoRA adapters of the model, batched with base-model requests")
     lora.add_argument("--lora-modules", type=_lora_module, nargs="+", default=None,
                       help="adapters served from the start: name=path or JSON {\"name\": ..., \"path\": ...}; a "
@@ -234,7 +236,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                           help="ranks that split the layers into stages (default: %(default)s)")
     parallel.add_argument("--data-parallel-size", "-dp", type=int, default=EngineArgs.data_parallel_size,
                           help="engines, each with its own scheduler and KV cache (default: %(default)s)")
-    parallel.add_argument("--enable-expert-parallel", action="store_true",
+    parallel.add_argument("--enable-expert-parallel", "-ep", action=argparse.BooleanOptionalAction,
+                          default=EngineArgs.enable_expert_parallel,
                           help="mixture-of-experts layers split their experts over the tensor-parallel ranks (each "
                                "holds whole experts) rather than each expert's intermediate dimension")
     parallel.add_argument("--distributed-executor-backend", choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
