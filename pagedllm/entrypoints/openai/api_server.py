@@ -138,7 +138,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def build_app(engine_client: Any, registry: CollectorRegistry, served_model_names: list[str],
-              frontend: argparse.Namespace, chat_template: Optional[str] = None, api_key: Optional[str] = None,
+              frontend: argparse.Namespace, chat_template: Optional[str] = None, api_keys: Optional[list[str]] = None,
               tool_call_parser: Optional[str] = None, lora_modules: Optional[list[dict]] = None,
               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """``frontend``: the HTTP and request flags (cli_args.add_frontend_args: CORS, request logging, response
@@ -148,10 +148,10 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     if allow_runtime_lora_updating:
         app.include_router(lora_router)
     if not frontend.disable_web_ui:
-        mount_web_ui(app, api_key_required=bool(api_key))
+        mount_web_ui(app, api_key_required=bool(api_keys))
     register_exception_handlers(app)
-    if api_key:
-        app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    if api_keys:
+        app.add_middleware(AuthenticationMiddleware, api_keys=api_keys)
     app.add_middleware(CORSMiddleware, allow_origins=frontend.allowed_origins,
                        allow_credentials=frontend.allow_credentials, allow_methods=frontend.allowed_methods,
                        allow_headers=frontend.allowed_headers)
@@ -206,6 +206,12 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def api_keys_from(args: argparse.Namespace) -> list[str]:
+    """The keys a request may authenticate with: --api-key's, else PAGEDLLM_API_KEY's (vLLM's VLLM_API_KEY); none: no
+    authentication."""
+    return [key for key in (args.api_key or [os.environ.get("PAGEDLLM_API_KEY")]) if key]
+
+
 async def run_server(args: argparse.Namespace) -> None:
     """Serves until an exit signal; ``args`` are `pagedllm serve`'s, checked by validate_parsed_serve_args."""
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
@@ -222,7 +228,7 @@ async def run_server(args: argparse.Namespace) -> None:
         stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
     engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
     try:
-        app = build_app(engine_client, registry, served_model_names, args, chat_template, args.api_key,
+        app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
         # --uds replaces host and port (uvicorn listens on the socket); a certificate file turns on TLS, with client
         # certificates checked as --ssl-cert-reqs and --ssl-ca-certs say.

@@ -1,6 +1,6 @@
 """AuthenticationMiddleware: with --api-key, /v1/* and /engine/* (the web page's engine view) answer 401 unless the
-request carries `Bearer <key>`. The rest stays open as in vLLM (/health, /metrics, ...), and so does the web page
-itself, which asks for the key.
+request carries `Bearer <key>` for one of the keys (vLLM's --api-key takes several). The rest stays open as in vLLM
+(/health, /metrics, ...), and so does the web page itself, which asks for the key.
 
 A plain ASGI middleware rather than @app.middleware("http"), which buffers streams and hides disconnects.
 """
@@ -17,9 +17,9 @@ GATED_PREFIXES = ("/v1", "/engine")
 
 
 class AuthenticationMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] == "OPTIONS"
@@ -27,7 +27,8 @@ class AuthenticationMiddleware:
             await self.app(scope, receive, send)
             return
         given = Headers(scope=scope).get("authorization", "").encode("latin-1")
-        if not secrets.compare_digest(given, self.expected):
+        # Every key is compared (no early exit), so the time taken says nothing about which one came close.
+        if not sum(secrets.compare_digest(given, expected) for expected in self.expected):
             response = json_error(create_error_response("Invalid or missing API key.", 401))
             await response(scope, receive, send)
             return

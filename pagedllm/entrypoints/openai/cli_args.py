@@ -28,8 +28,9 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     add_serving_args(server)
-    server.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer <key>` on /v1/* requests")
+    server.add_argument("--api-key", nargs="+", default=None,
+                        help="require `Authorization: Bearer <key>` on /v1/* requests, with one of these keys "
+                             "(default: $PAGEDLLM_API_KEY if set, else none)")
     server.add_argument("--disable-log-stats", action="store_true",
                         help="no periodic log line of throughput, queues, KV cache and speculative decoding "
                              "(every PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, in which requests ran)")
