@@ -48,6 +48,17 @@ def test_the_files_flags_apply_and_the_command_line_wins(tmp_path, served):
     assert _run(["serve"], served).port == 8000  # a file read once changes nothing after it
 
 
+def test_a_no_key_turns_its_flag_off(tmp_path, served):
+    """vLLM's load_config_file: ``no-x: true`` is --no-x; ``no-x: false`` gives no flag (the default stands)."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("no-enable-prefix-caching: true\nno_enable_chunked_prefill: true\nno-enforce-eager: false\n"
+                    "ep: true\n")
+    args = _run(["serve", "--config", str(path)], served)
+    assert (args.enable_prefix_caching, args.enable_chunked_prefill, args.enforce_eager) == (False, False, False)
+    assert args.enable_expert_parallel is True  # a short form is no --no- spelling
+    assert _run(["serve", "--config", str(path), "--enable-prefix-caching"], served).enable_prefix_caching is True
+
+
 @pytest.mark.parametrize("text, message", [
     ("no-such-flag: 1\n", "unknown flag 'no-such-flag'"),
     ("max-model-len: many\n", "max-model-len"),

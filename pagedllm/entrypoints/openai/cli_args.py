@@ -258,8 +258,9 @@ def add_config_arg(parser: argparse.ArgumentParser) -> None:
 def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     """vLLM's ``--config FILE``: the YAML file's flags as ``parser`` defaults (so any flag given on the command line
     wins), by dest, each converted as argparse converts its flag's text; a required flag the file gives is no longer
-    required on the command line. An unknown key, or a value that does not fit its flag, is a parser error naming
-    it."""
+    required on the command line. An on/off flag's --no- spelling as a key turns it off when true and is ignored when
+    false (vLLM's load_config_file adds --no-x for ``no-x: true``, nothing for ``no-x: false``). An unknown key, or a
+    value that does not fit its flag, is a parser error naming it."""
     import yaml
 
     try:
@@ -273,13 +274,19 @@ def config_file_defaults(parser: argparse.ArgumentParser, path: str) -> dict:
     actions["model"] = next(action for action in parser._actions if action.dest == "model")
     defaults = {}
     for key, value in values.items():
-        action = actions.get(str(key).replace("_", "-"))
+        name = str(key).replace("_", "-")
+        action = actions.get(name)
         if action is None or action.dest in ("help", "config"):
             parser.error(f"--config {path}: unknown flag {key!r}")
         try:
-            defaults[action.dest] = _config_value(action, value)
+            value = _config_value(action, value)
         except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             parser.error(f"--config {path}: {key}: {e}")
+        if isinstance(action, argparse.BooleanOptionalAction) and name.startswith("no-"):
+            if not value:  # the --no- spelling, false: no flag
+                continue
+            value = False
+        defaults[action.dest] = value
         action.required = False
     return defaults
 
