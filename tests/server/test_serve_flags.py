@@ -9,6 +9,7 @@ import dataclasses
 import json
 import re
 import shutil
+import socket
 import ssl
 import subprocess
 from types import SimpleNamespace
@@ -205,6 +206,20 @@ def test_vllms_spellings_of_flags(served):
     assert (first.model, first.max_model_len, first.max_num_seqs, first.served_model_name, first.port) == (
         "my_model", 4096, 8, ["a_b"], 8001)
     assert second.model == "other_model"
+
+
+def test_an_address_in_use_fails_before_the_engine_starts():
+    """vLLM's setup_server binds the port before the engine starts: a port taken is an error at once, naming the
+    flags, not after the model has loaded."""
+    before = {p.pid for p in psutil.Process().children()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        message = f"--host 127.0.0.1 --port {port}: cannot listen there: Address already in use"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            cli.main(["serve", "--port", str(port), "--max-num-seqs", "0"])  # the engine's config would fail too
+    assert {p.pid for p in psutil.Process().children()} <= before
 
 
 def _self_signed_certificate(directory) -> tuple[str, str]:

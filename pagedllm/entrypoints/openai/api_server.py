@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Optional
 
@@ -212,9 +213,26 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
     return [key for key in (args.api_key or [os.environ.get("PAGEDLLM_API_KEY")]) if key]
 
 
+def listening_socket(args: argparse.Namespace) -> Optional[socket.socket]:
+    """The TCP socket --host/--port name, bound before the engine starts (as vLLM's setup_server), so that an
+    address in use or not this machine's is a ValueError naming the flags at once, not after the model has loaded;
+    None with --uds (uvicorn makes that socket)."""
+    if args.uds:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server, which uvicorn uses
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {args.host} --port {args.port}: cannot listen there: {e.strerror}") from None
+    return sock
+
+
 async def run_server(args: argparse.Namespace) -> None:
     """Serves until an exit signal; ``args`` are `pagedllm serve`'s, checked by validate_parsed_serve_args."""
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
+    sock = listening_socket(args)
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
     # The resolved count (suffix decoding's default is its tree depth), which sizes the per-position counter.
@@ -226,8 +244,9 @@ async def run_server(args: argparse.Namespace) -> None:
     if not args.disable_log_stats:
         interval = float(os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL", LOG_STATS_INTERVAL_S))
         stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
-    engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
+    engine_client = None
     try:
+        engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
         app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
         # --uds replaces host and port (uvicorn listens on the socket); a certificate file turns on TLS, with client
@@ -238,9 +257,13 @@ async def run_server(args: argparse.Namespace) -> None:
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs, timeout_keep_alive=5)
         scheme = "https" if args.ssl_certfile else "http"
-        where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"
+        where = f"unix:{args.uds}" if args.uds else f"{args.host}:{sock.getsockname()[1]}"
         logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,
                     args.root_path or "")
-        await _Server(config, on_exit=lambda: on_exit_signal(app.state, args.shutdown_timeout)).serve()
+        server = _Server(config, on_exit=lambda: on_exit_signal(app.state, args.shutdown_timeout))
+        await server.serve(sockets=[sock] if sock is not None else None)
     finally:
-        engine_client.shutdown()
+        if engine_client is not None:
+            engine_client.shutdown()
+        if sock is not None:
+            sock.close()
