@@ -118,6 +118,22 @@ def test_api_key_is_required_for_v1(server):
         openai.OpenAI(base_url=server.url_for("v1"), api_key="wrong", max_retries=0).models.list()
 
 
+def test_api_key_scheme_is_case_insensitive():
+    """HTTP's auth schemes are case-insensitive (RFC 7235), and vLLM reads "bearer" so: the key is what counts."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
+
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {})
+    app.add_middleware(AuthenticationMiddleware, api_key="key")
+    with TestClient(app) as client:
+        for authorization, status in (("Bearer key", 200), ("bearer key", 200), ("BEARER key", 200),
+                                      ("Basic key", 401), ("bearer wrong", 401), ("key", 401), ("", 401)):
+            assert client.get("/v1/models", headers={"Authorization": authorization}).status_code == status
+
+
 def test_server_answers_after_bad_requests(server):
     for path, body, _ in BAD_REQUESTS:
         with server.http() as http:
