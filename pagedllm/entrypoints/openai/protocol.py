@@ -481,6 +481,8 @@ class TokenizeChatRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: Optional[bool] = False
+    # As chat's: given to the chat template, which may describe them to the model (and so count their tokens).
+    tools: Optional[list[ChatCompletionToolsParam]] = None
 
 
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]

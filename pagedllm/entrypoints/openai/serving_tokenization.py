@@ -23,8 +23,9 @@ class OpenAIServingTokenization:
         if isinstance(request, TokenizeChatRequest):
             try:
                 check_generation_prompt(request)
-                tokens = apply_chat_template(self.tokenizer, request.messages, self.chat_template,
-                                             request.add_generation_prompt, request.continue_final_message)
+                tokens = apply_chat_template(
+                    self.tokenizer, request.messages, self.chat_template, request.add_generation_prompt,
+                    request.continue_final_message, [t.model_dump(exclude_none=True) for t in request.tools or []])
             except ValueError as e:
                 raise BadRequestError(str(e), named_field(e)) from e
         else:
