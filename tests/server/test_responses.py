@@ -173,6 +173,19 @@ def test_bad_field_is_a_400_naming_it(client, extra, param):
     assert info.value.body["param"] == param
 
 
+def test_vllm_sampling_extras_are_the_chat_requests(client):
+    """vLLM's sampling extras (stop, seed, top_k, ...) are applied as chat applies them, and refused as chat refuses
+    them, naming the field."""
+    messages = [{"role": "user", "content": QUESTION}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20, stop=["Paris"])
+    response = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=20,
+                                       extra_body={"stop": ["Paris"]})
+    assert response.output_text == chat.choices[0].message.content and "Paris" not in response.output_text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=QUESTION, extra_body={"top_k": -2})
+    assert info.value.body["param"] == "top_k"
+
+
 def _streamed_output(deltas: list) -> list:
     """The final output items _stream makes of chat stream chunks with these deltas (content strings, or tool
     calls as (index, id, name, arguments))."""

@@ -11,7 +11,8 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import Discriminator, Field, Tag
 
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIBaseModel, random_uuid
+from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, ChatCompletionRequest, OpenAIBaseModel,
+                                                  random_uuid)
 
 
 class InputTextPart(OpenAIBaseModel):
@@ -103,6 +104,12 @@ class ResponseTextConfig(OpenAIBaseModel):
     format: Optional[TextFormat] = None
 
 
+# The ResponsesRequest fields a chat request has too, under the same names.
+_SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+                    "frequency_penalty", "repetition_penalty", "logit_bias", "skip_special_tokens",
+                    "include_stop_str_in_output", "priority")
+
+
 class ResponsesRequest(OpenAIBaseModel):
     model: Optional[str] = None
     input: Union[list[InputItem], str]  # the list first, as InputMessage.content
@@ -123,6 +130,21 @@ class ResponsesRequest(OpenAIBaseModel):
     # Generate after the reply: the POST returns the response in progress, GET /v1/responses/{id} follows it (with
     # stream, its events from any point), POST /v1/responses/{id}/cancel stops it. Needs store.
     background: Optional[bool] = False
+    # vLLM's sampling extras (its ResponsesRequest.to_sampling_params applies them), given to the chat request as
+    # they are, so their checks and 400s are chat's, naming the same fields.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message)."""
@@ -147,6 +169,7 @@ class ResponsesRequest(OpenAIBaseModel):
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": streamed,
+            **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
             "stream_options": {"include_usage": True} if streamed else None,
             "response_format": None if self.text is None or self.text.format is None
             else self.text.format.to_response_format()})
