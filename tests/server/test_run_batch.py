@@ -24,11 +24,13 @@ BAD_LINES = {7: '{"custom_id": "broken", "method": "POST", "url": ',  # not JSON
 
 
 def batch_requests(count: int) -> list[dict]:
-    """Greedy chat and completion requests, alternating, each with its own prompt."""
+    """Greedy chat and completion requests, alternating, each with its own prompt (the first chat's holds a line
+    separator, U+2028, which JSON may carry unescaped: it does not end the batch file's line)."""
     requests = []
     for i in range(count):
         if i % 2:
-            url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": f"Name a colour, {i}."}]}
+            content = f"Name a colour,{chr(0x2028) if i == 1 else ' '}{i}."
+            url, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": content}]}
         else:
             url, body = "/v1/completions", {"prompt": f"The number {i} is"}
         requests.append({"custom_id": f"request-{i}", "method": "POST", "url": url,
@@ -99,7 +101,7 @@ def test_run_batch_equals_server(server, tmp_path, file_server):
     """The input by GET, the output by PUT to a URL the --config file gives, with the engine flags."""
     url, files = file_server
     requests = batch_requests(48)
-    lines = [json.dumps(r) for r in requests]
+    lines = [json.dumps(r, ensure_ascii=False) for r in requests]
     for index, line in sorted(BAD_LINES.items()):
         lines.insert(index, line)
     assert len(lines) == 50

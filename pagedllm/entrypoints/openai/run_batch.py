@@ -149,7 +149,9 @@ async def write_file(path: str, text: str) -> None:
 
 async def run_batch(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
-    lines = [line for line in (await read_file(args.input_file)).splitlines() if line.strip()]
+    # Lines end at "\n" only (as vLLM splits them): str.splitlines would also cut at U+2028, U+2029 and U+0085, which
+    # JSON allows unescaped inside strings (json.dumps(..., ensure_ascii=False) writes them so).
+    lines = [line for line in (await read_file(args.input_file)).split("\n") if line.strip()]
     engine_client = AsyncLLM.from_engine_args(engine_args_from(args))
     try:
         state = SimpleNamespace()
