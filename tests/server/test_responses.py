@@ -186,9 +186,9 @@ def test_vllm_sampling_extras_are_the_chat_requests(client):
     assert info.value.body["param"] == "top_k"
 
 
-def _streamed_output(deltas: list) -> list:
-    """The final output items _stream makes of chat stream chunks with these deltas (content strings, or tool
-    calls as (index, id, name, arguments))."""
+def _stream_events(deltas: list) -> list[dict]:
+    """The events _stream sends for chat stream chunks with these deltas (content strings, or tool calls as (index,
+    id, name, arguments))."""
     import asyncio
 
     from pagedllm.entrypoints.openai.protocol import (ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
@@ -212,7 +212,13 @@ def _streamed_output(deltas: list) -> list:
         builder = _ResponseBuilder(ResponsesRequest(input="x", stream=True, store=False), MODEL, [], ResponseStore())
         return [event async for event in OpenAIServingResponses._stream(None, builder, chunks())]
 
-    final = json.loads(asyncio.run(events())[-1].split("data: ", 1)[1])["response"]
+    return [json.loads(event.split("data: ", 1)[1]) for event in "".join(asyncio.run(events())).split("\n\n")
+            if event]
+
+
+def _streamed_output(deltas: list) -> list:
+    """The final output items _stream makes of chat stream chunks with these deltas (as _stream_events')."""
+    final = _stream_events(deltas)[-1]["response"]
     return [(item["type"], item["content"][0]["text"] if item["type"] == "message" else item["name"])
             for item in final["output"]]
 
@@ -224,6 +230,25 @@ def test_streamed_text_is_the_stripped_content_as_unstreamed():
     assert _streamed_output(["\n\n", call, "\n"]) == [("function_call", "get_weather")]
     assert _streamed_output(["  Checking", ". ", call, " "]) == [("message", "Checking."),
                                                                 ("function_call", "get_weather")]
+
+
+def test_streamed_items_are_done_one_after_another():
+    """As OpenAI and vLLM stream them: each output item is done before the next is added (text after a function
+    call is a message of its own), and the done items are the final response's."""
+    calls = [(0, "call_1", "get_weather", '{"city": "Paris"}'), (1, "call_2", "get_time", "{}")]
+    events = _stream_events(["Checking.", *calls, " Done."])
+    opened = [e for e in events if e["type"] in ("response.output_item.added", "response.output_item.done")]
+    assert [(e["type"].rsplit(".", 1)[1], e["output_index"], e["item"]["type"]) for e in opened] == [
+        (step, index, kind) for index, kind in enumerate(["message", "function_call", "function_call", "message"])
+        for step in ("added", "done")]
+    for index, kind in enumerate(["message", "function_call", "function_call", "message"]):
+        item_events = [i for i, e in enumerate(events) if e.get("output_index") == index]
+        assert item_events == list(range(item_events[0], item_events[-1] + 1))  # none of another item's between
+    final = events[-1]["response"]["output"]
+    assert [e["item"] for e in opened if e["type"] == "response.output_item.done"] == final
+    assert [item.get("status") for item in final] == ["completed"] * 4
+    assert (final[0]["content"][0]["text"], final[3]["content"][0]["text"]) == ("Checking.", "Done.")
+    assert final[0]["id"] != final[3]["id"]
 
 
 def _wait_until_done(client, response_id: str, timeout: float = 60.0):

@@ -289,16 +289,39 @@ class OpenAIServingResponses:
         return builder.finish(builder.output(choice.message.content, calls), usage, choice.finish_reason)
 
     async def _stream(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The events OpenAI sends, in its order. Output items are numbered as they open: the message at its first
-        text, a function call at its first delta (which carries its id and name), its arguments then streaming as
-        the chat stream's tool-call parser reads them; every item is done once the answer is."""
+        """The events OpenAI sends, in its order: output items one after another, each done before the next is
+        added (as vLLM's SimpleStreamingEventProcessor closes the current item before it opens one). Items are
+        numbered as they open: a message at its first text (text after a function call opens another message), a
+        function call at its first delta (which carries its id and name), its arguments then streaming as the chat
+        stream's tool-call parser reads them, one call after another; the last item is done once the answer is."""
         events = _EventStream()
         yield events.send("response.created", response=builder.response("in_progress", []))
         yield events.send("response.in_progress", response=builder.response("in_progress", []))
-        output: list = []
-        text, message_index, finish_reason, usage = "", None, None, None
+        output: list = []  # the items so far; the last one is open (being generated), the others done
+        texts: dict[int, str] = {}  # each message's text, by output index
+        message_index, finish_reason, usage = None, None, None  # message_index: the open item, if it is a message
         held = ""  # whitespace not sent yet: the answer's text is the chat content stripped, as it is unstreamed
         call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
+
+        def finished(index: int) -> Union[ResponseOutputMessage, ResponseFunctionToolCall]:
+            """Item ``index`` as it is done: completed, a message with all its text."""
+            item = output[index]
+            if isinstance(item, ResponseOutputMessage):
+                item = item.model_copy(update={"content": [OutputText(text=texts[index])]})
+            return item.model_copy(update={"status": "completed"})
+
+        def open_item(item: Union[ResponseOutputMessage, ResponseFunctionToolCall]) -> str:
+            """Ends the open item (if any) and opens ``item`` after it."""
+            sent = ""
+            if output:
+                output[-1] = finished(len(output) - 1)
+                sent = _item_done(events, len(output) - 1, output[-1])
+            output.append(item)
+            if isinstance(item, ResponseOutputMessage):
+                texts[len(output) - 1] = ""
+                return sent + _open_message(events, item.id, len(output) - 1)
+            return sent + events.send("response.output_item.added", output_index=len(output) - 1, item=item)
+
         async for data in chunks:
             payload = data.removeprefix("data: ").strip()
             if payload == "[DONE]":
@@ -321,42 +344,29 @@ class OpenAIServingResponses:
                 if delta:
                     held = held[len(delta):]
                     if message_index is None:
-                        message_index = len(output)
-                        output.append(builder.message(""))
-                        yield _open_message(events, builder, message_index)
-                    text += delta
-                    yield events.send("response.output_text.delta", item_id=builder.message_id,
+                        # The answer's first message keeps the builder's id, as the unstreamed response has it.
+                        yield open_item(builder.message("") if not texts else ResponseOutputMessage())
+                        message_index = len(output) - 1
+                    texts[message_index] += delta
+                    yield events.send("response.output_text.delta", item_id=output[message_index].id,
                                       output_index=message_index, content_index=0, delta=delta, logprobs=[])
                 for delta_call in choice.delta.tool_calls or ():
                     function = delta_call.function
                     if delta_call.index not in call_indices:
-                        call_indices[delta_call.index] = len(output)
-                        output.append(ResponseFunctionToolCall(call_id=delta_call.id, name=function.name,
-                                                               arguments="", status="in_progress"))
-                        yield events.send("response.output_item.added", output_index=len(output) - 1,
-                                          item=output[-1])
+                        yield open_item(ResponseFunctionToolCall(call_id=delta_call.id, name=function.name,
+                                                                 arguments="", status="in_progress"))
+                        call_indices[delta_call.index] = len(output) - 1
+                        message_index = None
                     index = call_indices[delta_call.index]
                     if function is not None and function.arguments:
                         output[index].arguments += function.arguments
                         yield events.send("response.function_call_arguments.delta", item_id=output[index].id,
                                           output_index=index, delta=function.arguments)
         if not output:  # no text and no call: an empty message (OpenAI's output is never empty)
-            message_index = 0
-            output.append(builder.message(""))
-            yield _open_message(events, builder, message_index)
-        if message_index is not None:
-            output[message_index] = builder.message(text)
+            yield open_item(builder.message(""))
+        output[-1] = finished(len(output) - 1)
         final = builder.finish(output, usage, finish_reason)
-        for index, item in enumerate(final.output):
-            if isinstance(item, ResponseOutputMessage):
-                yield events.send("response.output_text.done", item_id=item.id, output_index=index,
-                                  content_index=0, text=text, logprobs=[])
-                yield events.send("response.content_part.done", item_id=item.id, output_index=index,
-                                  content_index=0, part=item.content[0])
-            else:
-                yield events.send("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                                  arguments=item.arguments)
-            yield events.send("response.output_item.done", output_index=index, item=item)
+        yield _item_done(events, len(final.output) - 1, final.output[-1])
         yield events.send("response.incomplete" if final.status == "incomplete" else "response.completed",
                           response=final)
 
@@ -365,12 +375,26 @@ def _not_found(response_id: str) -> NotFoundError:
     return NotFoundError(f"Response with id '{response_id}' not found.", "response_id")
 
 
-def _open_message(events: "_EventStream", builder: _ResponseBuilder, output_index: int) -> str:
-    """The events opening the message item."""
-    item = ResponseOutputMessage(id=builder.message_id, status="in_progress")
+def _open_message(events: "_EventStream", item_id: str, output_index: int) -> str:
+    """The events opening a message item."""
+    item = ResponseOutputMessage(id=item_id, status="in_progress")
     return (events.send("response.output_item.added", output_index=output_index, item=item)
-            + events.send("response.content_part.added", item_id=builder.message_id, output_index=output_index,
+            + events.send("response.content_part.added", item_id=item_id, output_index=output_index,
                           content_index=0, part=OutputText(text="")))
+
+
+def _item_done(events: "_EventStream", output_index: int,
+               item: Union[ResponseOutputMessage, ResponseFunctionToolCall]) -> str:
+    """The events ending an output item, given as it is done."""
+    if isinstance(item, ResponseOutputMessage):
+        sent = (events.send("response.output_text.done", item_id=item.id, output_index=output_index,
+                            content_index=0, text=item.content[0].text, logprobs=[])
+                + events.send("response.content_part.done", item_id=item.id, output_index=output_index,
+                              content_index=0, part=item.content[0]))
+    else:
+        sent = events.send("response.function_call_arguments.done", item_id=item.id, output_index=output_index,
+                           arguments=item.arguments)
+    return sent + events.send("response.output_item.done", output_index=output_index, item=item)
 
 
 class _EventStream:
