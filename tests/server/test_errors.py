@@ -114,6 +114,7 @@ def test_api_key_is_required_for_v1(server):
         assert response.json()["error"]["code"] == 401
     assert httpx.get(server.url_for("v1", "models")).status_code == 401
     assert httpx.get(server.url_for("health")).status_code == 200
+    assert httpx.get(server.url_for("ping")).status_code == httpx.post(server.url_for("ping")).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url_for("v1"), api_key="wrong", max_retries=0).models.list()
 

@@ -65,6 +65,13 @@ async def health(raw_request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.get("/ping")
+@router.post("/ping")
+async def ping(raw_request: Request) -> Response:
+    """/health under the name SageMaker's health check asks for (GET or POST), which vLLM serves too."""
+    return await health(raw_request)
+
+
 @router.get("/version")
 async def version() -> dict:
     return {"version": pagedllm.__version__}
