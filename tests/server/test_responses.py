@@ -152,7 +152,7 @@ def test_text_format_constrains_the_output(client):
     response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40, temperature=0,
                                        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert set(json.loads(response.output_text)) == {"capital"}
-    assert response.text.format.type == "json_schema"
+    assert response.text.format.type == "json_schema" and response.text.format.schema_ == schema  # echoed as given
 
 
 @pytest.mark.parametrize("extra, param", [

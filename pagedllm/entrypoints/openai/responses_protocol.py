@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
 
 from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, ChatCompletionRequest, OpenAIBaseModel,
                                                   random_uuid)
@@ -92,6 +92,15 @@ class TextFormat(OpenAIBaseModel):
     # "schema" shadows a BaseModel attribute in pydantic, hence the alias.
     json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
+
+    @model_serializer(mode="wrap")
+    def _schema_as_openai_names_it(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Dumped with the schema under "schema", OpenAI's key (and vLLM's, which dumps by alias), so a response
+        echoes text.format as the request gave it."""
+        data = handler(self)
+        if "json_schema" in data:
+            data["schema"] = data.pop("json_schema")
+        return data
 
     def to_response_format(self) -> Optional[dict]:
         if self.type != "json_schema":
