@@ -144,6 +144,20 @@ def test_store_is_bounded_and_drops_the_least_recently_used():
     assert store.get(b.id) is None and store.get(a.id) and store.get(c.id)
 
 
+def test_a_response_keeps_its_creation_time(monkeypatch):
+    """created_at is when the response was created, in every state of it shown (in progress, then done)."""
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "time", lambda: now[0])
+    builder = _ResponseBuilder(ResponsesRequest(input="x", background=True), MODEL, [], ResponseStore())
+    in_progress = builder.store_unfinished("in_progress")
+    now[0] += 5
+    done = builder.finish([builder.message("Hi.")], None, "stop")
+    assert in_progress.created_at == done.created_at == 1000
+
+
 def test_text_format_constrains_the_output(client):
     """text.format (OpenAI's structured output for Responses) is chat's response_format: the text is JSON of the
     schema, and the response echoes the format."""

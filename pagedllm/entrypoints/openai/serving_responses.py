@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections import OrderedDict
 from typing import AsyncIterator, Optional, Sequence, Union
 
@@ -77,8 +78,8 @@ class ResponseStore:
 
 
 class _ResponseBuilder:
-    """One response's fixed parts (id, the request's echoed settings, the message item's id, so the streamed
-    items and the final object agree) and the Response object made from a generation's result."""
+    """One response's fixed parts (id, creation time, the request's echoed settings, the message item's id, so the
+    streamed items and the final object agree) and the Response object made from a generation's result."""
 
     def __init__(self, request: ResponsesRequest, model_name: str, history: Sequence[dict],
                  store: ResponseStore) -> None:
@@ -86,6 +87,7 @@ class _ResponseBuilder:
         self.request = request
         self.model_name = model_name
         self.id = f"resp_{random_uuid()}"
+        self.created_at = int(time.time())  # the response's, whichever state of it is shown (as vLLM's created_time)
         self.message_id = f"msg_{random_uuid()}"
         self.conversation = [*history, *request.input_messages()]
         self.store = store
@@ -95,7 +97,8 @@ class _ResponseBuilder:
         r = self.request
         incomplete = finish_reason == "length"
         return ResponsesResponse(
-            id=self.id, model=self.model_name, status="incomplete" if incomplete else status, output=output,
+            id=self.id, created_at=self.created_at, model=self.model_name,
+            status="incomplete" if incomplete else status, output=output,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None, usage=usage,
             error=error, background=r.background is True,
             instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=r.temperature,
