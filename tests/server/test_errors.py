@@ -128,10 +128,11 @@ def test_api_key_scheme_is_case_insensitive():
 
     app = FastAPI()
     app.get("/v1/models")(lambda: {})
-    app.add_middleware(AuthenticationMiddleware, api_key="key")
+    app.add_middleware(AuthenticationMiddleware, api_keys=["key", "other"])
     with TestClient(app) as client:
         for authorization, status in (("Bearer key", 200), ("bearer key", 200), ("BEARER key", 200),
-                                      ("Basic key", 401), ("bearer wrong", 401), ("key", 401), ("", 401)):
+                                      ("bearer other", 200), ("Basic key", 401), ("bearer wrong", 401), ("key", 401),
+                                      ("", 401)):
             assert client.get("/v1/models", headers={"Authorization": authorization}).status_code == status
 
 
