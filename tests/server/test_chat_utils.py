@@ -49,3 +49,24 @@ def test_tokenize_counts_the_tools_as_chat_does(tokenizer):
     tokens = tokenization.create_tokenize(request).tokens
     assert tokens == apply_chat_template(tokenizer, [ChatMessageParam(**m) for m in messages], template, tools=[tool])
     assert tokenizer.decode(tokens) == "[tool] get_weather\n[user] Hi\n"
+
+
+# A template that writes each call's arguments out as JSON, as Hermes/Qwen and Llama 3.1 templates do.
+TOOL_CALL_TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {% for call in m.tool_calls or [] %}"
+                      "<call>{{ call.function.arguments | tojson }}</call>{% endfor %}{{ m.content }}\n{% endfor %}")
+
+
+def test_assistant_tool_call_arguments_reach_the_template_as_objects(tokenizer):
+    """OpenAI sends an earlier call's arguments as JSON text; the template gets the object (vLLM's
+    _postprocess_messages), so tojson writes it once, not as a quoted string; text that is no JSON object is {}."""
+    messages = [ChatMessageParam(role="user", content="Weather?"),
+                ChatMessageParam(role="assistant", content=None, tool_calls=[
+                    {"id": "a", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}},
+                    {"id": "b", "type": "function", "function": {"name": "w", "arguments": "not json"}}]),
+                ChatMessageParam(role="tool", tool_call_id="a", content="sunny")]
+    token_ids = apply_chat_template(tokenizer, messages, TOOL_CALL_TEMPLATE, add_generation_prompt=False)
+    assert tokenizer.decode(token_ids) == ('[user] Weather?\n[assistant] <call>{"city": "Paris"}</call>'
+                                           '<call>{}</call>\n[tool] sunny\n')
+    assert messages[1].tool_calls[0]["function"]["arguments"] == '{"city": "Paris"}'  # the request is left as it was
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\]"):
+        apply_chat_template(tokenizer, [ChatMessageParam(role="assistant", tool_calls=["call"])], TOOL_CALL_TEMPLATE)

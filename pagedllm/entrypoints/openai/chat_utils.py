@@ -1,6 +1,7 @@
 """Chat messages -> prompt token ids, with the model's chat template or one given on the command line."""
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Optional, Union
 
@@ -42,11 +43,42 @@ def _text_content(content: Any, index: int) -> str:
     return "\n".join(texts)
 
 
+def _template_tool_calls(tool_calls: list[Any], index: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates read them, as vLLM's _postprocess_messages gives them:
+    each call's arguments an object, not OpenAI's JSON text (templates write them out with `tojson`, which would
+    quote the text once more); arguments that are no JSON object become {}, so that a conversation holding one can
+    go on. The request's own calls are left as they are."""
+    calls = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise ValueError(f"messages[{index}].tool_calls[{j}] must be an object of type 'function' with a "
+                             "'function' object.")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        calls.append({**call, "function": {**function, "arguments": arguments if isinstance(arguments, dict) else {}}})
+    return calls
+
+
 def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them: content as text; an assistant message's tool_calls with their
+    arguments as objects, and left out when there are none (the template's plain assistant turn)."""
     if not messages:
         raise ValueError("messages must contain at least one message.")
-    return [{**m.model_dump(exclude_none=True), "content": _text_content(m.content, i)}
-            for i, m in enumerate(messages)]
+    turns = []
+    for i, m in enumerate(messages):
+        turn = {**m.model_dump(exclude_none=True), "content": _text_content(m.content, i)}
+        if turn["role"] == "assistant" and isinstance(turn.get("tool_calls"), list):
+            if turn["tool_calls"]:
+                turn["tool_calls"] = _template_tool_calls(turn["tool_calls"], i)
+            else:
+                del turn["tool_calls"]
+        turns.append(turn)
+    return turns
 
 
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
