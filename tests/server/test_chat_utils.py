@@ -70,3 +70,15 @@ def test_assistant_tool_call_arguments_reach_the_template_as_objects(tokenizer):
     assert messages[1].tool_calls[0]["function"]["arguments"] == '{"city": "Paris"}'  # the request is left as it was
     with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\]"):
         apply_chat_template(tokenizer, [ChatMessageParam(role="assistant", tool_calls=["call"])], TOOL_CALL_TEMPLATE)
+
+
+def test_every_text_part_type_is_read(tokenizer):
+    """As vLLM's TEXT_PART_TYPES: an assistant's refusal parts (OpenAI's), the Responses API's input_text and
+    output_text parts, and thinking parts are text too; and so are plain strings among the parts."""
+    messages = [ChatMessageParam(role="user", content=[{"type": "input_text", "text": "Hello"}, "there"]),
+                ChatMessageParam(role="assistant", content=[{"type": "output_text", "text": "Hi"},
+                                                            {"type": "refusal", "refusal": "No."}])]
+    token_ids = apply_chat_template(tokenizer, messages, TEMPLATE, add_generation_prompt=False)
+    assert tokenizer.decode(token_ids) == "[user] Hello\nthere\n[assistant] Hi\nNo.\n"
+    with pytest.raises(ValueError, match=r"content\[0\].refusal must be a string"):
+        apply_chat_template(tokenizer, [ChatMessageParam(role="assistant", content=[{"type": "refusal"}])], TEMPLATE)

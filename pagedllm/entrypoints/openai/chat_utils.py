@@ -28,18 +28,28 @@ def check_generation_prompt(request: Union[ChatCompletionRequest, TokenizeChatRe
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
 
 
+# The content parts read as text (vLLM's TEXT_PART_TYPES), each with the key holding its text: OpenAI's "text" and
+# an assistant's "refusal", the Responses API's "input_text" and "output_text", and "thinking".
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                  "thinking": "thinking"}
+
+
 def _text_content(content: Any, index: int) -> str:
     """OpenAI allows content as a list of parts; a text model reads their text, joined by newlines."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.get("type") != "text":
+        if isinstance(part, str):  # vLLM's plain text part
+            texts.append(part)
+            continue
+        key = TEXT_PART_KEYS.get(part.get("type"))
+        if key is None:
             raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got "
                              f"{part.get('type')!r}.")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"messages[{index}].content[{j}].text must be a string.")
-        texts.append(part["text"])
+        if not isinstance(part.get(key), str):
+            raise ValueError(f"messages[{index}].content[{j}].{key} must be a string.")
+        texts.append(part[key])
     return "\n".join(texts)
 
 

@@ -359,7 +359,8 @@ class ChatMessageParam(OpenAIBaseModel):
 
     model_config = ConfigDict(extra="allow")
     role: str
-    content: Union[str, list[dict[str, Any]], None] = None
+    # Parts are OpenAI's objects, or (as vLLM takes them) plain strings of text.
+    content: Union[str, list[Union[dict[str, Any], str]], None] = None
 
 
 class ChatCompletionRequest(SamplingRequest):
