@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, load_chat_template
-from pagedllm.entrypoints.openai.protocol import ChatMessageParam
+from pagedllm.entrypoints.openai.errors import BadRequestError
+from pagedllm.entrypoints.openai.protocol import ChatMessageParam, TokenizeChatRequest
+from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
 
@@ -82,3 +85,20 @@ def test_every_text_part_type_is_read(tokenizer):
     assert tokenizer.decode(token_ids) == "[user] Hello\nthere\n[assistant] Hi\nNo.\n"
     with pytest.raises(ValueError, match=r"content\[0\].refusal must be a string"):
         apply_chat_template(tokenizer, [ChatMessageParam(role="assistant", content=[{"type": "refusal"}])], TEMPLATE)
+
+
+def test_chat_template_kwargs_reach_the_template_and_a_requests_own_template_is_refused(tokenizer):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, ...) are variables of the server's chat template; a
+    template of the request's own is a 400, as vLLM answers without --trust-request-chat-template."""
+    template = "{% if enable_thinking is false %}/no_think {% endif %}" + TEMPLATE
+    serving = OpenAIServingTokenization(tokenizer, OpenAIServingModels(["m"], "m", 1024), template)
+    hi = [{"role": "user", "content": "Hi"}]
+    for kwargs, text in [(None, "[user] Hi\n"), ({"enable_thinking": False}, "/no_think [user] Hi\n"),
+                         ({"truncation": True, "max_length": 1}, "[user] Hi\n")]:  # no say in the tokens
+        request = TokenizeChatRequest.model_validate({"messages": hi, "chat_template_kwargs": kwargs})
+        assert tokenizer.decode(serving.create_tokenize(request).tokens) == text
+    for body, param in [({"chat_template": "{{ messages }}"}, "chat_template"),
+                        ({"chat_template_kwargs": {"chat_template": "{{ messages }}"}}, "chat_template_kwargs")]:
+        with pytest.raises(BadRequestError) as refused:
+            serving.create_tokenize(TokenizeChatRequest.model_validate({"messages": hi, **body}))
+        assert refused.value.param == param

@@ -55,6 +55,8 @@ BAD_REQUESTS = [
      "continue_final_message"),
     ("/tokenize", {"messages": HI, "continue_final_message": True, "add_generation_prompt": True},
      "continue_final_message"),
+    # A chat template of the request's own, which vLLM refuses without --trust-request-chat-template.
+    ("/v1/chat/completions", {"messages": HI, "chat_template": "{{ messages }}"}, "chat_template"),
 ]
 
 

@@ -28,6 +28,18 @@ def check_generation_prompt(request: Union[ChatCompletionRequest, TokenizeChatRe
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true.")
 
 
+def check_chat_template(request: Union[ChatCompletionRequest, TokenizeChatRequest]) -> None:
+    """As vLLM without --trust-request-chat-template: a request renders with the server's chat template, so one of
+    its own, as a field or among chat_template_kwargs, is refused rather than ignored; nor may the kwargs turn
+    tokenizing off."""
+    if request.chat_template is not None:
+        raise ValueError("chat_template: a chat template passed with the request is refused; the server renders with "
+                         "its own (--chat-template or the model's).")
+    for key in ("chat_template", "tokenize"):
+        if (request.chat_template_kwargs or {}).get(key) is not None:
+            raise ValueError(f"chat_template_kwargs cannot set {key}.")
+
+
 # The content parts read as text (vLLM's TEXT_PART_TYPES), each with the key holding its text: OpenAI's "text" and
 # an assistant's "refusal", the Responses API's "input_text" and "output_text", and "thinking".
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
@@ -91,17 +103,26 @@ def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
     return turns
 
 
+# apply_chat_template's arguments about the tokens it gives back, which chat_template_kwargs do not reach: vLLM
+# renders the template's text and tokenizes it itself, so there they do nothing.
+_TOKENIZING_ARGS = frozenset({"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                              "tokenizer_kwargs"})
+
+
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+                        tools: Optional[list[dict[str, Any]]] = None,
+                        chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
     """Raises ValueError when the conversation is malformed or the template rejects it. Tools (OpenAI's shape)
-    are given to templates that describe them to the model."""
+    are given to templates that describe them to the model; chat_template_kwargs are more variables for the
+    template, under the arguments given here."""
     turns = conversation(messages)
+    kwargs = {**{k: v for k, v in (chat_template_kwargs or {}).items() if k not in _TOKENIZING_ARGS},
+              "chat_template": chat_template, "tokenize": True, "return_dict": False,
+              "tools": tools or None, "add_generation_prompt": add_generation_prompt and not continue_final_message,
+              "continue_final_message": continue_final_message}
     try:
-        token_ids = tokenizer.apply_chat_template(
-            turns, chat_template=chat_template, tokenize=True, return_dict=False, tools=tools or None,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
+        token_ids = tokenizer.apply_chat_template(turns, **kwargs)
     except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
         raise ValueError(f"messages could not be formatted by the chat template: {e}") from e
     return list(token_ids)

@@ -371,6 +371,11 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...); the request's own fields win over
+    # them. A template of the request's own is refused (chat_utils.check_chat_template), as vLLM refuses it without
+    # --trust-request-chat-template.
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None
     tools: Optional[list[ChatCompletionToolsParam]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
@@ -481,6 +486,11 @@ class TokenizeChatRequest(OpenAIBaseModel):
     messages: list[ChatMessageParam]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...); the request's own fields win over
+    # them. A template of the request's own is refused (chat_utils.check_chat_template), as vLLM refuses it without
+    # --trust-request-chat-template.
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None
     return_token_strs: Optional[bool] = False
     # As chat's: given to the chat template, which may describe them to the model (and so count their tokens).
     tools: Optional[list[ChatCompletionToolsParam]] = None

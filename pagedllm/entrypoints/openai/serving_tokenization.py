@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, check_generation_prompt
+from pagedllm.entrypoints.openai.chat_utils import (apply_chat_template, check_chat_template,
+                                                    check_generation_prompt)
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                                   TokenizeRequest, TokenizeResponse)
@@ -23,9 +24,11 @@ class OpenAIServingTokenization:
         if isinstance(request, TokenizeChatRequest):
             try:
                 check_generation_prompt(request)
-                tokens = apply_chat_template(
-                    self.tokenizer, request.messages, self.chat_template, request.add_generation_prompt,
-                    request.continue_final_message, [t.model_dump(exclude_none=True) for t in request.tools or []])
+                check_chat_template(request)
+                tokens = apply_chat_template(self.tokenizer, request.messages, self.chat_template,
+                                             request.add_generation_prompt, request.continue_final_message,
+                                             [t.model_dump(exclude_none=True) for t in request.tools or []],
+                                             request.chat_template_kwargs)
             except ValueError as e:
                 raise BadRequestError(str(e), named_field(e)) from e
         else:
