@@ -57,6 +57,7 @@ BAD_REQUESTS = [
      "continue_final_message"),
     # A chat template of the request's own, which vLLM refuses without --trust-request-chat-template.
     ("/v1/chat/completions", {"messages": HI, "chat_template": "{{ messages }}"}, "chat_template"),
+    ("/v1/chat/completions", {"messages": HI, "tools": []}, "tools"),
 ]
 
 

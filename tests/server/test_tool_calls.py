@@ -102,3 +102,12 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [c.function.name for c in single.kept_calls(calls)] == ["a"] and len(parallel.kept_calls(calls)) == 2
     _, deltas = HermesParser().feed(text)
     assert {d.index for d in single.kept_deltas(deltas)} == {0} and {d.index for d in deltas} == {0, 1}
+
+
+def test_an_empty_tools_array_is_refused():
+    """As vLLM's check_tool_usage (and OpenAI): "tools": [] is a 400, not a request without tools."""
+    from pagedllm.entrypoints.openai.tool_calls import resolve_tool_choice
+
+    with pytest.raises(ValueError, match="tools must not be an empty array"):
+        resolve_tool_choice([], None, True, "hermes")
+    assert resolve_tool_choice(None, None, True, None) is None and resolve_tool_choice(None, "none", True, None) is None

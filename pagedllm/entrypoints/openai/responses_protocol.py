@@ -174,7 +174,7 @@ class ResponsesRequest(OpenAIBaseModel):
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "tool_choice": tool_choice,
-            "tools": None if self.tools is None else [
+            "tools": None if not self.tools else [
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": streamed,

@@ -72,7 +72,10 @@ class ToolChoice:
 def resolve_tool_choice(tools: Optional[list[ChatCompletionToolsParam]],
                         tool_choice: Union[str, NamedToolChoice, None], parallel_tool_calls: Optional[bool],
                         parser: Optional[str]) -> Optional[ToolChoice]:
-    """Checks tools/tool_choice against each other (ValueError naming the field) and returns the choice."""
+    """Checks tools/tool_choice against each other (ValueError naming the field) and returns the choice. An empty
+    tools array is refused, as OpenAI and vLLM refuse it."""
+    if tools is not None and not tools:
+        raise ValueError("tools must not be an empty array: give at least one tool, or leave the field out.")
     if not tools:
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice needs tools: the request has none.")
