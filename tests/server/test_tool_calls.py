@@ -111,3 +111,15 @@ def test_an_empty_tools_array_is_refused():
     with pytest.raises(ValueError, match="tools must not be an empty array"):
         resolve_tool_choice([], None, True, "hermes")
     assert resolve_tool_choice(None, None, True, None) is None and resolve_tool_choice(None, "none", True, None) is None
+
+
+def test_a_message_without_tool_calls_has_no_tool_calls_field():
+    """As vLLM's ChatMessage (and OpenAI's answers): no "tool_calls": [] in a plain message; calls are kept."""
+    from pagedllm.entrypoints.openai.protocol import ChatMessage
+    from pagedllm.entrypoints.openai.tool_protocol import FunctionCall, ToolCall
+
+    assert json.loads(ChatMessage(role="assistant", content="Hi").model_dump_json()) == {"role": "assistant",
+                                                                                         "content": "Hi"}
+    call = ToolCall(function=FunctionCall(name="f", arguments="{}"))
+    assert json.loads(ChatMessage(role="assistant", tool_calls=[call]).model_dump_json())["tool_calls"][0]["id"] == \
+        call.id

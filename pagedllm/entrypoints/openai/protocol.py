@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import SamplingParams
@@ -416,6 +416,15 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict:
+        """As vLLM's (and OpenAI's): a message without tool calls has no tool_calls field, rather than an empty one
+        (which a client may take for calls made, or send back to a template that tests whether it is defined)."""
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
