@@ -137,3 +137,20 @@ def test_seeded_sampling_repeats(client, model):
 
     first = sample()
     assert sample() == first
+
+
+def test_echo_starts_an_answer_that_continues_the_last_message_with_it(client, model):
+    """vLLM's echo: when the answer continues the last message (their roles are the same), it starts with that
+    message's text, streamed or not; an answer in a new message echoes nothing."""
+    messages = [*MESSAGES, {"role": "assistant", "content": "The capital of France is"}]
+    ask = dict(model=model, messages=messages, temperature=0, max_tokens=4)
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    plain = client.chat.completions.create(**ask, extra_body=continued).choices[0].message.content
+    echoed = client.chat.completions.create(**ask, extra_body={**continued, "echo": True}).choices[0].message
+    assert echoed.role == "assistant" and echoed.content == "The capital of France is" + plain
+    texts, _, _ = stream_text(client.chat.completions.create(**ask, extra_body={**continued, "echo": True},
+                                                             stream=True))
+    assert texts == {0: echoed.content}
+    new_message = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=4)
+    assert client.chat.completions.create(**new_message, extra_body={"echo": True}).choices[0].message.content == \
+        client.chat.completions.create(**new_message).choices[0].message.content

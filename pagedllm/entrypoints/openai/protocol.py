@@ -371,6 +371,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the answer starts with the last message's text when it continues that message (the roles are the same).
+    echo: bool = False
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...); the request's own fields win over
     # them. A template of the request's own is refused (chat_utils.check_chat_template), as vLLM refuses it without
     # --trust-request-chat-template.

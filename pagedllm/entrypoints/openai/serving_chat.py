@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Optional, Union
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.chat_utils import (apply_chat_template, check_chat_template,
-                                                    check_generation_prompt)
+                                                    check_generation_prompt, conversation)
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -41,6 +41,14 @@ class OpenAIServingChat(OpenAIServing):
         """As vLLM: the answer's role is --response-role, unless it continues the last message (no generation
         prompt), whose role it keeps."""
         return self.response_role if request.add_generation_prompt else request.messages[-1].role
+
+    def echoed_text(self, request: ChatCompletionRequest) -> str:
+        """vLLM's echo: the text of the last message, which every choice's answer starts with, when the answer
+        continues it (their roles are the same); empty otherwise."""
+        last = request.messages[-1]
+        if not request.echo or last.role != self.get_chat_request_role(request):
+            return ""
+        return conversation([last])[0]["content"]
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
@@ -97,6 +105,10 @@ class OpenAIServingChat(OpenAIServing):
             for index in range(request.n or 1):
                 yield chunk(ChatCompletionResponseStreamChoice(
                     index=index, delta=DeltaMessage(role=role, content=""), logprobs=None, finish_reason=None))
+            if echoed := self.echoed_text(request):
+                for index in range(request.n or 1):
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=index, delta=DeltaMessage(content=echoed), logprobs=None, finish_reason=None))
             async for res in results:
                 check_output(res)
                 for output in res.outputs:
@@ -144,6 +156,7 @@ class OpenAIServingChat(OpenAIServing):
         outputs = sorted(final.outputs, key=lambda o: o.index)
         choices = []
         role = self.get_chat_request_role(request)
+        echoed = self.echoed_text(request)
         for o in outputs:
             message, finish_reason = ChatMessage(role=role, content=o.text), o.finish_reason
             parser = tool_choice.make_parser() if tool_choice else None
@@ -152,6 +165,8 @@ class OpenAIServingChat(OpenAIServing):
                 calls = tool_choice.kept_calls(calls)
                 message = ChatMessage(role=role, content=content.strip() or None, tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
+            if echoed:
+                message.content = echoed + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=self._logprobs(request, o), finish_reason=finish_reason,
                 stop_reason=o.stop_reason))
