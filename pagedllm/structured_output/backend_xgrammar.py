@@ -40,6 +40,20 @@ def _json_schema(params: StructuredOutputsParams) -> Any:
     return schema
 
 
+def _structural_tag_args(tag: str) -> tuple:
+    """xgrammar's arguments for a structural tag: its JSON text, or for the legacy form vLLM also takes
+    ({"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}) its tags and triggers."""
+    try:
+        legacy = json.loads(tag)
+    except json.JSONDecodeError:
+        return (tag,)  # xgrammar names what is wrong
+    if not isinstance(legacy, dict) or "structures" not in legacy:
+        return (tag,)
+    tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+            for s in legacy["structures"]]
+    return tags, legacy["triggers"]
+
+
 def _build(params: StructuredOutputsParams, compiler: Optional[xgr.GrammarCompiler]):
     """Builds the grammar (compiler None: only parse it, to validate) or compiles it."""
     kind = params.kind
@@ -53,8 +67,8 @@ def _build(params: StructuredOutputsParams, compiler: Optional[xgr.GrammarCompil
     if kind == "regex":
         return xgr.Grammar.from_regex(params.regex) if compiler is None else compiler.compile_regex(params.regex)
     if kind == "structural_tag":
-        tag = params.structural_tag
-        return xgr.Grammar.from_structural_tag(tag) if compiler is None else compiler.compile_structural_tag(tag)
+        args = _structural_tag_args(params.structural_tag)
+        return xgr.Grammar.from_structural_tag(*args) if compiler is None else compiler.compile_structural_tag(*args)
     grammar = choice_to_ebnf(params.choice) if kind == "choice" else params.grammar
     if _is_ebnf(grammar):
         return xgr.Grammar.from_ebnf(grammar) if compiler is None else compiler.compile_grammar(grammar)

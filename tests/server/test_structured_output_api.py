@@ -44,12 +44,32 @@ def test_structured_outputs_extra_on_both_endpoints(server):
     assert re.fullmatch(r"[0-9]{2} degrees", chat.choices[0].message.content)
 
 
+def test_response_format_structural_tag(server):
+    """vLLM's response_format {"type": "structural_tag"}: xgrammar's format (here one tag, so the whole answer), and
+    the legacy structures and triggers (as structured_outputs.structural_tag takes them too)."""
+    client = server.get_client()
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<person>", "end": "</person>",
+                                                "content": {"type": "json_schema", "json_schema": PERSON}}}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
+                                          max_tokens=60, seed=1, response_format=tag)
+    content = chat.choices[0].message.content
+    assert content.startswith("<person>") and content.endswith("</person>")
+    jsonschema.validate(json.loads(content[len("<person>"):-len("</person>")]), PERSON)
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<person>", "schema": PERSON, "end": "</person>"}],
+              "triggers": ["<person>"]}
+    for body in ({"response_format": legacy}, {"structured_outputs": {"structural_tag": json.dumps(legacy)}}):
+        chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
+        assert chat.choices[0].finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),  # SmolLM2's template defines no tool-call format
     ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),

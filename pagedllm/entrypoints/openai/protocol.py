@@ -5,6 +5,7 @@ with the field's name; to_sampling_params renames it to the request's own field,
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
@@ -112,14 +113,24 @@ class JsonSchemaResponseFormat(OpenAIBaseModel):
 
 
 class ResponseFormat(OpenAIBaseModel):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[JsonSchemaResponseFormat] = None
+    # vLLM's structural_tag: xgrammar's format, or the legacy structures ({"begin", "schema", "end"}) and triggers.
+    format: Optional[Any] = None
+    structures: Optional[list[dict[str, Any]]] = None
+    triggers: Optional[list[str]] = None
 
     def to_structured_outputs(self) -> Optional[StructuredOutputsParams]:
         if self.type == "text":
             return None
         if self.type == "json_object":
             return StructuredOutputsParams(json_object=True)
+        if self.type == "structural_tag":  # as vLLM's structured_outputs_from_response_format
+            if self.format is None and (self.structures is None or self.triggers is None):
+                raise ValueError("response_format.format (or the legacy structures and triggers) is required when "
+                                 "type is structural_tag.")
+            return StructuredOutputsParams(structural_tag=json.dumps(self.model_dump(
+                include={"type", "format", "structures", "triggers"}, exclude_none=True)))
         if self.json_schema is None or self.json_schema.json_schema is None:
             raise ValueError("response_format.json_schema.schema is required when type is json_schema.")
         return StructuredOutputsParams(json=self.json_schema.json_schema)
@@ -237,7 +248,7 @@ class SamplingRequest(OpenAIBaseModel):
         """The request field the output constraint came from, for errors about it (SamplingParams calls every
         constraint structured_outputs)."""
         if self.structured_outputs is None and self.response_format is not None:
-            return "response_format.json_schema"
+            return "response_format.json_schema" if self.response_format.type == "json_schema" else "response_format"
         return "structured_outputs"
 
     def rename_error(self, error: ValueError) -> ValueError:
