@@ -92,6 +92,16 @@ def test_a_hermes_block_that_is_no_json_call_is_content_and_ends_at_its_tag():
     assert [call["name"] for call in streamed] == ["f", "g", "h"] and streamed[-1]["arguments"] == "{}"
 
 
+def test_a_hermes_block_with_an_escape_json_has_not_is_content():
+    """A block with an escape JSON has not ("C:\\dir") in a name or key is no call but content, as any block whose
+    JSON does not parse (vLLM's parser), where reading it raised (a 500, or a stream cut by an error)."""
+    for text in ['Hi <tool_call>{"name": "C:\\dir", "arguments": {}}</tool_call> bye',
+                 'Hi <tool_call>{"na\\me": "f", "arguments": {}}</tool_call> bye']:
+        assert HermesParser().parse(text) == (text, [])
+        streamed, _, content = _streamed(list(text), HermesParser())
+        assert (streamed, content) == ([], text)
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     """As vLLM: with parallel_tool_calls false an "auto" answer carries its first call only, streamed or not."""
     from pagedllm.entrypoints.openai.tool_calls import ToolChoice

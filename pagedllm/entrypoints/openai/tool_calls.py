@@ -250,7 +250,10 @@ def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
             if end is None:
                 break
             if depth == 1:
-                string = json.loads(text[i:end])
+                try:
+                    string = json.loads(text[i:end])
+                except ValueError:  # an escape JSON has not ("C:\dir"): the object is no JSON, this string no name
+                    string = None
                 if expecting_key:
                     key = string
                 elif key == "name":
