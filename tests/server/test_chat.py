@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.conftest import MAX_MODEL_LEN, RemoteServer
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -154,3 +154,18 @@ def test_echo_starts_an_answer_that_continues_the_last_message_with_it(client, m
     new_message = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=4)
     assert client.chat.completions.create(**new_message, extra_body={"echo": True}).choices[0].message.content == \
         client.chat.completions.create(**new_message).choices[0].message.content
+
+
+def test_top_logprobs_minus_1_lists_every_token(tmp_path, tokenizer):
+    """vLLM's top_logprobs -1, which a server started with --max-logprobs -1 allows: each position lists the whole
+    vocabulary in rank order (the engine computed it; the answer listed none)."""
+    srv = RemoteServer(tmp_path / "server.log", extra_args=["--max-logprobs", "-1"])
+    try:
+        with srv.http(timeout=120) as http:
+            chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "temperature": 0,
+                                                           "logprobs": True, "top_logprobs": -1}).json()
+    finally:
+        srv.stop()
+    position = chat["choices"][0]["logprobs"]["content"][0]
+    top = [alternative["logprob"] for alternative in position["top_logprobs"]]
+    assert len(top) == len(tokenizer) and top == sorted(top, reverse=True) and top[0] == position["logprob"]

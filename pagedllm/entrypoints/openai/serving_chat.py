@@ -187,7 +187,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def _logprob_content(self, token_id: int, step: dict[int, Logprob], num_top: int
                          ) -> ChatCompletionLogProbsContent:
-        """The chosen token, and the num_top most likely ones in rank order (which may include it)."""
+        """The chosen token, and the num_top most likely ones in rank order (which may include it); num_top -1 (vLLM's
+        top_logprobs -1, which --max-logprobs -1 allows) is all of them, as many as the engine gave."""
+        if num_top < 0:
+            num_top = len(step)
         chosen = step.get(token_id)
         top = sorted(((t, lp) for t, lp in step.items() if lp.rank is not None and 1 <= lp.rank <= num_top),
                      key=lambda item: item[1].rank)
