@@ -125,3 +125,30 @@ def test_without_allow_runtime_lora_updating_the_paths_are_404(server):
     response = httpx.post(server.url_for("v1", "load_lora_adapter"), headers=server.headers,
                           json={"lora_name": "x", "lora_path": "/x"})
     assert response.status_code == 404
+
+
+def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models():
+    """--lora-modules' JSON form may name the served model an adapter belongs to (vLLM's base_model_name): /v1/models
+    gives it as the adapter's parent; a name not served is ignored, and the parent is the first served name."""
+    import argparse
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.api_server import init_app_state
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args([
+        "--enable-lora", "--served-model-name", "base", "alias", "--lora-modules",
+        json.dumps({"name": "sql", "path": "/adapters/sql", "base_model_name": "alias"}),
+        json.dumps({"name": "chat", "path": "/adapters/chat", "base_model_name": "elsewhere"}),
+        "plain=/adapters/plain"])
+    processor = SimpleNamespace(lora_config=object(), validate_lora_request=lambda lora: None)  # every adapter fits
+    model_config = SimpleNamespace(model="/models/base", max_model_len=64, generation_config="auto",
+                                   get_diff_sampling_param=dict)
+    engine_client = SimpleNamespace(model_config=model_config, processor=processor,
+                                    tokenizer=SimpleNamespace(chat_template=None))
+    state = SimpleNamespace()
+    init_app_state(state, engine_client, args.served_model_name, None, None, args.lora_modules)
+    cards = {card.id: (card.parent, card.root) for card in state.openai_serving_models.show_available_models().data}
+    assert cards == {"base": (None, "/models/base"), "alias": (None, "/models/base"),
+                     "sql": ("alias", "/adapters/sql"), "chat": ("base", "/adapters/chat"),
+                     "plain": ("base", "/adapters/plain")}

@@ -150,7 +150,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
               tool_call_parser: Optional[str] = None, lora_modules: Optional[list[dict]] = None,
               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """``frontend``: the HTTP and request flags (cli_args.add_frontend_args: CORS, request logging, response
-    role, the web page). ``lora_modules``: adapters served from the start ({"name", "path"}); a bad one is a ValueError."""
+    role, the web page). ``lora_modules``: adapters served from the start ({"name", "path", "base_model_name"});
+    a bad one is a ValueError."""
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
     if allow_runtime_lora_updating:
@@ -184,7 +185,7 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
                                  engine_client.processor, model_config.get_diff_sampling_param())
     for module in lora_modules or ():
         try:
-            models.load_lora_adapter(module["name"], module["path"])
+            models.load_lora_adapter(module["name"], module["path"], module.get("base_model_name"))
         except OpenAIError as e:
             raise ValueError(f"--lora-modules {module['name']}: {e.message}") from None
     state.engine_client = engine_client

@@ -1,5 +1,6 @@
 """OpenAIServingModels: the names the model is served under, the LoRA adapters served beside it (each its own
-"model" in /v1/models, with the base model as its parent), and the 404 for any other name."""
+"model" in /v1/models, with the base model, or the served name --lora-modules gives it, as its parent), and the 404
+for any other name."""
 from __future__ import annotations
 
 import itertools
@@ -41,15 +42,17 @@ class OpenAIServingModels:
         """The adapter a request's "model" names; None for the base model."""
         return self.lora_requests.get(model) if model else None
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRARequest:
+    def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str] = None) -> LoRARequest:
         """Serve an adapter under ``lora_name``; 400 when the name is taken or the adapter does not fit the model
-        (nothing changes then)."""
+        (nothing changes then). ``base_model_name`` (--lora-modules' JSON form): the served name /v1/models gives
+        as its parent; one that is not served is ignored, as by vLLM (the parent is then the first name)."""
         if lora_name in self.lora_requests or lora_name in self.served_model_names:
             raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded.", "lora_name")
         if self.processor is None or self.processor.lora_config is None:
             raise BadRequestError("LoRA is not enabled on this server (start it with --enable-lora).", "lora_name")
         try:
-            lora = LoRARequest(lora_name, next(self._lora_ids), lora_path)
+            lora = LoRARequest(lora_name, next(self._lora_ids), lora_path,
+                               base_model_name if base_model_name in self.served_model_names else None)
             self.processor.validate_lora_request(lora)
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from e
@@ -68,4 +71,5 @@ class OpenAIServingModels:
                              default_sampling_params=self.default_sampling_params, permission=[ModelPermission()])
 
         return ModelList(data=[card(name, self.model_path) for name in self.served_model_names]
-                         + [card(name, lora.lora_path, self.model_name) for name, lora in self.lora_requests.items()])
+                         + [card(name, lora.lora_path, lora.base_model_name or self.model_name)
+                            for name, lora in self.lora_requests.items()])
