@@ -4,7 +4,10 @@ What is served: LoRA (``peft_type`` "LORA") on the attention and MLP projections
 ``max_lora_rank``, ``lora_alpha`` scaling (``use_rslora``: alpha / sqrt(r)), ``layers_to_transform`` (the
 adapter's tensors say which layers it has). What is refused, with a ValueError naming it: DoRA, trained biases,
 ``modules_to_save`` (whole replaced modules, e.g. an LM head), per-module ranks or alphas (``rank_pattern``,
-``alpha_pattern``), ``fan_in_fan_out`` (GPT-2's Conv1D layout), and weights saved as .bin (pickles: not loaded).
+``alpha_pattern``), ``fan_in_fan_out`` (GPT-2's Conv1D layout), weights saved as .bin (pickles: not loaded), and, as
+vLLM refuses them (PEFTHelper._validate_features), the PEFT variants whose saved A and B are not the whole story:
+inits that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, CorDA, LoftQ), activated LoRA (applied
+only from its invocation tokens on), layer replication, block-diagonal LoRA and QALoRA.
 """
 from __future__ import annotations
 
@@ -15,6 +18,12 @@ from dataclasses import dataclass
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# init_lora_weights that only set the initial A and B (vLLM's _init_is_supported); True and False are plain too.
+_PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
+# settings of PEFT LoRA variants that add to, or change, what x·A·B computes -> what they make the adapter
+_REFUSED_VARIANTS = {"lora_bias": "LoRA bias", "alora_invocation_tokens": "activated LoRA (aLoRA)",
+                     "layer_replication": "layer-replicating", "use_bdlora": "block-diagonal LoRA (BD-LoRA)",
+                     "use_qalora": "QALoRA"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,14 @@ class PEFTHelper:
                 raise refuse(f"{pattern}: per-module ranks and alphas are not supported")
         if config.get("fan_in_fan_out"):
             raise refuse("fan_in_fan_out: Conv1D-layout adapters are not supported")
+        init = config.get("init_lora_weights", True)
+        if isinstance(init, str) and init.lower() not in _PLAIN_INITS:
+            raise refuse(f"init_lora_weights={init!r}: an init that changes the base weights when PEFT loads the "
+                         "adapter is not supported (convert it to a plain LoRA adapter with PEFT's "
+                         "path_initial_model_for_weight_conversion)")
+        for setting, what in _REFUSED_VARIANTS.items():
+            if config.get(setting):
+                raise refuse(f"{setting}: {what} adapters are not supported")
         targets = config.get("target_modules") or ()
         return cls(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora", False)),
                    target_modules=targets if isinstance(targets, str) else tuple(targets))

@@ -143,6 +143,10 @@ Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     ({"r": 32}, {}, r"rank r=32 exceeds max_lora_rank=16"),
     ({"use_dora": True}, {}, r"DoRA"),
     ({"modules_to_save": ["lm_head"]}, {}, r"modules_to_save"),
+    # PEFT variants whose saved A and B are not all there is to them (vLLM refuses them too)
+    ({"init_lora_weights": "pissa"}, {}, r"init_lora_weights='pissa': an init that changes the base weights"),
+    ({"alora_invocation_tokens": [1, 2]}, {}, r"alora_invocation_tokens: activated LoRA"),
+    ({"layer_replication": [[0, 20], [10, 30]]}, {}, r"layer_replication"),
     ({}, {Q_PROJ.format("A"): torch.zeros(4, 100), Q_PROJ.format("B"): torch.zeros(576, 4)},
      r"q_proj has A \(4, 100\) and B \(576, 4\); the base model needs A \(4, 576\)"),
     ({}, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}, r"'base_model.model.lm_head.lora_A"),
