@@ -104,8 +104,12 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
     """An adapter's settings and, per (layer, module) it adapts in layer order, the names of its A and B tensors,
     checked against the base model's config from its config file and its tensors' names and shapes, without
     reading their data (the frontend checks each adapter this way; the worker loads it). A ValueError names what
-    does not fit: a module the model has no LoRA layer for, a shape that is not the base's, a layer past its last,
-    an A without its B."""
+    does not fit: a module the model has no LoRA layer for (an MLP projection of a layer whose feed-forward block
+    is experts included: a dense model's adapter on a mixture of experts of its shapes), a shape that is not the
+    base's, a layer past its last, an A without its B."""
+    from pagedllm.models.registry import get_model_architecture
+
+    dense_mlp = get_model_architecture(hf_config).dense_mlp
     peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
     shapes = slice_shapes(hf_config)
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
@@ -121,6 +125,9 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
         if layer_index >= hf_config.num_hidden_layers:
             raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
                              f"base model has {hf_config.num_hidden_layers}")
+        if match.group(2).startswith("mlp.") and not dense_mlp(hf_config, layer_index):
+            raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}'s MLP; the "
+                             f"base model's is a mixture of experts, on which pagedllm serves no adapters")
         found.setdefault((layer_index, match.group(2)), {})[match.group(3)] = shape
         names.setdefault((layer_index, match.group(2)), {})[match.group(3)] = name
     for (layer_index, module), ab in sorted(found.items()):

@@ -261,6 +261,12 @@ class LlamaForCausalLM(nn.Module):
                         getattr(config, "mlp_bias", False), rank.tp_size, rank.tp_rank, quant_config, prefix)
 
     @staticmethod
+    def dense_mlp(config: PretrainedConfig, layer_index: int) -> bool:
+        """Whether layer ``layer_index``'s feed-forward block (``make_mlp``'s) is a dense MLP, gate_up_proj and
+        down_proj, on which LoRA adapters serve: every layer's for Llama."""
+        return True
+
+    @staticmethod
     def attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
         """Whether (qkv_proj, o_proj) have a bias; Llama uses one flag for both."""
         bias = getattr(config, "attention_bias", False)

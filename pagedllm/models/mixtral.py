@@ -27,3 +27,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
                  quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
         return SparseMoeBlock(config, config.num_local_experts, config.intermediate_size, True, rank, quant_config,
                               prefix)
+
+    @staticmethod
+    def dense_mlp(config: PretrainedConfig, layer_index: int) -> bool:
+        return False  # every layer's is experts

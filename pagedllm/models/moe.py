@@ -77,6 +77,11 @@ def is_sparse_layer(config: PretrainedConfig, layer_index: int) -> bool:
             and config.num_experts > 0 and (layer_index + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
 
 
+def qwen_moe_dense_mlp(config: PretrainedConfig, layer_index: int) -> bool:
+    """Whether a Qwen MoE layer's feed-forward block is qwen_moe_mlp's dense MLP."""
+    return not is_sparse_layer(config, layer_index)
+
+
 def qwen_moe_mlp(config: PretrainedConfig, layer_index: int, rank: ParallelRank,
                  quant_config: QuantizationConfig | None, prefix: str) -> nn.Module:
     """A Qwen2-MoE / Qwen3-MoE layer's feed-forward block: the sparse block, or a dense MLP of intermediate_size."""

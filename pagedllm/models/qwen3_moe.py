@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pagedllm.models.moe import experts_run_natively, qwen_moe_mlp
+from pagedllm.models.moe import experts_run_natively, qwen_moe_dense_mlp, qwen_moe_mlp
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 
@@ -11,3 +11,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     supports_cpu_graphs = property(experts_run_natively)
     expert_weight_names = ("gate_proj", "down_proj", "up_proj")
     make_mlp = staticmethod(qwen_moe_mlp)
+    dense_mlp = staticmethod(qwen_moe_dense_mlp)

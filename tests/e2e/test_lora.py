@@ -180,6 +180,32 @@ def test_missing_files_and_pickled_weights_are_value_errors(llm_with_lora, tmp_p
         run(llm_with_lora, [[1, 2, 3]], LoRARequest("list", 9, str(tmp_path / "list")))
 
 
+def test_an_adapter_on_the_mlp_of_a_mixture_of_experts_layer_is_a_value_error(tmp_path):
+    """A dense model's adapter fits a mixture of experts of its shapes (Mistral 7B's fits Mixtral 8x7B) but for the
+    MLP projections, which such a layer has none of: the check refuses it (the worker would skip those tensors, and
+    serve the attention part alone), as vLLM refuses modules the model lacks. A Qwen MoE model's dense layers
+    (mlp_only_layers) take one."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    from pagedllm.lora.lora_model import check_local_checkpoint
+
+    shapes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2)
+    gate = "base_model.model.model.layers.{}.mlp.gate_proj.lora_{}.weight"
+    for layer in (0, 2):
+        tensors = {gate.format(layer, "A"): torch.zeros(4, 64), gate.format(layer, "B"): torch.zeros(128, 4),
+                   Q_PROJ.format("A"): torch.zeros(4, 64), Q_PROJ.format("B"): torch.zeros(64, 4)}
+        path = _write_adapter(tmp_path / f"layer{layer}", {"target_modules": ["q_proj", "gate_proj"]}, tensors)
+        with pytest.raises(ValueError, match=rf"layer {layer}'s MLP; the base model's is a mixture of experts"):
+            check_local_checkpoint(path, MixtralConfig(num_local_experts=4, **shapes), 16)
+        qwen2_moe = Qwen2MoeConfig(num_experts=4, moe_intermediate_size=32, mlp_only_layers=[2], **shapes)
+        if layer == 2:
+            assert len(check_local_checkpoint(path, qwen2_moe, 16)[1]) == 2
+        else:
+            with pytest.raises(ValueError, match=r"layer 0's MLP; the base model's is a mixture of experts"):
+                check_local_checkpoint(path, qwen2_moe, 16)
+
+
 def test_an_adapter_id_may_be_any_positive_integer(llm_with_lora, adapters):
     """Ids are names, not indices (a step maps each token's id to its slot without a table indexed by them)."""
     first = adapters["all-r8"][0]
