@@ -152,3 +152,38 @@ def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models():
     assert cards == {"base": (None, "/models/base"), "alias": (None, "/models/base"),
                      "sql": ("alias", "/adapters/sql"), "chat": ("base", "/adapters/chat"),
                      "plain": ("base", "/adapters/plain")}
+
+
+def test_load_inplace_replaces_a_served_adapter_under_a_new_id():
+    """vLLM's load_inplace: a name already served takes the new adapter (without it, a 400 that says so); the new one
+    gets a new id (the engine keys its slots and prefix-cache blocks by id, so nothing of the old one serves it). A
+    served model's name is never an adapter's."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import lora_router
+    from pagedllm.entrypoints.openai.errors import register_exception_handlers
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    forgotten = []
+    processor = SimpleNamespace(lora_config=object(), validate_lora_request=lambda lora: None,
+                                forget_lora=forgotten.append)
+    app = FastAPI()
+    app.include_router(lora_router)
+    register_exception_handlers(app)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
+    http = TestClient(app)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/v1"}).status_code == 200
+    first = models.lora_request("sql")
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/v2"})
+    assert response.status_code == 400 and "set 'load_inplace' to True" in response.json()["error"]["message"]
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/v2", "load_inplace": True})
+    assert response.status_code == 200, response.text
+    again = models.lora_request("sql")
+    assert (again.lora_path, forgotten) == ("/a/v2", [first.lora_int_id]) and again.lora_int_id != first.lora_int_id
+    assert [card.root for card in models.show_available_models().data if card.id == "sql"] == ["/a/v2"]
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": "/a/v1",
+                                                        "load_inplace": True})
+    assert response.status_code == 400 and "conflicts with a served base model" in response.json()["error"]["message"]

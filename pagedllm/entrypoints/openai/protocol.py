@@ -72,6 +72,7 @@ class ModelCard(OpenAIBaseModel):
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str
     lora_path: str
+    load_inplace: bool = False  # vLLM's: load the adapter under a name already served, in place of that one
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):

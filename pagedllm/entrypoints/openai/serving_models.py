@@ -42,12 +42,19 @@ class OpenAIServingModels:
         """The adapter a request's "model" names; None for the base model."""
         return self.lora_requests.get(model) if model else None
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str] = None) -> LoRARequest:
-        """Serve an adapter under ``lora_name``; 400 when the name is taken or the adapter does not fit the model
-        (nothing changes then). ``base_model_name`` (--lora-modules' JSON form): the served name /v1/models gives
-        as its parent; one that is not served is ignored, as by vLLM (the parent is then the first name)."""
-        if lora_name in self.lora_requests or lora_name in self.served_model_names:
-            raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded.", "lora_name")
+    def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str] = None,
+                          load_inplace: bool = False) -> LoRARequest:
+        """Serve an adapter under ``lora_name``; 400 when the name is a served model's, or an adapter's unless
+        ``load_inplace`` (vLLM's: the new adapter replaces that one), or the adapter does not fit the model (nothing
+        changes then). A reloaded adapter takes a new id, so requests already running keep the old weights and no
+        prefix-cache block of theirs serves the new ones. ``base_model_name`` (--lora-modules' JSON form): the
+        served name /v1/models gives as its parent; one that is not served is ignored, as by vLLM (the parent is
+        then the first name)."""
+        if lora_name in self.served_model_names:
+            raise BadRequestError(f"The lora adapter '{lora_name}' conflicts with a served base model.", "lora_name")
+        if lora_name in self.lora_requests and not load_inplace:
+            raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded. If you want to load the "
+                                  "adapter in place, set 'load_inplace' to True.", "lora_name")
         if self.processor is None or self.processor.lora_config is None:
             raise BadRequestError("LoRA is not enabled on this server (start it with --enable-lora).", "lora_name")
         try:
@@ -56,6 +63,9 @@ class OpenAIServingModels:
             self.processor.validate_lora_request(lora)
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from e
+        previous = self.lora_requests.get(lora_name)
+        if previous is not None:
+            self.processor.forget_lora(previous.lora_int_id)
         self.lora_requests[lora_name] = lora
         return lora
 
