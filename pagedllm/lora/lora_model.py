@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import head_dim
-from pagedllm.lora.peft_helper import WEIGHTS_FILE, PEFTHelper
+from pagedllm.lora.peft_helper import WEIGHTS_FILE, PEFTHelper, adapter_dir
 
 # checkpoint module -> (the model's layer, slice index; None: every slice, the checkpoint's module being the fused one)
 LORA_TARGETS = {
@@ -93,7 +93,7 @@ def _weights(lora_path: str):
     """The adapter's safetensors file open for reading; a file that is not one (truncated, corrupt, gone) is a
     ValueError naming it, as every other thing wrong with an adapter is."""
     try:
-        with safe_open(f"{lora_path}/{WEIGHTS_FILE}", framework="pt") as f:
+        with safe_open(f"{adapter_dir(lora_path)}/{WEIGHTS_FILE}", framework="pt") as f:
             yield f
     except (OSError, SafetensorError) as e:
         raise ValueError(f"LoRA adapter {lora_path!r}: {WEIGHTS_FILE} cannot be read ({e})") from None

@@ -26,6 +26,12 @@ _REFUSED_VARIANTS = {"lora_bias": "LoRA bias", "alora_invocation_tokens": "activ
                      "use_qalora": "QALoRA"}
 
 
+def adapter_dir(lora_path: str) -> str:
+    """The directory a LoRARequest's ``lora_path`` names: the path, with a leading ``~`` expanded (vLLM's
+    get_adapter_absolute_path, less its download of a Hugging Face Hub repo)."""
+    return os.path.expanduser(lora_path)
+
+
 @dataclass(frozen=True)
 class PEFTHelper:
     r: int
@@ -42,13 +48,14 @@ class PEFTHelper:
     def from_local_dir(cls, lora_path: str, max_lora_rank: int) -> PEFTHelper:
         """The adapter's settings, or a ValueError naming what does not fit (a missing file, a setting pagedllm
         does not serve, a rank above ``max_lora_rank``)."""
-        if not os.path.isdir(lora_path):
+        directory = adapter_dir(lora_path)
+        if not os.path.isdir(directory):
             raise ValueError(f"LoRA adapter directory {lora_path!r} does not exist")
-        config_path = os.path.join(lora_path, CONFIG_FILE)
+        config_path = os.path.join(directory, CONFIG_FILE)
         if not os.path.isfile(config_path):
             raise ValueError(f"LoRA adapter {lora_path!r} has no {CONFIG_FILE}")
-        if not os.path.isfile(os.path.join(lora_path, WEIGHTS_FILE)):
-            if os.path.isfile(os.path.join(lora_path, "adapter_model.bin")):
+        if not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
+            if os.path.isfile(os.path.join(directory, "adapter_model.bin")):
                 raise ValueError(f"LoRA adapter {lora_path!r} holds adapter_model.bin, a pickle, which pagedllm does "
                                  f"not load; save it as {WEIGHTS_FILE} (peft: save_pretrained(..., "
                                  f"safe_serialization=True))")

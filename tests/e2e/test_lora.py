@@ -206,6 +206,23 @@ def test_an_adapter_on_the_mlp_of_a_mixture_of_experts_layer_is_a_value_error(tm
                 check_local_checkpoint(path, qwen2_moe, 16)
 
 
+def test_a_lora_path_may_start_with_a_tilde(tmp_path, monkeypatch):
+    """As vLLM's (get_adapter_absolute_path), a leading ~ is the home directory, for the frontend's check and the
+    worker's load alike (a path in --lora-modules' JSON form, or in a load request, is no shell's to expand)."""
+    from transformers import LlamaConfig
+
+    from pagedllm.lora.lora_model import LoRAModel, check_local_checkpoint
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write_adapter(tmp_path / "sql", {}, {Q_PROJ.format("A"): torch.ones(4, 64), Q_PROJ.format("B"): torch.ones(64, 4)})
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2)
+    assert list(check_local_checkpoint("~/sql", config, 16)[1]) == [(0, "self_attn.q_proj")]
+    model = LoRAModel.from_local_checkpoint("~/sql", 1, config, 16)
+    [(a, b), *_] = model.layers["model.layers.0.self_attn.qkv_proj"].slices
+    assert torch.equal(a, torch.ones(4, 64)) and torch.equal(b, torch.full((64, 4), 2.0))  # scaled by alpha / r
+
+
 def test_an_adapter_id_may_be_any_positive_integer(llm_with_lora, adapters):
     """Ids are names, not indices (a step maps each token's id to its slot without a table indexed by them)."""
     first = adapters["all-r8"][0]
