@@ -127,7 +127,16 @@ def test_without_allow_runtime_lora_updating_the_paths_are_404(server):
     assert response.status_code == 404
 
 
-def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models():
+def _adapter_dirs(root, *names: str) -> dict[str, str]:
+    """name -> a directory holding an adapter_config.json (the serving checks it is there; the fake processor of
+    these tests takes any)."""
+    for name in names:
+        (root / name).mkdir()
+        (root / name / "adapter_config.json").write_text("{}")
+    return {name: str(root / name) for name in names}
+
+
+def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models(tmp_path):
     """--lora-modules' JSON form may name the served model an adapter belongs to (vLLM's base_model_name): /v1/models
     gives it as the adapter's parent; a name not served is ignored, and the parent is the first served name."""
     import argparse
@@ -136,11 +145,11 @@ def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models():
     from pagedllm.entrypoints.openai.api_server import init_app_state
     from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 
+    paths = _adapter_dirs(tmp_path, "sql", "chat", "plain")
     args = make_arg_parser(argparse.ArgumentParser()).parse_args([
         "--enable-lora", "--served-model-name", "base", "alias", "--lora-modules",
-        json.dumps({"name": "sql", "path": "/adapters/sql", "base_model_name": "alias"}),
-        json.dumps({"name": "chat", "path": "/adapters/chat", "base_model_name": "elsewhere"}),
-        "plain=/adapters/plain"])
+        json.dumps({"name": "sql", "path": paths["sql"], "base_model_name": "alias"}),
+        json.dumps({"name": "chat", "path": paths["chat"], "base_model_name": "elsewhere"}), f"plain={paths['plain']}"])
     processor = SimpleNamespace(lora_config=object(), validate_lora_request=lambda lora: None)  # every adapter fits
     model_config = SimpleNamespace(model="/models/base", max_model_len=64, generation_config="auto",
                                    get_diff_sampling_param=dict)
@@ -149,12 +158,11 @@ def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models():
     state = SimpleNamespace()
     init_app_state(state, engine_client, args.served_model_name, None, None, args.lora_modules)
     cards = {card.id: (card.parent, card.root) for card in state.openai_serving_models.show_available_models().data}
-    assert cards == {"base": (None, "/models/base"), "alias": (None, "/models/base"),
-                     "sql": ("alias", "/adapters/sql"), "chat": ("base", "/adapters/chat"),
-                     "plain": ("base", "/adapters/plain")}
+    assert cards == {"base": (None, "/models/base"), "alias": (None, "/models/base"), "sql": ("alias", paths["sql"]),
+                     "chat": ("base", paths["chat"]), "plain": ("base", paths["plain"])}
 
 
-def test_load_inplace_replaces_a_served_adapter_under_a_new_id():
+def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
     """vLLM's load_inplace: a name already served takes the new adapter (without it, a 400 that says so); the new one
     gets a new id (the engine keys its slots and prefix-cache blocks by id, so nothing of the old one serves it). A
     served model's name is never an adapter's."""
@@ -175,15 +183,45 @@ def test_load_inplace_replaces_a_served_adapter_under_a_new_id():
     register_exception_handlers(app)
     app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
     http = TestClient(app)
-    assert http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/v1"}).status_code == 200
+    v1, v2 = _adapter_dirs(tmp_path, "v1", "v2").values()
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": v1}).status_code == 200
     first = models.lora_request("sql")
-    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/v2"})
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": v2})
     assert response.status_code == 400 and "set 'load_inplace' to True" in response.json()["error"]["message"]
-    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": "/a/v2", "load_inplace": True})
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": v2, "load_inplace": True})
     assert response.status_code == 200, response.text
     again = models.lora_request("sql")
-    assert (again.lora_path, forgotten) == ("/a/v2", [first.lora_int_id]) and again.lora_int_id != first.lora_int_id
-    assert [card.root for card in models.show_available_models().data if card.id == "sql"] == ["/a/v2"]
-    response = http.post("/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": "/a/v1",
+    assert (again.lora_path, forgotten) == (v2, [first.lora_int_id]) and again.lora_int_id != first.lora_int_id
+    assert [card.root for card in models.show_available_models().data if card.id == "sql"] == [v2]
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": v1,
                                                         "load_inplace": True})
     assert response.status_code == 400 and "conflicts with a served base model" in response.json()["error"]["message"]
+
+
+def test_loading_a_path_with_no_adapter_is_a_404(tmp_path):
+    """vLLM's LoRAAdapterNotFoundError: no adapter_config.json where the path points (no directory, or an empty one)
+    is a 404 with its message; an adapter that is there but does not fit stays a 400."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import lora_router
+    from pagedllm.entrypoints.openai.errors import register_exception_handlers
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+    from pagedllm.lora.peft_helper import PEFTHelper
+
+    processor = SimpleNamespace(lora_config=object(),
+                                validate_lora_request=lambda lora: PEFTHelper.from_local_dir(lora.lora_path, 16))
+    app = FastAPI()
+    app.include_router(lora_router)
+    register_exception_handlers(app)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
+    http = TestClient(app)
+    for path in (tmp_path / "nowhere", tmp_path):
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(path)})
+        assert response.status_code == 404
+        assert response.json()["error"]["message"] == f"Loading lora sql failed: No adapter found for {path}"
+    (tmp_path / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 8}')
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path)})
+    assert response.status_code == 400 and models.lora_request("sql") is None

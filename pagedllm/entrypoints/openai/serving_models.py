@@ -4,10 +4,12 @@ for any other name."""
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
+from pagedllm.lora.peft_helper import CONFIG_FILE, adapter_dir
 from pagedllm.lora.request import LoRARequest
 
 
@@ -45,8 +47,9 @@ class OpenAIServingModels:
     def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str] = None,
                           load_inplace: bool = False) -> LoRARequest:
         """Serve an adapter under ``lora_name``; 400 when the name is a served model's, or an adapter's unless
-        ``load_inplace`` (vLLM's: the new adapter replaces that one), or the adapter does not fit the model (nothing
-        changes then). A reloaded adapter takes a new id, so requests already running keep the old weights and no
+        ``load_inplace`` (vLLM's: the new adapter replaces that one), or the adapter does not fit the model; 404
+        when the path holds no adapter (no adapter_config.json: vLLM's LoRAAdapterNotFoundError). Nothing changes
+        on an error. A reloaded adapter takes a new id, so requests already running keep the old weights and no
         prefix-cache block of theirs serves the new ones. ``base_model_name`` (--lora-modules' JSON form): the
         served name /v1/models gives as its parent; one that is not served is ignored, as by vLLM (the parent is
         then the first name)."""
@@ -60,6 +63,8 @@ class OpenAIServingModels:
         try:
             lora = LoRARequest(lora_name, next(self._lora_ids), lora_path,
                                base_model_name if base_model_name in self.served_model_names else None)
+            if not os.path.isfile(os.path.join(adapter_dir(lora_path), CONFIG_FILE)):
+                raise NotFoundError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
             self.processor.validate_lora_request(lora)
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from e
