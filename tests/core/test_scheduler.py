@@ -332,8 +332,8 @@ def test_prefill_cap_counts_a_resumed_requests_recomputed_outputs():
     """A request resumed from preemption computes its prompt and its outputs again, a prefill that costs a step what
     a prompt does (vLLM's prefill_end, max(num_prompt_tokens, num_tokens - 1)): while others decode, each of its
     chunks keeps within max_prefill_tokens_with_decodes, not only the first."""
-    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64, max_prefill_tokens_with_decodes=8,
-                               enable_prefix_caching=False)
+    scheduler = make_scheduler(num_blocks=16, block_size=4, max_num_batched_tokens=64,
+                               max_prefill_tokens_with_decodes=8, enable_prefix_caching=False)
     for req_id, start, max_tokens in (("d", 100, 45), ("x", 300, 22), ("r", 200, 40)):
         scheduler.add_request(make_request(req_id, list(range(start, start + 4)), block_size=4, max_tokens=max_tokens,
                                            ignore_eos=True))
