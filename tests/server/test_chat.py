@@ -157,15 +157,23 @@ def test_echo_starts_an_answer_that_continues_the_last_message_with_it(client, m
 
 
 def test_top_logprobs_minus_1_lists_every_token(tmp_path, tokenizer):
-    """vLLM's top_logprobs -1, which a server started with --max-logprobs -1 allows: each position lists the whole
-    vocabulary in rank order (the engine computed it; the answer listed none)."""
+    """vLLM's top_logprobs -1 (chat) and logprobs -1 (completions), which a server started with --max-logprobs -1
+    allows: each position lists the whole vocabulary in rank order (the engine computed it; the answers listed
+    none)."""
     srv = RemoteServer(tmp_path / "server.log", extra_args=["--max-logprobs", "-1"])
     try:
         with srv.http(timeout=120) as http:
             chat = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "temperature": 0,
                                                            "logprobs": True, "top_logprobs": -1}).json()
+            completion = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "temperature": 0,
+                                                            "logprobs": -1}).json()
     finally:
         srv.stop()
     position = chat["choices"][0]["logprobs"]["content"][0]
     top = [alternative["logprob"] for alternative in position["top_logprobs"]]
     assert len(top) == len(tokenizer) and top == sorted(top, reverse=True) and top[0] == position["logprob"]
+    logprobs = completion["choices"][0]["logprobs"]
+    top = list(logprobs["top_logprobs"][0].values())
+    # keyed by token text, which several ids can share (byte tokens decode alike, a later one's value replacing the
+    # earlier's, as in vLLM): most of the vocabulary, the chosen token first
+    assert len(top) > len(tokenizer) // 2 and top[0] == max(top) == logprobs["token_logprobs"][0]
