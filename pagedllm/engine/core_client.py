@@ -35,8 +35,13 @@ OUTPUT_POLL_MS = 100
 
 
 def multiprocessing_enabled() -> bool:
-    """PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs the engine core in the caller's process."""
-    return os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "1") != "0"
+    """PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs the engine core in the caller's process; the value is an integer, read
+    as vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING (bool(int(...))), so that "false" is an error, not "on"."""
+    value = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_ENABLE_MULTIPROCESSING must be 0 or 1, got {value!r}") from None
 
 
 class InprocClient:

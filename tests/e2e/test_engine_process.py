@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine.core_client import multiprocessing_enabled
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import CONFIG_ON_STDIN, engine_core_prestarted, waiting_engine_cores
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
@@ -67,6 +68,18 @@ def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
     gc.collect()
     assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(ipc_dir)
+
+
+@pytest.mark.parametrize("value", ["false", "off", ""])
+def test_enable_multiprocessing_takes_an_integer(monkeypatch, value):
+    """PAGEDLLM_ENABLE_MULTIPROCESSING is read as vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING, bool(int(...)): "false"
+    turned multiprocessing ON; now it is an error naming the variable, before any process starts."""
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", value)
+    with pytest.raises(ValueError, match="PAGEDLLM_ENABLE_MULTIPROCESSING"):
+        LLM(max_model_len=64)
+    for value, enabled in (("0", False), ("1", True)):
+        monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", value)
+        assert multiprocessing_enabled() is enabled
 
 
 def test_ipc_types_are_msgspec_structs_that_round_trip():
