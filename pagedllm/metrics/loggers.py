@@ -7,6 +7,8 @@ rate per draft position and overall, all over the interval. Off with ``--disable
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 from typing import Optional
@@ -18,6 +20,19 @@ logger = logging.getLogger(__name__)
 
 LOG_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
 MIN_INTERVAL_S = 0.1  # the timer's shortest tick (an interval of 0: every tick)
+
+
+def log_stats_interval() -> float:
+    """PAGEDLLM_LOG_STATS_INTERVAL's seconds (default 10; 0: every tick): a value that is no finite non-negative number
+    is a ValueError naming the variable when the server starts, not a logging thread that dies in silence."""
+    value = os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL", str(LOG_STATS_INTERVAL_S))
+    try:
+        interval = float(value)
+    except ValueError:
+        interval = math.nan
+    if not 0 <= interval < math.inf:
+        raise ValueError(f"PAGEDLLM_LOG_STATS_INTERVAL must be a number of seconds (0 or more), got {value!r}")
+    return interval
 
 
 class LoggingStatLogger:

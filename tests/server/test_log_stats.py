@@ -7,8 +7,10 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
+
 from pagedllm.engine.protocol import SchedulerStats
-from pagedllm.metrics.loggers import LoggingStatLogger
+from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.stats import IterationStats
 
 
@@ -91,3 +93,16 @@ def test_the_timer_logs_without_any_record(caplog):
     while not caplog.records and time.monotonic() < deadline:
         time.sleep(0.01)
     assert "Running: 2 reqs" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "ten", "inf"])
+def test_a_bad_log_stats_interval_is_an_error_naming_the_variable(monkeypatch, value):
+    """An interval that is no finite non-negative number fails when the server starts (a NaN killed the logging
+    thread in silence); 0 stays every tick, as the server tests use it."""
+    monkeypatch.setenv("PAGEDLLM_LOG_STATS_INTERVAL", value)
+    with pytest.raises(ValueError, match="PAGEDLLM_LOG_STATS_INTERVAL"):
+        log_stats_interval()
+    monkeypatch.setenv("PAGEDLLM_LOG_STATS_INTERVAL", "0")
+    assert log_stats_interval() == 0.0
+    monkeypatch.delenv("PAGEDLLM_LOG_STATS_INTERVAL")
+    assert log_stats_interval() == 10.0

@@ -41,7 +41,7 @@ from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokeni
 from pagedllm.entrypoints.openai.shutdown import RejectWhileShuttingDown, on_exit_signal
 from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.entrypoints.openai.web_ui import mount_web_ui
-from pagedllm.metrics.loggers import LOG_STATS_INTERVAL_S, LoggingStatLogger
+from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
@@ -241,6 +241,7 @@ def listening_socket(args: argparse.Namespace) -> Optional[socket.socket]:
 async def run_server(args: argparse.Namespace) -> None:
     """Serves until an exit signal; ``args`` are `pagedllm serve`'s, checked by validate_parsed_serve_args."""
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
+    interval = None if args.disable_log_stats else log_stats_interval()  # so does a bad variable
     sock = listening_socket(args)
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
@@ -250,8 +251,7 @@ async def run_server(args: argparse.Namespace) -> None:
     stat_loggers = [lambda config: PrometheusStatLogger(
         served_model_names[0], registry, config.model_config.max_model_len, args.data_parallel_size,
         num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
-    if not args.disable_log_stats:
-        interval = float(os.environ.get("PAGEDLLM_LOG_STATS_INTERVAL", LOG_STATS_INTERVAL_S))
+    if interval is not None:
         stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
     engine_client = None
     try:
