@@ -143,6 +143,12 @@ class Worker:
         logger.info("KV cache: %d blocks of %d tokens in %d group(s) (%d tokens); max concurrency at %d tokens per "
                     "request: %.2fx", num_blocks, block_size, len(windows), num_blocks * block_size // len(windows),
                     max_len, num_blocks / per_request)
+        if num_blocks < per_request:
+            # vLLM refuses to start here; this engine starts, and refuses (with an error in its output) each request
+            # that could need more than the cache holds, so a deliberately small cache still serves short requests.
+            logger.warning("The KV cache (%d blocks of %d tokens) is smaller than one request of max_model_len (%d) "
+                           "can need (%d blocks): a request that could need more is refused. Raise kv_cache_memory "
+                           "or lower max_model_len.", num_blocks, block_size, max_len, per_request)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         with engine_step():  # the KV cache's populating waits meanwhile

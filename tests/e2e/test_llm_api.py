@@ -2,6 +2,7 @@
 the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -217,6 +218,25 @@ def test_an_interrupted_generate_leaves_no_request_running(llm, monkeypatch):
     out = llm.generate("Hi", SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
     assert llm.get_stats().num_running_reqs == 0
+
+
+def test_a_kv_cache_smaller_than_one_request_is_warned_of_and_refuses_what_it_cannot_hold(caplog):
+    """vLLM refuses to start with a KV cache that cannot hold one request of max_model_len; this engine starts (a
+    small cache still serves short requests) but says so at start-up, and refuses a request that could outgrow the
+    cache with an error in its output instead of stalling it."""
+    from tests.e2e.conftest import in_process_llm
+
+    with caplog.at_level(logging.WARNING, logger="pagedllm.worker.worker"):
+        llm = in_process_llm(max_model_len=512, num_kv_blocks=8, enforce_eager=True)
+    try:
+        assert any("smaller than one request of max_model_len (512)" in r.getMessage() for r in caplog.records)
+        short, long = llm.generate([{"prompt_token_ids": list(range(1000, 1010))},
+                                    {"prompt_token_ids": list(range(1000, 1200))}],
+                                   SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert short.error is None and len(short.outputs[0].token_ids) == 4
+        assert "KV cache" in long.error and long.outputs[0].token_ids == []
+    finally:
+        llm.shutdown()
 
 
 def test_streamed_prompt_logprobs_come_once_and_whole_with_the_first_token():
