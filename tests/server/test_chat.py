@@ -2,6 +2,8 @@
 stop strings, seeded sampling."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.server.conftest import MAX_MODEL_LEN, RemoteServer
@@ -177,3 +179,29 @@ def test_top_logprobs_minus_1_lists_every_token(tmp_path, tokenizer):
     # keyed by token text, which several ids can share (byte tokens decode alike, a later one's value replacing the
     # earlier's, as in vLLM): most of the vocabulary, the chosen token first
     assert len(top) > len(tokenizer) // 2 and top[0] == max(top) == logprobs["token_logprobs"][0]
+
+
+def test_enable_prompt_tokens_details_reports_the_cached_prompt_tokens(tmp_path):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens counts the prompt tokens the
+    prefix cache held (left out when none), in chat and completions answers, streamed or not."""
+    srv = RemoteServer(tmp_path / "server.log", extra_args=["--enable-prompt-tokens-details"])
+    try:
+        with srv.http(timeout=120) as http:
+            def chat(**extra):
+                return http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, **extra})
+
+            first = chat().json()["usage"]
+            again = chat().json()["usage"]
+            streamed = [line for line in chat(stream=True, stream_options={"include_usage": True}).text.splitlines()
+                        if line.startswith("data: {")]
+            prompt = list(range(1000, 1100))
+            completions = [http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).json()["usage"]
+                           for _ in range(2)]
+    finally:
+        srv.stop()
+    whole_blocks = (first["prompt_tokens"] - 1) // 16 * 16
+    assert "prompt_tokens_details" not in first or first["prompt_tokens_details"] is None
+    assert again["prompt_tokens_details"] == {"cached_tokens": whole_blocks}
+    assert json.loads(streamed[-1].removeprefix("data: "))["usage"]["prompt_tokens_details"] == \
+        {"cached_tokens": whole_blocks}
+    assert completions[1]["prompt_tokens_details"] == {"cached_tokens": 96}

@@ -40,6 +40,9 @@ def test_response_is_the_greedy_chat_answer(client, chat_text):
     assert (message.type, message.role, message.content[0].type) == ("message", "assistant", "output_text")
     usage = response.usage
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    # the chat_text fixture's prompt was this one: its whole blocks come from the prefix cache (vLLM reports them
+    # whatever --enable-prompt-tokens-details says)
+    assert usage.input_tokens_details.cached_tokens == (usage.input_tokens - 1) // 16 * 16 > 0
     if usage.output_tokens == 20:  # cut by max_output_tokens
         assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")
     else:

@@ -145,6 +145,9 @@ def add_serving_args(group) -> None:
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="the format tool calls take in free text, for tool_choice 'auto' "
                             "(default: detected from the chat template)")
+    group.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+                       help="usage tells how many prompt tokens the prefix cache held (prompt_tokens_details."
+                            "cached_tokens, when there were any; the Responses API's usage always does)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

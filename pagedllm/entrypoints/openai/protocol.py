@@ -86,15 +86,23 @@ class ModelList(OpenAIBaseModel):
 
 
 # ------------------------------------------------------------------------------------------------ shared
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: Optional[int] = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: Optional[int] = 0
+    # With --enable-prompt-tokens-details, the prompt tokens found in the prefix cache, when there were any (vLLM's).
+    prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "UsageInfo":
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
+        """``cached_tokens``: reported only when not 0 (give 0 where they are not to be reported)."""
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens) if cached_tokens else None)
 
 
 class StreamOptions(OpenAIBaseModel):

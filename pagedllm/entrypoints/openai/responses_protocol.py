@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
 
 from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, ChatCompletionRequest, OpenAIBaseModel,
-                                                  random_uuid)
+                                                  UsageInfo, random_uuid)
 
 
 class InputTextPart(OpenAIBaseModel):
@@ -231,6 +231,14 @@ class ResponseUsage(OpenAIBaseModel):
     total_tokens: int
     input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
     output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+
+    @classmethod
+    def of_chat(cls, usage: UsageInfo) -> "ResponseUsage":
+        """A chat usage as the Responses API reports it, the prompt's cached tokens always (vLLM's)."""
+        details = usage.prompt_tokens_details
+        return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
+                   total_tokens=usage.total_tokens,
+                   input_tokens_details=InputTokensDetails(cached_tokens=(details.cached_tokens or 0) if details else 0))
 
 
 class IncompleteDetails(OpenAIBaseModel):

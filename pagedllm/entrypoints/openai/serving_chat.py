@@ -28,9 +28,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
                  tool_call_parser: Optional[str] = None, *, response_role: str = "assistant",
-                 request_logger: Optional[RequestLogger] = None) -> None:
+                 request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False) -> None:
         """response_role: the role of the messages answered (vLLM's --response-role)."""
-        super().__init__(engine_client, models, request_logger=request_logger)
+        super().__init__(engine_client, models, request_logger=request_logger,
+                         enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.response_role = response_role
         self.chat_template = chat_template
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -50,9 +51,11 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return conversation([last])[0]["content"]
 
-    async def create_chat_completion(self, request: ChatCompletionRequest
+    async def create_chat_completion(self, request: ChatCompletionRequest, cached_tokens_always: bool = False
                                      ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
-        """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""
+        """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated.
+        cached_tokens_always: the usage reports the prompt's cached tokens whatever --enable-prompt-tokens-details
+        says (the Responses API's usage, built from this one, always has them)."""
         model_name = self.models.check_model(request.model)
         try:
             tool_choice = resolve_tool_choice(request.tools, request.tool_choice, request.parallel_tool_calls,
@@ -79,15 +82,18 @@ class OpenAIServingChat(OpenAIServing):
             request, "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
-                                                         len(prompt_token_ids), tool_choice)
-        return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice)
+                                                         len(prompt_token_ids), tool_choice, cached_tokens_always)
+        return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice,
+                                                         cached_tokens_always)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                results: AsyncIterator[RequestOutput], request_id: str,
                                                model_name: str, num_prompt_tokens: int,
-                                               tool_choice: Optional[ToolChoice]) -> AsyncIterator[str]:
+                                               tool_choice: Optional[ToolChoice], cached_tokens_always: bool = False
+                                               ) -> AsyncIterator[str]:
         created = int(time.time())
         num_generated = [0] * (request.n or 1)  # each choice's completion tokens so far
+        num_cached = 0
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
@@ -111,6 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                         index=index, delta=DeltaMessage(content=echoed), logprobs=None, finish_reason=None))
             async for res in results:
                 check_output(res)
+                num_cached = res.num_cached_tokens
                 for output in res.outputs:
                     num_generated[output.index] += len(output.token_ids)
                     if not output.text and not output.token_ids and output.finish_reason is None:
@@ -126,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
             if request.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[],
-                    usage=UsageInfo.of(num_prompt_tokens, sum(num_generated)),
+                    usage=UsageInfo.of(num_prompt_tokens, sum(num_generated),
+                                       self._cached_tokens(num_cached, cached_tokens_always)),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)
@@ -147,8 +155,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def chat_completion_full_generator(self, request: ChatCompletionRequest,
                                              results: AsyncIterator[RequestOutput], request_id: str,
-                                             model_name: str, tool_choice: Optional[ToolChoice]
-                                             ) -> ChatCompletionResponse:
+                                             model_name: str, tool_choice: Optional[ToolChoice],
+                                             cached_tokens_always: bool = False) -> ChatCompletionResponse:
         final = None
         async for res in results:  # FINAL_ONLY: one output, with all n choices
             check_output(res)
@@ -174,7 +182,8 @@ class OpenAIServingChat(OpenAIServing):
         num_completion_tokens = sum(len(o.token_ids) for o in outputs)
         return ChatCompletionResponse(
             id=request_id, model=model_name, choices=choices,
-            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens),
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens,
+                               self._cached_tokens(final.num_cached_tokens, cached_tokens_always)),
             prompt_logprobs=self._prompt_logprobs(final.prompt_logprobs))
 
     def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput

@@ -84,10 +84,12 @@ class OpenAIServingCompletion(OpenAIServing):
         n = request.n or 1
         text_offsets = [0] * (len(prompts) * n)
         num_generated = [0] * (len(prompts) * n)  # each choice's completion tokens so far
+        num_cached = [0] * len(prompts)  # each prompt's tokens found in the prefix cache
         started: set[int] = set()
         try:
             async for prompt_index, res in results:
                 check_output(res)
+                num_cached[prompt_index] = res.num_cached_tokens
                 for output in res.outputs:
                     index = prompt_index * n + output.index
                     generated = self._generated(request, output)
@@ -118,7 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_prompt_tokens = sum(len(ids) for _, ids in prompts)
                 yield sse(CompletionStreamResponse(
                     id=request_id, object="text_completion", created=created, model=model_name, choices=[],
-                    usage=UsageInfo.of(num_prompt_tokens, sum(num_generated)),
+                    usage=UsageInfo.of(num_prompt_tokens, sum(num_generated), self._cached_tokens(sum(num_cached))),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)
@@ -144,9 +146,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=self._logprobs(request, token_ids, logprobs, 0), finish_reason=output.finish_reason,
                     stop_reason=output.stop_reason, prompt_logprobs=self._prompt_logprobs(res.prompt_logprobs)))
         num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+        num_cached = self._cached_tokens(sum(res.num_cached_tokens for res in finals.values()))
         return CompletionResponse(
             id=request_id, model=model_name, choices=choices,
-            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens))
+            usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens, num_cached))
 
     def _logprobs(self, request: CompletionRequest, token_ids: list[int], logprobs: Optional[SampleLogprobs],
                   text_offset: int) -> Optional[CompletionLogProbs]:

@@ -48,11 +48,13 @@ class OpenAIServing:
     endpoint = "request"
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, *,
-                 request_logger: Optional[RequestLogger] = None) -> None:
-        """request_logger: logs each request as it is submitted (--enable-log-requests); None logs none."""
+                 request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False) -> None:
+        """request_logger: logs each request as it is submitted (--enable-log-requests); None logs none.
+        enable_prompt_tokens_details: usage reports the prompt tokens the prefix cache held (vLLM's flag)."""
         self.engine_client = engine_client
         self.models = models
         self.request_logger = request_logger
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer = engine_client.tokenizer
         model_config = engine_client.model_config
         self.max_model_len = model_config.max_model_len
@@ -62,6 +64,11 @@ class OpenAIServing:
             source = "model" if model_config.generation_config == "auto" else model_config.generation_config
             logger.info("Using default %s sampling params from %s: %s", self.endpoint, source,
                         self.default_sampling_params)
+
+    def _cached_tokens(self, num_cached_tokens: int, always: bool = False) -> int:
+        """The cached prompt tokens a usage reports: none without --enable-prompt-tokens-details (vLLM's), unless
+        ``always`` (the Responses API reports them whatever the flag)."""
+        return num_cached_tokens if always or self.enable_prompt_tokens_details else 0
 
     def _truncated(self, request: SamplingRequest, token_ids: list[int]) -> list[int]:
         """The prompt's tokens cut to truncate_prompt_tokens (vLLM's): the last ones, or with truncation_side

@@ -234,7 +234,7 @@ class OpenAIServingResponses:
             history = previous[1]
         chat_request = request.to_chat_request(history)
         try:
-            result = await self.serving_chat.create_chat_completion(chat_request)
+            result = await self.serving_chat.create_chat_completion(chat_request, cached_tokens_always=True)
         except OpenAIError as e:
             raise _renamed(e) from e
         builder = _ResponseBuilder(request, self.serving_chat.models.check_model(request.model), history,
@@ -287,9 +287,8 @@ class OpenAIServingResponses:
         choice = chat.choices[0]
         calls = [{"call_id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                  for c in choice.message.tool_calls]
-        usage = ResponseUsage(input_tokens=chat.usage.prompt_tokens, output_tokens=chat.usage.completion_tokens,
-                              total_tokens=chat.usage.total_tokens)
-        return builder.finish(builder.output(choice.message.content, calls), usage, choice.finish_reason)
+        return builder.finish(builder.output(choice.message.content, calls), ResponseUsage.of_chat(chat.usage),
+                              choice.finish_reason)
 
     async def _stream(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The events OpenAI sends, in its order: output items one after another, each done before the next is
@@ -335,9 +334,7 @@ class OpenAIServingResponses:
                 return
             chunk = ChatCompletionStreamResponse.model_validate(body)
             if chunk.usage is not None:
-                usage = ResponseUsage(input_tokens=chunk.usage.prompt_tokens,
-                                      output_tokens=chunk.usage.completion_tokens,
-                                      total_tokens=chunk.usage.total_tokens)
+                usage = ResponseUsage.of_chat(chunk.usage)
             for choice in chunk.choices:
                 finish_reason = choice.finish_reason or finish_reason
                 held += choice.delta.content or ""
