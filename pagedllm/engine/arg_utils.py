@@ -60,6 +60,8 @@ class EngineArgs:
     max_prefill_tokens_with_decodes: Optional[int] = None
     scheduling_policy: str = "fcfs"
     kv_cache_memory: Optional[Union[int, str]] = None
+    # vLLM's name for the same size, in bytes (its --kv-cache-memory-bytes, which the CPU backend honours too).
+    kv_cache_memory_bytes: Optional[int] = None
     kv_cache_dtype: str = "auto"
     kv_cache_populate: str = "background"
     gpu_memory_utilization: float = 0.9
@@ -91,6 +93,11 @@ class EngineArgs:
         attention_backend = self.attention_backend or platform.attention_backends[0]
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_memory_bytes is not None:
+            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+            if self.kv_cache_memory is not None:
+                raise ValueError("kv_cache_memory and kv_cache_memory_bytes (vLLM's name) both size the KV cache: "
+                                 "give one of them")
         if platform.device_type == "cuda":
             self._check_cuda_support()
         if attention_backend == "TRITON_ATTN" and self.kv_cache_dtype != "auto":
@@ -143,7 +150,8 @@ class EngineArgs:
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
-                                     kv_cache_memory=self.kv_cache_memory, num_blocks=self.num_kv_blocks,
+                                     kv_cache_memory=self.kv_cache_memory if self.kv_cache_memory is not None
+                                     else self.kv_cache_memory_bytes, num_blocks=self.num_kv_blocks,
                                      cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config),

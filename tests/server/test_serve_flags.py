@@ -73,6 +73,16 @@ def test_token_counts_take_vllms_human_readable_forms(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_vllms_kv_cache_memory_bytes_sizes_the_cache():
+    """vLLM's --kv-cache-memory-bytes (its CPU backend's knob too), in vLLM's human-readable form, sizes the cache as
+    --kv-cache-memory does; both at once is an error naming both."""
+    args = _parse("--kv-cache-memory-bytes", "1G")
+    assert args.kv_cache_memory_bytes == 1 << 30
+    assert engine_args_from(args).create_engine_config().cache_config.kv_cache_memory == 1 << 30
+    with pytest.raises(ValueError, match="kv_cache_memory and kv_cache_memory_bytes"):
+        engine_args_from(_parse("--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1GiB")).create_engine_config()
+
+
 def test_the_server_bounds_prefill_beside_decodes_unless_told():
     assert serve_engine_args(_parse()).max_prefill_tokens_with_decodes == SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
     assert serve_engine_args(_parse("--max-prefill-tokens-with-decodes", "0")).max_prefill_tokens_with_decodes == 0

@@ -192,6 +192,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
     engine.add_argument("--kv-cache-memory", type=_memory_size, default=EngineArgs.kv_cache_memory,
                         help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
+    engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=EngineArgs.kv_cache_memory_bytes,
+                        help="vLLM's flag for the same size: bytes, or with vLLM's suffixes (4G = 4 GiB, 4g = 4e9)")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineArgs.kv_cache_dtype,
                         help="the KV cache's elements: auto (the model's dtype), fp8 (= fp8_e4m3) and fp8_e5m2 (one "
                              "byte, scale 1), int8 (one byte, a scale per token and head)")
