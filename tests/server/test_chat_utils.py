@@ -41,8 +41,6 @@ def test_tokenize_counts_the_tools_as_chat_does(tokenizer):
     from pydantic import TypeAdapter
 
     from pagedllm.entrypoints.openai.protocol import TokenizeRequest
-    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
-    from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
     template = "{% for t in tools or [] %}[tool] {{ t.function.name }}\n{% endfor %}" + TEMPLATE
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
