@@ -123,7 +123,8 @@ def test_api_key_is_required_for_v1(server):
 
 
 def test_api_key_scheme_is_case_insensitive():
-    """HTTP's auth schemes are case-insensitive (RFC 7235), and vLLM reads "bearer" so: the key is what counts."""
+    """HTTP's auth schemes are case-insensitive (RFC 7235), and vLLM reads "bearer" so: the key is what counts, any of
+    --api-key's several."""
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 
