@@ -83,6 +83,10 @@ def test_every_text_part_type_is_read(tokenizer):
     assert tokenizer.decode(token_ids) == "[user] Hello\nthere\n[assistant] Hi\nNo.\n"
     with pytest.raises(ValueError, match=r"content\[0\].refusal must be a string"):
         apply_chat_template(tokenizer, [ChatMessageParam(role="assistant", content=[{"type": "refusal"}])], TEMPLATE)
+    for part_type in (["text"], {"text": "Hi"}):  # no part type's name: a 400 like any other (not a TypeError's 500)
+        with pytest.raises(ValueError, match=r"content\[0\]: only text parts are supported"):
+            apply_chat_template(tokenizer, [ChatMessageParam(role="user", content=[{"type": part_type, "text": "Hi"}])],
+                                TEMPLATE)
 
 
 def test_chat_template_kwargs_reach_the_template_and_a_requests_own_template_is_refused(tokenizer):

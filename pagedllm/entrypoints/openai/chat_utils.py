@@ -55,10 +55,10 @@ def _text_content(content: Any, index: int) -> str:
         if isinstance(part, str):  # vLLM's plain text part
             texts.append(part)
             continue
-        key = TEXT_PART_KEYS.get(part.get("type"))
+        part_type = part.get("type")
+        key = TEXT_PART_KEYS.get(part_type) if isinstance(part_type, str) else None  # a list or an object: no key
         if key is None:
-            raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got "
-                             f"{part.get('type')!r}.")
+            raise ValueError(f"messages[{index}].content[{j}]: only text parts are supported, got {part_type!r}.")
         if not isinstance(part.get(key), str):
             raise ValueError(f"messages[{index}].content[{j}].{key} must be a string.")
         texts.append(part[key])
