@@ -223,6 +223,20 @@ def test_an_address_in_use_fails_before_the_engine_starts():
     assert {p.pid for p in psutil.Process().children()} <= before
 
 
+def test_no_host_listens_on_every_interface():
+    """A --config file's ``host:`` (or ``host: null``) is no host: every interface, as vLLM binds (args.host or "")
+    and as uvicorn took it before the socket was bound ahead of the engine (not a TypeError)."""
+    from argparse import Namespace
+
+    from pagedllm.entrypoints.openai.api_server import listening_socket
+
+    sock = listening_socket(Namespace(uds=None, host=None, port=0))
+    try:
+        assert sock.getsockname()[0] == "0.0.0.0"
+    finally:
+        sock.close()
+
+
 def _self_signed_certificate(directory) -> tuple[str, str]:
     if shutil.which("openssl") is None:
         pytest.skip("needs the openssl command to make a certificate")

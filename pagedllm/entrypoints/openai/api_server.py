@@ -230,13 +230,15 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
 def listening_socket(args: argparse.Namespace) -> Optional[socket.socket]:
     """The TCP socket --host/--port name, bound before the engine starts (as vLLM's setup_server), so that an
     address in use or not this machine's is a ValueError naming the flags at once, not after the model has loaded;
-    None with --uds (uvicorn makes that socket)."""
+    None with --uds (uvicorn makes that socket). No host (a --config file's ``host:`` or ``host: null``) is every
+    interface, as in vLLM (``args.host or ""``) and as uvicorn took it."""
     if args.uds:
         return None
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    host = args.host or ""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's create_server, which uvicorn uses
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((host, args.port))
     except OSError as e:
         sock.close()
         raise ValueError(f"--host {args.host} --port {args.port}: cannot listen there: {e.strerror}") from None
@@ -271,7 +273,7 @@ async def run_server(args: argparse.Namespace) -> None:
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs, timeout_keep_alive=5)
         scheme = "https" if args.ssl_certfile else "http"
-        where = f"unix:{args.uds}" if args.uds else f"{args.host}:{sock.getsockname()[1]}"
+        where = f"unix:{args.uds}" if args.uds else f"{args.host or '0.0.0.0'}:{sock.getsockname()[1]}"
         logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,
                     args.root_path or "")
         server = _Server(config, on_exit=lambda: on_exit_signal(app.state, args.shutdown_timeout))
