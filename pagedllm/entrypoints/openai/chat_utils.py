@@ -109,6 +109,19 @@ _TOKENIZING_ARGS = frozenset({"padding", "truncation", "max_length", "return_ten
                               "tokenizer_kwargs"})
 
 
+def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
+                        chat_template: Optional[str]) -> list[int]:
+    """The prompt token ids of a chat request, or of /tokenize's messages form, rendered alike: its checks
+    (check_generation_prompt, check_chat_template), then the server's template with the request's messages, tools
+    and chat_template_kwargs. A ValueError names the field at fault."""
+    check_generation_prompt(request)
+    check_chat_template(request)
+    return apply_chat_template(tokenizer, request.messages, chat_template, request.add_generation_prompt,
+                               request.continue_final_message,
+                               [t.model_dump(exclude_none=True) for t in request.tools or []],
+                               request.chat_template_kwargs)
+
+
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         tools: Optional[list[dict[str, Any]]] = None,

@@ -383,7 +383,15 @@ class ChatMessageParam(OpenAIBaseModel):
     content: Union[str, list[Union[dict[str, Any], str]], None] = None
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatTemplateFields(OpenAIBaseModel):
+    """What a chat request (and /tokenize's messages form) says about its rendering, as vLLM's fields: more
+    variables for the chat template (Qwen3's enable_thinking, ...), under the request's own fields; and a template of
+    its own, refused (chat_utils.check_chat_template) as vLLM refuses it without --trust-request-chat-template."""
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessageParam]
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Optional[int] = None
@@ -393,11 +401,6 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     # vLLM's: the answer starts with the last message's text when it continues that message (the roles are the same).
     echo: bool = False
-    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...); the request's own fields win over
-    # them. A template of the request's own is refused (chat_utils.check_chat_template), as vLLM refuses it without
-    # --trust-request-chat-template.
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    chat_template: Optional[str] = None
     tools: Optional[list[ChatCompletionToolsParam]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
@@ -512,16 +515,11 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
     return_token_strs: Optional[bool] = False
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(ChatTemplateFields):
     model: Optional[str] = None
     messages: list[ChatMessageParam]
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...); the request's own fields win over
-    # them. A template of the request's own is refused (chat_utils.check_chat_template), as vLLM refuses it without
-    # --trust-request-chat-template.
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    chat_template: Optional[str] = None
     return_token_strs: Optional[bool] = False
     # As chat's: given to the chat template, which may describe them to the model (and so count their tokens).
     tools: Optional[list[ChatCompletionToolsParam]] = None

@@ -7,8 +7,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.logger import RequestLogger
-from pagedllm.entrypoints.openai.chat_utils import (apply_chat_template, check_chat_template,
-                                                    check_generation_prompt, conversation)
+from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt, conversation
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -64,12 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise BadRequestError(str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from e
         try:
-            check_generation_prompt(request)
-            check_chat_template(request)
-            prompt_token_ids = apply_chat_template(
-                self.tokenizer, request.messages, self.chat_template, request.add_generation_prompt,
-                request.continue_final_message, [t.model_dump(exclude_none=True) for t in request.tools or []],
-                request.chat_template_kwargs)
+            prompt_token_ids = chat_request_prompt(self.tokenizer, request, self.chat_template)
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
         prompt_token_ids = self._truncated(request, list(prompt_token_ids))

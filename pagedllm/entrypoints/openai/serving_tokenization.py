@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.chat_utils import (apply_chat_template, check_chat_template,
-                                                    check_generation_prompt)
+from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeChatRequest,
                                                   TokenizeRequest, TokenizeResponse)
@@ -23,12 +22,7 @@ class OpenAIServingTokenization:
         self.models.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             try:
-                check_generation_prompt(request)
-                check_chat_template(request)
-                tokens = apply_chat_template(self.tokenizer, request.messages, self.chat_template,
-                                             request.add_generation_prompt, request.continue_final_message,
-                                             [t.model_dump(exclude_none=True) for t in request.tools or []],
-                                             request.chat_template_kwargs)
+                tokens = chat_request_prompt(self.tokenizer, request, self.chat_template)
             except ValueError as e:
                 raise BadRequestError(str(e), named_field(e)) from e
         else:
