@@ -223,6 +223,18 @@ def test_an_address_in_use_fails_before_the_engine_starts():
     assert {p.pid for p in psutil.Process().children()} <= before
 
 
+def test_a_bad_flag_found_after_the_port_is_checked_leaves_it_free():
+    """A speculative config that fails as the server reads it (the method it needs) frees the port it would have
+    listened on: the socket is bound last before the engine, where the server's cleanup closes it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ValueError, match="needs a method"):  # the traceback keeps run_server's frame alive
+        cli.main(["serve", "--port", str(port), "--speculative-config", '{"num_speculative_tokens": 2}'])
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", port))
+
+
 def test_no_host_listens_on_every_interface():
     """A --config file's ``host:`` (or ``host: null``) is no host: every interface, as vLLM binds (args.host or "")
     and as uvicorn took it before the socket was bound ahead of the engine (not a TypeError)."""

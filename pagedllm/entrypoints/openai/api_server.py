@@ -249,7 +249,6 @@ async def run_server(args: argparse.Namespace) -> None:
     """Serves until an exit signal; ``args`` are `pagedllm serve`'s, checked by validate_parsed_serve_args."""
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     interval = None if args.disable_log_stats else log_stats_interval()  # so does a bad variable
-    sock = listening_socket(args)
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
     # The resolved count (suffix decoding's default is its tree depth), which sizes the per-position counter.
@@ -260,6 +259,7 @@ async def run_server(args: argparse.Namespace) -> None:
         num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
     if interval is not None:
         stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
+    sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
     engine_client = None
     try:
         engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
