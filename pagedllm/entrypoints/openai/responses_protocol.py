@@ -236,9 +236,9 @@ class ResponseUsage(OpenAIBaseModel):
     def of_chat(cls, usage: UsageInfo) -> "ResponseUsage":
         """A chat usage as the Responses API reports it, the prompt's cached tokens always (vLLM's)."""
         details = usage.prompt_tokens_details
+        cached_tokens = (details.cached_tokens or 0) if details else 0
         return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                   total_tokens=usage.total_tokens,
-                   input_tokens_details=InputTokensDetails(cached_tokens=(details.cached_tokens or 0) if details else 0))
+                   total_tokens=usage.total_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
 
 
 class IncompleteDetails(OpenAIBaseModel):
