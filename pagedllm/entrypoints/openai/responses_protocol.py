@@ -238,7 +238,8 @@ class ResponseUsage(OpenAIBaseModel):
         details = usage.prompt_tokens_details
         cached_tokens = (details.cached_tokens or 0) if details else 0
         return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
-                   total_tokens=usage.total_tokens, input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
+                   total_tokens=usage.total_tokens,
+                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
 
 
 class IncompleteDetails(OpenAIBaseModel):
