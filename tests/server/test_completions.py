@@ -21,6 +21,10 @@ def test_streamed_deltas_equal_the_greedy_completion(client, tokenizer):
     assert "".join(c.choices[0].text for c in stream if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == full.choices[0].finish_reason
     assert stream[-1].usage == full.usage
+    # an empty stream_options without stream is as none (vLLM's check reads the object's truth)
+    unstreamed = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=12,
+                                           stream_options={})
+    assert unstreamed.choices[0].text == full.choices[0].text
 
 
 def test_batch_of_prompts_with_n(client, tokenizer):

@@ -187,8 +187,9 @@ class SamplingRequest(OpenAIBaseModel):
     structured_outputs: Optional[dict[str, Any]] = None
 
     def check_stream_options(self) -> None:
-        """As vLLM: stream_options need stream; prompt logprobs have no place in a stream."""
-        if self.stream_options is not None and not self.stream:
+        """As vLLM: stream_options need stream (an empty object is as none, as vLLM reads it); prompt logprobs have no
+        place in a stream."""
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options can only be defined when stream=True.")
         if self.stream and self.prompt_logprobs:
             raise ValueError("prompt_logprobs are not available when stream=True.")
