@@ -112,8 +112,52 @@ def _unsupported_json_feature(schema) -> Optional[str]:
     return next((found for sub in subschemas if (found := _unsupported_json_feature(sub))), None)
 
 
+# How deep a JSON schema's objects and arrays may nest (vLLM's MAX_STRUCTURED_OUTPUT_JSON_NESTING), and the extra
+# levels a structural tag may wrap its schemas in (vLLM's STRUCTURAL_TAG_WRAPPER_NESTING): converting a schema to a
+# grammar costs steeply more with depth (a minute at ~950 levels, in the frontend and again in the engine's one
+# compile thread, where every other grammar waits behind it), and deeper still the checks here recurse past Python's
+# limit.
+MAX_STRUCTURED_OUTPUT_JSON_NESTING = 64
+STRUCTURAL_TAG_WRAPPER_NESTING = 16
+
+
+def _exceeds_json_nesting(spec: Any, limit: int) -> bool:
+    """Whether a JSON document (or its text) nests objects and arrays deeper than ``limit``; walked level by level,
+    without recursion, as vLLM's _exceeds_json_nesting. Text too deep for json.loads is too deep; malformed text is
+    not judged here (the backend names what is wrong with it)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except RecursionError:
+            return True
+        except ValueError:
+            return False
+    level = [spec]
+    for _ in range(limit):
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node) if isinstance(child, (dict, list))]
+        if not level:
+            return False
+    return True
+
+
+def _check_json_nesting(params: StructuredOutputsParams) -> None:
+    """A JSON schema or structural tag nested deeper than vLLM allows is a ValueError (HTTP 400), as in vLLM's
+    check_json_nesting."""
+    if params.kind == "json":
+        spec, limit = params.json, MAX_STRUCTURED_OUTPUT_JSON_NESTING
+    elif params.kind == "structural_tag":
+        spec, limit = params.structural_tag, MAX_STRUCTURED_OUTPUT_JSON_NESTING + STRUCTURAL_TAG_WRAPPER_NESTING
+    else:
+        return
+    if _exceeds_json_nesting(spec, limit):
+        raise ValueError(f"structured_outputs.{params.kind} is invalid: the JSON schema is nested too deeply: objects "
+                         f"and arrays may nest at most {MAX_STRUCTURED_OUTPUT_JSON_NESTING} levels")
+
+
 def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Frontend check, without the tokenizer: a bad schema/regex/grammar becomes a ValueError (HTTP 400)."""
+    _check_json_nesting(params)
     if params.kind == "json":
         feature = _unsupported_json_feature(_json_schema(params))
         if feature is not None:

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from pagedllm import SamplingParams
+from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 from pagedllm.structured_output.params import StructuredOutputsParams
 from tests.e2e.json_schemas import SCHEMAS
 
@@ -81,6 +82,19 @@ def test_json_object_gives_an_object(llm):
     assert json.loads(out.text) == {"capital": "Paris"}
 
 
+def nested_arrays(depth: int) -> dict:
+    """A schema of arrays ``depth`` deep around a string: ``depth + 1`` nested objects."""
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def test_a_schema_nested_as_deep_as_vllm_allows_is_valid():
+    validate_structured_outputs(StructuredOutputsParams(json=nested_arrays(63)))
+    validate_structured_outputs(StructuredOutputsParams(json=json.dumps(nested_arrays(63))))
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"json": {"type": "objekt"}}, "structured_outputs.json is invalid"),
     ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
@@ -91,6 +105,13 @@ def test_json_object_gives_an_object(llm):
      "structured_outputs.json is invalid: multipleOf is not supported"),
     ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "uniqueItems is not supported"),
     ({"json": {"type": "string", "pattern": "[a-z]+", "maxLength": 3}}, "pattern with minLength/maxLength"),
+    # nested past vLLM's 64 levels: a minute to convert at ~950 levels, a RecursionError past ~1000 (as text too)
+    ({"json": nested_arrays(65)}, "structured_outputs.json is invalid: the JSON schema is nested too deeply"),
+    ({"json": nested_arrays(5000)}, "structured_outputs.json is invalid: the JSON schema is nested too deeply"),
+    ({"json": "[" * 100_000}, "structured_outputs.json is invalid: the JSON schema is nested too deeply"),
+    ({"structural_tag": json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": nested_arrays(80)},
+        "end": "</a>"}})}, "structured_outputs.structural_tag is invalid: the JSON schema is nested too deeply"),
 ])
 def test_invalid_specs_are_value_errors_without_leaks(llm, spec, message):
     # A valid request ahead of the bad one must not be left queued either.
