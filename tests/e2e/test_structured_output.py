@@ -120,3 +120,17 @@ def test_invalid_specs_are_value_errors_without_leaks(llm, spec, message):
             structured_outputs=StructuredOutputsParams(**spec))], use_tqdm=False)
     stats = llm.get_stats()
     assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+
+
+def test_controls_that_leave_the_grammar_no_token_end_the_request_with_an_error(llm):
+    """allowed_token_ids disjoint from what a choice allows: the sampled token breaks the grammar, and the request
+    ends with an error (vLLM's FINISHED_ERROR), not as a "stop" whose text is no choice at all."""
+    hello = llm.get_tokenizer().encode(" hello", add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=hello,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    out = llm.generate("Is Paris in France? Answer:", params, use_tqdm=False)[0]
+    assert out.finished and out.error is not None and "structured_outputs" in out.error, (out.error, out.outputs)
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    free = llm.generate("Is Paris in France? Answer:", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert free[0].error is None

@@ -433,7 +433,8 @@ class Scheduler:
                 logprobs = logprobs.first(len(new_token_ids))
             outputs.append(EngineCoreOutput(
                 req_id, new_token_ids, logprobs, prompt_logprobs, finish_reason,
-                request.stop_reason, None, request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
+                request.stop_reason, request.error if finish_reason is not None else None,
+                request.num_cached_tokens if request.num_cached_tokens > 0 else 0,
                 request.first_scheduled_time if request.num_output_tokens == len(new_token_ids) else 0.0,
                 request.num_preemptions))
         if stopped_requests:
@@ -476,11 +477,17 @@ class Scheduler:
 
     @staticmethod
     def _grammar_finished(request: Request, token_id: int) -> bool:
-        """Advances the request's grammar; the request is done once the grammar is complete."""
+        """Advances the request's grammar; the request is done once the grammar is complete. A token the grammar
+        rejects (its mask left nothing to sample: allowed_token_ids or bad_words took every token it allows) ends
+        the request with an error, as vLLM ends it FINISHED_ERROR, never as a "stop" whose output breaks the
+        constraint."""
         grammar = request.structured_output_request.grammar
         if not grammar.accept_token(token_id):
             logger.error("request %s: token %d does not follow its grammar; stopping it", request.request_id,
                          token_id)
+            request.error = (f"The sampled token {token_id} does not follow the request's structured_outputs "
+                             "constraint: its other sampling controls (allowed_token_ids, bad_words) left no token "
+                             "the constraint allows.")
         elif not grammar.is_terminated():
             return False
         request.status = RequestStatus.FINISHED_STOPPED
