@@ -20,9 +20,14 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 _CPP_PREFIX = re.compile(r"^\[[\d:.]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
+_COMMENT = re.compile(r"(#|//).*$")
+
+
 def _is_ebnf(grammar: str) -> bool:
-    """EBNF rules use `::=`; anything else is treated as a Lark grammar."""
-    return "::=" in grammar
+    """EBNF rules use `::=` outside comments (``#`` or ``//`` to the end of the line); anything else is treated as a
+    Lark grammar, as vLLM's grammar_is_likely_lark tells them apart: a Lark grammar whose comment mentions `::=`
+    is still Lark."""
+    return any("::=" in _COMMENT.sub("", line) for line in grammar.split("\n"))
 
 
 def choice_to_ebnf(choices: list[str]) -> str:

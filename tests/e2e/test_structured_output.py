@@ -74,6 +74,14 @@ def test_free_requests_in_a_mixed_batch_are_unchanged(llm):
     json.loads(mixed[1].outputs[0].text)
 
 
+def test_a_lark_grammar_whose_comment_mentions_ebnf_is_lark(llm):
+    """As vLLM's grammar_is_likely_lark: `::=` only in a comment does not make a grammar EBNF."""
+    grammar = '// Lark, not EBNF (rule ::= ...)\nstart: "y" /[a-z]{3}/'
+    params = SamplingParams(temperature=0, max_tokens=10, structured_outputs=StructuredOutputsParams(grammar=grammar))
+    out = llm.generate("Letters:", params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch("y[a-z]{3}", out.text), out.text
+
+
 def test_json_object_gives_an_object(llm):
     params = SamplingParams(temperature=0, max_tokens=100, structured_outputs=StructuredOutputsParams(
         json_object=True))
