@@ -13,8 +13,9 @@ from pagedllm.models.generation_config import generation_eos_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
-# A prompt is text, or pre-tokenized as {"prompt_token_ids": [...]} (optionally with "prompt" text).
-PromptType = Union[str, dict]
+# A prompt is text ({"prompt": text} too), or pre-tokenized: a list of token ids, or {"prompt_token_ids": [...]}
+# (optionally with "prompt" text), as vLLM's DecoderOnlyPrompt.
+PromptType = Union[str, list[int], dict]
 
 
 class Processor:
@@ -61,6 +62,8 @@ class Processor:
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids instead.")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, list):  # vLLM's token prompt: the ids alone
+            prompt = {"prompt_token_ids": prompt}
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
             if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
@@ -68,7 +71,8 @@ class Processor:
             return prompt.get("prompt"), list(token_ids)
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.tokenize(prompt["prompt"])
-        raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids' or 'prompt', got {prompt!r}")
+        raise ValueError(f"prompt must be a string, a list of token ids, or a dict with 'prompt_token_ids' or "
+                         f"'prompt', got {prompt!r}")
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         max_model_len = self.model_config.max_model_len

@@ -63,9 +63,7 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request``: one
         adapter for every prompt, or one per prompt (None: the base model)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _one_per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts))
@@ -115,9 +113,7 @@ class LLM:
         searched together as one batch of one-token requests. Outputs come back in the order of the prompts.
         ``lora_request``: one adapter for every prompt, or one per prompt (None: the base model);
         ``concurrency_limit``: how many prompts are searched together (None: all)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_to_seq(prompts)
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}.")
@@ -170,6 +166,15 @@ class LLM:
     def shutdown(self) -> None:
         """Stops the engine process (also done when this object is garbage-collected, or the interpreter exits)."""
         self._finalizer()
+
+
+def _prompt_to_seq(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    """One prompt (text, a dict, or a non-empty list of token ids) as a batch of one, else the prompts, as vLLM's
+    prompt_to_seq: ``[1, 2, 3]`` is one prompt of three tokens, ``[[1, 2], [3]]`` two prompts."""
+    if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    return list(prompts)
 
 
 def _one_per_prompt(name: str, value, single: type | tuple[type, ...], num_prompts: int) -> list:

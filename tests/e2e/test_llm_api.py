@@ -260,3 +260,14 @@ def test_streamed_prompt_logprobs_come_once_and_whole_with_the_first_token():
         assert all(out.prompt_logprobs is None for out in outputs[1:])
     finally:
         llm.shutdown()
+
+
+def test_a_list_of_token_ids_is_a_prompt(llm):
+    """As vLLM's DecoderOnlyPrompt: a list of token ids is one prompt, a list of such lists a batch of them."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    as_dict = llm.generate({"prompt_token_ids": [1, 504, 3458]}, params, use_tqdm=False)[0]
+    one = llm.generate([1, 504, 3458], params, use_tqdm=False)
+    batch = llm.generate([[1, 504, 3458], [1, 504]], params, use_tqdm=False)
+    assert [out.prompt_token_ids for out in one] == [[1, 504, 3458]]
+    assert [out.prompt_token_ids for out in batch] == [[1, 504, 3458], [1, 504]]
+    assert one[0].outputs[0].token_ids == batch[0].outputs[0].token_ids == as_dict.outputs[0].token_ids
