@@ -58,21 +58,20 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = True, priority: Optional[list[int]] = None,
+                 use_tqdm: bool = True, priority: Optional[Union[int, Sequence[int]]] = None,
                  lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
                  ) -> list[RequestOutput]:
-        """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request``: one
-        adapter for every prompt, or one per prompt (None: the base model)."""
+        """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request`` and
+        ``priority``: one for every prompt, or one per prompt (as vLLM's; None: the base model, priority 0)."""
         prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _one_per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts))
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"priority: got {len(priority)} values for {len(prompts)} prompts.")
+        priorities = _one_per_prompt("priority", 0 if priority is None else priority, int, len(prompts))
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
         # Process (validate) everything before anything is queued, so bad input leaves no request behind.
         processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
-                                                       priority=priority[i] if priority else 0,
+                                                       priority=priorities[i],
                                                        lora_request=lora_requests[i])
                      for i, (prompt, params) in enumerate(zip(prompts, params_list))]
         try:
@@ -88,8 +87,8 @@ class LLM:
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
-             tools: Optional[list[dict[str, Any]]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None
-             ) -> list[RequestOutput]:
+             tools: Optional[list[dict[str, Any]]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
+             priority: Optional[Union[int, Sequence[int]]] = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's,
         ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to
         the template, and each output's ``prompt`` is the rendered text. Continuing the last message
@@ -104,7 +103,8 @@ class LLM:
             token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
                                                            **template_args)
             prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,

@@ -271,3 +271,14 @@ def test_a_list_of_token_ids_is_a_prompt(llm):
     assert [out.prompt_token_ids for out in one] == [[1, 504, 3458]]
     assert [out.prompt_token_ids for out in batch] == [[1, 504, 3458], [1, 504]]
     assert one[0].outputs[0].token_ids == batch[0].outputs[0].token_ids == as_dict.outputs[0].token_ids
+
+
+def test_priority_is_one_for_every_prompt_or_one_per_prompt(llm):
+    """As vLLM's generate and chat: priority is an int for every prompt, or a list of one per prompt."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outputs = llm.generate(["Hi", "Hello"], params, use_tqdm=False, priority=0)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [2, 2]
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["Hi", "Hello"], params, use_tqdm=False, priority=[0])
+    chat = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, priority=0)
+    assert len(chat[0].outputs[0].token_ids) == 2
