@@ -14,6 +14,8 @@ from pagedllm.engine.core_client import make_sync_client, multiprocessing_enable
 from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.openai.chat_utils import conversation
+from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
@@ -92,16 +94,20 @@ class LLM:
         """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's,
         ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to
         the template, and each output's ``prompt`` is the rendered text. Continuing the last message
-        (``continue_final_message``) turns the generation prompt off."""
+        (``continue_final_message``) turns the generation prompt off. Messages are read as the server reads them
+        (chat_utils.conversation): content given as OpenAI's list of parts is their text, joined by newlines. The
+        arguments given here override ``chat_template_kwargs`` (those given as None do not), as vLLM's
+        merge_kwargs."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template_args = dict(chat_template=chat_template, tools=tools, continue_final_message=continue_final_message,
-                             add_generation_prompt=add_generation_prompt and not continue_final_message,
-                             **(chat_template_kwargs or {}))
+        explicit = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message,
+                    "add_generation_prompt": add_generation_prompt and not continue_final_message}
+        template_args = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tokenize", "return_dict")}
+        template_args.update((k, v) for k, v in explicit.items() if v is not None)
         prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, tokenize=False, **template_args)
-            token_ids = self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False,
-                                                           **template_args)
+        for turns in conversations:
+            turns = conversation([ChatMessageParam.model_validate(m) for m in turns])
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
+            token_ids = self.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False, **template_args)
             prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
                              lora_request=lora_request)

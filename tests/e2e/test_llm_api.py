@@ -282,3 +282,18 @@ def test_priority_is_one_for_every_prompt_or_one_per_prompt(llm):
         llm.generate(["Hi", "Hello"], params, use_tqdm=False, priority=[0])
     chat = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False, priority=0)
     assert len(chat[0].outputs[0].token_ids) == 2
+
+
+def test_chat_reads_content_parts_and_its_arguments_override_chat_template_kwargs(llm):
+    """As vLLM's LLM.chat: content as OpenAI's list of text parts is their text, joined by newlines (not the list's
+    repr); chat_template_kwargs naming an argument of chat itself (add_generation_prompt, tools) are overridden by
+    it, rather than a TypeError."""
+    tokenizer, params = llm.get_tokenizer(), SamplingParams(temperature=0, max_tokens=1)
+    as_text = llm.chat([{"role": "user", "content": "Hi\nthere"}], params, use_tqdm=False)[0]
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]
+    as_parts = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
+    assert as_parts.prompt == as_text.prompt and as_parts.prompt_token_ids == as_text.prompt_token_ids
+    overridden = llm.chat([{"role": "user", "content": "Hi"}], params, use_tqdm=False,
+                          chat_template_kwargs={"add_generation_prompt": False, "tools": None})[0]
+    assert overridden.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                                              add_generation_prompt=True)
