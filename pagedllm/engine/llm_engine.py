@@ -8,6 +8,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -21,10 +22,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0,
-                    output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        self.add_processed_request(*self.processor.process(request_id, prompt, params, priority=priority),
-                                   output_kind)
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
+                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model)."""
+        self.add_processed_request(*self.processor.process(request_id, prompt, params, arrival_time, priority,
+                                                           lora_request), output_kind)
 
     def add_processed_request(self, text: Optional[str], request: EngineCoreRequest,
                               output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
@@ -42,11 +45,15 @@ class LLMEngine:
         return processed.request_outputs
 
     def abort_request(self, request_ids: list[str]) -> None:
-        self.output_processor.abort_requests(request_ids)
-        self.engine_core.abort_requests(request_ids)
+        """Stops the requests, here and in the engine core; an n > 1 request's id stops all its sequences."""
+        aborted = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(list(dict.fromkeys([*request_ids, *aborted])))
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()

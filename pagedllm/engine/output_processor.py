@@ -202,9 +202,24 @@ class OutputProcessor:
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
                 self.tokenizer, output_kind, parent, request.arrival_time)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str]) -> list[str]:
+        """Forgets the requests; an n > 1 request's own id stands for all its sequences (as vLLM's parent id).
+        Returns the engine requests forgotten, for the engine core to abort."""
+        aborted = []
         for request_id in request_ids:
-            self.request_states.pop(request_id, None)
+            if self.request_states.pop(request_id, None) is not None:
+                aborted.append(request_id)
+                continue
+            children = [child_id for child_id, state in self.request_states.items()
+                        if state.parent is not None and state.parent.request_id == request_id]
+            for child_id in children:
+                del self.request_states[child_id]
+            aborted += children
+        return aborted
+
+    def get_num_unfinished_requests(self) -> int:
+        """The engine requests still running here (an n > 1 request's sequences each), as vLLM's."""
+        return len(self.request_states)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)

@@ -297,3 +297,25 @@ def test_chat_reads_content_parts_and_its_arguments_override_chat_template_kwarg
                           chat_template_kwargs={"add_generation_prompt": False, "tools": None})[0]
     assert overridden.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                                               add_generation_prompt=True)
+
+
+def test_aborting_a_request_of_n_sequences_by_its_id_stops_them_all(llm):
+    """As vLLM's LLMEngine.abort_request: an n > 1 request's own id stands for its sequences, none of which runs on;
+    add_request takes vLLM's arrival_time and lora_request, and get_num_unfinished_requests counts what runs."""
+    from pagedllm.lora.request import LoRARequest
+
+    engine = llm.llm_engine
+    engine.add_request("parent", "Tell me a story", SamplingParams(n=2, max_tokens=400, ignore_eos=True))
+    assert engine.output_processor.unfinished_request_ids() == ["0_parent", "1_parent"]
+    engine.abort_request(["parent"])
+    assert engine.output_processor.unfinished_request_ids() == [] and not engine.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    with pytest.raises(ValueError, match="^lora_request: LoRA is not enabled"):
+        engine.add_request("adapter", "Hi", SamplingParams(max_tokens=2), arrival_time=1.0,
+                           lora_request=LoRARequest("adapter", 1, "/nonexistent"))
+    engine.add_request("counted", "Hi", SamplingParams(n=3, max_tokens=2))
+    assert engine.get_num_unfinished_requests() == 3
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_num_unfinished_requests() == 0
