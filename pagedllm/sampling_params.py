@@ -21,6 +21,10 @@ MAX_N_SEQUENCES = int(os.environ.get("PAGEDLLM_MAX_N_SEQUENCES", "16384"))
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -70,6 +74,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
+        self._normalize_numbers()
         if 0 < self.temperature < _MIN_TEMPERATURE:
             self.temperature = _MIN_TEMPERATURE
         if self.seed == -1:  # vLLM's spelling of no seed
@@ -89,6 +94,27 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             # Greedy: the other knobs cannot change the argmax, so normalise them away.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _normalize_numbers(self) -> None:
+        """The numeric fields hold what the engine process decodes them as (msgspec, strictly typed: a float where an
+        int belongs, or a bool, fails there, where no error reaches the caller): a bool is its int (vLLM's
+        logprobs=True is 1), an int field holds an int and a float field a real number, else a ValueError names the
+        field here."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                setattr(self, name, int(value))
+            elif value is not None and not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}.")
+            setattr(self, name, float(value))
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            token_ids = getattr(self, name)
+            if isinstance(token_ids, (list, tuple)):
+                setattr(self, name, [int(t) if isinstance(t, bool) else t for t in token_ids])
 
     def _verify(self) -> None:
         def bad(field: str, why: str):

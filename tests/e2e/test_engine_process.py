@@ -94,6 +94,21 @@ def test_ipc_types_are_msgspec_structs_that_round_trip():
     assert decoded.outputs[0].finish_reason == FinishReason.LENGTH and decoded.scheduler_stats.num_running_reqs == 1
 
 
+def test_sampling_params_numbers_cross_to_the_engine_or_name_the_field():
+    """The engine process decodes a request strictly typed, and a request it cannot decode never reaches the
+    scheduler (nor does an error reach the caller, who waits on): so a bool is its int (vLLM's logprobs=True is 1),
+    and a float where an integer belongs is a ValueError naming the field before the request is sent."""
+    params = SamplingParams(logprobs=True, prompt_logprobs=False, n=True, seed=True, stop_token_ids=[True],
+                            temperature=1, top_p=True)
+    assert (params.logprobs, params.prompt_logprobs, params.n, params.seed, params.stop_token_ids) == (1, 0, 1, 1, [1])
+    request = EngineCoreRequest("r1", [1, 2, 3], params, 2, 1.5)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest) == request
+    for field, value in (("top_k", 2.5), ("max_tokens", 8.0), ("min_tokens", 1.5), ("logprobs", 1.5),
+                         ("prompt_logprobs", "1"), ("temperature", "0.5")):
+        with pytest.raises(ValueError, match=f"^{field} must be"):
+            SamplingParams(**{field: value})
+
+
 def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
     """An engine or worker process imports its modules and unpickles the frontend's EngineConfig; neither may
     import transformers or xgrammar (seconds of every engine start): the HF config travels as plain values
