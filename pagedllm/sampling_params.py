@@ -1,6 +1,7 @@
 """SamplingParams: how one request is decoded, validated up front so bad input fails fast with the field named."""
 from __future__ import annotations
 
+import copy
 import math
 import os
 from enum import IntEnum
@@ -179,6 +180,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("bad_words", f"must be a list of strings, got {self.bad_words!r}.")
         if self.bad_words and any(not w.strip() for w in self.bad_words):
             bad("bad_words", f"cannot contain an empty (or whitespace-only) word, got {self.bad_words!r}.")
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy, as vLLM's: changing it (or the lists and dicts it holds) leaves this one as it is."""
+        return copy.deepcopy(self)
 
     @property
     def bad_words_token_ids(self) -> Optional[list[list[int]]]:

@@ -107,6 +107,16 @@ def test_bad_sampling_params_name_the_field(bad, field):
         SamplingParams(**bad)
 
 
+def test_sampling_params_clone_is_a_deep_copy():
+    """As vLLM's SamplingParams.clone: the copy is equal, and changing it leaves the original as it was."""
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={3: 1.0}, seed=7)
+    clone = params.clone()
+    assert clone == params and clone is not params
+    clone.stop.append("y")
+    clone.logit_bias[4] = 2.0
+    assert params.stop == ["x"] and params.logit_bias == {3: 1.0}
+
+
 def test_more_logprobs_than_max_logprobs_name_the_field(llm):
     """The engine's max_logprobs (vLLM's default 20) bounds logprobs and prompt_logprobs: a ValueError naming the
     field, the engine serving on."""
