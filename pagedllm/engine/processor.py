@@ -68,7 +68,7 @@ class Processor:
             token_ids = prompt["prompt_token_ids"]
             if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
                 raise ValueError("prompt_token_ids must be a list of integers.")
-            return prompt.get("prompt"), list(token_ids)
+            return prompt.get("prompt"), [int(t) for t in token_ids]  # a bool is its int (the engine decodes ints)
         if isinstance(prompt, dict) and "prompt" in prompt:
             return self.tokenize(prompt["prompt"])
         raise ValueError(f"prompt must be a string, a list of token ids, or a dict with 'prompt_token_ids' or "
@@ -139,6 +139,7 @@ class Processor:
                 lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
         if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
+        priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
         self.validate_lora_request(lora_request)

@@ -329,3 +329,17 @@ def test_aborting_a_request_of_n_sequences_by_its_id_stops_them_all(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_num_unfinished_requests() == 0
+
+
+def test_bool_token_ids_and_priority_are_their_ints_on_the_wire(llm):
+    """The engine process decodes a request strictly typed, a bool being no int there, and one it cannot decode
+    stops its input for good (the caller waiting on): the Processor sends a bool among the prompt's token ids, or
+    as the priority, as the int it is."""
+    import msgspec
+
+    from pagedllm.engine.protocol import EngineCoreRequest
+
+    _, request = llm.llm_engine.processor.process("r", {"prompt_token_ids": [True, 504]}, SamplingParams(),
+                                                  priority=True)
+    assert (request.prompt_token_ids, request.priority) == ([1, 504], 1)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest) == request
