@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 PARENT_POLL_SECONDS = 1.0
 IDLE_WAKE_S = 0.1  # how late an idle engine may run its SIGTERM handler (_process_input_queue)
 _SHUTDOWN = object()
+_UNREADABLE = object()  # input_queue's entry for a message the input thread could not decode
 
 
 class EngineCoreProc(EngineCore):
@@ -55,13 +56,18 @@ class EngineCoreProc(EngineCore):
 
     # ---------------------------------------------------------------------------------- socket threads
     def _input_thread(self) -> None:
+        """Decodes what the frontend sends into input_queue. A message it cannot read (a frontend bug: the
+        Processor lets through only what the engine's types take) ends the engine, loudly, through the busy loop:
+        this thread dying alone would leave the engine up but deaf, and every request waiting forever."""
         while True:
             request_type, payload = self._input_socket.recv_multipart(copy=False)
-            request_type = EngineCoreRequestType(bytes(request_type.buffer))
-            if request_type == EngineCoreRequestType.ADD:
-                self.input_queue.put((request_type, self._decoder.decode(payload.buffer)))
-            else:
-                self.input_queue.put((request_type, self._generic_decoder.decode(payload.buffer)))
+            try:
+                request_type = EngineCoreRequestType(bytes(request_type.buffer))
+                decoder = self._decoder if request_type == EngineCoreRequestType.ADD else self._generic_decoder
+                self.input_queue.put((request_type, decoder.decode(payload.buffer)))
+            except Exception as e:
+                self.input_queue.put((_UNREADABLE, e))
+                return
 
     def _output_thread(self) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -105,6 +111,8 @@ class EngineCoreProc(EngineCore):
             self._handle(*self.input_queue.get_nowait())
 
     def _handle(self, request_type: EngineCoreRequestType, payload: Any) -> None:
+        if request_type is _UNREADABLE:
+            raise RuntimeError(f"The engine could not read a message from the frontend: {payload}")
         if request_type == EngineCoreRequestType.ADD:
             self.add_request(payload)
         elif request_type == EngineCoreRequestType.ABORT:

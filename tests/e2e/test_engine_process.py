@@ -57,6 +57,20 @@ def test_dead_engine_raises_instead_of_hanging(mp_llm):
     assert time.monotonic() - start < 10
 
 
+def test_a_message_the_engine_cannot_read_ends_it_loudly(mp_llm):
+    """A request the engine's decoder refuses (a frontend bug: a field of a type the IPC struct does not take) ended
+    the engine's input thread alone, leaving the engine deaf and every later request waiting forever; now the
+    engine dies, saying why, and the caller gets EngineDeadError at once."""
+    from pagedllm.engine.protocol import EngineCoreRequestType
+
+    client = mp_llm.llm_engine.engine_core._mp
+    client._input_socket.send_multipart((EngineCoreRequestType.ADD.value, b"\x93not a request"))
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="could not read a message from the frontend"):
+        mp_llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 10
+
+
 def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
     """As vLLM's client: an LLM dropped without shutdown() stops its engine process and removes its IPC directory
     when it is collected (and at the latest when the interpreter exits), not when the process ends."""
