@@ -17,6 +17,7 @@ class ParentRequest:
         self.n = params.n
         self.child_ids = [f"{i}_{request_id}" for i in range(self.n)]
         self._completions: list[Optional[CompletionOutput]] = [None] * self.n
+        self._error: Optional[str] = None  # the first error a child's output carried (a grammar's, say)
         self._num_finished = 0
         self._num_observed = 0  # sequences whose generated-token count the metrics have seen
         self._max_generation_tokens = 0
@@ -42,10 +43,12 @@ class ParentRequest:
             child.finished = self._num_finished == self.n
             return child
         self._completions[completion.index] = completion
+        self._error = self._error or child.error
         if self._num_finished < self.n:
             return None
         child.request_id = self.request_id
         child.outputs = list(self._completions)
+        child.error = self._error  # an earlier child's, where the last one finished without
         return child
 
 
