@@ -14,7 +14,7 @@ from pagedllm.engine.core_client import make_sync_client, multiprocessing_enable
 from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
-from pagedllm.entrypoints.openai.chat_utils import conversation
+from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.resolve import DEFAULT_MODEL
@@ -101,7 +101,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message,
                     "add_generation_prompt": add_generation_prompt and not continue_final_message}
-        template_args = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in ("tokenize", "return_dict")}
+        template_args = template_variables(chat_template_kwargs)
         template_args.update((k, v) for k, v in explicit.items() if v is not None)
         prompts = []
         for turns in conversations:

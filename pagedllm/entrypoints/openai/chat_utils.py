@@ -105,8 +105,14 @@ def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
 
 # apply_chat_template's arguments about the tokens it gives back, which chat_template_kwargs do not reach: vLLM
 # renders the template's text and tokenizes it itself, so there they do nothing.
-_TOKENIZING_ARGS = frozenset({"padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
-                              "tokenizer_kwargs"})
+_TOKENIZING_ARGS = frozenset({"tokenize", "return_dict", "padding", "truncation", "max_length", "return_tensors",
+                              "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_variables(chat_template_kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """chat_template_kwargs as variables for the template: without apply_chat_template's own arguments about the
+    tokens it returns (_TOKENIZING_ARGS), which the caller sets."""
+    return {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _TOKENIZING_ARGS}
 
 
 def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
@@ -130,9 +136,9 @@ def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_t
     are given to templates that describe them to the model; chat_template_kwargs are more variables for the
     template, under the arguments given here."""
     turns = conversation(messages)
-    kwargs = {**{k: v for k, v in (chat_template_kwargs or {}).items() if k not in _TOKENIZING_ARGS},
-              "chat_template": chat_template, "tokenize": True, "return_dict": False,
-              "tools": tools or None, "add_generation_prompt": add_generation_prompt and not continue_final_message,
+    kwargs = {**template_variables(chat_template_kwargs), "chat_template": chat_template, "tokenize": True,
+              "return_dict": False, "tools": tools or None,
+              "add_generation_prompt": add_generation_prompt and not continue_final_message,
               "continue_final_message": continue_final_message}
     try:
         token_ids = tokenizer.apply_chat_template(turns, **kwargs)
