@@ -26,6 +26,11 @@ _REFUSED_VARIANTS = {"lora_bias": "LoRA bias", "alora_invocation_tokens": "activ
                      "use_qalora": "QALoRA"}
 
 
+class LoRAAdapterNotFoundError(ValueError):
+    """The path holds no adapter (no directory, or no adapter_config.json in it): vLLM's LoRAAdapterNotFoundError,
+    which its server answers with a 404 where an adapter that does not fit is a 400."""
+
+
 def adapter_dir(lora_path: str) -> str:
     """The directory a LoRARequest's ``lora_path`` names: the path, with a leading ``~`` expanded (vLLM's
     get_adapter_absolute_path, less its download of a Hugging Face Hub repo)."""
@@ -50,10 +55,10 @@ class PEFTHelper:
         does not serve, a rank above ``max_lora_rank``)."""
         directory = adapter_dir(lora_path)
         if not os.path.isdir(directory):
-            raise ValueError(f"LoRA adapter directory {lora_path!r} does not exist")
+            raise LoRAAdapterNotFoundError(f"LoRA adapter directory {lora_path!r} does not exist")
         config_path = os.path.join(directory, CONFIG_FILE)
         if not os.path.isfile(config_path):
-            raise ValueError(f"LoRA adapter {lora_path!r} has no {CONFIG_FILE}")
+            raise LoRAAdapterNotFoundError(f"LoRA adapter {lora_path!r} has no {CONFIG_FILE}")
         if not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
             if os.path.isfile(os.path.join(directory, "adapter_model.bin")):
                 raise ValueError(f"LoRA adapter {lora_path!r} holds adapter_model.bin, a pickle, which pagedllm does "

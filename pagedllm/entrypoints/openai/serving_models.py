@@ -4,12 +4,11 @@ for any other name."""
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
-from pagedllm.lora.peft_helper import CONFIG_FILE, adapter_dir
+from pagedllm.lora.peft_helper import LoRAAdapterNotFoundError
 from pagedllm.lora.request import LoRARequest
 
 
@@ -63,9 +62,9 @@ class OpenAIServingModels:
         try:
             lora = LoRARequest(lora_name, next(self._lora_ids), lora_path,
                                base_model_name if base_model_name in self.served_model_names else None)
-            if not os.path.isfile(os.path.join(adapter_dir(lora_path), CONFIG_FILE)):
-                raise NotFoundError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
             self.processor.validate_lora_request(lora)
+        except LoRAAdapterNotFoundError:
+            raise NotFoundError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}") from None
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from e
         previous = self.lora_requests.get(lora_name)
