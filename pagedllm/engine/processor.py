@@ -14,8 +14,26 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
 # A prompt is text ({"prompt": text} too), or pre-tokenized: a list of token ids, or {"prompt_token_ids": [...]}
-# (optionally with "prompt" text), as vLLM's DecoderOnlyPrompt.
+# (optionally with "prompt" text), as vLLM's DecoderOnlyPrompt; a dict may carry a "cache_salt".
 PromptType = Union[str, list[int], dict]
+
+# vLLM's limits on a prefix-cache salt (its validate_cache_salt): the salt keys the hash of every KV block of the
+# request, so requests share cached blocks only with requests of the same salt (tenants cannot probe each other's
+# prompts by timing); it stays a short opaque string.
+CACHE_SALT_MAX_LENGTH = 128
+_CACHE_SALT_FORBIDDEN_CHARS = frozenset("@/\\\x00")
+
+
+def validate_cache_salt(cache_salt: object) -> Optional[str]:
+    """The salt itself, or a ValueError naming cache_salt where vLLM refuses it."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string if provided.")
+    if len(cache_salt) > CACHE_SALT_MAX_LENGTH or not _CACHE_SALT_FORBIDDEN_CHARS.isdisjoint(cache_salt):
+        raise ValueError(f"cache_salt must be at most {CACHE_SALT_MAX_LENGTH} characters and must not contain "
+                         "'@', '/', '\\\\', or NUL.")
+    return cache_salt
 
 
 class Processor:
@@ -142,6 +160,7 @@ class Processor:
         priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
+        cache_salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
         self.validate_lora_request(lora_request)
         params = self.validate_logprobs(params)
         if params.structured_outputs is not None:
@@ -156,5 +175,5 @@ class Processor:
             params = msgspec.structs.replace(params, max_tokens=self.model_config.max_model_len - len(token_ids))
         return text, EngineCoreRequest(request_id, token_ids, params, self.eos_token_id,
                                        arrival_time if arrival_time is not None else time.time(), priority,
-                                       lora_request=lora_request)
+                                       cache_salt=cache_salt, lora_request=lora_request)
 

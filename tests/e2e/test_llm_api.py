@@ -177,6 +177,23 @@ def test_reset_prefix_cache(llm):
     assert llm.get_stats().prefix_cache_hits == hits
 
 
+def test_a_prompts_cache_salt_shares_cached_blocks_only_within_the_salt(llm):
+    """vLLM's prompt key "cache_salt" (TextPrompt / TokensPrompt): a prompt reuses cached blocks of prompts with the
+    same salt only; a bad one is a ValueError naming it."""
+    ids = list(range(4000, 4100))
+
+    def cached(**salt) -> int:
+        return llm.generate({"prompt_token_ids": ids, **salt}, use_tqdm=False)[0].num_cached_tokens
+
+    assert [cached(cache_salt="a"), cached(cache_salt="a"), cached(), cached(cache_salt="b")] == [0, 96, 0, 0]
+    text = "A text prompt long enough to fill at least one whole block of sixteen tokens in the KV cache, twice."
+    assert [llm.generate({"prompt": text, "cache_salt": salt}, use_tqdm=False)[0].num_cached_tokens
+            for salt in ("c", "d", "c")] == [0, 0, 16]
+    for bad in ("", 7, "a@b"):
+        with pytest.raises(ValueError, match="cache_salt"):
+            llm.generate({"prompt_token_ids": ids, "cache_salt": bad}, use_tqdm=False)
+
+
 def test_a_finished_request_id_can_be_used_again(llm):
     """The model runner learns of a finish on the next step, which may bring a new request with the same id."""
     engine = llm.llm_engine

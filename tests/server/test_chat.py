@@ -209,3 +209,31 @@ def test_enable_prompt_tokens_details_reports_the_cached_prompt_tokens(flags_ser
         {"cached_tokens": whole_blocks}
     assert completions[0].get("prompt_tokens_details") is None  # none cached: left out
     assert completions[1]["prompt_tokens_details"] == {"cached_tokens": 96}
+
+
+def test_cache_salt_keeps_prefix_cache_hits_among_requests_of_one_salt(flags_server):
+    """vLLM's cache_salt: the salt keys the prompt's block hashes, so a request reuses the cached blocks of requests
+    with the same salt only; a bad salt is a 400 naming it, on each endpoint, before any prompt runs."""
+    prompt = list(range(3000, 3100))
+    with flags_server.http(timeout=120) as http:
+        def cached(**extra) -> int:
+            usage = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, **extra}).json()["usage"]
+            return (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+        salted = [cached(cache_salt="tenant-a"), cached(cache_salt="tenant-a"), cached(cache_salt="tenant-b"),
+                  cached(), cached(cache_salt="tenant-b")]
+        messages = [{"role": "user", "content": "A question that two tenants of this server both ask, word for word."}]
+        chats = [http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "cache_salt": salt})
+                 .json()["usage"] for salt in ("tenant-a", "tenant-a", "tenant-b")]
+        refused = [http.post(path, json={**body, "max_tokens": 1, "cache_salt": salt})
+                   for path, body in (("/v1/completions", {"prompt": "Hi"}), ("/v1/chat/completions",
+                                                                               {"messages": messages}),
+                                      ("/v1/responses", {"input": "Hi"}))
+                   for salt in ("", "a/b", "x" * 129)]
+    assert salted == [0, 96, 0, 0, 96]
+    whole_blocks = (chats[0]["prompt_tokens"] - 1) // 16 * 16
+    assert [(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == whole_blocks for usage in chats] \
+        == [False, True, False]
+    for response in refused:
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "cache_salt" and "cache_salt" in response.json()["error"]["message"]

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.engine.processor import validate_cache_salt
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaToolCall, NamedToolChoice,
                                                        ToolCall)
@@ -111,6 +112,8 @@ class StreamOptions(OpenAIBaseModel):
 
 # priority crosses to the engine process as MessagePack, which holds 64 bits (SamplingParams checks its own fields).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's cache_salt, checked with the body (as vLLM's request models do) so that no prompt of the request starts.
+CacheSalt = Annotated[Optional[str], AfterValidator(validate_cache_salt)]
 
 
 class JsonSchemaResponseFormat(OpenAIBaseModel):
@@ -171,6 +174,8 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    # Salts the prefix cache's block hashes: only requests with the same salt share cached blocks.
+    cache_salt: CacheSalt = None
     # vLLM's beam search extras: n beams, best first.
     use_beam_search: bool = False
     length_penalty: float = 1.0

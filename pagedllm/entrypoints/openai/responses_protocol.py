@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
 
-from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, ChatCompletionRequest, OpenAIBaseModel,
-                                                  UsageInfo, random_uuid)
+from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionRequest,
+                                                  OpenAIBaseModel, UsageInfo, random_uuid)
 
 
 class InputTextPart(OpenAIBaseModel):
@@ -116,7 +116,7 @@ class ResponseTextConfig(OpenAIBaseModel):
 # The ResponsesRequest fields a chat request has too, under the same names.
 _SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "skip_special_tokens",
-                    "include_stop_str_in_output", "priority")
+                    "include_stop_str_in_output", "priority", "cache_salt")
 
 
 class ResponsesRequest(OpenAIBaseModel):
@@ -154,6 +154,7 @@ class ResponsesRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    cache_salt: CacheSalt = None
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message)."""

@@ -71,9 +71,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
         request_id = f"chatcmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        results = await self._start(self._generate(
-            {"prompt_token_ids": prompt_token_ids}, params, request_id, request.priority, output_kind, request.model),
-            request, "messages")
+        prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": request.cache_salt}
+        results = await self._start(self._generate(prompt, params, request_id, request.priority, output_kind,
+                                                   request.model), request, "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
                                                          len(prompt_token_ids), tool_choice, cached_tokens_always)

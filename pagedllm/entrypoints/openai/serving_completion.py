@@ -36,8 +36,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         generators = [
-            self._generate({"prompt": text, "prompt_token_ids": ids}, p, f"{request_id}-{i}", request.priority,
-                           output_kind, request.model)
+            self._generate({"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, p,
+                           f"{request_id}-{i}", request.priority, output_kind, request.model)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         results = await self._start(merge_async_iterators(*generators), request, "prompt")
         if request.stream:
