@@ -76,7 +76,8 @@ class LoRAModel:
         with _weights(lora_path) as f:
             for (layer_index, module), names in modules.items():
                 a, b = (f.get_tensor(names[ab]) for ab in "AB")
-                a, b = a.to(dtype), (b.to(torch.float64) * peft.scaling).to(dtype)
+                scaling = peft.rank_and_scaling(module_name(names["A"]))[1]
+                a, b = a.to(dtype), (b.to(torch.float64) * scaling).to(dtype)
                 fused, slice_index = LORA_TARGETS[module]
                 weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
                                                   LoRALayerWeights([None] * NUM_SLICES[fused]))
@@ -86,6 +87,12 @@ class LoRAModel:
                 else:
                     weights.slices[slice_index] = (a, b)
         return model
+
+
+def module_name(tensor_name: str) -> str:
+    """The module a LoRA tensor belongs to, as PEFT's rank_pattern and alpha_pattern name it
+    ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" -> "model.layers.0.self_attn.q_proj")."""
+    return tensor_name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
 
 
 @contextlib.contextmanager
@@ -137,10 +144,11 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
         fused, slice_index = LORA_TARGETS[module]
         covered = shapes[fused] if slice_index is None else [shapes[fused][slice_index]]
         in_features, out_features = covered[0][0], sum(out for _, out in covered)
-        if ab["A"] != (peft.r, in_features) or ab["B"] != (out_features, peft.r):
+        rank = peft.rank_and_scaling(module_name(names[(layer_index, module)]["A"]))[0]
+        if ab["A"] != (rank, in_features) or ab["B"] != (out_features, rank):
             raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has A {ab['A']} and B "
-                             f"{ab['B']}; the base model needs A ({peft.r}, {in_features}) and B "
-                             f"({out_features}, {peft.r}) for rank {peft.r}")
+                             f"{ab['B']}; the base model needs A ({rank}, {in_features}) and B "
+                             f"({out_features}, {rank}) for rank {rank}")
     if not found:
         raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
     return peft, {key: names[key] for key in sorted(names)}

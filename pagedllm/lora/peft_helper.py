@@ -1,20 +1,21 @@
 """A PEFT adapter directory's adapter_config.json, read and checked (vLLM's vllm/lora/peft_helper.py).
 
 What is served: LoRA (``peft_type`` "LORA") on the attention and MLP projections, any rank up to the engine's
-``max_lora_rank``, ``lora_alpha`` scaling (``use_rslora``: alpha / sqrt(r)), ``layers_to_transform`` (the
-adapter's tensors say which layers it has). What is refused, with a ValueError naming it: DoRA, trained biases,
-``modules_to_save`` (whole replaced modules, e.g. an LM head), per-module ranks or alphas (``rank_pattern``,
-``alpha_pattern``), ``fan_in_fan_out`` (GPT-2's Conv1D layout), weights saved as .bin (pickles: not loaded), and, as
-vLLM refuses them (PEFTHelper._validate_features), the PEFT variants whose saved A and B are not the whole story:
-inits that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, CorDA, LoftQ), activated LoRA (applied
-only from its invocation tokens on), layer replication, block-diagonal LoRA and QALoRA.
+``max_lora_rank``, ``lora_alpha`` scaling (``use_rslora``: alpha / sqrt(r)), per-module ranks and alphas
+(``rank_pattern``, ``alpha_pattern``, matched as PEFT matches them), ``layers_to_transform`` (the adapter's tensors say
+which layers it has). What is refused, with a ValueError naming it: DoRA, trained biases, ``modules_to_save`` (whole
+replaced modules, e.g. an LM head), ``fan_in_fan_out`` (GPT-2's Conv1D layout), weights saved as .bin (pickles: not
+loaded), and, as vLLM refuses them (PEFTHelper._validate_features), the PEFT variants whose saved A and B are not the
+whole story: inits that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, CorDA, LoftQ), activated LoRA
+(applied only from its invocation tokens on), layer replication, block-diagonal LoRA and QALoRA.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -43,11 +44,18 @@ class PEFTHelper:
     lora_alpha: float
     target_modules: tuple[str, ...] | str
     use_rslora: bool = False
+    # module-name pattern -> its rank / its alpha, where it is not r / lora_alpha
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
 
-    @property
-    def scaling(self) -> float:
-        """What x·A·B is multiplied by: PEFT's lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
-        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+    def rank_and_scaling(self, module_name: str) -> tuple[int, float]:
+        """A module's rank and what its x·A·B is multiplied by: PEFT's alpha / rank, or alpha / sqrt(rank) with
+        rsLoRA, each taken from the patterns where one matches ``module_name`` (the checkpoint's name less
+        ``base_model.model.``, e.g. "model.layers.0.self_attn.q_proj")."""
+        rank = _match_pattern(self.rank_pattern, module_name) or self.r
+        alpha = _match_pattern(self.alpha_pattern, module_name)
+        alpha = self.lora_alpha if alpha is None else alpha
+        return rank, alpha / (math.sqrt(rank) if self.use_rslora else rank)
 
     @classmethod
     def from_local_dir(cls, lora_path: str, max_lora_rank: int) -> PEFTHelper:
@@ -83,12 +91,18 @@ class PEFTHelper:
         if config.get("peft_type", "LORA") != "LORA":
             raise refuse(f"peft_type {config.get('peft_type')!r} is not LORA")
         r, alpha = config.get("r"), config.get("lora_alpha")
-        if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        if not _is_rank(r):
             raise refuse(f"r must be a positive integer, got {r!r}")
-        if r > max_lora_rank:
-            raise refuse(f"rank r={r} exceeds max_lora_rank={max_lora_rank} (raise max_lora_rank to serve it)")
-        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        if not _is_alpha(alpha):
             raise refuse(f"lora_alpha must be a finite number, got {alpha!r}")
+        rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+        if not _maps_names_to(rank_pattern, _is_rank):
+            raise refuse(f"rank_pattern must map module names to positive integer ranks, got {rank_pattern!r}")
+        if not _maps_names_to(alpha_pattern, _is_alpha):
+            raise refuse(f"alpha_pattern must map module names to finite numbers, got {alpha_pattern!r}")
+        for what, rank in (("rank r", r), *((f"rank_pattern[{key!r}]", rank) for key, rank in rank_pattern.items())):
+            if rank > max_lora_rank:
+                raise refuse(f"{what}={rank} exceeds max_lora_rank={max_lora_rank} (raise max_lora_rank to serve it)")
         if config.get("use_dora"):
             raise refuse("use_dora: DoRA adapters are not supported")
         if config.get("bias", "none") != "none":
@@ -96,9 +110,6 @@ class PEFTHelper:
         if config.get("modules_to_save"):
             raise refuse(f"modules_to_save={config['modules_to_save']!r}: adapters that replace whole modules are "
                          f"not supported")
-        for pattern in ("rank_pattern", "alpha_pattern"):
-            if config.get(pattern):
-                raise refuse(f"{pattern}: per-module ranks and alphas are not supported")
         if config.get("fan_in_fan_out"):
             raise refuse("fan_in_fan_out: Conv1D-layout adapters are not supported")
         init = config.get("init_lora_weights", True)
@@ -111,4 +122,34 @@ class PEFTHelper:
                 raise refuse(f"{setting}: {what} adapters are not supported")
         targets = config.get("target_modules") or ()
         return cls(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora", False)),
-                   target_modules=targets if isinstance(targets, str) else tuple(targets))
+                   target_modules=targets if isinstance(targets, str) else tuple(targets),
+                   rank_pattern=dict(rank_pattern), alpha_pattern={k: float(v) for k, v in alpha_pattern.items()})
+
+
+def _maps_names_to(pattern, fits) -> bool:
+    """Whether ``pattern`` maps regular expressions of module names to values that ``fits`` accepts."""
+    return isinstance(pattern, dict) and all(_is_regex(key) and fits(value) for key, value in pattern.items())
+
+
+def _is_regex(key) -> bool:
+    try:
+        return isinstance(key, str) and re.compile(key) is not None
+    except re.error:
+        return False
+
+
+def _is_rank(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_alpha(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _match_pattern(pattern: dict, module_name: str):
+    """The value of the first key that is a suffix of ``module_name`` at a "." boundary (PEFT's get_pattern_key,
+    as vLLM matches it), None where none is."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return value
+    return None

@@ -1,5 +1,6 @@
 """Multi-LoRA serving holds the oracle: greedy float32 output token for token that of transformers + peft with the same
-adapter, for three random peft adapters (different ranks and targets, one rsLoRA, one on q/k/v only) in one batch
+adapter, for four random peft adapters (different ranks and targets, one rsLoRA, one on q/k/v only, one with
+per-module ranks and alphas) in one batch
 with base-model requests, through the engine process; also under chunked prefill and forced preemption, with fewer
 adapter slots than adapters (max_loras=2), in the test process, where the CPU graphs of steps with adapters are
 seen. The prefix cache keeps adapters apart; adapters that do not fit the base model are a ValueError naming the
@@ -27,6 +28,10 @@ ADAPTERS = {  # name -> peft LoraConfig settings
                                                        "up_proj", "down_proj"]),
     "rslora-r16": dict(r=16, lora_alpha=32, use_rslora=True, target_modules=["o_proj", "gate_proj", "down_proj"]),
     "qkv-r4": dict(r=4, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"]),
+    # per-module ranks and alphas: o_proj's rank, layer 1's q_proj's rank, down_proj's alpha
+    "patterns": dict(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "down_proj"],
+                     rank_pattern={"o_proj": 8, "model.layers.1.self_attn.q_proj": 12},
+                     alpha_pattern={"down_proj": 24}),
 }
 ENGINE = dict(dtype="float32", max_model_len=1024, enable_lora=True, max_loras=2, max_lora_rank=16)
 MAX_TOKENS = 24
@@ -59,7 +64,7 @@ def adapters(hf_model, tmp_path_factory):
 def batch(tokenizer, adapters, hf_model):
     """8 prompts of 5 to 400 tokens, each for the base model or one of the adapters (each adapter twice)."""
     prompts = make_prompts(tokenizer)
-    names = [None, "all-r8", "rslora-r16", "qkv-r4", "all-r8", None, "qkv-r4", "rslora-r16"]
+    names = [None, "all-r8", "rslora-r16", "qkv-r4", "patterns", None, "qkv-r4", "rslora-r16"]
     requests = [adapters[n][0] if n else None for n in names]
     oracles = [adapters[n][1] if n else hf_model for n in names]
     return prompts, requests, oracles
@@ -141,6 +146,10 @@ Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
 
 @pytest.mark.parametrize("config, tensors, message", [
     ({"r": 32}, {}, r"rank r=32 exceeds max_lora_rank=16"),
+    ({"rank_pattern": {"k_proj": 32}}, {}, r"rank_pattern\['k_proj'\]=32 exceeds max_lora_rank=16"),
+    ({"alpha_pattern": {"q_proj": "8"}}, {}, r"alpha_pattern must map module names to finite numbers"),
+    ({"rank_pattern": {"q_proj": 8}}, {}, r"q_proj has A \(4, 576\) and B \(576, 4\); the base model needs A "
+                                         r"\(8, 576\)"),
     ({"use_dora": True}, {}, r"DoRA"),
     ({"modules_to_save": ["lm_head"]}, {}, r"modules_to_save"),
     # PEFT variants whose saved A and B are not all there is to them (vLLM refuses them too)
