@@ -29,7 +29,10 @@ class NgramProposer:
         rows = step.sample_rows
         if not step.max_drafts.any():
             return [[] for _ in rows]
-        return [drafts[:limit] for drafts, limit in zip(self.propose(batch.token_ids[rows], batch.num_tokens[rows]),
+        num_tokens = batch.num_tokens[rows]
+        # the rows' tokens so far only: the batch's rows are max_model_len long, mostly unused
+        token_ids = batch.token_ids[rows, :int(num_tokens.max())]
+        return [drafts[:limit] for drafts, limit in zip(self.propose(token_ids, num_tokens),
                                                         step.max_drafts.tolist())]
 
     def propose(self, token_ids: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
