@@ -25,6 +25,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # model sampling at temperature 1 falls into runs of newlines when any whitespace is allowed, and never
     # finishes the JSON. Set False to allow pretty-printed JSON.
     disable_any_whitespace: bool = True
+    # Set by the chat server for a thinking model's answer (--reasoning-parser): the grammar is held back until the
+    # request samples one of these tokens, which end its reasoning (vLLM's reasoning_ended); not part of the key.
+    _reasoning_end_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         set_kinds = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]

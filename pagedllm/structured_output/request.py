@@ -9,9 +9,17 @@ if TYPE_CHECKING:
 
 
 class StructuredOutputRequest:
-    def __init__(self, compiled_future: Future) -> None:
+    def __init__(self, compiled_future: Future, reasoning_end_token_ids: Optional[list[int]] = None) -> None:
         self.future = compiled_future
         self.grammar: Optional[XgrammarGrammar] = None
+        # While the request reasons, its grammar neither masks its tokens nor reads them.
+        self.reasoning_end_token_ids = reasoning_end_token_ids or []
+        self.reasoning_ended = not self.reasoning_end_token_ids
+
+    def observe_reasoning_token(self, token_id: int) -> None:
+        """A token sampled while the request reasons: after one that ends the reasoning, the grammar applies."""
+        if token_id in self.reasoning_end_token_ids:
+            self.reasoning_ended = True
 
     def is_ready(self) -> bool:
         """True once compiled (the matcher then exists); raises the compile error if compiling failed."""

@@ -316,7 +316,8 @@ class Scheduler:
             return
         requests = self.requests
         constrained = [requests[req_id] for req_id in output.num_scheduled_tokens
-                       if requests[req_id].structured_output_request is not None]
+                       if requests[req_id].structured_output_request is not None
+                       and requests[req_id].structured_output_request.reasoning_ended]
         if constrained:
             output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(constrained)}
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(constrained)
@@ -481,7 +482,11 @@ class Scheduler:
         rejects (its mask left nothing to sample: allowed_token_ids or bad_words took every token it allows) ends
         the request with an error, as vLLM ends it FINISHED_ERROR, never as a "stop" whose output breaks the
         constraint."""
-        grammar = request.structured_output_request.grammar
+        so_request = request.structured_output_request
+        if not so_request.reasoning_ended:  # the grammar starts after the token that ends the reasoning
+            so_request.observe_reasoning_token(token_id)
+            return False
+        grammar = so_request.grammar
         if not grammar.accept_token(token_id):
             logger.error("request %s: token %d does not follow its grammar; stopping it", request.request_id,
                          token_id)

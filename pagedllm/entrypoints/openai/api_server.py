@@ -172,7 +172,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     request_logger = RequestLogger(max_log_len=frontend.max_log_len) if frontend.enable_log_requests else None
     init_app_state(app.state, engine_client, served_model_names, chat_template, tool_call_parser, lora_modules,
                    response_role=frontend.response_role, request_logger=request_logger,
-                   enable_prompt_tokens_details=frontend.enable_prompt_tokens_details)
+                   enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
+                   reasoning_parser=frontend.reasoning_parser)
     app.state.registry = registry
     return app
 
@@ -180,10 +181,10 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
 def init_app_state(state: Any, engine_client: Any, served_model_names: list[str], chat_template: Optional[str],
                    tool_call_parser: Optional[str], lora_modules: Optional[list[dict]], *,
                    response_role: str = "assistant", request_logger: Optional[RequestLogger] = None,
-                   enable_prompt_tokens_details: bool = False) -> None:
+                   enable_prompt_tokens_details: bool = False, reasoning_parser: Optional[str] = None) -> None:
     """The serving objects on ``state``, as the routes use them (and `pagedllm run-batch`, so that its results are
-    the server's). ``response_role``, ``request_logger``, ``enable_prompt_tokens_details``: --response-role,
-    --enable-log-requests, --enable-prompt-tokens-details."""
+    the server's). ``response_role``, ``request_logger``, ``enable_prompt_tokens_details``, ``reasoning_parser``:
+    --response-role, --enable-log-requests, --enable-prompt-tokens-details, --reasoning-parser."""
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
                                  engine_client.processor, model_config.get_diff_sampling_param())
@@ -196,7 +197,8 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
     state.openai_serving_models = models
     state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser,
                                                   response_role=response_role, request_logger=request_logger,
-                                                  enable_prompt_tokens_details=enable_prompt_tokens_details)
+                                                  enable_prompt_tokens_details=enable_prompt_tokens_details,
+                                                  reasoning_parser=reasoning_parser)
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger,
                                                               enable_prompt_tokens_details=enable_prompt_tokens_details)

@@ -13,6 +13,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from pagedllm.reasoning import REASONING_PARSERS
 from pagedllm.models.resolve import DEFAULT_MODEL
 
 # Every EngineArgs field but the model (the positional argument) is a --flag of the same name, so the CLI cannot
@@ -145,6 +146,9 @@ def add_serving_args(group) -> None:
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="the format tool calls take in free text, for tool_choice 'auto' "
                             "(default: detected from the chat template)")
+    group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                       help="split a thinking model's <think> reasoning off each chat answer's content, into its "
+                            "message's reasoning field")
     group.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                        help="usage tells how many prompt tokens the prefix cache held (prompt_tokens_details."
                             "cached_tokens, when there were any; the Responses API's usage always does)")

@@ -91,19 +91,29 @@ class PromptTokenUsageInfo(OpenAIBaseModel):
     cached_tokens: Optional[int] = None
 
 
+class CompletionTokenUsageInfo(OpenAIBaseModel):
+    reasoning_tokens: Optional[int] = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: Optional[int] = 0
     # With --enable-prompt-tokens-details, the prompt tokens found in the prefix cache, when there were any (vLLM's).
     prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
+    # With --reasoning-parser, how many completion tokens were reasoning (vLLM's).
+    completion_tokens_details: Optional[CompletionTokenUsageInfo] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "UsageInfo":
-        """``cached_tokens``: reported only when not 0 (give 0 where they are not to be reported)."""
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           reasoning_tokens: Optional[int] = None) -> "UsageInfo":
+        """``cached_tokens``: reported only when not 0 (give 0 where they are not to be reported);
+        ``reasoning_tokens``: reported when not None."""
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens) if cached_tokens else None)
+                   prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens) if cached_tokens else None,
+                   completion_tokens_details=None if reasoning_tokens is None else
+                   CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens))
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -410,6 +420,8 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     tools: Optional[list[ChatCompletionToolsParam]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
+    # vLLM's: with --reasoning-parser, whether the answer carries the reasoning it split off the content.
+    include_reasoning: bool = True
 
     @property
     def requested_max_tokens(self) -> Optional[int]:
@@ -447,14 +459,19 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    # vLLM's: the reasoning a --reasoning-parser split off the content.
+    reasoning: Optional[str] = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any) -> dict:
         """As vLLM's (and OpenAI's): a message without tool calls has no tool_calls field, rather than an empty one
-        (which a client may take for calls made, or send back to a template that tests whether it is defined)."""
+        (which a client may take for calls made, or send back to a template that tests whether it is defined); nor
+        a reasoning field without reasoning."""
         data = handler(self)
         if not data.get("tool_calls"):
             data.pop("tool_calls", None)
+        if data.get("reasoning") is None:
+            data.pop("reasoning", None)
         return data
 
 
@@ -493,6 +510,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

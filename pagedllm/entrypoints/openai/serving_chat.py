@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, AsyncIterator, Optional, Union
 
+import msgspec
+
 from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt, conversation
@@ -20,6 +22,7 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.tool_calls import (ToolCallParser, ToolChoice, detect_tool_call_parser,
                                                     resolve_tool_choice)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.reasoning import DeepSeekR1ReasoningParser, ReasoningStream, get_reasoning_parser
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -27,8 +30,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
                  tool_call_parser: Optional[str] = None, *, response_role: str = "assistant",
-                 request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False) -> None:
-        """response_role: the role of the messages answered (vLLM's --response-role)."""
+                 request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False,
+                 reasoning_parser: Optional[str] = None) -> None:
+        """response_role: the role of the messages answered (vLLM's --response-role); reasoning_parser: vLLM's
+        --reasoning-parser, which splits each answer's reasoning off its content."""
         super().__init__(engine_client, models, request_logger=request_logger,
                          enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.response_role = response_role
@@ -36,6 +41,25 @@ class OpenAIServingChat(OpenAIServing):
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.tool_call_parser = tool_call_parser or detect_tool_call_parser(
             template if isinstance(template, str) else None)
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+
+    def _reasoning(self, request: ChatCompletionRequest, params: Any
+                   ) -> tuple[Optional[DeepSeekR1ReasoningParser], Any]:
+        """The request's reasoning parser (none without --reasoning-parser), and its sampling params with a grammar
+        (structured output, a required or named tool_choice) held back until the reasoning ends, as vLLM holds it
+        back: the model thinks freely, then answers as the grammar says. Where the end of the reasoning is not one
+        token, the grammar applies from the first token, leaving no reasoning, and no parser is applied."""
+        if self.reasoning_parser is None:
+            return None, params
+        parser = self.reasoning_parser(self.tokenizer, request.chat_template_kwargs)
+        constraint = getattr(params, "structured_outputs", None)
+        if constraint is None or not parser.thinking:
+            return parser, params
+        end_token_ids = parser.reasoning_end_token_ids()
+        if end_token_ids is None:
+            return None, params
+        return parser, msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
+            constraint, _reasoning_end_token_ids=end_token_ids))
 
     def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
         """As vLLM: the answer's role is --response-role, unless it continues the last message (no generation
@@ -69,6 +93,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_token_ids = self._truncated(request, list(prompt_token_ids))
         max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages")
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
+        reasoning_parser, params = self._reasoning(request, params)
         request_id = f"chatcmpl-{random_uuid()}"
         output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": request.cache_salt}
@@ -76,18 +101,23 @@ class OpenAIServingChat(OpenAIServing):
                                                    request.model), request, "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
-                                                         len(prompt_token_ids), tool_choice, cached_tokens_always)
+                                                         len(prompt_token_ids), tool_choice, cached_tokens_always,
+                                                         reasoning_parser)
         return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice,
-                                                         cached_tokens_always)
+                                                         cached_tokens_always, reasoning_parser)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                results: AsyncIterator[RequestOutput], request_id: str,
                                                model_name: str, num_prompt_tokens: int,
-                                               tool_choice: Optional[ToolChoice], cached_tokens_always: bool = False
+                                               tool_choice: Optional[ToolChoice], cached_tokens_always: bool = False,
+                                               reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None
                                                ) -> AsyncIterator[str]:
         created = int(time.time())
         num_generated = [0] * (request.n or 1)  # each choice's completion tokens so far
         num_cached = 0
+        # Per choice: its reasoning split off as it comes, and (to count the reasoning's tokens) its token ids.
+        reasoning_streams = [reasoning_parser.stream() if reasoning_parser else None for _ in range(request.n or 1)]
+        generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
             # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
@@ -114,13 +144,17 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = res.num_cached_tokens
                 for output in res.outputs:
                     num_generated[output.index] += len(output.token_ids)
+                    if reasoning_parser is not None:
+                        generated_ids[output.index] += output.token_ids
                     if not output.text and not output.token_ids and output.finish_reason is None:
                         continue
-                    delta, finish_reason = self._stream_delta(output, parsers[output.index], tool_choice)
+                    delta, finish_reason = self._stream_delta(output, parsers[output.index], tool_choice,
+                                                              reasoning_streams[output.index],
+                                                              request.include_reasoning)
                     logprobs = self._logprobs(request, output)
-                    if delta.content is None and delta.tool_calls is None and finish_reason is None and \
-                            logprobs is None:
-                        continue  # text a tool-call parser holds until it knows what it is
+                    if delta.content is None and delta.reasoning is None and delta.tool_calls is None and \
+                            finish_reason is None and logprobs is None:
+                        continue  # text a parser holds until it knows what it is
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=output.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                         stop_reason=output.stop_reason))
@@ -128,29 +162,52 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[],
                     usage=UsageInfo.of(num_prompt_tokens, sum(num_generated),
-                                       self._cached_tokens(num_cached, cached_tokens_always)),
+                                       self._cached_tokens(num_cached, cached_tokens_always),
+                                       self._reasoning_tokens(reasoning_parser, generated_ids)),
                 ).model_dump_json(exclude_unset=True))
         except Exception as e:
             yield sse_error(e)
         yield sse("[DONE]")
 
     @staticmethod
-    def _stream_delta(output: CompletionOutput, parser: Optional[ToolCallParser],
-                      tool_choice: Optional[ToolChoice]) -> tuple[DeltaMessage, Optional[str]]:
-        """This step's delta of one choice: its text, or the content and tool calls a parser reads out of it."""
+    def _stream_delta(output: CompletionOutput, parser: Optional[ToolCallParser], tool_choice: Optional[ToolChoice],
+                      reasoning_stream: Optional[ReasoningStream] = None, include_reasoning: bool = True
+                      ) -> tuple[DeltaMessage, Optional[str]]:
+        """This step's delta of one choice: its text, or the reasoning, content and tool calls the parsers read
+        out of it (the tool-call parser reading the content only)."""
+        text, reasoning = output.text, {}
+        if reasoning_stream is not None:
+            thought, text = reasoning_stream.feed(text)
+            if output.finish_reason is not None:
+                more_thought, more_text = reasoning_stream.finish()
+                thought, text = thought + more_thought, text + more_text
+            reasoning = {"reasoning": thought} if thought and include_reasoning else {}
         if parser is None:
-            return DeltaMessage(content=output.text), output.finish_reason
-        content, tool_calls = parser.feed(output.text)
+            content = {"content": text} if text or reasoning_stream is None else {}
+            return DeltaMessage(**reasoning, **content), output.finish_reason
+        content, tool_calls = parser.feed(text)
         if output.finish_reason is not None:
             rest, more_calls = parser.finish()
             content, tool_calls = content + rest, tool_calls + more_calls
-        delta = DeltaMessage(content=content or None, tool_calls=tool_choice.kept_deltas(tool_calls) or None)
+        delta = DeltaMessage(**reasoning, content=content or None,
+                             tool_calls=tool_choice.kept_deltas(tool_calls) or None)
         return delta, tool_choice.finish_reason(parser.calls, output.finish_reason)
+
+    @staticmethod
+    def _reasoning_tokens(reasoning_parser: Optional[DeepSeekR1ReasoningParser], token_ids: list[list[int]]
+                          ) -> Optional[int]:
+        """The choices' reasoning tokens all told, where a reasoning parser read them and can count them."""
+        if reasoning_parser is None:
+            return None
+        counts = [reasoning_parser.count_reasoning_tokens(ids) for ids in token_ids]
+        return None if None in counts else sum(counts)
 
     async def chat_completion_full_generator(self, request: ChatCompletionRequest,
                                              results: AsyncIterator[RequestOutput], request_id: str,
                                              model_name: str, tool_choice: Optional[ToolChoice],
-                                             cached_tokens_always: bool = False) -> ChatCompletionResponse:
+                                             cached_tokens_always: bool = False,
+                                             reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None
+                                             ) -> ChatCompletionResponse:
         final = None
         async for res in results:  # FINAL_ONLY: one output, with all n choices
             check_output(res)
@@ -160,13 +217,16 @@ class OpenAIServingChat(OpenAIServing):
         role = self.get_chat_request_role(request)
         echoed = self.echoed_text(request)
         for o in outputs:
-            message, finish_reason = ChatMessage(role=role, content=o.text), o.finish_reason
+            reasoning, text = reasoning_parser.extract_reasoning(o.text) if reasoning_parser else (None, o.text)
+            message, finish_reason = ChatMessage(role=role, content=text), o.finish_reason
             parser = tool_choice.make_parser() if tool_choice else None
             if parser is not None:
-                content, calls = parser.parse(o.text)
+                content, calls = parser.parse(text or "")
                 calls = tool_choice.kept_calls(calls)
                 message = ChatMessage(role=role, content=content.strip() or None, tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
+            if request.include_reasoning:
+                message.reasoning = reasoning
             if echoed:
                 message.content = echoed + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
@@ -177,7 +237,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id, model=model_name, choices=choices,
             usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens,
-                               self._cached_tokens(final.num_cached_tokens, cached_tokens_always)),
+                               self._cached_tokens(final.num_cached_tokens, cached_tokens_always),
+                               self._reasoning_tokens(reasoning_parser, [o.token_ids for o in outputs])),
             prompt_logprobs=self._prompt_logprobs(final.prompt_logprobs))
 
     def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput

@@ -1,0 +1,110 @@
+"""vLLM's --reasoning-parser through the server: a thinking model's chat answer comes back with its reasoning in the
+message's (or delta's) reasoning field and the rest as content, streamed or not, and usage counts the reasoning's
+tokens. The model is a tiny Llama built to think: every layer's output is zeroed, so each next token is the LM
+head's pick for the last token's embedding alone, and those picks are set as a chain that answers every chat prompt
+with "<think> Let me see</think> Paris is big" and then EOS."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.server.conftest import RemoteServer
+
+THOUGHT, ANSWER = [" Let", " me", " see"], [" Paris", " is", " big"]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def save_thinking_model(path, tokenizer) -> None:
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])  # one token each, as in thinking models' vocabularies
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    generation_prompt_end = tokenizer.encode(prompt, add_special_tokens=False)[-1]
+    words = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
+    pieces = [tokenizer.encode(word, add_special_tokens=False) for word in THOUGHT + ANSWER]
+    assert all(len(ids) == 1 for ids in pieces)
+    thought, answer = [ids[0] for ids in pieces[:3]], [ids[0] for ids in pieces[3:]]
+    chain = [generation_prompt_end, words[0], *thought, words[1], *answer, tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=1,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for i, (token, next_token) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(i), 64).float()
+            model.lm_head.weight[next_token] = 10.0 * torch.nn.functional.one_hot(torch.tensor(i), 64).float()
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("thinking-model")
+    save_thinking_model(path, tokenizer)
+    srv = RemoteServer(path / "server.log", extra_args=[str(path), "--reasoning-parser", "deepseek_r1"])
+    yield srv
+    srv.stop()
+
+
+def chat(server, **extra) -> dict:
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 16, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_the_reasoning_is_split_off_the_content(thinking_server):
+    answer = chat(thinking_server)
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": " Paris is big",
+                                               "reasoning": " Let me see"}
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == 9  # <think>, 3 words, </think>, 3 words, EOS
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    # include_reasoning false drops it; the completions endpoint gives the text as the model wrote it
+    assert chat(thinking_server, include_reasoning=False)["choices"][0]["message"] == {
+        "role": "assistant", "content": " Paris is big"}
+    with thinking_server.http() as http:
+        text = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).json()["choices"][0]["text"]
+    assert "reasoning" not in text
+
+
+def test_a_stream_splits_the_same_and_counts_the_same(thinking_server):
+    with thinking_server.http() as http:
+        body = http.post("/v1/chat/completions", json={
+            "messages": MESSAGES, "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True}}).text
+    chunks = [json.loads(line.removeprefix("data: ")) for line in body.splitlines()
+              if line.startswith("data: {")]
+    deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+    reasoning = [d["reasoning"] for d in deltas if "reasoning" in d]
+    content = [d["content"] for d in deltas if d.get("content")]
+    assert "".join(reasoning) == " Let me see" and "".join(content) == " Paris is big"
+    assert len(reasoning) == 3  # a delta a token: the reasoning streams as it is written
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert all("reasoning" not in d for d in deltas[first_content:])
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+
+
+def test_a_grammar_applies_once_the_reasoning_ends(thinking_server):
+    """As vLLM holds a grammar back until the reasoning ends: the model thinks as it would, then answers as the
+    grammar says (here it would answer " Paris is big" unconstrained)."""
+    answer = chat(thinking_server, response_format={"type": "json_object"}, max_tokens=8)
+    message = answer["choices"][0]["message"]
+    assert message["reasoning"] == " Let me see" and message["content"].startswith("{")
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+
+
+def test_an_unknown_reasoning_parser_is_refused_before_the_engine_starts():
+    result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--reasoning-parser", "nope"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--reasoning-parser: invalid choice: 'nope'" in result.stderr

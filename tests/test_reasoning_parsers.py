@@ -1,0 +1,66 @@
+"""The reasoning parsers (vLLM's deepseek_r1 and qwen3) without a model: whole answers split as vLLM's parsers split
+them, and every way of cutting an answer into stream deltas giving the same split."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedllm.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, get_reasoning_parser
+
+R1, QWEN3 = DeepSeekR1ReasoningParser(None), Qwen3ReasoningParser(None)
+QWEN3_NOT_THINKING = Qwen3ReasoningParser(None, {"enable_thinking": False})
+
+
+@pytest.mark.parametrize("parser, text, split", [
+    (R1, "<think>Paris, surely.</think>Paris", ("Paris, surely.", "Paris")),
+    (R1, "The template opened it.</think>\n\nParis", ("The template opened it.", "\n\nParis")),
+    (R1, "Cut off while thinking", ("Cut off while thinking", None)),
+    (R1, "<think>Done.</think>", ("Done.", None)),
+    (R1, "</think>No thoughts", ("", "No thoughts")),
+    (R1, "<think>a</think>b</think>c", ("a", "b</think>c")),
+    (R1, "thinking <tool_call>{}</tool_call>", ("thinking <tool_call>{}</tool_call>", None)),
+    (R1, "Ends in half a marker </thi", ("Ends in half a marker </thi", None)),
+    (QWEN3, "<think>a</think>b</think>c", ("a", "bc")),  # a later </think> is dropped
+    (QWEN3, "Let me call it.<tool_call>{}</tool_call>", ("Let me call it.", "<tool_call>{}</tool_call>")),
+    (QWEN3_NOT_THINKING, "<think>\n\n</think>Paris", (None, "<think>\n\n</think>Paris")),
+])
+def test_a_whole_answer_and_every_stream_of_it_split_alike(parser, text, split):
+    assert parser.extract_reasoning(text) == split
+    rng = random.Random(0)
+    for _ in range(50):
+        stream, reasoning, content, at = parser.stream(), "", "", 0
+        while at < len(text):
+            cut = min(len(text), at + rng.randint(1, 5))
+            more_reasoning, more_content = stream.feed(text[at:cut])
+            reasoning, content, at = reasoning + more_reasoning, content + more_content, cut
+        rest_reasoning, rest_content = stream.finish()
+        reasoning, content = reasoning + rest_reasoning, content + rest_content
+        assert (reasoning if parser.thinking else None, content or None) == split
+
+
+def test_a_marker_cut_across_deltas_is_held_back_until_it_is_known():
+    stream = R1.stream()
+    assert stream.feed("I think</th") == ("I think", "")
+    assert stream.feed("ink>Paris") == ("", "Paris")
+    stream = R1.stream()
+    assert stream.feed("a </") == ("a ", "")
+    assert stream.feed("b") == ("</b", "")  # not a marker after all
+
+
+class _Tokenizer:
+    def get_vocab(self) -> dict[str, int]:
+        return {"<think>": 7, "</think>": 8, "<tool_call>": 9, "x": 1}
+
+
+def test_reasoning_tokens_are_counted_by_the_markers_ids():
+    assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 1, 1, 8, 1, 1]) == 3
+    assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([1, 1, 8, 1]) == 2  # opened in the prompt
+    assert Qwen3ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 9, 1]) == 1
+    assert Qwen3ReasoningParser(_Tokenizer(), {"enable_thinking": False}).count_reasoning_tokens([7, 1, 8]) == 0
+    assert DeepSeekR1ReasoningParser(None).count_reasoning_tokens([1, 2]) is None  # no marker ids to count by
+
+
+def test_an_unknown_parser_is_a_value_error_naming_the_choices():
+    with pytest.raises(ValueError, match="reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
+        get_reasoning_parser("nope")
