@@ -378,7 +378,8 @@ def test_chat_still_answers_paris(int4):
 
 
 def test_bad_quantization_is_a_value_error_naming_it(tmp_path):
-    with pytest.raises(ValueError, match="quantization must be None or one of gguf, gguf_int4, int8; got 'awq'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of gguf, gguf_int4, int8, "
+                                         "compressed-tensors; got 'awq'"):
         LLM(quantization="awq")
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)

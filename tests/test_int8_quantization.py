@@ -4,6 +4,7 @@ in float), torch's int8 path agrees with it, and the quantized
 SmolLM2 stays close to the dense one, teacher-forced (tests/e2e/test_cpu_graphs.py: its decode steps replay CPU
 graphs); a compressed-tensors W8A8 checkpoint loads its own codes and scales."""
 
+import argparse
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 from pagedllm.layers.gemm_layout import WeightLayout
 from pagedllm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedllm.layers.quantization.int8 import (Int8Config, Int8LinearMethod, outlier_terms,
@@ -214,6 +216,20 @@ def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, chang
     _save_compressed_tensors(tmp_path / "good", ignore=[])
     with pytest.raises(ValueError, match="already quantized"):
         EngineArgs(str(tmp_path / "good"), quantization="int8").create_engine_config()
+
+
+def test_quantization_may_name_the_checkpoints_own_scheme(tmp_path):
+    """As vLLM: ``quantization="compressed-tensors"`` (``--quantization compressed-tensors``) runs a compressed-tensors
+    checkpoint's own scheme, as leaving it unset does; a dense checkpoint has none to run."""
+    _save_compressed_tensors(tmp_path / "w8a8", ignore=[])
+    config = EngineArgs(str(tmp_path / "w8a8"), quantization="compressed-tensors").create_engine_config()
+    assert config.model_config.hf_config.quantization_config["format"] == "int-quantized"
+    parser = make_arg_parser(argparse.ArgumentParser())
+    assert parser.parse_args(["--quantization", "compressed-tensors"]).quantization == "compressed-tensors"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                vocab_size=256).save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' is a quantized checkpoint's own scheme"):
+        EngineArgs(str(tmp_path / "dense"), quantization="compressed-tensors").create_engine_config()
 
 
 @pytest.mark.parametrize("lesser", ["no_amx", "avx2", "avx2_no_vnni"])

@@ -218,17 +218,19 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
 def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:
     """Records ``quantization`` (if any) in ``hf_config``, where get_model reads it as from a checkpoint that ships a
     quantization_config; a value that does not fit the model fails here, naming `quantization`, not in the engine
-    process."""
+    process. A quantized checkpoint runs its own scheme, which ``quantization`` may name (as vLLM lets
+    ``--quantization compressed-tensors`` name a compressed-tensors checkpoint's) but not replace."""
     checkpoint_config = getattr(hf_config, "quantization_config", None)
-    if quantization is not None and checkpoint_config:
-        raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized "
-                         f"({checkpoint_config.get('quant_method')!r}); leave quantization unset")
-    if quantization is not None:
+    if checkpoint_config:
+        method = checkpoint_config.get("quant_method")
+        if quantization not in (None, method):
+            raise ValueError(f"quantization={quantization!r}: the checkpoint is already quantized ({method!r}); "
+                             f"leave quantization unset or give {method!r}")
+        # a checkpoint's own scheme we cannot run fails here, before any process starts
+        get_quant_config(method, path, get_model_architecture(hf_config), checkpoint_config)
+    elif quantization is not None:
         get_quant_config(quantization, path, get_model_architecture(hf_config))
         hf_config.quantization_config = {"quant_method": quantization}
-    elif checkpoint_config:  # a checkpoint's own scheme we cannot run fails here, before any process starts
-        get_quant_config(checkpoint_config.get("quant_method"), path, get_model_architecture(hf_config),
-                         checkpoint_config)
 
 
 def pp_layer_partition_from_env() -> Optional[list[int]]:

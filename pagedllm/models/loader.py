@@ -46,10 +46,13 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
     if quantization is None:
         return None
     if quantization == "compressed-tensors":
+        if not checkpoint_config:
+            raise ValueError(f"quantization='compressed-tensors' is a quantized checkpoint's own scheme; {path!r} has "
+                             f"no quantization_config")
         if model_class.expert_weight_names:
             raise ValueError(f"compressed-tensors checkpoints of mixture-of-experts models ({model_class.__name__}) "
                              f"are not supported yet: their experts run dense")
-        return Int8Config.from_compressed_tensors(checkpoint_config or {}, model_class.stacked_params_mapping)
+        return Int8Config.from_compressed_tensors(checkpoint_config, model_class.stacked_params_mapping)
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; "
                          f"got {quantization!r}")

@@ -213,8 +213,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="gguf: keep a GGUF file's Q4_0/Q4_1, Q8_0, Q2_K-Q6_K, IQ4_NL/XS linear weights "
                              "packed where a kernel takes them (other types dequantized at load); gguf_int4: the "
                              "Q4_0/Q4_1/Q4_K ones only; int8: W8A8, the linear layers' weights int8 per channel and "
-                             "activations int8 per token, each token's two largest entries kept float (default: "
-                             "dense)")
+                             "activations int8 per token, each token's two largest entries kept float; "
+                             "compressed-tensors: a compressed-tensors checkpoint's own W8A8, which it runs unnamed "
+                             "too (default: dense)")
     engine.add_argument("--num-cpu-threads", type=int, default=EngineArgs.num_cpu_threads,
                         help="torch threads of the engine process (default: one per core)")
     engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineArgs.enforce_eager,

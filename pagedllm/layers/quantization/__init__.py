@@ -2,6 +2,8 @@
 
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
-QUANTIZATION_METHODS = ("gguf", "gguf_int4", "int8")
+# What ``quantization`` may name: a method applied at load (gguf, gguf_int4, int8), or a quantized checkpoint's own
+# (compressed-tensors), which the checkpoint's quantization_config selects even unnamed.
+QUANTIZATION_METHODS = ("gguf", "gguf_int4", "int8", "compressed-tensors")
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "QuantizeMethodBase"]
