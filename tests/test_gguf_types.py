@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.initialization import no_init_weights
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_model
 from pagedllm.platforms.interface import KernelChoice
@@ -88,3 +89,17 @@ def test_gguf_tensor_types_load_as_transformers_does(tmp_path):
     result = reference.load_state_dict(tensors, strict=False)
     assert not result.missing_keys and not result.unexpected_keys
     _check_schedules(model, reference.eval(), ours, VOCAB, seed=10, block_size=4)
+
+
+def test_a_type_gguf_py_does_not_dequantize_fails_with_the_config(tmp_path, monkeypatch):
+    """A weight in Q8_K (llama.cpp's activation type, which gguf-py does not dequantize) is refused, naming the tensor
+    and the types that load, as the config loads: before any process starts or weight is read."""
+    monkeypatch.setitem(TYPES, "ffn_down", T.Q8_K)
+    monkeypatch.setitem(_K_SCALES, T.Q8_K, (0,))  # random bytes: the file is refused unread
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+    path = str(tmp_path / "tiny-q8k.gguf")
+    _write(path, config)
+    with pytest.raises(ValueError, match="GGUF tensor 'blk.0.ffn_down.weight' has type Q8_K, which is not supported; "
+                                         "supported: F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K"):
+        EngineArgs(path).create_engine_config()

@@ -3,6 +3,7 @@ tensor-parallel weight sharding."""
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
@@ -10,6 +11,7 @@ from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
 
 from pagedllm import native
 from pagedllm.config import HFConfigValues, ModelConfig, layer_sliding_window
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -154,6 +156,23 @@ def test_gguf_names():
     assert gguf_to_hf_name("blk.2.ffn_up.weight") == "model.layers.2.mlp.up_proj.weight"
     with pytest.raises(ValueError, match="Unsupported GGUF tensor 'rope_factors_long.weight'"):
         gguf_to_hf_name("rope_factors_long.weight", "phi3")
+
+
+def test_gguf_tensor_the_models_do_not_take_fails_with_the_config(empty_cache):
+    """Phi-3-128k's longrope factors (which its GGUF config does not carry) are refused from the header as the config
+    loads, before any process starts or weight is read: not midway through the engine process's load."""
+    config = Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                        vocab_size=256, max_position_embeddings=4096, pad_token_id=None)
+    path = str(empty_cache / "phi3-128k.gguf")
+
+    def longrope_factors(writer):
+        for kind in ("long", "short"):
+            writer.add_tensor(f"rope_factors_{kind}.weight", np.ones(8, dtype=np.float32))
+
+    write_tiny_gguf(HFPhi3ForCausalLM(config), path, "phi3", extra=longrope_factors)
+    with pytest.raises(ValueError, match=r"Unsupported GGUF tensor 'rope_factors_long.weight' \(general.architecture "
+                                         r"'phi3'\)"):
+        EngineArgs(path).create_engine_config()
 
 
 def test_gguf_weights_equal_transformers_gguf_load():

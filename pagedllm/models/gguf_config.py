@@ -27,12 +27,13 @@ from collections.abc import Container
 
 from transformers import MixtralConfig, PretrainedConfig
 
-from pagedllm.models.gguf_loader import GGUFTensorInfo, read_gguf_header, read_gguf_tensor
+from pagedllm.models.gguf_loader import GGUFTensorInfo, check_gguf_tensors, read_gguf_header, read_gguf_tensor
 
 
 def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfig:
     """``config`` (transformers' reading of the GGUF file at ``path``) completed with its window and experts."""
     metadata, tensors = read_gguf_header(path)
+    check_gguf_tensors(metadata, tensors)
     arch = metadata["general.architecture"]
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window is not None and getattr(config, "sliding_window", None) is None:

@@ -103,7 +103,7 @@ def gguf_to_hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         block_names = _block_names(arch)
         if match.group(2) in block_names:
             return f"model.layers.{match.group(1)}.{block_names[match.group(2)]}.{suffix}"
-    raise ValueError(f"Unsupported GGUF tensor {gguf_name!r}")
+    raise ValueError(f"Unsupported GGUF tensor {gguf_name!r} (general.architecture {arch!r})")
 
 
 def reverse_llama_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -194,6 +194,30 @@ def read_gguf_header(path: str) -> tuple[dict[str, object], list[GGUFTensorInfo]
     for tensor in tensors:
         tensor.offset += data_start
     return metadata, tensors
+
+
+@functools.cache
+def _dequantizes(tensor_type: GGMLQuantizationType) -> bool:
+    """Whether a weight of ``tensor_type`` loads: gguf-py dequantizes it (asked with one block of zeros; it has no
+    public list, and lacks some types, such as llama.cpp's Q8_K)."""
+    type_size = GGML_QUANT_SIZES[tensor_type][1]
+    try:
+        dequantize_fast(np.zeros((1, type_size), dtype=np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def check_gguf_tensors(metadata: dict[str, object], tensors: list[GGUFTensorInfo]) -> None:
+    """A ValueError naming the first tensor of a GGUF file (read_gguf_header's) that its weights cannot load from: a
+    name no model here takes (gguf_to_hf_name), or a type gguf-py does not dequantize. From the header alone, so the
+    file fails as its config loads, before any process starts or weight is read, not midway through the load."""
+    arch = metadata["general.architecture"]
+    for tensor in tensors:
+        if gguf_to_hf_name(tensor.name, arch) is not None and not _dequantizes(tensor.tensor_type):
+            supported = [t.name for t in GGMLQuantizationType if _dequantizes(t)]
+            raise ValueError(f"GGUF tensor {tensor.name!r} has type {tensor.tensor_type.name}, which is not "
+                             f"supported; supported: {', '.join(supported)}")
 
 
 def gguf_tensor_types(path: str) -> dict[str, GGMLQuantizationType]:
