@@ -30,6 +30,16 @@ def test_an_unknown_device_names_the_choices():
         EngineArgs(device="tpu").create_engine_config()
 
 
+def test_dtype_names_are_case_insensitive_and_a_torch_dtype_is_checked():
+    """As vLLM's, dtype names are case-insensitive; a torch.dtype the layers do not compute in (a float64 engine
+    failed in its process) is a ValueError naming dtype before any process starts."""
+    assert EngineArgs(dtype="BFloat16").create_engine_config().model_config.dtype == torch.bfloat16
+    assert EngineArgs(dtype=torch.float16).create_engine_config().model_config.dtype == torch.float16
+    with pytest.raises(ValueError, match=r"dtype must be one of auto, float32, float, bfloat16, float16, half \(or "
+                                         r"their torch dtypes\); got torch.float64"):
+        EngineArgs(dtype=torch.float64).create_engine_config()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here")
 def test_cuda_without_a_gpu_is_a_clear_error_that_leaves_no_process():
     """Raised before the model's config is read; the engine interpreter LLM() started at once (launch.py), which

@@ -29,14 +29,19 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform) -> torch.dtype:
-    """'auto' is the platform's default (Platform.default_dtype)."""
+    """'auto' is the platform's default (Platform.default_dtype). Names are case-insensitive, as vLLM's; a
+    torch.dtype must be one they name: the layers and kernels compute in those floats only (a float64 model failed
+    in the engine process)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (or their torch dtypes); got {dtype}")
         return dtype
-    if dtype == "auto":
+    name = dtype.lower() if isinstance(dtype, str) else dtype
+    if name == "auto":
         return platform.default_dtype()
-    if dtype not in _DTYPES:
+    if name not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
+    return _DTYPES[name]
 
 
 @dataclass
