@@ -109,6 +109,19 @@ def test_engine_serves_the_positions_the_rope_scaling_serves(tmp_path):
         EngineArgs(str(tmp_path), max_model_len=65).create_engine_config()
 
 
+def test_longrope_serves_its_original_context_unless_asked(tmp_path):
+    """As vLLM's default, a longrope model's max_model_len is its original context (there its rows are transformers'
+    for any prompt); a longer one, up to max_position_embeddings, when asked for."""
+    _config(LONGROPE, max_position_embeddings=4 * ORIGINAL).save_pretrained(tmp_path)
+    def max_model_len(path, **kwargs) -> int:
+        return EngineArgs(str(path), **kwargs).create_engine_config().model_config.max_model_len
+
+    assert max_model_len(tmp_path) == ORIGINAL
+    assert max_model_len(tmp_path, max_model_len=4 * ORIGINAL) == 4 * ORIGINAL
+    _config(ROPES["linear"], max_position_embeddings=ORIGINAL).save_pretrained(tmp_path / "linear")
+    assert max_model_len(tmp_path / "linear") == 2 * ORIGINAL
+
+
 def test_gemma3_global_table_covers_the_served_positions_only():
     """Gemma 3's global layers scale their rope 8 times (linear), but the model serves max_position_embeddings
     positions: their table stops there too (8x the rows, 1 GiB for the 4B model, before)."""

@@ -13,7 +13,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                              SpeculativeConfig, check_int, check_kv_cache_dtype, common_window,
                              layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
-from pagedllm.layers.rope_scaling import check_rope_types, positions_served
+from pagedllm.layers.rope_scaling import check_rope_types, default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import load_hf_config
 from pagedllm.models.loader import get_quant_config
@@ -117,7 +117,7 @@ class EngineArgs:
         check_model_config(hf_config)  # an architecture, activation or rope type not served fails here, before any
         check_rope_types(hf_config)  # process
         model_max_len = positions_served(hf_config)
-        max_model_len = model_max_len if self.max_model_len is None else self.max_model_len
+        max_model_len = default_max_model_len(hf_config) if self.max_model_len is None else self.max_model_len
         check_int("max_model_len", max_model_len, 1)
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "

@@ -44,12 +44,19 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
+def parameter_sets(config) -> list[dict]:
+    """Each of the config's rope parameter sets, standardised (rope_parameters): one, or one per kind of layer where
+    the config keeps them so (Gemma 3)."""
+    raw = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    return [rope_parameters(config, layer_type)
+            for layer_type in [key for key, value in raw.items() if isinstance(value, dict)] or [None]]
+
+
 def check_rope_types(config) -> None:
     """A ValueError naming the config's rope type where one of its rope parameter sets (Gemma 3 keeps one per kind
     of layer) has a type not served, before any weight is read."""
-    raw = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    for layer_type in [key for key, value in raw.items() if isinstance(value, dict)] or [None]:
-        _check_rope_type(rope_parameters(config, layer_type)["rope_type"])
+    for params in parameter_sets(config):
+        _check_rope_type(params["rope_type"])
 
 
 def _check_rope_type(rope_type: str) -> None:
@@ -66,6 +73,16 @@ def max_position_embeddings(config) -> int:
 def positions_served(config) -> int:
     """The longest context the model serves: see ``scaled_max_position``."""
     return scaled_max_position(rope_parameters(config), max_position_embeddings(config))
+
+
+def default_max_model_len(config) -> int:
+    """The context served when max_model_len is not given: the positions served, but for a longrope model (Phi-3's
+    long-context ones) its original context, as vLLM's default. Past that length transformers rotates a whole prompt
+    by the long factors, which the table's rows before it do not hold (see the module's docstring): a longer context
+    is served when asked for."""
+    longrope = [params["original_max_position_embeddings"] for params in parameter_sets(config)
+                if params["rope_type"] == "longrope"]
+    return min([positions_served(config), *longrope])
 
 
 def scaled_max_position(params: dict, max_position: int) -> int:
