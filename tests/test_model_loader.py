@@ -6,8 +6,9 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig
+from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config
 from transformers import Phi3ForCausalLM as HFPhi3ForCausalLM
+from transformers import Qwen3ForCausalLM as HFQwen3ForCausalLM
 
 from pagedllm import native
 from pagedllm.config import HFConfigValues, ModelConfig, layer_sliding_window
@@ -25,10 +26,13 @@ from pagedllm.models.gguf_cache import gguf_cache_dir
 from pagedllm.models.gguf_loader import gguf_to_hf_name, gguf_weights_iterator
 from pagedllm.models.hf_config import load_hf_config, load_tokenizer
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.loader import get_model
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.registry import get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
-from tests.model_fixtures import smollm_model, smollm_path, smollm_reference_tensors, write_tiny_gguf
+from pagedllm.platforms.interface import KernelChoice
+from tests.model_fixtures import (Chunk, PagedBatchRunner, smollm_model, smollm_path, smollm_reference_tensors,
+                                  write_tiny_gguf)
 
 
 # ---------------------------------------------------------------- resolve
@@ -127,6 +131,29 @@ def test_gguf_sliding_window_reaches_the_config(empty_cache):
     assert load_hf_config(paths[2047]).sliding_window == 2047
     assert layer_sliding_window(load_hf_config(paths[2047]), 0) == 2047
     assert layer_sliding_window(load_hf_config(paths[None]), 0) is None
+
+
+def test_gguf_head_size_reaches_the_config(empty_cache):
+    """transformers' qwen3 GGUF config drops the head size llama.cpp writes (attention.key_length), leaving its class's
+    128: a Qwen3 of another head size takes the file's, and computes what the HF model does."""
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=128)
+    torch.manual_seed(0)
+    reference = HFQwen3ForCausalLM(config).eval()
+    path = str(empty_cache / "qwen3-head-32.gguf")
+
+    def head_size(writer):  # as llama.cpp's converter writes a config's head_dim
+        writer.add_key_length(32)
+        writer.add_value_length(32)
+
+    write_tiny_gguf(reference, path, "qwen3", extra=head_size)
+    ours = load_hf_config(path)
+    assert ours.head_dim == 32
+    tokens = list(range(3, 11))
+    logits = PagedBatchRunner(get_model(path, ours, KernelChoice(torch.float32)), ours, block_size=4).step(
+        {0: tokens}, [Chunk(0, 0, len(tokens))])[0]
+    with torch.inference_mode():
+        torch.testing.assert_close(logits, reference(torch.tensor([tokens])).logits[0], rtol=1e-4, atol=1e-4)
 
 
 def test_gguf_cache_key_follows_the_file(tmp_path, monkeypatch):

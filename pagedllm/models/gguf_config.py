@@ -3,6 +3,9 @@
 The attention window: transformers drops ``{arch}.attention.sliding_window`` for phi3 (llama.cpp writes Phi-3-mini-4k's
 2047), which the layers then attend within, as from the HF config.
 
+The head size: transformers drops ``{arch}.attention.key_length`` for qwen3, whose config class then says 128 whatever
+the file's q/k/v rows hold; llama.cpp (which writes it wherever the HF config has a head_dim) takes it as the head size.
+
 The experts: transformers maps a GGUF's ``expert_count`` and ``expert_used_count`` for qwen2moe / qwen3moe but not the experts'
 sizes, and reads a Mixtral file (GGUF architecture ``llama`` with experts) as a dense LlamaConfig. llama.cpp
 renormalises a token's top-k expert weights for Mixtral and Qwen3-MoE and not for Qwen2-MoE (its per-architecture
@@ -31,13 +34,16 @@ from pagedllm.models.gguf_loader import GGUFTensorInfo, check_gguf_tensors, read
 
 
 def complete_gguf_config(config: PretrainedConfig, path: str) -> PretrainedConfig:
-    """``config`` (transformers' reading of the GGUF file at ``path``) completed with its window and experts."""
+    """``config`` (transformers' reading of the GGUF file at ``path``) completed as the module's docstring says."""
     metadata, tensors = read_gguf_header(path)
     check_gguf_tensors(metadata, tensors)
     arch = metadata["general.architecture"]
     window = metadata.get(f"{arch}.attention.sliding_window")
     if window is not None and getattr(config, "sliding_window", None) is None:
         config.sliding_window = int(window)
+    key_length = metadata.get(f"{arch}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length)
     if arch in _GEMMA_27B_LAYERS:
         _set_gemma_attention(config, metadata, arch)
     tensors_by_name = {t.name: t for t in tensors}
