@@ -24,7 +24,7 @@ import time
 import torch
 
 from pagedllm import LLM, SamplingParams, native
-from pagedllm.engine.output_processor import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.benchmarks.offline import timed_run
 from pagedllm.benchmarks.workloads import random_workload, shared_workloads
 from pagedllm.config import parse_memory_size
@@ -35,9 +35,10 @@ from pagedllm.worker.worker import kv_cache_bytes_per_block
 def decode_rate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     """Output tokens/s of the prompts' requests, counted from the step after which every request has its first."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"long-{i}", {"prompt_token_ids": prompt}, params, output_kind=RequestOutputKind.DELTA)
+        engine.add_request(f"long-{i}", {"prompt_token_ids": prompt}, params)
     started, tokens, since = set(), 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():

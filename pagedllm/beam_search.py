@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from pagedllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -48,8 +48,9 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
 
     def step_sampling_params(self) -> SamplingParams:
-        """What each beam is submitted with: one token, and enough candidates to fill the beams."""
-        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature)
+        """What each beam is submitted with: one token, and enough candidates to fill the beams, in one final output."""
+        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,
+                              output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclass

@@ -26,6 +26,13 @@ _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "pr
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
+class RequestOutputKind(IntEnum):
+    """What a request's outputs carry while it runs (vLLM's): SamplingParams.output_kind chooses it per request."""
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new, every step
+    FINAL_ONLY = 2  # one output when the request finishes
+
+
 class SamplingType(IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -73,6 +80,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     _extra_eos_token_ids: Optional[list[int]] = None
     # The output must match this JSON schema / regex / choice / grammar (see StructuredOutputsParams).
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's default: every output holds everything so far (LLM.generate asks for FINAL_ONLY, a stream for DELTA).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._normalize_numbers()
@@ -99,8 +108,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def _normalize_numbers(self) -> None:
         """The numeric fields hold what the engine process decodes them as (msgspec, strictly typed: a float where an
         int belongs, or a bool, fails there, where no error reaches the caller): a bool is its int (vLLM's
-        logprobs=True is 1), an int field holds an int and a float field a real number, else a ValueError names the
-        field here."""
+        logprobs=True is 1), an int field holds an int and a float field a real number, output_kind a RequestOutputKind
+        (its int too), else a ValueError names the field here."""
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool):
@@ -112,6 +121,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.") from None
         for name in ("stop_token_ids", "allowed_token_ids"):
             token_ids = getattr(self, name)
             if isinstance(token_ids, (list, tuple)):

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 PROMPT = "<|im_start|>user\nWrite something.<|im_end|>\n<|im_start|>assistant\n"
 MULTIBYTE_TEXT = "Hi 😀 你好世界 🎉🇯🇵 ok, 日本語のテキスト 👍🏽 done — café ∑"
@@ -257,7 +257,7 @@ def test_logprob_tokens_of_a_character_split_over_tokens(tokenizer):
     """A logprob's token text, where its character's bytes are split over byte-fallback tokens: "" for the leading
     parts, the whole character on the token completing it (vLLM's), in sampled and prompt logprobs alike; joined,
     they are the text."""
-    from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+    from pagedllm.engine.output_processor import OutputProcessor
     from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest
     from pagedllm.sample.logprobs import LogprobsLists
 
@@ -266,8 +266,9 @@ def test_logprob_tokens_of_a_character_split_over_tokens(tokenizer):
     assert any(tokenizer.decode([i]).endswith("\ufffd") for i in ids)
     prompt = encode(tokenizer, PROMPT)
     processor = OutputProcessor(tokenizer)
-    params = SamplingParams(max_tokens=len(ids), logprobs=0, prompt_logprobs=0, ignore_eos=True)
-    processor.add_requests([EngineCoreRequest("r", prompt + ids, params, None, 0.0)], None, RequestOutputKind.DELTA)
+    params = SamplingParams(max_tokens=len(ids), logprobs=0, prompt_logprobs=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("r", prompt + ids, params, None, 0.0)], None)
     rows = [[t] for t in prompt[1:] + ids]
     processor.process_outputs([EngineCoreOutput(
         "r", [ids[0]], new_prompt_logprobs=LogprobsLists(rows, [[-1.0]] * len(rows), [1] * len(rows)))])

@@ -4,11 +4,11 @@ once its last sequence finishes."""
 from __future__ import annotations
 
 from pagedllm.engine import output_processor
-from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.metrics.stats import IterationStats
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class Clock:
@@ -30,9 +30,8 @@ def test_phases_preemptions_and_cached_tokens(monkeypatch):
     clock = Clock(100.0)
     monkeypatch.setattr(output_processor, "time", clock)
     processor = OutputProcessor(tokenizer=None)
-    params = SamplingParams(max_tokens=4, detokenize=False)
-    processor.add_requests([EngineCoreRequest("r", list(range(10)), params, None, 100.0)], None,
-                           RequestOutputKind.DELTA)
+    params = SamplingParams(max_tokens=4, detokenize=False, output_kind=RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("r", list(range(10)), params, None, 100.0)], None)
     first = step(processor, clock, 101.0, EngineCoreOutput("r", [5], num_cached_tokens=8,
                                                            first_scheduled_time=100.5))
     assert (first.num_prompt_tokens, first.num_cached_prompt_tokens, first.time_to_first_tokens_iter) == (
@@ -53,8 +52,8 @@ def test_a_request_that_generated_nothing_has_no_prefill_or_decode_phase(monkeyp
     clock = Clock(10.0)
     monkeypatch.setattr(output_processor, "time", clock)
     processor = OutputProcessor(tokenizer=None)
-    processor.add_requests([EngineCoreRequest("r", [1, 2], SamplingParams(detokenize=False), None, 10.0)],
-                           None, RequestOutputKind.DELTA)
+    params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("r", [1, 2], params, None, 10.0)], None)
     stats = step(processor, clock, 12.0, EngineCoreOutput("r", [], finish_reason=FinishReason.ABORT,
                                                           first_scheduled_time=11.0))
     [finished] = stats.finished_requests
@@ -66,9 +65,9 @@ def test_parallel_sampling_reports_n_and_the_longest_sequence_once(monkeypatch):
     clock = Clock(0.0)
     monkeypatch.setattr(output_processor, "time", clock)
     processor = OutputProcessor(tokenizer=None)
-    params = SamplingParams(n=3, max_tokens=5, seed=1, detokenize=False)
+    params = SamplingParams(n=3, max_tokens=5, seed=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     parent, children = fan_out(EngineCoreRequest("p", [1, 2, 3], params, None, 0.0))
-    processor.add_requests(children, None, RequestOutputKind.FINAL_ONLY, parent)
+    processor.add_requests(children, None, parent)
     first, second, third = (child.request_id for child in children)
     stats = step(processor, clock, 1.0, EngineCoreOutput(first, [4, 5, 6], finish_reason=FinishReason.STOP),
                  EngineCoreOutput(second, [4]), EngineCoreOutput(third, [7]))

@@ -6,9 +6,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from pagedllm.benchmarks.workloads import Workload
-from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.llm import LLM
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -34,12 +33,12 @@ class BenchResult:
 
 def timed_run(llm: LLM, workload: Workload) -> RunResult:
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     llm.reset_prefix_cache()
     start = time.perf_counter()
     for i, prompt in enumerate(workload.prompts):
-        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params,
-                           output_kind=RequestOutputKind.DELTA)
+        engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
     first_token = None
     num_tokens: dict[str, int] = {}
     finished = 0

@@ -17,7 +17,7 @@ from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import SchedulerStats
@@ -71,8 +71,9 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------------ requests
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
-                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as ``sampling_params.output_kind`` says, as vLLM's: by default each holds everything
+        so far (CUMULATIVE); a stream asks for DELTA, a caller wanting only the end for FINAL_ONLY."""
         if self.errored:
             raise self._dead_error or EngineDeadError()
         if request_id in self._queues:
@@ -83,7 +84,7 @@ class AsyncLLM:
         self._queues[request_id] = queue
         finished = False
         try:
-            self._add_request(request_id, text, request, output_kind)
+            self._add_request(request_id, text, request)
             while not finished:
                 output = await queue.get()
                 if isinstance(output, BaseException):  # EngineDeadError, or CancelledError from abort()
@@ -105,7 +106,7 @@ class AsyncLLM:
 
         async def last_output(token_ids: list[int], beam_request_id: str) -> RequestOutput:
             async for output in self.generate({"prompt_token_ids": token_ids}, step_params, beam_request_id,
-                                              priority, RequestOutputKind.FINAL_ONLY, lora_request):
+                                              priority, lora_request):
                 pass
             return output
 
@@ -116,9 +117,9 @@ class AsyncLLM:
             step += 1
         yield instance.request_output(request_id, text, self.tokenizer)
 
-    def _add_request(self, request_id: str, text: Optional[str], request, output_kind: RequestOutputKind) -> None:
+    def _add_request(self, request_id: str, text: Optional[str], request) -> None:
         parent, requests = fan_out(request)
-        self.output_processor.add_requests(requests, text, output_kind, parent)
+        self.output_processor.add_requests(requests, text, parent)
         if parent is not None:
             self._children[request_id] = parent.child_ids
         for engine_request in requests:

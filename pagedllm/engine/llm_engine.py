@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
@@ -24,16 +24,16 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                    priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
-        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model)."""
+                    priority: int = 0) -> None:
+        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model). What
+        step() returns for it follows ``params.output_kind``, as vLLM's (CUMULATIVE unless the params say)."""
         self.add_processed_request(*self.processor.process(request_id, prompt, params, arrival_time, priority,
-                                                           lora_request), output_kind)
+                                                           lora_request))
 
-    def add_processed_request(self, text: Optional[str], request: EngineCoreRequest,
-                              output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY) -> None:
+    def add_processed_request(self, text: Optional[str], request: EngineCoreRequest) -> None:
         """Queues a request the Processor has already validated and tokenized."""
         parent, requests = fan_out(request)
-        self.output_processor.add_requests(requests, text, output_kind, parent)
+        self.output_processor.add_requests(requests, text, parent)
         for engine_request in requests:
             self.engine_core.add_request(engine_request)
 

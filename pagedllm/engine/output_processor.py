@@ -5,7 +5,6 @@ process, and a stop string found here is sent back to the engine as an abort.
 """
 from __future__ import annotations
 
-import enum
 import os
 import time
 from dataclasses import dataclass, field
@@ -16,26 +15,19 @@ from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
-from pagedllm.sampling_params import SamplingParams
-
-
-class RequestOutputKind(enum.IntEnum):
-    CUMULATIVE = 0  # everything so far, every step
-    DELTA = 1  # only what is new, every step
-    FINAL_ONLY = 2  # one output when the request finishes
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestState:
     def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Any, output_kind: RequestOutputKind,
-                 parent: Optional[ParentRequest], arrival_time: float) -> None:
+                 params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float) -> None:
         self.request_id = request_id
         self.index = index
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.tokenizer = tokenizer
-        self.output_kind = output_kind
+        self.output_kind = params.output_kind
         self.parent = parent
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
                             if params.detokenize and tokenizer is not None else None)
@@ -189,7 +181,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
 
-    def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str], output_kind: RequestOutputKind,
+    def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str],
                      parent: Optional[ParentRequest] = None) -> None:
         """One request's engine requests (an n > 1 request's children, parallel_sampling.fan_out), all or none: an
         id already running refuses them before any is added, so that undoing the request never touches another's."""
@@ -200,7 +192,7 @@ class OutputProcessor:
         for index, request in enumerate(requests):
             self.request_states[request.request_id] = RequestState(
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
-                self.tokenizer, output_kind, parent, request.arrival_time)
+                self.tokenizer, parent, request.arrival_time)
 
     def abort_requests(self, request_ids: list[str]) -> list[str]:
         """Forgets the requests; an n > 1 request's own id stands for all its sequences (as vLLM's parent id).

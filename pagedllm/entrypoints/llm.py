@@ -6,6 +6,7 @@ import logging
 import weakref
 from typing import Any, Optional, Sequence, Union
 
+import msgspec
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
@@ -19,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,10 @@ class LLM:
         prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params_list = _one_per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts))
+        # Only each request's last output is returned: asked for alone (FINAL_ONLY, as vLLM's LLM sets it), on a copy
+        # so that the caller's params keep their output_kind for other uses.
+        params_list = [msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY) for params in
+                       _one_per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts))]
         priorities = _one_per_prompt("priority", 0 if priority is None else priority, int, len(prompts))
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
         # Process (validate) everything before anything is queued, so bad input leaves no request behind.

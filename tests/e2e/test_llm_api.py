@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -101,7 +102,8 @@ def test_logprobs_and_prompt_logprobs(llm, hf_model):
 
 @pytest.mark.parametrize("bad, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
                                         ({"n": 0}, "n"), ({"logprobs": -2}, "logprobs"),
-                                        ({"max_tokens": 0}, "max_tokens"), ({"min_p": 2}, "min_p")])
+                                        ({"max_tokens": 0}, "max_tokens"), ({"min_p": 2}, "min_p"),
+                                        ({"output_kind": 3}, "output_kind")])
 def test_bad_sampling_params_name_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**bad)
@@ -197,7 +199,7 @@ def test_a_prompts_cache_salt_shares_cached_blocks_only_within_the_salt(llm):
 def test_a_finished_request_id_can_be_used_again(llm):
     """The model runner learns of a finish on the next step, which may bring a new request with the same id."""
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
     def run(prompt_token_ids: list[int]) -> list[int]:
         engine.add_request("reused", {"prompt_token_ids": prompt_token_ids}, params)
@@ -213,11 +215,37 @@ def test_a_finished_request_id_can_be_used_again(llm):
     assert run(story) == first
 
 
+def test_output_kind_of_the_sampling_params_chooses_what_each_step_returns(llm):
+    """As vLLM's: LLMEngine.step follows SamplingParams.output_kind, by default CUMULATIVE (everything so far, each
+    step), DELTA (what is new) or FINAL_ONLY (one output); LLM.generate returns the final outputs whatever the params
+    say, and leaves the caller's params as they were."""
+    engine = llm.llm_engine
+
+    def run(params: SamplingParams) -> list[tuple[list[int], bool]]:
+        engine.add_request("kind", {"prompt_token_ids": [1, 504, 3458]}, params)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += [(out.outputs[0].token_ids, out.finished) for out in engine.step()]
+        return outputs
+
+    greedy = {"temperature": 0, "max_tokens": 3, "ignore_eos": True}
+    assert SamplingParams().output_kind == RequestOutputKind.CUMULATIVE
+    final = run(SamplingParams(**greedy, output_kind=RequestOutputKind.FINAL_ONLY))
+    [(tokens, _)] = final
+    assert run(SamplingParams(**greedy)) == [(tokens[:1], False), (tokens[:2], False), (tokens, True)]
+    assert run(SamplingParams(**greedy, output_kind=RequestOutputKind.DELTA)) == [
+        ([tokens[0]], False), ([tokens[1]], False), ([tokens[2]], True)]
+    delta = SamplingParams(**greedy, output_kind=RequestOutputKind.DELTA)
+    assert llm.generate({"prompt_token_ids": [1, 504, 3458]}, delta, use_tqdm=False)[0].outputs[0].token_ids == tokens
+    assert delta.output_kind == RequestOutputKind.DELTA
+
+
 def test_a_request_whose_sequence_ids_are_taken_is_refused_whole(llm):
     """An n > 1 request's sequences run as requests "<i>_<id>": one of those ids already running refuses the whole
     request before any sequence is added, and the running one goes on untouched."""
     engine = llm.llm_engine
-    engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
     with pytest.raises(ValueError, match=r"'1_x' \(a sequence of request 'x'\) is already running"):
         engine.add_request("x", {"prompt_token_ids": [4, 5]}, SamplingParams(n=2, max_tokens=6))
     assert engine.output_processor.unfinished_request_ids() == ["1_x"]
@@ -270,15 +298,14 @@ def test_a_kv_cache_smaller_than_one_request_is_warned_of_and_refuses_what_it_ca
 def test_streamed_prompt_logprobs_come_once_and_whole_with_the_first_token():
     """A prompt prefilled in chunks sends no output per chunk: its prompt logprobs come once, all of them, with the
     first token (as vLLM sends them), so a stream neither repeats them nor starts with a part."""
-    from pagedllm.engine.output_processor import RequestOutputKind
     from tests.e2e.conftest import in_process_llm
 
     llm = in_process_llm(dtype="float32", max_model_len=512, kv_cache_memory="64MiB", max_num_batched_tokens=64)
     try:
         engine = llm.llm_engine
         prompt = {"prompt_token_ids": list(range(1000, 1151))}  # three chunks of at most 64
-        engine.add_request("streamed", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0, temperature=0),
-                           output_kind=RequestOutputKind.DELTA)
+        engine.add_request("streamed", prompt, SamplingParams(max_tokens=2, prompt_logprobs=0, temperature=0,
+                                                              output_kind=RequestOutputKind.DELTA))
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()

@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_seriali
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.processor import validate_cache_salt
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaToolCall, NamedToolChoice,
                                                        ToolCall)
 from pagedllm.structured_output.params import StructuredOutputsParams
@@ -306,7 +306,9 @@ class SamplingRequest(OpenAIBaseModel):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self._or_default("repetition_penalty", default_sampling_params, 1.0),
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                structured_outputs=structured_outputs)
+                structured_outputs=structured_outputs,
+                # as vLLM's requests: a stream sends what each step adds, an answer is sent whole when it is done
+                output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:
             raise self.rename_error(e) from e
 

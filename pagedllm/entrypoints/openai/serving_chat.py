@@ -7,7 +7,6 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import msgspec
 
-from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt, conversation
 from pagedllm.entrypoints.openai.errors import BadRequestError
@@ -95,10 +94,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
         reasoning_parser, params = self._reasoning(request, params)
         request_id = f"chatcmpl-{random_uuid()}"
-        output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": request.cache_salt}
-        results = await self._start(self._generate(prompt, params, request_id, request.priority, output_kind,
-                                                   request.model), request, "messages")
+        results = await self._start(self._generate(prompt, params, request_id, request.priority, request.model),
+                                    request, "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
                                                          len(prompt_token_ids), tool_choice, cached_tokens_always,

@@ -8,7 +8,6 @@ import itertools
 import time
 from typing import AsyncIterator, Optional, Union
 
-from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                   CompletionResponseChoice, CompletionResponseStreamChoice,
@@ -34,10 +33,9 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt"))
                   for _, ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
-        output_kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         generators = [
             self._generate({"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, p,
-                           f"{request_id}-{i}", request.priority, output_kind, request.model)
+                           f"{request_id}-{i}", request.priority, request.model)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))]
         results = await self._start(merge_async_iterators(*generators), request, "prompt")
         if request.stream:

@@ -6,7 +6,6 @@ import logging
 from typing import Any, AsyncIterator, Optional, TypeVar, Union
 
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.engine.output_processor import RequestOutputKind
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.errors import BadRequestError, to_openai_error
 from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
@@ -112,8 +111,7 @@ class OpenAIServing:
             raise BadRequestError(str(e), named_field(e)) from e
 
     def _generate(self, prompt: dict, params: Union[SamplingParams, BeamSearchParams], request_id: str,
-                  priority: int, output_kind: RequestOutputKind, model: Optional[str]
-                  ) -> AsyncIterator[RequestOutput]:
+                  priority: int, model: Optional[str]) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, with the LoRA adapter ``model`` names (if it names one). Beam
         search yields one final output holding the n beams, best first, so a stream carries each choice whole in
         one chunk (as vLLM streams beam search)."""
@@ -124,8 +122,7 @@ class OpenAIServing:
             self.request_logger.log_inputs(request_id, text, ids, params, lora_request)
         if isinstance(params, BeamSearchParams):
             return self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
-        return self.engine_client.generate(prompt, params, request_id, priority=priority, output_kind=output_kind,
-                                           lora_request=lora_request)
+        return self.engine_client.generate(prompt, params, request_id, priority=priority, lora_request=lora_request)
 
     @staticmethod
     async def _start(results: AsyncIterator[T], request: SamplingRequest, prompt_param: str) -> AsyncIterator[T]:
