@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import msgspec
 from tqdm.auto import tqdm
@@ -25,6 +25,8 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
+# Whether to show a progress bar, or the tqdm-like callable that makes it (vLLM's use_tqdm).
+UseTqdm = Union[bool, Callable[..., tqdm]]
 
 
 class LLM:
@@ -61,11 +63,13 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-                 use_tqdm: bool = True, priority: Optional[Union[int, Sequence[int]]] = None,
+                 use_tqdm: UseTqdm = True, priority: Optional[Union[int, Sequence[int]]] = None,
                  lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
                  ) -> list[RequestOutput]:
         """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request`` and
-        ``priority``: one for every prompt, or one per prompt (as vLLM's; None: the base model, priority 0)."""
+        ``priority``: one for every prompt, or one per prompt (as vLLM's; None: the base model, priority 0).
+        ``use_tqdm``: a progress bar, or none (False), or one made by this tqdm-like callable (vLLM's: say,
+        ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols."""
         prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -90,7 +94,7 @@ class LLM:
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-             use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             use_tqdm: UseTqdm = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
              tools: Optional[list[dict[str, Any]]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
@@ -153,16 +157,21 @@ class LLM:
                     outputs = outputs[num_beams:]
         return [instance.output(self.tokenizer) for instance in instances]
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        progress = None
+        if use_tqdm:
+            make_progress = use_tqdm if callable(use_tqdm) else tqdm
+            progress = make_progress(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         engine = self.llm_engine
         while engine.has_unfinished_requests():
             for output in engine.step():
                 if output.finished:
                     finished[output.request_id] = output
-                    progress.update(1)
-        progress.close()
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
         return [finished[r] for r in request_ids]
 
     def reset_prefix_cache(self) -> bool:

@@ -316,6 +316,26 @@ def test_streamed_prompt_logprobs_come_once_and_whole_with_the_first_token():
         llm.shutdown()
 
 
+def test_use_tqdm_may_be_the_callable_that_makes_the_progress_bar(llm):
+    """As vLLM's: use_tqdm=functools.partial(tqdm, ...) or any tqdm-like callable makes generate's progress bar."""
+    bars = []
+
+    class ProgressBar:
+        def __init__(self, total: int, **kwargs) -> None:
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, n: int = 1) -> None:
+            self.n += n
+
+        def close(self) -> None:
+            self.closed = True
+
+    llm.generate(["Hi", "Hello"], SamplingParams(max_tokens=1), use_tqdm=ProgressBar)
+    [bar] = bars
+    assert (bar.total, bar.n, bar.closed) == (2, 2, True)
+
+
 def test_a_list_of_token_ids_is_a_prompt(llm):
     """As vLLM's DecoderOnlyPrompt: a list of token ids is one prompt, a list of such lists a batch of them."""
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
