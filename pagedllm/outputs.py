@@ -1,8 +1,8 @@
 """RequestOutput and CompletionOutput: what LLM.generate returns and the server streams, as in vLLM."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional, Union
 
 
 class Logprob(NamedTuple):
@@ -42,4 +42,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when the engine refused the request instead of running it.
     error: Optional[str] = None
-    metrics: dict = field(default_factory=dict)
+    # vLLM's per-request stats (RequestStateStats), None where stats are not kept: as vLLM's LLM, which keeps none by
+    # default (disable_log_stats), these outputs carry none.
+    metrics: Optional[Any] = None

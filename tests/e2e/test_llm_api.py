@@ -52,6 +52,12 @@ def test_outputs_in_input_order_with_token_prompts(llm):
     assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
 
 
+def test_outputs_carry_no_metrics_as_vllms_llm_keeps_no_stats(llm):
+    """vLLM's RequestOutput.metrics is its RequestStateStats or None, and None from LLM (disable_log_stats by
+    default): code reading ``if out.metrics is not None: out.metrics.first_token_latency`` must find None."""
+    assert llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics is None
+
+
 def test_n_independent_samples(llm):
     out = llm.generate("The weather today is", SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=16),
                        use_tqdm=False)[0]
