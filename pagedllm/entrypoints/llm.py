@@ -102,15 +102,19 @@ class LLM:
         """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's,
         ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to
         the template, and each output's ``prompt`` is the rendered text. Continuing the last message
-        (``continue_final_message``) turns the generation prompt off. Messages are read as the server reads them
+        (``continue_final_message``) needs ``add_generation_prompt=False``: asking for both is a ValueError, as
+        vLLM's (transformers refuses them together). Messages are read as the server reads them
         (chat_utils.conversation): content given as OpenAI's list of parts is their text, joined by newlines. The
         arguments given here override ``chat_template_kwargs`` (those given as None do not), as vLLM's
         merge_kwargs."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message,
-                    "add_generation_prompt": add_generation_prompt and not continue_final_message}
+                    "add_generation_prompt": add_generation_prompt}
         template_args = template_variables(chat_template_kwargs)
         template_args.update((k, v) for k, v in explicit.items() if v is not None)
+        if template_args.get("continue_final_message") and template_args.get("add_generation_prompt"):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true; pass "
+                             "add_generation_prompt=False to continue the final message.")
         prompts = []
         for turns in conversations:
             turns = conversation([ChatMessageParam.model_validate(m) for m in turns])

@@ -33,6 +33,19 @@ def test_chat_passes_chat_template_kwargs_and_tools_to_the_template(llm):
     assert out[0].prompt_token_ids == llm.get_tokenizer().encode("Hi|vanilla|get_weather", add_special_tokens=False)
 
 
+def test_chat_continues_the_final_message_only_without_a_generation_prompt(llm):
+    """As vLLM's LLM.chat (where transformers refuses the two together): continue_final_message with the default
+    add_generation_prompt=True is a ValueError naming them, before anything runs; with it off, the last message is
+    left open for the model to continue."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with pytest.raises(ValueError, match="^continue_final_message and add_generation_prompt"):
+        llm.chat(messages, params, use_tqdm=False, continue_final_message=True)
+    out = llm.chat(messages, params, use_tqdm=False, continue_final_message=True, add_generation_prompt=False)[0]
+    assert out.prompt.endswith("The colour is")
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_seeded_request_same_alone_and_in_a_batch(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
     alone = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].token_ids
