@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 import msgspec
 
@@ -87,14 +87,14 @@ class AsyncLLM:
             self._add_request(request_id, text, request)
             while not finished:
                 output = await queue.get()
-                if isinstance(output, BaseException):  # EngineDeadError, or CancelledError from abort()
+                if isinstance(output, BaseException):  # EngineDeadError
                     raise output
                 finished = output.finished
                 yield output
         finally:
             self._queues.pop(request_id, None)
             if not finished:
-                self._abort(request_id)
+                self._abort([request_id])
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0,
                           lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
@@ -125,17 +125,27 @@ class AsyncLLM:
         for engine_request in requests:
             self.engine_core.add_request(engine_request)
 
-    async def abort(self, request_id: str) -> None:
-        self._abort(request_id)
-        queue = self._queues.pop(request_id, None)
-        if queue is not None:
-            queue.put_nowait(asyncio.CancelledError(f"request {request_id} aborted"))
+    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+        """vLLM's: stops one request or several (an n > 1 request's id stops all its sequences); the generate() of
+        each ends with a last output whose finish_reason is "abort"."""
+        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
 
-    def _abort(self, request_id: str) -> None:
-        request_ids = self._children.pop(request_id, None) or [request_id]
-        self.output_processor.abort_requests(request_ids)
-        if not self.errored:
-            self.engine_core.abort_requests(request_ids)
+    def _abort(self, request_ids: list[str]) -> None:
+        processed = self.output_processor.abort_requests(request_ids)
+        self._deliver(processed.request_outputs)
+        for request_id in request_ids:  # also those a dead engine failed, which left no output to end them
+            self._children.pop(request_id, None)
+        if not self.errored and processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+
+    def _deliver(self, request_outputs: list[RequestOutput]) -> None:
+        """Each output to its request's generate(), if that still reads."""
+        for request_output in request_outputs:
+            queue = self._queues.get(request_output.request_id)
+            if queue is not None:
+                queue.put_nowait(request_output)
+            if request_output.finished:
+                self._children.pop(request_output.request_id, None)
 
     # ------------------------------------------------------------------------------------------ outputs
     async def _run_output_handler(self) -> None:
@@ -151,12 +161,7 @@ class AsyncLLM:
                     continue
                 iteration_stats = IterationStats() if self.stat_loggers else None
                 processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)
-                for request_output in processed.request_outputs:
-                    queue = self._queues.get(request_output.request_id)
-                    if queue is not None:
-                        queue.put_nowait(request_output)
-                    if request_output.finished:
-                        self._children.pop(request_output.request_id, None)
+                self._deliver(processed.request_outputs)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
                 for stat_logger in self.stat_loggers:
@@ -189,9 +194,6 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Ends in-flight requests with finish_reason "abort", then stops the engine process."""
         self._dead_error = EngineDeadError("The engine is shut down.")
-        for request_output in self.output_processor.abort_all():
-            queue = self._queues.get(request_output.request_id)
-            if queue is not None:
-                queue.put_nowait(request_output)
+        self._deliver(self.output_processor.abort_all())
         self._output_handler.cancel()
         self.engine_core.shutdown()

@@ -45,8 +45,9 @@ class LLMEngine:
         return processed.request_outputs
 
     def abort_request(self, request_ids: list[str]) -> None:
-        """Stops the requests, here and in the engine core; an n > 1 request's id stops all its sequences."""
-        aborted = self.output_processor.abort_requests(request_ids)
+        """Stops the requests, here and in the engine core; an n > 1 request's id stops all its sequences. As vLLM's,
+        step() returns nothing more for them."""
+        aborted = self.output_processor.abort_requests(request_ids).reqs_to_abort
         self.engine_core.abort_requests(list(dict.fromkeys([*request_ids, *aborted])))
 
     def has_unfinished_requests(self) -> bool:

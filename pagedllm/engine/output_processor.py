@@ -194,20 +194,20 @@ class OutputProcessor:
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
                 self.tokenizer, parent, request.arrival_time)
 
-    def abort_requests(self, request_ids: list[str]) -> list[str]:
-        """Forgets the requests; an n > 1 request's own id stands for all its sequences (as vLLM's parent id).
-        Returns the engine requests forgotten, for the engine core to abort."""
-        aborted = []
+    def abort_requests(self, request_ids: list[str]) -> OutputProcessorOutput:
+        """Ends the requests with finish_reason "abort"; an n > 1 request's own id stands for all its sequences (as
+        vLLM's parent id). Returns their last outputs, as vLLM's (an AsyncLLM consumer's stream ends with it), and in
+        reqs_to_abort the engine requests ended, for the engine core to abort."""
+        result = OutputProcessorOutput()
         for request_id in request_ids:
-            if self.request_states.pop(request_id, None) is not None:
-                aborted.append(request_id)
-                continue
-            children = [child_id for child_id, state in self.request_states.items()
-                        if state.parent is not None and state.parent.request_id == request_id]
-            for child_id in children:
-                del self.request_states[child_id]
-            aborted += children
-        return aborted
+            ended = [request_id] if request_id in self.request_states else [
+                child_id for child_id, state in self.request_states.items()
+                if state.parent is not None and state.parent.request_id == request_id]
+            for engine_request_id in ended:
+                state = self.request_states.pop(engine_request_id)
+                result.reqs_to_abort.append(engine_request_id)
+                self._emit(state, state.make_output(FinishReason.ABORT, None, None, state.num_cached_tokens), result)
+        return result
 
     def get_num_unfinished_requests(self) -> int:
         """The engine requests still running here (an n > 1 request's sequences each), as vLLM's."""
@@ -264,8 +264,4 @@ class OutputProcessor:
 
     def abort_all(self) -> list[RequestOutput]:
         """Ends every request here with finish_reason "abort" (shutdown); returns their last outputs."""
-        result = OutputProcessorOutput()
-        for state in list(self.request_states.values()):
-            self._emit(state, state.make_output(FinishReason.ABORT, None, None, 0), result)
-        self.request_states.clear()
-        return result.request_outputs
+        return self.abort_requests(list(self.request_states)).request_outputs

@@ -414,6 +414,55 @@ def test_aborting_a_request_of_n_sequences_by_its_id_stops_them_all(llm):
     assert engine.get_num_unfinished_requests() == 0
 
 
+def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
+    """As vLLM's AsyncLLM.abort: it takes one request id or several, and the generate() of each ends with a last
+    output whose finish_reason is "abort" (rather than an exception); the engine core aborts each sequence."""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    class EngineCore:  # takes requests and never answers: they run until aborted
+        dead = False
+
+        def __init__(self) -> None:
+            self.aborted: list[str] = []
+
+        def add_request(self, request) -> None:
+            pass
+
+        def abort_requests(self, request_ids: list[str]) -> None:
+            self.aborted += request_ids
+
+        async def get_output_async(self):
+            await asyncio.Event().wait()
+
+        def shutdown(self) -> None:
+            pass
+
+    async def run() -> tuple[list[str], list[list]]:
+        core = EngineCore()
+        engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), core)
+
+        async def outputs(request_id: str, n: int) -> list:
+            return [out async for out in engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(n=n),
+                                                          request_id)]
+
+        streams = [asyncio.create_task(outputs(request_id, n)) for request_id, n in (("a", 1), ("b", 2), ("c", 1))]
+        await asyncio.sleep(0)
+        await engine.abort("a")
+        await engine.abort(["b", "c"])
+        results = await asyncio.gather(*streams)
+        engine.shutdown()
+        return core.aborted, results
+
+    aborted, results = asyncio.run(run())
+    assert aborted == ["a", "0_b", "1_b", "c"]
+    # CUMULATIVE: each of b's sequences ends with its own output, the last one finishing the request
+    assert [[(out.request_id, out.finished) for out in outs] for outs in results] == [
+        [("a", True)], [("b", False), ("b", True)], [("c", True)]]
+    assert {out.outputs[0].finish_reason for outs in results for out in outs} == {"abort"}
+
+
 def test_bool_token_ids_and_priority_are_their_ints_on_the_wire(llm):
     """The engine process decodes a request strictly typed, a bool being no int there, and one it cannot decode
     stops its input for good (the caller waiting on): the Processor sends a bool among the prompt's token ids, or
