@@ -155,6 +155,12 @@ class Processor:
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None, priority: int = 0,
                 lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
+        """The engine process decodes the request strictly typed, and one it cannot decode ends it: what it would
+        refuse is refused here, with the field named (a request_id that is no str is vLLM's TypeError)."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id)}")
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
+            raise ValueError(f"arrival_time must be a number (seconds since the epoch), got {arrival_time!r}.")
         if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
         priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there

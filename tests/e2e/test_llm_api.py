@@ -414,6 +414,18 @@ def test_aborting_a_request_of_n_sequences_by_its_id_stops_them_all(llm):
     assert engine.get_num_unfinished_requests() == 0
 
 
+def test_a_request_id_or_arrival_time_the_engine_cannot_read_is_refused_and_the_engine_serves_on(llm):
+    """The engine process decodes a request strictly typed and ends on one it cannot read: a request_id that is no
+    string (vLLM's TypeError) or an arrival_time that is no number is refused in the frontend instead."""
+    engine = llm.llm_engine
+    with pytest.raises(TypeError, match="^request_id must be a string"):
+        engine.add_request(7, "Hi", SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="^arrival_time must be a number"):
+        engine.add_request("late", "Hi", SamplingParams(max_tokens=1), arrival_time="now")
+    assert not engine.has_unfinished_requests()
+    assert len(llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids) == 1
+
+
 def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
     """As vLLM's AsyncLLM.abort: it takes one request id or several, and the generate() of each ends with a last
     output whose finish_reason is "abort" (rather than an exception); the engine core aborts each sequence."""
