@@ -94,14 +94,16 @@ class LLM:
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
-             use_tqdm: UseTqdm = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False,
+             use_tqdm: UseTqdm = True,
              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
-             tools: Optional[list[dict[str, Any]]] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
-             priority: Optional[Union[int, Sequence[int]]] = None) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's,
-        ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to
-        the template, and each output's ``prompt`` is the rendered text. Continuing the last message
+             priority: Optional[Union[int, Sequence[int]]] = None, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Optional[list[dict[str, Any]]] = None,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's, with
+        its arguments in its order (vLLM's has chat_template_content_format after chat_template), ``tools`` (OpenAI's
+        function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to the template, and
+        each output's ``prompt`` is the rendered text. Continuing the last message
         (``continue_final_message``) needs ``add_generation_prompt=False``: asking for both is a ValueError, as
         vLLM's (transformers refuses them together). Messages are read as the server reads them
         (chat_utils.conversation): content given as OpenAI's list of parts is their text, joined by newlines. The

@@ -31,6 +31,10 @@ def test_chat_passes_chat_template_kwargs_and_tools_to_the_template(llm):
                    chat_template=template, chat_template_kwargs={"flavour": "vanilla"}, tools=[tool])
     assert out[0].prompt == "Hi|vanilla|get_weather"
     assert out[0].prompt_token_ids == llm.get_tokenizer().encode("Hi|vanilla|get_weather", add_special_tokens=False)
+    # vLLM's order: messages, sampling_params, use_tqdm, lora_request, priority, chat_template, ...
+    positional = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=1), False,
+                          None, 0, template)
+    assert positional[0].prompt == "Hi||"
 
 
 def test_chat_continues_the_final_message_only_without_a_generation_prompt(llm):
