@@ -1,9 +1,13 @@
 """LLMEngine: the synchronous frontend — Processor in, EngineCore step, OutputProcessor out."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
+from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
@@ -21,6 +25,22 @@ class LLMEngine:
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
+        # The engine core stops with this object: on shutdown(), when it is garbage-collected, or at the
+        # interpreter's exit, whichever comes first (the finalizer holds the engine core, not this object).
+        self._finalizer = weakref.finalize(self, engine_core.shutdown)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+        """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
+        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded."""
+        # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
+        with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
+            config = engine_args.create_engine_config()
+            engine_core, tokenizer = start_client_and_tokenizer(config, make_sync_client)
+            return cls(config, tokenizer, engine_core)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
@@ -63,4 +83,4 @@ class LLMEngine:
         return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self.engine_core.shutdown()
+        self._finalizer()

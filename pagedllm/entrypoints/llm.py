@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
 import msgspec
@@ -11,8 +10,6 @@ from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
-from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
@@ -37,18 +34,13 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        engine_args = EngineArgs(model=model, **kwargs)
-        # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
-        with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
-            config = engine_args.create_engine_config()
-            engine_core, self.tokenizer = start_client_and_tokenizer(config, make_sync_client)
-            self.llm_engine = LLMEngine(config, self.tokenizer, engine_core)
+        # The engine stops with it (LLMEngine.shutdown): on shutdown(), when it is garbage-collected (with this
+        # object, unless kept elsewhere), or at the interpreter's exit.
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.tokenizer = self.llm_engine.tokenizer
         self._request_counter = itertools.count()
-        # The engine stops with this object: on shutdown(), when it is garbage-collected, or at the interpreter's
-        # exit, whichever comes first (the finalizer holds the engine, not this object, so the object can go).
-        self._finalizer = weakref.finalize(self, self.llm_engine.shutdown)
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
-        self.default_sampling_params = config.model_config.get_diff_sampling_param()
+        self.default_sampling_params = self.llm_engine.config.model_config.get_diff_sampling_param()
         if self.default_sampling_params:
             logger.info("Using default sampling params from the generation config: %s",
                         self.default_sampling_params)
@@ -190,7 +182,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stops the engine process (also done when this object is garbage-collected, or the interpreter exits)."""
-        self._finalizer()
+        self.llm_engine.shutdown()
 
 
 def _prompt_to_seq(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:

@@ -263,6 +263,26 @@ def test_output_kind_of_the_sampling_params_chooses_what_each_step_returns(llm):
     assert delta.output_kind == RequestOutputKind.DELTA
 
 
+def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
+    """vLLM's LLMEngine.from_engine_args and get_tokenizer, then its loop: add_request, step while
+    has_unfinished_requests."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from tests.e2e.conftest import _engines_in_this_process
+
+    with pytest.MonkeyPatch.context() as patcher:
+        _engines_in_this_process(patcher)
+        engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+    try:
+        assert engine.get_tokenizer() is engine.tokenizer is not None
+        engine.add_request("0", "Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert [(len(out.outputs[0].token_ids), out.finished) for out in outputs] == [(1, False), (2, False), (3, True)]
+    finally:
+        engine.shutdown()
+
+
 def test_a_request_whose_sequence_ids_are_taken_is_refused_whole(llm):
     """An n > 1 request's sequences run as requests "<i>_<id>": one of those ids already running refuses the whole
     request before any sequence is added, and the running one goes on untouched."""
