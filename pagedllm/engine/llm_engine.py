@@ -44,11 +44,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                    priority: int = 0) -> None:
-        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model). What
-        step() returns for it follows ``params.output_kind``, as vLLM's (CUMULATIVE unless the params say)."""
+                    priority: int = 0) -> str:
+        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model), and
+        the request's id returned. What step() returns for it follows ``params.output_kind``, as vLLM's (CUMULATIVE
+        unless the params say)."""
         self.add_processed_request(*self.processor.process(request_id, prompt, params, arrival_time, priority,
                                                            lora_request))
+        return request_id
 
     def add_processed_request(self, text: Optional[str], request: EngineCoreRequest) -> None:
         """Queues a request the Processor has already validated and tokenized."""

@@ -264,8 +264,8 @@ def test_output_kind_of_the_sampling_params_chooses_what_each_step_returns(llm):
 
 
 def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
-    """vLLM's LLMEngine.from_engine_args and get_tokenizer, then its loop: add_request, step while
-    has_unfinished_requests."""
+    """vLLM's LLMEngine.from_engine_args and get_tokenizer, then its loop: add_request (which returns the request's
+    id), step while has_unfinished_requests."""
     from pagedllm.engine.llm_engine import LLMEngine
     from tests.e2e.conftest import _engines_in_this_process
 
@@ -274,7 +274,7 @@ def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
         engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
     try:
         assert engine.get_tokenizer() is engine.tokenizer is not None
-        engine.add_request("0", "Hello", SamplingParams(max_tokens=3, ignore_eos=True))
+        assert engine.add_request("0", "Hello", SamplingParams(max_tokens=3, ignore_eos=True)) == "0"
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
