@@ -3,10 +3,14 @@ preemptions and cached prompt tokens as the engine reports them, and an n > 1 re
 once its last sequence finishes."""
 from __future__ import annotations
 
+from prometheus_client import CollectorRegistry
+
 from pagedllm.engine import output_processor
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                      SchedulerStats)
+from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -76,3 +80,21 @@ def test_parallel_sampling_reports_n_and_the_longest_sequence_once(monkeypatch):
     assert stats.n_params_iter == []
     stats = step(processor, clock, 3.0, EngineCoreOutput(third, [8], finish_reason=FinishReason.STOP))
     assert (stats.n_params_iter, stats.max_num_generation_tokens_iter) == ([3], [5])
+
+
+def test_a_batch_without_request_outputs_is_no_iteration():
+    """As vLLM's: a batch from the engine core that holds no request output (a chunked prefill's step, the idle report
+    after an abort) sets the gauges but observes nothing in iteration_tokens_total, whose count is the steps that
+    gave tokens."""
+    registry = CollectorRegistry()
+    processor = OutputProcessor(tokenizer=None)
+    processor.add_requests([EngineCoreRequest("r", [1, 2], SamplingParams(detokenize=False), None, 0.0)], None,
+                           RequestOutputKind.DELTA)
+    stat_loggers = [PrometheusStatLogger("m", registry, 2048)]
+    processor.process_engine_outputs(EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=1)),
+                                     stat_loggers)
+    processor.process_engine_outputs(EngineCoreOutputs([EngineCoreOutput("r", [3])], SchedulerStats()),
+                                     stat_loggers)
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("pagedllm:iteration_tokens_total_count", labels) == 1
+    assert registry.get_sample_value("pagedllm:iteration_tokens_total_sum", labels) == 3

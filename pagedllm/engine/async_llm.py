@@ -22,7 +22,6 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -159,13 +158,10 @@ class AsyncLLM:
                     for stat_logger in self.stat_loggers:  # its gauges fall to nothing held, its log line stops
                         stat_logger.record(SchedulerStats(), None, outputs.engine_index)
                     continue
-                iteration_stats = IterationStats() if self.stat_loggers else None
-                processed = self.output_processor.process_outputs(outputs.outputs, iteration_stats)
+                processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
                 self._deliver(processed.request_outputs)
                 if processed.reqs_to_abort:
                     self.engine_core.abort_requests(processed.reqs_to_abort)
-                for stat_logger in self.stat_loggers:
-                    stat_logger.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
         except EngineDeadError as e:
             logger.error("The engine process died; failing %d in-flight requests.", len(self._queues))
             self._dead_error = e

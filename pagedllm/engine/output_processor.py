@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
-from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -241,6 +241,17 @@ class OutputProcessor:
             self._emit(state, state.make_output(finish_reason, stop_reason, out.error, out.num_cached_tokens),
                        result)
         return result
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs, stat_loggers: list) -> OutputProcessorOutput:
+        """process_outputs for one batch from an engine core; then every stat logger records the batch's scheduler
+        stats, and its iteration stats where it held request outputs: as vLLM's, a batch of none (a chunked
+        prefill's step, the idle report after an abort) is no iteration, which would put a 0 in
+        iteration_tokens_total."""
+        iteration_stats = IterationStats() if stat_loggers and outputs.outputs else None
+        processed = self.process_outputs(outputs.outputs, iteration_stats)
+        for stat_logger in stat_loggers:
+            stat_logger.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
+        return processed
 
     @staticmethod
     def _observe_sequence_finished(state: RequestState, stats: IterationStats) -> None:
