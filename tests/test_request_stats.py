@@ -98,3 +98,24 @@ def test_a_batch_without_request_outputs_is_no_iteration():
     labels = {"model_name": "m", "engine": "0"}
     assert registry.get_sample_value("pagedllm:iteration_tokens_total_count", labels) == 1
     assert registry.get_sample_value("pagedllm:iteration_tokens_total_sum", labels) == 3
+
+
+def test_a_request_that_ended_with_an_error_counts_under_error(monkeypatch):
+    """Refused by the engine (its finish reason "length") or stopped by its grammar ("stop"), a request with an error
+    is no success: request_success counts it under finished_reason="error", as vLLM's FINISHED_ERROR ones."""
+    registry = CollectorRegistry()
+    processor = OutputProcessor(tokenizer=None)
+    params = SamplingParams(detokenize=False)
+    processor.add_requests([EngineCoreRequest("refused", [1, 2], params, None, 0.0)], None, RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("grammar", [1, 2], params, None, 0.0)], None, RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("fine", [1, 2], params, None, 0.0)], None, RequestOutputKind.DELTA)
+    processor.process_engine_outputs(EngineCoreOutputs([
+        EngineCoreOutput("refused", [], finish_reason=FinishReason.LENGTH, error="The prompt is empty."),
+        EngineCoreOutput("grammar", [3], finish_reason=FinishReason.STOP, error="The sampled token 3 does not ..."),
+        EngineCoreOutput("fine", [3], finish_reason=FinishReason.STOP)]), [PrometheusStatLogger("m", registry, 2048)])
+
+    def count(reason: str) -> float:
+        return registry.get_sample_value("pagedllm:request_success_total",
+                                         {"model_name": "m", "engine": "0", "finished_reason": reason})
+
+    assert (count("error"), count("stop"), count("length")) == (2, 1, 0)

@@ -236,7 +236,10 @@ class OutputProcessor:
                 if out.finish_reason is None:
                     result.reqs_to_abort.append(out.request_id)
                 if iteration_stats is not None:
-                    iteration_stats.finished_requests.append(state.finished_stats(str(finish_reason), now))
+                    # A request that ended with an error (refused by the engine, or its grammar) is no success:
+                    # vLLM counts its FINISHED_ERROR ones under finished_reason="error".
+                    reason = "error" if out.error is not None else str(finish_reason)
+                    iteration_stats.finished_requests.append(state.finished_stats(reason, now))
                     self._observe_sequence_finished(state, iteration_stats)
             self._emit(state, state.make_output(finish_reason, stop_reason, out.error, out.num_cached_tokens),
                        result)

@@ -22,7 +22,7 @@ _REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 
 _ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _REQUEST_PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
 _REQUEST_NUM_PREEMPTIONS_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # vLLM's FinishReason values that pagedllm gives
 # vLLM's histograms of a finished request: (name, documentation, bucket kind, the figure observed).
 _FINISHED_REQUEST_HISTOGRAMS: list[tuple[str, str, str, Callable[[FinishedRequestStats], float]]] = [
     ("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", "latency",
