@@ -1,7 +1,8 @@
 """The server's periodic log line (vLLM's LoggingStatLogger): every ``interval`` seconds, by a timer of its own, per
 engine that did something in that interval or the one before (so the line after a burst shows it over, then it
-goes quiet while idle, as vLLM's), the prompt and generation throughput over the interval, running and waiting
-requests, KV cache usage and the prefix cache's hit rate; with speculative decoding a second line (vLLM's
+goes quiet while idle, as vLLM's), the prompt (computed, not cached) and generation throughput over the interval,
+running and waiting requests, the preemptions in the interval (when there were any), KV cache usage and the prefix
+cache's hit rate; with speculative decoding a second line (vLLM's
 SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the acceptance
 rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``."""
 from __future__ import annotations
@@ -83,8 +84,8 @@ class _EngineWindow:
         self.first = self.latest
 
     def add(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats]) -> None:
-        if iteration_stats is not None:
-            self.prompt_tokens += iteration_stats.num_prompt_tokens
+        if iteration_stats is not None:  # the prompt tokens computed: those the prefix cache held cost nothing
+            self.prompt_tokens += iteration_stats.num_prompt_tokens - iteration_stats.num_cached_prompt_tokens
             self.generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
             self.latest = scheduler_stats
@@ -100,9 +101,11 @@ class _EngineWindow:
         latest, first = self.latest or SchedulerStats(), self.first or SchedulerStats()
         queries = latest.prefix_cache_queries - first.prefix_cache_queries
         hits = latest.prefix_cache_hits - first.prefix_cache_hits
+        preemptions = latest.num_preemptions - first.num_preemptions
         lines = [f"Engine {engine:03d}: Avg prompt throughput: {self.prompt_tokens / seconds:.1f} tokens/s, "
                  f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
                  f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs} reqs, "
+                 f"{f'Preemptions: {preemptions}, ' if preemptions > 0 else ''}"
                  f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%, "
                  f"Prefix cache hit rate: {100 * hits / max(queries, 1):.1f}%"]
         drafts = latest.spec_decode_num_drafts - first.spec_decode_num_drafts

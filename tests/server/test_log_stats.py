@@ -106,3 +106,21 @@ def test_a_bad_log_stats_interval_is_an_error_naming_the_variable(monkeypatch, v
     assert log_stats_interval() == 0.0
     monkeypatch.delenv("PAGEDLLM_LOG_STATS_INTERVAL")
     assert log_stats_interval() == 10.0
+
+
+def test_prompt_throughput_counts_computed_tokens_and_the_interval_shows_its_preemptions(caplog):
+    """As vLLM's line: the prompt throughput is of the tokens computed (a prefix-cache hit costs nothing), and an
+    interval with preemptions says how many, before the KV cache usage."""
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=10.0, clock=clock, timer=False)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    stat_logger.record(SchedulerStats(num_preemptions=4), None)
+    stat_logger.log()
+    caplog.clear()
+    clock.now = 110.0
+    stat_logger.record(SchedulerStats(num_running_reqs=1, num_preemptions=7),
+                       IterationStats(num_prompt_tokens=300, num_cached_prompt_tokens=200))
+    stat_logger.log()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("Engine 000: Avg prompt throughput: 10.0 tokens/s,")
+    assert "Running: 1 reqs, Waiting: 0 reqs, Preemptions: 3, KV cache usage: 0.0%" in line
