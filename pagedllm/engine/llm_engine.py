@@ -4,6 +4,8 @@ from __future__ import annotations
 import weakref
 from typing import Any, Optional
 
+from prometheus_client import CollectorRegistry
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
@@ -13,31 +15,38 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any, engine_core: Any) -> None:
-        """``engine_core``: make_sync_client's client for ``config``, started."""
+    def __init__(self, config: EngineConfig, tokenizer: Any, engine_core: Any, log_stats: bool = False) -> None:
+        """``engine_core``: make_sync_client's client for ``config``, started. ``log_stats``: every step's stats go
+        to the server's Prometheus metrics, in a registry of this engine's own (get_metrics reads them)."""
         self.config = config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core = engine_core
+        self.log_stats = log_stats
+        self.registry = CollectorRegistry()
+        self.stat_loggers = ([PrometheusStatLogger.from_config(config.model_config.model, self.registry, config)]
+                             if log_stats else [])
         # The engine core stops with this object: on shutdown(), when it is garbage-collected, or at the
         # interpreter's exit, whichever comes first (the finalizer holds the engine core, not this object).
         self._finalizer = weakref.finalize(self, engine_core.shutdown)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
         """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
-        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded."""
+        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; ``log_stats`` as the constructor's."""
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
         with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
             config = engine_args.create_engine_config()
             engine_core, tokenizer = start_client_and_tokenizer(config, make_sync_client)
-            return cls(config, tokenizer, engine_core)
+            return cls(config, tokenizer, engine_core, log_stats)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -61,7 +70,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
@@ -83,6 +92,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        if not self.log_stats:  # vLLM's assertion, as an error that says what to do
+            raise ValueError("get_metrics() needs stat logging, which is off: create the LLM with "
+                             "disable_log_stats=False")
+        return get_metrics_snapshot(self.registry)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -15,6 +15,7 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.reader import Metric
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -33,10 +34,14 @@ class LLM:
     block_size, enable_prefix_caching, kv_cache_memory (bytes or "2GiB"), kv_cache_dtype, seed, scheduling_policy, ...
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, *, disable_log_stats: bool = True, **kwargs: Any) -> None:
+        """``disable_log_stats=False`` (vLLM's, off by default offline) keeps the engine's metrics for
+        get_metrics()."""
+        if not isinstance(disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be True or False, got {disable_log_stats!r}")
         # The engine stops with it (LLMEngine.shutdown): on shutdown(), when it is garbage-collected (with this
         # object, unless kept elsewhere), or at the interpreter's exit.
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), log_stats=not disable_log_stats)
         self.tokenizer = self.llm_engine.tokenizer
         self._request_counter = itertools.count()
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
@@ -175,6 +180,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (refused, returning False, while requests hold blocks)."""
         return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's Prometheus metrics (the server's /metrics, ``pagedllm:`` names; see
+        pagedllm/metrics/reader.py). Needs ``LLM(disable_log_stats=False)``."""
+        return self.llm_engine.get_metrics()
 
     def get_stats(self):
         """Scheduler statistics: running/waiting requests, KV usage, prefix-cache and preemption totals."""

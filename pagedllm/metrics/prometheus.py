@@ -60,6 +60,15 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
 
 
 class PrometheusStatLogger:
+    @classmethod
+    def from_config(cls, model_name: str, registry: CollectorRegistry, config) -> "PrometheusStatLogger":
+        """The metrics of the engine(s) ``config`` (an EngineConfig) describes: its data-parallel engines, draft
+        positions and LoRA slots."""
+        spec = config.speculative_config
+        return cls(model_name, registry, config.model_config.max_model_len, config.parallel_config.data_parallel_size,
+                   spec.num_speculative_tokens if spec is not None else 0,
+                   config.lora_config.max_loras if config.lora_config is not None else 0)
+
     def __init__(self, model_name: str, registry: CollectorRegistry, max_model_len: int, num_engines: int = 1,
                  num_speculative_tokens: int = 0, max_loras: int = 0) -> None:
         """``max_model_len`` bounds the per-request token histograms' buckets; ``max_loras``: the engine's, with

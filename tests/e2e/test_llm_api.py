@@ -511,3 +511,39 @@ def test_bool_token_ids_and_priority_are_their_ints_on_the_wire(llm):
                                                   priority=True)
     assert (request.prompt_token_ids, request.priority) == ([1, 504], 1)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest) == request
+
+
+def test_get_metrics_counts_each_request_once_through_preemptions(llm):
+    """vLLM's LLM.get_metrics(): the server's metrics as objects, with stat logging on (off by default offline, as
+    vLLM's, where asking for them is an error). A cache too small for all four requests preempts some; each still
+    counts its prompt, tokens and success once, and its preemptions."""
+    from pagedllm import LLM
+    from pagedllm.metrics.reader import Counter, Gauge, Histogram
+    from tests.e2e.conftest import in_process_llm
+
+    with pytest.raises(ValueError, match="disable_log_stats=False"):
+        llm.get_metrics()
+    with pytest.raises(ValueError, match="disable_log_stats must be True or False"):
+        LLM(disable_log_stats="no")
+    logged = in_process_llm(dtype="float32", max_model_len=512, num_kv_blocks=8, enforce_eager=True,
+                            disable_log_stats=False)
+    try:
+        prompts = [{"prompt_token_ids": list(range(1000 + 100 * i, 1020 + 100 * i))} for i in range(4)]
+        logged.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        num_preemptions = logged.get_stats().num_preemptions
+        assert num_preemptions > 0
+        metrics = {(m.name, m.labels.get("finished_reason")): m for m in logged.get_metrics()}
+    finally:
+        logged.shutdown()
+    success = metrics["pagedllm:request_success", "length"]
+    assert isinstance(success, Counter) and success.value == 4
+    assert success.labels == {"model_name": "smollm2-135m-instruct", "engine": "0", "finished_reason": "length"}
+    assert metrics["pagedllm:request_success", "stop"].value == 0
+    assert metrics["pagedllm:prompt_tokens", None].value == metrics["pagedllm:generation_tokens", None].value == 80
+    assert metrics["pagedllm:num_preemptions", None].value == num_preemptions
+    per_request = metrics["pagedllm:request_num_preemptions", None]
+    assert isinstance(per_request, Histogram) and (per_request.count, per_request.sum) == (4, num_preemptions)
+    ttft = metrics["pagedllm:time_to_first_token_seconds", None]
+    assert ttft.count == ttft.buckets["+Inf"] == 4
+    running = metrics["pagedllm:num_requests_running", None]
+    assert isinstance(running, Gauge) and running.value == 0

@@ -142,3 +142,33 @@ def test_each_data_parallel_engine_has_its_own_series():
     assert value(registry, "pagedllm:num_requests_running", engine="1") == 2
     assert value(registry, "pagedllm:prefix_cache_queries_total", engine="0") == 100
     assert value(registry, "pagedllm:prefix_cache_queries_total", engine="1") == 50
+
+
+def test_the_snapshot_reader_gives_each_series_as_an_object():
+    """LLM.get_metrics()'s reader (vLLM's get_metrics_snapshot): a counter under its family's name (no `_total`),
+    a histogram with its buckets by upper limit, the per-position counter of accepted drafts as one Vector per
+    engine."""
+    from pagedllm.metrics.reader import Counter, Gauge, Histogram, Vector, get_metrics_snapshot
+
+    registry = CollectorRegistry()
+    logger = PrometheusStatLogger("m", registry, MAX_MODEL_LEN, num_engines=2, num_speculative_tokens=3)
+    logger.record(SchedulerStats(num_running_reqs=2, spec_decode_num_accepted_tokens_per_pos=[5, 3, 1]), None,
+                  engine=1)
+    logger.record(None, IterationStats(num_generation_tokens=7, time_to_first_tokens_iter=[0.003, 0.3]), engine=1)
+    snapshot = get_metrics_snapshot(registry)
+    assert all(m.name.startswith("pagedllm:") for m in snapshot)
+
+    def find(name: str, engine: str):
+        [metric] = [m for m in snapshot if m.name == name and m.labels.get("engine") == engine]
+        return metric
+
+    assert find("pagedllm:generation_tokens", "1") == Counter("pagedllm:generation_tokens",
+                                                             {"model_name": "m", "engine": "1"}, 7)
+    assert find("pagedllm:num_requests_running", "1") == Gauge("pagedllm:num_requests_running",
+                                                              {"model_name": "m", "engine": "1"}, 2.0)
+    ttft = find("pagedllm:time_to_first_token_seconds", "1")
+    assert isinstance(ttft, Histogram) and (ttft.count, ttft.sum) == (2, 0.303)
+    assert (ttft.buckets["0.001"], ttft.buckets["0.005"], ttft.buckets["0.25"], ttft.buckets["+Inf"]) == (0, 1, 1, 2)
+    assert find("pagedllm:spec_decode_num_accepted_tokens_per_pos", "1") == Vector(
+        "pagedllm:spec_decode_num_accepted_tokens_per_pos", {"model_name": "m", "engine": "1"}, [5, 3, 1])
+    assert find("pagedllm:spec_decode_num_accepted_tokens_per_pos", "0").values == [0, 0, 0]

@@ -23,7 +23,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import BaseModel
 
 import pagedllm
-from pagedllm.config import SpeculativeConfig
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.auth import AuthenticationMiddleware
@@ -253,12 +252,7 @@ async def run_server(args: argparse.Namespace) -> None:
     interval = None if args.disable_log_stats else log_stats_interval()  # so does a bad variable
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
-    # The resolved count (suffix decoding's default is its tree depth), which sizes the per-position counter.
-    num_speculative_tokens = SpeculativeConfig.from_dict(args.speculative_config).num_speculative_tokens \
-        if args.speculative_config else 0
-    stat_loggers = [lambda config: PrometheusStatLogger(
-        served_model_names[0], registry, config.model_config.max_model_len, args.data_parallel_size,
-        num_speculative_tokens, args.max_loras if args.enable_lora else 0)]
+    stat_loggers = [lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config)]
     if interval is not None:
         stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
     sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
