@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
+
+from pagedllm.metrics.stats import RequestStateStats
 
 
 class Logprob(NamedTuple):
@@ -42,6 +44,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when the engine refused the request instead of running it.
     error: Optional[str] = None
-    # vLLM's per-request stats (RequestStateStats), None where stats are not kept: as vLLM's LLM, which keeps none by
-    # default (disable_log_stats), these outputs carry none.
-    metrics: Optional[Any] = None
+    # vLLM's: the request's timings and counts, with stat logging on (the server; LLM(disable_log_stats=False)).
+    metrics: Optional[RequestStateStats] = None

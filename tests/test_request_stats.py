@@ -11,7 +11,7 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-from pagedllm.metrics.stats import IterationStats
+from pagedllm.metrics.stats import IterationStats, RequestStateStats
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -33,7 +33,7 @@ def step(processor: OutputProcessor, clock: Clock, now: float, *outputs: EngineC
 def test_phases_preemptions_and_cached_tokens(monkeypatch):
     clock = Clock(100.0)
     monkeypatch.setattr(output_processor, "time", clock)
-    processor = OutputProcessor(tokenizer=None)
+    processor = OutputProcessor(tokenizer=None, log_stats=True)
     params = SamplingParams(max_tokens=4, detokenize=False, output_kind=RequestOutputKind.DELTA)
     processor.add_requests([EngineCoreRequest("r", list(range(10)), params, None, 100.0)], None)
     first = step(processor, clock, 101.0, EngineCoreOutput("r", [5], num_cached_tokens=8,
@@ -55,7 +55,7 @@ def test_phases_preemptions_and_cached_tokens(monkeypatch):
 def test_a_request_that_generated_nothing_has_no_prefill_or_decode_phase(monkeypatch):
     clock = Clock(10.0)
     monkeypatch.setattr(output_processor, "time", clock)
-    processor = OutputProcessor(tokenizer=None)
+    processor = OutputProcessor(tokenizer=None, log_stats=True)
     params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA)
     processor.add_requests([EngineCoreRequest("r", [1, 2], params, None, 10.0)], None)
     stats = step(processor, clock, 12.0, EngineCoreOutput("r", [], finish_reason=FinishReason.ABORT,
@@ -68,7 +68,7 @@ def test_a_request_that_generated_nothing_has_no_prefill_or_decode_phase(monkeyp
 def test_parallel_sampling_reports_n_and_the_longest_sequence_once(monkeypatch):
     clock = Clock(0.0)
     monkeypatch.setattr(output_processor, "time", clock)
-    processor = OutputProcessor(tokenizer=None)
+    processor = OutputProcessor(tokenizer=None, log_stats=True)
     params = SamplingParams(n=3, max_tokens=5, seed=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
     parent, children = fan_out(EngineCoreRequest("p", [1, 2, 3], params, None, 0.0))
     processor.add_requests(children, None, parent)
@@ -87,9 +87,9 @@ def test_a_batch_without_request_outputs_is_no_iteration():
     after an abort) sets the gauges but observes nothing in iteration_tokens_total, whose count is the steps that
     gave tokens."""
     registry = CollectorRegistry()
-    processor = OutputProcessor(tokenizer=None)
-    processor.add_requests([EngineCoreRequest("r", [1, 2], SamplingParams(detokenize=False), None, 0.0)], None,
-                           RequestOutputKind.DELTA)
+    processor = OutputProcessor(tokenizer=None, log_stats=True)
+    params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("r", [1, 2], params, None, 0.0)], None)
     stat_loggers = [PrometheusStatLogger("m", registry, 2048)]
     processor.process_engine_outputs(EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=1)),
                                      stat_loggers)
@@ -104,11 +104,10 @@ def test_a_request_that_ended_with_an_error_counts_under_error(monkeypatch):
     """Refused by the engine (its finish reason "length") or stopped by its grammar ("stop"), a request with an error
     is no success: request_success counts it under finished_reason="error", as vLLM's FINISHED_ERROR ones."""
     registry = CollectorRegistry()
-    processor = OutputProcessor(tokenizer=None)
-    params = SamplingParams(detokenize=False)
-    processor.add_requests([EngineCoreRequest("refused", [1, 2], params, None, 0.0)], None, RequestOutputKind.DELTA)
-    processor.add_requests([EngineCoreRequest("grammar", [1, 2], params, None, 0.0)], None, RequestOutputKind.DELTA)
-    processor.add_requests([EngineCoreRequest("fine", [1, 2], params, None, 0.0)], None, RequestOutputKind.DELTA)
+    processor = OutputProcessor(tokenizer=None, log_stats=True)
+    params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA)
+    for request_id in ("refused", "grammar", "fine"):
+        processor.add_requests([EngineCoreRequest(request_id, [1, 2], params, None, 0.0)], None)
     processor.process_engine_outputs(EngineCoreOutputs([
         EngineCoreOutput("refused", [], finish_reason=FinishReason.LENGTH, error="The prompt is empty."),
         EngineCoreOutput("grammar", [3], finish_reason=FinishReason.STOP, error="The sampled token 3 does not ..."),
@@ -119,3 +118,21 @@ def test_a_request_that_ended_with_an_error_counts_under_error(monkeypatch):
                                          {"model_name": "m", "engine": "0", "finished_reason": reason})
 
     assert (count("error"), count("stop"), count("length")) == (2, 1, 0)
+
+
+def test_request_outputs_carry_their_metrics_with_stat_logging_only(monkeypatch):
+    """vLLM's RequestOutput.metrics: the request's RequestStateStats with stat logging on, None with it off."""
+    clock = Clock(10.0)
+    monkeypatch.setattr(output_processor, "time", clock)
+    params = SamplingParams(detokenize=False, output_kind=RequestOutputKind.DELTA)
+    quiet, logged = OutputProcessor(tokenizer=None), OutputProcessor(tokenizer=None, log_stats=True)
+    for processor in (quiet, logged):
+        processor.add_requests([EngineCoreRequest("r", [1, 2], params, None, 10.0)], None)
+    [output] = quiet.process_outputs([EngineCoreOutput("r", [3])]).request_outputs
+    assert output.metrics is None
+    step(logged, clock, 11.0, EngineCoreOutput("r", [3], first_scheduled_time=10.5))
+    [output] = logged.process_outputs([EngineCoreOutput("r", [4, 5], num_preemptions=1)], IterationStats()
+                                      ).request_outputs
+    assert output.metrics == RequestStateStats(num_generation_tokens=3, num_preemptions=1, arrival_time=10.0,
+                                               queued_ts=10.0, scheduled_ts=10.5, first_token_ts=11.0,
+                                               last_token_ts=11.0, first_token_latency=1.0)

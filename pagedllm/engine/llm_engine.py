@@ -28,7 +28,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, log_stats)
         self.engine_core = engine_core
         self.log_stats = log_stats
         self.registry = CollectorRegistry()

@@ -13,14 +13,15 @@ from typing import Any, Optional
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
+from pagedllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestState:
     def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float) -> None:
+                 params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float,
+                 log_stats: bool) -> None:
         self.request_id = request_id
         self.index = index
         self.prompt = prompt
@@ -35,43 +36,42 @@ class RequestState:
         self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
         self.prompt_logprobs: Optional[PromptLogprobs] = [None] if params.prompt_logprobs is not None else None
-        self.arrival_time = arrival_time
-        self.first_scheduled_time: Optional[float] = None
-        self.first_token_time: Optional[float] = None
-        self.last_token_time = arrival_time
         self.num_sent_tokens = 0
-        self.num_preemptions = 0
         self.num_cached_tokens = 0
+        self.stats = RequestStateStats(arrival_time=arrival_time, queued_ts=arrival_time) if log_stats else None
 
     def record_timing(self, out: EngineCoreOutput, now: float, stats: IterationStats) -> None:
+        req = self.stats
         if out.first_scheduled_time:
-            self.first_scheduled_time = out.first_scheduled_time
-        self.num_preemptions = max(self.num_preemptions, out.num_preemptions)
+            req.scheduled_ts = out.first_scheduled_time
+        req.num_preemptions = max(req.num_preemptions, out.num_preemptions)
         if not out.new_token_ids:
             return
-        if self.first_token_time is None:
-            self.first_token_time = now
+        if not req.first_token_ts:
+            req.first_token_ts, req.first_token_latency = now, now - req.arrival_time
             self.num_cached_tokens = out.num_cached_tokens
             stats.num_prompt_tokens += len(self.prompt_token_ids)
             stats.num_cached_prompt_tokens += out.num_cached_tokens
-            stats.time_to_first_tokens_iter.append(now - self.arrival_time)
+            stats.time_to_first_tokens_iter.append(req.first_token_latency)
         else:
-            stats.inter_token_latencies_iter.append(now - self.last_token_time)
-        self.last_token_time = now
+            stats.inter_token_latencies_iter.append(now - req.last_token_ts)
+        req.last_token_ts = now
+        req.num_generation_tokens += len(out.new_token_ids)
         stats.num_generation_tokens += len(out.new_token_ids)
 
     def finished_stats(self, finish_reason: str, now: float) -> FinishedRequestStats:
-        scheduled = self.first_scheduled_time or now
-        first_token = self.first_token_time or scheduled  # none generated: no prefill phase, no decode phase
-        last_token = self.last_token_time if self.first_token_time is not None else scheduled
+        req = self.stats
+        scheduled = req.scheduled_ts or now
+        first_token = req.first_token_ts or scheduled  # none generated: no prefill phase, no decode phase
+        last_token = req.last_token_ts if req.first_token_ts else scheduled
         decode_time = last_token - first_token
         num_tokens = len(self.token_ids)
         return FinishedRequestStats(
-            finish_reason, now - self.arrival_time, max(scheduled - self.arrival_time, 0.0),
+            finish_reason, now - req.arrival_time, max(scheduled - req.arrival_time, 0.0),
             len(self.prompt_token_ids), num_tokens, prefill_time=max(first_token - scheduled, 0.0),
             decode_time=decode_time, inference_time=max(last_token - scheduled, 0.0),
             mean_time_per_output_token=decode_time / (num_tokens - 1) if num_tokens > 1 else 0.0,
-            num_preemptions=self.num_preemptions, num_cached_tokens=self.num_cached_tokens,
+            num_preemptions=req.num_preemptions, num_cached_tokens=self.num_cached_tokens,
             max_tokens_param=self.params.max_tokens)
 
     def decode_token(self, token_id: int, context: list[int] = ()) -> Optional[str]:
@@ -144,7 +144,7 @@ class RequestState:
         prompt_logprobs = self.prompt_logprobs if not delta or self.num_sent_tokens == 0 else None
         self.num_sent_tokens = len(self.token_ids)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
-                             finished, num_cached_tokens=num_cached_tokens, error=error)
+                             finished, num_cached_tokens=num_cached_tokens, error=error, metrics=self.stats)
 
 
 # The tokens before a logprob's token that can hold the first bytes of the character it completes (UTF-8: 4).
@@ -177,8 +177,11 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = False) -> None:
+        """``log_stats``: each request keeps its RequestStateStats (its outputs' metrics), which process_outputs'
+        iteration stats are gathered from (pass those only then)."""
         self.tokenizer = tokenizer
+        self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
 
     def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str],
@@ -192,7 +195,7 @@ class OutputProcessor:
         for index, request in enumerate(requests):
             self.request_states[request.request_id] = RequestState(
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
-                self.tokenizer, parent, request.arrival_time)
+                self.tokenizer, parent, request.arrival_time, self.log_stats)
 
     def abort_requests(self, request_ids: list[str]) -> OutputProcessorOutput:
         """Ends the requests with finish_reason "abort"; an n > 1 request's own id stands for all its sequences (as

@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class RequestStateStats:
+    """A request's figures so far, vLLM's RequestOutput.metrics (with stat logging on; else None). Times are the
+    frontend's wall clock (vLLM's *_ts are the engine core's monotonic one); queued_ts is the arrival, as the engine
+    queues a request when it arrives."""
+
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0  # first scheduled (a preemption's rescheduling leaves it)
+    first_token_ts: float = 0.0  # 0 until the first token
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0
+
+
+@dataclass
 class FinishedRequestStats:
     """A request's figures once it finishes. Its phases, as vLLM splits them: queued from arrival to first being
     scheduled, prefill from then to the first token, decode from the first token to the last, inference from

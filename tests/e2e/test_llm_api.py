@@ -515,8 +515,8 @@ def test_bool_token_ids_and_priority_are_their_ints_on_the_wire(llm):
 
 def test_get_metrics_counts_each_request_once_through_preemptions(llm):
     """vLLM's LLM.get_metrics(): the server's metrics as objects, with stat logging on (off by default offline, as
-    vLLM's, where asking for them is an error). A cache too small for all four requests preempts some; each still
-    counts its prompt, tokens and success once, and its preemptions."""
+    vLLM's, where asking for them is an error, and outputs carry no metrics). A cache too small for all four
+    requests preempts some; each still counts its prompt, tokens and success once, and its preemptions."""
     from pagedllm import LLM
     from pagedllm.metrics.reader import Counter, Gauge, Histogram
     from tests.e2e.conftest import in_process_llm
@@ -525,13 +525,16 @@ def test_get_metrics_counts_each_request_once_through_preemptions(llm):
         llm.get_metrics()
     with pytest.raises(ValueError, match="disable_log_stats must be True or False"):
         LLM(disable_log_stats="no")
+    assert llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics is None
     logged = in_process_llm(dtype="float32", max_model_len=512, num_kv_blocks=8, enforce_eager=True,
                             disable_log_stats=False)
     try:
         prompts = [{"prompt_token_ids": list(range(1000 + 100 * i, 1020 + 100 * i))} for i in range(4)]
-        logged.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
+        outputs = logged.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)
         num_preemptions = logged.get_stats().num_preemptions
         assert num_preemptions > 0
+        assert [out.metrics.num_generation_tokens for out in outputs] == [20] * 4
+        assert sum(out.metrics.num_preemptions for out in outputs) == num_preemptions
         metrics = {(m.name, m.labels.get("finished_reason")): m for m in logged.get_metrics()}
     finally:
         logged.shutdown()
