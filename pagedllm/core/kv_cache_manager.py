@@ -128,6 +128,7 @@ class KVCacheManager:
         self.no_new_blocks: tuple[tuple[()], ...] = ((),) * len(windows)  # what a step that needs none gets
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_requests = 0
 
     @property
     def num_blocks(self) -> int:
@@ -176,6 +177,7 @@ class KVCacheManager:
         from queries and hits, in PrefixCacheStats' preempted_* fields)."""
         if not self.lookup_enabled(request) or request.num_preemptions > 0:
             return
+        self.prefix_cache_requests += 1
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
 

@@ -71,6 +71,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    prefix_cache_requests: int = 0  # the requests those queries were of (vLLM's PrefixCacheStats.requests)
     num_preemptions: int = 0
     # Speculative decoding (vLLM's SpecDecodingStats): requests that verified drafts, the drafts, those
     # accepted, and accepted ones by position in the draft (index 0 = first draft token).

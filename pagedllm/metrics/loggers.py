@@ -2,9 +2,9 @@
 engine that did something in that interval or the one before (so the line after a burst shows it over, then it
 goes quiet while idle, as vLLM's), the prompt (computed, not cached) and generation throughput over the interval,
 running and waiting requests, the preemptions in the interval (when there were any), KV cache usage and the prefix
-cache's hit rate; with speculative decoding a second line (vLLM's
-SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the acceptance
-rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``."""
+cache's hit rate over the last 1000 requests that looked it up (when any has); with speculative decoding a second
+line (vLLM's SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the
+acceptance rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +12,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from typing import Optional
 
 from pagedllm.engine.protocol import SchedulerStats
@@ -20,6 +21,7 @@ from pagedllm.metrics.stats import IterationStats
 logger = logging.getLogger(__name__)
 
 LOG_STATS_INTERVAL_S = 10.0  # vLLM's VLLM_LOG_STATS_INTERVAL default
+MAX_RECENT_REQUESTS = 1000  # the prefix cache hit rate's window (vLLM's CachingMetrics)
 MIN_INTERVAL_S = 0.1  # the timer's shortest tick (an interval of 0: every tick)
 
 
@@ -70,13 +72,34 @@ class LoggingStatLogger:
             self.log()
 
 
+class _CachingWindow:
+    """vLLM's CachingMetrics: the prefix cache's queries and hits of the most recent requests that looked it up (at
+    most MAX_RECENT_REQUESTS, a step's requests dropped together, its latest always kept), whatever the interval:
+    a line of an interval in which nothing was admitted still says how the cache has been doing."""
+
+    def __init__(self):
+        self.steps: deque[tuple[int, int, int]] = deque()  # (requests, queries, hits) of each step that had any
+        self.requests = self.queries = self.hits = 0
+
+    def observe(self, requests: int, queries: int, hits: int) -> None:
+        if requests <= 0:  # no lookup; or an engine that died reporting nothing held
+            return
+        self.steps.append((requests, queries, hits))
+        self.requests, self.queries, self.hits = self.requests + requests, self.queries + queries, self.hits + hits
+        while len(self.steps) > 1 and self.requests > MAX_RECENT_REQUESTS:
+            old_requests, old_queries, old_hits = self.steps.popleft()
+            self.requests, self.queries, self.hits = (self.requests - old_requests, self.queries - old_queries,
+                                                      self.hits - old_hits)
+
+
 class _EngineWindow:
     """One engine's figures since its last log line: token counts summed, the scheduler's totals at its start and
-    latest."""
+    latest; and its prefix cache's recent hit rate."""
 
     def __init__(self, start: float):
         self.first: Optional[SchedulerStats] = None  # the totals the window started from
         self.latest: Optional[SchedulerStats] = None
+        self.prefix_cache = _CachingWindow()
         self.restart(start)
 
     def restart(self, start: float) -> None:
@@ -88,6 +111,10 @@ class _EngineWindow:
             self.prompt_tokens += iteration_stats.num_prompt_tokens - iteration_stats.num_cached_prompt_tokens
             self.generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
+            before = self.latest or SchedulerStats()
+            self.prefix_cache.observe(scheduler_stats.prefix_cache_requests - before.prefix_cache_requests,
+                                      scheduler_stats.prefix_cache_queries - before.prefix_cache_queries,
+                                      scheduler_stats.prefix_cache_hits - before.prefix_cache_hits)
             self.latest = scheduler_stats
 
     def idle(self) -> bool:
@@ -99,15 +126,15 @@ class _EngineWindow:
     def lines(self, engine: int, now: float) -> list[str]:
         seconds = max(now - self.start, 1e-9)
         latest, first = self.latest or SchedulerStats(), self.first or SchedulerStats()
-        queries = latest.prefix_cache_queries - first.prefix_cache_queries
-        hits = latest.prefix_cache_hits - first.prefix_cache_hits
+        prefix_cache = self.prefix_cache
         preemptions = latest.num_preemptions - first.num_preemptions
         lines = [f"Engine {engine:03d}: Avg prompt throughput: {self.prompt_tokens / seconds:.1f} tokens/s, "
                  f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
                  f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs} reqs, "
                  f"{f'Preemptions: {preemptions}, ' if preemptions > 0 else ''}"
-                 f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%, "
-                 f"Prefix cache hit rate: {100 * hits / max(queries, 1):.1f}%"]
+                 f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%"
+                 + (f", Prefix cache hit rate: {100 * prefix_cache.hits / max(prefix_cache.queries, 1):.1f}%"
+                    if prefix_cache.requests else "")]
         drafts = latest.spec_decode_num_drafts - first.spec_decode_num_drafts
         if drafts > 0:
             drafted = latest.spec_decode_num_draft_tokens - first.spec_decode_num_draft_tokens

@@ -91,7 +91,7 @@ def test_prefix_cache_stats_count_a_lookup_once_at_admission_and_not_on_resumpti
     scheduler.add_request(make_request("b", list(range(100, 108)) + [1, 2, 3], block_size=4, max_tokens=2))
     run_to_completion(scheduler)
     stats = scheduler.make_stats()
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20 + 11, 8)
+    assert (stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits) == (2, 20 + 11, 8)
 
     scheduler = make_scheduler(num_blocks=6, block_size=4)
     scheduler.add_request(make_request("old", list(range(100, 108)), block_size=4, max_tokens=14))
@@ -99,7 +99,7 @@ def test_prefix_cache_stats_count_a_lookup_once_at_admission_and_not_on_resumpti
     run_to_completion(scheduler)
     stats = scheduler.make_stats()
     assert scheduler.num_preemptions > 0
-    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (16, 0)
+    assert (stats.prefix_cache_requests, stats.prefix_cache_queries, stats.prefix_cache_hits) == (2, 16, 0)
 
 
 def test_max_num_seqs_caps_running():

@@ -26,7 +26,7 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
     clock = Clock()
     stat_logger = LoggingStatLogger(num_engines=2, interval=10.0, clock=clock, timer=False)
     caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
-    first = SchedulerStats(num_running_reqs=3, prefix_cache_queries=100, prefix_cache_hits=50,
+    first = SchedulerStats(num_running_reqs=3, prefix_cache_queries=100, prefix_cache_hits=50, prefix_cache_requests=2,
                            spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
                            spec_decode_num_accepted_tokens=20, spec_decode_num_accepted_tokens_per_pos=[8, 6, 4, 2])
     clock.now = 109.0
@@ -42,8 +42,9 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
                     "2.00 tokens/s, Drafted throughput: 4.00 tokens/s, Accepted: 20 tokens, Drafted: 40 tokens, "
                     "Per-position acceptance rate: 0.800, 0.600, 0.400, 0.200, Avg Draft acceptance rate: 50.0%")
     caplog.clear()
-    # The next interval counts from the totals the last line ended at.
-    later = SchedulerStats(kv_cache_usage=0.25, prefix_cache_queries=200, prefix_cache_hits=60,
+    # The next interval counts from the totals the last line ended at (the prefix cache's hit rate, over the recent
+    # requests, from start-up here).
+    later = SchedulerStats(kv_cache_usage=0.25, prefix_cache_queries=200, prefix_cache_hits=60, prefix_cache_requests=4,
                            spec_decode_num_drafts=20, spec_decode_num_draft_tokens=80,
                            spec_decode_num_accepted_tokens=30, spec_decode_num_accepted_tokens_per_pos=[12, 9, 6, 3])
     clock.now = 125.0
@@ -51,7 +52,7 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
     stat_logger.log()
     (line, spec) = [r.getMessage() for r in caplog.records]
     assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 1.0 tokens/s" in line
-    assert "KV cache usage: 25.0%, Prefix cache hit rate: 10.0%" in line
+    assert "KV cache usage: 25.0%, Prefix cache hit rate: 30.0%" in line
     assert ("Mean acceptance length: 2.00" in spec and "Accepted: 10 tokens, Drafted: 40 tokens" in spec
             and "Per-position acceptance rate: 0.400, 0.300, 0.200, 0.100, Avg Draft acceptance rate: 25.0%" in spec)
 
@@ -65,7 +66,7 @@ def test_no_speculation_no_spec_line(caplog):
     stat_logger.log()
     assert [r.getMessage() for r in caplog.records] == [
         "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 4.0 tokens/s, Running: 0 reqs, "
-        "Waiting: 2 reqs, KV cache usage: 0.0%, Prefix cache hit rate: 0.0%"]
+        "Waiting: 2 reqs, KV cache usage: 0.0%"]  # no request looked the prefix cache up: no hit rate
 
 
 def test_the_interval_after_a_burst_is_logged_then_idle_ones_are_not(caplog):
@@ -124,3 +125,22 @@ def test_prompt_throughput_counts_computed_tokens_and_the_interval_shows_its_pre
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith("Engine 000: Avg prompt throughput: 10.0 tokens/s,")
     assert "Running: 1 reqs, Waiting: 0 reqs, Preemptions: 3, KV cache usage: 0.0%" in line
+
+
+def test_the_prefix_cache_hit_rate_is_of_the_last_1000_requests_that_looked_it_up(caplog):
+    """vLLM's CachingMetrics: an interval that admitted nothing still shows the recent hit rate (not 0), and the
+    oldest steps leave the window once it holds more than 1000 requests."""
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=10.0, clock=clock, timer=False)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    stat_logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_requests=600, prefix_cache_queries=1000,
+                                      prefix_cache_hits=1000), None)
+    stat_logger.log()
+    stat_logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_requests=600, prefix_cache_queries=1000,
+                                      prefix_cache_hits=1000), None)
+    stat_logger.log()
+    stat_logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_requests=1200, prefix_cache_queries=2000,
+                                      prefix_cache_hits=1000), None)
+    stat_logger.log()
+    rates = [r.getMessage().split("Prefix cache hit rate: ")[1] for r in caplog.records]
+    assert rates == ["100.0%", "100.0%", "0.0%"]  # the first 600 requests left the window for the next 600
