@@ -107,6 +107,14 @@ def test_server_exports_every_metric(server):
         assert any(key == name or key.startswith(name + "{") for key in text), name
 
 
+def test_server_exports_the_process_and_python_metrics(server):
+    """As vLLM's /metrics (prometheus_client's default registry): the process's and Python's metrics too."""
+    text = server.metrics()
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "python_info",
+                 "python_gc_objects_collected_total"):
+        assert any(key == name or key.startswith(name + "{") for key in text), name
+
+
 def test_a_request_with_n_lands_in_the_per_request_histograms(server):
     """One completion with n = 2 through the server: two finished sequences in the per-request histograms, one
     user request in request_params_n (the series advance by exactly this request's figures once it is done)."""

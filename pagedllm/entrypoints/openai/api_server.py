@@ -19,7 +19,8 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
+                               CollectorRegistry, generate_latest)
 from pydantic import BaseModel
 
 import pagedllm
@@ -252,6 +253,10 @@ async def run_server(args: argparse.Namespace) -> None:
     interval = None if args.disable_log_stats else log_stats_interval()  # so does a bad variable
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
+    # vLLM serves prometheus_client's default registry, which holds the process_*, python_info and python_gc_*
+    # metrics as well as its own: so does this server's.
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
     stat_loggers = [lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config)]
     if interval is not None:
         stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
