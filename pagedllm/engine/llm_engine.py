@@ -15,6 +15,7 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
@@ -22,31 +23,39 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Any, engine_core: Any, log_stats: bool = False) -> None:
-        """``engine_core``: make_sync_client's client for ``config``, started. ``log_stats``: every step's stats go
-        to the server's Prometheus metrics, in a registry of this engine's own (get_metrics reads them)."""
+    def __init__(self, config: EngineConfig, tokenizer: Any, engine_core: Any,
+                 log_stats_interval: Optional[float] = None) -> None:
+        """``engine_core``: make_sync_client's client for ``config``, started. ``log_stats_interval``: None, no stats
+        (vLLM's log_stats=False); else every step's stats go to the server's Prometheus metrics, in a registry of
+        this engine's own (get_metrics reads them), and to the server's log line, logged after a step with outputs
+        once this many seconds have passed since the last (vLLM's do_log_stats_with_interval)."""
         self.config = config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
-        self.output_processor = OutputProcessor(tokenizer, log_stats)
+        self.log_stats = log_stats_interval is not None
+        self.output_processor = OutputProcessor(tokenizer, self.log_stats)
         self.engine_core = engine_core
-        self.log_stats = log_stats
         self.registry = CollectorRegistry()
-        self.stat_loggers = ([PrometheusStatLogger.from_config(config.model_config.model, self.registry, config)]
-                             if log_stats else [])
+        self.stat_loggers: list = []
+        self.log_line: Optional[LoggingStatLogger] = None
+        if self.log_stats:
+            self.log_line = LoggingStatLogger(config.parallel_config.data_parallel_size, log_stats_interval,
+                                              timer=False)
+            self.stat_loggers = [PrometheusStatLogger.from_config(config.model_config.model, self.registry, config),
+                                 self.log_line]
         # The engine core stops with this object: on shutdown(), when it is garbage-collected, or at the
         # interpreter's exit, whichever comes first (the finalizer holds the engine core, not this object).
         self._finalizer = weakref.finalize(self, engine_core.shutdown)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, log_stats: bool = False) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, log_stats_interval: Optional[float] = None) -> "LLMEngine":
         """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
-        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; ``log_stats`` as the constructor's."""
+        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; ``log_stats_interval`` as the constructor's."""
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
         with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
             config = engine_args.create_engine_config()
             engine_core, tokenizer = start_client_and_tokenizer(config, make_sync_client)
-            return cls(config, tokenizer, engine_core, log_stats)
+            return cls(config, tokenizer, engine_core, log_stats_interval)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -71,6 +80,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
+        if self.log_line is not None and outputs.outputs:
+            self.log_line.log_when_due()
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs

@@ -4,7 +4,8 @@ goes quiet while idle, as vLLM's), the prompt (computed, not cached) and generat
 running and waiting requests, the preemptions in the interval (when there were any), KV cache usage and the prefix
 cache's hit rate over the last 1000 requests that looked it up (when any has); with speculative decoding a second
 line (vLLM's SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the
-acceptance rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``."""
+acceptance rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``; offline,
+on with ``LLM(disable_log_stats=False)``."""
 from __future__ import annotations
 
 import logging
@@ -65,6 +66,12 @@ class LoggingStatLogger:
                         logger.info(line)
                 self._idle[engine] = idle
                 window.restart(now)
+
+    def log_when_due(self) -> None:
+        """log() once an interval has passed since the last line: the offline engine's way, after each step with
+        outputs (vLLM's do_log_stats_with_interval), which needs no timer thread."""
+        if self.clock() - self._engines[0].start >= self.interval:
+            self.log()
 
     def _log_every_interval(self) -> None:
         while True:

@@ -513,10 +513,11 @@ def test_bool_token_ids_and_priority_are_their_ints_on_the_wire(llm):
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest) == request
 
 
-def test_get_metrics_counts_each_request_once_through_preemptions(llm):
+def test_get_metrics_counts_each_request_once_through_preemptions(llm, monkeypatch, caplog):
     """vLLM's LLM.get_metrics(): the server's metrics as objects, with stat logging on (off by default offline, as
     vLLM's, where asking for them is an error, and outputs carry no metrics). A cache too small for all four
-    requests preempts some; each still counts its prompt, tokens and success once, and its preemptions."""
+    requests preempts some; each still counts its prompt, tokens and success once, and its preemptions. The stats
+    line is logged too, as vLLM's LLM logs it."""
     from pagedllm import LLM
     from pagedllm.metrics.reader import Counter, Gauge, Histogram
     from tests.e2e.conftest import in_process_llm
@@ -526,6 +527,8 @@ def test_get_metrics_counts_each_request_once_through_preemptions(llm):
     with pytest.raises(ValueError, match="disable_log_stats must be True or False"):
         LLM(disable_log_stats="no")
     assert llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)[0].metrics is None
+    monkeypatch.setenv("PAGEDLLM_LOG_STATS_INTERVAL", "0")
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
     logged = in_process_llm(dtype="float32", max_model_len=512, num_kv_blocks=8, enforce_eager=True,
                             disable_log_stats=False)
     try:
@@ -550,3 +553,4 @@ def test_get_metrics_counts_each_request_once_through_preemptions(llm):
     assert ttft.count == ttft.buckets["+Inf"] == 4
     running = metrics["pagedllm:num_requests_running", None]
     assert isinstance(running, Gauge) and running.value == 0
+    assert any(r.getMessage().startswith("Engine 000: Avg prompt throughput: ") for r in caplog.records)

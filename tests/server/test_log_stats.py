@@ -144,3 +144,20 @@ def test_the_prefix_cache_hit_rate_is_of_the_last_1000_requests_that_looked_it_u
     stat_logger.log()
     rates = [r.getMessage().split("Prefix cache hit rate: ")[1] for r in caplog.records]
     assert rates == ["100.0%", "100.0%", "0.0%"]  # the first 600 requests left the window for the next 600
+
+
+def test_the_offline_engine_logs_after_a_step_once_an_interval_has_passed(caplog):
+    """LLM(disable_log_stats=False), as vLLM's do_log_stats_with_interval: no timer, the engine asks after each step
+    with outputs, and the line comes once an interval has passed since the last."""
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=10.0, clock=clock, timer=False)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    stat_logger.record(SchedulerStats(num_running_reqs=1), IterationStats(num_generation_tokens=5))
+    clock.now = 109.0
+    stat_logger.log_when_due()
+    assert not caplog.records
+    clock.now = 110.0
+    stat_logger.log_when_due()
+    stat_logger.log_when_due()
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "Avg generation throughput: 0.5 tokens/s, Running: 1 reqs" in line
