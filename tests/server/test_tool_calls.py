@@ -133,3 +133,30 @@ def test_a_message_without_tool_calls_has_no_tool_calls_field():
     call = ToolCall(function=FunctionCall(name="f", arguments="{}"))
     assert json.loads(ChatMessage(role="assistant", tool_calls=[call]).model_dump_json())["tool_calls"][0]["id"] == \
         call.id
+
+
+def test_a_forcing_tool_choice_replaces_the_requests_own_constraint():
+    """As vLLM's adjust_request: a required or named tool_choice's schema takes the place of response_format (or
+    structured_outputs), which is still checked; a named function beside a structured_outputs json, regex or choice
+    is refused, as vLLM's check_structured_outputs_count refuses it."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tool_calls import resolve_tool_choice
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    for tool_choice, own in [("required", {"response_format": {"type": "json_object"}}),
+                             (named, {"response_format": {"type": "json_schema", "json_schema": {
+                                 "name": "a", "schema": {"type": "array"}}}}),
+                             ("required", {"structured_outputs": {"regex": "a+"}}),
+                             (named, {"structured_outputs": {"grammar": 'root ::= "a"'}})]:
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                        tool_choice=tool_choice, **own)
+        constraint = resolve_tool_choice(request.tools, request.tool_choice, True, None).structured_outputs()
+        assert request.to_sampling_params(8, {}, constraint).structured_outputs == constraint
+    for tool_choice, so in [(named, {"choice": ["a"]}), ("required", {"choice": []})]:
+        request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                        tool_choice=tool_choice, structured_outputs=so)
+        constraint = resolve_tool_choice(request.tools, request.tool_choice, True, None).structured_outputs()
+        with pytest.raises(ValueError, match="^structured_outputs"):
+            request.to_sampling_params(8, {}, constraint)

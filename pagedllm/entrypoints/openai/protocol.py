@@ -435,15 +435,19 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
 
     def to_sampling_params(self, max_tokens: int, default_sampling_params: dict,
                            tool_call_constraint: Optional[StructuredOutputsParams] = None) -> SamplingParams:
-        """tool_call_constraint: the grammar a required/named tool_choice imposes."""
+        """tool_call_constraint: the grammar a required/named tool_choice imposes. As vLLM's adjust_request, it
+        replaces the request's own constraint (response_format or structured_outputs, still checked), but for a
+        structured_outputs json, regex or choice beside a named function, which vLLM refuses."""
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true.")
-        if tool_call_constraint is not None and self.structured_outputs_params() is not None:
-            raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format "
-                             "or structured_outputs.")
+        own_constraint = self.structured_outputs_params()
+        if (isinstance(self.tool_choice, NamedToolChoice) and self.structured_outputs is not None
+                and own_constraint.kind in ("json", "regex", "choice")):
+            raise ValueError("structured_outputs json, regex or choice cannot be combined with a named function "
+                             "tool_choice: use one or the other.")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, default_sampling_params, logprobs, self.prompt_logprobs,
-                                     tool_call_constraint)
+                                     own_constraint if tool_call_constraint is None else tool_call_constraint)
 
     @property
     def renamed_params(self) -> dict[str, str]:
@@ -451,8 +455,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
 
     @property
     def constraint_field(self) -> str:
-        """A required or named tool_choice constrains the output by the tools' schemas."""
-        if self.structured_outputs is None and self.response_format is None and self.tools:
+        """A required or named tool_choice constrains the output by the tools' schemas (in place of the request's
+        own constraint)."""
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
             return "tools"
         return super().constraint_field
 
