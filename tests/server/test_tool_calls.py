@@ -160,3 +160,14 @@ def test_a_forcing_tool_choice_replaces_the_requests_own_constraint():
         constraint = resolve_tool_choice(request.tools, request.tool_choice, True, None).structured_outputs()
         with pytest.raises(ValueError, match="^structured_outputs"):
             request.to_sampling_params(8, {}, constraint)
+
+
+def test_a_hermes_block_with_text_after_its_json_is_content():
+    """As vLLM's parser, which reads the whole block as JSON: text after the object within the block makes it no
+    call (json.loads: extra data), streamed or not."""
+    text = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}} and more</tool_call> bye'
+    assert HermesParser().parse(text) == (text, [])
+    streamed, _, content = _streamed(list(text), HermesParser())
+    assert content == text  # what was streamed of the call cannot be taken back; the block is content all the same
+    # Whitespace after the object is JSON's own.
+    assert [c.function.name for c in HermesParser().parse(text.replace(" and more", "\n "))[1]] == ["f"]

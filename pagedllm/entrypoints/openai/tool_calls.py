@@ -299,9 +299,10 @@ def _string_end(text: str, start: int) -> Optional[int]:
 class HermesParser(ToolCallParser):
     """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. Text outside the blocks is
     content. A block's call opens once its name is read and its arguments (their raw text) stream as they are
-    generated; a block that is no call (its JSON does not parse, or is no object with a name) is content, as vLLM's
-    parser shows it: whole when the text is read at once (parse), and from where it ends when streamed (what was
-    streamed of its call cannot be taken back, but the call is not among the calls)."""
+    generated; a block that is no call (its text does not parse as JSON, text after the object included, or is no
+    object with a name) is content, as vLLM's parser shows it: whole when the text is read at once (parse), and from
+    where it ends when streamed (what was streamed of its call cannot be taken back, but the call is not among the
+    calls)."""
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -334,7 +335,7 @@ class HermesParser(ToolCallParser):
                 end = -1 if self._open else self._buffer.find(_HERMES_END)
             if end < 0:
                 return "".join(content), deltas
-            if self._open and not _is_call(self._buffer[body:found.end] if found.end is not None else ""):
+            if self._open and not _is_call(self._buffer[body:end]):
                 self.calls.pop()
                 deltas = [delta for delta in deltas if delta.index != self._opened - 1]
                 self._open = False
