@@ -25,6 +25,11 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # model sampling at temperature 1 falls into runs of newlines when any whitespace is allowed, and never
     # finishes the JSON. Set False to allow pretty-printed JSON.
     disable_any_whitespace: bool = True
+    # vLLM's options that its backends do not read from a request (its guidance backend takes
+    # disable_additional_properties from the server's config): taken, so that a request or code written for vLLM is
+    # served as vLLM serves it, and unused.
+    whitespace_pattern: Optional[str] = None
+    disable_additional_properties: bool = False
     # Set by the chat server for a thinking model's answer (--reasoning-parser): the grammar is held back until the
     # request samples one of these tokens, which end its reasoning (vLLM's reasoning_ended); not part of the key.
     _reasoning_end_token_ids: Optional[list[int]] = None

@@ -44,6 +44,19 @@ def test_structured_outputs_extra_on_both_endpoints(server):
     assert re.fullmatch(r"[0-9]{2} degrees", chat.choices[0].message.content)
 
 
+def test_vllms_structured_outputs_options_and_unknown_keys_are_taken():
+    """As vLLM, whose pydantic reads structured_outputs into its dataclass: its whitespace_pattern and
+    disable_additional_properties are taken (its xgrammar backend reads neither from a request), unknown keys
+    ignored; the constraint is the one given."""
+    from pagedllm.entrypoints.openai.protocol import CompletionRequest
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    so = {"choice": ["apple", "pear"], "whitespace_pattern": " ?", "disable_additional_properties": True, "x": 1}
+    params = CompletionRequest(prompt="p", structured_outputs=so).structured_outputs_params()
+    assert (params.kind, params.choice) == ("choice", ["apple", "pear"])
+    assert StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=" ").kind == "json"
+
+
 def test_response_format_structural_tag(server):
     """vLLM's response_format {"type": "structural_tag"}: xgrammar's format (here one tag, so the whole answer), and
     the legacy structures and triggers (as structured_outputs.structural_tag takes them too)."""

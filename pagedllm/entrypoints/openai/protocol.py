@@ -255,10 +255,9 @@ class SamplingRequest(OpenAIBaseModel):
                 raise ValueError("structured_outputs cannot be combined with response_format; use one.")
             if not isinstance(self.structured_outputs, dict):
                 raise ValueError("structured_outputs must be an object.")
-            try:
-                return StructuredOutputsParams(**self.structured_outputs)
-            except TypeError as e:
-                raise ValueError(f"structured_outputs: {e}") from None
+            # Keys it has not are ignored, as vLLM's pydantic reads its StructuredOutputsParams dataclass.
+            fields = StructuredOutputsParams.__struct_fields__
+            return StructuredOutputsParams(**{k: v for k, v in self.structured_outputs.items() if k in fields})
         if self.response_format is not None:
             return self.response_format.to_structured_outputs()
         return None
