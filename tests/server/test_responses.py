@@ -173,7 +173,6 @@ def test_text_format_constrains_the_output(client):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"temperature": "hot"}, "temperature"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
@@ -188,6 +187,20 @@ def test_bad_field_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:
         client.responses.create(**{"model": MODEL, "input": QUESTION, **extra})
     assert info.value.body["param"] == param
+
+
+def test_an_unknown_previous_response_is_a_404():
+    """As vLLM answers it (not found), naming the field."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.errors import NotFoundError
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    with pytest.raises(NotFoundError) as info:
+        asyncio.run(OpenAIServingResponses(None).create_responses(
+            ResponsesRequest(input=QUESTION, previous_response_id="resp_123")))
+    assert (info.value.status_code, info.value.param) == (404, "previous_response_id")
 
 
 def test_vllm_sampling_extras_are_the_chat_requests(client):

@@ -225,9 +225,9 @@ class OpenAIServingResponses:
         history: list[dict] = []
         if request.previous_response_id is not None:
             previous = self.store.get(request.previous_response_id)
-            if previous is None:
-                raise BadRequestError(f"Previous response with id '{request.previous_response_id}' not found.",
-                                      "previous_response_id")
+            if previous is None:  # a 404, as vLLM answers it
+                raise NotFoundError(f"Previous response with id '{request.previous_response_id}' not found.",
+                                    "previous_response_id")
             if previous[0].status == "in_progress":
                 raise BadRequestError(f"Previous response with id '{request.previous_response_id}' is still in "
                                       "progress.", "previous_response_id")
