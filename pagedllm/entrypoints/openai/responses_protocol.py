@@ -136,7 +136,7 @@ class ResponsesRequest(OpenAIBaseModel):
     store: Optional[bool] = True
     metadata: Optional[dict[str, str]] = None
     text: Optional[ResponseTextConfig] = None  # the output's format: structured output, as chat's response_format
-    # Generate after the reply: the POST returns the response in progress, GET /v1/responses/{id} follows it (with
+    # Generate after the reply: the POST returns the response queued, GET /v1/responses/{id} follows it (with
     # stream, its events from any point), POST /v1/responses/{id}/cancel stops it. Needs store.
     background: Optional[bool] = False
     # vLLM's sampling extras (its ResponsesRequest.to_sampling_params applies them), given to the chat request as
@@ -257,7 +257,7 @@ class ResponsesResponse(OpenAIBaseModel):
     object: Literal["response"] = "response"
     created_at: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     incomplete_details: Optional[IncompleteDetails] = None
     error: Optional[ResponseError] = None
     background: bool = False

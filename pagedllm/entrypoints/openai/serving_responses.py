@@ -7,9 +7,9 @@ Finished responses are kept when the request says store (true by default, as Ope
 ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation.
 
 A background request (OpenAI's and vLLM's ``background``) is answered once its generation has started: the response
-in progress, stored, which GET /v1/responses/{id} returns as it stands (then as it ends: completed, incomplete,
-cancelled or failed). Its generation runs on as a task, apart from the request that started it; POST
-/v1/responses/{id}/cancel stops it and aborts its engine request. A streamed background response's events are kept
+queued (vLLM's status for it until it ends), stored, which GET /v1/responses/{id} returns as it stands (then as it
+ends: completed, incomplete, cancelled or failed). Its generation runs on as a task, apart from the request that
+started it; POST /v1/responses/{id}/cancel stops it and aborts its engine request. A streamed background response's events are kept
 (_BackgroundRun), so GET /v1/responses/{id}?stream=true&starting_after=N gives them from sequence number N + 1 on,
 those sent so far and then the rest as they come; a client that lost the stream rejoins where it was.
 """
@@ -120,7 +120,7 @@ class _ResponseBuilder:
         return final
 
     def store_unfinished(self, status: str, error: Optional[ResponseError] = None) -> ResponsesResponse:
-        """A background response's state while it has no final output (in progress, cancelled, failed), stored."""
+        """A background response's state while it has no final output (queued, cancelled, failed), stored."""
         response = self.response(status, [], error=error)
         self.store.put(response, self.conversation)
         return response
@@ -217,7 +217,7 @@ class OpenAIServingResponses:
     async def create_responses(self, request: ResponsesRequest
                                ) -> Union[ResponsesResponse, AsyncIterator[str]]:
         """A Response, or for stream=True the Responses SSE events; raises OpenAIError before generating. In the
-        background, the response in progress (streamed: its events so far and to come) once generation has
+        background, the response queued (streamed: its events so far and to come) once generation has
         started."""
         if request.background and request.store is False:
             raise BadRequestError("background responses need store: a background response is read back by its "
@@ -228,7 +228,7 @@ class OpenAIServingResponses:
             if previous is None:  # a 404, as vLLM answers it
                 raise NotFoundError(f"Previous response with id '{request.previous_response_id}' not found.",
                                     "previous_response_id")
-            if previous[0].status == "in_progress":
+            if previous[0].status == "queued":
                 raise BadRequestError(f"Previous response with id '{request.previous_response_id}' is still in "
                                       "progress.", "previous_response_id")
             history = previous[1]
@@ -248,7 +248,7 @@ class OpenAIServingResponses:
     def _start_in_background(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]
                              ) -> Union[ResponsesResponse, AsyncIterator[str]]:
         run = _BackgroundRun(streamed=bool(builder.request.stream))
-        in_progress = builder.store_unfinished("in_progress")
+        queued = builder.store_unfinished("queued")
         run.task = asyncio.get_running_loop().create_task(self._generate_in_background(builder, chunks, run))
         self._running[builder.id] = run
         if run.streamed:
@@ -257,7 +257,7 @@ class OpenAIServingResponses:
             for response_id in finished[:max(len(finished) - BACKGROUND_STREAMS_KEPT, 0)]:
                 del self._streams[response_id]
             return run.follow(-1)
-        return in_progress
+        return queued
 
     async def _generate_in_background(self, builder: _ResponseBuilder, chunks: AsyncIterator[str],
                                       run: _BackgroundRun) -> None:
