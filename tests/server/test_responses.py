@@ -216,31 +216,39 @@ def test_vllm_sampling_extras_are_the_chat_requests(client):
     assert info.value.body["param"] == "top_k"
 
 
-def _stream_events(deltas: list) -> list[dict]:
-    """The events _stream sends for chat stream chunks with these deltas (content strings, or tool calls as (index,
-    id, name, arguments))."""
-    import asyncio
-
+def _chat_chunks(deltas: list) -> list[str]:
+    """A chat stream's lines with these deltas (content strings, or tool calls as (index, id, name, arguments)),
+    then its end."""
     from pagedllm.entrypoints.openai.protocol import (ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
                                                       DeltaMessage)
-    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
-    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, _ResponseBuilder
     from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall
 
     def chunk(delta: DeltaMessage, finish_reason=None) -> str:
         choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason)
         return "data: " + ChatCompletionStreamResponse(id="c", created=0, model=MODEL, choices=[choice]).model_dump_json()
 
-    lines = [chunk(DeltaMessage(content=d)) if isinstance(d, str) else chunk(DeltaMessage(tool_calls=[DeltaToolCall(
+    return [chunk(DeltaMessage(content=d)) if isinstance(d, str) else chunk(DeltaMessage(tool_calls=[DeltaToolCall(
         index=d[0], id=d[1], type="function", function=DeltaFunctionCall(name=d[2], arguments=d[3]))]))
         for d in deltas] + [chunk(DeltaMessage(), "stop"), "data: [DONE]"]
 
+
+async def _lines(lines: list[str]):
+    for line in lines:
+        yield line
+
+
+def _stream_events(deltas: list) -> list[dict]:
+    """The events _stream sends for chat stream chunks with these deltas (as _chat_chunks')."""
+    import asyncio
+
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses, _ResponseBuilder
+
     async def events():
-        async def chunks():
-            for line in lines:
-                yield line
-        builder = _ResponseBuilder(ResponsesRequest(input="x", stream=True, store=False), MODEL, [], ResponseStore())
-        return [event async for event in OpenAIServingResponses._stream(None, builder, chunks())]
+        chunks = _lines(_chat_chunks(deltas))
+        request = ResponsesRequest(input="x", stream=True, store=False, tools=[TOOL])
+        builder = _ResponseBuilder(request, MODEL, [], ResponseStore())
+        return [event async for event in OpenAIServingResponses._stream(None, builder, chunks)]
 
     return [json.loads(event.split("data: ", 1)[1]) for event in "".join(asyncio.run(events())).split("\n\n")
             if event]
@@ -254,8 +262,8 @@ def _streamed_output(deltas: list) -> list:
 
 
 def test_streamed_text_is_the_stripped_content_as_unstreamed():
-    """Streamed, the message's text is the chat content stripped, as the unstreamed response has it: whitespace
-    around tool calls opens no message item."""
+    """With tools, the message's text is the chat content stripped, as chat strips the content it reads tool calls
+    out of: whitespace around tool calls opens no message item."""
     call = (0, "call_1", "get_weather", '{"city": "Paris"}')
     assert _streamed_output(["\n\n", call, "\n"]) == [("function_call", "get_weather")]
     assert _streamed_output(["  Checking", ". ", call, " "]) == [("message", "Checking."),
@@ -279,6 +287,43 @@ def test_streamed_items_are_done_one_after_another():
     assert [item.get("status") for item in final] == ["completed"] * 4
     assert (final[0]["content"][0]["text"], final[3]["content"][0]["text"]) == ("Checking.", "Done.")
     assert final[0]["id"] != final[3]["id"]
+
+
+def test_unstreamed_output_items_are_the_streamed_ones():
+    """An unstreamed response's output items are those its stream ends with (text after a function call a message
+    of its own, not joined to the text before it); an error the chat stream ends with is raised with its status."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.errors import OpenAIError, create_error_response
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+
+    class Chat:
+        models = SimpleNamespace(check_model=lambda name: MODEL)
+
+        def __init__(self, lines: list[str]) -> None:
+            self.lines = lines
+
+        async def create_chat_completion(self, request, cached_tokens_always=False):
+            return _lines(self.lines)
+
+    def respond(lines: list[str], **fields):
+        request = ResponsesRequest(input="x", **fields)
+        return asyncio.run(OpenAIServingResponses(Chat(lines)).create_responses(request))
+
+    deltas = ["Checking.", (0, "call_1", "get_weather", '{"city": "Paris"}'), " Done."]
+    response = respond(_chat_chunks(deltas), tools=[TOOL])
+    assert [(item.type, item.content[0].text if item.type == "message" else item.name)
+            for item in response.output] == _streamed_output(deltas) == [
+        ("message", "Checking."), ("function_call", "get_weather"), ("message", "Done.")]
+    # Without tools the text is the chat content as generated, whitespace and all.
+    [message] = respond(_chat_chunks([" The answer", " is "])).output
+    assert message.content[0].text == " The answer is "
+    failed = [_chat_chunks(["Hi"])[0], "data: " + create_error_response("refused", 400, "x").model_dump_json()]
+    with pytest.raises(OpenAIError) as info:
+        respond(failed)
+    assert (info.value.status_code, info.value.message, info.value.param) == (400, "refused", "x")
 
 
 def _wait_until_done(client, response_id: str, timeout: float = 60.0):

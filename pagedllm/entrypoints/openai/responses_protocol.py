@@ -163,10 +163,10 @@ class ResponsesRequest(OpenAIBaseModel):
 
     def to_chat_request(self, history: Sequence[dict] = ()) -> ChatCompletionRequest:
         """The same generation as a chat request: instructions become the system message, then the ``history`` (the
-        chat messages of an earlier response's conversation, which OpenAI gives no instructions of), then the input;
-        streams report usage, which response.completed carries. A background response is made from the chat
-        stream too (its events are what a reader joining later replays)."""
-        streamed = bool(self.stream or self.background)
+        chat messages of an earlier response's conversation, which OpenAI gives no instructions of), then the input.
+        Every response is made from the chat stream, with its usage (which response.completed carries): the events
+        of a streamed one, the final response of an unstreamed one (so their output items agree), and what a reader
+        joining a background one later replays."""
         messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
         messages += [*history, *self.input_messages()]
         tool_choice = self.tool_choice
@@ -178,9 +178,9 @@ class ResponsesRequest(OpenAIBaseModel):
             "tools": None if not self.tools else [
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
-            "parallel_tool_calls": self.parallel_tool_calls, "stream": streamed,
+            "parallel_tool_calls": self.parallel_tool_calls, "stream": True,
             **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
-            "stream_options": {"include_usage": True} if streamed else None,
+            "stream_options": {"include_usage": True},
             "response_format": None if self.text is None or self.text.format is None
             else self.text.format.to_response_format()})
 

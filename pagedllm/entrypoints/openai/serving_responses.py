@@ -1,7 +1,7 @@
 """OpenAIServingResponses: /v1/responses on the chat path. The request becomes a chat request, the chat
-completion (or its stream of chunks) becomes a Response object (or the Responses SSE events), so a response's text
-is the chat completion's for the same messages, and every check is the chat endpoint's, its errors naming the
-Responses field.
+completion's stream of chunks becomes the Responses SSE events (unstreamed: the Response object they end with, so the
+output items are the same either way), so a response's text is the chat completion's for the same messages, and
+every check is the chat endpoint's, its errors naming the Responses field.
 
 Finished responses are kept when the request says store (true by default, as OpenAI's) in a bounded in-memory
 ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation.
@@ -25,7 +25,7 @@ from typing import AsyncIterator, Optional, Sequence, Union
 from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionResponse, ChatCompletionStreamResponse, random_uuid
+from pagedllm.entrypoints.openai.protocol import ChatCompletionStreamResponse, random_uuid
 from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText, ResponseError,
                                                             ResponseFunctionToolCall, ResponseOutputMessage,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
@@ -91,6 +91,7 @@ class _ResponseBuilder:
         self.message_id = f"msg_{random_uuid()}"
         self.conversation = [*history, *request.input_messages()]
         self.store = store
+        self.final: Optional[ResponsesResponse] = None  # the final response, once finish has made it
 
     def response(self, status: str, output: list, usage: Optional[ResponseUsage] = None,
                  finish_reason: Optional[str] = None, error: Optional[ResponseError] = None) -> ResponsesResponse:
@@ -114,10 +115,10 @@ class _ResponseBuilder:
         cut = finish_reason == "length"
         items = [item.model_copy(update={"status": "incomplete" if cut and i == len(output) - 1 else "completed"})
                  for i, item in enumerate(output)]
-        final = self.response("completed", items, usage, finish_reason)
+        self.final = self.response("completed", items, usage, finish_reason)
         if self.request.store is not False:
-            self.store.put(final, self.conversation + [item.to_chat_message() for item in items])
-        return final
+            self.store.put(self.final, self.conversation + [item.to_chat_message() for item in items])
+        return self.final
 
     def store_unfinished(self, status: str, error: Optional[ResponseError] = None) -> ResponsesResponse:
         """A background response's state while it has no final output (queued, cancelled, failed), stored."""
@@ -127,12 +128,6 @@ class _ResponseBuilder:
 
     def message(self, text: str) -> ResponseOutputMessage:
         return ResponseOutputMessage(id=self.message_id, content=[OutputText(text=text)])
-
-    def output(self, text: Optional[str], calls: list[dict]) -> list:
-        """A message item when there is text or no function call (as OpenAI: a reply is never empty of items),
-        then a function_call item per call ({"call_id", "name", "arguments"})."""
-        items: list = [self.message(text or "")] if text or not calls else []
-        return items + [ResponseFunctionToolCall(**call) for call in calls]
 
 
 class _BackgroundRun:
@@ -241,9 +236,9 @@ class OpenAIServingResponses:
                                    self.store)
         if request.background:
             return self._start_in_background(builder, result)
-        if isinstance(result, ChatCompletionResponse):
-            return self._from_chat(builder, result)
-        return self._stream(builder, result)
+        if request.stream:
+            return self._stream(builder, result)
+        return await self._unstreamed(builder, result)
 
     def _start_in_background(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]
                              ) -> Union[ResponsesResponse, AsyncIterator[str]]:
@@ -267,8 +262,7 @@ class OpenAIServingResponses:
         try:
             async for sent in self._stream(builder, chunks):
                 run.add(sent)
-                if sent.startswith("event: error\n"):
-                    body = json.loads(sent.partition("data: ")[2])
+                if (body := _error_event(sent)) is not None:
                     error = ResponseError(code=str(body.get("code")), message=body.get("message") or "")
             if error is not None:
                 builder.store_unfinished("failed", error)
@@ -282,13 +276,16 @@ class OpenAIServingResponses:
             run.finish()
             self._running.pop(builder.id, None)
 
-    @staticmethod
-    def _from_chat(builder: _ResponseBuilder, chat: ChatCompletionResponse) -> ResponsesResponse:
-        choice = chat.choices[0]
-        calls = [{"call_id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                 for c in choice.message.tool_calls]
-        return builder.finish(builder.output(choice.message.content, calls), ResponseUsage.of_chat(chat.usage),
-                              choice.finish_reason)
+    async def _unstreamed(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]) -> ResponsesResponse:
+        """The final response of the events a stream of it sends, so that its output items are the streamed
+        response's (text after a function call a message of its own, as streamed); an error event is raised as the
+        error it reports, with its status."""
+        async for sent in self._stream(builder, chunks):
+            if (body := _error_event(sent)) is not None:
+                error = OpenAIError(body["message"], body.get("param"))
+                error.status_code = body["code"]
+                raise error
+        return builder.final
 
     async def _stream(self, builder: _ResponseBuilder, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
         """The events OpenAI sends, in its order: output items one after another, each done before the next is
@@ -302,7 +299,9 @@ class OpenAIServingResponses:
         output: list = []  # the items so far; the last one is open (being generated), the others done
         texts: dict[int, str] = {}  # each message's text, by output index
         message_index, finish_reason, usage = None, None, None  # message_index: the open item, if it is a message
-        held = ""  # whitespace not sent yet: the answer's text is the chat content stripped, as it is unstreamed
+        # The text is the chat content: as generated, or with tool calls read out of it, stripped (chat's content
+        # then), each message's, so that whitespace around the calls opens no message. held: whitespace not sent yet.
+        held, strip = "", bool(builder.request.tools) and builder.request.tool_choice != "none"
         call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
 
         def finished(index: int) -> Union[ResponseOutputMessage, ResponseFunctionToolCall]:
@@ -338,9 +337,9 @@ class OpenAIServingResponses:
             for choice in chunk.choices:
                 finish_reason = choice.finish_reason or finish_reason
                 held += choice.delta.content or ""
-                if message_index is None:
+                if strip and message_index is None:
                     held = held.lstrip()  # leading whitespace (before or between tool calls) opens no message
-                delta = held.rstrip()  # trailing whitespace waits: it may end the answer
+                delta = held.rstrip() if strip else held  # trailing whitespace waits: it may end the answer
                 if delta:
                     held = held[len(delta):]
                     if message_index is None:
@@ -369,6 +368,11 @@ class OpenAIServingResponses:
         yield _item_done(events, len(final.output) - 1, final.output[-1])
         yield events.send("response.incomplete" if final.status == "incomplete" else "response.completed",
                           response=final)
+
+
+def _error_event(sent: str) -> Optional[dict]:
+    """The fields of an error event ({"code", "message", "param"}: OpenAI's stream error); None for another event."""
+    return json.loads(sent.partition("data: ")[2]) if sent.startswith("event: error\n") else None
 
 
 def _not_found(response_id: str) -> NotFoundError:
