@@ -171,3 +171,14 @@ def test_a_hermes_block_with_text_after_its_json_is_content():
     assert content == text  # what was streamed of the call cannot be taken back; the block is content all the same
     # Whitespace after the object is JSON's own.
     assert [c.function.name for c in HermesParser().parse(text.replace(" and more", "\n "))[1]] == ["f"]
+
+
+def test_required_with_defs_that_are_no_object_is_a_value_error():
+    """As vLLM's _get_tool_schema_defs: a tool's $defs that is no object is refused naming tools (it raised an
+    AttributeError, a 500)."""
+    from pagedllm.entrypoints.openai.tool_calls import resolve_tool_choice
+    from pagedllm.entrypoints.openai.tool_protocol import ChatCompletionToolsParam
+
+    tool = ChatCompletionToolsParam(function={"name": "f", "parameters": {"type": "object", "$defs": [1]}})
+    with pytest.raises(ValueError, match=r"^tools: \$defs .* 'f' must be an object"):
+        resolve_tool_choice([tool], "required", True, None).structured_outputs()

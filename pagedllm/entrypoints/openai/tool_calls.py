@@ -103,7 +103,11 @@ def _required_calls_schema(tools: list[ChatCompletionToolsParam], parallel: bool
     items = []
     for tool in tools:
         parameters = dict(tool.function.parameters or {"type": "object"})
-        for def_name, definition in parameters.pop("$defs", {}).items():
+        tool_defs = parameters.pop("$defs", {})
+        if not isinstance(tool_defs, dict):  # as vLLM's _get_tool_schema_defs refuses it
+            raise ValueError(f"tools: $defs in the parameters of tool {tool.function.name!r} must be an object, got "
+                             f"{type(tool_defs).__name__}.")
+        for def_name, definition in tool_defs.items():
             if defs.setdefault(def_name, definition) != definition:
                 raise ValueError(f"tools: two tools define $defs/{def_name} differently.")
         items.append({"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
