@@ -160,9 +160,11 @@ def test_echo_starts_an_answer_that_continues_the_last_message_with_it(client, m
 
 @pytest.fixture(scope="module")
 def flags_server(tmp_path_factory):
-    """A server of its own for the flags below: --max-logprobs -1 and --enable-prompt-tokens-details."""
+    """A server of its own for the flags below: --max-logprobs -1, --enable-prompt-tokens-details and
+    --tool-call-parser hermes."""
     srv = RemoteServer(tmp_path_factory.mktemp("flags") / "server.log",
-                       extra_args=["--max-logprobs", "-1", "--enable-prompt-tokens-details"])
+                       extra_args=["--max-logprobs", "-1", "--enable-prompt-tokens-details",
+                                   "--tool-call-parser", "hermes"])
     yield srv
     srv.stop()
 
@@ -237,3 +239,18 @@ def test_cache_salt_keeps_prefix_cache_hits_among_requests_of_one_salt(flags_ser
     for response in refused:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "cache_salt" and "cache_salt" in response.json()["error"]["message"]
+
+
+def test_auto_tool_choice_keeps_special_tokens_for_the_parser(flags_server, tokenizer):
+    """As vLLM's Hermes2ProToolParser.adjust_request: with tools and tool_choice auto, the answer's text keeps
+    special tokens, whatever skip_special_tokens says (some tokenizers mark <tool_call> special: skipped, the parser
+    would never see a call); without tools it skips them."""
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": MESSAGES, "max_tokens": 1, "logit_bias": {str(special): 100}, "skip_special_tokens": True}
+    with flags_server.http(timeout=120) as http:
+        def content(**extra) -> str:
+            return http.post("/v1/chat/completions", json={**body, **extra}).json()["choices"][0]["message"]["content"]
+
+        assert content(tools=[tool], tool_choice="auto") == "<|im_start|>"
+        assert not content()

@@ -85,6 +85,10 @@ class OpenAIServingChat(OpenAIServing):
             tool_constraint = tool_choice.structured_outputs() if tool_choice else None
         except ValueError as e:
             raise BadRequestError(str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from e
+        if tool_choice is not None and tool_choice.mode == "auto":
+            # As vLLM's Hermes2ProToolParser.adjust_request: the text keeps special tokens, as some tokenizers mark
+            # the tags a parser reads (<tool_call>); skipped, they would hide every call from it.
+            request.skip_special_tokens = False
         try:
             prompt_token_ids = chat_request_prompt(self.tokenizer, request, self.chat_template)
         except ValueError as e:
