@@ -55,6 +55,10 @@ def test_vllms_structured_outputs_options_and_unknown_keys_are_taken():
     params = CompletionRequest(prompt="p", structured_outputs=so).structured_outputs_params()
     assert (params.kind, params.choice) == ("choice", ["apple", "pear"])
     assert StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=" ").kind == "json"
+    # the private fields the server sets (the reasoning's end, which holds the grammar back) are no request's to set
+    so = {"json_object": True, "_reasoning_end_token_ids": [7]}
+    assert CompletionRequest(prompt="p", structured_outputs=so).structured_outputs_params()._reasoning_end_token_ids \
+        is None
 
 
 def test_response_format_structural_tag(server):

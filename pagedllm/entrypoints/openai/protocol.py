@@ -255,9 +255,11 @@ class SamplingRequest(OpenAIBaseModel):
                 raise ValueError("structured_outputs cannot be combined with response_format; use one.")
             if not isinstance(self.structured_outputs, dict):
                 raise ValueError("structured_outputs must be an object.")
-            # Keys it has not are ignored, as vLLM's pydantic reads its StructuredOutputsParams dataclass.
+            # Keys it has not are ignored, as vLLM's pydantic reads its StructuredOutputsParams dataclass; so are its
+            # private ones, which the server sets.
             fields = StructuredOutputsParams.__struct_fields__
-            return StructuredOutputsParams(**{k: v for k, v in self.structured_outputs.items() if k in fields})
+            return StructuredOutputsParams(**{k: v for k, v in self.structured_outputs.items()
+                                              if k in fields and not k.startswith("_")})
         if self.response_format is not None:
             return self.response_format.to_structured_outputs()
         return None
