@@ -14,7 +14,7 @@ always runs max_tokens steps). At max_tokens the step's top beam_width candidate
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -55,9 +55,11 @@ class BeamSearchParams:
 
 @dataclass
 class BeamSearchSequence:
-    """One beam: tokens are the prompt's then the generated ones (ending with the EOS if it finished on one)."""
+    """One beam: tokens are the prompt's then the generated ones (ending with the EOS if it finished on one);
+    logprobs, one per generated token, are its step's candidates (the top 2 * beam_width, as vLLM keeps them)."""
 
     tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cum_logprob: float = 0.0
     text: Optional[str] = None
     finish_reason: Optional[str] = None
@@ -89,13 +91,13 @@ class BeamSearchInstance:
         width, length_penalty = self.params.beam_width, self.params.length_penalty
         num_generated = len(self.beams[0].tokens) - self.prompt_len + 1
         at_limit = num_generated == self.params.max_tokens
-        candidates = sorted(((beam.cum_logprob + lp.logprob, beam, token)
-                             for beam, output in zip(self.beams, outputs)
-                             for token, lp in _step_logprobs(output).items()),
+        candidates = sorted(((beam.cum_logprob + lp.logprob, beam, token, step)
+                             for beam, step in zip(self.beams, map(_step_logprobs, outputs))
+                             for token, lp in step.items()),
                             key=lambda c: -c[0])[:2 * width]
         live = []
-        for rank, (cum_logprob, beam, token) in enumerate(candidates):
-            seq = BeamSearchSequence(beam.tokens + [token], cum_logprob)
+        for rank, (cum_logprob, beam, token, step) in enumerate(candidates):
+            seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step], cum_logprob)
             if token == self.eos_token_id and not self.params.ignore_eos:
                 seq.finish_reason, seq.stop_reason = "stop", token
             elif at_limit:
@@ -129,8 +131,8 @@ class BeamSearchInstance:
         sequences = self.output(tokenizer).sequences
         return RequestOutput(
             request_id, prompt, self.prompt_token_ids, None,
-            [CompletionOutput(i, seq.text, seq.tokens[self.prompt_len:], seq.cum_logprob, None, seq.finish_reason,
-                              seq.stop_reason) for i, seq in enumerate(sequences)],
+            [CompletionOutput(i, seq.text, seq.tokens[self.prompt_len:], seq.cum_logprob, seq.logprobs,
+                              seq.finish_reason, seq.stop_reason) for i, seq in enumerate(sequences)],
             finished=True)
 
 

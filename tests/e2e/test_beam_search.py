@@ -40,6 +40,10 @@ def test_beams_equal_transformers_beam_search(llm, hf_model, tokenizer):
             assert seq.finish_reason == ("stop" if generated[-1] == eos else "length")
             assert seq.text == tokenizer.decode(generated[:-1] if generated[-1] == eos else generated,
                                                 skip_special_tokens=True)
+            # vLLM's logprobs: each token's step candidates, which hold the token and add up to cum_logprob
+            assert len(seq.logprobs) == len(generated)
+            assert sum(step[t].logprob for t, step in zip(generated, seq.logprobs)) == pytest.approx(seq.cum_logprob)
+            assert all(len(step) >= 2 * BEAM_WIDTH for step in seq.logprobs)
     assert all(seq.finish_reason == "stop" for seq in outs[0].sequences)
 
 

@@ -47,12 +47,41 @@ def test_streamed_chat_sends_each_beam_whole(server, offline_beams):
     assert [(c["delta"]["content"], c["finish_reason"]) for c in content_chunks] == offline_beams[1]
 
 
-def test_logprobs_are_refused(server):
+def test_logprobs_are_the_beams_candidates(server):
+    """As vLLM's: each beam's tokens come with their logprobs, from the candidates its steps ranked, so a choice's
+    mean token logprob is its score (length_penalty 1), best first."""
     with server.http() as http:
-        response = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "n": 2, "logprobs": 1,
-                                                      "use_beam_search": True})
+        completion = http.post("/v1/completions", json={
+            "model": MODEL, "prompt": PROMPT, "n": 2, "max_tokens": MAX_TOKENS, "logprobs": 3,
+            "use_beam_search": True}).json()
+        chat = http.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": MESSAGES, "n": 2, "max_tokens": MAX_TOKENS, "logprobs": True,
+            "top_logprobs": 2, "use_beam_search": True}).json()
+    scores = []
+    for choice in completion["choices"]:
+        logprobs = choice["logprobs"]
+        assert "".join(logprobs["tokens"]).startswith(choice["text"])
+        assert [len(top) for top in logprobs["top_logprobs"]] == [4] * len(logprobs["tokens"])
+        scores.append(sum(logprobs["token_logprobs"]) / len(logprobs["token_logprobs"]))
+    assert scores == sorted(scores, reverse=True)
+    for choice in chat["choices"]:
+        content = choice["logprobs"]["content"]
+        assert "".join(c["token"] for c in content).startswith(choice["message"]["content"])
+        assert [len(c["top_logprobs"]) for c in content] == [2] * len(content)
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    ("/v1/completions", {"prompt": PROMPT, "echo": True, "logprobs": 1}, "echo"),  # no prompt logprobs (vLLM's)
+    ("/v1/completions", {"prompt": PROMPT, "logprobs": -2}, "logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+])
+def test_bad_logprobs_are_refused(server, endpoint, body, param):
+    with server.http() as http:
+        response = http.post(endpoint, json={"model": MODEL, "n": 2, "use_beam_search": True, **body})
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == "logprobs"
+    assert response.json()["error"]["param"] == param
 
 
 def test_skip_special_tokens_false_keeps_them_in_the_beams_text(server):

@@ -228,12 +228,20 @@ class SamplingRequest(OpenAIBaseModel):
         value = getattr(self, name)
         return value if value is not None else default_sampling_params.get(name, fallback)
 
+    def requested_logprobs(self) -> Optional[int]:
+        """How many alternatives per generated token the request asks for (None: no logprobs; -1: all there are)."""
+        raise NotImplementedError
+
     def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict) -> BeamSearchParams:
-        """As vLLM's: beam_width is n; the sampling knobs do not apply. Logprobs are refused rather than left out."""
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name, None)
-            if value is not None and value is not False:
-                raise ValueError(f"{name} is not supported with use_beam_search.")
+        """As vLLM's: beam_width is n; the sampling knobs do not apply. Logprobs are served from each beam's step
+        candidates (so at most 2 * n alternatives per token, as vLLM's); prompt logprobs are refused rather than
+        left out (a beam search computes none)."""
+        logprobs = self.requested_logprobs()
+        if logprobs is not None and logprobs < -1:
+            raise self.rename_error(ValueError(f"logprobs must be non-negative, or -1 for all there are, got "
+                                               f"{logprobs}."))
+        if self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with use_beam_search.")
         if self.structured_outputs_params() is not None:
             name = "structured_outputs" if self.structured_outputs is not None else "response_format"
             raise ValueError(f"{name} is not supported with use_beam_search.")
@@ -337,11 +345,21 @@ class CompletionRequest(SamplingRequest):
         lm-evaluation-harness's loglikelihood requests use)."""
         return self.echo and self.max_tokens == 0
 
+    def requested_logprobs(self) -> Optional[int]:
+        return self.logprobs
+
     def to_sampling_params(self, max_tokens: int, default_sampling_params: dict) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
         return self._sampling_params(max_tokens, default_sampling_params, self.logprobs, prompt_logprobs)
+
+    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict) -> BeamSearchParams:
+        """As vLLM's: an echoed prompt would need prompt logprobs, which a beam search does not compute."""
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported with use_beam_search, which computes no prompt "
+                             "logprobs.")
+        return super().to_beam_search_params(max_tokens, default_sampling_params)
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -439,16 +457,19 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
         """tool_call_constraint: the grammar a required/named tool_choice imposes. As vLLM's adjust_request, it
         replaces the request's own constraint (response_format or structured_outputs, still checked), but for a
         structured_outputs json, regex or choice beside a named function, which vLLM refuses."""
-        if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs set to true.")
+        logprobs = self.requested_logprobs()
         own_constraint = self.structured_outputs_params()
         if (isinstance(self.tool_choice, NamedToolChoice) and self.structured_outputs is not None
                 and own_constraint.kind in ("json", "regex", "choice")):
             raise ValueError("structured_outputs json, regex or choice cannot be combined with a named function "
                              "tool_choice: use one or the other.")
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(max_tokens, default_sampling_params, logprobs, self.prompt_logprobs,
                                      own_constraint if tool_call_constraint is None else tool_call_constraint)
+
+    def requested_logprobs(self) -> Optional[int]:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true.")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def renamed_params(self) -> dict[str, str]:
