@@ -14,6 +14,7 @@ always runs max_tokens steps). At max_tokens the step's top beam_width candidate
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -106,7 +107,7 @@ class BeamSearchInstance:
                 live.append(seq)
                 continue
             if rank < width:  # the candidates past the top beam_width only stand by to keep the beams full
-                self.completed.append((cum_logprob / num_generated ** length_penalty, seq))
+                self.completed.append((_score(cum_logprob, num_generated, length_penalty), seq))
         self.completed.sort(key=lambda c: -c[0])  # stable: on a tie the earlier hypothesis stays ahead
         del self.completed[width:]
         self.beams = live[:width]
@@ -114,7 +115,7 @@ class BeamSearchInstance:
         # beat the worst of beam_width finished hypotheses.
         self.finished = at_limit or not self.beams or (
             len(self.completed) == width
-            and self.beams[0].cum_logprob / num_generated ** length_penalty <= self.completed[-1][0])
+            and _score(self.beams[0].cum_logprob, num_generated, length_penalty) <= self.completed[-1][0])
 
     def output(self, tokenizer: Any) -> BeamSearchOutput:
         """The finished hypotheses, best first, with their generated text."""
@@ -134,6 +135,17 @@ class BeamSearchInstance:
             [CompletionOutput(i, seq.text, seq.tokens[self.prompt_len:], seq.cum_logprob, seq.logprobs,
                               seq.finish_reason, seq.stop_reason) for i, seq in enumerate(sequences)],
             finished=True)
+
+
+def _score(cum_logprob: float, num_generated: int, length_penalty: float) -> float:
+    """HF's score, cum_logprob / num_generated ** length_penalty. Where an extreme length_penalty takes the power
+    out of float's range, the score is its limit (0 for an infinite power, -inf for a vanishing one) instead of an
+    OverflowError or ZeroDivisionError."""
+    try:
+        power = float(num_generated) ** length_penalty
+    except OverflowError:
+        return 0.0
+    return cum_logprob / power if power else -math.inf
 
 
 def _step_logprobs(output: RequestOutput) -> dict[int, Logprob]:

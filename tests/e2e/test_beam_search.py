@@ -61,3 +61,13 @@ def test_bad_params_name_the_field(kwargs, field):
 def test_max_tokens_must_fit_the_context(llm):
     with pytest.raises(ValueError, match="^max_tokens"):
         llm.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=1024))
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, -1000.0])
+def test_extreme_length_penalty_scores_instead_of_raising(llm, length_penalty):
+    """len ** length_penalty leaves float's range by the third token (an OverflowError, or 0 and a
+    ZeroDivisionError); the scores take their limits and the search ends as usual."""
+    out = llm.beam_search("The capital of France is", BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                        length_penalty=length_penalty))
+    assert len(out[0].sequences) == 2
+    assert all(seq.finish_reason in ("stop", "length") for seq in out[0].sequences)
