@@ -56,5 +56,5 @@ def test_requests_fall_back_to_the_defaults_field_by_field():
     assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
     assert CompletionRequest(prompt="hi", temperature=0.2).to_sampling_params(10, DEFAULTS).temperature == 0.2
     beams = CompletionRequest(prompt="hi", use_beam_search=True, n=2)
-    assert beams.to_beam_search_params(10, DEFAULTS).temperature == 0.6
-    assert beams.to_beam_search_params(10, {}).temperature == 0.0
+    assert beams.to_beam_search_params(10, DEFAULTS, 20).temperature == 0.6
+    assert beams.to_beam_search_params(10, {}, 20).temperature == 0.0

@@ -105,13 +105,17 @@ class Processor:
             raise ValueError(f"prompt_token_ids: token id {bad[0]} is out of vocabulary "
                              f"(size {self.model_config.vocab_size}).")
 
+    @property
+    def max_logprobs(self) -> int:
+        """vLLM's max_logprobs as a count: -1 is the vocabulary's size."""
+        max_logprobs = self.model_config.max_logprobs
+        return self.model_config.vocab_size if max_logprobs == -1 else max_logprobs
+
     def validate_logprobs(self, params: SamplingParams) -> SamplingParams:
         """vLLM's max_logprobs: no request asks for more alternatives per token (-1: up to the vocabulary). A
         request's -1 is the whole vocabulary (vLLM's), which the params then say as a count."""
         vocab_size = self.model_config.vocab_size
-        max_logprobs = self.model_config.max_logprobs
-        if max_logprobs == -1:
-            max_logprobs = vocab_size
+        max_logprobs = self.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value == -1:

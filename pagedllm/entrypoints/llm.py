@@ -137,6 +137,7 @@ class LLM:
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}.")
         processor = self.llm_engine.processor
+        params.verify_width(processor.max_logprobs)
         instances = []
         for prompt in prompts:
             token_ids = processor.tokenize(prompt)[1]

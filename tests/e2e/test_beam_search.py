@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.sampling_params import MAX_N_SEQUENCES
+from tests.e2e.conftest import in_process_llm
 
 BEAM_WIDTH = 4
 
@@ -49,13 +51,26 @@ def test_beams_equal_transformers_beam_search(llm, hf_model, tokenizer):
 
 @pytest.mark.parametrize("kwargs, field", [
     ({"beam_width": 0, "max_tokens": 4}, "beam_width"),
-    ({"beam_width": 11, "max_tokens": 4}, "beam_width"),  # 2 * beam_width logprobs must fit MAX_LOGPROBS=20
+    ({"beam_width": MAX_N_SEQUENCES + 1, "max_tokens": 4}, "beam_width"),
     ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
     ({"beam_width": 2, "max_tokens": 4, "temperature": -1.0}, "temperature"),
 ])
 def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} "):
         BeamSearchParams(**kwargs)
+
+
+def test_beam_width_is_bounded_by_the_engines_max_logprobs(llm):
+    """Each step asks for 2 * beam_width logprobs: the default max_logprobs (20) allows 10 beams, and a raised one
+    more (vLLM's engine bounds them the same way)."""
+    with pytest.raises(ValueError, match="^beam_width must be at most 10"):
+        llm.beam_search("Hello", BeamSearchParams(beam_width=11, max_tokens=2))
+    wide = in_process_llm(dtype="float32", max_model_len=256, kv_cache_memory="128MiB", max_logprobs=24)
+    try:
+        out = wide.beam_search("The capital of France is", BeamSearchParams(beam_width=12, max_tokens=2))
+    finally:
+        wide.shutdown()
+    assert len(out[0].sequences) == 12
 
 
 def test_max_tokens_must_fit_the_context(llm):

@@ -76,8 +76,9 @@ def test_logprobs_are_the_beams_candidates(server):
     ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"prompt": PROMPT, "n": 11}, "n"),  # 2 * n logprobs a step, past max_logprobs (20)
 ])
-def test_bad_logprobs_are_refused(server, endpoint, body, param):
+def test_bad_combinations_are_refused(server, endpoint, body, param):
     with server.http() as http:
         response = http.post(endpoint, json={"model": MODEL, "n": 2, "use_beam_search": True, **body})
     assert response.status_code == 400

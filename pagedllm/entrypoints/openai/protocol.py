@@ -232,10 +232,12 @@ class SamplingRequest(OpenAIBaseModel):
         """How many alternatives per generated token the request asks for (None: no logprobs; -1: all there are)."""
         raise NotImplementedError
 
-    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict) -> BeamSearchParams:
-        """As vLLM's: beam_width is n; the sampling knobs do not apply. Logprobs are served from each beam's step
-        candidates (so at most 2 * n alternatives per token, as vLLM's); prompt logprobs are refused rather than
-        left out (a beam search computes none)."""
+    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict, max_logprobs: int
+                              ) -> BeamSearchParams:
+        """As vLLM's: beam_width is n, which the engine's max_logprobs (a count, Processor.max_logprobs) bounds;
+        the sampling knobs do not apply. Logprobs are served from each beam's step candidates (so at most 2 * n
+        alternatives per token, as vLLM's); prompt logprobs are refused rather than left out (a beam search
+        computes none)."""
         logprobs = self.requested_logprobs()
         if logprobs is not None and logprobs < -1:
             raise self.rename_error(ValueError(f"logprobs must be non-negative, or -1 for all there are, got "
@@ -246,11 +248,13 @@ class SamplingRequest(OpenAIBaseModel):
             name = "structured_outputs" if self.structured_outputs is not None else "response_format"
             raise ValueError(f"{name} is not supported with use_beam_search.")
         try:
-            return BeamSearchParams(
+            params = BeamSearchParams(
                 beam_width=self.n if self.n is not None else 1, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                 temperature=self._or_default("temperature", default_sampling_params, 0.0),
                 length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens)
+            params.verify_width(max_logprobs)
+            return params
         except ValueError as e:
             field, _, rest = str(e).partition(" ")
             renamed = {"beam_width": "n", "max_tokens": self.max_tokens_param}
@@ -354,12 +358,13 @@ class CompletionRequest(SamplingRequest):
             prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too
         return self._sampling_params(max_tokens, default_sampling_params, self.logprobs, prompt_logprobs)
 
-    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict) -> BeamSearchParams:
+    def to_beam_search_params(self, max_tokens: int, default_sampling_params: dict, max_logprobs: int
+                              ) -> BeamSearchParams:
         """As vLLM's: an echoed prompt would need prompt logprobs, which a beam search does not compute."""
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported with use_beam_search, which computes no prompt "
                              "logprobs.")
-        return super().to_beam_search_params(max_tokens, default_sampling_params)
+        return super().to_beam_search_params(max_tokens, default_sampling_params, max_logprobs)
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -105,7 +105,8 @@ class OpenAIServing:
                 if kwargs.get("tool_call_constraint") is not None:
                     raise ValueError("tool_choice 'required' or a named function is not supported with "
                                      "use_beam_search.")
-                return request.to_beam_search_params(max_tokens, self.default_sampling_params)
+                return request.to_beam_search_params(max_tokens, self.default_sampling_params,
+                                                     self.engine_client.processor.max_logprobs)
             return request.to_sampling_params(max_tokens, self.default_sampling_params, **kwargs)
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
