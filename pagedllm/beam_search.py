@@ -84,15 +84,22 @@ class BeamSearchOutput:
 class BeamSearchInstance:
     """One prompt's search: the live beams, and the best finished hypotheses with their scores."""
 
-    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_id: Optional[int]) -> None:
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_id: Optional[int],
+                 cache_salt: Optional[str] = None) -> None:
+        """``cache_salt``: the prompt's, which every beam's step prompt carries (as vLLM's beams keep it)."""
         self.params = params
         self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.prompt_len = len(prompt_token_ids)
         self.beams = [BeamSearchSequence(self.prompt_token_ids)]
         # (score, sequence), best first, at most beam_width.
         self.completed: list[tuple[float, BeamSearchSequence]] = []
         self.finished = False
+
+    def step_prompt(self, beam: BeamSearchSequence) -> dict:
+        """The prompt that asks for ``beam``'s next token."""
+        return {"prompt_token_ids": beam.tokens, "cache_salt": self.cache_salt}
 
     def step(self, outputs: list[RequestOutput]) -> None:
         """Expands the live beams with their step outputs (outputs[i] is beams[i]'s) and keeps the best."""

@@ -12,14 +12,14 @@ from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 import msgspec
 
-from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams
+from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams, BeamSearchSequence
 from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.processor import Processor, PromptType, cache_salt_of
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
@@ -100,18 +100,18 @@ class AsyncLLM:
         """vLLM's frontend beam search (see pagedllm.beam_search): yields one finished RequestOutput whose
         outputs are the beam_width best beams, best first. Each step runs the live beams concurrently."""
         text, token_ids = self.processor.tokenize(prompt)
-        instance = BeamSearchInstance(token_ids, params, self.processor.eos_token_id)
+        instance = BeamSearchInstance(token_ids, params, self.processor.eos_token_id, cache_salt_of(prompt))
         step_params = params.step_sampling_params()
 
-        async def last_output(token_ids: list[int], beam_request_id: str) -> RequestOutput:
-            async for output in self.generate({"prompt_token_ids": token_ids}, step_params, beam_request_id,
+        async def last_output(beam: BeamSearchSequence, beam_request_id: str) -> RequestOutput:
+            async for output in self.generate(instance.step_prompt(beam), step_params, beam_request_id,
                                               priority, lora_request):
                 pass
             return output
 
         step = 0
         while not instance.finished:
-            instance.step(await asyncio.gather(*(last_output(beam.tokens, f"{request_id}-{step}-{i}")
+            instance.step(await asyncio.gather(*(last_output(beam, f"{request_id}-{step}-{i}")
                                                  for i, beam in enumerate(instance.beams))))
             step += 1
         yield instance.request_output(request_id, text, self.tokenizer)

@@ -36,6 +36,11 @@ def validate_cache_salt(cache_salt: object) -> Optional[str]:
     return cache_salt
 
 
+def cache_salt_of(prompt: PromptType) -> Optional[str]:
+    """A prompt's cache_salt (a dict's "cache_salt", checked), None where it has none."""
+    return validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+
+
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: Optional[LoRAConfig] = None) -> None:
         self.model_config = model_config
@@ -170,7 +175,7 @@ class Processor:
         priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
-        cache_salt = validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+        cache_salt = cache_salt_of(prompt)
         self.validate_lora_request(lora_request)
         params = self.validate_logprobs(params)
         if params.structured_outputs is not None:

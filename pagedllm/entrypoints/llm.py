@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import PromptType
+from pagedllm.engine.processor import PromptType, cache_salt_of
 from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.lora.request import LoRARequest
@@ -145,7 +145,7 @@ class LLM:
             if len(token_ids) + params.max_tokens > processor.model_config.max_model_len:
                 raise ValueError(f"max_tokens must fit in max_model_len={processor.model_config.max_model_len} "
                                  f"after the prompt's {len(token_ids)} tokens, got {params.max_tokens}.")
-            instances.append(BeamSearchInstance(token_ids, params, processor.eos_token_id))
+            instances.append(BeamSearchInstance(token_ids, params, processor.eos_token_id, cache_salt_of(prompt)))
         step_params = params.step_sampling_params()
         together = concurrency_limit or max(len(instances), 1)
         for start in range(0, len(instances), together):
@@ -154,9 +154,9 @@ class LLM:
                 live = [(instance, lora) for instance, lora in group if not instance.finished]
                 if not live:
                     break
-                beams = [(beam, lora) for instance, lora in live for beam in instance.beams]
-                outputs = self.generate([{"prompt_token_ids": beam.tokens} for beam, _ in beams], step_params,
-                                        use_tqdm=False, lora_request=[lora for _, lora in beams])
+                beams = [(instance.step_prompt(beam), lora) for instance, lora in live for beam in instance.beams]
+                outputs = self.generate([prompt for prompt, _ in beams], step_params, use_tqdm=False,
+                                        lora_request=[lora for _, lora in beams])
                 for instance, _ in live:
                     num_beams = len(instance.beams)
                     instance.step(outputs[:num_beams])

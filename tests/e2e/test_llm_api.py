@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagedllm import SamplingParams
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.engine.arg_utils import EngineArgs
 
@@ -217,6 +218,11 @@ def test_a_prompts_cache_salt_shares_cached_blocks_only_within_the_salt(llm):
     for bad in ("", 7, "a@b"):
         with pytest.raises(ValueError, match="cache_salt"):
             llm.generate({"prompt_token_ids": ids, "cache_salt": bad}, use_tqdm=False)
+    # a beam search's steps carry its prompt's salt (vLLM's beams keep it): they cache the prompt's blocks under it
+    searched = list(range(5000, 5100))
+    llm.beam_search([{"prompt_token_ids": searched, "cache_salt": "e"}], BeamSearchParams(beam_width=2, max_tokens=2))
+    assert [llm.generate({"prompt_token_ids": searched, **salt}, use_tqdm=False)[0].num_cached_tokens
+            for salt in ({}, {"cache_salt": "e"})] == [0, 96]
 
 
 def test_a_finished_request_id_can_be_used_again(llm):
