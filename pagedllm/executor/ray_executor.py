@@ -32,6 +32,21 @@ def _import_ray():
     return ray
 
 
+def _join_or_start_cluster(ray, caller_address: Optional[str], world_size: int) -> None:
+    """Connects this process to the cluster the frontend was in (its address travels in the config); else to the one
+    this machine belongs to, as vLLM's ray.init(address=None) finds it (RAY_ADDRESS, or the cluster `ray start`
+    began here: how `pagedllm serve`, which never joins one itself, reaches a multi-node cluster); else starts a
+    local one with a logical CPU per rank even where ranks outnumber cores. Ray refuses num_cpus (a ValueError,
+    before it connects) exactly when it finds such a cluster to join."""
+    if caller_address:
+        ray.init(address=caller_address, log_to_driver=True)
+        return
+    try:
+        ray.init(num_cpus=max(os.cpu_count() or 1, world_size), include_dashboard=False)
+    except ValueError:
+        ray.init(log_to_driver=True)
+
+
 class RayWorkerWrapper:
     """The actor around one rank's Worker: built empty (so the driver can ask where it runs), then given its
     rank and the rendezvous address."""
@@ -70,12 +85,7 @@ class RayExecutor(Executor):
         self.workers: list = []
         self.placement_group = None
         if not ray.is_initialized():
-            # The cluster the frontend was in (its address travels in the config), else a local one with a
-            # logical CPU per rank even where ranks outnumber cores.
-            if pc.ray_address:
-                ray.init(address=pc.ray_address, log_to_driver=True)
-            else:
-                ray.init(num_cpus=max(os.cpu_count() or 1, self.world_size), include_dashboard=False)
+            _join_or_start_cluster(ray, pc.ray_address, self.world_size)
             self._started_ray = True
         try:
             self.placement_group = placement_group([{"CPU": 1}] * self.world_size, strategy="PACK")

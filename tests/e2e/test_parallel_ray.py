@@ -50,6 +50,21 @@ def test_tiny_model_tp2_pp2_across_two_nodes(ray, tmp_path, tokenizer):
     assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
 
 
+def test_an_engine_whose_caller_is_outside_ray_joins_the_cluster_of_ray_address(ray, tmp_path, tokenizer,
+                                                                                monkeypatch):
+    """`pagedllm serve` never joins a Ray cluster itself: its engine joins the one RAY_ADDRESS names (or that `ray
+    start` began on this machine), as vLLM's ray.init(address=None) does. It asked for a local cluster of its own,
+    which Ray refuses where it finds one to join ("num_cpus ... must not be provided"): the engine failed to start."""
+    monkeypatch.setattr("pagedllm.engine.arg_utils._ray_initialized", lambda: False)  # as serve's frontend
+    monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
+    reference = save_tiny_model(tmp_path, tokenizer, "qwen2")
+    nodes = []
+    got = generate(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
+                   on_engine=lambda: nodes.append(engine_nodes(ray)))
+    assert_parity(reference, got)
+    assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
+
+
 def test_tiny_model_tp2(ray, tmp_path, tokenizer):
     reference = save_tiny_model(tmp_path, tokenizer, "llama")
     assert_parity(reference, generate(tmp_path, tensor_parallel_size=2, distributed_executor_backend="ray"))
