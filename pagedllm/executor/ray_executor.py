@@ -157,7 +157,11 @@ class RayExecutor(Executor):
                 try:
                     results[rank_of[ref]] = ray.get(ref)
                 except Exception as e:
-                    self._failure = f"worker rank {rank_of[ref]} failed: {type(e).__name__}: {e}"
+                    # Ray's error carries the actor's traceback, for the log; the failure, which the engine's error
+                    # quotes to its clients (an HTTP error body), names the exception only.
+                    logger.error("worker rank %d failed: %s", rank_of[ref], e)
+                    cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+                    self._failure = f"worker rank {rank_of[ref]} failed: {type(cause).__name__}: {cause}"
                     raise WorkerError(self._failure) from None
             waited += 0 if ready else WAIT_SLICE_S
             if timeout is not None and waited > timeout:

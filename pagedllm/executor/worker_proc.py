@@ -13,7 +13,6 @@ import pickle
 import signal
 import sys
 import threading
-import traceback
 
 import zmq
 
@@ -52,9 +51,10 @@ def main() -> None:
         seq, method, args, kwargs, reply_rank = mq.dequeue()
         try:
             result = run_worker_method(worker, method, args, kwargs)
-        except Exception as e:
+        except Exception as e:  # the traceback goes to this log; the reply, which the engine's error quotes to its
+            # clients (an HTTP error body), names the exception only
             logger.exception("%s failed", method if isinstance(method, str) else getattr(method, "__name__", method))
-            replies.send(pickle.dumps((seq, rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+            replies.send(pickle.dumps((seq, rank, False, f"{type(e).__name__}: {e}")))
             continue
         if reply_rank is None or reply_rank == rank:
             replies.send(pickle.dumps((seq, rank, True, result), protocol=pickle.HIGHEST_PROTOCOL))

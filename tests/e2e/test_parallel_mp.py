@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import threading
 import time
@@ -15,6 +16,7 @@ import psutil
 import pytest
 
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.executor.multiproc import WorkerError
 from tests.e2e.conftest import running_llm
 from tests.e2e.parallel_helpers import shm_segments, wait_until, worker_processes
 from pagedllm import LLM, SamplingParams
@@ -88,6 +90,18 @@ def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then():
             llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
     assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
     assert shm_segments() <= before
+
+
+def test_a_rank_that_raises_is_named_with_its_exception_not_its_traceback(monkeypatch):
+    """A rank's exception ends the engine with an error naming the rank and the exception, which a server's
+    clients read in their 503s; the traceback stays in the rank's log (it was in the error too: file paths, code)."""
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the executor in this process, to call it
+    with running_llm(pipeline_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory="32MiB") as llm:
+        with pytest.raises(WorkerError) as error:
+            llm.llm_engine.engine_core.engine_core.executor.collective_rpc("no_such_method")
+    assert re.fullmatch(r"worker rank [01] raised: AttributeError: 'Worker' object has no attribute 'no_such_method'",
+                        str(error.value))
+    assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
 
 
 @pytest.mark.parametrize("interruption", ["ctrl-c in the caller", "sigterm to the engine"])

@@ -3,11 +3,14 @@ the engine's ranks placed on both nodes by its placement group, greedy float32 o
 models) and to one rank (SmolLM2, under chunked prefill and preemption)."""
 from __future__ import annotations
 
+import re
+
 import psutil
 import pytest
 
 from pagedllm import SamplingParams
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.executor.multiproc import WorkerError
 from tests.e2e.conftest import running_llm
 from tests.e2e.parallel_helpers import wait_until
 from tests.e2e.test_parallel_mp import STRESS, assert_same, expected, prompts, run  # noqa: F401 (fixtures)
@@ -75,6 +78,18 @@ def test_default_model(ray, prompts, expected, parallel):
     with running_llm(distributed_executor_backend="ray", **parallel, **STRESS) as llm:
         assert_same(run(llm, prompts), expected)
         assert llm.get_stats().num_preemptions > 0
+
+
+def test_a_rank_that_raises_is_named_with_its_exception_not_its_traceback(ray, monkeypatch):
+    """As with the multi-process executor: the error a server's clients read names the rank and the exception; the
+    traceback Ray's error carries stays in the log."""
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the executor in this process, to call it
+    with running_llm(distributed_executor_backend="ray", pipeline_parallel_size=2, dtype="float32",
+                     max_model_len=256, kv_cache_memory="32MiB") as llm:
+        with pytest.raises(WorkerError) as error:
+            llm.llm_engine.engine_core.engine_core.executor.collective_rpc("no_such_method")
+    assert re.fullmatch(r"worker rank [01] failed: AttributeError: 'Worker' object has no attribute 'no_such_method'",
+                        str(error.value))
 
 
 def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then(ray):
