@@ -4,7 +4,8 @@ cache (and its own ranks), behind the interface of one engine client (vLLM's DP 
 Each request goes to the least-loaded live engine by vLLM's score, waiting x 4 + running, from the engines' last
 reported stats plus the requests sent since; a request whose first prompt block was seen before goes back to the
 engine that has it cached while that engine's score is within AFFINITY_SLACK of the best. Aborts go to the engine
-holding the request. An engine that dies fails only its own requests; the others keep serving.
+holding the request. In the server an engine that dies fails only its own requests; the others keep serving.
+Offline, as with vLLM's client, it ends them all.
 """
 from __future__ import annotations
 
@@ -198,20 +199,32 @@ class DPAsyncMPClient(_DPClientBase):
 
 
 class DPSyncMPClient(_DPClientBase):
-    """For LLMEngine: get_output() blocks until any engine has outputs."""
+    """For LLMEngine: get_output() blocks until any engine has outputs. One engine's death ends the client, as
+    vLLM's: the other engines are stopped, and get_output and add_request raise EngineDeadError then and at every
+    later call, as SyncMPClient's do (a step() after the first error waited for ever for the dead engine's
+    requests)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self._outputs: queue.Queue = queue.Queue()
+        self._dead_error: EngineDeadError | None = None
         super().__init__(config)
 
     def _deliver(self, engine: int, outputs: Any) -> None:
         self._outputs.put((engine, outputs))
 
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if self._dead_error is not None:
+            raise self._dead_error
+        super().add_request(request)
+
     def get_output(self) -> EngineCoreOutputs:
-        outputs = self._process(*self._outputs.get())
-        if outputs.engine_dead is not None:  # offline, a lost engine loses its requests: fail loudly
-            raise EngineDeadError(outputs.engine_dead)
-        return outputs
+        if self._dead_error is None:
+            engine, outputs = self._outputs.get()
+            if not isinstance(outputs, EngineDeadError):
+                return self._process(engine, outputs)
+            self._dead_error = EngineDeadError(f"data-parallel engine {engine}: {outputs}")
+            self.shutdown()
+        raise self._dead_error
 
     def reset_prefix_cache(self) -> bool:
         return all(e.call_utility("reset_prefix_cache").result() for e in self._live())

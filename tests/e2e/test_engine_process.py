@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
+import threading
 import time
 
 import msgspec
@@ -55,6 +56,38 @@ def test_dead_engine_raises_instead_of_hanging(mp_llm):
     with pytest.raises(EngineDeadError):
         mp_llm.generate("Hello", SamplingParams(max_tokens=64), use_tqdm=False)
     assert time.monotonic() - start < 10
+
+
+def test_a_data_parallel_engine_that_dies_ends_the_offline_client(monkeypatch):
+    """Offline, as vLLM's client, one data-parallel engine's death ends them all: LLMEngine.step() raises
+    EngineDeadError then and every time after, and so does a new request. A step() after the first error waited for
+    ever for the requests the dead engine had held."""
+    monkeypatch.delenv("PAGEDLLM_ENABLE_MULTIPROCESSING", raising=False)
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB", data_parallel_size=2)
+    engine, client = llm.llm_engine, llm.llm_engine.engine_core
+    try:
+        for i in range(4):
+            engine.add_request(f"q{i}", f"Question {i}:", SamplingParams(max_tokens=300, ignore_eos=True))
+        assert sorted(client.balancer.engine_of.values()) == [0, 0, 1, 1]
+        client.engines[1].proc.kill()
+
+        def step_until_done() -> None:  # vLLM's LLMEngine loop
+            while engine.has_unfinished_requests():
+                engine.step()
+
+        for _ in range(2):
+            errors = []
+            # a thread of its own, so that a step() waiting for ever fails the test rather than hanging it
+            steps = threading.Thread(target=lambda: errors.append(pytest.raises(EngineDeadError, step_until_done)),
+                                     daemon=True)
+            steps.start()
+            steps.join(timeout=120)
+            assert errors and "data-parallel engine 1" in str(errors[0].value)
+        with pytest.raises(EngineDeadError, match="data-parallel engine 1"):
+            llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+        assert all(e.proc.poll() is not None for e in client.engines)  # the surviving engine stopped too
+    finally:
+        llm.shutdown()
 
 
 def test_a_message_the_engine_cannot_read_ends_it_loudly(mp_llm):
