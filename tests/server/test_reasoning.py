@@ -104,6 +104,27 @@ def test_a_grammar_applies_once_the_reasoning_ends(thinking_server):
     assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
 
 
+def test_the_responses_api_gives_the_reasoning_as_a_reasoning_item(thinking_server):
+    """vLLM's Responses output with a reasoning parser: a reasoning item (reasoning_text), then the message; streamed
+    as reasoning_text deltas in an item of its own, closed before the message opens."""
+    with thinking_server.http() as http:
+        response = http.post("/v1/responses", json={"input": MESSAGES[0]["content"], "max_output_tokens": 16}).json()
+        events = [json.loads(line.removeprefix("data: ")) for line in http.post("/v1/responses", json={
+            "input": MESSAGES[0]["content"], "max_output_tokens": 16, "stream": True}).text.splitlines()
+            if line.startswith("data: ")]
+    reasoning, message = response["output"]
+    assert (reasoning["type"], reasoning["content"], reasoning["status"]) == (
+        "reasoning", [{"type": "reasoning_text", "text": " Let me see"}], "completed")
+    assert message["content"][0]["text"] == " Paris is big"
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    kinds = [event["type"] for event in events]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == " Let me see"
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["reasoning", "message"]
+    assert [(item["type"], item["content"]) for item in events[-1]["response"]["output"]] == [
+        (item["type"], item["content"]) for item in response["output"]]
+
+
 def test_an_unknown_reasoning_parser_is_refused_before_the_engine_starts():
     result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--reasoning-parser", "nope"],
                             capture_output=True, text=True, timeout=120)

@@ -204,6 +204,21 @@ class ResponseOutputMessage(OpenAIBaseModel):
         return InputMessage(role="assistant", content="".join(part.text for part in self.content)).to_chat_message()
 
 
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ResponseReasoningItem(OpenAIBaseModel):
+    """vLLM's reasoning output item: what a --reasoning-parser split off the answer."""
+
+    id: str = Field(default_factory=lambda: f"rs_{random_uuid()}")
+    type: Literal["reasoning"] = "reasoning"
+    summary: list = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class ResponseFunctionToolCall(OpenAIBaseModel):
     id: str = Field(default_factory=lambda: f"fc_{random_uuid()}")
     type: Literal["function_call"] = "function_call"
@@ -238,9 +253,12 @@ class ResponseUsage(OpenAIBaseModel):
         """A chat usage as the Responses API reports it, the prompt's cached tokens always (vLLM's)."""
         details = usage.prompt_tokens_details
         cached_tokens = (details.cached_tokens or 0) if details else 0
+        completion_details = usage.completion_tokens_details
+        reasoning_tokens = (completion_details.reasoning_tokens or 0) if completion_details else 0
         return cls(input_tokens=usage.prompt_tokens, output_tokens=usage.completion_tokens,
                    total_tokens=usage.total_tokens,
-                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens))
+                   input_tokens_details=InputTokensDetails(cached_tokens=cached_tokens),
+                   output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning_tokens))
 
 
 class IncompleteDetails(OpenAIBaseModel):
@@ -261,7 +279,8 @@ class ResponsesResponse(OpenAIBaseModel):
     incomplete_details: Optional[IncompleteDetails] = None
     error: Optional[ResponseError] = None
     background: bool = False
-    output: list[Union[ResponseOutputMessage, ResponseFunctionToolCall]] = Field(default_factory=list)
+    output: list[Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall]] = Field(
+        default_factory=list)
     usage: Optional[ResponseUsage] = None
     # The request's settings, echoed as OpenAI does.
     instructions: Optional[str] = None

@@ -4,14 +4,16 @@ output items are the same either way), so a response's text is the chat completi
 every check is the chat endpoint's, its errors naming the Responses field.
 
 Finished responses are kept when the request says store (true by default, as OpenAI's) in a bounded in-memory
-ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation.
+ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation. With a
+--reasoning-parser, the reasoning it splits off comes first as a reasoning item (vLLM's), which no later
+conversation includes.
 
 A background request (OpenAI's and vLLM's ``background``) is answered once its generation has started: the response
-queued (vLLM's status for it until it ends), stored, which GET /v1/responses/{id} returns as it stands (then as it
-ends: completed, incomplete, cancelled or failed). Its generation runs on as a task, apart from the request that
-started it; POST /v1/responses/{id}/cancel stops it and aborts its engine request. A streamed background response's events are kept
-(_BackgroundRun), so GET /v1/responses/{id}?stream=true&starting_after=N gives them from sequence number N + 1 on,
-those sent so far and then the rest as they come; a client that lost the stream rejoins where it was.
+queued (vLLM's status for it until it ends), stored, which GET /v1/responses/{id} returns as it stands (then as it ends:
+completed, incomplete, cancelled or failed). Its generation runs on as a task, apart from the request that started it;
+POST /v1/responses/{id}/cancel stops it and aborts its engine request. A streamed background response's events are kept
+(_BackgroundRun), so GET /v1/responses/{id}?stream=true&starting_after=N gives them from sequence number N + 1 on, those
+sent so far and then the rest as they come; a client that lost the stream rejoins where it was.
 """
 from __future__ import annotations
 
@@ -26,12 +28,15 @@ from pydantic import BaseModel
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionStreamResponse, random_uuid
-from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText, ResponseError,
-                                                            ResponseFunctionToolCall, ResponseOutputMessage,
+from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText, ReasoningText,
+                                                            ResponseError, ResponseFunctionToolCall,
+                                                            ResponseOutputMessage, ResponseReasoningItem,
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 logger = logging.getLogger(__name__)
+
+OutputItem = Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall]
 
 # How many responses the store keeps (the least recently stored or read go first).
 RESPONSE_STORE_SIZE = 1000
@@ -117,7 +122,9 @@ class _ResponseBuilder:
                  for i, item in enumerate(output)]
         self.final = self.response("completed", items, usage, finish_reason)
         if self.request.store is not False:
-            self.store.put(self.final, self.conversation + [item.to_chat_message() for item in items])
+            # reasoning is no part of the conversation a later response continues (chat templates drop it too)
+            self.store.put(self.final, self.conversation + [item.to_chat_message() for item in items
+                                                            if not isinstance(item, ResponseReasoningItem)])
         return self.final
 
     def store_unfinished(self, status: str, error: Optional[ResponseError] = None) -> ResponsesResponse:
@@ -298,30 +305,39 @@ class OpenAIServingResponses:
         yield events.send("response.in_progress", response=builder.response("in_progress", []))
         output: list = []  # the items so far; the last one is open (being generated), the others done
         texts: dict[int, str] = {}  # each message's text, by output index
+        reasoning_texts: dict[int, str] = {}  # each reasoning item's text, by output index
         message_index, finish_reason, usage = None, None, None  # message_index: the open item, if it is a message
         # The text is the chat content: as generated, or with tool calls read out of it, stripped (chat's content
         # then), each message's, so that whitespace around the calls opens no message. held: whitespace not sent yet.
         held, strip = "", bool(builder.request.tools) and builder.request.tool_choice != "none"
         call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
 
-        def finished(index: int) -> Union[ResponseOutputMessage, ResponseFunctionToolCall]:
-            """Item ``index`` as it is done: completed, a message with all its text."""
+        def finished(index: int) -> OutputItem:
+            """Item ``index`` as it is done: completed, a message or reasoning with all its text."""
             item = output[index]
             if isinstance(item, ResponseOutputMessage):
                 item = item.model_copy(update={"content": [OutputText(text=texts[index])]})
+            elif isinstance(item, ResponseReasoningItem):
+                item = item.model_copy(update={"content": [ReasoningText(text=reasoning_texts[index])]})
             return item.model_copy(update={"status": "completed"})
 
-        def open_item(item: Union[ResponseOutputMessage, ResponseFunctionToolCall]) -> str:
+        def open_item(item: OutputItem) -> str:
             """Ends the open item (if any) and opens ``item`` after it."""
             sent = ""
             if output:
                 output[-1] = finished(len(output) - 1)
                 sent = _item_done(events, len(output) - 1, output[-1])
             output.append(item)
+            index = len(output) - 1
             if isinstance(item, ResponseOutputMessage):
-                texts[len(output) - 1] = ""
-                return sent + _open_message(events, item.id, len(output) - 1)
-            return sent + events.send("response.output_item.added", output_index=len(output) - 1, item=item)
+                texts[index] = ""
+                return sent + _open_message(events, item.id, index)
+            sent += events.send("response.output_item.added", output_index=index, item=item)
+            if isinstance(item, ResponseReasoningItem):
+                reasoning_texts[index] = ""
+                sent += events.send("response.content_part.added", item_id=item.id, output_index=index,
+                                    content_index=0, part=ReasoningText(text=""))
+            return sent
 
         async for data in chunks:
             payload = data.removeprefix("data: ").strip()
@@ -336,6 +352,14 @@ class OpenAIServingResponses:
                 usage = ResponseUsage.of_chat(chunk.usage)
             for choice in chunk.choices:
                 finish_reason = choice.finish_reason or finish_reason
+                if choice.delta.reasoning:  # what a --reasoning-parser split off: a reasoning item's text
+                    if not output or not isinstance(output[-1], ResponseReasoningItem):
+                        yield open_item(ResponseReasoningItem(status="in_progress"))
+                        message_index = None
+                    index = len(output) - 1
+                    reasoning_texts[index] += choice.delta.reasoning
+                    yield events.send("response.reasoning_text.delta", item_id=output[index].id,
+                                      output_index=index, content_index=0, delta=choice.delta.reasoning)
                 held += choice.delta.content or ""
                 if strip and message_index is None:
                     held = held.lstrip()  # leading whitespace (before or between tool calls) opens no message
@@ -387,12 +411,16 @@ def _open_message(events: "_EventStream", item_id: str, output_index: int) -> st
                           content_index=0, part=OutputText(text="")))
 
 
-def _item_done(events: "_EventStream", output_index: int,
-               item: Union[ResponseOutputMessage, ResponseFunctionToolCall]) -> str:
+def _item_done(events: "_EventStream", output_index: int, item: OutputItem) -> str:
     """The events ending an output item, given as it is done."""
     if isinstance(item, ResponseOutputMessage):
         sent = (events.send("response.output_text.done", item_id=item.id, output_index=output_index,
                             content_index=0, text=item.content[0].text, logprobs=[])
+                + events.send("response.content_part.done", item_id=item.id, output_index=output_index,
+                              content_index=0, part=item.content[0]))
+    elif isinstance(item, ResponseReasoningItem):
+        sent = (events.send("response.reasoning_text.done", item_id=item.id, output_index=output_index,
+                            content_index=0, text=item.content[0].text)
                 + events.send("response.content_part.done", item_id=item.id, output_index=output_index,
                               content_index=0, part=item.content[0]))
     else:
