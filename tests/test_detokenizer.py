@@ -172,6 +172,21 @@ def test_prompt_ending_inside_a_character(tokenizer):
     assert "The word is " + detok.output_text in ("The word is 你好 and more text", "The word is 好 and more text")
 
 
+@pytest.mark.parametrize("prompt, output", [("Replace the char \ufffd", " Hello world"), ("\ufffd", " Hello"),
+                                            ("a\ufffd", "\ufffd b"), ("x\ufffd", "😀 ok")])
+def test_prompt_ending_in_a_literal_replacement_character(tokenizer, prompt, output):
+    """A prompt whose text ends in U+FFFD itself, which the stream holds as it would a character cut short: the
+    output's text is the output's alone (its own U+FFFD kept), also where the prompt's ids then end inside a
+    character the output completes."""
+    prompt_ids, output_ids = encode(tokenizer, prompt), encode(tokenizer, output)
+    if output.startswith("😀"):  # move the emoji's first byte into the prompt
+        assert tokenizer.decode(output_ids[:1]) == "\ufffd"
+        prompt_ids, output_ids = prompt_ids + output_ids[:1], output_ids[1:]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, SamplingParams())
+    assert detok.update(output_ids) is None
+    assert detok.output_text == output
+
+
 def test_stop_string_with_split_emoji(tokenizer):
     ids = encode(tokenizer, MULTIBYTE_TEXT)
     detok = make(tokenizer, stop=["🎉"])
@@ -236,6 +251,11 @@ def test_recovers_from_invalid_prefix_error(tokenizer):
     detok.stream = BrokenStream()
     detok.update(ids[1:])
     assert detok.output_text == "one two three"
+    # A stream restarted before its first text holds nothing of the prompt: none of the output's text is lost.
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "a\ufffd"), SamplingParams())
+    detok.stream = BrokenStream()
+    detok.update(encode(tokenizer, "\ufffd b"))
+    assert detok.output_text == "\ufffd b"
 
 
 def test_check_stop_strings_searches_only_new_text():

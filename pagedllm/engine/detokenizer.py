@@ -6,6 +6,7 @@ of a character split across tokens, so text never carries U+FFFD for a char that
 from __future__ import annotations
 
 import bisect
+import os
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -38,7 +39,8 @@ class IncrementalDetokenizer:
 
         self.output_token_ids: list[int] = []
         self.output_text = ""
-        self.stream = _primed_stream(self.tokenizer, prompt_token_ids, self.skip_special_tokens)
+        self.stream, self._prompt_unsent_text = _primed_stream(self.tokenizer, prompt_token_ids,
+                                                                self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> tuple[str, int] | None:
         """Append the new tokens' text; returns the stop string they completed and how many of the new tokens
@@ -100,9 +102,16 @@ class IncrementalDetokenizer:
         except Exception as e:
             if not str(e).startswith(INVALID_PREFIX_ERR_MSG):
                 raise
-            # The stream's state is broken; restart it without context rather than fail the request.
+            # The stream's state is broken; restart it without context (nor the prompt's text it held) rather than
+            # fail the request.
             self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._prompt_unsent_text = ""
             text = self.stream.step(self.tokenizer, token_id)
+        if text and self._prompt_unsent_text:
+            # The stream's first text starts with what it held of the prompt: the whole characters among that (a
+            # literal U+FFFD ending the prompt) are the prompt's own, a character the output completed is not.
+            text = text[len(os.path.commonprefix([self._prompt_unsent_text, text])):]
+            self._prompt_unsent_text = ""
         return text or ""
 
 
@@ -140,21 +149,31 @@ def _backend(tokenizer: Any) -> Tokenizer:
 _MAX_SPLIT_TOKENS = 4
 
 
-def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool) -> DecodeStream:
+def _primed_stream(tokenizer: Tokenizer, prompt_token_ids: list[int],
+                   skip_special_tokens: bool) -> tuple[DecodeStream, str]:
     """A DecodeStream that has seen the prompt's tail, so that the first output token decodes in context (e.g. its
-    leading space). A prompt that ends inside a character (token ids cut mid-character) primes with the text before
-    that character, then steps the tokens of its first bytes: the stream holds them, and the output's first text
-    is that character once an output token completes it, not the whole prompt (a DecodeStream primed with ids that
-    decode to an unfinished character starts from nothing and would give back all of them)."""
+    leading space), and the text of the prompt's tokens it holds, unsent. A prompt that ends inside a character
+    (token ids cut mid-character) primes with the text before that character, then steps the tokens of its first
+    bytes: the stream holds them, and the output's first text is that character once an output token completes
+    it, not the whole prompt (a DecodeStream primed with ids that decode to an unfinished character starts from
+    nothing and would give back all of them). The stream cannot tell such a tail from a literal U+FFFD ending the
+    prompt, which it holds the same way: the unsent text says what the output's first text is to lose then."""
     for held in range(min(_MAX_SPLIT_TOKENS, len(prompt_token_ids)) + 1):
         context = _clean_suffix(tokenizer, prompt_token_ids[:len(prompt_token_ids) - held])
         if context is None:
             continue
         stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        for token_id in prompt_token_ids[len(prompt_token_ids) - held:]:
-            stream.step(tokenizer, token_id)
-        return stream
-    return DecodeStream(skip_special_tokens=skip_special_tokens)
+        token_ids = context + prompt_token_ids[len(prompt_token_ids) - held:]
+        num_sent = len(context)  # token_ids[:num_sent]: the tokens whose text the stream has given out
+        for i in range(len(context), len(token_ids)):
+            if stream.step(tokenizer, token_ids[i]) is not None:
+                num_sent = i + 1
+        if num_sent == len(token_ids):
+            return stream, ""
+        sent = tokenizer.decode(token_ids[:num_sent], skip_special_tokens=skip_special_tokens)
+        text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return stream, text[len(os.path.commonprefix([sent, text])):]
+    return DecodeStream(skip_special_tokens=skip_special_tokens), ""
 
 
 def _clean_suffix(tokenizer: Tokenizer, token_ids: list[int]) -> list[int] | None:
