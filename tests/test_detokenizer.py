@@ -301,3 +301,25 @@ def test_logprob_tokens_of_a_character_split_over_tokens(tokenizer):
     sampled = [entry[t].decoded_token for entry, t in zip(state.logprobs, ids[1:])]
     assert "".join(sampled) == tokenizer.decode(ids[1:]) and "\ufffd" not in "".join(sampled)
     assert "" in sampled  # the leading parts of a character
+
+
+def test_no_decoded_logprob_tokens_without_detokenize(tokenizer):
+    """detokenize=False leaves the logprobs' tokens undecoded (decoded_token None), sampled and prompt ones alike, as
+    vLLM's: decoding them would cost the time that skipping the text saves."""
+    from pagedllm.engine.output_processor import OutputProcessor, RequestOutputKind
+    from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
+    from pagedllm.sample.logprobs import LogprobsLists
+
+    prompt, token_id = encode(tokenizer, PROMPT), encode(tokenizer, "Hi")[0]
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1, detokenize=False)
+    processor.add_requests([EngineCoreRequest("r", prompt, params, None, 0.0)], None, RequestOutputKind.FINAL_ONLY)
+    rows = [[t, 0] for t in prompt[1:]]
+    output, = processor.process_outputs([EngineCoreOutput(
+        "r", [token_id], finish_reason=FinishReason.LENGTH,
+        new_logprobs=LogprobsLists([[token_id, 0]], [[-1.0, -2.0]], [1]),
+        new_prompt_logprobs=LogprobsLists(rows, [[-1.0, -2.0]] * len(rows), [1] * len(rows)))]).request_outputs
+    completion = output.outputs[0]
+    assert completion.text == "" and completion.token_ids == [token_id]
+    logprobs = completion.logprobs + output.prompt_logprobs[1:]
+    assert len(logprobs) == len(prompt) and all(lp.decoded_token is None for row in logprobs for lp in row.values())

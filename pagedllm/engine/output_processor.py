@@ -27,11 +27,12 @@ class RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.tokenizer = tokenizer
+        # detokenize=False: no text, nor a decoded_token for the logprobs (vLLM's: they cost the time it saves)
+        self.tokenizer = tokenizer if params.detokenize else None
         self.output_kind = params.output_kind
         self.parent = parent
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
-                            if params.detokenize and tokenizer is not None else None)
+                            if self.tokenizer is not None else None)
         self.token_ids: list[int] = []
         self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
         self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
