@@ -93,6 +93,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
         if self.stop_token_ids is None:
             self.stop_token_ids = []
         if self.top_k == -1:
@@ -139,6 +141,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.n > MAX_N_SEQUENCES:
             bad("n", f"must be at most {MAX_N_SEQUENCES}, got {self.n}. To increase this limit, set the "
                      "PAGEDLLM_MAX_N_SEQUENCES environment variable.")
+        # Checked first: the checks below and the detokenizer read their items (vLLM's TypeError names no field).
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            bad("stop", f"must be a string or a list of strings, got {self.stop!r}.")
+        if not isinstance(self.stop_token_ids, list):
+            bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}.")
         for name in ("top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if isinstance(value, int) and not _INT64_MIN <= value <= _INT64_MAX:

@@ -273,6 +273,16 @@ def test_stop_strings_need_detokenize():
         SamplingParams(stop=["x"], detokenize=False)
 
 
+@pytest.mark.parametrize("params, field", [({"stop": [1]}, "stop"), ({"stop": 5}, "stop"),
+                                           ({"stop": ["a", None]}, "stop"), ({"stop_token_ids": 5}, "stop_token_ids")])
+def test_stop_of_the_wrong_type_is_a_value_error(params, field):
+    """A stop that is no string or list of strings, or stop_token_ids no list, is a ValueError naming the field,
+    not a TypeError from the detokenizer or the checks that read them."""
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**params)
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
 def test_logprob_tokens_of_a_character_split_over_tokens(tokenizer):
     """A logprob's token text, where its character's bytes are split over byte-fallback tokens: "" for the leading
     parts, the whole character on the token completing it (vLLM's), in sampled and prompt logprobs alike; joined,
