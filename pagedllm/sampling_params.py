@@ -24,6 +24,8 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                "detokenize")
 
 
 class RequestOutputKind(IntEnum):
@@ -108,10 +110,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _normalize_numbers(self) -> None:
-        """The numeric fields hold what the engine process decodes them as (msgspec, strictly typed: a float where an
-        int belongs, or a bool, fails there, where no error reaches the caller): a bool is its int (vLLM's
-        logprobs=True is 1), an int field holds an int and a float field a real number, output_kind a RequestOutputKind
-        (its int too), else a ValueError names the field here."""
+        """The numeric and bool fields hold what the engine process decodes them as (msgspec, strictly typed: a float
+        where an int belongs, or a bool, fails there, where no error reaches the caller): a bool is its int (vLLM's
+        logprobs=True is 1), an int field holds an int and a float field a real number, an int in a bool field is
+        its truth (ignore_eos=1, as Python reads it in vLLM), output_kind a RequestOutputKind (its int too), else a
+        ValueError names the field here."""
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool):
@@ -123,6 +126,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if not isinstance(value, (int, float)):
                 raise ValueError(f"{name} must be a number, got {value!r}.")
             setattr(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int):
+                raise ValueError(f"{name} must be a boolean, got {value!r}.")
+            setattr(self, name, bool(value))
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:

@@ -156,6 +156,22 @@ def test_sampling_params_numbers_cross_to_the_engine_or_name_the_field():
             SamplingParams(**{field: value})
 
 
+def test_sampling_params_bools_cross_to_the_engine_or_name_the_field():
+    """The engine process decodes a bool field as a bool only: an int there is its truth (ignore_eos=1, which vLLM
+    reads as Python does), anything else a ValueError naming the field, so that no request ends the engine, which
+    cannot decode it."""
+    fields = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+              "detokenize")
+    params = SamplingParams(**dict.fromkeys(fields, 1))
+    assert all(getattr(params, field) is True for field in fields)
+    assert SamplingParams(ignore_eos=0).ignore_eos is False
+    request = EngineCoreRequest("r1", [1, 2, 3], params, 2, 1.5)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest) == request
+    for field in fields:
+        with pytest.raises(ValueError, match=f"^{field} must be a boolean"):
+            SamplingParams(**{field: "yes"})
+
+
 def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
     """An engine or worker process imports its modules and unpickles the frontend's EngineConfig; neither may
     import transformers or xgrammar (seconds of every engine start): the HF config travels as plain values
