@@ -4,6 +4,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from tests.server.conftest import MAX_MODEL_LEN
+
 PROMPT = "The capital of France is"
 
 
@@ -151,3 +153,14 @@ def test_truncate_prompt_tokens_keeps_the_last_or_first_tokens(client, tokenizer
                                           messages=[{"role": "user", "content": "Hello there, how are you?"}],
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
+
+
+def test_truncate_prompt_tokens_minus_one_leaves_room_for_output(client, tokenizer):
+    """-1 cuts a prompt longer than the context to max_model_len - 1 tokens, leaving one for the output (vLLM's
+    max_truncation_tokens), rather than to max_model_len, which no request can have."""
+    ids = tokenizer.encode(" one") * (MAX_MODEL_LEN + 10)
+    ask = dict(model="smollm2-135m-instruct", max_tokens=5, temperature=0, extra_body={"truncate_prompt_tokens": -1})
+    completion = client.completions.create(prompt=ids, **ask)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": tokenizer.decode(ids)}], **ask)
+    for answer in (completion, chat):
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (MAX_MODEL_LEN - 1, 1)

@@ -71,12 +71,13 @@ class OpenAIServing:
 
     def _truncated(self, request: SamplingRequest, token_ids: list[int]) -> list[int]:
         """The prompt's tokens cut to truncate_prompt_tokens (vLLM's): the last ones, or with truncation_side
-        "right" the first; -1 means max_model_len. More than max_model_len is a 400."""
+        "right" the first; -1 means max_model_len - 1, the most that leaves room for a token of output (vLLM's
+        max_truncation_tokens). More than max_model_len is a 400."""
         limit = request.truncate_prompt_tokens
         if limit is None:
             return token_ids
         if limit == -1:
-            limit = self.max_model_len
+            limit = self.max_model_len - 1
         if limit > self.max_model_len:
             raise BadRequestError(f"truncate_prompt_tokens={limit} cannot be greater than max_model_len="
                                   f"{self.max_model_len}. Please request a smaller truncation size.",
