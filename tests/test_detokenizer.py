@@ -322,8 +322,9 @@ def test_no_decoded_logprob_tokens_without_detokenize(tokenizer):
 
     prompt, token_id = encode(tokenizer, PROMPT), encode(tokenizer, "Hi")[0]
     processor = OutputProcessor(tokenizer)
-    params = SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1, detokenize=False)
-    processor.add_requests([EngineCoreRequest("r", prompt, params, None, 0.0)], None, RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1, detokenize=False,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    processor.add_requests([EngineCoreRequest("r", prompt, params, None, 0.0)], None)
     rows = [[t, 0] for t in prompt[1:]]
     output, = processor.process_outputs([EngineCoreOutput(
         "r", [token_id], finish_reason=FinishReason.LENGTH,

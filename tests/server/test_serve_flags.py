@@ -12,7 +12,6 @@ import shutil
 import socket
 import ssl
 import subprocess
-from types import SimpleNamespace
 
 import httpx
 import psutil
@@ -84,16 +83,24 @@ def test_the_server_bounds_prefill_beside_decodes_unless_told():
     assert EngineArgs().create_engine_config().scheduler_config.max_prefill_tokens_with_decodes == 0  # LLM()
 
 
+def processor_of(model_config) -> Processor:
+    """A Processor with only the model's config, which validate_logprobs reads (no tokenizer, no generation
+    config)."""
+    processor = Processor.__new__(Processor)
+    processor.model_config = model_config
+    return processor
+
+
 def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
     model_config = EngineArgs(max_logprobs=-1, tokenizer=str(tmp_path)).create_engine_config().model_config
     assert model_config.tokenizer == str(tmp_path)
-    processor = SimpleNamespace(model_config=model_config)  # validate_logprobs reads only the model's config
+    processor = processor_of(model_config)
     Processor.validate_logprobs(processor, SamplingParams(logprobs=model_config.vocab_size))  # -1: the vocabulary
     with pytest.raises(ValueError, match=f"^prompt_logprobs must be at most {model_config.vocab_size}"):
         Processor.validate_logprobs(processor, SamplingParams(prompt_logprobs=model_config.vocab_size + 1))
     # A request's -1 is the whole vocabulary (vLLM's), which the engine's default max_logprobs (20) refuses.
     assert Processor.validate_logprobs(processor, SamplingParams(logprobs=-1)).logprobs == model_config.vocab_size
-    bounded = SimpleNamespace(model_config=EngineArgs(tokenizer=str(tmp_path)).create_engine_config().model_config)
+    bounded = processor_of(EngineArgs(tokenizer=str(tmp_path)).create_engine_config().model_config)
     with pytest.raises(ValueError, match=f"^logprobs must be at most 20 .* got {model_config.vocab_size}"):
         Processor.validate_logprobs(bounded, SamplingParams(logprobs=-1))
     with pytest.raises(ValueError, match="^logprobs must be non-negative, or -1"):
