@@ -50,7 +50,7 @@ def test_a_marker_cut_across_deltas_is_held_back_until_it_is_known():
 
 class _Tokenizer:
     def get_vocab(self) -> dict[str, int]:
-        return {"<think>": 7, "</think>": 8, "<tool_call>": 9, "x": 1}
+        return {"<think>": 7, "</think>": 8, "<tool_call>": 9, "x": 1, "<|im_start|>": 2, "<|im_end|>": 3}
 
 
 def test_reasoning_tokens_are_counted_by_the_markers_ids():
@@ -59,6 +59,20 @@ def test_reasoning_tokens_are_counted_by_the_markers_ids():
     assert Qwen3ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 9, 1]) == 1
     assert Qwen3ReasoningParser(_Tokenizer(), {"enable_thinking": False}).count_reasoning_tokens([7, 1, 8]) == 0
     assert DeepSeekR1ReasoningParser(None).count_reasoning_tokens([1, 2]) is None  # no marker ids to count by
+
+
+def test_a_prompt_that_closed_the_think_block_leaves_the_whole_output_content():
+    """vLLM's is_reasoning_end of the prompt: its last marker a </think>, the reasoning is over."""
+    closed = DeepSeekR1ReasoningParser(_Tokenizer(), None, [1, 7, 1, 8, 1])
+    assert not closed.thinking and closed.extract_reasoning("Paris</think>") == (None, "Paris</think>")
+    assert closed.count_reasoning_tokens([1, 8]) == 0
+    assert DeepSeekR1ReasoningParser(_Tokenizer(), None, [1, 8, 1, 7]).thinking  # reopened: still thinking
+    assert DeepSeekR1ReasoningParser(_Tokenizer(), None, [1, 1]).thinking
+    assert not Qwen3ReasoningParser(_Tokenizer(), {"enable_thinking": True}, [7, 8]).thinking
+    # the last turn only (vLLM's qwen3 turn boundaries): an earlier turn's </think> leaves this one thinking
+    assert Qwen3ReasoningParser(_Tokenizer(), None, [2, 7, 1, 8, 1, 3, 2, 1]).thinking
+    assert DeepSeekR1ReasoningParser(_Tokenizer(), None, [2, 7, 1, 8, 1, 3, 2, 1]).thinking
+    assert not Qwen3ReasoningParser(_Tokenizer(), None, [2, 7, 1, 8, 1, 3, 2, 1, 7, 8]).thinking
 
 
 def test_an_unknown_parser_is_a_value_error_naming_the_choices():

@@ -3,7 +3,8 @@
 
 Whether the output opens with <think> or the chat template already put it at the end of the prompt (DeepSeek-R1's
 distills, Qwen3's thinking models), everything before the first </think> is reasoning, as vLLM's parsers take it;
-without a </think> the whole output is (the model was cut off while thinking).
+without a </think> the whole output is (the model was cut off while thinking). Where the prompt already closed the
+think block (its last marker a </think>), the whole output is content.
 
 The markers are found in the text, not by token id, so a marker the model spells in several tokens is found too,
 and a stream agrees with the whole answer: it holds back the end of a delta that may be the start of a marker until
@@ -23,15 +24,37 @@ class DeepSeekR1ReasoningParser:
     end_markers: tuple[tuple[str, bool], ...] = ((THINK_END, False),)
     # What is dropped where it appears in the content.
     content_drops: tuple[str, ...] = ()
+    # The tokens that start or end a chat turn (ChatML's, as vLLM's qwen3 parser reads the prompt, and DeepSeek's):
+    # a </think> of an earlier turn (Qwen3's templates keep the reasoning of the turns after the last user message)
+    # has not ended this one's reasoning.
+    turn_boundaries: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<｜User｜>", "<｜Assistant｜>")
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: Optional[dict] = None) -> None:
-        """chat_template_kwargs: the request's, which may turn the model's thinking off (qwen3)."""
-        self.thinking = True
+    def __init__(self, tokenizer: Any, chat_template_kwargs: Optional[dict] = None,
+                 prompt_token_ids: Optional[list[int]] = None) -> None:
+        """chat_template_kwargs: the request's, which may turn the model's thinking off (qwen3). prompt_token_ids:
+        the request's prompt; where the last think marker of its last turn is a </think> (a template that closes
+        the think block, or a continued message that did), the reasoning is over and the whole output is content,
+        as vLLM's is_reasoning_end of the prompt says."""
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         markers = [THINK_START, *(marker for marker, _ in self.end_markers)]
         # The markers' token ids where each is one token (as in thinking models' vocabularies), for counting.
         self._marker_ids: Optional[list[int]] = [vocab[m] for m in markers] if all(m in vocab for m in markers) \
             else None
+        self._boundary_ids = {vocab[m] for m in self.turn_boundaries if m in vocab}
+        self.thinking = not self._ended_in(prompt_token_ids or [])
+
+    def _ended_in(self, token_ids: list[int]) -> bool:
+        """Whether ``token_ids`` close the reasoning: the last <think> or </think> (each one token) of their last
+        turn is a </think>."""
+        if self._marker_ids is None:
+            return False
+        start, end = self._marker_ids[:2]
+        for token_id in reversed(token_ids):
+            if token_id in (start, end):
+                return token_id == end
+            if token_id in self._boundary_ids:
+                return False
+        return False
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
@@ -74,9 +97,10 @@ class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
     end_markers = ((THINK_END, False), (TOOL_CALL_START, True))
     content_drops = (THINK_END,)
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: Optional[dict] = None) -> None:
-        super().__init__(tokenizer, chat_template_kwargs)
-        self.thinking = bool((chat_template_kwargs or {}).get("enable_thinking", True))
+    def __init__(self, tokenizer: Any, chat_template_kwargs: Optional[dict] = None,
+                 prompt_token_ids: Optional[list[int]] = None) -> None:
+        super().__init__(tokenizer, chat_template_kwargs, prompt_token_ids)
+        self.thinking = self.thinking and bool((chat_template_kwargs or {}).get("enable_thinking", True))
 
 
 class ReasoningStream:

@@ -104,6 +104,17 @@ def test_a_grammar_applies_once_the_reasoning_ends(thinking_server):
     assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
 
 
+def test_a_grammar_applies_from_the_first_token_when_the_prompt_ended_the_reasoning(thinking_server):
+    """As vLLM's is_reasoning_end of the prompt: a continued message that closed its think block leaves no reasoning
+    to wait for, so the grammar constrains the whole answer (held back, it never applied: " Paris is big")."""
+    thought = {"role": "assistant", "content": "<think> Let me see</think>"}
+    answer = chat(thinking_server, messages=[*MESSAGES, thought], continue_final_message=True,
+                  add_generation_prompt=False, response_format={"type": "json_object"}, max_tokens=8)
+    message = answer["choices"][0]["message"]
+    assert "reasoning" not in message and message["content"].startswith("{")
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+
+
 def test_the_responses_api_gives_the_reasoning_as_a_reasoning_item(thinking_server):
     """vLLM's Responses output with a reasoning parser: a reasoning item (reasoning_text), then the message; streamed
     as reasoning_text deltas in an item of its own, closed before the message opens."""

@@ -42,15 +42,16 @@ class OpenAIServingChat(OpenAIServing):
             template if isinstance(template, str) else None)
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
 
-    def _reasoning(self, request: ChatCompletionRequest, params: Any
+    def _reasoning(self, request: ChatCompletionRequest, prompt_token_ids: list[int], params: Any
                    ) -> tuple[Optional[DeepSeekR1ReasoningParser], Any]:
         """The request's reasoning parser (none without --reasoning-parser), and its sampling params with a grammar
         (structured output, a required or named tool_choice) held back until the reasoning ends, as vLLM holds it
         back: the model thinks freely, then answers as the grammar says. Where the end of the reasoning is not one
-        token, the grammar applies from the first token, leaving no reasoning, and no parser is applied."""
+        token, the grammar applies from the first token, leaving no reasoning, and no parser is applied. Where the
+        prompt already ended the reasoning, the grammar applies from the first token, as vLLM's."""
         if self.reasoning_parser is None:
             return None, params
-        parser = self.reasoning_parser(self.tokenizer, request.chat_template_kwargs)
+        parser = self.reasoning_parser(self.tokenizer, request.chat_template_kwargs, prompt_token_ids)
         constraint = getattr(params, "structured_outputs", None)
         if constraint is None or not parser.thinking:
             return parser, params
@@ -96,7 +97,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_token_ids = self._truncated(request, list(prompt_token_ids))
         max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages")
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
-        reasoning_parser, params = self._reasoning(request, params)
+        reasoning_parser, params = self._reasoning(request, prompt_token_ids, params)
         request_id = f"chatcmpl-{random_uuid()}"
         prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": request.cache_salt}
         results = await self._start(self._generate(prompt, params, request_id, request.priority, request.model),
