@@ -269,7 +269,6 @@ def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):
         run(llm, [[1, 2, 3]], adapters["qkv-r4"][0])
 
 
-
 def test_tensor_parallel_2_on_a_tiny_model(tmp_path, tokenizer):
     """tp=2 (multi-process) on a tiny random Llama (4 heads, 2 KV heads): column-parallel layers hold their shard of
     B, row-parallel ones their shard of A before the all-reduce; output is transformers + peft's."""
