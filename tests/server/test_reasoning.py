@@ -136,6 +136,21 @@ def test_the_responses_api_gives_the_reasoning_as_a_reasoning_item(thinking_serv
         (item["type"], item["content"]) for item in response["output"]]
 
 
+def test_a_responses_output_given_back_as_input_is_taken_with_its_reasoning_item(thinking_server):
+    """OpenAI's clients keep a conversation by giving a response's output items back as input: its reasoning item is
+    taken (as vLLM takes it), not refused as an unknown item, and adds nothing to the conversation, as a stored
+    response's reasoning adds nothing to the one previous_response_id continues."""
+    with thinking_server.http() as http:
+        first = http.post("/v1/responses", json={"input": MESSAGES[0]["content"], "max_output_tokens": 16}).json()
+        assert [item["type"] for item in first["output"]] == ["reasoning", "message"]
+        turns = [MESSAGES[0], *first["output"], {"role": "user", "content": "And of Spain?"}]
+        given_back = http.post("/v1/responses", json={"input": turns, "max_output_tokens": 16})
+        continued = http.post("/v1/responses", json={"input": "And of Spain?", "previous_response_id": first["id"],
+                                                     "max_output_tokens": 16})
+    assert given_back.status_code == 200, given_back.text
+    assert given_back.json()["usage"]["input_tokens"] == continued.json()["usage"]["input_tokens"]
+
+
 def test_an_unknown_reasoning_parser_is_refused_before_the_engine_starts():
     result = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--reasoning-parser", "nope"],
                             capture_output=True, text=True, timeout=120)

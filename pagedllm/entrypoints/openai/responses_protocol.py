@@ -55,6 +55,14 @@ class FunctionCallOutputInput(OpenAIBaseModel):
         return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
 
 
+class ReasoningInput(OpenAIBaseModel):
+    """An earlier reasoning output item, given back as OpenAI's clients give a response's output back as input (with
+    --reasoning-parser, a response's output starts with one). It adds nothing to the conversation: an earlier turn's
+    reasoning is left out of it, as a stored response's is (previous_response_id)."""
+
+    type: Literal["reasoning"]
+
+
 def _input_item_type(item: Any) -> Optional[str]:
     """The tag of an input item: its type, "message" when it has none (OpenAI's easy input message)."""
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
@@ -65,10 +73,11 @@ def _input_item_type(item: Any) -> Optional[str]:
 # tags are spelled "type=..." so that the error's param leaves them out (errors.error_param).
 InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
                             Annotated[FunctionCallInput, Tag("type=function_call")],
-                            Annotated[FunctionCallOutputInput, Tag("type=function_call_output")]],
+                            Annotated[FunctionCallOutputInput, Tag("type=function_call_output")],
+                            Annotated[ReasoningInput, Tag("type=reasoning")]],
                       Discriminator(_input_item_type, custom_error_type="invalid_input_item",
-                                    custom_error_message="an input item's type must be 'message', 'function_call' "
-                                                         "or 'function_call_output'")]
+                                    custom_error_message="an input item's type must be 'message', 'function_call', "
+                                                         "'function_call_output' or 'reasoning'")]
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -157,9 +166,9 @@ class ResponsesRequest(OpenAIBaseModel):
     cache_salt: CacheSalt = None
 
     def input_messages(self) -> list[dict]:
-        """The input as chat messages (a string is one user message)."""
+        """The input as chat messages (a string is one user message; a reasoning item is none)."""
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        return [item.to_chat_message() for item in items]
+        return [item.to_chat_message() for item in items if not isinstance(item, ReasoningInput)]
 
     def to_chat_request(self, history: Sequence[dict] = ()) -> ChatCompletionRequest:
         """The same generation as a chat request: instructions become the system message, then the ``history`` (the
