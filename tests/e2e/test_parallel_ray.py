@@ -44,13 +44,18 @@ def engine_nodes(ray) -> set[str]:
     return set(groups[0]["bundles_to_node_id"].values())
 
 
-def test_tiny_model_tp2_pp2_across_two_nodes(ray, tmp_path, tokenizer):
+def assert_tp2_pp2_across_the_nodes(ray, tmp_path, tokenizer) -> None:
+    """A tiny model at tensor 2 x pipeline 2 matches transformers, its ranks placed on every node of the cluster."""
     reference = save_tiny_model(tmp_path, tokenizer, "qwen2")
     nodes = []
     got = generate(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
                    on_engine=lambda: nodes.append(engine_nodes(ray)))
     assert_parity(reference, got)
     assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
+
+
+def test_tiny_model_tp2_pp2_across_two_nodes(ray, tmp_path, tokenizer):
+    assert_tp2_pp2_across_the_nodes(ray, tmp_path, tokenizer)
 
 
 def test_an_engine_whose_caller_is_outside_ray_joins_the_cluster_of_ray_address(ray, tmp_path, tokenizer,
@@ -60,12 +65,7 @@ def test_an_engine_whose_caller_is_outside_ray_joins_the_cluster_of_ray_address(
     which Ray refuses where it finds one to join ("num_cpus ... must not be provided"): the engine failed to start."""
     monkeypatch.setattr("pagedllm.engine.arg_utils._ray_initialized", lambda: False)  # as serve's frontend
     monkeypatch.setenv("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
-    reference = save_tiny_model(tmp_path, tokenizer, "qwen2")
-    nodes = []
-    got = generate(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="ray",
-                   on_engine=lambda: nodes.append(engine_nodes(ray)))
-    assert_parity(reference, got)
-    assert nodes == [{node["NodeID"] for node in ray.nodes() if node["Alive"]}], "ranks not on both nodes"
+    assert_tp2_pp2_across_the_nodes(ray, tmp_path, tokenizer)
 
 
 def test_tiny_model_tp2(ray, tmp_path, tokenizer):
