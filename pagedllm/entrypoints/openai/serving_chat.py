@@ -118,8 +118,10 @@ class OpenAIServingChat(OpenAIServing):
         created = int(time.time())
         num_generated = [0] * (request.n or 1)  # each choice's completion tokens so far
         num_cached = 0
-        # Per choice: its reasoning split off as it comes, and (to count the reasoning's tokens) its token ids.
+        # Per choice: its reasoning split off as it comes, and (to count the reasoning's tokens, for the last
+        # chunk's usage) its token ids, kept only where that usage is sent.
         reasoning_streams = [reasoning_parser.stream() if reasoning_parser else None for _ in range(request.n or 1)]
+        count_reasoning = reasoning_parser is not None and request.include_usage
         generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
@@ -147,7 +149,7 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = res.num_cached_tokens
                 for output in res.outputs:
                     num_generated[output.index] += len(output.token_ids)
-                    if reasoning_parser is not None:
+                    if count_reasoning:
                         generated_ids[output.index] += output.token_ids
                     if not output.text and not output.token_ids and output.finish_reason is None:
                         continue
