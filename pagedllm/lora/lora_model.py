@@ -1,4 +1,4 @@
-"""An adapter's weights, loaded from its safetensors and mapped onto the model's fused layers (vLLM's LoRAModel).
+"""An adapter's weights, loaded from its safetensors (or .bin / .pt) file and mapped onto the model's fused layers (vLLM's LoRAModel).
 
 PEFT names a tensor ``base_model.model.<module>.lora_A.weight`` (``[r, in]``) or ``...lora_B.weight``
 (``[out, r]``) after the checkpoint's own modules (q_proj, k_proj, ...); the model fuses q/k/v into qkv_proj and
@@ -10,6 +10,8 @@ adapter's scaling, so a layer adds x·A·B with nothing else to do.
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 import re
 from dataclasses import dataclass, field
 
@@ -17,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedllm.config import head_dim
-from pagedllm.lora.peft_helper import WEIGHTS_FILE, PEFTHelper, adapter_dir
+from pagedllm.lora.peft_helper import WEIGHTS_FILES, PEFTHelper, adapter_dir, weights_file
 
 # checkpoint module -> (the model's layer, slice index; None: every slice, the checkpoint's module being the fused one)
 LORA_TARGETS = {
@@ -95,15 +97,53 @@ def module_name(tensor_name: str) -> str:
     return tensor_name.removeprefix("base_model.model.").rsplit(".lora_", 1)[0]
 
 
+class _LoadedTensors:
+    """A pickled adapter's tensors behind the part of safetensors' safe_open that the loader uses."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def keys(self):
+        return self._tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def get_slice(self, name: str):
+        """What safe_open's get_slice gives for the one call made of it: ``get_shape()``."""
+        return _Shaped(self._tensors[name].shape)
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    shape: torch.Size
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+
 @contextlib.contextmanager
 def _weights(lora_path: str):
-    """The adapter's safetensors file open for reading; a file that is not one (truncated, corrupt, gone) is a
-    ValueError naming it, as every other thing wrong with an adapter is."""
+    """The adapter's weights open for reading: its safetensors file, or its .bin / .pt loaded as vLLM loads them
+    (torch.load with weights_only=True: tensors and plain containers, no code run). A file that is not one
+    (truncated, corrupt, gone, not a dict of tensors) is a ValueError naming it, as every other thing wrong with an
+    adapter is."""
+    path = weights_file(adapter_dir(lora_path)) or os.path.join(adapter_dir(lora_path), WEIGHTS_FILES[0])
+    name = os.path.basename(path)
+    if name.endswith(".safetensors"):
+        try:
+            with safe_open(path, framework="pt") as f:
+                yield f
+        except (OSError, SafetensorError) as e:
+            raise ValueError(f"LoRA adapter {lora_path!r}: {name} cannot be read ({e})") from None
+        return
     try:
-        with safe_open(f"{adapter_dir(lora_path)}/{WEIGHTS_FILE}", framework="pt") as f:
-            yield f
-    except (OSError, SafetensorError) as e:
-        raise ValueError(f"LoRA adapter {lora_path!r}: {WEIGHTS_FILE} cannot be read ({e})") from None
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        raise ValueError(f"LoRA adapter {lora_path!r}: {name} cannot be read ({e})") from None
+    if not (isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values())):
+        raise ValueError(f"LoRA adapter {lora_path!r}: {name} holds {type(tensors).__name__}, not a dict of tensors")
+    yield _LoadedTensors(tensors)
 
 
 def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int

@@ -4,8 +4,7 @@ What is served: LoRA (``peft_type`` "LORA") on the attention and MLP projections
 ``max_lora_rank``, ``lora_alpha`` scaling (``use_rslora``: alpha / sqrt(r)), per-module ranks and alphas
 (``rank_pattern``, ``alpha_pattern``, matched as PEFT matches them), ``layers_to_transform`` (the adapter's tensors say
 which layers it has). What is refused, with a ValueError naming it: DoRA, trained biases, ``modules_to_save`` (whole
-replaced modules, e.g. an LM head), ``fan_in_fan_out`` (GPT-2's Conv1D layout), weights saved as .bin (pickles: not
-loaded), and, as vLLM refuses them (PEFTHelper._validate_features), the PEFT variants whose saved A and B are not the
+replaced modules, e.g. an LM head), ``fan_in_fan_out`` (GPT-2's Conv1D layout), and, as vLLM refuses them (PEFTHelper._validate_features), the PEFT variants whose saved A and B are not the
 whole story: inits that change the base weights when PEFT loads the adapter (PiSSA, OLoRA, CorDA, LoftQ), activated LoRA
 (applied only from its invocation tokens on), layer replication, block-diagonal LoRA and QALoRA.
 """
@@ -18,7 +17,9 @@ import re
 from dataclasses import dataclass, field
 
 CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+# the weights' files PEFT writes, in the order vLLM looks for them (LoRAModel.from_local_checkpoint): safetensors, or
+# a torch pickle (save_pretrained(..., safe_serialization=False)) read with torch.load(weights_only=True)
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 # init_lora_weights that only set the initial A and B (vLLM's _init_is_supported); True and False are plain too.
 _PLAIN_INITS = ("gaussian", "eva", "orthogonal", "mica", "lora_ga")
 # settings of PEFT LoRA variants that add to, or change, what x·A·B computes -> what they make the adapter
@@ -36,6 +37,12 @@ def adapter_dir(lora_path: str) -> str:
     """The directory a LoRARequest's ``lora_path`` names: the path, with a leading ``~`` expanded (vLLM's
     get_adapter_absolute_path, less its download of a Hugging Face Hub repo)."""
     return os.path.expanduser(lora_path)
+
+
+def weights_file(directory: str) -> str | None:
+    """The path of the adapter's weights in ``directory`` (the first of WEIGHTS_FILES there), or None."""
+    return next((path for path in (os.path.join(directory, name) for name in WEIGHTS_FILES) if os.path.isfile(path)),
+                None)
 
 
 @dataclass(frozen=True)
@@ -67,12 +74,8 @@ class PEFTHelper:
         config_path = os.path.join(directory, CONFIG_FILE)
         if not os.path.isfile(config_path):
             raise LoRAAdapterNotFoundError(f"LoRA adapter {lora_path!r} has no {CONFIG_FILE}")
-        if not os.path.isfile(os.path.join(directory, WEIGHTS_FILE)):
-            if os.path.isfile(os.path.join(directory, "adapter_model.bin")):
-                raise ValueError(f"LoRA adapter {lora_path!r} holds adapter_model.bin, a pickle, which pagedllm does "
-                                 f"not load; save it as {WEIGHTS_FILE} (peft: save_pretrained(..., "
-                                 f"safe_serialization=True))")
-            raise ValueError(f"LoRA adapter {lora_path!r} has no {WEIGHTS_FILE}")
+        if weights_file(directory) is None:
+            raise ValueError(f"LoRA adapter {lora_path!r} has no weights ({' or '.join(WEIGHTS_FILES)})")
         try:
             with open(config_path) as f:
                 config = json.load(f)

@@ -170,14 +170,31 @@ def test_an_adapter_that_does_not_fit_is_a_value_error(llm_with_lora, tmp_path, 
     assert len(run(llm_with_lora, [[1, 2, 3]], None)[0]) == MAX_TOKENS  # the engine serves on
 
 
-def test_missing_files_and_pickled_weights_are_value_errors(llm_with_lora, tmp_path):
+def test_an_adapter_saved_as_a_torch_pickle_serves_as_its_safetensors_does(llm_with_lora, adapters, tmp_path):
+    """peft's save_pretrained(safe_serialization=False) writes adapter_model.bin: vLLM loads it (torch.load with
+    weights_only=True), so pagedllm does, to the same tokens as the same adapter's safetensors."""
+    request, peft_model = adapters["all-r8"]
+    peft_model.save_pretrained(tmp_path / "pickled", safe_serialization=False)
+    assert (tmp_path / "pickled" / "adapter_model.bin").is_file()
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    pickled = LoRARequest("pickled", 90, str(tmp_path / "pickled"))
+    assert run(llm_with_lora, prompts, pickled) == run(llm_with_lora, prompts, request)
+    for content in (b"", b"\x80\x04not a pickle"):
+        (tmp_path / "pickled" / "adapter_model.bin").write_bytes(content)
+        with pytest.raises(ValueError, match="adapter_model.bin cannot be read"):
+            run(llm_with_lora, [[1, 2, 3]], LoRARequest("broken", 91, str(tmp_path / "pickled")))
+    torch.save([torch.zeros(2)], tmp_path / "pickled" / "adapter_model.bin")
+    with pytest.raises(ValueError, match="adapter_model.bin holds list, not a dict of tensors"):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("listed", 92, str(tmp_path / "pickled")))
+
+
+def test_missing_files_are_value_errors(llm_with_lora, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         run(llm_with_lora, [[1, 2, 3]], LoRARequest("gone", 9, str(tmp_path / "gone")))
-    (tmp_path / "pickled").mkdir()
-    (tmp_path / "pickled" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
-    (tmp_path / "pickled" / "adapter_model.bin").write_bytes(b"")
-    with pytest.raises(ValueError, match="adapter_model.bin, a pickle"):
-        run(llm_with_lora, [[1, 2, 3]], LoRARequest("pickled", 9, str(tmp_path / "pickled")))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    with pytest.raises(ValueError, match="has no weights"):
+        run(llm_with_lora, [[1, 2, 3]], LoRARequest("empty", 9, str(tmp_path / "empty")))
     (tmp_path / "list").mkdir()  # JSON, but no object of settings
     (tmp_path / "list" / "adapter_config.json").write_text("[4, 8]")
     (tmp_path / "list" / "adapter_model.safetensors").write_bytes(b"")
