@@ -136,3 +136,14 @@ def test_request_outputs_carry_their_metrics_with_stat_logging_only(monkeypatch)
     assert output.metrics == RequestStateStats(num_generation_tokens=3, num_preemptions=1, arrival_time=10.0,
                                                queued_ts=10.0, scheduled_ts=10.5, first_token_ts=11.0,
                                                last_token_ts=11.0, first_token_latency=1.0)
+
+
+def test_an_aborted_requests_output_keeps_its_cached_prompt_tokens_with_stats_off():
+    """num_cached_tokens is the request's, not the statistics': an abort's last output carries the prompt's prefix
+    cache hit whether or not stats are logged (it was 0 with them off)."""
+    processor = OutputProcessor(tokenizer=None, log_stats=False)
+    params = SamplingParams(max_tokens=4, detokenize=False, output_kind=RequestOutputKind.DELTA)
+    processor.add_requests([EngineCoreRequest("r", list(range(10)), params, None, 100.0)], None)
+    [first] = processor.process_outputs([EngineCoreOutput("r", [5], num_cached_tokens=8)], None).request_outputs
+    [aborted] = processor.abort_requests(["r"]).request_outputs
+    assert (first.num_cached_tokens, aborted.num_cached_tokens, aborted.outputs[0].finish_reason) == (8, 8, "abort")

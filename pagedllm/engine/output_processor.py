@@ -50,7 +50,6 @@ class RequestState:
             return
         if not req.first_token_ts:
             req.first_token_ts, req.first_token_latency = now, now - req.arrival_time
-            self.num_cached_tokens = out.num_cached_tokens
             stats.num_prompt_tokens += len(self.prompt_token_ids)
             stats.num_cached_prompt_tokens += out.num_cached_tokens
             stats.time_to_first_tokens_iter.append(req.first_token_latency)
@@ -102,6 +101,8 @@ class RequestState:
         tokens after the one completing a stop string (a step of accepted drafts brings several) are dropped from
         ``out`` with their logprobs, as vLLM trims them."""
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if out.new_token_ids and not self.token_ids:  # the prompt ran: its prefix-cache hit is known (an abort's too)
+            self.num_cached_tokens = out.num_cached_tokens
         if self.detokenizer is not None and out.new_token_ids:
             match = self.detokenizer.update(out.new_token_ids, stop_terminated=finish_reason == FinishReason.STOP)
             if match is not None:  # a stop string ends it, also in the step the engine ended it by length
