@@ -91,6 +91,9 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None
     # vLLM's generation_config: "auto", "vllm" or a directory holding generation_config.json (ModelConfig's).
     generation_config: str = "auto"
+    # vLLM's: True turns the engine's statistics off (metrics, RequestOutput.metrics, the stats line). LLM() sets it
+    # True unless told; the server from --disable-log-stats.
+    disable_log_stats: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.

@@ -15,7 +15,7 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.loggers import LoggingStatLogger
+from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
@@ -48,14 +48,18 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, engine_core.shutdown)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, log_stats_interval: Optional[float] = None) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
         """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
-        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; ``log_stats_interval`` as the constructor's."""
+        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; statistics on unless
+        ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL seconds."""
+        if not isinstance(engine_args.disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be True or False, got {engine_args.disable_log_stats!r}")
+        interval = None if engine_args.disable_log_stats else log_stats_interval()  # a bad variable: before any process
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
         with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
             config = engine_args.create_engine_config()
             engine_core, tokenizer = start_client_and_tokenizer(config, make_sync_client)
-            return cls(config, tokenizer, engine_core, log_stats_interval)
+            return cls(config, tokenizer, engine_core, interval)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -15,7 +15,6 @@ from pagedllm.engine.processor import PromptType, cache_salt_of
 from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.loggers import log_stats_interval
 from pagedllm.metrics.reader import Metric
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
@@ -38,12 +37,10 @@ class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, *, disable_log_stats: bool = True, **kwargs: Any) -> None:
         """``disable_log_stats=False`` (vLLM's, off by default offline) keeps the engine's metrics for
         get_metrics(), and logs the server's stats line every PAGEDLLM_LOG_STATS_INTERVAL seconds while it runs."""
-        if not isinstance(disable_log_stats, bool):
-            raise ValueError(f"disable_log_stats must be True or False, got {disable_log_stats!r}")
-        interval = None if disable_log_stats else log_stats_interval()  # a bad variable fails before the engine starts
         # The engine stops with it (LLMEngine.shutdown): on shutdown(), when it is garbage-collected (with this
         # object, unless kept elsewhere), or at the interpreter's exit.
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs), log_stats_interval=interval)
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, disable_log_stats=disable_log_stats,
+                                                                **kwargs))
         self.tokenizer = self.llm_engine.tokenizer
         self._request_counter = itertools.count()
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.

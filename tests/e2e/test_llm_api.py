@@ -271,7 +271,8 @@ def test_output_kind_of_the_sampling_params_chooses_what_each_step_returns(llm):
 
 def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
     """vLLM's LLMEngine.from_engine_args and get_tokenizer, then its loop: add_request (which returns the request's
-    id), step while has_unfinished_requests."""
+    id), step while has_unfinished_requests. Statistics are on, as EngineArgs.disable_log_stats is False by default
+    (vLLM's; LLM() sets it True)."""
     from pagedllm.engine.llm_engine import LLMEngine
     from tests.e2e.conftest import _engines_in_this_process
 
@@ -285,6 +286,8 @@ def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
         while engine.has_unfinished_requests():
             outputs += engine.step()
         assert [(len(out.outputs[0].token_ids), out.finished) for out in outputs] == [(1, False), (2, False), (3, True)]
+        assert outputs[-1].metrics.num_generation_tokens == 3
+        assert any(metric.name == "pagedllm:generation_tokens" for metric in engine.get_metrics())
     finally:
         engine.shutdown()
 

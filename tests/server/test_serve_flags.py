@@ -285,7 +285,8 @@ def flags_server(tmp_path_factory, tokenizer):
                     "--ssl-cert-reqs", str(ssl.CERT_REQUIRED), "--root-path", ROOT_PATH,
                     "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
-                    "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui"],
+                    "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui",
+                    "--disable-log-stats"],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
         client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
     srv.socket_path, srv.cert = socket_path, cert
@@ -314,6 +315,15 @@ def test_disable_web_ui(flags_server):
         assert http.get("/").status_code == 404
         assert http.get("/static/app.js").status_code == 404
         assert http.get("/engine/view").status_code == 404
+
+
+def test_disable_log_stats_keeps_no_statistics(flags_server):
+    """vLLM's --disable-log-stats (log_stats=False) makes no stat loggers, so no pagedllm: metrics either: /metrics
+    serves the process's alone."""
+    with flags_server.http() as http:
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        text = http.get("/metrics").text
+    assert "process_cpu_seconds_total" in text and "pagedllm:" not in text
 
 
 def test_cors_preflight(flags_server):

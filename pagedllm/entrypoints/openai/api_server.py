@@ -257,9 +257,11 @@ async def run_server(args: argparse.Namespace) -> None:
     # metrics as well as its own: so does this server's.
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         registry.register(collector)
-    stat_loggers = [lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config)]
-    if interval is not None:
-        stat_loggers.append(lambda config: LoggingStatLogger(args.data_parallel_size, interval))
+    # --disable-log-stats: no statistics kept, the pagedllm: metrics' included (vLLM's log_stats=False: no stat
+    # loggers); /metrics serves the process's alone.
+    stat_loggers = [] if interval is None else [
+        lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config),
+        lambda config: LoggingStatLogger(args.data_parallel_size, interval)]
     sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
     engine_client = None
     try:
