@@ -52,6 +52,7 @@ def add_bench_parser(subparsers) -> None:
         p = kinds.add_parser(kind, help=help_text)
         p.add_argument("--model", default=DEFAULT_MODEL)
         add_engine_args(p)
+        p.set_defaults(disable_log_stats=True)  # offline, as LLM(): statistics only when --no-disable-log-stats
         p.add_argument("--workload", help=f"W1, W2, W3, W4 (input-grounded, one stream), W4-8 (eight) "
                                           f"(comma-separated), or 'random'; default {default}")
         p.add_argument("--num-prompts", type=int, default=64 if kind == "throughput" else 1)

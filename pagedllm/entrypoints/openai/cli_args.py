@@ -32,9 +32,6 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--api-key", nargs="+", default=None,
                         help="require `Authorization: Bearer <key>` on /v1/* requests, with one of these keys "
                              "(default: $PAGEDLLM_API_KEY if set, else none)")
-    server.add_argument("--disable-log-stats", action="store_true",
-                        help="no periodic log line of throughput, queues, KV cache and speculative decoding "
-                             "(every PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, in which requests ran)")
     server.add_argument("--shutdown-timeout", type=int, default=0,
                         help="on SIGTERM or SIGINT, seconds in-flight requests have to finish before they are "
                              "aborted (default: %(default)s, abort at once); new requests get 503 meanwhile")
@@ -218,6 +215,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "too (default: dense)")
     engine.add_argument("--num-cpu-threads", type=int, default=EngineArgs.num_cpu_threads,
                         help="torch threads of the engine process (default: one per core)")
+    engine.add_argument("--disable-log-stats", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.disable_log_stats,
+                        help="no statistics: neither the periodic log line of throughput, queues, KV cache and "
+                             "speculative decoding (every PAGEDLLM_LOG_STATS_INTERVAL seconds, default 10, in which "
+                             "requests ran) nor the pagedllm: metrics (default: %(default)s; bench: true)")
     engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineArgs.enforce_eager,
                         help="run decode steps eagerly, without replaying CPU graphs")
     engine.add_argument("--generation-config", default=EngineArgs.generation_config,
