@@ -1,19 +1,15 @@
 """vLLM's --reasoning-parser through the server: a thinking model's chat answer comes back with its reasoning in the
 message's (or delta's) reasoning field and the rest as content, streamed or not, and usage counts the reasoning's
-tokens. The model is a tiny Llama built to think: every layer's output is zeroed, so each next token is the LM
-head's pick for the last token's embedding alone, and those picks are set as a chain that answers every chat prompt
-with "<think> Let me see</think> Paris is big" and then EOS."""
+tokens. The model is a tiny Llama built to think (tests/server/chain_model.py): it answers the chat prompt with
+"<think> Let me see</think> Paris is big" and then EOS."""
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
+from tests.server.chain_model import save_chain_model
 from tests.server.conftest import RemoteServer
 
 THOUGHT, ANSWER = [" Let", " me", " see"], [" Paris", " is", " big"]
@@ -21,31 +17,7 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def save_thinking_model(path, tokenizer) -> None:
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.add_tokens(["<think>", "</think>"])  # one token each, as in thinking models' vocabularies
-    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    generation_prompt_end = tokenizer.encode(prompt, add_special_tokens=False)[-1]
-    words = [tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>")]
-    pieces = [tokenizer.encode(word, add_special_tokens=False) for word in THOUGHT + ANSWER]
-    assert all(len(ids) == 1 for ids in pieces)
-    thought, answer = [ids[0] for ids in pieces[:3]], [ids[0] for ids in pieces[3:]]
-    chain = [generation_prompt_end, words[0], *thought, words[1], *answer, tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id, bos_token_id=1,
-                         pad_token_id=0)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        for i, (token, next_token) in enumerate(zip(chain, chain[1:])):
-            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(i), 64).float()
-            model.lm_head.weight[next_token] = 10.0 * torch.nn.functional.one_hot(torch.tensor(i), 64).float()
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    save_chain_model(path, tokenizer, MESSAGES, ["<think>", "</think>"], ["<think>", *THOUGHT, "</think>", *ANSWER])
 
 
 @pytest.fixture(scope="module")

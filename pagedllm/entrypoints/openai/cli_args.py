@@ -141,8 +141,12 @@ def add_serving_args(group) -> None:
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, instead of the model's")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="the format tool calls take in free text, for tool_choice 'auto' "
+                       help="the format tool calls take in free text, for tool_choice 'auto': hermes (Qwen and "
+                            "others), llama3_json / llama4_json (Llama 3.x, 4), pythonic / llama4_pythonic, mistral "
                             "(default: detected from the chat template)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's switch for tool_choice 'auto', taken for its command lines: here 'auto' is on "
+                            "wherever the format is known (--tool-call-parser, or the chat template's)")
     group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split a thinking model's <think> reasoning off each chat answer's content, into its "
                             "message's reasoning field")

@@ -4,9 +4,10 @@
 - "required": the output must be a JSON array of {"name": <a tool's name>, "parameters": <its arguments>}
   (vLLM's format), enforced by a JSON-schema grammar built from the tools' parameter schemas.
 - a named function: the output must be that function's arguments object.
-- "auto": the model decides; calls are parsed out of free text in the model family's format (Hermes:
-  <tool_call>{"name": ..., "arguments": {...}}</tool_call>, used by Qwen2 and others) when the chat template
-  defines one or --tool-call-parser names it.
+- "auto": the model decides; calls are parsed out of free text in the model family's format when the chat
+  template teaches one pagedllm knows or --tool-call-parser names it: Hermes, <tool_call>{"name": ...,
+  "arguments": {...}}</tool_call> (Qwen2/3 and others), here; Llama 3's JSON, Python-style lists and Mistral's
+  [TOOL_CALLS] in tool_call_parsers.
 """
 from __future__ import annotations
 
@@ -18,15 +19,27 @@ from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam,
                                                        FunctionCall, NamedToolChoice, ToolCall)
 from pagedllm.structured_output.params import StructuredOutputsParams
 
-TOOL_CALL_PARSERS = ("hermes",)
+# vLLM's --tool-call-parser names of the formats served (llama4_json and llama4_pythonic: the same formats)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "pythonic", "llama4_pythonic", "mistral")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+# what a chat template holds -> the format it teaches (Llama 3.1-3.3's templates tell the model to answer with
+# {"name": function name, "parameters": dictionary of argument name and its value})
+_TEMPLATE_MARKS = ((_HERMES_START, "hermes"), ("[TOOL_CALLS]", "mistral"),
+                   ('"parameters": dictionary of argument name', "llama3_json"), ("<|python_tag|>", "llama3_json"))
 
 
 def detect_tool_call_parser(chat_template: Optional[str]) -> Optional[str]:
     """The parser for the format a chat template teaches its model, if it teaches one we know."""
-    if chat_template and _HERMES_START in chat_template:
-        return "hermes"
-    return None
+    return next((parser for mark, parser in _TEMPLATE_MARKS if chat_template and mark in chat_template), None)
+
+
+def make_auto_parser(name: str) -> "ToolCallParser":
+    """A new parser of the --tool-call-parser format ``name`` (one of TOOL_CALL_PARSERS)."""
+    from pagedllm.entrypoints.openai import tool_call_parsers as formats  # they build on this module's parts
+
+    return {"hermes": HermesParser, "llama3_json": formats.Llama3JsonToolParser,
+            "llama4_json": formats.Llama3JsonToolParser, "pythonic": formats.PythonicToolParser,
+            "llama4_pythonic": formats.PythonicToolParser, "mistral": formats.MistralToolParser}[name]()
 
 
 @dataclass
@@ -35,6 +48,7 @@ class ToolChoice:
     tools: list[ChatCompletionToolsParam]
     name: Optional[str] = None
     parallel: bool = True
+    parser: str = "hermes"  # the format "auto" reads calls in (TOOL_CALL_PARSERS)
 
     def structured_outputs(self) -> Optional[StructuredOutputsParams]:
         if self.mode == "named":
@@ -50,7 +64,7 @@ class ToolChoice:
         if self.mode == "required":
             return JsonArrayParser()
         if self.mode == "auto":
-            return HermesParser()
+            return make_auto_parser(self.parser)
         return None
 
     def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
@@ -93,7 +107,7 @@ def resolve_tool_choice(tools: Optional[list[ChatCompletionToolsParam]],
     if mode == "auto" and parser is None:
         raise ValueError("tool_choice 'auto' needs a tool-call format: this model's chat template defines none. "
                          "Use 'required' or a named function, or start the server with --tool-call-parser.")
-    return ToolChoice(mode, tools, None, parallel)
+    return ToolChoice(mode, tools, None, parallel, parser or "hermes")
 
 
 def _required_calls_schema(tools: list[ChatCompletionToolsParam], parallel: bool) -> dict:
@@ -159,12 +173,16 @@ class ToolCallParser:
         self._emitted = len(arguments)
         if not self._open:
             self._open, self._opened = True, self._opened + 1
-            self.calls.append(ToolCall(function=FunctionCall(name=found.name, arguments=arguments)))
+            self.calls.append(self._make_call(found.name, arguments))
             call = self.calls[-1]
             return DeltaToolCall(index=self._opened - 1, id=call.id, type="function",
                                  function=DeltaFunctionCall(name=found.name, arguments=arguments))
         self.calls[-1].function.arguments = arguments
         return DeltaToolCall(index=self._opened - 1, function=DeltaFunctionCall(arguments=new)) if new else None
+
+    def _make_call(self, name: str, arguments: str) -> ToolCall:
+        """A call read out of the text (a format whose template checks call ids makes them its way)."""
+        return ToolCall(function=FunctionCall(name=name, arguments=arguments))
 
     def _next_call(self) -> None:
         """The call being read is complete: the next one starts unread."""
@@ -204,7 +222,7 @@ class JsonArrayParser(ToolCallParser):
             start = self._next_value_start()
             if start is None or self._buffer[start] != "{":  # the grammar allows objects only
                 return "", deltas
-            found = _scan_call(self._buffer, start, "parameters")
+            found = _scan_call(self._buffer, start, ("parameters",))
             delta = self._stream_call(self._buffer, found)
             if delta is not None:
                 deltas.append(delta)
@@ -236,9 +254,10 @@ class _CallScan:
     broken: Optional[int] = None  # where a "<" outside any string shows the object is no JSON (a tag follows)
 
 
-def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
+def _scan_call(text: str, start: int, arguments_keys: tuple[str, ...]) -> _CallScan:
     """Reads the object at text[start] as far as it has arrived (grammar-made JSON; anything else is read as far
-    as it makes sense). Only the object's own keys count: depth 1 is inside it, deeper is inside a value."""
+    as it makes sense). Only the object's own keys count: depth 1 is inside it, deeper is inside a value. The
+    arguments are the value of the first of ``arguments_keys`` the object has."""
     scan = _CallScan()
     depth, key, expecting_key, value_start = 0, None, True, None
     i = start
@@ -269,9 +288,10 @@ def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
         elif c in "}]" or (c == "," and depth == 1):
             if c != ",":
                 depth -= 1
-            if depth == 1 and key == arguments_key and c != "," and value_start is not None:
+            ending_arguments = key in arguments_keys and value_start is not None and scan.arguments is None
+            if ending_arguments and depth == 1 and c != ",":
                 scan.arguments = (value_start, i + 1)  # a container value closed
-            elif depth <= 1 and key == arguments_key and scan.arguments is None and value_start is not None:
+            elif ending_arguments and depth <= 1:
                 scan.arguments = (value_start, value_start + len(text[value_start:i].rstrip()))  # a scalar ended
             if depth == 0:
                 scan.end = i + 1
@@ -281,7 +301,7 @@ def _scan_call(text: str, start: int, arguments_key: str) -> _CallScan:
         elif c == ":" and depth == 1:
             expecting_key = False
         i += 1
-    if key == arguments_key and value_start is not None and scan.arguments is None:
+    if key in arguments_keys and value_start is not None and scan.arguments is None:
         scan.arguments = (value_start, value_start + len(text[value_start:].rstrip()))
     return scan
 
@@ -323,7 +343,7 @@ class HermesParser(ToolCallParser):
             self._buffer = self._buffer[start:]  # the block, from its tag
             rest = self._buffer[len(_HERMES_START):]
             body = len(self._buffer) - len(rest.lstrip())
-            found = _scan_call(self._buffer, body, "arguments") if self._buffer[body:body + 1] == "{" else None
+            found = _scan_call(self._buffer, body, ("arguments",)) if self._buffer[body:body + 1] == "{" else None
             if found is not None:
                 delta = self._stream_call(self._buffer, found)
                 if delta is not None:

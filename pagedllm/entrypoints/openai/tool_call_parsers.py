@@ -1,0 +1,273 @@
+"""Tool-call formats of the model families beyond Hermes, read out of free text for tool_choice "auto" (vLLM's
+--tool-call-parser names): llama3_json (Llama 3.x and 4's JSON calls), pythonic (Llama 3.2 / 4's Python-style
+list of calls) and mistral (Mistral's [TOOL_CALLS]). Each follows tool_calls.ToolCallParser's contract: feed()
+returns the content to show and the call deltas, finish() flushes, and a whole text read at once gives what its
+stream gives.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import random
+import string
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, _CallScan, _partial_tag_length, _scan_call
+from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+
+_PYTHON_TAG = "<|python_tag|>"
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
+_MISTRAL_TOOL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def _undecided(text: str, tag: str) -> bool:
+    """Whether ``text`` (leading whitespace off) may still turn out to start with ``tag``: it is empty or a proper
+    prefix of it."""
+    return tag.startswith(text) and text != tag
+
+
+@dataclass
+class Llama3JsonToolParser(ToolCallParser):
+    """Llama 3.x's (and 4's) JSON calls, vLLM's llama3_json / llama4_json: an answer that starts, after an optional
+    <|python_tag|>, with "{" is one or more {"name": ..., "parameters": {...}} objects ("arguments" is taken too)
+    separated by ";"; any other answer is content, all of it, as vLLM streams it. A call opens once its name is read
+    and its arguments (their raw text) stream as they come; from an object that is no call (no name), or text after
+    the last object, the rest is content."""
+
+    _mode: str = "undecided"  # "undecided" until the answer's start shows it, then "calls" or "content"
+    _position: int = 0  # where the next object (or a separator before it) starts in the buffer
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        self._buffer += delta_text
+        if self._mode == "undecided":
+            head = self._buffer.lstrip()
+            tagged = head.startswith(_PYTHON_TAG)
+            body = head[len(_PYTHON_TAG):].lstrip() if tagged else head
+            if not body or (not tagged and _undecided(head, _PYTHON_TAG)):
+                return "", []
+            self._mode = "calls" if body.startswith("{") else "content"
+            self._position = len(self._buffer) - len(body)
+        if self._mode == "content":
+            content, self._buffer = self._buffer, ""
+            return content, []
+        return self._read_calls()
+
+    def _read_calls(self) -> tuple[str, list[DeltaToolCall]]:
+        deltas = []
+        while True:
+            start = self._position
+            while start < len(self._buffer) and self._buffer[start] in " \t\r\n;":
+                start += 1
+            if start == len(self._buffer):
+                return "", deltas
+            found = _scan_call(self._buffer, start, ("parameters", "arguments")) \
+                if self._buffer[start] == "{" else None
+            if found is None or found.broken is not None or (found.end is not None and found.name is None):
+                # No object, or one that is no call: the rest is content. A call that opened and then broke off
+                # is no call (what streamed of it cannot be taken back).
+                if self._open:
+                    self.calls.pop()
+                    deltas = [delta for delta in deltas if delta.index != self._opened - 1]
+                    self._next_call()
+                self._mode, content, self._buffer = "content", self._buffer[start:], ""
+                return content, deltas
+            delta = self._stream_call(self._buffer, found)
+            if delta is not None:
+                deltas.append(delta)
+            if found.end is None:
+                return "", deltas
+            self._position = found.end
+            self._next_call()
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """An answer that never showed its start is content; a call cut off keeps the arguments it had."""
+        rest, self._buffer = self._buffer, ""
+        if self._mode == "calls":
+            return ("" if self._open or not rest[self._position:].strip() else rest[self._position:]), []
+        return rest, []
+
+
+@dataclass
+class PythonicToolParser(ToolCallParser):
+    """Python-style calls, vLLM's pythonic / llama4_pythonic: an answer that is a Python list of calls with keyword
+    arguments of literal values, [get_weather(city="Paris", days=[1, 2]), ping()], optionally inside Llama 4's
+    <|python_start|> ... <|python_end|>. Each call's arguments are its keywords as a JSON object. The list ends at
+    the first "]" where what came from its "[" parses as such a list: its calls stream then, each whole, and what
+    follows is content. An answer that does not start with "[", or whose list never closes into calls, is content,
+    all of it."""
+
+    _state: str = "undecided"  # until the answer's start shows it; then "list" (reading it) or "content"
+    _start: int = 0  # where the list's "[" is in the buffer
+    _tried: int = 0  # the "]"s before this index have been tried as the list's end
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        self._buffer += delta_text
+        deltas: list[DeltaToolCall] = []
+        if self._state == "undecided":
+            head = self._buffer.lstrip()
+            tagged = head.startswith(_PYTHON_START)
+            body = head[len(_PYTHON_START):].lstrip() if tagged else head
+            if not body or (not tagged and _undecided(head, _PYTHON_START)):
+                return "", []
+            self._state = "list" if body.startswith("[") else "content"
+            self._start = self._tried = len(self._buffer) - len(body)
+        if self._state == "list":
+            deltas = self._read_list()
+            if self._state == "list":
+                return "", deltas
+        content, self._buffer = self._buffer, ""
+        if self.calls:  # after the calls, Llama 4's end tag is no content (a part of it held back until it shows)
+            content = content.replace(_PYTHON_END, "")
+            keep = _partial_tag_length(content, _PYTHON_END)
+            content, self._buffer = content[:len(content) - keep], content[len(content) - keep:]
+        return content, deltas
+
+    def _read_list(self) -> list[DeltaToolCall]:
+        while (end := self._buffer.find("]", self._tried)) >= 0:
+            self._tried = end + 1
+            calls = _python_calls(self._buffer[self._start:end + 1])
+            if calls is None:
+                continue
+            for name, arguments in calls:
+                self.calls.append(self._make_call(name, arguments))
+            self._state, self._buffer = "content", self._buffer[end + 1:]
+            return [DeltaToolCall(index=i, id=call.id, type="function",
+                                  function=DeltaFunctionCall(name=call.function.name,
+                                                             arguments=call.function.arguments))
+                    for i, call in enumerate(self.calls)]
+        return []
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """A list that never closed into calls is content, as an answer that never showed its start."""
+        rest, self._buffer = self._buffer, ""
+        return (rest.replace(_PYTHON_END, "") if self.calls else rest), []
+
+
+def _python_calls(text: str) -> Optional[list[tuple[str, str]]]:
+    """(name, arguments as JSON) of each call of the Python list ``text``; None if it is not a list of calls by
+    name with keyword arguments of literal values (as vLLM's pythonic parser reads it)."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    calls = []
+    for call in tree.elts:
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.args):
+            return None
+        try:
+            arguments = {keyword.arg: _literal(keyword.value) for keyword in call.keywords}
+        except ValueError:
+            return None
+        if None in arguments:  # **kwargs
+            return None
+        calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+def _literal(node: ast.AST) -> Any:
+    """A literal argument's value; Python's True/False/None and JSON's true/false/null both taken."""
+    if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
+        return {"true": True, "false": False, "null": None}[node.id]
+    if isinstance(node, ast.Dict):
+        if any(key is None for key in node.keys):
+            raise ValueError("a ** in a dict")
+        return {_literal(key): _literal(value) for key, value in zip(node.keys, node.values)}
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(element) for element in node.elts]
+    value = ast.literal_eval(node)  # a constant, or a signed number; ValueError otherwise
+    if isinstance(value, (set, bytes, complex)):
+        raise ValueError("no JSON value")
+    return value
+
+
+@dataclass
+class MistralToolParser(ToolCallParser):
+    """Mistral's calls, vLLM's mistral: text before [TOOL_CALLS] is content; after it comes either a JSON array (or
+    one object) of {"name": ..., "arguments": {...}} (tokenizers before v11), or name[ARGS]{...} / name{...} (v11
+    on), a further call after another [TOOL_CALLS]. A call opens once its name is read and its arguments (their raw
+    text) stream as they come; an array's entries that are no call are skipped (vLLM's), and text after a call or
+    array is content. Call ids are 9 letters and digits, as Mistral's chat templates require of the calls sent back
+    to them."""
+
+    _state: str = "content"  # "content" (before a marker), "marker" (just after one), "json" or "named" (a call)
+    _position: int = 0  # where reading the calls goes on in the buffer
+    _array: bool = False  # whether the JSON calls are an array's entries (else one object)
+
+    def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
+        self._buffer += delta_text
+        content, deltas = [], []
+        while True:
+            if self._state == "content":
+                start = self._buffer.find(_MISTRAL_TOOL_CALLS)
+                if start < 0:
+                    keep = _partial_tag_length(self._buffer, _MISTRAL_TOOL_CALLS)
+                    content.append(self._buffer[:len(self._buffer) - keep])
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return "".join(content), deltas
+                content.append(self._buffer[:start])
+                self._buffer, self._position, self._state = self._buffer[start + len(_MISTRAL_TOOL_CALLS):], 0, "marker"
+            if self._state == "marker":
+                rest = self._buffer.lstrip()
+                if not rest:
+                    return "".join(content), deltas
+                self._array = rest[0] == "["
+                self._state = "json" if rest[0] in "[{" else "named"
+                self._position = len(self._buffer) - len(rest) + self._array  # past the array's "["
+            done = self._read_json(deltas) if self._state == "json" else self._read_named(deltas)
+            if not done:
+                return "".join(content), deltas
+            self._buffer, self._state = self._buffer[self._position:], "content"
+
+    def _read_json(self, deltas: list[DeltaToolCall]) -> bool:
+        """Reads the array's entries (or the one object) as far as they have arrived; True once it is closed."""
+        while True:
+            i = self._position
+            while i < len(self._buffer) and self._buffer[i] in " \t\r\n,":
+                i += 1
+            self._position = i
+            if i >= len(self._buffer):
+                return False
+            if self._buffer[i] == "]" and self._array:
+                self._position = i + 1
+                return True
+            if self._buffer[i] != "{":  # no JSON calls after all: the rest is content
+                return True
+            found = _scan_call(self._buffer, i, ("arguments",))
+            delta = self._stream_call(self._buffer, found)
+            if delta is not None:
+                deltas.append(delta)
+            if found.end is None:
+                return False
+            self._position = found.end
+            self._next_call()
+            if not self._array:
+                return True
+
+    def _read_named(self, deltas: list[DeltaToolCall]) -> bool:
+        """Reads name[ARGS]{...} (or name{...}) as far as it has arrived; True once its arguments are closed."""
+        brace = self._buffer.find("{", self._position)
+        if brace < 0:
+            return False
+        name = self._buffer[self._position:brace].strip().removesuffix(_MISTRAL_ARGS).strip()
+        found = _scan_call(self._buffer, brace, ())
+        end = found.end if found.end is not None else len(self._buffer.rstrip())
+        delta = self._stream_call(self._buffer, _CallScan(name=name, arguments=(brace, end), end=found.end))
+        if delta is not None:
+            deltas.append(delta)
+        if found.end is None:
+            return False
+        self._position = found.end
+        self._next_call()
+        return True
+
+    def _make_call(self, name: str, arguments: str) -> ToolCall:
+        return ToolCall(id="".join(random.choices(string.ascii_letters + string.digits, k=9)),
+                        function=FunctionCall(name=name, arguments=arguments))
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """What is left: content, but for a call cut off, which keeps the arguments it had."""
+        rest, self._buffer = self._buffer, ""
+        return ("" if self._open else rest[self._position:] if self._state != "content" else rest), []

@@ -1,0 +1,90 @@
+"""The tool-call formats beyond Hermes (vLLM's llama3_json, pythonic and mistral parsers) read out of generated text
+without a server: each answer gives its calls and content, and every random cut of it into stream deltas gives the
+same calls and content as the whole text."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from pagedllm.entrypoints.openai.tool_call_parsers import (Llama3JsonToolParser, MistralToolParser,
+                                                           PythonicToolParser)
+from pagedllm.entrypoints.openai.tool_calls import detect_tool_call_parser, make_auto_parser
+from tests.server.test_tool_calls import _streamed
+
+WEATHER = {"city": "Paris \"}; [\\\\ ", "days": [1, {"x": 2}]}
+# (parser, answer, expected content, expected [(name, arguments as the model wrote them)])
+ANSWERS = [
+    (Llama3JsonToolParser, '<|python_tag|>{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) +
+     '}; {"name": "ping", "arguments": {}}', "", [("get_weather", json.dumps(WEATHER)), ("ping", "{}")]),
+    (Llama3JsonToolParser, ' {"name": "ping"}\n', "", [("ping", "{}")]),
+    (Llama3JsonToolParser, 'It is {"name": "ping"} in braces', 'It is {"name": "ping"} in braces', []),
+    (Llama3JsonToolParser, '{"city": "Paris"} is no call', '{"city": "Paris"} is no call', []),
+    (Llama3JsonToolParser, '{"name": "ping", "parameters": {}} Done.', "Done.", [("ping", "{}")]),
+    (Llama3JsonToolParser, "<|python", "<|python", []),
+    (PythonicToolParser, '[get_weather(city="Paris ]", days=[1, 2], metric=True, unit=None), ping()]', "",
+     [("get_weather", '{"city": "Paris ]", "days": [1, 2], "metric": true, "unit": null}'), ("ping", "{}")]),
+    (PythonicToolParser, '<|python_start|>[ping(flag=false, n=-1)]<|python_end|>', "",
+     [("ping", '{"flag": false, "n": -1}')]),
+    (PythonicToolParser, "[ping()] and then some", " and then some", [("ping", "{}")]),
+    (PythonicToolParser, "[1, 2] is a list", "[1, 2] is a list", []),
+    (PythonicToolParser, '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: no call
+    (PythonicToolParser, "Sure: [ping()]", "Sure: [ping()]", []),
+    (PythonicToolParser, "[ping(", "[ping(", []),
+    (MistralToolParser, 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
+     '}, {"oops": 1}, {"name": "ping", "arguments": {}}]', "Sure.",
+     [("get_weather", json.dumps(WEATHER)), ("ping", "{}")]),
+    (MistralToolParser, '[TOOL_CALLS]get_weather[ARGS]' + json.dumps(WEATHER) + '[TOOL_CALLS]ping{}', "",
+     [("get_weather", json.dumps(WEATHER)), ("ping", "{}")]),
+    (MistralToolParser, '[TOOL_CALLS]{"name": "ping", "arguments": {"n": 1}} ok', " ok", [("ping", '{"n": 1}')]),
+    (MistralToolParser, "No [TOOL_CALL] here [", "No [TOOL_CALL] here [", []),
+]
+
+
+def _cuts(text: str, rng: random.Random) -> list[str]:
+    points = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+
+
+@pytest.mark.parametrize("parser, answer, content, calls", ANSWERS)
+def test_an_answer_gives_its_calls_and_content_whole_or_streamed_in_any_cut(parser, answer, content, calls):
+    whole_content, whole = parser().parse(answer)
+    assert (whole_content, [(c.function.name, c.function.arguments) for c in whole]) == (content, calls)
+    rng = random.Random(answer)
+    for pieces in [list(answer), *(_cuts(answer, rng) for _ in range(20))]:
+        streamed, _, streamed_content = _streamed(pieces, parser())
+        assert (streamed_content, streamed) == (content, [{"name": n, "arguments": a} for n, a in calls]), pieces
+
+
+def test_a_call_cut_off_keeps_the_arguments_it_had():
+    for parser, answer in [(Llama3JsonToolParser, '{"name": "f", "parameters": {"city": "Par'),
+                           (MistralToolParser, '[TOOL_CALLS]f[ARGS]{"city": "Par'),
+                           (MistralToolParser, '[TOOL_CALLS][{"name": "f", "arguments": {"city": "Par')]:
+        content, calls = parser().parse(answer)
+        assert (content, [(c.function.name, c.function.arguments) for c in calls]) == ("", [("f", '{"city": "Par')])
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits():
+    """Mistral's chat templates refuse a conversation whose earlier calls' ids are not 9 alphanumerics."""
+    _, calls = MistralToolParser().parse('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g"}]')
+    assert [len(c.id) for c in calls] == [9, 9] and all(c.id.isalnum() for c in calls)
+    assert calls[0].id != calls[1].id
+
+
+@pytest.mark.parametrize("template, parser", [
+    ('{{- "<tool_call>" }}', "hermes"),
+    ("{%- if message.tool_calls %}[TOOL_CALLS][{% endif %}", "mistral"),
+    ('Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.',
+     "llama3_json"),
+    ("{{- '<|python_tag|>' + tool_call.name }}", "llama3_json"),
+    ("{{ message.content }}", None),
+])
+def test_the_format_is_detected_from_the_chat_template(template, parser):
+    assert detect_tool_call_parser(template) == parser
+
+
+@pytest.mark.parametrize("name, parser", [("llama4_json", Llama3JsonToolParser), ("pythonic", PythonicToolParser),
+                                          ("llama4_pythonic", PythonicToolParser), ("mistral", MistralToolParser)])
+def test_vllms_parser_names(name, parser):
+    assert type(make_auto_parser(name)) is parser
