@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -15,7 +15,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import check_rope_types, default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
-from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.hf_config import apply_hf_overrides, load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import check_model_config, get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
@@ -94,6 +94,8 @@ class EngineArgs:
     # vLLM's: True turns the engine's statistics off (metrics, RequestOutput.metrics, the stats line). LLM() sets it
     # True unless told; the server from --disable-log-stats.
     disable_log_stats: bool = False
+    # vLLM's hf_overrides: config fields to replace ({"max_position_embeddings": 4096}), or a callable on the config.
+    hf_overrides: Optional[Union[dict, Callable[[Any], Any]]] = None
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
@@ -117,6 +119,8 @@ class EngineArgs:
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config)
         hf_config = load_hf_config(path)
+        if self.hf_overrides is not None:
+            hf_config = apply_hf_overrides(hf_config, self.hf_overrides)
         check_model_config(hf_config)  # an architecture, activation or rope type not served fails here, before any
         check_rope_types(hf_config)  # process
         model_max_len = positions_served(hf_config)

@@ -8,6 +8,7 @@ That is slow, so results are cached on disk (see ``gguf_cache``) and per process
 import copy
 import functools
 import os
+from typing import Any
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -62,6 +63,27 @@ def _load_hf_config_cached(path: str) -> PretrainedConfig:
 def load_hf_config(path: str) -> PretrainedConfig:
     """Load the model config; returns a private copy callers may modify."""
     return copy.deepcopy(_load_hf_config_cached(path))
+
+
+def apply_hf_overrides(config: PretrainedConfig, overrides: Any) -> PretrainedConfig:
+    """vLLM's hf_overrides: a dict whose entries replace the config's (a dict for a sub-config, e.g. a multimodal
+    checkpoint's text_config, overriding within it), or a callable taking the config and returning it. The config's
+    checks (architecture, rope scaling, context length) then see the overridden values. Anything else, a ValueError
+    naming it."""
+    if callable(overrides):
+        config = overrides(config)
+        if not isinstance(config, PretrainedConfig):
+            raise ValueError(f"hf_overrides: the callable returned {type(config).__name__}, not the config")
+        return config
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a dict of config fields (or a callable), got {overrides!r}")
+    for key, value in overrides.items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(config, key, value)
+    return config
 
 
 @functools.lru_cache(maxsize=8)
