@@ -207,6 +207,8 @@ class ModelConfig:
     # layers run (AttentionBackend.get_name(), one the platform offers).
     device: str = "cpu"
     attention_backend: str = "TORCH_SDPA"
+    # vLLM's override_generation_config: generation config fields over the file's (alone with "vllm").
+    override_generation_config: Optional[dict] = None
 
     def __post_init__(self) -> None:
         """seed is an integer and max_logprobs one of at least -1 (vLLM's ModelConfig fields): else the seed would fail
@@ -223,7 +225,7 @@ class ModelConfig:
     def get_diff_sampling_param(self) -> dict:
         """The sampling parameters the generation config sets (SamplingParams names); a request's own values win
         over them, and they win over SamplingParams' defaults."""
-        return diff_sampling_param(self.path, self.generation_config)
+        return diff_sampling_param(self.path, self.generation_config, self.override_generation_config)
 
     @property
     def sliding_window(self) -> int | None:

@@ -91,6 +91,8 @@ class EngineArgs:
     max_cpu_loras: Optional[int] = None
     # vLLM's generation_config: "auto", "vllm" or a directory holding generation_config.json (ModelConfig's).
     generation_config: str = "auto"
+    # vLLM's override_generation_config: generation config fields over the file's, e.g. {"temperature": 0.5}.
+    override_generation_config: Optional[dict] = None
     # vLLM's: True turns the engine's statistics off (metrics, RequestOutput.metrics, the stats line). LLM() sets it
     # True unless told; the server from --disable-log-stats.
     disable_log_stats: bool = False
@@ -117,7 +119,7 @@ class EngineArgs:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         path = resolve_model(self.model)
-        check_generation_config(path, self.generation_config)
+        check_generation_config(path, self.generation_config, self.override_generation_config)
         hf_config = load_hf_config(path)
         if self.hf_overrides is not None:
             hf_config = apply_hf_overrides(hf_config, self.hf_overrides)
@@ -149,7 +151,8 @@ class EngineArgs:
         model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype, platform), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
-                                   self.generation_config, platform.device_type, attention_backend)
+                                   self.generation_config, platform.device_type, attention_backend,
+                                   self.override_generation_config)
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp

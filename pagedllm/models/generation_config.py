@@ -29,27 +29,33 @@ def generation_config_dir(model_path: str, generation_config: str) -> str | None
     return generation_config
 
 
-def check_generation_config(model_path: str, generation_config: str) -> None:
+def check_generation_config(model_path: str, generation_config: str, overrides: dict | None = None) -> None:
     """Fails at start-up, naming the flag, rather than on every request: a directory given by the user must hold
-    the file (else the flag would silently do nothing), and the defaults must be valid SamplingParams."""
+    the file (else the flag would silently do nothing), the overrides must be a dict, and the defaults must be
+    valid SamplingParams."""
     if generation_config not in ("auto", "vllm") and not os.path.isfile(
             os.path.join(generation_config, GENERATION_CONFIG_FILE)):
         raise ValueError(f"generation_config must be auto, vllm or a directory holding {GENERATION_CONFIG_FILE}; "
                          f"got {generation_config!r}")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"override_generation_config must be a dict of generation config fields, got {overrides!r}")
     try:
-        SamplingParams(**diff_sampling_param(model_path, generation_config))
-    except (ValueError, json.JSONDecodeError) as e:
-        raise ValueError(f"generation_config ({generation_config}): {e}") from e
+        SamplingParams(**diff_sampling_param(model_path, generation_config, overrides))
+    except (ValueError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"generation_config ({generation_config}, override_generation_config {overrides}): {e}"
+                         if overrides else f"generation_config ({generation_config}): {e}") from e
 
 
-def diff_sampling_param(model_path: str, generation_config: str) -> dict[str, Any]:
-    """SamplingParams field -> the value the generation config sets for it (empty when it sets none)."""
+def diff_sampling_param(model_path: str, generation_config: str, overrides: dict | None = None) -> dict[str, Any]:
+    """SamplingParams field -> the value the generation config sets for it (empty when it sets none), with vLLM's
+    override_generation_config (generation config names, e.g. max_new_tokens) over the file's values."""
     directory = generation_config_dir(model_path, generation_config)
     path = os.path.join(directory, GENERATION_CONFIG_FILE) if directory else None
-    if path is None or not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        config = json.load(f)
+    config = {}
+    if path is not None and os.path.isfile(path):
+        with open(path) as f:
+            config = json.load(f)
+    config.update(overrides or {})
     params = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
     if "max_new_tokens" in params:
         params["max_tokens"] = params.pop("max_new_tokens")

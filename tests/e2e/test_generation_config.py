@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedllm import SamplingParams
 from tests.e2e.conftest import in_process_llm
 
 
 def test_llm_defaults_come_from_the_generation_config(tmp_path):
-    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5}))
+    """vLLM's override_generation_config (in the generation config's names) goes over the file's values."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 5,
+                                                                 "repetition_penalty": 1.25}))
     llm = in_process_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
-                         generation_config=str(tmp_path))
+                         generation_config=str(tmp_path), override_generation_config={"max_new_tokens": 4})
     try:
         defaults = llm.get_default_sampling_params()
-        assert (defaults.temperature, defaults.max_tokens) == (0.0, 5)
+        assert (defaults.temperature, defaults.max_tokens, defaults.repetition_penalty) == (0.0, 4, 1.25)
         prompt = "The capital of France is"
         by_default = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
-        greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0].outputs[0]
-        assert by_default.token_ids == greedy.token_ids and len(greedy.token_ids) == 5
+        greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.25),
+                              use_tqdm=False)[0].outputs[0]
+        assert by_default.token_ids == greedy.token_ids and len(greedy.token_ids) == 4
         assert len(llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2),
                                 use_tqdm=False)[0].outputs[0].token_ids) == 2
     finally:
@@ -52,3 +57,10 @@ def test_every_eos_id_of_the_generation_config_ends_generation(tmp_path):
         assert end not in held.token_ids  # min_tokens holds it back, ignore_eos or not (vLLM's all_stop_token_ids)
     finally:
         llm.shutdown()
+
+
+def test_a_bad_override_generation_config_is_a_value_error_naming_it():
+    for overrides, message in [("temperature=0", "override_generation_config must be a dict"),
+                               ({"temperature": -1.0}, "override_generation_config .*temperature")]:
+        with pytest.raises(ValueError, match=message):
+            in_process_llm(override_generation_config=overrides)

@@ -230,6 +230,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                              "max_new_tokens as max_tokens): auto reads the model directory's generation_config.json, "
                              "vllm ignores it, or a directory holding one (default: %(default)s)")
+    engine.add_argument("--override-generation-config", type=_json_object,
+                        default=EngineArgs.override_generation_config,
+                        help='default sampling parameters over the generation config\'s, as JSON in its names, '
+                             'e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'')
     engine.add_argument("--hf-overrides", type=_json_object, default=EngineArgs.hf_overrides,
                         help='the model config\'s fields to replace, as JSON, e.g. \'{"max_position_embeddings": '
                              '4096}\' (a sub-config\'s within it, as a nested object)')
