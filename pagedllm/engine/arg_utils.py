@@ -96,6 +96,9 @@ class EngineArgs:
     # vLLM's: True turns the engine's statistics off (metrics, RequestOutput.metrics, the stats line). LLM() sets it
     # True unless told; the server from --disable-log-stats.
     disable_log_stats: bool = False
+    # vLLM's, taken so that its scripts and command lines run: pagedllm never runs code a checkpoint ships (its
+    # architectures are its own, registry.py), so a model that needs remote code is refused by architecture either way.
+    trust_remote_code: bool = False
     # vLLM's hf_overrides: config fields to replace ({"max_position_embeddings": 4096}), or a callable on the config.
     hf_overrides: Optional[Union[dict, Callable[[Any], Any]]] = None
 

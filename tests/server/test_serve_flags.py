@@ -53,6 +53,12 @@ def test_engine_flags_reach_engine_args():
     assert (engine.enable_chunked_prefill, engine.long_prefill_token_threshold, engine.num_kv_blocks,
             engine.max_logprobs, engine.tokenizer, engine.max_prefill_tokens_with_decodes,
             engine.kv_cache_populate) == (False, 64, 32, 5, "tok", 64, "startup")
+    # vLLM's JSON and on/off engine flags its command lines carry
+    engine = engine_args_from(_parse("--hf-overrides", '{"max_position_embeddings": 4096}', "--trust-remote-code",
+                                     "--override-generation-config", '{"temperature": 0.5}', "--disable-log-stats",
+                                     "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"))
+    assert (engine.hf_overrides, engine.override_generation_config, engine.trust_remote_code,
+            engine.disable_log_stats) == ({"max_position_embeddings": 4096}, {"temperature": 0.5}, True, True)
 
 
 def test_token_counts_take_vllms_human_readable_forms(capsys):

@@ -230,6 +230,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                              "max_new_tokens as max_tokens): auto reads the model directory's generation_config.json, "
                              "vllm ignores it, or a directory holding one (default: %(default)s)")
+    engine.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.trust_remote_code,
+                        help="vLLM's, taken for its command lines: pagedllm runs no code a checkpoint ships")
     engine.add_argument("--override-generation-config", type=_json_object,
                         default=EngineArgs.override_generation_config,
                         help='default sampling parameters over the generation config\'s, as JSON in its names, '
