@@ -74,6 +74,9 @@ class SchedulerConfig:
     # all).
     max_prefill_tokens_with_decodes: int = 0
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # vLLM's: a running request's outputs go out every this many tokens at least (1: every token; a request may
+    # ask for more, SamplingParams.stream_interval). The frontend's work per token shrinks by as much.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         try:
@@ -81,7 +84,7 @@ class SchedulerConfig:
         except ValueError:
             raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in SchedulingPolicy)}, "
                              f"got {self.policy!r}") from None
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             check_int(name, getattr(self, name), 1)
         for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):
             check_int(name, getattr(self, name), 0)

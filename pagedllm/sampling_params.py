@@ -22,7 +22,7 @@ MAX_N_SEQUENCES = int(os.environ.get("PAGEDLLM_MAX_N_SEQUENCES", "16384"))
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "stream_interval")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
                 "detokenize")
@@ -84,6 +84,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
     # vLLM's default: every output holds everything so far (LLM.generate asks for FINAL_ONLY, a stream for DELTA).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: a running request's outputs come every this many tokens (its first token and its end at once); the
+    # engine's stream_interval is the least. Fewer outputs, less frontend work per token.
+    stream_interval: Optional[int] = None
 
     def __post_init__(self) -> None:
         self._normalize_numbers()
@@ -146,6 +149,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be at least 1, got {self.n}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            bad("stream_interval", f"must be at least 1, got {self.stream_interval}.")
         if self.n > MAX_N_SEQUENCES:
             bad("n", f"must be at most {MAX_N_SEQUENCES}, got {self.n}. To increase this limit, set the "
                      "PAGEDLLM_MAX_N_SEQUENCES environment variable.")

@@ -147,3 +147,20 @@ def test_an_aborted_requests_output_keeps_its_cached_prompt_tokens_with_stats_of
     [first] = processor.process_outputs([EngineCoreOutput("r", [5], num_cached_tokens=8)], None).request_outputs
     [aborted] = processor.abort_requests(["r"]).request_outputs
     assert (first.num_cached_tokens, aborted.num_cached_tokens, aborted.outputs[0].finish_reason) == (8, 8, "abort")
+
+
+def test_stream_interval_sends_the_first_token_then_every_interval_and_the_end():
+    """vLLM's stream_interval: outputs at the first token, then once the tokens unsent reach the interval (the
+    engine's, or a request's larger one), and at the end; a stream's deltas join to every token."""
+    processor = OutputProcessor(tokenizer=None, stream_interval=2)
+    params = [SamplingParams(max_tokens=9, detokenize=False, output_kind=RequestOutputKind.DELTA, stream_interval=k)
+              for k in (None, 3)]
+    processor.add_requests([EngineCoreRequest("a", [1, 2], params[0], None, 0.0)], None)
+    processor.add_requests([EngineCoreRequest("b", [1, 2], params[1], None, 0.0)], None)
+    sent: dict[str, list[list[int]]] = {"a": [], "b": []}
+    for token in range(9):
+        reason = FinishReason.LENGTH if token == 8 else None
+        for out in processor.process_outputs([EngineCoreOutput(r, [token], finish_reason=reason) for r in "ab"],
+                                             None).request_outputs:
+            sent[out.request_id].append(out.outputs[0].token_ids)
+    assert sent == {"a": [[0], [1, 2], [3, 4], [5, 6], [7, 8]], "b": [[0], [1, 2, 3], [4, 5, 6], [7, 8]]}

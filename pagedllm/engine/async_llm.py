@@ -39,7 +39,8 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
-        self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers))
+        self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers),
+                                                stream_interval=config.scheduler_config.stream_interval)
         self.engine_core = engine_core
         # request id (the parent's, for n > 1) -> the queue its generate() reads.
         self._queues: dict[str, asyncio.Queue] = {}

@@ -33,7 +33,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
         self.log_stats = log_stats_interval is not None
-        self.output_processor = OutputProcessor(tokenizer, self.log_stats)
+        self.output_processor = OutputProcessor(tokenizer, self.log_stats, config.scheduler_config.stream_interval)
         self.engine_core = engine_core
         self.registry = CollectorRegistry()
         self.stat_loggers: list = []

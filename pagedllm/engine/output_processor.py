@@ -21,7 +21,7 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 class RequestState:
     def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float,
-                 log_stats: bool) -> None:
+                 log_stats: bool, stream_interval: int = 1) -> None:
         self.request_id = request_id
         self.index = index
         self.prompt = prompt
@@ -39,6 +39,7 @@ class RequestState:
         self.prompt_logprobs: Optional[PromptLogprobs] = [None] if params.prompt_logprobs is not None else None
         self.num_sent_tokens = 0
         self.num_cached_tokens = 0
+        self.stream_interval = stream_interval
         self.stats = RequestStateStats(arrival_time=arrival_time, queued_ts=arrival_time) if log_stats else None
 
     def record_timing(self, out: EngineCoreOutput, now: float, stats: IterationStats) -> None:
@@ -135,6 +136,9 @@ class RequestState:
             # Nothing to send yet: a prompt chunk's prompt logprobs wait for the first token, which carries them
             # all (as vLLM sends them once, complete); a stream's delta would otherwise repeat them per chunk.
             return None
+        if not finished and 0 < self.num_sent_tokens and len(self.token_ids) - self.num_sent_tokens < \
+                self.stream_interval:
+            return None  # vLLM's stream_interval: the first token at once, then every stream_interval tokens
         delta = self.output_kind == RequestOutputKind.DELTA
         text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer else ""
         start = self.num_sent_tokens if delta else 0
@@ -179,11 +183,13 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, log_stats: bool = False) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = False, stream_interval: int = 1) -> None:
         """``log_stats``: each request keeps its RequestStateStats (its outputs' metrics), which process_outputs'
-        iteration stats are gathered from (pass those only then)."""
+        iteration stats are gathered from (pass those only then). ``stream_interval``: the engine's (vLLM's), the
+        least number of tokens between a running request's outputs."""
         self.tokenizer = tokenizer
         self.log_stats = log_stats
+        self.stream_interval = stream_interval
         self.request_states: dict[str, RequestState] = {}
 
     def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str],
@@ -197,7 +203,8 @@ class OutputProcessor:
         for index, request in enumerate(requests):
             self.request_states[request.request_id] = RequestState(
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
-                self.tokenizer, parent, request.arrival_time, self.log_stats)
+                self.tokenizer, parent, request.arrival_time, self.log_stats,
+                max(request.sampling_params.stream_interval or 1, self.stream_interval))
 
     def abort_requests(self, request_ids: list[str]) -> OutputProcessorOutput:
         """Ends the requests with finish_reason "abort"; an n > 1 request's own id stands for all its sequences (as

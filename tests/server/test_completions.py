@@ -29,6 +29,22 @@ def test_streamed_deltas_equal_the_greedy_completion(client, tokenizer):
     assert unstreamed.choices[0].text == full.choices[0].text
 
 
+def test_stream_interval_sends_fewer_chunks_of_the_same_text(client):
+    """vLLM's stream_interval request field: the first token at once, then a chunk every 4 tokens, the text and
+    finish the same; 0 is a 400 naming it."""
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=12,
+                                     extra_body={"ignore_eos": True})
+    stream = list(client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0,
+                                            max_tokens=12, stream=True,
+                                            extra_body={"ignore_eos": True, "stream_interval": 4}))
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == full.choices[0].text
+    assert len(chunks) == 4 and chunks[-1].finish_reason == "length"  # 1, 4, 4, then the last 3 with the finish
+    with pytest.raises(openai.BadRequestError, match="stream_interval"):
+        client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2,
+                                  extra_body={"stream_interval": 0})
+
+
 def test_batch_of_prompts_with_n(client, tokenizer):
     """Choice i * n + j is prompt i's choice j (prompt i's, as its text shows with a prompt that forces it)."""
     prompts = [PROMPT, "Once upon a time"]

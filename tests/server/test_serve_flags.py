@@ -120,6 +120,7 @@ def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
     ({"seed": "abc"}, "seed must be an integer, got 'abc'"),
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number in (0, 1], got '0.5'"),
     ({"num_cpu_threads": "4"}, "num_cpu_threads must be an integer, got '4'"),
+    ({"stream_interval": 0}, "stream_interval must be at least 1, got 0"),
 ])
 def test_engine_values_of_the_wrong_kind_fail_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

@@ -195,6 +195,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_prefix_caching)
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
+    engine.add_argument("--stream-interval", type=int, default=EngineArgs.stream_interval,
+                        help="a running request's outputs (a stream's chunks) every this many tokens, its first "
+                             "token at once: fewer, larger chunks, less frontend work per token (default: "
+                             "%(default)s)")
     engine.add_argument("--kv-cache-memory", type=_memory_size, default=EngineArgs.kv_cache_memory,
                         help='KV cache size in bytes or like "2GiB" (default: 10%% of available RAM, at most 4 GiB)')
     engine.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=EngineArgs.kv_cache_memory_bytes,

@@ -184,6 +184,8 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Optional[int] = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    # vLLM's: a stream's chunks every this many tokens at least (the server's --stream-interval the least).
+    stream_interval: Optional[int] = Field(default=None, ge=1)
     # Salts the prefix cache's block hashes: only requests with the same salt share cached blocks.
     cache_salt: CacheSalt = None
     # vLLM's beam search extras: n beams, best first.
@@ -319,7 +321,7 @@ class SamplingRequest(OpenAIBaseModel):
                 presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self._or_default("repetition_penalty", default_sampling_params, 1.0),
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                structured_outputs=structured_outputs,
+                structured_outputs=structured_outputs, stream_interval=self.stream_interval,
                 # as vLLM's requests: a stream sends what each step adds, an answer is sent whole when it is done
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:
