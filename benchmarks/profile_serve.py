@@ -70,7 +70,6 @@ def main() -> None:
     use_py_spy = not args.no_py_spy and shutil.which("py-spy") is not None
 
     command, env = server_command("pagedllm", args)
-    command += args.server_args.split()
     env["PAGEDLLM_STEP_TRACE"] = str(trace)
     url = f"http://127.0.0.1:{args.port}"
     load = argparse.Namespace(base_url=url, model=SERVED_NAME, api_key=None, output_len=args.output_len,
