@@ -67,7 +67,8 @@ def test_table_rows_are_transformers_generation_cos_sin(name):
 @pytest.mark.parametrize("scaling, served", [
     (dict(type="linear", factor=4.0), 4 * 32),
     (dict(rope_type="dynamic", factor=2.0), 2 * 32),
-    (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16), 4 * 16),
+    # yarn's max_position_embeddings is already the extended context (vLLM 0.32), also where factor says more
+    (dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16), 32),
     (dict(rope_type="yarn", factor=1.5, original_max_position_embeddings=16), 32),  # never fewer than trained
     (LONGROPE, 32),
     (ROPES["llama3"], 32),
@@ -107,6 +108,16 @@ def test_engine_serves_the_positions_the_rope_scaling_serves(tmp_path):
     with pytest.raises(ValueError, match=r"max_model_len \(65\) is larger than the model's max_position_embeddings "
                                          r"\(64, with its rope scaling\)"):
         EngineArgs(str(tmp_path), max_model_len=65).create_engine_config()
+
+
+def test_yarn_serves_max_position_embeddings(tmp_path):
+    """A yarn config as Qwen's model cards have one add it (factor 4 over an original context that is
+    max_position_embeddings): vLLM 0.32 serves max_position_embeddings and refuses a longer max_model_len."""
+    _config(dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+            max_position_embeddings=32).save_pretrained(tmp_path)
+    assert EngineArgs(str(tmp_path)).create_engine_config().model_config.max_model_len == 32
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) is larger"):
+        EngineArgs(str(tmp_path), max_model_len=128).create_engine_config()
 
 
 def test_longrope_serves_its_original_context_unless_asked(tmp_path):

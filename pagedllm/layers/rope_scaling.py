@@ -87,14 +87,14 @@ def default_max_model_len(config) -> int:
 
 def scaled_max_position(params: dict, max_position: int) -> int:
     """The positions a model with these rope parameters serves, as vLLM derives its max_model_len: linear and
-    dynamic scaling stretch ``max_position`` (max_position_embeddings) by their factor, yarn stretches
-    ``original_max_position_embeddings``; llama3 and longrope configs already give the extended context as
-    max_position_embeddings. Never fewer than ``max_position``, which transformers' own model serves."""
+    dynamic scaling stretch ``max_position`` (max_position_embeddings) by their factor; llama3, yarn and longrope
+    configs already give the extended context as max_position_embeddings (transformers' convention for yarn: its
+    factor is max_position_embeddings / original_max_position_embeddings, a config where they disagree keeps
+    max_position_embeddings, as vLLM 0.32 does). Never fewer than ``max_position``, which transformers' own model
+    serves."""
     scaled = max_position
     if params["rope_type"] in ("linear", "dynamic"):
         scaled = max_position * params["factor"]
-    elif params["rope_type"] == "yarn":
-        scaled = params["original_max_position_embeddings"] * _yarn_factor(params, max_position)
     return max(max_position, int(scaled))
 
 
