@@ -13,7 +13,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                              SpeculativeConfig, check_int, check_kv_cache_dtype, common_window,
                              layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
-from pagedllm.layers.rope_scaling import check_rope_types, default_max_model_len, positions_served
+from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import apply_hf_overrides, load_hf_config
 from pagedllm.models.loader import get_quant_config
@@ -128,8 +128,7 @@ class EngineArgs:
         hf_config = load_hf_config(path)
         if self.hf_overrides is not None:
             hf_config = apply_hf_overrides(hf_config, self.hf_overrides)
-        check_model_config(hf_config)  # an architecture, activation or rope type not served fails here, before any
-        check_rope_types(hf_config)  # process
+        check_model_config(hf_config)  # what the layers do not compute fails here, before any process
         model_max_len = positions_served(hf_config)
         max_model_len = default_max_model_len(hf_config) if self.max_model_len is None else self.max_model_len
         check_int("max_model_len", max_model_len, 1)
@@ -222,6 +221,10 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     does). Same dtype and settings as the target."""
     path = resolve_model(spec.model)
     hf_config = load_hf_config(path)
+    try:  # what the target's config is checked for, the draft's is too: else it fails in the engine process
+        check_model_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
     if hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
                          f"tokens; the target model's has {target.vocab_size}: they must be the same")

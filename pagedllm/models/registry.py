@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from pagedllm.layers.rope_scaling import check_rope_types
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagedllm.models.llama import LlamaForCausalLM
@@ -68,9 +69,10 @@ _EXPERT_MODELS = (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
 
 def check_model_config(config: PretrainedConfig) -> None:
     """A ValueError naming the config's field for what its model class does not compute, before any process starts
-    or weight is read (the architecture and rope type are checked beside this): the MLP's activation, and Gemma's
-    bidirectional attention (an embedding model's, which would silently run causal)."""
+    or weight is read: the architecture, the rope type, the MLP's activation, and Gemma's bidirectional attention
+    (an embedding model's, which would silently run causal)."""
     model_class = get_model_architecture(config)
+    check_rope_types(config)
     field = "hidden_activation" if getattr(config, "hidden_activation", None) is not None else "hidden_act"
     activation = getattr(config, field, None) or "silu"
     supported = ("silu",) if issubclass(model_class, _EXPERT_MODELS) else DENSE_ACTIVATIONS

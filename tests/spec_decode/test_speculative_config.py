@@ -69,6 +69,9 @@ def draft_config_dir(tmp_path, **overrides) -> str:
     ({"max_position_embeddings": 256}, {}, r"holds 256 positions \(max_position_embeddings\), fewer than the "
                                            r"target's max_model_len \(1024\)"),
     ({}, {"tensor_parallel_size": 3}, "'draft_model' is not supported with tensor_parallel_size > 1"),
+    # what the layers do not compute, as for the target (it failed in the engine process)
+    ({"hidden_act": "gelu"}, {}, "speculative_config model '.*': hidden_act: 'gelu' is not supported"),
+    ({"rope_parameters": {"rope_type": "foobar", "rope_theta": 1e4}}, {}, "rope_type 'foobar' is not supported"),
 ])
 def test_a_draft_model_that_does_not_fit_the_target_is_refused_before_any_process(tmp_path, overrides, extra,
                                                                                   message):
