@@ -446,17 +446,24 @@ def test_gemma3_multimodal_ties_its_lm_head_by_the_whole_models_config(tmp_path,
                                                      "Qwen2MoeForCausalLM; supported: silu"),
     ("gemma2-gelu", "hidden_activation: 'gelu' is not supported for Gemma2ForCausalLM"),
     ("gemma3-bidirectional", "use_bidirectional_attention: bidirectional attention"),
+    (Qwen2Config(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"]),
+     "layer_types: 'chunked_attention' is not supported; supported: full_attention, sliding_attention"),
+    (MistralConfig(sliding_window=-3), "sliding_window: -3 is not supported"),
+    ("mixtral-top-8-of-4", "num_experts_per_tok: 8 is not supported with 4 experts"),
 ])
 def test_what_the_layers_do_not_compute_is_refused_before_any_process(tmp_path, config, message):
-    """An activation the MLP does not compute, or Gemma's bidirectional attention, is a ValueError naming the field
-    from the engine's config (it failed inside the engine process, or ran causal attention silently)."""
-    from transformers import Gemma2Config, Gemma3TextConfig
+    """An activation the MLP does not compute, Gemma's bidirectional attention, a kind of layer other than full or
+    sliding attention, a negative window or more experts a token than there are is a ValueError naming the field
+    from the engine's config (it failed inside the engine process, or ran causal or full attention silently)."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MixtralConfig
 
     from pagedllm.engine.arg_utils import EngineArgs
     if config == "gemma2-gelu":
         config = Gemma2Config(hidden_activation="gelu")
     elif config == "gemma3-bidirectional":
         config = Gemma3TextConfig(use_bidirectional_attention=True)
+    elif config == "mixtral-top-8-of-4":
+        config = MixtralConfig(num_local_experts=4, num_experts_per_tok=8)
     config.architectures = None
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=f"^{message}"):

@@ -65,12 +65,16 @@ def get_model_architecture(config: PretrainedConfig) -> type[nn.Module]:
 # The MLP activations the layers compute: the dense gated MLP's (layers/activation.py), the experts' (silu only).
 DENSE_ACTIVATIONS = ("gelu_pytorch_tanh", "silu")
 _EXPERT_MODELS = (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
+# The kinds of layer the attention computes (config.layer_sliding_window): windowed, or over the whole history.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_model_config(config: PretrainedConfig) -> None:
     """A ValueError naming the config's field for what its model class does not compute, before any process starts
-    or weight is read: the architecture, the rope type, the MLP's activation, and Gemma's bidirectional attention
-    (an embedding model's, which would silently run causal)."""
+    or weight is read: the architecture, the rope type, the MLP's activation, Gemma's bidirectional attention
+    (an embedding model's, which would silently run causal), a kind of layer other than LAYER_TYPES (which ran as
+    full attention, or failed in the engine process), a negative sliding window and more experts a token than
+    there are (both failed in the engine process)."""
     model_class = get_model_architecture(config)
     check_rope_types(config)
     field = "hidden_activation" if getattr(config, "hidden_activation", None) is not None else "hidden_act"
@@ -82,3 +86,15 @@ def check_model_config(config: PretrainedConfig) -> None:
     if getattr(config, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention: bidirectional attention (an embedding model's) is not "
                          "supported; the models here attend causally")
+    unsupported = sorted(set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if unsupported:
+        raise ValueError(f"layer_types: {', '.join(map(repr, unsupported))} is not supported; supported: "
+                         f"{', '.join(LAYER_TYPES)}")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < 0:
+        raise ValueError(f"sliding_window: {window} is not supported; a window is a number of tokens (0 or null: "
+                         f"none)")
+    num_experts = getattr(config, "num_experts", None) if issubclass(model_class, _EXPERT_MODELS) else None
+    if num_experts and not 1 <= config.num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok: {config.num_experts_per_tok} is not supported with {num_experts} "
+                         f"experts; it must be between 1 and {num_experts}")
