@@ -65,6 +65,20 @@ def test_auto_dtype_on_a_gpu_without_bfloat16_is_float16(fake_gpu, monkeypatch):
     assert EngineArgs(device="cuda").create_engine_config().model_config.dtype == torch.float16
 
 
+def test_gemma_refuses_float16_and_its_auto_is_float32_where_the_default_is_float16(tmp_path, fake_gpu, monkeypatch):
+    """As vLLM's: Gemma 2 and 3 overflow float16, so asking for it is a ValueError naming dtype, and 'auto' on a GPU
+    without bfloat16 is float32 for them."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="dtype: the model type 'gemma2' does not support float16"):
+        EngineArgs(str(tmp_path), device="cpu", dtype="half").create_engine_config()
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert EngineArgs(str(tmp_path), device="cuda").create_engine_config().model_config.dtype == torch.float32
+    assert EngineArgs(device="cuda").create_engine_config().model_config.dtype == torch.float16  # others: float16
+
+
 @pytest.mark.parametrize("kwargs, names", [
     ({"quantization": "gguf_int4"}, "quantization"),
     ({"enable_lora": True, "tensor_parallel_size": 2}, "enable_lora, tensor_parallel_size"),

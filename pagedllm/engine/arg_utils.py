@@ -26,22 +26,32 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
+# Model types whose activations overflow float16 (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS): Gemma 2 and 3.
+FLOAT16_UNSTABLE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform) -> torch.dtype:
+def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform, model_type: Optional[str] = None
+                  ) -> torch.dtype:
     """'auto' is the platform's default (Platform.default_dtype). Names are case-insensitive, as vLLM's; a
     torch.dtype must be one they name: the layers and kernels compute in those floats only (a float64 model failed
-    in the engine process)."""
+    in the engine process). A ``model_type`` that overflows float16 (FLOAT16_UNSTABLE_MODEL_TYPES) is refused it, and
+    its 'auto' is float32 where the platform's default is float16, as vLLM's."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (or their torch dtypes); got {dtype}")
-        return dtype
-    name = dtype.lower() if isinstance(dtype, str) else dtype
-    if name == "auto":
-        return platform.default_dtype()
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[name]
+        resolved = dtype
+    else:
+        name = dtype.lower() if isinstance(dtype, str) else dtype
+        if name == "auto":
+            default = platform.default_dtype()
+            return torch.float32 if default == torch.float16 and model_type in FLOAT16_UNSTABLE_MODEL_TYPES else default
+        if name not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        resolved = _DTYPES[name]
+    if resolved == torch.float16 and model_type in FLOAT16_UNSTABLE_MODEL_TYPES:
+        raise ValueError(f"dtype: the model type {model_type!r} does not support float16 (numerical instability); "
+                         f"use bfloat16 or float32")
+    return resolved
 
 
 @dataclass
@@ -152,7 +162,8 @@ class EngineArgs:
             parallel_config.ray_address = sys.modules["ray"].get_runtime_context().gcs_address
         if speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
-        model_config = ModelConfig(self.model, path, hf_config, resolve_dtype(self.dtype, platform), max_model_len,
+        model_config = ModelConfig(self.model, path, hf_config,
+                                   resolve_dtype(self.dtype, platform, hf_config.model_type), max_model_len,
                                    self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,
