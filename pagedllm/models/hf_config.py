@@ -81,9 +81,28 @@ def apply_hf_overrides(config: PretrainedConfig, overrides: Any) -> PretrainedCo
         current = getattr(config, key, None)
         if isinstance(value, dict) and isinstance(current, PretrainedConfig):
             apply_hf_overrides(current, value)
-        else:
+        elif not _override_legacy_rope(config, key, value):
             setattr(config, key, value)
     return config
+
+
+def _override_legacy_rope(config: PretrainedConfig, key: str, value: Any) -> bool:
+    """Whether ``key`` is a rope key of transformers < 5 (vLLM's documented ``rope_scaling`` override), now applied to a
+    config's one set of rope parameters as transformers reads a config.json that holds it: ``rope_scaling`` replaces
+    the scaling and keeps the base (``rope_theta``, ``partial_rotary_factor``) that sat beside it, ``rope_theta``
+    replaces the base. transformers' ``rope_scaling`` setter drops the base (None: the engine process failed), and
+    ``rope_theta`` alone was ignored."""
+    params = getattr(config, "rope_parameters", None)
+    if key not in ("rope_scaling", "rope_theta") or not isinstance(params, dict) or any(
+            isinstance(nested, dict) for nested in params.values()):
+        return False
+    if key == "rope_theta":
+        config.rope_parameters = {**params, "rope_theta": value}
+    else:
+        base = {name: params[name] for name in ("rope_theta", "partial_rotary_factor") if name in params}
+        config.rope_parameters = {**base, **(value or {"rope_type": "default"})}
+    config.standardize_rope_params()
+    return True
 
 
 @functools.lru_cache(maxsize=8)
