@@ -12,8 +12,10 @@ from pagedllm.models.generation_config import check_generation_config, diff_samp
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 
 GENERATION_CONFIG = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": None, "repetition_penalty": 1.1,
-                     "max_new_tokens": 7, "do_sample": True, "bos_token_id": 1}
-DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 7}
+                     "presence_penalty": 1.5, "frequency_penalty": -0.5, "max_new_tokens": 7, "do_sample": True,
+                     "bos_token_id": 1}
+DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "presence_penalty": 1.5,
+            "frequency_penalty": -0.5, "max_tokens": 7}
 
 
 def model_dir(path, config: dict = GENERATION_CONFIG):
@@ -52,8 +54,13 @@ def test_requests_fall_back_to_the_defaults_field_by_field():
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_p=0.5, top_k=5)
     params = request.to_sampling_params(10, DEFAULTS)
     assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.6, 0.5, 5, 1.1)
+    # vLLM 0.32 takes the presence and frequency penalties from the generation config too.
+    assert (params.presence_penalty, params.frequency_penalty) == (1.5, -0.5)
     plain = CompletionRequest(prompt="hi").to_sampling_params(10, {})
     assert (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+    assert (plain.presence_penalty, plain.frequency_penalty) == (0.0, 0.0)
+    own = CompletionRequest(prompt="hi", presence_penalty=0.0).to_sampling_params(10, DEFAULTS)
+    assert (own.presence_penalty, own.frequency_penalty) == (0.0, -0.5)  # a request's own 0 wins
     assert CompletionRequest(prompt="hi", temperature=0.2).to_sampling_params(10, DEFAULTS).temperature == 0.2
     beams = CompletionRequest(prompt="hi", use_beam_search=True, n=2)
     assert beams.to_beam_search_params(10, DEFAULTS, 20).temperature == 0.6

@@ -2,8 +2,8 @@
 (ModelConfig.get_diff_sampling_param, `--generation-config auto|vllm|<dir>`).
 
 "auto" reads the model directory's generation_config.json (a GGUF file has none, so it gives nothing), "vllm"
-ignores it (the engine's own defaults), and any other value is a directory holding one. Only the six sampling
-keys vLLM takes are kept, with Hugging Face's max_new_tokens renamed to max_tokens; keys the file leaves out or
+ignores it (the engine's own defaults), and any other value is a directory holding one. Only the eight sampling
+keys vLLM 0.32 takes are kept, with Hugging Face's max_new_tokens renamed to max_tokens; keys the file leaves out or
 sets to null are not defaults (transformers 5 leaves every sampling field None unless the file sets it, so this is
 vLLM's GenerationConfig.to_diff_dict() reading).
 """
@@ -17,7 +17,8 @@ from pagedllm.sampling_params import SamplingParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # The generation-config keys vLLM turns into default sampling parameters.
-SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+SAMPLING_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p",
+                 "min_p", "max_new_tokens")
 
 
 def generation_config_dir(model_path: str, generation_config: str) -> str | None:
