@@ -1,6 +1,7 @@
 """Processor (frontend side): validates and tokenizes a prompt into an EngineCoreRequest."""
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional, Union
 
@@ -16,6 +17,10 @@ from pagedllm.structured_output.backend_xgrammar import validate_structured_outp
 # A prompt is text ({"prompt": text} too), or pre-tokenized: a list of token ids, or {"prompt_token_ids": [...]}
 # (optionally with "prompt" text), as vLLM's DecoderOnlyPrompt; a dict may carry a "cache_salt".
 PromptType = Union[str, list[int], dict]
+
+# The most token sequences a request's bad_words may become (vLLM's VLLM_MAX_NUM_BAD_WORDS): the sampler matches every
+# one against the output each step, in Python, so an unbounded list would slow the whole batch.
+MAX_NUM_BAD_WORDS = int(os.environ.get("PAGEDLLM_MAX_NUM_BAD_WORDS", "128"))
 
 # vLLM's limits on a prefix-cache salt (its validate_cache_salt): the salt keys the hash of every KV block of the
 # request, so requests share cached blocks only with requests of the same salt (tenants cannot probe each other's
@@ -148,6 +153,10 @@ class Processor:
                 token_ids = self.tokenizer.encode(text, add_special_tokens=False)
                 if token_ids and token_ids not in bad_words_token_ids:
                     bad_words_token_ids.append(token_ids)
+                    if len(bad_words_token_ids) > MAX_NUM_BAD_WORDS:  # checked as they come, as vLLM does
+                        raise ValueError(f"bad_words makes more than {MAX_NUM_BAD_WORDS} token sequences (each word "
+                                         "with and without a leading space); set PAGEDLLM_MAX_NUM_BAD_WORDS to raise "
+                                         "the limit.")
         self._check_in_vocab("bad_words", [t for token_ids in bad_words_token_ids for t in token_ids])
         return msgspec.structs.replace(params, _bad_words_token_ids=bad_words_token_ids)
 

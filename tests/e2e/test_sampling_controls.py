@@ -35,6 +35,15 @@ def test_bad_words_never_appear(llm, greedy):
     assert apples.token_ids[cut] != apple
 
 
+def test_too_many_bad_words_are_refused_naming_the_field(llm):
+    """As vLLM (VLLM_MAX_NUM_BAD_WORDS): at most 128 token sequences, which the sampler matches every step."""
+    words = [f"word{i}" for i in range(100)]  # 200 sequences: each word with and without a leading space
+    with pytest.raises(ValueError, match="^bad_words makes more than 128 token sequences"):
+        llm.generate(FRANCE, SamplingParams(max_tokens=4, bad_words=words), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+
+
 def test_repetition_penalty_breaks_a_loop(llm, greedy):
     loop = greedy[APPLES].token_ids
     assert len(set(loop)) < len(loop) / 2
