@@ -10,6 +10,7 @@ from typing import Optional
 from pagedllm.core.kv_cache_groups import KVCacheGroup
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 from pagedllm.models.generation_config import diff_sampling_param
+from pagedllm.sample.logprobs import LOGPROBS_MODES
 
 
 # vLLM's kv_cache_dtype choices (what each stores: kv_cache_dtype.py), and int8.
@@ -212,13 +213,18 @@ class ModelConfig:
     attention_backend: str = "TORCH_SDPA"
     # vLLM's override_generation_config: generation config fields over the file's (alone with "vllm").
     override_generation_config: Optional[dict] = None
+    # What logprobs report (vLLM's logprobs_mode, sample/logprobs.LogprobsMode): the raw logits' log-softmax by default.
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
-        """seed is an integer and max_logprobs one of at least -1 (vLLM's ModelConfig fields): else the seed would fail
-        in the engine process (torch.manual_seed) and a bad max_logprobs would refuse every request for logprobs."""
+        """seed is an integer, max_logprobs one of at least -1 and logprobs_mode one of vLLM's (vLLM's ModelConfig
+        fields): else the seed would fail in the engine process (torch.manual_seed) and a bad max_logprobs would refuse
+        every request for logprobs."""
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         check_int("max_logprobs", self.max_logprobs, -1)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.tokenizer is None:
             self.tokenizer = self.path
 

@@ -241,6 +241,34 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert lp.selected_token_ranks[[0, 3]].tolist() == [1, 1]  # greedy rows take the top token
 
 
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_the_logits_vllm_names(mode):
+    """vLLM's logprobs_mode: raw_* the model's logits, processed_* those each row sampled from (temperature, min-p,
+    top-k, top-p applied; a greedy row's are the processed logits, at temperature 1); *_logits the values
+    themselves, *_logprobs their log-softmax. The ranks are the sampled token's in those values."""
+    logits = random_logits(4, V, 5)
+    k = 4
+    meta = make_metadata([0.0, 0.5, 1.3, 2.0], top_k=[0, 3, 0, 10], top_p=[1.0, 1.0, 0.8, 1.0],
+                         min_p=[0.0, 0.0, 0.0, 0.05], max_num_logprobs=k)
+    out = Sampler(mode)(logits, meta)
+    expected = logits if mode == "raw_logits" else Sampler.final_logits(logits, meta)
+    if mode == "processed_logprobs":
+        expected = torch.log_softmax(expected, dim=-1)
+    sampled = out.sampled_token_ids
+    lp = out.logprobs
+    torch.testing.assert_close(lp.logprobs[:, 0], expected.gather(1, sampled.unsqueeze(1)).squeeze(1))
+    torch.testing.assert_close(lp.logprobs[:, 1:], expected.topk(k, dim=-1).values)
+    if mode != "raw_logits":
+        assert torch.isneginf(lp.logprobs[1, -1]) and torch.isfinite(lp.logprobs[1, :-1]).all()  # its top 3 only
+        assert torch.equal(Sampler.final_logits(logits, meta)[0], logits[0])  # the greedy row, as it came
+    expected_ranks = [int((expected[i] >= expected[i, t]).sum()) for i, t in enumerate(sampled.tolist())]
+    assert lp.selected_token_ranks.tolist() == expected_ranks
+    # An all-greedy batch reports its processed logits (here as they came: no control is set).
+    greedy = Sampler(mode)(logits, make_metadata([0.0] * 4, max_num_logprobs=0)).logprobs.logprobs[:, 0]
+    expected = logits if mode.endswith("_logits") else torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(greedy, expected.max(dim=-1).values)
+
+
 def test_compute_token_logprobs_for_given_tokens():
     logits = random_logits(4, V, 4)
     token_ids = torch.tensor([7, 0, V - 1, 42])

@@ -86,6 +86,8 @@ class EngineArgs:
     seed: int = 0
     # The most logprobs or prompt_logprobs one request may ask for (vLLM's default; -1: the whole vocabulary).
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's logprobs_mode: raw_logprobs (the default), raw_logits, processed_logprobs or processed_logits.
+    logprobs_mode: str = "raw_logprobs"
     quantization: Optional[str] = None
     num_cpu_threads: Optional[int] = None
     enforce_eager: bool = False
@@ -167,7 +169,7 @@ class EngineArgs:
                                    self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,
-                                   self.override_generation_config)
+                                   self.override_generation_config, logprobs_mode=self.logprobs_mode)
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp

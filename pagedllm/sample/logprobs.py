@@ -1,9 +1,17 @@
 """Logprobs of chosen tokens plus the top-k alternatives, for sampled tokens and for prompt_logprobs."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
+
+# vLLM's logprobs_mode, the engine's choice of what logprobs report. raw_*: the model's logits as they came, which no
+# sampling control changes (the default); processed_*: the logits each token was sampled from (after the request's
+# controls, and for random sampling its temperature, min-p, top-k and top-p). *_logprobs: their log-softmax;
+# *_logits: the logits themselves. Prompt logprobs are of the raw logits in every mode (no control applies to them).
+LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
+PROCESSED_LOGPROBS_MODES = ("processed_logits", "processed_logprobs")
 
 
 class LogprobsLists(NamedTuple):
@@ -25,7 +33,7 @@ class LogprobsLists(NamedTuple):
 class LogprobsTensors(NamedTuple):
     # [N, k+1] int64: column 0 the sampled (or given) token, then the top-k ids.
     logprob_token_ids: torch.Tensor
-    # [N, k+1] float32: log-softmax of the raw logits.
+    # [N, k+1] float32: log-softmax of the logits (raw by default), or the logits themselves (LogprobsMode).
     logprobs: torch.Tensor
     # [N] int64: rank of the column-0 token in its row (1 = the most likely).
     selected_token_ranks: torch.Tensor
@@ -38,12 +46,17 @@ class LogprobsTensors(NamedTuple):
         )
 
 
-def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """Logprob and rank of token_ids[i] under logits[i], plus the k most likely tokens of each row.
+def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+                           logprobs_mode: LogprobsMode = "raw_logprobs") -> LogprobsTensors:
+    """Logprob and rank of token_ids[i] under logits[i], plus the k most likely tokens of each row; in a *_logits
+    logprobs_mode the values are the logits themselves (the ranks are the same).
 
     Used for sampled tokens (the Sampler) and for prompt_logprobs (the next prompt token of each position).
     """
-    logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    if logprobs_mode in ("raw_logits", "processed_logits"):
+        logprobs = logits.float()
+    else:
+        logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
     token_ids = token_ids.long().unsqueeze(1)
     token_logprobs = logprobs.gather(1, token_ids)

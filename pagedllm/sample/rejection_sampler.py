@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.sample.logprobs import compute_token_logprobs
+from pagedllm.sample.logprobs import PROCESSED_LOGPROBS_MODES, compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, greedy_sample, is_greedy, random_sample
 
@@ -40,7 +40,7 @@ class RejectionSampler:
         """``logits``: [sum(d_i + 1), V], request i's rows together, in order; ``metadata`` has one row per logits
         row; ``draft_token_ids``: request i's d_i drafts. Returns sampled_token_ids [n, max d_i + 1] (the
         accepted drafts, then the token sampled after them, then PLACEHOLDER_TOKEN_ID) and, when asked, the
-        logprobs of every emitted token (raw logits, as the Sampler), in request order."""
+        logprobs of every emitted token (of the logits the Sampler's logprobs_mode names), in request order."""
         num_drafts = np.array([len(d) for d in draft_token_ids], dtype=np.int64)
         n, width = len(num_drafts), int(num_drafts.max(initial=0)) + 1
         starts = np.cumsum(num_drafts + 1) - (num_drafts + 1)
@@ -63,8 +63,9 @@ class RejectionSampler:
             accepted[greedy] = (target_at == drafts_t)[greedy]
         seeded = torch.tensor([int(start) in metadata.generators for start in starts], dtype=torch.bool)
         unseeded = ~greedy & ~seeded
+        final_logits = processed if metadata.all_greedy else self.sampler.final_logits(processed, metadata)
         if not metadata.all_greedy:
-            probs = self.sampler.probs(processed, metadata)
+            probs = final_logits.softmax(dim=-1)
             if unseeded.any():
                 draft_probs = probs[row_of_t, drafts_t.clamp(min=0)]
                 accepted[unseeded] = (torch.rand(n, width) < draft_probs)[unseeded]
@@ -93,7 +94,10 @@ class RejectionSampler:
         logprobs = None
         if metadata.max_num_logprobs is not None:
             emitted = columns <= num_accepted.unsqueeze(1)
-            logprobs = compute_token_logprobs(logits[row_of_t[emitted]], sampled[emitted], metadata.max_num_logprobs)
+            mode = self.sampler.logprobs_mode
+            scored = final_logits if mode in PROCESSED_LOGPROBS_MODES else logits
+            logprobs = compute_token_logprobs(scored[row_of_t[emitted]], sampled[emitted], metadata.max_num_logprobs,
+                                              mode)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod

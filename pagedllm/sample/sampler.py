@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagedllm.native import fused
-from pagedllm.sample.logprobs import LogprobsTensors, compute_token_logprobs
+from pagedllm.sample.logprobs import PROCESSED_LOGPROBS_MODES, LogprobsMode, LogprobsTensors, compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.ops import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_p,
                                  apply_min_tokens, apply_top_k_top_p)
@@ -28,16 +28,23 @@ class Sampler(nn.Module):
     """Samples as vLLM V1 does: allowed_token_ids, bad_words, min_tokens, logit_bias and penalties, then greedy
     argmax or temperature -> min-p -> top-k -> top-p.
 
-    Logprobs are taken from the raw logits (vLLM's default "raw_logprobs"), so they do not depend on the
-    sampling knobs. The input logits are not modified.
+    Logprobs follow ``logprobs_mode`` (vLLM's, sample/logprobs.LogprobsMode): by default they are of the raw
+    logits, whatever the sampling knobs; the processed modes report the logits each row sampled from (final_logits;
+    the processed logits alone for an all-greedy batch, as vLLM). The input logits are not modified.
     """
 
+    def __init__(self, logprobs_mode: LogprobsMode = "raw_logprobs") -> None:
+        super().__init__()
+        self.logprobs_mode = logprobs_mode
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        raw_logits = logits
-        sampled = self.sample(self.process_logits(logits, metadata), metadata)
+        processed = self.process_logits(logits, metadata)
+        final = processed if metadata.all_greedy else self.final_logits(processed, metadata)
+        sampled = self.sample(processed, final, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = compute_token_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+            scored = final if self.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits
+            logprobs = compute_token_logprobs(scored, sampled, metadata.max_num_logprobs, self.logprobs_mode)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -55,20 +62,27 @@ class Sampler(nn.Module):
             apply_penalties(logits, metadata.penalties)
         return logits
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        greedy_sampled = None if metadata.all_random else greedy_sample(logits)
+    @staticmethod
+    def sample(processed: torch.Tensor, final: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows take the argmax of the processed logits, random rows sample softmax(final logits)."""
+        greedy_sampled = None if metadata.all_random else greedy_sample(processed)
         if metadata.all_greedy:
             return greedy_sampled
-        random_sampled = random_sample(self.probs(logits, metadata), metadata.generators)
+        random_sampled = random_sample(final.softmax(dim=-1), metadata.generators)
         if greedy_sampled is None:
             return random_sampled
-        return torch.where(is_greedy(metadata, len(logits)), greedy_sampled, random_sampled)
+        return torch.where(is_greedy(metadata, len(processed)), greedy_sampled, random_sampled)
 
     @staticmethod
     def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distribution each random row samples from (processed logits -> temperature -> min-p -> top-k ->
-        top-p -> softmax, vLLM V1's order: min-p, as a logits processor, before the top-k/top-p sampler); greedy
-        rows get temperature 1 and are not meant to be read. A new tensor."""
+        """The distribution each random row samples from: softmax of final_logits. A new tensor."""
+        return Sampler.final_logits(logits, metadata).softmax(dim=-1)
+
+    @staticmethod
+    def final_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The logits each random row samples from (processed logits -> temperature -> min-p -> top-k -> top-p,
+        vLLM V1's order: min-p, as a logits processor, before the top-k/top-p sampler); greedy rows get
+        temperature 1 and no mask, so theirs are the processed logits. A new tensor."""
         assert metadata.temperature is not None, "a batch with random rows needs temperatures"
         temperature = metadata.temperature
         if not metadata.all_random:
@@ -77,8 +91,7 @@ class Sampler(nn.Module):
         logits = logits / temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        return logits.softmax(dim=-1)
+        return apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
 
 
 def is_greedy(metadata: SamplingMetadata, num_rows: int) -> torch.Tensor:

@@ -71,7 +71,7 @@ class ModelRunner:
                                       cdiv(max_model_len, self.block_size), self.model_config.vocab_size,
                                       max(1, len(self.kv_cache_groups)))
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.model_config.logprobs_mode)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.drafter = make_proposer(config)
         self.model = None
@@ -446,7 +446,7 @@ class ModelRunner:
             if logits is None:  # a TP rank other than 0: it joined the gather, rank 0 reports
                 continue
             targets = torch.tensor(state.prompt_token_ids[first_pos + 1:end + 1])
-            out[state.req_id] = compute_token_logprobs(logits, targets, k).tolists()
+            out[state.req_id] = compute_token_logprobs(logits, targets, k, self.sampler.logprobs_mode).tolists()
         return out
 
 

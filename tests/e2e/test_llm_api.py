@@ -12,6 +12,7 @@ from pagedllm import SamplingParams
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.engine.arg_utils import EngineArgs
+from tests.e2e.conftest import running_llm
 
 
 def test_chat_answers_paris(llm):
@@ -122,6 +123,21 @@ def test_logprobs_and_prompt_logprobs(llm, hf_model):
     for pos in range(1, len(prompt)):
         assert math.isclose(out.prompt_logprobs[pos][prompt[pos]].logprob, ref[pos - 1, prompt[pos]].item(),
                             abs_tol=1e-3)
+
+
+def test_processed_logprobs_mode_reports_what_was_sampled_from():
+    """vLLM's logprobs_mode="processed_logprobs": a token's logprobs are of the distribution it was sampled from,
+    here top_k 3 (the others -inf, the three summing to 1); prompt logprobs stay the model's own."""
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    params = SamplingParams(temperature=0.5, top_k=3, seed=0, max_tokens=4, logprobs=5, prompt_logprobs=0)
+    with running_llm(dtype="float32", max_model_len=256, kv_cache_memory="64MiB",
+                     logprobs_mode="processed_logprobs") as engine:
+        out = engine.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        values = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        assert entry[token].rank <= 3 and values[3:] == [float("-inf")] * 2
+        assert math.isclose(sum(math.exp(v) for v in values[:3]), 1.0, rel_tol=1e-4)
+    assert all(-30 < entry[prompt[i]].logprob < 0 for i, entry in enumerate(out.prompt_logprobs) if entry)
 
 
 @pytest.mark.parametrize("bad, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),

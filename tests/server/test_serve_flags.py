@@ -49,10 +49,12 @@ def test_every_engine_args_field_is_a_flag_with_its_default():
 def test_engine_flags_reach_engine_args():
     engine = engine_args_from(_parse("--no-enable-chunked-prefill", "--long-prefill-token-threshold", "64",
                                      "--num-kv-blocks", "32", "--max-logprobs", "5", "--tokenizer", "tok",
-                                     "--max-prefill-tokens-with-decodes", "64", "--kv-cache-populate", "startup"))
+                                     "--max-prefill-tokens-with-decodes", "64", "--kv-cache-populate", "startup",
+                                     "--logprobs-mode", "processed_logprobs"))
     assert (engine.enable_chunked_prefill, engine.long_prefill_token_threshold, engine.num_kv_blocks,
             engine.max_logprobs, engine.tokenizer, engine.max_prefill_tokens_with_decodes,
-            engine.kv_cache_populate) == (False, 64, 32, 5, "tok", 64, "startup")
+            engine.kv_cache_populate, engine.logprobs_mode) == (False, 64, 32, 5, "tok", 64, "startup",
+                                                                "processed_logprobs")
     # vLLM's JSON and on/off engine flags its command lines carry
     engine = engine_args_from(_parse("--hf-overrides", '{"max_position_embeddings": 4096}', "--trust-remote-code",
                                      "--override-generation-config", '{"temperature": 0.5}', "--disable-log-stats",
@@ -121,6 +123,8 @@ def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number in (0, 1], got '0.5'"),
     ({"num_cpu_threads": "4"}, "num_cpu_threads must be an integer, got '4'"),
     ({"stream_interval": 0}, "stream_interval must be at least 1, got 0"),
+    ({"logprobs_mode": "processed"}, "logprobs_mode must be one of raw_logits, raw_logprobs, processed_logits, "
+                                     "processed_logprobs, got 'processed'"),
 ])
 def test_engine_values_of_the_wrong_kind_fail_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):

@@ -35,6 +35,25 @@ def test_greedy_accepts_while_drafts_are_the_argmax_then_emits_the_argmax():
     assert out.logprobs.logprob_token_ids[:, 0].tolist() == [1, 2, 3, 0, 0, 5, 2, 3]
 
 
+def test_logprobs_follow_the_samplers_logprobs_mode():
+    """Each emitted token's logprobs are of the logits the Sampler's logprobs_mode names: raw by default, those it was
+    sampled from (here at temperature 0.5) in a processed mode."""
+    drafts = [[1, 2], [3]]
+    logits = one_hot_logits([1, 2, 4] + [3, 5])
+
+    def verify(mode: str):  # every row seeded alike, so both modes draw the same tokens
+        generators = {row: torch.Generator().manual_seed(row) for row in range(len(logits))}
+        return RejectionSampler(Sampler(mode))(logits, metadata(len(logits), 0.5, generators, 0), drafts)
+
+    raw, processed = verify("raw_logprobs"), verify("processed_logits")
+    assert torch.equal(processed.sampled_token_ids, raw.sampled_token_ids)
+    rows = torch.tensor([0, 1, 2, 3, 4])  # with these seeds every draft is accepted: each row emits a token
+    assert raw.sampled_token_ids.tolist() == [[1, 2, 4], [3, 5, PLACEHOLDER_TOKEN_ID]]
+    emitted = raw.logprobs.logprob_token_ids[:, 0]
+    torch.testing.assert_close(raw.logprobs.logprobs[:, 0], torch.log_softmax(logits, -1)[rows, emitted])
+    torch.testing.assert_close(processed.logprobs.logprobs[:, 0], (logits / 0.5)[rows, emitted])
+
+
 P0 = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])  # the target's distribution at the first position
 P1 = torch.tensor([0.40, 0.05, 0.05, 0.20, 0.10, 0.20])  # ... after the first draft token
 

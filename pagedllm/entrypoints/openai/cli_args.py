@@ -14,6 +14,7 @@ from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.reasoning import REASONING_PARSERS
+from pagedllm.sample.logprobs import LOGPROBS_MODES
 from pagedllm.models.resolve import DEFAULT_MODEL
 
 # Every EngineArgs field but the model (the positional argument) is a --flag of the same name, so the CLI cannot
@@ -175,6 +176,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                         help="the most logprobs or prompt_logprobs a request may ask for; -1: the vocabulary "
                              "(default: %(default)s)")
+    engine.add_argument("--logprobs-mode", default=EngineArgs.logprobs_mode, choices=LOGPROBS_MODES,
+                        help="what logprobs report: raw_* the model's logits, processed_* those each token was "
+                             "sampled from (after penalties, temperature, top-k, ...); *_logprobs their log-softmax, "
+                             "*_logits the logits (default: %(default)s)")
     engine.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     engine.add_argument("--max-num-batched-tokens", type=human_readable_int,
                         default=EngineArgs.max_num_batched_tokens, help="tokens a step may take, e.g. 8192 or 8K")
