@@ -148,8 +148,12 @@ def test_echo_starts_an_answer_that_continues_the_last_message_with_it(client, m
     ask = dict(model=model, messages=messages, temperature=0, max_tokens=4)
     continued = {"add_generation_prompt": False, "continue_final_message": True}
     plain = client.chat.completions.create(**ask, extra_body=continued).choices[0].message.content
-    echoed = client.chat.completions.create(**ask, extra_body={**continued, "echo": True}).choices[0].message
+    response = client.chat.completions.create(**ask, extra_body={**continued, "echo": True})
+    echoed = response.choices[0].message
     assert echoed.role == "assistant" and echoed.content == "The capital of France is" + plain
+    # As vLLM's, echo asks for the prompt's logprobs too (top_logprobs of them, 0 by default: each token's own).
+    prompt_logprobs = response.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and all(len(entry) == 1 for entry in prompt_logprobs[1:])
     texts, _, _ = stream_text(client.chat.completions.create(**ask, extra_body={**continued, "echo": True},
                                                              stream=True))
     assert texts == {0: echoed.content}

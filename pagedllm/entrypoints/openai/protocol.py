@@ -471,7 +471,10 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
                 and own_constraint.kind in ("json", "regex", "choice")):
             raise ValueError("structured_outputs json, regex or choice cannot be combined with a named function "
                              "tool_choice: use one or the other.")
-        return self._sampling_params(max_tokens, default_sampling_params, logprobs, self.prompt_logprobs,
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:  # as vLLM's: top_logprobs (0 by default) for the prompt too
+            prompt_logprobs = self.top_logprobs or 0
+        return self._sampling_params(max_tokens, default_sampling_params, logprobs, prompt_logprobs,
                                      own_constraint if tool_call_constraint is None else tool_call_constraint)
 
     def requested_logprobs(self) -> Optional[int]:
