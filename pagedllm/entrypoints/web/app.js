@@ -44,20 +44,23 @@ async function connect() {
     const cards = (await (await api("v1/models")).json()).data;
     model = cards[0].id;
     $("model-name").textContent = model;
-    applyDefaults(cards[0].default_sampling_params || {});
+    applyDefaults(cards[0].default_sampling_params || {}, cards[0].max_model_len);
     $("connection").textContent = "";
   } catch (error) {
     $("connection").textContent = error instanceof AuthError ? "API key needed" : `not connected: ${error.message}`;
   }
 }
 
-function applyDefaults(modelDefaults) {
-  // The model's generation config when the server has one, else the client defaults, as `pagedllm chat`.
+function applyDefaults(modelDefaults, maxModelLen) {
+  // The model's generation config when the server has one, else the client defaults, as `pagedllm chat`; a
+  // max_tokens past the context is cut to it (the server refuses to be asked for more, as vLLM's).
   const fromModel = Object.keys(modelDefaults).length > 0;
   const defaults = fromModel ? modelDefaults : CLIENT_DEFAULTS;
   if ($("temperature").value === "" && defaults.temperature !== undefined) $("temperature").value = defaults.temperature;
   if ($("top-p").value === "" && defaults.top_p !== undefined) $("top-p").value = defaults.top_p;
-  if ($("max-tokens").value === "" && defaults.max_tokens !== undefined) $("max-tokens").value = defaults.max_tokens;
+  if ($("max-tokens").value === "" && defaults.max_tokens !== undefined) {
+    $("max-tokens").value = maxModelLen ? Math.min(defaults.max_tokens, maxModelLen) : defaults.max_tokens;
+  }
   const listed = Object.entries(defaults).map(([name, value]) => `${name} ${value}`).join(", ");
   $("settings").dataset.defaults = `defaults: ${fromModel ? "the model's generation config" : "this page's"} (${listed})`;
   showSettings();
