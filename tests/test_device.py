@@ -107,3 +107,15 @@ def test_triton_attention_on_the_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8': the TRITON_ATTN attention backend keeps the cache in "
                                          "the model's dtype only"):
         EngineArgs(attention_backend="TRITON_ATTN", kv_cache_dtype="fp8").create_engine_config()
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_triton_attention_refuses_a_block_size_its_kernels_do_not_take(monkeypatch, block_size):
+    """A power of two of at least 16 (a tile of its kernels): any other is refused with the config, as vLLM's backend
+    selection refuses it, where it used to fail the first request's step."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match=f"block_size={block_size}: the TRITON_ATTN attention backend takes a power "
+                                         "of two of at least 16"):
+        EngineArgs(attention_backend="TRITON_ATTN", block_size=block_size).create_engine_config()
+    config = EngineArgs(attention_backend="TRITON_ATTN", block_size=32).create_engine_config()
+    assert config.cache_config.block_size == 32

@@ -132,6 +132,12 @@ class EngineArgs:
         if attention_backend == "TRITON_ATTN" and self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the TRITON_ATTN attention backend keeps the "
                              "cache in the model's dtype only (kv_cache_dtype='auto')")
+        check_int("block_size", self.block_size, 1)
+        if attention_backend == "TRITON_ATTN" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
+            # Its kernels' tiles (triton_ops/decode_attention.check_attention_args): refused here, as vLLM's backend
+            # selection refuses a block size the backend does not support, rather than by the first step.
+            raise ValueError(f"block_size={self.block_size}: the TRITON_ATTN attention backend takes a power of two "
+                             "of at least 16")
         speculative_config = self.speculative_config
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
