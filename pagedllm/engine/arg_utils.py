@@ -83,6 +83,8 @@ class EngineArgs:
     kv_cache_populate: str = "background"
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: Optional[int] = None
+    # vLLM's name for the same count (its num_gpu_blocks_override, the CPU backend's too).
+    num_gpu_blocks_override: Optional[int] = None
     seed: int = 0
     # The most logprobs or prompt_logprobs one request may ask for (vLLM's default; -1: the whole vocabulary).
     max_logprobs: int = MAX_LOGPROBS
@@ -127,6 +129,11 @@ class EngineArgs:
             if self.kv_cache_memory is not None:
                 raise ValueError("kv_cache_memory and kv_cache_memory_bytes (vLLM's name) both size the KV cache: "
                                  "give one of them")
+        if self.num_gpu_blocks_override is not None:
+            check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+            if self.num_kv_blocks is not None:
+                raise ValueError("num_kv_blocks and num_gpu_blocks_override (vLLM's name) both set the KV cache's "
+                                 "blocks: give one of them")
         if platform.device_type == "cuda":
             self._check_cuda_support()
         if attention_backend == "TRITON_ATTN" and self.kv_cache_dtype != "auto":
@@ -189,7 +196,9 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
                                      kv_cache_memory=self.kv_cache_memory if self.kv_cache_memory is not None
-                                     else self.kv_cache_memory_bytes, num_blocks=self.num_kv_blocks,
+                                     else self.kv_cache_memory_bytes,
+                                     num_blocks=self.num_kv_blocks if self.num_kv_blocks is not None
+                                     else self.num_gpu_blocks_override,
                                      cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config),

@@ -173,7 +173,7 @@ def test_more_logprobs_than_max_logprobs_name_the_field(llm):
     ("max_num_seqs", 2.5, "must be an integer"), ("block_size", 16.0, "must be an integer"),
     ("max_model_len", "128", "must be an integer"), ("max_model_len", 0, "must be at least 1"),
     ("num_kv_blocks", -3, "must be at least 1"), ("kv_cache_memory", "2 gigs", "a size like '2GiB'"),
-    ("kv_cache_memory_bytes", "2G", "must be an integer"),
+    ("kv_cache_memory_bytes", "2G", "must be an integer"), ("num_gpu_blocks_override", 0, "must be at least 1"),
     ("scheduling_policy", "lifo", "must be one of fcfs, priority")])
 def test_engine_arguments_of_the_wrong_kind_name_the_field(field, value, message):
     """Checked with the config, before any process starts, rather than failing in the engine process."""

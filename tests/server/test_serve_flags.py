@@ -85,6 +85,15 @@ def test_vllms_kv_cache_memory_bytes_sizes_the_cache():
         engine_args_from(_parse("--kv-cache-memory-bytes", "1G", "--kv-cache-memory", "1GiB")).create_engine_config()
 
 
+def test_vllms_num_gpu_blocks_override_sets_the_blocks():
+    """vLLM's --num-gpu-blocks-override (LLM's num_gpu_blocks_override) sets the cache's blocks as --num-kv-blocks
+    does; both at once is an error naming both."""
+    args = _parse("--num-gpu-blocks-override", "32")
+    assert engine_args_from(args).create_engine_config().cache_config.num_blocks == 32
+    with pytest.raises(ValueError, match="num_kv_blocks and num_gpu_blocks_override"):
+        engine_args_from(_parse("--num-gpu-blocks-override", "32", "--num-kv-blocks", "16")).create_engine_config()
+
+
 def test_the_server_bounds_prefill_beside_decodes_unless_told():
     assert serve_engine_args(_parse()).max_prefill_tokens_with_decodes == SERVE_MAX_PREFILL_TOKENS_WITH_DECODES
     assert serve_engine_args(_parse("--max-prefill-tokens-with-decodes", "0")).max_prefill_tokens_with_decodes == 0

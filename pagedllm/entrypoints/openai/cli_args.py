@@ -186,6 +186,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     engine.add_argument("--num-kv-blocks", type=int, default=EngineArgs.num_kv_blocks,
                         help="KV cache blocks, instead of sizing the cache by --kv-cache-memory")
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=EngineArgs.num_gpu_blocks_override,
+                        help="vLLM's flag for the same count")
     engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_chunked_prefill,
                         help="split long prompts over steps, batched with decodes (default: %(default)s)")
