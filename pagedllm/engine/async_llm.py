@@ -177,8 +177,8 @@ class AsyncLLM:
                 queue.put_nowait(error)
 
     # ------------------------------------------------------------------------------------------ utilities
-    async def reset_prefix_cache(self) -> bool:
-        return await self.engine_core.call_utility_async("reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache", reset_running_requests)
 
     async def get_stats(self) -> SchedulerStats:
         return msgspec.convert(await self.engine_core.call_utility_async("get_stats"), SchedulerStats)

@@ -117,8 +117,8 @@ class EngineCore:
         future, scheduler_output = self.batch_queue.popleft()
         return self.scheduler.update_from_output(scheduler_output, future.result())
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -59,8 +59,8 @@ class InprocClient:
     def get_output(self) -> EngineCoreOutputs:
         return self.engine_core.step()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
@@ -216,8 +216,8 @@ class SyncMPClient:
             raise outputs
         return outputs
 
-    def reset_prefix_cache(self) -> bool:
-        return self._mp.call_utility("reset_prefix_cache").result()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self._mp.call_utility("reset_prefix_cache", reset_running_requests).result()
 
     def get_stats(self) -> SchedulerStats:
         return msgspec.convert(self._mp.call_utility("get_stats").result(), SchedulerStats)

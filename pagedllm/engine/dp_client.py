@@ -226,8 +226,8 @@ class DPSyncMPClient(_DPClientBase):
             self.shutdown()
         raise self._dead_error
 
-    def reset_prefix_cache(self) -> bool:
-        return all(e.call_utility("reset_prefix_cache").result() for e in self._live())
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return all(e.call_utility("reset_prefix_cache", reset_running_requests).result() for e in self._live())
 
     def get_stats(self) -> SchedulerStats:
         return aggregate_stats([msgspec.convert(e.call_utility("get_stats").result(), SchedulerStats)

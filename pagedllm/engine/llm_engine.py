@@ -105,8 +105,8 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
 
-    def reset_prefix_cache(self) -> bool:
-        return self.engine_core.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     def get_metrics(self) -> list[Metric]:
         if not self.log_stats:  # vLLM's assertion, as an error that says what to do

@@ -177,9 +177,10 @@ class LLM:
             progress.close()
         return [finished[r] for r in request_ids]
 
-    def reset_prefix_cache(self) -> bool:
-        """Empties the prefix cache (refused, returning False, while requests hold blocks)."""
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Empties the prefix cache (refused, returning False, while requests hold blocks; with
+        ``reset_running_requests``, vLLM's, the running ones are preempted first)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: a snapshot of the engine's Prometheus metrics (the server's /metrics, ``pagedllm:`` names; see

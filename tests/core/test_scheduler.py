@@ -295,6 +295,37 @@ def test_reset_prefix_cache_refused_while_running():
     assert not scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
 
 
+def test_reset_prefix_cache_with_reset_running_requests_preempts_them_and_they_finish_alike():
+    """vLLM's reset_running_requests: the running requests are preempted (their blocks freed), so the reset succeeds;
+    the next step tells the workers so, and resumes them in their order; they finish with the tokens of a run
+    without the reset."""
+    prompts = {"a": list(range(40)), "b": list(range(100, 130))}
+    expected = {}
+    for reset in (False, True):
+        scheduler = make_scheduler()
+        for req_id, prompt in prompts.items():
+            scheduler.add_request(make_request(req_id, prompt, max_tokens=6))
+        tokens = {}
+        for _ in range(3):
+            for out in step(scheduler)[1].outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if reset:
+            assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
+            assert not scheduler.running and not scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+            assert_block_invariants(scheduler)
+            output = scheduler.schedule()
+            assert output.preempted_req_ids == {"a", "b"}
+            assert output.scheduled_cached_reqs.req_ids == ["a", "b"]
+            assert all(output.scheduled_cached_reqs.resumed_from_preemption)
+            for out in scheduler.update_from_output(output, fake_model_output(scheduler, output)).outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        for req_id, new_tokens in run_to_completion(scheduler).items():
+            tokens.setdefault(req_id, []).extend(new_tokens)
+        assert_no_leaks(scheduler)
+        expected.setdefault("tokens", tokens)
+        assert tokens == expected["tokens"]
+
+
 def test_request_that_can_never_fit_is_finished_with_an_error():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
     scheduler.add_request(make_request("huge", list(range(20)), block_size=4, max_tokens=10))

@@ -1,7 +1,7 @@
 """The scheduler under pipeline parallelism (pp batches in flight), without a model: a request in a batch that has
 not returned is neither scheduled again nor preempted, each batch takes about 1/pp of the requests, and running
 requests carry the tokens they compute (new_token_ids) for the stages that never sample."""
-from tests.core.helpers import fake_model_output, make_request, make_scheduler, run_to_completion
+from tests.core.helpers import assert_no_leaks, fake_model_output, make_request, make_scheduler, run_to_completion
 
 
 def prompts(n, length, start=100):
@@ -45,3 +45,23 @@ def test_a_request_in_flight_is_not_preempted():
     scheduler.update_from_output(s3, fake_model_output(scheduler, s3))
     scheduler.update_from_output(s4, fake_model_output(scheduler, s4))
     run_to_completion(scheduler)
+
+
+def test_reset_prefix_cache_with_reset_running_requests_leaves_requests_in_flight():
+    """A batch still executing keeps its requests' blocks (its stages write them): those are not preempted, so the
+    reset is refused; the requests that were back are preempted and the next batch resumes them."""
+    scheduler = make_scheduler(pipeline_parallel_size=2)
+    for i, p in enumerate(prompts(4, 30)):
+        scheduler.add_request(make_request(f"r{i}", p, max_tokens=5))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    scheduler.update_from_output(first, fake_model_output(scheduler, first))
+    assert scheduler.reset_prefix_cache(reset_running_requests=True) is False
+    assert [r.request_id for r in scheduler.running] == ["r2", "r3"]
+    third = scheduler.schedule()
+    assert third.preempted_req_ids == {"r0", "r1"} and third.scheduled_cached_reqs.req_ids == ["r0", "r1"]
+    assert all(third.scheduled_cached_reqs.resumed_from_preemption)
+    scheduler.update_from_output(second, fake_model_output(scheduler, second))
+    scheduler.update_from_output(third, fake_model_output(scheduler, third))
+    run_to_completion(scheduler)
+    assert_no_leaks(scheduler)

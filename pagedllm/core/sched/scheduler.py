@@ -66,6 +66,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Outputs for requests refused at admission, delivered with the next update_from_output().
         self._rejected_outputs: list[EngineCoreOutput] = []
+        # Requests preempted between steps (reset_prefix_cache): the next step tells the workers to drop their rows.
+        self._preempted_between_steps: set[str] = set()
         self.num_preemptions = 0
         # Steps that ran tokens, and those tokens, since start-up (the engine view's steps/s and tokens/step).
         self.num_steps = self.num_step_tokens = 0
@@ -147,7 +149,16 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.get_num_unfinished_requests() or self.finished_req_ids or self._rejected_outputs)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets the prefix cache; refused (False) while a request holds blocks. With ``reset_running_requests``
+        every running request is preempted first (the last first, so that they resume in their order), as vLLM's:
+        their blocks go back, and they recompute their tokens when they resume. Requests in a batch still executing
+        (pipeline parallel) are not preempted, so that the reset may still be refused."""
+        if reset_running_requests:
+            for request in [r for r in reversed(self.running) if r.request_id not in self.in_flight]:
+                self.running.remove(request)
+                self._preempt(request)
+                self._preempted_between_steps.add(request.request_id)
         return self.kv_cache_manager.reset_prefix_cache()
 
     # ----------------------------------------------------------------------------------------- schedule
@@ -383,8 +394,16 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total_num_scheduled_tokens,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED},
+            preempted_req_ids=self._take_preempted_req_ids(preempted),
         )
+
+    def _take_preempted_req_ids(self, preempted: list[Request]) -> set[str]:
+        """The requests this step preempted, and those preempted since the last step (which may resume in this
+        one: the workers drop a preempted request's row before they add the resumed ones)."""
+        req_ids = {r.request_id for r in preempted if r.status == RequestStatus.PREEMPTED}
+        req_ids |= {req_id for req_id in self._preempted_between_steps if req_id in self.requests}
+        self._preempted_between_steps = set()
+        return req_ids
 
     # ----------------------------------------------------------------------------------------- update
     def update_from_output(self, scheduler_output: SchedulerOutput,
