@@ -392,3 +392,35 @@ def test_tokenizer_flag(flags_server, tokenizer):
     with flags_server.http() as http:
         tokens = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hello there"}]}).json()
     assert tokens["tokens"] == tokenizer.encode("Hello there", add_special_tokens=False)
+
+
+def test_reset_prefix_cache_is_served_in_dev_mode_only(monkeypatch):
+    """vLLM's POST /reset_prefix_cache (with its reset_running_requests query parameter), served as vLLM serves it:
+    with the development switch on (PAGEDLLM_SERVER_DEV_MODE=1, an integer like vLLM's VLLM_SERVER_DEV_MODE)."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import dev_router, server_dev_mode
+
+    calls = []
+
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> bool:
+        calls.append(reset_running_requests)
+        return reset_running_requests
+
+    app = FastAPI()
+    app.include_router(dev_router)
+    app.state.engine_client = SimpleNamespace(reset_prefix_cache=reset_prefix_cache)
+    with TestClient(app) as client:
+        assert client.post("/reset_prefix_cache").json() == {"success": False}
+        assert client.post("/reset_prefix_cache?reset_running_requests=true").json() == {"success": True}
+    assert calls == [False, True]
+    monkeypatch.delenv("PAGEDLLM_SERVER_DEV_MODE", raising=False)
+    assert server_dev_mode() is False
+    monkeypatch.setenv("PAGEDLLM_SERVER_DEV_MODE", "1")
+    assert server_dev_mode() is True
+    monkeypatch.setenv("PAGEDLLM_SERVER_DEV_MODE", "yes")
+    with pytest.raises(ValueError, match="PAGEDLLM_SERVER_DEV_MODE"):
+        server_dev_mode()

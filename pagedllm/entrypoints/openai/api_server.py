@@ -50,6 +50,18 @@ router = APIRouter()
 # Run-time adapter loading, served only with --allow-runtime-lora-updating (as vLLM with its environment switch):
 # without it these paths are 404s.
 lora_router = APIRouter()
+# vLLM's development endpoints that pagedllm has, served only with PAGEDLLM_SERVER_DEV_MODE=1 (vLLM's
+# VLLM_SERVER_DEV_MODE): they act on the whole engine, so a public server must not offer them.
+dev_router = APIRouter()
+
+
+def server_dev_mode() -> bool:
+    """PAGEDLLM_SERVER_DEV_MODE, an integer read as vLLM reads VLLM_SERVER_DEV_MODE (bool(int(...)))."""
+    value = os.environ.get("PAGEDLLM_SERVER_DEV_MODE", "0")
+    try:
+        return bool(int(value))
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_SERVER_DEV_MODE must be 0 or 1, got {value!r}") from None
 
 
 def _respond(result: Any) -> Response:
@@ -140,6 +152,14 @@ async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Re
     return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.", media_type="text/plain")
 
 
+@dev_router.post("/reset_prefix_cache")
+async def reset_prefix_cache(raw_request: Request, reset_running_requests: bool = False) -> dict:
+    """vLLM's: forgets the prefix cache, ``{"success": false}`` while requests hold blocks (unless
+    ``?reset_running_requests=true``, which preempts them first)."""
+    logger.info("Resetting prefix cache...")
+    return {"success": bool(await raw_request.app.state.engine_client.reset_prefix_cache(reset_running_requests))}
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     yield
@@ -149,14 +169,18 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def build_app(engine_client: Any, registry: CollectorRegistry, served_model_names: list[str],
               frontend: argparse.Namespace, chat_template: Optional[str] = None, api_keys: Optional[list[str]] = None,
               tool_call_parser: Optional[str] = None, lora_modules: Optional[list[dict]] = None,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, dev_mode: bool = False) -> FastAPI:
     """``frontend``: the HTTP and request flags (cli_args.add_frontend_args: CORS, request logging, response
     role, the web page). ``lora_modules``: adapters served from the start ({"name", "path", "base_model_name"});
-    a bad one is a ValueError."""
+    a bad one is a ValueError. ``dev_mode``: serve dev_router's paths too (server_dev_mode())."""
     app = FastAPI(lifespan=lifespan)
     app.include_router(router)
     if allow_runtime_lora_updating:
         app.include_router(lora_router)
+    if dev_mode:
+        logger.warning("SECURITY WARNING: development endpoints (/reset_prefix_cache) are enabled; this should not "
+                       "be used in production")
+        app.include_router(dev_router)
     if not frontend.disable_web_ui:
         mount_web_ui(app, api_key_required=bool(api_keys))
     register_exception_handlers(app)
@@ -251,6 +275,7 @@ async def run_server(args: argparse.Namespace) -> None:
     """Serves until an exit signal; ``args`` are `pagedllm serve`'s, checked by validate_parsed_serve_args."""
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     interval = None if args.disable_log_stats else log_stats_interval()  # so does a bad variable
+    dev_mode = server_dev_mode()
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
     # vLLM serves prometheus_client's default registry, which holds the process_*, python_info and python_gc_*
@@ -267,7 +292,7 @@ async def run_server(args: argparse.Namespace) -> None:
     try:
         engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
         app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
-                        args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating)
+                        args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating, dev_mode)
         # --uds replaces host and port (uvicorn listens on the socket); a certificate file turns on TLS, with client
         # certificates checked as --ssl-cert-reqs and --ssl-ca-certs say.
         # --root-path is the ASGI root_path: the prefix a proxy strips, which URLs the app makes (OpenAPI) carry.
