@@ -129,6 +129,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.prefix_cache_requests = 0
+        self.prefix_cache_resets = 0
 
     @property
     def num_blocks(self) -> int:
@@ -288,4 +289,8 @@ class KVCacheManager:
         return tuple([[b.block_id for b in blocks] for blocks in new_blocks])
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """The pool's reset, counted when it succeeds: the logged hit rate then starts afresh, as vLLM's."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_resets += 1
+        return True

@@ -168,6 +168,7 @@ def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), num_preemptions=sum(s.num_preemptions for s in stats),
         prefix_cache_requests=sum(s.prefix_cache_requests for s in stats),
+        prefix_cache_resets=sum(s.prefix_cache_resets for s in stats),
         spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),
         spec_decode_num_draft_tokens=sum(s.spec_decode_num_draft_tokens for s in stats),
         spec_decode_num_accepted_tokens=sum(s.spec_decode_num_accepted_tokens for s in stats),

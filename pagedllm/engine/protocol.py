@@ -72,6 +72,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_requests: int = 0  # the requests those queries were of (vLLM's PrefixCacheStats.requests)
+    prefix_cache_resets: int = 0  # reset_prefix_cache calls that emptied it (vLLM's PrefixCacheStats.reset)
     num_preemptions: int = 0
     # Speculative decoding (vLLM's SpecDecodingStats): requests that verified drafts, the drafts, those
     # accepted, and accepted ones by position in the draft (index 0 = first draft token).

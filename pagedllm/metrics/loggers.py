@@ -2,10 +2,10 @@
 engine that did something in that interval or the one before (so the line after a burst shows it over, then it
 goes quiet while idle, as vLLM's), the prompt (computed, not cached) and generation throughput over the interval,
 running and waiting requests, the preemptions in the interval (when there were any), KV cache usage and the prefix
-cache's hit rate over the last 1000 requests that looked it up (when any has); with speculative decoding a second
-line (vLLM's SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the
-acceptance rate per draft position and overall, all over the interval. Off with ``--disable-log-stats``; offline,
-on with ``LLM(disable_log_stats=False)``."""
+cache's hit rate over the last 1000 requests that looked it up since it was last reset (when any has); with
+speculative decoding a second line (vLLM's SpecDecodingLogging) with the mean acceptance length, accepted and drafted
+throughput and tokens, the acceptance rate per draft position and overall, all over the interval. Off with
+``--disable-log-stats``; offline, on with ``LLM(disable_log_stats=False)``."""
 from __future__ import annotations
 
 import logging
@@ -119,6 +119,9 @@ class _EngineWindow:
             self.generation_tokens += iteration_stats.num_generation_tokens
         if scheduler_stats is not None:
             before = self.latest or SchedulerStats()
+            if scheduler_stats.prefix_cache_resets != before.prefix_cache_resets:
+                # vLLM's CachingMetrics.reset: hits counted before the cache was emptied say nothing of it now.
+                self.prefix_cache = _CachingWindow()
             self.prefix_cache.observe(scheduler_stats.prefix_cache_requests - before.prefix_cache_requests,
                                       scheduler_stats.prefix_cache_queries - before.prefix_cache_queries,
                                       scheduler_stats.prefix_cache_hits - before.prefix_cache_hits)

@@ -120,3 +120,14 @@ def test_cache_salt_separates_prefixes():
     plain = req("plain", list(range(9)))
     assert admit(manager, plain)[1] == 0
     manager.free(plain)
+
+
+def test_a_reset_is_counted_when_it_empties_the_cache():
+    """SchedulerStats.prefix_cache_resets (vLLM's PrefixCacheStats.reset), which restarts the logged hit rate: a reset
+    refused while a request holds blocks is not one."""
+    manager = KVCacheManager(num_blocks=10, block_size=BS, max_model_len=100)
+    a = req("a", list(range(10)))
+    admit(manager, a)
+    assert manager.reset_prefix_cache() is False and manager.prefix_cache_resets == 0
+    manager.free(a)
+    assert manager.reset_prefix_cache() is True and manager.prefix_cache_resets == 1

@@ -146,6 +146,21 @@ def test_the_prefix_cache_hit_rate_is_of_the_last_1000_requests_that_looked_it_u
     assert rates == ["100.0%", "100.0%", "0.0%"]  # the first 600 requests left the window for the next 600
 
 
+def test_the_prefix_cache_hit_rate_starts_afresh_after_a_reset(caplog):
+    """vLLM's CachingMetrics.reset: once reset_prefix_cache has emptied the cache, the hit rate counts the requests
+    after it only."""
+    stat_logger = LoggingStatLogger(interval=10.0, clock=Clock(), timer=False)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    stat_logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_requests=10, prefix_cache_queries=1000,
+                                      prefix_cache_hits=900), None)
+    stat_logger.log()
+    stat_logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_requests=11, prefix_cache_queries=1100,
+                                      prefix_cache_hits=900, prefix_cache_resets=1), None)
+    stat_logger.log()
+    rates = [r.getMessage().split("Prefix cache hit rate: ")[1] for r in caplog.records]
+    assert rates == ["90.0%", "0.0%"]
+
+
 def test_the_offline_engine_logs_after_a_step_once_an_interval_has_passed(caplog):
     """LLM(disable_log_stats=False), as vLLM's do_log_stats_with_interval: no timer, the engine asks after each step
     with outputs, and the line comes once an interval has passed since the last."""

@@ -522,7 +522,8 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting), kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
-            prefix_cache_requests=kv.prefix_cache_requests, num_preemptions=self.num_preemptions,
+            prefix_cache_requests=kv.prefix_cache_requests, prefix_cache_resets=kv.prefix_cache_resets,
+            num_preemptions=self.num_preemptions,
             spec_decode_num_drafts=self.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=self.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_decode_num_accepted_tokens,
