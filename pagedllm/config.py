@@ -124,6 +124,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
+        if not isinstance(self.enable_prefix_caching, bool):  # a string such as "false" would turn caching on
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.num_blocks is not None:
             check_int("num_kv_blocks", self.num_blocks, 1)
         if self.kv_cache_memory is not None:

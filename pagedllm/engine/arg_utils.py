@@ -67,7 +67,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None
     block_size: int = 16
-    enable_prefix_caching: bool = True
+    # None: the default (on), as vLLM's None.
+    enable_prefix_caching: Optional[bool] = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     # None: the entry point's default, as vLLM's max_num_batched_tokens by usage context: the server's
@@ -194,7 +195,9 @@ class EngineArgs:
             speculative_config.draft_model_config = draft_model_config(speculative_config, model_config)
         return EngineConfig(
             model_config=model_config,
-            cache_config=CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+            cache_config=CacheConfig(block_size=self.block_size,
+                                     enable_prefix_caching=(True if self.enable_prefix_caching is None
+                                                            else self.enable_prefix_caching),
                                      kv_cache_memory=self.kv_cache_memory if self.kv_cache_memory is not None
                                      else self.kv_cache_memory_bytes,
                                      num_blocks=self.num_kv_blocks if self.num_kv_blocks is not None

@@ -174,11 +174,17 @@ def test_more_logprobs_than_max_logprobs_name_the_field(llm):
     ("max_model_len", "128", "must be an integer"), ("max_model_len", 0, "must be at least 1"),
     ("num_kv_blocks", -3, "must be at least 1"), ("kv_cache_memory", "2 gigs", "a size like '2GiB'"),
     ("kv_cache_memory_bytes", "2G", "must be an integer"), ("num_gpu_blocks_override", 0, "must be at least 1"),
-    ("scheduling_policy", "lifo", "must be one of fcfs, priority")])
+    ("scheduling_policy", "lifo", "must be one of fcfs, priority"),
+    ("enable_prefix_caching", "false", "must be True or False")])
 def test_engine_arguments_of_the_wrong_kind_name_the_field(field, value, message):
     """Checked with the config, before any process starts, rather than failing in the engine process."""
     with pytest.raises(ValueError, match=f"{field}.*{message}"):
         EngineArgs(**{field: value}).create_engine_config()
+
+
+def test_enable_prefix_caching_none_is_the_default():
+    """vLLM's None: prefix caching on (it was off, None being falsy)."""
+    assert EngineArgs(enable_prefix_caching=None).create_engine_config().cache_config.enable_prefix_caching is True
 
 
 def test_an_architecture_not_served_is_refused_with_the_config(tmp_path):
