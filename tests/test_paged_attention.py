@@ -404,6 +404,25 @@ def test_long_decode_rows_split_over_threads(monkeypatch, requests, kv_dtype, sl
         torch.set_num_threads(threads)
 
 
+def test_empty_batches_write_nothing(decode_path):
+    """The kernels called for no requests return having written nothing, on two threads too (where the decode kernel
+    splits histories over the threads by its number of items: zero items once divided it by zero)."""
+    decode, prefill = native.paged_decode(), native.paged_prefill()
+    if decode is None:
+        pytest.skip("the torch path has no kernel to call")
+    cache, table, lens = torch.zeros(32, 2, 64), torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    q, out, lse = torch.zeros(3, 4, 64), torch.full((3, 4, 64), 7.0), torch.full((3, 4), 7.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        decode(q[:0], cache, cache, table, lens, out[:0], lse[:0], start_pos=0, block_size=16, scale=0.125)
+        if prefill is not None:  # three query rows, but no chunk holds them
+            prefill(q, cache, cache, table, lens, lens, lens, out, lse, start_pos=0, block_size=16, scale=0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert bool((out == 7.0).all() and (lse == 7.0).all())
+
+
 @pytest.fixture
 def vdpbf16ps_tiles(decode_path, monkeypatch, kv_dtype):
     """On a CPU with AMX, the bf16-pair prefill tiles and cascade prefix of the build without it (vdpbf16ps), so that

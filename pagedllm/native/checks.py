@@ -36,7 +36,7 @@ def expect(kernel: str, name: str, t: torch.Tensor, dtype: torch.dtype | tuple[t
         problems.append(f"has shape {tuple(t.shape)}, not {tuple('*' if s is None else s for s in shape)}")
     if contiguous and not t.is_contiguous():
         problems.append(f"is not contiguous (strides {t.stride()})")
-    if dense_rows and t.dim() > 1 and not t[0].is_contiguous():
+    if dense_rows and t.dim() > 1 and t.shape[0] > 0 and not t[0].is_contiguous():
         problems.append(f"has rows that are not contiguous (strides {t.stride()})")
     if problems:
         raise NativeCallError(f"{kernel}: {name} {'; '.join(problems)}")

@@ -504,6 +504,7 @@ int paged_decode_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, 
                      int block_size, float scale, float softcap, int num_threads) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
         return -1;
+    if (num_reqs == 0) return 0; /* an empty batch: nothing to write (decode_splits divides by the items) */
     DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
                     window, num_heads, num_kv_heads, head_size, block_size, scale, softcap, out, lse, 1, NULL, NULL};
     const int pairs = num_reqs * num_kv_heads, group = num_heads / num_kv_heads;

@@ -836,7 +836,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
                 float softcap, int num_threads) {
-    if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 1) return -1;
+    if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 0) return -1; /* 0 chunks: no tiles */
     const int group = num_heads / num_kv_heads;
     const int vecs = tile_vecs(group), tokens_per_tile = VEC_LANES * vecs / group;
     int tile_start[num_reqs + 1];
