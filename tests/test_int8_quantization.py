@@ -95,6 +95,22 @@ def test_extreme_codes_sum_exactly(body):
     assert y[0, 0] == y[1, 1] == -y[0, 1] == -y[1, 0] == 256.0
 
 
+@pytest.mark.parametrize("body", BODIES)
+@pytest.mark.parametrize("rows, in_features", [(3, 60), (9, 7)])
+def test_a_nan_activation_makes_its_rows_outputs_nan(body, rows, in_features):
+    """A NaN in a row (a diverged model) makes every output of that row NaN, as the float product and torch's int8
+    path (its topk takes the NaN for an outlier) do, not finite values from a code standing for it; other rows keep
+    theirs."""
+    kernel = native_build(body, "gemm_w8a8")
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(40, in_features, generator=gen), torch.randn(rows, in_features, generator=gen)
+    x[1, in_features // 2] = float("nan")
+    y = kernel(x, pack_w8a8_panels(*quantize_symmetric(weight)), None, 40)
+    expected = _reference(x, weight, None)
+    assert expected[1].isnan().all() and y[1].isnan().all()
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("path", [*BODIES, "torch"])
 def test_layer_paths_agree(path):
     """A W8A8 linear layer on either path (chosen when its weight is packed, after loading) gives the quantized

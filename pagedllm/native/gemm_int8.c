@@ -89,6 +89,16 @@ static float select_outliers(const float *row, int K, int32_t *idx, float *val) 
     return outliers_of_largest(&t, row, idx, val);
 }
 
+/* Whether the row holds a NaN. No code carries one (a NaN codes as -127), so such a row's scale is made a NaN
+ * instead and all its outputs are NaN, as the float product's are (and the torch path's: there topk takes a NaN
+ * for the largest |x|, an outlier). */
+static int has_nan(const float *row, int K) {
+    int nan = 0;
+#pragma omp simd reduction(| : nan)
+    for (int k = 0; k < K; k++) nan |= row[k] != row[k];
+    return nan;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
@@ -613,6 +623,7 @@ static inline __attribute__((always_inline)) int gemm_w8a8(const float *x, int64
             const float *row = x + (int64_t)m * ldx;
             int32_t *idx = oidx + (int64_t)m * OUTLIERS;
             quantize_row(row, K, K4, outliers_of(row, K, idx, oval + (int64_t)m * OUTLIERS), q + m * ldq, sx + m);
+            if (has_nan(row, K)) sx[m] = NAN;
             for (int o = 0; o < OUTLIERS && o < K; o++) q[m * ldq + idx[o]] = ZERO_CODE;
             memset(q + m * ldq + K4 * 4, 0, (size_t)(ldq - K4 * 4)); /* AMX's padding: no weight, multiplied by 0 */
         }
