@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import native
+from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
 from pagedllm.layers.layernorm import HeadRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.native import fused
@@ -147,6 +148,22 @@ def test_write_kv_rounds_into_a_bf16_cache_as_torch_does(rows):
     assert fused.write_kv(key, value, key_flat, value_flat, slots)
     torch.testing.assert_close(key_flat[slots], key.bfloat16(), rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(value_flat[slots], value.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_write_kv_keeps_nans_and_infinities_in_a_one_byte_cache_as_torch_does(kv_dtype):
+    """Heads holding a NaN or an infinity read back as the torch path's quantize_rows leaves them (an int8 head: NaN
+    throughout, its scale a NaN or an infinity); the other heads as before."""
+    key = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0))
+    key[0, 1, 5], key[1, 0, 0], key[2, 1, 15] = float("nan"), float("inf"), float("-inf")
+    width = row_width(16, kv_dtype)
+    key_flat, value_flat = (torch.zeros(8, 2, width, dtype=kv_dtype) for _ in range(2))
+    slots = torch.tensor([6, 1, 3])
+    assert fused.write_kv(key, key, key_flat, value_flat, slots)
+    expected = dequantize_rows(quantize_rows(key, kv_dtype), 16, torch.float32)
+    for cache in (key_flat, value_flat):
+        torch.testing.assert_close(dequantize_rows(cache[slots], 16, torch.float32), expected, rtol=0, atol=0,
+                                   equal_nan=True)
 
 
 def test_write_kv_rejects_a_slot_outside_the_cache_and_writes_nothing():

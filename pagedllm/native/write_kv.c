@@ -108,12 +108,20 @@ int write_kv_fp8_e5m2(const float *key, const float *value, int64_t row_stride, 
 }
 
 /* One head's n floats as int8 codes round(x * 127 / max|x|) (to nearest even) followed by the float32 scale
- * max|x| / 127 (all codes and the scale 0 for a row of zeros). */
+ * max|x| / 127 (all codes and the scale 0 for a row of zeros). As torch's amax, the max is a NaN where the row holds
+ * one (fmaxf would skip it), so the scale is a NaN and the whole row reads back NaN; a code that is no number (x * 0
+ * for a NaN or infinite x, under a scale of NaN or infinity) is 0, as torch's conversion writes it. */
 static inline void quantize_int8_row(const float *x, int8_t *out, int n) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax || a != a ? a : amax;
+    }
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f, scale = amax / 127.0f;
-    for (int i = 0; i < n; i++) out[i] = (int8_t)nearbyintf(x[i] * inverse);
+    for (int i = 0; i < n; i++) {
+        const float code = nearbyintf(x[i] * inverse);
+        out[i] = code == code ? (int8_t)code : 0;
+    }
     memcpy(out + n, &scale, sizeof scale);
 }
 
