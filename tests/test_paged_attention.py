@@ -423,6 +423,47 @@ def test_empty_batches_write_nothing(decode_path):
     assert bool((out == 7.0).all() and (lse == 7.0).all())
 
 
+def _assert_same_nans(out, expected):
+    """out equals expected, NaN exactly where it is NaN (a whole head's row)."""
+    assert torch.equal(out.isnan().any(-1), expected.isnan().any(-1))
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32],
+                               equal_nan=True)
+
+
+def test_nans_reach_the_outputs_that_attend_to_them(decode_path):
+    """A NaN in a query, or in a key or value a query sees, makes that query's head's output NaN, as torch's softmax
+    does (a diverged model stays visibly diverged), where the vector bodies' exp once clamped a NaN score to a weight
+    of exp(-87); every other output is the reference's, a NaN key outside a query's window or past it included."""
+    decode, prefill = native.paged_decode(), native.paged_prefill()
+    if decode is None:
+        pytest.skip("the torch path has no kernel to call")
+    gen, scale = torch.Generator().manual_seed(0), 64**-0.5
+    k_cache, v_cache = torch.randn(2, 3 * 48, 2, 64, generator=gen)
+    q = torch.randn(3, 4, 64, generator=gen)
+    q[0, 0, 7] = k_cache[48 + 5, 1, 3] = v_cache[96 + 30, 0, 9] = float("nan")  # a query; request 1's key, 2's value
+    table = torch.arange(9, dtype=torch.int32).view(3, 3)  # request r: slots 48 r .. 48 r + 47
+    out, lse = torch.empty(3, 4, 64), torch.empty(3, 4)
+    decode(q, k_cache, v_cache, table, torch.full((3,), 40, dtype=torch.int32), out, lse, start_pos=0, block_size=16,
+           scale=scale)
+    for r in range(3):
+        history = slice(48 * r, 48 * r + 40)
+        _assert_same_nans(out[r], reference_attention(q[r:r + 1], k_cache[history], v_cache[history], scale)[0])
+    if prefill is None:
+        return
+    # request 1's last 20 positions, a window of 8: its NaN key (position 5) is seen by none, a NaN put at position
+    # 25 by the queries at 25 .. 32 alone
+    k_cache[48 + 25, 1, 0] = float("nan")
+    q = torch.randn(20, 4, 64, generator=gen)
+    q[3, 2, 0] = float("nan")
+    out, lse = torch.empty(20, 4, 64), torch.empty(20, 4)
+    one = torch.ones(1, dtype=torch.int32)
+    prefill(q, k_cache, v_cache, table[1:2], 0 * one, 20 * one, 40 * one, out, lse, start_pos=0,
+            block_size=16, scale=scale, sliding_window=8)
+    expected = reference_attention(q, k_cache[48:88], v_cache[48:88], scale, sliding_window=8)
+    _assert_same_nans(out, expected)
+    assert out[5:13, 2:].isnan().all() and not out[13:, 2:].isnan().any()
+
+
 @pytest.fixture
 def vdpbf16ps_tiles(decode_path, monkeypatch, kv_dtype):
     """On a CPU with AMX, the bf16-pair prefill tiles and cascade prefix of the build without it (vdpbf16ps), so that

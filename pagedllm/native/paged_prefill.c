@@ -55,8 +55,7 @@ typedef struct {
 
 /* Lay out item's tile over `lanes_in_tile` lanes. The tile reads from its first token's window start on; under a
  * window, a later token's lanes mask what lies below their own (window_start in paged_attention.h). A lane that has
- * seen nothing but masked slots keeps a running max of -inf: its rescale exp(-inf - -inf) is the vector exp of NaN,
- * which the clamp there makes exp(-87), so its sums stay 0 and no NaN reaches a lane. */
+ * seen nothing but masked slots keeps a running max of -inf and sums of 0 (its rescale is 1: rescale16). */
 static inline void tile_lanes(const PrefillArgs *a, int item, int lanes_in_tile, int D, TileLanes *t) {
     const int tile = item / a->num_kv_heads;
     int lo = 0, hi = a->num_reqs - 1; /* the request whose tiles include `tile` */
@@ -356,6 +355,13 @@ static inline __attribute__((always_inline)) void transpose_queries(const TileLa
         }
 }
 
+/* exp(running max - new max), what a lane's sums so far are multiplied by: 1 where the lane has seen no score yet
+ * (both maxes -inf: -inf - -inf would be a NaN, which the exp keeps, and its sums are 0 anyway). */
+static inline __m512 rescale16(__m512 running_max, __m512 new_max) {
+    const __mmask16 none = _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return exp16_nonpositive(_mm512_maskz_sub_ps((__mmask16)~none, running_max, new_max));
+}
+
 /* One run's step of the online softmax, lane-wise: the scores s of slots pos .. pos + RUN - 1 are soft-capped,
  * masked to what each lane sees (the run's first n slots, lower <= slot < limit) and become the weights
  * exp(s - new max), zero where masked; each lane's running max and sum move on, and rescale is what its outputs so
@@ -383,7 +389,7 @@ static inline __attribute__((always_inline)) int softmax_run(__m512 s[RUN][MAX_V
         }
         const __m512 new_max = _mm512_max_ps(running_max[h], run_max);
         moved |= _mm512_cmp_ps_mask(running_max[h], new_max, _CMP_NEQ_UQ);
-        rescale[h] = exp16_nonpositive(_mm512_sub_ps(running_max[h], new_max));
+        rescale[h] = rescale16(running_max[h], new_max);
         running_sum[h] = _mm512_mul_ps(running_sum[h], rescale[h]);
         for (int j = 0; j < RUN; j++) {
             s[j][h] = _mm512_maskz_mov_ps(valid[j], exp16_nonpositive(_mm512_sub_ps(s[j][h], new_max)));
@@ -682,6 +688,12 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
 
 #define prefill_item_body prefill_item_avx512
 #elif defined(__AVX2__) && defined(__FMA__)
+/* rescale16 on 8 lanes: exp(running max - new max), 1 where the lane has seen no score yet. */
+static inline __m256 rescale8(__m256 running_max, __m256 new_max) {
+    const __m256 none = _mm256_cmp_ps(new_max, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    return exp8_nonpositive(_mm256_andnot_ps(none, _mm256_sub_ps(running_max, new_max)));
+}
+
 static inline __attribute__((always_inline)) void prefill_item_avx2(const PrefillArgs *a, int item, const int D,
                                                                     const int VECS) {
     const int LANES = 8 * VECS;
@@ -736,7 +748,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx2(const Prefil
                 run_max = _mm256_max_ps(run_max, s[j][h]);
             }
             const __m256 new_max = _mm256_max_ps(running_max[h], run_max);
-            rescale[h] = exp8_nonpositive(_mm256_sub_ps(running_max[h], new_max));
+            rescale[h] = rescale8(running_max[h], new_max);
             running_sum[h] = _mm256_mul_ps(running_sum[h], rescale[h]);
             for (int j = 0; j < RUN; j++) {
                 s[j][h] = _mm256_and_ps(valid[j], exp8_nonpositive(_mm256_sub_ps(s[j][h], new_max)));

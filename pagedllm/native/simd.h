@@ -68,9 +68,11 @@ static inline float gelu_tanh_mul(float g, float u) {
 #endif
 
 #if defined(__AVX512F__)
-/* exp(x) for x <= 0 (scores minus their running max); 2^n by scalef. */
+/* exp(x) for x <= 0 (scores minus their running max); 2^n by scalef. A NaN x gives a NaN, as torch's exp: max_ps
+ * returns its second operand where either is a NaN, so the clamp keeps it (and a score that is no number reaches the
+ * attention's output, not a weight of exp(-87)). */
 static inline __m512 exp16_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_MIN_X));
+    x = _mm512_max_ps(_mm512_set1_ps(EXP_MIN_X), x);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
@@ -82,9 +84,10 @@ static inline __m512 exp16_nonpositive(__m512 x) {
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* exp(x) for x <= 0, as exp16_nonpositive; 2^n put in the exponent bits (n >= -126 after the clamp). */
+/* exp(x) for x <= 0, as exp16_nonpositive (a NaN x gives a NaN); 2^n put in the exponent bits (n >= -126 after the
+ * clamp). */
 static inline __m256 exp8_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_MIN_X));
+    x = _mm256_max_ps(_mm256_set1_ps(EXP_MIN_X), x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
