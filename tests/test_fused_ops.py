@@ -50,6 +50,18 @@ def test_gated_activations_match_torch(rows, kernel, reference, atol):
     torch.testing.assert_close(kernel(x), reference(gate) * up, rtol=2e-6, atol=atol)
 
 
+@pytest.mark.parametrize("kernel, reference", [
+    (fused.silu_and_mul, F.silu), (fused.gelu_tanh_and_mul, lambda g: F.gelu(g, approximate="tanh"))])
+def test_gated_activations_of_extreme_gates_are_torchs(kernel, reference):
+    """Gates far below -88 (whose exp(-g) overflows), infinite or NaN, times ups of every kind: NaN and infinite
+    exactly where torch's are (silu(-inf) and 0 * inf are NaN), and -0 for a huge negative gate, not the gate times
+    exp(-88) (-6e21 for a gate of -1e30 times an up of 1e30)."""
+    special = torch.tensor([float("-inf"), -1e30, -1000.0, -100.0, -20.0, 0.0, 3.0, 1e30, float("inf"), float("nan")])
+    gate, up = special.repeat_interleave(len(special)), special.repeat(len(special))
+    torch.testing.assert_close(kernel(torch.cat([gate, up])[None]), (reference(gate) * up)[None], rtol=2e-6,
+                               atol=1e-5, equal_nan=True)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 def test_rotary_in_place_matches_torch_on_a_strided_view(rows, rotary_dim):

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #define EXP_MIN_X -87.0f /* below, exp is taken as exp(-87): 2^n stays a normal float */
-#define EXP_MAX_X 88.0f  /* above, exp(88) (the scalar exp only; the vector ones take x <= 0) */
+#define EXP_MAX_X 88.0f  /* above, +inf (the scalar exp only; the vector ones take x <= 0) */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_LN2_HI 0.693359375f
 #define EXP_LN2_LO -2.12194440e-4f
@@ -39,18 +39,20 @@
 #define SCALAR_ADD(a, b) ((a) + (b))
 #define SCALAR_SET1(x) (x)
 
-/* exp(x), ~2 ulp, for |x| < 88 (clamped to [EXP_MIN_X, EXP_MAX_X]). */
+/* exp(x), ~2 ulp, for |x| < 88 (computed on x clamped to [EXP_MIN_X, EXP_MAX_X]); +inf above EXP_MAX_X, where
+ * float32's exp overflows (from 88.72) or nearly: so silu and GeGLU of a gate below -88 are -0 (and of -inf, or
+ * times an infinite up, NaN), as torch's, not the gate times exp(-88). */
 static inline float exp_poly(float x) {
-    x = x < EXP_MIN_X ? EXP_MIN_X : (x > EXP_MAX_X ? EXP_MAX_X : x);
-    const float n = __builtin_rintf(x * EXP_LOG2E);
-    float r = x - n * EXP_LN2_HI;
+    const float c = x < EXP_MIN_X ? EXP_MIN_X : (x > EXP_MAX_X ? EXP_MAX_X : x);
+    const float n = __builtin_rintf(c * EXP_LOG2E);
+    float r = c - n * EXP_LN2_HI;
     r = r - n * EXP_LN2_LO;
     float p;
     EXP_POLY(p, r, SCALAR_FMA, SCALAR_MUL, SCALAR_ADD, SCALAR_SET1);
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    return x > EXP_MAX_X ? __builtin_inff() : p * scale;
 }
 
 /* silu(g) * u, the gated MLP's activation, with exp_poly. */
