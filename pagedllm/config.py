@@ -85,6 +85,8 @@ class SchedulerConfig:
         except ValueError:
             raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in SchedulingPolicy)}, "
                              f"got {self.policy!r}") from None
+        if not isinstance(self.enable_chunked_prefill, bool):  # a string such as "false" would turn it on
+            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             check_int(name, getattr(self, name), 1)
         for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):

@@ -69,7 +69,7 @@ class EngineArgs:
     block_size: int = 16
     # None: the default (on), as vLLM's None.
     enable_prefix_caching: Optional[bool] = True
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: Optional[bool] = True  # None: the default (on), as vLLM's None
     long_prefill_token_threshold: int = 0
     # None: the entry point's default, as vLLM's max_num_batched_tokens by usage context: the server's
     # SERVE_MAX_PREFILL_TOKENS_WITH_DECODES (latency under load), 0 (off) for LLM() and run-batch (throughput).
@@ -163,9 +163,10 @@ class EngineArgs:
                              f"max_position_embeddings ({model_max_len}, with its rope scaling).")
         if self.num_cpu_threads is not None:
             check_int("num_cpu_threads", self.num_cpu_threads, 1)
+        chunked_prefill = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max_model_len
+            max_num_batched_tokens = 2048 if chunked_prefill else max_model_len
         set_quantization(hf_config, self.quantization, path)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                          self.data_parallel_size, self.distributed_executor_backend,
@@ -208,7 +209,7 @@ class EngineArgs:
                                      kv_cache_groups=_cache_groups(model_config)),
             scheduler_config=SchedulerConfig(
                 max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=self.enable_chunked_prefill,
+                max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes or 0,
                 policy=self.scheduling_policy, stream_interval=self.stream_interval),

@@ -183,8 +183,12 @@ def test_engine_arguments_of_the_wrong_kind_name_the_field(field, value, message
 
 
 def test_enable_prefix_caching_none_is_the_default():
-    """vLLM's None: prefix caching on (it was off, None being falsy)."""
+    """vLLM's None: prefix caching on (it was off, None being falsy); chunked prefill likewise."""
     assert EngineArgs(enable_prefix_caching=None).create_engine_config().cache_config.enable_prefix_caching is True
+    scheduler_config = EngineArgs(enable_chunked_prefill=None).create_engine_config().scheduler_config
+    assert (scheduler_config.enable_chunked_prefill, scheduler_config.max_num_batched_tokens) == (True, 2048)
+    with pytest.raises(ValueError, match="enable_chunked_prefill must be True or False, got 'false'"):
+        EngineArgs(enable_chunked_prefill="false").create_engine_config()
 
 
 def test_an_architecture_not_served_is_refused_with_the_config(tmp_path):
