@@ -28,6 +28,7 @@ from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
                                       SchedulerStats)
 from pagedllm.engine.stopping import stop_processes
+from pagedllm.envs import env_flag
 from pagedllm.models.hf_config import load_tokenizer
 
 ENGINE_STARTUP_TIMEOUT_S = 600
@@ -35,13 +36,9 @@ OUTPUT_POLL_MS = 100
 
 
 def multiprocessing_enabled() -> bool:
-    """PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs the engine core in the caller's process; the value is an integer, read
-    as vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING (bool(int(...))), so that "false" is an error, not "on"."""
-    value = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING", "1")
-    try:
-        return bool(int(value))
-    except ValueError:
-        raise ValueError(f"PAGEDLLM_ENABLE_MULTIPROCESSING must be 0 or 1, got {value!r}") from None
+    """PAGEDLLM_ENABLE_MULTIPROCESSING=0 runs the engine core in the caller's process (vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING)."""
+    return env_flag("PAGEDLLM_ENABLE_MULTIPROCESSING", True)
 
 
 class InprocClient:

@@ -150,9 +150,10 @@ def spec_server(tmp_path_factory):
 
 
 @pytest.fixture
-def fresh_server(tmp_path):
-    """A server of the test's own, for tests that kill the engine or stop the server."""
-    srv = RemoteServer(tmp_path / "server.log")
+def fresh_server(tmp_path, request):
+    """A server of the test's own, for tests that kill the engine or stop the server; parametrized indirectly, its
+    parameter is the server's environment."""
+    srv = RemoteServer(tmp_path / "server.log", env=getattr(request, "param", None))
     yield srv
     srv.stop()
     _, alive = psutil.wait_procs(srv.engines, timeout=5)

@@ -13,6 +13,7 @@ from typing import Iterator, Union
 
 import httpx
 import psutil
+import pytest
 
 from pagedllm.engine.launch import CONFIG_ON_STDIN
 from tests.server.conftest import RemoteServer
@@ -36,6 +37,26 @@ def test_api_server_and_engine_core_processes(server):
     assert server.engine.cmdline()[-2:] == ["EngineCore", CONFIG_ON_STDIN]
 
 
+KEEP_ALIVE = {"PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
+
+
+def test_engine_death_fails_requests_then_the_server_exits(fresh_server):
+    """As vLLM's: requests in flight when the engine dies end with a 503 (streamed: a last error event), then the
+    server exits by itself, leaving no child (the fixture checks), so that a supervisor restarts it. It stayed up,
+    answering 503 to everything for ever."""
+    with fresh_server.http(timeout=10) as http, ThreadPoolExecutor(1) as pool:
+        full = pool.submit(http.post, "/v1/completions", json={**LONG_STREAM, "stream": False})
+        with http.stream("POST", "/v1/completions", json=LONG_STREAM) as stream:
+            events = sse_events(stream)
+            assert len(list(islice(events, 2))) == 2
+            fresh_server.engine.kill()
+            rest = list(events)  # the read timeout (10 s) fails the test rather than hanging
+        assert rest[-2]["error"]["code"] == 503 and rest[-1] == "[DONE]"
+        assert full.result().status_code == 503
+    fresh_server.proc.wait(30)
+
+
+@pytest.mark.parametrize("fresh_server", [KEEP_ALIVE], indirect=True)
 def test_engine_death_fails_requests_and_health(fresh_server):
     with fresh_server.http(timeout=10) as http, ThreadPoolExecutor(1) as pool:
         full = pool.submit(http.post, "/v1/completions", json={**LONG_STREAM, "stream": False})

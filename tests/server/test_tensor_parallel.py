@@ -10,7 +10,7 @@ import psutil
 
 from tests.e2e.parallel_helpers import shm_segments, wait_until
 from tests.server.conftest import RemoteServer
-from tests.server.test_lifecycle import LONG_STREAM, sse_events
+from tests.server.test_lifecycle import KEEP_ALIVE, LONG_STREAM, sse_events
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "A short poem about the sea:\n"]
 
@@ -25,7 +25,7 @@ def completions(server: RemoteServer) -> list[str]:
 
 def test_serve_tp3_matches_one_rank_then_survives_no_dead_rank(server, tmp_path):
     before = shm_segments()
-    tp_server = RemoteServer(tmp_path / "server.log", extra_args=["-tp", "3"])
+    tp_server = RemoteServer(tmp_path / "server.log", extra_args=["-tp", "3"], env=KEEP_ALIVE)  # /health 503 then
     try:
         workers = [p for p in psutil.Process(tp_server.engine.pid).children()
                    if "pagedllm.executor.worker_proc" in p.cmdline()]

@@ -38,7 +38,8 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
-from pagedllm.entrypoints.openai.shutdown import RejectWhileShuttingDown, on_exit_signal
+from pagedllm.entrypoints.openai.shutdown import (RejectWhileShuttingDown, exit_when_engine_dies,
+                                                  keep_alive_on_engine_death, on_exit_signal)
 from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.entrypoints.openai.web_ui import mount_web_ui
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
@@ -276,6 +277,7 @@ async def run_server(args: argparse.Namespace) -> None:
     chat_template = load_chat_template(args.chat_template)  # a bad path fails before the model loads
     interval = None if args.disable_log_stats else log_stats_interval()  # so does a bad variable
     dev_mode = server_dev_mode()
+    keep_alive = keep_alive_on_engine_death()  # and this one
     served_model_names = args.served_model_name or [args.model]
     registry = CollectorRegistry()
     # vLLM serves prometheus_client's default registry, which holds the process_*, python_info and python_gc_*
@@ -288,7 +290,7 @@ async def run_server(args: argparse.Namespace) -> None:
         lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config),
         lambda config: LoggingStatLogger(args.data_parallel_size, interval)]
     sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
-    engine_client = None
+    engine_client = watchdog = None
     try:
         engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
         app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
@@ -305,8 +307,12 @@ async def run_server(args: argparse.Namespace) -> None:
         logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,
                     args.root_path or "")
         server = _Server(config, on_exit=lambda: on_exit_signal(app.state, args.shutdown_timeout))
+        if not keep_alive:
+            watchdog = asyncio.create_task(exit_when_engine_dies(server, engine_client))
         await server.serve(sockets=[sock] if sock is not None else None)
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         if engine_client is not None:
             engine_client.shutdown()
         if sock is not None:

@@ -6,6 +6,10 @@ balancer sees the drain). In-flight requests run on for up to the timeout; then 
 the engine is shut down, which ends every request still running with finish_reason "abort" and stops the
 engine process. If they all finish sooner, uvicorn's own exit shuts the engine down. A second signal aborts
 what is left without waiting.
+
+An engine that dies ends the server too, as vLLM's watchdog does: requests in flight have their error by then, and
+uvicorn's exit shuts the rest down, so a supervisor sees the process go and restarts it. With
+PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) the server stays up, answering 503.
 """
 from __future__ import annotations
 
@@ -14,8 +18,11 @@ import logging
 from typing import Any
 
 from pagedllm.entrypoints.openai.errors import ServiceUnavailableError, json_error
+from pagedllm.envs import env_flag
 
 logger = logging.getLogger(__name__)
+
+ENGINE_WATCHDOG_S = 5.0  # vLLM's VLLM_WATCHDOG_TIME_S: how often the server looks whether its engine died
 
 
 class RejectWhileShuttingDown:
@@ -42,3 +49,17 @@ def on_exit_signal(state: Any, shutdown_timeout: float) -> None:
                     shutdown_timeout)
         asyncio.get_running_loop().call_later(shutdown_timeout, engine_client.shutdown)
     state.shutting_down = True
+
+
+def keep_alive_on_engine_death() -> bool:
+    return env_flag("PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH", False)
+
+
+async def exit_when_engine_dies(server: Any, engine_client: Any) -> None:
+    """Asks uvicorn ``server`` to exit once ``engine_client`` is dead (``errored``: with data parallelism, every
+    engine; while one serves, the server serves)."""
+    while not engine_client.errored:
+        await asyncio.sleep(ENGINE_WATCHDOG_S)
+    if not server.should_exit:
+        logger.error("The engine is dead: the server exits (PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it up).")
+        server.should_exit = True
