@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 import msgspec
@@ -20,7 +21,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType, cache_salt_of
-from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.engine.protocol import EngineCoreOutputs, SchedulerStats
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -46,7 +47,12 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._children: dict[str, list[str]] = {}
         self._dead_error: Optional[EngineDeadError] = None
-        self._output_handler = asyncio.get_running_loop().create_task(self._run_output_handler())
+        self._output_handler = asyncio.get_running_loop().create_task(
+            self._run_output_handler(weakref.ref(self), engine_core))
+        # The engine stops with this object: on shutdown(), when it is garbage-collected, or at the interpreter's
+        # exit, whichever comes first (vLLM's __del__). Nothing it starts holds it (the output handler has a weak
+        # reference), so an AsyncLLM dropped without shutdown() does not keep its engine process for ever.
+        self._finalizer = weakref.finalize(self, _stop, engine_core, self._output_handler)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
@@ -148,26 +154,37 @@ class AsyncLLM:
                 self._children.pop(request_output.request_id, None)
 
     # ------------------------------------------------------------------------------------------ outputs
-    async def _run_output_handler(self) -> None:
+    @staticmethod
+    async def _run_output_handler(engine_ref: "weakref.ref[AsyncLLM]", engine_core: Any) -> None:
+        """Hands each batch of the engine's outputs to the AsyncLLM, holding it only meanwhile."""
         try:
             while True:
-                outputs = await self.engine_core.get_output_async()
-                if outputs.engine_dead is not None:  # one data-parallel engine died: only its requests fail
-                    logger.error("%s; failing its %d in-flight requests, the other engines serve on.",
-                                 outputs.engine_dead, len(outputs.failed_request_ids))
-                    self._fail_requests(outputs.failed_request_ids, EngineDeadError(outputs.engine_dead))
-                    for stat_logger in self.stat_loggers:  # its gauges fall to nothing held, its log line stops
-                        stat_logger.record(SchedulerStats(), None, outputs.engine_index)
-                    continue
-                processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
-                self._deliver(processed.request_outputs)
-                if processed.reqs_to_abort:
-                    self.engine_core.abort_requests(processed.reqs_to_abort)
+                outputs = await engine_core.get_output_async()
+                engine = engine_ref()
+                if engine is None:
+                    return
+                engine._process_outputs(outputs)
+                del engine
         except EngineDeadError as e:
-            logger.error("The engine process died; failing %d in-flight requests.", len(self._queues))
-            self._dead_error = e
-            for queue in self._queues.values():
-                queue.put_nowait(e)
+            engine = engine_ref()
+            if engine is not None:
+                logger.error("The engine process died; failing %d in-flight requests.", len(engine._queues))
+                engine._dead_error = e
+                for queue in engine._queues.values():
+                    queue.put_nowait(e)
+
+    def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if outputs.engine_dead is not None:  # one data-parallel engine died: only its requests fail
+            logger.error("%s; failing its %d in-flight requests, the other engines serve on.",
+                         outputs.engine_dead, len(outputs.failed_request_ids))
+            self._fail_requests(outputs.failed_request_ids, EngineDeadError(outputs.engine_dead))
+            for stat_logger in self.stat_loggers:  # its gauges fall to nothing held, its log line stops
+                stat_logger.record(SchedulerStats(), None, outputs.engine_index)
+            return
+        processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
+        self._deliver(processed.request_outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
 
     def _fail_requests(self, engine_request_ids: list[str], error: EngineDeadError) -> None:
         failed = set(engine_request_ids)
@@ -192,5 +209,12 @@ class AsyncLLM:
         """Ends in-flight requests with finish_reason "abort", then stops the engine process."""
         self._dead_error = EngineDeadError("The engine is shut down.")
         self._deliver(self.output_processor.abort_all())
-        self._output_handler.cancel()
-        self.engine_core.shutdown()
+        self._finalizer()
+
+
+def _stop(engine_core: Any, output_handler: asyncio.Task) -> None:
+    """Stops the engine and the output handler (from any thread: the collector may run the finalizer anywhere)."""
+    engine_core.shutdown()
+    loop = output_handler.get_loop()
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(output_handler.cancel)

@@ -117,6 +117,29 @@ def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
     assert not os.path.exists(ipc_dir)
 
 
+def test_an_async_llm_garbage_collected_stops_its_engine(monkeypatch):
+    """As vLLM's AsyncLLM (its __del__): one dropped without shutdown() stops its engine process and removes its IPC
+    directory when it is collected. Its output handler task held it, so the engine ran on until the interpreter
+    exited, and the directory stayed behind even then."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    async def run() -> None:  # the checks while the event loop still runs (its end cancels the handler task)
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        async for output in engine.generate("Hello", SamplingParams(max_tokens=2), "r"):
+            pass
+        assert output.finished
+        proc, ipc_dir = psutil.Process(engine.engine_core.proc.pid), engine.engine_core._mp._ipc_dir
+        del engine, output
+        gc.collect()
+        assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+        assert not os.path.exists(ipc_dir)
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("value", ["false", "off", ""])
 def test_enable_multiprocessing_takes_an_integer(monkeypatch, value):
     """PAGEDLLM_ENABLE_MULTIPROCESSING is read as vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING, bool(int(...)): "false"
