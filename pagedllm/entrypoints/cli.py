@@ -19,11 +19,13 @@ ENGINE_COMMANDS = ("serve", "run-batch")
 
 def serve(args: argparse.Namespace) -> None:
     from pagedllm.entrypoints.openai.api_server import run_server
+    from pagedllm.entrypoints.openai.shutdown import sigterm_interrupts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        asyncio.run(run_server(args))
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once shut down
+        with sigterm_interrupts():
+            asyncio.run(run_server(args))
+    except KeyboardInterrupt:  # uvicorn re-raises the exit signal it handled, once shut down
         pass
 
 

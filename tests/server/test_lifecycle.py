@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import psutil
 import pytest
 
 from pagedllm.engine.launch import CONFIG_ON_STDIN
-from tests.server.conftest import RemoteServer
+from tests.e2e.parallel_helpers import wait_until
+from tests.server.conftest import SERVER_ARGS, RemoteServer
 
 LONG_STREAM = {"prompt": "Count to one thousand:", "max_tokens": 600, "ignore_eos": True, "stream": True}
 
@@ -86,6 +88,27 @@ def test_sigterm_aborts_in_flight_requests_and_leaves_no_child(fresh_server):
     fresh_server.proc.wait(30)
     _, alive = psutil.wait_procs([fresh_server.engine], timeout=5)
     assert not alive
+
+
+def test_sigterm_while_the_engine_starts_stops_it_and_leaves_no_file(tmp_path):
+    """As vLLM's server: SIGTERM before the server listens (the engine loading its model) unwinds the start-up, which
+    stops the engine and removes its IPC directory; SIGTERM's default action ended the server at once, leaving the
+    directory (and, for a second, the engine)."""
+    tmp = tmp_path / "tmp"  # the server's temporary directory: where the engine's IPC directory appears
+    tmp.mkdir()
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0",
+                                 *SERVER_ARGS], stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        assert wait_until(lambda: any(tmp.glob("pagedllm-*/config.pkl")), 120), (tmp_path / "server.log").read_text()
+        engines = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    finally:
+        proc.kill()
+    _, alive = psutil.wait_procs(engines, timeout=5)
+    assert not alive and not list(tmp.iterdir())
 
 
 def test_chat_cli(server):

@@ -5,7 +5,7 @@ Meanwhile any request that still reaches the app gets 503 (``app.state.shutting_
 balancer sees the drain). In-flight requests run on for up to the timeout; then (at once with the default 0)
 the engine is shut down, which ends every request still running with finish_reason "abort" and stops the
 engine process. If they all finish sooner, uvicorn's own exit shuts the engine down. A second signal aborts
-what is left without waiting.
+what is left without waiting. Before uvicorn runs (the engine starting) SIGTERM unwinds as Ctrl-C does.
 
 An engine that dies ends the server too, as vLLM's watchdog does: requests in flight have their error by then, and
 uvicorn's exit shuts the rest down, so a supervisor sees the process go and restarts it. With
@@ -14,8 +14,10 @@ PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 (vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH) t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import Any
+import signal
+from typing import Any, Iterator
 
 from pagedllm.entrypoints.openai.errors import ServiceUnavailableError, json_error
 from pagedllm.envs import env_flag
@@ -37,6 +39,21 @@ class RejectWhileShuttingDown:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt within the block (except while uvicorn holds the exit signals), as vLLM's
+    run_server: a server stopped while its engine starts unwinds, stopping the engine and removing its files,
+    where SIGTERM's default action ended the server at once and left them behind."""
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt("terminated")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def on_exit_signal(state: Any, shutdown_timeout: float) -> None:
