@@ -162,9 +162,17 @@ class MPClient:
             future.set_result(result.result)
 
     def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
-        if self.dead or self._closing:
-            raise EngineDeadError()
-        self._input_socket.send_multipart((request_type.value, self._encoder.encode(payload)), copy=False)
+        """Sends without ever blocking for good: a PUSH socket whose engine has gone (dead, before the monitor has
+        said so) blocks a plain send for ever, which froze the caller (the server's event loop); the send waits
+        instead while the engine's queue is full or the monitor has not yet said the engine died."""
+        frames = (request_type.value, self._encoder.encode(payload))
+        while True:
+            if self.dead or self._closing:
+                raise EngineDeadError()
+            try:
+                return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._input_socket.poll(timeout=OUTPUT_POLL_MS, flags=zmq.POLLOUT)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)

@@ -17,6 +17,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import CONFIG_ON_STDIN, engine_core_prestarted, waiting_engine_cores
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
+from tests.e2e.parallel_helpers import wait_until
 
 
 @pytest.fixture
@@ -56,6 +57,27 @@ def test_dead_engine_raises_instead_of_hanging(mp_llm):
     with pytest.raises(EngineDeadError):
         mp_llm.generate("Hello", SamplingParams(max_tokens=64), use_tqdm=False)
     assert time.monotonic() - start < 10
+
+
+def test_a_request_sent_as_the_engine_dies_fails_instead_of_blocking(mp_llm):
+    """A request sent after the engine process has gone but before the client's monitor has said so (a window as
+    long as the monitor thread takes to run) went to a socket with no peer, whose send blocks for ever: the caller
+    (the server's event loop) froze. Now it fails with EngineDeadError once the monitor has spoken."""
+    client = mp_llm.llm_engine.engine_core._mp
+    client.proc.kill()
+    assert wait_until(lambda: client.dead, 10)
+    client.dead = False  # back in the window: the engine gone, the monitor about to say so
+    failed = threading.Event()
+
+    def send_late() -> None:  # a thread of its own, so that a send blocking for ever fails the test, not hangs it
+        with pytest.raises(EngineDeadError):
+            mp_llm.llm_engine.add_request("late", "Hello", SamplingParams())
+        failed.set()
+
+    threading.Thread(target=send_late, daemon=True).start()
+    time.sleep(0.5)
+    client.dead = True  # what the monitor does
+    assert failed.wait(10), "the request's send blocked"
 
 
 def test_a_data_parallel_engine_that_dies_ends_the_offline_client(monkeypatch):
