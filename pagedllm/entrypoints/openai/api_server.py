@@ -42,6 +42,7 @@ from pagedllm.entrypoints.openai.shutdown import (RejectWhileShuttingDown, exit_
                                                   keep_alive_on_engine_death, on_exit_signal)
 from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.entrypoints.openai.web_ui import mount_web_ui
+from pagedllm.envs import env_flag
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -57,12 +58,8 @@ dev_router = APIRouter()
 
 
 def server_dev_mode() -> bool:
-    """PAGEDLLM_SERVER_DEV_MODE, an integer read as vLLM reads VLLM_SERVER_DEV_MODE (bool(int(...)))."""
-    value = os.environ.get("PAGEDLLM_SERVER_DEV_MODE", "0")
-    try:
-        return bool(int(value))
-    except ValueError:
-        raise ValueError(f"PAGEDLLM_SERVER_DEV_MODE must be 0 or 1, got {value!r}") from None
+    """PAGEDLLM_SERVER_DEV_MODE, read as vLLM reads VLLM_SERVER_DEV_MODE."""
+    return env_flag("PAGEDLLM_SERVER_DEV_MODE", False)
 
 
 def _respond(result: Any) -> Response:
