@@ -141,6 +141,47 @@ class CacheConfig:
                              f"got {self.kv_cache_populate!r}")
 
 
+# vLLM 0.32's CompilationConfig fields (compilation_config={...}, --compilation-config): taken so that vLLM code and
+# command lines run here, an unknown one an error as in vLLM. CPU graphs (worker/cpu_graphs.py) stand in for CUDA
+# graphs: cudagraph_mode NONE turns them off as enforce_eager does. torch.compile's settings and the capture sizes,
+# which vLLM's CPU backend drops too, change nothing here.
+COMPILATION_CONFIG_FIELDS = frozenset((
+    "mode", "debug_dump_path", "cache_dir", "compile_cache_save_format", "backend", "custom_ops",
+    "ir_enable_torch_wrap", "splitting_ops", "compile_mm_encoder", "cudagraph_mm_encoder",
+    "encoder_cudagraph_token_budgets", "encoder_cudagraph_max_vision_items_per_batch",
+    "encoder_cudagraph_max_frames_per_batch", "cudagraph_decoder_replay", "decoder_replay_cudagraph_capture_sizes",
+    "decoder_replay_trim_threshold", "compile_sizes", "compile_ranges_endpoints", "inductor_compile_config",
+    "inductor_passes", "cudagraph_mode", "cudagraph_num_of_warmups", "cudagraph_capture_sizes",
+    "cudagraph_copy_inputs", "cudagraph_specialize_lora", "use_inductor_graph_partition", "pass_config",
+    "max_cudagraph_capture_size", "dynamic_shapes_config", "fast_moe_cold_start"))
+COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_COMPILE")  # vLLM's, 0 .. 3
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+
+def graphs_turned_off(compilation_config) -> bool:
+    """Whether vLLM's ``compilation_config`` (None, a mode 0-3, or a dict of CompilationConfig fields) asks for no
+    graphs (cudagraph_mode NONE); a ValueError naming the field for what vLLM refuses (an unknown field, mode or
+    cudagraph_mode; names case-insensitive as vLLM's)."""
+    if compilation_config is None:
+        return False
+    if isinstance(compilation_config, dict):
+        unknown = sorted(set(compilation_config) - COMPILATION_CONFIG_FIELDS)
+        if unknown:
+            raise ValueError(f"compilation_config has no field {', '.join(map(repr, unknown))}")
+        mode, cudagraph_mode = compilation_config.get("mode"), compilation_config.get("cudagraph_mode")
+    else:
+        mode, cudagraph_mode = compilation_config, None
+    if mode is not None and not (isinstance(mode, str) and mode.upper() in COMPILATION_MODES) and not (
+            isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode < len(COMPILATION_MODES)):
+        raise ValueError(f"compilation_config mode must be 0-3 or one of {', '.join(COMPILATION_MODES)}; "
+                         f"got {mode!r}")
+    if cudagraph_mode is not None and not (isinstance(cudagraph_mode, str)
+                                           and cudagraph_mode.upper() in CUDAGRAPH_MODES):
+        raise ValueError(f"compilation_config cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; got "
+                         f"{cudagraph_mode!r}")
+    return cudagraph_mode is not None and cudagraph_mode.upper() == "NONE"
+
+
 def check_int(name: str, value, lowest: int) -> None:
     """A ValueError naming the field unless ``value`` is an integer (not a bool, not a float such as 16.0) of at
     least ``lowest``: a float or string would otherwise pass the config and fail in the engine process."""

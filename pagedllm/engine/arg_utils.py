@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_int, check_kv_cache_dtype, common_window,
+                             SpeculativeConfig, check_int, check_kv_cache_dtype, common_window, graphs_turned_off,
                              layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
@@ -94,6 +94,8 @@ class EngineArgs:
     quantization: Optional[str] = None
     num_cpu_threads: Optional[int] = None
     enforce_eager: bool = False
+    # vLLM's compilation_config: a mode (0-3) or a dict of its CompilationConfig fields (config.graphs_turned_off).
+    compilation_config: Optional[Union[int, dict]] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -125,6 +127,7 @@ class EngineArgs:
         attention_backend = self.attention_backend or platform.attention_backends[0]
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        enforce_eager = self.enforce_eager or graphs_turned_off(self.compilation_config)
         if self.kv_cache_memory_bytes is not None:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
             if self.kv_cache_memory is not None:
@@ -181,7 +184,7 @@ class EngineArgs:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config,
                                    resolve_dtype(self.dtype, platform, hf_config.model_type), max_model_len,
-                                   self.seed, self.quantization, self.enforce_eager, self.max_logprobs,
+                                   self.seed, self.quantization, enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,
                                    self.override_generation_config, logprobs_mode=self.logprobs_mode)

@@ -140,6 +140,26 @@ def test_engine_values_of_the_wrong_kind_fail_naming_the_field(kwargs, message):
         EngineArgs(**kwargs).create_engine_config()
 
 
+def test_vllms_compilation_config_is_taken_and_cudagraph_mode_none_runs_eagerly():
+    """vLLM's compilation_config (LLM's kwarg, --compilation-config / -cc): a mode or CompilationConfig's fields.
+    cudagraph_mode NONE turns CPU graphs off as enforce_eager does; the other fields (torch.compile's, the capture
+    sizes, which vLLM's CPU backend drops too) leave them on; what vLLM refuses is a ValueError naming it."""
+    def eager(compilation_config) -> bool:
+        return EngineArgs(compilation_config=compilation_config).create_engine_config().model_config.enforce_eager
+
+    assert eager({"cudagraph_mode": "none"}) and eager({"mode": 3, "cudagraph_mode": "NONE"})
+    assert not any(eager(value) for value in (None, 3, {"cudagraph_capture_sizes": [1, 2, 4]},
+                                              {"mode": "VLLM_COMPILE", "cudagraph_mode": "FULL_AND_PIECEWISE"}))
+    assert _parse("-cc", "3").compilation_config == 3
+    assert engine_args_from(_parse("--compilation-config", '{"cudagraph_mode": "NONE"}')).compilation_config == {
+        "cudagraph_mode": "NONE"}
+    for value, message in (({"cuda_graph_sizes": [1]}, "compilation_config has no field 'cuda_graph_sizes'"),
+                           ({"cudagraph_mode": "OFF"}, "compilation_config cudagraph_mode must be one of"),
+                           (7, "compilation_config mode must be 0-3")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            eager(value)
+
+
 def test_vllms_on_off_flags_take_their_no_forms():
     """vLLM's boolean flags are argparse.BooleanOptionalAction: --x and --no-x (the last one given wins)."""
     names = ("enforce_eager", "enable_lora", "enable_expert_parallel", "enable_log_requests", "allow_credentials",

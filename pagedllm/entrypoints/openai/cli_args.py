@@ -237,6 +237,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "requests ran) nor the pagedllm: metrics (default: %(default)s; bench: true)")
     engine.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=EngineArgs.enforce_eager,
                         help="run decode steps eagerly, without replaying CPU graphs")
+    engine.add_argument("--compilation-config", "-cc", type=_compilation_config, default=EngineArgs.compilation_config,
+                        help='vLLM\'s compilation config: a mode (0-3) or JSON; \'{"cudagraph_mode": "NONE"}\' turns '
+                             "off CPU graphs, its other fields change nothing here")
     engine.add_argument("--generation-config", default=EngineArgs.generation_config,
                         help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                              "max_new_tokens as max_tokens): auto reads the model directory's generation_config.json, "
@@ -368,6 +371,11 @@ def _json_list(text: str) -> list:
 
 def _json_object(text: str) -> dict:
     return _json(text, dict, "a JSON object")
+
+
+def _compilation_config(text: str) -> int | dict:
+    """vLLM's --compilation-config value: a mode such as 3, or a JSON object of CompilationConfig fields."""
+    return int(text) if text.strip().isdigit() else _json_object(text)
 
 
 def _json(text: str, kind: type, name: str):
