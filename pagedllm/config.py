@@ -182,6 +182,25 @@ def graphs_turned_off(compilation_config) -> bool:
     return cudagraph_mode is not None and cudagraph_mode.upper() == "NONE"
 
 
+def check_capture_size_shortcuts(compilation_config, cudagraph_capture_sizes, max_cudagraph_capture_size) -> None:
+    """vLLM's EngineArgs shortcuts for two compilation_config fields: each a ValueError where the field is given too
+    (vLLM's message), or where it is not positive integers (the sizes a list of them)."""
+    fields = compilation_config if isinstance(compilation_config, dict) else {}
+    for name, value in (("cudagraph_capture_sizes", cudagraph_capture_sizes),
+                        ("max_cudagraph_capture_size", max_cudagraph_capture_size)):
+        if value is None:
+            continue
+        if name in fields:
+            raise ValueError(f"{name} and compilation_config.{name} are mutually exclusive")
+        if name == "max_cudagraph_capture_size":
+            check_int(name, value, 1)
+        elif not isinstance(value, list) or not value:
+            raise ValueError(f"{name} must be a list of positive integers, got {value!r}")
+        else:
+            for size in value:
+                check_int(name, size, 1)
+
+
 def check_int(name: str, value, lowest: int) -> None:
     """A ValueError naming the field unless ``value`` is an integer (not a bool, not a float such as 16.0) of at
     least ``lowest``: a float or string would otherwise pass the config and fail in the engine process."""

@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_int, check_kv_cache_dtype, common_window, graphs_turned_off,
-                             layer_sliding_window)
+                             SpeculativeConfig, check_capture_size_shortcuts, check_int, check_kv_cache_dtype,
+                             common_window, graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
@@ -96,6 +96,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # vLLM's compilation_config: a mode (0-3) or a dict of its CompilationConfig fields (config.graphs_turned_off).
     compilation_config: Optional[Union[int, dict]] = None
+    # vLLM's shortcuts for two of its fields (config.check_capture_size_shortcuts): taken, and change nothing here.
+    cudagraph_capture_sizes: Optional[list[int]] = None
+    max_cudagraph_capture_size: Optional[int] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -128,6 +131,8 @@ class EngineArgs:
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
         enforce_eager = self.enforce_eager or graphs_turned_off(self.compilation_config)
+        check_capture_size_shortcuts(self.compilation_config, self.cudagraph_capture_sizes,
+                                     self.max_cudagraph_capture_size)
         if self.kv_cache_memory_bytes is not None:
             check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
             if self.kv_cache_memory is not None:

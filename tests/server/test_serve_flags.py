@@ -160,6 +160,19 @@ def test_vllms_compilation_config_is_taken_and_cudagraph_mode_none_runs_eagerly(
             eager(value)
 
 
+def test_vllms_capture_size_shortcuts_are_taken_but_not_beside_their_compilation_config_fields():
+    args = engine_args_from(_parse("--cudagraph-capture-sizes", "1", "2", "4", "--max-cudagraph-capture-size", "4"))
+    assert (args.cudagraph_capture_sizes, args.max_cudagraph_capture_size) == ([1, 2, 4], 4)
+    assert not args.create_engine_config().model_config.enforce_eager
+    for kwargs, message in (
+            ({"cudagraph_capture_sizes": [8], "compilation_config": {"cudagraph_capture_sizes": [8]}},
+             "cudagraph_capture_sizes and compilation_config.cudagraph_capture_sizes are mutually exclusive"),
+            ({"max_cudagraph_capture_size": "8"}, "max_cudagraph_capture_size must be an integer, got '8'"),
+            ({"cudagraph_capture_sizes": [1, 0]}, "cudagraph_capture_sizes must be at least 1, got 0")):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            EngineArgs(**kwargs).create_engine_config()
+
+
 def test_vllms_on_off_flags_take_their_no_forms():
     """vLLM's boolean flags are argparse.BooleanOptionalAction: --x and --no-x (the last one given wins)."""
     names = ("enforce_eager", "enable_lora", "enable_expert_parallel", "enable_log_requests", "allow_credentials",

@@ -240,6 +240,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--compilation-config", "-cc", type=_compilation_config, default=EngineArgs.compilation_config,
                         help='vLLM\'s compilation config: a mode (0-3) or JSON; \'{"cudagraph_mode": "NONE"}\' turns '
                              "off CPU graphs, its other fields change nothing here")
+    engine.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=EngineArgs.cudagraph_capture_sizes,
+                        help="vLLM's shortcut for compilation_config's field: taken, changes nothing here")
+    engine.add_argument("--max-cudagraph-capture-size", type=int, default=EngineArgs.max_cudagraph_capture_size,
+                        help="vLLM's shortcut for compilation_config's field: taken, changes nothing here")
     engine.add_argument("--generation-config", default=EngineArgs.generation_config,
                         help="default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                              "max_new_tokens as max_tokens): auto reads the model directory's generation_config.json, "
