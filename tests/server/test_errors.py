@@ -27,6 +27,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hi", "bad_words": [" "]}, "bad_words"),  # banned nothing, silently
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
+    # More than the context holds, whatever the prompt: vLLM's 400 (not cut to what is left, as one that fits is).
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": HI, "max_completion_tokens": 10 ** 6}, "max_completion_tokens"),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
     ("/v1/completions", {"prompt": [1, 2, 3], "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
     ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 2.5}, "frequency_penalty"),
@@ -77,13 +81,16 @@ def test_bad_request_names_the_field(server, path, body, param):
 
 
 def test_context_length_messages(server):
-    """A prompt that fills the context is a 400; a max_tokens past what is left is cut to it (vLLM 0.32's
-    get_max_tokens)."""
+    """A prompt that fills the context is a 400, and so is a max_tokens past the context (vLLM 0.32's TokenizeParams);
+    a max_tokens past only what the prompt leaves is cut to it (vLLM 0.32's get_max_tokens)."""
     with server.http() as http:
         too_long = http.post("/v1/completions", json={"prompt": "hello " * MAX_MODEL_LEN}).json()["error"]
+        too_many = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": MAX_MODEL_LEN + 1}).json()["error"]
         clamped = http.post("/v1/completions", json={"prompt": list(range(100, 100 + MAX_MODEL_LEN - 8)),
                                                      "max_tokens": MAX_MODEL_LEN, "min_tokens": 8}).json()
     assert too_long["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
+    assert too_many["message"] == (f"max_tokens={MAX_MODEL_LEN + 1} cannot be greater than max_model_len="
+                                   f"{MAX_MODEL_LEN}. Please request fewer output tokens.")
     assert clamped["usage"]["completion_tokens"] == 8
     assert clamped["choices"][0]["finish_reason"] == "length"
 

@@ -95,7 +95,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
         prompt_token_ids = self._truncated(request, list(prompt_token_ids))
-        max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages")
+        max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages",
+                                      request.max_tokens_param)
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
         reasoning_parser, params = self._reasoning(request, prompt_token_ids, params)
         request_id = f"chatcmpl-{random_uuid()}"

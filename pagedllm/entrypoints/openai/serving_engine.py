@@ -86,10 +86,15 @@ class OpenAIServing:
             return token_ids[:limit]
         return token_ids[max(len(token_ids) - limit, 0):]
 
-    def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str) -> int:
+    def _max_tokens(self, num_prompt_tokens: int, max_tokens: Optional[int], prompt_param: str,
+                    max_tokens_param: str = "max_tokens") -> int:
         """The completion budget: what was asked for, or by default the generation config's max_tokens, at most the
-        rest of the context (all of it when there is none), as vLLM 0.32's get_max_tokens; 400 only for a prompt
-        that leaves no room."""
+        rest of the context (all of it when there is none), as vLLM 0.32's get_max_tokens. 400 for a prompt that
+        leaves no room, and (as vLLM's TokenizeParams) for a budget asked for past max_model_len, which no prompt
+        leaves room for; one past only what the prompt leaves is cut to it."""
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            raise BadRequestError(f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len="
+                                  f"{self.max_model_len}. Please request fewer output tokens.", max_tokens_param)
         if num_prompt_tokens >= self.max_model_len:
             raise BadRequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "

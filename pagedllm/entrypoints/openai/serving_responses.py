@@ -54,7 +54,8 @@ def _renamed(error: OpenAIError) -> OpenAIError:
         return error
     name = _RESPONSES_PARAM[error.param]
     first, sep, rest = error.message.partition(" ")
-    message = f"{name}{sep}{rest}" if first.rstrip(":") == error.param else error.message
+    field, equals, value = first.partition("=")  # "max_tokens=5000 cannot be ..." names its value too
+    message = f"{name}{equals}{value}{sep}{rest}" if field.rstrip(":") == error.param else error.message
     return type(error)(message, name)
 
 
