@@ -80,7 +80,7 @@ def test_bad_request_names_the_field(server, path, body, param):
     assert param.split(".")[0] in error["message"] or "context length" in error["message"]
 
 
-def test_context_length_messages(server):
+def test_context_length_messages(server, tokenizer):
     """A prompt that fills the context is a 400, and so is a max_tokens past the context (vLLM 0.32's TokenizeParams);
     a max_tokens past only what the prompt leaves is cut to it (vLLM 0.32's get_max_tokens)."""
     with server.http() as http:
@@ -88,7 +88,10 @@ def test_context_length_messages(server):
         too_many = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": MAX_MODEL_LEN + 1}).json()["error"]
         clamped = http.post("/v1/completions", json={"prompt": list(range(100, 100 + MAX_MODEL_LEN - 8)),
                                                      "max_tokens": MAX_MODEL_LEN, "min_tokens": 8}).json()
-    assert too_long["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
+    num_tokens = len(tokenizer.encode("hello " * MAX_MODEL_LEN))
+    assert too_long["message"] == (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+                                   f"prompt contains {num_tokens} input tokens, which exceeds this limit even without "
+                                   "any output tokens. Please reduce the length of the input prompt.")
     assert too_many["message"] == (f"max_tokens={MAX_MODEL_LEN + 1} cannot be greater than max_model_len="
                                    f"{MAX_MODEL_LEN}. Please request fewer output tokens.")
     assert clamped["usage"]["completion_tokens"] == 8

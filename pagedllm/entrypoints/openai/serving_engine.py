@@ -95,10 +95,13 @@ class OpenAIServing:
         if max_tokens is not None and max_tokens > self.max_model_len:
             raise BadRequestError(f"{max_tokens_param}={max_tokens} cannot be greater than max_model_len="
                                   f"{self.max_model_len}. Please request fewer output tokens.", max_tokens_param)
-        if num_prompt_tokens >= self.max_model_len:
+        if num_prompt_tokens >= self.max_model_len:  # vLLM's text (its renderer's), and for a prompt that fills it
+            why = ("exceeds this limit even without any output tokens" if num_prompt_tokens > self.max_model_len
+                   else "leaves no room for any output tokens")
             raise BadRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{num_prompt_tokens} input tokens. Please reduce the length of the input.", prompt_param)
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt contains "
+                f"{num_prompt_tokens} input tokens, which {why}. Please reduce the length of the input prompt.",
+                prompt_param)
         if max_tokens is None:
             max_tokens = self.default_sampling_params.get("max_tokens", self.max_model_len)
         return min(max_tokens, self.max_model_len - num_prompt_tokens)
