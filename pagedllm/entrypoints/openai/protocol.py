@@ -336,6 +336,9 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     logprobs: Optional[int] = None
     add_special_tokens: bool = True
+    # OpenAI's text after the completion (fill-in-the-middle): refused, as vLLM refuses it for every model without a
+    # FIM renderer (which no model pagedllm runs has), rather than ignored.
+    suffix: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                 ) -> Union[CompletionResponse, AsyncIterator[str]]:
         """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""
         model_name = self.models.check_model(request.model)
+        if request.suffix is not None:
+            raise BadRequestError("suffix is only supported for models with FIM completion rendering", "suffix")
         prompts = self._prompts(request)
         max_tokens = 1 if request.echo_only else request.max_tokens  # echo_only: the token generated is not sent
         params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt"))
