@@ -1,6 +1,8 @@
 """/v1/completions, /tokenize and /detokenize: streaming equals non-streaming, batches of prompts, echo, logprobs."""
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 
@@ -180,3 +182,22 @@ def test_truncate_prompt_tokens_minus_one_leaves_room_for_output(client, tokeniz
     chat = client.chat.completions.create(messages=[{"role": "user", "content": tokenizer.decode(ids)}], **ask)
     for answer in (completion, chat):
         assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (MAX_MODEL_LEN - 1, 1)
+
+
+def test_response_id_is_the_clients(server):
+    """vLLM's request ids: the response's id is "cmpl-" (chat: "chatcmpl-") and the X-Request-Id header, else the
+    body's request_id; two requests at once may send the same one."""
+    ask = dict(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=2)
+
+    async def twins() -> list[str]:
+        client = server.get_async_client()
+        same = [client.completions.create(**ask, extra_headers={"X-Request-Id": "same"},
+                                          extra_body={"request_id": "overridden"}) for _ in range(2)]
+        return [completion.id for completion in await asyncio.gather(*same)]
+
+    assert asyncio.run(twins()) == ["cmpl-same", "cmpl-same"]
+    client = server.get_client()
+    assert client.completions.create(**ask, extra_body={"request_id": "mine"}).id == "cmpl-mine"
+    chat = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=2, extra_headers={
+        "X-Request-Id": "talk"}, messages=[{"role": "user", "content": "Hi"}])
+    assert chat.id == "chatcmpl-talk"

@@ -62,6 +62,14 @@ def server_dev_mode() -> bool:
     return env_flag("PAGEDLLM_SERVER_DEV_MODE", False)
 
 
+def _with_header_request_id(request: Any, raw_request: Request) -> Any:
+    """``request`` with the X-Request-Id header, when sent, as its request_id (vLLM's precedence over the body's)."""
+    header = raw_request.headers.get("X-Request-Id")
+    if header is not None:
+        request.request_id = header
+    return request
+
+
 def _respond(result: Any) -> Response:
     if isinstance(result, BaseModel):
         return Response(result.model_dump_json(), media_type="application/json")
@@ -110,7 +118,8 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 @router.post("/v1/chat/completions")
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
-    return _respond(await raw_request.app.state.openai_serving_chat.create_chat_completion(request))
+    return _respond(await raw_request.app.state.openai_serving_chat.create_chat_completion(
+        _with_header_request_id(request, raw_request)))
 
 
 @router.post("/v1/responses")
@@ -134,7 +143,8 @@ async def cancel_responses(response_id: str, raw_request: Request) -> Response:
 @router.post("/v1/completions")
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-    return _respond(await raw_request.app.state.openai_serving_completion.create_completion(request))
+    return _respond(await raw_request.app.state.openai_serving_completion.create_completion(
+        _with_header_request_id(request, raw_request)))
 
 
 @lora_router.post("/v1/load_lora_adapter")

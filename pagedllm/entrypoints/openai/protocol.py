@@ -162,6 +162,9 @@ class SamplingRequest(OpenAIBaseModel):
     """The fields chat and completion requests share; None means the default."""
 
     model: Optional[str] = None
+    # vLLM's: the id the response carries after its "cmpl-" / "chatcmpl-" (a random one when None); an X-Request-Id
+    # header takes its place (the route puts it here).
+    request_id: Optional[str] = None
     n: Optional[int] = 1
     temperature: Optional[float] = None
     top_p: Optional[float] = None

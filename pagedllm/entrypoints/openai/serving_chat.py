@@ -14,7 +14,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatCompletionResponseChoice,
                                                   ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
-                                                  ChatMessage, DeltaMessage, UsageInfo, random_uuid)
+                                                  ChatMessage, DeltaMessage, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, check_output, named_field,
                                                         sse, sse_error)
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -99,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
                                       request.max_tokens_param)
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
         reasoning_parser, params = self._reasoning(request, prompt_token_ids, params)
-        request_id = f"chatcmpl-{random_uuid()}"
+        request_id = self._request_id("chatcmpl", request)
         prompt = {"prompt_token_ids": prompt_token_ids, "cache_salt": request.cache_salt}
         results = await self._start(self._generate(prompt, params, request_id, request.priority, request.model),
                                     request, "messages")

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Optional, Union
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                                   CompletionResponseChoice, CompletionResponseStreamChoice,
-                                                  CompletionStreamResponse, UsageInfo, random_uuid)
+                                                  CompletionStreamResponse, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (MIN_LOGPROB, OpenAIServing, check_output, sse,
                                                         sse_error)
 from pagedllm.entrypoints.openai.utils import merge_async_iterators
@@ -34,7 +34,7 @@ class OpenAIServingCompletion(OpenAIServing):
         max_tokens = 1 if request.echo_only else request.max_tokens  # echo_only: the token generated is not sent
         params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt"))
                   for _, ids in prompts]
-        request_id = f"cmpl-{random_uuid()}"
+        request_id = self._request_id("cmpl", request)
         generators = [
             self._generate({"prompt": text, "prompt_token_ids": ids, "cache_salt": request.cache_salt}, p,
                            f"{request_id}-{i}", request.priority, request.model)

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Optional, TypeVar, Union
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.errors import BadRequestError, to_openai_error
-from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest
+from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest, random_uuid
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.utils import peek
 from pagedllm.outputs import Logprob, PromptLogprobs, RequestOutput
@@ -120,16 +120,23 @@ class OpenAIServing:
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
 
+    @staticmethod
+    def _request_id(prefix: str, request: SamplingRequest) -> str:
+        """The response's id: the client's (X-Request-Id or request_id, as vLLM's _base_request_id) or a random one."""
+        return f"{prefix}-{request.request_id or random_uuid()}"
+
     def _generate(self, prompt: dict, params: Union[SamplingParams, BeamSearchParams], request_id: str,
                   priority: int, model: Optional[str]) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, with the LoRA adapter ``model`` names (if it names one). Beam
         search yields one final output holding the n beams, best first, so a stream carries each choice whole in
-        one chunk (as vLLM streams beam search)."""
+        one chunk (as vLLM streams beam search). The engine's id is ``request_id`` made unique (as vLLM's
+        InputProcessor.assign_request_id), so that clients may send the same X-Request-Id at once."""
         lora_request = self.models.lora_request(model)
         if self.request_logger is not None:  # a chat prompt's text is its template's output, as vLLM logs it
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt") or self.tokenizer.decode(ids)
             self.request_logger.log_inputs(request_id, text, ids, params, lora_request)
+        request_id = f"{request_id}-{random_uuid()[:8]}"
         if isinstance(params, BeamSearchParams):
             return self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
         return self.engine_client.generate(prompt, params, request_id, priority=priority, lora_request=lora_request)
