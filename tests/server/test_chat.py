@@ -194,7 +194,8 @@ def test_top_logprobs_minus_1_lists_every_token(flags_server, tokenizer):
 
 def test_enable_prompt_tokens_details_reports_the_cached_prompt_tokens(flags_server):
     """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens counts the prompt tokens the
-    prefix cache held (left out when none), in chat and completions answers, streamed or not."""
+    prefix cache held (0 when none: the field is there whenever the flag is on), in chat and completions answers,
+    streamed or not."""
     messages = [{"role": "user", "content": "Which prompt tokens did the prefix cache hold for this question?"}]
     with flags_server.http(timeout=120) as http:
         def chat(**extra):
@@ -213,7 +214,7 @@ def test_enable_prompt_tokens_details_reports_the_cached_prompt_tokens(flags_ser
     assert again["prompt_tokens_details"] == {"cached_tokens": whole_blocks}
     assert json.loads(streamed[-1].removeprefix("data: "))["usage"]["prompt_tokens_details"] == \
         {"cached_tokens": whole_blocks}
-    assert completions[0].get("prompt_tokens_details") is None  # none cached: left out
+    assert completions[0]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert completions[1]["prompt_tokens_details"] == {"cached_tokens": 96}
 
 

@@ -99,19 +99,19 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: Optional[int] = 0
-    # With --enable-prompt-tokens-details, the prompt tokens found in the prefix cache, when there were any (vLLM's).
+    # With --enable-prompt-tokens-details, the prompt tokens found in the prefix cache, 0 included (vLLM's).
     prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
     # With --reasoning-parser, how many completion tokens were reasoning (vLLM's).
     completion_tokens_details: Optional[CompletionTokenUsageInfo] = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None,
            reasoning_tokens: Optional[int] = None) -> "UsageInfo":
-        """``cached_tokens``: reported only when not 0 (give 0 where they are not to be reported);
-        ``reasoning_tokens``: reported when not None."""
+        """``cached_tokens``, ``reasoning_tokens``: reported when not None."""
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens) if cached_tokens else None,
+                   prompt_tokens_details=None if cached_tokens is None else
+                   PromptTokenUsageInfo(cached_tokens=cached_tokens),
                    completion_tokens_details=None if reasoning_tokens is None else
                    CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens))
 

@@ -64,10 +64,11 @@ class OpenAIServing:
             logger.info("Using default %s sampling params from %s: %s", self.endpoint, source,
                         self.default_sampling_params)
 
-    def _cached_tokens(self, num_cached_tokens: int, always: bool = False) -> int:
-        """The cached prompt tokens a usage reports: none without --enable-prompt-tokens-details (vLLM's), unless
-        ``always`` (the Responses API reports them whatever the flag)."""
-        return num_cached_tokens if always or self.enable_prompt_tokens_details else 0
+    def _cached_tokens(self, num_cached_tokens: int, always: bool = False) -> Optional[int]:
+        """The cached prompt tokens a usage reports, 0 included: None (not reported) without
+        --enable-prompt-tokens-details (vLLM's), unless ``always`` (the Responses API reports them whatever the
+        flag)."""
+        return num_cached_tokens if always or self.enable_prompt_tokens_details else None
 
     def _truncated(self, request: SamplingRequest, token_ids: list[int]) -> list[int]:
         """The prompt's tokens cut to truncate_prompt_tokens (vLLM's): the last ones, or with truncation_side
