@@ -12,6 +12,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import time
 
 import httpx
 import psutil
@@ -339,7 +340,7 @@ def flags_server(tmp_path_factory, tokenizer):
                     "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
                     "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui",
-                    "--disable-log-stats"],
+                    "--disable-log-stats", "--enable-server-load-tracking"],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
         client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
     srv.socket_path, srv.cert = socket_path, cert
@@ -390,6 +391,24 @@ def test_cors_preflight(flags_server):
     assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == GOOD_ORIGIN
     refused = preflight("http://evil.example")
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+
+
+def test_server_load_counts_the_requests_in_flight(flags_server):
+    """vLLM's --enable-server-load-tracking: GET /load counts a generating request (here under the root path) until
+    its stream has ended; other routes do not count."""
+    with flags_server.http() as http:
+        assert http.get("/load").json() == {"server_load": 0}
+        body = {"prompt": "Hi", "max_tokens": 3, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as stream:
+            events = stream.iter_lines()
+            assert next(events).startswith("data: ")
+            assert http.get("/load").json() == {"server_load": 1}
+            assert "data: [DONE]" in list(events)
+        for _ in range(100):  # the server's count drops once the last event is sent, maybe after the client has it
+            if http.get("/load").json()["server_load"] == 0:
+                break
+            time.sleep(0.1)
+        assert http.get("/load").json() == {"server_load": 0}
 
 
 def test_requests_are_logged_cut_at_max_log_len(flags_server):

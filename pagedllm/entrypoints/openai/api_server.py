@@ -95,6 +95,12 @@ async def version() -> dict:
     return {"version": pagedllm.__version__}
 
 
+@router.get("/load")
+async def server_load(raw_request: Request) -> dict:
+    """vLLM's: the requests in flight on the generation routes, with --enable-server-load-tracking (else 0)."""
+    return {"server_load": raw_request.app.state.server_load_metrics}
+
+
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
     return Response(generate_latest(raw_request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
@@ -192,6 +198,9 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     if not frontend.disable_web_ui:
         mount_web_ui(app, api_key_required=bool(api_keys))
     register_exception_handlers(app)
+    app.state.server_load_metrics = 0
+    if frontend.enable_server_load_tracking:  # innermost: what authentication refuses does not count
+        app.add_middleware(ServerLoadTracking)
     if api_keys:
         app.add_middleware(AuthenticationMiddleware, api_keys=api_keys)
     app.add_middleware(CORSMiddleware, allow_origins=frontend.allowed_origins,
@@ -235,6 +244,28 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger,
                                                               enable_prompt_tokens_details=enable_prompt_tokens_details)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template)
+
+
+class ServerLoadTracking:
+    """ASGI middleware (vLLM's --enable-server-load-tracking): app.state.server_load_metrics counts the requests to
+    the routes that generate (chat, completions, Responses, as vLLM's load_aware_call routes) from their arrival until
+    their response, a stream's last event included, is sent or the client has gone."""
+    PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))  # as routed (--root-path)
+        if scope["type"] != "http" or not path.startswith(self.PATHS):
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        state.server_load_metrics += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.server_load_metrics -= 1
 
 
 class _Server(uvicorn.Server):

@@ -103,6 +103,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                           help="logged prompts keep this many characters, and token ids (default: all)")
     requests.add_argument("--response-role", default="assistant",
                           help="the role of chat completion messages (default: %(default)s)")
+    requests.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                          help="GET /load counts the chat, completion and Responses requests in flight (else 0)")
 
 
 def validate_parsed_serve_args(args: argparse.Namespace) -> None:
