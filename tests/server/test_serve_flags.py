@@ -340,7 +340,7 @@ def flags_server(tmp_path_factory, tokenizer):
                     "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
                     "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui",
-                    "--disable-log-stats", "--enable-server-load-tracking"],
+                    "--disable-log-stats", "--enable-server-load-tracking", "--enable-request-id-headers"],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
         client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
     srv.socket_path, srv.cert = socket_path, cert
@@ -409,6 +409,16 @@ def test_server_load_counts_the_requests_in_flight(flags_server):
                 break
             time.sleep(0.1)
         assert http.get("/load").json() == {"server_load": 0}
+
+
+def test_request_id_headers(flags_server):
+    """vLLM's --enable-request-id-headers: each response's X-Request-Id is the request's own (its completion's id is
+    cmpl- and it), else a random one."""
+    with flags_server.http() as http:
+        answer = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"X-Request-Id": "r1"})
+        health = http.get("/health")
+    assert answer.headers["X-Request-Id"] == "r1" and answer.json()["id"] == "cmpl-r1"
+    assert re.fullmatch("[0-9a-f]{32}", health.headers["X-Request-Id"])
 
 
 def test_requests_are_logged_cut_at_max_log_len(flags_server):

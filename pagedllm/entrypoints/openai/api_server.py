@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import (CONTENT_TYPE_LATEST, GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR,
                                CollectorRegistry, generate_latest)
 from pydantic import BaseModel
+from starlette.datastructures import Headers, MutableHeaders
 
 import pagedllm
 from pagedllm.engine.async_llm import AsyncLLM
@@ -31,7 +32,8 @@ from pagedllm.entrypoints.openai.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.cli_args import serve_engine_args
 from pagedllm.entrypoints.openai.errors import OpenAIError, register_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest)
+                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
+                                                  random_uuid)
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -206,6 +208,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     app.add_middleware(CORSMiddleware, allow_origins=frontend.allowed_origins,
                        allow_credentials=frontend.allow_credentials, allow_methods=frontend.allowed_methods,
                        allow_headers=frontend.allowed_headers)
+    if frontend.enable_request_id_headers:
+        app.add_middleware(RequestIdHeader)
     # Added last, so outermost: a request arriving while the server drains gets its 503 before anything else;
     # CORS comes next, so preflights are answered before authentication and 401s carry CORS headers too.
     app.add_middleware(RejectWhileShuttingDown)
@@ -266,6 +270,27 @@ class ServerLoadTracking:
             await self.app(scope, receive, send)
         finally:
             state.server_load_metrics -= 1
+
+
+class RequestIdHeader:
+    """ASGI middleware (vLLM's --enable-request-id-headers): every response carries an X-Request-Id header, the
+    request's own when it sent one (which a chat or completion answer's id then carries too), else a random one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("X-Request-Id", random_uuid())
+
+        async def send_with_request_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", request_id)
+            await send(message)
+
+        await self.app(scope, receive, send_with_request_id)
 
 
 class _Server(uvicorn.Server):
