@@ -100,6 +100,14 @@ def test_context_length_messages(server, tokenizer):
     assert clamped["choices"][0]["finish_reason"] == "length"
 
 
+def test_empty_text_prompt_is_vllms_400(server):
+    """An empty text prompt is refused with vLLM's words, whether or not the tokenizer would give it a BOS token."""
+    with server.http() as http:
+        error = http.post("/v1/completions", json={"prompt": ""}).json()["error"]
+    assert (error["message"], error["param"]) == (
+        "Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+
+
 def test_malformed_json_is_400(server):
     with server.http() as http:
         response = http.post("/v1/chat/completions", content=b'{"messages": [', headers={

@@ -46,6 +46,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _prompts(self, request: CompletionRequest) -> list[Prompt]:
         prompt = request.prompt
+        if prompt == "":  # refused as vLLM's body check does, even where the tokenizer would add a BOS token to it
+            raise BadRequestError("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
