@@ -33,6 +33,7 @@ BAD_REQUESTS = [
     ("/v1/responses", {"input": "Hi", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
     ("/v1/completions", {"prompt": [1, 2, 3], "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": [10 ** 9]}, "prompt"),
+    ("/v1/completions", {"prompt": ["Hi"] * 1025, "max_tokens": 1}, "prompt"),  # vLLM's 1024 prompts at most
     # Fill-in-the-middle, which vLLM refuses for a model without a FIM renderer rather than ignore the suffix.
     ("/v1/completions", {"prompt": "def f(", "suffix": "    return x\n"}, "suffix"),
     ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 2.5}, "frequency_penalty"),

@@ -5,6 +5,7 @@ Choice i * n + j is prompt i's choice j, as with OpenAI and vLLM.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import AsyncIterator, Optional, Union
 
@@ -19,6 +20,9 @@ from pagedllm.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 # A prompt as text (None when given as token ids) and its token ids.
 Prompt = tuple[Optional[str], list[int]]
+
+# The most prompts one request may batch, each an engine request of its own (vLLM's VLLM_MAX_COMPLETION_PROMPTS).
+MAX_COMPLETION_PROMPTS = int(os.environ.get("PAGEDLLM_MAX_COMPLETION_PROMPTS", "1024"))
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -52,6 +56,10 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]
         if not prompt:
             raise BadRequestError("prompt must not be empty.", "prompt")
+        if len(prompt) > MAX_COMPLETION_PROMPTS:  # before any is tokenized
+            raise BadRequestError(f"prompt list length {len(prompt)} exceeds the maximum allowed count of "
+                                  f"{MAX_COMPLETION_PROMPTS}. To increase this limit, set the "
+                                  "PAGEDLLM_MAX_COMPLETION_PROMPTS environment variable.", "prompt")
         prompts = [(p, self.tokenizer.encode(p, add_special_tokens=request.add_special_tokens)) if isinstance(p, str)
                    else (None, list(p)) for p in prompt]
         if request.truncate_prompt_tokens is None:
