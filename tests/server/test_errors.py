@@ -24,6 +24,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages[0].role"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "stop": [""]}, "stop"),
+    # At most 4 stop strings, as OpenAI's and vLLM's.
+    ("/v1/completions", {"prompt": "Hi", "stop": list("abcde")}, "stop"),
+    ("/v1/chat/completions", {"messages": HI, "stop": list("abcde")}, "stop"),
+    ("/v1/responses", {"input": "Hi", "stop": list("abcde")}, "stop"),
     ("/v1/completions", {"prompt": "Hi", "bad_words": [" "]}, "bad_words"),  # banned nothing, silently
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": -1}, "max_tokens"),

@@ -6,6 +6,7 @@ with the field's name; to_sampling_params renames it to the request's own field,
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
@@ -122,6 +123,9 @@ class StreamOptions(OpenAIBaseModel):
 
 # priority crosses to the engine process as MessagePack, which holds 64 bits (SamplingParams checks its own fields).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# A request's stop strings: at most 4 in a list, as OpenAI's and vLLM's (VLLM_MAX_STOP_STRINGS) StopParam.
+MAX_STOP_STRINGS = int(os.environ.get("PAGEDLLM_MAX_STOP_STRINGS", "4"))
+StopParam = Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]]]
 # vLLM's cache_salt, checked with the body (as vLLM's request models do) so that no prompt of the request starts.
 CacheSalt = Annotated[Optional[str], AfterValidator(validate_cache_salt)]
 
@@ -169,7 +173,7 @@ class SamplingRequest(OpenAIBaseModel):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: StopParam = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     # vLLM's: keep only this many prompt tokens (-1: max_model_len), the last ones (truncation_side "left", the

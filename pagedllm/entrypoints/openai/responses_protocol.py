@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
 
 from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionRequest,
-                                                  OpenAIBaseModel, UsageInfo, random_uuid)
+                                                  OpenAIBaseModel, StopParam, UsageInfo, random_uuid)
 
 
 class InputTextPart(OpenAIBaseModel):
@@ -153,7 +153,7 @@ class ResponsesRequest(OpenAIBaseModel):
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
+    stop: StopParam = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     presence_penalty: Optional[float] = None
