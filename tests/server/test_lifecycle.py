@@ -46,32 +46,36 @@ def test_engine_death_fails_requests_then_the_server_exits(fresh_server):
     """As vLLM's: requests in flight when the engine dies end with a 503 (streamed: a last error event), then the
     server exits by itself, leaving no child (the fixture checks), so that a supervisor restarts it. It stayed up,
     answering 503 to everything for ever."""
-    with fresh_server.http(timeout=10) as http, ThreadPoolExecutor(1) as pool:
+    with fresh_server.http(timeout=10) as http:
+        rest, full = _engine_killed_mid_requests(fresh_server, http)
+    assert rest[-2]["error"]["code"] == 503 and rest[-1] == "[DONE]"
+    assert full.status_code == 503
+    fresh_server.proc.wait(30)
+
+
+def _engine_killed_mid_requests(server: RemoteServer, http: httpx.Client) -> tuple[list, httpx.Response]:
+    """Kills ``server``'s engine while a stream (two events in) and an unstreamed request run: the stream's events
+    after the kill, which end within 10 s of it, and the unstreamed request's response. The read timeout (10 s)
+    fails a test rather than hanging."""
+    with ThreadPoolExecutor(1) as pool:
         full = pool.submit(http.post, "/v1/completions", json={**LONG_STREAM, "stream": False})
         with http.stream("POST", "/v1/completions", json=LONG_STREAM) as stream:
             events = sse_events(stream)
             assert len(list(islice(events, 2))) == 2
-            fresh_server.engine.kill()
-            rest = list(events)  # the read timeout (10 s) fails the test rather than hanging
-        assert rest[-2]["error"]["code"] == 503 and rest[-1] == "[DONE]"
-        assert full.result().status_code == 503
-    fresh_server.proc.wait(30)
+            server.engine.kill()
+            start = time.monotonic()
+            rest = list(events)
+        assert time.monotonic() - start < 10
+        return rest, full.result()
 
 
 @pytest.mark.parametrize("fresh_server", [KEEP_ALIVE], indirect=True)
 def test_engine_death_fails_requests_and_health(fresh_server):
-    with fresh_server.http(timeout=10) as http, ThreadPoolExecutor(1) as pool:
-        full = pool.submit(http.post, "/v1/completions", json={**LONG_STREAM, "stream": False})
-        with http.stream("POST", "/v1/completions", json=LONG_STREAM) as stream:
-            events = sse_events(stream)
-            assert len(list(islice(events, 2))) == 2
-            fresh_server.engine.kill()
-            start = time.monotonic()
-            rest = list(events)  # the read timeout (10 s) fails the test rather than hanging
-        assert time.monotonic() - start < 10
+    with fresh_server.http(timeout=10) as http:
+        rest, full = _engine_killed_mid_requests(fresh_server, http)
         assert rest[-1] == "[DONE]"
         assert rest[-2]["error"]["code"] == 503 and rest[-2]["error"]["type"] == "ServiceUnavailableError"
-        assert full.result().status_code == 503
+        assert full.status_code == 503
         assert http.get("/health").status_code == 503
         response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
         assert response.status_code == 503

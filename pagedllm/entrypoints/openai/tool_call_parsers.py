@@ -21,10 +21,17 @@ _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
 _MISTRAL_TOOL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-def _undecided(text: str, tag: str) -> bool:
-    """Whether ``text`` (leading whitespace off) may still turn out to start with ``tag``: it is empty or a proper
-    prefix of it."""
-    return tag.startswith(text) and text != tag
+def _answer_start(text: str, tag: str) -> Optional[int]:
+    """Where the answer ``text`` begins past leading whitespace and an optional ``tag`` (and the whitespace after
+    it); None while that is not known yet (nothing but whitespace, a part of the tag, or the tag alone so far)."""
+    head = text.lstrip()
+    if head.startswith(tag):
+        body = head[len(tag):].lstrip()
+    elif tag.startswith(head):
+        return None
+    else:
+        body = head
+    return len(text) - len(body) if body else None
 
 
 @dataclass
@@ -41,13 +48,11 @@ class Llama3JsonToolParser(ToolCallParser):
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
         if self._mode == "undecided":
-            head = self._buffer.lstrip()
-            tagged = head.startswith(_PYTHON_TAG)
-            body = head[len(_PYTHON_TAG):].lstrip() if tagged else head
-            if not body or (not tagged and _undecided(head, _PYTHON_TAG)):
+            start = _answer_start(self._buffer, _PYTHON_TAG)
+            if start is None:
                 return "", []
-            self._mode = "calls" if body.startswith("{") else "content"
-            self._position = len(self._buffer) - len(body)
+            self._mode = "calls" if self._buffer.startswith("{", start) else "content"
+            self._position = start
         if self._mode == "content":
             content, self._buffer = self._buffer, ""
             return content, []
@@ -105,13 +110,11 @@ class PythonicToolParser(ToolCallParser):
         self._buffer += delta_text
         deltas: list[DeltaToolCall] = []
         if self._state == "undecided":
-            head = self._buffer.lstrip()
-            tagged = head.startswith(_PYTHON_START)
-            body = head[len(_PYTHON_START):].lstrip() if tagged else head
-            if not body or (not tagged and _undecided(head, _PYTHON_START)):
+            start = _answer_start(self._buffer, _PYTHON_START)
+            if start is None:
                 return "", []
-            self._state = "list" if body.startswith("[") else "content"
-            self._start = self._tried = len(self._buffer) - len(body)
+            self._state = "list" if self._buffer.startswith("[", start) else "content"
+            self._start = self._tried = start
         if self._state == "list":
             deltas = self._read_list()
             if self._state == "list":
