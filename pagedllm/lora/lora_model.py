@@ -1,4 +1,5 @@
-"""An adapter's weights, loaded from its safetensors (or .bin / .pt) file and mapped onto the model's fused layers (vLLM's LoRAModel).
+"""An adapter's weights, loaded from its safetensors (or .bin / .pt) file and mapped onto the model's fused layers
+(vLLM's LoRAModel).
 
 PEFT names a tensor ``base_model.model.<module>.lora_A.weight`` (``[r, in]``) or ``...lora_B.weight``
 (``[out, r]``) after the checkpoint's own modules (q_proj, k_proj, ...); the model fuses q/k/v into qkv_proj and

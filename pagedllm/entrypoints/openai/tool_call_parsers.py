@@ -43,7 +43,6 @@ class Llama3JsonToolParser(ToolCallParser):
     the last object, the rest is content."""
 
     _mode: str = "undecided"  # "undecided" until the answer's start shows it, then "calls" or "content"
-    _position: int = 0  # where the next object (or a separator before it) starts in the buffer
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -77,13 +76,8 @@ class Llama3JsonToolParser(ToolCallParser):
                     self._next_call()
                 self._mode, content, self._buffer = "content", self._buffer[start:], ""
                 return content, deltas
-            delta = self._stream_call(self._buffer, found)
-            if delta is not None:
-                deltas.append(delta)
-            if found.end is None:
+            if not self._read_call(found, deltas):
                 return "", deltas
-            self._position = found.end
-            self._next_call()
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """An answer that never showed its start is content; a call cut off keeps the arguments it had."""
@@ -196,7 +190,6 @@ class MistralToolParser(ToolCallParser):
     to them."""
 
     _state: str = "content"  # "content" (before a marker), "marker" (just after one), "json" or "named" (a call)
-    _position: int = 0  # where reading the calls goes on in the buffer
     _array: bool = False  # whether the JSON calls are an array's entries (else one object)
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
@@ -238,14 +231,8 @@ class MistralToolParser(ToolCallParser):
                 return True
             if self._buffer[i] != "{":  # no JSON calls after all: the rest is content
                 return True
-            found = _scan_call(self._buffer, i, ("arguments",))
-            delta = self._stream_call(self._buffer, found)
-            if delta is not None:
-                deltas.append(delta)
-            if found.end is None:
+            if not self._read_call(_scan_call(self._buffer, i, ("arguments",)), deltas):
                 return False
-            self._position = found.end
-            self._next_call()
             if not self._array:
                 return True
 
@@ -257,14 +244,7 @@ class MistralToolParser(ToolCallParser):
         name = self._buffer[self._position:brace].strip().removesuffix(_MISTRAL_ARGS).strip()
         found = _scan_call(self._buffer, brace, ())
         end = found.end if found.end is not None else len(self._buffer.rstrip())
-        delta = self._stream_call(self._buffer, _CallScan(name=name, arguments=(brace, end), end=found.end))
-        if delta is not None:
-            deltas.append(delta)
-        if found.end is None:
-            return False
-        self._position = found.end
-        self._next_call()
-        return True
+        return self._read_call(_CallScan(name=name, arguments=(brace, end), end=found.end), deltas)
 
     def _make_call(self, name: str, arguments: str) -> ToolCall:
         return ToolCall(id="".join(random.choices(string.ascii_letters + string.digits, k=9)),

@@ -146,6 +146,7 @@ class ToolCallParser:
     _emitted: int = 0  # how much of the call being read's arguments has been handed out
     _open: bool = False  # whether the call being read is open (the last of `calls`, its id handed out)
     _opened: int = 0  # calls opened so far: a stream's delta index of the next (a call found broken keeps its own)
+    _position: int = 0  # parsers reading calls one after another: where the next one (or what is before it) starts
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         raise NotImplementedError
@@ -180,6 +181,18 @@ class ToolCallParser:
         self.calls[-1].function.arguments = arguments
         return DeltaToolCall(index=self._opened - 1, function=DeltaFunctionCall(arguments=new)) if new else None
 
+    def _read_call(self, found: "_CallScan", deltas: list[DeltaToolCall]) -> bool:
+        """Adds to ``deltas`` what the call being read (``found`` in the buffer) has grown by; True once it is
+        complete, reading then going on after it with the next call unread."""
+        delta = self._stream_call(self._buffer, found)
+        if delta is not None:
+            deltas.append(delta)
+        if found.end is None:
+            return False
+        self._position = found.end
+        self._next_call()
+        return True
+
     def _make_call(self, name: str, arguments: str) -> ToolCall:
         """A call read out of the text (a format whose template checks call ids makes them its way)."""
         return ToolCall(function=FunctionCall(name=name, arguments=arguments))
@@ -213,8 +226,6 @@ class JsonArrayParser(ToolCallParser):
     and its arguments, the raw text of its "parameters" value, stream as they are generated (with the grammar's ", "
     and ": " separators that text is json.dumps's form of them). A call cut off (max_tokens) keeps what it had."""
 
-    _position: int = 0  # where the array element being read starts
-
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
         deltas = []
@@ -222,14 +233,8 @@ class JsonArrayParser(ToolCallParser):
             start = self._next_value_start()
             if start is None or self._buffer[start] != "{":  # the grammar allows objects only
                 return "", deltas
-            found = _scan_call(self._buffer, start, ("parameters",))
-            delta = self._stream_call(self._buffer, found)
-            if delta is not None:
-                deltas.append(delta)
-            if found.end is None:
+            if not self._read_call(_scan_call(self._buffer, start, ("parameters",)), deltas):
                 return "", deltas  # the element is not complete yet
-            self._position = found.end
-            self._next_call()
 
     def _next_value_start(self) -> Optional[int]:
         """Skips the opening bracket, separators and whitespace before the next element."""
