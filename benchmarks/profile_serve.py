@@ -15,11 +15,9 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
