@@ -124,7 +124,7 @@ def test_min_p_comes_before_top_p():
     of what min-p kept: [.5, .3, .1, .1] with min_p 0.3 keeps [.625, .375], of which top_p 0.6 keeps the first
     (top-p first would keep [.625, .375])."""
     logits = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
-    probs = Sampler.probs(logits, make_metadata([1.0], top_p=[0.6], min_p=[0.3]))
+    probs = Sampler.final_logits(logits, make_metadata([1.0], top_p=[0.6], min_p=[0.3])).softmax(dim=-1)
     torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 

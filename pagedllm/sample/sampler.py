@@ -74,11 +74,6 @@ class Sampler(nn.Module):
         return torch.where(is_greedy(metadata, len(processed)), greedy_sampled, random_sampled)
 
     @staticmethod
-    def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """The distribution each random row samples from: softmax of final_logits. A new tensor."""
-        return Sampler.final_logits(logits, metadata).softmax(dim=-1)
-
-    @staticmethod
     def final_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """The logits each random row samples from (processed logits -> temperature -> min-p -> top-k -> top-p,
         vLLM V1's order: min-p, as a logits processor, before the top-k/top-p sampler); greedy rows get
