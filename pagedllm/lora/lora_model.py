@@ -142,8 +142,11 @@ def _weights(lora_path: str):
         tensors = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, pickle.UnpicklingError, RuntimeError, EOFError) as e:
         raise ValueError(f"LoRA adapter {lora_path!r}: {name} cannot be read ({e})") from None
-    if not (isinstance(tensors, dict) and all(isinstance(t, torch.Tensor) for t in tensors.values())):
-        raise ValueError(f"LoRA adapter {lora_path!r}: {name} holds {type(tensors).__name__}, not a dict of tensors")
+    # keys are tensor names, matched against PEFT's (a number would fail the match with a TypeError)
+    if not (isinstance(tensors, dict) and all(isinstance(k, str) and isinstance(t, torch.Tensor)
+                                              for k, t in tensors.items())):
+        raise ValueError(f"LoRA adapter {lora_path!r}: {name} holds {type(tensors).__name__}, not a dict of tensors "
+                         "by name")
     yield _LoadedTensors(tensors)
 
 

@@ -183,9 +183,12 @@ def test_an_adapter_saved_as_a_torch_pickle_serves_as_its_safetensors_does(llm_w
         (tmp_path / "pickled" / "adapter_model.bin").write_bytes(content)
         with pytest.raises(ValueError, match="adapter_model.bin cannot be read"):
             run(llm_with_lora, [[1, 2, 3]], LoRARequest("broken", 91, str(tmp_path / "pickled")))
-    torch.save([torch.zeros(2)], tmp_path / "pickled" / "adapter_model.bin")
-    with pytest.raises(ValueError, match="adapter_model.bin holds list, not a dict of tensors"):
-        run(llm_with_lora, [[1, 2, 3]], LoRARequest("listed", 92, str(tmp_path / "pickled")))
+    for lora_int_id, content in enumerate(([torch.zeros(2)], {0: torch.zeros(2)}), start=92):
+        torch.save(content, tmp_path / "pickled" / "adapter_model.bin")
+        with pytest.raises(ValueError, match=f"adapter_model.bin holds {type(content).__name__}, not a dict of "
+                                             "tensors by name"):
+            run(llm_with_lora, [[1, 2, 3]], LoRARequest(f"listed{lora_int_id}", lora_int_id,
+                                                        str(tmp_path / "pickled")))
 
 
 def test_missing_files_are_value_errors(llm_with_lora, tmp_path):
