@@ -75,7 +75,7 @@ class SchedulerConfig:
     # all).
     max_prefill_tokens_with_decodes: int = 0
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    # vLLM's: a running request's outputs go out every this many tokens at least (1: every token; a request may
+    # vLLM's: a running request's DELTA outputs go out every this many tokens at least (1: every token; a request may
     # ask for more, SamplingParams.stream_interval). The frontend's work per token shrinks by as much.
     stream_interval: int = 1
 

@@ -84,7 +84,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
     # vLLM's default: every output holds everything so far (LLM.generate asks for FINAL_ONLY, a stream for DELTA).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # vLLM's: a running request's outputs come every this many tokens (its first token and its end at once); the
+    # vLLM's: a running DELTA request's outputs come every this many tokens (its first token and its end at once); the
     # engine's stream_interval is the least. Fewer outputs, less frontend work per token.
     stream_interval: Optional[int] = None
 

@@ -164,3 +164,15 @@ def test_stream_interval_sends_the_first_token_then_every_interval_and_the_end()
                                              None).request_outputs:
             sent[out.request_id].append(out.outputs[0].token_ids)
     assert sent == {"a": [[0], [1, 2], [3, 4], [5, 6], [7, 8]], "b": [[0], [1, 2, 3], [4, 5, 6], [7, 8]]}
+
+
+def test_stream_interval_holds_back_no_cumulative_output():
+    """As vLLM's (its sent-tokens offset moves in DELTA mode only): a CUMULATIVE request's outputs come every step,
+    whatever the stream interval."""
+    processor = OutputProcessor(tokenizer=None, stream_interval=3)
+    params = SamplingParams(max_tokens=4, detokenize=False, output_kind=RequestOutputKind.CUMULATIVE)
+    processor.add_requests([EngineCoreRequest("c", [1, 2], params, None, 0.0)], None)
+    sent = [out.outputs[0].token_ids for token in range(4) for out in processor.process_outputs(
+        [EngineCoreOutput("c", [token], finish_reason=FinishReason.LENGTH if token == 3 else None)],
+        None).request_outputs]
+    assert sent == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]

@@ -136,10 +136,12 @@ class RequestState:
             # Nothing to send yet: a prompt chunk's prompt logprobs wait for the first token, which carries them
             # all (as vLLM sends them once, complete); a stream's delta would otherwise repeat them per chunk.
             return None
-        if not finished and 0 < self.num_sent_tokens and len(self.token_ids) - self.num_sent_tokens < \
-                self.stream_interval:
-            return None  # vLLM's stream_interval: the first token at once, then every stream_interval tokens
         delta = self.output_kind == RequestOutputKind.DELTA
+        if delta and not finished and 0 < self.num_sent_tokens and \
+                len(self.token_ids) - self.num_sent_tokens < self.stream_interval:
+            # vLLM's stream_interval, which holds back a stream's deltas only: the first token at once, then every
+            # stream_interval tokens (a CUMULATIVE output comes every step, as vLLM's)
+            return None
         text = self.detokenizer.get_next_output_text(finished, delta) if self.detokenizer else ""
         start = self.num_sent_tokens if delta else 0
         logprobs = self.logprobs[start:] if self.logprobs is not None else None
@@ -186,7 +188,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, log_stats: bool = False, stream_interval: int = 1) -> None:
         """``log_stats``: each request keeps its RequestStateStats (its outputs' metrics), which process_outputs'
         iteration stats are gathered from (pass those only then). ``stream_interval``: the engine's (vLLM's), the
-        least number of tokens between a running request's outputs."""
+        least number of tokens between a running request's DELTA outputs."""
         self.tokenizer = tokenizer
         self.log_stats = log_stats
         self.stream_interval = stream_interval
