@@ -29,6 +29,7 @@ ANSWERS = [
      [("ping", '{"flag": false, "n": -1}')]),
     (PythonicToolParser, "[ping()] and then some", " and then some", [("ping", "{}")]),
     (PythonicToolParser, "[1, 2] is a list", "[1, 2] is a list", []),
+    (PythonicToolParser, "[]", "[]", []),
     (PythonicToolParser, '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: no call
     (PythonicToolParser, "Sure: [ping()]", "Sure: [ping()]", []),
     (PythonicToolParser, "[ping(", "[ping(", []),

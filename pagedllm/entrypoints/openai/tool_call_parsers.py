@@ -148,7 +148,7 @@ def _python_calls(text: str) -> Optional[list[tuple[str, str]]]:
         tree = ast.parse(text, mode="eval").body
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
-    if not isinstance(tree, ast.List):
+    if not isinstance(tree, ast.List) or not tree.elts:  # "[]" is no calls (vLLM's pattern needs one): content
         return None
     calls = []
     for call in tree.elts:
