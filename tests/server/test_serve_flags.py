@@ -340,7 +340,8 @@ def flags_server(tmp_path_factory, tokenizer):
                     "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
                     "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui",
-                    "--disable-log-stats", "--enable-server-load-tracking", "--enable-request-id-headers"],
+                    "--disable-log-stats", "--enable-server-load-tracking", "--enable-request-id-headers",
+                    "--enable-force-include-usage"],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
         client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
     srv.socket_path, srv.cert = socket_path, cert
@@ -369,6 +370,16 @@ def test_disable_web_ui(flags_server):
         assert http.get("/").status_code == 404
         assert http.get("/static/app.js").status_code == 404
         assert http.get("/engine/view").status_code == 404
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(flags_server):
+    """vLLM's --enable-force-include-usage: a stream that did not ask for usage ends with it (and every chunk carries
+    "usage", null but the last, as with include_usage)."""
+    with flags_server.http() as http, http.stream("POST", "/v1/completions", json={
+            "prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "stream": True}) as response:
+        chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[0]["usage"] is None
 
 
 def test_disable_log_stats_keeps_no_statistics(flags_server):

@@ -32,8 +32,8 @@ from pagedllm.entrypoints.openai.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.cli_args import serve_engine_args
 from pagedllm.entrypoints.openai.errors import OpenAIError, register_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
-                                                  random_uuid)
+                                                  LoadLoRAAdapterRequest, StreamOptions, TokenizeRequest,
+                                                  UnloadLoRAAdapterRequest, random_uuid)
 from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -64,11 +64,15 @@ def server_dev_mode() -> bool:
     return env_flag("PAGEDLLM_SERVER_DEV_MODE", False)
 
 
-def _with_header_request_id(request: Any, raw_request: Request) -> Any:
-    """``request`` with the X-Request-Id header, when sent, as its request_id (vLLM's precedence over the body's)."""
+def _as_served(request: Any, raw_request: Request) -> Any:
+    """``request`` as the server takes it: with the X-Request-Id header, when sent, as its request_id (vLLM's precedence over the body's),
+    and, under --enable-force-include-usage, a stream's usage asked for (vLLM's should_include_usage)."""
     header = raw_request.headers.get("X-Request-Id")
     if header is not None:
         request.request_id = header
+    if raw_request.app.state.force_include_usage and request.stream:
+        request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=bool(
+            request.stream_options and request.stream_options.continuous_usage_stats))
     return request
 
 
@@ -127,7 +131,7 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request) -> Respon
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
     return _respond(await raw_request.app.state.openai_serving_chat.create_chat_completion(
-        _with_header_request_id(request, raw_request)))
+        _as_served(request, raw_request)))
 
 
 @router.post("/v1/responses")
@@ -152,7 +156,7 @@ async def cancel_responses(response_id: str, raw_request: Request) -> Response:
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
     return _respond(await raw_request.app.state.openai_serving_completion.create_completion(
-        _with_header_request_id(request, raw_request)))
+        _as_served(request, raw_request)))
 
 
 @lora_router.post("/v1/load_lora_adapter")
@@ -201,6 +205,7 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
         mount_web_ui(app, api_key_required=bool(api_keys))
     register_exception_handlers(app)
     app.state.server_load_metrics = 0
+    app.state.force_include_usage = frontend.enable_force_include_usage
     if frontend.enable_server_load_tracking:  # innermost: what authentication refuses does not count
         app.add_middleware(ServerLoadTracking)
     if api_keys:
