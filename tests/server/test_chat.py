@@ -116,6 +116,24 @@ def test_logprobs(client, model):
         assert bytes(entry.bytes).decode() == entry.token
 
 
+def test_return_token_ids_and_tokens_as_token_ids(client, model):
+    """vLLM's return_token_ids: the answer carries the prompt's token ids and each choice its generated ones (a
+    stream: the prompt's in the first chunk, each chunk its new ones, joining to the whole); with
+    return_tokens_as_token_ids logprobs name each token "token_id:<id>"."""
+    extra = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
+                                          logprobs=True, top_logprobs=2, extra_body=extra)
+    token_ids = full.choices[0].token_ids
+    assert len(token_ids) == full.usage.completion_tokens and len(full.prompt_token_ids) == full.usage.prompt_tokens
+    content = full.choices[0].logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in token_ids]
+    assert content[0].top_logprobs[0].token == f"token_id:{token_ids[0]}"
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
+                                                 stream=True, extra_body=extra))
+    assert chunks[0].prompt_token_ids == full.prompt_token_ids and not hasattr(chunks[1], "prompt_token_ids")
+    assert [t for c in chunks for choice in c.choices for t in getattr(choice, "token_ids", None) or []] == token_ids
+
+
 def test_stop_string(client, model):
     text = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
                                           max_tokens=24).choices[0].message.content

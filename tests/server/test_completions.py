@@ -47,6 +47,24 @@ def test_stream_interval_sends_fewer_chunks_of_the_same_text(client):
                                   extra_body={"stream_interval": 0})
 
 
+def test_return_token_ids_and_tokens_as_token_ids(client, tokenizer):
+    """vLLM's return_token_ids: the choice carries the prompt's and the generated token ids (a stream: the prompt's
+    in the first chunk, each chunk its new ones, joining to the whole); return_tokens_as_token_ids: logprobs name
+    each token "token_id:<id>"."""
+    body = dict(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=1,
+                extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    [choice] = client.completions.create(**body).choices
+    assert choice.prompt_token_ids == tokenizer.encode(PROMPT) and len(choice.token_ids) == 6
+    assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
+    assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert chunks[0].prompt_token_ids == choice.prompt_token_ids and not hasattr(chunks[1], "prompt_token_ids")
+    assert [t for c in chunks for t in c.token_ids] == choice.token_ids
+    plain = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=6,
+                                      logprobs=1).choices[0]
+    assert plain.token_ids is None and plain.logprobs.tokens[0] == tokenizer.decode(choice.token_ids[:1])
+
+
 def test_batch_of_prompts_with_n(client, tokenizer):
     """Choice i * n + j is prompt i's choice j (prompt i's, as its text shows with a prompt that forces it)."""
     prompts = [PROMPT, "Once upon a time"]

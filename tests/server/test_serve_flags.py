@@ -341,7 +341,7 @@ def flags_server(tmp_path_factory, tokenizer):
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
                     "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui",
                     "--disable-log-stats", "--enable-server-load-tracking", "--enable-request-id-headers",
-                    "--enable-force-include-usage"],
+                    "--enable-force-include-usage", "--return-tokens-as-token-ids"],
         url_root="https://localhost",  # as a proxy serving us under ROOT_PATH sends requests: with it stripped
         client_options={"transport": httpx.HTTPTransport(uds=socket_path, verify=client_tls)})
     srv.socket_path, srv.cert = socket_path, cert
@@ -380,6 +380,17 @@ def test_force_include_usage_ends_every_stream_with_its_usage(flags_server):
         chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[0]["usage"] is None
+
+
+def test_return_tokens_as_token_ids_unless_the_request_says_otherwise(flags_server):
+    """vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>"; a request's false keeps text."""
+    with flags_server.http() as http:
+        def tokens(**extra) -> list[str]:
+            body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0, "logprobs": 0, **extra}
+            return http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+        as_ids, as_text = tokens(), tokens(return_tokens_as_token_ids=False)
+    assert all(token.startswith("token_id:") for token in as_ids)
+    assert not any(token.startswith("token_id:") for token in as_text) and len(as_text) == 2
 
 
 def test_disable_log_stats_keeps_no_statistics(flags_server):

@@ -193,6 +193,12 @@ class SamplingRequest(OpenAIBaseModel):
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: a stream's chunks every this many tokens at least (the server's --stream-interval the least).
     stream_interval: Optional[int] = Field(default=None, ge=1)
+    # vLLM's: the answer carries the prompt's token ids and each choice's generated ones (a stream: the prompt's in
+    # its first chunk, then each chunk's new ones).
+    return_token_ids: Optional[bool] = None
+    # vLLM's: logprobs name each token "token_id:<id>" (identifiable whether or not its text is valid UTF-8); None:
+    # the server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: Optional[bool] = None
     # Salts the prefix cache's block hashes: only requests with the same salt share cached blocks.
     cache_salt: CacheSalt = None
     # vLLM's beam search extras: n beams, best first.
@@ -400,6 +406,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: Optional[str] = None
     stop_reason: Union[None, int, str] = None
     prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
+    # return_token_ids: the prompt's and this choice's generated token ids
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -417,6 +426,9 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[None, int, str] = None
+    # return_token_ids: the prompt's (in a choice's first chunk) and this chunk's generated token ids
+    prompt_token_ids: Optional[list[int]] = None
+    token_ids: Optional[list[int]] = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -545,6 +557,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = "stop"
     stop_reason: Union[None, int, str] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids: the generated token ids
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -555,6 +568,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -570,6 +584,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: Optional[ChatCompletionLogProbs] = None
     finish_reason: Optional[str] = None
     stop_reason: Union[None, int, str] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids: this chunk's generated token ids
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -579,6 +594,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: in the first chunk
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

@@ -105,18 +105,19 @@ class OpenAIServingChat(OpenAIServing):
                                     request, "messages")
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
-                                                         len(prompt_token_ids), tool_choice, cached_tokens_always,
+                                                         prompt_token_ids, tool_choice, cached_tokens_always,
                                                          reasoning_parser)
         return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice,
                                                          cached_tokens_always, reasoning_parser)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                results: AsyncIterator[RequestOutput], request_id: str,
-                                               model_name: str, num_prompt_tokens: int,
+                                               model_name: str, prompt_token_ids: list[int],
                                                tool_choice: Optional[ToolChoice], cached_tokens_always: bool = False,
                                                reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None
                                                ) -> AsyncIterator[str]:
         created = int(time.time())
+        num_prompt_tokens = len(prompt_token_ids)
         num_generated = [0] * (request.n or 1)  # each choice's completion tokens so far
         num_cached = 0
         # Per choice: its reasoning split off as it comes, and (to count the reasoning's tokens, for the last
@@ -125,14 +126,24 @@ class OpenAIServingChat(OpenAIServing):
         count_reasoning = reasoning_parser is not None and request.include_usage
         generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
+        # return_token_ids: each choice's generated ids not sent yet (a chunk a parser holds back sends none), and the
+        # prompt's, which the first chunk carries
+        unsent_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
+        prompt_ids = {"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}
+
         def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            nonlocal prompt_ids
             # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
             # continuous_usage_stats, its choice's usage so far.
             usage = UsageInfo.of(num_prompt_tokens, num_generated[choice.index]) \
                 if request.include_continuous_usage else None
-            return sse(ChatCompletionStreamResponse(
+            if request.return_token_ids:
+                choice.token_ids, unsent_ids[choice.index] = unsent_ids[choice.index], []
+            response = ChatCompletionStreamResponse(
                 id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice],
-                **({"usage": usage} if request.include_usage else {})).model_dump_json(exclude_unset=True))
+                **({"usage": usage} if request.include_usage else {}), **prompt_ids)
+            prompt_ids = {}
+            return sse(response.model_dump_json(exclude_unset=True))
 
         # One tool-call parser per choice, when tool calls are to be read out of the text.
         parsers = [tool_choice.make_parser() if tool_choice else None for _ in range(request.n or 1)]
@@ -150,6 +161,7 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = res.num_cached_tokens
                 for output in res.outputs:
                     num_generated[output.index] += len(output.token_ids)
+                    unsent_ids[output.index] += output.token_ids
                     if count_reasoning:
                         generated_ids[output.index] += output.token_ids
                     if not output.text and not output.token_ids and output.finish_reason is None:
@@ -237,7 +249,7 @@ class OpenAIServingChat(OpenAIServing):
                 message.content = echoed + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=message, logprobs=self._logprobs(request, o), finish_reason=finish_reason,
-                stop_reason=o.stop_reason))
+                stop_reason=o.stop_reason, **({"token_ids": o.token_ids} if request.return_token_ids else {})))
         num_prompt_tokens = len(final.prompt_token_ids)
         num_completion_tokens = sum(len(o.token_ids) for o in outputs)
         return ChatCompletionResponse(
@@ -245,17 +257,18 @@ class OpenAIServingChat(OpenAIServing):
             usage=UsageInfo.of(num_prompt_tokens, num_completion_tokens,
                                self._cached_tokens(final.num_cached_tokens, cached_tokens_always),
                                self._reasoning_tokens(reasoning_parser, [o.token_ids for o in outputs])),
-            prompt_logprobs=self._prompt_logprobs(final.prompt_logprobs))
+            prompt_logprobs=self._prompt_logprobs(final.prompt_logprobs),
+            **({"prompt_token_ids": final.prompt_token_ids} if request.return_token_ids else {}))
 
     def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput
                   ) -> Optional[ChatCompletionLogProbs]:
         if not request.logprobs or output.logprobs is None:
             return None
-        num_top = request.top_logprobs or 0
-        return ChatCompletionLogProbs(content=[
-            self._logprob_content(token_id, step, num_top) for token_id, step in zip(output.token_ids, output.logprobs)])
+        num_top, as_ids = request.top_logprobs or 0, request.return_tokens_as_token_ids
+        return ChatCompletionLogProbs(content=[self._logprob_content(token_id, step, num_top, as_ids)
+                                               for token_id, step in zip(output.token_ids, output.logprobs)])
 
-    def _logprob_content(self, token_id: int, step: dict[int, Logprob], num_top: int
+    def _logprob_content(self, token_id: int, step: dict[int, Logprob], num_top: int, as_ids: Optional[bool] = False
                          ) -> ChatCompletionLogProbsContent:
         """The chosen token, and the num_top most likely ones in rank order (which may include it); num_top -1 (vLLM's
         top_logprobs -1, which --max-logprobs -1 allows) is all of them, as many as the engine gave."""
@@ -265,10 +278,10 @@ class OpenAIServingChat(OpenAIServing):
         top = sorted(((t, lp) for t, lp in step.items() if lp.rank is not None and 1 <= lp.rank <= num_top),
                      key=lambda item: item[1].rank)
         return ChatCompletionLogProbsContent(
-            **self._logprob(token_id, chosen),
-            top_logprobs=[ChatCompletionLogProb(**self._logprob(t, lp)) for t, lp in top[:num_top]])
+            **self._logprob(token_id, chosen, as_ids),
+            top_logprobs=[ChatCompletionLogProb(**self._logprob(t, lp, as_ids)) for t, lp in top[:num_top]])
 
-    def _logprob(self, token_id: int, logprob: Optional[Logprob]) -> dict:
-        token = self._token_str(token_id, logprob)
+    def _logprob(self, token_id: int, logprob: Optional[Logprob], as_id: Optional[bool] = False) -> dict:
+        token = self._token_str(token_id, logprob, as_id)
         return {"token": token, "logprob": max(logprob.logprob, MIN_LOGPROB) if logprob else MIN_LOGPROB,
                 "bytes": list(token.encode("utf-8", errors="replace"))}

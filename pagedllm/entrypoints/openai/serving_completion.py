@@ -104,7 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     index = prompt_index * n + output.index
                     generated = self._generated(request, output)
                     num_generated[index] += len(generated[1])
-                    if index in started:
+                    first = index not in started
+                    if not first:
                         text, token_ids, logprobs = generated
                     else:  # the first delta of a choice carries the echoed prompt
                         started.add(index)
@@ -116,11 +117,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     usage = UsageInfo.of(len(prompts[prompt_index][1]), num_generated[index]) \
                         if request.include_continuous_usage else None
                     choice_logprobs = self._logprobs(request, token_ids, logprobs, text_offsets[index])
+                    ids = {} if not request.return_token_ids else {"token_ids": generated[1], **(
+                        {"prompt_token_ids": prompts[prompt_index][1]} if first else {})}
                     yield sse(CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
                             index=index, text=text, finish_reason=output.finish_reason,
-                            stop_reason=output.stop_reason, logprobs=choice_logprobs)],
+                            stop_reason=output.stop_reason, logprobs=choice_logprobs, **ids)],
                         **({"usage": usage} if request.include_usage else {})).model_dump_json(exclude_unset=True))
                     # Offsets follow the tokens, not the text sent (held back while it may start a stop string),
                     # so the stream's are the unstreamed response's (vLLM's).
@@ -149,12 +152,15 @@ class OpenAIServingCompletion(OpenAIServing):
         for prompt_index, prompt in enumerate(prompts):
             res = finals[prompt_index]
             for output in sorted(res.outputs, key=lambda o: o.index):
-                num_completion_tokens += len(self._generated(request, output)[1])
+                generated_ids = self._generated(request, output)[1]
+                num_completion_tokens += len(generated_ids)
                 text, token_ids, logprobs = self._echoed(request, prompt, res, output)
                 choices.append(CompletionResponseChoice(
                     index=prompt_index * n + output.index, text=text,
                     logprobs=self._logprobs(request, token_ids, logprobs, 0), finish_reason=output.finish_reason,
-                    stop_reason=output.stop_reason, prompt_logprobs=self._prompt_logprobs(res.prompt_logprobs)))
+                    stop_reason=output.stop_reason, prompt_logprobs=self._prompt_logprobs(res.prompt_logprobs),
+                    **({"prompt_token_ids": prompt[1], "token_ids": generated_ids} if request.return_token_ids
+                       else {})))
         num_prompt_tokens = sum(len(ids) for _, ids in prompts)
         num_cached = self._cached_tokens(sum(res.num_cached_tokens for res in finals.values()))
         return CompletionResponse(
@@ -169,13 +175,13 @@ class OpenAIServingCompletion(OpenAIServing):
         offsets, token_logprobs, tokens, top_logprobs = [], [], [], []
         for token_id, step in zip(token_ids, logprobs):
             chosen = step.get(token_id) if step is not None else None
-            token = self._token_str(token_id, chosen)
+            token = self._token_str(token_id, chosen, request.return_tokens_as_token_ids)
             tokens.append(token)
             token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
             # at most logprobs + 1 alternatives (the token and the top ones; -1: all there are), also at an echoed
             # prompt's positions whose prompt_logprobs asked for more (vLLM's)
             top_logprobs.append(None if step is None else {
-                self._token_str(t, lp): max(lp.logprob, MIN_LOGPROB)
+                self._token_str(t, lp, request.return_tokens_as_token_ids): max(lp.logprob, MIN_LOGPROB)
                 for t, lp in itertools.islice(step.items(), None if request.logprobs == -1 else request.logprobs + 1)})
             offsets.append(text_offset)
             text_offset += len(token)

@@ -152,7 +152,10 @@ class OpenAIServing:
             error = request.rename_error(e)
             raise BadRequestError(str(error), named_field(error)) from e
 
-    def _token_str(self, token_id: int, logprob: Optional[Logprob]) -> str:
+    def _token_str(self, token_id: int, logprob: Optional[Logprob], as_id: Optional[bool] = False) -> str:
+        """A logprob's token as text, or ``as_id`` (vLLM's return_tokens_as_token_ids) "token_id:<id>"."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
