@@ -182,13 +182,22 @@ def test_echo_starts_an_answer_that_continues_the_last_message_with_it(client, m
 
 @pytest.fixture(scope="module")
 def flags_server(tmp_path_factory):
-    """A server of its own for the flags below: --max-logprobs -1, --enable-prompt-tokens-details and
-    --tool-call-parser hermes."""
+    """A server of its own for the flags below: --max-logprobs -1, --enable-prompt-tokens-details,
+    --tool-call-parser hermes and --disable-fastapi-docs."""
     srv = RemoteServer(tmp_path_factory.mktemp("flags") / "server.log",
                        extra_args=["--max-logprobs", "-1", "--enable-prompt-tokens-details",
-                                   "--tool-call-parser", "hermes"])
+                                   "--tool-call-parser", "hermes", "--disable-fastapi-docs"])
     yield srv
     srv.stop()
+
+
+def test_disable_fastapi_docs_serves_no_openapi_pages(flags_server, server):
+    """vLLM's --disable-fastapi-docs: no /openapi.json, /docs or /redoc, which the shared server serves."""
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        with server.http() as http:
+            assert http.get(path).status_code == 200, path
+        with flags_server.http() as http:
+            assert http.get(path).status_code == 404, path
 
 
 def test_top_logprobs_minus_1_lists_every_token(flags_server, tokenizer):

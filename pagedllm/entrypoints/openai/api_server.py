@@ -196,7 +196,9 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     """``frontend``: the HTTP and request flags (cli_args.add_frontend_args: CORS, request logging, response
     role, the web page). ``lora_modules``: adapters served from the start ({"name", "path", "base_model_name"});
     a bad one is a ValueError. ``dev_mode``: serve dev_router's paths too (server_dev_mode())."""
-    app = FastAPI(lifespan=lifespan)
+    # --disable-fastapi-docs (vLLM's): no OpenAPI document, Swagger UI or ReDoc page
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if frontend.disable_fastapi_docs else {}
+    app = FastAPI(lifespan=lifespan, **docs)
     app.include_router(router)
     if allow_runtime_lora_updating:
         app.include_router(lora_router)

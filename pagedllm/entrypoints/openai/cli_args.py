@@ -100,6 +100,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                       help="every stream's last chunk carries its usage, as if the request's stream_options asked")
     http.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                       help="logprobs name each token \"token_id:<id>\" (a request's return_tokens_as_token_ids wins)")
+    http.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
+                      help="serve no OpenAPI document (/openapi.json), Swagger UI (/docs) or ReDoc (/redoc)")
     http.add_argument("--disable-web-ui", action="store_true",
                       help="serve no web page at / (chat and live engine view) and no /engine/view")
     requests = parser.add_argument_group("requests")
