@@ -244,6 +244,7 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
         (["--ssl-certfile", str(cert), "--ssl-cert-reqs", "3"], "invalid choice: 3"),
         (["--lora-modules", "a=b"], "need --enable-lora"),
         (["--port", "70000"], "--port must be in 0-65535, got 70000"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
         (["--kv-cache-memory", "lots"], "a size like '2GiB'"),
         (["run-batch", "-i", str(key), "-o", str(cert), "--lora-modules", "a=b"], "need --enable-lora"),
     ]:
@@ -337,7 +338,7 @@ def flags_server(tmp_path_factory, tokenizer):
         directory / "server.log", api_key=API_KEY,
         extra_args=["--uds", socket_path, "--ssl-keyfile", key, "--ssl-certfile", cert, "--ssl-ca-certs", cert,
                     "--ssl-cert-reqs", str(ssl.CERT_REQUIRED), "--root-path", ROOT_PATH,
-                    "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests",
+                    "--allowed-origins", json.dumps([GOOD_ORIGIN]), "--enable-log-requests", "--enable-log-outputs",
                     "--max-log-len", str(MAX_LOG_LEN), "--max-logprobs", str(MAX_LOGPROBS), "--response-role", "bot",
                     "--disable-uvicorn-access-log", "--tokenizer", str(tokenizer_dir), "--disable-web-ui",
                     "--disable-log-stats", "--enable-server-load-tracking", "--enable-request-id-headers",
@@ -451,6 +452,24 @@ def test_requests_are_logged_cut_at_max_log_len(flags_server):
     assert f"prompt: {prompt[:MAX_LOG_LEN]!r}," in line
     token_ids = re.search(r"prompt_token_ids: \[([^\]]*)\]", line).group(1).split(",")
     assert len(token_ids) == MAX_LOG_LEN and "max_tokens=2" in line
+
+
+def test_outputs_are_logged_as_requests_end(flags_server):
+    """vLLM's --enable-log-outputs: each choice's text, token ids and finish reason, streamed or not, cut at
+    --max-log-len as the inputs are."""
+    body = {"prompt": "Hi", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with flags_server.http() as http:
+        response = http.post("/v1/completions", json=body).json()
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            chunks = [json.loads(line[len("data: "):]) for line in stream.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed_id = chunks[0]["id"]
+    for request_id in (response["id"], streamed_id):
+        [line] = [line for line in flags_server.log().splitlines() if f"Generated response {request_id}" in line]
+        text = response["choices"][0]["text"]  # greedy: the stream's too
+        assert f"(choice 0): output: {text[:MAX_LOG_LEN]!r}, output_token_ids: [" in line
+        assert len(re.search(r"output_token_ids: \[([^\]]*)\]", line).group(1).split(",")) == MAX_LOG_LEN
+        assert line.endswith("finish_reason: length")
 
 
 def test_max_logprobs_and_response_role(flags_server):

@@ -225,7 +225,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
     # CORS comes next, so preflights are answered before authentication and 401s carry CORS headers too.
     app.add_middleware(RejectWhileShuttingDown)
     app.state.shutting_down = False
-    request_logger = RequestLogger(max_log_len=frontend.max_log_len) if frontend.enable_log_requests else None
+    request_logger = RequestLogger(max_log_len=frontend.max_log_len, log_outputs=frontend.enable_log_outputs) \
+        if frontend.enable_log_requests else None
     init_app_state(app.state, engine_client, served_model_names, chat_template, tool_call_parser, lora_modules,
                    response_role=frontend.response_role, request_logger=request_logger,
                    enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,

@@ -107,6 +107,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     requests = parser.add_argument_group("requests")
     requests.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                           help="log each request's id, prompt and sampling parameters as it arrives")
+    requests.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                          help="with --enable-log-requests, log each choice's text, token ids and finish reason as "
+                               "its request ends")
     requests.add_argument("--max-log-len", type=int, default=None,
                           help="logged prompts keep this many characters, and token ids (default: all)")
     requests.add_argument("--response-role", default="assistant",
@@ -120,6 +123,8 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     no model load, and no server starts half-configured): each ValueError names its flag. The TLS files must exist
     and be readable, a key needs its certificate, and client-certificate settings need HTTPS (without it they
     would be silently ignored)."""
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise ValueError("--enable-log-outputs needs --enable-log-requests")  # vLLM's
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:

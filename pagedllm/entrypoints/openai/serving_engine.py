@@ -139,8 +139,13 @@ class OpenAIServing:
             self.request_logger.log_inputs(request_id, text, ids, params, lora_request)
         request_id = f"{request_id}-{random_uuid()[:8]}"
         if isinstance(params, BeamSearchParams):
-            return self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
-        return self.engine_client.generate(prompt, params, request_id, priority=priority, lora_request=lora_request)
+            results = self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
+        else:
+            results = self.engine_client.generate(prompt, params, request_id, priority=priority,
+                                                  lora_request=lora_request)
+        if self.request_logger is not None and self.request_logger.log_outputs:
+            return self.request_logger.outputs_logged(request_id, results)
+        return results
 
     @staticmethod
     async def _start(results: AsyncIterator[T], request: SamplingRequest, prompt_param: str) -> AsyncIterator[T]:
