@@ -225,3 +225,17 @@ def test_loading_a_path_with_no_adapter_is_a_404(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"r": 64, "lora_alpha": 8}')
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(tmp_path)})
     assert response.status_code == 400 and models.lora_request("sql") is None
+
+
+def test_answers_name_the_first_served_model_whichever_alias_was_asked_for():
+    """vLLM's model_name(): a base-model answer's "model" is the first --served-model-name (an adapter's, its own);
+    an unknown name is a 404."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.errors import NotFoundError
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    models = OpenAIServingModels(["base", "alias"], "/models/base", 64, SimpleNamespace(lora_config=None))
+    assert [models.check_model(name) for name in ("base", "alias", None, "")] == ["base"] * 4
+    with pytest.raises(NotFoundError):
+        models.check_model("elsewhere")

@@ -32,12 +32,11 @@ class OpenAIServingModels:
         return self.served_model_names[0]
 
     def check_model(self, model: Optional[str]) -> str:
-        """The name to answer with; a request may leave the model out, as with vLLM."""
-        if not model:
-            return self.model_name
-        if model not in self.served_model_names and model not in self.lora_requests:
+        """The name to answer with: an adapter's own, else the first served name whichever alias the request named
+        (vLLM's model_name()); a request may leave the model out, as with vLLM."""
+        if model and model not in self.served_model_names and model not in self.lora_requests:
             raise NotFoundError(f"The model `{model}` does not exist.", "model")
-        return model
+        return model if model in self.lora_requests else self.model_name
 
     def lora_request(self, model: Optional[str]) -> Optional[LoRARequest]:
         """The adapter a request's "model" names; None for the base model."""
