@@ -381,6 +381,8 @@ def test_force_include_usage_ends_every_stream_with_its_usage(flags_server):
         chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[0]["usage"] is None
+    # no details asked for: none sent, not nulls (vLLM's chunks leave them out)
+    assert not {"prompt_tokens_details", "completion_tokens_details"} & set(chunks[-1]["usage"])
 
 
 def test_return_tokens_as_token_ids_unless_the_request_says_otherwise(flags_server):

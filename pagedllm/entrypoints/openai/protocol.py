@@ -108,13 +108,15 @@ class UsageInfo(OpenAIBaseModel):
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: Optional[int] = None,
            reasoning_tokens: Optional[int] = None) -> "UsageInfo":
-        """``cached_tokens``, ``reasoning_tokens``: reported when not None."""
+        """``cached_tokens``, ``reasoning_tokens``: reported when not None; else their fields are left unset, so a
+        stream's chunks (sent with exclude_unset) leave them out, as vLLM's."""
+        details = {}
+        if cached_tokens is not None:
+            details["prompt_tokens_details"] = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        if reasoning_tokens is not None:
+            details["completion_tokens_details"] = CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens)
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens,
-                   prompt_tokens_details=None if cached_tokens is None else
-                   PromptTokenUsageInfo(cached_tokens=cached_tokens),
-                   completion_tokens_details=None if reasoning_tokens is None else
-                   CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens))
+                   total_tokens=prompt_tokens + completion_tokens, **details)
 
 
 class StreamOptions(OpenAIBaseModel):
