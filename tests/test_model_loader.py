@@ -450,6 +450,7 @@ def test_gemma3_multimodal_ties_its_lm_head_by_the_whole_models_config(tmp_path,
      "layer_types: 'chunked_attention' is not supported; supported: full_attention, sliding_attention"),
     (MistralConfig(sliding_window=-3), "sliding_window: -3 is not supported"),
     ("mixtral-top-8-of-4", "num_experts_per_tok: 8 is not supported with 4 experts"),
+    (LlamaConfig(num_attention_heads=8, num_key_value_heads=3), "num_key_value_heads: 3 is not supported with 8"),
 ])
 def test_what_the_layers_do_not_compute_is_refused_before_any_process(tmp_path, config, message):
     """An activation the MLP does not compute, Gemma's bidirectional attention, a kind of layer other than full or

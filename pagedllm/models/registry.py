@@ -73,8 +73,8 @@ def check_model_config(config: PretrainedConfig) -> None:
     """A ValueError naming the config's field for what its model class does not compute, before any process starts
     or weight is read: the architecture, the rope type, the MLP's activation, Gemma's bidirectional attention
     (an embedding model's, which would silently run causal), a kind of layer other than LAYER_TYPES (which ran as
-    full attention, or failed in the engine process), a negative sliding window and more experts a token than
-    there are (both failed in the engine process)."""
+    full attention, or failed in the engine process), a negative sliding window, key/value heads that do not divide
+    the query heads and more experts a token than there are (these failed in the engine process)."""
     model_class = get_model_architecture(config)
     check_rope_types(config)
     field = "hidden_activation" if getattr(config, "hidden_activation", None) is not None else "hidden_act"
@@ -94,6 +94,10 @@ def check_model_config(config: PretrainedConfig) -> None:
     if window is not None and window < 0:
         raise ValueError(f"sliding_window: {window} is not supported; a window is a number of tokens (0 or null: "
                          f"none)")
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv_heads is not None and (kv_heads < 1 or heads % kv_heads):
+        raise ValueError(f"num_key_value_heads: {kv_heads} is not supported with {heads} attention heads; each "
+                         f"key/value head serves a whole group of query heads, so it must divide {heads}")
     num_experts = getattr(config, "num_experts", None) if issubclass(model_class, _EXPERT_MODELS) else None
     if num_experts and not 1 <= config.num_experts_per_tok <= num_experts:
         raise ValueError(f"num_experts_per_tok: {config.num_experts_per_tok} is not supported with {num_experts} "
