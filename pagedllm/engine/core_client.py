@@ -167,7 +167,9 @@ class MPClient:
         instead while the engine's queue is full or the monitor has not yet said the engine died."""
         frames = (request_type.value, self._encoder.encode(payload))
         while True:
-            if self.dead or self._closing:
+            if self._closing:
+                raise EngineDeadError("The engine has been shut down (shutdown()); start a new one to generate.")
+            if self.dead:
                 raise EngineDeadError()
             try:
                 return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)

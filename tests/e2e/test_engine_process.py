@@ -41,6 +41,8 @@ def test_llm_runs_the_engine_core_in_a_child_process(mp_llm):
     assert stats.num_running_reqs == 0 and stats.kv_cache_usage == 0.0
     mp_llm.shutdown()
     assert not psutil.pid_exists(proc.pid) or psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(EngineDeadError, match="has been shut down"):  # not "died unexpectedly"
+        mp_llm.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_dead_engine_raises_instead_of_hanging(mp_llm):
