@@ -197,14 +197,9 @@ class MistralToolParser(ToolCallParser):
         content, deltas = [], []
         while True:
             if self._state == "content":
-                start = self._buffer.find(_MISTRAL_TOOL_CALLS)
-                if start < 0:
-                    keep = _partial_tag_length(self._buffer, _MISTRAL_TOOL_CALLS)
-                    content.append(self._buffer[:len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                if not self._content_up_to(_MISTRAL_TOOL_CALLS, content):
                     return "".join(content), deltas
-                content.append(self._buffer[:start])
-                self._buffer, self._position, self._state = self._buffer[start + len(_MISTRAL_TOOL_CALLS):], 0, "marker"
+                self._buffer, self._position, self._state = self._buffer[len(_MISTRAL_TOOL_CALLS):], 0, "marker"
             if self._state == "marker":
                 rest = self._buffer.lstrip()
                 if not rest:

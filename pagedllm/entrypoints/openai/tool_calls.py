@@ -193,6 +193,16 @@ class ToolCallParser:
         self._next_call()
         return True
 
+    def _content_up_to(self, tag: str, content: list[str]) -> bool:
+        """Moves the buffer's text before ``tag`` to ``content``; True when the tag has arrived (the buffer then
+        starts with it), False when not (the buffer then keeps only a tail that may be the tag's start)."""
+        start = self._buffer.find(tag)
+        if start < 0:
+            start = len(self._buffer) - _partial_tag_length(self._buffer, tag)
+        content.append(self._buffer[:start])
+        self._buffer = self._buffer[start:]
+        return self._buffer.startswith(tag)
+
     def _make_call(self, name: str, arguments: str) -> ToolCall:
         """A call read out of the text (a format whose template checks call ids makes them its way)."""
         return ToolCall(function=FunctionCall(name=name, arguments=arguments))
@@ -337,15 +347,8 @@ class HermesParser(ToolCallParser):
         self._buffer += delta_text
         content, deltas = [], []
         while True:
-            start = self._buffer.find(_HERMES_START)
-            if start < 0:
-                # Hold back a tail that may be the start of a tag still arriving.
-                keep = _partial_tag_length(self._buffer, _HERMES_START)
-                content.append(self._buffer[:len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+            if not self._content_up_to(_HERMES_START, content):
                 return "".join(content), deltas
-            content.append(self._buffer[:start])
-            self._buffer = self._buffer[start:]  # the block, from its tag
             rest = self._buffer[len(_HERMES_START):]
             body = len(self._buffer) - len(rest.lstrip())
             found = _scan_call(self._buffer, body, ("arguments",)) if self._buffer[body:body + 1] == "{" else None
