@@ -133,16 +133,10 @@ class EngineArgs:
         enforce_eager = self.enforce_eager or graphs_turned_off(self.compilation_config)
         check_capture_size_shortcuts(self.compilation_config, self.cudagraph_capture_sizes,
                                      self.max_cudagraph_capture_size)
-        if self.kv_cache_memory_bytes is not None:
-            check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
-            if self.kv_cache_memory is not None:
-                raise ValueError("kv_cache_memory and kv_cache_memory_bytes (vLLM's name) both size the KV cache: "
-                                 "give one of them")
-        if self.num_gpu_blocks_override is not None:
-            check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
-            if self.num_kv_blocks is not None:
-                raise ValueError("num_kv_blocks and num_gpu_blocks_override (vLLM's name) both set the KV cache's "
-                                 "blocks: give one of them")
+        kv_cache_memory = _one_of("kv_cache_memory", self.kv_cache_memory, "kv_cache_memory_bytes",
+                                  self.kv_cache_memory_bytes, "size the KV cache")
+        num_kv_blocks = _one_of("num_kv_blocks", self.num_kv_blocks, "num_gpu_blocks_override",
+                                self.num_gpu_blocks_override, "set the KV cache's blocks")
         if platform.device_type == "cuda":
             self._check_cuda_support()
         if attention_backend == "TRITON_ATTN" and self.kv_cache_dtype != "auto":
@@ -207,10 +201,7 @@ class EngineArgs:
             cache_config=CacheConfig(block_size=self.block_size,
                                      enable_prefix_caching=(True if self.enable_prefix_caching is None
                                                             else self.enable_prefix_caching),
-                                     kv_cache_memory=self.kv_cache_memory if self.kv_cache_memory is not None
-                                     else self.kv_cache_memory_bytes,
-                                     num_blocks=self.num_kv_blocks if self.num_kv_blocks is not None
-                                     else self.num_gpu_blocks_override,
+                                     kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
                                      cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config),
@@ -239,6 +230,17 @@ class EngineArgs:
         if names:
             raise ValueError(f"device 'cuda' does not run {', '.join(names)} yet (pagedllm's CUDA platform is new); "
                              "leave them at their defaults or use device='cpu'")
+
+
+def _one_of(name: str, value: Any, alias: str, alias_value: Optional[int], what: str) -> Any:
+    """A setting given under pagedllm's ``name`` or vLLM's ``alias`` (a positive integer); both at once is a
+    ValueError naming them."""
+    if alias_value is None:
+        return value
+    check_int(alias, alias_value, 1)
+    if value is not None:
+        raise ValueError(f"{name} and {alias} (vLLM's name) both {what}: give one of them")
+    return alias_value
 
 
 def _cache_sliding_window(model_config: ModelConfig, spec: SpeculativeConfig | None) -> int | None:
