@@ -72,12 +72,13 @@ class LoRAModel:
     @classmethod
     def from_local_checkpoint(cls, lora_path: str, lora_int_id: int, hf_config, max_lora_rank: int,
                               dtype: torch.dtype = torch.float32) -> LoRAModel:
-        """Load an adapter, checked against the base model's config first (check_local_checkpoint)."""
-        peft, modules = check_local_checkpoint(lora_path, hf_config, max_lora_rank)
+        """Load an adapter, checked against the base model's config first (check_local_checkpoint's checks, on
+        the weights opened once: a pickled adapter is read whole)."""
+        peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
         model = cls(lora_int_id, peft.r)
         shapes = slice_shapes(hf_config)
         with _weights(lora_path) as f:
-            for (layer_index, module), names in modules.items():
+            for (layer_index, module), names in _checked_modules(lora_path, hf_config, peft, f).items():
                 a, b = (f.get_tensor(names[ab]) for ab in "AB")
                 scaling = peft.rank_and_scaling(module_name(names["A"]))[1]
                 a, b = a.to(dtype), (b.to(torch.float64) * scaling).to(dtype)
@@ -154,20 +155,24 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
                            ) -> tuple[PEFTHelper, dict[tuple[int, str], dict[str, str]]]:
     """An adapter's settings and, per (layer, module) it adapts in layer order, the names of its A and B tensors,
     checked against the base model's config from its config file and its tensors' names and shapes, without
-    reading their data (the frontend checks each adapter this way; the worker loads it). A ValueError names what
-    does not fit: a module the model has no LoRA layer for (an MLP projection of a layer whose feed-forward block
-    is experts included: a dense model's adapter on a mixture of experts of its shapes), a shape that is not the
-    base's, a layer past its last, an A without its B."""
+    reading a safetensors file's data (the frontend checks each adapter this way; the worker loads it). A ValueError
+    names what does not fit: a module the model has no LoRA layer for (an MLP projection of a layer whose
+    feed-forward block is experts included: a dense model's adapter on a mixture of experts of its shapes), a shape
+    that is not the base's, a layer past its last, an A without its B."""
+    peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
+    with _weights(lora_path) as f:
+        return peft, _checked_modules(lora_path, hf_config, peft, f)
+
+
+def _checked_modules(lora_path: str, hf_config, peft: PEFTHelper, weights) -> dict[tuple[int, str], dict[str, str]]:
+    """check_local_checkpoint's modules, from the names and shapes of the open ``weights``."""
     from pagedllm.models.registry import get_model_architecture
 
     dense_mlp = get_model_architecture(hf_config).dense_mlp
-    peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
     shapes = slice_shapes(hf_config)
     found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
     names: dict[tuple[int, str], dict[str, str]] = {}
-    with _weights(lora_path) as f:
-        tensor_shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
-    for name, shape in tensor_shapes:
+    for name, shape in [(name, tuple(weights.get_slice(name).get_shape())) for name in weights.keys()]:
         match = _TENSOR_NAME.match(name)
         if match is None or match.group(2) not in LORA_TARGETS:
             raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
@@ -195,4 +200,4 @@ def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
                              f"({out_features}, {rank}) for rank {rank}")
     if not found:
         raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
-    return peft, {key: names[key] for key in sorted(names)}
+    return {key: names[key] for key in sorted(names)}
