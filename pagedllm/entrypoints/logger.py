@@ -33,7 +33,7 @@ class RequestLogger:
         async for res in results:
             for output in res.outputs:
                 texts[output.index] = texts.get(output.index, "") + output.text
-                token_ids[output.index] = token_ids.get(output.index, []) + list(output.token_ids)
+                token_ids.setdefault(output.index, []).extend(output.token_ids)
                 finish_reasons[output.index] = output.finish_reason
             yield res
         for index in sorted(texts):
