@@ -48,6 +48,9 @@ class MultiprocExecutor(Executor):
         self._seq = 0
         self._replies_of: dict[int, dict[int, Any]] = {}  # call seq -> replies so far, for calls not yet gathered
         self._failure: Optional[str] = None
+        # Ranks that did not answer a call within its timeout: hung (a deadlock, a stopped process), so shutdown
+        # does not give them SIGTERM's grace, which only delays the engine's failure (their stacks still dumped).
+        self._hung_ranks: list[int] = []
         self._closed = False
         self._shutdown_lock = threading.Lock()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
@@ -119,6 +122,7 @@ class MultiprocExecutor(Executor):
                 self._fail(dead)
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(expected - set(results))
+                self._hung_ranks = missing
                 self._fail(f"worker rank(s) {missing} did not answer within {timeout} s")
         del self._replies_of[seq]
         return results
@@ -150,6 +154,9 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
+            # The hung ranks first and at once: a peer blocked in a collective with one of them returns to Python
+            # when it is killed, and exits on its own SIGTERM then.
+            stop_processes([self.workers[rank] for rank in self._hung_ranks], "Hung worker", timeout=0)
             stop_processes(self.workers, "Worker")
             self.rpc_broadcast_mq.close()
             self._replies.close(linger=0)
