@@ -279,6 +279,9 @@ class ModelConfig:
     override_generation_config: Optional[dict] = None
     # What logprobs report (vLLM's logprobs_mode, sample/logprobs.LogprobsMode): the raw logits' log-softmax by default.
     logprobs_mode: str = "raw_logprobs"
+    # vLLM's max_model_len -1: once the KV cache is sized, the engine lowers max_model_len to the longest request
+    # the cache holds (EngineCore, fit_max_model_len), where that is shorter than the model's.
+    auto_fit_max_model_len: bool = False
 
     def __post_init__(self) -> None:
         """seed is an integer, max_logprobs one of at least -1 and logprobs_mode one of vLLM's (vLLM's ModelConfig

@@ -23,6 +23,20 @@ def max_blocks(windows: Sequence[int | None], block_size: int, num_tokens: int, 
                for window in windows)
 
 
+def longest_request(windows: Sequence[int | None], block_size: int, num_blocks: int, max_step_tokens: int,
+                    limit: int) -> int:
+    """The most tokens, up to ``limit``, a request may reach whose blocks (max_blocks) fit in ``num_blocks``: the
+    context length vLLM's max_model_len -1 fits to the KV cache. 0 where not even one token's do."""
+    low, high = 0, limit  # max_blocks grows with the tokens: the last that fits, by bisection
+    while low < high:
+        middle = (low + high + 1) // 2
+        if max_blocks(windows, block_size, middle, max_step_tokens) <= num_blocks:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 class GroupBlocks:
     """One KV cache group's handling of a request's blocks (vLLM's SingleTypeKVCacheManager), from the shared pool.
 

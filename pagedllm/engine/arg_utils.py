@@ -158,7 +158,9 @@ class EngineArgs:
             hf_config = apply_hf_overrides(hf_config, self.hf_overrides)
         check_model_config(hf_config)  # what the layers do not compute fails here, before any process
         model_max_len = positions_served(hf_config)
-        max_model_len = default_max_model_len(hf_config) if self.max_model_len is None else self.max_model_len
+        # -1 (vLLM's auto-fit): the model's context length, lowered by the engine to what its KV cache holds.
+        auto_fit = self.max_model_len == -1
+        max_model_len = default_max_model_len(hf_config) if self.max_model_len in (None, -1) else self.max_model_len
         check_int("max_model_len", max_model_len, 1)
         if max_model_len > model_max_len:
             raise ValueError(f"max_model_len ({max_model_len}) is larger than the model's "
@@ -186,7 +188,8 @@ class EngineArgs:
                                    self.seed, self.quantization, enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,
-                                   self.override_generation_config, logprobs_mode=self.logprobs_mode)
+                                   self.override_generation_config, logprobs_mode=self.logprobs_mode,
+                                   auto_fit_max_model_len=auto_fit)
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp

@@ -7,6 +7,7 @@ from collections import deque
 from typing import Optional
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import longest_request
 from pagedllm.core.kv_cache_utils import make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.engine_view import EngineView, make_engine_view
@@ -29,6 +30,8 @@ class EngineCore:
         try:
             num_blocks = config.cache_config.num_blocks or self.executor.determine_num_kv_blocks()
             config.cache_config.num_blocks = num_blocks
+            if config.model_config.auto_fit_max_model_len:
+                self._fit_max_model_len(num_blocks)
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()  # no worker outlives an engine that failed to start
@@ -50,6 +53,24 @@ class EngineCore:
         self._added_loras: set[int] = set()  # the adapter ids every worker has loaded once (_add_lora)
         # PAGEDLLM_STEP_TRACE: a line per step (step()'s; the pipeline-parallel batch queue's are not traced).
         self.step_trace = StepTrace.from_env(config.parallel_config.data_parallel_rank)
+
+    def _fit_max_model_len(self, num_blocks: int) -> None:
+        """vLLM's max_model_len -1: max_model_len lowered to the longest request ``num_blocks`` hold, here and in
+        every worker (whose config is a copy), before the workers size their KV caches by it."""
+        config = self.config
+        cache, configured = config.cache_config, config.model_config.max_model_len
+        fitted = longest_request(cache.group_windows, cache.block_size, num_blocks,
+                                 config.scheduler_config.max_num_batched_tokens, configured)
+        if fitted < 2:  # a request needs a prompt token and room for one output token
+            raise ValueError(f"Cannot auto-fit max_model_len: the KV cache ({num_blocks} blocks of "
+                             f"{cache.block_size} tokens) holds no request; raise kv_cache_memory")
+        if fitted == configured:
+            logger.info("Auto-fit max_model_len: the model's context length %d fits in the KV cache", configured)
+            return
+        logger.info("Auto-fit max_model_len: reduced from %d to %d to fit in the KV cache (%d blocks of %d tokens)",
+                    configured, fitted, num_blocks, cache.block_size)
+        config.model_config.max_model_len = config.scheduler_config.max_model_len = fitted
+        self.executor.collective_rpc("update_max_model_len", (fitted,))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         new = Request(

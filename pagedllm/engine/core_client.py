@@ -25,8 +25,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import start_engine_core
-from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType,
-                                      SchedulerStats)
+from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
+                                      EngineCoreRequestType, SchedulerStats)
 from pagedllm.engine.stopping import stop_processes
 from pagedllm.envs import env_flag
 from pagedllm.models.hf_config import load_tokenizer
@@ -72,6 +72,7 @@ class MPClient:
     client (so that several engines start at the same time)."""
 
     def __init__(self, config: EngineConfig, on_outputs: Callable[[Any], None], wait: bool = True) -> None:
+        self._config = config  # the frontend's: the engine's ready response updates it
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-")
         input_address = f"ipc://{self._ipc_dir}/input"
         output_address = f"ipc://{self._ipc_dir}/output"
@@ -121,8 +122,15 @@ class MPClient:
                 raise RuntimeError("The engine process failed to start; see its log above.")
             if waited > ENGINE_STARTUP_TIMEOUT_S:
                 raise TimeoutError(f"The engine process did not start in {ENGINE_STARTUP_TIMEOUT_S} s.")
-        if self._output_socket.recv() != READY_MESSAGE:
-            raise RuntimeError("Unexpected first message from the engine process.")
+        try:
+            ready = msgspec.msgpack.decode(self._output_socket.recv(), type=EngineCoreReadyResponse)
+        except msgspec.DecodeError:
+            raise RuntimeError("Unexpected first message from the engine process.") from None
+        # What the engine's start-up settled (vLLM's _apply_ready_response); with data parallelism every engine
+        # sizes the same cache, so each says the same.
+        self._config.model_config.max_model_len = min(self._config.model_config.max_model_len, ready.max_model_len)
+        self._config.scheduler_config.max_model_len = self._config.model_config.max_model_len
+        self._config.cache_config.num_blocks = ready.num_gpu_blocks
 
     def _output_thread(self) -> None:
         """The only user of the output socket; it polls so that shutdown can stop it before closing."""

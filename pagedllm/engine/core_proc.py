@@ -25,7 +25,7 @@ import zmq
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.launch import CONFIG_ON_STDIN
-from pagedllm.engine.protocol import (READY_MESSAGE, EngineCoreOutputs, EngineCoreRequest,
+from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, UtilityOutput)
 from pagedllm.engine.stopping import dump_stacks_on_sigusr1
 
@@ -71,7 +71,8 @@ class EngineCoreProc(EngineCore):
 
     def _output_thread(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        self._output_socket.send(READY_MESSAGE)
+        self._output_socket.send(encoder.encode(EngineCoreReadyResponse(self.config.model_config.max_model_len,
+                                                                        self.config.cache_config.num_blocks)))
         while True:
             outputs = self.output_queue.get()
             if outputs is _SHUTDOWN:

@@ -15,8 +15,13 @@ from pagedllm.sample.logprobs import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
 
 
-# The first message on the engine's output socket: it is initialised and serving.
-READY_MESSAGE = b"READY"
+class EngineCoreReadyResponse(msgspec.Struct, array_like=True):
+    """The first message on the engine's output socket: it is initialised and serving, with what its start-up
+    settled that the frontend's config did not know (vLLM's): its KV cache's blocks and the context length served
+    (lower than configured where max_model_len -1 fitted it to the cache)."""
+
+    max_model_len: int
+    num_gpu_blocks: int
 
 
 class FinishReason(enum.IntEnum):

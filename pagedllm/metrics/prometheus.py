@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedllm.config import parse_memory_size
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
 
@@ -59,15 +60,34 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+def cache_config_info(cache_config) -> dict[str, str]:
+    """The KV cache's settings under vLLM's CacheConfig names, as strings (vLLM's metrics_info), for
+    cache_config_info: num_gpu_blocks is the engine's, once its cache is sized (the ready response says it)."""
+    memory = cache_config.kv_cache_memory
+    return {"block_size": str(cache_config.block_size), "cache_dtype": cache_config.cache_dtype,
+            "enable_prefix_caching": str(cache_config.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache_config.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(None if memory is None else parse_memory_size(memory)),
+            "num_gpu_blocks": str(cache_config.num_blocks), "sliding_window": str(cache_config.sliding_window)}
+
+
 class PrometheusStatLogger:
     @classmethod
     def from_config(cls, model_name: str, registry: CollectorRegistry, config) -> "PrometheusStatLogger":
         """The metrics of the engine(s) ``config`` (an EngineConfig) describes: its data-parallel engines, draft
         positions and LoRA slots."""
         spec = config.speculative_config
-        return cls(model_name, registry, config.model_config.max_model_len, config.parallel_config.data_parallel_size,
-                   spec.num_speculative_tokens if spec is not None else 0,
-                   config.lora_config.max_loras if config.lora_config is not None else 0)
+        num_engines = config.parallel_config.data_parallel_size
+        stat_logger = cls(model_name, registry, config.model_config.max_model_len, num_engines,
+                          spec.num_speculative_tokens if spec is not None else 0,
+                          config.lora_config.max_loras if config.lora_config is not None else 0)
+        # vLLM's info metric: a gauge set to 1, its labels the settings (Info does not survive multiprocess mode).
+        info = cache_config_info(config.cache_config)
+        gauge = Gauge("pagedllm:cache_config_info", "Information of the LLMEngine CacheConfig", [*info, "engine"],
+                      registry=registry)
+        for engine in range(num_engines):
+            gauge.labels(**info, engine=str(engine)).set(1)
+        return stat_logger
 
     def __init__(self, model_name: str, registry: CollectorRegistry, max_model_len: int, num_engines: int = 1,
                  num_speculative_tokens: int = 0, max_loras: int = 0) -> None:

@@ -120,7 +120,7 @@ class Worker:
                                                   cache_config.gpu_memory_utilization)
             num_blocks = budget // per_block
             max_len = self.config.model_config.max_model_len
-            if num_blocks * cache_config.block_size < max_len:
+            if num_blocks * cache_config.block_size < max_len and not self.config.model_config.auto_fit_max_model_len:
                 raise ValueError(f"The KV cache holds {num_blocks * cache_config.block_size} tokens on this GPU, "
                                  f"fewer than one request of max_model_len ({max_len}); raise "
                                  "gpu_memory_utilization or lower max_model_len")
@@ -130,6 +130,11 @@ class Worker:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one KV block ({per_block} bytes)")
         return num_blocks
+
+    def update_max_model_len(self, max_model_len: int) -> None:
+        """The engine's auto-fitted max_model_len (EngineCore._fit_max_model_len), lower than the one this worker
+        started with: its buffers, sized for that, hold it."""
+        self.config.model_config.max_model_len = self.config.scheduler_config.max_model_len = max_model_len
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

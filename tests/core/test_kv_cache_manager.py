@@ -1,5 +1,5 @@
 """KVCacheManager: prefix hits, full-block-only sharing, caching during decode, atomic allocation."""
-from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_manager import KVCacheManager, longest_request, max_blocks
 from pagedllm.core.kv_cache_utils import make_block_hasher
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -131,3 +131,16 @@ def test_a_reset_is_counted_when_it_empties_the_cache():
     assert manager.reset_prefix_cache() is False and manager.prefix_cache_resets == 0
     manager.free(a)
     assert manager.reset_prefix_cache() is True and manager.prefix_cache_resets == 1
+
+
+def test_longest_request_is_the_last_length_whose_blocks_fit():
+    """max_model_len -1's fit: full attention holds num_blocks whole blocks of tokens; a sliding-window group holds
+    a window's blocks however long the request, so beside a full group it halves the room, and alone it fits the
+    limit; a cache of no blocks fits nothing."""
+    assert longest_request([None], 16, 22, 2048, 8192) == 352
+    assert longest_request([None], 16, 22, 2048, 300) == 300  # the model's own length fits
+    assert longest_request([None, None], 16, 22, 2048, 8192) == 176
+    windowed = longest_request([None, 64], 16, 40, 32, 8192)
+    assert max_blocks([None, 64], 16, windowed, 32) <= 40 < max_blocks([None, 64], 16, windowed + 1, 32)
+    assert longest_request([64], 16, 40, 32, 8192) == 8192
+    assert longest_request([None], 16, 0, 2048, 8192) == 0

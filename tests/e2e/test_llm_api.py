@@ -374,6 +374,23 @@ def test_a_kv_cache_smaller_than_one_request_is_warned_of_and_refuses_what_it_ca
         llm.shutdown()
 
 
+def test_max_model_len_minus_one_fits_the_context_to_the_kv_cache():
+    """vLLM's max_model_len=-1 (auto-fit), through the engine process: the engine lowers the model's context length
+    (8192) to the longest request its cache holds, and its ready response carries that and the cache's blocks to
+    the frontend, which then refuses a prompt that fills the fitted length and serves one a token shorter."""
+    with running_llm(dtype="float32", max_model_len=-1, kv_cache_memory="16MiB", enforce_eager=True) as llm:
+        config = llm.llm_engine.config
+        num_blocks = config.cache_config.num_blocks
+        assert num_blocks and config.model_config.max_model_len == num_blocks * config.cache_config.block_size < 8192
+        assert config.scheduler_config.max_model_len == config.model_config.max_model_len
+        fitted = config.model_config.max_model_len
+        with pytest.raises(ValueError, match=f"maximum context length is {fitted} tokens"):
+            llm.generate({"prompt_token_ids": [1000] * fitted}, use_tqdm=False)
+        (out,) = llm.generate({"prompt_token_ids": list(range(1000, 999 + fitted))},
+                              SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        assert out.error is None and len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
 def test_streamed_prompt_logprobs_come_once_and_whole_with_the_first_token():
     """A prompt prefilled in chunks sends no output per chunk: its prompt logprobs come once, all of them, with the
     first token (as vLLM sends them), so a stream neither repeats them nor starts with a part."""

@@ -2,7 +2,9 @@
 its own."""
 from __future__ import annotations
 
+import httpx
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -105,6 +107,18 @@ def test_server_exports_every_metric(server):
     text = server.metrics()
     for name in REQUIRED:
         assert any(key == name or key.startswith(name + "{") for key in text), name
+
+
+def test_the_kv_caches_settings_are_an_info_gauge(server):
+    """vLLM's cache_config_info: one series set to 1, labelled with the cache's settings, its blocks the engine's
+    (which its ready response told the API process)."""
+    text = httpx.get(server.url_for("metrics"), timeout=10).text
+    (labels,) = [sample.labels for family in text_string_to_metric_families(text) for sample in family.samples
+                 if sample.name == "pagedllm:cache_config_info" and sample.value == 1]
+    assert (labels["block_size"], labels["cache_dtype"], labels["enable_prefix_caching"], labels["engine"]) == (
+        "16", "auto", "True", "0")
+    assert labels["kv_cache_memory_bytes"] == str(256 << 20)
+    assert int(labels["num_gpu_blocks"]) == (256 << 20) // (2 * 30 * 3 * 64 * 16 * 4)  # SmolLM2's float32 blocks
 
 
 def test_server_exports_the_process_and_python_metrics(server):

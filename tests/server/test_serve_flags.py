@@ -70,6 +70,7 @@ def test_token_counts_take_vllms_human_readable_forms(capsys):
     assert (args.max_model_len, args.max_num_batched_tokens) == (4000, 8192)
     assert (_parse("--max-model-len", "25.6k").max_model_len, _parse("--max-model-len", "2048").max_model_len) == (
         25600, 2048)
+    assert _parse("--max-model-len", "auto").max_model_len == _parse("--max-model-len", "-1").max_model_len == -1
     for value, message in [("1.5K", "decimals are not allowed with binary suffixes like K"), ("lots", "'lots'")]:
         with pytest.raises(SystemExit):
             _parse("--max-model-len", value)

@@ -59,6 +59,12 @@ def human_readable_int(value: str) -> int:
     return int(number) << 10 * ("KMGT".index(suffix) + 1)
 
 
+def human_readable_int_or_auto(value: str) -> int:
+    """vLLM's --max-model-len: human_readable_int, or -1 / "auto" (-1: the longest the KV cache holds, up to the
+    model's)."""
+    return -1 if value.strip().lower() == "auto" else human_readable_int(value)
+
+
 def _memory_size(value: str) -> str:
     """--kv-cache-memory: bytes, or a size like "2GiB" (config.parse_memory_size), checked as the flags are read."""
     try:
@@ -184,8 +190,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "the platform's)")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    engine.add_argument("--max-model-len", type=human_readable_int, default=EngineArgs.max_model_len,
-                        help="context length, e.g. 2048, 4k (4000) or 4K (4096) (default: the model's)")
+    engine.add_argument("--max-model-len", type=human_readable_int_or_auto, default=EngineArgs.max_model_len,
+                        help="context length, e.g. 2048, 4k (4000) or 4K (4096); -1 or auto: the longest the KV "
+                             "cache holds, up to the model's (default: the model's)")
     engine.add_argument("--tokenizer", default=EngineArgs.tokenizer,
                         help="a tokenizer directory (or model alias) other than the model's")
     engine.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
