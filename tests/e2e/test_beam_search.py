@@ -2,6 +2,8 @@
 the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -12,8 +14,20 @@ from tests.e2e.conftest import in_process_llm
 BEAM_WIDTH = 4
 
 
+_searched: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def hf_beam_search(hf_model, prompt_token_ids: list[int], max_new_tokens: int, eos_token_id: int) -> list[list[int]]:
-    """HF's beams, best first: generated ids up to and including the EOS (the rest is padding)."""
+    """HF's beams, best first: generated ids up to and including the EOS (the rest is padding). Memoized per model:
+    tests compare several engines' (or adapters') searches with the same one."""
+    searched = _searched.setdefault(hf_model, {})
+    key = (tuple(prompt_token_ids), max_new_tokens, eos_token_id)
+    if key not in searched:
+        searched[key] = _hf_beam_search(hf_model, prompt_token_ids, max_new_tokens, eos_token_id)
+    return [list(beam) for beam in searched[key]]
+
+
+def _hf_beam_search(hf_model, prompt_token_ids: list[int], max_new_tokens: int, eos_token_id: int) -> list[list[int]]:
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prompt_token_ids]), num_beams=BEAM_WIDTH,
                                 num_return_sequences=BEAM_WIDTH, do_sample=False, max_new_tokens=max_new_tokens,

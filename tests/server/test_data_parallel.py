@@ -8,6 +8,7 @@ import asyncio
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+from tests.e2e.parallel_helpers import wait_until
 from tests.server.conftest import RemoteServer
 from tests.server.test_lifecycle import LONG_STREAM, sse_events
 
@@ -60,7 +61,8 @@ def test_serve_dp2(server, tmp_path):
 
         pool = ThreadPoolExecutor(2)
         streams = [pool.submit(long_stream) for _ in range(2)]  # one on each engine (the second sees a busier 0)
-        time.sleep(2)
+        assert wait_until(lambda: all(dp.metrics().get("pagedllm:num_requests_running{engine=%d}" % i, 0) == 1
+                                      for i in range(2)), 30)
         engines[1].kill()
         start = time.monotonic()
         done, _ = wait(streams, timeout=10, return_when=FIRST_COMPLETED)
