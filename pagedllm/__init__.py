@@ -13,6 +13,13 @@ _EXPORTS = {
     "BeamSearchParams": "pagedllm.beam_search",
     "BeamSearchOutput": "pagedllm.beam_search",
     "LoRARequest": "pagedllm.lora.request",
+    "EngineArgs": "pagedllm.engine.arg_utils",
+    "AsyncEngineArgs": "pagedllm.engine.arg_utils",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "AsyncLLMEngine": "pagedllm.engine.async_llm",  # vLLM's alias of AsyncLLM
+    "PromptType": "pagedllm.inputs",
+    "TextPrompt": "pagedllm.inputs",
+    "TokensPrompt": "pagedllm.inputs",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

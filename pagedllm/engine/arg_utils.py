@@ -235,6 +235,13 @@ class EngineArgs:
                              "leave them at their defaults or use device='cpu'")
 
 
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's arguments of an AsyncLLM: EngineArgs', and whether it logs each request added and aborted."""
+
+    enable_log_requests: bool = False
+
+
 def _one_of(name: str, value: Any, alias: str, alias_value: Optional[int], what: str) -> Any:
     """A setting given under pagedllm's ``name`` or vLLM's ``alias`` (a positive integer); both at once is a
     ValueError naming them."""

@@ -20,9 +20,11 @@ from pagedllm.engine.core_client import make_async_client, start_client_and_toke
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.engine.processor import Processor, PromptType, cache_salt_of
+from pagedllm.engine.processor import Processor, cache_salt_of
 from pagedllm.engine.protocol import EngineCoreOutputs, SchedulerStats
+from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.loggers import default_stat_loggers
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -31,11 +33,13 @@ logger = logging.getLogger(__name__)
 
 class AsyncLLM:
     def __init__(self, config, tokenizer: Any, engine_core: Any,
-                 stat_loggers: Optional[list[Callable[[Any], Any]]] = None) -> None:
+                 stat_loggers: Optional[list[Callable[[Any], Any]]] = None, log_requests: bool = False) -> None:
         """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both).
         ``stat_loggers``: factories (vLLM's StatLoggerFactory), each called with the resolved config (the
-        Prometheus buckets follow its max_model_len), whose loggers record every step's stats."""
+        Prometheus buckets follow its max_model_len), whose loggers record every step's stats. ``log_requests``:
+        log each request added and aborted (vLLM's)."""
         self.config = config
+        self.log_requests = log_requests
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config)
@@ -57,10 +61,39 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
                          stat_loggers: Optional[list[Callable[[Any], Any]]] = None) -> "AsyncLLM":
-        """Must be called with an event loop running (the engine's outputs are delivered on it)."""
+        """Must be called with an event loop running (the engine's outputs are delivered on it). Without
+        ``stat_loggers``, vLLM's defaults unless ``engine_args.disable_log_stats``: the log line (logged when
+        do_log_stats() is called) and the pagedllm: metrics in prometheus_client's default registry.
+        ``engine_args.enable_log_requests`` (AsyncEngineArgs') logs each request."""
+        if not isinstance(engine_args.disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be True or False, got {engine_args.disable_log_stats!r}")
+        if stat_loggers is None and not engine_args.disable_log_stats:
+            stat_loggers = default_stat_loggers()
         config = engine_args.create_engine_config()
         engine_core, tokenizer = start_client_and_tokenizer(config, make_async_client)
-        return cls(config, tokenizer, engine_core, stat_loggers)
+        return cls(config, tokenizer, engine_core, stat_loggers, getattr(engine_args, "enable_log_requests", False))
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        """vLLM's: the engine serves (neither shut down nor dead)."""
+        return not self.errored
+
+    @property
+    def is_stopped(self) -> bool:
+        return self.errored
+
+    @property
+    def dead_error(self) -> BaseException:
+        return self._dead_error or EngineDeadError()
+
+    async def do_log_stats(self) -> None:
+        """vLLM's: the stat loggers' log line now (the server's also logs by a timer of its own)."""
+        for stat_logger in self.stat_loggers:
+            if hasattr(stat_logger, "log"):
+                stat_logger.log()
 
     @property
     def errored(self) -> bool:
@@ -88,6 +121,8 @@ class AsyncLLM:
                                                lora_request=lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        if self.log_requests:
+            logger.info("Added request %s.", request_id)
         finished = False
         try:
             self._add_request(request_id, text, request)
@@ -134,7 +169,10 @@ class AsyncLLM:
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
         """vLLM's: stops one request or several (an n > 1 request's id stops all its sequences); the generate() of
         each ends with a last output whose finish_reason is "abort"."""
-        self._abort([request_id] if isinstance(request_id, str) else list(request_id))
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if self.log_requests:
+            logger.info("Aborted request(s) %s.", ",".join(request_ids))
+        self._abort(request_ids)
 
     def _abort(self, request_ids: list[str]) -> None:
         processed = self.output_processor.abort_requests(request_ids)
@@ -218,3 +256,6 @@ def _stop(engine_core: Any, output_handler: asyncio.Task) -> None:
     loop = output_handler.get_loop()
     if not loop.is_closed():
         loop.call_soon_threadsafe(output_handler.cancel)
+
+
+AsyncLLMEngine = AsyncLLM  # vLLM's name for it (vllm.AsyncLLMEngine)

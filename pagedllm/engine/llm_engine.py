@@ -12,8 +12,9 @@ from pagedllm.engine.core_client import make_sync_client, multiprocessing_enable
 from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.processor import Processor
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger

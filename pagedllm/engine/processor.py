@@ -3,20 +3,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import msgspec
 
 from pagedllm.config import LoRAConfig, ModelConfig
 from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.generation_config import generation_eos_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
-# A prompt is text ({"prompt": text} too), or pre-tokenized: a list of token ids, or {"prompt_token_ids": [...]}
-# (optionally with "prompt" text), as vLLM's DecoderOnlyPrompt; a dict may carry a "cache_salt".
-PromptType = Union[str, list[int], dict]
 
 # The most token sequences a request's bad_words may become (vLLM's VLLM_MAX_NUM_BAD_WORDS): the sampler matches every
 # one against the output each step, in Python, so an unbounded list would slow the whole batch.

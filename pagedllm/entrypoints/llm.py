@@ -11,9 +11,10 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import PromptType, cache_salt_of
+from pagedllm.engine.processor import cache_salt_of
 from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
+from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.models.resolve import DEFAULT_MODEL

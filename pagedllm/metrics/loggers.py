@@ -16,7 +16,10 @@ import time
 from collections import deque
 from typing import Optional
 
+from prometheus_client import REGISTRY
+
 from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.metrics.prometheus import PrometheusStatLogger, unregister_pagedllm_metrics
 from pagedllm.metrics.stats import IterationStats
 
 logger = logging.getLogger(__name__)
@@ -159,3 +162,19 @@ class _EngineWindow:
                          f"{', '.join(f'{rate:.3f}' for rate in per_pos)}, "
                          f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
         return lines
+
+
+def default_stat_loggers() -> list:
+    """vLLM's stat loggers of an AsyncLLM made without any, as factories of the config: the log line (no timer: it
+    logs when do_log_stats() asks, as vLLM's) and the pagedllm: metrics in prometheus_client's default registry, an
+    earlier engine's unregistered first. A bad PAGEDLLM_LOG_STATS_INTERVAL fails here, before any process."""
+    interval = log_stats_interval()
+
+    def prometheus(config) -> PrometheusStatLogger:
+        unregister_pagedllm_metrics(REGISTRY)
+        return PrometheusStatLogger.from_config(config.model_config.model, REGISTRY, config)
+
+    def log_line(config) -> LoggingStatLogger:
+        return LoggingStatLogger(config.parallel_config.data_parallel_size, interval, timer=False)
+
+    return [prometheus, log_line]

@@ -60,6 +60,14 @@ def request_tokens_buckets(max_model_len: int) -> list[int]:
         scale *= 10
 
 
+def unregister_pagedllm_metrics(registry: CollectorRegistry) -> None:
+    """Takes the pagedllm: metrics out of ``registry`` (vLLM's unregister_vllm_metrics), so that an engine made after
+    another in the same process can register its own in prometheus_client's default registry."""
+    for collector, names in list(registry._collector_to_names.items()):
+        if any(name.startswith("pagedllm:") for name in names):
+            registry.unregister(collector)
+
+
 def cache_config_info(cache_config) -> dict[str, str]:
     """The KV cache's settings under vLLM's CacheConfig names, as strings (vLLM's metrics_info), for
     cache_config_info: num_gpu_blocks is the engine's, once its cache is sized (the ready response says it)."""

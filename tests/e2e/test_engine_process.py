@@ -164,6 +164,42 @@ def test_an_async_llm_garbage_collected_stops_its_engine(monkeypatch):
     asyncio.run(run())
 
 
+def test_async_llm_from_engine_args_keeps_vllms_default_stats_and_logs_requests(caplog):
+    """As vLLM's AsyncLLM made from AsyncEngineArgs without stat loggers: statistics kept (outputs carry their
+    metrics), the pagedllm: metrics in prometheus_client's default registry (an engine made after another's takes
+    them over), the log line when do_log_stats() asks, each request logged with enable_log_requests; is_running
+    until shutdown, then is_stopped with its dead_error."""
+    import asyncio
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    from pagedllm import AsyncEngineArgs, AsyncLLMEngine
+
+    def generated_tokens() -> float:
+        return REGISTRY.get_sample_value("pagedllm:generation_tokens_total", {"model_name": "smollm2-135m-instruct",
+                                                                              "engine": "0"})
+
+    async def run() -> None:
+        for _ in range(2):
+            engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+                dtype="float32", max_model_len=512, kv_cache_memory="64MiB", enable_log_requests=True))
+            assert engine.is_running and not engine.is_stopped and engine.get_tokenizer() is engine.tokenizer
+            async for output in engine.generate("Hello", SamplingParams(max_tokens=3, ignore_eos=True), "req-7"):
+                pass
+            assert output.finished and output.metrics is not None and output.metrics.num_generation_tokens == 3
+            assert generated_tokens() == 3  # this engine's alone
+            assert "Added request req-7." in caplog.text
+            caplog.clear()
+            await engine.do_log_stats()
+            assert "Avg generation throughput" in caplog.text
+            engine.shutdown()
+            assert engine.is_stopped and isinstance(engine.dead_error, EngineDeadError)
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(run())
+
+
 @pytest.mark.parametrize("value", ["false", "off", ""])
 def test_enable_multiprocessing_takes_an_integer(monkeypatch, value):
     """PAGEDLLM_ENABLE_MULTIPROCESSING is read as vLLM reads VLLM_ENABLE_V1_MULTIPROCESSING, bool(int(...)): "false"
