@@ -213,6 +213,25 @@ def test_compressed_tensors_ignore_list_stays_dense(tmp_path):
         get_model(str(tmp_path / "half"), load_hf_config(str(tmp_path / "half")), KernelChoice(torch.float32))
 
 
+def _rewrite_quantization_config(path, **fields) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_compressed_tensors_ignore_patterns_match_from_the_names_start(tmp_path):
+    """As compressed-tensors' match_name and vLLM: a ``re:`` entry of the ignore list matches from the module name's
+    start (re.match), so ``re:.*mlp`` keeps every MLP layer dense, as the checkpoint holds them (read as a full
+    match it named none: their dense weights were cast into int8 codes, and the load failed lacking their scales)."""
+    _save_compressed_tensors(tmp_path, ignore=[f"model.layers.{i}.mlp.{p}_proj" for i in range(2)
+                                               for p in ("gate", "up", "down")])
+    _rewrite_quantization_config(tmp_path, ignore=["lm_head", "re:.*mlp"])
+    layers = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32)).model.layers
+    assert not isinstance(layers[1].mlp.gate_up_proj.quant_method, Int8LinearMethod)
+    assert not isinstance(layers[0].mlp.down_proj.quant_method, Int8LinearMethod)
+    assert isinstance(layers[0].self_attn.qkv_proj.quant_method, Int8LinearMethod)
+
+
 def _logits(model, config, tokens: list[int]) -> torch.Tensor:
     return PagedBatchRunner(model, config, block_size=4).step({0: tokens}, [Chunk(0, 0, len(tokens))])[0]
 

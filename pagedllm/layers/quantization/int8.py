@@ -149,6 +149,13 @@ class Int8LinearMethod(QuantizeMethodBase):
         return native.gemm_w8a8_silu_mul()(x, self.packed.panels, None, out_features, out_width=out_features // 2)
 
 
+def matches_module(name: str, pattern: str) -> bool:
+    """Whether a compressed-tensors ``ignore`` entry names module ``name``: ``re:`` a regular expression matched from
+    the name's start (re.match, as compressed-tensors' match_name and vLLM read it: ``re:.*mlp`` names every module
+    under an MLP), else the name itself."""
+    return re.match(pattern[3:], name) is not None if pattern.startswith("re:") else pattern == name
+
+
 class Int8Config(QuantizationConfig):
     """Every linear layer W8A8, quantized at load; or, ``checkpoint_quantized``, as the checkpoint has it, but for
     the layers its ``ignore`` list names (exact module names, or ``re:`` patterns, matched against the checkpoint's
@@ -187,8 +194,7 @@ class Int8Config(QuantizationConfig):
         """Whether layer ``prefix`` stays dense (named itself, or, for a layer fused here, all of its checkpoint
         parts; a checkpoint that ignores some parts only is an error)."""
         def listed(name: str) -> bool:
-            return any(re.fullmatch(entry[3:], name) if entry.startswith("re:") else entry == name
-                       for entry in self.ignore)
+            return any(matches_module(name, entry) for entry in self.ignore)
 
         if listed(prefix):
             return True
