@@ -213,9 +213,10 @@ def test_compressed_tensors_ignore_list_stays_dense(tmp_path):
         get_model(str(tmp_path / "half"), load_hf_config(str(tmp_path / "half")), KernelChoice(torch.float32))
 
 
-def _rewrite_quantization_config(path, **fields) -> None:
+def _change_quantization_config(path, change) -> None:
+    """Rewrite the checkpoint's quantization_config by ``change``, a function editing it in place."""
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"].update(fields)
+    change(config["quantization_config"])
     (path / "config.json").write_text(json.dumps(config))
 
 
@@ -225,11 +226,40 @@ def test_compressed_tensors_ignore_patterns_match_from_the_names_start(tmp_path)
     match it named none: their dense weights were cast into int8 codes, and the load failed lacking their scales)."""
     _save_compressed_tensors(tmp_path, ignore=[f"model.layers.{i}.mlp.{p}_proj" for i in range(2)
                                                for p in ("gate", "up", "down")])
-    _rewrite_quantization_config(tmp_path, ignore=["lm_head", "re:.*mlp"])
+    _change_quantization_config(tmp_path, lambda qc: qc.update(ignore=["lm_head", "re:.*mlp"]))
     layers = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32)).model.layers
     assert not isinstance(layers[1].mlp.gate_up_proj.quant_method, Int8LinearMethod)
     assert not isinstance(layers[0].mlp.down_proj.quant_method, Int8LinearMethod)
     assert isinstance(layers[0].self_attn.qkv_proj.quant_method, Int8LinearMethod)
+
+
+def test_compressed_tensors_layers_no_group_targets_stay_dense(tmp_path):
+    """As vLLM: a layer that no config group's ``targets`` names is dense in the checkpoint and loads so, whatever
+    the ignore list says (every linear layer was taken as quantized: the dense attention weights were cast into int8
+    codes, and the load failed lacking their scales); a fused layer's parts are targeted all together or not at all."""
+    def save(path, targets: list[str]) -> LlamaForCausalLM:
+        def change(qc):
+            qc["ignore"], qc["config_groups"]["group_0"]["targets"] = ["lm_head"], targets
+
+        reference = _save_compressed_tensors(path, ignore=[f"model.layers.{i}.self_attn.{p}_proj" for i in range(2)
+                                                           for p in "qkvo"])
+        _change_quantization_config(path, change)
+        return reference
+
+    reference = save(tmp_path / "mlp", ["re:.*mlp"])
+    config = load_hf_config(str(tmp_path / "mlp"))
+    model = get_model(str(tmp_path / "mlp"), config, KernelChoice(torch.float32))
+    layers = model.model.layers
+    assert isinstance(layers[1].mlp.gate_up_proj.quant_method, Int8LinearMethod)
+    assert not isinstance(layers[1].self_attn.qkv_proj.quant_method, Int8LinearMethod)
+    assert not isinstance(layers[0].self_attn.o_proj.quant_method, Int8LinearMethod)
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        dense = reference(tokens).logits[0]
+    assert (_logits(model, config, tokens[0].tolist()) - dense).abs().max() < 0.05 * dense.abs().max()
+    save(tmp_path / "q", ["re:.*mlp", "re:.*q_proj"])
+    with pytest.raises(ValueError, match="qkv_proj fuses .* targeted all together"):
+        get_model(str(tmp_path / "q"), load_hf_config(str(tmp_path / "q")), KernelChoice(torch.float32))
 
 
 def _logits(model, config, tokens: list[int]) -> torch.Tensor:
@@ -243,9 +273,7 @@ def _logits(model, config, tokens: list[int]) -> torch.Tensor:
 ])
 def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, change, message):
     _save_compressed_tensors(tmp_path, ignore=[])
-    config = json.loads((tmp_path / "config.json").read_text())
-    change(config["quantization_config"])
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    _change_quantization_config(tmp_path, change)
     with pytest.raises(ValueError, match=message):
         EngineArgs(str(tmp_path)).create_engine_config()
     _save_compressed_tensors(tmp_path / "good", ignore=[])

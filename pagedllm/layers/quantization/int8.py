@@ -15,7 +15,7 @@ them); so do a mixture of experts' experts and router.
 
 A checkpoint already quantized so (compressed-tensors' W8A8: int8 ``weight`` and a per-channel ``weight_scale``,
 activations dynamic per token, as llm-compressor writes it) loads its codes and scales as they are, into the same
-kernels; its ``ignore`` list stays dense.
+kernels; the layers its config groups do not target, or its ``ignore`` list names, stay dense.
 """
 from __future__ import annotations
 
@@ -150,22 +150,24 @@ class Int8LinearMethod(QuantizeMethodBase):
 
 
 def matches_module(name: str, pattern: str) -> bool:
-    """Whether a compressed-tensors ``ignore`` entry names module ``name``: ``re:`` a regular expression matched from
-    the name's start (re.match, as compressed-tensors' match_name and vLLM read it: ``re:.*mlp`` names every module
-    under an MLP), else the name itself."""
+    """Whether a compressed-tensors ``ignore`` or ``targets`` entry names module ``name``: ``re:`` a regular
+    expression matched from the name's start (re.match, as compressed-tensors' match_name and vLLM read it:
+    ``re:.*mlp`` names every module under an MLP), else the name itself."""
     return re.match(pattern[3:], name) is not None if pattern.startswith("re:") else pattern == name
 
 
 class Int8Config(QuantizationConfig):
-    """Every linear layer W8A8, quantized at load; or, ``checkpoint_quantized``, as the checkpoint has it, but for
-    the layers its ``ignore`` list names (exact module names, or ``re:`` patterns, matched against the checkpoint's
-    modules behind a fused layer, ``stacked_params_mapping`` saying which)."""
+    """Every linear layer W8A8, quantized at load; or, ``checkpoint_quantized``, as the checkpoint has it: the layers
+    its config groups' ``targets`` name but its ``ignore`` list does not (module names or ``re:`` patterns, matched
+    against the checkpoint's modules behind a fused layer, ``stacked_params_mapping`` saying which; a target may name
+    a module class instead, ``Linear`` every linear layer)."""
 
     def __init__(self, checkpoint_quantized: bool = False, ignore: Sequence[str] = (),
-                 stacked_params_mapping: list[tuple[str, str, object]] = ()):
+                 stacked_params_mapping: list[tuple[str, str, object]] = (), targets: Sequence[str] = ("Linear",)):
         self.checkpoint_quantized = checkpoint_quantized
         self.ignore = list(ignore)
         self.stacked_params_mapping = list(stacked_params_mapping)
+        self.targets = list(targets)
 
     @classmethod
     def from_compressed_tensors(cls, quantization_config: dict,
@@ -188,24 +190,34 @@ class Int8Config(QuantizationConfig):
                     inputs.get("strategy")) != (8, "int", True, True, "token"):
                 raise ValueError(f"compressed-tensors group {name!r}: input activations must be 8-bit int, "
                                  f"symmetric, dynamic per token; got {inputs}")
-        return cls(True, quantization_config.get("ignore") or (), stacked_params_mapping)
+        targets = [target for group in groups.values() for target in group.get("targets") or ()]
+        return cls(True, quantization_config.get("ignore") or (), stacked_params_mapping, targets)
 
-    def _ignored(self, prefix: str) -> bool:
-        """Whether layer ``prefix`` stays dense (named itself, or, for a layer fused here, all of its checkpoint
-        parts; a checkpoint that ignores some parts only is an error)."""
+    def _listed(self, prefix: str, entries: list[str], field: str, verb: str) -> bool:
+        """Whether ``entries`` (the ``ignore`` or ``targets`` list) name layer ``prefix``: itself, or, for a layer
+        fused here, all of its checkpoint parts; a list that names some parts only is an error (one layer, one
+        scheme)."""
         def listed(name: str) -> bool:
-            return any(matches_module(name, entry) for entry in self.ignore)
+            return any(matches_module(name, entry) for entry in entries)
 
         if listed(prefix):
             return True
         names = checkpoint_modules(prefix, self.stacked_params_mapping)
-        ignored = [listed(name) for name in names]
-        if any(ignored) and not all(ignored):
-            raise ValueError(f"compressed-tensors ignore list: {prefix} fuses {', '.join(names)}, which must be "
-                             f"ignored all together or not at all")
-        return all(ignored)
+        parts = [listed(name) for name in names]
+        if any(parts) and not all(parts):
+            raise ValueError(f"compressed-tensors {field}: {prefix} fuses {', '.join(names)}, which must be "
+                             f"{verb} all together or not at all")
+        return all(parts)
+
+    def _targeted(self, layer: nn.Module, prefix: str) -> bool:
+        """Whether a config group targets layer ``prefix``: by its class, as vLLM reads a target that is no ``re:``
+        pattern (contained in the class's name, so ``Linear`` names every linear layer), or by name."""
+        kind = type(layer).__name__.lower()
+        return (any(not target.startswith("re:") and target.lower() in kind for target in self.targets)
+                or self._listed(prefix, self.targets, "targets", "targeted"))
 
     def get_quant_method(self, layer, prefix):
-        if not isinstance(layer, LinearBase) or self._ignored(prefix):
+        if (not isinstance(layer, LinearBase) or self._listed(prefix, self.ignore, "ignore list", "ignored")
+                or not self._targeted(layer, prefix)):
             return None
         return Int8LinearMethod(self.checkpoint_quantized)
