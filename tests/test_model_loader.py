@@ -2,6 +2,7 @@
 tensor-parallel weight sharding."""
 
 import importlib.util
+import re
 
 import numpy as np
 import pytest
@@ -396,6 +397,25 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, change, 
     HFLlama(LlamaConfig(**config)).save_pretrained(tmp_path)
     LlamaConfig(**{**config, **change}).save_pretrained(tmp_path)  # the config, not the tensors, changed
     with pytest.raises(ValueError, match=message):
+        get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
+
+
+@pytest.mark.parametrize("dropped", ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight"])
+def test_a_checkpoint_lacking_one_part_of_a_fused_layer_is_refused(tmp_path, dropped):
+    """A checkpoint (one shard of it lost, say) holding q_proj and v_proj but not k_proj fails the load naming the
+    tensor it lacks: its rows of the fused qkv_proj were left uninitialised memory, and the model generated from
+    them."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from pagedllm.platforms.cpu import choose_kernels
+
+    HFLlama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2)).save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors[dropped]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=re.escape(f"Checkpoint lacks tensors ['{dropped}']")):
         get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
 
 

@@ -301,9 +301,11 @@ class LlamaForCausalLM(nn.Module):
         return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load HF-named checkpoint tensors; returns the parameter names filled."""
+        """Load HF-named checkpoint tensors; returns the parameter names filled (a fused one once each of the
+        checkpoint's parts of it has loaded: a part that never comes would leave its rows uninitialised memory)."""
         params = dict(self.named_parameters())
         loaded = set()
+        fused_parts: dict[str, set] = {}  # fused parameter -> the shard ids of its parts loaded so far
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
@@ -340,5 +342,14 @@ class LlamaForCausalLM(nn.Module):
                     param.weight_loader(param, tensor, shard_id)
             except ValueError as e:  # a shape that does not fit the config: name the tensor
                 raise ValueError(f"Checkpoint tensor {name!r}: {e}") from None
-            loaded.add(name)
-        return loaded
+            if shard_id is None:
+                loaded.add(name)
+            else:
+                fused_parts.setdefault(name, set()).add(shard_id)
+        # (A GGUF part's zeros come from the tensor its codes do, and some kinds have none: a Q6_K v beside Q4_K q, k.)
+        missing = sorted(name.replace(fused, original) for name, parts in fused_parts.items()
+                         for fused, original, shard_id in self.stacked_params_mapping
+                         if fused in name and shard_id not in parts and not name.endswith(".zeros"))
+        if missing:
+            raise ValueError(f"Checkpoint lacks tensors {missing}: the other parts of their fused layers are there")
+        return loaded | set(fused_parts)
