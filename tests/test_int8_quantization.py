@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import LLM, SamplingParams, native
@@ -260,6 +260,26 @@ def test_compressed_tensors_layers_no_group_targets_stay_dense(tmp_path):
     save(tmp_path / "q", ["re:.*mlp", "re:.*q_proj"])
     with pytest.raises(ValueError, match="qkv_proj fuses .* targeted all together"):
         get_model(str(tmp_path / "q"), load_hf_config(str(tmp_path / "q")), KernelChoice(torch.float32))
+
+
+def test_compressed_tensors_kv_cache_scales_load(tmp_path):
+    """A checkpoint with a kv_cache_scheme holds each attention's KV cache scales (self_attn.k_scale and v_scale, as
+    llm-compressor writes them; k_proj.output_scale in older exports), which vLLM loads: it loads, its scales unread
+    (the cache here is unscaled), computing as the same checkpoint without them (it failed: a tensor matching no
+    parameter)."""
+    _save_compressed_tensors(tmp_path / "plain", ignore=[])
+    _save_compressed_tensors(tmp_path / "kv", ignore=[])
+    tensors = load_file(str(tmp_path / "kv" / "model.safetensors"))
+    for i, kind in enumerate(("self_attn.{}_scale", "self_attn.{}_proj.output_scale")):
+        tensors.update({f"model.layers.{i}.{kind.format(kv)}": torch.tensor([0.02]) for kv in "kv"})
+    save_file(tensors, str(tmp_path / "kv" / "model.safetensors"))
+    _change_quantization_config(tmp_path / "kv", lambda qc: qc.update(kv_cache_scheme={
+        "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}))
+    EngineArgs(str(tmp_path / "kv")).create_engine_config()
+    tokens = torch.randint(0, 256, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    logits = [_logits(get_model(str(path), config, KernelChoice(torch.float32)), config, tokens)
+              for path in (tmp_path / "kv", tmp_path / "plain") for config in [load_hf_config(str(path))]]
+    assert torch.equal(*logits)
 
 
 def _logits(model, config, tokens: list[int]) -> torch.Tensor:

@@ -9,6 +9,7 @@ length)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,12 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 
 
 _GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}
+# A quantized checkpoint's KV cache scales, by the names vLLM's maybe_remap_kv_scale_name takes (compressed-tensors'
+# kv_cache_scheme: self_attn.k_scale, v_scale, q_scale; older exports' k_proj / v_proj output_scale; ModelOpt's
+# k_proj.k_scale; the deprecated kv_scale). vLLM scales an fp8 cache by them; the cache here is unscaled
+# (kv_cache_dtype.py), so they are not read.
+KV_CACHE_SCALE = re.compile(r".*\.self_attn\.(?:(?:[kv]_proj|qkv_proj|attn)\.)?(?:k|v|q|kv|prob)_scale"
+                            r"|.*\.self_attn\.[kqv]_proj\.output_scale")
 
 
 class LlamaMLP(nn.Module):
@@ -307,7 +314,7 @@ class LlamaForCausalLM(nn.Module):
         loaded = set()
         fused_parts: dict[str, set] = {}  # fused parameter -> the shard ids of its parts loaded so far
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or KV_CACHE_SCALE.fullmatch(name):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
