@@ -365,6 +365,18 @@ def test_gated_panels_fuse_the_activation(body, monkeypatch):
     torch.testing.assert_close(layer.silu_and_mul(x), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["gptq", "fp8", "awq"])
+def test_a_checkpoint_quantized_otherwise_is_a_config_error_naming_its_quant_method(tmp_path, method):
+    """A checkpoint quantized by a method that does not run here is refused before any process, naming its own
+    quantization_config (it was told that the engine argument quantization, which was not given, must be another)."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         vocab_size=256)
+    config.quantization_config = {"quant_method": method, "bits": 4}
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"is quantized by '{method}' \\(its quantization_config's quant_method\\)"):
+        EngineArgs(str(tmp_path)).create_engine_config()
+
+
 def test_compressed_tensors_mixture_of_experts_is_a_config_error(tmp_path):
     from transformers import MixtralConfig
 

@@ -53,6 +53,9 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
             raise ValueError(f"compressed-tensors checkpoints of mixture-of-experts models ({model_class.__name__}) "
                              f"are not supported yet: their experts run dense")
         return Int8Config.from_compressed_tensors(checkpoint_config, model_class.stacked_params_mapping)
+    if quantization not in QUANTIZATION_METHODS and checkpoint_config:  # the checkpoint's own scheme, not an argument
+        raise ValueError(f"{path!r} is quantized by {quantization!r} (its quantization_config's quant_method), which "
+                         f"is not supported: of the checkpoints' own schemes only compressed-tensors' W8A8 int8 runs")
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; "
                          f"got {quantization!r}")
