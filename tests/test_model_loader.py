@@ -383,7 +383,7 @@ def test_weight_loader_rejects_wrong_shape():
 @pytest.mark.parametrize("change, message", [
     (dict(num_hidden_layers=1), "'model.layers.1.input_layernorm.weight' matches no parameter"),
     (dict(intermediate_size=96), "Checkpoint tensor 'model.layers.0.mlp.[a-z_]+.weight': weight shape mismatch"),
-    (dict(num_key_value_heads=1), "'model.layers.0.self_attn.qkv_proj.weight': weight shape mismatch"),
+    (dict(num_key_value_heads=1), "'model.layers.0.self_attn.k_proj.weight': weight shape mismatch"),
 ])
 def test_a_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, change, message):
     """Tensors of layers or sizes the config does not have fail the load naming the tensor, as vLLM's loader does,
@@ -397,6 +397,31 @@ def test_a_checkpoint_that_does_not_fit_its_config_is_refused(tmp_path, change, 
     HFLlama(LlamaConfig(**config)).save_pretrained(tmp_path)
     LlamaConfig(**{**config, **change}).save_pretrained(tmp_path)  # the config, not the tensors, changed
     with pytest.raises(ValueError, match=message):
+        get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
+
+
+@pytest.mark.parametrize("architecture, extra", [
+    ("llama", "model.layers.1.self_attn.q_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.0.w1.weight"),
+])
+def test_an_extra_tensor_is_named_as_the_checkpoint_names_it(tmp_path, architecture, extra):
+    """A checkpoint tensor of a layer the config does not have fails the load under its own name, not the fused
+    parameter's it would load into (qkv_proj, experts.w13_weight), which no checkpoint holds; an expert's was a
+    KeyError."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from pagedllm.platforms.cpu import choose_kernels
+
+    config_class = MixtralConfig if architecture == "mixtral" else LlamaConfig
+    sizes = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 **(dict(num_local_experts=2, num_experts_per_tok=1) if architecture == "mixtral" else {}))
+    AutoModelForCausalLM.from_config(config_class(num_hidden_layers=2, **sizes)).save_pretrained(tmp_path)
+    tensors = {name: tensor for name, tensor in load_file(str(tmp_path / "model.safetensors")).items()
+               if not name.startswith("model.layers.1.") or name == extra}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config_class(num_hidden_layers=1, **sizes).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(f"Checkpoint tensor '{extra}' matches no parameter")):
         get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
 
 

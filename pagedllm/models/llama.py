@@ -313,7 +313,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         fused_parts: dict[str, set] = {}  # fused parameter -> the shard ids of its parts loaded so far
-        for name, tensor in weights:
+        for checkpoint_name, tensor in weights:
+            name = checkpoint_name  # the parameter it loads into, once named so (a fused one, an expert stack)
             if "rotary_emb.inv_freq" in name or KV_CACHE_SCALE.fullmatch(name):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -325,30 +326,28 @@ class LlamaForCausalLM(nn.Module):
                 params[lm_name].weight_loader(params[lm_name], tensor)
                 loaded.add(lm_name)
             expert = expert_weight_target(name, self.expert_weight_names) if self.expert_weight_names else None
-            if expert is not None:  # before the stacked names: an expert's gate_proj is not a dense gate_proj
-                name, expert_id, expert_shard = expert
-                if name not in params and self._on_other_stage(name):
-                    continue
-                params[name].weight_loader(params[name], tensor, expert_id, expert_shard)
-                loaded.add(name)
-                continue
             shard_id = None
-            for fused, original, stacked_shard_id in self.stacked_params_mapping:
-                if original in name:
-                    name, shard_id = name.replace(original, fused), stacked_shard_id
-                    break
+            if expert is not None:  # before the stacked names: an expert's gate_proj is not a dense gate_proj
+                name = expert[0]
+            else:
+                for fused, original, stacked_shard_id in self.stacked_params_mapping:
+                    if original in name:
+                        name, shard_id = name.replace(original, fused), stacked_shard_id
+                        break
             if name not in params and self._on_other_stage(name):
                 continue
             if name not in params:
-                raise ValueError(f"Checkpoint tensor {name!r} matches no parameter of {type(self).__name__}")
+                raise ValueError(f"Checkpoint tensor {checkpoint_name!r} matches no parameter of {type(self).__name__}")
             param = params[name]
             try:
-                if shard_id is None:
+                if expert is not None:  # its id and shard (w1, w2, w3)
+                    param.weight_loader(param, tensor, *expert[1:])
+                elif shard_id is None:
                     getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 else:
                     param.weight_loader(param, tensor, shard_id)
             except ValueError as e:  # a shape that does not fit the config: name the tensor
-                raise ValueError(f"Checkpoint tensor {name!r}: {e}") from None
+                raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: {e}") from None
             if shard_id is None:
                 loaded.add(name)
             else:
