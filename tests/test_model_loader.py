@@ -467,6 +467,10 @@ def test_a_sharded_checkpoint_loads_only_the_files_its_index_names(tmp_path):
     assert len(files) > 1 and not any(f.endswith("consolidated.safetensors") for f in files)
     model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
     assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    lost = sorted(tmp_path.glob("model-*.safetensors"))[-1]  # a download cut short: the shard, not its tensors
+    lost.unlink()
+    with pytest.raises(ValueError, match=f"names shards that are not there: \\['{lost.name}'\\]"):
+        safetensors_files(str(tmp_path))
 
 
 @pytest.mark.parametrize("outer, text, tied", [(False, None, False), (True, False, True), (False, True, False)])

@@ -16,14 +16,17 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 def safetensors_files(directory: str) -> list[str]:
     """The checkpoint's ``*.safetensors`` files in an HF directory: with an index (sharded checkpoints), only the
-    files its weight_map names, as vLLM takes them; a directory may hold the same weights in another layout beside
-    them (Mistral's ``consolidated.safetensors``)."""
+    files its weight_map names, as vLLM takes them (a directory may hold the same weights in another layout beside
+    them: Mistral's ``consolidated.safetensors``), and each of them, else a ValueError naming those missing."""
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
     index = os.path.join(directory, SAFETENSORS_INDEX)
     if os.path.isfile(index):
         with open(index) as f:
             named = set(json.load(f).get("weight_map", {}).values())
         files = [file for file in files if os.path.basename(file) in named]
+        absent = sorted(named - {os.path.basename(file) for file in files})
+        if absent:  # a download cut short: name the shards, not each parameter they held
+            raise ValueError(f"{SAFETENSORS_INDEX} in {directory!r} names shards that are not there: {absent}")
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {directory!r}")
     return files
