@@ -309,6 +309,7 @@ def test_quantization_may_name_the_checkpoints_own_scheme(tmp_path):
     assert config.model_config.hf_config.quantization_config["format"] == "int-quantized"
     parser = make_arg_parser(argparse.ArgumentParser())
     assert parser.parse_args(["--quantization", "compressed-tensors"]).quantization == "compressed-tensors"
+    assert parser.parse_args(["-q", "int8"]).quantization == "int8"  # vLLM's short form of the flag
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                 vocab_size=256).save_pretrained(tmp_path / "dense")
     with pytest.raises(ValueError, match="quantization='compressed-tensors' is a quantized checkpoint's own scheme"):

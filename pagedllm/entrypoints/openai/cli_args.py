@@ -243,7 +243,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "before it takes requests (steady latency from the first request where first touches "
                              "are slow, as in VMs; start-up takes longer) (default: %(default)s)")
     engine.add_argument("--seed", type=int, default=EngineArgs.seed)
-    engine.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=EngineArgs.quantization,
+    engine.add_argument("--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=EngineArgs.quantization,
                         help="gguf: keep a GGUF file's Q4_0/Q4_1, Q8_0, Q2_K-Q6_K, IQ4_NL/XS linear weights "
                              "packed where a kernel takes them (other types dequantized at load); gguf_int4: the "
                              "Q4_0/Q4_1/Q4_K ones only; int8: W8A8, the linear layers' weights int8 per channel and "
