@@ -94,6 +94,14 @@ class SchedulerConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                              f"max_model_len ({self.max_model_len}) when chunked prefill is disabled")
+        # vLLM's verify_max_model_len: a step holds at least a token of every running request, and a long prompt's
+        # cap lies within a prompt.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal "
+                             f"to max_num_seqs ({self.max_num_seqs}).")
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot be greater "
+                             f"than the max_model_len ({self.max_model_len}).")
 
 
 @dataclass

@@ -64,7 +64,8 @@ class EngineArgs:
     tokenizer: Optional[str] = None
     dtype: Union[str, torch.dtype] = "auto"
     max_model_len: Optional[int] = None
-    max_num_seqs: int = 256
+    # None: vLLM's default, 256 but at most max_num_batched_tokens (a step holds a token of every running request).
+    max_num_seqs: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
     block_size: int = 16
     # None: the default (on), as vLLM's None.
@@ -171,6 +172,10 @@ class EngineArgs:
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if chunked_prefill else max_model_len
+        max_num_seqs = self.max_num_seqs
+        if max_num_seqs is None:
+            check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+            max_num_seqs = min(256, max_num_batched_tokens)
         set_quantization(hf_config, self.quantization, path)
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                          self.data_parallel_size, self.distributed_executor_backend,
@@ -210,7 +215,7 @@ class EngineArgs:
                                      sliding_window=_cache_sliding_window(model_config, speculative_config),
                                      kv_cache_groups=_cache_groups(model_config)),
             scheduler_config=SchedulerConfig(
-                max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+                max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes or 0,

@@ -19,14 +19,15 @@ _arrival = itertools.count()
 
 
 def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched_tokens: int = 8192,
-                   max_num_seqs: int = 256, max_model_len: int = 8192, enable_prefix_caching: bool = True,
+                   max_num_seqs: Optional[int] = None, max_model_len: int = 8192, enable_prefix_caching: bool = True,
                    enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                    policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
                    num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0, max_loras: int = 0,
                    sliding_window: Optional[int] = None, max_prefill_tokens_with_decodes: int = 0,
                    kv_cache_groups: tuple = ()) -> Scheduler:
     scheduler = Scheduler(
-        SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        SchedulerConfig(max_model_len=max_model_len,
+                        max_num_seqs=min(256, max_num_batched_tokens) if max_num_seqs is None else max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold,

@@ -1,4 +1,7 @@
 """Scheduler behaviour, pinned without a model (the way vLLM's tests/v1/core does it)."""
+import pytest
+
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.protocol import FinishReason
 from pagedllm.worker.outputs import ModelRunnerOutput
@@ -109,6 +112,17 @@ def test_max_num_seqs_caps_running():
     out, _ = step(scheduler)
     assert set(out.num_scheduled_tokens) == {"r0", "r1"}
     run_to_completion(scheduler)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(max_num_seqs=64, max_num_batched_tokens=32), r"max_num_batched_tokens \(32\) must be greater than or equal "
+                                                       r"to max_num_seqs \(64\)"),
+    (dict(max_model_len=100, long_prefill_token_threshold=101), r"long_prefill_token_threshold \(101\) cannot be "
+                                                                r"greater than the max_model_len \(100\)")])
+def test_scheduler_config_refuses_budgets_vllm_refuses(fields, message):
+    """vLLM's SchedulerConfig.verify_max_model_len: a ValueError naming the fields, not an engine that runs."""
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**fields)
 
 
 def test_preemption_when_blocks_run_out_and_identical_tokens_after_recompute():

@@ -94,7 +94,7 @@ def test_random_drafts_and_acceptance_keep_blocks_accounted_for_and_never_cache_
     """With lookahead (a draft model's scratch slots) too: the scratch lands only in the request's own blocks,
     which it holds no longer than the step."""
     scheduler = make_scheduler(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=budget,
-                               max_num_seqs=6, max_model_len=64, enable_prefix_caching=caching,
+                               max_num_seqs=min(6, budget), max_model_len=64, enable_prefix_caching=caching,
                                num_speculative_tokens=K, num_lookahead_tokens=lookahead)
     rng = random.Random(seed)
     worker = SpeculatingWorker(lambda req_id, n: right_then_wrong(rng.randint(0, K), rng.randint(0, 2))(req_id, n)[

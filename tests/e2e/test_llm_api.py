@@ -191,6 +191,15 @@ def test_enable_prefix_caching_none_is_the_default():
         EngineArgs(enable_chunked_prefill="false").create_engine_config()
 
 
+def test_max_num_seqs_defaults_to_at_most_max_num_batched_tokens():
+    """vLLM's: left unset, max_num_seqs is 256 cut to max_num_batched_tokens; set above it, a ValueError."""
+    assert EngineArgs().create_engine_config().scheduler_config.max_num_seqs == 256
+    assert EngineArgs(max_num_batched_tokens=64).create_engine_config().scheduler_config.max_num_seqs == 64
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(64\) must be greater than or equal to "
+                                         r"max_num_seqs \(128\)"):
+        EngineArgs(max_num_batched_tokens=64, max_num_seqs=128).create_engine_config()
+
+
 def test_an_architecture_not_served_is_refused_with_the_config(tmp_path):
     from transformers import GPT2Config
 
