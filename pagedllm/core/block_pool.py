@@ -10,7 +10,9 @@ class BlockPool:
     """A fixed set of KV blocks.
 
     A free block may still hold a cached full block (its hash in `cached_block_hash_to_block`): it stays
-    reusable by a prefix hit until get_new_blocks evicts it, least recently freed first.
+    reusable by a prefix hit until get_new_blocks evicts it, least recently freed first. Several blocks may hold the
+    same tokens (requests that computed one prefix at once): each is cached, under its hash and id (vLLM's
+    BlockHashToBlockMap), so that a hit still finds one once another is evicted.
 
     `null_block` stands in a request's block list where a block fell out of its group's sliding window and went
     back to the pool (vLLM's null block). It is no block of the pool: never counted, cached, handed out or freed,
@@ -25,28 +27,25 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.null_block = KVCacheBlock(0)
 
     def get_cached_block(self, block_hash: BlockHash) -> Optional[KVCacheBlock]:
-        return self.cached_block_hash_to_block.get(block_hash)
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
 
     def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
                           num_cached_blocks: int, num_full_blocks: int) -> None:
-        """Registers blocks[num_cached_blocks:num_full_blocks] under their hashes.
-
-        A block whose hash is already cached by another block (two requests computed the same prefix at once)
-        stays uncached; it is freed normally and the existing copy keeps serving hits.
-        """
+        """Registers blocks[num_cached_blocks:num_full_blocks] under their hashes, beside any other block already
+        cached under the same hash (never deduplicated: a request's block table only grows)."""
         if not self.enable_caching:
             return
         for i in range(num_cached_blocks, num_full_blocks):
             block, block_hash = blocks[i], block_hashes[i]
             if block.block_hash is not None or block is self.null_block:
                 continue  # a prefix-hit block, already cached, or one out of the window
-            if block_hash not in self.cached_block_hash_to_block:
-                block.block_hash = block_hash
-                self.cached_block_hash_to_block[block_hash] = block
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Takes blocks from the front of the free queue (evicting their cached content), ref_cnt 1 each."""
@@ -62,7 +61,9 @@ class BlockPool:
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
-        if self.cached_block_hash_to_block.get(block.block_hash) is block:
+        blocks = self.cached_block_hash_to_block[block.block_hash]
+        del blocks[block.block_id]
+        if not blocks:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 

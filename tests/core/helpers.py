@@ -190,8 +190,11 @@ def assert_block_invariants(scheduler: Scheduler) -> None:
     for block in pool.blocks:
         assert block.ref_cnt == owners.get(block.block_id, 0), f"{block} has {owners.get(block.block_id, 0)} owners"
     assert len(free_ids) + len(owners) == pool.num_blocks
-    for block_hash, block in pool.cached_block_hash_to_block.items():
-        assert block.block_hash == block_hash
+    for block_hash, blocks in pool.cached_block_hash_to_block.items():
+        assert blocks and all(block.block_hash == block_hash and block.block_id == block_id
+                              for block_id, block in blocks.items())
+    for block in pool.blocks:  # a block with a hash is cached under it
+        assert block.block_hash is None or pool.cached_block_hash_to_block[block.block_hash][block.block_id] is block
     # Only live requests hold blocks.
     assert set(scheduler.kv_cache_manager.req_to_blocks) <= set(scheduler.requests)
 

@@ -55,6 +55,22 @@ def test_reused_evicted_block_loses_its_hash():
     pool.free_blocks([reused])
 
 
+def test_blocks_holding_the_same_tokens_are_all_cached():
+    """Two requests that computed one prefix at once hold a block each with its hash, both cached (vLLM's
+    BlockHashToBlockMap): once one is evicted, a hit still finds the other."""
+    pool = BlockPool(2)
+    first, second = pool.get_new_blocks(1), pool.get_new_blocks(1)
+    h = hash_block_tokens(None, list(range(16)))
+    pool.cache_full_blocks(first, [h], 0, 1)
+    pool.cache_full_blocks(second, [h], 0, 1)
+    assert second[0].block_hash == h
+    pool.free_blocks(first)
+    assert pool.get_new_blocks(1) == first and first[0].block_hash is None  # evicted
+    assert pool.get_cached_block(h) is second[0]
+    pool.free_blocks(first + second)
+    assert pool.reset_prefix_cache() and pool.get_cached_block(h) is None
+
+
 def test_touch_takes_a_cached_block_out_of_the_eviction_queue():
     pool = BlockPool(3)
     blocks = pool.get_new_blocks(3)
