@@ -193,6 +193,20 @@ def test_priority_preemption_picks_the_lowest_priority():
     abort(scheduler, "low", "high", "mid")
 
 
+def test_priority_preemption_of_equals_picks_the_first_running():
+    """vLLM's victim is the largest (priority, arrival_time), of equals the first running (no request id breaks the
+    tie): "b", needing a block, preempts "a", which this step already scheduled, rather than itself."""
+    scheduler = make_scheduler(num_blocks=3, block_size=4, policy="priority")
+    for req_id in ("a", "b"):
+        scheduler.add_request(make_request(req_id, [1, 2, 3, ord(req_id)], block_size=4, max_tokens=8,
+                                           arrival_time=5.0))
+    step(scheduler)
+    out, _ = step(scheduler)  # "a" decodes into the last free block
+    assert out.preempted_req_ids == {"a"} and list(out.num_scheduled_tokens) == ["b"]
+    run_to_completion(scheduler)
+    assert_no_leaks(scheduler)
+
+
 def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_no_uncomputed_block_cached():
     """The priority policy may preempt a request it already scheduled this step; the full blocks its allocation
     registered in the prefix cache hold tokens no step computed, so they must not serve a hit when it resumes."""

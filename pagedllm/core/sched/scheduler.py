@@ -356,7 +356,8 @@ class Scheduler:
         if not candidates:
             return None
         if self.policy == SchedulingPolicy.PRIORITY:
-            return max(candidates)  # largest priority value, latest arrival
+            # Largest priority value, then latest arrival; of equals the first running (vLLM's key: no request id).
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
         return candidates[-1]  # FCFS: the newest
 
     def _preempt(self, request: Request) -> None:
