@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import sys
 from typing import Optional
 
@@ -108,6 +109,14 @@ def vllm_argv(argv: list[str]) -> list[str]:
     return converted
 
 
+def _model_after_served_names(argv: list[str]) -> bool:
+    """vLLM's check of `serve`'s command line (FlexibleArgumentParser.parse_args): --served-model-name takes every
+    word after it, so a model given after it would be served as one more name, and the default model under them. It
+    must come first (it is not there where a flag comes first), unless a --config file may name it."""
+    return (argv[:1] == ["serve"] and len(argv) > 1 and argv[1].startswith("-")
+            and any(re.match(r"--served-model-name(=|$)", arg) for arg in argv))
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     argv = vllm_argv(sys.argv[1:] if argv is None else argv)
     with engine_core_prestarted(_engines_started(argv)):
@@ -123,6 +132,9 @@ def _run_command(argv: list[str]) -> None:
     config = _config_path(argv[1:]) if command_parser is not None else None
     if config:  # the file's flags as defaults: the command line's win
         command_parser.set_defaults(**config_file_defaults(command_parser, config))
+    elif _model_after_served_names(argv):
+        command_parser.error("the model must be the first argument of serve when --served-model-name is given, as "
+                             "in vLLM: pagedllm serve <model> --served-model-name <name> ...")
     args = parser.parse_args(argv)
     if args.command in ("serve", "run-batch"):
         try:  # before the model loads

@@ -246,6 +246,8 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
         (["--lora-modules", "a=b"], "need --enable-lora"),
         (["--port", "70000"], "--port must be in 0-65535, got 70000"),
         (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
+        # vLLM's rule: the model after --served-model-name's names was served as one more name (the default model)
+        (["--port", "8001", "--served-model-name", "name", "/models/llama"], "the model must be the first argument"),
         (["--kv-cache-memory", "lots"], "a size like '2GiB'"),
         (["run-batch", "-i", str(key), "-o", str(cert), "--lora-modules", "a=b"], "need --enable-lora"),
     ]:
