@@ -166,19 +166,24 @@ COMPILATION_MODES = ("NONE", "STOCK_TORCH_COMPILE", "DYNAMO_TRACE_ONCE", "VLLM_C
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
 
-def graphs_turned_off(compilation_config) -> bool:
-    """Whether vLLM's ``compilation_config`` (None, a mode 0-3, or a dict of CompilationConfig fields) asks for no
-    graphs (cudagraph_mode NONE); a ValueError naming the field for what vLLM refuses (an unknown field, mode or
-    cudagraph_mode; names case-insensitive as vLLM's)."""
+def graphs_turned_off(compilation_config, optimization_level: int = 2) -> bool:
+    """Whether vLLM's ``compilation_config`` (None, a mode 0-3, or a dict of CompilationConfig fields) and
+    ``optimization_level`` (0-3, vLLM's -O) ask for no graphs: cudagraph_mode NONE, which the level's defaults set at
+    0 (vLLM's OPTIMIZATION_LEVEL_00) where the config leaves it. A ValueError naming the field for what vLLM refuses
+    (an unknown field, mode, cudagraph_mode or level; names case-insensitive as vLLM's)."""
+    if isinstance(optimization_level, bool) or optimization_level not in range(4):
+        raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {optimization_level!r}")
     if compilation_config is None:
-        return False
-    if isinstance(compilation_config, dict):
+        mode = cudagraph_mode = None
+    elif isinstance(compilation_config, dict):
         unknown = sorted(set(compilation_config) - COMPILATION_CONFIG_FIELDS)
         if unknown:
             raise ValueError(f"compilation_config has no field {', '.join(map(repr, unknown))}")
         mode, cudagraph_mode = compilation_config.get("mode"), compilation_config.get("cudagraph_mode")
     else:
         mode, cudagraph_mode = compilation_config, None
+    if cudagraph_mode is None and optimization_level == 0:
+        cudagraph_mode = "NONE"
     if mode is not None and not (isinstance(mode, str) and mode.upper() in COMPILATION_MODES) and not (
             isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode < len(COMPILATION_MODES)):
         raise ValueError(f"compilation_config mode must be 0-3 or one of {', '.join(COMPILATION_MODES)}; "

@@ -97,6 +97,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # vLLM's compilation_config: a mode (0-3) or a dict of its CompilationConfig fields (config.graphs_turned_off).
     compilation_config: Optional[Union[int, dict]] = None
+    # vLLM's optimization_level (-O0 .. -O3): 0 turns graphs off where compilation_config leaves cudagraph_mode
+    # unset; torch.compile's settings, which the others add, change nothing here.
+    optimization_level: int = 2
     # vLLM's shortcuts for two of its fields (config.check_capture_size_shortcuts): taken, and change nothing here.
     cudagraph_capture_sizes: Optional[list[int]] = None
     max_cudagraph_capture_size: Optional[int] = None
@@ -131,7 +134,7 @@ class EngineArgs:
         attention_backend = self.attention_backend or platform.attention_backends[0]
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
-        enforce_eager = self.enforce_eager or graphs_turned_off(self.compilation_config)
+        enforce_eager = self.enforce_eager or graphs_turned_off(self.compilation_config, self.optimization_level)
         check_capture_size_shortcuts(self.compilation_config, self.cudagraph_capture_sizes,
                                      self.max_cudagraph_capture_size)
         kv_cache_memory = _one_of("kv_cache_memory", self.kv_cache_memory, "kv_cache_memory_bytes",

@@ -162,6 +162,22 @@ def test_vllms_compilation_config_is_taken_and_cudagraph_mode_none_runs_eagerly(
             eager(value)
 
 
+def test_vllms_optimization_level_0_runs_eagerly():
+    """vLLM's -O0 (--optimization-level 0) sets cudagraph_mode NONE where compilation_config leaves it: no CPU
+    graphs; the other levels leave them on, and compilation_config's cudagraph_mode wins over the level's."""
+    command_lines = (["-O0"], ["-O", "1"], ["-O=3"], ["--optimization-level", "0"], [])
+    assert [_parse(*argv).optimization_level for argv in command_lines] == [0, 1, 3, 0, 2]
+
+    def eager(**kwargs) -> bool:
+        return EngineArgs(**kwargs).create_engine_config().model_config.enforce_eager
+
+    assert eager(optimization_level=0) and not eager(optimization_level=3)
+    assert not eager(optimization_level=0, compilation_config={"cudagraph_mode": "FULL"})
+    assert eager(optimization_level=3, compilation_config={"cudagraph_mode": "NONE"})
+    with pytest.raises(ValueError, match="^optimization_level must be 0, 1, 2 or 3, got 4$"):
+        eager(optimization_level=4)
+
+
 def test_vllms_capture_size_shortcuts_are_taken_but_not_beside_their_compilation_config_fields():
     args = engine_args_from(_parse("--cudagraph-capture-sizes", "1", "2", "4", "--max-cudagraph-capture-size", "4"))
     assert (args.cudagraph_capture_sizes, args.max_cudagraph_capture_size) == ([1, 2, 4], 4)

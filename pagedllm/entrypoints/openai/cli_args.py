@@ -262,6 +262,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--compilation-config", "-cc", type=_compilation_config, default=EngineArgs.compilation_config,
                         help='vLLM\'s compilation config: a mode (0-3) or JSON; \'{"cudagraph_mode": "NONE"}\' turns '
                              "off CPU graphs, its other fields change nothing here")
+    engine.add_argument("--optimization-level", "-O", type=int, choices=range(4),
+                        default=EngineArgs.optimization_level,
+                        help="vLLM's -O0 .. -O3: -O0 runs eagerly, without CPU graphs, unless --compilation-config "
+                             "sets cudagraph_mode; the others change nothing here (default: %(default)s)")
     engine.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=EngineArgs.cudagraph_capture_sizes,
                         help="vLLM's shortcut for compilation_config's field: taken, changes nothing here")
     engine.add_argument("--max-cudagraph-capture-size", type=int, default=EngineArgs.max_cudagraph_capture_size,
