@@ -1,6 +1,6 @@
 """The `pagedllm` command: `serve` runs the OpenAI-compatible server, `run-batch` runs a batch file of its requests
-in-process, `chat` talks to a server from the terminal (chat_cli.py), `bench` measures the engine or a server
-(pagedllm.benchmarks)."""
+in-process, `chat` and `complete` talk to a server from the terminal (chat_cli.py), `bench` measures the engine or a
+server (pagedllm.benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +46,7 @@ def doctor(args: argparse.Namespace) -> None:
 def make_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``pagedllm`` parser, and the parsers of its subcommands that read ``--config`` files, by command."""
     from pagedllm.benchmarks.cli import add_bench_parser
-    from pagedllm.entrypoints.chat_cli import add_chat_parser
+    from pagedllm.entrypoints.chat_cli import add_chat_parser, add_complete_parser
     from pagedllm.entrypoints.openai import run_batch as batch
     from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 
@@ -57,6 +57,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentP
     batch_parser = subparsers.add_parser("run-batch", help="run a file of requests in OpenAI's batch format")
     batch.make_arg_parser(batch_parser).set_defaults(func=run_batch)
     add_chat_parser(subparsers)
+    add_complete_parser(subparsers)
     add_bench_parser(subparsers)
     doctor_parser = subparsers.add_parser("doctor", help="the CPU features seen and each native kernel's build")
     doctor_parser.set_defaults(func=doctor)

@@ -80,3 +80,26 @@ def test_sampling_settings_prefer_flags_then_the_servers_defaults():
                     "generation config).")
     assert sampling_settings(args(temperature=1.0, top_p=1.0), {}) == (
         {"temperature": 1.0, "top_p": 1.0}, "Sampling: temperature=1.0, top_p=1.0 (from flags).")
+
+
+def _client_command(*argv: str, api_key: str = API_KEY) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OPENAI_API_KEY": api_key})
+
+
+def test_quick_chat_and_complete_as_vllms(server):
+    """vLLM's `chat -q MESSAGE` and `complete --quick PROMPT`: one request, its answer printed, and the command ends
+    (no prompt); --model-name is vLLM's spelling of --model, and OPENAI_API_KEY the key where --api-key is not
+    given, as in vLLM."""
+    with server.http() as http:
+        model = http.get("/v1/models").json()["data"][0]["id"]
+    url = server.url_for("v1")
+    chat = _client_command("chat", "--url", url, "--temperature", "0", "--max-tokens", "20", "-q",
+                           "What is the capital of France?")
+    assert chat.returncode == 0 and "Paris" in chat.stdout and "> " not in chat.stdout, chat
+    complete = _client_command("complete", "--url", url, "--model-name", model, "--max-tokens", "8", "--quick",
+                               "The capital of France is")
+    assert complete.returncode == 0 and complete.stdout.strip() and "> " not in complete.stdout, complete
+    refused = _client_command("complete", "--url", url, "--model-name", "no-such-model", "-q", "Hi")
+    assert refused.returncode == 1 and "[error]" in refused.stderr and "no-such-model" in refused.stderr
+    assert _client_command("chat", "--url", url, "-q", "Hi", api_key="wrong").returncode != 0
