@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
@@ -86,19 +87,35 @@ def _engines_started(argv: list[str]) -> int:
     return 1
 
 
+# vLLM's dotted form of a JSON flag's fields (--speculative-config.method ngram, -cc.cudagraph_mode=NONE): the
+# flag, and the path of the field within its object.
+_DOTTED_FLAG = re.compile(r"(--[A-Za-z][\w-]*|-cc)\.(.+)")
+
+
 def vllm_argv(argv: list[str]) -> list[str]:
     """The command line as vLLM's FlexibleArgumentParser.parse_args reads it, in the form our parser takes: a flag's
-    name may spell its dashes as underscores (``--max_model_len=2048``; the value is left alone), and `serve` takes
-    its model as ``--model M`` too (moved to the positional argument). Nothing after ``--`` is a flag."""
-    converted = []
-    for index, arg in enumerate(argv):
-        if arg == "--":
-            converted += argv[index:]
-            break
-        if arg.startswith("--"):
-            name, sep, value = arg.partition("=")
-            arg = name.replace("_", "-") + sep + value
-        converted.append(arg)
+    name may spell its dashes as underscores (``--max_model_len=2048``; the value is left alone); a JSON flag's
+    fields may be given one by one, ``--flag.field[.field] VALUE`` (the value JSON, else a human-readable integer,
+    else text; ``field+`` takes a comma-separated list), gathered into one object given after the other flags; and
+    `serve` takes its model as ``--model M`` too (moved to the positional argument). Nothing after ``--`` is a
+    flag."""
+    converted: list[str] = []
+    dotted: dict[str, dict] = {}
+    index = 0
+    while index < len(argv) and argv[index] != "--":
+        arg = argv[index]
+        index += 1
+        name, sep, value = arg.partition("=")
+        match = _DOTTED_FLAG.fullmatch(name)
+        if match:
+            if not sep and index < len(argv):
+                value, index = argv[index], index + 1
+            _set_field(dotted.setdefault(match[1].replace("_", "-"), {}), match[2], value)
+        else:
+            converted.append(name.replace("_", "-") + sep + value if arg.startswith("--") else arg)
+    for flag, fields in dotted.items():
+        converted += [flag, json.dumps(fields)]
+    converted += argv[index:]
     if converted[:1] == ["serve"]:
         for index, arg in enumerate(converted):
             if arg == "--":
@@ -108,6 +125,25 @@ def vllm_argv(argv: list[str]) -> list[str]:
             if arg.startswith("--model="):
                 return ["serve", arg.removeprefix("--model="), *converted[1:index], *converted[index + 1:]]
     return converted
+
+
+def _set_field(fields: dict, path: str, text: str) -> None:
+    """One dotted flag's value in its object, at ``path`` (``a.b``: fields["a"]["b"]), read as vLLM reads it."""
+    from pagedllm.entrypoints.openai.cli_args import human_readable_int
+
+    *parents, key = path.split(".")
+    for parent in parents:
+        fields = fields.setdefault(parent, {})
+    if key.endswith("+"):
+        fields[key[:-1]] = text.split(",")
+        return
+    try:
+        fields[key] = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            fields[key] = human_readable_int(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            fields[key] = text
 
 
 def _model_after_served_names(argv: list[str]) -> bool:

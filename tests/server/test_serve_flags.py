@@ -290,6 +290,18 @@ def test_vllms_spellings_of_flags(served):
     assert second.model == "other_model"
 
 
+def test_vllms_dotted_fields_of_json_flags(served):
+    """vLLM's ``--flag.field VALUE`` (or ``=VALUE``): one field of a JSON flag's object, nested by more dots, the value
+    JSON (else text), ``field+`` a comma-separated list; a flag's fields make one object."""
+    cli.main(["serve", "m", "--speculative-config.method", "ngram", "--speculative_config.num_speculative_tokens=3",
+              "-cc.cudagraph_mode=NONE", "--hf-overrides.rope_scaling.factor", "2.0",
+              "--hf-overrides.architectures+", "LlamaForCausalLM,Other", "--port", "8001"])
+    [args] = served
+    assert (args.model, args.port, args.speculative_config, args.compilation_config) == (
+        "m", 8001, {"method": "ngram", "num_speculative_tokens": 3}, {"cudagraph_mode": "NONE"})
+    assert args.hf_overrides == {"rope_scaling": {"factor": 2.0}, "architectures": ["LlamaForCausalLM", "Other"]}
+
+
 def test_an_address_in_use_fails_before_the_engine_starts():
     """vLLM's setup_server binds the port before the engine starts: a port taken is an error at once, naming the
     flags, not after the model has loaded."""
