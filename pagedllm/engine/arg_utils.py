@@ -110,6 +110,10 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     # vLLM's speculative_config: a dict such as {"method": "ngram", "num_speculative_tokens": 4}.
     speculative_config: Optional[Union[dict, SpeculativeConfig]] = None
+    # vLLM's shortcuts for three of its keys (--spec-method, --spec-model, --spec-tokens; _speculative_config).
+    spec_method: Optional[str] = None
+    spec_model: Optional[str] = None
+    spec_tokens: Optional[int] = None
     # Multi-LoRA serving (vLLM's names and defaults).
     enable_lora: bool = False
     max_loras: int = 1
@@ -141,8 +145,9 @@ class EngineArgs:
                                   self.kv_cache_memory_bytes, "size the KV cache")
         num_kv_blocks = _one_of("num_kv_blocks", self.num_kv_blocks, "num_gpu_blocks_override",
                                 self.num_gpu_blocks_override, "set the KV cache's blocks")
+        speculative_config = self._speculative_config()
         if platform.device_type == "cuda":
-            self._check_cuda_support()
+            self._check_cuda_support(speculative_config)
         if attention_backend == "TRITON_ATTN" and self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: the TRITON_ATTN attention backend keeps the "
                              "cache in the model's dtype only (kv_cache_dtype='auto')")
@@ -152,7 +157,6 @@ class EngineArgs:
             # selection refuses a block size the backend does not support, rather than by the first step.
             raise ValueError(f"block_size={self.block_size}: the TRITON_ATTN attention backend takes a power of two "
                              "of at least 16")
-        speculative_config = self.speculative_config
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
         path = resolve_model(self.model)
@@ -230,10 +234,27 @@ class EngineArgs:
                          else None),
         )
 
-    def _check_cuda_support(self) -> None:
+    def _speculative_config(self) -> Optional[Union[dict, SpeculativeConfig]]:
+        """speculative_config with vLLM's shortcuts in it (create_speculative_config): each sets its key, which
+        speculative_config must not give too."""
+        shortcuts = [(flag, key, value) for flag, key, value in (
+            ("--spec-method", "method", self.spec_method), ("--spec-model", "model", self.spec_model),
+            ("--spec-tokens", "num_speculative_tokens", self.spec_tokens)) if value is not None]
+        if not shortcuts:
+            return self.speculative_config
+        if isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(f"{shortcuts[0][0]} sets a key of a speculative_config dict, not of a SpeculativeConfig")
+        config = dict(self.speculative_config or {})
+        for flag, key, value in shortcuts:
+            if key in config:
+                raise ValueError(f"{flag} and --speculative-config['{key}'] are mutually exclusive")
+            config[key] = value
+        return config
+
+    def _check_cuda_support(self, speculative_config) -> None:
         """A ValueError naming each setting the CUDA platform does not run yet (they run on the CPU)."""
         unsupported = {"quantization": self.quantization is not None, "enable_lora": self.enable_lora,
-                       "speculative_config": self.speculative_config is not None,
+                       "speculative_config": speculative_config is not None,
                        "tensor_parallel_size": self.tensor_parallel_size > 1,
                        "pipeline_parallel_size": self.pipeline_parallel_size > 1,
                        "data_parallel_size": self.data_parallel_size > 1}

@@ -162,6 +162,23 @@ def test_vllms_compilation_config_is_taken_and_cudagraph_mode_none_runs_eagerly(
             eager(value)
 
 
+def test_vllms_spec_shortcuts_set_speculative_config_keys():
+    """vLLM's --spec-method, --spec-model and --spec-tokens set their speculative_config keys; a key set both ways is
+    vLLM's error."""
+    args = engine_args_from(_parse("--spec-method", "ngram", "--spec-tokens", "3"))
+    spec = args.create_engine_config().speculative_config
+    assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
+    args = engine_args_from(_parse("--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}',
+                                   "--spec-tokens", "2"))
+    spec = args.create_engine_config().speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_max, args.speculative_config) == (
+        2, 4, {"method": "ngram", "prompt_lookup_max": 4})  # the caller's dict unchanged
+    message = "--spec-tokens and --speculative-config['num_speculative_tokens'] are mutually exclusive"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        EngineArgs(spec_tokens=2, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
+                   ).create_engine_config()
+
+
 def test_vllms_optimization_level_0_runs_eagerly():
     """vLLM's -O0 (--optimization-level 0) sets cudagraph_mode NONE where compilation_config leaves it: no CPU
     graphs; the other levels leave them on, and compilation_config's cudagraph_mode wins over the level's."""

@@ -286,6 +286,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '4096}\' (a sub-config\'s within it, as a nested object)')
     engine.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    engine.add_argument("--spec-method", default=EngineArgs.spec_method,
+                        help="vLLM's shortcut for --speculative-config's method")
+    engine.add_argument("--spec-model", default=EngineArgs.spec_model,
+                        help="vLLM's shortcut for --speculative-config's model")
+    engine.add_argument("--spec-tokens", type=int, default=EngineArgs.spec_tokens,
+                        help="vLLM's shortcut for --speculative-config's num_speculative_tokens")
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
                       help="serve LoRA adapters of the model, batched with base-model requests")
