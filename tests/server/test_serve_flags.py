@@ -241,6 +241,28 @@ def test_frontend_flag_defaults_and_json_lists():
         _parse("--allowed-origins", GOOD_ORIGIN)  # not a JSON list
 
 
+def test_default_chat_template_kwargs_under_the_requests(tokenizer):
+    """vLLM's --default-chat-template-kwargs: template variables for every chat request, under its own
+    chat_template_kwargs (one set to None or "auto" leaves the default, as vLLM's merge_kwargs)."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.protocol import TokenizeChatRequest
+    from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+
+    defaults = _parse("--default-chat-template-kwargs", '{"greeting": "Hi", "name": "Ann"}')
+    models = SimpleNamespace(check_model=lambda model: model, max_model_len=64)
+    serving = OpenAIServingTokenization(tokenizer, models, "{{ greeting }} {{ name }}: {{ messages[0]['content'] }}",
+                                        defaults.default_chat_template_kwargs)
+
+    def rendered(**chat_template_kwargs) -> str:
+        request = TokenizeChatRequest(messages=[{"role": "user", "content": "x"}],
+                                      chat_template_kwargs=chat_template_kwargs or None)
+        return tokenizer.decode(serving.create_tokenize(request).tokens)
+
+    assert rendered() == "Hi Ann: x"
+    assert rendered(greeting="Yo", name=None) == rendered(greeting="Yo", name="auto") == "Yo Ann: x"
+
+
 def test_one_engine_interpreter_is_prestarted_per_data_parallel_engine(monkeypatch):
     """cli._engines_started reads -dp from the arguments before they are parsed (its interpreters start first
     thing): capped at the CPU count, one where the size is absent or not a number, none for other commands."""

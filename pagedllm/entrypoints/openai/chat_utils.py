@@ -115,17 +115,29 @@ def template_variables(chat_template_kwargs: Optional[dict[str, Any]]) -> dict[s
     return {k: v for k, v in (chat_template_kwargs or {}).items() if k not in _TOKENIZING_ARGS}
 
 
+def effective_chat_template_kwargs(default_chat_template_kwargs: Optional[dict[str, Any]],
+                                  chat_template_kwargs: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """A request's chat_template_kwargs over the server's --default-chat-template-kwargs, as vLLM's
+    ChatParams.with_defaults: a request's key set to None or "auto" leaves the default (vLLM's merge_kwargs)."""
+    if not default_chat_template_kwargs:
+        return chat_template_kwargs
+    return default_chat_template_kwargs | {key: value for key, value in (chat_template_kwargs or {}).items()
+                                           if value is not None and value != "auto"}
+
+
 def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
-                        chat_template: Optional[str]) -> list[int]:
+                        chat_template: Optional[str],
+                        default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
     """The prompt token ids of a chat request, or of /tokenize's messages form, rendered alike: its checks
     (check_generation_prompt, check_chat_template), then the server's template with the request's messages, tools
-    and chat_template_kwargs. A ValueError names the field at fault."""
+    and chat_template_kwargs (over the server's defaults). A ValueError names the field at fault."""
     check_generation_prompt(request)
     check_chat_template(request)
     return apply_chat_template(tokenizer, request.messages, chat_template, request.add_generation_prompt,
                                request.continue_final_message,
                                [t.model_dump(exclude_none=True) for t in request.tools or []],
-                               request.chat_template_kwargs)
+                               effective_chat_template_kwargs(default_chat_template_kwargs,
+                                                              request.chat_template_kwargs))
 
 
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],

@@ -169,6 +169,9 @@ def add_serving_args(group) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's switch for tool_choice 'auto', taken for its command lines: here 'auto' is on "
                             "wherever the format is known (--tool-call-parser, or the chat template's)")
+    group.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
+                       help='chat template variables for every chat request, as JSON, e.g. \'{"enable_thinking": '
+                            'false}\'; a request\'s chat_template_kwargs win (default: none)')
     group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split a thinking model's <think> reasoning off each chat answer's content, into its "
                             "message's reasoning field")

@@ -158,7 +158,8 @@ async def run_batch(args: argparse.Namespace) -> None:
         init_app_state(state, engine_client, args.served_model_name or [args.model], chat_template,
                        args.tool_call_parser, args.lora_modules,
                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser,
+                       default_chat_template_kwargs=args.default_chat_template_kwargs)
         with tqdm(total=len(lines), desc="Running batch", unit="req") as progress:
             async def run(line: str) -> BatchRequestOutput:
                 output = await run_request(state, line)

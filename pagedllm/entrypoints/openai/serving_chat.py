@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Optional, Union
 import msgspec
 
 from pagedllm.entrypoints.logger import RequestLogger
-from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt, conversation
+from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt, conversation, effective_chat_template_kwargs
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -30,13 +30,17 @@ class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine_client: Any, models: OpenAIServingModels, chat_template: Optional[str],
                  tool_call_parser: Optional[str] = None, *, response_role: str = "assistant",
                  request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False,
-                 reasoning_parser: Optional[str] = None) -> None:
+                 reasoning_parser: Optional[str] = None,
+                 default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:
         """response_role: the role of the messages answered (vLLM's --response-role); reasoning_parser: vLLM's
-        --reasoning-parser, which splits each answer's reasoning off its content."""
+        --reasoning-parser, which splits each answer's reasoning off its content; default_chat_template_kwargs:
+        vLLM's --default-chat-template-kwargs, under each request's chat_template_kwargs (for the template and the
+        reasoning parser)."""
         super().__init__(engine_client, models, request_logger=request_logger,
                          enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.response_role = response_role
         self.chat_template = chat_template
+        self.default_chat_template_kwargs = default_chat_template_kwargs
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.tool_call_parser = tool_call_parser or detect_tool_call_parser(
             template if isinstance(template, str) else None)
@@ -51,7 +55,8 @@ class OpenAIServingChat(OpenAIServing):
         prompt already ended the reasoning, the grammar applies from the first token, as vLLM's."""
         if self.reasoning_parser is None:
             return None, params
-        parser = self.reasoning_parser(self.tokenizer, request.chat_template_kwargs, prompt_token_ids)
+        parser = self.reasoning_parser(self.tokenizer, effective_chat_template_kwargs(
+            self.default_chat_template_kwargs, request.chat_template_kwargs), prompt_token_ids)
         constraint = getattr(params, "structured_outputs", None)
         if constraint is None or not parser.thinking:
             return parser, params
@@ -91,7 +96,8 @@ class OpenAIServingChat(OpenAIServing):
             # the tags a parser reads (<tool_call>); skipped, they would hide every call from it.
             request.skip_special_tokens = False
         try:
-            prompt_token_ids = chat_request_prompt(self.tokenizer, request, self.chat_template)
+            prompt_token_ids = chat_request_prompt(self.tokenizer, request, self.chat_template,
+                                                   self.default_chat_template_kwargs)
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
         prompt_token_ids = self._truncated(request, list(prompt_token_ids))

@@ -13,16 +13,19 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 class OpenAIServingTokenization:
-    def __init__(self, tokenizer: Any, models: OpenAIServingModels, chat_template: Optional[str]) -> None:
+    def __init__(self, tokenizer: Any, models: OpenAIServingModels, chat_template: Optional[str],
+                 default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:
         self.tokenizer = tokenizer
         self.models = models
         self.chat_template = chat_template
+        self.default_chat_template_kwargs = default_chat_template_kwargs
 
     def create_tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.models.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             try:
-                tokens = chat_request_prompt(self.tokenizer, request, self.chat_template)
+                tokens = chat_request_prompt(self.tokenizer, request, self.chat_template,
+                                             self.default_chat_template_kwargs)
             except ValueError as e:
                 raise BadRequestError(str(e), named_field(e)) from e
         else:
