@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
+# vLLM's tokenizer_mode values this engine serves: both load the Hugging Face tokenizer, as it always does (vLLM's
+# "auto" is "hf" but for Mistral models with mistral_common installed). Its others (mistral_common's, DeepSeek's, ...)
+# are refused: they would tokenize and render chats otherwise.
+TOKENIZER_MODES = ("auto", "hf")
 # Model types whose activations overflow float16 (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS): Gemma 2 and 3.
 FLOAT16_UNSTABLE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 
@@ -62,6 +66,7 @@ class EngineArgs:
     attention_backend: Optional[str] = None
     # A tokenizer directory (or alias) other than the model's; None: the model's own.
     tokenizer: Optional[str] = None
+    tokenizer_mode: str = "auto"  # one of TOKENIZER_MODES
     dtype: Union[str, torch.dtype] = "auto"
     max_model_len: Optional[int] = None
     # None: vLLM's default, 256 but at most max_num_batched_tokens (a step holds a token of every running request).
@@ -138,6 +143,9 @@ class EngineArgs:
         attention_backend = self.attention_backend or platform.attention_backends[0]
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)} (the Hugging Face "
+                             f"tokenizer); got {self.tokenizer_mode!r}")
         enforce_eager = self.enforce_eager or graphs_turned_off(self.compilation_config, self.optimization_level)
         check_capture_size_shortcuts(self.compilation_config, self.cudagraph_capture_sizes,
                                      self.max_cudagraph_capture_size)

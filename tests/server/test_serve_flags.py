@@ -59,9 +59,11 @@ def test_engine_flags_reach_engine_args():
     # vLLM's JSON and on/off engine flags its command lines carry
     engine = engine_args_from(_parse("--hf-overrides", '{"max_position_embeddings": 4096}', "--trust-remote-code",
                                      "--override-generation-config", '{"temperature": 0.5}', "--disable-log-stats",
-                                     "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"))
+                                     "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
+                                     "--tokenizer-mode", "hf"))
     assert (engine.hf_overrides, engine.override_generation_config, engine.trust_remote_code,
-            engine.disable_log_stats) == ({"max_position_embeddings": 4096}, {"temperature": 0.5}, True, True)
+            engine.disable_log_stats, engine.tokenizer_mode) == ({"max_position_embeddings": 4096},
+                                                                 {"temperature": 0.5}, True, True, "hf")
 
 
 def test_token_counts_take_vllms_human_readable_forms(capsys):
@@ -134,6 +136,9 @@ def test_max_logprobs_bounds_requests_for_llm_too(tmp_path):
     ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number in (0, 1], got '0.5'"),
     ({"num_cpu_threads": "4"}, "num_cpu_threads must be an integer, got '4'"),
     ({"stream_interval": 0}, "stream_interval must be at least 1, got 0"),
+    # vLLM's mistral_common tokenizer, which would tokenize and render chats otherwise than the HF one loaded here
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode must be one of auto, hf (the Hugging Face tokenizer); got "
+                                    "'mistral'"),
     ({"logprobs_mode": "processed"}, "logprobs_mode must be one of raw_logits, raw_logprobs, processed_logits, "
                                      "processed_logprobs, got 'processed'"),
 ])

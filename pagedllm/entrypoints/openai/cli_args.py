@@ -9,7 +9,7 @@ import ssl
 
 from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
                              SERVE_MAX_PREFILL_TOKENS_WITH_DECODES, parse_memory_size)
-from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.arg_utils import TOKENIZER_MODES, EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -198,6 +198,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "cache holds, up to the model's (default: the model's)")
     engine.add_argument("--tokenizer", default=EngineArgs.tokenizer,
                         help="a tokenizer directory (or model alias) other than the model's")
+    engine.add_argument("--tokenizer-mode", choices=TOKENIZER_MODES, default=EngineArgs.tokenizer_mode,
+                        help="vLLM's: auto and hf load the Hugging Face tokenizer (vLLM's other modes are not "
+                             "supported) (default: %(default)s)")
     engine.add_argument("--max-logprobs", type=int, default=EngineArgs.max_logprobs,
                         help="the most logprobs or prompt_logprobs a request may ask for; -1: the vocabulary "
                              "(default: %(default)s)")
