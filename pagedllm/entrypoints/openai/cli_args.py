@@ -166,7 +166,7 @@ def add_serving_args(group) -> None:
                        help="the format tool calls take in free text, for tool_choice 'auto': hermes (Qwen and "
                             "others), llama3_json / llama4_json (Llama 3.x, 4), pythonic / llama4_pythonic, mistral "
                             "(default: detected from the chat template)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
+    group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help="vLLM's switch for tool_choice 'auto', taken for its command lines: here 'auto' is on "
                             "wherever the format is known (--tool-call-parser, or the chat template's)")
     group.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
