@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import re
 import shutil
 import socket
@@ -266,6 +267,23 @@ def test_default_chat_template_kwargs_under_the_requests(tokenizer):
 
     assert rendered() == "Hi Ann: x"
     assert rendered(greeting="Yo", name=None) == rendered(greeting="Yo", name="auto") == "Yo Ann: x"
+
+
+def test_disable_access_log_for_endpoints():
+    """vLLM's --disable-access-log-for-endpoints: uvicorn's access log records of requests to those paths (the query
+    string aside) are dropped, others kept."""
+    from pagedllm.entrypoints.openai.api_server import AccessLogFilter
+
+    log_filter = AccessLogFilter(_parse("--disable-access-log-for-endpoints", "/health, /metrics")
+                                 .disable_access_log_for_endpoints)
+
+    def logged(path: str) -> bool:
+        return log_filter.filter(logging.LogRecord("uvicorn.access", logging.INFO, __file__, 0,
+                                                   '%s - "%s %s HTTP/%s" %d', ("127.0.0.1:1", "GET", path, "1.1", 200),
+                                                   None))
+
+    assert not logged("/health") and not logged("/metrics?name=x")
+    assert logged("/v1/models") and logged("/health/more")
 
 
 def test_one_engine_interpreter_is_prestarted_per_data_parallel_engine(monkeypatch):

@@ -14,6 +14,7 @@ import os
 import socket
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Optional
+from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
@@ -310,6 +311,21 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_request_id)
 
 
+class AccessLogFilter(logging.Filter):
+    """vLLM's --disable-access-log-for-endpoints (its UvicornAccessLogFilter): no access log line for a request to one
+    of these comma-separated paths, matched exactly without the query string (uvicorn's record holds the client, the
+    method, then the path)."""
+
+    def __init__(self, endpoints: str) -> None:
+        super().__init__()
+        self.paths = {path.strip() for path in endpoints.split(",") if path.strip()}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str)
+                    and urlsplit(args[2]).path in self.paths)
+
+
 class _Server(uvicorn.Server):
     """uvicorn, calling on_exit (on the event loop) at each exit signal."""
 
@@ -382,6 +398,8 @@ async def run_server(args: argparse.Namespace) -> None:
                                 log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs, timeout_keep_alive=5)
+        if args.disable_access_log_for_endpoints:  # after uvicorn.Config, which configures its loggers
+            logging.getLogger("uvicorn.access").addFilter(AccessLogFilter(args.disable_access_log_for_endpoints))
         scheme = "https" if args.ssl_certfile else "http"
         where = f"unix:{args.uds}" if args.uds else f"{args.host or '0.0.0.0'}:{sock.getsockname()[1]}"
         logger.info("Serving %s as %s on %s://%s%s", args.model, ", ".join(served_model_names), scheme, where,

@@ -100,6 +100,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     http.add_argument("--uds", default=None, help="listen on this Unix domain socket instead of --host/--port")
     http.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                       help="no log line per HTTP request")
+    http.add_argument("--disable-access-log-for-endpoints", default=None,
+                      help="no log line for requests to these comma-separated paths, e.g. /health,/metrics")
     http.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                       help="every response carries an X-Request-Id header: the request's own, else a random one")
     http.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
