@@ -570,9 +570,11 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "SpeculativeConfig":
-        """``LLM(speculative_config={...})`` / ``--speculative-config '<json>'``: unknown keys are errors."""
+        """``LLM(speculative_config={...})`` / ``--speculative-config '<json>'``: unknown keys are errors; a key's
+        dashes are underscores (vLLM's create_speculative_config), as a --config file may spell them."""
         if not isinstance(values, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        values = {key.replace("-", "_") if isinstance(key, str) else key: value for key, value in values.items()}
         if "tensor_parallel_size" in values:  # vLLM's own error for it
             raise ValueError("'tensor_parallel_size' is not a valid argument in the speculative_config. Please pass "
                              "'draft_tensor_parallel_size' instead.")

@@ -48,6 +48,14 @@ def test_the_files_flags_apply_and_the_command_line_wins(tmp_path, served):
     assert _run(["serve"], served).port == 8000  # a file read once changes nothing after it
 
 
+def test_speculative_configs_dashed_keys(tmp_path, served):
+    """vLLM's create_speculative_config reads a key's dashes as underscores, as a YAML file's nested keys may be."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("speculative-config:\n  method: ngram\n  num-speculative-tokens: 3\n  prompt-lookup-max: 4\n")
+    spec = engine_args_from(_run(["serve", "--config", str(path)], served)).create_engine_config().speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 4)
+
+
 def test_a_no_key_turns_its_flag_off(tmp_path, served):
     """vLLM's load_config_file: ``no-x: true`` is --no-x; ``no-x: false`` gives no flag (the default stands)."""
     path = tmp_path / "serve.yaml"
