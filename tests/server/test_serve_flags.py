@@ -228,10 +228,14 @@ def test_vllms_on_off_flags_take_their_no_forms():
 
 def test_several_api_keys_or_the_environments(monkeypatch):
     """vLLM's --api-key takes several keys (any of them authenticates: test_errors'
-    test_api_key_scheme_is_case_insensitive); without it VLLM_API_KEY (ours: PAGEDLLM_API_KEY) is the key."""
+    test_api_key_scheme_is_case_insensitive); without it PAGEDLLM_API_KEY is the key, else vLLM's VLLM_API_KEY (a
+    server moved from vLLM with its key in the environment must not come up open)."""
     monkeypatch.delenv("PAGEDLLM_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
     args = _parse("--api-key", "k1", "k2")
     assert (api_keys_from(args), api_keys_from(_parse())) == (["k1", "k2"], [])
+    monkeypatch.setenv("VLLM_API_KEY", "vllm-key")
+    assert api_keys_from(_parse()) == ["vllm-key"]
     monkeypatch.setenv("PAGEDLLM_API_KEY", "env-key")
     assert (api_keys_from(args), api_keys_from(_parse())) == (["k1", "k2"], ["env-key"])  # the flag wins
 

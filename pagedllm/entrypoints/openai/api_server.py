@@ -345,9 +345,10 @@ class _Server(uvicorn.Server):
 
 
 def api_keys_from(args: argparse.Namespace) -> list[str]:
-    """The keys a request may authenticate with: --api-key's, else PAGEDLLM_API_KEY's (vLLM's VLLM_API_KEY); none: no
-    authentication."""
-    return [key for key in (args.api_key or [os.environ.get("PAGEDLLM_API_KEY")]) if key]
+    """The keys a request may authenticate with: --api-key's, else PAGEDLLM_API_KEY's, else VLLM_API_KEY's (so that a
+    deployment moved from vLLM with its key in the environment does not come up open); none: no authentication."""
+    return [key for key in (args.api_key or [os.environ.get("PAGEDLLM_API_KEY") or os.environ.get("VLLM_API_KEY")])
+            if key]
 
 
 def listening_socket(args: argparse.Namespace) -> Optional[socket.socket]:
