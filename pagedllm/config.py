@@ -523,9 +523,10 @@ class SpeculativeConfig:
                 self.num_speculative_tokens = self.suffix_decoding_max_tree_depth
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        _check_positive_int("num_speculative_tokens", self.num_speculative_tokens)
-        if self.draft_tensor_parallel_size is not None:
-            _check_positive_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size)
+        # vLLM's fields take only positive integers whatever the method, also where the method ignores them.
+        for name in ("num_speculative_tokens", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config method 'draft_model' needs model (a path, an alias or a .gguf file)")
         if self.method != "draft_model" and (self.model is not None or self.quantization is not None):
@@ -541,8 +542,6 @@ class SpeculativeConfig:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            _check_positive_int(name, getattr(self, name))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

@@ -37,6 +37,9 @@ def test_ngram_bounds_default_as_vllms():
      "'draft_tensor_parallel_size' instead."),
     ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
      "draft_tensor_parallel_size must be a positive integer"),
+    # vLLM's ge=1 holds for every method, also one that ignores the field
+    ({"method": "suffix", "prompt_lookup_max": 0}, "prompt_lookup_max must be a positive integer"),
+    ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": "3"}, "prompt_lookup_min must be a positive"),
 ])
 def test_bad_values_are_value_errors_naming_the_field(values, message):
     with pytest.raises(ValueError, match=message):
