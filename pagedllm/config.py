@@ -527,6 +527,8 @@ class SpeculativeConfig:
         for name in ("num_speculative_tokens", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config model must be a string (a path or an alias), got {self.model!r}")
         if self.method == "draft_model" and self.model is None:
             raise ValueError("speculative_config method 'draft_model' needs model (a path, an alias or a .gguf file)")
         if self.method != "draft_model" and (self.model is not None or self.quantization is not None):

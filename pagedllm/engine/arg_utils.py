@@ -308,11 +308,13 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     """The draft model's config, checked against the target's: it must share the target's vocabulary (its drafts
     are the target's token ids) and hold the target's whole context (it computes every position the target
     does). Same dtype and settings as the target."""
-    path = resolve_model(spec.model)
-    hf_config = load_hf_config(path)
-    try:  # what the target's config is checked for, the draft's is too: else it fails in the engine process
+    # What the target's model is checked for, the draft's is too (else it fails in the engine process), and the
+    # error names the draft: a missing draft must not read as a missing target model.
+    try:
+        path = resolve_model(spec.model)
+        hf_config = load_hf_config(path)
         check_model_config(hf_config)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         raise ValueError(f"speculative_config model {spec.model!r}: {e}") from None
     if hf_config.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "

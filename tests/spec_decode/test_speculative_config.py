@@ -1,6 +1,7 @@
 """speculative_config as vLLM takes it: defaults, and every bad value a ValueError naming the field before any
 engine starts (the CLI's JSON a usage error)."""
 import argparse
+import re
 
 import pytest
 from transformers import LlamaConfig
@@ -37,6 +38,7 @@ def test_ngram_bounds_default_as_vllms():
      "'draft_tensor_parallel_size' instead."),
     ({"model": "m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
      "draft_tensor_parallel_size must be a positive integer"),
+    ({"model": 5, "num_speculative_tokens": 2}, "speculative_config model must be a string"),
     # vLLM's ge=1 holds for every method, also one that ignores the field
     ({"method": "suffix", "prompt_lookup_max": 0}, "prompt_lookup_max must be a positive integer"),
     ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": "3"}, "prompt_lookup_min must be a positive"),
@@ -81,6 +83,12 @@ def test_a_draft_model_that_does_not_fit_the_target_is_refused_before_any_proces
     spec = {"model": draft_config_dir(tmp_path, **overrides), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=message):
         EngineArgs(max_model_len=1024, speculative_config=spec, **extra).create_engine_config()
+
+
+def test_a_draft_model_that_is_not_there_is_a_value_error_naming_it(tmp_path):
+    for model in (str(tmp_path / "missing"), str(tmp_path)):  # no such path; a directory without a config.json
+        with pytest.raises(ValueError, match=f"speculative_config model '{re.escape(model)}': "):
+            EngineArgs(speculative_config={"model": model, "num_speculative_tokens": 2}).create_engine_config()
 
 
 def test_draft_tensor_parallel_size_is_vllms_one_or_the_targets(tmp_path):
