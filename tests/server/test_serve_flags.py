@@ -169,13 +169,12 @@ def test_vllms_compilation_config_is_taken_and_cudagraph_mode_none_runs_eagerly(
 
 
 def test_vllms_spec_shortcuts_set_speculative_config_keys():
-    """vLLM's --spec-method, --spec-model and --spec-tokens set their speculative_config keys; a key set both ways is
-    vLLM's error."""
+    """vLLM's --spec-method, --spec-model and --spec-tokens set their speculative_config keys (-sc is
+    --speculative-config); a key set both ways is vLLM's error."""
     args = engine_args_from(_parse("--spec-method", "ngram", "--spec-tokens", "3"))
     spec = args.create_engine_config().speculative_config
     assert (spec.method, spec.num_speculative_tokens) == ("ngram", 3)
-    args = engine_args_from(_parse("--speculative-config", '{"method": "ngram", "prompt_lookup_max": 4}',
-                                   "--spec-tokens", "2"))
+    args = engine_args_from(_parse("-sc", '{"method": "ngram", "prompt_lookup_max": 4}', "--spec-tokens", "2"))
     spec = args.create_engine_config().speculative_config
     assert (spec.num_speculative_tokens, spec.prompt_lookup_max, args.speculative_config) == (
         2, 4, {"method": "ngram", "prompt_lookup_max": 4})  # the caller's dict unchanged

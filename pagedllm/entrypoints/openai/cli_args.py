@@ -292,7 +292,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--hf-overrides", type=_json_object, default=EngineArgs.hf_overrides,
                         help='the model config\'s fields to replace, as JSON, e.g. \'{"max_position_embeddings": '
                              '4096}\' (a sub-config\'s within it, as a nested object)')
-    engine.add_argument("--speculative-config", type=_json_object, default=EngineArgs.speculative_config,
+    engine.add_argument("--speculative-config", "-sc", type=_json_object, default=EngineArgs.speculative_config,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     engine.add_argument("--spec-method", default=EngineArgs.spec_method,
                         help="vLLM's shortcut for --speculative-config's method")
