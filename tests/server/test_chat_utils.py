@@ -1,11 +1,14 @@
 """Chat templates: --chat-template as a file or inline, and OpenAI's content parts."""
 from __future__ import annotations
 
-import pytest
+import copy
 
-from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, load_chat_template
+import pytest
+from tokenizers import processors
+
+from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, chat_request_prompt, load_chat_template
 from pagedllm.entrypoints.openai.errors import BadRequestError
-from pagedllm.entrypoints.openai.protocol import ChatMessageParam, TokenizeChatRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TokenizeChatRequest
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -104,3 +107,18 @@ def test_chat_template_kwargs_reach_the_template_and_a_requests_own_template_is_
         with pytest.raises(BadRequestError) as refused:
             serving.create_tokenize(TokenizeChatRequest.model_validate({"messages": hi, **body}))
         assert refused.value.param == param
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_to_the_templates(tokenizer):
+    """vLLM's add_special_tokens, of chat requests and /tokenize's messages form: off by default, the prompt is the
+    template's tokens alone; on, the tokenizer's own special tokens (here a BOS) are added to them."""
+    bos_tokenizer = copy.deepcopy(tokenizer)  # SmolLM2's adds none: one that adds a BOS, as Llama's
+    bos_tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    serving = OpenAIServingTokenization(bos_tokenizer, OpenAIServingModels(["m"], "m", 1024), TEMPLATE)
+    hi = [{"role": "user", "content": "Hi"}]
+    plain, added = (serving.create_tokenize(TokenizeChatRequest.model_validate({"messages": hi, **extra})).tokens
+                    for extra in ({}, {"add_special_tokens": True}))
+    assert bos_tokenizer.decode(plain) == "[user] Hi\n" and added == [tokenizer.bos_token_id, *plain]
+    chat = ChatCompletionRequest.model_validate({"messages": hi, "add_special_tokens": True})
+    assert chat_request_prompt(bos_tokenizer, chat, TEMPLATE) == added

@@ -137,23 +137,25 @@ def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, To
                                request.continue_final_message,
                                [t.model_dump(exclude_none=True) for t in request.tools or []],
                                effective_chat_template_kwargs(default_chat_template_kwargs,
-                                                              request.chat_template_kwargs))
+                                                              request.chat_template_kwargs),
+                               request.add_special_tokens)
 
 
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         tools: Optional[list[dict[str, Any]]] = None,
-                        chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
+                        chat_template_kwargs: Optional[dict[str, Any]] = None,
+                        add_special_tokens: bool = False) -> list[int]:
     """Raises ValueError when the conversation is malformed or the template rejects it. Tools (OpenAI's shape)
     are given to templates that describe them to the model; chat_template_kwargs are more variables for the
-    template, under the arguments given here."""
+    template, under the arguments given here. As vLLM's, the template's text is then tokenized with
+    add_special_tokens: the tokenizer's own special tokens (BOS) added to those the template wrote, or not."""
     turns = conversation(messages)
-    kwargs = {**template_variables(chat_template_kwargs), "chat_template": chat_template, "tokenize": True,
-              "return_dict": False, "tools": tools or None,
-              "add_generation_prompt": add_generation_prompt and not continue_final_message,
+    kwargs = {**template_variables(chat_template_kwargs), "chat_template": chat_template, "tokenize": False,
+              "tools": tools or None, "add_generation_prompt": add_generation_prompt and not continue_final_message,
               "continue_final_message": continue_final_message}
     try:
-        token_ids = tokenizer.apply_chat_template(turns, **kwargs)
+        text = tokenizer.apply_chat_template(turns, **kwargs)
     except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
         raise ValueError(f"messages could not be formatted by the chat template: {e}") from e
-    return list(token_ids)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -458,6 +458,8 @@ class ChatTemplateFields(OpenAIBaseModel):
     its own, refused (chat_utils.check_chat_template) as vLLM refuses it without --trust-request-chat-template."""
     chat_template_kwargs: Optional[dict[str, Any]] = None
     chat_template: Optional[str] = None
+    # vLLM's: special tokens (BOS) added on top of those the template writes; off, as templates write their own.
+    add_special_tokens: bool = False
 
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
