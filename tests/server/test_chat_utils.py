@@ -122,3 +122,19 @@ def test_add_special_tokens_adds_the_tokenizers_own_to_the_templates(tokenizer):
     assert bos_tokenizer.decode(plain) == "[user] Hi\n" and added == [tokenizer.bos_token_id, *plain]
     chat = ChatCompletionRequest.model_validate({"messages": hi, "add_special_tokens": True})
     assert chat_request_prompt(bos_tokenizer, chat, TEMPLATE) == added
+
+
+def test_reasoning_effort_and_documents_reach_the_template(tokenizer):
+    """As vLLM's build_chat_params: a chat request's reasoning_effort and documents are variables of the template,
+    and reasoning_effort "none" turns thinking off (any other value on) for templates that read enable_thinking,
+    unless chat_template_kwargs say otherwise."""
+    template = ("{% if enable_thinking is defined %}thinking={{ enable_thinking }} {% endif %}{{ reasoning_effort }}"
+                "{% for d in documents or [] %} [doc] {{ d.title }}{% endfor %}|" + TEMPLATE)
+    hi = [{"role": "user", "content": "Hi"}]
+    for body, text in [({}, ""), ({"reasoning_effort": "none"}, "thinking=False none"),
+                       ({"reasoning_effort": "low"}, "thinking=True low"),
+                       ({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+                        "thinking=False high"),
+                       ({"documents": [{"title": "Paris", "text": "The capital."}]}, " [doc] Paris")]:
+        request = ChatCompletionRequest.model_validate({"messages": hi, **body})
+        assert tokenizer.decode(chat_request_prompt(tokenizer, request, template)) == text + "|[user] Hi\n", body

@@ -461,6 +461,11 @@ class ChatTemplateFields(OpenAIBaseModel):
     # vLLM's: special tokens (BOS) added on top of those the template writes; off, as templates write their own.
     add_special_tokens: bool = False
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables the chat template gets besides the messages, the tools and the generation prompt's
+        flags."""
+        return self.chat_template_kwargs or {}
+
 
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessageParam]
@@ -477,6 +482,20 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     parallel_tool_calls: Optional[bool] = True
     # vLLM's: with --reasoning-parser, whether the answer carries the reasoning it split off the content.
     include_reasoning: bool = True
+    # OpenAI's, which vLLM gives the chat template (gpt-oss's reads it); "none" also turns thinking off in templates
+    # that read enable_thinking (Qwen3's), any other value on, unless chat_template_kwargs say.
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    # vLLM's: the documents a RAG template (Command R's, Granite's) shows the model.
+    documents: Optional[list[dict[str, str]]] = None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """As vLLM's build_chat_params: reasoning_effort and documents, where given, over chat_template_kwargs; and
+        enable_thinking from reasoning_effort under them."""
+        kwargs = dict(super().template_kwargs())
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        given = {"reasoning_effort": self.reasoning_effort, "documents": self.documents}
+        return {**kwargs, **{k: v for k, v in given.items() if v is not None}}
 
     @property
     def requested_max_tokens(self) -> Optional[int]:

@@ -56,7 +56,7 @@ class OpenAIServingChat(OpenAIServing):
         if self.reasoning_parser is None:
             return None, params
         parser = self.reasoning_parser(self.tokenizer, effective_chat_template_kwargs(
-            self.default_chat_template_kwargs, request.chat_template_kwargs), prompt_token_ids)
+            self.default_chat_template_kwargs, request.template_kwargs()), prompt_token_ids)
         constraint = getattr(params, "structured_outputs", None)
         if constraint is None or not parser.thinking:
             return parser, params
