@@ -138,3 +138,17 @@ def test_reasoning_effort_and_documents_reach_the_template(tokenizer):
                        ({"documents": [{"title": "Paris", "text": "The capital."}]}, " [doc] Paris")]:
         request = ChatCompletionRequest.model_validate({"messages": hi, **body})
         assert tokenizer.decode(chat_request_prompt(tokenizer, request, template)) == text + "|[user] Hi\n", body
+
+
+def test_an_answers_reasoning_reaches_the_template_under_both_names(tokenizer):
+    """An assistant message's reasoning, sent back as "reasoning" (the field answers carry it in) or as
+    "reasoning_content", reaches the template under both names, as vLLM's (Qwen3's template reads
+    reasoning_content); "reasoning" wins where both are sent."""
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.reasoning_content }}/{{ m.reasoning }}|{{ m.content }}\n" \
+               "{% endfor %}"
+    for fields in ({"reasoning": "Think."}, {"reasoning_content": "Think."},
+                   {"reasoning": "Think.", "reasoning_content": "Other."}):
+        messages = [ChatMessageParam(role="user", content="Hi"), ChatMessageParam(role="assistant", content="Hello",
+                                                                                 **fields)]
+        token_ids = apply_chat_template(tokenizer, messages, template, add_generation_prompt=False)
+        assert tokenizer.decode(token_ids) == "[user] /|Hi\n[assistant] Think./Think.|Hello\n", fields

@@ -88,17 +88,23 @@ def _template_tool_calls(tool_calls: list[Any], index: int) -> list[dict[str, An
 
 def conversation(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
     """The messages as the chat template gets them: content as text; an assistant message's tool_calls with their
-    arguments as objects, and left out when there are none (the template's plain assistant turn)."""
+    arguments as objects, and left out when there are none (the template's plain assistant turn); and its reasoning,
+    sent back as "reasoning" (the field answers carry it in) or "reasoning_content" (the older name), under both
+    names, as vLLM gives it (Qwen3's template reads reasoning_content, for the turns after the last user message)."""
     if not messages:
         raise ValueError("messages must contain at least one message.")
     turns = []
     for i, m in enumerate(messages):
         turn = {**m.model_dump(exclude_none=True), "content": _text_content(m.content, i)}
-        if turn["role"] == "assistant" and isinstance(turn.get("tool_calls"), list):
-            if turn["tool_calls"]:
-                turn["tool_calls"] = _template_tool_calls(turn["tool_calls"], i)
-            else:
-                del turn["tool_calls"]
+        if turn["role"] == "assistant":
+            if isinstance(turn.get("tool_calls"), list):
+                if turn["tool_calls"]:
+                    turn["tool_calls"] = _template_tool_calls(turn["tool_calls"], i)
+                else:
+                    del turn["tool_calls"]
+            reasoning = turn.get("reasoning", turn.get("reasoning_content"))
+            if reasoning is not None:
+                turn["reasoning"] = turn["reasoning_content"] = reasoning
         turns.append(turn)
     return turns
 
