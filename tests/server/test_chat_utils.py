@@ -152,3 +152,17 @@ def test_an_answers_reasoning_reaches_the_template_under_both_names(tokenizer):
                                                                                  **fields)]
         token_ids = apply_chat_template(tokenizer, messages, template, add_generation_prompt=False)
         assert tokenizer.decode(token_ids) == "[user] /|Hi\n[assistant] Think./Think.|Hello\n", fields
+
+
+def test_a_tools_fields_left_out_reach_the_template_as_null(tokenizer):
+    """A tool's description or parameters the client left out are null to the template, as vLLM gives them (its
+    model_dump()), and its strict is there where the client sent it, so a template that writes the tools out as JSON
+    (Qwen's, Hermes') writes vLLM's prompt."""
+    template = "{% for t in tools %}{{ t | tojson }}{% endfor %}|" + TEMPLATE
+    tools = [{"type": "function", "function": {"name": "f"}},
+             {"type": "function", "function": {"name": "g", "strict": True}}]
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Hi"}], "tools": tools})
+    assert tokenizer.decode(chat_request_prompt(tokenizer, request, template)) == \
+        '{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}' \
+        '{"type": "function", "function": {"name": "g", "description": null, "parameters": null, "strict": true}}' \
+        '|[user] Hi\n'

@@ -136,13 +136,14 @@ def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, To
                         default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[int]:
     """The prompt token ids of a chat request, or of /tokenize's messages form, rendered alike: its checks
     (check_generation_prompt, check_chat_template), then the server's template with the request's messages, tools
+    (each with all its fields, those the client left out null, as vLLM's model_dump() gives them to the template)
     and template variables (its template_kwargs, over the server's defaults). A ValueError names the field at
     fault."""
     check_generation_prompt(request)
     check_chat_template(request)
     return apply_chat_template(tokenizer, request.messages, chat_template, request.add_generation_prompt,
                                request.continue_final_message,
-                               [t.model_dump(exclude_none=True) for t in request.tools or []],
+                               [t.model_dump() for t in request.tools or []],
                                effective_chat_template_kwargs(default_chat_template_kwargs, request.template_kwargs()),
                                request.add_special_tokens)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _ToolModel(BaseModel):
@@ -16,6 +16,16 @@ class FunctionDefinition(_ToolModel):
     description: Optional[str] = None
     # A JSON schema of the arguments object; absent means any object.
     parameters: Optional[dict[str, Any]] = None
+    # OpenAI's (the Agents SDK sends true): no say in pagedllm's grammar, but the chat template gets it, as vLLM's.
+    strict: Optional[bool] = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any) -> dict:
+        """As vLLM's: strict is left out of the dump (which the chat template gets) where the client left it out."""
+        data = handler(self)
+        if data.get("strict") is None:
+            data.pop("strict", None)
+        return data
 
 
 class ChatCompletionToolsParam(_ToolModel):
