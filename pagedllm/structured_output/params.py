@@ -8,6 +8,8 @@ from typing import Any, Optional, Union
 import msgspec
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_TEXT_FIELDS = ("regex", "grammar", "structural_tag", "whitespace_pattern")
+_BOOL_FIELDS = ("json_object", "disable_any_whitespace", "disable_additional_properties")
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -35,12 +37,37 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     _reasoning_end_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         set_kinds = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}; "
                              f"got {set_kinds or 'none'}.")
-        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+
+    def _check_types(self) -> None:
+        """Each field holds what the engine process decodes it as (msgspec, strictly typed: a value it cannot decode
+        there ends the engine, not the request), else a ValueError names the field here, as vLLM's pydantic refuses
+        such a request: an int in a bool field is its truth and a tuple of choices a list, as Python reads them."""
+        for name in _TEXT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"structured_outputs.{name} must be a string, got {value!r}.")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if value is None and name == "json_object":
+                continue
+            if not isinstance(value, int):
+                raise ValueError(f"structured_outputs.{name} must be a boolean, got {value!r}.")
+            setattr(self, name, bool(value))
+        schema = self.json
+        if schema is not None and not (isinstance(schema, str) or (
+                isinstance(schema, dict) and all(isinstance(key, str) for key in schema))):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object, or its JSON text), got "
+                             f"{schema!r}.")
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
 
     @property
     def kind(self) -> str:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 import torch
 
 from pagedllm.core.request import RequestStatus
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.structured_output.params import StructuredOutputsParams
 from tests.core.helpers import fake_model_output, make_request, make_scheduler
@@ -117,3 +119,27 @@ def test_engine_without_structured_output_rejects_such_requests():
 def test_params_need_exactly_one_constraint(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"choice": "yes"}, "choice must be a non-empty list"),
+    ({"json": True}, "json must be a JSON schema"),
+    ({"json": {1: {"type": "string"}}}, "json must be a JSON schema"),
+    ({"regex": 5}, "regex must be a string"),
+    ({"regex": "a", "whitespace_pattern": 1}, "whitespace_pattern must be a string"),
+    ({"json_object": "yes"}, "json_object must be a boolean"),
+    ({"regex": "a", "disable_any_whitespace": "no"}, "disable_any_whitespace must be a boolean"),
+])
+def test_params_of_the_wrong_type_are_refused_before_they_reach_the_engine(kwargs, message):
+    """The engine process decodes a request strictly typed, and one it cannot decode ends the engine: what it would
+    not take is a ValueError naming the field here (vLLM's pydantic gives a 400)."""
+    with pytest.raises(ValueError, match=f"structured_outputs.{message}"):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_params_python_reads_alike_are_taken_in_the_types_the_engine_decodes():
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(
+        choice=("a", "b"), json_object=0, disable_any_whitespace=0, disable_additional_properties=1))
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams).structured_outputs
+    assert (decoded.choice, decoded.disable_any_whitespace, decoded.disable_additional_properties) == (
+        ["a", "b"], False, True)

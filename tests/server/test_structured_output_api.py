@@ -85,6 +85,10 @@ def test_response_format_structural_tag(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    # of a type the engine cannot take: refused, never sent (one it could not decode would end it)
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": True}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "no"}}, "structured_outputs"),
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
