@@ -3,6 +3,7 @@ bitmask covers exactly the constrained requests that sample, and the request end
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import msgspec
 import pytest
@@ -20,19 +21,18 @@ EOS = 2  # the default model's <|im_end|>, which its grammars accept as the end
 
 
 class GatedManager(StructuredOutputManager):
-    """Compiles only once the test opens the gate, or fails on request."""
+    """Compiles only once the test opens the gate, or fails with ``error``."""
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, error: Optional[Exception] = None) -> None:
         tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
         super().__init__(lambda: tokenizer, 49152, max_num_seqs=8)
         self.gate = threading.Event()
-        self.fail = fail
         original = self._get_backend
 
         def gated_backend():
             self.gate.wait(timeout=30)
-            if self.fail:
-                raise ValueError("structured_outputs.regex is invalid: test failure")
+            if error is not None:
+                raise error
             return original()
         self._get_backend = gated_backend
 
@@ -84,8 +84,15 @@ def test_compiling_grammar_does_not_block_others_then_constrains_its_request():
     assert texts[-1] == EOS
 
 
-def test_failed_compile_finishes_the_request_with_its_error():
-    manager = GatedManager(fail=True)
+@pytest.mark.parametrize("error, message", [
+    (ValueError("structured_outputs.regex is invalid: test failure"),
+     "structured_outputs.regex is invalid: test failure"),
+    # not the spec's fault (here the tokenizer's files went missing): still that request's end, not the engine's
+    (OSError("tokenizer.json not found"),
+     "The structured_outputs grammar could not be built: OSError: tokenizer.json not found"),
+])
+def test_failed_compile_finishes_the_request_with_its_error(error, message):
+    manager = GatedManager(error)
     scheduler = make_scheduler(structured_output_manager=manager)
     scheduler.add_request(constrained_request("bad", regex="a+"))
     manager.gate.set()
@@ -93,7 +100,7 @@ def test_failed_compile_finishes_the_request_with_its_error():
     out = scheduler.schedule()
     assert out.total_num_scheduled_tokens == 0
     outputs = scheduler.update_from_output(out, fake_model_output(scheduler, out)).outputs
-    assert [(o.request_id, o.error) for o in outputs] == [("bad", "structured_outputs.regex is invalid: test failure")]
+    assert [(o.request_id, o.error) for o in outputs] == [("bad", message)]
 
 
 def test_abort_while_compiling_leaves_nothing_behind():

@@ -313,11 +313,17 @@ class Scheduler:
         return output
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Moves a request whose grammar has compiled back to WAITING; one whose compile failed is finished."""
+        """Moves a request whose grammar has compiled back to WAITING; one whose compile failed is finished. Any
+        error fails that request only, as vLLM's: a ValueError names what is wrong with the spec; anything else (the
+        tokenizer's vocabulary could not be read for the grammar, say) is the engine's, and logged."""
         try:
             ready = request.structured_output_request.is_ready()
         except ValueError as e:
             self.reject(request, str(e))
+            return False
+        except Exception as e:
+            logger.exception("request %s: its structured_outputs grammar could not be built", request.request_id)
+            self.reject(request, f"The structured_outputs grammar could not be built: {type(e).__name__}: {e}")
             return False
         if ready:
             request.status = RequestStatus.WAITING
