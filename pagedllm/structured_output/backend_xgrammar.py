@@ -31,8 +31,10 @@ def _is_ebnf(grammar: str) -> bool:
 
 
 def choice_to_ebnf(choices: list[str]) -> str:
-    """JSON string literals are valid xgrammar EBNF literals, escapes included."""
-    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+    """JSON string literals are valid xgrammar EBNF literals, escapes included. Characters beyond ASCII are written as
+    themselves: xgrammar reads each \\u escape as one code point, so the surrogate pair JSON escapes a character beyond
+    U+FFFF into would be two code points no text can hold."""
+    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 def _json_schema(params: StructuredOutputsParams) -> Any:

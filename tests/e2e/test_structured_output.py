@@ -62,6 +62,15 @@ def test_regex_choice_and_grammar_are_obeyed(llm):
             assert arithmetic.fullmatch(out.text), out.text
 
 
+def test_choices_beyond_ascii_are_obeyed(llm):
+    """Emoji lie beyond U+FFFF: a choice holding one must be generated as written, as any other choice."""
+    choices = ["\U0001F44D", "\U0001F44E"]
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(choice=choices)) for seed in SEEDS]
+    for out in chat(llm, ["Do you like Paris? Answer with an emoji."] * len(SEEDS), params):
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in choices, out.outputs[0]
+
+
 def test_free_requests_in_a_mixed_batch_are_unchanged(llm):
     questions = ["What is the capital of France?", "Name a colour.", "Tell me about dogs."]
     greedy = SamplingParams(temperature=0, max_tokens=24)
