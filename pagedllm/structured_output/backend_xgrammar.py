@@ -11,6 +11,7 @@ import json
 import re
 from typing import Any, Optional
 
+import msgspec
 import torch
 import xgrammar as xgr
 
@@ -166,6 +167,11 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
     """Frontend check, without the tokenizer: a bad schema/regex/grammar becomes a ValueError (HTTP 400)."""
     _check_json_nesting(params)
     if params.kind == "json":
+        if isinstance(params.json, dict):
+            try:
+                msgspec.msgpack.encode(params.json)  # as it crosses to the engine: MessagePack holds 64-bit integers
+            except (OverflowError, TypeError) as e:
+                raise ValueError(f"structured_outputs.json is invalid: {e}.") from None
         feature = _unsupported_json_feature(_json_schema(params))
         if feature is not None:
             raise ValueError(f"structured_outputs.json is invalid: {feature} is not supported (the grammar would "

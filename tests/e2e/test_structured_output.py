@@ -126,6 +126,8 @@ def test_a_schema_nested_as_deep_as_vllm_allows_is_valid():
     ({"json": nested_arrays(65)}, "structured_outputs.json is invalid: the JSON schema is nested too deeply"),
     ({"json": nested_arrays(5000)}, "structured_outputs.json is invalid: the JSON schema is nested too deeply"),
     ({"json": "[" * 100_000}, "structured_outputs.json is invalid: the JSON schema is nested too deeply"),
+    # beyond the 64 bits of MessagePack, in which it crosses to the engine
+    ({"json": {"enum": ["a", 10**30]}}, "structured_outputs.json is invalid: can't serialize ints"),
     ({"structural_tag": json.dumps({"type": "structural_tag", "format": {
         "type": "tag", "begin": "<a>", "content": {"type": "json_schema", "json_schema": nested_arrays(80)},
         "end": "</a>"}})}, "structured_outputs.structural_tag is invalid: the JSON schema is nested too deeply"),

@@ -89,6 +89,7 @@ def test_response_format_structural_tag(server):
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs"),
     ({"structured_outputs": {"json": True}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "no"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"enum": [10**30]}}}, "structured_outputs"),  # beyond MessagePack's 64 bits
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
