@@ -18,12 +18,18 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     base_model_name: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
-        if not self.lora_name:
-            raise ValueError("lora_name must not be empty")
-        if not self.lora_path:
-            raise ValueError(f"lora_path must name the adapter's directory (adapter {self.lora_name!r})")
+        """Each field as the engine process decodes it (a str, an int64 id), so that what it could not read, and which
+        would end it (or a step, for an id past int64), is this ValueError where the request is made."""
+        if (not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool)
+                or not 1 <= self.lora_int_id < 2**63):
+            raise ValueError(f"lora_int_id must be an integer from 1 to 2**63 - 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.lora_name!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a string naming the adapter's directory (adapter {self.lora_name!r}), "
+                             f"got {self.lora_path!r}")
+        if self.base_model_name is not None and not isinstance(self.base_model_name, str):
+            raise ValueError(f"base_model_name must be a string or None, got {self.base_model_name!r}")
 
     @property
     def adapter_id(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pathlib
 import shutil
 
 import pytest
@@ -258,6 +259,21 @@ def test_an_adapter_id_may_be_any_positive_integer(llm_with_lora, adapters):
     prompt = [list(range(2000, 2040))]
     assert run(llm_with_lora, prompt, LoRARequest("all-r8, again", 10 ** 13, first.lora_path)) == \
         run(llm_with_lora, prompt, first)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("a", 2**63, "/a"), r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got 9223372036854775808"),
+    (("a", 0, "/a"), r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got 0"),
+    ((7, 1, "/a"), r"lora_name must be a non-empty string, got 7"),
+    (("a", 1, pathlib.Path("/a")), r"lora_path must be a string naming the adapter's directory \(adapter 'a'\), got "
+                                   r"PosixPath"),
+    (("a", 1, "/a", 3), r"base_model_name must be a string or None, got 3"),
+])
+def test_a_lora_request_the_engine_process_could_not_read_is_a_value_error(args, message):
+    """Its fields are checked as the engine process decodes them (a str, an int64 id): an int name, say, got as far
+    as the engine, which could not decode it and ended; an id past int64 ended it at its first step."""
+    with pytest.raises(ValueError, match=message):
+        LoRARequest(*args)
 
 
 def test_adapter_files_gone_before_the_engine_loads_them_fail_its_request_only(monkeypatch, tmp_path):
