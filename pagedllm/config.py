@@ -458,13 +458,13 @@ class LoRAConfig:
     max_cpu_loras: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name in ("max_loras", "max_lora_rank"):
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_cpu_loras is None:
-            self.max_cpu_loras = self.max_loras
-        elif self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 
 
