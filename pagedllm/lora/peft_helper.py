@@ -124,9 +124,12 @@ class PEFTHelper:
         for setting, what in _REFUSED_VARIANTS.items():
             if config.get(setting):
                 raise refuse(f"{setting}: {what} adapters are not supported")
-        targets = config.get("target_modules") or ()
+        targets = config.get("target_modules")  # None (left out): the adapter's tensors say which modules it has
+        if not (targets is None or isinstance(targets, str)
+                or isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+            raise refuse(f"target_modules must be a module name pattern or a list of module names, got {targets!r}")
         return cls(r=r, lora_alpha=float(alpha), use_rslora=bool(config.get("use_rslora", False)),
-                   target_modules=targets if isinstance(targets, str) else tuple(targets),
+                   target_modules=targets if isinstance(targets, str) else tuple(targets or ()),
                    rank_pattern=dict(rank_pattern), alpha_pattern={k: float(v) for k, v in alpha_pattern.items()})
 
 

@@ -157,6 +157,7 @@ Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     ({"init_lora_weights": "pissa"}, {}, r"init_lora_weights='pissa': an init that changes the base weights"),
     ({"alora_invocation_tokens": [1, 2]}, {}, r"alora_invocation_tokens: activated LoRA"),
     ({"layer_replication": [[0, 20], [10, 30]]}, {}, r"layer_replication"),
+    ({"target_modules": 5}, {}, r"target_modules must be a module name pattern or a list of module names, got 5"),
     ({}, {Q_PROJ.format("A"): torch.zeros(4, 100), Q_PROJ.format("B"): torch.zeros(576, 4)},
      r"q_proj has A \(4, 100\) and B \(576, 4\); the base model needs A \(4, 576\)"),
     ({}, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}, r"'base_model.model.lm_head.lora_A"),
