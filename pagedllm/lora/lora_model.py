@@ -35,9 +35,10 @@ LORA_TARGETS = {
     "mlp.gate_up_proj": ("mlp.gate_up_proj", None),
 }
 NUM_SLICES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
-# A decoder layer's LoRA A or B as peft names it; a multimodal checkpoint's (Gemma 3 4B and up) under its
-# language model, as either transformers layout spells it.
-_TENSOR_NAME = re.compile(r"^base_model\.model\.(?:model\.language_model\.|language_model\.model\.|model\.)"
+# A decoder layer's LoRA A or B as peft names it, or without peft's "base_model.model." (as vLLM takes it:
+# parse_fine_tuned_lora_name); a multimodal checkpoint's (Gemma 3 4B and up) under its language model, as either
+# transformers layout spells it.
+_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
                           r"layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 
 

@@ -193,6 +193,20 @@ def test_an_adapter_saved_as_a_torch_pickle_serves_as_its_safetensors_does(llm_w
                                                         str(tmp_path / "pickled")))
 
 
+def test_tensor_names_without_pefts_prefix_serve_as_peft_names_them(llm_with_lora, adapters, tmp_path):
+    """vLLM takes an adapter whose tensors lack peft's "base_model.model." (parse_fine_tuned_lora_name), as some
+    trainers and converters save them: the same adapter either way gives the same tokens."""
+    from safetensors.torch import load_file
+
+    request, _ = adapters["patterns"]
+    shutil.copytree(request.lora_path, tmp_path / "bare")
+    weights = tmp_path / "bare" / "adapter_model.safetensors"
+    save_file({name.removeprefix("base_model.model."): t for name, t in load_file(weights).items()}, str(weights))
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    assert run(llm_with_lora, prompts, LoRARequest("bare", 95, str(tmp_path / "bare"))) == \
+        run(llm_with_lora, prompts, request)
+
+
 def test_missing_files_are_value_errors(llm_with_lora, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         run(llm_with_lora, [[1, 2, 3]], LoRARequest("gone", 9, str(tmp_path / "gone")))
