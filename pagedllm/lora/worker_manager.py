@@ -65,8 +65,10 @@ class WorkerLoRAManager:
                 for name, layer in self.layers.items():
                     layer.set_slot(slot, model.layers.get(name))
                 self.slot_ids[slot], slot_of[lora_id] = lora_id, slot
-            else:
-                self._get(request)  # keeps it the most recently used
+            elif lora_id in self.loaded:
+                # The most recently used. Dropped from the kept ones meanwhile (another adapter's request came), it
+                # is not read again: its slot holds its weights, and a step must not read files, which may be gone.
+                self.loaded.move_to_end(lora_id)
             self._slot_use[slot_of[lora_id]] = self._step
         if not requests:
             self.punica.clear()

@@ -330,6 +330,26 @@ def test_adapter_files_gone_before_the_engine_loads_them_fail_its_request_only(m
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
+def test_a_running_adapter_dropped_from_the_kept_ones_is_not_read_again(tmp_path):
+    """max_cpu_loras=1: another adapter's request, loaded when it comes, drops the running one from the kept adapters.
+    Its slot still holds its weights, so its next step reads no files: its directory gone meanwhile (unloaded and
+    deleted, say) ended the engine at that step."""
+    tensors = {Q_PROJ.format("A"): torch.ones(4, 576) / 100, Q_PROJ.format("B"): torch.ones(576, 4) / 100}
+    first, second = (LoRARequest(name, i, _write_adapter(tmp_path / name, {}, tensors))
+                     for i, name in enumerate(("first", "second"), start=1))
+    engine = in_process_llm(**{**ENGINE, "max_loras": 1}).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("first", {"prompt_token_ids": [1, 2, 3]}, params, lora_request=first)
+    engine.step()
+    engine.add_request("second", {"prompt_token_ids": [1, 2, 3]}, params, lora_request=second)
+    shutil.rmtree(first.lora_path)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert {request_id: len(out.outputs[0].token_ids) for request_id, out in finished.items()} == \
+        {"first": 6, "second": 6}
+
+
 def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         run(llm, [[1, 2, 3]], adapters["qkv-r4"][0])
