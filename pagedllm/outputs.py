@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import RequestStateStats
 
 
@@ -46,3 +47,5 @@ class RequestOutput:
     error: Optional[str] = None
     # vLLM's: the request's timings and counts, with stat logging on (the server; LLM(disable_log_stats=False)).
     metrics: Optional[RequestStateStats] = None
+    # vLLM's: the LoRA adapter the request ran with (None: the base model).
+    lora_request: Optional[LoRARequest] = None

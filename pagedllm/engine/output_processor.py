@@ -13,6 +13,7 @@ from typing import Any, Optional
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -21,8 +22,9 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 class RequestState:
     def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float,
-                 log_stats: bool, stream_interval: int = 1) -> None:
+                 log_stats: bool, stream_interval: int = 1, lora_request: Optional[LoRARequest] = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.index = index
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -152,7 +154,8 @@ class RequestState:
         prompt_logprobs = self.prompt_logprobs if not delta or self.num_sent_tokens == 0 else None
         self.num_sent_tokens = len(self.token_ids)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
-                             finished, num_cached_tokens=num_cached_tokens, error=error, metrics=self.stats)
+                             finished, num_cached_tokens=num_cached_tokens, error=error, metrics=self.stats,
+                             lora_request=self.lora_request)
 
 
 # The tokens before a logprob's token that can hold the first bytes of the character it completes (UTF-8: 4).
@@ -206,7 +209,7 @@ class OutputProcessor:
             self.request_states[request.request_id] = RequestState(
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
                 self.tokenizer, parent, request.arrival_time, self.log_stats,
-                max(request.sampling_params.stream_interval or 1, self.stream_interval))
+                max(request.sampling_params.stream_interval or 1, self.stream_interval), request.lora_request)
 
     def abort_requests(self, request_ids: list[str]) -> OutputProcessorOutput:
         """Ends the requests with finish_reason "abort"; an n > 1 request's own id stands for all its sequences (as

@@ -100,6 +100,14 @@ def test_mixed_batch_equals_transformers_with_peft(llm_with_lora, batch):
         assert (outputs[i] == base[i]) == (request is None), f"prompt {i}"
 
 
+def test_each_output_names_the_adapter_it_ran_with(llm_with_lora, adapters):
+    """vLLM's RequestOutput.lora_request: the request's adapter, None for the base model (n > 1 requests too)."""
+    request = adapters["qkv-r4"][0]
+    outputs = llm_with_lora.generate([{"prompt_token_ids": [1, 2, 3]}] * 2, SamplingParams(max_tokens=2, n=2),
+                                     use_tqdm=False, lora_request=[request, None])
+    assert [output.lora_request for output in outputs] == [request, None]
+
+
 def test_chunked_prefill_preemption_and_cpu_graphs(monkeypatch, batch):
     """64-token chunks and 30 blocks of 16 for a batch that needs 77, longest prompts first (the two longest
     alone need 44): preempted adapter requests recompute with their adapter. And decode steps with adapters replay
