@@ -180,21 +180,6 @@ class KVCacheManager:
             num_hit_blocks = shortest
         return hits, len(hits[0]) * self.block_size
 
-    def full_sequence_fits(self, request: Request, hits: tuple[list[KVCacheBlock], ...], max_step_tokens: int) -> bool:
-        """Whether the free blocks hold every block the request's known tokens need beyond its prefix hit ``hits``
-        (vLLM's scheduler_reserve_full_isl): admitting a waiting request on its first chunk alone would let requests
-        admitted together run out of blocks mid-prompt and preempt each other, their chunks computed for nothing.
-        Under a sliding window a group needs at most a window's blocks (max_blocks); hit blocks that are free leave
-        the free queue when taken, so they count as needed too."""
-        num_tokens = min(request.num_tokens, self.max_model_len)
-        null = self.block_pool.null_block
-        num_needed = 0
-        for group, group_hits in zip(self.groups, hits):
-            num_group_blocks = max_blocks((group.sliding_window,), self.block_size, num_tokens, max_step_tokens)
-            num_needed += max(num_group_blocks - sum(b is not null for b in group_hits), 0)
-            num_needed += sum(b.ref_cnt == 0 and b is not null for b in group_hits)
-        return num_needed <= self.block_pool.get_num_free_blocks()
-
     def lookup_enabled(self, request: Request) -> bool:
         """Whether the request reads the prefix cache (not with prompt logprobs, which need every position's
         logits)."""

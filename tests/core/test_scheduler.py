@@ -161,20 +161,6 @@ def test_preempted_request_is_resumed_with_its_tokens_and_new_blocks():
     abort(scheduler, "old", "new")
 
 
-def test_a_waiting_request_is_admitted_once_its_whole_prompt_fits():
-    """vLLM's scheduler_reserve_full_isl: its first chunk fitting is not enough. Admitted on it, "b" would run out of
-    blocks mid-prompt and be preempted, the chunks it computed wasted."""
-    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=8)
-    scheduler.add_request(make_request("a", list(range(100, 124)), block_size=4, max_tokens=8))
-    step(scheduler)  # "a" alone takes its whole prompt: 6 blocks
-    scheduler.add_request(make_request("b", list(range(200, 224)), block_size=4, max_tokens=4))
-    out, _ = step(scheduler)
-    assert list(out.num_scheduled_tokens) == ["a"]  # 3 blocks free once "a" decodes, "b" needs 6
-    run_to_completion(scheduler)
-    assert scheduler.num_preemptions == 0
-    assert_no_leaks(scheduler)
-
-
 def test_priority_preemption_picks_the_lowest_priority():
     scheduler = make_scheduler(num_blocks=8, block_size=4, policy="priority")
     scheduler.add_request(make_request("low", list(range(100, 112)), block_size=4, priority=5, max_tokens=20))
@@ -210,16 +196,15 @@ def test_priority_preemption_of_equals_picks_the_first_running():
 def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_no_uncomputed_block_cached():
     """The priority policy may preempt a request it already scheduled this step; the full blocks its allocation
     registered in the prefix cache hold tokens no step computed, so they must not serve a hit when it resumes."""
-    scheduler = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+    scheduler = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
                                policy="priority", enable_prefix_caching=True)
     worker = SpeculatingWorker(draft_fn=lambda req_id, num_tokens: [])
-    scheduler.add_request(make_request("low", list(range(100, 122)), block_size=4, priority=5, max_tokens=4))
+    scheduler.add_request(make_request("low", list(range(100, 124)), block_size=4, priority=5, max_tokens=4))
     # A one-token request beside it for one step, so that "low" is not alone and the threshold chunks its prompt.
     scheduler.add_request(make_request("filler", [7], block_size=4, priority=9, max_tokens=1))
     worker.step(scheduler)
-    scheduler.add_request(make_request("high", list(range(200, 204)), block_size=4, priority=0, max_tokens=4))
+    scheduler.add_request(make_request("high", list(range(200, 224)), block_size=4, priority=0, max_tokens=4))
     worker.step(scheduler)
-    # "low"'s last chunk takes the last two blocks (registering the full one); "high"'s decode then needs a block.
     out, _ = worker.step(scheduler)
     assert out.preempted_req_ids == {"low"} and "low" not in out.num_scheduled_tokens
     abort(scheduler, "high")  # "low" resumes alone, through whatever its prefix hits

@@ -270,9 +270,6 @@ class Scheduler:
                 skipped_waiting.append(self.waiting.pop_request())
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if not self.kv_cache_manager.full_sequence_fits(request, hit_blocks,
-                                                            self.max_num_scheduled_tokens + self.num_lookahead_tokens):
-                break  # admitted only once its whole prompt (and outputs, resumed) fits, as vLLM's
             num_new_tokens = request.num_tokens - num_hit_tokens
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break  # the head does not fit whole; shorter ones behind it must not jump ahead
