@@ -143,3 +143,28 @@ def test_random_drafts_and_acceptance_keep_blocks_accounted_for_and_never_cache_
         expected_len = min(max_tokens, 64 - len(prompt))
         expected = [deterministic_token(req_id, len(prompt) + i) for i in range(expected_len)]
         assert outputs.get(req_id, []) == expected, req_id
+
+
+def test_max_model_len_auto_fit_counts_a_draft_models_lookahead_as_the_scheduler_does():
+    """max_model_len -1 fits the context to the KV cache with the scheduler's own bound of a request's blocks: under
+    a sliding window that bound grows with a draft model's lookahead slots, so a fit without them would serve a
+    length whose requests the scheduler then refuses as larger than the cache."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import CacheConfig, SchedulerConfig
+    from pagedllm.engine.core import EngineCore
+
+    num_blocks, lookahead = 7, K
+    engine = EngineCore.__new__(EngineCore)
+    engine.executor = SimpleNamespace(collective_rpc=lambda method, args: None)
+    engine.config = SimpleNamespace(
+        cache_config=CacheConfig(block_size=16, sliding_window=64, num_blocks=num_blocks),
+        model_config=SimpleNamespace(max_model_len=8192),
+        scheduler_config=SchedulerConfig(max_model_len=8192, max_num_seqs=32, max_num_batched_tokens=32),
+        speculative_config=SimpleNamespace(num_lookahead_tokens=lookahead))
+    engine._fit_max_model_len(num_blocks)
+    fitted = engine.config.model_config.max_model_len
+    scheduler = make_scheduler(num_blocks=num_blocks, block_size=16, max_num_batched_tokens=32, max_model_len=fitted,
+                               sliding_window=64, num_speculative_tokens=lookahead, num_lookahead_tokens=lookahead)
+    request = make_request("long", list(range(100, 99 + fitted)), block_size=16, max_tokens=1)
+    assert scheduler._admission_error(request) is None
