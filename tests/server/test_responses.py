@@ -402,3 +402,17 @@ def test_background_needs_store(client):
         list(client.responses.retrieve(client.responses.create(model=MODEL, input=QUESTION,
                                                                max_output_tokens=2).id, stream=True))
     assert info.value.body["param"] == "stream"
+
+
+def test_reasoning_effort_reaches_the_chat_template():
+    """As vLLM's: the Responses API's reasoning.effort is the chat request's reasoning_effort, which the template gets
+    (and "none" turns off thinking in templates that read enable_thinking); an effort OpenAI has not is a 400."""
+    from pydantic import ValidationError
+
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    chat = ResponsesRequest.model_validate({"input": QUESTION, "reasoning": {"effort": "none"}}).to_chat_request()
+    assert chat.reasoning_effort == "none" and chat.template_kwargs()["enable_thinking"] is False
+    assert ResponsesRequest.model_validate({"input": QUESTION}).to_chat_request().reasoning_effort is None
+    with pytest.raises(ValidationError, match="reasoning.effort"):
+        ResponsesRequest.model_validate({"input": QUESTION, "reasoning": {"effort": "huge"}})

@@ -467,6 +467,10 @@ class ChatTemplateFields(OpenAIBaseModel):
         return self.chat_template_kwargs or {}
 
 
+# OpenAI's reasoning effort (chat's reasoning_effort, the Responses API's reasoning.effort), as vLLM takes it.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
 class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessageParam]
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
@@ -484,7 +488,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     include_reasoning: bool = True
     # OpenAI's, which vLLM gives the chat template (gpt-oss's reads it); "none" also turns thinking off in templates
     # that read enable_thinking (Qwen3's), any other value on, unless chat_template_kwargs say.
-    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+    reasoning_effort: Optional[ReasoningEffort] = None
     # vLLM's: the documents a RAG template (Command R's, Granite's) shows the model.
     documents: Optional[list[dict[str, str]]] = None
 

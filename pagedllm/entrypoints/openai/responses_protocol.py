@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
 
 from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionRequest,
-                                                  OpenAIBaseModel, StopParam, UsageInfo, random_uuid)
+                                                  OpenAIBaseModel, ReasoningEffort, StopParam, UsageInfo,
+                                                  random_uuid)
 
 
 class InputTextPart(OpenAIBaseModel):
@@ -122,6 +123,12 @@ class ResponseTextConfig(OpenAIBaseModel):
     format: Optional[TextFormat] = None
 
 
+class Reasoning(OpenAIBaseModel):
+    """OpenAI's reasoning settings: effort reaches the chat template as chat's reasoning_effort does, turning thinking
+    off in templates that read enable_thinking where it is "none" (vLLM's ResponsesRequest.build_chat_params)."""
+    effort: Optional[ReasoningEffort] = None
+
+
 # The ResponsesRequest fields a chat request has too, under the same names.
 _SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "skip_special_tokens",
@@ -145,6 +152,7 @@ class ResponsesRequest(OpenAIBaseModel):
     store: Optional[bool] = True
     metadata: Optional[dict[str, str]] = None
     text: Optional[ResponseTextConfig] = None  # the output's format: structured output, as chat's response_format
+    reasoning: Optional[Reasoning] = None
     # Generate after the reply: the POST returns the response queued, GET /v1/responses/{id} follows it (with
     # stream, its events from any point), POST /v1/responses/{id}/cancel stops it. Needs store.
     background: Optional[bool] = False
@@ -188,6 +196,7 @@ class ResponsesRequest(OpenAIBaseModel):
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": True,
+            "reasoning_effort": None if self.reasoning is None else self.reasoning.effort,
             **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
             "stream_options": {"include_usage": True},
             "response_format": None if self.text is None or self.text.format is None
