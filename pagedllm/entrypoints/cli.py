@@ -17,6 +17,9 @@ from pagedllm.engine.launch import engine_core_prestarted
 # The commands that start an engine process: theirs starts before this module's other imports (launch.py), which
 # are therefore made inside the functions below.
 ENGINE_COMMANDS = ("serve", "run-batch")
+# The commands that only talk to a server: parsed without the engine's flags, whose defaults import torch (seconds
+# of start-up for a one-line question).
+CLIENT_COMMANDS = ("chat", "complete")
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -57,7 +60,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentP
     make_arg_parser(serve_parser).set_defaults(func=serve)
     batch_parser = subparsers.add_parser("run-batch", help="run a file of requests in OpenAI's batch format")
     batch.make_arg_parser(batch_parser).set_defaults(func=run_batch)
-    add_chat_parser(subparsers)
+    add_chat_parser(subparsers)  # as _client_parser's, for `pagedllm --help`
     add_complete_parser(subparsers)
     add_bench_parser(subparsers)
     doctor_parser = subparsers.add_parser("doctor", help="the CPU features seen and each native kernel's build")
@@ -160,7 +163,22 @@ def main(argv: Optional[list[str]] = None) -> None:
         _run_command(argv)
 
 
+def _client_parser() -> argparse.ArgumentParser:
+    """`pagedllm chat` and `pagedllm complete` alone (CLIENT_COMMANDS)."""
+    from pagedllm.entrypoints.chat_cli import add_chat_parser, add_complete_parser
+
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_chat_parser(subparsers)
+    add_complete_parser(subparsers)
+    return parser
+
+
 def _run_command(argv: list[str]) -> None:
+    if argv[:1] and argv[0] in CLIENT_COMMANDS:
+        args = _client_parser().parse_args(argv)
+        args.func(args)
+        return
     from pagedllm.entrypoints.openai.cli_args import (config_file_defaults, validate_parsed_serve_args,
                                                       validate_serving_args)
 

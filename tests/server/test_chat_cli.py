@@ -103,3 +103,14 @@ def test_quick_chat_and_complete_as_vllms(server):
     refused = _client_command("complete", "--url", url, "--model-name", "no-such-model", "-q", "Hi")
     assert refused.returncode == 1 and "[error]" in refused.stderr and "no-such-model" in refused.stderr
     assert _client_command("chat", "--url", url, "-q", "Hi", api_key="wrong").returncode != 0
+
+
+def test_the_client_commands_start_without_the_engines_imports():
+    """`pagedllm chat` and `complete` only talk to a server: their command line is read without the engine's flags,
+    whose defaults import torch (seconds before a one-line question is asked)."""
+    probe = ("import sys\nfrom pagedllm.entrypoints.cli import main\nfor command in ('chat', 'complete'):\n"
+             "    try:\n        main([command, '--help'])\n    except SystemExit:\n        pass\n"
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.splitlines()[-1] == "[]", result.stdout + result.stderr
+    assert "--quick" in result.stdout
