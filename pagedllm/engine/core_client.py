@@ -1,8 +1,9 @@
 """Clients of the EngineCore: in-process, and in a child process over ZMQ (synchronous and asyncio).
 
-The multi-process clients own the engine process: they start it, wait for READY, send requests on one
-socket, receive batched outputs on another in a background thread, and notice within a second when the
-process dies (every waiter then gets EngineDeadError instead of hanging).
+The multi-process clients own the engine process: they start it, wait for its ready response (what its start-up
+settled, applied to the frontend's config), send requests on one socket, receive batched outputs on another in a
+background thread, and notice within a second when the process dies (every waiter then gets EngineDeadError
+instead of hanging).
 """
 from __future__ import annotations
 
