@@ -171,7 +171,7 @@ def graphs_turned_off(compilation_config, optimization_level: int = 2) -> bool:
     ``optimization_level`` (0-3, vLLM's -O) ask for no graphs: cudagraph_mode NONE, which the level's defaults set at
     0 (vLLM's OPTIMIZATION_LEVEL_00) where the config leaves it. A ValueError naming the field for what vLLM refuses
     (an unknown field, mode, cudagraph_mode or level; names case-insensitive as vLLM's)."""
-    if isinstance(optimization_level, bool) or optimization_level not in range(4):
+    if type(optimization_level) is not int or optimization_level not in range(4):  # 2.0 and True are not levels
         raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {optimization_level!r}")
     if compilation_config is None:
         mode = cudagraph_mode = None

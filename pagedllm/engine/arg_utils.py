@@ -252,6 +252,8 @@ class EngineArgs:
             return self.speculative_config
         if isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError(f"{shortcuts[0][0]} sets a key of a speculative_config dict, not of a SpeculativeConfig")
+        if not isinstance(self.speculative_config, (dict, type(None))):
+            raise ValueError(f"speculative_config must be a dict (JSON object), got {self.speculative_config!r}")
         config = dict(self.speculative_config or {})
         for flag, key, value in shortcuts:
             if key in config:

@@ -182,6 +182,8 @@ def test_vllms_spec_shortcuts_set_speculative_config_keys():
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         EngineArgs(spec_tokens=2, speculative_config={"method": "ngram", "num_speculative_tokens": 4}
                    ).create_engine_config()
+    with pytest.raises(ValueError, match="^speculative_config must be a dict"):
+        EngineArgs(spec_tokens=2, speculative_config="ngram").create_engine_config()
 
 
 def test_vllms_optimization_level_0_runs_eagerly():
@@ -196,8 +198,9 @@ def test_vllms_optimization_level_0_runs_eagerly():
     assert eager(optimization_level=0) and not eager(optimization_level=3)
     assert not eager(optimization_level=0, compilation_config={"cudagraph_mode": "FULL"})
     assert eager(optimization_level=3, compilation_config={"cudagraph_mode": "NONE"})
-    with pytest.raises(ValueError, match="^optimization_level must be 0, 1, 2 or 3, got 4$"):
-        eager(optimization_level=4)
+    for level in (4, 2.0, True):  # vLLM's level is an int
+        with pytest.raises(ValueError, match=f"^optimization_level must be 0, 1, 2 or 3, got {level}$"):
+            eager(optimization_level=level)
 
 
 def test_vllms_capture_size_shortcuts_are_taken_but_not_beside_their_compilation_config_fields():
