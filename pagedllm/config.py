@@ -85,8 +85,7 @@ class SchedulerConfig:
         except ValueError:
             raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in SchedulingPolicy)}, "
                              f"got {self.policy!r}") from None
-        if not isinstance(self.enable_chunked_prefill, bool):  # a string such as "false" would turn it on
-            raise ValueError(f"enable_chunked_prefill must be True or False, got {self.enable_chunked_prefill!r}")
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             check_int(name, getattr(self, name), 1)
         for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):
@@ -134,8 +133,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_int("block_size", self.block_size, 1)
-        if not isinstance(self.enable_prefix_caching, bool):  # a string such as "false" would turn caching on
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if self.num_blocks is not None:
             check_int("num_kv_blocks", self.num_blocks, 1)
         if self.kv_cache_memory is not None:
@@ -212,6 +210,13 @@ def check_capture_size_shortcuts(compilation_config, cudagraph_capture_sizes, ma
         else:
             for size in value:
                 check_int(name, size, 1)
+
+
+def check_bool(name: str, value) -> None:
+    """A ValueError naming the field unless ``value`` is True or False: a string such as "false" is truthy, and would
+    turn on what it meant to turn off."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_int(name: str, value, lowest: int) -> None:

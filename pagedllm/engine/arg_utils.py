@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_capture_size_shortcuts, check_int, check_kv_cache_dtype,
-                             common_window, graphs_turned_off, layer_sliding_window)
+                             SpeculativeConfig, check_bool, check_capture_size_shortcuts, check_int,
+                             check_kv_cache_dtype, common_window, graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
@@ -136,6 +136,11 @@ class EngineArgs:
     trust_remote_code: bool = False
     # vLLM's hf_overrides: config fields to replace ({"max_position_embeddings": 4096}), or a callable on the config.
     hf_overrides: Optional[Union[dict, Callable[[Any], Any]]] = None
+
+    def log_stats(self) -> bool:
+        """Whether the engine keeps statistics (vLLM's log_stats: not disable_log_stats, checked)."""
+        check_bool("disable_log_stats", self.disable_log_stats)
+        return not self.disable_log_stats
 
     def create_engine_config(self) -> EngineConfig:
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.

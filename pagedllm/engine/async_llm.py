@@ -65,9 +65,7 @@ class AsyncLLM:
         ``stat_loggers``, vLLM's defaults unless ``engine_args.disable_log_stats``: the log line (logged when
         do_log_stats() is called) and the pagedllm: metrics in prometheus_client's default registry.
         ``engine_args.enable_log_requests`` (AsyncEngineArgs') logs each request."""
-        if not isinstance(engine_args.disable_log_stats, bool):
-            raise ValueError(f"disable_log_stats must be True or False, got {engine_args.disable_log_stats!r}")
-        if stat_loggers is None and not engine_args.disable_log_stats:
+        if engine_args.log_stats() and stat_loggers is None:
             stat_loggers = default_stat_loggers()
         config = engine_args.create_engine_config()
         engine_core, tokenizer = start_client_and_tokenizer(config, make_async_client)

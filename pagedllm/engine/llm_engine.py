@@ -53,9 +53,7 @@ class LLMEngine:
         """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
         PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; statistics on unless
         ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL seconds."""
-        if not isinstance(engine_args.disable_log_stats, bool):
-            raise ValueError(f"disable_log_stats must be True or False, got {engine_args.disable_log_stats!r}")
-        interval = None if engine_args.disable_log_stats else log_stats_interval()  # a bad variable: before any process
+        interval = log_stats_interval() if engine_args.log_stats() else None  # a bad variable: before any process
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
         with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
             config = engine_args.create_engine_config()
