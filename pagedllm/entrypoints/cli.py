@@ -54,8 +54,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentP
     from pagedllm.entrypoints.openai import run_batch as batch
     from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser, subparsers = _command_parser()
     serve_parser = subparsers.add_parser("serve", help="run the OpenAI-compatible API server")
     make_arg_parser(serve_parser).set_defaults(func=serve)
     batch_parser = subparsers.add_parser("run-batch", help="run a file of requests in OpenAI's batch format")
@@ -167,11 +166,16 @@ def _client_parser() -> argparse.ArgumentParser:
     """`pagedllm chat` and `pagedllm complete` alone (CLIENT_COMMANDS)."""
     from pagedllm.entrypoints.chat_cli import add_chat_parser, add_complete_parser
 
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser, subparsers = _command_parser()
     add_chat_parser(subparsers)
     add_complete_parser(subparsers)
     return parser
+
+
+def _command_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The ``pagedllm`` parser, and the action its subcommands are added to."""
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: LLM inference and serving")
+    return parser, parser.add_subparsers(dest="command", required=True)
 
 
 def _run_command(argv: list[str]) -> None:
