@@ -1,5 +1,5 @@
-"""DenseWeight: the weight laid out for its CPU GEMMs (native panels and/or input-major) multiplies like
-F.linear, at every row count the engine produces and on the odd shapes at the kernel's edges."""
+"""DenseWeight: the weight laid out for its CPU GEMMs (native panels, else input-major) multiplies like F.linear,
+at every row count the engine produces and on the odd shapes at the kernel's edges."""
 
 import pytest
 import torch
@@ -21,15 +21,13 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 301])
 @pytest.mark.parametrize("out_features,in_features", [(1, 1), (63, 17), (64, 64), (65, 130), (200, 576)])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("large_batches", [True, False])  # False: panels only, every row count native
-def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias, large_batches):
+def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows * 1000 + out_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
     x = torch.randn(rows, in_features, generator=gen)
-    dense = DenseWeight(weight, large_batches)
-    assert (dense.panels is not None) == (kernel != "mkl")
-    assert (dense.data is None) == (kernel != "mkl" and not large_batches)
+    dense = DenseWeight(weight)
+    assert (dense.panels is not None) == (kernel != "mkl") == (dense.data is None)  # one copy of the weight
     assert torch.equal(dense.unpacked(), weight)
     # Sums of in_features products in another order: float32 rounding grows with the length.
     torch.testing.assert_close(dense.linear(x, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-6 * in_features)
@@ -49,7 +47,7 @@ def test_leading_dims_and_strided_rows(kernel):
 def test_many_rows_use_every_thread_block(kernel):
     """Row counts past the kernel's 192-row blocks and panels past the 8-items-per-thread split."""
     weight, x = torch.randn(1000, 96), torch.randn(777, 96)
-    dense = DenseWeight(weight, large_batches=False)
+    dense = DenseWeight(weight)
     torch.testing.assert_close(dense.linear(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
@@ -58,7 +56,7 @@ def test_one_row_split_by_half_panels_between_threads_is_the_same_at_every_threa
     column's sum is the same whatever the thread count (6: a half of the last, partial panel alone), and F.linear's
     up to the order of its sums."""
     weight, bias, x = torch.randn(144, 96), torch.randn(144), torch.randn(1, 96)  # 3 panels, the last of 16 columns
-    dense = DenseWeight(weight, large_batches=False)
+    dense = DenseWeight(weight)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -71,13 +69,14 @@ def test_one_row_split_by_half_panels_between_threads_is_the_same_at_every_threa
     torch.testing.assert_close(one, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
 
 
-def test_large_batches_go_to_mkl_when_the_weight_is_kept_for_it(kernel, monkeypatch):
+def test_every_batch_size_multiplies_on_the_panels_their_only_copy(kernel, monkeypatch):
+    """Prefill-sized batches too: no input-major copy is kept for MKL beside the panels (float32 weights once)."""
     dense = DenseWeight(torch.randn(70, 40))
     calls = []
     monkeypatch.setattr(native, "gemm", lambda: (lambda x, *args: calls.append(x.shape[0])))
-    dense.linear(torch.randn(gemm_layout.PANELS_MAX_ROWS + 1, 40))
-    dense.linear(torch.randn(gemm_layout.PANELS_MAX_ROWS, 40))
-    assert calls == ([gemm_layout.PANELS_MAX_ROWS] if kernel != "mkl" else [])
+    for rows in (1, 129, 2048):
+        dense.linear(torch.randn(rows, 40))
+    assert calls == ([1, 129, 2048] if kernel != "mkl" else [])
 
 
 def test_other_dtypes_keep_their_layout():

@@ -347,7 +347,7 @@ def test_q6_k_lm_heads_and_embeddings_keep_their_codes():
     head.scales.weight_loader(head.scales, scales)
     head.prepare_projection()
     hidden = torch.randn(3, 256)
-    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q6_K)), large_batches=False)
+    dense = DenseWeight(torch.from_numpy(dequantize_fast(blocks, T.Q6_K)))
     assert torch.equal(head.project(hidden), dense.linear(hidden))
     assert not hasattr(head, "qweight")  # the panels only
     tied = VocabParallelEmbedding(200, 256, quant_config=config, prefix="model.embed_tokens", embed_scale=1.5)

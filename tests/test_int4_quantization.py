@@ -271,7 +271,7 @@ def test_q8_embedding_rows_and_lm_head_equal_the_dequantized_weight(tp_size):
         embedding.scales.weight_loader(embedding.scales, scales)
         embedding.prepare_projection()
         shard = slice(embedding.vocab_start_index, embedding.vocab_end_index)
-        dense = DenseWeight(weight[shard].contiguous(), large_batches=False)
+        dense = DenseWeight(weight[shard].contiguous())
         assert torch.equal(embedding.project(hidden)[:, : shard.stop - shard.start], dense.linear(hidden))
         logits.append(embedding.project(hidden))
         if tp_size == 1:

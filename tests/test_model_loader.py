@@ -227,13 +227,15 @@ def test_loaded_model_packs_fused_weights():
     assert torch.equal(layer.self_attn.qkv_proj.quant_method.dense.unpacked(), qkv)
     assert torch.equal(layer.mlp.gate_up_proj.quant_method.dense.unpacked(), gate_up)
     assert torch.equal(params["model.norm.weight"], reference["model.norm.weight"])
-    # float32 on CPU (layers/gemm_layout.py): the parameter holds the input-major weight for MKL, plus panels
-    # for the native kernel where it exists; the tied embedding keeps its rows for lookups and the LM head
-    # multiplies by a copy in its GEMM's layout (panels only, with the kernel).
+    # float32 on CPU (layers/gemm_layout.py): the parameter holds the weight's one copy, the native kernel's panels
+    # where it exists, else the input-major weight for MKL; the tied embedding keeps its rows for lookups and the
+    # LM head multiplies by a copy in its GEMM's layout.
     dense = layer.mlp.gate_up_proj.quant_method.dense
     param = params[f"{prefix}mlp.gate_up_proj.weight"]
-    assert param.data_ptr() == dense.data.data_ptr() and param.t().is_contiguous()
-    assert (dense.panels is not None) == (native.gemm() is not None)
+    if native.gemm() is not None:
+        assert dense.data is None and param.data_ptr() == dense.panels.data_ptr()
+    else:
+        assert param.data_ptr() == dense.data.data_ptr() and param.t().is_contiguous()
     assert (model.lm_head._projection.data is None) == (native.gemm() is not None)
     embedding = params["model.embed_tokens.weight"]
     assert embedding.is_contiguous() and torch.equal(embedding, reference["model.embed_tokens.weight"])

@@ -159,7 +159,7 @@ def test_checks_stop_a_gemm_call_with_panels_of_another_shape(monkeypatch):
     from pagedllm.layers.gemm_layout import DenseWeight
 
     monkeypatch.setattr("pagedllm.native.checks.ENABLED", True)
-    dense = DenseWeight(torch.randn(70, 40), large_batches=False)
+    dense = DenseWeight(torch.randn(70, 40))
     with pytest.raises(NativeCallError, match="packed"):
         native.gemm()(torch.randn(3, 40), dense.panels[:1], None, 70)
     with pytest.raises(NativeCallError, match="bias"):

@@ -2,13 +2,12 @@
 ``dispatch_cpu_unquantized_gemm``).
 
 float32 on CPU: MKL's sgemm repacks the weight on every call, which at decode sizes costs about as much as the
-multiply, and it runs far faster at 8-64 rows on ``W.T`` stored row-major ``[in, out]`` than when it transposes
-``W`` on the fly. So a dense float32 weight is packed once into the native kernel's panels (native/gemm.c,
-AVX-512 or AVX2), which serve batches of up to PANELS_MAX_ROWS rows; larger (prefill-sized) batches, where MKL is
-ahead, go to MKL on an input-major copy, so such weights are held twice. The LM head, whose batches are the
-sequences being sampled, keeps the panels only. A bfloat16 model on a CPU with bf16 arithmetic lays its dense
-weights out as gemm_bf16.c's bf16 panels instead, its only copy, for every batch size. Other dtypes and devices
-are left as loaded.
+multiply. So a dense float32 weight is packed once into the native kernel's panels (native/gemm.c, AVX-512 or
+AVX2), its only copy, which serve batches of every size: at prefill sizes MKL is at most a few percent ahead, not
+worth holding every weight twice (as vLLM's CPU GEMM dispatch also keeps one packed copy). Without the kernel, MKL
+multiplies an input-major copy (``W.T`` stored row-major, far faster at 8-64 rows than transposing ``W`` on the
+fly). A bfloat16 model on a CPU with bf16 arithmetic lays its dense weights out as gemm_bf16.c's bf16 panels
+instead, also its only copy. Other dtypes and devices are left as loaded.
 
 GGUF-quantized weights (QuantizedWeight) are laid out for gemm.c's quantized kernels instead: the same panels,
 holding per 32 weights along the input the 64 columns' scales (and zeros) and their codes.
@@ -25,15 +24,11 @@ import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.native.gemms import GEMM_BF16, PANELS
-from pagedllm.platforms.cpu import HugePageArena, cpu_flags
+from pagedllm.platforms.cpu import HugePageArena
 
 PANEL = 64  # output columns per panel; gemm.c's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
 Q6K_BLOCK = 16  # Q6_K's: a scale per 16
-# Larger batches go to MKL, where the weight is also kept for it. Where MKL overtakes the panels depends on their
-# body: the AVX-512 one (6 x 64 tiles) at ~128 rows; the AVX2 one (6 x 16 tiles) was level with or ahead of MKL up to
-# 1024 rows on the AVX2-only EPYC measured (docs/benchmarks.md), which serving's mixed steps (~200 rows) gain from.
-PANELS_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 # Rows of a step from which a bfloat16 model's quantized layers multiply on AMX tiles (QuantizedWeight.linear).
 BF16_MIN_ROWS = 32
 BF16_PANEL = 32  # output columns per bf16 panel, and values along K per block; gemm_bf16.c's PANEL_COLS, KBLOCK
@@ -92,36 +87,29 @@ def _placed(panels: torch.Tensor, layout: WeightLayout | None) -> torch.Tensor:
 
 class DenseWeight:
     """An ``[out, in]`` weight in its GEMMs' layouts; ``linear(x, bias)`` equals ``F.linear(x, weight, bias)``.
-    ``data`` is the weight for torch (input-major in float32 on CPU; None when only panels are kept),
-    ``panels`` the native kernel's ``[ceil(out / 64), in, 64]`` copy (None without the kernel), or, laid out by a
-    ``layout`` with ``bf16_panels``, gemm_bf16.c's bf16 panels, then the only copy.
+    One copy is kept: ``panels``, the native kernel's ``[ceil(out / 64), in, 64]`` float32 panels or, laid out by a
+    ``layout`` with ``bf16_panels``, gemm_bf16.c's bf16 panels, where the kernel applies (``data`` None); else
+    ``data``, the weight for torch (input-major in float32 on CPU).
 
     ``gated``: the weight is a gated MLP's ``[gate | up]`` projection; its bf16 panels are then laid out for
     ``silu_and_mul`` (gate and up interleaved, see pack_bf16_panels), which ``gated`` tells after laying out."""
 
-    def __init__(self, weight: torch.Tensor, large_batches: bool = True, gated: bool = False,
-                 layout: WeightLayout | None = None):
+    def __init__(self, weight: torch.Tensor, gated: bool = False, layout: WeightLayout | None = None):
         self.out_features, self.in_features = weight.shape
-        self.panels, self.gated = None, False
+        self.panels, self.data, self.gated = None, None, False
         if (layout is not None and layout.bf16_panels and weight.dim() == 2
                 and native_applies("gemm_bf16", weight.dtype, weight.device)):
-            # ahead of MKL's float32 at every batch size, so no second copy for large batches
             self.gated = gated and layout.fused_silu
-            self.panels, self.data = _placed(pack_bf16_panels(weight, self.gated), layout), None
-            return
-        if weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
+            self.panels = _placed(pack_bf16_panels(weight, self.gated), layout)
+        elif weight.dim() == 2 and native_applies("gemm", weight.dtype, weight.device):
             self.panels = pack_float32_panels(weight, layout)
-        if self.panels is not None and not large_batches:
-            self.data = None
         elif weight.device.type == "cpu" and weight.dtype == torch.float32:
             self.data = weight.t().contiguous().t()
         else:
             self.data = weight
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if self.panels is None or self.gated or x.dtype != torch.float32 or (
-                self.data is not None and rows.shape[0] > PANELS_MAX_ROWS):
+        if self.panels is None or self.gated or x.dtype != torch.float32:
             return F.linear(x, self.unpacked().to(x.dtype), bias)  # gated panels serve silu_and_mul, not this
         kernel = native.gemm_bf16() if self.panels.dtype == torch.bfloat16 else native.gemm()
         return kernel(x, self.panels, bias, self.out_features)

@@ -62,8 +62,8 @@ class UnquantizedLinearMethod(QuantizeMethodBase):
         return self.dense.silu_and_mul(x, bias) if self.dense is not None and self.dense.gated else None
 
     def process_weights_after_loading(self, layer, layout: WeightLayout | None = None) -> None:
-        """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds the torch layout,
-        or the panels where they are the only copy (bf16 panels)."""
+        """Lay the weight out for its GEMMs (layers/gemm_layout.py); the parameter then holds its one copy: the
+        panels where a native kernel takes them, else the torch layout."""
         self.dense = DenseWeight(layer.weight.data, gated=getattr(layer, "gated_silu", False), layout=layout)
         layer.weight.data = self.dense.data if self.dense.data is not None else self.dense.panels
 

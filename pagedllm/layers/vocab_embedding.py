@@ -90,7 +90,7 @@ class VocabParallelEmbedding(nn.Module):
         if q8 is not None and not (layout is not None and layout.bf16_panels):
             self._projection = q8
         else:
-            self._projection = DenseWeight(self._rows().data, large_batches=False, layout=layout)
+            self._projection = DenseWeight(self._rows().data, layout=layout)
             self._few_rows_projection = q8
 
     def _rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -64,8 +64,7 @@ def kernel_paths(kernels: KernelChoice, num_heads: int, num_kv_heads: int, head_
     if kernels.bf16_panels:
         gemm = "bf16 weight panels (" + ("AMX" if native.gemm_bf16_uses_amx() else "AVX512-BF16 vdpbf16ps") + ")"
     elif float32 and native.gemm() is not None:
-        from pagedllm.layers.gemm_layout import PANELS_MAX_ROWS  # imports this module: not at the top
-        gemm = f"float32 panels ({'AVX-512' if 'avx512f' in cpu_flags() else 'AVX2'}; MKL above {PANELS_MAX_ROWS} rows)"
+        gemm = f"float32 panels ({'AVX-512' if 'avx512f' in cpu_flags() else 'AVX2'})"
     else:
         gemm = f"torch ({_name(kernels.compute_dtype)})"
     if quantization in ("gguf", "gguf_int4"):

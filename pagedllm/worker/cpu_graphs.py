@@ -21,7 +21,7 @@ eager step makes. A replay drops the Python around the kernels, which costs abou
 row and still a visible share of a prompt's step, so graphs pay at every size up to the cap. Larger steps run
 eagerly, and so does any key whose capture was refused (e.g. cascade attention on torch's SDPA where the native
 prefix kernel does not apply, or chunks where the native prefill tiles do not); after a refused step with prompt
-chunks, larger ones run eagerly without trying (float32 GEMMs past their panels' rows are MKL's).
+chunks, larger ones run eagerly without trying (a layer whose native kernel gives way to torch's past some rows).
 """
 
 import logging
@@ -248,8 +248,8 @@ class StepGraphs:
                         "run eagerly: their CPU graph was refused (%s)", *key, graph.failure)
             self._refused.add(key)
             if num_decodes < num_reqs and not prefix and not lora:
-                # Usually a layer whose native kernels stop at some rows (float32 GEMMs past PANELS_MAX_ROWS are
-                # MKL's): steps with prompt chunks as large or larger run eagerly without trying.
+                # Usually a layer whose native kernel gives way to torch's past some rows: steps with prompt chunks
+                # as large or larger run eagerly without trying.
                 self._chunk_tokens_refused = min(self._chunk_tokens_refused, num_tokens)
         return hidden_states
 
