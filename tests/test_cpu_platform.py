@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.platforms.cpu import HugePageArena, huge_page_zeros, keep_freed_memory
+from pagedllm.platforms.cpu import HugePageArena, huge_page_zeros, keep_freed_memory, release_freed_memory
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -27,6 +27,25 @@ def test_a_freed_step_sized_buffer_is_reused_without_page_faults():
     again[::4096] = 1
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 64, f"{faults} page faults re-touching a freed {nbytes >> 20} MiB buffer"
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
+def test_memory_freed_while_loading_goes_back_to_the_os_once_released():
+    """What keep_freed_memory keeps (here a loader's 96 MiB temporary) stays resident until the worker, started,
+    calls release_freed_memory."""
+    keep_freed_memory()
+    nbytes = 96 << 20
+    temporary = np.empty(nbytes, dtype=np.uint8)
+    temporary[::4096] = 1
+    held = _resident_bytes()
+    del temporary
+    assert _resident_bytes() > held - nbytes // 2  # kept by malloc
+    release_freed_memory()
+    assert _resident_bytes() < held - nbytes // 2
 
 
 def _huge_kb_at(address: int) -> int:

@@ -156,6 +156,16 @@ def keep_freed_memory() -> None:
     libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
 
 
+def release_freed_memory() -> None:
+    """Hand the memory malloc holds free back to the OS (glibc's malloc_trim): once a worker has loaded and laid out
+    its model and allocated its KV cache. Under keep_freed_memory malloc would otherwise keep the loader's freed
+    temporaries (the checkpoint's tensors before their layout: about the weights' size again) for the process's
+    whole life; the steps' activations, freed later, are kept for reuse as before."""
+    libc = linux_libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
 def cores_of_rank(rank: int, world_size: int) -> list[int] | None:
     """The cores rank ``rank`` of ``world_size`` binds to: an equal, disjoint share of the cores this process may
     use, so ranks on one machine do not fight over a core (None when ranks outnumber cores: they share all)."""

@@ -18,7 +18,7 @@ from pagedllm.distributed.parallel_state import (ParallelRank, get_tp_group, ini
 from pagedllm.kv_cache_dtype import kv_cache_torch_dtype, row_bytes
 from pagedllm.layers.attention.kv_cache import kv_heads_per_rank
 from pagedllm.platforms import resolve_platform
-from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory
+from pagedllm.platforms.cpu import cores_of_rank, keep_freed_memory, release_freed_memory
 from pagedllm.platforms.cuda import kv_cache_memory_from_profile, profile_memory
 from pagedllm.platforms.populate import engine_step
 from pagedllm.worker.model_runner import ModelRunner
@@ -138,6 +138,7 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        release_freed_memory()  # the last of start-up: what loading the model freed goes back to the OS
         if self.rank.rank != 0:
             return
         cache_config = self.config.cache_config
