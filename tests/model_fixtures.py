@@ -2,6 +2,8 @@
 reference models, loaded once per pytest process (GGUF parsing is slow)."""
 
 import functools
+import json
+import os
 import random
 import unittest.mock
 from collections.abc import Callable
@@ -116,6 +118,25 @@ class PagedBatchRunner:
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata)
             logits = self.model.compute_logits(hidden)
         return list(logits.split([c.num_new for c in chunks]))
+
+
+def save_pickled(model: torch.nn.Module, path, num_shards: int = 1) -> None:
+    """``model`` as transformers saved checkpoints before safetensors (save_pretrained(safe_serialization=False),
+    which transformers 5 no longer offers): its config and its state dict torch.save'd, in pytorch_model.bin or
+    in ``num_shards`` files pytorch_model-0000i-of-0000n.bin that pytorch_model.bin.index.json names."""
+    model.config.save_pretrained(path)
+    state = model.state_dict()
+    if num_shards == 1:
+        torch.save(state, os.path.join(path, "pytorch_model.bin"))
+        return
+    weight_map = {}
+    for i in range(num_shards):
+        shard = f"pytorch_model-{i + 1:05d}-of-{num_shards:05d}.bin"
+        names = list(state)[i::num_shards]
+        torch.save({name: state[name] for name in names}, os.path.join(path, shard))
+        weight_map.update(dict.fromkeys(names, shard))
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
 def write_tiny_gguf(model: torch.nn.Module, path: str, arch: str,

@@ -454,7 +454,7 @@ def test_a_sharded_checkpoint_loads_only_the_files_its_index_names(tmp_path):
     from transformers import MistralForCausalLM as HFMistral
 
     from pagedllm.models.loader import get_model
-    from pagedllm.models.weights import safetensors_files
+    from pagedllm.models.weights import hf_weights_files
     from pagedllm.platforms.cpu import choose_kernels
 
     torch.manual_seed(0)
@@ -465,14 +465,35 @@ def test_a_sharded_checkpoint_loads_only_the_files_its_index_names(tmp_path):
     save_file({"tok_embeddings.weight": state["model.embed_tokens.weight"].clone(),
                "layers.0.attention.wq.weight": state["model.layers.0.self_attn.q_proj.weight"].clone()},
               str(tmp_path / "consolidated.safetensors"))
-    files = safetensors_files(str(tmp_path))
+    files = hf_weights_files(str(tmp_path))
     assert len(files) > 1 and not any(f.endswith("consolidated.safetensors") for f in files)
     model = get_model(str(tmp_path), load_hf_config(str(tmp_path)), choose_kernels(torch.float32))
     assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
     lost = sorted(tmp_path.glob("model-*.safetensors"))[-1]  # a download cut short: the shard, not its tensors
     lost.unlink()
     with pytest.raises(ValueError, match=f"names shards that are not there: \\['{lost.name}'\\]"):
-        safetensors_files(str(tmp_path))
+        hf_weights_files(str(tmp_path))
+
+
+def test_weight_files_are_safetensors_else_pickled_ones_less_the_trainers_state(tmp_path):
+    """vLLM's load_format "auto": a directory's *.safetensors where it has any, else its *.bin, else its *.pt,
+    transformers' Trainer state (training_args.bin, optimizer.pt) never; the shards a pytorch_model.bin.index.json
+    names must each be there."""
+    from pagedllm.models.weights import hf_weights_files
+
+    names = ["model.safetensors", "pytorch_model.bin", "model.pt", "training_args.bin", "optimizer.pt"]
+    for name in names:
+        (tmp_path / name).touch()
+    for name in names[:3]:
+        assert hf_weights_files(str(tmp_path)) == [str(tmp_path / name)]
+        (tmp_path / name).unlink()
+    with pytest.raises(FileNotFoundError, match="No \\*.safetensors, \\*.bin or \\*.pt weight files"):
+        hf_weights_files(str(tmp_path))
+    (tmp_path / "pytorch_model-00001-of-00002.bin").touch()
+    (tmp_path / "pytorch_model.bin.index.json").write_text(
+        '{"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}')
+    with pytest.raises(ValueError, match="names shards that are not there: \\['pytorch_model-00002-of-00002.bin'\\]"):
+        hf_weights_files(str(tmp_path))
 
 
 @pytest.mark.parametrize("outer, text, tied", [(False, None, False), (True, False, True), (False, True, False)])

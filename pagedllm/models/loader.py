@@ -81,7 +81,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
 
     ``rank`` and ``layer_range``: the tensor-parallel slice and pipeline stage this process holds. Each checkpoint
     tensor is read whole, cut to this rank's slice by its parameter's weight_loader, and dropped, so a rank holds
-    at most one full tensor at a time.
+    at most one full tensor at a time (of a pickled ``.bin`` checkpoint, one whole file: torch.load reads it whole).
 
     The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
     """

@@ -12,43 +12,60 @@ from pagedllm.models.gguf_loader import gguf_weights_iterator
 
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+# What vLLM's load_format "auto" takes from an HF directory, in order: the first pattern that matches any file wins
+# (a directory with safetensors never reads its .bin beside them), each with the index that may name its shards.
+_WEIGHT_FILES = (("*.safetensors", SAFETENSORS_INDEX), ("*.bin", "pytorch_model.bin.index.json"), ("*.pt", None))
+# transformers' Trainer state, saved beside a checkpoint's weights and not weights (vLLM's
+# filter_files_not_needed_for_inference).
+_TRAINER_FILES = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "scaler.pt")
 
 
-def safetensors_files(directory: str) -> list[str]:
-    """The checkpoint's ``*.safetensors`` files in an HF directory: with an index (sharded checkpoints), only the
-    files its weight_map names, as vLLM takes them (a directory may hold the same weights in another layout beside
-    them: Mistral's ``consolidated.safetensors``), and each of them, else a ValueError naming those missing."""
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    index = os.path.join(directory, SAFETENSORS_INDEX)
-    if os.path.isfile(index):
+def hf_weights_files(directory: str) -> list[str]:
+    """The checkpoint's weight files in an HF directory: its ``*.safetensors``, else (transformers'
+    ``safe_serialization=False``) its ``*.bin``, else its ``*.pt``, the Trainer's state left out. With an index
+    (sharded checkpoints), only the files its weight_map names, as vLLM takes them (a directory may hold the same
+    weights in another layout beside them: Mistral's ``consolidated.safetensors``), and each of them, else a
+    ValueError naming those missing."""
+    for pattern, index_name in _WEIGHT_FILES:
+        files = sorted(file for file in glob.glob(os.path.join(directory, pattern))
+                       if os.path.basename(file) not in _TRAINER_FILES)
+        if files:
+            break
+    else:
+        raise FileNotFoundError(f"No *.safetensors, *.bin or *.pt weight files in {directory!r}")
+    index = os.path.join(directory, index_name) if index_name else None
+    if index and os.path.isfile(index):
         with open(index) as f:
             named = set(json.load(f).get("weight_map", {}).values())
         files = [file for file in files if os.path.basename(file) in named]
         absent = sorted(named - {os.path.basename(file) for file in files})
         if absent:  # a download cut short: name the shards, not each parameter they held
-            raise ValueError(f"{SAFETENSORS_INDEX} in {directory!r} names shards that are not there: {absent}")
-    if not files:
-        raise FileNotFoundError(f"No *.safetensors files in {directory!r}")
+            raise ValueError(f"{index_name} in {directory!r} names shards that are not there: {absent}")
     return files
 
 
-def safetensors_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of the checkpoint's ``*.safetensors`` files in an HF directory (safetensors_files)."""
-    files = safetensors_files(directory)
-    for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def hf_weights_iterator(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every tensor of the checkpoint's weight files in an HF directory (hf_weights_files). A pickled file is
+    read as vLLM reads it: torch.load with weights_only=True (tensors and plain containers, no code run), whole."""
+    for file in hf_weights_files(directory):
+        if file.endswith(".safetensors"):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+            yield from state.items()
+            del state  # before the next file loads: a rank holds one file's tensors at a time
 
 
 def weights_iterator(path: str, packed_modules: Container[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pick the reader for a ``.gguf`` file or an HF safetensors directory.
+    """Pick the reader for a ``.gguf`` file or an HF directory.
 
     ``packed_modules``: modules whose GGUF Q4_0/Q4_1/Q4_K or Q8_0 weights stay packed (see ``gguf_weights_iterator``).
     """
     if path.endswith(".gguf"):
         return gguf_weights_iterator(path, packed_modules)
-    return safetensors_weights_iterator(path)
+    return hf_weights_iterator(path)
 
 
 def default_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:

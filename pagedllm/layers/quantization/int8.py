@@ -1,6 +1,6 @@
 """``quantization="int8"``: W8A8 as vLLM's CPU W8A8, dynamic per-token activations, with outliers kept out.
 
-Each linear layer's weight is quantized at load, from whatever checkpoint filled it (safetensors or GGUF,
+Each linear layer's weight is quantized at load, from whatever checkpoint filled it (safetensors, .bin or GGUF,
 dequantized), symmetric per output channel: ``sw = max|W[n]| / 127``, codes ``round(W / sw)``. At run time each row
 of the input is quantized the same way per token, but for its OUTLIERS_PER_ROW entries of largest magnitude, which
 stay float32 (LLM.int8()'s outlier decomposition, per token): ``sx = max|x| / 127`` over the other entries, the codes
