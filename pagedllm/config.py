@@ -300,6 +300,8 @@ class ModelConfig:
     # vLLM's max_model_len -1: once the KV cache is sized, the engine lowers max_model_len to the longest request
     # the cache holds (EngineCore, fit_max_model_len), where that is shorter than the model's.
     auto_fit_max_model_len: bool = False
+    # vLLM's load_format: which of an HF directory's weight files load (models/weights.WEIGHT_FILES).
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         """seed is an integer, max_logprobs one of at least -1 and logprobs_mode one of vLLM's (vLLM's ModelConfig

@@ -477,23 +477,28 @@ def test_a_sharded_checkpoint_loads_only_the_files_its_index_names(tmp_path):
 
 def test_weight_files_are_safetensors_else_pickled_ones_less_the_trainers_state(tmp_path):
     """vLLM's load_format "auto": a directory's *.safetensors where it has any, else its *.bin, else its *.pt,
-    transformers' Trainer state (training_args.bin, optimizer.pt) never; the shards a pytorch_model.bin.index.json
-    names must each be there."""
+    transformers' Trainer state (training_args.bin, optimizer.pt) never; "safetensors" and "pt" those files only
+    (vLLM 0.32's "pt" globs *.pt, not *.bin); the shards a pytorch_model.bin.index.json names must each be there. Its
+    other load formats (dummy weights, other readers) are a ValueError naming load_format, before any process."""
     from pagedllm.models.weights import hf_weights_files
 
     names = ["model.safetensors", "pytorch_model.bin", "model.pt", "training_args.bin", "optimizer.pt"]
     for name in names:
         (tmp_path / name).touch()
+    assert hf_weights_files(str(tmp_path), "safetensors") == [str(tmp_path / "model.safetensors")]
+    assert hf_weights_files(str(tmp_path), "pt") == [str(tmp_path / "model.pt")]
     for name in names[:3]:
         assert hf_weights_files(str(tmp_path)) == [str(tmp_path / name)]
         (tmp_path / name).unlink()
-    with pytest.raises(FileNotFoundError, match="No \\*.safetensors, \\*.bin or \\*.pt weight files"):
+    with pytest.raises(FileNotFoundError, match="No \\*.safetensors or \\*.bin or \\*.pt weight files"):
         hf_weights_files(str(tmp_path))
     (tmp_path / "pytorch_model-00001-of-00002.bin").touch()
     (tmp_path / "pytorch_model.bin.index.json").write_text(
         '{"weight_map": {"a": "pytorch_model-00001-of-00002.bin", "b": "pytorch_model-00002-of-00002.bin"}}')
     with pytest.raises(ValueError, match="names shards that are not there: \\['pytorch_model-00002-of-00002.bin'\\]"):
         hf_weights_files(str(tmp_path))
+    with pytest.raises(ValueError, match="^load_format must be one of auto, hf, safetensors, pt; got 'dummy'"):
+        EngineArgs(str(tmp_path), load_format="dummy").create_engine_config()
 
 
 @pytest.mark.parametrize("outer, text, tied", [(False, None, False), (True, False, True), (False, True, False)])

@@ -19,6 +19,7 @@ from pagedllm.models.hf_config import apply_hf_overrides, load_hf_config
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import check_model_config, get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from pagedllm.models.weights import WEIGHT_FILES
 from pagedllm.platforms import Platform, resolve_platform
 from pagedllm.sampling_params import MAX_LOGPROBS
 
@@ -32,6 +33,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 TOKENIZER_MODES = ("auto", "hf")
 # Model types whose activations overflow float16 (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS): Gemma 2 and 3.
 FLOAT16_UNSTABLE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
+LOAD_FORMATS = tuple(WEIGHT_FILES)
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform, model_type: Optional[str] = None
@@ -98,6 +100,8 @@ class EngineArgs:
     # vLLM's logprobs_mode: raw_logprobs (the default), raw_logits, processed_logprobs or processed_logits.
     logprobs_mode: str = "raw_logprobs"
     quantization: Optional[str] = None
+    # vLLM's load_format: which of an HF directory's weight files load, one of LOAD_FORMATS (a .gguf file is GGUF).
+    load_format: str = "auto"
     num_cpu_threads: Optional[int] = None
     enforce_eager: bool = False
     # vLLM's compilation_config: a mode (0-3) or a dict of its CompilationConfig fields (config.graphs_turned_off).
@@ -148,6 +152,8 @@ class EngineArgs:
         attention_backend = self.attention_backend or platform.attention_backends[0]
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.load_format not in LOAD_FORMATS:  # vLLM's others: dummy weights, other readers and stores
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode must be one of {', '.join(TOKENIZER_MODES)} (the Hugging Face "
                              f"tokenizer); got {self.tokenizer_mode!r}")
@@ -214,7 +220,7 @@ class EngineArgs:
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,
                                    self.override_generation_config, logprobs_mode=self.logprobs_mode,
-                                   auto_fit_max_model_len=auto_fit)
+                                   auto_fit_max_model_len=auto_fit, load_format=self.load_format)
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp
@@ -333,7 +339,7 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     set_quantization(hf_config, spec.quantization, path)
     return ModelConfig(spec.model, path, hf_config, target.dtype, target.max_model_len, target.seed,
                        spec.quantization, target.enforce_eager, device=target.device,
-                       attention_backend=target.attention_backend)
+                       attention_backend=target.attention_backend, load_format=target.load_format)
 
 
 def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:

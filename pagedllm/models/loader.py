@@ -74,7 +74,7 @@ def get_quant_config(quantization: str | None, path: str, model_class: type[nn.M
 
 
 def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoice, rank: ParallelRank = ParallelRank(),
-              layer_range: tuple[int, int] | None = None) -> nn.Module:
+              layer_range: tuple[int, int] | None = None, load_format: str = "auto") -> nn.Module:
     """Return the model for ``hf_config`` with weights from ``model_path``, in eval mode, computing in
     ``kernels.compute_dtype``, its weights laid out for the kernels its engine chose (with ``bf16_panels`` the
     dense GEMM weights are gemm_bf16.c's bf16 panels).
@@ -83,7 +83,8 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     tensor is read whole, cut to this rank's slice by its parameter's weight_loader, and dropped, so a rank holds
     at most one full tensor at a time (of a pickled ``.bin`` checkpoint, one whole file: torch.load reads it whole).
 
-    The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``.
+    The quantization method, if any, is ``hf_config.quantization_config["quant_method"]``; ``load_format``: which of
+    an HF directory's weight files load (weights.WEIGHT_FILES).
     """
     model_class = get_model_architecture(hf_config)
     path = resolve_model(model_path)
@@ -94,7 +95,7 @@ def get_model(model_path: str, hf_config: PretrainedConfig, kernels: KernelChoic
     packed_modules = quant_config.packed_modules(model) if quant_config else frozenset()
     if isinstance(quant_config, GGUFConfig):
         logger.info("quantization=%r: %s", quant_config.name, quant_config.summary(model))
-    loaded = model.load_weights(weights_iterator(path, packed_modules))
+    loaded = model.load_weights(weights_iterator(path, packed_modules, load_format))
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
         raise ValueError(f"Checkpoint {model_path!r} lacks weights for: {sorted(missing)}")

@@ -50,7 +50,7 @@ class DraftModelProposer:
     def load_model(self, kernels: KernelChoice) -> None:
         """The draft model, on the target's kernels (one dtype for both)."""
         mc = self.model_config
-        self.model = get_model(mc.path, mc.hf_config, kernels)
+        self.model = get_model(mc.path, mc.hf_config, kernels, load_format=mc.load_format)
 
     def initialize_kv_cache(self, num_blocks: int, block_table_width: int) -> None:
         mc = self.model_config

@@ -85,7 +85,7 @@ class ModelRunner:
         self.kernels = self.platform.choose_kernels(mc.dtype, mc.attention_backend)
         if self.config.lora_config is not None:
             self.kernels = dataclasses.replace(self.kernels, fused_silu=False)
-        self.model = get_model(mc.path, mc.hf_config, self.kernels, self.rank, self.layer_range)
+        self.model = get_model(mc.path, mc.hf_config, self.kernels, self.rank, self.layer_range, mc.load_format)
         if self.device.type == "cpu":
             paths = kernel_paths(self.kernels, mc.hf_config.num_attention_heads, mc.num_kv_heads, mc.head_dim,
                                  mc.quantization)

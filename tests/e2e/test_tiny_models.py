@@ -2,6 +2,8 @@
 packed GGUF experts, with the same GGUF file loaded dense)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -63,17 +65,26 @@ def test_tiny_model_greedy_parity(tmp_path, tokenizer, config_cls, model_cls, ex
     assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 24)
 
 
-@pytest.mark.parametrize("num_shards", [1, 3])
-def test_a_pickled_checkpoint_serves_transformers_greedy_tokens(tmp_path, tokenizer, num_shards):
+@pytest.mark.parametrize("num_shards, load_format", [(1, "auto"), (3, "auto"), (1, "pt")])
+def test_a_pickled_checkpoint_serves_transformers_greedy_tokens(tmp_path, tokenizer, num_shards, load_format):
     """A checkpoint saved before safetensors (pytorch_model.bin, or shards that pytorch_model.bin.index.json names),
     with the Trainer's training_args.bin beside it (not weights, nor loadable with weights_only): vLLM's load_format
-    "auto" falls back to the .bin files and leaves that one out; the engine process failed finding no safetensors."""
+    "auto" falls back to the .bin files and leaves that one out; the engine process failed finding no safetensors.
+    load_format="pt" loads a model.pt, not the model.safetensors beside it (zeros here), as vLLM's."""
+    from safetensors.torch import load_file, save_file
+
     reference = _save_tiny(tmp_path, tokenizer, LlamaConfig, LlamaForCausalLM, tie_word_embeddings=False)
-    (tmp_path / "model.safetensors").unlink()
+    safetensors = str(tmp_path / "model.safetensors")
+    if load_format == "pt":
+        save_file({name: torch.zeros_like(tensor) for name, tensor in load_file(safetensors).items()}, safetensors)
+    else:
+        os.unlink(safetensors)
     save_pickled(reference, tmp_path, num_shards)
+    if load_format == "pt":
+        (tmp_path / "pytorch_model.bin").rename(tmp_path / "model.pt")
     (tmp_path / "training_args.bin").write_bytes(b"a pickled TrainingArguments")
     prompts = [[1, 50, 60, 70], list(range(200, 237))]
-    with running_llm(str(tmp_path), dtype="float32", max_model_len=512) as llm:
+    with running_llm(str(tmp_path), dtype="float32", max_model_len=512, load_format=load_format) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     assert_transformers_greedy(reference, prompts, [o.outputs[0].token_ids for o in outputs], 16)

@@ -61,10 +61,10 @@ def test_engine_flags_reach_engine_args():
     engine = engine_args_from(_parse("--hf-overrides", '{"max_position_embeddings": 4096}', "--trust-remote-code",
                                      "--override-generation-config", '{"temperature": 0.5}', "--disable-log-stats",
                                      "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json",
-                                     "--tokenizer-mode", "hf"))
+                                     "--tokenizer-mode", "hf", "--load-format", "safetensors"))
     assert (engine.hf_overrides, engine.override_generation_config, engine.trust_remote_code,
-            engine.disable_log_stats, engine.tokenizer_mode) == ({"max_position_embeddings": 4096},
-                                                                 {"temperature": 0.5}, True, True, "hf")
+            engine.disable_log_stats, engine.tokenizer_mode, engine.load_format) == (
+        {"max_position_embeddings": 4096}, {"temperature": 0.5}, True, True, "hf", "safetensors")
 
 
 def test_token_counts_take_vllms_human_readable_forms(capsys):

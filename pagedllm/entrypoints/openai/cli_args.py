@@ -9,7 +9,7 @@ import ssl
 
 from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
                              SERVE_MAX_PREFILL_TOKENS_WITH_DECODES, parse_memory_size)
-from pagedllm.engine.arg_utils import TOKENIZER_MODES, EngineArgs
+from pagedllm.engine.arg_utils import LOAD_FORMATS, TOKENIZER_MODES, EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -251,6 +251,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "before it takes requests (steady latency from the first request where first touches "
                              "are slow, as in VMs; start-up takes longer) (default: %(default)s)")
     engine.add_argument("--seed", type=int, default=EngineArgs.seed)
+    engine.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineArgs.load_format,
+                        help="which of a model directory's weight files load: auto (= hf) its *.safetensors, else its "
+                             "*.bin, else its *.pt; safetensors or pt those only (default: %(default)s)")
     engine.add_argument("--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=EngineArgs.quantization,
                         help="gguf: keep a GGUF file's Q4_0/Q4_1, Q8_0, Q2_K-Q6_K, IQ4_NL/XS linear weights "
                              "packed where a kernel takes them (other types dequantized at load); gguf_int4: the "
