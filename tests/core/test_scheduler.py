@@ -354,6 +354,18 @@ def test_reset_prefix_cache_with_reset_running_requests_preempts_them_and_they_f
         assert tokens == expected["tokens"]
 
 
+def test_a_duplicate_request_id_is_refused_and_the_running_request_finishes_untouched():
+    """vLLM's scheduler refuses an id it holds; ours with a ValueError that changes nothing."""
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", list(range(40)), max_tokens=4))
+    step(scheduler)
+    with pytest.raises(ValueError, match="'r' is already in the scheduler"):
+        scheduler.add_request(make_request("r", list(range(100, 140)), max_tokens=4))
+    assert len(scheduler.waiting) == 0 and [r.request_id for r in scheduler.running] == ["r"]
+    assert len(run_to_completion(scheduler)["r"]) == 3
+    assert_no_leaks(scheduler)
+
+
 def test_request_that_can_never_fit_is_finished_with_an_error():
     scheduler = make_scheduler(num_blocks=4, block_size=4, max_model_len=100)
     scheduler.add_request(make_request("huge", list(range(20)), block_size=4, max_tokens=10))

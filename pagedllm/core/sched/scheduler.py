@@ -86,6 +86,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- requests
     def add_request(self, request: Request) -> None:
+        """Queues ``request``; an id the scheduler still holds is a ValueError, raised before anything changes, as
+        vLLM's refuses a duplicate (its assertion): the frontends refuse one first, so this guards direct callers
+        of the engine core, whose duplicate would otherwise replace the running request's entry, leaving its
+        blocks to no one and its outputs to the newcomer."""
+        if request.request_id in self.requests:
+            raise ValueError(f"Request id {request.request_id!r} is already in the scheduler.")
         error = self._admission_error(request)
         if error is not None:
             self.reject(request, error)
