@@ -128,10 +128,10 @@ class MPClient:
         except msgspec.DecodeError:
             raise RuntimeError("Unexpected first message from the engine process.") from None
         # What the engine's start-up settled (vLLM's _apply_ready_response); with data parallelism every engine
-        # sizes the same cache, so each says the same.
+        # sizes the same cache, and the DP client sums their blocks (num_gpu_blocks) once all are ready.
         self._config.model_config.max_model_len = min(self._config.model_config.max_model_len, ready.max_model_len)
         self._config.scheduler_config.max_model_len = self._config.model_config.max_model_len
-        self._config.cache_config.num_blocks = ready.num_gpu_blocks
+        self._config.cache_config.num_blocks = self.num_gpu_blocks = ready.num_gpu_blocks
 
     def _output_thread(self) -> None:
         """The only user of the output socket; it polls so that shutdown can stop it before closing."""

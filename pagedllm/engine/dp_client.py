@@ -113,6 +113,8 @@ class _DPClientBase:
         except BaseException:
             self.shutdown()
             raise
+        # The frontend's num_gpu_blocks (cache_config_info's) is every engine's blocks, as vLLM's client sums them.
+        config.cache_config.num_blocks = sum(engine.num_gpu_blocks for engine in self.engines)
 
     def _deliver(self, engine: int, outputs: Any) -> None:
         raise NotImplementedError

@@ -70,7 +70,8 @@ def unregister_pagedllm_metrics(registry: CollectorRegistry) -> None:
 
 def cache_config_info(cache_config) -> dict[str, str]:
     """The KV cache's settings under vLLM's CacheConfig names, as strings (vLLM's metrics_info), for
-    cache_config_info: num_gpu_blocks is the engine's, once its cache is sized (the ready response says it)."""
+    cache_config_info: num_gpu_blocks is the engine's once its cache is sized (the ready response says it), every
+    engine's together with data parallelism (vLLM's sum)."""
     memory = cache_config.kv_cache_memory
     return {"block_size": str(cache_config.block_size), "cache_dtype": cache_config.cache_dtype,
             "enable_prefix_caching": str(cache_config.enable_prefix_caching),

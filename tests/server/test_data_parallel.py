@@ -5,6 +5,7 @@ engine keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -26,6 +27,13 @@ async def stream_all(client, model: str, prompts: list[str]) -> list[str]:
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
+def cache_config_blocks(remote: RemoteServer) -> dict[str, int]:
+    """cache_config_info's num_gpu_blocks label, by engine."""
+    matches = (re.match(r"pagedllm:cache_config_info\{.*engine=(\d+),.*num_gpu_blocks=(\d+)", key)
+               for key in remote.metrics())
+    return {match[1]: int(match[2]) for match in matches if match}
+
+
 def test_serve_dp2(server, tmp_path):
     dp = RemoteServer(tmp_path / "server.log", extra_args=["-dp", "2"])
     try:
@@ -40,6 +48,9 @@ def test_serve_dp2(server, tmp_path):
         metrics = dp.metrics()
         per_engine = [metrics["pagedllm:generation_tokens_total{engine=%d}" % i] for i in range(2)]
         assert all(tokens > 0 for tokens in per_engine) and sum(per_engine) == N_STREAMS * 16, per_engine
+        # vLLM's cache_config_info with data parallelism: a series per engine, its num_gpu_blocks all engines' blocks.
+        one_engine = cache_config_blocks(server)["0"]
+        assert cache_config_blocks(dp) == {"0": 2 * one_engine, "1": 2 * one_engine}
 
         # Requests opening with the same long block, one after another: the engine that cached it gets them all.
         shared = "You are a careful assistant who answers in one short sentence. " * 4
