@@ -190,11 +190,17 @@ def _run_command(argv: list[str]) -> None:
     command_parser = config_parsers.get(argv[0]) if argv else None
     config = _config_path(argv[1:]) if command_parser is not None else None
     if config:  # the file's flags as defaults: the command line's win
-        command_parser.set_defaults(**config_file_defaults(command_parser, config))
+        defaults = config_file_defaults(command_parser, config)
+        if argv[0] == "serve":  # vLLM's: with a file, the model is the command line's or the file's, never the default
+            defaults.setdefault("model", None)
+        command_parser.set_defaults(**defaults)
     elif _model_after_served_names(argv):
         command_parser.error("the model must be the first argument of serve when --served-model-name is given, as "
                              "in vLLM: pagedllm serve <model> --served-model-name <name> ...")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.model is None:
+        command_parser.error(f"no model specified: give it as serve's first argument or as `model:` in {config} "
+                             f"(vLLM's rule with --config)")
     if args.command in ("serve", "run-batch"):
         try:  # before the model loads
             (validate_parsed_serve_args if args.command == "serve" else validate_serving_args)(args)

@@ -6,6 +6,7 @@ import pytest
 
 from pagedllm.entrypoints import cli
 from pagedllm.entrypoints.openai.cli_args import engine_args_from
+from pagedllm.models.resolve import DEFAULT_MODEL
 
 
 @pytest.fixture
@@ -52,15 +53,16 @@ def test_speculative_configs_dashed_keys(tmp_path, served):
     """vLLM's create_speculative_config reads a key's dashes as underscores, as a YAML file's nested keys may be."""
     path = tmp_path / "serve.yaml"
     path.write_text("speculative-config:\n  method: ngram\n  num-speculative-tokens: 3\n  prompt-lookup-max: 4\n")
-    spec = engine_args_from(_run(["serve", "--config", str(path)], served)).create_engine_config().speculative_config
+    args = _run(["serve", DEFAULT_MODEL, "--config", str(path)], served)
+    spec = engine_args_from(args).create_engine_config().speculative_config
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 3, 4)
 
 
 def test_a_no_key_turns_its_flag_off(tmp_path, served):
     """vLLM's load_config_file: ``no-x: true`` is --no-x; ``no-x: false`` gives no flag (the default stands)."""
     path = tmp_path / "serve.yaml"
-    path.write_text("no-enable-prefix-caching: true\nno_enable_chunked_prefill: true\nno-enforce-eager: false\n"
-                    "ep: true\n")
+    path.write_text("model: m\nno-enable-prefix-caching: true\nno_enable_chunked_prefill: true\n"
+                    "no-enforce-eager: false\nep: true\n")
     args = _run(["serve", "--config", str(path)], served)
     assert (args.enable_prefix_caching, args.enable_chunked_prefill, args.enforce_eager) == (False, False, False)
     assert args.enable_expert_parallel is True  # a short form is no --no- spelling
@@ -81,3 +83,15 @@ def test_a_bad_file_is_an_error_naming_it(tmp_path, served, capsys, text, messag
     with pytest.raises(SystemExit):
         cli.main(["serve", "--config", str(path)])
     assert message in capsys.readouterr().err and not served
+
+
+def test_a_file_without_a_model_needs_one_on_the_command_line(tmp_path, served, capsys):
+    """vLLM's rule: with --config, serve's model comes from the command line or the file, never the default."""
+    path = tmp_path / "serve.yaml"
+    path.write_text("port: 9001\n")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--config", str(path)])
+    assert "no model specified" in capsys.readouterr().err and not served
+    assert _run(["serve", "my-model", "--config", str(path)], served).model == "my-model"
+    assert _run(["serve", "--config", str(path), "--model", "my-model"], served).model == "my-model"
+    assert _run(["serve"], served).model == DEFAULT_MODEL  # without a file, the default model, as vLLM's
