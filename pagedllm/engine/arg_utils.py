@@ -1,6 +1,7 @@
 """EngineArgs: the user-facing knobs (LLM kwargs, CLI flags) and how they become an EngineConfig."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -146,7 +147,16 @@ class EngineArgs:
         check_bool("disable_log_stats", self.disable_log_stats)
         return not self.disable_log_stats
 
+    def _check_on_off_fields(self) -> None:
+        """Every on/off field True or False (None too where it means the default): a string such as "false" is
+        truthy, and would turn on what it meant to turn off; a ValueError names the field instead."""
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("bool", "Optional[bool]") and not (value is None and field.type != "bool"):
+                check_bool(field.name, value)
+
     def create_engine_config(self) -> EngineConfig:
+        self._check_on_off_fields()
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
         platform = resolve_platform(self.device)
         attention_backend = self.attention_backend or platform.attention_backends[0]

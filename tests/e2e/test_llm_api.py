@@ -175,7 +175,8 @@ def test_more_logprobs_than_max_logprobs_name_the_field(llm):
     ("num_kv_blocks", -3, "must be at least 1"), ("kv_cache_memory", "2 gigs", "a size like '2GiB'"),
     ("kv_cache_memory_bytes", "2G", "must be an integer"), ("num_gpu_blocks_override", 0, "must be at least 1"),
     ("scheduling_policy", "lifo", "must be one of fcfs, priority"),
-    ("enable_prefix_caching", "false", "must be True or False")])
+    ("enable_prefix_caching", "false", "must be True or False"), ("enforce_eager", "false", "must be True or False"),
+    ("enable_lora", "no", "must be True or False"), ("trust_remote_code", "False", "must be True or False")])
 def test_engine_arguments_of_the_wrong_kind_name_the_field(field, value, message):
     """Checked with the config, before any process starts, rather than failing in the engine process."""
     with pytest.raises(ValueError, match=f"{field}.*{message}"):
