@@ -141,6 +141,13 @@ class EngineArgs:
     trust_remote_code: bool = False
     # vLLM's hf_overrides: config fields to replace ({"max_position_embeddings": 4096}), or a callable on the config.
     hf_overrides: Optional[Union[dict, Callable[[Any], Any]]] = None
+    # vLLM's, taken at the values pagedllm honours (refuse_unsupported): the Hub revision and download directory
+    # (pagedllm never downloads), GiB of weights offloaded to CPU memory, and async scheduling (vLLM's CPU backend
+    # turns it off too).
+    revision: Optional[str] = None
+    download_dir: Optional[str] = None
+    cpu_offload_gb: float = 0
+    async_scheduling: Optional[bool] = None
 
     def log_stats(self) -> bool:
         """Whether the engine keeps statistics (vLLM's log_stats: not disable_log_stats, checked)."""
@@ -155,8 +162,28 @@ class EngineArgs:
             if field.type in ("bool", "Optional[bool]") and not (value is None and field.type != "bool"):
                 check_bool(field.name, value)
 
+    def refuse_unsupported(self) -> None:
+        """A ValueError naming the vLLM field set to what pagedllm cannot do, rather than a setting taken and not
+        honoured: a revision or download_dir (models are local files, never downloaded), offloading weights, async
+        scheduling."""
+        for name in ("revision", "download_dir"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}={getattr(self, name)!r}: pagedllm never downloads a model from the Hugging "
+                                 "Face Hub; pass the local directory (or .gguf file) of the revision wanted as the "
+                                 "model")
+        offload = self.cpu_offload_gb
+        if isinstance(offload, bool) or not isinstance(offload, (int, float)) or offload < 0:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB, at least 0, got {offload!r}")
+        if offload > 0:
+            raise ValueError(f"cpu_offload_gb={offload}: offloading weights to CPU memory is not supported (on the "
+                             "CPU they are there already); leave it at 0")
+        if self.async_scheduling:
+            raise ValueError("async_scheduling=True: pagedllm has no async scheduling (vLLM's CPU backend turns it "
+                             "off too); leave it unset or False")
+
     def create_engine_config(self) -> EngineConfig:
         self._check_on_off_fields()
+        self.refuse_unsupported()
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
         platform = resolve_platform(self.device)
         attention_backend = self.attention_backend or platform.attention_backends[0]

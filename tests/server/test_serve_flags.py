@@ -347,6 +347,29 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
     assert (args.ssl_ca_certs, args.ssl_cert_reqs) == (str(cert), ssl.CERT_REQUIRED)
 
 
+def test_vllms_flags_taken_only_at_the_values_pagedllm_honours(served, capsys):
+    """vLLM's --api-server-count, --revision, --download-dir, --cpu-offload-gb and --async-scheduling: one API server,
+    no download, no offloading and no async scheduling are taken; any other value is an error naming the flag before
+    the engine starts (LLM()'s, for the engine's), rather than a setting taken and not honoured."""
+    for argv, message in [
+        (["-asc", "2"], "--api-server-count 2: pagedllm serves from one API server process"),
+        (["--revision", "main"], "revision='main': pagedllm never downloads"),
+        (["--download-dir", "/tmp/hub"], "download_dir='/tmp/hub': pagedllm never downloads"),
+        (["--cpu-offload-gb", "4"], "cpu_offload_gb=4.0: offloading weights to CPU memory is not supported"),
+        (["--cpu-offload-gb", "-1"], "cpu_offload_gb must be a number of GiB, at least 0"),
+        (["--async-scheduling"], "async_scheduling=True: pagedllm has no async scheduling"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["serve", *argv])
+        assert info.value.code == 2 and message in capsys.readouterr().err, argv
+    assert not served
+    cli.main(["serve", "--api-server-count", "1", "--no-async-scheduling", "--cpu-offload-gb", "0"])
+    [args] = served
+    assert (args.api_server_count, args.async_scheduling, args.cpu_offload_gb) == (1, False, 0)
+    with pytest.raises(ValueError, match="^revision='main': pagedllm never downloads"):
+        EngineArgs(revision="main").create_engine_config()
+
+
 def test_vllms_spellings_of_flags(served):
     """vLLM's FlexibleArgumentParser: underscores for dashes in a flag's name (not its value), and `serve --model`."""
     cli.main(["serve", "--max_model_len=4096", "--max_num_seqs", "8", "--model", "my_model", "--served_model_name",

@@ -33,6 +33,8 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--api-key", nargs="+", default=None,
                         help="require `Authorization: Bearer <key>` on /v1/* requests, with one of these keys "
                              "(default: $PAGEDLLM_API_KEY if set, else none)")
+    server.add_argument("--api-server-count", "-asc", type=int, default=None,
+                        help="vLLM's count of API server processes: 1 only (default: 1)")
     server.add_argument("--shutdown-timeout", type=int, default=0,
                         help="on SIGTERM or SIGINT, seconds in-flight requests have to finish before they are "
                              "aborted (default: %(default)s, abort at once); new requests get 503 meanwhile")
@@ -133,6 +135,9 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     would be silently ignored)."""
     if args.enable_log_outputs and not args.enable_log_requests:
         raise ValueError("--enable-log-outputs needs --enable-log-requests")  # vLLM's
+    if args.api_server_count not in (None, 1):
+        raise ValueError(f"--api-server-count {args.api_server_count}: pagedllm serves from one API server process "
+                         "(which serves every data-parallel engine); give 1 or leave it out")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}")
     if not 0 <= args.port <= 65535:
@@ -154,6 +159,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
 
 def validate_serving_args(args: argparse.Namespace) -> None:
     """The checks `serve` and `run-batch` share, made before the model loads."""
+    engine_args_from(args).refuse_unsupported()
     if (args.lora_modules or getattr(args, "allow_runtime_lora_updating", False)) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
 
@@ -295,6 +301,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--hf-overrides", type=_json_object, default=EngineArgs.hf_overrides,
                         help='the model config\'s fields to replace, as JSON, e.g. \'{"max_position_embeddings": '
                              '4096}\' (a sub-config\'s within it, as a nested object)')
+    engine.add_argument("--revision", default=EngineArgs.revision,
+                        help="vLLM's Hub revision: refused, as pagedllm never downloads (pass the revision's files)")
+    engine.add_argument("--download-dir", default=EngineArgs.download_dir,
+                        help="vLLM's Hub download directory: refused, as pagedllm never downloads")
+    engine.add_argument("--cpu-offload-gb", type=float, default=EngineArgs.cpu_offload_gb,
+                        help="vLLM's weight offloading: 0 only (default: %(default)s)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.async_scheduling,
+                        help="vLLM's: off only (--no-async-scheduling), as vLLM's CPU backend runs")
     engine.add_argument("--speculative-config", "-sc", type=_json_object, default=EngineArgs.speculative_config,
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     engine.add_argument("--spec-method", default=EngineArgs.spec_method,
