@@ -41,7 +41,8 @@ class DPLoadBalancer:
 
     def score(self, engine: int) -> int:
         stats = self.stats[engine]
-        return (stats.num_waiting_reqs + self.sent_since_stats[engine]) * 4 + stats.num_running_reqs
+        waiting = stats.num_waiting_reqs + stats.num_skipped_waiting_reqs + self.sent_since_stats[engine]
+        return waiting * 4 + stats.num_running_reqs
 
     def choose(self, request: EngineCoreRequest) -> int:
         alive = [i for i in range(len(self.stats)) if i not in self.dead]
@@ -166,6 +167,7 @@ def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """The engines' stats as one: sums, and the mean KV cache usage."""
     return SchedulerStats(
         num_running_reqs=sum(s.num_running_reqs for s in stats), num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        num_skipped_waiting_reqs=sum(s.num_skipped_waiting_reqs for s in stats),
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
         prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), num_preemptions=sum(s.num_preemptions for s in stats),

@@ -72,7 +72,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """A snapshot after one step; the counters are totals since start-up."""
 
     num_running_reqs: int = 0
+    # Waiting requests, as vLLM's: those waiting for the step's capacity, and those deferred by something else (a
+    # grammar compiling, no LoRA slot free; num_skipped_waiting_reqs). The metrics' waiting requests are both.
     num_waiting_reqs: int = 0
+    num_skipped_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -1,11 +1,12 @@
 """The server's periodic log line (vLLM's LoggingStatLogger): every ``interval`` seconds, by a timer of its own, per
 engine that did something in that interval or the one before (so the line after a burst shows it over, then it
 goes quiet while idle, as vLLM's), the prompt (computed, not cached) and generation throughput over the interval,
-running and waiting requests, the preemptions in the interval (when there were any), KV cache usage and the prefix
-cache's hit rate over the last 1000 requests that looked it up since it was last reset (when any has); with
-speculative decoding a second line (vLLM's SpecDecodingLogging) with the mean acceptance length, accepted and drafted
-throughput and tokens, the acceptance rate per draft position and overall, all over the interval. Off with
-``--disable-log-stats``; offline, on with ``LLM(disable_log_stats=False)``."""
+running and waiting requests (and of those waiting, the deferred ones when there are any), the preemptions in the
+interval (when there were any), KV cache usage and the prefix cache's hit rate over the last 1000 requests that
+looked it up since it was last reset (when any has); with speculative decoding a second line (vLLM's
+SpecDecodingLogging) with the mean acceptance length, accepted and drafted throughput and tokens, the acceptance rate
+per draft position and overall, all over the interval. Off with ``--disable-log-stats``; offline, on with
+``LLM(disable_log_stats=False)``."""
 from __future__ import annotations
 
 import logging
@@ -134,16 +135,18 @@ class _EngineWindow:
         """No tokens in the window and no request running or waiting at its end."""
         latest = self.latest or SchedulerStats()
         return not (self.prompt_tokens or self.generation_tokens or latest.num_running_reqs
-                    or latest.num_waiting_reqs)
+                    or latest.num_waiting_reqs or latest.num_skipped_waiting_reqs)
 
     def lines(self, engine: int, now: float) -> list[str]:
         seconds = max(now - self.start, 1e-9)
         latest, first = self.latest or SchedulerStats(), self.first or SchedulerStats()
         prefix_cache = self.prefix_cache
         preemptions = latest.num_preemptions - first.num_preemptions
+        deferred = latest.num_skipped_waiting_reqs
         lines = [f"Engine {engine:03d}: Avg prompt throughput: {self.prompt_tokens / seconds:.1f} tokens/s, "
                  f"Avg generation throughput: {self.generation_tokens / seconds:.1f} tokens/s, "
-                 f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs} reqs, "
+                 f"Running: {latest.num_running_reqs} reqs, Waiting: {latest.num_waiting_reqs + deferred} reqs, "
+                 f"{f'Deferred: {deferred} reqs, ' if deferred > 0 else ''}"
                  f"{f'Preemptions: {preemptions}, ' if preemptions > 0 else ''}"
                  f"KV cache usage: {100 * latest.kv_cache_usage:.1f}%"
                  + (f", Prefix cache hit rate: {100 * prefix_cache.hits / max(prefix_cache.queries, 1):.1f}%"

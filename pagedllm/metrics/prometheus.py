@@ -121,6 +121,14 @@ class PrometheusStatLogger:
                                                 "Number of requests in model execution batches.")
         self.gauge_num_requests_waiting = gauge("pagedllm:num_requests_waiting",
                                                 "Number of requests waiting to be processed.")
+        by_reason = Gauge("pagedllm:num_requests_waiting_by_reason",
+                          "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling "
+                          "capacity; 'deferred' = deferred by transient constraints (LoRA budget, a structured "
+                          "output grammar compiling). Sum of all reasons equals pagedllm:num_requests_waiting.",
+                          [*label_names, "reason"], registry=registry)
+        self.gauge_num_requests_waiting_by_reason = {
+            reason: [by_reason.labels(model_name, str(engine), reason) for engine in range(num_engines)]
+            for reason in ("capacity", "deferred")}
         self.gauge_kv_cache_usage = gauge("pagedllm:kv_cache_usage_perc",
                                           "KV-cache usage. 1 means 100 percent usage.")
         self.counter_prefix_cache_queries = counter("pagedllm:prefix_cache_queries_total",
@@ -189,7 +197,9 @@ class PrometheusStatLogger:
 
     def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
         self.gauge_num_requests_running[engine].set(stats.num_running_reqs)
-        self.gauge_num_requests_waiting[engine].set(stats.num_waiting_reqs)
+        self.gauge_num_requests_waiting[engine].set(stats.num_waiting_reqs + stats.num_skipped_waiting_reqs)
+        self.gauge_num_requests_waiting_by_reason["capacity"][engine].set(stats.num_waiting_reqs)
+        self.gauge_num_requests_waiting_by_reason["deferred"][engine].set(stats.num_skipped_waiting_reqs)
         self.gauge_kv_cache_usage[engine].set(stats.kv_cache_usage)
         last = self._last_scheduler_stats[engine]
         self.counter_prefix_cache_queries[engine].inc(max(stats.prefix_cache_queries - last.prefix_cache_queries, 0))

@@ -41,10 +41,13 @@ def test_no_step_holds_more_adapters_than_max_loras_and_the_third_waits_its_turn
     stats = scheduler.make_stats()  # what /metrics' lora_requests_info shows
     assert stats.running_lora_adapters == {"adapter-1": 1, "adapter-2": 1}
     assert stats.waiting_lora_adapters == {"adapter-3": 2, "adapter-1": 1, "adapter-2": 1}
+    # vLLM's waiting by reason: the adapter requests wait for a LoRA slot (deferred), none for the step's capacity
+    assert (stats.num_waiting_reqs, stats.num_skipped_waiting_reqs) == (0, 4)
     scheduler.update_from_output(first, fake_model_output(scheduler, first))
     steps = run_to_completion(scheduler, max_loras=2)
     assert any(3 in step for step in steps)  # adapter 3 got its turn
     assert all(scheduler.requests.get(f"r{i}") is None for i in range(len(ids)))  # all finished
+    assert scheduler.make_stats().num_skipped_waiting_reqs == 0
 
 
 def test_adapters_share_no_blocks_and_one_adapter_shares_them_all():

@@ -58,6 +58,8 @@ def test_compiling_grammar_does_not_block_others_then_constrains_its_request():
     assert list(out.num_scheduled_tokens) == ["free"]
     assert out.grammar_bitmask is None
     assert scheduler.requests["json"].status == RequestStatus.WAITING_FOR_FSM
+    # vLLM's waiting by reason: a request whose grammar compiles is deferred, not waiting for the step's capacity
+    assert (scheduler.make_stats().num_waiting_reqs, scheduler.make_stats().num_skipped_waiting_reqs) == (0, 1)
     scheduler.update_from_output(out, fake_model_output(scheduler, out))
 
     manager.gate.set()
@@ -111,6 +113,7 @@ def test_abort_while_compiling_leaves_nothing_behind():
     scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
     manager.gate.set()
     assert not scheduler.requests and not len(scheduler.waiting)
+    assert scheduler.make_stats().num_skipped_waiting_reqs == 0
 
 
 def test_engine_without_structured_output_rejects_such_requests():

@@ -224,7 +224,8 @@ def test_bad_prompts_are_rejected_without_leaking(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []}, use_tqdm=False)
     stats = llm.get_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_running_reqs == stats.num_waiting_reqs == stats.num_skipped_waiting_reqs == 0
+    assert stats.kv_cache_usage == 0.0
 
 
 def test_reset_prefix_cache(llm):
@@ -490,7 +491,7 @@ def test_aborting_a_request_of_n_sequences_by_its_id_stops_them_all(llm):
     engine.abort_request(["parent"])
     assert engine.output_processor.unfinished_request_ids() == [] and not engine.has_unfinished_requests()
     stats = llm.get_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert stats.num_running_reqs == stats.num_waiting_reqs == stats.num_skipped_waiting_reqs == 0
     with pytest.raises(ValueError, match="^lora_request: LoRA is not enabled"):
         engine.add_request("adapter", "Hi", SamplingParams(max_tokens=2), arrival_time=1.0,
                            lora_request=LoRARequest("adapter", 1, "/nonexistent"))

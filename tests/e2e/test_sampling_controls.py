@@ -41,7 +41,7 @@ def test_too_many_bad_words_are_refused_naming_the_field(llm):
     with pytest.raises(ValueError, match="^bad_words makes more than 128 token sequences"):
         llm.generate(FRANCE, SamplingParams(max_tokens=4, bad_words=words), use_tqdm=False)
     stats = llm.get_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0
+    assert stats.num_running_reqs == stats.num_waiting_reqs == stats.num_skipped_waiting_reqs == 0
 
 
 def test_repetition_penalty_breaks_a_loop(llm, greedy):
@@ -73,7 +73,8 @@ def test_out_of_vocab_ids_are_rejected_without_leaking(llm, bad, field):
     with pytest.raises(ValueError, match=f"^{field} contains out-of-vocabulary token ids"):
         llm.generate(FRANCE, SamplingParams(max_tokens=4, **bad), use_tqdm=False)
     stats = llm.get_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_running_reqs == stats.num_waiting_reqs == stats.num_skipped_waiting_reqs == 0
+    assert stats.kv_cache_usage == 0.0
 
 
 def test_min_tokens_holds_back_eos_under_ignore_eos(llm):

@@ -138,7 +138,8 @@ def test_invalid_specs_are_value_errors_without_leaks(llm, spec, message):
         llm.generate(["Hello", "Hi"], [SamplingParams(), SamplingParams(
             structured_outputs=StructuredOutputsParams(**spec))], use_tqdm=False)
     stats = llm.get_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_running_reqs == stats.num_waiting_reqs == stats.num_skipped_waiting_reqs == 0
+    assert stats.kv_cache_usage == 0.0
 
 
 def test_controls_that_leave_the_grammar_no_token_end_the_request_with_an_error(llm):
@@ -150,6 +151,7 @@ def test_controls_that_leave_the_grammar_no_token_end_the_request_with_an_error(
     out = llm.generate("Is Paris in France? Answer:", params, use_tqdm=False)[0]
     assert out.finished and out.error is not None and "structured_outputs" in out.error, (out.error, out.outputs)
     stats = llm.get_stats()
-    assert stats.num_running_reqs == 0 and stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+    assert stats.num_running_reqs == stats.num_waiting_reqs == stats.num_skipped_waiting_reqs == 0
+    assert stats.kv_cache_usage == 0.0
     free = llm.generate("Is Paris in France? Answer:", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert free[0].error is None

@@ -69,6 +69,25 @@ def test_no_speculation_no_spec_line(caplog):
         "Waiting: 2 reqs, KV cache usage: 0.0%"]  # no request looked the prefix cache up: no hit rate
 
 
+def test_deferred_requests_count_as_waiting_and_are_named(caplog):
+    """vLLM's line: Waiting counts every waiting request, then Deferred those of them passed over for something other
+    than the step's capacity (a grammar compiling, no LoRA slot free); an engine holding only those is not idle."""
+    clock = Clock()
+    stat_logger = LoggingStatLogger(interval=1.0, clock=clock, timer=False)
+    caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
+    clock.now = 101.0
+    stat_logger.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=2, num_skipped_waiting_reqs=3), None)
+    stat_logger.log()
+    clock.now = 102.0
+    stat_logger.record(SchedulerStats(num_skipped_waiting_reqs=1), None)
+    stat_logger.log()
+    stat_logger.log()
+    first, second, third = [r.getMessage().split(", KV")[0] for r in caplog.records]
+    figures = "Engine 000: Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0 tokens/s, "
+    assert first == figures + "Running: 1 reqs, Waiting: 5 reqs, Deferred: 3 reqs"
+    assert second == third == figures + "Running: 0 reqs, Waiting: 1 reqs, Deferred: 1 reqs"
+
+
 def test_the_interval_after_a_burst_is_logged_then_idle_ones_are_not(caplog):
     """As vLLM's: the tick after the last tokens shows the engine idle (Running: 0), later idle ticks log nothing,
     whether or not any output came (the line no longer waits for a request's output to be written)."""

@@ -25,7 +25,8 @@ REQUIRED = ["pagedllm:num_requests_running", "pagedllm:num_requests_waiting", "p
             "pagedllm:request_prompt_tokens_count", "pagedllm:request_generation_tokens_count",
             "pagedllm:request_prefill_kv_computed_tokens_count", "pagedllm:request_params_max_tokens_count",
             "pagedllm:request_max_num_generation_tokens_count", "pagedllm:request_params_n_count",
-            "pagedllm:iteration_tokens_total_count", "pagedllm:prompt_tokens_cached_total"]
+            "pagedllm:iteration_tokens_total_count", "pagedllm:prompt_tokens_cached_total",
+            "pagedllm:num_requests_waiting_by_reason"]
 
 
 def value(registry: CollectorRegistry, name: str, **labels) -> float:
@@ -45,6 +46,17 @@ def test_cumulative_engine_totals_become_counters():
     assert value(registry, "pagedllm:prefix_cache_queries_total") == 150
     assert value(registry, "pagedllm:prefix_cache_hits_total") == 40
     assert value(registry, "pagedllm:num_preemptions_total") == 3
+
+
+def test_waiting_requests_by_reason():
+    """vLLM's: num_requests_waiting counts every waiting request, num_requests_waiting_by_reason splits them into
+    those waiting for the step's capacity and those deferred (a grammar compiling, no LoRA slot free)."""
+    registry = CollectorRegistry()
+    PrometheusStatLogger("m", registry, MAX_MODEL_LEN).record(
+        SchedulerStats(num_waiting_reqs=2, num_skipped_waiting_reqs=3), None)
+    assert value(registry, "pagedllm:num_requests_waiting") == 5
+    assert value(registry, "pagedllm:num_requests_waiting_by_reason", reason="capacity") == 2
+    assert value(registry, "pagedllm:num_requests_waiting_by_reason", reason="deferred") == 3
 
 
 def test_iteration_stats():

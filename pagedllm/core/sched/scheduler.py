@@ -62,6 +62,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
+        # Waiting requests passed over for a reason other than the step's capacity (a grammar compiling, no LoRA
+        # slot free) and not scheduled since, vLLM's deferred_waiting: the stats' num_skipped_waiting_reqs.
+        self.deferred_waiting: set[str] = set()
         # Finished since the last schedule(): the workers must drop their state.
         self.finished_req_ids: set[str] = set()
         # Outputs for requests refused at admission, delivered with the next update_from_output().
@@ -102,6 +105,7 @@ class Scheduler:
                 return
             self.structured_output_manager.grammar_init(request)
             request.status = RequestStatus.WAITING_FOR_FSM
+            self.deferred_waiting.add(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.add_request(request)
 
@@ -146,6 +150,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.deferred_waiting.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -265,6 +270,7 @@ class Scheduler:
                     self._free_request(request)
                 else:
                     skipped_waiting.append(self.waiting.pop_request())
+                    self.deferred_waiting.add(request.request_id)
                 continue
             lora = request.lora_request
             if lora is not None and (lora_blocked or (lora.lora_int_id not in running_loras
@@ -274,6 +280,7 @@ class Scheduler:
                 # ever); requests for the base model go on.
                 lora_blocked = True
                 skipped_waiting.append(self.waiting.pop_request())
+                self.deferred_waiting.add(request.request_id)
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             num_new_tokens = request.num_tokens - num_hit_tokens
@@ -287,6 +294,7 @@ class Scheduler:
                 break
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit_tokens)
             self.waiting.pop_request()
+            self.deferred_waiting.discard(request.request_id)
             self.running.append(request)
             if lora is not None:
                 running_loras.add(lora.lora_int_id)
@@ -533,7 +541,8 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting), kv_cache_usage=kv.usage,
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting) - len(self.deferred_waiting),
+            num_skipped_waiting_reqs=len(self.deferred_waiting), kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
             prefix_cache_requests=kv.prefix_cache_requests, prefix_cache_resets=kv.prefix_cache_resets,
             num_preemptions=self.num_preemptions,
