@@ -230,7 +230,8 @@ class AsyncLLM:
                 queue.put_nowait(error)
 
     # ------------------------------------------------------------------------------------------ utilities
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's; ``reset_connector`` (its KV connector's cache) has nothing to reset here (LLM.reset_prefix_cache)."""
         return await self.engine_core.call_utility_async("reset_prefix_cache", reset_running_requests)
 
     async def get_stats(self) -> SchedulerStats:

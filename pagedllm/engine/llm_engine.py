@@ -104,7 +104,8 @@ class LLMEngine:
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's; ``reset_connector`` (its KV connector's cache) has nothing to reset here (LLM.reset_prefix_cache)."""
         return self.engine_core.reset_prefix_cache(reset_running_requests)
 
     def get_metrics(self) -> list[Metric]:

@@ -178,10 +178,12 @@ class LLM:
             progress.close()
         return [finished[r] for r in request_ids]
 
-    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Empties the prefix cache (refused, returning False, while requests hold blocks; with
-        ``reset_running_requests``, vLLM's, the running ones are preempted first)."""
-        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+        ``reset_running_requests``, vLLM's, the running ones are preempted first). ``reset_connector``, vLLM's, resets
+        its KV connector's cache too: pagedllm has no connector, so there is nothing more to reset (vLLM's answer
+        without one)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: a snapshot of the engine's Prometheus metrics (the server's /metrics, ``pagedllm:`` names; see

@@ -239,6 +239,8 @@ def test_reset_prefix_cache(llm):
     llm.generate(prompt, use_tqdm=False)
     assert llm.get_stats().prefix_cache_hits == hits
     assert llm.reset_prefix_cache(reset_running_requests=True) is True  # vLLM's argument (nothing runs here)
+    # vLLM's reset_connector: without a KV connector (pagedllm has none) there is nothing more to reset
+    assert llm.reset_prefix_cache(False, True) is True and llm.reset_prefix_cache(reset_connector=True) is True
 
 
 def test_a_prompts_cache_salt_shares_cached_blocks_only_within_the_salt(llm):
