@@ -32,6 +32,12 @@ def test_custom_template_and_text_parts(tokenizer):
     assert tokenizer.decode(token_ids) == "[user] Hello\nthere\n"
 
 
+def test_empty_text_parts_add_no_line(tokenizer):
+    """As vLLM's _parse_chat_message_content_parts: a text part with empty text is left out of the joined text."""
+    messages = [ChatMessageParam(role="user", content=["Hello", "", {"type": "text", "text": ""}, "there"])]
+    assert tokenizer.decode(apply_chat_template(tokenizer, messages, TEMPLATE)) == "[user] Hello\nthere\n"
+
+
 def test_non_text_parts_are_rejected(tokenizer):
     messages = [ChatMessageParam(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])]
     with pytest.raises(ValueError, match="only text"):

@@ -47,7 +47,8 @@ TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "
 
 
 def _text_content(content: Any, index: int) -> str:
-    """OpenAI allows content as a list of parts; a text model reads their text, joined by newlines."""
+    """OpenAI allows content as a list of parts; a text model reads their text, joined by newlines. As vLLM's, a part
+    with no text (an empty string) adds no line."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
@@ -62,7 +63,7 @@ def _text_content(content: Any, index: int) -> str:
         if not isinstance(part.get(key), str):
             raise ValueError(f"messages[{index}].content[{j}].{key} must be a string.")
         texts.append(part[key])
-    return "\n".join(texts)
+    return "\n".join(text for text in texts if text)
 
 
 def _template_tool_calls(tool_calls: list[Any], index: int) -> list[dict[str, Any]]:
