@@ -12,7 +12,8 @@ from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearc
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import cache_salt_of
-from pagedllm.entrypoints.openai.chat_utils import conversation, template_variables
+from pagedllm.entrypoints.openai.chat_utils import (conversation, resolve_chat_template_content_format,
+                                                   template_variables)
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -94,18 +95,18 @@ class LLM:
              use_tqdm: UseTqdm = True,
              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
              priority: Optional[Union[int, Sequence[int]]] = None, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: Optional[list[dict[str, Any]]] = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: Optional[list[dict[str, Any]]] = None,
              chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's, with
-        its arguments in its order (vLLM's has chat_template_content_format after chat_template), ``tools`` (OpenAI's
-        function shape) and ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) go to the template, and
-        each output's ``prompt`` is the rendered text. Continuing the last message
-        (``continue_final_message``) needs ``add_generation_prompt=False``: asking for both is a ValueError, as
-        vLLM's (transformers refuses them together). Messages are read as the server reads them
-        (chat_utils.conversation): content given as OpenAI's list of parts is their text, joined by newlines. The
-        arguments given here override ``chat_template_kwargs`` (those given as None do not), as vLLM's
-        merge_kwargs."""
+        its arguments in its order, ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's
+        ``enable_thinking``) go to the template, and each output's ``prompt`` is the rendered text. Continuing the
+        last message (``continue_final_message``) needs ``add_generation_prompt=False``: asking for both is a
+        ValueError, as vLLM's (transformers refuses them together). Messages are read as the server reads them
+        (chat_utils.conversation): content given as OpenAI's list of parts is their text, joined by newlines, or with
+        ``chat_template_content_format`` "openai" (with "auto", the default, for templates that loop over a
+        message's content) the list of its text parts. The arguments given here override ``chat_template_kwargs``
+        (those given as None do not), as vLLM's merge_kwargs."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message,
                     "add_generation_prompt": add_generation_prompt}
@@ -114,9 +115,11 @@ class LLM:
         if template_args.get("continue_final_message") and template_args.get("add_generation_prompt"):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true; pass "
                              "add_generation_prompt=False to continue the final message.")
+        content_format = resolve_chat_template_content_format(self.tokenizer, template_args.get("chat_template"),
+                                                              template_args.get("tools"), chat_template_content_format)
         prompts = []
         for turns in conversations:
-            turns = conversation([ChatMessageParam.model_validate(m) for m in turns])
+            turns = conversation([ChatMessageParam.model_validate(m) for m in turns], content_format)
             text = self.tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
             token_ids = self.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False, **template_args)
             prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})

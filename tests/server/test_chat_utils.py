@@ -6,7 +6,8 @@ import copy
 import pytest
 from tokenizers import processors
 
-from pagedllm.entrypoints.openai.chat_utils import apply_chat_template, chat_request_prompt, load_chat_template
+from pagedllm.entrypoints.openai.chat_utils import (apply_chat_template, chat_request_prompt, load_chat_template,
+                                                   resolve_chat_template_content_format)
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TokenizeChatRequest
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
@@ -172,3 +173,71 @@ def test_a_tools_fields_left_out_reach_the_template_as_null(tokenizer):
         '{"type": "function", "function": {"name": "f", "description": null, "parameters": null}}' \
         '{"type": "function", "function": {"name": "g", "description": null, "parameters": null, "strict": true}}' \
         '|[user] Hi\n'
+
+
+# A template that loops over each message's content parts, as multimodal models' (Llama 4's, Gemma 3's) do.
+PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% for part in m['content'] %} <{{ part.type }}:"
+                  "{{ part.text }}>{% endfor %}{{ '\\n' }}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, content_format", [
+    (TEMPLATE, "string"),
+    (PARTS_TEMPLATE, "openai"),
+    ("{% set turns = messages[1:] %}{% for m in turns | reverse %}{% for p in m.content | list %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", "openai"),  # the messages through a variable, filters and a slice
+    ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{{ p.text }}"
+     "{% endfor %}{% endif %}{% endfor %}", "openai"),  # either, as Qwen's templates
+    ("{% for m in messages %}{% set content = m.content %}{% for p in content %}{{ p.text }}{% endfor %}{% endfor %}",
+     "openai"),
+    ("{% macro render(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ render(m.content) }}{% endfor %}", "openai"),  # a macro given the content
+    ("{% macro render(c) %}{% for p in c %}{{ p }}{% endfor %}{% endmacro %}{{ render(tools) }}" + TEMPLATE, "string"),
+    ("{% for m in messages %", "string"),  # no template: rendering says why
+])
+def test_content_format_auto_is_told_from_the_template(tokenizer, template, content_format):
+    """As vLLM's _detect_content_format: a template that loops over a message's content gets it as OpenAI's list of
+    parts, any other as text."""
+    assert resolve_chat_template_content_format(tokenizer, template, None, "auto") == content_format
+    assert resolve_chat_template_content_format(tokenizer, template, None, "string") == "string"
+
+
+def test_a_template_looping_over_the_parts_gets_them(tokenizer):
+    """vLLM's --chat-template-content-format auto: a template that loops over the content parts gets the list of
+    them, a string content as one text part, each part's own keys kept; "openai" gives any template the list, "string"
+    the text. A tool message's content stays text, as vLLM gives it."""
+    messages = [ChatMessageParam(role="user", content="Hi"),
+                ChatMessageParam(role="user", content=["a", {"type": "input_text", "text": "b", "cache_control": {}}])]
+    assert tokenizer.decode(apply_chat_template(tokenizer, messages, PARTS_TEMPLATE, add_generation_prompt=False)) == \
+        "[user] <text:Hi>\n[user] <text:a> <text:b>\n"
+    as_json = "{% for m in messages %}{{ m.content | tojson }}\n{% endfor %}"
+    messages.append(ChatMessageParam(role="tool", content=[{"type": "text", "text": "sunny"}]))
+    rendered = {content_format: tokenizer.decode(apply_chat_template(tokenizer, messages, as_json,
+                                                                     content_format=content_format))
+                for content_format in ("auto", "string", "openai")}
+    assert rendered["auto"] == rendered["string"] == '"Hi"\n"a\\nb"\n"sunny"\n'
+    assert rendered["openai"] == '[{"type": "text", "text": "Hi"}]\n[{"type": "text", "text": "a"}, {"type": "text", ' \
+                                 '"text": "b", "cache_control": {}}]\n"sunny"\n'
+
+
+def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
+    """The server's --chat-template-content-format (/tokenize's messages render as chat's), and LLM.chat's
+    chat_template_content_format, vLLM's, which a value it has not refuses."""
+    import argparse
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
+    as_json = "{{ messages[0].content | tojson }}"
+    hi = [{"role": "user", "content": "Hi"}]
+    args = make_arg_parser(argparse.ArgumentParser()).parse_args(["--chat-template-content-format", "openai"])
+    serving = OpenAIServingTokenization(tokenizer, OpenAIServingModels(["m"], "m", 1024), as_json, None,
+                                        args.chat_template_content_format)
+    tokens = serving.create_tokenize(TokenizeChatRequest.model_validate({"messages": hi})).tokens
+    assert tokenizer.decode(tokens) == '[{"type": "text", "text": "Hi"}]'
+    llm = SimpleNamespace(tokenizer=tokenizer, generate=lambda prompts, *args, **kwargs: [p["prompt"] for p in prompts])
+    assert LLM.chat(llm, hi, chat_template=PARTS_TEMPLATE) == ["[user] <text:Hi>\n"]
+    assert LLM.chat(llm, hi, chat_template=as_json, chat_template_content_format="openai") == \
+        ['[{"type": "text", "text": "Hi"}]']
+    with pytest.raises(ValueError, match="chat_template_content_format"):
+        LLM.chat(llm, hi, chat_template=as_json, chat_template_content_format="list")

@@ -232,7 +232,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
                    response_role=frontend.response_role, request_logger=request_logger,
                    enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
                    reasoning_parser=frontend.reasoning_parser,
-                   default_chat_template_kwargs=frontend.default_chat_template_kwargs)
+                   default_chat_template_kwargs=frontend.default_chat_template_kwargs,
+                   chat_template_content_format=frontend.chat_template_content_format)
     app.state.registry = registry
     return app
 
@@ -241,11 +242,13 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
                    tool_call_parser: Optional[str], lora_modules: Optional[list[dict]], *,
                    response_role: str = "assistant", request_logger: Optional[RequestLogger] = None,
                    enable_prompt_tokens_details: bool = False, reasoning_parser: Optional[str] = None,
-                   default_chat_template_kwargs: Optional[dict] = None) -> None:
+                   default_chat_template_kwargs: Optional[dict] = None,
+                   chat_template_content_format: str = "auto") -> None:
     """The serving objects on ``state``, as the routes use them (and `pagedllm run-batch`, so that its results are
     the server's). ``response_role``, ``request_logger``, ``enable_prompt_tokens_details``, ``reasoning_parser``,
-    ``default_chat_template_kwargs``: --response-role, --enable-log-requests, --enable-prompt-tokens-details,
-    --reasoning-parser, --default-chat-template-kwargs."""
+    ``default_chat_template_kwargs``, ``chat_template_content_format``: --response-role, --enable-log-requests,
+    --enable-prompt-tokens-details, --reasoning-parser, --default-chat-template-kwargs,
+    --chat-template-content-format."""
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
                                  engine_client.processor, model_config.get_diff_sampling_param())
@@ -260,12 +263,14 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
                                                   response_role=response_role, request_logger=request_logger,
                                                   enable_prompt_tokens_details=enable_prompt_tokens_details,
                                                   reasoning_parser=reasoning_parser,
-                                                  default_chat_template_kwargs=default_chat_template_kwargs)
+                                                  default_chat_template_kwargs=default_chat_template_kwargs,
+                                                  chat_template_content_format=chat_template_content_format)
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger,
                                                               enable_prompt_tokens_details=enable_prompt_tokens_details)
     state.openai_serving_tokenization = OpenAIServingTokenization(engine_client.tokenizer, models, chat_template,
-                                                                  default_chat_template_kwargs)
+                                                                  default_chat_template_kwargs,
+                                                                  chat_template_content_format)
 
 
 class ServerLoadTracking:

@@ -12,6 +12,7 @@ from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DT
 from pagedllm.engine.arg_utils import LOAD_FORMATS, TOKENIZER_MODES, EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
+from pagedllm.entrypoints.openai.chat_utils import CHAT_TEMPLATE_CONTENT_FORMATS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.reasoning import REASONING_PARSERS
 from pagedllm.sample.logprobs import LOGPROBS_MODES
@@ -170,6 +171,10 @@ def add_serving_args(group) -> None:
                        help="the name(s) requests use for the model (default: the model argument)")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template, or a file holding one, instead of the model's")
+    group.add_argument("--chat-template-content-format", choices=CHAT_TEMPLATE_CONTENT_FORMATS, default="auto",
+                       help="how a message's content reaches the chat template: string (the text of its parts) or "
+                            "openai (the list of its parts, {\"type\": \"text\", \"text\": ...}); auto: openai for "
+                            "templates that loop over a message's content (default: auto)")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="the format tool calls take in free text, for tool_choice 'auto': hermes (Qwen and "
                             "others), llama3_json / llama4_json (Llama 3.x, 4), pythonic / llama4_pythonic, mistral "

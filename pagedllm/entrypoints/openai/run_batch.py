@@ -159,7 +159,8 @@ async def run_batch(args: argparse.Namespace) -> None:
                        args.tool_call_parser, args.lora_modules,
                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                        reasoning_parser=args.reasoning_parser,
-                       default_chat_template_kwargs=args.default_chat_template_kwargs)
+                       default_chat_template_kwargs=args.default_chat_template_kwargs,
+                       chat_template_content_format=args.chat_template_content_format)
         with tqdm(total=len(lines), desc="Running batch", unit="req") as progress:
             async def run(line: str) -> BatchRequestOutput:
                 output = await run_request(state, line)

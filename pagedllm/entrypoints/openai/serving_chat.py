@@ -31,16 +31,18 @@ class OpenAIServingChat(OpenAIServing):
                  tool_call_parser: Optional[str] = None, *, response_role: str = "assistant",
                  request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False,
                  reasoning_parser: Optional[str] = None,
-                 default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:
+                 default_chat_template_kwargs: Optional[dict[str, Any]] = None,
+                 chat_template_content_format: str = "auto") -> None:
         """response_role: the role of the messages answered (vLLM's --response-role); reasoning_parser: vLLM's
         --reasoning-parser, which splits each answer's reasoning off its content; default_chat_template_kwargs:
         vLLM's --default-chat-template-kwargs, under each request's chat_template_kwargs (for the template and the
-        reasoning parser)."""
+        reasoning parser); chat_template_content_format: vLLM's --chat-template-content-format."""
         super().__init__(engine_client, models, request_logger=request_logger,
                          enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.response_role = response_role
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs
+        self.chat_template_content_format = chat_template_content_format
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.tool_call_parser = tool_call_parser or detect_tool_call_parser(
             template if isinstance(template, str) else None)
@@ -97,7 +99,8 @@ class OpenAIServingChat(OpenAIServing):
             request.skip_special_tokens = False
         try:
             prompt_token_ids = chat_request_prompt(self.tokenizer, request, self.chat_template,
-                                                   self.default_chat_template_kwargs)
+                                                   self.default_chat_template_kwargs,
+                                                   self.chat_template_content_format)
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
         prompt_token_ids = self._truncated(request, list(prompt_token_ids))

@@ -14,18 +14,20 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
 class OpenAIServingTokenization:
     def __init__(self, tokenizer: Any, models: OpenAIServingModels, chat_template: Optional[str],
-                 default_chat_template_kwargs: Optional[dict[str, Any]] = None) -> None:
+                 default_chat_template_kwargs: Optional[dict[str, Any]] = None,
+                 chat_template_content_format: str = "auto") -> None:
         self.tokenizer = tokenizer
         self.models = models
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs
+        self.chat_template_content_format = chat_template_content_format
 
     def create_tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.models.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
             try:
                 tokens = chat_request_prompt(self.tokenizer, request, self.chat_template,
-                                             self.default_chat_template_kwargs)
+                                             self.default_chat_template_kwargs, self.chat_template_content_format)
             except ValueError as e:
                 raise BadRequestError(str(e), named_field(e)) from e
         else:
