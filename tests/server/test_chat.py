@@ -100,6 +100,19 @@ def test_top_logprobs_0_needs_no_logprobs(client, model):
     assert full.choices[0].logprobs is None
 
 
+def test_a_count_of_logprobs_given_as_text_is_refused(server):
+    """As vLLM's check_logprobs: top_logprobs and prompt_logprobs (completions' logprobs too) are JSON numbers; "2"
+    is a 400 naming the field, not read as 2."""
+    requests = [("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
+                ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": "1"}, "prompt_logprobs"),
+                ("/v1/completions", {"prompt": "Hi", "logprobs": "2"}, "logprobs")]
+    with server.http() as http:
+        for path, body, param in requests:
+            response = http.post(path, json={**body, "max_tokens": 1})
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == param
+
+
 def test_logprobs(client, model):
     full = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0, max_tokens=6,
                                           logprobs=True, top_logprobs=3)

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.processor import validate_cache_salt
@@ -128,6 +128,17 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # A request's stop strings: at most 4 in a list, as OpenAI's and vLLM's (VLLM_MAX_STOP_STRINGS) StopParam.
 MAX_STOP_STRINGS = int(os.environ.get("PAGEDLLM_MAX_STOP_STRINGS", "4"))
 StopParam = Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)]]]
+
+
+def _a_number(value: Any) -> Any:
+    """As vLLM's check_logprobs: a count of logprobs is a JSON number; text such as "2" is refused, not read as one."""
+    if value is not None and not isinstance(value, (int, float)):
+        raise ValueError("must be an integer.")
+    return value
+
+
+# How many logprobs a request asks for (prompt_logprobs, chat's top_logprobs, completions' logprobs).
+LogprobsCount = Annotated[Optional[int], BeforeValidator(_a_number)]
 # vLLM's cache_salt, checked with the body (as vLLM's request models do) so that no prompt of the request starts.
 CacheSalt = Annotated[Optional[str], AfterValidator(validate_cache_salt)]
 
@@ -191,7 +202,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: LogprobsCount = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: a stream's chunks every this many tokens at least (the server's --stream-interval the least).
     stream_interval: Optional[int] = Field(default=None, ge=1)
@@ -349,7 +360,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     echo: bool = False
-    logprobs: Optional[int] = None
+    logprobs: LogprobsCount = None
     add_special_tokens: bool = True
     # OpenAI's text after the completion (fill-in-the-middle): refused, as vLLM refuses it for every model without a
     # FIM renderer (which no model pagedllm runs has), rather than ignored.
@@ -476,7 +487,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     max_tokens: Optional[int] = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: LogprobsCount = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # vLLM's: the answer starts with the last message's text when it continues that message (the roles are the same).
