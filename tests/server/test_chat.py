@@ -147,6 +147,16 @@ def test_return_token_ids_and_tokens_as_token_ids(client, model):
     assert [t for c in chunks for choice in c.choices for t in getattr(choice, "token_ids", None) or []] == token_ids
 
 
+def test_each_choices_first_chunk_carries_the_prompt_token_ids(client, model):
+    """As vLLM's: a stream with return_token_ids and n > 1 sends the prompt's token ids in each choice's first chunk
+    (its role's), and in no other."""
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, n=2, stream=True,
+                                                 extra_body={"return_token_ids": True}))
+    carrying = [chunk for chunk in chunks if getattr(chunk, "prompt_token_ids", None)]
+    assert [chunk.choices[0].index for chunk in carrying] == [0, 1]
+    assert carrying[0].prompt_token_ids == carrying[1].prompt_token_ids
+
+
 def test_stop_string(client, model):
     text = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
                                           max_tokens=24).choices[0].message.content

@@ -632,7 +632,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
-    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: in the first chunk
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: in each choice's first chunk
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

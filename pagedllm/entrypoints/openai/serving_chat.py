@@ -136,12 +136,11 @@ class OpenAIServingChat(OpenAIServing):
         generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
         # return_token_ids: each choice's generated ids not sent yet (a chunk a parser holds back sends none), and the
-        # prompt's, which the first chunk carries
+        # prompt's, which each choice's first chunk carries, as vLLM's
         unsent_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
-        prompt_ids = {"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}
+        prompt_fields = {"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}
 
-        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
-            nonlocal prompt_ids
+        def chunk(choice: ChatCompletionResponseStreamChoice, **prompt: Any) -> str:
             # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
             # continuous_usage_stats, its choice's usage so far.
             usage = UsageInfo.of(num_prompt_tokens, num_generated[choice.index]) \
@@ -150,8 +149,7 @@ class OpenAIServingChat(OpenAIServing):
                 choice.token_ids, unsent_ids[choice.index] = unsent_ids[choice.index], []
             response = ChatCompletionStreamResponse(
                 id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice],
-                **({"usage": usage} if request.include_usage else {}), **prompt_ids)
-            prompt_ids = {}
+                **({"usage": usage} if request.include_usage else {}), **prompt)
             return sse(response.model_dump_json(exclude_unset=True))
 
         # One tool-call parser per choice, when tool calls are to be read out of the text.
@@ -160,7 +158,8 @@ class OpenAIServingChat(OpenAIServing):
             role = self.get_chat_request_role(request)
             for index in range(request.n or 1):
                 yield chunk(ChatCompletionResponseStreamChoice(
-                    index=index, delta=DeltaMessage(role=role, content=""), logprobs=None, finish_reason=None))
+                    index=index, delta=DeltaMessage(role=role, content=""), logprobs=None, finish_reason=None),
+                    **prompt_fields)
             if echoed := self.echoed_text(request):
                 for index in range(request.n or 1):
                     yield chunk(ChatCompletionResponseStreamChoice(
