@@ -157,6 +157,18 @@ def test_each_choices_first_chunk_carries_the_prompt_token_ids(client, model):
     assert carrying[0].prompt_token_ids == carrying[1].prompt_token_ids
 
 
+def test_return_prompt_text_is_the_rendered_chat_template(client, model, tokenizer):
+    """vLLM's return_prompt_text: the answer carries the prompt's text as the chat template rendered it (a stream: in
+    each choice's first chunk); without it, none."""
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ask = dict(model=model, messages=MESSAGES, max_tokens=2)
+    assert client.chat.completions.create(**ask, extra_body={"return_prompt_text": True}).prompt_text == text
+    assert client.chat.completions.create(**ask).model_extra.get("prompt_text") is None
+    chunks = list(client.chat.completions.create(**ask, n=2, stream=True, extra_body={"return_prompt_text": True}))
+    assert [(chunk.choices[0].index, chunk.prompt_text) for chunk in chunks if getattr(chunk, "prompt_text", None)] \
+        == [(0, text), (1, text)]
+
+
 def test_stop_string(client, model):
     text = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
                                           max_tokens=24).choices[0].message.content

@@ -229,22 +229,47 @@ def effective_chat_template_kwargs(default_chat_template_kwargs: Optional[dict[s
                                            if value is not None and value != "auto"}
 
 
-def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
-                        chat_template: Optional[str],
-                        default_chat_template_kwargs: Optional[dict[str, Any]] = None,
-                        content_format: str = "auto") -> list[int]:
-    """The prompt token ids of a chat request, or of /tokenize's messages form, rendered alike: its checks
+def render_chat_request(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
+                        chat_template: Optional[str], default_chat_template_kwargs: Optional[dict[str, Any]] = None,
+                        content_format: str = "auto") -> str:
+    """The prompt text of a chat request, or of /tokenize's messages form, rendered alike: its checks
     (check_generation_prompt, check_chat_template), then the server's template with the request's messages (their
     content in the server's --chat-template-content-format), tools (each with all its fields, those the client left
     out null, as vLLM's model_dump() gives them to the template) and template variables (its template_kwargs, over
     the server's defaults). A ValueError names the field at fault."""
     check_generation_prompt(request)
     check_chat_template(request)
-    return apply_chat_template(tokenizer, request.messages, chat_template, request.add_generation_prompt,
-                               request.continue_final_message,
-                               [t.model_dump() for t in request.tools or []],
-                               effective_chat_template_kwargs(default_chat_template_kwargs, request.template_kwargs()),
-                               request.add_special_tokens, content_format)
+    return render_chat_template(tokenizer, request.messages, chat_template, request.add_generation_prompt,
+                                request.continue_final_message, [t.model_dump() for t in request.tools or []],
+                                effective_chat_template_kwargs(default_chat_template_kwargs, request.template_kwargs()),
+                                content_format)
+
+
+def chat_request_prompt(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
+                        chat_template: Optional[str], default_chat_template_kwargs: Optional[dict[str, Any]] = None,
+                        content_format: str = "auto") -> list[int]:
+    """The prompt token ids of render_chat_request's text, with the request's add_special_tokens."""
+    return tokenizer.encode(render_chat_request(tokenizer, request, chat_template, default_chat_template_kwargs,
+                                                content_format), add_special_tokens=request.add_special_tokens)
+
+
+def render_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
+                         add_generation_prompt: bool = True, continue_final_message: bool = False,
+                         tools: Optional[list[dict[str, Any]]] = None,
+                         chat_template_kwargs: Optional[dict[str, Any]] = None, content_format: str = "auto") -> str:
+    """Raises ValueError when the conversation is malformed or the template rejects it. Tools (OpenAI's shape)
+    are given to templates that describe them to the model; chat_template_kwargs are more variables for the
+    template, under the arguments given here; content_format is how messages' content reaches it
+    (CHAT_TEMPLATE_CONTENT_FORMATS)."""
+    turns = conversation(messages, resolve_chat_template_content_format(tokenizer, chat_template, tools or None,
+                                                                        content_format))
+    kwargs = {**template_variables(chat_template_kwargs), "chat_template": chat_template, "tokenize": False,
+              "tools": tools or None, "add_generation_prompt": add_generation_prompt and not continue_final_message,
+              "continue_final_message": continue_final_message}
+    try:
+        return tokenizer.apply_chat_template(turns, **kwargs)
+    except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
+        raise ValueError(f"messages could not be formatted by the chat template: {e}") from e
 
 
 def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
@@ -252,18 +277,8 @@ def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_t
                         tools: Optional[list[dict[str, Any]]] = None,
                         chat_template_kwargs: Optional[dict[str, Any]] = None,
                         add_special_tokens: bool = False, content_format: str = "auto") -> list[int]:
-    """Raises ValueError when the conversation is malformed or the template rejects it. Tools (OpenAI's shape)
-    are given to templates that describe them to the model; chat_template_kwargs are more variables for the
-    template, under the arguments given here; content_format is how messages' content reaches it
-    (CHAT_TEMPLATE_CONTENT_FORMATS). As vLLM's, the template's text is then tokenized with add_special_tokens: the
-    tokenizer's own special tokens (BOS) added to those the template wrote, or not."""
-    turns = conversation(messages, resolve_chat_template_content_format(tokenizer, chat_template, tools or None,
-                                                                        content_format))
-    kwargs = {**template_variables(chat_template_kwargs), "chat_template": chat_template, "tokenize": False,
-              "tools": tools or None, "add_generation_prompt": add_generation_prompt and not continue_final_message,
-              "continue_final_message": continue_final_message}
-    try:
-        text = tokenizer.apply_chat_template(turns, **kwargs)
-    except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
-        raise ValueError(f"messages could not be formatted by the chat template: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    """render_chat_template's text tokenized, as vLLM's, with add_special_tokens: the tokenizer's own special tokens
+    (BOS) added to those the template wrote, or not."""
+    return tokenizer.encode(render_chat_template(tokenizer, messages, chat_template, add_generation_prompt,
+                                                 continue_final_message, tools, chat_template_kwargs, content_format),
+                            add_special_tokens=add_special_tokens)

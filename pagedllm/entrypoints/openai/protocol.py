@@ -502,6 +502,9 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     reasoning_effort: Optional[ReasoningEffort] = None
     # vLLM's: the documents a RAG template (Command R's, Granite's) shows the model.
     documents: Optional[list[dict[str, str]]] = None
+    # vLLM's: the answer carries the prompt's text, as the chat template rendered it (a stream: in each choice's first
+    # chunk).
+    return_prompt_text: Optional[bool] = None
 
     def template_kwargs(self) -> dict[str, Any]:
         """As vLLM's build_chat_params: reasoning_effort and documents, where given, over chat_template_kwargs; and
@@ -607,6 +610,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     prompt_logprobs: Optional[list[Optional[dict[int, PromptLogprob]]]] = None
     prompt_token_ids: Optional[list[int]] = None  # return_token_ids
+    prompt_text: Optional[str] = None  # return_prompt_text
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -632,7 +636,9 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: Optional[UsageInfo] = None
-    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: in each choice's first chunk
+    # return_token_ids, return_prompt_text: in each choice's first chunk
+    prompt_token_ids: Optional[list[int]] = None
+    prompt_text: Optional[str] = None
 
 
 # ------------------------------------------------------------------------------------------------ tokenizer

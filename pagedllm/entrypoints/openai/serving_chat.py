@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Optional, Union
 import msgspec
 
 from pagedllm.entrypoints.logger import RequestLogger
-from pagedllm.entrypoints.openai.chat_utils import chat_request_prompt, conversation, effective_chat_template_kwargs
+from pagedllm.entrypoints.openai.chat_utils import conversation, effective_chat_template_kwargs, render_chat_request
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -98,12 +98,12 @@ class OpenAIServingChat(OpenAIServing):
             # the tags a parser reads (<tool_call>); skipped, they would hide every call from it.
             request.skip_special_tokens = False
         try:
-            prompt_token_ids = chat_request_prompt(self.tokenizer, request, self.chat_template,
-                                                   self.default_chat_template_kwargs,
-                                                   self.chat_template_content_format)
+            prompt_text = render_chat_request(self.tokenizer, request, self.chat_template,
+                                              self.default_chat_template_kwargs, self.chat_template_content_format)
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
-        prompt_token_ids = self._truncated(request, list(prompt_token_ids))
+        prompt_token_ids = self.tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
+        prompt_token_ids = self._truncated(request, prompt_token_ids)
         max_tokens = self._max_tokens(len(prompt_token_ids), request.requested_max_tokens, "messages",
                                       request.max_tokens_param)
         params = self._sampling_params(request, max_tokens, tool_call_constraint=tool_constraint)
@@ -115,16 +115,16 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return self.chat_completion_stream_generator(request, results, request_id, model_name,
                                                          prompt_token_ids, tool_choice, cached_tokens_always,
-                                                         reasoning_parser)
+                                                         reasoning_parser, prompt_text)
         return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice,
-                                                         cached_tokens_always, reasoning_parser)
+                                                         cached_tokens_always, reasoning_parser, prompt_text)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                results: AsyncIterator[RequestOutput], request_id: str,
                                                model_name: str, prompt_token_ids: list[int],
                                                tool_choice: Optional[ToolChoice], cached_tokens_always: bool = False,
-                                               reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None
-                                               ) -> AsyncIterator[str]:
+                                               reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None,
+                                               prompt_text: Optional[str] = None) -> AsyncIterator[str]:
         created = int(time.time())
         num_prompt_tokens = len(prompt_token_ids)
         num_generated = [0] * (request.n or 1)  # each choice's completion tokens so far
@@ -135,10 +135,12 @@ class OpenAIServingChat(OpenAIServing):
         count_reasoning = reasoning_parser is not None and request.include_usage
         generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
-        # return_token_ids: each choice's generated ids not sent yet (a chunk a parser holds back sends none), and the
-        # prompt's, which each choice's first chunk carries, as vLLM's
+        # return_token_ids: each choice's generated ids not sent yet (a chunk a parser holds back sends none)
         unsent_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
-        prompt_fields = {"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}
+        # return_token_ids, return_prompt_text: the prompt's token ids and text, which each choice's first chunk
+        # carries, as vLLM's
+        prompt_fields = {**({"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}),
+                         **({"prompt_text": prompt_text} if request.return_prompt_text else {})}
 
         def chunk(choice: ChatCompletionResponseStreamChoice, **prompt: Any) -> str:
             # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
@@ -232,8 +234,8 @@ class OpenAIServingChat(OpenAIServing):
                                              results: AsyncIterator[RequestOutput], request_id: str,
                                              model_name: str, tool_choice: Optional[ToolChoice],
                                              cached_tokens_always: bool = False,
-                                             reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None
-                                             ) -> ChatCompletionResponse:
+                                             reasoning_parser: Optional[DeepSeekR1ReasoningParser] = None,
+                                             prompt_text: Optional[str] = None) -> ChatCompletionResponse:
         final = None
         async for res in results:  # FINAL_ONLY: one output, with all n choices
             check_output(res)
@@ -266,7 +268,8 @@ class OpenAIServingChat(OpenAIServing):
                                self._cached_tokens(final.num_cached_tokens, cached_tokens_always),
                                self._reasoning_tokens(reasoning_parser, [o.token_ids for o in outputs])),
             prompt_logprobs=self._prompt_logprobs(final.prompt_logprobs),
-            **({"prompt_token_ids": final.prompt_token_ids} if request.return_token_ids else {}))
+            **({"prompt_token_ids": final.prompt_token_ids} if request.return_token_ids else {}),
+            **({"prompt_text": prompt_text} if request.return_prompt_text else {}))
 
     def _logprobs(self, request: ChatCompletionRequest, output: CompletionOutput
                   ) -> Optional[ChatCompletionLogProbs]:
