@@ -87,9 +87,10 @@ class EngineCore:
         self.scheduler.add_request(new)
 
     def _add_lora(self, lora_request: Optional[LoRARequest]) -> Optional[str]:
-        """Every worker loads an adapter the first time a request names it (vLLM loads it when it is added), so that
-        files that cannot be read fail that request rather than a step; why the request cannot run, else None."""
-        if lora_request is None or lora_request.lora_int_id in self._added_loras:
+        """Every worker loads an adapter the first time a request names it (vLLM loads it when it is added), and
+        again for each request that reloads it (load_inplace), so that files that cannot be read fail that request
+        rather than a step; why the request cannot run, else None."""
+        if lora_request is None or (lora_request.lora_int_id in self._added_loras and not lora_request.load_inplace):
             return None
         error = next((e for e in self.executor.collective_rpc("add_lora", (lora_request,)) if e is not None), None)
         if error is None:

@@ -58,14 +58,15 @@ class Processor:
     def validate_lora_request(self, lora_request: Optional[LoRARequest]) -> None:
         """An adapter is checked against the base model (its files, settings and shapes) the first time its id
         comes, here in the frontend, so that the engine only ever loads adapters that fit: a bad one is this
-        request's ValueError while the engine keeps serving. An id must keep naming the same adapter."""
+        request's ValueError while the engine keeps serving. An id must keep naming the same adapter, unless the
+        request reloads it (load_inplace): its files are checked again, as the engine will read them again."""
         if lora_request is None:
             return
         if self.lora_config is None:
             raise ValueError(f"lora_request: LoRA is not enabled in this engine (adapter "
                              f"{lora_request.lora_name!r}); start it with enable_lora=True")
         known = self._checked_loras.get(lora_request.lora_int_id)
-        if known is not None:
+        if known is not None and not lora_request.load_inplace:
             if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
                 raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
                                  f"{known.lora_name!r} at {known.lora_path!r}")

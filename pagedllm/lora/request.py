@@ -9,13 +9,15 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
 
     ``lora_int_id`` (>= 1) identifies the adapter inside the engine: its slot, its KV blocks (the prefix cache
     keys blocks by it, so two adapters never share one) and its place in the worker's cache of loaded adapters.
-    Requests naming the same id must name the same adapter. ``lora_path`` is a PEFT adapter directory
-    (adapter_config.json and adapter_model.safetensors)."""
+    Requests naming the same id must name the same adapter, unless ``load_inplace`` (vLLM's): the engine then reads
+    the adapter's files again, and its weights replace those the id had (for its requests already running too).
+    ``lora_path`` is a PEFT adapter directory (adapter_config.json and adapter_model.safetensors)."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = None
+    load_inplace: bool = False
 
     def __post_init__(self) -> None:
         """Each field as the engine process decodes it (a str, an int64 id), so that what it could not read, and which
@@ -30,6 +32,8 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
                              f"got {self.lora_path!r}")
         if self.base_model_name is not None and not isinstance(self.base_model_name, str):
             raise ValueError(f"base_model_name must be a string or None, got {self.base_model_name!r}")
+        if not isinstance(self.load_inplace, bool):
+            raise ValueError(f"load_inplace must be a bool, got {self.load_inplace!r}")
 
     @property
     def adapter_id(self) -> int:

@@ -33,8 +33,8 @@ class WorkerLoRAManager:
         self._step = 0
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # id -> adapter, least recently used first
 
-    def _get(self, request: LoRARequest) -> LoRAModel:
-        model = self.loaded.get(request.lora_int_id)
+    def _get(self, request: LoRARequest, reload: bool = False) -> LoRAModel:
+        model = None if reload else self.loaded.get(request.lora_int_id)
         if model is None:
             model = LoRAModel.from_local_checkpoint(request.lora_path, request.lora_int_id, self.hf_config,
                                                     self.max_lora_rank)
@@ -46,8 +46,12 @@ class WorkerLoRAManager:
 
     def add(self, request: LoRARequest) -> None:
         """Loads an adapter into the kept ones ahead of its first step (vLLM's add_lora), so that reading its files
-        fails its request, not a step (and so the engine); raises what loading raises."""
-        self._get(request)
+        fails its request, not a step (and so the engine); raises what loading raises. ``load_inplace`` reads them
+        again even when the id is loaded, and empties the id's slot, so that the next step copies the new weights in
+        (vLLM's in-place reload); a reload that fails leaves the adapter as it was."""
+        self._get(request, reload=request.load_inplace)
+        if request.load_inplace and request.lora_int_id in self.slot_ids:
+            self.slot_ids[self.slot_ids.index(request.lora_int_id)] = None
 
     def set_active_loras(self, requests: dict[int, LoRARequest], token_lora_ids: torch.Tensor) -> None:
         """Put this step's adapters (at most max_loras: the scheduler's promise) into slots and map each token

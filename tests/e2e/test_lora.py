@@ -284,6 +284,22 @@ def test_an_adapter_id_may_be_any_positive_integer(llm_with_lora, adapters):
         run(llm_with_lora, prompt, first)
 
 
+def test_load_inplace_reloads_an_adapter_under_its_id(llm_with_lora, adapters):
+    """vLLM's LoRARequest.load_inplace: the id's adapter is read again from the request's path and replaces the one
+    loaded, whose id would otherwise keep it (another path under a loaded id, without it, is a ValueError). A
+    prompt shorter than a block, so that no cached KV plays a part."""
+    prompt = [list(range(3000, 3010))]
+    (first, _), (second, second_model) = adapters["all-r8"], adapters["qkv-r4"]
+    run(llm_with_lora, prompt, LoRARequest("swapped", 60, first.lora_path))
+    with pytest.raises(ValueError, match="lora_int_id 60 already names adapter 'swapped'"):
+        run(llm_with_lora, prompt, LoRARequest("swapped", 60, second.lora_path))
+    swapped = run(llm_with_lora, prompt, LoRARequest("swapped", 60, second.lora_path, load_inplace=True))
+    assert_transformers_greedy(second_model, prompt, swapped, MAX_TOKENS)
+    assert run(llm_with_lora, prompt, LoRARequest("swapped", 60, second.lora_path)) == swapped
+    with pytest.raises(ValueError, match="load_inplace must be a bool, got 1"):
+        LoRARequest("swapped", 60, second.lora_path, load_inplace=1)
+
+
 @pytest.mark.parametrize("args, message", [
     (("a", 2**63, "/a"), r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got 9223372036854775808"),
     (("a", 0, "/a"), r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got 0"),
