@@ -107,13 +107,16 @@ def hash_block_tokens(parent_block_hash: Optional[BlockHash], token_ids: Sequenc
 
 
 def block_extra_keys(request: "Request", block_index: int) -> Optional[tuple[Any, ...]]:
-    """Keys besides the tokens that make KV differ: the cache salt and the LoRA adapter's id (an adapter changes
-    every layer's K/V). The first block's suffice: every later hash chains from it, so requests with different
-    keys share no block, and requests with the same keys (the same adapter) share them all."""
+    """Keys besides the tokens that make KV differ: the cache salt and the LoRA adapter (an adapter changes every
+    layer's K/V) by its name and path, as vLLM's (_gen_lora_extra_hash_keys), not by its id: an id reloaded from
+    another path (load_inplace) then never serves the KV of the adapter it had, and the same adapter under another
+    id (loaded again after an unload) shares its blocks. The first block's keys suffice: every later hash chains
+    from it, so requests with different keys share no block, and requests with the same keys share them all."""
     if block_index != 0:
         return None
+    lora = request.lora_request
     keys = ((request.cache_salt,) if request.cache_salt else ()) + (
-        ("lora", request.lora_request.lora_int_id) if request.lora_request is not None else ())
+        ("lora", lora.lora_name, lora.lora_path) if lora is not None else ())
     return keys or None
 
 

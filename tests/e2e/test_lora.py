@@ -300,6 +300,21 @@ def test_load_inplace_reloads_an_adapter_under_its_id(llm_with_lora, adapters):
         LoRARequest("swapped", 60, second.lora_path, load_inplace=1)
 
 
+def test_prefix_cache_keys_an_adapter_by_its_name_and_path(llm_with_lora, adapters):
+    """vLLM's block hashes name an adapter by its name and path, not its id: an id reloaded from another path serves
+    none of the KV its old adapter computed (which made its output the old adapter's, not transformers + peft's
+    with the new one), and the same adapter under a new id (an unloaded adapter loaded again) shares its blocks."""
+    prompt = [list(range(4000, 4040))]  # 2 full blocks of tokens no other test of the engine prompts
+    (first, _), (second, second_model) = adapters["all-r8"], adapters["qkv-r4"]
+    run(llm_with_lora, prompt, LoRARequest("reloaded", 70, first.lora_path))
+    hits = llm_with_lora.get_stats().prefix_cache_hits
+    reloaded = run(llm_with_lora, prompt, LoRARequest("reloaded", 70, second.lora_path, load_inplace=True))
+    assert llm_with_lora.get_stats().prefix_cache_hits == hits
+    assert_transformers_greedy(second_model, prompt, reloaded, MAX_TOKENS)
+    assert run(llm_with_lora, prompt, LoRARequest("reloaded", 71, second.lora_path)) == reloaded
+    assert llm_with_lora.get_stats().prefix_cache_hits > hits
+
+
 @pytest.mark.parametrize("args, message", [
     (("a", 2**63, "/a"), r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got 9223372036854775808"),
     (("a", 0, "/a"), r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got 0"),

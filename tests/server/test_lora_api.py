@@ -164,8 +164,8 @@ def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models(tmp_path
 
 def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
     """vLLM's load_inplace: a name already served takes the new adapter (without it, a 400 that says so); the new one
-    gets a new id (the engine keys its slots and prefix-cache blocks by id, so nothing of the old one serves it). A
-    served model's name is never an adapter's."""
+    gets a new id (the engine keys its slots by id, so requests of the old one keep its weights). A served model's
+    name is never an adapter's."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI

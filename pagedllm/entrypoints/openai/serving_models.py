@@ -4,12 +4,15 @@ for any other name."""
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
 from pagedllm.lora.peft_helper import LoRAAdapterNotFoundError
 from pagedllm.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
 
 
 class OpenAIServingModels:
@@ -47,10 +50,10 @@ class OpenAIServingModels:
         """Serve an adapter under ``lora_name``; 400 when the name is a served model's, or an adapter's unless
         ``load_inplace`` (vLLM's: the new adapter replaces that one), or the adapter does not fit the model; 404
         when the path holds no adapter (no adapter_config.json: vLLM's LoRAAdapterNotFoundError). Nothing changes
-        on an error. A reloaded adapter takes a new id, so requests already running keep the old weights and no
-        prefix-cache block of theirs serves the new ones. ``base_model_name`` (--lora-modules' JSON form): the
-        served name /v1/models gives as its parent; one that is not served is ignored, as by vLLM (the parent is
-        then the first name)."""
+        on an error. A reloaded adapter takes a new id, so requests already running keep the old weights; the prefix
+        cache keys blocks by name and path (vLLM's), so one reloaded from the same path shares the old one's blocks,
+        with a warning, as vLLM's. ``base_model_name`` (--lora-modules' JSON form): the served name /v1/models gives
+        as its parent; one that is not served is ignored, as by vLLM (the parent is then the first name)."""
         if lora_name in self.served_model_names:
             raise BadRequestError(f"The lora adapter '{lora_name}' conflicts with a served base model.", "lora_name")
         if lora_name in self.lora_requests and not load_inplace:
@@ -69,6 +72,10 @@ class OpenAIServingModels:
         previous = self.lora_requests.get(lora_name)
         if previous is not None:
             self.processor.forget_lora(previous.lora_int_id)
+            if previous.lora_path == lora_path:
+                logger.warning("Reloaded LoRA adapter '%s' in place from the same path '%s'. Prefix-cache blocks "
+                               "computed with its previous weights are not invalidated; load changed weights from a "
+                               "new path to avoid reusing them.", lora_name, lora_path)
         self.lora_requests[lora_name] = lora
         return lora
 
