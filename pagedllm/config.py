@@ -454,11 +454,14 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
 
 
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks: the values max_lora_rank may take
+
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA serving, as vLLM's ``enable_lora`` and its limits: at most ``max_loras`` adapters in one step
-    (each has a slot in every LoRA'd layer), of rank up to ``max_lora_rank``; the worker keeps up to
-    ``max_cpu_loras`` adapters loaded (default: max_loras)."""
+    (each has a slot in every LoRA'd layer), of rank up to ``max_lora_rank`` (one of MAX_LORA_RANKS); the worker
+    keeps up to ``max_cpu_loras`` adapters loaded (default: max_loras)."""
 
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -471,6 +474,9 @@ class LoRAConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, got "
+                             f"{self.max_lora_rank}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 

@@ -335,14 +335,17 @@ def test_a_lora_request_the_engine_process_could_not_read_is_a_value_error(args,
     (dict(max_cpu_loras=0), r"max_cpu_loras must be a positive integer, got 0"),
     (dict(max_loras=2, max_cpu_loras=1), r"max_cpu_loras \(1\) must be at least max_loras \(2\)"),
     (dict(max_loras=0), r"max_loras must be a positive integer, got 0"),
+    (dict(max_lora_rank=4), r"max_lora_rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, got 4"),
 ])
 def test_lora_limits_that_are_not_positive_integers_are_value_errors(settings, message):
-    """max_cpu_loras is checked as max_loras is (a str was a TypeError from its comparison with max_loras)."""
+    """max_cpu_loras is checked as max_loras is (a str was a TypeError from its comparison with max_loras);
+    max_lora_rank takes vLLM's values only (its MaxLoRARanks), as does --max-lora-rank."""
     from pagedllm.config import LoRAConfig
 
     with pytest.raises(ValueError, match=message):
         LoRAConfig(**settings)
     assert LoRAConfig(max_loras=3).max_cpu_loras == 3
+    assert LoRAConfig(max_lora_rank=320).max_lora_rank == 320
 
 
 def test_adapter_files_gone_before_the_engine_loads_them_fail_its_request_only(monkeypatch, tmp_path):

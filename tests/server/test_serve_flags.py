@@ -328,6 +328,7 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
         (["--ssl-ca-certs", str(cert)], "need HTTPS (--ssl-certfile)"),
         (["--ssl-certfile", str(cert), "--ssl-cert-reqs", "3"], "invalid choice: 3"),
         (["--lora-modules", "a=b"], "need --enable-lora"),
+        (["--enable-lora", "--max-lora-rank", "4"], "invalid choice: 4"),  # vLLM's MaxLoRARanks
         (["--port", "70000"], "--port must be in 0-65535, got 70000"),
         (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
         # vLLM's rule: the model after --served-model-name's names was served as one more name (the default model)

@@ -7,7 +7,7 @@ import json
 import re
 import ssl
 
-from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE,
+from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE, MAX_LORA_RANKS,
                              SERVE_MAX_PREFILL_TOKENS_WITH_DECODES, parse_memory_size)
 from pagedllm.engine.arg_utils import LOAD_FORMATS, TOKENIZER_MODES, EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
@@ -331,7 +331,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                            "request selects one by its name as \"model\"")
     lora.add_argument("--max-loras", type=int, default=EngineArgs.max_loras,
                       help="adapters in one step (default: %(default)s)")
-    lora.add_argument("--max-lora-rank", type=int, default=EngineArgs.max_lora_rank,
+    lora.add_argument("--max-lora-rank", type=int, choices=MAX_LORA_RANKS, default=EngineArgs.max_lora_rank,
                       help="the largest adapter rank served (default: %(default)s)")
     lora.add_argument("--max-cpu-loras", type=int, default=EngineArgs.max_cpu_loras,
                       help="adapters kept loaded (default: --max-loras)")
