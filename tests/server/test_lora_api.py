@@ -198,6 +198,42 @@ def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
     assert response.status_code == 400 and "conflicts with a served base model" in response.json()["error"]["message"]
 
 
+def test_an_adapter_loads_off_the_event_loop(tmp_path):
+    """/v1/load_lora_adapter reads and checks the adapter's files (validate_lora_request) on a thread: other requests
+    are answered meanwhile (in the loop, a large adapter stalled every stream until it was read)."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import lora_router
+    from pagedllm.entrypoints.openai.errors import register_exception_handlers
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    loading, answered = threading.Event(), threading.Event()
+
+    def validate_lora_request(lora):
+        loading.set()
+        assert answered.wait(10), "no other request was answered while the adapter loaded"
+
+    app = FastAPI()
+    app.include_router(lora_router)
+    register_exception_handlers(app)
+    processor = SimpleNamespace(lora_config=object(), validate_lora_request=validate_lora_request)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
+    path = _adapter_dirs(tmp_path, "sql")["sql"]
+    loaded = []
+    with TestClient(app) as http:  # one event loop for every request
+        load = threading.Thread(target=lambda: loaded.append(http.post(
+            "/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path}).status_code))
+        load.start()
+        assert loading.wait(10)
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "other"}).status_code == 404
+        answered.set()
+        load.join(10)
+    assert loaded == [200] and models.lora_request("sql").lora_path == path
+
+
 def test_loading_a_path_with_no_adapter_is_a_404(tmp_path):
     """vLLM's LoRAAdapterNotFoundError: no adapter_config.json where the path points (no directory, or an empty one)
     is a 404 with its message; an adapter that is there but does not fit stays a 400."""

@@ -165,8 +165,8 @@ async def create_completion(request: CompletionRequest, raw_request: Request) ->
 
 @lora_router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Request) -> Response:
-    raw_request.app.state.openai_serving_models.load_lora_adapter(request.lora_name, request.lora_path,
-                                                                  load_inplace=request.load_inplace)
+    await raw_request.app.state.openai_serving_models.load_lora_adapter_async(request.lora_name, request.lora_path,
+                                                                              request.load_inplace)
     return Response(f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain")
 
 

@@ -3,6 +3,7 @@
 for any other name."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from typing import Any, Optional
@@ -28,6 +29,7 @@ class OpenAIServingModels:
         self.processor = processor
         self.lora_requests: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)  # never reused: an id names one adapter for the engine's lifetime
+        self._load_lock = asyncio.Lock()
 
     @property
     def model_name(self) -> str:
@@ -53,7 +55,21 @@ class OpenAIServingModels:
         on an error. A reloaded adapter takes a new id, so requests already running keep the old weights; the prefix
         cache keys blocks by name and path (vLLM's), so one reloaded from the same path shares the old one's blocks,
         with a warning, as vLLM's. ``base_model_name`` (--lora-modules' JSON form): the served name /v1/models gives
-        as its parent; one that is not served is ignored, as by vLLM (the parent is then the first name)."""
+        as its parent; one that is not served is ignored, as by vLLM (the parent is then the first name).
+        Reads the adapter's files: the server's route calls load_lora_adapter_async, which does that off its loop."""
+        return self._serve(self._check_lora_adapter(lora_name, lora_path, base_model_name, load_inplace))
+
+    async def load_lora_adapter_async(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> LoRARequest:
+        """load_lora_adapter for the server: the adapter's files are read and checked on a thread, so that a large
+        one does not stall every stream meanwhile, one load at a time (as vLLM's lock), so that two loads of one
+        name cannot both pass the check that it is free; then served from the loop, the one place that changes
+        lora_requests (a route iterating it meanwhile would see it change size)."""
+        async with self._load_lock:
+            return self._serve(await asyncio.to_thread(self._check_lora_adapter, lora_name, lora_path, None,
+                                                       load_inplace))
+
+    def _check_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str],
+                            load_inplace: bool) -> LoRARequest:
         if lora_name in self.served_model_names:
             raise BadRequestError(f"The lora adapter '{lora_name}' conflicts with a served base model.", "lora_name")
         if lora_name in self.lora_requests and not load_inplace:
@@ -69,6 +85,10 @@ class OpenAIServingModels:
             raise NotFoundError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}") from None
         except ValueError as e:
             raise BadRequestError(str(e), "lora_path") from e
+        return lora
+
+    def _serve(self, lora: LoRARequest) -> LoRARequest:
+        lora_name, lora_path = lora.lora_name, lora.lora_path
         previous = self.lora_requests.get(lora_name)
         if previous is not None:
             self.processor.forget_lora(previous.lora_int_id)
