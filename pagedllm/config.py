@@ -609,3 +609,10 @@ class EngineConfig:
     num_cpu_threads: Optional[int] = None
     speculative_config: Optional[SpeculativeConfig] = None
     lora_config: Optional[LoRAConfig] = None  # None: LoRA not enabled
+
+    @property
+    def max_step_slots(self) -> int:
+        """The KV slots one step can give a request, as the scheduler bounds a request's blocks by them: the step's
+        token budget and a draft model's lookahead slots past it."""
+        spec = self.speculative_config
+        return self.scheduler_config.max_num_batched_tokens + (spec.num_lookahead_tokens if spec is not None else 0)

@@ -58,12 +58,9 @@ class EngineCore:
         """vLLM's max_model_len -1: max_model_len lowered to the longest request ``num_blocks`` hold, here and in
         every worker (whose config is a copy), before the workers size their KV caches by it."""
         config = self.config
-        cache, configured, spec = config.cache_config, config.model_config.max_model_len, config.speculative_config
-        # The step's slots as the scheduler bounds a request's blocks by them (its max_num_scheduled_tokens and a
-        # draft model's lookahead): a bound of fewer would fit a length whose requests it then refuses.
-        max_step_tokens = (config.scheduler_config.max_num_batched_tokens
-                           + (spec.num_lookahead_tokens if spec is not None else 0))
-        fitted = longest_request(cache.group_windows, cache.block_size, num_blocks, max_step_tokens, configured)
+        cache, configured = config.cache_config, config.model_config.max_model_len
+        # Bounded by the step's slots as the scheduler bounds them: fewer would fit a length whose requests it refuses.
+        fitted = longest_request(cache.group_windows, cache.block_size, num_blocks, config.max_step_slots, configured)
         if fitted < 2:  # a request needs a prompt token and room for one output token
             raise ValueError(f"Cannot auto-fit max_model_len: the KV cache ({num_blocks} blocks of "
                              f"{cache.block_size} tokens) holds no request; raise kv_cache_memory")

@@ -145,7 +145,7 @@ class Worker:
         block_size = cache_config.block_size
         max_len = self.config.model_config.max_model_len
         windows = cache_config.group_windows
-        per_request = max_blocks(windows, block_size, max_len, self.config.scheduler_config.max_num_batched_tokens)
+        per_request = max_blocks(windows, block_size, max_len, self.config.max_step_slots)
         logger.info("KV cache: %d blocks of %d tokens in %d group(s) (%d tokens); max concurrency at %d tokens per "
                     "request: %.2fx", num_blocks, block_size, len(windows), num_blocks * block_size // len(windows),
                     max_len, num_blocks / per_request)
