@@ -226,6 +226,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def extra_eos_token_ids(self) -> list[int]:
         return self._extra_eos_token_ids or []
 
+    def all_stop_token_ids(self, eos_token_id: Optional[int]) -> set[int]:
+        """Every token that may end a generation, ignore_eos or not (vLLM's all_stop_token_ids): the request's EOS,
+        the generation config's others and stop_token_ids. min_tokens holds them back; a finished grammar ends on
+        one."""
+        return set(self.stop_token_ids) | set(self.extra_eos_token_ids) | ({eos_token_id} - {None})
+
     @property
     def sampling_type(self) -> SamplingType:
         if self.temperature == 0.0:

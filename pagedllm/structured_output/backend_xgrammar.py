@@ -187,8 +187,9 @@ def validate_structured_outputs(params: StructuredOutputsParams) -> None:
 class XgrammarGrammar:
     """One request's matcher: which tokens may come next, and the state after each accepted token."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
-        self.matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: set[int]) -> None:
+        # Without stop tokens (no EOS known), the tokenizer's own, which xgrammar finds.
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_token_ids) or None)
 
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)

@@ -54,7 +54,9 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        request.structured_output_request = StructuredOutputRequest(future, params._reasoning_end_token_ids)
+        stop_token_ids = request.sampling_params.all_stop_token_ids(request.eos_token_id)
+        request.structured_output_request = StructuredOutputRequest(future, stop_token_ids,
+                                                                    params._reasoning_end_token_ids)
 
     def wait_for_any(self, requests: list["Request"], timeout: float) -> None:
         """Sleeps until one of the requests' grammars is compiled (or the timeout): the busy loop has nothing

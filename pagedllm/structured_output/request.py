@@ -9,9 +9,12 @@ if TYPE_CHECKING:
 
 
 class StructuredOutputRequest:
-    def __init__(self, compiled_future: Future, reasoning_end_token_ids: Optional[list[int]] = None) -> None:
+    def __init__(self, compiled_future: Future, stop_token_ids: set[int],
+                 reasoning_end_token_ids: Optional[list[int]] = None) -> None:
         self.future = compiled_future
         self.grammar: Optional[XgrammarGrammar] = None
+        # The tokens the finished grammar may end on: all the request's stop tokens, as vLLM's grammars.
+        self.stop_token_ids = stop_token_ids
         # While the request reasons, its grammar neither masks its tokens nor reads them.
         self.reasoning_end_token_ids = reasoning_end_token_ids or []
         self.reasoning_ended = not self.reasoning_end_token_ids
@@ -28,5 +31,11 @@ class StructuredOutputRequest:
         if not self.future.done():
             return False
         from pagedllm.structured_output.backend_xgrammar import XgrammarGrammar  # loaded by the compile
-        self.grammar = XgrammarGrammar(self.future.result())
+        self.grammar = XgrammarGrammar(self.future.result(), self.stop_token_ids)
         return True
+
+    @property
+    def constrains_next_token(self) -> bool:
+        """The grammar masks the next token once the reasoning has ended, until it has ended itself: what follows
+        its end (under ignore_eos, where its EOS ends no request) is free, as vLLM's full mask after termination."""
+        return self.reasoning_ended and not self.grammar.is_terminated()

@@ -190,10 +190,7 @@ class InputBatch:
         for row, s in enumerate(states):
             params = s.sampling_params
             if len(s.output_token_ids) + offsets[row] < params.min_tokens:
-                # every end-of-generation token, ignore_eos or not (vLLM's all_stop_token_ids)
-                suppressed = set(params.stop_token_ids) | set(params.extra_eos_token_ids)
-                if s.eos_token_id is not None:
-                    suppressed.add(s.eos_token_id)
+                suppressed = params.all_stop_token_ids(s.eos_token_id)
                 if suppressed:
                     min_tokens_mask[row] = suppressed
                     if params.structured_outputs is not None or params.allowed_token_ids:

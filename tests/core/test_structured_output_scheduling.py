@@ -1,5 +1,6 @@
 """The scheduler with structured-output requests: a compiling grammar never holds up other requests, each step's
-bitmask covers exactly the constrained requests that sample, and the request ends when its grammar completes."""
+bitmask covers exactly the constrained requests that sample, and the grammar ends on one of the request's stop
+tokens."""
 from __future__ import annotations
 
 import threading
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm.core.request import RequestStatus
+from pagedllm.engine.protocol import FinishReason
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from pagedllm.sampling_params import SamplingParams
@@ -18,6 +20,7 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 from tests.core.helpers import fake_model_output, make_request, make_scheduler
 
 EOS = 2  # the default model's <|im_end|>, which its grammars accept as the end
+YES = 10407  # the default model's "yes"
 
 
 class GatedManager(StructuredOutputManager):
@@ -42,10 +45,30 @@ def allowed_tokens(bitmask_row: torch.Tensor) -> list[int]:
     return torch.nonzero(bits).flatten().tolist()
 
 
-def constrained_request(req_id: str, **so):
-    request = make_request(req_id, [5, 6, 7], max_tokens=64, structured_outputs=StructuredOutputsParams(**so))
+def constrained_request(req_id: str, sampling: Optional[dict] = None, **so):
+    request = make_request(req_id, [5, 6, 7], **{"max_tokens": 64, **(sampling or {})},
+                           structured_outputs=StructuredOutputsParams(**so))
     request.eos_token_id = EOS
     return request
+
+
+def run_to_the_end(request, pick) -> list:
+    """Runs ``request`` alone until it finishes; each step the fake model samples ``pick(allowed)`` (allowed: the
+    tokens the step's bitmask allows, None where no bitmask constrains the request). Returns its outputs."""
+    manager = GatedManager()
+    manager.gate.set()
+    scheduler = make_scheduler(structured_output_manager=manager)
+    scheduler.add_request(request)
+    manager.wait_for_any([request], timeout=30)
+    outputs = []
+    for _ in range(30):
+        if not scheduler.get_num_unfinished_requests():
+            return outputs
+        out = scheduler.schedule()
+        row = out.structured_output_request_ids.get(request.request_id)
+        token = pick(None if row is None else allowed_tokens(out.grammar_bitmask[row]))
+        outputs += scheduler.update_from_output(out, fake_model_output(scheduler, out, lambda *_: token)).outputs
+    raise AssertionError("the request did not finish")
 
 
 def test_compiling_grammar_does_not_block_others_then_constrains_its_request():
@@ -84,6 +107,37 @@ def test_compiling_grammar_does_not_block_others_then_constrains_its_request():
     assert "json" not in scheduler.requests, "the request did not end with its grammar"
     assert tokenizer.decode([t for t in texts if t != EOS]) in ("yes", "no")
     assert texts[-1] == EOS
+
+
+def test_a_finished_grammar_may_end_on_any_of_the_requests_stop_tokens():
+    """As vLLM's grammars (their stop tokens are all_stop_token_ids): EOS, the generation config's other end tokens
+    and stop_token_ids; the one sampled stops the request, a stop token with its stop_reason."""
+    seen = []
+
+    def pick(allowed):
+        seen.append(allowed)
+        return YES if len(seen) == 1 else 7
+
+    request = constrained_request("r", {"stop_token_ids": [7], "_extra_eos_token_ids": [3]}, choice=["yes"])
+    outputs = run_to_the_end(request, pick)
+    assert YES in seen[0] and sorted(seen[1]) == [EOS, 3, 7]
+    last = outputs[-1]
+    assert (last.new_token_ids, last.finish_reason, last.stop_reason) == ([7], FinishReason.STOP, 7)
+
+
+def test_a_grammar_ended_on_an_ignored_eos_leaves_the_rest_free():
+    """ignore_eos: the grammar still ends on EOS (its only way to end), which stops nothing; vLLM then lets the
+    request generate on, unconstrained, to max_tokens."""
+    seen = []
+
+    def pick(allowed):
+        seen.append(allowed)
+        return {1: YES, 2: EOS}.get(len(seen), 1000 + len(seen))
+
+    outputs = run_to_the_end(constrained_request("r", {"ignore_eos": True, "max_tokens": 5}, choice=["yes"]), pick)
+    assert seen[1] == [EOS] and seen[2:] == [None, None, None]
+    assert [t for o in outputs for t in o.new_token_ids] == [YES, EOS, 1003, 1004, 1005]
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
 
 
 @pytest.mark.parametrize("error, message", [

@@ -348,7 +348,7 @@ class Scheduler:
         requests = self.requests
         constrained = [requests[req_id] for req_id in output.num_scheduled_tokens
                        if requests[req_id].structured_output_request is not None
-                       and requests[req_id].structured_output_request.reasoning_ended]
+                       and requests[req_id].structured_output_request.constrains_next_token]
         if constrained:
             output.structured_output_request_ids = {r.request_id: row for row, r in enumerate(constrained)}
             output.grammar_bitmask = self.structured_output_manager.grammar_bitmask(constrained)
@@ -459,7 +459,7 @@ class Scheduler:
             for num_appended, token_id in enumerate(new_token_ids, 1):
                 request.append_output_token_id(token_id)
                 if check_stop(request, max_model_len) or (
-                        so_request is not None and self._grammar_finished(request, token_id)):
+                        so_request is not None and self._grammar_rejects(request, token_id)):
                     del new_token_ids[num_appended:]
                     finish_reason = request.get_finished_reason()
                     stopped_requests.append(request)
@@ -517,24 +517,24 @@ class Scheduler:
         return drafts[:max(limit, 0)]
 
     @staticmethod
-    def _grammar_finished(request: Request, token_id: int) -> bool:
-        """Advances the request's grammar; the request is done once the grammar is complete. A token the grammar
-        rejects (its mask left nothing to sample: allowed_token_ids or bad_words took every token it allows) ends
-        the request with an error, as vLLM ends it FINISHED_ERROR, never as a "stop" whose output breaks the
-        constraint."""
+    def _grammar_rejects(request: Request, token_id: int) -> bool:
+        """Advances the request's grammar with a token that did not stop the request. The grammar ends on one of the
+        request's stop tokens, which stops the request (check_stop) but under ignore_eos for EOS and the generation
+        config's: then the request goes on unconstrained, the ended grammar reading no more tokens, as vLLM's. A token
+        the grammar rejects (its mask left nothing to sample: allowed_token_ids or bad_words took every token it
+        allows) ends the request with an error, as vLLM ends it FINISHED_ERROR, never as a "stop" whose output breaks
+        the constraint."""
         so_request = request.structured_output_request
         if not so_request.reasoning_ended:  # the grammar starts after the token that ends the reasoning
             so_request.observe_reasoning_token(token_id)
             return False
         grammar = so_request.grammar
-        if not grammar.accept_token(token_id):
-            logger.error("request %s: token %d does not follow its grammar; stopping it", request.request_id,
-                         token_id)
-            request.error = (f"The sampled token {token_id} does not follow the request's structured_outputs "
-                             "constraint: its other sampling controls (allowed_token_ids, bad_words) left no token "
-                             "the constraint allows.")
-        elif not grammar.is_terminated():
+        if grammar.is_terminated() or grammar.accept_token(token_id):
             return False
+        logger.error("request %s: token %d does not follow its grammar; stopping it", request.request_id, token_id)
+        request.error = (f"The sampled token {token_id} does not follow the request's structured_outputs "
+                         "constraint: its other sampling controls (allowed_token_ids, bad_words) left no token "
+                         "the constraint allows.")
         request.status = RequestStatus.FINISHED_STOPPED
         return True
 
