@@ -6,10 +6,14 @@ import json
 from typing import Any, Optional, Union
 
 import msgspec
+from pydantic import TypeAdapter, ValidationError
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 _TEXT_FIELDS = ("regex", "grammar", "structural_tag", "whitespace_pattern")
 _BOOL_FIELDS = ("json_object", "disable_any_whitespace", "disable_additional_properties")
+# vLLM's StructuredOutputsParams is a pydantic dataclass: its booleans take what pydantic reads as one ("true", "no",
+# 1, 0.0, ...), and nothing else (2, "maybe").
+_BOOL = TypeAdapter(bool)
 
 
 class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -42,14 +46,15 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if len(set_kinds) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}; "
                              f"got {set_kinds or 'none'}.")
+        # An empty string is a choice, as in vLLM: the output may be empty.
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
-                                        or not all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings.")
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
 
     def _check_types(self) -> None:
         """Each field holds what the engine process decodes it as (msgspec, strictly typed: a value it cannot decode
         there ends the engine, not the request), else a ValueError names the field here, as vLLM's pydantic refuses
-        such a request: an int in a bool field is its truth and a tuple of choices a list, as Python reads them."""
+        such a request: a bool field takes what pydantic reads as one, and a tuple of choices is a list."""
         for name in _TEXT_FIELDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
@@ -58,9 +63,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             if value is None and name == "json_object":
                 continue
-            if not isinstance(value, int):
-                raise ValueError(f"structured_outputs.{name} must be a boolean, got {value!r}.")
-            setattr(self, name, bool(value))
+            try:
+                setattr(self, name, _BOOL.validate_python(value))
+            except ValidationError:
+                raise ValueError(f"structured_outputs.{name} must be a boolean, got {value!r}.") from None
         schema = self.json
         if schema is not None and not (isinstance(schema, str) or (
                 isinstance(schema, dict) and all(isinstance(key, str) for key in schema))):

@@ -191,14 +191,29 @@ def test_params_need_exactly_one_constraint(kwargs, message):
     ({"json": {1: {"type": "string"}}}, "json must be a JSON schema"),
     ({"regex": 5}, "regex must be a string"),
     ({"regex": "a", "whitespace_pattern": 1}, "whitespace_pattern must be a string"),
-    ({"json_object": "yes"}, "json_object must be a boolean"),
-    ({"regex": "a", "disable_any_whitespace": "no"}, "disable_any_whitespace must be a boolean"),
+    ({"json_object": "maybe"}, "json_object must be a boolean"),
+    ({"regex": "a", "disable_any_whitespace": 2}, "disable_any_whitespace must be a boolean"),
+    ({"choice": ["a", 1]}, "choice must be a non-empty list of strings"),
 ])
 def test_params_of_the_wrong_type_are_refused_before_they_reach_the_engine(kwargs, message):
     """The engine process decodes a request strictly typed, and one it cannot decode ends the engine: what it would
     not take is a ValueError naming the field here (vLLM's pydantic gives a 400)."""
     with pytest.raises(ValueError, match=f"structured_outputs.{message}"):
         StructuredOutputsParams(**kwargs)
+
+
+def test_an_empty_choice_is_an_empty_output():
+    """As vLLM's choice [""]: the grammar is done before any token, so only a stop token may come."""
+    seen = []
+    outputs = run_to_the_end(constrained_request("r", choice=[""]), lambda allowed: seen.append(allowed) or EOS)
+    assert seen == [[EOS]] and outputs[-1].finish_reason == FinishReason.STOP
+
+
+def test_booleans_are_read_as_vllms_pydantic_reads_them():
+    params = StructuredOutputsParams(json_object="true", disable_any_whitespace="no",
+                                     disable_additional_properties=1.0)
+    assert (params.json_object, params.disable_any_whitespace, params.disable_additional_properties) == (
+        True, False, True)
 
 
 def test_params_python_reads_alike_are_taken_in_the_types_the_engine_decodes():

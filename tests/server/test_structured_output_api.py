@@ -54,6 +54,9 @@ def test_vllms_structured_outputs_options_and_unknown_keys_are_taken():
     so = {"choice": ["apple", "pear"], "whitespace_pattern": " ?", "disable_additional_properties": True, "x": 1}
     params = CompletionRequest(prompt="p", structured_outputs=so).structured_outputs_params()
     assert (params.kind, params.choice) == ("choice", ["apple", "pear"])
+    so = {"json_object": "true", "disable_any_whitespace": "no"}  # pydantic's booleans
+    params = CompletionRequest(prompt="p", structured_outputs=so).structured_outputs_params()
+    assert (params.kind, params.disable_any_whitespace) == ("json_object", False)
     assert StructuredOutputsParams(json={"type": "object"}, whitespace_pattern=" ").kind == "json"
     # the private fields the server sets (the reasoning's end, which holds the grammar back) are no request's to set
     so = {"json_object": True, "_reasoning_end_token_ids": [7]}
@@ -88,7 +91,7 @@ def test_response_format_structural_tag(server):
     # of a type the engine cannot take: refused, never sent (one it could not decode would end it)
     ({"structured_outputs": {"choice": "yes"}}, "structured_outputs"),
     ({"structured_outputs": {"json": True}}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "no"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "maybe"}}, "structured_outputs"),
     ({"structured_outputs": {"json": {"enum": [10**30]}}}, "structured_outputs"),  # beyond MessagePack's 64 bits
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
