@@ -599,6 +599,52 @@ class SpeculativeConfig:
         return cls(**values)
 
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")  # vLLM's names of the one backend here
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """vLLM's structured_outputs_config (--structured-outputs-config): ``backend`` "auto" or "xgrammar", both the
+    xgrammar backend here; ``disable_any_whitespace``, what a request that does not set it gets (True: compact JSON,
+    where vLLM's default is False; see StructuredOutputsParams). vLLM's other fields ask for what this engine does
+    not do, and are refused unless left at their defaults: its other backends, disable_additional_properties (its
+    guidance backend's), the reasoning parser (the server's --reasoning-parser here) and enable_in_reasoning."""
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = True
+    disable_additional_properties: bool = False
+    reasoning_parser: str = ""
+    reasoning_parser_plugin: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of "
+                             f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)} (xgrammar is the one backend here), got "
+                             f"{self.backend!r}")
+        check_bool("structured_outputs_config disable_any_whitespace", self.disable_any_whitespace)
+        unsupported = {"disable_additional_properties": "vLLM's guidance backend's option",
+                       "reasoning_parser": "give the server --reasoning-parser",
+                       "reasoning_parser_plugin": "reasoning parser plugins are not loaded here",
+                       "enable_in_reasoning": "a grammar applies once the reasoning has ended"}
+        for name, why in unsupported.items():
+            if getattr(self, name) != self.__dataclass_fields__[name].default:
+                raise ValueError(f"structured_outputs_config {name}={getattr(self, name)!r} is not supported ({why})")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "StructuredOutputsConfig":
+        """``LLM(structured_outputs_config={...})`` / ``--structured-outputs-config '<json>'``: unknown keys are
+        errors; a key's dashes are underscores."""
+        if not isinstance(values, dict):
+            raise ValueError(f"structured_outputs_config must be a dict, got {type(values).__name__}")
+        values = {key.replace("-", "_") if isinstance(key, str) else key: value for key, value in values.items()}
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__), key=str)
+        if unknown:
+            raise ValueError(f"structured_outputs_config has unknown keys {unknown}; known: "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**values)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -609,6 +655,7 @@ class EngineConfig:
     num_cpu_threads: Optional[int] = None
     speculative_config: Optional[SpeculativeConfig] = None
     lora_config: Optional[LoRAConfig] = None  # None: LoRA not enabled
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     @property
     def max_step_slots(self) -> int:

@@ -11,8 +11,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, check_bool, check_capture_size_shortcuts, check_int,
-                             check_kv_cache_dtype, common_window, graphs_turned_off, layer_sliding_window)
+                             SpeculativeConfig, StructuredOutputsConfig, check_bool, check_capture_size_shortcuts,
+                             check_int, check_kv_cache_dtype, common_window, graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
@@ -124,6 +124,8 @@ class EngineArgs:
     spec_method: Optional[str] = None
     spec_model: Optional[str] = None
     spec_tokens: Optional[int] = None
+    # vLLM's structured_outputs_config: a dict such as {"backend": "xgrammar", "disable_any_whitespace": false}.
+    structured_outputs_config: Optional[Union[dict, StructuredOutputsConfig]] = None
     # Multi-LoRA serving (vLLM's names and defaults).
     enable_lora: bool = False
     max_loras: int = 1
@@ -215,6 +217,9 @@ class EngineArgs:
                              "of at least 16")
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig.from_dict(speculative_config)
+        structured_outputs_config = self.structured_outputs_config
+        if not isinstance(structured_outputs_config, StructuredOutputsConfig):
+            structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config or {})
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config, self.override_generation_config)
         hf_config = load_hf_config(path)
@@ -286,6 +291,7 @@ class EngineArgs:
             num_cpu_threads=self.num_cpu_threads,
             parallel_config=parallel_config,
             speculative_config=speculative_config,
+            structured_outputs_config=structured_outputs_config,
             lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                          else None),
         )

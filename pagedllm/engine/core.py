@@ -39,7 +39,7 @@ class EngineCore:
         model_config = config.model_config
         self.structured_output_manager = StructuredOutputManager(
             lambda: _load_tokenizer(model_config.tokenizer), model_config.vocab_size,
-            config.scheduler_config.max_num_seqs)
+            config.scheduler_config.max_num_seqs, config.structured_outputs_config.disable_any_whitespace)
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.structured_output_manager,
                                    config.parallel_config.pipeline_parallel_size,

@@ -68,7 +68,7 @@ def _build(params: StructuredOutputsParams, compiler: Optional[xgr.GrammarCompil
     if kind in ("json", "json_object"):
         # json_object is the schema of any object, so it honours disable_any_whitespace like any schema.
         schema = json.dumps(_json_schema(params) if kind == "json" else {"type": "object"})
-        any_whitespace = not params.disable_any_whitespace
+        any_whitespace = not params.disable_any_whitespace  # None (the engine's default) only where validating
         if compiler is None:
             return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
         return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Callable, Optional
 
+import msgspec
 import torch
 
 from pagedllm.structured_output.request import StructuredOutputRequest
@@ -24,8 +25,11 @@ _CACHE_SIZE = 256
 
 
 class StructuredOutputManager:
-    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, max_num_seqs: int) -> None:
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, max_num_seqs: int,
+                 disable_any_whitespace: bool = True) -> None:
         self._load_tokenizer = load_tokenizer
+        # What a request that does not set disable_any_whitespace gets (StructuredOutputsConfig's).
+        self._disable_any_whitespace = disable_any_whitespace
         self._vocab_size = vocab_size
         self._max_num_seqs = max_num_seqs
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
@@ -45,6 +49,8 @@ class StructuredOutputManager:
 
     def grammar_init(self, request: "Request") -> None:
         params = request.sampling_params.structured_outputs
+        if params.disable_any_whitespace is None:
+            params = msgspec.structs.replace(params, disable_any_whitespace=self._disable_any_whitespace)
         key = params.key
         future = self._cache.get(key)
         if future is None or (future.done() and future.exception() is not None):

@@ -27,10 +27,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     json_object: Optional[bool] = None
     # An xgrammar structural tag (JSON text): free text with constrained segments, used for tool calls.
     structural_tag: Optional[str] = None
-    # JSON in one line with ", " and ": " separators. True by default here (vLLM defaults to False): a small
-    # model sampling at temperature 1 falls into runs of newlines when any whitespace is allowed, and never
-    # finishes the JSON. Set False to allow pretty-printed JSON.
-    disable_any_whitespace: bool = True
+    # JSON in one line with ", " and ": " separators. None: the engine's structured_outputs_config's, True unless
+    # told (vLLM defaults to False): a small model sampling at temperature 1 falls into runs of newlines when any
+    # whitespace is allowed, and never finishes the JSON. Set False to allow pretty-printed JSON.
+    disable_any_whitespace: Optional[bool] = None
     # vLLM's options that its backends do not read from a request (its guidance backend takes
     # disable_additional_properties from the server's config): taken, so that a request or code written for vLLM is
     # served as vLLM serves it, and unused.
@@ -61,7 +61,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise ValueError(f"structured_outputs.{name} must be a string, got {value!r}.")
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
-            if value is None and name == "json_object":
+            if value is None and name != "disable_additional_properties":
                 continue
             try:
                 setattr(self, name, _BOOL.validate_python(value))

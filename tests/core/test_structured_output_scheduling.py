@@ -3,6 +3,7 @@ bitmask covers exactly the constrained requests that sample, and the grammar end
 tokens."""
 from __future__ import annotations
 
+import re
 import threading
 from typing import Optional
 
@@ -10,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.protocol import FinishReason
 from pagedllm.models.hf_config import load_tokenizer
@@ -21,14 +23,15 @@ from tests.core.helpers import fake_model_output, make_request, make_scheduler
 
 EOS = 2  # the default model's <|im_end|>, which its grammars accept as the end
 YES = 10407  # the default model's "yes"
+OPEN_BRACE, NEWLINE = 107, 198  # the default model's "{" and "\n"
 
 
 class GatedManager(StructuredOutputManager):
     """Compiles only once the test opens the gate, or fails with ``error``."""
 
-    def __init__(self, error: Optional[Exception] = None) -> None:
+    def __init__(self, error: Optional[Exception] = None, disable_any_whitespace: bool = True) -> None:
         tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
-        super().__init__(lambda: tokenizer, 49152, max_num_seqs=8)
+        super().__init__(lambda: tokenizer, 49152, max_num_seqs=8, disable_any_whitespace=disable_any_whitespace)
         self.gate = threading.Event()
         original = self._get_backend
 
@@ -207,6 +210,34 @@ def test_an_empty_choice_is_an_empty_output():
     seen = []
     outputs = run_to_the_end(constrained_request("r", choice=[""]), lambda allowed: seen.append(allowed) or EOS)
     assert seen == [[EOS]] and outputs[-1].finish_reason == FinishReason.STOP
+
+
+@pytest.mark.parametrize("engine_default, requested, any_whitespace", [
+    (True, None, False), (False, None, True), (False, True, False), (True, False, True)])
+def test_a_request_that_does_not_set_disable_any_whitespace_gets_the_engines(engine_default, requested,
+                                                                             any_whitespace):
+    """structured_outputs_config's disable_any_whitespace (vLLM's) is the default; a request's own value wins."""
+    manager = GatedManager(disable_any_whitespace=engine_default)
+    manager.gate.set()
+    request = constrained_request("r", json_object=True, disable_any_whitespace=requested)
+    manager.grammar_init(request)
+    manager.wait_for_any([request], timeout=30)
+    assert request.structured_output_request.is_ready() and request.structured_output_request.grammar.accept_token(
+        OPEN_BRACE)
+    assert (NEWLINE in allowed_tokens(manager.grammar_bitmask([request])[0])) == any_whitespace
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"backend": "guidance"}, "backend must be one of auto, xgrammar"),
+    ({"disable_any_whitespace": "yes"}, "disable_any_whitespace must be True or False"),
+    ({"disable_additional_properties": True}, "disable_additional_properties=True is not supported"),
+    ({"reasoning_parser": "qwen3"}, "reasoning_parser='qwen3' is not supported (give the server --reasoning-parser)"),
+    ({"enable_in_reasoning": True}, "enable_in_reasoning=True is not supported"),
+    ({"backnd": "xgrammar"}, "has unknown keys ['backnd']"),
+])
+def test_structured_outputs_config_refuses_what_this_engine_does_not_do(values, message):
+    with pytest.raises(ValueError, match=f"^structured_outputs_config {re.escape(message)}"):
+        StructuredOutputsConfig.from_dict(values)
 
 
 def test_booleans_are_read_as_vllms_pydantic_reads_them():

@@ -186,6 +186,16 @@ def test_vllms_spec_shortcuts_set_speculative_config_keys():
         EngineArgs(spec_tokens=2, speculative_config="ngram").create_engine_config()
 
 
+def test_vllms_structured_outputs_config_sets_the_requests_whitespace_default():
+    """vLLM's --structured-outputs-config: its backend may name xgrammar (the one here), and disable_any_whitespace
+    is what a request that does not say gets (compact JSON unless told)."""
+    assert EngineArgs().create_engine_config().structured_outputs_config.disable_any_whitespace is True
+    args = engine_args_from(_parse("--structured-outputs-config", '{"backend": "xgrammar", '
+                                                                   '"disable_any_whitespace": false}'))
+    config = args.create_engine_config().structured_outputs_config
+    assert (config.backend, config.disable_any_whitespace) == ("xgrammar", False)
+
+
 def test_vllms_optimization_level_0_runs_eagerly():
     """vLLM's -O0 (--optimization-level 0) sets cudagraph_mode NONE where compilation_config leaves it: no CPU
     graphs; the other levels leave them on, and compilation_config's cudagraph_mode wins over the level's."""

@@ -323,6 +323,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="vLLM's shortcut for --speculative-config's model")
     engine.add_argument("--spec-tokens", type=int, default=EngineArgs.spec_tokens,
                         help="vLLM's shortcut for --speculative-config's num_speculative_tokens")
+    engine.add_argument("--structured-outputs-config", type=_json_object,
+                        default=EngineArgs.structured_outputs_config,
+                        help='vLLM\'s structured output settings as JSON, e.g. \'{"backend": "xgrammar", '
+                             '"disable_any_whitespace": false}\' (backend auto or xgrammar; disable_any_whitespace: '
+                             'the default of requests that do not set it, true here)')
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
                       help="serve LoRA adapters of the model, batched with base-model requests")
