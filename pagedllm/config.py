@@ -447,6 +447,15 @@ class ParallelConfig:
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 _NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM's model names meaning method ngram
+# vLLM's other speculative_config keys, with their defaults: what they ask for is taken at the default (greedy drafts
+# and standard rejection sampling are what happens here; None leaves the target's setting), refused otherwise.
+_VLLM_DEFAULT_ONLY_KEYS = {
+    "draft_sample_method": "greedy", "rejection_sample_method": "standard", "revision": None, "code_revision": None,
+    "moe_backend": None, "attention_backend": None, "kv_cache_dtype": None, "draft_load_config": None,
+    "index_share_for_mtp_iteration": None, "disable_padded_drafter_batch": False, "disable_eagle_block_drop": False,
+    "use_local_argmax_reduction": False, "use_heterogeneous_vocab": False, "parallel_drafting": False,
+    "num_speculative_tokens_per_batch_size": None, "synthetic_acceptance_rates": None,
+    "synthetic_acceptance_length": None, "enable_adaptive_verification": False, "dspark_draft_topk": None}
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -499,6 +508,10 @@ class SpeculativeConfig:
       times the length of the match that finds them, each at least ``suffix_decoding_min_token_prob`` likely by
       the trees' counts; ``num_speculative_tokens`` defaults to the tree depth.
 
+    ``max_model_len`` (vLLM's): no request drafts past this many tokens; a draft model computes only positions below
+    it, so it may hold fewer than the target's (EngineArgs checks it against both, as vLLM). ``enforce_eager``
+    (vLLM's): the draft model's own, None the target's.
+
     ``draft_model_config`` (the draft's ModelConfig) is filled in by EngineArgs once the draft is checked against
     the target."""
 
@@ -515,6 +528,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    max_model_len: Optional[int] = None
+    enforce_eager: Optional[bool] = None
     draft_model_config: Optional[ModelConfig] = None
 
     def __post_init__(self) -> None:
@@ -537,9 +552,12 @@ class SpeculativeConfig:
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs num_speculative_tokens")
         # vLLM's fields take only positive integers whatever the method, also where the method ignores them.
-        for name in ("num_speculative_tokens", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("num_speculative_tokens", "draft_tensor_parallel_size", "prompt_lookup_min", "prompt_lookup_max",
+                     "max_model_len"):
             if getattr(self, name) is not None:
                 _check_positive_int(name, getattr(self, name))
+        if self.enforce_eager is not None:
+            check_bool("speculative_config enforce_eager", self.enforce_eager)
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative_config model must be a string (a path or an alias), got {self.model!r}")
         if self.method == "draft_model" and self.model is None:
@@ -592,6 +610,10 @@ class SpeculativeConfig:
         if "tensor_parallel_size" in values:  # vLLM's own error for it
             raise ValueError("'tensor_parallel_size' is not a valid argument in the speculative_config. Please pass "
                              "'draft_tensor_parallel_size' instead.")
+        for key, default in _VLLM_DEFAULT_ONLY_KEYS.items():
+            if key in values and values.pop(key) != default:
+                raise ValueError(f"speculative_config {key} (vLLM's) is not supported here; leave it out or "
+                                 f"{default!r}")
         known = {f for f in cls.__dataclass_fields__} - {"draft_model_config"}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -362,8 +362,9 @@ def _cache_groups(model_config: ModelConfig) -> tuple[KVCacheGroup, ...]:
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
     """The draft model's config, checked against the target's: it must share the target's vocabulary (its drafts
-    are the target's token ids) and hold the target's whole context (it computes every position the target
-    does). Same dtype and settings as the target."""
+    are the target's token ids) and hold its context, the target's unless speculative_config max_model_len caps it
+    (vLLM's checks: at most the draft's positions and the target's max_model_len). Same dtype and settings as the
+    target, but enforce_eager where speculative_config sets it."""
     # What the target's model is checked for, the draft's is too (else it fails in the engine process), and the
     # error names the draft: a missing draft must not read as a missing target model.
     try:
@@ -376,12 +377,18 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
         raise ValueError(f"speculative_config model {spec.model!r} has a vocabulary of {hf_config.vocab_size} "
                          f"tokens; the target model's has {target.vocab_size}: they must be the same")
     draft_max_len = positions_served(hf_config)
-    if draft_max_len < target.max_model_len:
+    if spec.max_model_len is not None and spec.max_model_len > target.max_model_len:
+        raise ValueError(f"speculative_config max_model_len ({spec.max_model_len}) cannot be larger than the target's "
+                         f"max_model_len ({target.max_model_len})")
+    max_model_len = spec.max_model_len or target.max_model_len
+    if draft_max_len < max_model_len:
+        what = "speculative_config max_model_len" if spec.max_model_len else "the target's max_model_len"
         raise ValueError(f"speculative_config model {spec.model!r} holds {draft_max_len} positions "
-                         f"(max_position_embeddings), fewer than the target's max_model_len ({target.max_model_len})")
+                         f"(max_position_embeddings), fewer than {what} ({max_model_len})")
     set_quantization(hf_config, spec.quantization, path)
-    return ModelConfig(spec.model, path, hf_config, target.dtype, target.max_model_len, target.seed,
-                       spec.quantization, target.enforce_eager, device=target.device,
+    enforce_eager = target.enforce_eager if spec.enforce_eager is None else spec.enforce_eager
+    return ModelConfig(spec.model, path, hf_config, target.dtype, max_model_len, target.seed,
+                       spec.quantization, enforce_eager, device=target.device,
                        attention_backend=target.attention_backend, load_format=target.load_format)
 
 

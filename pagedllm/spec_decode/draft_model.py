@@ -3,7 +3,8 @@
 Its paged KV cache has the same blocks as the target's, so a request's block table, slot mapping and prefix-cache
 hits serve both, and both caches are sized, held and freed together. The invariant that keeps the draft in step:
 **the draft's cache holds the right K/V for every position the target has computed** (so for every cached block
-too, and a prefix hit is a hit for the draft as well). Each step keeps it in one draft forward over what the
+too, and a prefix hit is a hit for the draft as well), below the draft's max_model_len (speculative_config's, where
+it caps the draft's context: no request drafts past it). Each step keeps it in one draft forward over what the
 target computed, less the drafts it rejected, plus the token sampled after them:
 
 - a request whose prefill chunk did not reach the prompt's end: the chunk;
@@ -67,11 +68,16 @@ class DraftModelProposer:
         rows = step.rows
         sampled = np.zeros(len(rows), dtype=bool)
         sampled[step.sampling] = True
-        starts = step.num_computed
-        ends = np.where(sampled, batch.num_tokens[rows], starts + step.num_scheduled)
-        hidden_states = self._forward(batch, rows, starts, ends, batch.token_ids[np.repeat(rows, ends - starts),
-                                                                                  _positions(starts, ends)])
+        # Positions from the draft's max_model_len on are never computed: no request drafts there (max_drafts).
+        ends = np.minimum(np.where(sampled, batch.num_tokens[rows], step.num_computed + step.num_scheduled),
+                          self.model_config.max_model_len)
+        starts = np.minimum(step.num_computed, ends)
         drafts: list[list[int]] = [[] for _ in step.sampling]
+        computing = ends > starts
+        if not computing.any():
+            return drafts
+        hidden_states = self._forward(batch, rows[computing], starts[computing], ends[computing],
+                                      batch.token_ids[np.repeat(rows, ends - starts), _positions(starts, ends)])
         wanting = np.nonzero(step.max_drafts > 0)[0]  # indices into step.sampling
         if not len(wanting):
             return drafts

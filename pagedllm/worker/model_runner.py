@@ -367,11 +367,12 @@ class ModelRunner:
 
     def _max_drafts(self, sample_rows: np.ndarray) -> np.ndarray:
         """How many drafts each sampling row may take: all of them accepted plus the token sampled after them must
-        fit max_model_len and max_tokens; none where structured output constrains every token (its grammar
-        would have to check drafts before verification)."""
+        fit max_model_len (and speculative_config's, the drafts' context) and max_tokens; none where structured
+        output constrains every token (its grammar would have to check drafts before verification)."""
         batch = self.input_batch
-        limits = np.minimum(self.config.speculative_config.num_speculative_tokens,
-                            self.model_config.max_model_len - 1 - batch.num_tokens[sample_rows])
+        spec = self.config.speculative_config
+        max_model_len = min(self.model_config.max_model_len, spec.max_model_len or self.model_config.max_model_len)
+        limits = np.minimum(spec.num_speculative_tokens, max_model_len - 1 - batch.num_tokens[sample_rows])
         for j, row in enumerate(sample_rows.tolist()):
             state = batch.states[row]
             params = state.sampling_params

@@ -137,9 +137,10 @@ TINY_VOCAB = 8
 TOP_K = 3
 
 
-def save_tiny_llama(path, tokenizer, seed: int, num_layers: int) -> LlamaForCausalLM:
+def save_tiny_llama(path, tokenizer, seed: int, num_layers: int, max_position_embeddings: int = 256
+                    ) -> LlamaForCausalLM:
     config = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                          initializer_range=0.2, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
@@ -204,6 +205,20 @@ def test_tensor_parallel_verification_is_transformers_greedy(tiny_model):
         stats = llm.get_stats()
     assert_transformers_greedy(model, GREEDY_PROMPTS, [g.outputs[0].token_ids for g in greedy], 24, (2,))
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_a_draft_model_capped_by_max_model_len_drafts_within_it(tmp_path, tokenizer, tiny_model):
+    """vLLM's speculative_config max_model_len: a draft of 32 positions serves a target of 256. Requests draft while
+    all drafts fit below 32 tokens, then decode without (one prompt is longer from the start); the output is still
+    the target's greedy one."""
+    path, model = tiny_model
+    save_tiny_llama(tmp_path, tokenizer, seed=1, num_layers=1, max_position_embeddings=32)
+    config = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2, "max_model_len": 32}
+    with running_llm(path, dtype="float32", max_model_len=256, speculative_config=config) as llm:
+        greedy = llm.generate([{"prompt_token_ids": p} for p in GREEDY_PROMPTS], GREEDY, use_tqdm=False)
+        stats = llm.get_stats()
+    assert_transformers_greedy(model, GREEDY_PROMPTS, [g.outputs[0].token_ids for g in greedy], 24, (2,))
+    assert stats.spec_decode_num_drafts > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "suffix"])

@@ -42,6 +42,14 @@ def test_ngram_bounds_default_as_vllms():
     # vLLM's ge=1 holds for every method, also one that ignores the field
     ({"method": "suffix", "prompt_lookup_max": 0}, "prompt_lookup_max must be a positive integer"),
     ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_min": "3"}, "prompt_lookup_min must be a positive"),
+    ({"model": "m", "num_speculative_tokens": 2, "max_model_len": 0}, "max_model_len must be a positive integer"),
+    ({"model": "m", "num_speculative_tokens": 2, "enforce_eager": "yes"}, "enforce_eager must be True or False"),
+    # vLLM's keys for what is not done here, refused by name unless at vLLM's default
+    ({"model": "m", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
+     "^speculative_config draft_sample_method \\(vLLM's\\) is not supported here; leave it out or 'greedy'$"),
+    ({"model": "m", "num_speculative_tokens": 2, "revision": "main"}, "^speculative_config revision \\(vLLM's\\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "block"},
+     "rejection_sample_method \\(vLLM's\\) is not supported here; leave it out or 'standard'"),
 ])
 def test_bad_values_are_value_errors_naming_the_field(values, message):
     with pytest.raises(ValueError, match=message):
@@ -89,6 +97,30 @@ def test_a_draft_model_that_is_not_there_is_a_value_error_naming_it(tmp_path):
     for model in (str(tmp_path / "missing"), str(tmp_path)):  # no such path; a directory without a config.json
         with pytest.raises(ValueError, match=f"speculative_config model '{re.escape(model)}': "):
             EngineArgs(speculative_config={"model": model, "num_speculative_tokens": 2}).create_engine_config()
+
+
+def test_vllms_keys_at_their_defaults_ask_for_what_happens_here():
+    values = {"model": "m", "num_speculative_tokens": 2, "draft_sample_method": "greedy",
+              "rejection_sample_method": "standard", "revision": None, "parallel_drafting": False}
+    assert SpeculativeConfig.from_dict(values).method == "draft_model"
+
+
+def test_max_model_len_caps_the_drafts_context_within_the_draft_and_the_target(tmp_path):
+    """vLLM's speculative_config max_model_len: a draft holding fewer positions than the target's max_model_len serves
+    within it; it may exceed neither the draft's positions nor the target's max_model_len (vLLM's checks).
+    enforce_eager is the draft's own."""
+    spec = {"model": draft_config_dir(tmp_path, max_position_embeddings=256), "num_speculative_tokens": 2,
+            "max_model_len": 256, "enforce_eager": True}
+    draft = EngineArgs(max_model_len=1024, speculative_config=spec).create_engine_config(
+        ).speculative_config.draft_model_config
+    assert (draft.max_model_len, draft.enforce_eager) == (256, True)
+    for max_model_len, message in ((512, r"holds 256 positions \(max_position_embeddings\), fewer than "
+                                         r"speculative_config max_model_len \(512\)"),
+                                   (2048, r"max_model_len \(2048\) cannot be larger than the target's max_model_len "
+                                          r"\(1024\)")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(max_model_len=1024, speculative_config={**spec, "max_model_len": max_model_len}
+                       ).create_engine_config()
 
 
 def test_draft_tensor_parallel_size_is_vllms_one_or_the_targets(tmp_path):
