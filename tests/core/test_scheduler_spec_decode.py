@@ -151,13 +151,13 @@ def test_max_model_len_auto_fit_counts_a_draft_models_lookahead_as_the_scheduler
     length whose requests the scheduler then refuses as larger than the cache."""
     from types import SimpleNamespace
 
-    from pagedllm.config import CacheConfig, SchedulerConfig
+    from pagedllm.config import CacheConfig, EngineConfig, SchedulerConfig
     from pagedllm.engine.core import EngineCore
 
     num_blocks, lookahead = 7, K
     engine = EngineCore.__new__(EngineCore)
     engine.executor = SimpleNamespace(collective_rpc=lambda method, args: None)
-    engine.config = SimpleNamespace(
+    engine.config = EngineConfig(
         cache_config=CacheConfig(block_size=16, sliding_window=64, num_blocks=num_blocks),
         model_config=SimpleNamespace(max_model_len=8192),
         scheduler_config=SchedulerConfig(max_model_len=8192, max_num_seqs=32, max_num_batched_tokens=32),
