@@ -115,6 +115,29 @@ def test_a_kernel_failing_on_replay_raises(replay_in):
         graph.replay()
 
 
+def test_a_capture_without_its_kernels_computes_nothing_and_its_replays_compute_the_step(replay_in):
+    """run_kernels=False (the start-up's graphs of decode steps): the calls are recorded, not made, so the output
+    buffer holds nothing of the forward's until the first replay, which makes them all and verifies the graph."""
+    x, residual, weight = torch.randn(3, 32), torch.randn(3, 32), torch.rand(32)
+    residual_before = residual.clone()
+    graph = CpuGraph()
+    out = graph.capture(lambda: _norm_then_gate(x, residual, weight), run_kernels=False)
+    assert graph.failure is None and len(graph.calls) == 2 and not graph.verified
+    assert torch.equal(residual, residual_before)  # add_rms_norm, which adds x into it, did not run
+    expected = _norm_then_gate(x.clone(), residual.clone(), weight)
+    assert graph.replay() is out and torch.equal(out, expected) and graph.verified
+
+
+def test_a_capture_without_its_kernels_takes_their_status_as_success_until_replayed(replay_in):
+    ids, weight = torch.tensor([1, 7]), torch.randn(5, 8)  # 7: past the 5 rows, which the kernel refuses
+    graph = CpuGraph()
+    graph.capture(lambda: fused.embedding(ids, weight), run_kernels=False)
+    assert graph.failure is None
+    with pytest.raises(GraphReplayError, match=r"embedding_f32 failed on replay \(status -1\)"):
+        graph.replay()
+    assert not graph.verified
+
+
 def test_graphs_sharing_a_pool_replay_in_turn_over_the_same_memory():
     pool = GraphPool()
     inputs = {n: (torch.randn(n, 32), torch.randn(n, 32), torch.rand(32)) for n in (1, 5)}

@@ -6,7 +6,9 @@ paged-attention kernels, fused_ops.c), ~10 a layer, and for a batch of a few row
 (modules, views, allocations, argument checks) costs about as much as the kernels, and still a visible share of a
 prompt's step on a few cores (whose OpenMP workers wait meanwhile). Capture runs the forward once,
 as usual, while ``launch`` records every kernel call with its arguments; replay makes the same calls again and
-nothing else.
+nothing else. A graph captured ahead of its steps (a decode batch size, at start-up) need not compute anything:
+its capture can record the calls without making them (``run_kernels=False``), since a graph is its calls and their
+arguments, not the values its forward computed; its first replay is then the first run of its kernels.
 
 That is only right under CUDA graphs' two rules. Every per-step input must sit in the same memory at every
 step: the model runner keeps static buffers per batch size and refreshes them before each replay. And nothing
@@ -37,14 +39,18 @@ _aten = torch.ops.aten
 _ALLOCATIONS = {_aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
                 _aten.empty_strided.default}
 
-_capture = threading.local()  # .calls: those of the graph this thread is capturing, else None
+# .calls: those of the graph this thread is capturing, else None; .run_kernels: whether that capture makes them
+_capture = threading.local()
 
 
 def launch(kernel, *args):
-    """Call a native kernel (a ctypes function); while this thread captures a graph, also record the call."""
+    """Call a native kernel (a ctypes function); while this thread captures a graph, also record the call, and
+    where the capture does not run its kernels only record it, taking its status as success (0)."""
     calls = getattr(_capture, "calls", None)
     if calls is not None:
         calls.append((kernel, args))
+        if not _capture.run_kernels:
+            return 0
     return kernel(*args)
 
 
@@ -239,7 +245,13 @@ class CpuGraph:
     """The kernel calls of one captured forward. ``capture`` runs it (its result is that step's output);
     afterwards ``failure`` says why the graph cannot be replayed, or is None and ``replay`` recomputes the
     output in place for the inputs now in the static buffers. Graphs sharing a pool must not interleave: a
-    capture or replay of one overwrites the others' activations and outputs."""
+    capture or replay of one overwrites the others' activations and outputs.
+
+    A capture without its kernels (``run_kernels=False``) computes nothing (its result holds no values) and takes
+    every call's status as success; ``verified`` is False until a replay has made every call: where a kernel
+    refuses its arguments (a status its eager caller would have turned into a torch fallback, refusing the graph),
+    that first replay raises GraphReplayError, and the caller runs the step eagerly instead, which rewrites
+    whatever the replay wrote before it failed."""
 
     def __init__(self, pool: GraphPool | None = None):
         self.pool = pool or GraphPool()
@@ -248,13 +260,14 @@ class CpuGraph:
         self._replayer: ctypes.CDLL | None = None
         self.failure: str | None = None
         self.output: torch.Tensor | None = None
+        self.verified = True
         self._tensors: list[torch.Tensor] = []
 
-    def capture(self, forward) -> torch.Tensor:
+    def capture(self, forward, run_kernels: bool = True) -> torch.Tensor:
         if getattr(_capture, "calls", None) is not None:
             raise RuntimeError("a CPU graph is already being captured")
         origins = _TensorOrigins(self.pool.allocator())
-        _capture.calls = self.calls
+        _capture.calls, _capture.run_kernels, self.verified = self.calls, run_kernels, run_kernels
         try:
             with origins:
                 output = forward()
@@ -291,11 +304,12 @@ class CpuGraph:
                                                  ctypes.addressof(status))
             if failed:
                 self._replay_failed(self.calls[failed - 1][0], status.value)
-            return self.output
-        for kernel, args in self.calls:
-            status = kernel(*args)
-            if status:  # None for kernels without a status, 0 for success
-                self._replay_failed(kernel, status)
+        else:
+            for kernel, args in self.calls:
+                status = kernel(*args)
+                if status:  # None for kernels without a status, 0 for success
+                    self._replay_failed(kernel, status)
+        self.verified = True
         return self.output
 
     @staticmethod

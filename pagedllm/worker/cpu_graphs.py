@@ -34,7 +34,7 @@ import torch
 from pagedllm.layers.attention.cpu_plan import shared_prefix_tokens
 from pagedllm.layers.attention.metadata import AttentionMetadata
 from pagedllm.lora.punica import PunicaWrapper
-from pagedllm.native.graph import CpuGraph, GraphPool
+from pagedllm.native.graph import CpuGraph, GraphPool, GraphReplayError
 
 logger = logging.getLogger(__name__)
 
@@ -181,12 +181,15 @@ class StepGraphs:
         requests a step has) or MAX_GRAPH_BATCH rows, as vLLM captures its CUDA graphs at start-up, so that no
         request's decode waits for a capture (which costs several times a decode step's kernels); returns how many
         were captured (a refused one is logged, and its steps run eagerly). Their rows are padding rows, in the
-        padding block; none without one (steps then keep their own shape)."""
+        padding block; none without one (steps then keep their own shape). Captured without running their kernels
+        (CpuGraph's run_kernels): nothing reads what these forwards would compute, and computing it was most of
+        an engine's start-up."""
         if self.padding_block is None:
             return 0
         buckets = sorted({min(decode_bucket(rows), MAX_GRAPH_BATCH) for rows in range(1, max_rows + 1)})
         for rows in buckets:
-            self._forward(self._padding_step(np.ones(rows, dtype=np.int64)), None, rows, 0, rows)
+            self._forward(self._padding_step(np.ones(rows, dtype=np.int64)), None, rows, 0, rows,
+                          run_kernels=False)
         return sum((rows, rows, rows, 0, False) not in self._refused for rows in buckets)
 
     def _padding_step(self, query_lens: np.ndarray) -> Step:
@@ -213,10 +216,11 @@ class StepGraphs:
         pad = -len(step.input_ids) % self.block_size
         return step if pad == 0 else _joined(step, self._padding_step(np.array([pad])))
 
-    def _forward(self, step: Step, punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int
-                 ) -> torch.Tensor | None:
+    def _forward(self, step: Step, punica: PunicaWrapper | None, num_decodes: int, prefix: int, lead: int,
+                 run_kernels: bool = True) -> torch.Tensor | None:
         """forward's step as given (padded or not), ``prefix`` the tokens its requests share for cascade attention
-        (0 for a padded step), ``lead`` its padding decode rows before the step's own."""
+        (0 for a padded step), ``lead`` its padding decode rows before the step's own; ``run_kernels``: whether a
+        capture computes the step (False: only records its graph, for steps to come)."""
         num_reqs, num_tokens = len(step.seq_lens), len(step.input_ids)
         if num_reqs > MAX_GRAPH_BATCH or num_tokens > MAX_GRAPH_TOKENS:
             return None
@@ -236,11 +240,11 @@ class StepGraphs:
             punica.update(static.token_slots)
         graph = static.graphs.get(key[3:])
         if graph is not None:
-            return graph.replay()
+            return self._replay(static, key)
         graph = CpuGraph(self._pool)
         self.captured = True
         hidden_states = graph.capture(lambda: self.model(static.input_ids, static.positions, self.kv_caches,
-                                                         metadata))
+                                                         metadata), run_kernels)
         if graph.failure is None:
             static.graphs[key[3:]] = graph
         else:
@@ -252,6 +256,21 @@ class StepGraphs:
                 # as large or larger run eagerly without trying.
                 self._chunk_tokens_refused = min(self._chunk_tokens_refused, num_tokens)
         return hidden_states
+
+    def _replay(self, static: _StaticInputs, key: tuple) -> torch.Tensor | None:
+        """The replay of ``static``'s graph of ``key``; None (the step runs eagerly, and the key's steps from then
+        on) where it was captured without its kernels and a kernel refuses its arguments at this first run."""
+        graph = static.graphs[key[3:]]
+        try:
+            return graph.replay()
+        except GraphReplayError as e:
+            if graph.verified:
+                raise
+            logger.info("Steps of %d requests, %d tokens and %d decode rows (shared prefix %d tokens, adapters %s) "
+                        "run eagerly: their CPU graph failed its first replay (%s)", *key, e)
+            del static.graphs[key[3:]]
+            self._refused.add(key)
+            return None
 
     def _static_inputs(self, shape: tuple[int, int, int]) -> _StaticInputs | None:
         """The static buffers (and graphs) of steps of ``shape``; None for the first step of a shape among many,

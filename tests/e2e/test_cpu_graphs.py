@@ -9,7 +9,7 @@ from pagedllm import LLM, SamplingParams, native
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.layers.gemm_layout import BF16_MIN_ROWS
 from pagedllm.core.sched.spec_budget import SpecDecodeBudget
-from pagedllm.native.graph import CpuGraph
+from pagedllm.native.graph import CpuGraph, GraphReplayError
 from pagedllm.worker import cpu_graphs
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -131,7 +131,8 @@ def test_verify_steps_of_speculative_decoding_replay_graphs_and_match_eager_step
     replays, captures = [], []
     replay, capture = CpuGraph.replay, CpuGraph.capture
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
-    monkeypatch.setattr(CpuGraph, "capture", lambda self, forward: captures.append(self) or capture(self, forward))
+    monkeypatch.setattr(CpuGraph, "capture",
+                        lambda self, forward, *run: captures.append(self) or capture(self, forward, *run))
     steps_captured, timed_steps_captured = [], []  # per step run, and per step timed: whether it captured a graph
     execute_model = ModelRunner.execute_model
 
@@ -199,8 +200,8 @@ def test_decode_batches_of_nearby_sizes_share_a_graph_padded_to_a_bucket(monkeyp
     """Twelve requests finishing one after another: decode steps of 12 down to 1 rows, each padded to its bucket
     (16, 8, 4, 2, 1) by rows before its own that write and read only the padding block, so five decode graphs
     serve them all (the steps of 9 to 12 rows replay the 16-row graph), with every request's tokens those of the
-    eager engine. The engine captured every bucket's decode graph at start-up (up to MAX_GRAPH_BATCH rows) and
-    no decode step captures another."""
+    eager engine. The engine captured every bucket's decode graph at start-up (up to MAX_GRAPH_BATCH rows), each
+    without running its kernels (verified by its first replay), and no decode step captures another."""
     replays = []
     replay = CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
@@ -214,6 +215,7 @@ def test_decode_batches_of_nearby_sizes_share_a_graph_padded_to_a_bucket(monkeyp
         if not eager:
             graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
             at_start = {shape: dict(static.graphs) for shape, static in graphs._by_shape.items()}
+            assert not any(graph.verified for graphs_of in at_start.values() for graph in graphs_of.values())
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[False] == tokens[True]
     if not CAPTURES[None]:
@@ -226,6 +228,36 @@ def test_decode_batches_of_nearby_sizes_share_a_graph_padded_to_a_bucket(monkeyp
                 if any(graph in static.graphs.values() for graph in replays)}
     assert replayed == {16, 8, 4, 2, 1}
     assert sum(graph in decode_shapes[(16, 16, 16)].graphs.values() for graph in replays) >= 5
+    assert all(graph.verified for graph in replays)
+
+
+def test_a_start_up_graph_that_fails_its_first_replay_leaves_its_steps_eager(monkeypatch):
+    """A graph captured without its kernels takes every kernel's status as success: where a kernel refuses its
+    arguments at the graph's first replay (simulated here for every start-up graph), that step and its shape's
+    later ones run eagerly, with the eager engine's tokens, instead of failing the engine."""
+    replay = CpuGraph.replay
+
+    def failing_unverified(self):
+        if not self.verified:
+            raise GraphReplayError("simulated: a kernel refused its arguments")
+        return replay(self)
+
+    monkeypatch.setattr(CpuGraph, "replay", failing_unverified)
+    prompts = [{"prompt_token_ids": list(range(200 + 10 * i, 209 + 10 * i))} for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(3)]
+    tokens = {}
+    for eager in (False, True):
+        llm = LLM(dtype="float32", max_model_len=256, kv_cache_memory="16MiB", enforce_eager=eager)
+        tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if not eager:
+            graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.step_graphs
+        llm.shutdown()
+    assert tokens[False] == tokens[True]
+    if not CAPTURES[None]:
+        pytest.skip("no native GEMM here: decode steps ran eagerly, tokens compared")
+    replayed = {(rows, rows, rows) for rows in (4, 2, 1)}  # 3 requests' decode steps, then 2's, then 1's
+    assert {key[:3] for key in graphs._refused} >= replayed
+    assert not any(graphs._by_shape[shape].graphs for shape in replayed)
 
 
 def test_a_shape_with_prompt_chunks_gets_static_buffers_at_its_second_step_and_the_least_recently_used_go_first(
