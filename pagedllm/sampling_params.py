@@ -16,6 +16,8 @@ _SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
 # vLLM's default max_logprobs: the most logprobs a request may ask for, unless the engine says otherwise.
 MAX_LOGPROBS = 20
+# The most token ids logprob_token_ids may name (vLLM's MAX_LOGPROB_TOKEN_IDS); max_logprobs does not bound them.
+MAX_LOGPROB_TOKEN_IDS = 128
 # The most sequences (n) one request may ask for (vLLM's VLLM_MAX_N_SEQUENCES): each is a request of its own.
 MAX_N_SEQUENCES = int(os.environ.get("PAGEDLLM_MAX_N_SEQUENCES", "16384"))
 # Integers cross to the engine process as MessagePack, which holds 64 bits.
@@ -65,6 +67,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # vLLM's: the logprobs of exactly these token ids at each generated position (besides the sampled token's), in
+    # place of the top-k alternatives; logprobs, if set, must be their number.
+    logprob_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -138,7 +143,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.output_kind = RequestOutputKind(self.output_kind)
         except ValueError:
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.") from None
-        for name in ("stop_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
             token_ids = getattr(self, name)
             if isinstance(token_ids, (list, tuple)):
                 setattr(self, name, [int(t) if isinstance(t, bool) else t for t in token_ids])
@@ -192,6 +197,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and value < -1:
                 bad(name, f"must be non-negative, or -1 for the whole vocabulary, got {value}.")
+        self._verify_logprob_token_ids()
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}.")
         if any(not s for s in self.stop):
@@ -213,6 +219,28 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("bad_words", f"must be a list of strings, got {self.bad_words!r}.")
         if self.bad_words and any(not w.strip() for w in self.bad_words):
             bad("bad_words", f"cannot contain an empty (or whitespace-only) word, got {self.bad_words!r}.")
+
+    def _verify_logprob_token_ids(self) -> None:
+        """As vLLM's _validate_logprobs (the Processor checks the ids against the vocabulary)."""
+        token_ids = self.logprob_token_ids
+        if token_ids is None:
+            return
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+            raise ValueError(f"logprob_token_ids must be a list of token ids, got {token_ids!r}.")
+        if len(token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} token ids, got "
+                             f"{len(token_ids)}.")
+        if self.logprobs is not None and self.logprobs != len(token_ids):
+            raise ValueError(f"logprob_token_ids must be as many as logprobs when both are set, got "
+                             f"logprobs={self.logprobs} and {len(token_ids)} logprob_token_ids.")
+
+    @property
+    def num_logprobs(self) -> Optional[int]:
+        """How many logprobs per generated token besides the sampled token's (None: no logprobs), as vLLM's: the
+        count of logprob_token_ids when they stand in for logprobs."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     def clone(self) -> "SamplingParams":
         """A deep copy, as vLLM's: changing it (or the lists and dicts it holds) leaves this one as it is."""

@@ -241,6 +241,20 @@ def test_logprobs_are_raw_log_softmax_with_ranks():
     assert lp.selected_token_ranks[[0, 3]].tolist() == [1, 1]  # greedy rows take the top token
 
 
+def test_logprob_token_ids_rows_report_those_ids():
+    """vLLM's logprob_token_ids: a row that names token ids has their logprobs, in their order, where the top ones
+    would be; the other rows keep their top k."""
+    logits = random_logits(3, V, 4)
+    meta = make_metadata([0.0, 0.8, 0.0], max_num_logprobs=3)
+    meta.logprob_token_ids = {1: torch.tensor([V - 1, 0, 7])}
+    lp = Sampler()(logits, meta).logprobs
+    ref = torch.log_softmax(logits.double(), dim=-1).float()
+    assert lp.logprob_token_ids[1, 1:].tolist() == [V - 1, 0, 7]
+    torch.testing.assert_close(lp.logprobs[1, 1:], ref[1, [V - 1, 0, 7]])
+    top = ref.topk(3, dim=-1)
+    torch.testing.assert_close(lp.logprob_token_ids[[0, 2], 1:], top.indices[[0, 2]])
+
+
 @pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
 def test_logprobs_modes_report_the_logits_vllm_names(mode):
     """vLLM's logprobs_mode: raw_* the model's logits, processed_* those each row sampled from (temperature, min-p,

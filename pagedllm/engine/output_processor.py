@@ -36,8 +36,8 @@ class RequestState:
         self.detokenizer = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
                             if self.tokenizer is not None else None)
         self.token_ids: list[int] = []
-        self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
-        self.cumulative_logprob: Optional[float] = 0.0 if params.logprobs is not None else None
+        self.logprobs: Optional[SampleLogprobs] = [] if params.num_logprobs is not None else None
+        self.cumulative_logprob: Optional[float] = 0.0 if params.num_logprobs is not None else None
         self.prompt_logprobs: Optional[PromptLogprobs] = [None] if params.prompt_logprobs is not None else None
         self.num_sent_tokens = 0
         self.num_cached_tokens = 0

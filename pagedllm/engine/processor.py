@@ -135,10 +135,11 @@ class Processor:
         return params
 
     def process_sampling_controls(self, params: SamplingParams) -> SamplingParams:
-        """Checks logit_bias, allowed_token_ids and stop_token_ids against the vocabulary (SamplingParams does not
-        know it; each indexes the logits) and tokenizes bad_words for the engine."""
+        """Checks logit_bias, allowed_token_ids, stop_token_ids and logprob_token_ids against the vocabulary
+        (SamplingParams does not know it; each indexes the logits) and tokenizes bad_words for the engine."""
         for name, token_ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
-                                ("stop_token_ids", params.stop_token_ids)):
+                                ("stop_token_ids", params.stop_token_ids),
+                                ("logprob_token_ids", params.logprob_token_ids)):
             self._check_in_vocab(name, token_ids or ())
         if not params.bad_words:
             return params

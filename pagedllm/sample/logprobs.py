@@ -47,9 +47,11 @@ class LogprobsTensors(NamedTuple):
 
 
 def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
-                           logprobs_mode: LogprobsMode = "raw_logprobs") -> LogprobsTensors:
+                           logprobs_mode: LogprobsMode = "raw_logprobs",
+                           requested: dict[int, torch.Tensor] | None = None) -> LogprobsTensors:
     """Logprob and rank of token_ids[i] under logits[i], plus the k most likely tokens of each row; in a *_logits
-    logprobs_mode the values are the logits themselves (the ranks are the same).
+    logprobs_mode the values are the logits themselves (the ranks are the same). A row of ``requested`` (row -> its
+    logprob_token_ids, at most k) has those ids, in their order, in place of its first top ones.
 
     Used for sampled tokens (the Sampler) and for prompt_logprobs (the next prompt token of each position).
     """
@@ -58,6 +60,9 @@ def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int
     else:
         logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    for row, ids in (requested or {}).items():
+        top_ids[row, :len(ids)] = ids
+        top_logprobs[row, :len(ids)] = logprobs[row, ids]
     token_ids = token_ids.long().unsqueeze(1)
     token_logprobs = logprobs.gather(1, token_ids)
     # Ties with the token count ahead of it, so rank 1 means nothing is more likely.

@@ -55,4 +55,6 @@ class SamplingMetadata:
     output_token_ids: list[list[int]] = field(default_factory=list)
     # Row -> (token ids [n] int64, biases [n] float32), for rows with a logit_bias.
     logit_bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Row -> the token ids ([n] int64) whose logprobs it reports in place of its top n (logprob_token_ids).
+    logprob_token_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     penalties: PenaltyMetadata | None = None

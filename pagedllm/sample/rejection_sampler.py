@@ -96,8 +96,11 @@ class RejectionSampler:
             emitted = columns <= num_accepted.unsqueeze(1)
             mode = self.sampler.logprobs_mode
             scored = final_logits if mode in PROCESSED_LOGPROBS_MODES else logits
-            logprobs = compute_token_logprobs(scored[row_of_t[emitted]], sampled[emitted], metadata.max_num_logprobs,
-                                              mode)
+            scored_rows = row_of_t[emitted]
+            requested = {i: metadata.logprob_token_ids[row] for i, row in enumerate(scored_rows.tolist())
+                         if row in metadata.logprob_token_ids}
+            logprobs = compute_token_logprobs(scored[scored_rows], sampled[emitted], metadata.max_num_logprobs, mode,
+                                              requested)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod

@@ -44,7 +44,8 @@ class Sampler(nn.Module):
         logprobs = None
         if metadata.max_num_logprobs is not None:
             scored = final if self.logprobs_mode in PROCESSED_LOGPROBS_MODES else logits
-            logprobs = compute_token_logprobs(scored, sampled, metadata.max_num_logprobs, self.logprobs_mode)
+            logprobs = compute_token_logprobs(scored, sampled, metadata.max_num_logprobs, self.logprobs_mode,
+                                              metadata.logprob_token_ids)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def process_logits(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

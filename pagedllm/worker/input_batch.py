@@ -46,6 +46,10 @@ class CachedRequestState:
         return torch.tensor(self.sampling_params.allowed_token_ids, dtype=torch.int64)
 
     @cached_property
+    def logprob_token_ids(self) -> torch.Tensor:
+        return torch.tensor(self.sampling_params.logprob_token_ids, dtype=torch.int64)
+
+    @cached_property
     def logit_bias(self) -> tuple[torch.Tensor, torch.Tensor]:
         bias = self.sampling_params.logit_bias
         return torch.tensor(list(bias), dtype=torch.int64), torch.tensor(list(bias.values()), dtype=torch.float32)
@@ -183,9 +187,9 @@ class InputBatch:
         # A seeded row's noise is its token's own (by output position, drafts counted): sampler.position_generator.
         generators = {row: position_generator(s.sampling_params.seed, len(s.output_token_ids) + int(offsets[row]))
                       for row, (s, kind) in enumerate(zip(states, types)) if kind == SamplingType.RANDOM_SEED}
-        max_num_logprobs = max((s.sampling_params.logprobs for s in states
-                                if s.sampling_params.logprobs is not None), default=None)
-        min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias = {}, {}, {}, {}
+        max_num_logprobs = max((s.sampling_params.num_logprobs for s in states
+                                if s.sampling_params.num_logprobs is not None), default=None)
+        min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias, logprob_token_ids = {}, {}, {}, {}, {}
         min_tokens_restorable = set()
         for row, s in enumerate(states):
             params = s.sampling_params
@@ -201,6 +205,8 @@ class InputBatch:
                 bad_words_token_ids[row] = params.bad_words_token_ids
             if params.logit_bias:
                 logit_bias[row] = s.logit_bias
+            if params.logprob_token_ids:
+                logprob_token_ids[row] = s.logprob_token_ids
         output_token_ids = [self._output_with_drafts(row, s, offset) for row, s, offset in zip(rows, states, offsets)
                             ] if bad_words_token_ids else []
         return SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
@@ -209,6 +215,7 @@ class InputBatch:
                                 min_tokens_restorable=frozenset(min_tokens_restorable),
                                 allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids,
                                 output_token_ids=output_token_ids, logit_bias=logit_bias,
+                                logprob_token_ids=logprob_token_ids,
                                 penalties=self._penalty_metadata(rows, offsets))
 
     def _output_with_drafts(self, row: int, state: CachedRequestState, num_drafts: int) -> list[int]:

@@ -414,7 +414,7 @@ class ModelRunner:
         per_req = [None] * n
         first = 0
         for index, row, count in zip(sampling.tolist(), sample_rows.tolist(), num_emitted):
-            k = self.input_batch.states[row].sampling_params.logprobs
+            k = self.input_batch.states[row].sampling_params.num_logprobs
             rows = range(first, first + count)
             first += count
             if k is not None:

@@ -125,6 +125,39 @@ def test_logprobs_and_prompt_logprobs(llm, hf_model):
                             abs_tol=1e-3)
 
 
+def test_logprob_token_ids_report_the_models_logprobs_of_those_ids(llm, hf_model):
+    """vLLM's logprob_token_ids: each generated token's logprobs are its own and exactly those of the ids asked for
+    (as many as they are, whatever max_logprobs), their values the model's full distribution's; the request beside it
+    in the batch keeps its top-k. Ids outside the vocabulary are refused, naming the field."""
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    ids = [30000, 28, 5, 1, 17, 900, 12, 40000, 3, 77, 2000, 9, 451, 6000, 8, 31, 64, 128, 256, 4096, 10000, 49000]
+    asked, plain = llm.generate([{"prompt_token_ids": prompt}] * 2, [
+        SamplingParams(temperature=0, max_tokens=3, logprob_token_ids=ids),
+        SamplingParams(temperature=0, max_tokens=3, logprobs=2)], use_tqdm=False)
+    completion = asked.outputs[0]
+    assert completion.token_ids == plain.outputs[0].token_ids
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf_model(torch.tensor([prompt + completion.token_ids[:2]])).logits[0].float(), -1)
+    for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        assert next(iter(entry)) == token and set(entry) == {token, *ids}
+        assert entry[token].rank == 1
+        for t in ids:
+            assert math.isclose(entry[t].logprob, ref[len(prompt) - 1 + i, t].item(), abs_tol=1e-3)
+    assert math.isclose(completion.cumulative_logprob, sum(e[t].logprob for t, e in zip(completion.token_ids,
+                                                                                       completion.logprobs)))
+    assert all(len(entry) <= 3 for entry in plain.outputs[0].logprobs)
+    with pytest.raises(ValueError, match="^logprob_token_ids contains out-of-vocabulary token ids"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, logprob_token_ids=[3, 10 ** 6]), use_tqdm=False)
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"logprob_token_ids": [1, 2], "logprobs": 3}, "^logprob_token_ids must be as many as logprobs"),
+    ({"logprob_token_ids": list(range(129))}, "^logprob_token_ids must hold at most 128")])
+def test_bad_logprob_token_ids_name_the_field(params, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**params)
+
+
 def test_processed_logprobs_mode_reports_what_was_sampled_from():
     """vLLM's logprobs_mode="processed_logprobs": a token's logprobs are of the distribution it was sampled from,
     here top_k 3 (the others -inf, the three summing to 1); prompt logprobs stay the model's own."""

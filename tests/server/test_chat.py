@@ -129,6 +129,26 @@ def test_logprobs(client, model):
         assert bytes(entry.bytes).decode() == entry.token
 
 
+def test_logprob_token_ids_list_the_chosen_token_then_those_ids(client, model):
+    """vLLM's logprob_token_ids: each token's top_logprobs are the chosen token and the ids asked for, in their order,
+    with the logprobs the model gives them (here checked against its top 5 at the first token)."""
+    ask = dict(model=model, messages=MESSAGES, temperature=0, max_tokens=3, logprobs=True)
+    as_ids = {"return_tokens_as_token_ids": True}
+    top = client.chat.completions.create(**ask, top_logprobs=5, extra_body=as_ids).choices[0].logprobs.content
+    ranked = [int(t.token.removeprefix("token_id:")) for t in top[0].top_logprobs]
+    ids = [ranked[3], ranked[1], 40000]
+    full = client.chat.completions.create(**ask, extra_body={**as_ids, "logprob_token_ids": ids})
+    content = full.choices[0].logprobs.content
+    assert [c.token for c in content] == [c.token for c in top]
+    for entry in content:
+        asked = [f"token_id:{i}" for i in ids]
+        assert [t.token for t in entry.top_logprobs] == [entry.token] + [t for t in asked if t != entry.token]
+    first = {t.token: t.logprob for t in content[0].top_logprobs}
+    for i in ids[:2]:
+        assert first[f"token_id:{i}"] == pytest.approx(top[0].top_logprobs[ranked.index(i)].logprob, abs=1e-4)
+    assert first["token_id:40000"] < first[f"token_id:{ids[0]}"]
+
+
 def test_return_token_ids_and_tokens_as_token_ids(client, model):
     """vLLM's return_token_ids: the answer carries the prompt's token ids and each choice its generated ones (a
     stream: the prompt's in the first chunk, each chunk its new ones, joining to the whole); with

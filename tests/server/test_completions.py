@@ -150,6 +150,19 @@ def test_echoed_prompt_alternatives_are_cut_to_logprobs(client):
     assert full.choices[0].prompt_logprobs[1] is not None and len(full.choices[0].prompt_logprobs[1]) >= 3
 
 
+def test_logprob_token_ids_are_every_alternative(client):
+    """vLLM's logprob_token_ids: each generated token's alternatives are itself and all the ids asked for, however
+    few logprobs asks for."""
+    ids = [5, 300, 40000]
+    full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=3,
+                                     logprobs=0, extra_body={"logprob_token_ids": ids,
+                                                             "return_tokens_as_token_ids": True})
+    logprobs = full.choices[0].logprobs
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert list(top) == [token] + [f"token_id:{i}" for i in ids if f"token_id:{i}" != token]
+        assert top[token] == logprob and all(v <= logprob for v in top.values())
+
+
 def test_null_max_tokens_is_sixteen(client):
     """"max_tokens": null is OpenAI's default of 16 for completions (vLLM's reading), not the rest of the context."""
     full = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, max_tokens=None,

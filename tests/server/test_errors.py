@@ -69,6 +69,16 @@ BAD_REQUESTS = [
     # A chat template of the request's own, which vLLM refuses without --trust-request-chat-template.
     ("/v1/chat/completions", {"messages": HI, "chat_template": "{{ messages }}"}, "chat_template"),
     ("/v1/chat/completions", {"messages": HI, "tools": []}, "tools"),
+    # vLLM's logprob_token_ids: only with logprobs, at most 128 ids of the vocabulary, no beam search, and something
+    # generated for them.
+    ("/v1/chat/completions", {"messages": HI, "logprob_token_ids": [5]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "logprob_token_ids": [5]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": [10 ** 6]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "logprob_token_ids": [5], "use_beam_search": True},
+     "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "echo": True, "max_tokens": 0, "logprobs": 0, "logprob_token_ids": [5]},
+     "logprob_token_ids"),
 ]
 
 

@@ -35,6 +35,20 @@ def test_greedy_accepts_while_drafts_are_the_argmax_then_emits_the_argmax():
     assert out.logprobs.logprob_token_ids[:, 0].tolist() == [1, 2, 3, 0, 0, 5, 2, 3]
 
 
+def test_logprob_token_ids_are_reported_for_each_emitted_token_of_the_request_that_names_them():
+    """vLLM's logprob_token_ids with drafts: every token a request emits (accepted drafts and the final one) reports
+    the ids its rows name, in place of the top ones; the other requests' tokens keep their top k."""
+    drafts = [[1, 2, 5], [0, 0], [], [4]]
+    logits = one_hot_logits([1, 2, 3, 4] + [0, 0, 5] + [2] + [3, 1])
+    meta = metadata(len(logits), 0.0, max_num_logprobs=2)
+    meta.logprob_token_ids = {row: torch.tensor([3, 4]) for row in (4, 5, 6)}  # request 1's rows
+    lp = RejectionSampler(Sampler())(logits, meta, drafts).logprobs
+    # emitted: request 0's rows 0-2, request 1's rows 4-6, request 2's row 7, request 3's row 8
+    assert lp.logprob_token_ids[3:6, 1:].tolist() == [[3, 4]] * 3
+    torch.testing.assert_close(lp.logprobs[3:6, 1:], torch.log_softmax(logits, -1)[4:7][:, [3, 4]])
+    assert lp.logprob_token_ids[[0, 1, 2, 6, 7], 1].tolist() == [1, 2, 3, 2, 3]  # the top token
+
+
 def test_logprobs_follow_the_samplers_logprobs_mode():
     """Each emitted token's logprobs are of the logits the Sampler's logprobs_mode names: raw by default, those it was
     sampled from (here at temperature 0.5) in a processed mode."""

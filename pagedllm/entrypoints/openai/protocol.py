@@ -203,6 +203,9 @@ class SamplingRequest(OpenAIBaseModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: LogprobsCount = None
+    # vLLM's: with logprobs asked for, each generated token's alternatives are these token ids (in place of the top
+    # ones), all of them returned.
+    logprob_token_ids: Optional[list[int]] = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: a stream's chunks every this many tokens at least (the server's --stream-interval the least).
     stream_interval: Optional[int] = Field(default=None, ge=1)
@@ -266,6 +269,8 @@ class SamplingRequest(OpenAIBaseModel):
         the sampling knobs do not apply. Logprobs are served from each beam's step candidates (so at most 2 * n
         alternatives per token, as vLLM's); prompt logprobs are refused rather than left out (a beam search
         computes none)."""
+        if self.logprob_token_ids:
+            raise ValueError("logprob_token_ids is not supported with use_beam_search.")
         logprobs = self.requested_logprobs()
         if logprobs is not None and logprobs < -1:
             raise self.rename_error(ValueError(f"logprobs must be non-negative, or -1 for all there are, got "
@@ -332,6 +337,8 @@ class SamplingRequest(OpenAIBaseModel):
         theirs)."""
         if structured_outputs is None:
             structured_outputs = self.structured_outputs_params()
+        if self.logprob_token_ids and logprobs is None:
+            raise ValueError("logprob_token_ids needs logprobs to be set (chat: true).")
         try:
             return SamplingParams(
                 n=self.n if self.n is not None else 1,
@@ -340,8 +347,11 @@ class SamplingRequest(OpenAIBaseModel):
                 top_k=self._or_default("top_k", default_sampling_params, 0),
                 min_p=self._or_default("min_p", default_sampling_params, 0.0),
                 seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
-                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                # as vLLM's: the ids stand in for the count of logprobs (top_logprobs, or completions' logprobs)
+                logprobs=None if self.logprob_token_ids else logprobs,
+                logprob_token_ids=self.logprob_token_ids or None, prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 presence_penalty=self._or_default("presence_penalty", default_sampling_params, 0.0),
@@ -385,6 +395,9 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
     def to_sampling_params(self, max_tokens: int, default_sampling_params: dict) -> SamplingParams:
+        if self.echo_only and self.logprob_token_ids:
+            raise ValueError("logprob_token_ids is not supported when echo=True and max_tokens=0, which generate no "
+                             "tokens.")
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None and prompt_logprobs is None:
             prompt_logprobs = self.logprobs  # echoed prompt tokens get logprobs too

@@ -276,21 +276,25 @@ class OpenAIServingChat(OpenAIServing):
         if not request.logprobs or output.logprobs is None:
             return None
         num_top, as_ids = request.top_logprobs or 0, request.return_tokens_as_token_ids
-        return ChatCompletionLogProbs(content=[self._logprob_content(token_id, step, num_top, as_ids)
+        every = bool(request.logprob_token_ids)
+        return ChatCompletionLogProbs(content=[self._logprob_content(token_id, step, num_top, as_ids, every)
                                                for token_id, step in zip(output.token_ids, output.logprobs)])
 
-    def _logprob_content(self, token_id: int, step: dict[int, Logprob], num_top: int, as_ids: Optional[bool] = False
-                         ) -> ChatCompletionLogProbsContent:
+    def _logprob_content(self, token_id: int, step: dict[int, Logprob], num_top: int, as_ids: Optional[bool] = False,
+                         every: bool = False) -> ChatCompletionLogProbsContent:
         """The chosen token, and the num_top most likely ones in rank order (which may include it); num_top -1 (vLLM's
-        top_logprobs -1, which --max-logprobs -1 allows) is all of them, as many as the engine gave."""
+        top_logprobs -1, which --max-logprobs -1 allows) is all of them, as many as the engine gave. ``every`` (a
+        request with logprob_token_ids): all the step holds, in its order, the chosen token then the ids asked for
+        (vLLM's)."""
         if num_top < 0:
             num_top = len(step)
         chosen = step.get(token_id)
-        top = sorted(((t, lp) for t, lp in step.items() if lp.rank is not None and 1 <= lp.rank <= num_top),
-                     key=lambda item: item[1].rank)
+        top = list(step.items()) if every else sorted(
+            ((t, lp) for t, lp in step.items() if lp.rank is not None and 1 <= lp.rank <= num_top),
+            key=lambda item: item[1].rank)[:num_top]
         return ChatCompletionLogProbsContent(
             **self._logprob(token_id, chosen, as_ids),
-            top_logprobs=[ChatCompletionLogProb(**self._logprob(t, lp, as_ids)) for t, lp in top[:num_top]])
+            top_logprobs=[ChatCompletionLogProb(**self._logprob(t, lp, as_ids)) for t, lp in top])
 
     def _logprob(self, token_id: int, logprob: Optional[Logprob], as_id: Optional[bool] = False) -> dict:
         token = self._token_str(token_id, logprob, as_id)

@@ -179,10 +179,12 @@ class OpenAIServingCompletion(OpenAIServing):
             tokens.append(token)
             token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
             # at most logprobs + 1 alternatives (the token and the top ones; -1: all there are), also at an echoed
-            # prompt's positions whose prompt_logprobs asked for more (vLLM's)
+            # prompt's positions whose prompt_logprobs asked for more (vLLM's); with logprob_token_ids all there are
+            # (the token and the ids asked for)
+            every = request.logprobs == -1 or request.logprob_token_ids
             top_logprobs.append(None if step is None else {
                 self._token_str(t, lp, request.return_tokens_as_token_ids): max(lp.logprob, MIN_LOGPROB)
-                for t, lp in itertools.islice(step.items(), None if request.logprobs == -1 else request.logprobs + 1)})
+                for t, lp in itertools.islice(step.items(), None if every else request.logprobs + 1)})
             offsets.append(text_offset)
             text_offset += len(token)
         return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,
