@@ -42,7 +42,10 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     def __post_init__(self) -> None:
         self._check_types()
-        set_kinds = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if self.json_object is False:  # as vLLM, rather than read as not set
+            raise ValueError("structured_outputs.json_object must be True if set; omit structured_outputs to disable "
+                             "structured outputs.")
+        set_kinds = [kind for kind in _KINDS if getattr(self, kind) is not None]
         if len(set_kinds) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_KINDS)}; "
                              f"got {set_kinds or 'none'}.")
@@ -77,7 +80,7 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     @property
     def kind(self) -> str:
-        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+        return next(kind for kind in _KINDS if getattr(self, kind) is not None)
 
     @property
     def spec(self) -> str:

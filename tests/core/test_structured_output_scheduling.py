@@ -249,7 +249,7 @@ def test_booleans_are_read_as_vllms_pydantic_reads_them():
 
 def test_params_python_reads_alike_are_taken_in_the_types_the_engine_decodes():
     params = SamplingParams(structured_outputs=StructuredOutputsParams(
-        choice=("a", "b"), json_object=0, disable_any_whitespace=0, disable_additional_properties=1))
+        choice=("a", "b"), disable_any_whitespace=0, disable_additional_properties=1))
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams).structured_outputs
     assert (decoded.choice, decoded.disable_any_whitespace, decoded.disable_additional_properties) == (
         ["a", "b"], False, True)

@@ -64,6 +64,15 @@ def test_vllms_structured_outputs_options_and_unknown_keys_are_taken():
         is None
 
 
+@pytest.mark.parametrize("so", [{"json_object": False}, {"json_object": "no", "json": {"type": "object"}}])
+def test_json_object_false_is_refused(so):
+    """As vLLM: json_object must be True if set (False is no way to turn the constraint off), never read as unset."""
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="^structured_outputs.json_object must be True if set"):
+        StructuredOutputsParams(**so)
+
+
 def test_response_format_structural_tag(server):
     """vLLM's response_format {"type": "structural_tag"}: xgrammar's format (here one tag, so the whole answer), and
     the legacy structures and triggers (as structured_outputs.structural_tag takes them too)."""
@@ -93,6 +102,7 @@ def test_response_format_structural_tag(server):
     ({"structured_outputs": {"json": True}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "disable_any_whitespace": "maybe"}}, "structured_outputs"),
     ({"structured_outputs": {"json": {"enum": [10**30]}}}, "structured_outputs"),  # beyond MessagePack's 64 bits
+    ({"structured_outputs": {"json": {"type": "object"}, "json_object": False}}, "structured_outputs"),  # vLLM's
     ({"response_format": {"type": "structural_tag"}}, "response_format"),
     ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
