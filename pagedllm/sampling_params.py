@@ -89,6 +89,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
     # vLLM's default: every output holds everything so far (LLM.generate asks for FINAL_ONLY, a stream for DELTA).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: the most tokens a reasoning model may think for (-1: no limit, read as None). Taken and checked as vLLM
+    # takes it, but refused by the Processor: the engine has no reasoning config to end a model's thinking with.
+    thinking_token_budget: Optional[int] = None
     # vLLM's: a running DELTA request's outputs come every this many tokens (its first token and its end at once); the
     # engine's stream_interval is the least. Fewer outputs, less frontend work per token.
     stream_interval: Optional[int] = None
@@ -109,6 +112,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if type(self.thinking_token_budget) is int and self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
         if self.logit_bias is not None:
             self.logit_bias = _int_keys_clamped(self.logit_bias)
         self._verify()
@@ -198,6 +203,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             if value is not None and value < -1:
                 bad(name, f"must be non-negative, or -1 for the whole vocabulary, got {value}.")
         self._verify_logprob_token_ids()
+        budget = self.thinking_token_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            bad("thinking_token_budget", f"must be a non-negative integer or -1 for unlimited, got {budget!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}.")
         if any(not s for s in self.stop):

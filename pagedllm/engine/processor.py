@@ -187,6 +187,9 @@ class Processor:
         cache_salt = cache_salt_of(prompt)
         self.validate_lora_request(lora_request)
         params = self.validate_logprobs(params)
+        if params.thinking_token_budget is not None:  # vLLM refuses it too where it has no reasoning config
+            raise ValueError("thinking_token_budget is not supported: this engine cannot end a model's thinking (vLLM "
+                             "needs --reasoning-parser or --reasoning-config for it); leave it out or set it to -1.")
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
         params = self.process_sampling_controls(params)

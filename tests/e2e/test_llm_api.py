@@ -158,6 +158,22 @@ def test_bad_logprob_token_ids_name_the_field(params, message):
         SamplingParams(**params)
 
 
+@pytest.mark.parametrize("budget", [-2, True, 1.5, "8"])
+def test_bad_thinking_token_budgets_name_the_field(budget):
+    with pytest.raises(ValueError, match="^thinking_token_budget must be a non-negative integer"):
+        SamplingParams(thinking_token_budget=budget)
+
+
+def test_thinking_token_budget_is_refused_not_ignored(llm):
+    """vLLM enforces a thinking_token_budget only with a reasoning config (and refuses it without one); pagedllm's
+    engine has none, so it is refused rather than ignored. -1 is vLLM's no budget."""
+    with pytest.raises(ValueError, match="^thinking_token_budget is not supported"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, thinking_token_budget=8), use_tqdm=False)
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+    assert len(llm.generate("Hello", SamplingParams(max_tokens=2, thinking_token_budget=-1),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 def test_processed_logprobs_mode_reports_what_was_sampled_from():
     """vLLM's logprobs_mode="processed_logprobs": a token's logprobs are of the distribution it was sampled from,
     here top_k 3 (the others -inf, the three summing to 1); prompt logprobs stay the model's own."""

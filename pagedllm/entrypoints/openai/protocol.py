@@ -206,6 +206,8 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: with logprobs asked for, each generated token's alternatives are these token ids (in place of the top
     # ones), all of them returned.
     logprob_token_ids: Optional[list[int]] = None
+    # vLLM's, checked by SamplingParams (an integer, not a bool) and refused by the engine, which cannot enforce it.
+    thinking_token_budget: Any = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: a stream's chunks every this many tokens at least (the server's --stream-interval the least).
     stream_interval: Optional[int] = Field(default=None, ge=1)
@@ -359,6 +361,7 @@ class SamplingRequest(OpenAIBaseModel):
                 repetition_penalty=self._or_default("repetition_penalty", default_sampling_params, 1.0),
                 logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 structured_outputs=structured_outputs, stream_interval=self.stream_interval,
+                thinking_token_budget=self.thinking_token_budget,
                 # as vLLM's requests: a stream sends what each step adds, an answer is sent whole when it is done
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:
