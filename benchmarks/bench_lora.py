@@ -50,12 +50,15 @@ def write_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
 
 def slot_bytes(hf_config, rank: int, dtype: torch.dtype) -> int:
     """One adapter slot in every LoRA'd layer, on one rank: A (each slice's side by side, padded to whole lanes)
-    and B (each slice's in its own columns), at max_lora_rank, in the model's dtype (lora/layers.LinearLoRA)."""
+    and B (each slice's in its own columns), at max_lora_rank, in the model's dtype (lora/layers.LinearLoRA); and
+    the token embedding's A and B and the LM head's (lora/layers.EmbeddingLoRA, LogitsLoRA)."""
     per_layer = 0
     for fused, num_slices in NUM_SLICES.items():
         shapes = slice_shapes(hf_config)[fused]
         per_layer += (shapes[0][0] * lanes(num_slices * rank) + rank * sum(out for _, out in shapes)) * dtype.itemsize
-    return per_layer * hf_config.num_hidden_layers
+    vocab, hidden = hf_config.vocab_size, hf_config.hidden_size
+    outside = (vocab * rank + rank * hidden) + (hidden * lanes(rank) + rank * vocab)
+    return per_layer * hf_config.num_hidden_layers + outside * dtype.itemsize
 
 
 def timed(llm: LLM, prompts: list[list[int]], max_tokens: int, loras) -> float:

@@ -15,6 +15,7 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.soft_cap = soft_cap
+        self.lora = None  # the LM head's adapter slots (lora/layers.LogitsLoRA), attached by the worker's LoRA manager
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         """Every TP rank calls it (the gather is collective); only TP rank 0 gets the logits, the others None."""
@@ -25,6 +26,8 @@ class LogitsProcessor(nn.Module):
                 return None
         # Drop the zero rows that pad the last vocab shard.
         logits = logits[..., : self.vocab_size].float()
+        if self.lora is not None and self.lora.punica.active:
+            self.lora.add_to(logits, hidden_states.float())
         if self.soft_cap is not None:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits

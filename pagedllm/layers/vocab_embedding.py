@@ -52,6 +52,7 @@ class VocabParallelEmbedding(nn.Module):
         else:
             self._add_param("weight", torch.empty(rows, embedding_dim, dtype=self.dtype))
         self._projection: DenseWeight | QuantizedWeight | None = None
+        self.lora = None  # the token embedding's adapter slots (lora/layers.EmbeddingLoRA), attached by the worker
         self._few_rows_projection: QuantizedWeight | None = None  # see Q8_HEAD_MAX_ROWS
 
     @property
@@ -102,6 +103,13 @@ class VocabParallelEmbedding(nn.Module):
         return (codes.float() * scales.repeat_interleave(self.scale_block, dim=-1)).to(self.dtype)  # exact for Q8_0, one rounding for Q6_K
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self._lookup(input_ids)
+        if self.lora is not None and self.lora.punica.active:
+            self.lora.add_to(rows, input_ids)
+        return rows
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The base model's rows of ``input_ids``, times embed_scale."""
         if self.tp_size == 1:
             native = None
             if self.dtype == torch.float32:  # the native lookups give float32 rows

@@ -7,6 +7,12 @@ gate/up into gate_up_proj, so each original module becomes one slice of a fused 
 (LORA_TARGETS). Where the checkpoint's module is itself fused (Phi-3's qkv_proj and gate_up_proj), its B splits by
 rows into the slices, which share its A: x·A·B is the slices' x·A·B_i side by side. B is stored multiplied by the
 adapter's scaling, so a layer adds x·A·B with nothing else to do.
+
+Outside the decoder layers (vLLM's embedding_modules): the token embedding, whose LoRA PEFT names
+``...embed_tokens.lora_embedding_A`` (``[r, vocab]``: a token's A is its column) and ``...lora_embedding_B``
+(``[hidden, r]``), and the LM head, a linear LoRA (A ``[r, hidden]``, B ``[vocab, r]``), each one slice of its own.
+The base weights PEFT saves beside them (``...embed_tokens.base_layer.weight``, ``lm_head.base_layer.weight``) are
+the base model's, skipped as vLLM skips them (is_base_embedding_weights).
 """
 from __future__ import annotations
 
@@ -38,8 +44,13 @@ NUM_SLICES = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj"
 # A decoder layer's LoRA A or B as peft names it, or without peft's "base_model.model." (as vLLM takes it:
 # parse_fine_tuned_lora_name); a multimodal checkpoint's (Gemma 3 4B and up) under its language model, as either
 # transformers layout spells it.
-_TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
-                          r"layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+_MODEL = r"^(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+_TENSOR_NAME = re.compile(_MODEL + r"layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+# checkpoint module outside the decoder layers -> the model's module that serves its LoRA
+EMBEDDING_MODULES = {"embed_tokens": "model.embed_tokens", "lm_head": "lm_head"}
+_EMBEDDING_NAMES = (re.compile(_MODEL + r"(embed_tokens)\.lora_embedding_([AB])$"),
+                    re.compile(r"^(?:base_model\.model\.)?(?:language_model\.)?(lm_head)\.lora_([AB])\.weight$"))
+_BASE_EMBEDDING_WEIGHTS = (".embed_tokens.base_layer.weight", ".lm_head.base_layer.weight")
 
 
 def slice_shapes(hf_config) -> dict[str, list[tuple[int, int]]]:
@@ -55,6 +66,13 @@ def slice_shapes(hf_config) -> dict[str, list[tuple[int, int]]]:
     }
 
 
+def embedding_shapes(hf_config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each EMBEDDING_MODULES' LoRA: A is ``[r, in]`` and B ``[out, r]``, the embedding's taking a
+    token id (one of the vocabulary) to a hidden state."""
+    return {"embed_tokens": (hf_config.vocab_size, hf_config.hidden_size),
+            "lm_head": (hf_config.hidden_size, hf_config.vocab_size)}
+
+
 @dataclass
 class LoRALayerWeights:
     """One fused layer's adapter: per slice, ``(A [r, in], B·scaling [out, r])`` or None where the adapter leaves
@@ -67,7 +85,7 @@ class LoRALayerWeights:
 class LoRAModel:
     lora_int_id: int
     rank: int
-    # "model.layers.<i>.<layer>" -> its weights
+    # "model.layers.<i>.<layer>", or an EMBEDDING_MODULES' module -> its weights
     layers: dict[str, LoRALayerWeights] = field(default_factory=dict)
 
     @classmethod
@@ -83,6 +101,9 @@ class LoRAModel:
                 a, b = (f.get_tensor(names[ab]) for ab in "AB")
                 scaling = peft.rank_and_scaling(module_name(names["A"]))[1]
                 a, b = a.to(dtype), (b.to(torch.float64) * scaling).to(dtype)
+                if layer_index is None:
+                    model.layers[EMBEDDING_MODULES[module]] = LoRALayerWeights([(a, b)])
+                    continue
                 fused, slice_index = LORA_TARGETS[module]
                 weights = model.layers.setdefault(f"model.layers.{layer_index}.{fused}",
                                                   LoRALayerWeights([None] * NUM_SLICES[fused]))
@@ -153,52 +174,70 @@ def _weights(lora_path: str):
 
 
 def check_local_checkpoint(lora_path: str, hf_config, max_lora_rank: int
-                           ) -> tuple[PEFTHelper, dict[tuple[int, str], dict[str, str]]]:
-    """An adapter's settings and, per (layer, module) it adapts in layer order, the names of its A and B tensors,
-    checked against the base model's config from its config file and its tensors' names and shapes, without
-    reading a safetensors file's data (the frontend checks each adapter this way; the worker loads it). A ValueError
-    names what does not fit: a module the model has no LoRA layer for (an MLP projection of a layer whose
-    feed-forward block is experts included: a dense model's adapter on a mixture of experts of its shapes), a shape
-    that is not the base's, a layer past its last, an A without its B."""
+                           ) -> tuple[PEFTHelper, dict[tuple[int | None, str], dict[str, str]]]:
+    """An adapter's settings and, per (layer, module) it adapts, the names of its A and B tensors: the token
+    embedding's and the LM head's first (layer None), then the decoder layers' in layer order. Checked against the
+    base model's config from its config file and its tensors' names and shapes, without reading a safetensors file's
+    data (the frontend checks each adapter this way; the worker loads it). A ValueError names what does not fit: a
+    module the model has no LoRA layer for (an MLP projection of a layer whose feed-forward block is experts
+    included: a dense model's adapter on a mixture of experts of its shapes), a shape that is not the base's (an
+    embedding's A of another vocabulary size), a layer past its last, an A without its B."""
     peft = PEFTHelper.from_local_dir(lora_path, max_lora_rank)
     with _weights(lora_path) as f:
         return peft, _checked_modules(lora_path, hf_config, peft, f)
 
 
-def _checked_modules(lora_path: str, hf_config, peft: PEFTHelper, weights) -> dict[tuple[int, str], dict[str, str]]:
+def _parsed(lora_path: str, hf_config, name: str) -> tuple[int | None, str, str]:
+    """(layer index, None outside the decoder layers; the checkpoint's module; "A" or "B") of LoRA tensor ``name``,
+    or a ValueError where it is not one of a module pagedllm serves adapters on."""
+    for pattern in _EMBEDDING_NAMES:
+        match = pattern.match(name)
+        if match is not None:
+            return None, match.group(1), match.group(2)
+    match = _TENSOR_NAME.match(name)
+    if match is None or match.group(2) not in LORA_TARGETS:
+        raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module pagedllm serves "
+                         f"adapters on ({', '.join(LORA_TARGETS)} of a decoder layer, {', '.join(EMBEDDING_MODULES)})")
+    layer_index = int(match.group(1))
+    if layer_index >= hf_config.num_hidden_layers:
+        raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the base model has "
+                         f"{hf_config.num_hidden_layers}")
+    return layer_index, match.group(2), match.group(3)
+
+
+def _checked_modules(lora_path: str, hf_config, peft: PEFTHelper, weights
+                     ) -> dict[tuple[int | None, str], dict[str, str]]:
     """check_local_checkpoint's modules, from the names and shapes of the open ``weights``."""
     from pagedllm.models.registry import get_model_architecture
 
     dense_mlp = get_model_architecture(hf_config).dense_mlp
-    shapes = slice_shapes(hf_config)
-    found: dict[tuple[int, str], dict[str, tuple[int, ...]]] = {}
-    names: dict[tuple[int, str], dict[str, str]] = {}
-    for name, shape in [(name, tuple(weights.get_slice(name).get_shape())) for name in weights.keys()]:
-        match = _TENSOR_NAME.match(name)
-        if match is None or match.group(2) not in LORA_TARGETS:
-            raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is not a LoRA A/B of a module "
-                             f"pagedllm serves adapters on ({', '.join(LORA_TARGETS)} of a decoder layer)")
-        layer_index = int(match.group(1))
-        if layer_index >= hf_config.num_hidden_layers:
-            raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}; the "
-                             f"base model has {hf_config.num_hidden_layers}")
-        if match.group(2).startswith("mlp.") and not dense_mlp(hf_config, layer_index):
+    shapes, outside = slice_shapes(hf_config), embedding_shapes(hf_config)
+    found: dict[tuple[int | None, str], dict[str, tuple[int, ...]]] = {}
+    names: dict[tuple[int | None, str], dict[str, str]] = {}
+    for name in weights.keys():
+        if name.endswith(_BASE_EMBEDDING_WEIGHTS):
+            continue
+        layer_index, module, ab = _parsed(lora_path, hf_config, name)
+        if layer_index is not None and module.startswith("mlp.") and not dense_mlp(hf_config, layer_index):
             raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} is for layer {layer_index}'s MLP; the "
                              f"base model's is a mixture of experts, on which pagedllm serves no adapters")
-        found.setdefault((layer_index, match.group(2)), {})[match.group(3)] = shape
-        names.setdefault((layer_index, match.group(2)), {})[match.group(3)] = name
-    for (layer_index, module), ab in sorted(found.items()):
+        found.setdefault((layer_index, module), {})[ab] = tuple(weights.get_slice(name).get_shape())
+        names.setdefault((layer_index, module), {})[ab] = name
+    order = sorted(found, key=lambda key: (key[0] is not None, key[0] or 0, key[1]))
+    for layer_index, module in order:
+        ab, where = found[(layer_index, module)], module if layer_index is None else f"layer {layer_index} {module}"
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has lora_"
-                             f"{''.join(ab)} without its pair")
-        fused, slice_index = LORA_TARGETS[module]
-        covered = shapes[fused] if slice_index is None else [shapes[fused][slice_index]]
-        in_features, out_features = covered[0][0], sum(out for _, out in covered)
+            raise ValueError(f"LoRA adapter {lora_path!r}: {where} has lora_{''.join(ab)} without its pair")
+        if layer_index is None:
+            in_features, out_features = outside[module]
+        else:
+            fused, slice_index = LORA_TARGETS[module]
+            covered = shapes[fused] if slice_index is None else [shapes[fused][slice_index]]
+            in_features, out_features = covered[0][0], sum(out for _, out in covered)
         rank = peft.rank_and_scaling(module_name(names[(layer_index, module)]["A"]))[0]
         if ab["A"] != (rank, in_features) or ab["B"] != (out_features, rank):
-            raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer_index} {module} has A {ab['A']} and B "
-                             f"{ab['B']}; the base model needs A ({rank}, {in_features}) and B "
-                             f"({out_features}, {rank}) for rank {rank}")
+            raise ValueError(f"LoRA adapter {lora_path!r}: {where} has A {ab['A']} and B {ab['B']}; the base model "
+                             f"needs A ({rank}, {in_features}) and B ({out_features}, {rank}) for rank {rank}")
     if not found:
         raise ValueError(f"LoRA adapter {lora_path!r} holds no LoRA weights")
-    return {key: names[key] for key in sorted(names)}
+    return {key: names[key] for key in order}

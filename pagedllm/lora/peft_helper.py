@@ -1,13 +1,14 @@
 """A PEFT adapter directory's adapter_config.json, read and checked (vLLM's vllm/lora/peft_helper.py).
 
-What is served: LoRA (``peft_type`` "LORA") on the attention and MLP projections, any rank up to the engine's
-``max_lora_rank``, ``lora_alpha`` scaling (``use_rslora``: alpha / sqrt(r)), per-module ranks and alphas
-(``rank_pattern``, ``alpha_pattern``, matched as PEFT matches them), ``layers_to_transform`` (the adapter's tensors say
-which layers it has). What is refused, with a ValueError naming it: DoRA, trained biases, ``modules_to_save`` (whole
-replaced modules, e.g. an LM head), ``fan_in_fan_out`` (GPT-2's Conv1D layout), and, as vLLM refuses them
-(PEFTHelper._validate_features), the PEFT variants whose saved A and B are not the whole story: inits that change the
-base weights when PEFT loads the adapter (PiSSA, OLoRA, CorDA, LoftQ), activated LoRA (applied only from its
-invocation tokens on), layer replication, block-diagonal LoRA and QALoRA.
+What is served: LoRA (``peft_type`` "LORA") on the attention and MLP projections, the token embedding and the LM head
+(vLLM's embedding_modules: ``embed_tokens``, ``lm_head``), any rank up to the engine's ``max_lora_rank``, ``lora_alpha``
+scaling (``use_rslora``: alpha / sqrt(r)), per-module ranks and alphas (``rank_pattern``, ``alpha_pattern``, matched as
+PEFT matches them), ``layers_to_transform`` (the adapter's tensors say which layers it has). What is refused, with a
+ValueError naming it: DoRA, trained biases, ``modules_to_save`` (whole replaced modules, e.g. an LM head),
+``fan_in_fan_out`` (GPT-2's Conv1D layout), and, as vLLM refuses them (PEFTHelper._validate_features), the PEFT variants
+whose saved A and B are not the whole story: inits that change the base weights when PEFT loads the adapter (PiSSA,
+OLoRA, CorDA, LoftQ), activated LoRA (applied only from its invocation tokens on), layer replication, block-diagonal
+LoRA and QALoRA.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ class PunicaWrapper:
     def __init__(self) -> None:
         self.token_slots = torch.empty(0, dtype=torch.int64)  # token i's slot, -1 for the base model
         self.active = False  # whether any token of the step has an adapter
+        # Whether a LoRA'd layer runs torch ops in this step (an adapter on the token embedding), which a CPU graph
+        # does not replay: the step then runs eagerly. Set by the worker's LoRA manager, kept by update().
+        self.needs_eager = False
         self._groups: list[tuple[int, torch.Tensor | None]] | None = None
 
     def update(self, token_slots: torch.Tensor) -> None:

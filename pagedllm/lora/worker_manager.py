@@ -1,6 +1,7 @@
-"""The worker's adapters (vLLM's LRUCacheWorkerLoRAManager): ``max_loras`` slots on the model's LoRA'd layers,
-and up to ``max_cpu_loras`` adapters kept loaded (least recently used dropped first), so that an adapter coming
-back costs a copy into a slot, not a read of its files."""
+"""The worker's adapters (vLLM's LRUCacheWorkerLoRAManager): ``max_loras`` slots on the model's LoRA'd layers (the
+decoder layers' projections, and on the stages that have them the token embedding and the LM head's logits), and up to
+``max_cpu_loras`` adapters kept loaded (least recently used dropped first), so that an adapter coming back costs a copy
+into a slot, not a read of its files."""
 from __future__ import annotations
 
 import re
@@ -9,8 +10,10 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from pagedllm.lora.layers import LinearLoRA
-from pagedllm.lora.lora_model import NUM_SLICES, LoRAModel
+from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.lora.layers import EmbeddingLoRA, LinearLoRA, LogitsLoRA
+from pagedllm.lora.lora_model import EMBEDDING_MODULES, NUM_SLICES, LoRAModel
 from pagedllm.lora.punica import PunicaWrapper
 from pagedllm.lora.request import LoRARequest
 
@@ -23,11 +26,23 @@ class WorkerLoRAManager:
         self.hf_config = hf_config
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.punica = PunicaWrapper()
-        self.layers: dict[str, LinearLoRA] = {}
+        self.logits_punica = PunicaWrapper()  # each logits row's slot, for the LM head's LoRA
+        self.token_slots = torch.empty(0, dtype=torch.int64)  # the step's tokens' slots (-1: none)
+        # the model's LoRA'd layers by LoRAModel.layers' names (a tied LM head's LoRA is the logits', not the lookup's)
+        self.layers: dict[str, LinearLoRA | EmbeddingLoRA] = {}
+        self.embedding: EmbeddingLoRA | None = None
+        self.logits: LogitsLoRA | None = None
         for name, module in model.named_modules():
             if _LORA_LAYER.match(name):
                 module.lora = LinearLoRA(module, max_loras, max_lora_rank, self.punica, dtype)
                 self.layers[name] = module.lora
+            elif name == EMBEDDING_MODULES["embed_tokens"] and isinstance(module, VocabParallelEmbedding):
+                module.lora = self.embedding = EmbeddingLoRA(module, max_loras, max_lora_rank, self.punica, dtype)
+                self.layers[name] = module.lora
+            elif name == "logits_processor" and isinstance(module, LogitsProcessor):
+                module.lora = self.logits = LogitsLoRA(hf_config.hidden_size, module.vocab_size, max_loras,
+                                                       max_lora_rank, self.logits_punica, dtype)
+                self.layers[EMBEDDING_MODULES["lm_head"]] = module.lora
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter id in each slot
         self._slot_use = [0] * max_loras  # the step a slot last served, for choosing which to reuse
         self._step = 0
@@ -74,7 +89,9 @@ class WorkerLoRAManager:
                 # is not read again: its slot holds its weights, and a step must not read files, which may be gone.
                 self.loaded.move_to_end(lora_id)
             self._slot_use[slot_of[lora_id]] = self._step
+        self.punica.needs_eager = self.embedding is not None and any(self.embedding.holds[s] for s in slot_of.values())
         if not requests:
+            self.token_slots = torch.empty(0, dtype=torch.int64)
             self.punica.clear()
             return
         # Each token's slot: its adapter id looked up among this step's (sorted), -1 for none (id 0) — ids are any
@@ -82,4 +99,12 @@ class WorkerLoRAManager:
         ids = torch.tensor(sorted(slot_of), dtype=token_lora_ids.dtype)
         slots = torch.tensor([slot_of[lora_id] for lora_id in sorted(slot_of)], dtype=torch.long)
         at = torch.searchsorted(ids, token_lora_ids).clamp_(max=len(ids) - 1)
-        self.punica.update(torch.where(ids[at] == token_lora_ids, slots[at], -1))
+        self.token_slots = torch.where(ids[at] == token_lora_ids, slots[at], -1)
+        self.punica.update(self.token_slots)
+
+    def set_logits_rows(self, token_indices: torch.Tensor) -> None:
+        """Map each row of the next logits (the hidden states of the step's tokens ``token_indices``) to its token's
+        slot, for the LM head's LoRA."""
+        if self.logits is not None:
+            self.logits_punica.update(self.token_slots[token_indices] if self.token_slots.numel()
+                                      else torch.empty(0, dtype=torch.int64))

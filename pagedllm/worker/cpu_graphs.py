@@ -8,7 +8,8 @@ when it runs, so one graph serves any split of the chunks' tokens. A graph is al
 its requests share, when attention takes that prefix once for all rows (cascade attention): the kernels' arguments
 differ with it; and by whether adapters run (multi-LoRA), since the LoRA'd layers launch their kernel only in steps
 with adapters. Which adapter each token takes is an input, read from a static buffer like the token ids, so one
-graph serves any mix of adapters. A step's decode rows are padded to a bucket (1, 2, 4, 8, then multiples of 8) by
+graph serves any mix of adapters; a step with an adapter on the token embedding runs eagerly (that LoRA's lookup is
+torch ops: PunicaWrapper.needs_eager). A step's decode rows are padded to a bucket (1, 2, 4, 8, then multiples of 8) by
 rows before them, and a step with prompt chunks to whole blocks of tokens by one more chunk; padding rows write and
 read only a padding block past the scheduler's (as CUDA graphs pad a batch to a captured size), so that batches of
 nearby sizes and prompts of nearby lengths share a shape; the first step of a shape among many (chunks beside
@@ -145,17 +146,19 @@ class StepGraphs:
 
     def forward(self, step: Step, punica: PunicaWrapper | None = None, num_decodes: int | None = None
                 ) -> torch.Tensor | None:
-        """Final hidden states ``[tokens, hidden]`` of ``step``, from the graph of its key, captured now if this is
-        its first step (of a shape among many: since its shape was seen before, see _static_inputs); None where no
-        graph serves the step (such a shape's first step, too many requests or tokens, or its capture was
-        refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode step), every
-        later one a chunk for the prefill kernel: a verify step's (0 decodes: each request's last token, then its
-        drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it. With
-        adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
+        """Final hidden states ``[tokens, hidden]`` of ``step``, from the graph of its key, captured now if this is its
+        first step (of a shape among many: since its shape was seen before, see _static_inputs); None where no graph
+        serves the step (such a shape's first step, too many requests or tokens, an adapter on the token embedding, or
+        its capture was refused). Its first ``num_decodes`` requests are one-row decodes (None: all of them, a decode
+        step), every later one a chunk for the prefill kernel: a verify step's (0 decodes: each request's last token,
+        then its drafts) or a prompt's. The result is in the graphs' shared pool: the next graph step overwrites it.
+        With adapters in the step (``punica`` active), its tokens' slots move into the static buffer the LoRA kernels
         read, and the graph is one captured with them."""
         num_reqs, num_tokens = len(step.seq_lens), len(step.input_ids)
         num_decodes = num_reqs if num_decodes is None else num_decodes
         self.captured = False
+        if punica is not None and punica.needs_eager:
+            return None
         prefix = 0
         if num_reqs > 1:
             slot_mapping, block_table = step.tables[0]

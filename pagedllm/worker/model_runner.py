@@ -306,7 +306,7 @@ class ModelRunner:
             offsets = np.arange(int(num_drafts.sum()) + len(sampling)) - np.repeat(np.cumsum(num_drafts + 1)
                                                                                   - num_drafts - 1, num_drafts + 1)
             logits_indices = np.repeat(cu_num_tokens[sampling] - 1 - num_drafts, num_drafts + 1) + offsets
-            logits = self._on_host(self.model.compute_logits(hidden_states[self._on_device(logits_indices)]))
+            logits = self._compute_logits(hidden_states, logits_indices)
             sampler_output = None
             if logits is not None:  # TP rank 0
                 logits_rows = np.repeat(sample_rows, num_drafts + 1)
@@ -350,6 +350,13 @@ class ModelRunner:
         """Logits where the sampler runs: the CPU, whose tensors (sampling metadata, generators, grammar bitmasks)
         are the batch's (None stays None: a TP rank other than 0)."""
         return logits if logits is None or logits.device.type == "cpu" else logits.float().cpu()
+
+    def _compute_logits(self, hidden_states: torch.Tensor, token_indices: np.ndarray) -> torch.Tensor | None:
+        """The logits (on the host) of the step's tokens ``token_indices``, each by its request's adapter's LM head
+        LoRA where it has one."""
+        if self.lora_manager is not None:
+            self.lora_manager.set_logits_rows(torch.from_numpy(token_indices))
+        return self._on_host(self.model.compute_logits(hidden_states[self._on_device(token_indices)]))
 
     def _set_active_loras(self, rows: np.ndarray, num_scheduled: np.ndarray) -> None:
         """This step's adapters into slots, and each token's slot for the LoRA'd layers."""
@@ -442,7 +449,7 @@ class ModelRunner:
             if end <= first_pos:
                 continue
             first = int(query_start_loc[j]) + first_pos - start
-            logits = self._on_host(self.model.compute_logits(hidden_states[first:first + end - first_pos]))
+            logits = self._compute_logits(hidden_states, np.arange(first, first + end - first_pos))
             state.num_prompt_logprobs_done = end
             if logits is None:  # a TP rank other than 0: it joined the gather, rank 0 reports
                 continue

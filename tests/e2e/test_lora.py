@@ -34,6 +34,12 @@ ADAPTERS = {  # name -> peft LoraConfig settings
                      rank_pattern={"o_proj": 8, "model.layers.1.self_attn.q_proj": 12},
                      alpha_pattern={"down_proj": 24}),
 }
+EMBEDDING_ADAPTERS = {  # name -> peft LoraConfig settings, on the token embedding and the LM head
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "embed": dict(r=8, lora_alpha=16, target_modules=["embed_tokens"]),
+    "head": dict(r=4, lora_alpha=32, target_modules=["lm_head"]),
+    "both-qv": dict(r=8, lora_alpha=16, target_modules=["embed_tokens", "lm_head", "q_proj", "v_proj"]),
+}
 ENGINE = dict(dtype="float32", max_model_len=1024, enable_lora=True, max_loras=2, max_lora_rank=16)
 MAX_TOKENS = 24
 
@@ -45,7 +51,7 @@ def _random_adapter(hf_model, settings: dict, seed: int, path) -> torch.nn.Modul
                                 peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **settings))
     with torch.no_grad():  # B's default, U(+-1/sqrt(r)), swamps the base model; scaled, it changes its output
         for name, param in model.named_parameters():
-            if "lora_B" in name:
+            if "lora_B" in name or "lora_embedding_B" in name:
                 param.mul_(0.25)
     model.save_pretrained(path, safe_serialization=True)
     return model.eval()
@@ -168,7 +174,11 @@ Q_PROJ = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     ({"target_modules": 5}, {}, r"target_modules must be a module name pattern or a list of module names, got 5"),
     ({}, {Q_PROJ.format("A"): torch.zeros(4, 100), Q_PROJ.format("B"): torch.zeros(576, 4)},
      r"q_proj has A \(4, 100\) and B \(576, 4\); the base model needs A \(4, 576\)"),
-    ({}, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}, r"'base_model.model.lm_head.lora_A"),
+    ({}, {"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}, r"lm_head has lora_A without its pair"),
+    ({}, {"base_model.model.model.norm.lora_A.weight": torch.zeros(4, 576)}, r"'base_model.model.model.norm.lora_A"),
+    ({}, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 100),
+          "base_model.model.model.embed_tokens.lora_embedding_B": torch.zeros(576, 4)},
+     r"embed_tokens has A \(4, 100\) and B \(576, 4\); the base model needs A \(4, 49152\)"),
     ({}, {Q_PROJ.format("A").replace("layers.0", "layers.30"): torch.zeros(4, 576)}, r"layer 30; the base model "
                                                                                      r"has 30"),
 ])
@@ -399,19 +409,24 @@ def test_lora_request_without_enable_lora_is_a_value_error(llm, adapters):
 
 def test_tensor_parallel_2_on_a_tiny_model(tmp_path, tokenizer):
     """tp=2 (multi-process) on a tiny random Llama (4 heads, 2 KV heads): column-parallel layers hold their shard of
-    B, row-parallel ones their shard of A before the all-reduce; output is transformers + peft's."""
+    B, row-parallel ones their shard of A before the all-reduce; every rank adds the whole embedding LoRA to the
+    all-reduced rows, rank 0 the LM head's to the gathered logits. Output is transformers + peft's."""
     from tests.e2e.test_parallel_tiny_models import PROMPTS, save_tiny_model
 
     base = save_tiny_model(tmp_path / "model", tokenizer, "llama")
-    adapter = _random_adapter(base, ADAPTERS["all-r8"], 0, tmp_path / "adapter")
-    lora = LoRARequest("tiny", 1, str(tmp_path / "adapter"))
-    requests = [lora if i % 2 else None for i in range(len(PROMPTS))]
+    adapter = (LoRARequest("tiny", 1, str(tmp_path / "adapter")),
+               _random_adapter(base, ADAPTERS["all-r8"], 0, tmp_path / "adapter"))
+    embedding = (LoRARequest("embedding", 2, str(tmp_path / "embedding")),
+                 _random_adapter(base, EMBEDDING_ADAPTERS["both-qv"], 3, tmp_path / "embedding"))
+    prompts = [*PROMPTS, PROMPTS[1]]
+    served = [adapter if i % 2 else (None, base) for i in range(len(PROMPTS))] + [embedding]
+    requests = [request for request, _ in served]
     with running_llm(str(tmp_path / "model"), dtype="float32", max_model_len=512, num_kv_blocks=64,
                      tensor_parallel_size=2, distributed_executor_backend="mp", enable_lora=True,
                      max_lora_rank=8) as llm:
-        outputs = run(llm, PROMPTS, requests)
-    for prompt, request, got in zip(PROMPTS, requests, outputs):
-        assert_transformers_greedy(adapter if request else base, [prompt], [got], MAX_TOKENS)
+        outputs = run(llm, prompts, requests)
+    for prompt, (request, oracle), got in zip(prompts, served, outputs):
+        assert_transformers_greedy(oracle, [prompt], [got], MAX_TOKENS)
         if request:  # the adapter changed the output: the base model would not have chosen it
             assert hf_greedy(base, prompt, got) != got
 
@@ -454,6 +469,48 @@ def test_a_gemma3_multimodal_checkpoints_adapter_on_its_language_model(tmp_path,
     assert_transformers_greedy(adapter, [prompts[0]], [outputs[0]], MAX_TOKENS)
     assert_transformers_greedy(base, [prompts[1]], [outputs[1]], MAX_TOKENS)
     assert hf_greedy(base, prompts[0], outputs[0]) != outputs[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_adapters_on_the_embedding_and_lm_head_equal_transformers_with_peft(tmp_path, tokenizer, name):
+    """vLLM serves LoRA on embed_tokens (VocabParallelEmbeddingWithLoRA: PEFT's lora_embedding_A looked up by token,
+    times lora_embedding_B) and on lm_head (LogitsProcessorWithLoRA), beside the base weights PEFT saves with them:
+    each alone, and both with q/v, in one batch with the base model and a q/v adapter, on a tiny random Llama (untied
+    LM head) and Qwen2 (tied), give transformers + peft's output, which each adapter changed; so do prompt logprobs
+    under the LM head's. In the test process, where CPU graphs are seen: a q/v adapter's steps capture graphs first,
+    and the embedding adapter's steps of the same shapes must not replay them (they have no embedding LoRA)."""
+    from safetensors import safe_open
+
+    from tests.e2e.test_parallel_tiny_models import PROMPTS, save_tiny_model
+
+    base = save_tiny_model(tmp_path / "model", tokenizer, name)
+    adapters = {}
+    for i, (adapter, settings) in enumerate(EMBEDDING_ADAPTERS.items()):
+        path = tmp_path / adapter
+        adapters[adapter] = (LoRARequest(adapter, i + 1, str(path)), _random_adapter(base, settings, i, path))
+    with safe_open(str(tmp_path / "both-qv" / "adapter_model.safetensors"), "pt") as f:
+        assert any(key.endswith("base_layer.weight") for key in f.keys())  # PEFT's copy of the base weights
+    llm = in_process_llm(str(tmp_path / "model"), dtype="float32", max_model_len=512, enable_lora=True, max_loras=2,
+                         max_lora_rank=8)
+    for adapter in ("qv", "embed"):  # the same shapes of step, a graph's then the embedding's
+        request, oracle = adapters[adapter]
+        assert_transformers_greedy(oracle, PROMPTS[:1], run(llm, PROMPTS[:1], request), MAX_TOKENS)
+    names = [None, "embed", "head", "both-qv", "qv", "head"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    outputs = run(llm, prompts, [adapters[n][0] if n else None for n in names])
+    for prompt, adapter, got in zip(prompts, names, outputs):
+        assert_transformers_greedy(adapters[adapter][1] if adapter else base, [prompt], [got], MAX_TOKENS)
+        if adapter:
+            assert hf_greedy(base, prompt, got) != got, adapter
+    prompt = PROMPTS[1]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False, lora_request=[adapters["head"][0], None])
+    for output, oracle in zip(outputs, (adapters["head"][1], base)):
+        with torch.inference_mode():
+            expected = torch.log_softmax(oracle(torch.tensor([prompt])).logits[0].float(), -1)
+        got = [output.prompt_logprobs[pos][prompt[pos]].logprob for pos in range(1, len(prompt))]
+        assert got == pytest.approx([expected[pos - 1, prompt[pos]].item() for pos in range(1, len(prompt))],
+                                    abs=1e-3)
 
 
 def test_beam_search_with_an_adapter_per_prompt_equals_transformers_with_peft(llm_with_lora, adapters, hf_model,
