@@ -20,8 +20,8 @@ from pagedllm.engine.core_client import make_async_client, start_client_and_toke
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.engine.processor import Processor, cache_salt_of
-from pagedllm.engine.protocol import EngineCoreOutputs, SchedulerStats
+from pagedllm.engine.processor import Processor, assign_request_id, cache_salt_of
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.loggers import default_stat_loggers
@@ -47,9 +47,6 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers),
                                                 stream_interval=config.scheduler_config.stream_interval)
         self.engine_core = engine_core
-        # request id (the parent's, for n > 1) -> the queue its generate() reads.
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._children: dict[str, list[str]] = {}
         self._dead_error: Optional[EngineDeadError] = None
         self._output_handler = asyncio.get_running_loop().create_task(
             self._run_output_handler(weakref.ref(self), engine_core))
@@ -110,20 +107,20 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0, lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as ``sampling_params.output_kind`` says, as vLLM's: by default each holds everything
-        so far (CUMULATIVE); a stream asks for DELTA, a caller wanting only the end for FINAL_ONLY."""
+        so far (CUMULATIVE); a stream asks for DELTA, a caller wanting only the end for FINAL_ONLY. As vLLM's,
+        ``request_id`` may be one already running: the request runs under a unique id of its own
+        (assign_request_id), its outputs carry ``request_id``, and abort(request_id) stops all it names."""
         if self.errored:
             raise self._dead_error or EngineDeadError()
-        if request_id in self._queues:
-            raise ValueError(f"Request id {request_id!r} is already running.")
         text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority,
                                                lora_request=lora_request)
+        request = assign_request_id(request)
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
         if self.log_requests:
-            logger.info("Added request %s.", request_id)
+            logger.info("Added request %s.", request.request_id)
         finished = False
         try:
-            self._add_request(request_id, text, request)
+            self._add_request(text, request, queue)
             while not finished:
                 output = await queue.get()
                 if isinstance(output, BaseException):  # EngineDeadError
@@ -131,9 +128,8 @@ class AsyncLLM:
                 finished = output.finished
                 yield output
         finally:
-            self._queues.pop(request_id, None)
             if not finished:
-                self._abort([request_id])
+                self._abort([request.request_id], internal=True)
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0,
                           lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
@@ -156,38 +152,25 @@ class AsyncLLM:
             step += 1
         yield instance.request_output(request_id, text, self.tokenizer)
 
-    def _add_request(self, request_id: str, text: Optional[str], request) -> None:
+    def _add_request(self, text: Optional[str], request: EngineCoreRequest, queue: asyncio.Queue) -> None:
         parent, requests = fan_out(request)
-        self.output_processor.add_requests(requests, text, parent)
-        if parent is not None:
-            self._children[request_id] = parent.child_ids
+        self.output_processor.add_requests(requests, text, parent, queue)
         for engine_request in requests:
             self.engine_core.add_request(engine_request)
 
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
-        """vLLM's: stops one request or several (an n > 1 request's id stops all its sequences); the generate() of
-        each ends with a last output whose finish_reason is "abort"."""
+        """vLLM's: stops one request or several, each id one generate() was given, which stops every request
+        running under it (all the sequences of an n > 1 one); the generate() of each ends with a last output whose
+        finish_reason is "abort"."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self.log_requests:
             logger.info("Aborted request(s) %s.", ",".join(request_ids))
         self._abort(request_ids)
 
-    def _abort(self, request_ids: list[str]) -> None:
-        processed = self.output_processor.abort_requests(request_ids)
-        self._deliver(processed.request_outputs)
-        for request_id in request_ids:  # also those a dead engine failed, which left no output to end them
-            self._children.pop(request_id, None)
+    def _abort(self, request_ids: list[str], internal: bool = False) -> None:
+        processed = self.output_processor.abort_requests(request_ids, internal)
         if not self.errored and processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
-
-    def _deliver(self, request_outputs: list[RequestOutput]) -> None:
-        """Each output to its request's generate(), if that still reads."""
-        for request_output in request_outputs:
-            queue = self._queues.get(request_output.request_id)
-            if queue is not None:
-                queue.put_nowait(request_output)
-            if request_output.finished:
-                self._children.pop(request_output.request_id, None)
 
     # ------------------------------------------------------------------------------------------ outputs
     @staticmethod
@@ -204,10 +187,9 @@ class AsyncLLM:
         except EngineDeadError as e:
             engine = engine_ref()
             if engine is not None:
-                logger.error("The engine process died; failing %d in-flight requests.", len(engine._queues))
                 engine._dead_error = e
-                for queue in engine._queues.values():
-                    queue.put_nowait(e)
+                logger.error("The engine process died; failed %d in-flight requests.",
+                             engine.output_processor.propagate_error(e))
 
     def _process_outputs(self, outputs: EngineCoreOutputs) -> None:
         if outputs.engine_dead is not None:  # one data-parallel engine died: only its requests fail
@@ -218,16 +200,14 @@ class AsyncLLM:
                 stat_logger.record(SchedulerStats(), None, outputs.engine_index)
             return
         processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
-        self._deliver(processed.request_outputs)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
 
     def _fail_requests(self, engine_request_ids: list[str], error: EngineDeadError) -> None:
-        failed = set(engine_request_ids)
-        self.output_processor.abort_requests(engine_request_ids)
-        for request_id, queue in list(self._queues.items()):
-            if request_id in failed or failed.intersection(self._children.get(request_id, ())):
-                queue.put_nowait(error)
+        """The generate() of each raises ``error`` (before the abort outputs that forget the requests reach it); that
+        of an n > 1 request then aborts its sequences on the engines that serve on."""
+        self.output_processor.propagate_error(error, engine_request_ids)
+        self.output_processor.abort_requests(engine_request_ids, internal=True)
 
     # ------------------------------------------------------------------------------------------ utilities
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
@@ -245,7 +225,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         """Ends in-flight requests with finish_reason "abort", then stops the engine process."""
         self._dead_error = EngineDeadError("The engine is shut down.")
-        self._deliver(self.output_processor.abort_all())
+        self.output_processor.abort_all()
         self._finalizer()
 
 

@@ -12,7 +12,7 @@ from pagedllm.engine.core_client import make_sync_client, multiprocessing_enable
 from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
-from pagedllm.engine.processor import Processor
+from pagedllm.engine.processor import Processor, assign_request_id
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -66,19 +66,21 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
                     priority: int = 0) -> str:
-        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model), and
-        the request's id returned. What step() returns for it follows ``params.output_kind``, as vLLM's (CUMULATIVE
-        unless the params say)."""
-        self.add_processed_request(*self.processor.process(request_id, prompt, params, arrival_time, priority,
-                                                           lora_request))
-        return request_id
+        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model). As
+        vLLM's, ``request_id`` may be one already running: the request runs under a unique id of its own, returned
+        (abort_request's with internal=True), and its outputs carry ``request_id``. What step() returns for it
+        follows ``params.output_kind``, as vLLM's (CUMULATIVE unless the params say)."""
+        return self.add_processed_request(*self.processor.process(request_id, prompt, params, arrival_time, priority,
+                                                                  lora_request))
 
-    def add_processed_request(self, text: Optional[str], request: EngineCoreRequest) -> None:
-        """Queues a request the Processor has already validated and tokenized."""
+    def add_processed_request(self, text: Optional[str], request: EngineCoreRequest) -> str:
+        """Queues a request the Processor has already validated and tokenized; returns its unique id."""
+        request = assign_request_id(request)
         parent, requests = fan_out(request)
         self.output_processor.add_requests(requests, text, parent)
         for engine_request in requests:
             self.engine_core.add_request(engine_request)
+        return request.request_id
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
@@ -89,11 +91,11 @@ class LLMEngine:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
 
-    def abort_request(self, request_ids: list[str]) -> None:
-        """Stops the requests, here and in the engine core; an n > 1 request's id stops all its sequences. As vLLM's,
-        step() returns nothing more for them."""
-        aborted = self.output_processor.abort_requests(request_ids).reqs_to_abort
-        self.engine_core.abort_requests(list(dict.fromkeys([*request_ids, *aborted])))
+    def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
+        """Stops the requests, here and in the engine core: as vLLM's, each id is one add_request was given, which
+        stops every request added under it (all the sequences of an n > 1 one), or with ``internal`` one that
+        add_request returned. As vLLM's, step() returns nothing more for them."""
+        self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids, internal).reqs_to_abort)
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

@@ -5,6 +5,7 @@ process, and a stop string found here is sent back to the engine as an abort.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,8 +23,13 @@ from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 class RequestState:
     def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float,
-                 log_stats: bool, stream_interval: int = 1, lora_request: Optional[LoRARequest] = None) -> None:
+                 log_stats: bool, stream_interval: int = 1, lora_request: Optional[LoRARequest] = None,
+                 external_req_id: Optional[str] = None, queue: Optional[asyncio.Queue] = None) -> None:
+        """``external_req_id``: the caller's id, which its outputs carry (None: ``request_id`` is). ``queue``: where
+        its outputs go (an AsyncLLM generate()'s), instead of the outputs process_outputs returns."""
         self.request_id = request_id
+        self.external_req_id = external_req_id or request_id
+        self.queue = queue
         self.lora_request = lora_request
         self.index = index
         self.prompt = prompt
@@ -153,7 +159,7 @@ class RequestState:
             finish_reason=str(finish_reason) if finished else None, stop_reason=stop_reason)
         prompt_logprobs = self.prompt_logprobs if not delta or self.num_sent_tokens == 0 else None
         self.num_sent_tokens = len(self.token_ids)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
+        return RequestOutput(self.external_req_id, self.prompt, self.prompt_token_ids, prompt_logprobs, [completion],
                              finished, num_cached_tokens=num_cached_tokens, error=error, metrics=self.stats,
                              lora_request=self.lora_request)
 
@@ -198,9 +204,10 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
 
     def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str],
-                     parent: Optional[ParentRequest] = None) -> None:
+                     parent: Optional[ParentRequest] = None, queue: Optional[asyncio.Queue] = None) -> None:
         """One request's engine requests (an n > 1 request's children, parallel_sampling.fan_out), all or none: an
-        id already running refuses them before any is added, so that undoing the request never touches another's."""
+        id already running (the front-ends' ids are unique, assign_request_id) refuses them before any is added, so
+        that undoing the request never touches another's. ``queue``: where their outputs go (RequestState's)."""
         for request in requests:
             if request.request_id in self.request_states:
                 of = f" (a sequence of request {parent.request_id!r})" if parent is not None else ""
@@ -209,22 +216,40 @@ class OutputProcessor:
             self.request_states[request.request_id] = RequestState(
                 request.request_id, index, prompt, request.prompt_token_ids, request.sampling_params,
                 self.tokenizer, parent, request.arrival_time, self.log_stats,
-                max(request.sampling_params.stream_interval or 1, self.stream_interval), request.lora_request)
+                max(request.sampling_params.stream_interval or 1, self.stream_interval), request.lora_request,
+                request.external_req_id, queue)
 
-    def abort_requests(self, request_ids: list[str]) -> OutputProcessorOutput:
-        """Ends the requests with finish_reason "abort"; an n > 1 request's own id stands for all its sequences (as
-        vLLM's parent id). Returns their last outputs, as vLLM's (an AsyncLLM consumer's stream ends with it), and in
-        reqs_to_abort the engine requests ended, for the engine core to abort."""
+    def abort_requests(self, request_ids: list[str], internal: bool = False) -> OutputProcessorOutput:
+        """Ends the requests with finish_reason "abort". As vLLM's: each id is a caller's (external_req_id), which
+        stands for every request added under it, or with ``internal`` an engine request's or an n > 1 request's own
+        (which stands for all its sequences). Their last outputs go where all their outputs go (to a queue, an
+        AsyncLLM consumer's stream ending with it, else returned), and reqs_to_abort has the engine requests ended,
+        for the engine core to abort."""
         result = OutputProcessorOutput()
         for request_id in request_ids:
-            ended = [request_id] if request_id in self.request_states else [
-                child_id for child_id, state in self.request_states.items()
-                if state.parent is not None and state.parent.request_id == request_id]
-            for engine_request_id in ended:
+            for engine_request_id in self._engine_requests_of(request_id, internal):
                 state = self.request_states.pop(engine_request_id)
                 result.reqs_to_abort.append(engine_request_id)
                 self._emit(state, state.make_output(FinishReason.ABORT, None, None, state.num_cached_tokens), result)
         return result
+
+    def _engine_requests_of(self, request_id: str, internal: bool) -> list[str]:
+        if not internal:
+            return [engine_id for engine_id, state in self.request_states.items()
+                    if state.external_req_id == request_id]
+        if request_id in self.request_states:
+            return [request_id]
+        return [engine_id for engine_id, state in self.request_states.items()
+                if state.parent is not None and state.parent.request_id == request_id]
+
+    def propagate_error(self, error: BaseException, request_ids: Optional[list[str]] = None) -> int:
+        """vLLM's: the error to the queue of each request (of those engine requests; None: of all), whose
+        generate() raises it; returns how many queues (generate() calls) it went to."""
+        states = map(self.request_states.get, request_ids) if request_ids is not None else self.request_states.values()
+        queues = {id(state.queue): state.queue for state in states if state is not None and state.queue is not None}
+        for queue in queues.values():
+            queue.put_nowait(error)
+        return len(queues)
 
     def get_num_unfinished_requests(self) -> int:
         """The engine requests still running here (an n > 1 request's sequences each), as vLLM's."""
@@ -290,9 +315,13 @@ class OutputProcessor:
         if request_output is not None and state.parent is not None:
             request_output = state.parent.add_child_output(
                 request_output, state.output_kind == RequestOutputKind.FINAL_ONLY)
-        if request_output is not None:
+        if request_output is None:
+            return
+        if state.queue is not None:
+            state.queue.put_nowait(request_output)
+        else:
             result.request_outputs.append(request_output)
 
-    def abort_all(self) -> list[RequestOutput]:
-        """Ends every request here with finish_reason "abort" (shutdown); returns their last outputs."""
-        return self.abort_requests(list(self.request_states)).request_outputs
+    def abort_all(self) -> None:
+        """Ends every request here with finish_reason "abort" (shutdown), the last outputs to their queues."""
+        self.abort_requests(list(self.request_states), internal=True)

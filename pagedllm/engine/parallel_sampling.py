@@ -11,8 +11,10 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class ParentRequest:
-    def __init__(self, request_id: str, params: SamplingParams) -> None:
+    def __init__(self, request_id: str, params: SamplingParams, external_req_id: Optional[str] = None) -> None:
+        """``external_req_id``: the caller's id, which the request's outputs carry (None: ``request_id`` is)."""
         self.request_id = request_id
+        self.external_req_id = external_req_id or request_id
         self.params = params
         self.n = params.n
         self.child_ids = [f"{i}_{request_id}" for i in range(self.n)]
@@ -34,19 +36,19 @@ class ParentRequest:
         return self._max_generation_tokens if self._num_observed == self.n else None
 
     def add_child_output(self, child: RequestOutput, final_only: bool) -> Optional[RequestOutput]:
-        """Streaming: pass each child's delta on under the parent's id. Final-only: wait for all n."""
+        """Streaming: pass each child's delta on under the caller's id. Final-only: wait for all n."""
         completion = child.outputs[0]
         if child.finished:
             self._num_finished += 1
         if not final_only:
-            child.request_id = self.request_id
+            child.request_id = self.external_req_id
             child.finished = self._num_finished == self.n
             return child
         self._completions[completion.index] = completion
         self._error = self._error or child.error
         if self._num_finished < self.n:
             return None
-        child.request_id = self.request_id
+        child.request_id = self.external_req_id
         child.outputs = list(self._completions)
         child.error = self._error  # an earlier child's, where the last one finished without
         return child
@@ -57,6 +59,6 @@ def fan_out(request: EngineCoreRequest) -> tuple[Optional[ParentRequest], list[E
     params = request.sampling_params
     if params.n == 1:
         return None, [request]
-    parent = ParentRequest(request.request_id, params)
+    parent = ParentRequest(request.request_id, params, request.external_req_id)
     return parent, [msgspec.structs.replace(request, request_id=child_id, sampling_params=parent.child_params(i))
                     for i, child_id in enumerate(parent.child_ids)]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from typing import Any, Optional
 
 import msgspec
@@ -42,6 +43,15 @@ def validate_cache_salt(cache_salt: object) -> Optional[str]:
 def cache_salt_of(prompt: PromptType) -> Optional[str]:
     """A prompt's cache_salt (a dict's "cache_salt", checked), None where it has none."""
     return validate_cache_salt(prompt.get("cache_salt") if isinstance(prompt, dict) else None)
+
+
+def assign_request_id(request: EngineCoreRequest) -> EngineCoreRequest:
+    """vLLM's InputProcessor.assign_request_id: the request under a unique id, the caller's id with 8 random
+    characters, its own kept as external_req_id. So a caller may add requests under an id already running (vLLM's
+    server passes the client's X-Request-Id on): each runs as its own, its outputs carry the caller's id, and
+    aborting that id aborts them all."""
+    return msgspec.structs.replace(request, request_id=f"{request.request_id}-{uuid.uuid4().hex[:8]}",
+                                   external_req_id=request.request_id)
 
 
 class Processor:

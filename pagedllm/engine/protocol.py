@@ -44,6 +44,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     priority: int = 0
     cache_salt: Optional[str] = None
     lora_request: Optional[LoRARequest] = None
+    # The caller's id (vLLM's): its outputs carry it, and aborting it aborts every request added under it. None: the
+    # request_id is the caller's own (assign_request_id makes a unique request_id for each request a caller adds).
+    external_req_id: Optional[str] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

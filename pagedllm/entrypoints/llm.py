@@ -87,7 +87,7 @@ class LLM:
                 self.llm_engine.add_processed_request(text, request)
             return self._run_engine([request.request_id for _, request in processed], use_tqdm)
         except BaseException:  # Ctrl-C, a dead engine: no request of this call runs on, or waits in the next call
-            self.llm_engine.abort_request(self.llm_engine.output_processor.unfinished_request_ids())
+            self.llm_engine.abort_request(self.llm_engine.output_processor.unfinished_request_ids(), internal=True)
             raise
 
     def chat(self, messages: Union[Conversation, list[Conversation]],

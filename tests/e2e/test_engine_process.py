@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import threading
 import time
@@ -164,6 +165,44 @@ def test_an_async_llm_garbage_collected_stops_its_engine(monkeypatch):
     asyncio.run(run())
 
 
+def test_async_llm_requests_may_share_an_id_and_aborting_it_stops_them_all():
+    """As vLLM's AsyncLLM.generate: an id already running is taken (each request runs under a unique id of its own),
+    each generate() gets its own request's outputs under the caller's id, and abort(id) ends every request running
+    under it with an "abort" output, leaving no KV block held."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    async def last_output(engine: AsyncLLM, prompt_token_ids: list[int], max_tokens: int):
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        async for output in engine.generate({"prompt_token_ids": prompt_token_ids}, params, "twin"):
+            pass
+        return output
+
+    def summary(output) -> tuple:
+        completion = output.outputs[0]
+        return output.request_id, output.prompt_token_ids, len(completion.token_ids), completion.finish_reason
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        try:
+            done = await asyncio.gather(last_output(engine, [1, 2, 3], 4), last_output(engine, [4, 5], 2))
+            assert [summary(output) for output in done] == [("twin", [1, 2, 3], 4, "length"),
+                                                            ("twin", [4, 5], 2, "length")]
+            running = [asyncio.create_task(last_output(engine, ids, 400)) for ids in ([1, 2, 3], [4, 5])]
+            await asyncio.sleep(0)  # both added
+            await engine.abort("twin")
+            aborted = await asyncio.gather(*running)
+            assert [summary(output)[::3] for output in aborted] == [("twin", "abort")] * 2
+            stats = await engine.get_stats()
+            assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
 def test_async_llm_from_engine_args_keeps_vllms_default_stats_and_logs_requests(caplog):
     """As vLLM's AsyncLLM made from AsyncEngineArgs without stat loggers: statistics kept (outputs carry their
     metrics), the pagedllm: metrics in prometheus_client's default registry (an engine made after another's takes
@@ -189,7 +228,7 @@ def test_async_llm_from_engine_args_keeps_vllms_default_stats_and_logs_requests(
                 pass
             assert output.finished and output.metrics is not None and output.metrics.num_generation_tokens == 3
             assert generated_tokens() == 3  # this engine's alone
-            assert "Added request req-7." in caplog.text
+            assert re.search(r"Added request req-7-[0-9a-f]{8}\.", caplog.text)  # vLLM's: the engine's unique id
             caplog.clear()
             await engine.do_log_stats()
             assert "Avg generation throughput" in caplog.text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -370,7 +371,8 @@ def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
         engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
     try:
         assert engine.get_tokenizer() is engine.tokenizer is not None
-        assert engine.add_request("0", "Hello", SamplingParams(max_tokens=3, ignore_eos=True)) == "0"
+        assert re.fullmatch("0-[0-9a-f]{8}", engine.add_request("0", "Hello", SamplingParams(max_tokens=3,
+                                                                                           ignore_eos=True)))
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
@@ -381,19 +383,28 @@ def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
         engine.shutdown()
 
 
-def test_a_request_whose_sequence_ids_are_taken_is_refused_whole(llm):
-    """An n > 1 request's sequences run as requests "<i>_<id>": one of those ids already running refuses the whole
-    request before any sequence is added, and the running one goes on untouched."""
+def test_requests_may_share_an_id_each_running_as_its_own_and_aborted_together(llm):
+    """As vLLM's LLMEngine.add_request: an id already running is taken (each request runs under a unique id, the
+    one returned), each request's outputs are its own under the caller's id, and abort_request(id) stops every
+    request added under it, leaving no KV block held. "1_x" is no clash with the sequences of an n = 2 "x"."""
     engine = llm.llm_engine
-    engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]},
-                       SamplingParams(max_tokens=6, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
-    with pytest.raises(ValueError, match=r"'1_x' \(a sequence of request 'x'\) is already running"):
-        engine.add_request("x", {"prompt_token_ids": [4, 5]}, SamplingParams(n=2, max_tokens=6))
-    assert engine.output_processor.unfinished_request_ids() == ["1_x"]
+    final = dict(ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    added = [engine.add_request("x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=6, **final)),
+             engine.add_request("x", {"prompt_token_ids": [4, 5]}, SamplingParams(n=2, max_tokens=3, **final)),
+             engine.add_request("1_x", {"prompt_token_ids": [6]}, SamplingParams(max_tokens=2, **final))]
+    assert len(set(added)) == 3
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
-    assert [(out.request_id, len(out.outputs[0].token_ids)) for out in outputs] == [("1_x", 6)]
+    assert sorted((out.request_id, out.prompt_token_ids, [len(c.token_ids) for c in out.outputs]) for out in outputs) \
+        == [("1_x", [6], [2]), ("x", [1, 2, 3], [6]), ("x", [4, 5], [3, 3])]
+    for prompt_token_ids in ([1, 2, 3], [4, 5]):
+        engine.add_request("x", {"prompt_token_ids": prompt_token_ids}, SamplingParams(max_tokens=400, **final))
+    engine.step()
+    engine.abort_request(["x"])
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    stats = llm.get_stats()
+    assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
 
 
 def test_an_interrupted_generate_leaves_no_request_running(llm, monkeypatch):
@@ -538,7 +549,8 @@ def test_aborting_a_request_of_n_sequences_by_its_id_stops_them_all(llm):
 
     engine = llm.llm_engine
     engine.add_request("parent", "Tell me a story", SamplingParams(n=2, max_tokens=400, ignore_eos=True))
-    assert engine.output_processor.unfinished_request_ids() == ["0_parent", "1_parent"]
+    assert [re.sub("-[0-9a-f]{8}$", "", request_id) for request_id in engine.output_processor.unfinished_request_ids()
+            ] == ["0_parent", "1_parent"]
     engine.abort_request(["parent"])
     assert engine.output_processor.unfinished_request_ids() == [] and not engine.has_unfinished_requests()
     stats = llm.get_stats()
@@ -607,7 +619,7 @@ def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
         return core.aborted, results
 
     aborted, results = asyncio.run(run())
-    assert aborted == ["a", "0_b", "1_b", "c"]
+    assert [re.sub("-[0-9a-f]{8}$", "", request_id) for request_id in aborted] == ["a", "0_b", "1_b", "c"]
     # CUMULATIVE: each of b's sequences ends with its own output, the last one finishing the request
     assert [[(out.request_id, out.finished) for out in outs] for outs in results] == [
         [("a", True)], [("b", False), ("b", True)], [("c", True)]]

@@ -130,14 +130,13 @@ class OpenAIServing:
                   priority: int, model: Optional[str]) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one prompt, with the LoRA adapter ``model`` names (if it names one). Beam
         search yields one final output holding the n beams, best first, so a stream carries each choice whole in
-        one chunk (as vLLM streams beam search). The engine's id is ``request_id`` made unique (as vLLM's
-        InputProcessor.assign_request_id), so that clients may send the same X-Request-Id at once."""
+        one chunk (as vLLM streams beam search). Clients may send the same X-Request-Id at once: the engine runs
+        each request under a unique id of its own (assign_request_id)."""
         lora_request = self.models.lora_request(model)
         if self.request_logger is not None:  # a chat prompt's text is its template's output, as vLLM logs it
             ids = prompt["prompt_token_ids"]
             text = prompt.get("prompt") or self.tokenizer.decode(ids)
             self.request_logger.log_inputs(request_id, text, ids, params, lora_request)
-        request_id = f"{request_id}-{random_uuid()[:8]}"
         if isinstance(params, BeamSearchParams):
             results = self.engine_client.beam_search(prompt, request_id, params, priority, lora_request)
         else:
