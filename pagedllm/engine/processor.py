@@ -63,7 +63,8 @@ class Processor:
         self.extra_eos_token_ids = [t for t in generation_eos_token_ids(
             model_config.path, model_config.generation_config, model_config.hf_config) if t != self.eos_token_id]
         self.lora_config = lora_config
-        self._checked_loras: dict[int, LoRARequest] = {}  # adapters already found to fit, by id
+        # (name, path) of the adapters already found to fit, by id: values, as a LoRARequest may change after
+        self._checked_loras: dict[int, tuple[str, str]] = {}
 
     def validate_lora_request(self, lora_request: Optional[LoRARequest]) -> None:
         """An adapter is checked against the base model (its files, settings and shapes) the first time its id
@@ -72,18 +73,19 @@ class Processor:
         request reloads it (load_inplace): its files are checked again, as the engine will read them again."""
         if lora_request is None:
             return
+        lora_request.validate()  # its fields may have been set since it was made
         if self.lora_config is None:
             raise ValueError(f"lora_request: LoRA is not enabled in this engine (adapter "
                              f"{lora_request.lora_name!r}); start it with enable_lora=True")
         known = self._checked_loras.get(lora_request.lora_int_id)
         if known is not None and not lora_request.load_inplace:
-            if (known.lora_name, known.lora_path) != (lora_request.lora_name, lora_request.lora_path):
+            if known != (lora_request.lora_name, lora_request.lora_path):
                 raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
-                                 f"{known.lora_name!r} at {known.lora_path!r}")
+                                 f"{known[0]!r} at {known[1]!r}")
             return
         from pagedllm.lora.lora_model import check_local_checkpoint
         check_local_checkpoint(lora_request.lora_path, self.model_config.hf_config, self.lora_config.max_lora_rank)
-        self._checked_loras[lora_request.lora_int_id] = lora_request
+        self._checked_loras[lora_request.lora_int_id] = (lora_request.lora_name, lora_request.lora_path)
 
     def forget_lora(self, lora_int_id: int) -> None:
         self._checked_loras.pop(lora_int_id, None)

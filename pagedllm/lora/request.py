@@ -4,8 +4,9 @@ from __future__ import annotations
 import msgspec
 
 
-class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True):
-    """An adapter by name, id and path: ``LoRARequest("sql", 1, "/adapters/sql")``.
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """An adapter by name, id and path: ``LoRARequest("sql", 1, "/adapters/sql")``. As vLLM's, its fields may be set
+    after it is made, and it is equal to (and hashes as) any LoRARequest of the same ``lora_name``.
 
     ``lora_int_id`` (>= 1) identifies the adapter inside the engine: its slot, its KV blocks (the prefix cache
     keys blocks by it, so two adapters never share one) and its place in the worker's cache of loaded adapters.
@@ -20,8 +21,12 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     load_inplace: bool = False
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
         """Each field as the engine process decodes it (a str, an int64 id), so that what it could not read, and which
-        would end it (or a step, for an id past int64), is this ValueError where the request is made."""
+        would end it (or a step, for an id past int64), is this ValueError where the request is made (and, for one
+        changed since, where it is passed: Processor.validate_lora_request)."""
         if (not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool)
                 or not 1 <= self.lora_int_id < 2**63):
             raise ValueError(f"lora_int_id must be an integer from 1 to 2**63 - 1, got {self.lora_int_id!r}")
@@ -38,3 +43,18 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tr
     @property
     def adapter_id(self) -> int:
         return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+    def __eq__(self, other: object) -> bool:
+        """vLLM's: one adapter is one name, whatever the id or path a request gives it."""
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)

@@ -340,6 +340,34 @@ def test_a_lora_request_the_engine_process_could_not_read_is_a_value_error(args,
         LoRARequest(*args)
 
 
+def test_lora_requests_are_one_adapter_by_name_and_their_fields_may_be_set():
+    """As vLLM's LoRARequest: equal to (and hashed as) any of the same lora_name, whatever its id or path, with
+    vLLM's name and path properties; its fields may be set after it is made (vLLM's server sets base_model_name)."""
+    first, again = LoRARequest("sql", 1, "/a"), LoRARequest("sql", 2, "/b", "base")
+    assert first == again and hash(first) == hash(again) and len({first, again}) == 1
+    assert first != LoRARequest("chat", 1, "/a") and first != "sql"
+    first.base_model_name = "served-base"
+    assert (first.name, first.path, first.base_model_name) == ("sql", "/a", "served-base")
+
+
+def test_a_lora_request_changed_since_it_was_made_is_checked_again(llm_with_lora, adapters, tmp_path):
+    """Its fields are checked again each time it is passed: an id the engine process could not decode (which would
+    end it) is a ValueError, as is another path under an id already served (whose weights the engine keeps); the
+    engine serves on."""
+    lora = copy.copy(adapters["all-r8"][0])
+    lora.lora_name, lora.lora_int_id = "changed", 80
+    prompts = [[1, 2, 3]]
+    served = run(llm_with_lora, prompts, lora)
+    lora.lora_path = str(tmp_path)
+    with pytest.raises(ValueError, match="lora_int_id 80 already names adapter 'changed' at"):
+        run(llm_with_lora, prompts, lora)
+    lora.lora_int_id = "80"
+    with pytest.raises(ValueError, match=r"lora_int_id must be an integer from 1 to 2\*\*63 - 1, got '80'"):
+        run(llm_with_lora, prompts, lora)
+    lora.lora_int_id, lora.lora_path = 80, adapters["all-r8"][0].lora_path
+    assert run(llm_with_lora, prompts, lora) == served
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(max_cpu_loras="4"), r"max_cpu_loras must be a positive integer, got '4'"),
     (dict(max_cpu_loras=0), r"max_cpu_loras must be a positive integer, got 0"),
