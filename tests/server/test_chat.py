@@ -189,6 +189,20 @@ def test_return_prompt_text_is_the_rendered_chat_template(client, model, tokeniz
         == [(0, text), (1, text)]
 
 
+def test_a_streams_role_chunks_carry_the_prompt_fields_null_when_not_asked_for(server, model):
+    """As vLLM's: each choice's first chunk (its role) sets prompt_token_ids and prompt_text, null unless asked for,
+    so that a client reads them there whatever it asked; no other chunk has them."""
+    with server.http() as http:
+        lines = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2,
+                                                        "n": 2, "stream": True}).text.splitlines()
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    prompt_fields = [{key: chunk[key] for key in ("prompt_token_ids", "prompt_text") if key in chunk}
+                     for chunk in chunks]
+    assert [chunk["choices"][0]["delta"].get("role") for chunk in chunks[:2]] == ["assistant", "assistant"]
+    assert prompt_fields[:2] == [{"prompt_token_ids": None, "prompt_text": None}] * 2
+    assert len(chunks) > 2 and prompt_fields[2:] == [{}] * (len(chunks) - 2)
+
+
 def test_stop_string(client, model):
     text = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0,
                                           max_tokens=24).choices[0].message.content

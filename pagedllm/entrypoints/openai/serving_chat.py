@@ -138,9 +138,9 @@ class OpenAIServingChat(OpenAIServing):
         # return_token_ids: each choice's generated ids not sent yet (a chunk a parser holds back sends none)
         unsent_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
         # return_token_ids, return_prompt_text: the prompt's token ids and text, which each choice's first chunk
-        # carries, as vLLM's
-        prompt_fields = {**({"prompt_token_ids": prompt_token_ids} if request.return_token_ids else {}),
-                         **({"prompt_text": prompt_text} if request.return_prompt_text else {})}
+        # carries, as vLLM's: null there when not asked for (vLLM's sets them either way), absent from the others
+        prompt_fields = {"prompt_token_ids": prompt_token_ids if request.return_token_ids else None,
+                         "prompt_text": prompt_text if request.return_prompt_text else None}
 
         def chunk(choice: ChatCompletionResponseStreamChoice, **prompt: Any) -> str:
             # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
