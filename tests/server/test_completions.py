@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import openai
 import pytest
@@ -58,11 +59,21 @@ def test_return_token_ids_and_tokens_as_token_ids(client, tokenizer):
     assert choice.logprobs.tokens == [f"token_id:{t}" for t in choice.token_ids]
     assert all(key.startswith("token_id:") for top in choice.logprobs.top_logprobs for key in top)
     chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
-    assert chunks[0].prompt_token_ids == choice.prompt_token_ids and not hasattr(chunks[1], "prompt_token_ids")
+    assert chunks[0].prompt_token_ids == choice.prompt_token_ids and chunks[1].prompt_token_ids is None
     assert [t for c in chunks for t in c.token_ids] == choice.token_ids
     plain = client.completions.create(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=6,
                                       logprobs=1).choices[0]
     assert plain.token_ids is None and plain.logprobs.tokens[0] == tokenizer.decode(choice.token_ids[:1])
+
+
+def test_streamed_choices_carry_the_token_id_fields_null_when_not_asked_for(server):
+    """As vLLM's: every chunk's choice sets token_ids and prompt_token_ids, null unless return_token_ids asks for
+    them, so that a client reads them from any chunk whatever it asked."""
+    with server.http() as http:
+        lines = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True}).text.splitlines()
+    choices = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines if line.startswith("data: {")]
+    assert choices and [(choice["token_ids"], choice["prompt_token_ids"]) for choice in choices] == \
+        [(None, None)] * len(choices)
 
 
 def test_batch_of_prompts_with_n(client, tokenizer):

@@ -117,8 +117,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     usage = UsageInfo.of(len(prompts[prompt_index][1]), num_generated[index]) \
                         if request.include_continuous_usage else None
                     choice_logprobs = self._logprobs(request, token_ids, logprobs, text_offsets[index])
-                    ids = {} if not request.return_token_ids else {"token_ids": generated[1], **(
-                        {"prompt_token_ids": prompts[prompt_index][1]} if first else {})}
+                    # vLLM's sets both in every chunk: null where not asked for (the prompt's: after the first)
+                    ids = {"token_ids": generated[1] if request.return_token_ids else None,
+                           "prompt_token_ids": prompts[prompt_index][1] if request.return_token_ids and first else None}
                     yield sse(CompletionStreamResponse(
                         id=request_id, object="text_completion", created=created, model=model_name,
                         choices=[CompletionResponseStreamChoice(
