@@ -78,6 +78,12 @@ def llm():
     _shared_engine_pids.clear()
 
 
+def caller_id(engine_request_id: str) -> str:
+    """The id a request was added under, from the unique one the engine runs it under (processor.assign_request_id:
+    the caller's and 8 random characters, as vLLM's)."""
+    return engine_request_id.rsplit("-", 1)[0]
+
+
 def _engine_processes() -> list[psutil.Process]:
     found = []
     for child in psutil.Process().children(recursive=True):

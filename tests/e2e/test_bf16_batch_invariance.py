@@ -39,7 +39,7 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.platforms.cpu import has_native_bf16
-from tests.e2e.conftest import in_process_llm, running_llm
+from tests.e2e.conftest import caller_id, in_process_llm, running_llm
 
 pytestmark = pytest.mark.skipif(not has_native_bf16(), reason="no AVX512-BF16 or AMX: 'auto' is float32 here")
 
@@ -113,8 +113,8 @@ def test_mixed_batch_of_32_matches_each_request_alone(llm, prompts, alone):
 
 
 def _record_step_sizes(monkeypatch) -> dict[str, dict[int, int]]:
-    """Per request id: position -> how many of the request's tokens the step that computed it held. From the
-    scheduler's outputs (SchedulerOutput), read in this process."""
+    """Per request id (the caller's): position -> how many of the request's tokens the step that computed it held.
+    From the scheduler's outputs (SchedulerOutput), read in this process."""
     sizes: dict[str, dict[int, int]] = {}
     schedule = Scheduler.schedule
 
@@ -124,7 +124,8 @@ def _record_step_sizes(monkeypatch) -> dict[str, dict[int, int]]:
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, n in out.num_scheduled_tokens.items():
-            sizes.setdefault(req_id, {}).update({pos: n for pos in range(starts[req_id], starts[req_id] + n)})
+            sizes.setdefault(caller_id(req_id), {}).update({pos: n for pos in range(starts[req_id],
+                                                                                    starts[req_id] + n)})
         return out
 
     monkeypatch.setattr(Scheduler, "schedule", recording_schedule)
