@@ -8,17 +8,20 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """An adapter by name, id and path: ``LoRARequest("sql", 1, "/adapters/sql")``. As vLLM's, its fields may be set
     after it is made, and it is equal to (and hashes as) any LoRARequest of the same ``lora_name``.
 
-    ``lora_int_id`` (>= 1) identifies the adapter inside the engine: its slot, its KV blocks (the prefix cache
-    keys blocks by it, so two adapters never share one) and its place in the worker's cache of loaded adapters.
+    ``lora_int_id`` (>= 1) identifies the adapter inside the engine: its slot and its place in the worker's cache
+    of loaded adapters (the prefix cache keys an adapter's blocks by its name and path, as vLLM's).
     Requests naming the same id must name the same adapter, unless ``load_inplace`` (vLLM's): the engine then reads
     the adapter's files again, and its weights replace those the id had (for its requests already running too).
-    ``lora_path`` is a PEFT adapter directory (adapter_config.json and adapter_model.safetensors)."""
+    ``lora_path`` is a PEFT adapter directory (adapter_config.json and adapter_model.safetensors).
+    ``is_3d_lora_weight``: vLLM's flag for mixture-of-experts adapters in fused 3D layouts, which its engine reads only
+    with enable_mixed_moe_lora_format; taken, and as there (without that setting) it changes nothing."""
 
     lora_name: str
     lora_int_id: int
     lora_path: str = ""
     base_model_name: str | None = None
     load_inplace: bool = False
+    is_3d_lora_weight: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -37,8 +40,9 @@ class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):
                              f"got {self.lora_path!r}")
         if self.base_model_name is not None and not isinstance(self.base_model_name, str):
             raise ValueError(f"base_model_name must be a string or None, got {self.base_model_name!r}")
-        if not isinstance(self.load_inplace, bool):
-            raise ValueError(f"load_inplace must be a bool, got {self.load_inplace!r}")
+        for flag in ("load_inplace", "is_3d_lora_weight"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
     @property
     def adapter_id(self) -> int:

@@ -348,6 +348,10 @@ def test_lora_requests_are_one_adapter_by_name_and_their_fields_may_be_set():
     assert first != LoRARequest("chat", 1, "/a") and first != "sql"
     first.base_model_name = "served-base"
     assert (first.name, first.path, first.base_model_name) == ("sql", "/a", "served-base")
+    # vLLM's flag for MoE adapters' fused layouts, read only under its enable_mixed_moe_lora_format: taken
+    assert LoRARequest("moe", 3, "/m", is_3d_lora_weight=True).is_3d_lora_weight
+    with pytest.raises(ValueError, match="is_3d_lora_weight must be a bool, got 'yes'"):
+        LoRARequest("moe", 3, "/m", is_3d_lora_weight="yes")
 
 
 def test_a_lora_request_changed_since_it_was_made_is_checked_again(llm_with_lora, adapters, tmp_path):
