@@ -1,5 +1,5 @@
 """The default model's 120 linear layers (SmolLM2-135M: 30 x qkv, o, gate_up, down) at the row counts the engine
-produces, through each weight layout built here: dense float32 (native panels up to 128 rows, MKL above), the
+produces, through each weight layout built here: dense float32 (native panels, at every row count), the
 bf16 panels of a bfloat16 model (native/gemm_bf16.c, AVX512-BF16 or AMX), the GGUF Q4_1 panels of
 ``quantization="gguf_int4"`` (native/gemm.c) and the W8A8 panels of ``quantization="int8"`` (native/gemm_int8.c,
 AVX512-VNNI). Random Q4_1 weights, the same values in every layout (each quantizes or rounds them its own way);
