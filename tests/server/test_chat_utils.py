@@ -6,7 +6,7 @@ import copy
 import pytest
 from tokenizers import processors
 
-from pagedllm.entrypoints.openai.chat_utils import (apply_chat_template, chat_request_prompt, load_chat_template,
+from pagedllm.entrypoints.openai.chat_utils import (chat_request_prompt, load_chat_template, render_chat_template,
                                                    resolve_chat_template_content_format)
 from pagedllm.entrypoints.openai.errors import BadRequestError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TokenizeChatRequest
@@ -14,6 +14,11 @@ from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+
+
+def apply_chat_template(tokenizer, messages: list[ChatMessageParam], template, **kwargs) -> list[int]:
+    """render_chat_template's text as the server tokenizes it (no special tokens added: the template writes them)."""
+    return tokenizer.encode(render_chat_template(tokenizer, messages, template, **kwargs), add_special_tokens=False)
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path):
@@ -29,20 +34,19 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
 def test_custom_template_and_text_parts(tokenizer):
     messages = [ChatMessageParam(role="user", content=[{"type": "text", "text": "Hello"},
                                                         {"type": "text", "text": "there"}])]
-    token_ids = apply_chat_template(tokenizer, messages, TEMPLATE)
-    assert tokenizer.decode(token_ids) == "[user] Hello\nthere\n"
+    assert render_chat_template(tokenizer, messages, TEMPLATE) == "[user] Hello\nthere\n"
 
 
 def test_empty_text_parts_add_no_line(tokenizer):
     """As vLLM's _parse_chat_message_content_parts: a text part with empty text is left out of the joined text."""
     messages = [ChatMessageParam(role="user", content=["Hello", "", {"type": "text", "text": ""}, "there"])]
-    assert tokenizer.decode(apply_chat_template(tokenizer, messages, TEMPLATE)) == "[user] Hello\nthere\n"
+    assert render_chat_template(tokenizer, messages, TEMPLATE) == "[user] Hello\nthere\n"
 
 
 def test_non_text_parts_are_rejected(tokenizer):
     messages = [ChatMessageParam(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])]
     with pytest.raises(ValueError, match="only text"):
-        apply_chat_template(tokenizer, messages, None)
+        render_chat_template(tokenizer, messages, None)
 
 
 def test_tokenize_counts_the_tools_as_chat_does(tokenizer):
@@ -58,7 +62,8 @@ def test_tokenize_counts_the_tools_as_chat_does(tokenizer):
     tokenization = OpenAIServingTokenization(tokenizer, OpenAIServingModels(["m"], "m", 1024), template)
     request = TypeAdapter(TokenizeRequest).validate_python({"messages": messages, "tools": [tool]})
     tokens = tokenization.create_tokenize(request).tokens
-    assert tokens == apply_chat_template(tokenizer, [ChatMessageParam(**m) for m in messages], template, tools=[tool])
+    text = render_chat_template(tokenizer, [ChatMessageParam(**m) for m in messages], template, tools=[tool])
+    assert tokens == tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(tokens) == "[tool] get_weather\n[user] Hi\n"
 
 

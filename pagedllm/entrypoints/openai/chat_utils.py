@@ -271,14 +271,3 @@ def render_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_
     except Exception as e:  # jinja2 TemplateError, raise_exception() in the template, ...
         raise ValueError(f"messages could not be formatted by the chat template: {e}") from e
 
-
-def apply_chat_template(tokenizer: Any, messages: list[ChatMessageParam], chat_template: Optional[str],
-                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        tools: Optional[list[dict[str, Any]]] = None,
-                        chat_template_kwargs: Optional[dict[str, Any]] = None,
-                        add_special_tokens: bool = False, content_format: str = "auto") -> list[int]:
-    """render_chat_template's text tokenized, as vLLM's, with add_special_tokens: the tokenizer's own special tokens
-    (BOS) added to those the template wrote, or not."""
-    return tokenizer.encode(render_chat_template(tokenizer, messages, chat_template, add_generation_prompt,
-                                                 continue_final_message, tools, chat_template_kwargs, content_format),
-                            add_special_tokens=add_special_tokens)
