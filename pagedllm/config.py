@@ -458,6 +458,20 @@ _VLLM_DEFAULT_ONLY_KEYS = {
     "synthetic_acceptance_length": None, "enable_adaptive_verification": False, "dspark_draft_topk": None}
 
 
+def _config_dict(name: str, values) -> dict:
+    """The keys and values of a setting given as a dict (``LLM(name={...})``, ``--name '<json>'``), each key's dashes
+    as underscores (vLLM's, as a --config file may spell them); a ValueError unless it is a dict."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{name} must be a dict, got {type(values).__name__}")
+    return {key.replace("-", "_") if isinstance(key, str) else key: value for key, value in values.items()}
+
+
+def _refuse_unknown_keys(name: str, values: dict, known: set[str]) -> None:
+    unknown = sorted(set(values) - known, key=str)
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown}; known: {sorted(known)}")
+
+
 def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"speculative_config {name} must be a positive integer, got {value!r}")
@@ -604,9 +618,7 @@ class SpeculativeConfig:
     def from_dict(cls, values: dict) -> "SpeculativeConfig":
         """``LLM(speculative_config={...})`` / ``--speculative-config '<json>'``: unknown keys are errors; a key's
         dashes are underscores (vLLM's create_speculative_config), as a --config file may spell them."""
-        if not isinstance(values, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
-        values = {key.replace("-", "_") if isinstance(key, str) else key: value for key, value in values.items()}
+        values = _config_dict("speculative_config", values)
         if "tensor_parallel_size" in values:  # vLLM's own error for it
             raise ValueError("'tensor_parallel_size' is not a valid argument in the speculative_config. Please pass "
                              "'draft_tensor_parallel_size' instead.")
@@ -614,10 +626,7 @@ class SpeculativeConfig:
             if key in values and values.pop(key) != default:
                 raise ValueError(f"speculative_config {key} (vLLM's) is not supported here; leave it out or "
                                  f"{default!r}")
-        known = {f for f in cls.__dataclass_fields__} - {"draft_model_config"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; known: {sorted(known)}")
+        _refuse_unknown_keys("speculative_config", values, set(cls.__dataclass_fields__) - {"draft_model_config"})
         return cls(**values)
 
 
@@ -657,13 +666,8 @@ class StructuredOutputsConfig:
     def from_dict(cls, values: dict) -> "StructuredOutputsConfig":
         """``LLM(structured_outputs_config={...})`` / ``--structured-outputs-config '<json>'``: unknown keys are
         errors; a key's dashes are underscores."""
-        if not isinstance(values, dict):
-            raise ValueError(f"structured_outputs_config must be a dict, got {type(values).__name__}")
-        values = {key.replace("-", "_") if isinstance(key, str) else key: value for key, value in values.items()}
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__), key=str)
-        if unknown:
-            raise ValueError(f"structured_outputs_config has unknown keys {unknown}; known: "
-                             f"{sorted(cls.__dataclass_fields__)}")
+        values = _config_dict("structured_outputs_config", values)
+        _refuse_unknown_keys("structured_outputs_config", values, set(cls.__dataclass_fields__))
         return cls(**values)
 
 
