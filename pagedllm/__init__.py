@@ -5,6 +5,8 @@ import ``pagedllm.<module>`` and must not pay for the frontend (LLM pulls in tra
 argument parsing), which would be most of their start-up."""
 import importlib
 
+from pagedllm.gc_utils import gc_paused
+
 _EXPORTS = {
     "LLM": "pagedllm.entrypoints.llm",
     "SamplingParams": "pagedllm.sampling_params",
@@ -28,7 +30,8 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    with gc_paused():  # torch and transformers behind it: a million objects made at once (gc_utils.py)
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -7,7 +7,11 @@ hands outputs to the sender.
 """
 from __future__ import annotations
 
-import gc
+from pagedllm.gc_utils import freeze_gc_heap, pause_gc_for_startup
+
+if __name__ == "__main__":  # the engine process, before its imports (gc_utils.py)
+    pause_gc_for_startup()
+
 import importlib
 import logging
 import os
@@ -133,14 +137,6 @@ class EngineCoreProc(EngineCore):
             return UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
 
 
-def freeze_startup_heap() -> None:
-    """What a process holds once started (torch, transformers, the model's modules) lives as long as the process.
-    Frozen, it is out of the collector's reach: the full collections that a busy loop's allocations keep
-    triggering no longer walk it, as vLLM's engine does. The process's own start-up garbage goes first."""
-    gc.collect()
-    gc.freeze()
-
-
 def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
     """An orphaned engine would hold its memory forever: leave as soon as the frontend is gone (after
     ``before_exit``'s callbacks: the executor stops its workers)."""
@@ -181,7 +177,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         engine.executor.shutdown()
         raise
     before_exit.append(engine.executor.shutdown)
-    freeze_startup_heap()
+    freeze_gc_heap()
     try:
         engine.run_busy_loop()
     except Exception as e:  # a worker failed (or the loop broke): tell the frontend why, then go, workers too

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import sys
 from typing import Optional
 
 from pagedllm.engine.launch import engine_core_prestarted
+from pagedllm.gc_utils import gc_paused
 
 # The commands that start an engine process: theirs starts before this module's other imports (launch.py), which
 # are therefore made inside the functions below.
@@ -158,8 +160,10 @@ def _model_after_served_names(argv: list[str]) -> bool:
 
 def main(argv: Optional[list[str]] = None) -> None:
     argv = vllm_argv(sys.argv[1:] if argv is None else argv)
-    with engine_core_prestarted(_engines_started(argv)):
-        _run_command(argv)
+    # A server collects no garbage until it is up (gc_utils.py; its lifespan freezes the start-up heap)
+    with gc_paused() if argv[:1] == ["serve"] else contextlib.nullcontext():
+        with engine_core_prestarted(_engines_started(argv)):
+            _run_command(argv)
 
 
 def _client_parser() -> argparse.ArgumentParser:

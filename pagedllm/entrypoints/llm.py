@@ -12,6 +12,7 @@ from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearc
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import cache_salt_of
+from pagedllm.gc_utils import gc_paused
 from pagedllm.entrypoints.openai.chat_utils import (conversation, resolve_chat_template_content_format,
                                                    template_variables)
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
@@ -41,8 +42,9 @@ class LLM:
         get_metrics(), and logs the server's stats line every PAGEDLLM_LOG_STATS_INTERVAL seconds while it runs."""
         # The engine stops with it (LLMEngine.shutdown): on shutdown(), when it is garbage-collected (with this
         # object, unless kept elsewhere), or at the interpreter's exit.
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, disable_log_stats=disable_log_stats,
-                                                                **kwargs))
+        with gc_paused():  # a model built in this process is a start-up heap too (gc_utils.py)
+            self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, disable_log_stats=disable_log_stats,
+                                                                    **kwargs))
         self.tokenizer = self.llm_engine.tokenizer
         self._request_counter = itertools.count()
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.

@@ -7,6 +7,11 @@ It exits when the executor's process is gone, so no worker outlives its engine.
 """
 from __future__ import annotations
 
+from pagedllm.gc_utils import freeze_gc_heap, pause_gc_for_startup
+
+if __name__ == "__main__":  # a worker process, before its imports (gc_utils.py)
+    pause_gc_for_startup()
+
 import logging
 import os
 import pickle
@@ -17,7 +22,7 @@ import threading
 import zmq
 
 from pagedllm.distributed.shm_broadcast import MessageQueue
-from pagedllm.engine.core_proc import exit_when_parent_dies, freeze_startup_heap
+from pagedllm.engine.core_proc import exit_when_parent_dies
 from pagedllm.engine.stopping import dump_stacks_on_sigusr1
 from pagedllm.executor.abstract import run_worker_method
 from pagedllm.executor.multiproc import WORKER_STARTUP_TIMEOUT_S
@@ -42,7 +47,7 @@ def main() -> None:
     replies = ctx.socket(zmq.PUSH)
     replies.connect(reply_address)
     mq = MessageQueue.create_from_handle(mq_handle, rank)
-    freeze_startup_heap()
+    freeze_gc_heap()
     replies.send(pickle.dumps((-1, rank, True, "READY")))
     # The go-ahead comes once every rank has loaded, which may be long after this one (uneven pipeline stages, a
     # cold disk): as long as the executor gives them all (an executor that dies is the watchdog's to notice).

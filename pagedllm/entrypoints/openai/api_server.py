@@ -46,6 +46,7 @@ from pagedllm.entrypoints.openai.shutdown import (RejectWhileShuttingDown, exit_
 from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.entrypoints.openai.web_ui import mount_web_ui
 from pagedllm.envs import env_flag
+from pagedllm.gc_utils import freeze_gc_heap
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -186,6 +187,7 @@ async def reset_prefix_cache(raw_request: Request, reset_running_requests: bool 
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    freeze_gc_heap()  # started: what the process holds now lives as long as it does (gc_utils.py), as vLLM's
     yield
     app.state.engine_client.shutdown()
 
