@@ -88,6 +88,6 @@ def test_other_dtypes_keep_their_layout():
 
 
 def test_panel_width_matches_the_kernel():
-    source = (gemm_layout.__file__.rsplit("/layers/", 1)[0] + "/native/gemm.c")
+    source = (gemm_layout.__file__.rsplit("/layers/", 1)[0] + "/native/gemm.h")
     with open(source) as f:
         assert f"#define NR {gemm_layout.PANEL} " in f.read()

@@ -174,7 +174,7 @@ def test_native_layer_is_the_torch_path_and_replays(tokens):
 
 
 @pytest.mark.skipif(native.gemm_q4().for_bf16_model() is None,
-                    reason="no block sums here (gemm.c's tile_quant_sums: AVX512-VBMI)")
+                    reason="no block sums here (gemm_quant.h's tile_quant_sums: AVX512-VBMI)")
 def test_a_bfloat16_models_experts_take_block_sums_in_decode_rows():
     """As its dense GGUF layers do, a bfloat16 model's packed experts sum each block's codes against a decode step's
     rows before their scale (gemm.c's block sums, the BF16_MODEL format flag): the float32 model's result (the dense

@@ -184,15 +184,15 @@ def test_a_bfloat16_models_long_steps_multiply_quantized_layers_on_bf16_panels(t
 
 
 @pytest.mark.skipif(native.gemm_q4() is None or native.gemm_q4().for_bf16_model() is None,
-                    reason="no block sums here (gemm.c's tile_quant_sums: AVX512-VBMI)")
+                    reason="no block sums here (gemm_quant.h's tile_quant_sums: AVX512-VBMI)")
 @pytest.mark.parametrize("tensor_type", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q6_K, T.Q5_K, T.Q3_K, T.Q2_K, T.IQ4_NL,
                                          T.IQ4_XS], ids=lambda t: t.name)
 @pytest.mark.parametrize("out_features", [160, 144])  # 3 panels, the last of 32 or 16 columns
 def test_a_bfloat16_models_decode_rows_take_block_sums(tensor_type, out_features):
     """In a bfloat16 model (a layout with bf16 panels) the product of up to 4 rows (decode steps' batches) is
-    s * sum(x * code) + zero * sum(x) per block (gemm.c's tile_quant_sums; Q8_0's LM heads too): the product of the
-    rows and the dequantized weight to float32 rounding, whatever the thread count splits of the panels' halves, but
-    not the dense kernel's bits, which a float32 model and more rows keep."""
+    s * sum(x * code) + zero * sum(x) per block (gemm_quant.h's tile_quant_sums; Q8_0's LM heads too): the product of
+    the rows and the dequantized weight to float32 rounding, whatever the thread count splits of the panels' halves,
+    but not the dense kernel's bits, which a float32 model and more rows keep."""
     blocks = _random_blocks(out_features, 512, tensor_type, seed=4)
     four_bit = tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K)
     unpack = {T.Q8_0: unpack_q8, T.Q6_K: unpack_q6_k, T.Q5_K: unpack_q5_k, T.Q3_K: unpack_q3_k, T.Q2_K: unpack_q2_k,

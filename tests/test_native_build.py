@@ -62,6 +62,30 @@ def test_every_source_and_header_is_part_of_a_build():
     assert build._headers()  # the headers are in every library's key
 
 
+def test_the_quantized_formats_compile_in_parallel():
+    """gemm's quantized kernels (gemm_quant.h) are instantiated a few formats to a file, each format once, so that
+    the library's first build runs a compiler per file side by side (build._compile_and_link) instead of one
+    compiler through every format."""
+    with open(os.path.join(build.HERE, "gemm_quant.h")) as f:
+        formats = re.findall(r"(\w+) = \d+", re.search(r"enum \{(.*?)\};", f.read(), re.S).group(1))
+    per_file = []
+    for source in build.LIBRARIES["gemm"]:
+        with open(os.path.join(build.HERE, source)) as f:
+            per_file.append(re.findall(r"^QUANT_KERNELS\((\w+)\)", f.read(), re.M))
+    instantiated = sorted(name for names in per_file for name in names)
+    assert instantiated == sorted(formats)
+    assert sum(1 for names in per_file if names) >= 3 and max(map(len, per_file)) <= len(formats) // 2
+
+
+@pytest.mark.skipif(native.gemm_q4() is None, reason="no quantized gemm kernels here")
+def test_gemm_exports_only_its_api():
+    """The functions its files share (gemm.h's INTERNAL) are hidden: the library's symbols are its API's."""
+    lib = native._gemm_lib()
+    for name in ("panel_rows", "quant_item_Q4", "quant_half_Q4"):
+        with pytest.raises(AttributeError):
+            getattr(lib, name)
+
+
 def _fake_compiler(tmp_path, body: str) -> str:
     """An executable standing in for cc that counts its calls in tmp_path/calls, then runs ``body``."""
     path = tmp_path / "fake-cc"

@@ -26,7 +26,7 @@ from pagedllm import native
 from pagedllm.native.gemms import GEMM_BF16, PANELS
 from pagedllm.platforms.cpu import HugePageArena
 
-PANEL = 64  # output columns per panel; gemm.c's NR
+PANEL = 64  # output columns per panel; gemm.h's NR
 QBLOCK = 32  # weights along the input per GGUF block: one scale (and zero) per column
 Q6K_BLOCK = 16  # Q6_K's: a scale per 16
 # Rows of a step from which a bfloat16 model's quantized layers multiply on AMX tiles (QuantizedWeight.linear).
@@ -282,7 +282,7 @@ def pack_q4_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     return torch.cat([*params, to_block(nibbles)], dim=-1)
 
 
-SUPER_K = 256  # weights along K per super-block of the factored panels (gemm.c's SUPER_K)
+SUPER_K = 256  # weights along K per super-block of the factored panels (gemm_quant.h's SUPER_K)
 
 
 def factor_blocks(values: torch.Tensor, per_super: int, signed: bool = False
@@ -365,7 +365,7 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     if rows is None:
         return None
     multipliers = [part[1] for part in parts]
-    if bits == 2:  # Q2_K's: its 4-bit scale and zero multipliers share a byte (gemm.c's nibble_multipliers)
+    if bits == 2:  # Q2_K's: its 4-bit scale and zero multipliers share a byte (gemm_quant.h's nibble_multipliers)
         if any(bool((m >= 16).any()) for m in multipliers):
             return None
         multipliers = [multipliers[0] | (multipliers[1] << 4)]
@@ -374,7 +374,7 @@ def pack_q8kc_panels(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def pack_code_rows(by_row: torch.Tensor, bits: int, offset: int) -> torch.Tensor | None:
-    """``[..., rows, 64]`` integer codes -> their bit-packed rows as gemm.c's packed formats hold them, ``[...,
+    """``[..., rows, 64]`` integer codes -> their bit-packed rows as gemm_quant.h's packed formats hold them, ``[...,
     rows * bytes]`` uint8: the codes made unsigned (plus ``offset``), for 4 to 6 ``bits`` their low 4 bits in
     rows of nibbles (column i in the low nibble of byte i, 32 + i in its high one), then the bits above them (or
     all of 2- and 3-bit codes) in rows of 8 * plane_bits bytes, column c at bit c * plane_bits (little-endian);

@@ -44,7 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIBRARIES = {
     "paged_attention": ("paged_decode.c", "paged_prefill.c", "paged_cascade.c"),
     "fused_ops": ("fused_ops.c", "write_kv.c", "fused_moe.c"),
-    "gemm": ("gemm.c", "moe_quant.c"),
+    "gemm": ("gemm.c", "gemm_quant_q4.c", "gemm_quant_q8_iq4.c", "gemm_quant_q6k.c", "gemm_quant_q5k.c",
+             "gemm_quant_q2k_q3k.c", "moe_quant.c"),
     "gemm_bf16": ("gemm_bf16.c", "moe_bf16.c"),
     "gemm_int8": ("gemm_int8.c",),
     "lora": ("lora.c",),

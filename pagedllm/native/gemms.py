@@ -30,11 +30,11 @@ DEQUANT_BF16 = CFunction("dequant_bf16_panels", INT, *arguments("packed", "out",
                                                                 "format", INT))
 GEMM_SIGNATURES = (GEMM_PACKED, GEMM_QUANT, GEMM_AVAILABLE, GEMM_QUANT_AVAILABLE, GEMM_QUANT_BLOCK_SUMS, MOE_QUANT,
                    DEQUANT_BF16)
-# gemm_quant_f32's formats (gemm.c's enum, the same numbers), by the names their GEMMs go by (native.gemm_q4() ...)
+# gemm_quant_f32's formats (gemm_quant.h's enum, the same numbers), by the names of their GEMMs (native.gemm_q4() ...)
 QUANT_FORMATS = {"gemm_q4": 0, "gemm_q8": 1, "gemm_q4k": 2, "gemm_q6k": 3, "gemm_q5k": 4, "gemm_iq4nl": 5,
                  "gemm_iq4xs": 6, "gemm_q2k": 7, "gemm_q4kc": 8, "gemm_q6kc": 9, "gemm_q5kc": 10, "gemm_q2kc": 11,
                  "gemm_q3kc": 12}
-BF16_MODEL = 0x100  # gemm.c's format flag: a bfloat16 model's layer (Gemm.for_bf16_model)
+BF16_MODEL = 0x100  # gemm_quant.h's format flag: a bfloat16 model's layer (Gemm.for_bf16_model)
 
 GEMM_BF16 = CFunction("gemm_bf16", INT, *_GEMM_ARGS)
 GEMM_BF16_SILU_MUL = CFunction("gemm_bf16_silu_mul", INT, *_GEMM_ARGS)
@@ -92,7 +92,7 @@ class Gemm:
 
     def for_bf16_model(self) -> "Gemm | None":
         """This quantized GEMM for a bfloat16 model's layer, whose products need not be the float32 dense kernel's bit
-        for bit: up to 4 rows then take gemm.c's block sums (tile_quant_sums, fewer vector ops a weight, float32
+        for bit: up to 4 rows then take gemm_quant.h's block sums (tile_quant_sums, fewer vector ops a weight, float32
         rounding of its own order); None where this build has no such path for this format."""
         if not self.format_args or not self.lib.gemm_quant_block_sums(self.format_args[0]):
             return None
