@@ -671,6 +671,30 @@ class StructuredOutputsConfig:
         return cls(**values)
 
 
+@dataclass(frozen=True)
+class ReasoningConfig:
+    """vLLM's reasoning_config, as its --reasoning-parser makes it: the token ids of the reasoning parser's start and
+    end strings (``<think>``, ``</think>``), as the model's tokenizer encodes them (one token each in a thinking
+    model's vocabulary, several elsewhere), which a request's thinking_token_budget counts and forces by
+    (sample/thinking_budget.py). vLLM's reasoning_end_token_ids (what is forced) and natural ones (what ends the
+    reasoning) are both the parser's end string here."""
+
+    reasoning_parser: str
+    reasoning_start_token_ids: tuple[int, ...]
+    reasoning_end_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_parser(cls, name: str, parser: type, tokenizer) -> "ReasoningConfig":
+        """vLLM's initialize_token_ids: a string that encodes to no token is its ValueError."""
+        start, end = (tuple(tokenizer.encode(text, add_special_tokens=False))
+                      for text in (parser.reasoning_start_str, parser.reasoning_end_str))
+        if not start or not end:
+            raise ValueError(f"ReasoningConfig: failed to tokenize reasoning strings: reasoning_start_str="
+                             f"'{parser.reasoning_start_str}', reasoning_end_str='{parser.reasoning_end_str}'. "
+                             "Ensure the strings are valid tokens in the model's vocabulary.")
+        return cls(name, start, end)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -682,6 +706,8 @@ class EngineConfig:
     speculative_config: Optional[SpeculativeConfig] = None
     lora_config: Optional[LoRAConfig] = None  # None: LoRA not enabled
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    # None: no reasoning parser (vLLM's reasoning_config None), and a thinking_token_budget is refused.
+    reasoning_config: Optional[ReasoningConfig] = None
 
     @property
     def max_step_slots(self) -> int:

@@ -89,8 +89,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     structured_outputs: Optional[StructuredOutputsParams] = None
     # vLLM's default: every output holds everything so far (LLM.generate asks for FINAL_ONLY, a stream for DELTA).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # vLLM's: the most tokens a reasoning model may think for (-1: no limit, read as None). Taken and checked as vLLM
-    # takes it, but refused by the Processor: the engine has no reasoning config to end a model's thinking with.
+    # vLLM's: the most tokens a reasoning model may think for (-1: no limit, read as None), after which the sampler
+    # forces the end of its reasoning (sample/thinking_budget.py); refused by an engine without a reasoning_parser.
     thinking_token_budget: Optional[int] = None
     # vLLM's: a running DELTA request's outputs come every this many tokens (its first token and its end at once); the
     # engine's stream_interval is the least. Fewer outputs, less frontend work per token.

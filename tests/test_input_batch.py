@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedllm.config import ReasoningConfig
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch
 
@@ -99,3 +100,49 @@ def test_a_full_batch_and_a_duplicate_are_refused():
     batch.add_request(_state("b", 2))
     with pytest.raises(RuntimeError, match="full"):
         batch.add_request(_state("c", 3))
+
+
+THINK, END = 7, 8  # one-token reasoning markers
+
+
+def _thinking_batch(*requests: tuple[list[int], list[int], int | None], end: tuple[int, ...] = (END,)) -> InputBatch:
+    """A batch of requests (prompt, output, thinking_token_budget) under a reasoning config with those markers."""
+    batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000,
+                       reasoning_config=ReasoningConfig("deepseek_r1", (THINK,), end))
+    for i, (prompt, output, budget) in enumerate(requests):
+        state = CachedRequestState(f"r{i}", prompt, SamplingParams(thinking_token_budget=budget), None, ([],),
+                                   len(prompt) + len(output), output_token_ids=list(output))
+        batch.add_request(state)
+    return batch
+
+
+def _forced(batch: InputBatch, rows: list[int], offsets: list[int] | None = None) -> dict[int, int]:
+    return batch.make_sampling_metadata(np.array(rows), None if offsets is None else np.array(offsets)
+                                        ).forced_token_ids
+
+
+def test_a_spent_thinking_budget_forces_the_end_marker_once_per_section():
+    """vLLM's thinking_token_budget: the tokens after the last <think> that no </think> closed (the prompt's count)
+    reach the budget -> </think> is forced; a request without a budget, or whose thinking is closed, is left be."""
+    batch = _thinking_batch(([1, THINK, 2], [3], 2),  # thought 2 of 2
+                            ([1, THINK, 2], [3], None),  # no budget
+                            ([1, THINK, 2], [], 2),  # thought 1 of 2
+                            ([THINK], [], 0),  # a budget of 0 forces the first token
+                            ([1, THINK, 2, END, 3], [4, 5], 1),  # thinking over
+                            ([1, THINK, 2, END], [THINK, 5], 1))  # a new section, with a whole budget
+    assert _forced(batch, list(range(6))) == {0: END, 3: END, 5: END}
+    batch.append_token(2, 3)  # the scan goes on from where it stopped
+    batch.append_token(5, END)
+    assert _forced(batch, [2, 5]) == {0: END}
+
+
+def test_drafts_count_as_thoughts_and_a_multi_token_end_is_forced_token_by_token():
+    """Speculative decoding: each logits row sees the drafts before it (offsets) as thought, or as the end of the
+    thinking; an end marker of several tokens is forced one a step, from where the tokens already are in it."""
+    batch = _thinking_batch(([1, THINK], [2], 2), ([1, THINK], [2], 2))
+    batch.set_draft_tokens(0, [3, 4, 5])
+    batch.set_draft_tokens(1, [3, END, 4])
+    assert _forced(batch, [0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 2, 3, 0, 1, 2, 3]) == {1: END, 2: END, 3: END, 5: END}
+    multi = _thinking_batch(([1, THINK, 2], [3], 2), ([1, THINK, 2], [3, 60], 2), ([1, THINK, 2], [3, 60, 61], 2),
+                            end=(60, 61, END))
+    assert _forced(multi, [0, 1, 2]) == {0: 60, 1: 61, 2: END}

@@ -10,18 +10,20 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig, StructuredOutputsConfig, check_bool, check_capture_size_shortcuts,
-                             check_int, check_kv_cache_dtype, common_window, graphs_turned_off, layer_sliding_window)
+from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, ReasoningConfig,
+                             SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig, check_bool,
+                             check_capture_size_shortcuts, check_int, check_kv_cache_dtype, common_window,
+                             graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
-from pagedllm.models.hf_config import apply_hf_overrides, load_hf_config
+from pagedllm.models.hf_config import apply_hf_overrides, load_hf_config, load_tokenizer
 from pagedllm.models.loader import get_quant_config
 from pagedllm.models.registry import check_model_config, get_model_architecture
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
 from pagedllm.models.weights import WEIGHT_FILES
 from pagedllm.platforms import Platform, resolve_platform
+from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,9 @@ class EngineArgs:
     spec_tokens: Optional[int] = None
     # vLLM's structured_outputs_config: a dict such as {"backend": "xgrammar", "disable_any_whitespace": false}.
     structured_outputs_config: Optional[Union[dict, StructuredOutputsConfig]] = None
+    # vLLM's reasoning_parser (--reasoning-parser): one of REASONING_PARSERS, whose <think> markers a request's
+    # thinking_token_budget is counted and enforced by; the server also splits chat answers' reasoning off by it.
+    reasoning_parser: str = ""
     # Multi-LoRA serving (vLLM's names and defaults).
     enable_lora: bool = False
     max_loras: int = 1
@@ -220,6 +225,7 @@ class EngineArgs:
         structured_outputs_config = self.structured_outputs_config
         if not isinstance(structured_outputs_config, StructuredOutputsConfig):
             structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config or {})
+        reasoning_parser = get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config, self.override_generation_config)
         hf_config = load_hf_config(path)
@@ -263,6 +269,8 @@ class EngineArgs:
                                    self.generation_config, platform.device_type, attention_backend,
                                    self.override_generation_config, logprobs_mode=self.logprobs_mode,
                                    auto_fit_max_model_len=auto_fit, load_format=self.load_format)
+        reasoning_config = None if reasoning_parser is None else ReasoningConfig.from_parser(
+            self.reasoning_parser, reasoning_parser, load_tokenizer(model_config.tokenizer))
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp
@@ -292,6 +300,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             speculative_config=speculative_config,
             structured_outputs_config=structured_outputs_config,
+            reasoning_config=reasoning_config,
             lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                          else None),
         )

@@ -42,7 +42,7 @@ class AsyncLLM:
         self.log_requests = log_requests
         self.model_config = config.model_config
         self.tokenizer = tokenizer
-        self.processor = Processor(config.model_config, tokenizer, config.lora_config)
+        self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
         self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
         self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers),
                                                 stream_interval=config.scheduler_config.stream_interval)

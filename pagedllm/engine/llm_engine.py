@@ -32,7 +32,7 @@ class LLMEngine:
         once this many seconds have passed since the last (vLLM's do_log_stats_with_interval)."""
         self.config = config
         self.tokenizer = tokenizer
-        self.processor = Processor(config.model_config, tokenizer, config.lora_config)
+        self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
         self.log_stats = log_stats_interval is not None
         self.output_processor = OutputProcessor(tokenizer, self.log_stats, config.scheduler_config.stream_interval)
         self.engine_core = engine_core

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import msgspec
 
-from pagedllm.config import LoRAConfig, ModelConfig
+from pagedllm.config import LoRAConfig, ModelConfig, ReasoningConfig
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -55,8 +55,10 @@ def assign_request_id(request: EngineCoreRequest) -> EngineCoreRequest:
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: Optional[LoRAConfig] = None) -> None:
+    def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: Optional[LoRAConfig] = None,
+                 reasoning_config: Optional[ReasoningConfig] = None) -> None:
         self.model_config = model_config
+        self.reasoning_config = reasoning_config
         self.tokenizer = tokenizer
         self.eos_token_id = self._eos_token_id()
         # The model's other end-of-generation ids, stop tokens of every request that does not ignore EOS (vLLM's).
@@ -182,6 +184,18 @@ class Processor:
             vocab_size = self.model_config.vocab_size
             raise ValueError(f"{name} contains out-of-vocabulary token ids {bad} (vocabulary size {vocab_size}).")
 
+    def validate_thinking_token_budget(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's VLLMValidationError for a budget without a reasoning parser. A budget past max_model_len (more than
+        any request can think) becomes max_model_len, the same budget: vLLM takes any integer, such as 10**30, and
+        the engine process decodes a 64-bit one."""
+        budget = params.thinking_token_budget
+        if budget is None:
+            return params
+        if self.reasoning_config is None:
+            raise ValueError("thinking_token_budget is set but reasoning_config is not configured. Please set "
+                             "--reasoning-parser to use thinking_token_budget.")
+        return msgspec.structs.replace(params, thinking_token_budget=min(budget, self.model_config.max_model_len))
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None, priority: int = 0,
                 lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
@@ -199,9 +213,7 @@ class Processor:
         cache_salt = cache_salt_of(prompt)
         self.validate_lora_request(lora_request)
         params = self.validate_logprobs(params)
-        if params.thinking_token_budget is not None:  # vLLM refuses it too where it has no reasoning config
-            raise ValueError("thinking_token_budget is not supported: this engine cannot end a model's thinking (vLLM "
-                             "needs --reasoning-parser or --reasoning-config for it); leave it out or set it to -1.")
+        params = self.validate_thinking_token_budget(params)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
         params = self.process_sampling_controls(params)

@@ -20,6 +20,8 @@ TOOL_CALL_START = "<tool_call>"
 
 
 class DeepSeekR1ReasoningParser:
+    # vLLM's reasoning_start_str and reasoning_end_str: what a thinking_token_budget counts from and forces.
+    reasoning_start_str, reasoning_end_str = THINK_START, THINK_END
     # What ends the reasoning, and whether it stays in the content (True) or is dropped.
     end_markers: tuple[tuple[str, bool], ...] = ((THINK_END, False),)
     # What is dropped where it appears in the content.
@@ -158,6 +160,6 @@ REASONING_PARSERS = {"deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3Rea
 
 
 def get_reasoning_parser(name: str) -> type[DeepSeekR1ReasoningParser]:
-    if name not in REASONING_PARSERS:
+    if not isinstance(name, str) or name not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser {name!r} is not one of {', '.join(REASONING_PARSERS)}")
     return REASONING_PARSERS[name]

@@ -58,3 +58,5 @@ class SamplingMetadata:
     # Row -> the token ids ([n] int64) whose logprobs it reports in place of its top n (logprob_token_ids).
     logprob_token_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     penalties: PenaltyMetadata | None = None
+    # Row -> the token it must sample (a thinking_token_budget spent: sample/thinking_budget.py).
+    forced_token_ids: dict[int, int] = field(default_factory=dict)

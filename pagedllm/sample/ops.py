@@ -1,5 +1,5 @@
-"""Logits changes applied before sampling, all batched over rows: allowed_token_ids, bad_words, min_tokens and
-logit_bias (per-request token lists), then top-k, top-p and min-p.
+"""Logits changes applied before sampling, all batched over rows: allowed_token_ids, bad_words, min_tokens,
+logit_bias (per-request token lists) and forced tokens (thinking_token_budget), then top-k, top-p and min-p.
 
 Masks set the dropped tokens to -inf, in place; none loops over the vocabulary in Python.
 """
@@ -61,6 +61,18 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: dict[int, tuple[torch.Ten
     token_ids, biases = zip(*logit_bias.values())
     rows = _repeat_rows(torch.tensor(list(logit_bias)), token_ids)
     return logits.index_put_((rows, torch.cat(token_ids)), torch.cat(biases), accumulate=True)
+
+
+# vLLM's thinking-budget logit: above any other, so the token wins the argmax and takes the whole softmax.
+FORCED_LOGIT = 1e9
+
+
+def apply_forced_tokens(logits: torch.Tensor, forced_token_ids: dict[int, int]) -> torch.Tensor:
+    """Each row of ``forced_token_ids`` samples its token, greedy or random: its logit set to FORCED_LOGIT, as
+    vLLM's thinking budget forces the end of the reasoning. In place."""
+    if forced_token_ids:
+        logits[torch.tensor(list(forced_token_ids)), torch.tensor(list(forced_token_ids.values()))] = FORCED_LOGIT
+    return logits
 
 
 def _drop(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:

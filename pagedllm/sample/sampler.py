@@ -9,8 +9,8 @@ from torch import nn
 from pagedllm.native import fused
 from pagedllm.sample.logprobs import PROCESSED_LOGPROBS_MODES, LogprobsMode, LogprobsTensors, compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.ops import (apply_allowed_token_ids, apply_bad_words, apply_logit_bias, apply_min_p,
-                                 apply_min_tokens, apply_top_k_top_p)
+from pagedllm.sample.ops import (apply_allowed_token_ids, apply_bad_words, apply_forced_tokens, apply_logit_bias,
+                                 apply_min_p, apply_min_tokens, apply_top_k_top_p)
 from pagedllm.sample.penalties import apply_penalties
 
 _SAMPLING_EPS = 1e-5
@@ -25,8 +25,8 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples as vLLM V1 does: allowed_token_ids, bad_words, min_tokens, logit_bias and penalties, then greedy
-    argmax or temperature -> min-p -> top-k -> top-p.
+    """Samples as vLLM V1 does: allowed_token_ids, bad_words, min_tokens, logit_bias, penalties and a spent
+    thinking_token_budget's forced token, then greedy argmax or temperature -> min-p -> top-k -> top-p.
 
     Logprobs follow ``logprobs_mode`` (vLLM's, sample/logprobs.LogprobsMode): by default they are of the raw
     logits, whatever the sampling knobs; the processed modes report the logits each row sampled from (final_logits;
@@ -52,7 +52,7 @@ class Sampler(nn.Module):
         """The per-request controls, on one copy of the logits (none when no row uses any); rows without
         controls keep their logits bit for bit."""
         if not (metadata.allowed_token_ids or metadata.bad_words_token_ids or metadata.min_tokens_mask
-                or metadata.logit_bias or metadata.penalties is not None):
+                or metadata.logit_bias or metadata.penalties is not None or metadata.forced_token_ids):
             return logits
         logits = logits.clone()
         apply_allowed_token_ids(logits, metadata.allowed_token_ids)
@@ -61,6 +61,7 @@ class Sampler(nn.Module):
         apply_logit_bias(logits, metadata.logit_bias)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
+        apply_forced_tokens(logits, metadata.forced_token_ids)  # last, over every other control, as vLLM's
         return logits
 
     @staticmethod

@@ -15,9 +15,11 @@ from typing import Optional
 import numpy as np
 import torch
 
+from pagedllm.config import ReasoningConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sample.metadata import PenaltyMetadata, SamplingMetadata
 from pagedllm.sample.sampler import position_generator
+from pagedllm.sample.thinking_budget import MarkerScan, ThinkingBudget
 from pagedllm.sampling_params import SamplingParams, SamplingType
 
 
@@ -35,6 +37,8 @@ class CachedRequestState:
     # Prompt positions whose prompt logprobs were already returned (a preempted request recomputes them).
     num_prompt_logprobs_done: int = 0
     lora_request: Optional[LoRARequest] = None
+    # Where its thinking_token_budget's scan of its tokens for the reasoning markers stopped (thinking_budget.py).
+    marker_scan: MarkerScan = field(default_factory=MarkerScan)
 
     @property
     def num_tokens(self) -> int:
@@ -57,8 +61,10 @@ class CachedRequestState:
 
 class InputBatch:
     def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int, vocab_size: int,
-                 num_kv_cache_groups: int = 1) -> None:
+                 num_kv_cache_groups: int = 1, reasoning_config: Optional[ReasoningConfig] = None) -> None:
         self.max_num_reqs = max_num_reqs
+        # None without a reasoning parser, where the Processor refuses every thinking_token_budget.
+        self.thinking_budget = None if reasoning_config is None else ThinkingBudget(reasoning_config)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.req_ids: list[str] = []
@@ -190,6 +196,7 @@ class InputBatch:
         max_num_logprobs = max((s.sampling_params.num_logprobs for s in states
                                 if s.sampling_params.num_logprobs is not None), default=None)
         min_tokens_mask, allowed_token_ids, bad_words_token_ids, logit_bias, logprob_token_ids = {}, {}, {}, {}, {}
+        forced_token_ids = {}
         min_tokens_restorable = set()
         for row, s in enumerate(states):
             params = s.sampling_params
@@ -207,6 +214,13 @@ class InputBatch:
                 logit_bias[row] = s.logit_bias
             if params.logprob_token_ids:
                 logprob_token_ids[row] = s.logprob_token_ids
+            if params.thinking_token_budget is not None and self.thinking_budget is not None:
+                num_tokens = int(self.num_tokens[rows[row]])
+                forced = self.thinking_budget.forced_token(self.token_ids[rows[row]], num_tokens,
+                                                           num_tokens + int(offsets[row]), params.thinking_token_budget,
+                                                           s.marker_scan)
+                if forced is not None:
+                    forced_token_ids[row] = forced
         output_token_ids = [self._output_with_drafts(row, s, offset) for row, s, offset in zip(rows, states, offsets)
                             ] if bad_words_token_ids else []
         return SamplingMetadata(temperature=temperature, all_greedy=all_greedy, all_random=all_random,
@@ -215,7 +229,7 @@ class InputBatch:
                                 min_tokens_restorable=frozenset(min_tokens_restorable),
                                 allowed_token_ids=allowed_token_ids, bad_words_token_ids=bad_words_token_ids,
                                 output_token_ids=output_token_ids, logit_bias=logit_bias,
-                                logprob_token_ids=logprob_token_ids,
+                                logprob_token_ids=logprob_token_ids, forced_token_ids=forced_token_ids,
                                 penalties=self._penalty_metadata(rows, offsets))
 
     def _output_with_drafts(self, row: int, state: CachedRequestState, num_drafts: int) -> list[int]:

@@ -69,7 +69,7 @@ class ModelRunner:
         self.kv_cache_groups = config.cache_config.kv_cache_groups
         self.input_batch = InputBatch(config.scheduler_config.max_num_seqs, max_model_len,
                                       cdiv(max_model_len, self.block_size), self.model_config.vocab_size,
-                                      max(1, len(self.kv_cache_groups)))
+                                      max(1, len(self.kv_cache_groups)), config.reasoning_config)
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(config.model_config.logprobs_mode)
         self.rejection_sampler = RejectionSampler(self.sampler)

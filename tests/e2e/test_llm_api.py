@@ -166,9 +166,9 @@ def test_bad_thinking_token_budgets_name_the_field(budget):
 
 
 def test_thinking_token_budget_is_refused_not_ignored(llm):
-    """vLLM enforces a thinking_token_budget only with a reasoning config (and refuses it without one); pagedllm's
-    engine has none, so it is refused rather than ignored. -1 is vLLM's no budget."""
-    with pytest.raises(ValueError, match="^thinking_token_budget is not supported"):
+    """vLLM enforces a thinking_token_budget only with a reasoning config (reasoning_parser), and refuses it without
+    one, as here (test_sampling_controls.py enforces it). -1 is vLLM's no budget."""
+    with pytest.raises(ValueError, match="^thinking_token_budget is set but reasoning_config is not configured"):
         llm.generate("Hello", SamplingParams(max_tokens=2, thinking_token_budget=8), use_tqdm=False)
     assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
     assert len(llm.generate("Hello", SamplingParams(max_tokens=2, thinking_token_budget=-1),

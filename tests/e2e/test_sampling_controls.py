@@ -1,11 +1,17 @@
 """bad_words, repetition_penalty, logit_bias and allowed_token_ids end to end with the real default model. ``llm``
-is the package's shared float32 engine (conftest.py), in its own process as users run it."""
+is the package's shared float32 engine (conftest.py), in its own process as users run it. thinking_token_budget
+with a tiny random model whose vocabulary has <think> and </think>."""
 from __future__ import annotations
 
-import pytest
+import copy
 
-from pagedllm import SamplingParams
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedllm import EngineArgs, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
+from tests.e2e.conftest import running_llm
 
 FRANCE = "The capital of France is"
 APPLES = "I like to eat apples. I like to eat"  # greedy decoding repeats " I'm a big apple." over and over
@@ -94,3 +100,55 @@ def test_a_grammar_that_can_only_end_ends_under_min_tokens(llm):
                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     out = llm.generate("Is Paris in France? Answer yes or no:", params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no") and out.token_ids[-1] == eos and out.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory, tokenizer):
+    """A tiny random Llama with <think> and </think> in its vocabulary, served with vLLM's deepseek_r1 reasoning
+    parser; prompts are chunked by a 32-token step budget."""
+    path = tmp_path_factory.mktemp("thinker")
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.5, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    with running_llm(str(path), dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_kv_blocks=64,
+                     reasoning_parser="deepseek_r1") as engine:
+        yield engine
+
+
+def test_a_thinking_token_budget_forces_the_end_of_thinking(thinker):
+    """vLLM's thinking_token_budget: once a request has thought that many tokens (after the last <think> no
+    </think> closed, its prompt's included) </think> is forced, greedy or random, and generation goes on as usual;
+    a request without a budget, in the same batch, is untouched. A logit_bias keeps the model's own markers out,
+    so the budget alone ends the thinking."""
+    think, end = thinker.get_tokenizer().convert_tokens_to_ids(["<think>", "</think>"])
+    prompt = [{"prompt_token_ids": list(range(200, 300)) + [think]}]  # prefilled in 4 chunks
+    thought_in_prompt = [{"prompt_token_ids": [300, think, 5, end, 301, think, 6, 7]}]  # 2 of its thoughts
+    common = dict(max_tokens=12, ignore_eos=True, logit_bias={think: -100, end: -100})
+    greedy, random, free, prompted, none, huge = (o.outputs[0].token_ids for o in thinker.generate(
+        prompt * 3 + thought_in_prompt + prompt * 2,
+        [SamplingParams(temperature=0, thinking_token_budget=5, **common),
+         SamplingParams(temperature=1.0, top_p=0.9, seed=1, thinking_token_budget=3, **common),
+         SamplingParams(temperature=0, **common),
+         SamplingParams(temperature=0, thinking_token_budget=4, **common),
+         SamplingParams(temperature=0, thinking_token_budget=0, **common),
+         SamplingParams(temperature=0, thinking_token_budget=10 ** 30, **common)], use_tqdm=False))
+    for tokens, budget in ((greedy, 5), (random, 3), (prompted, 2), (none, 0)):
+        assert tokens[budget] == end and tokens.count(end) == 1, (tokens, budget)
+    assert end not in free and huge == free
+    assert free == thinker.generate(prompt, SamplingParams(temperature=0, **common), use_tqdm=False
+                                    )[0].outputs[0].token_ids
+    assert greedy[:5] == free[:5]
+    # after the forced </think>, the request samples as one whose prompt holds it
+    rest = thinker.generate([{"prompt_token_ids": prompt[0]["prompt_token_ids"] + greedy[:6]}],
+                            SamplingParams(temperature=0, **{**common, "max_tokens": 6}), use_tqdm=False)
+    assert greedy[6:] == rest[0].outputs[0].token_ids
+
+
+def test_thinking_token_budget_needs_a_known_reasoning_parser(tmp_path):
+    with pytest.raises(ValueError, match="^reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
+        EngineArgs(model=str(tmp_path), reasoning_parser="nope").create_engine_config()

@@ -79,7 +79,7 @@ BAD_REQUESTS = [
      "logprob_token_ids"),
     ("/v1/completions", {"prompt": "Hi", "echo": True, "max_tokens": 0, "logprobs": 0, "logprob_token_ids": [5]},
      "logprob_token_ids"),
-    # vLLM's thinking_token_budget: refused rather than ignored (this engine cannot end a model's thinking).
+    # vLLM's thinking_token_budget: refused rather than ignored by a server without --reasoning-parser, as vLLM's.
     ("/v1/chat/completions", {"messages": HI, "thinking_token_budget": 16}, "thinking_token_budget"),
     ("/v1/completions", {"prompt": "Hi", "thinking_token_budget": True}, "thinking_token_budget"),
 ]

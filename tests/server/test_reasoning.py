@@ -51,6 +51,15 @@ def test_the_reasoning_is_split_off_the_content(thinking_server):
     assert "reasoning" not in text
 
 
+def test_a_thinking_token_budget_ends_the_reasoning(thinking_server):
+    """vLLM's thinking_token_budget with --reasoning-parser: after two thoughts </think> is forced where " see" would
+    have come, and the model answers as after its own </think>."""
+    answer = chat(thinking_server, thinking_token_budget=2)
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": " Paris is big", "reasoning": " Let me"}
+    assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
+    assert chat(thinking_server, thinking_token_budget=-1)["choices"][0]["message"]["reasoning"] == " Let me see"
+
+
 def test_a_stream_splits_the_same_and_counts_the_same(thinking_server):
     with thinking_server.http() as http:
         body = http.post("/v1/chat/completions", json={

@@ -185,9 +185,6 @@ def add_serving_args(group) -> None:
     group.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                        help='chat template variables for every chat request, as JSON, e.g. \'{"enable_thinking": '
                             'false}\'; a request\'s chat_template_kwargs win (default: none)')
-    group.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                       help="split a thinking model's <think> reasoning off each chat answer's content, into its "
-                            "message's reasoning field")
     group.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
                        help="usage tells how many prompt tokens the prefix cache held (prompt_tokens_details."
                             "cached_tokens, when there were any; the Responses API's usage always does)")
@@ -328,6 +325,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='vLLM\'s structured output settings as JSON, e.g. \'{"backend": "xgrammar", '
                              '"disable_any_whitespace": false}\' (backend auto or xgrammar; disable_any_whitespace: '
                              'the default of requests that do not set it, true here)')
+    engine.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=EngineArgs.reasoning_parser,
+                        help="a thinking model's <think> markers: requests' thinking_token_budget is enforced by them, "
+                             "and the server splits each chat answer's reasoning off its content, into the message's "
+                             "reasoning field")
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
                       help="serve LoRA adapters of the model, batched with base-model requests")

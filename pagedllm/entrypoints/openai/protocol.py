@@ -206,7 +206,7 @@ class SamplingRequest(OpenAIBaseModel):
     # vLLM's: with logprobs asked for, each generated token's alternatives are these token ids (in place of the top
     # ones), all of them returned.
     logprob_token_ids: Optional[list[int]] = None
-    # vLLM's, checked by SamplingParams (an integer, not a bool) and refused by the engine, which cannot enforce it.
+    # vLLM's, checked by SamplingParams (an integer, not a bool); refused by a server without --reasoning-parser.
     thinking_token_budget: Any = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     # vLLM's: a stream's chunks every this many tokens at least (the server's --stream-interval the least).
