@@ -13,6 +13,7 @@ from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.generation_config import generation_eos_token_ids
+from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
@@ -196,6 +197,20 @@ class Processor:
                              "--reasoning-parser to use thinking_token_budget.")
         return msgspec.structs.replace(params, thinking_token_budget=min(budget, self.model_config.max_model_len))
 
+    def hold_grammar_while_reasoning(self, params: SamplingParams, token_ids: list[int]) -> SamplingParams:
+        """As vLLM's engine with a reasoning parser, whatever the entry point (LLM.generate, /v1/completions): a
+        grammar waits for the token that ends the reasoning, unless the prompt ended it (the parser's
+        is_reasoning_end) or that end is not one token. Where the chat server has decided, its decision stands."""
+        constraint = params.structured_outputs
+        if self.reasoning_config is None or constraint._reasoning_end_token_ids is not None:
+            return params
+        parser = get_reasoning_parser(self.reasoning_config.reasoning_parser)(self.tokenizer, None, token_ids)
+        end_token_ids = parser.reasoning_end_token_ids()
+        if not parser.thinking or end_token_ids is None:
+            return params
+        return msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
+            constraint, _reasoning_end_token_ids=end_token_ids))
+
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None, priority: int = 0,
                 lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
@@ -216,6 +231,7 @@ class Processor:
         params = self.validate_thinking_token_budget(params)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
+            params = self.hold_grammar_while_reasoning(params, token_ids)
         params = self.process_sampling_controls(params)
         extra_eos = [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if extra_eos:  # they stop the request unless ignore_eos; min_tokens holds them back either way

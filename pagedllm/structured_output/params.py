@@ -36,8 +36,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # served as vLLM serves it, and unused.
     whitespace_pattern: Optional[str] = None
     disable_additional_properties: bool = False
-    # Set by the chat server for a thinking model's answer (--reasoning-parser): the grammar is held back until the
-    # request samples one of these tokens, which end its reasoning (vLLM's reasoning_ended); not part of the key.
+    # Set for a thinking model's answer (--reasoning-parser) by the Processor, or by the chat server, which knows the
+    # chat's enable_thinking: the grammar is held back until the request samples one of these tokens, which end its
+    # reasoning (vLLM's reasoning_ended); [] holds it back for nothing. Not part of the key.
     _reasoning_end_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:

@@ -12,7 +12,9 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 from pagedllm.structured_output.params import StructuredOutputsParams
+from tests.e2e.conftest import running_llm
 from tests.e2e.json_schemas import SCHEMAS
+from tests.server.chain_model import MESSAGES, save_thinking_model
 
 SEEDS = (0, 1, 2)
 
@@ -155,3 +157,23 @@ def test_controls_that_leave_the_grammar_no_token_end_the_request_with_an_error(
     assert stats.kv_cache_usage == 0.0
     free = llm.generate("Is Paris in France? Answer:", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert free[0].error is None
+
+
+def test_a_reasoning_parser_holds_the_grammar_back_until_the_reasoning_ends(tmp_path, tokenizer):
+    """As vLLM's engine with a reasoning parser, offline too: the model thinks freely (it would answer "<think> Let me
+    see</think> Paris is big"), then answers as the grammar says; the </think> a spent thinking_token_budget forces
+    ends the reasoning as well, and a prompt that ended it leaves the grammar on from the first token."""
+    save_thinking_model(tmp_path, tokenizer)
+    json_object = StructuredOutputsParams(json_object=True)
+    thought = {"role": "assistant", "content": "<think> Let me see</think>"}
+    with running_llm(str(tmp_path), dtype="float32", max_model_len=512, num_kv_blocks=32,
+                     reasoning_parser="deepseek_r1") as llm:
+        held, budgeted = (o.outputs[0].text for o in llm.chat([MESSAGES, MESSAGES], [
+            SamplingParams(temperature=0, max_tokens=8, structured_outputs=json_object),
+            SamplingParams(temperature=0, max_tokens=8, structured_outputs=json_object, thinking_token_budget=1)],
+            use_tqdm=False))
+        ended = llm.chat([*MESSAGES, thought], SamplingParams(temperature=0, max_tokens=8,
+                                                              structured_outputs=json_object),
+                         add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0].outputs[0].text
+    assert held.startswith("<think> Let me see</think>{") and budgeted.startswith("<think> Let</think>{")
+    assert ended.startswith("{")

@@ -36,3 +36,12 @@ def save_chain_model(path, tokenizer, messages: list[dict], new_tokens: list[str
             model.lm_head.weight[next_token] = 10.0 * torch.nn.functional.one_hot(torch.tensor(i), 64).float()
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
+
+
+THOUGHT, ANSWER = [" Let", " me", " see"], [" Paris", " is", " big"]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def save_thinking_model(path, tokenizer) -> None:
+    """A thinking model: it answers MESSAGES with "<think> Let me see</think> Paris is big"."""
+    save_chain_model(path, tokenizer, MESSAGES, ["<think>", "</think>"], ["<think>", *THOUGHT, "</think>", *ANSWER])

@@ -1,7 +1,7 @@
 """vLLM's --reasoning-parser through the server: a thinking model's chat answer comes back with its reasoning in the
 message's (or delta's) reasoning field and the rest as content, streamed or not, and usage counts the reasoning's
 tokens. The model is a tiny Llama built to think (tests/server/chain_model.py): it answers the chat prompt with
-"<think> Let me see</think> Paris is big" and then EOS."""
+"<think> Let me see</think> Paris is big" and then EOS (chain_model.save_thinking_model)."""
 from __future__ import annotations
 
 import json
@@ -9,15 +9,8 @@ import subprocess
 import sys
 
 import pytest
-from tests.server.chain_model import save_chain_model
+from tests.server.chain_model import MESSAGES, save_thinking_model
 from tests.server.conftest import RemoteServer
-
-THOUGHT, ANSWER = [" Let", " me", " see"], [" Paris", " is", " big"]
-MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def save_thinking_model(path, tokenizer) -> None:
-    save_chain_model(path, tokenizer, MESSAGES, ["<think>", "</think>"], ["<think>", *THOUGHT, "</think>", *ANSWER])
 
 
 @pytest.fixture(scope="module")

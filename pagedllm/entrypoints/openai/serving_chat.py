@@ -50,23 +50,25 @@ class OpenAIServingChat(OpenAIServing):
 
     def _reasoning(self, request: ChatCompletionRequest, prompt_token_ids: list[int], params: Any
                    ) -> tuple[Optional[DeepSeekR1ReasoningParser], Any]:
-        """The request's reasoning parser (none without --reasoning-parser), and its sampling params with a grammar
-        (structured output, a required or named tool_choice) held back until the reasoning ends, as vLLM holds it
-        back: the model thinks freely, then answers as the grammar says. Where the end of the reasoning is not one
-        token, the grammar applies from the first token, leaving no reasoning, and no parser is applied. Where the
-        prompt already ended the reasoning, the grammar applies from the first token, as vLLM's."""
+        """The request's reasoning parser (none without --reasoning-parser), and its sampling params. A grammar
+        (structured output, a required or named tool_choice) is held back until the reasoning ends, as vLLM holds it
+        back, by the engine's Processor: the model thinks freely, then answers as the grammar says. Where the end of
+        the reasoning is not one token, the grammar applies from the first token, leaving no reasoning, and no
+        parser is applied. Where the chat has no reasoning (the prompt ended it, or qwen3's enable_thinking false),
+        the grammar applies from the first token, as vLLM's."""
         if self.reasoning_parser is None:
             return None, params
         parser = self.reasoning_parser(self.tokenizer, effective_chat_template_kwargs(
             self.default_chat_template_kwargs, request.template_kwargs()), prompt_token_ids)
         constraint = getattr(params, "structured_outputs", None)
-        if constraint is None or not parser.thinking:
+        if constraint is None:
             return parser, params
-        end_token_ids = parser.reasoning_end_token_ids()
-        if end_token_ids is None:
+        if parser.reasoning_end_token_ids() is None:
             return None, params
+        if parser.thinking:
+            return parser, params
         return parser, msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
-            constraint, _reasoning_end_token_ids=end_token_ids))
+            constraint, _reasoning_end_token_ids=[]))
 
     def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
         """As vLLM: the answer's role is --response-role, unless it continues the last message (no generation
