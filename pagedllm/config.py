@@ -5,11 +5,12 @@ import re
 import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.core.kv_cache_groups import KVCacheGroup
 from pagedllm.core.sched.request_queue import SchedulingPolicy
 from pagedllm.models.generation_config import diff_sampling_param
+from pagedllm.reasoning import get_reasoning_parser
 from pagedllm.sample.logprobs import LOGPROBS_MODES
 
 
@@ -673,26 +674,48 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True)
 class ReasoningConfig:
-    """vLLM's reasoning_config, as its --reasoning-parser makes it: the token ids of the reasoning parser's start and
-    end strings (``<think>``, ``</think>``), as the model's tokenizer encodes them (one token each in a thinking
-    model's vocabulary, several elsewhere), which a request's thinking_token_budget counts and forces by
-    (sample/thinking_budget.py). vLLM's reasoning_end_token_ids (what is forced) and natural ones (what ends the
-    reasoning) are both the parser's end string here."""
+    """vLLM's reasoning_config (--reasoning-config, a JSON object of reasoning_parser, reasoning_start_str and
+    reasoning_end_str; --reasoning-parser names its parser): the token ids a request's thinking_token_budget counts
+    and forces by (sample/thinking_budget.py), as the model's tokenizer encodes the strings (one token each in a
+    thinking model's vocabulary, several elsewhere). The reasoning starts at the start string and ends at the
+    parser's end string (vLLM's natural end); the end string is what a spent budget forces, the parser's unless
+    reasoning_end_str says otherwise (a phrase before it, say)."""
 
     reasoning_parser: str
     reasoning_start_token_ids: tuple[int, ...]
     reasoning_end_token_ids: tuple[int, ...]
+    natural_reasoning_end_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_parser(cls, name: str, parser: type, tokenizer) -> "ReasoningConfig":
-        """vLLM's initialize_token_ids: a string that encodes to no token is its ValueError."""
-        start, end = (tuple(tokenizer.encode(text, add_special_tokens=False))
-                      for text in (parser.reasoning_start_str, parser.reasoning_end_str))
+    def from_args(cls, values: Optional[dict], reasoning_parser: str, load_tokenizer: Callable[[], Any]
+                  ) -> Optional["ReasoningConfig"]:
+        """vLLM's _set_default_reasoning_config_args and initialize_token_ids: --reasoning-parser's name over the
+        dict's; the parser's strings where the dict gives none. None where neither is given, or where no start or
+        end string is known (vLLM's config not enabled, which refuses every budget)."""
+        if values is None and not reasoning_parser:
+            return None
+        values = _config_dict("reasoning_config", values if values is not None else {})
+        _refuse_unknown_keys("reasoning_config", values, {"reasoning_parser", "reasoning_start_str",
+                                                          "reasoning_end_str"})
+        for key, value in values.items():
+            if not isinstance(value, str):
+                raise ValueError(f"reasoning_config {key} must be a string, got {value!r}")
+        name = reasoning_parser or values.get("reasoning_parser", "")
+        start, end = values.get("reasoning_start_str", ""), values.get("reasoning_end_str", "")
+        natural = end
+        if name:
+            parser = get_reasoning_parser(name)
+            start, end = start or parser.reasoning_start_str, end or parser.reasoning_end_str
+            natural = parser.reasoning_end_str
         if not start or not end:
-            raise ValueError(f"ReasoningConfig: failed to tokenize reasoning strings: reasoning_start_str="
-                             f"'{parser.reasoning_start_str}', reasoning_end_str='{parser.reasoning_end_str}'. "
-                             "Ensure the strings are valid tokens in the model's vocabulary.")
-        return cls(name, start, end)
+            return None
+        tokenizer = load_tokenizer()
+        ids = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in (start, end, natural)]
+        if not all(ids):
+            raise ValueError(f"ReasoningConfig: failed to tokenize reasoning strings: reasoning_start_str='{start}', "
+                             f"reasoning_end_str='{end}'. Ensure the strings are valid tokens in the model's "
+                             "vocabulary.")
+        return cls(name, *ids)
 
 
 @dataclass
@@ -706,7 +729,7 @@ class EngineConfig:
     speculative_config: Optional[SpeculativeConfig] = None
     lora_config: Optional[LoRAConfig] = None  # None: LoRA not enabled
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
-    # None: no reasoning parser (vLLM's reasoning_config None), and a thinking_token_budget is refused.
+    # None: no reasoning config (vLLM's None, or not enabled), and a thinking_token_budget is refused.
     reasoning_config: Optional[ReasoningConfig] = None
 
     @property

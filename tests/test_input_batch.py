@@ -105,10 +105,12 @@ def test_a_full_batch_and_a_duplicate_are_refused():
 THINK, END = 7, 8  # one-token reasoning markers
 
 
-def _thinking_batch(*requests: tuple[list[int], list[int], int | None], end: tuple[int, ...] = (END,)) -> InputBatch:
-    """A batch of requests (prompt, output, thinking_token_budget) under a reasoning config with those markers."""
+def _thinking_batch(*requests: tuple[list[int], list[int], int | None], forced_end: tuple[int, ...] = (END,)
+                    ) -> InputBatch:
+    """A batch of requests (prompt, output, thinking_token_budget) under a reasoning config with those markers, and
+    ``forced_end`` what a spent budget forces."""
     batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, vocab_size=1000,
-                       reasoning_config=ReasoningConfig("deepseek_r1", (THINK,), end))
+                       reasoning_config=ReasoningConfig("deepseek_r1", (THINK,), forced_end, (END,)))
     for i, (prompt, output, budget) in enumerate(requests):
         state = CachedRequestState(f"r{i}", prompt, SamplingParams(thinking_token_budget=budget), None, ([],),
                                    len(prompt) + len(output), output_token_ids=list(output))
@@ -138,11 +140,12 @@ def test_a_spent_thinking_budget_forces_the_end_marker_once_per_section():
 
 def test_drafts_count_as_thoughts_and_a_multi_token_end_is_forced_token_by_token():
     """Speculative decoding: each logits row sees the drafts before it (offsets) as thought, or as the end of the
-    thinking; an end marker of several tokens is forced one a step, from where the tokens already are in it."""
+    thinking. A forced end of several tokens (vLLM's reasoning_end_str, a phrase ending in </think>) is forced one a
+    step, from where the tokens already are in it; the model's own </think> ends the thinking all the same."""
     batch = _thinking_batch(([1, THINK], [2], 2), ([1, THINK], [2], 2))
     batch.set_draft_tokens(0, [3, 4, 5])
     batch.set_draft_tokens(1, [3, END, 4])
     assert _forced(batch, [0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 2, 3, 0, 1, 2, 3]) == {1: END, 2: END, 3: END, 5: END}
     multi = _thinking_batch(([1, THINK, 2], [3], 2), ([1, THINK, 2], [3, 60], 2), ([1, THINK, 2], [3, 60, 61], 2),
-                            end=(60, 61, END))
-    assert _forced(multi, [0, 1, 2]) == {0: 60, 1: 61, 2: END}
+                            ([1, THINK, 2], [3, END], 2), forced_end=(60, 61, END))
+    assert _forced(multi, [0, 1, 2, 3]) == {0: 60, 1: 61, 2: END}

@@ -131,6 +131,8 @@ class EngineArgs:
     # vLLM's reasoning_parser (--reasoning-parser): one of REASONING_PARSERS, whose <think> markers a request's
     # thinking_token_budget is counted and enforced by; the server also splits chat answers' reasoning off by it.
     reasoning_parser: str = ""
+    # vLLM's reasoning_config: a dict such as {"reasoning_end_str": "Time to answer.</think>"} (config.ReasoningConfig).
+    reasoning_config: Optional[dict] = None
     # Multi-LoRA serving (vLLM's names and defaults).
     enable_lora: bool = False
     max_loras: int = 1
@@ -225,7 +227,8 @@ class EngineArgs:
         structured_outputs_config = self.structured_outputs_config
         if not isinstance(structured_outputs_config, StructuredOutputsConfig):
             structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config or {})
-        reasoning_parser = get_reasoning_parser(self.reasoning_parser) if self.reasoning_parser else None
+        if self.reasoning_parser:
+            get_reasoning_parser(self.reasoning_parser)  # a bad name fails before the model loads
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config, self.override_generation_config)
         hf_config = load_hf_config(path)
@@ -269,8 +272,8 @@ class EngineArgs:
                                    self.generation_config, platform.device_type, attention_backend,
                                    self.override_generation_config, logprobs_mode=self.logprobs_mode,
                                    auto_fit_max_model_len=auto_fit, load_format=self.load_format)
-        reasoning_config = None if reasoning_parser is None else ReasoningConfig.from_parser(
-            self.reasoning_parser, reasoning_parser, load_tokenizer(model_config.tokenizer))
+        reasoning_config = ReasoningConfig.from_args(self.reasoning_config, self.reasoning_parser,
+                                                     lambda: load_tokenizer(model_config.tokenizer))
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp

@@ -194,7 +194,7 @@ class Processor:
             return params
         if self.reasoning_config is None:
             raise ValueError("thinking_token_budget is set but reasoning_config is not configured. Please set "
-                             "--reasoning-parser to use thinking_token_budget.")
+                             "--reasoning-parser and/or --reasoning-config to use thinking_token_budget.")
         return msgspec.structs.replace(params, thinking_token_budget=min(budget, self.model_config.max_model_len))
 
     def hold_grammar_while_reasoning(self, params: SamplingParams, token_ids: list[int]) -> SamplingParams:
@@ -202,9 +202,10 @@ class Processor:
         grammar waits for the token that ends the reasoning, unless the prompt ended it (the parser's
         is_reasoning_end) or that end is not one token. Where the chat server has decided, its decision stands."""
         constraint = params.structured_outputs
-        if self.reasoning_config is None or constraint._reasoning_end_token_ids is not None:
+        reasoning = self.reasoning_config
+        if reasoning is None or not reasoning.reasoning_parser or constraint._reasoning_end_token_ids is not None:
             return params
-        parser = get_reasoning_parser(self.reasoning_config.reasoning_parser)(self.tokenizer, None, token_ids)
+        parser = get_reasoning_parser(reasoning.reasoning_parser)(self.tokenizer, None, token_ids)
         end_token_ids = parser.reasoning_end_token_ids()
         if not parser.thinking or end_token_ids is None:
             return params

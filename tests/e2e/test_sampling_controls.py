@@ -103,9 +103,8 @@ def test_a_grammar_that_can_only_end_ends_under_min_tokens(llm):
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory, tokenizer):
-    """A tiny random Llama with <think> and </think> in its vocabulary, served with vLLM's deepseek_r1 reasoning
-    parser; prompts are chunked by a 32-token step budget."""
+def thinker_path(tmp_path_factory, tokenizer) -> str:
+    """A tiny random Llama with <think> and </think> in its vocabulary."""
     path = tmp_path_factory.mktemp("thinker")
     tokenizer = copy.deepcopy(tokenizer)
     tokenizer.add_tokens(["<think>", "</think>"])
@@ -115,7 +114,14 @@ def thinker(tmp_path_factory, tokenizer):
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
-    with running_llm(str(path), dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_kv_blocks=64,
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def thinker(thinker_path):
+    """The thinking model served with vLLM's deepseek_r1 reasoning parser; prompts are chunked by a 32-token step
+    budget."""
+    with running_llm(thinker_path, dtype="float32", max_model_len=512, max_num_batched_tokens=32, num_kv_blocks=64,
                      reasoning_parser="deepseek_r1") as engine:
         yield engine
 
@@ -149,6 +155,30 @@ def test_a_thinking_token_budget_forces_the_end_of_thinking(thinker):
     assert greedy[6:] == rest[0].outputs[0].token_ids
 
 
-def test_thinking_token_budget_needs_a_known_reasoning_parser(tmp_path):
-    with pytest.raises(ValueError, match="^reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
-        EngineArgs(model=str(tmp_path), reasoning_parser="nope").create_engine_config()
+def test_a_reasoning_config_sets_what_a_spent_budget_forces(thinker_path):
+    """vLLM's reasoning_config, without a reasoning parser: its start string opens the thinking, and its end string,
+    here a phrase before </think>, is what a spent budget forces, token by token, and what ends the thinking."""
+    phrase = " Time to answer.</think>"
+    with running_llm(thinker_path, dtype="float32", max_model_len=512, num_kv_blocks=64,
+                     reasoning_config={"reasoning_start_str": "<think>", "reasoning_end_str": phrase}) as llm:
+        tokenizer = llm.get_tokenizer()
+        think, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+        forced = tokenizer.encode(phrase, add_special_tokens=False)
+        tokens = llm.generate([{"prompt_token_ids": [300, 301, think]}], SamplingParams(
+            temperature=0, max_tokens=16, ignore_eos=True, thinking_token_budget=3,
+            logit_bias={think: -100, end: -100}), use_tqdm=False)[0].outputs[0].token_ids
+    assert len(forced) > 2 and tokens[3:3 + len(forced)] == forced and tokens.count(end) == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"reasoning_parser": "nope"}, "^reasoning_parser 'nope' is not one of deepseek_r1, qwen3"),
+    ({"reasoning_config": {"reasoning_end": "</think>"}}, r"^reasoning_config has unknown keys \['reasoning_end'\]"),
+    ({"reasoning_config": {"reasoning_end_str": 5}}, "^reasoning_config reasoning_end_str must be a string")])
+def test_bad_reasoning_settings_name_the_field(model_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=model_path, **kwargs).create_engine_config()
+
+
+def test_a_reasoning_config_without_its_strings_enforces_no_budget(model_path):
+    """As vLLM's: without a parser or a start and end string it is not enabled, and a budget is refused."""
+    assert EngineArgs(model=model_path, reasoning_config={}).create_engine_config().reasoning_config is None

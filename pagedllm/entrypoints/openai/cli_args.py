@@ -329,6 +329,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a thinking model's <think> markers: requests' thinking_token_budget is enforced by them, "
                              "and the server splits each chat answer's reasoning off its content, into the message's "
                              "reasoning field")
+    engine.add_argument("--reasoning-config", type=_json_object, default=EngineArgs.reasoning_config,
+                        help='vLLM\'s reasoning settings as JSON: reasoning_parser, reasoning_start_str and '
+                             'reasoning_end_str (what a spent thinking_token_budget forces), e.g. '
+                             '\'{"reasoning_end_str": "Time to answer.</think>"}\' (default: those of '
+                             '--reasoning-parser)')
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
                       help="serve LoRA adapters of the model, batched with base-model requests")
