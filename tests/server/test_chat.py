@@ -189,18 +189,39 @@ def test_return_prompt_text_is_the_rendered_chat_template(client, model, tokeniz
         == [(0, text), (1, text)]
 
 
+def raw_stream(server, body: dict) -> list[dict]:
+    """The chunks of a streamed chat completion as JSON objects, every field as the server wrote it."""
+    with server.http() as http:
+        lines = http.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True, **body}
+                          ).text.splitlines()
+    return [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+
+
 def test_a_streams_role_chunks_carry_the_prompt_fields_null_when_not_asked_for(server, model):
     """As vLLM's: each choice's first chunk (its role) sets prompt_token_ids and prompt_text, null unless asked for,
     so that a client reads them there whatever it asked; no other chunk has them."""
-    with server.http() as http:
-        lines = http.post("/v1/chat/completions", json={"model": model, "messages": MESSAGES, "max_tokens": 2,
-                                                        "n": 2, "stream": True}).text.splitlines()
-    chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    chunks = raw_stream(server, {"model": model, "max_tokens": 2, "n": 2})
     prompt_fields = [{key: chunk[key] for key in ("prompt_token_ids", "prompt_text") if key in chunk}
                      for chunk in chunks]
     assert [chunk["choices"][0]["delta"].get("role") for chunk in chunks[:2]] == ["assistant", "assistant"]
     assert prompt_fields[:2] == [{"prompt_token_ids": None, "prompt_text": None}] * 2
     assert len(chunks) > 2 and prompt_fields[2:] == [{}] * (len(chunks) - 2)
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+def test_streamed_chunks_set_token_ids_each_and_stop_reason_last(server, model, return_token_ids):
+    """As vLLM's stream: a role chunk has no token_ids; each generated chunk sets token_ids (its new ids with
+    return_token_ids, else null), and only the last one sets stop_reason."""
+    chunks = raw_stream(server, {"model": model, "max_tokens": 4, "ignore_eos": True,
+                                 "return_token_ids": return_token_ids})
+    role, generated = chunks[0]["choices"][0], [chunk["choices"][0] for chunk in chunks[1:]]
+    assert "token_ids" not in role and "stop_reason" not in role
+    assert ["stop_reason" in choice for choice in generated] == [False] * (len(generated) - 1) + [True]
+    token_ids = [choice["token_ids"] for choice in generated]
+    if return_token_ids:
+        assert sum(len(ids) for ids in token_ids) == 4
+    else:
+        assert token_ids == [None] * len(generated)
 
 
 def test_stop_string(client, model):

@@ -137,8 +137,6 @@ class OpenAIServingChat(OpenAIServing):
         count_reasoning = reasoning_parser is not None and request.include_usage
         generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
-        # return_token_ids: each choice's generated ids not sent yet (a chunk a parser holds back sends none)
-        unsent_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
         # return_token_ids, return_prompt_text: the prompt's token ids and text, which each choice's first chunk
         # carries, as vLLM's: null there when not asked for (vLLM's sets them either way), absent from the others
         prompt_fields = {"prompt_token_ids": prompt_token_ids if request.return_token_ids else None,
@@ -149,8 +147,6 @@ class OpenAIServingChat(OpenAIServing):
             # continuous_usage_stats, its choice's usage so far.
             usage = UsageInfo.of(num_prompt_tokens, num_generated[choice.index]) \
                 if request.include_continuous_usage else None
-            if request.return_token_ids:
-                choice.token_ids, unsent_ids[choice.index] = unsent_ids[choice.index], []
             response = ChatCompletionStreamResponse(
                 id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice],
                 **({"usage": usage} if request.include_usage else {}), **prompt)
@@ -173,7 +169,6 @@ class OpenAIServingChat(OpenAIServing):
                 num_cached = res.num_cached_tokens
                 for output in res.outputs:
                     num_generated[output.index] += len(output.token_ids)
-                    unsent_ids[output.index] += output.token_ids
                     if count_reasoning:
                         generated_ids[output.index] += output.token_ids
                     if not output.text and not output.token_ids and output.finish_reason is None:
@@ -182,12 +177,15 @@ class OpenAIServingChat(OpenAIServing):
                                                               reasoning_streams[output.index],
                                                               request.include_reasoning)
                     logprobs = self._logprobs(request, output)
-                    if delta.content is None and delta.reasoning is None and delta.tool_calls is None and \
-                            finish_reason is None and logprobs is None:
+                    if not delta.model_fields_set and finish_reason is None and logprobs is None and \
+                            not request.return_token_ids:
                         continue  # text a parser holds until it knows what it is
+                    # As vLLM's: each step's chunk sets token_ids (its new ids with return_token_ids, else null), and
+                    # the last one alone its stop_reason.
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=output.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                        stop_reason=output.stop_reason))
+                        token_ids=output.token_ids if request.return_token_ids else None,
+                        **({"stop_reason": output.stop_reason} if finish_reason is not None else {})))
             if request.include_usage:
                 yield sse(ChatCompletionStreamResponse(
                     id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[],
@@ -204,7 +202,8 @@ class OpenAIServingChat(OpenAIServing):
                       reasoning_stream: Optional[ReasoningStream] = None, include_reasoning: bool = True
                       ) -> tuple[DeltaMessage, Optional[str]]:
         """This step's delta of one choice: its text, or the reasoning, content and tool calls the parsers read
-        out of it (the tool-call parser reading the content only)."""
+        out of it (the tool-call parser reading the content only). A delta sets only the fields it has, as vLLM's
+        (no null content or tool_calls beside them); one a parser holds back sets none."""
         text, reasoning = output.text, {}
         if reasoning_stream is not None:
             thought, text = reasoning_stream.feed(text)
@@ -219,8 +218,9 @@ class OpenAIServingChat(OpenAIServing):
         if output.finish_reason is not None:
             rest, more_calls = parser.finish()
             content, tool_calls = content + rest, tool_calls + more_calls
-        delta = DeltaMessage(**reasoning, content=content or None,
-                             tool_calls=tool_choice.kept_deltas(tool_calls) or None)
+        tool_calls = tool_choice.kept_deltas(tool_calls)
+        delta = DeltaMessage(**reasoning, **({"content": content} if content else {}),
+                             **({"tool_calls": tool_calls} if tool_calls else {}))
         return delta, tool_choice.finish_reason(parser.calls, output.finish_reason)
 
     @staticmethod
