@@ -66,6 +66,19 @@ def test_return_token_ids_and_tokens_as_token_ids(client, tokenizer):
     assert plain.token_ids is None and plain.logprobs.tokens[0] == tokenizer.decode(choice.token_ids[:1])
 
 
+def test_echo_with_return_token_ids_echoes_the_prompt_by_its_token_ids_alone(client, tokenizer):
+    """As vLLM's: echo with return_token_ids sends the prompt as prompt_token_ids (a stream: in the first chunk) and
+    its tokens in the logprobs, not its text in front of the answer's, streamed or not."""
+    body = dict(model="smollm2-135m-instruct", prompt=PROMPT, temperature=0, max_tokens=4, echo=True, logprobs=0,
+                extra_body={"return_token_ids": True})
+    prompt_ids = tokenizer.encode(PROMPT)
+    [choice] = client.completions.create(**body).choices
+    assert choice.prompt_token_ids == prompt_ids and choice.text == tokenizer.decode(choice.token_ids)
+    assert len(choice.logprobs.tokens) == len(prompt_ids) + 4
+    chunks = [c.choices[0] for c in client.completions.create(**body, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == choice.text and chunks[0].prompt_token_ids == prompt_ids
+
+
 def test_streamed_choices_carry_the_token_id_fields_null_when_not_asked_for(server):
     """As vLLM's: every chunk's choice sets token_ids and prompt_token_ids, null unless return_token_ids asks for
     them, so that a client reads them from any chunk whatever it asked."""

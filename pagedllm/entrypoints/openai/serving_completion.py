@@ -77,12 +77,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _echoed(self, request: CompletionRequest, prompt: Prompt, res: RequestOutput, output: CompletionOutput
                 ) -> tuple[str, list[int], Optional[SampleLogprobs]]:
-        """The output's text, tokens and logprobs, with the prompt's in front when echoing."""
+        """The output's text, tokens and logprobs, with the prompt's in front when echoing. With return_token_ids
+        the prompt is echoed by its tokens (and prompt_token_ids) alone, not its text, as vLLM's."""
         text, token_ids, logprobs = self._generated(request, output)
         if not request.echo:
             return text, token_ids, logprobs
         prompt_text, ids = prompt
-        prompt_text = prompt_text if prompt_text is not None else self.tokenizer.decode(ids)
+        if request.return_token_ids:
+            prompt_text = ""
+        elif prompt_text is None:
+            prompt_text = self.tokenizer.decode(ids)
         if logprobs is not None:
             logprobs = (res.prompt_logprobs or [None] * len(ids)) + logprobs
         return prompt_text + text, ids + token_ids, logprobs
