@@ -122,9 +122,10 @@ class LLM:
         prompts = []
         for turns in conversations:
             turns = conversation([ChatMessageParam.model_validate(m) for m in turns], content_format)
+            # Rendered once, then tokenized without special tokens (the template writes its own), as vLLM's
+            # _preprocess_chat: the ids transformers' apply_chat_template(tokenize=True) gives, with one rendering.
             text = self.tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
-            token_ids = self.tokenizer.apply_chat_template(turns, tokenize=True, return_dict=False, **template_args)
-            prompts.append({"prompt": text, "prompt_token_ids": list(token_ids)})
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
                              lora_request=lora_request)
 

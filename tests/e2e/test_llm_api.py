@@ -25,6 +25,21 @@ def test_chat_answers_paris(llm):
     assert out[0].prompt == rendered  # as vLLM's chat: the template's text
 
 
+def test_chat_renders_each_conversation_once(llm, monkeypatch):
+    """As vLLM's LLM.chat: the template is rendered once per conversation (its text, then tokenized), the prompt's
+    token ids those the template's tokenize=True gives."""
+    tokenizer = llm.get_tokenizer()
+    render = tokenizer.apply_chat_template
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "What is 2 + 2?"}]]
+    expected = [render(turns, tokenize=True, return_dict=False, add_generation_prompt=True) for turns in conversations]
+    calls = []
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *args, **kwargs: calls.append(1) or render(
+        *args, **kwargs))
+    outputs = llm.chat(conversations, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert len(calls) == len(conversations)
+    assert [out.prompt_token_ids for out in outputs] == [list(ids) for ids in expected]
+
+
 def test_chat_passes_chat_template_kwargs_and_tools_to_the_template(llm):
     """As vLLM's LLM.chat: chat_template_kwargs (e.g. Qwen3's enable_thinking) and tools reach the template."""
     template = ("{% for m in messages %}{{ m.content }}{% endfor %}|{{ flavour }}|"
