@@ -122,14 +122,27 @@ class BeamSearchInstance:
                 continue
             if rank < width:  # the candidates past the top beam_width only stand by to keep the beams full
                 self.completed.append((_score(cum_logprob, num_generated, length_penalty), seq))
-        self.completed.sort(key=lambda c: -c[0])  # stable: on a tie the earlier hypothesis stays ahead
-        del self.completed[width:]
+        self._keep_best()
         self.beams = live[:width]
         # HF's early stop (early_stopping=False): the best live beam, scored at its current length, cannot
         # beat the worst of beam_width finished hypotheses.
         self.finished = at_limit or not self.beams or (
             len(self.completed) == width
             and _score(self.beams[0].cum_logprob, num_generated, length_penalty) <= self.completed[-1][0])
+
+    def abort(self) -> None:
+        """Ends the search where it stands, as vLLM's does when a step's request is aborted: the live beams finish
+        with "abort" and join the finished hypotheses, the best beam_width of all kept."""
+        for beam in self.beams:
+            beam.finish_reason = "abort"
+            num_generated = len(beam.tokens) - self.prompt_len
+            self.completed.append((_score(beam.cum_logprob, num_generated, self.params.length_penalty), beam))
+        self._keep_best()
+        self.beams, self.finished = [], True
+
+    def _keep_best(self) -> None:
+        self.completed.sort(key=lambda c: -c[0])  # stable: on a tie the earlier hypothesis stays ahead
+        del self.completed[self.params.beam_width:]
 
     def output(self, tokenizer: Any) -> BeamSearchOutput:
         """The finished hypotheses, best first, with their generated text."""

@@ -134,22 +134,26 @@ class AsyncLLM:
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0,
                           lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """vLLM's frontend beam search (see pagedllm.beam_search): yields one finished RequestOutput whose
-        outputs are the beam_width best beams, best first. Each step runs the live beams concurrently."""
+        outputs are the beam_width best beams, best first. Each step runs the live beams concurrently, each under
+        ``request_id`` (as generate() runs requests sharing an id, each under a unique one of its own), so that
+        abort(request_id) stops all of them; the search then ends as vLLM's does on an aborted step, its live beams
+        finishing with "abort"."""
         text, token_ids = self.processor.tokenize(prompt)
         instance = BeamSearchInstance(token_ids, params, self.processor.eos_token_id, cache_salt_of(prompt))
         step_params = params.step_sampling_params()
 
-        async def last_output(beam: BeamSearchSequence, beam_request_id: str) -> RequestOutput:
-            async for output in self.generate(instance.step_prompt(beam), step_params, beam_request_id,
-                                              priority, lora_request):
+        async def last_output(beam: BeamSearchSequence) -> RequestOutput:
+            async for output in self.generate(instance.step_prompt(beam), step_params, request_id, priority,
+                                              lora_request):
                 pass
             return output
 
-        step = 0
         while not instance.finished:
-            instance.step(await asyncio.gather(*(last_output(beam, f"{request_id}-{step}-{i}")
-                                                 for i, beam in enumerate(instance.beams))))
-            step += 1
+            outputs = await asyncio.gather(*(last_output(beam) for beam in instance.beams))
+            if any(output.outputs[0].finish_reason == "abort" for output in outputs):
+                instance.abort()
+            else:
+                instance.step(outputs)
         yield instance.request_output(request_id, text, self.tokenizer)
 
     def _add_request(self, text: Optional[str], request: EngineCoreRequest, queue: asyncio.Queue) -> None:

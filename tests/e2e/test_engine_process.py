@@ -203,6 +203,34 @@ def test_async_llm_requests_may_share_an_id_and_aborting_it_stops_them_all():
     asyncio.run(run())
 
 
+def test_async_llm_abort_stops_a_beam_search_and_all_its_step_requests():
+    """abort(id) of a beam search stops every step request it runs under that id, leaving no KV block held, and the
+    search ends as vLLM's does on an aborted step: one finished output, its live beams' finish_reason "abort"."""
+    import asyncio
+
+    from pagedllm.beam_search import BeamSearchParams
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        try:
+            params = BeamSearchParams(beam_width=2, max_tokens=400, ignore_eos=True)
+            search = asyncio.create_task(anext(engine.beam_search({"prompt_token_ids": [1, 2, 3]}, "beams", params)))
+            while (stats := await engine.get_stats()).num_running_reqs + stats.num_waiting_reqs < 2:  # both beams
+                await asyncio.sleep(0.01)
+            await engine.abort("beams")
+            output = await asyncio.wait_for(search, 60)  # without the abort the search runs 400 steps
+            assert output.finished and [o.finish_reason for o in output.outputs] == ["abort"] * 2
+            stats = await engine.get_stats()
+            assert stats.num_running_reqs == stats.num_waiting_reqs == 0 and stats.kv_cache_usage == 0.0
+            assert not engine.output_processor.has_unfinished_requests()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
 def test_async_llm_from_engine_args_keeps_vllms_default_stats_and_logs_requests(caplog):
     """As vLLM's AsyncLLM made from AsyncEngineArgs without stat loggers: statistics kept (outputs carry their
     metrics), the pagedllm: metrics in prometheus_client's default registry (an engine made after another's takes
