@@ -81,7 +81,13 @@ class EngineCore:
         if error is not None:
             self.scheduler.reject(new, error)
             return
-        self.scheduler.add_request(new)
+        try:
+            self.scheduler.add_request(new)
+        except ValueError as e:
+            # An id already in flight (the frontends never send one; a direct caller of the engine core may): this
+            # request fails with an error output and the engine serves on, as vLLM's fails a request it cannot take
+            # (_handle_request_preproc_error) rather than the engine.
+            self.scheduler.reject(new, str(e))
 
     def _add_lora(self, lora_request: Optional[LoRARequest]) -> Optional[str]:
         """Every worker loads an adapter the first time a request names it (vLLM loads it when it is added), and

@@ -203,6 +203,46 @@ def test_async_llm_requests_may_share_an_id_and_aborting_it_stops_them_all():
     asyncio.run(run())
 
 
+def test_the_engine_core_fails_a_request_it_cannot_take_and_serves_on(tmp_path):
+    """Driven directly (without a frontend's checks), the engine core answers a request whose id is already in flight,
+    and one whose LoRA adapter cannot be loaded, each with an error output (vLLM's: the request fails, not the
+    engine); the request in flight runs on, and the engine serves the next request."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.core_client import SyncMPClient
+    from pagedllm.lora.request import LoRARequest
+
+    config = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB", enable_lora=True,
+                        max_lora_rank=8).create_engine_config()
+    client = SyncMPClient(config)
+
+    def add(request_id: str, max_tokens: int, lora_request=None) -> None:
+        client.add_request(EngineCoreRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens,
+                                                                                   ignore_eos=True),
+                                             None, time.time(), lora_request=lora_request))
+
+    def outputs_until(done) -> list[EngineCoreOutput]:
+        seen: list[EngineCoreOutput] = []
+        while not done(seen):
+            seen += client.get_output().outputs
+        return seen
+
+    try:
+        add("a", 400)
+        add("a", 4)
+        add("lora", 4, LoRARequest("gone", 1, str(tmp_path / "gone")))
+        errors = outputs_until(lambda seen: sum(out.error is not None for out in seen) == 2)
+        assert sorted((out.request_id, out.finished) for out in errors if out.error is not None) == \
+            [("a", True), ("lora", True)]
+        assert "already in the scheduler" in next(out.error for out in errors if out.request_id == "a" and out.error)
+        assert any(out.request_id == "a" and out.error is None for out in errors)  # the first "a" runs on
+        client.abort_requests(["a"])
+        add("b", 4)
+        served = outputs_until(lambda seen: any(out.request_id == "b" and out.finished for out in seen))
+        assert sum(len(out.new_token_ids) for out in served if out.request_id == "b") == 4
+    finally:
+        client.shutdown()
+
+
 def test_async_llm_abort_stops_a_beam_search_and_all_its_step_requests():
     """abort(id) of a beam search stops every step request it runs under that id, leaving no KV block held, and the
     search ends as vLLM's does on an aborted step: one finished output, its live beams' finish_reason "abort"."""
