@@ -69,6 +69,23 @@ def test_a_stream_splits_the_same_and_counts_the_same(thinking_server):
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
 
 
+def test_hiding_the_reasoning_hides_the_logprobs_and_token_ids_that_would_show_it(thinking_server):
+    """As vLLM's: with include_reasoning false a choice carries no logprobs and no generated token ids (they would
+    show the reasoning), streamed or not; the content is the answer's alone."""
+    extra = {"logprobs": True, "return_token_ids": True}
+    shown = chat(thinking_server, **extra)["choices"][0]
+    assert len(shown["token_ids"]) == len(shown["logprobs"]["content"]) == 9
+    hidden = chat(thinking_server, include_reasoning=False, **extra)["choices"][0]
+    assert (hidden["logprobs"], hidden["token_ids"], hidden["message"]["content"]) == (None, None, " Paris is big")
+    with thinking_server.http() as http:
+        body = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 16, "stream": True,
+                                                       "include_reasoning": False, **extra}).text
+    choices = [json.loads(line.removeprefix("data: "))["choices"][0] for line in body.splitlines()
+               if line.startswith("data: {")]
+    assert [(choice.get("logprobs"), choice.get("token_ids")) for choice in choices] == [(None, None)] * len(choices)
+    assert "".join(choice["delta"].get("content") or "" for choice in choices) == " Paris is big"
+
+
 def test_a_grammar_applies_once_the_reasoning_ends(thinking_server):
     """As vLLM holds a grammar back until the reasoning ends: the model thinks as it would, then answers as the
     grammar says (here it would answer " Paris is big" unconstrained)."""

@@ -137,6 +137,8 @@ class OpenAIServingChat(OpenAIServing):
         count_reasoning = reasoning_parser is not None and request.include_usage
         generated_ids: list[list[int]] = [[] for _ in range(request.n or 1)]
 
+        shown = self._shows_token_metadata(request, reasoning_parser)
+        send_token_ids = request.return_token_ids and shown
         # return_token_ids, return_prompt_text: the prompt's token ids and text, which each choice's first chunk
         # carries, as vLLM's: null there when not asked for (vLLM's sets them either way), absent from the others
         prompt_fields = {"prompt_token_ids": prompt_token_ids if request.return_token_ids else None,
@@ -176,15 +178,15 @@ class OpenAIServingChat(OpenAIServing):
                     delta, finish_reason = self._stream_delta(output, parsers[output.index], tool_choice,
                                                               reasoning_streams[output.index],
                                                               request.include_reasoning)
-                    logprobs = self._logprobs(request, output)
+                    logprobs = self._logprobs(request, output) if shown else None
                     if not delta.model_fields_set and finish_reason is None and logprobs is None and \
-                            not request.return_token_ids:
+                            not send_token_ids:
                         continue  # text a parser holds until it knows what it is
                     # As vLLM's: each step's chunk sets token_ids (its new ids with return_token_ids, else null), and
                     # the last one alone its stop_reason.
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=output.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                        token_ids=output.token_ids if request.return_token_ids else None,
+                        token_ids=output.token_ids if send_token_ids else None,
                         **({"stop_reason": output.stop_reason} if finish_reason is not None else {})))
             if request.include_usage:
                 yield sse(ChatCompletionStreamResponse(
@@ -224,6 +226,13 @@ class OpenAIServingChat(OpenAIServing):
         return delta, tool_choice.finish_reason(parser.calls, output.finish_reason)
 
     @staticmethod
+    def _shows_token_metadata(request: ChatCompletionRequest,
+                              reasoning_parser: Optional[DeepSeekR1ReasoningParser]) -> bool:
+        """Whether the choices' logprobs and generated token ids are sent: not where the request hides the reasoning
+        a parser splits off (include_reasoning false), which they would show, as vLLM's suppress_metadata."""
+        return reasoning_parser is None or request.include_reasoning
+
+    @staticmethod
     def _reasoning_tokens(reasoning_parser: Optional[DeepSeekR1ReasoningParser], token_ids: list[list[int]]
                           ) -> Optional[int]:
         """The choices' reasoning tokens all told, where a reasoning parser read them and can count them."""
@@ -246,6 +255,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         role = self.get_chat_request_role(request)
         echoed = self.echoed_text(request)
+        shown = self._shows_token_metadata(request, reasoning_parser)
         for o in outputs:
             reasoning, text = reasoning_parser.extract_reasoning(o.text) if reasoning_parser else (None, o.text)
             message, finish_reason = ChatMessage(role=role, content=text), o.finish_reason
@@ -260,8 +270,9 @@ class OpenAIServingChat(OpenAIServing):
             if echoed:
                 message.content = echoed + (message.content or "")
             choices.append(ChatCompletionResponseChoice(
-                index=o.index, message=message, logprobs=self._logprobs(request, o), finish_reason=finish_reason,
-                stop_reason=o.stop_reason, **({"token_ids": o.token_ids} if request.return_token_ids else {})))
+                index=o.index, message=message, logprobs=self._logprobs(request, o) if shown else None,
+                finish_reason=finish_reason, stop_reason=o.stop_reason,
+                **({"token_ids": o.token_ids} if request.return_token_ids and shown else {})))
         num_prompt_tokens = len(final.prompt_token_ids)
         num_completion_tokens = sum(len(o.token_ids) for o in outputs)
         return ChatCompletionResponse(
