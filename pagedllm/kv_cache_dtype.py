@@ -2,8 +2,9 @@
 and widened out of it on the torch paths.
 
 - ``auto``: the model's dtype;
-- ``fp8`` / ``fp8_e4m3`` and ``fp8_e5m2``: one byte an element (torch's float8_e4m3fn / float8_e5m2), the values
-  clamped to the format's finite range and rounded to nearest even, scale 1 (vLLM's default k_scale and v_scale);
+- ``fp8`` / ``fp8_e4m3`` and ``fp8_e5m2``: one byte an element (torch's float8_e4m3fn / float8_e5m2): each value
+  divided by its layer's per-tensor scale (vLLM's k_scale and v_scale, a checkpoint's, else 1), clamped to the
+  format's finite range and rounded to nearest even; read back, times that scale;
 - ``int8``: one signed byte an element, and each head's row of ``head_size`` codes followed by its float32 scale
   (``max |x| / 127`` over the row, so every row uses the whole int8 range): ``head_size + 4`` bytes a row.
 
@@ -33,8 +34,15 @@ def row_bytes(head_size: int, dtype: torch.dtype) -> int:
     return row_width(head_size, dtype) * dtype.itemsize
 
 
-def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` ``[..., head_size]`` (float) as the cache of ``dtype`` holds it: ``[..., row_width]``."""
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` is an fp8 one, the only kind a layer's k_scale and v_scale apply to (the others
+    hold their values unscaled, or int8 with each row's own scale): vLLM takes them as 1 for any other cache."""
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` ``[..., head_size]`` (float) as the cache of ``dtype`` holds it: ``[..., row_width]``; ``scale``: an fp8
+    cache's per-tensor scale, which the value is divided by (float32 division, as the native writer's)."""
     if dtype == torch.int8:
         x = x.float()
         amax = x.abs().amax(-1, keepdim=True)
@@ -43,13 +51,16 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([codes, (amax / 127.0).view(torch.int8)], dim=-1)
     if dtype.itemsize == 1:  # fp8: torch's conversion overflows to NaN/inf; the cache saturates
         limit = torch.finfo(dtype).max
-        return x.float().clamp(-limit, limit).to(dtype)
+        return (x.float() / scale).clamp(-limit, limit).to(dtype)
     return x.to(dtype)
 
 
-def dequantize_rows(rows: torch.Tensor, head_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows ``[..., row_width]`` as ``dtype`` values ``[..., head_size]``."""
+def dequantize_rows(rows: torch.Tensor, head_size: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cache rows ``[..., row_width]`` as ``dtype`` values ``[..., head_size]``; ``scale``: an fp8 cache's per-tensor
+    scale, which the values are multiplied by in float32."""
     if rows.dtype == torch.int8:
-        scale = rows[..., head_size:].contiguous().view(torch.float32)
-        return (rows[..., :head_size].float() * scale).to(dtype)
+        row_scale = rows[..., head_size:].contiguous().view(torch.float32)
+        return (rows[..., :head_size].float() * row_scale).to(dtype)
+    if is_fp8(rows.dtype) and scale != 1.0:
+        return (rows.float() * scale).to(dtype)
     return rows.to(dtype)

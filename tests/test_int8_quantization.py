@@ -264,9 +264,9 @@ def test_compressed_tensors_layers_no_group_targets_stay_dense(tmp_path):
 
 def test_compressed_tensors_kv_cache_scales_load(tmp_path):
     """A checkpoint with a kv_cache_scheme holds each attention's KV cache scales (self_attn.k_scale and v_scale, as
-    llm-compressor writes them; k_proj.output_scale in older exports), which vLLM loads: it loads, its scales unread
-    (the cache here is unscaled), computing as the same checkpoint without them (it failed: a tensor matching no
-    parameter)."""
+    llm-compressor writes them; k_proj.output_scale in older exports), which vLLM loads: it loads, over a float32
+    cache (which no scale applies to) computing as the same checkpoint without them (it failed: a tensor matching
+    no parameter). How an fp8 cache applies them: tests/test_kv_cache_dtype.py."""
     _save_compressed_tensors(tmp_path / "plain", ignore=[])
     _save_compressed_tensors(tmp_path / "kv", ignore=[])
     tensors = load_file(str(tmp_path / "kv" / "model.safetensors"))

@@ -6,15 +6,23 @@ import argparse
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedllm import SamplingParams
+from pagedllm import SamplingParams, native
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows
+from pagedllm.models.hf_config import load_hf_config
+from pagedllm.models.loader import get_model
+from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from pagedllm.native import fused
+from pagedllm.native.graph import CpuGraph
+from pagedllm.platforms.interface import KernelChoice
 from pagedllm.worker.worker import kv_cache_bytes_per_block
 from tests.conftest import DENSE_SMOLLM_ARGS
 from tests.e2e.conftest import in_process_llm
-from tests.model_fixtures import teacher_forced
+from tests.model_fixtures import Chunk, PagedBatchRunner, teacher_forced
 from tests.test_int8_quantization import PROMPTS
 
 
@@ -81,3 +89,119 @@ def test_real_model_agrees_with_the_full_precision_cache(dense_smollm):
         print(f"{cache_dtype} cache: teacher-forced agreement {agreement:.3f}, max |logprob diff| "
               f"{max(deltas):.3f}")
         assert agreement >= least and 0 < max(deltas) < 2.0
+
+
+# A checkpoint's fp8 KV cache scales (vLLM's per-tensor k_scale and v_scale) for keys of ~250 and values of ~0.002
+# (_save_llama_with_kv_scales): divided by them, both sit well inside fp8 e4m3's range; unscaled, keys past 448
+# saturate and values fall among its subnormals (steps of 2^-9).
+K_SCALE, V_SCALE = 4.0, 0.002
+
+
+def _save_llama_with_kv_scales(path, kv_scale_names: tuple[str, ...]) -> None:
+    """A tiny random Llama (head size 64, which the prefill tiles take) whose q_proj weights are divided by what its
+    k_proj ones are multiplied by (1000), and its o_proj ones by its v_proj ones' (0.01): it computes as the plain
+    model does, its keys of ~250 and values of ~0.002. Each layer has the scale tensors ``kv_scale_names`` (within
+    self_attn, each named for the scale it holds: "k_scale", "k_proj.k_scale", "kv_scale", ...)."""
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    factors = {"q_proj": 1e-3, "k_proj": 1e3, "v_proj": 1e-2, "o_proj": 1e2}
+    for name in list(tensors):
+        module = name.split(".")[-2]
+        if module in factors:
+            tensors[name] = tensors[name] * factors[module]
+    for i in range(config.num_hidden_layers):
+        for scale_name in kv_scale_names:
+            value = V_SCALE if scale_name.split(".")[-1] == "v_scale" else K_SCALE
+            tensors[f"model.layers.{i}.self_attn.{scale_name}"] = torch.tensor([value])
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+def _logits(path, cache_dtype: torch.dtype) -> torch.Tensor:
+    """The model's float32 logits over a prompt and then two decode steps (one row each), its KV cache of
+    ``cache_dtype``."""
+    config = load_hf_config(str(path))
+    runner = PagedBatchRunner(get_model(str(path), config, KernelChoice(torch.float32)), config, block_size=16,
+                              dtype=cache_dtype)
+    tokens = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = runner.step({0: tokens}, [Chunk(0, 0, 38)])
+    logits += [runner.step({0: tokens}, [Chunk(0, pos, 1)])[0] for pos in (38, 39)]
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_fp8_cache_applies_the_checkpoints_kv_scales(tmp_path, monkeypatch, path):
+    """vLLM scales an fp8 cache by the checkpoint's k_scale and v_scale: the cache holds k / k_scale and v / v_scale,
+    and attention reads them back times those. With them the fp8 cache's logits stay near the float32 cache's, on
+    the native kernels (the writes, the prefill tiles and the decode rows) and on the torch path alike; the same
+    checkpoint without its scales (as they were ignored) saturates its keys and loses its values, far off. vLLM's
+    names for them load alike: ModelOpt's k_proj.k_scale, and the deprecated kv_scale standing for both."""
+    if path == "torch":
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(fused, "write_kv", lambda *rows_and_scales: False)
+    elif native.paged_decode(torch.float8_e4m3fn) is None:
+        pytest.skip("no native kernels here")
+    _save_llama_with_kv_scales(tmp_path / "scaled", ("k_scale", "v_scale"))
+    _save_llama_with_kv_scales(tmp_path / "unscaled", ())
+    reference = _logits(tmp_path / "unscaled", torch.float32)
+    scaled = _logits(tmp_path / "scaled", torch.float8_e4m3fn)
+    unscaled = _logits(tmp_path / "unscaled", torch.float8_e4m3fn)
+    error, error_unscaled = ((x - reference).abs().max().item() for x in (scaled, unscaled))
+    print(f"{path}: max |logit error| with the scales {error:.4f}, without {error_unscaled:.4f}, "
+          f"max |logit| {reference.abs().max().item():.3f}")
+    assert error < 0.1 * reference.abs().max() and error < error_unscaled / 4
+    assert torch.equal(_logits(tmp_path / "scaled", torch.float32), reference)  # only an fp8 cache is scaled
+    _save_llama_with_kv_scales(tmp_path / "modelopt", ("k_proj.k_scale", "v_proj.v_scale"))
+    assert torch.equal(_logits(tmp_path / "modelopt", torch.float8_e4m3fn), scaled)
+    _save_llama_with_kv_scales(tmp_path / "deprecated", ("kv_scale",))
+    attention = get_model(str(tmp_path / "deprecated"), load_hf_config(str(tmp_path / "deprecated")),
+                          KernelChoice(torch.float32)).model.layers[1].self_attn.attn.impl
+    assert (attention.k_scale, attention.v_scale) == (K_SCALE, K_SCALE)
+
+
+def test_fp8_cache_scales_in_the_engines_decode_graphs(tmp_path):
+    """The engine over the scaled checkpoint's fp8 cache, its decode steps replaying CPU graphs (which recorded the
+    layers' scales as kernel arguments): each greedy token's logprob is near the float32 cache's for the same token,
+    that engine teacher-forced on the fp8 engine's tokens."""
+    _save_llama_with_kv_scales(tmp_path, ("k_scale", "v_scale"))
+    prompts = [list(range(10, 50)), list(range(100, 117))]
+    args = dict(tokenizer=resolve_model(DEFAULT_MODEL), dtype="float32", max_model_len=128, kv_cache_memory="16MiB")
+    fp8 = in_process_llm(str(tmp_path), kv_cache_dtype="fp8", **args)
+    replays = []
+    replay = CpuGraph.replay
+    try:
+        with pytest.MonkeyPatch.context() as patcher:
+            patcher.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
+            outputs = [o.outputs[0] for o in fp8.generate(
+                [{"prompt_token_ids": p} for p in prompts],
+                SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True), use_tqdm=False)]
+    finally:
+        fp8.shutdown()
+    assert len(replays) >= 10
+    reference = in_process_llm(str(tmp_path), **args)
+    try:
+        forced = reference.generate([{"prompt_token_ids": p + list(o.token_ids)} for p, o in zip(prompts, outputs)],
+                                    SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    finally:
+        reference.shutdown()
+    deltas = [abs(ours[token].logprob - theirs[token].logprob) for o, f in zip(outputs, forced)
+              for token, ours, theirs in zip(o.token_ids, o.logprobs, f.prompt_logprobs[-len(o.token_ids):])]
+    print(f"max |logprob diff| over {len(deltas)} tokens: {max(deltas):.4f}")
+    assert max(deltas) < 0.04
+
+
+@pytest.mark.parametrize("scale, message", [(torch.full((1, 1), 0.0), "must be positive and finite, got 0.0"),
+                                            (torch.tensor([float("nan")]), "must be positive and finite, got nan"),
+                                            (torch.ones(2), r"must be one \(per-tensor\) value, got shape \(2,\)")])
+def test_bad_kv_cache_scale_is_a_load_error(tmp_path, scale, message):
+    """A checkpoint's KV cache scale is one positive, finite number (vLLM takes per-tensor scales only): anything
+    else is a ValueError naming the tensor, not a cache of NaN or infinities."""
+    _save_llama_with_kv_scales(tmp_path, ("k_scale",))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["model.layers.1.self_attn.v_scale"] = scale
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"'model.layers.1.self_attn.v_scale': a KV cache scale {message}"):
+        get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))

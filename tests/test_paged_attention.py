@@ -64,14 +64,15 @@ def test_native_kernel_build_failure_falls_back(monkeypatch, tmp_path):
 
 
 def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shared_blocks=0, consecutive=False,
-              kv_dtype=None, sliding_window=None, logits_soft_cap=None):
+              kv_dtype=None, sliding_window=None, logits_soft_cap=None, kv_scales=(1.0, 1.0)):
     """requests: list of (num_cached, num_new). Cached K/V is written to the cache
     beforehand; never-written cache memory is NaN and must not leak into the output.
     The first ``shared_blocks`` blocks (ids and K/V) are common to all requests, as
     prefix caching leaves them; ``consecutive`` allocates block ids in order. ``kv_dtype`` is the cache's dtype
     (default ``dtype``): a bf16 cache under float32 queries holds the keys rounded, and attention must see
     exactly those, so the reference takes them rounded too. ``sliding_window`` and ``logits_soft_cap``: the layer's,
-    also the reference's. Returns the step's attention plan."""
+    also the reference's; ``kv_scales``: the layer's (k_scale, v_scale), which an fp8 cache's rows are divided by as
+    they are written and multiplied by as they are read (the reference's too). Returns the step's attention plan."""
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -102,8 +103,8 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         v = torch.randn(cached + new, kv_heads, head_dim, generator=gen).to(dtype)
         k[: len(shared_k)], v[: len(shared_v)] = shared_k, shared_v
         for pos in range(cached):
-            key_cache.view(-1, kv_heads, width)[slot(i, pos)] = quantize_rows(k[pos], kv_dtype)
-            value_cache.view(-1, kv_heads, width)[slot(i, pos)] = quantize_rows(v[pos], kv_dtype)
+            key_cache.view(-1, kv_heads, width)[slot(i, pos)] = quantize_rows(k[pos], kv_dtype, kv_scales[0])
+            value_cache.view(-1, kv_heads, width)[slot(i, pos)] = quantize_rows(v[pos], kv_dtype, kv_scales[1])
         full_k.append(k)
         full_v.append(v)
         qs.append(torch.randn(new, heads, head_dim, generator=gen).to(dtype))
@@ -122,6 +123,7 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     )
     scale = head_dim**-0.5
     layer = Attention(heads, head_dim, scale, kv_heads, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    layer.set_kv_cache_scales(*kv_scales)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, requests)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, requests)])
     with torch.inference_mode():
@@ -129,8 +131,9 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     assert out.dtype == dtype and out.shape == (qsl[-1], heads * head_dim)
 
     # This step's K/V landed in the cache, as the torch path quantizes them (byte for byte where one byte each).
-    for cache, new in ((key_cache, new_k), (value_cache, new_v)):
-        written, expected_rows = cache.view(-1, kv_heads, width)[metadata.slot_mapping], quantize_rows(new, kv_dtype)
+    for cache, new, kv_scale in ((key_cache, new_k, kv_scales[0]), (value_cache, new_v, kv_scales[1])):
+        written = cache.view(-1, kv_heads, width)[metadata.slot_mapping]
+        expected_rows = quantize_rows(new, kv_dtype, kv_scale)
         if kv_dtype.itemsize == 1:
             written, expected_rows = written.view(torch.uint8), expected_rows.view(torch.uint8)
         assert torch.equal(written, expected_rows)
@@ -139,7 +142,8 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
         plan.native_prefix or (plan.native_prefill is not None and new > 1)) for _, new in requests]
     for i, (q, k, v) in enumerate(zip(qs, full_k, full_v)):
         rows = out[qsl[i]:qsl[i + 1]].float().view_as(q)
-        k, v = (dequantize_rows(quantize_rows(x, kv_dtype), head_dim, torch.float32) for x in (k, v))  # as cached
+        k, v = (dequantize_rows(quantize_rows(x, kv_dtype, kv_scale), head_dim, torch.float32, kv_scale)
+                for x, kv_scale in zip((k, v), kv_scales))  # as cached
         if paired[i]:  # the tiles' operands: the queries and a one-byte row's widened values in bf16
             k, v = (x.to(torch.bfloat16) for x in (k, v))
             expected = reference_attention(q.to(torch.bfloat16), k, v, scale, sliding_window, logits_soft_cap)
@@ -386,6 +390,28 @@ def test_quantized_cache_after_a_shared_prefix(low_cascade_threshold, quantized_
     requests = [(12 + 3 * i, 1) for i in range(11)] + [(13, 6)]
     plan = _run_case(requests, 9, 3, 64, 4, torch.float32, seed=5, shared_blocks=3, kv_dtype=kv_dtype)
     assert plan.native_prefix == (native.paged_prefill(kv_dtype) is not None)
+
+
+@pytest.mark.parametrize("kv_dtype", [*QUANTIZED, torch.bfloat16])
+def test_fp8_cache_scales(low_cascade_threshold, quantized_path, kv_dtype):
+    """A layer's k_scale and v_scale (a checkpoint's, vLLM's per-tensor fp8 scales): an fp8 cache holds k / k_scale
+    and v / v_scale, byte for byte as the torch path writes them, and every path reads them back times the scales
+    (decode rows, split over two threads too; prefill tiles; a window; a shared prefix), where a kernel reading the
+    bytes unscaled gives 4x the scores and 1/20 of the values. Caches other than fp8 take no scale (vLLM's 1): int8
+    rows carry their own."""
+    kv_scales = (4.0, 0.05)
+    requests = [(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)]
+    _run_case(requests, 9, 3, 64, 16, torch.float32, seed=7, kv_dtype=kv_dtype, kv_scales=kv_scales)
+    _run_case(requests, 8, 2, 128, 4, torch.float32, seed=8, kv_dtype=kv_dtype, sliding_window=13, kv_scales=kv_scales)
+    plan = _run_case([(12 + 3 * i, 1) for i in range(11)] + [(13, 6)], 9, 3, 64, 4, torch.float32, seed=5,
+                     shared_blocks=3, kv_dtype=kv_dtype, kv_scales=kv_scales)
+    assert plan.prefix is not None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _run_case([(700, 1)], 9, 3, 64, 16, torch.float32, seed=1, kv_dtype=kv_dtype, kv_scales=kv_scales)
+    finally:
+        torch.set_num_threads(threads)
 
 
 

@@ -417,9 +417,9 @@ def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:
                              f"leave quantization unset or give {method!r}")
         # a checkpoint's own scheme we cannot run fails here, before any process starts
         get_quant_config(method, path, get_model_architecture(hf_config), checkpoint_config)
-        if checkpoint_config.get("kv_cache_scheme"):  # its scales are not read (models/llama.KV_CACHE_SCALE)
-            logger.warning("The checkpoint's kv_cache_scheme is not applied (vLLM's fp8 KV cache scaled by its "
-                           "k_scale and v_scale): the KV cache is kv_cache_dtype's, 'auto' the model's dtype, unscaled")
+        if checkpoint_config.get("kv_cache_scheme"):  # its scales scale an fp8 cache (models/llama.KV_CACHE_SCALE)
+            logger.warning("The checkpoint's kv_cache_scheme (an fp8 KV cache scaled by its k_scale and v_scale) "
+                           "applies with kv_cache_dtype='fp8' only: 'auto' keeps the cache in the model's dtype")
     elif quantization is not None:
         get_quant_config(quantization, path, get_model_architecture(hf_config))
         hf_config.quantization_config = {"quant_method": quantization}

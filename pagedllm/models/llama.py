@@ -9,6 +9,7 @@ length)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -35,12 +36,26 @@ if TYPE_CHECKING:  # the engine process gets a plain copy (config.HFConfigValues
 
 
 _GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}
-# A quantized checkpoint's KV cache scales, by the names vLLM's maybe_remap_kv_scale_name takes (compressed-tensors'
-# kv_cache_scheme: self_attn.k_scale, v_scale, q_scale; older exports' k_proj / v_proj output_scale; ModelOpt's
-# k_proj.k_scale; the deprecated kv_scale). vLLM scales an fp8 cache by them; the cache here is unscaled
-# (kv_cache_dtype.py), so they are not read.
-KV_CACHE_SCALE = re.compile(r".*\.self_attn\.(?:(?:[kv]_proj|qkv_proj|attn)\.)?(?:k|v|q|kv|prob)_scale"
-                            r"|.*\.self_attn\.[kqv]_proj\.output_scale")
+# A checkpoint's KV cache scales, by the names vLLM's maybe_remap_kv_scale_name takes (compressed-tensors'
+# kv_cache_scheme: self_attn.k_scale, v_scale, q_scale; vLLM's own self_attn.attn.k_scale; ModelOpt's k_proj.k_scale;
+# qkv_proj.k_scale; the deprecated kv_scale, which vLLM reads as the k_scale; older exports' k_proj / v_proj
+# output_scale). The k and v scales are the layer's fp8 cache's (Attention.set_kv_cache_scales); q_scale and
+# prob_scale are fp8 attention's, which no kernel here computes, and output_scale vLLM no longer reads: skipped.
+KV_CACHE_SCALE = re.compile(r"(?P<layer>.*)\.self_attn\.(?:(?:[kv]_proj|qkv_proj|attn)\.)?"
+                            r"(?P<kind>k|v|q|kv|prob)_scale|.*\.self_attn\.[kqv]_proj\.output_scale")
+
+
+def kv_cache_scale(checkpoint_name: str, tensor: torch.Tensor) -> float:
+    """A checkpoint's k_scale or v_scale as its float32 value: one positive, finite number (vLLM scales an fp8 cache
+    per tensor only, and takes no other scale)."""
+    if tensor.numel() != 1:
+        raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: a KV cache scale must be one (per-tensor) value, "
+                         f"got shape {tuple(tensor.shape)}")
+    value = float(tensor.float())
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: a KV cache scale must be positive and finite, "
+                         f"got {value}")
+    return value
 
 
 class LlamaMLP(nn.Module):
@@ -313,9 +328,15 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         fused_parts: dict[str, set] = {}  # fused parameter -> the shard ids of its parts loaded so far
+        kv_scales: dict[str, dict[str, float]] = {}  # a layer's name -> its KV cache scales, "k" and "v"
         for checkpoint_name, tensor in weights:
             name = checkpoint_name  # the parameter it loads into, once named so (a fused one, an expert stack)
-            if "rotary_emb.inv_freq" in name or KV_CACHE_SCALE.fullmatch(name):
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if scale := KV_CACHE_SCALE.fullmatch(name):
+                if scale["kind"] in ("k", "v", "kv") and not self._on_other_stage(name):
+                    kind = "v" if scale["kind"] == "v" else "k"  # kv_scale: vLLM's k_scale
+                    kv_scales.setdefault(scale["layer"], {})[kind] = kv_cache_scale(checkpoint_name, tensor)
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
@@ -358,4 +379,16 @@ class LlamaForCausalLM(nn.Module):
                          if fused in name and shard_id not in parts and not name.endswith(".zeros"))
         if missing:
             raise ValueError(f"Checkpoint lacks tensors {missing}: the other parts of their fused layers are there")
+        for layer, scales in kv_scales.items():
+            self._set_kv_cache_scales(layer, scales)
         return loaded | set(fused_parts)
+
+    def _set_kv_cache_scales(self, layer: str, scales: dict[str, float]) -> None:
+        """Layer ``layer``'s attention takes the checkpoint's ``scales`` ("k", "v"); one alone stands for both, as
+        vLLM duplicates a lone k_scale (the deprecated kv_scale's) to the v_scale."""
+        try:
+            attention = self.get_submodule(f"{layer}.self_attn.attn")
+        except AttributeError:
+            raise ValueError(f"Checkpoint KV cache scales of {layer!r} match no attention layer of "
+                             f"{type(self).__name__}") from None
+        attention.set_kv_cache_scales(scales.get("k", scales.get("v")), scales.get("v", scales.get("k")))

@@ -35,7 +35,8 @@ typedef struct {
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
     int64_t block_table_stride, q_row_stride;
     int num_reqs, start_pos, stop_pos, window, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
-    float scale, softcap; /* softcap 0: scores uncapped (paged_attention.h) */
+    float scale, softcap; /* scale: the scores', k_scale folded in; softcap 0: scores uncapped (paged_attention.h) */
+    float v_scale;        /* what every value is worth per unit it widens to: each output is multiplied by it */
     float *out, *lse;
     int amx; /* the tiles multiply on AMX (prefill_item_amx) */
 } PrefillArgs;
@@ -413,7 +414,7 @@ static inline __attribute__((always_inline)) void start_softmax(const TileLanes 
     }
 }
 
-/* Each lane's log-sum-exp from the final running max and sum, and its 1 / sum into inv. */
+/* Each lane's log-sum-exp from the final running max and sum, and its v_scale / sum into inv. */
 static inline __attribute__((always_inline)) void finish_softmax(const PrefillArgs *a, const TileLanes *t,
                                                                 const int VECS, const __m512 *running_max,
                                                                 const __m512 *running_sum, float *inv) {
@@ -421,7 +422,7 @@ static inline __attribute__((always_inline)) void finish_softmax(const PrefillAr
     for (int h = 0; h < VECS; h++) {
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
-        _mm512_store_ps(inv + 16 * h, _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum[h]));
+        _mm512_store_ps(inv + 16 * h, _mm512_div_ps(_mm512_set1_ps(a->v_scale), running_sum[h]));
     }
     store_lse(a, t, maxes, sums);
 }
@@ -777,7 +778,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx2(const Prefil
     }
     store_lse(a, &t, maxes, sums);
     for (int h = 0; h < VECS; h++) {
-        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), running_sum[h]);
+        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(a->v_scale), running_sum[h]);
         for (int i0 = 0; i0 < D; i0 += 8) { /* back from 8 dims x 8 lanes to the lanes' output rows */
             __m256 block[8];
             for (int m = 0; m < 8; m++) block[m] = _mm256_mul_ps(_mm256_load_ps(ot[i0 + m] + 8 * h), inv);
@@ -847,7 +848,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                float softcap, int num_threads) {
+                float softcap, float k_scale, float v_scale, int num_threads) {
     if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 0) return -1; /* 0 chunks: no tiles */
     const int group = num_heads / num_kv_heads;
     const int vecs = tile_vecs(group), tokens_per_tile = VEC_LANES * vecs / group;
@@ -857,8 +858,8 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
         tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
                            block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, window, num_heads,
-                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, softcap, out, lse,
-                           paged_prefill_amx()};
+                           num_kv_heads, block_size, tokens_per_tile, vecs, scale * k_scale, softcap, v_scale, out,
+                           lse, paged_prefill_amx()};
     const int items = tile_start[num_reqs] * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -890,7 +891,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                float softcap, int num_threads) {
+                float softcap, float k_scale, float v_scale, int num_threads) {
     return -1;
 }
 #pragma GCC diagnostic pop
@@ -900,16 +901,16 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
  * [rows, num_heads, head_size] (rows q_row_stride floats apart: a view of the QKV projection's output is read in
  * place), the last query_len[r] of its seq_len[r] positions; each sees the positions start_pos .. its own, under a
  * sliding window (window > 0; 0: none) only the last window of them (window_start in paged_attention.h), the scores
- * soft-capped at softcap (0: not). Writes
- * those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks' arrays are read when the
- * kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1 for what it does not
- * handle (neither AVX-512 nor AVX2, head size not 64, 128 or 256, group > 16). */
+ * soft-capped at softcap (0: not), its keys and values worth k_scale and v_scale times what they widen to
+ * (paged_attention.h). Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks'
+ * arrays are read when the kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1
+ * for what it does not handle (neither AVX-512 nor AVX2, head size not 64, 128 or 256, group > 16). */
 int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                       const int32_t *query_len, const int32_t *seq_len, int start_pos, int window, float *out,
                       float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,
-                      float scale, float softcap, int num_threads) {
+                      float scale, float softcap, float k_scale, float v_scale, int num_threads) {
     return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, block_table_stride,
                        query_start, query_len, seq_len, start_pos, INT32_MAX, window, out, lse, num_reqs, num_heads,
-                       num_kv_heads, head_size, block_size, scale, softcap, num_threads);
+                       num_kv_heads, head_size, block_size, scale, softcap, k_scale, v_scale, num_threads);
 }

@@ -27,6 +27,10 @@ class AttentionImpl(ABC):
         self.group = num_heads // num_kv_heads  # query heads per KV head
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None
+        # An fp8 cache's per-tensor scales (vLLM's _k_scale_float, _v_scale_float): it holds k / k_scale and
+        # v / v_scale. A checkpoint's, set by Attention.set_kv_cache_scales after loading; 1 without them, and for
+        # every other cache (kv_cache_dtype.is_fp8).
+        self.k_scale = self.v_scale = 1.0
 
     @abstractmethod
     def forward(

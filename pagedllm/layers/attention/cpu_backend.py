@@ -19,13 +19,15 @@ The cache may hold bf16 while queries are float32 (a bfloat16 model with float32
 platforms/cpu.KernelChoice), or one byte an element (kv_cache_dtype fp8 or int8, kv_cache_dtype.py): the native
 kernels read it so directly; the torch paths widen (dequantize) what they gather. Either way this step's own keys
 and values are attended as the cache holds them (rounded or quantized), so a token's attention does not depend on
-whether its context came from this step or an earlier one.
+whether its context came from this step or an earlier one. An fp8 cache holds k / k_scale and v / v_scale (the layer's
+checkpoint scales, AttentionImpl.k_scale): the writes divide by them, the kernels take k_scale into the scores' scale
+and v_scale into the outputs' normalisation, the torch paths multiply what they widen.
 """
 
 import torch
 
 from pagedllm import native
-from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows, row_width
+from pagedllm.kv_cache_dtype import dequantize_rows, is_fp8, quantize_rows, row_width
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
@@ -94,23 +96,29 @@ class TorchSDPABackendImpl(AttentionImpl):
         key_flat = key_cache.view(-1, self.num_kv_heads, width)
         value_flat = value_cache.view(-1, self.num_kv_heads, width)
         slot_mapping = attn_metadata.slot_mapping.long()
-        if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping):
-            _write_rows(key_flat, slot_mapping, quantize_rows(key, key_flat.dtype))
-            _write_rows(value_flat, slot_mapping, quantize_rows(value, value_flat.dtype))
+        scales = self._cache_scales(key_cache.dtype)
+        if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping, *scales):
+            _write_rows(key_flat, slot_mapping, quantize_rows(key, key_flat.dtype, scales[0]))
+            _write_rows(value_flat, slot_mapping, quantize_rows(value, value_flat.dtype, scales[1]))
 
         num_tokens = query.shape[0]
         # Outputs and log-sum-exps per [row, KV head, query of its group].
         out = query.new_empty(num_tokens, self.num_kv_heads, self.group, self.head_size)
         lse = torch.empty(num_tokens, self.num_kv_heads, self.group)
         if plan.decode_rows is not None:
-            self._decode(query, key_flat, value_flat, plan, out, lse)
+            self._decode(query, key_flat, value_flat, scales, plan, out, lse)
         for chunk in plan.prefills:
-            self._prefill(query, key, value, key_flat, value_flat, chunk, out, lse)
+            self._prefill(query, key, value, key_flat, value_flat, scales, chunk, out, lse)
         if plan.native_prefill is not None:
-            self._prefill_in_place(query, key_flat, value_flat, plan, out, lse)
+            self._prefill_in_place(query, key_flat, value_flat, scales, plan, out, lse)
         if plan.prefix is not None:
-            out = self._merge_shared_prefix(query, key_flat, value_flat, plan, out, lse)
+            out = self._merge_shared_prefix(query, key_flat, value_flat, scales, plan, out, lse)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
+
+    def _cache_scales(self, kv_dtype: torch.dtype) -> tuple[float, float]:
+        """(k_scale, v_scale) over a cache of ``kv_dtype``: the layer's for an fp8 cache, else 1 (as vLLM sets them
+        where the cache is not quantized)."""
+        return (self.k_scale, self.v_scale) if is_fp8(kv_dtype) else (1.0, 1.0)
 
     def _native_decode(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and self.native_decode_sizes and native.paged_decode(kv_dtype) is not None
@@ -118,7 +126,7 @@ class TorchSDPABackendImpl(AttentionImpl):
     def _native_prefill(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and self.native_prefill_sizes and native.paged_prefill(kv_dtype) is not None
 
-    def _prefill_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+    def _prefill_in_place(self, query, key_flat, value_flat, scales, plan: AttentionPlan, out, lse) -> None:
         """Every prefill chunk in one native call that reads its context through the block table (tiles of
         query tokens x heads share each K/V load): no gathered copies, no repeated K/V heads, the query rows read
         in place."""
@@ -127,7 +135,7 @@ class TorchSDPABackendImpl(AttentionImpl):
             self._rows_as_read(query), key_flat, value_flat, chunks.block_table, chunks.query_start, chunks.query_len,
             chunks.seq_len, out, lse, start_pos=plan.prefix.num_tokens if plan.prefix else 0,
             block_size=plan.block_size, scale=self.scale, sliding_window=self.sliding_window,
-            logits_soft_cap=self.logits_soft_cap)
+            logits_soft_cap=self.logits_soft_cap, kv_scales=scales)
 
     def _attend(self, q, k, v, attn_mask=None, is_causal=False) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch paths' attention with its log-sum-exp: torch's flash kernel, or under a soft cap plain ops."""
@@ -140,13 +148,13 @@ class TorchSDPABackendImpl(AttentionImpl):
         contiguous (a view of the QKV output), else a copy."""
         return query if query.stride(2) == 1 and query.stride(1) == self.head_size else query.contiguous()
 
-    def _decode(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+    def _decode(self, query, key_flat, value_flat, scales, plan: AttentionPlan, out, lse) -> None:
         if plan.decode_block_table is not None:
-            self._decode_in_place(query, key_flat, value_flat, plan, out, lse)
+            self._decode_in_place(query, key_flat, value_flat, scales, plan, out, lse)
         else:
-            self._decode_gathered(query, key_flat, value_flat, plan, out, lse)
+            self._decode_gathered(query, key_flat, value_flat, scales, plan, out, lse)
 
-    def _decode_in_place(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+    def _decode_in_place(self, query, key_flat, value_flat, scales, plan: AttentionPlan, out, lse) -> None:
         """The native kernel walks each request's block table: no history is copied. Where the decode rows
         lead the batch it reads them and writes their results in place."""
         num_reqs = plan.decode_rows.shape[0]
@@ -158,37 +166,37 @@ class TorchSDPABackendImpl(AttentionImpl):
         native.paged_decode(key_flat.dtype)(
             q, key_flat, value_flat, plan.decode_block_table, plan.decode_seq_lens, out_rows, lse_rows,
             start_pos=plan.prefix.num_tokens if plan.prefix else 0, block_size=plan.block_size, scale=self.scale,
-            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
+            sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, kv_scales=scales)
         if not plan.decodes_lead:
             out.view(-1, self.num_heads, self.head_size).index_copy_(0, plan.decode_rows, out_rows)
             lse.view(-1, self.num_heads).index_copy_(0, plan.decode_rows, lse_rows)
 
-    def _decode_gathered(self, query, key_flat, value_flat, plan: AttentionPlan, out, lse) -> None:
+    def _decode_gathered(self, query, key_flat, value_flat, scales, plan: AttentionPlan, out, lse) -> None:
         """One call for all decode rows: [Bd, KVH, group, D] queries against [Bd, KVH, S, D] histories, each
         KV head's query group folded into the query-length axis (no K/V repetition for grouped queries)."""
         num_reqs = plan.decode_rows.shape[0]
         q = query.index_select(0, plan.decode_rows).view(num_reqs, self.num_kv_heads, -1, self.head_size)
         shape = (num_reqs, plan.decode_seq_len, self.num_kv_heads, self.head_size)
-        k = self._widen(key_flat.index_select(0, plan.decode_slots), query.dtype).view(shape).transpose(1, 2)
-        v = self._widen(value_flat.index_select(0, plan.decode_slots), query.dtype).view(shape).transpose(1, 2)
+        k, v = (self._widen(cache.index_select(0, plan.decode_slots), query.dtype, scale).view(shape).transpose(1, 2)
+                for cache, scale in ((key_flat, scales[0]), (value_flat, scales[1])))
         out_rows, lse_rows = self._attend(q, k, v, attn_mask=plan.decode_mask)
         out.index_copy_(0, plan.decode_rows, out_rows)
         lse.index_copy_(0, plan.decode_rows, lse_rows)
 
-    def _widen(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Cache rows ``[..., row_width]`` as ``dtype`` values ``[..., head_size]``."""
-        return dequantize_rows(rows, self.head_size, dtype)
+    def _widen(self, rows: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+        """Cache rows ``[..., row_width]`` as ``dtype`` values ``[..., head_size]`` (times an fp8 cache's scale)."""
+        return dequantize_rows(rows, self.head_size, dtype, scale)
 
-    def _prefill(self, query, key, value, key_flat, value_flat, chunk: PrefillChunk, out, lse) -> None:
+    def _prefill(self, query, key, value, key_flat, value_flat, scales, chunk: PrefillChunk, out, lse) -> None:
         """One call per chunk. K/V heads are repeated for grouped queries: SDPA's own enable_gqa falls back to
         the unfused math kernel on CPU, several times slower than the flash kernel on long prompts."""
         q = query[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         if chunk.slots is None:  # as the cache holds them (rounded or quantized), in the queries' dtype
-            k = quantize_rows(key[chunk.start : chunk.end], key_flat.dtype)
-            v = quantize_rows(value[chunk.start : chunk.end], value_flat.dtype)
+            k = quantize_rows(key[chunk.start : chunk.end], key_flat.dtype, scales[0])
+            v = quantize_rows(value[chunk.start : chunk.end], value_flat.dtype, scales[1])
         else:
             k, v = key_flat.index_select(0, chunk.slots), value_flat.index_select(0, chunk.slots)
-        k, v = self._widen(k, query.dtype), self._widen(v, query.dtype)
+        k, v = (self._widen(x, query.dtype, scale) for x, scale in zip((k, v), scales))
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, dim=1), v.repeat_interleave(self.group, dim=1)
         out_rows, lse_rows = self._attend(q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
@@ -197,11 +205,11 @@ class TorchSDPABackendImpl(AttentionImpl):
         out[chunk.start : chunk.end] = out_rows[0].transpose(0, 1).view(*rows, self.head_size)
         lse[chunk.start : chunk.end] = lse_rows[0].transpose(0, 1).view(*rows)
 
-    def _merge_shared_prefix(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
+    def _merge_shared_prefix(self, query, key_flat, value_flat, scales, plan: AttentionPlan, out_rest, lse_rest):
         """Cascade attention: every row against the shared prefix in one call, merged with the attention over
         the rest of its request's history by the two partial softmaxes' log-sum-exps."""
         if plan.native_prefix:
-            return self._merge_shared_prefix_native(query, key_flat, value_flat, plan, out_rest, lse_rest)
+            return self._merge_shared_prefix_native(query, key_flat, value_flat, scales, plan, out_rest, lse_rest)
         num_tokens = query.shape[0]
         prefix = plan.prefix
         if prefix.slots is None:
@@ -209,7 +217,7 @@ class TorchSDPABackendImpl(AttentionImpl):
             v_prefix = value_flat[prefix.start_slot : prefix.start_slot + prefix.num_tokens]
         else:
             k_prefix, v_prefix = key_flat.index_select(0, prefix.slots), value_flat.index_select(0, prefix.slots)
-        k_prefix, v_prefix = self._widen(k_prefix, query.dtype), self._widen(v_prefix, query.dtype)
+        k_prefix, v_prefix = (self._widen(x, query.dtype, scale) for x, scale in zip((k_prefix, v_prefix), scales))
         # All rows' query groups folded into one query axis per KV head: [1, KVH, T * group, D].
         q = query.view(num_tokens, self.num_kv_heads, self.group, self.head_size).transpose(0, 1)
         out_prefix, lse_prefix = self._attend(
@@ -226,14 +234,16 @@ class TorchSDPABackendImpl(AttentionImpl):
                   + out_rest.float() * (w_rest / total).unsqueeze(-1))
         return merged.to(query.dtype)
 
-    def _merge_shared_prefix_native(self, query, key_flat, value_flat, plan: AttentionPlan, out_rest, lse_rest):
+    def _merge_shared_prefix_native(self, query, key_flat, value_flat, scales, plan: AttentionPlan, out_rest,
+                                    lse_rest):
         """The same in C: the prefill tiles over all rows against the prefix's blocks, read in place, then the
         merge. In a decode batch the whole step stays native calls, so a CPU graph can replay it."""
         q = self._rows_as_read(query)
         prefix_attention, merge = native.cascade(key_flat.dtype)
         out_prefix, lse_prefix = torch.empty_like(out_rest), torch.empty_like(lse_rest)
         prefix_attention(q, key_flat, value_flat, plan.prefix.block_ids, plan.prefix.num_tokens, out_prefix, lse_prefix,
-                         block_size=plan.block_size, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
+                         block_size=plan.block_size, scale=self.scale, logits_soft_cap=self.logits_soft_cap,
+                         kv_scales=scales)
         merged = torch.empty_like(out_rest)
         merge(merged, out_prefix, lse_prefix, out_rest, lse_rest)
         return merged
