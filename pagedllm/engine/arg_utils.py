@@ -289,7 +289,9 @@ class EngineArgs:
                                      enable_prefix_caching=(True if self.enable_prefix_caching is None
                                                             else self.enable_prefix_caching),
                                      kv_cache_memory=kv_cache_memory, num_blocks=num_kv_blocks,
-                                     cache_dtype=self.kv_cache_dtype, kv_cache_populate=self.kv_cache_populate,
+                                     cache_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, hf_config,
+                                                                        attention_backend),
+                                     kv_cache_populate=self.kv_cache_populate,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
                                      sliding_window=_cache_sliding_window(model_config, speculative_config),
                                      kv_cache_groups=_cache_groups(model_config)),
@@ -417,12 +419,44 @@ def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:
                              f"leave quantization unset or give {method!r}")
         # a checkpoint's own scheme we cannot run fails here, before any process starts
         get_quant_config(method, path, get_model_architecture(hf_config), checkpoint_config)
-        if checkpoint_config.get("kv_cache_scheme"):  # its scales scale an fp8 cache (models/llama.KV_CACHE_SCALE)
-            logger.warning("The checkpoint's kv_cache_scheme (an fp8 KV cache scaled by its k_scale and v_scale) "
-                           "applies with kv_cache_dtype='fp8' only: 'auto' keeps the cache in the model's dtype")
+        if checkpoint_config.get("kv_cache_scheme"):
+            check_kv_cache_scheme(checkpoint_config["kv_cache_scheme"])
     elif quantization is not None:
         get_quant_config(quantization, path, get_model_architecture(hf_config))
         hf_config.quantization_config = {"quant_method": quantization}
+
+
+def check_kv_cache_scheme(scheme: dict) -> None:
+    """A compressed-tensors checkpoint's kv_cache_scheme, as vLLM's validate_kv_cache_scheme takes it: an fp8 KV cache
+    (8-bit float), symmetric, one k_scale and v_scale a layer (vLLM also takes per-head ones, strategy "attn_head",
+    which the cache here does not hold); anything else is a config error naming it."""
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+        raise ValueError(f"The checkpoint's kv_cache_scheme (num_bits={scheme.get('num_bits')!r}, type="
+                         f"{scheme.get('type')!r}) is not supported: only num_bits=8, type='float' (an fp8 KV cache)")
+    if scheme.get("strategy") != "tensor":
+        raise ValueError(f"The checkpoint's kv_cache_scheme strategy {scheme.get('strategy')!r} is not supported: "
+                         "only 'tensor' (one k_scale and v_scale a layer)")
+    if not scheme.get("symmetric"):
+        raise ValueError("The checkpoint's kv_cache_scheme is asymmetric: only symmetric scales are supported")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, hf_config, attention_backend: str) -> str:
+    """The cache's dtype for ``kv_cache_dtype``, as vLLM resolves it: a checkpoint that declares a kv_cache_scheme (its
+    k_scale and v_scale are an fp8 cache's) makes "auto" "fp8", where the attention backend has an fp8 cache
+    (TRITON_ATTN has none: its cache stays the model's dtype, the scales unused); a choice given wins, but
+    fp8_e5m2, which vLLM refuses with such a checkpoint (its scales are e4m3's)."""
+    if not (getattr(hf_config, "quantization_config", None) or {}).get("kv_cache_scheme"):
+        return kv_cache_dtype
+    if kv_cache_dtype == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype='fp8_e5m2' is not supported with the checkpoint's kv_cache_scheme (fp8 "
+                         "e4m3 scales): leave it 'auto' or give 'fp8'")
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    if attention_backend == "TRITON_ATTN":
+        logger.warning("The checkpoint's kv_cache_scheme (an fp8 KV cache) is not applied: the TRITON_ATTN attention "
+                       "backend keeps the cache in the model's dtype")
+        return kv_cache_dtype
+    return "fp8"
 
 
 def pp_layer_partition_from_env() -> Optional[list[int]]:
