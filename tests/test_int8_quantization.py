@@ -264,14 +264,16 @@ def test_compressed_tensors_layers_no_group_targets_stay_dense(tmp_path):
 
 def test_compressed_tensors_kv_cache_scales_load(tmp_path):
     """A checkpoint with a kv_cache_scheme holds each attention's KV cache scales (self_attn.k_scale and v_scale, as
-    llm-compressor writes them; k_proj.output_scale in older exports), which vLLM loads: it loads, over a float32
-    cache (which no scale applies to) computing as the same checkpoint without them (it failed: a tensor matching
-    no parameter). How an fp8 cache applies them: tests/test_kv_cache_dtype.py."""
+    llm-compressor writes them, with zero points of 0 beside them; k_proj.output_scale in older exports), which vLLM
+    loads (the zero points it ignores): it loads, over a float32 cache (which no scale applies to) computing as the
+    same checkpoint without them (it failed: a tensor matching no parameter). How an fp8 cache applies them:
+    tests/test_kv_cache_dtype.py."""
     _save_compressed_tensors(tmp_path / "plain", ignore=[])
     _save_compressed_tensors(tmp_path / "kv", ignore=[])
     tensors = load_file(str(tmp_path / "kv" / "model.safetensors"))
     for i, kind in enumerate(("self_attn.{}_scale", "self_attn.{}_proj.output_scale")):
         tensors.update({f"model.layers.{i}.{kind.format(kv)}": torch.tensor([0.02]) for kv in "kv"})
+    tensors.update({f"model.layers.0.self_attn.{qkv}_zero_point": torch.zeros(1, dtype=torch.int8) for qkv in "qkv"})
     save_file(tensors, str(tmp_path / "kv" / "model.safetensors"))
     _change_quantization_config(tmp_path / "kv", lambda qc: qc.update(kv_cache_scheme={
         "num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}))

@@ -39,10 +39,12 @@ _GATED_ACTIVATIONS = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}
 # A checkpoint's KV cache scales, by the names vLLM's maybe_remap_kv_scale_name takes (compressed-tensors'
 # kv_cache_scheme: self_attn.k_scale, v_scale, q_scale; vLLM's own self_attn.attn.k_scale; ModelOpt's k_proj.k_scale;
 # qkv_proj.k_scale; the deprecated kv_scale, which vLLM reads as the k_scale; older exports' k_proj / v_proj
-# output_scale). The k and v scales are the layer's fp8 cache's (Attention.set_kv_cache_scales); q_scale and
-# prob_scale are fp8 attention's, which no kernel here computes, and output_scale vLLM no longer reads: skipped.
+# output_scale; compressed-tensors' q/k/v_zero_point, zeros beside a symmetric scheme's scales). The k and v scales
+# are the layer's fp8 cache's (Attention.set_kv_cache_scales); q_scale and prob_scale are fp8 attention's, which no
+# kernel here computes, output_scale vLLM no longer reads, and the zero points vLLM ignores too: skipped.
 KV_CACHE_SCALE = re.compile(r"(?P<layer>.*)\.self_attn\.(?:(?:[kv]_proj|qkv_proj|attn)\.)?"
-                            r"(?P<kind>k|v|q|kv|prob)_scale|.*\.self_attn\.[kqv]_proj\.output_scale")
+                            r"(?P<kind>k|v|q|kv|prob)_scale|.*\.self_attn\.[kqv]_proj\.output_scale"
+                            r"|.*\.self_attn\.(?:attn\.)?[qkv]_zero_point")
 
 
 def kv_cache_scale(checkpoint_name: str, tensor: torch.Tensor) -> float:
