@@ -76,6 +76,10 @@ class SchedulerConfig:
     # all).
     max_prefill_tokens_with_decodes: int = 0
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # vLLM's: a waiting request is admitted only when the free blocks hold its whole prompt (and, resumed, its outputs)
+    # past its prefix hit, not just its first chunk; requests admitted on their first chunks would run out of blocks
+    # mid-prompt and preempt each other, the chunks they computed wasted.
+    scheduler_reserve_full_isl: bool = True
     # vLLM's: a running request's DELTA outputs go out every this many tokens at least (1: every token; a request may
     # ask for more, SamplingParams.stream_interval). The frontend's work per token shrinks by as much.
     stream_interval: int = 1
@@ -87,6 +91,7 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be one of {', '.join(p.value for p in SchedulingPolicy)}, "
                              f"got {self.policy!r}") from None
         check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_bool("scheduler_reserve_full_isl", self.scheduler_reserve_full_isl)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "stream_interval"):
             check_int(name, getattr(self, name), 1)
         for name in ("long_prefill_token_threshold", "max_prefill_tokens_with_decodes"):

@@ -180,6 +180,24 @@ class KVCacheManager:
             num_hit_blocks = shortest
         return hits, len(hits[0]) * self.block_size
 
+    def full_sequence_fits(self, request: Request, new_computed_blocks: tuple[list[KVCacheBlock], ...],
+                           num_new_computed_tokens: int, max_step_tokens: int) -> bool:
+        """Whether the free blocks hold every block a waiting request's known tokens need past its prefix hit
+        (vLLM's allocate_slots with full_sequence_must_fit, for scheduler_reserve_full_isl). In each group: its
+        blocks for the tokens (under a sliding window at most max_blocks' bound), less those its hit already covers
+        (its null blocks too: what they stand for is out of the window), and the hit's blocks sitting in the free
+        queue, which taking them removes from it."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        null = self.block_pool.null_block
+        num_needed = 0
+        for group, hits in zip(self.groups, new_computed_blocks):
+            window = group.sliding_window
+            num_required = max_blocks((window,), self.block_size, num_tokens, max_step_tokens)
+            num_skipped = 0 if window is None else max(num_new_computed_tokens - window + 1, 0) // self.block_size
+            num_needed += max(num_required - max(num_skipped, len(hits)), 0)
+            num_needed += sum(b.ref_cnt == 0 and b is not null for b in hits)
+        return num_needed <= self.block_pool.get_num_free_blocks()
+
     def lookup_enabled(self, request: Request) -> bool:
         """Whether the request reads the prefix cache (not with prompt logprobs, which need every position's
         logits)."""

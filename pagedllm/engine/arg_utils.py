@@ -86,6 +86,8 @@ class EngineArgs:
     # SERVE_MAX_PREFILL_TOKENS_WITH_DECODES (latency under load), 0 (off) for LLM() and run-batch (throughput).
     max_prefill_tokens_with_decodes: Optional[int] = None
     scheduling_policy: str = "fcfs"
+    # vLLM's: admit a waiting request only once its whole prompt fits the free KV blocks (SchedulerConfig's).
+    scheduler_reserve_full_isl: bool = True
     # vLLM's: outputs of a running request every this many tokens (SchedulerConfig.stream_interval).
     stream_interval: int = 1
     kv_cache_memory: Optional[Union[int, str]] = None
@@ -300,7 +302,8 @@ class EngineArgs:
                 max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 max_prefill_tokens_with_decodes=self.max_prefill_tokens_with_decodes or 0,
-                policy=self.scheduling_policy, stream_interval=self.stream_interval),
+                policy=self.scheduling_policy, scheduler_reserve_full_isl=self.scheduler_reserve_full_isl,
+                stream_interval=self.stream_interval),
             num_cpu_threads=self.num_cpu_threads,
             parallel_config=parallel_config,
             speculative_config=speculative_config,

@@ -24,14 +24,15 @@ def make_scheduler(num_blocks: int = 1000, block_size: int = 16, max_num_batched
                    policy: str = "fcfs", structured_output_manager=None, pipeline_parallel_size: int = 1,
                    num_speculative_tokens: int = 0, num_lookahead_tokens: int = 0, max_loras: int = 0,
                    sliding_window: Optional[int] = None, max_prefill_tokens_with_decodes: int = 0,
-                   kv_cache_groups: tuple = ()) -> Scheduler:
+                   kv_cache_groups: tuple = (), scheduler_reserve_full_isl: bool = True) -> Scheduler:
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=max_model_len,
                         max_num_seqs=min(256, max_num_batched_tokens) if max_num_seqs is None else max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold,
-                        max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes, policy=policy),
+                        max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes, policy=policy,
+                        scheduler_reserve_full_isl=scheduler_reserve_full_isl),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, num_blocks=num_blocks,
                     sliding_window=sliding_window, kv_cache_groups=kv_cache_groups),
         structured_output_manager, pipeline_parallel_size, num_speculative_tokens, num_lookahead_tokens, max_loras)

@@ -161,6 +161,40 @@ def test_preempted_request_is_resumed_with_its_tokens_and_new_blocks():
     abort(scheduler, "old", "new")
 
 
+@pytest.mark.parametrize("prompt_len, reserve_full_isl, admitted", [(12, True, True), (24, True, False),
+                                                                     (24, False, True)])
+def test_a_waiting_request_is_admitted_once_its_whole_prompt_fits(prompt_len, reserve_full_isl, admitted):
+    """vLLM's scheduler_reserve_full_isl: the free blocks must hold the waiting request's whole prompt, not just its
+    first chunk. Admitted on its first chunk (the flag off), "b" runs out of blocks mid-prompt and the two preempt
+    each other; waiting, it runs once "a" is done, nothing preempted."""
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=8,
+                               scheduler_reserve_full_isl=reserve_full_isl)
+    scheduler.add_request(make_request("a", list(range(100, 124)), block_size=4, max_tokens=8, ignore_eos=True))
+    step(scheduler)  # "a" alone takes its whole prompt: 6 blocks
+    scheduler.add_request(make_request("b", list(range(200, 200 + prompt_len)), block_size=4, max_tokens=4,
+                                       ignore_eos=True))
+    out, _ = step(scheduler)  # "a" decodes into a 7th block: 3 are free, "b"'s first chunk (8 tokens) needs 2
+    assert list(out.num_scheduled_tokens) == (["a", "b"] if admitted else ["a"])
+    got = run_to_completion(scheduler)
+    assert (len(got["a"]), len(got["b"])) == (6, 4)  # "a"'s first two tokens came in the steps above
+    if prompt_len == 24:
+        assert (scheduler.num_preemptions > 0) == (not reserve_full_isl)
+
+
+def test_a_waiting_requests_prefix_hit_counts_toward_its_whole_prompt():
+    """The blocks of its prefix hit that a running request holds are there already: of its 7 blocks "b" needs the
+    2 past its 5 hit ones, which the 3 free blocks hold (vLLM's count, beyond the hit)."""
+    scheduler = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=8)
+    scheduler.add_request(make_request("a", list(range(100, 124)), block_size=4, max_tokens=8, ignore_eos=True))
+    step(scheduler)
+    scheduler.add_request(make_request("b", list(range(100, 120)) + list(range(300, 308)), block_size=4,
+                                       max_tokens=4, ignore_eos=True))
+    out, _ = step(scheduler)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 8}
+    assert scheduler.requests["b"].num_cached_tokens == 20
+    run_to_completion(scheduler)
+
+
 def test_priority_preemption_picks_the_lowest_priority():
     scheduler = make_scheduler(num_blocks=8, block_size=4, policy="priority")
     scheduler.add_request(make_request("low", list(range(100, 112)), block_size=4, priority=5, max_tokens=20))
@@ -196,15 +230,16 @@ def test_priority_preemption_of_equals_picks_the_first_running():
 def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_no_uncomputed_block_cached():
     """The priority policy may preempt a request it already scheduled this step; the full blocks its allocation
     registered in the prefix cache hold tokens no step computed, so they must not serve a hit when it resumes."""
-    scheduler = make_scheduler(num_blocks=9, block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
+    scheduler = make_scheduler(num_blocks=7, block_size=4, max_num_batched_tokens=16, long_prefill_token_threshold=8,
                                policy="priority", enable_prefix_caching=True)
     worker = SpeculatingWorker(draft_fn=lambda req_id, num_tokens: [])
-    scheduler.add_request(make_request("low", list(range(100, 124)), block_size=4, priority=5, max_tokens=4))
+    scheduler.add_request(make_request("low", list(range(100, 122)), block_size=4, priority=5, max_tokens=4))
     # A one-token request beside it for one step, so that "low" is not alone and the threshold chunks its prompt.
     scheduler.add_request(make_request("filler", [7], block_size=4, priority=9, max_tokens=1))
     worker.step(scheduler)
-    scheduler.add_request(make_request("high", list(range(200, 224)), block_size=4, priority=0, max_tokens=4))
+    scheduler.add_request(make_request("high", list(range(200, 204)), block_size=4, priority=0, max_tokens=4))
     worker.step(scheduler)
+    # "low"'s last chunk takes the last two blocks (registering its full one); "high"'s decode then needs a block.
     out, _ = worker.step(scheduler)
     assert out.preempted_req_ids == {"low"} and "low" not in out.num_scheduled_tokens
     abort(scheduler, "high")  # "low" resumes alone, through whatever its prefix hits

@@ -25,7 +25,9 @@ def _requests():
 HYBRID = (KVCacheGroup((1, 3), None), KVCacheGroup((0, 2), WINDOW))
 
 
-@pytest.mark.parametrize("cache", [dict(num_blocks=7, sliding_window=WINDOW),
+# A pool of 8: two requests' prompts (4 blocks each under the window, the most a request holds) are admitted together
+# and then outgrow it; with 7 the second waits for the first to finish, and nothing is preempted.
+@pytest.mark.parametrize("cache", [dict(num_blocks=8, sliding_window=WINDOW),
                                    dict(num_blocks=16, kv_cache_groups=HYBRID)], ids=["window", "hybrid"])
 def test_outputs_equal_plain_decoding_with_speculation_preemption_and_prefix_hits(cache):
     """4 requests of up to 38 tokens: 40 blocks a group without the window, more than the pool, which makes them

@@ -115,8 +115,9 @@ def test_each_output_names_the_adapter_it_ran_with(llm_with_lora, adapters):
 
 
 def test_chunked_prefill_preemption_and_cpu_graphs(monkeypatch, batch):
-    """64-token chunks and 30 blocks of 16 for a batch that needs 77, longest prompts first (the two longest
-    alone need 44): preempted adapter requests recompute with their adapter. And decode steps with adapters replay
+    """64-token chunks and 36 blocks of 16 for a batch that needs 77, longest prompts first (the two longest
+    alone need 44): requests admitted once their whole prompts fit outgrow the pool with their outputs, and
+    preempted adapter requests recompute with their adapter. And decode steps with adapters replay
     graphs captured with the LoRA kernels, each row's slot an input. In the test process, to see the graphs."""
     from pagedllm import native
     from pagedllm.native.graph import CpuGraph
@@ -124,7 +125,7 @@ def test_chunked_prefill_preemption_and_cpu_graphs(monkeypatch, batch):
     replays, replay = [], CpuGraph.replay
     monkeypatch.setattr(CpuGraph, "replay", lambda self: replays.append(self) or replay(self))
     prompts, requests, oracles = (list(reversed(items)) for items in batch)
-    llm = in_process_llm(**ENGINE, max_num_batched_tokens=64, num_kv_blocks=30)
+    llm = in_process_llm(**ENGINE, max_num_batched_tokens=64, num_kv_blocks=36)
     outputs = run(llm, prompts, requests)
     assert llm.get_stats().num_preemptions > 0
     assert_each_is_its_models_greedy((prompts, requests, oracles), outputs)

@@ -22,9 +22,11 @@ from tests.e2e.parallel_helpers import shm_segments, wait_until, worker_processe
 from pagedllm import LLM, SamplingParams
 from tests.e2e.test_llm_parity import PROMPT_LENGTHS, make_prompts
 
-# 64-token chunks and 28 blocks of 16 (the longest prompt and its output alone need 27): chunked prefill and
-# preemption.
-STRESS = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=28)
+# 64-token chunks and 26 blocks of 16, what the longest prompt and its output need, longest prompts first: a request
+# is admitted once the free blocks hold its whole prompt (vLLM's scheduler_reserve_full_isl), which its prefix hit on
+# the longer ones makes possible, and their outputs then outgrow the pool: chunked prefill and preemption.
+STRESS = dict(dtype="float32", max_model_len=1024, max_num_batched_tokens=64, num_kv_blocks=26)
+LENGTHS = PROMPT_LENGTHS[::-1]
 MAX_TOKENS = 12  # enough decode steps to reach preemption; each tp=3 step is slow on 2 cores
 
 
@@ -36,7 +38,7 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return make_prompts(tokenizer)
+    return make_prompts(tokenizer)[::-1]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def expected(llm, prompts):
 
 def assert_same(got, expected):
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens) diverges at token " \
+        assert g == e, f"prompt {i} ({LENGTHS[i]} tokens) diverges at token " \
                        f"{next(k for k, (a, b) in enumerate(zip(g, e)) if a != b)}"
 
 

@@ -105,6 +105,17 @@ def test_the_server_bounds_prefill_beside_decodes_unless_told():
     assert EngineArgs().create_engine_config().scheduler_config.max_prefill_tokens_with_decodes == 0  # LLM()
 
 
+def test_vllms_scheduler_reserve_full_isl_is_on_unless_turned_off():
+    """vLLM's --scheduler-reserve-full-isl (on by default) and its --no- form reach the scheduler's config; an on/off
+    value that is not a bool is a ValueError naming the field."""
+    assert EngineArgs().create_engine_config().scheduler_config.scheduler_reserve_full_isl is True
+    args = _parse("--no-scheduler-reserve-full-isl")
+    assert engine_args_from(args).create_engine_config().scheduler_config.scheduler_reserve_full_isl is False
+    assert _parse("--scheduler-reserve-full-isl").scheduler_reserve_full_isl is True
+    with pytest.raises(ValueError, match="scheduler_reserve_full_isl must be True or False"):
+        EngineArgs(scheduler_reserve_full_isl="false").create_engine_config()
+
+
 def processor_of(model_config) -> Processor:
     """A Processor with only the model's config, which validate_logprobs reads (no tokenizer, no generation
     config)."""

@@ -240,6 +240,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=EngineArgs.enable_prefix_caching)
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=EngineArgs.scheduling_policy)
+    engine.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction,
+                        default=EngineArgs.scheduler_reserve_full_isl,
+                        help="admit a waiting request only once the free KV cache holds its whole prompt, not just "
+                             "its first chunk (default: %(default)s)")
     engine.add_argument("--stream-interval", type=int, default=EngineArgs.stream_interval,
                         help="a running request's outputs (a stream's chunks) every this many tokens, its first "
                              "token at once: fewer, larger chunks, less frontend work per token (default: "
