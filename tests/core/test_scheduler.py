@@ -415,6 +415,35 @@ def test_request_that_can_never_fit_is_finished_with_an_error():
     assert not scheduler.has_requests()
 
 
+@pytest.mark.parametrize("num_blocks", range(5, 10))
+def test_the_workers_start_up_warning_comes_exactly_when_the_scheduler_refuses_a_max_model_len_request(
+        caplog, num_blocks):
+    """One bound on a request's blocks (max_blocks, with EngineConfig.max_step_slots): under a sliding window, the
+    window and a step's slots, a draft model's lookahead slots among them. The worker's warning left the lookahead
+    out, and stayed silent for a cache (7 blocks here) the scheduler then refused max_model_len requests of."""
+    import logging
+    from types import SimpleNamespace
+
+    from pagedllm.config import CacheConfig, EngineConfig
+    from pagedllm.core.sched.scheduler import Scheduler
+    from pagedllm.worker.worker import Worker
+
+    config = EngineConfig(SimpleNamespace(max_model_len=64),
+                          CacheConfig(block_size=4, num_blocks=num_blocks, sliding_window=8),
+                          SchedulerConfig(max_model_len=64, max_num_seqs=16, max_num_batched_tokens=16),
+                          speculative_config=SimpleNamespace(num_lookahead_tokens=3))  # a draft model's, 3 drafts
+    worker = Worker.__new__(Worker)  # its start-up line alone: no model
+    worker.config, worker.rank = config, SimpleNamespace(rank=0)
+    worker.model_runner = SimpleNamespace(initialize_kv_cache=lambda num_blocks: None)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.worker.worker"):
+        worker.initialize_kv_cache(num_blocks)
+    warned = any("smaller than one request of max_model_len" in r.getMessage() for r in caplog.records)
+    scheduler = Scheduler(config.scheduler_config, config.cache_config, num_speculative_tokens=3,
+                          num_lookahead_tokens=3)
+    refused = scheduler._admission_error(make_request("r", [1], block_size=4, max_tokens=100)) is not None
+    assert warned == refused
+
+
 def test_prefill_tokens_capped_while_decoding_but_not_when_idle():
     """max_prefill_tokens_with_decodes: a step that decodes takes at most that many prompt tokens (running
     chunks and new prompts together); a step with nothing decoding takes the whole budget."""
