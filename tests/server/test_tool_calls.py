@@ -182,3 +182,12 @@ def test_required_with_defs_that_are_no_object_is_a_value_error():
     tool = ChatCompletionToolsParam(function={"name": "f", "parameters": {"type": "object", "$defs": [1]}})
     with pytest.raises(ValueError, match=r"^tools: \$defs .* 'f' must be an object"):
         resolve_tool_choice([tool], "required", True, None).structured_outputs()
+
+
+def test_a_hermes_block_nested_too_deep_for_json_is_content():
+    """As vLLM's parser, which takes any error reading a block: arguments nested deeper than json.loads reads are
+    no call but content, streamed or not (the RecursionError was a 500)."""
+    text = 'Hi <tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call> bye"
+    assert HermesParser().parse(text) == (text, [])
+    parser = HermesParser()
+    assert "".join(parser.feed(piece)[0] for piece in [text[:50], text[50:]]) + parser.finish()[0] == text

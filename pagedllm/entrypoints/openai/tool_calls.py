@@ -383,10 +383,12 @@ class HermesParser(ToolCallParser):
 
 
 def _is_call(text: str) -> bool:
-    """Whether a block's JSON is a call: an object with a name, and arguments (if any) an object."""
+    """Whether a block's JSON is a call: an object with a name, and arguments (if any) an object. JSON nested too
+    deep for json.loads is no call either, as vLLM's parser takes any error reading a block (a RecursionError here
+    was a 500)."""
     try:
         call = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}),
                                                                                        dict)
