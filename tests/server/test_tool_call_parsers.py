@@ -33,6 +33,9 @@ ANSWERS = [
     (PythonicToolParser, '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: no call
     (PythonicToolParser, "Sure: [ping()]", "Sure: [ping()]", []),
     (PythonicToolParser, "[ping(", "[ping(", []),
+    # No JSON value (vLLM's get_parameter_value refuses them; they raised a TypeError, a 500)
+    (PythonicToolParser, "[ping(a=...)]", "[ping(a=...)]", []),
+    (PythonicToolParser, "[ping(a={(1, 2): 3})]", "[ping(a={(1, 2): 3})]", []),
     (MistralToolParser, 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(WEATHER) +
      '}, {"oops": 1}, {"name": "ping", "arguments": {}}]', "Sure.",
      [("get_weather", json.dumps(WEATHER)), ("ping", "{}")]),

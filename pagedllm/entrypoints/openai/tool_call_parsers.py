@@ -165,17 +165,19 @@ def _python_calls(text: str) -> Optional[list[tuple[str, str]]]:
 
 
 def _literal(node: ast.AST) -> Any:
-    """A literal argument's value; Python's True/False/None and JSON's true/false/null both taken."""
+    """A literal argument's value; Python's True/False/None and JSON's true/false/null both taken. ValueError for
+    what JSON has no value of (..., bytes, a set, a complex number) and for a dict key that is no constant (a ** or
+    a tuple), as vLLM's get_parameter_value refuses them, making the answer content."""
     if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
         return {"true": True, "false": False, "null": None}[node.id]
     if isinstance(node, ast.Dict):
-        if any(key is None for key in node.keys):
-            raise ValueError("a ** in a dict")
+        if not all(isinstance(key, ast.Constant) for key in node.keys):
+            raise ValueError("a dict key that is no constant")
         return {_literal(key): _literal(value) for key, value in zip(node.keys, node.values)}
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_literal(element) for element in node.elts]
     value = ast.literal_eval(node)  # a constant, or a signed number; ValueError otherwise
-    if isinstance(value, (set, bytes, complex)):
+    if not (value is None or isinstance(value, (str, int, float))):
         raise ValueError("no JSON value")
     return value
 
