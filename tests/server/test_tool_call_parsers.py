@@ -27,6 +27,10 @@ ANSWERS = [
      [("get_weather", '{"city": "Paris ]", "days": [1, 2], "metric": true, "unit": null}'), ("ping", "{}")]),
     (PythonicToolParser, '<|python_start|>[ping(flag=false, n=-1)]<|python_end|>', "",
      [("ping", '{"flag": false, "n": -1}')]),
+    # vLLM's: a set's elements as a list, an f-string without placeholders as its text
+    (PythonicToolParser, "[tag(labels={'a', 1}, note=f'hi', size=(2, 3))]", "",
+     [("tag", '{"labels": ["a", 1], "note": "hi", "size": [2, 3]}')]),
+    (PythonicToolParser, "[tag(note=f'{x}')]", "[tag(note=f'{x}')]", []),
     (PythonicToolParser, "[ping()] and then some", " and then some", [("ping", "{}")]),
     (PythonicToolParser, "[1, 2] is a list", "[1, 2] is a list", []),
     (PythonicToolParser, "[]", "[]", []),

@@ -165,17 +165,20 @@ def _python_calls(text: str) -> Optional[list[tuple[str, str]]]:
 
 
 def _literal(node: ast.AST) -> Any:
-    """A literal argument's value; Python's True/False/None and JSON's true/false/null both taken. ValueError for
-    what JSON has no value of (..., bytes, a set, a complex number) and for a dict key that is no constant (a ** or
-    a tuple), as vLLM's get_parameter_value refuses them, making the answer content."""
+    """A literal argument's value, as vLLM's get_parameter_value reads it: Python's True/False/None and JSON's
+    true/false/null both taken, a tuple's or a set's elements as a list, an f-string without placeholders as its
+    text. ValueError for what JSON has no value of (..., bytes, a complex number) and for a dict key that is no
+    constant (a ** or a tuple), as vLLM refuses them, making the answer content."""
     if isinstance(node, ast.Name) and node.id in ("true", "false", "null"):
         return {"true": True, "false": False, "null": None}[node.id]
     if isinstance(node, ast.Dict):
         if not all(isinstance(key, ast.Constant) for key in node.keys):
             raise ValueError("a dict key that is no constant")
         return {_literal(key): _literal(value) for key, value in zip(node.keys, node.values)}
-    if isinstance(node, (ast.List, ast.Tuple)):
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
         return [_literal(element) for element in node.elts]
+    if isinstance(node, ast.JoinedStr) and all(isinstance(part, ast.Constant) for part in node.values):
+        return "".join(part.value for part in node.values)
     value = ast.literal_eval(node)  # a constant, or a signed number; ValueError otherwise
     if not (value is None or isinstance(value, (str, int, float))):
         raise ValueError("no JSON value")
