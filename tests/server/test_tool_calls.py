@@ -191,3 +191,14 @@ def test_a_hermes_block_nested_too_deep_for_json_is_content():
     assert HermesParser().parse(text) == (text, [])
     parser = HermesParser()
     assert "".join(parser.feed(piece)[0] for piece in [text[:50], text[50:]]) + parser.finish()[0] == text
+
+
+def test_a_hermes_call_with_its_arguments_under_parameters_keeps_them():
+    """Some models write Llama 3's "parameters" in a <tool_call> block: the call has those arguments, streamed or not
+    (it was a call with none, {}, its arguments dropped; vLLM's parser makes the answer content)."""
+    text = 'Hi <tool_call>{"name": "f", "parameters": {"city": "Paris"}}</tool_call>'
+    content, calls = HermesParser().parse(text)
+    assert (content, [(c.function.name, c.function.arguments) for c in calls]) == ("Hi ", [("f", '{"city": "Paris"}')])
+    assert _streamed(list(text), HermesParser())[0] == [{"name": "f", "arguments": '{"city": "Paris"}'}]
+    assert HermesParser().parse(text.replace('{"city": "Paris"}', '"Paris"')) == (
+        text.replace('{"city": "Paris"}', '"Paris"'), [])  # arguments that are no object: no call

@@ -22,6 +22,9 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 # vLLM's --tool-call-parser names of the formats served (llama4_json and llama4_pythonic: the same formats)
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "pythonic", "llama4_pythonic", "mistral")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+# The keys a Hermes block's arguments go under: "arguments", or "parameters" as models trained on Llama 3's format
+# write them (the first the object has). Read under "arguments" only, such a call lost its arguments ({}).
+_HERMES_ARGUMENTS = ("arguments", "parameters")
 # what a chat template holds -> the format it teaches (Llama 3.1-3.3's templates tell the model to answer with
 # {"name": function name, "parameters": dictionary of argument name and its value})
 _TEMPLATE_MARKS = ((_HERMES_START, "hermes"), ("[TOOL_CALLS]", "mistral"),
@@ -351,7 +354,7 @@ class HermesParser(ToolCallParser):
                 return "".join(content), deltas
             rest = self._buffer[len(_HERMES_START):]
             body = len(self._buffer) - len(rest.lstrip())
-            found = _scan_call(self._buffer, body, ("arguments",)) if self._buffer[body:body + 1] == "{" else None
+            found = _scan_call(self._buffer, body, _HERMES_ARGUMENTS) if self._buffer[body:body + 1] == "{" else None
             if found is not None:
                 delta = self._stream_call(self._buffer, found)
                 if delta is not None:
@@ -383,15 +386,15 @@ class HermesParser(ToolCallParser):
 
 
 def _is_call(text: str) -> bool:
-    """Whether a block's JSON is a call: an object with a name, and arguments (if any) an object. JSON nested too
-    deep for json.loads is no call either, as vLLM's parser takes any error reading a block (a RecursionError here
-    was a 500)."""
+    """Whether a block's JSON is a call: an object with a name, and arguments (under each _HERMES_ARGUMENTS key it
+    has) an object. JSON nested too deep for json.loads is no call either, as vLLM's parser takes any error reading
+    a block (a RecursionError here was a 500)."""
     try:
         call = json.loads(text)
     except (ValueError, RecursionError):
         return False
-    return isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}),
-                                                                                       dict)
+    return isinstance(call, dict) and isinstance(call.get("name"), str) and all(
+        isinstance(call.get(key, {}), dict) for key in _HERMES_ARGUMENTS)
 
 
 def _partial_tag_length(text: str, tag: str) -> int:
