@@ -202,3 +202,24 @@ def test_a_hermes_call_with_its_arguments_under_parameters_keeps_them():
     assert _streamed(list(text), HermesParser())[0] == [{"name": "f", "arguments": '{"city": "Paris"}'}]
     assert HermesParser().parse(text.replace('{"city": "Paris"}', '"Paris"')) == (
         text.replace('{"city": "Paris"}', '"Paris"'), [])  # arguments that are no object: no call
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral", "required"])
+def test_a_streamed_call_is_read_once_not_again_on_every_delta(parser, monkeypatch):
+    """Each delta's text is read on from where the last read of the call stopped, a long string argument included:
+    read from the call's start on every delta, 20 kB of arguments took seconds of the server's event loop."""
+    from pagedllm.entrypoints.openai import tool_calls
+    from pagedllm.entrypoints.openai.tool_calls import make_auto_parser
+
+    arguments = json.dumps({"path": "a.py", "content": 'print("\\\\")\n' * 2000})
+    text = {"hermes": '<tool_call>{"name": "write", "arguments": ' + arguments + "}</tool_call>",
+            "llama3_json": '{"name": "write", "parameters": ' + arguments + "}",
+            "mistral": "[TOOL_CALLS]write[ARGS]" + arguments,
+            "required": '[{"name": "write", "parameters": ' + arguments + "}]"}[parser]
+    read, read_on = [], tool_calls._CallScanner.read_on  # how much of each delta's text is read (past what was)
+    monkeypatch.setattr(tool_calls._CallScanner, "read_on", lambda scanner, buffer: read.append(
+        len(buffer) - max(scanner.at, scanner.searched)) or read_on(scanner, buffer))
+    streamed, _, _ = _streamed([text[i:i + 4] for i in range(0, len(text), 4)],
+                               JsonArrayParser() if parser == "required" else make_auto_parser(parser))
+    assert streamed == [{"name": "write", "arguments": arguments}]
+    assert sum(read) < 2 * len(text)

@@ -13,7 +13,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, _CallScan, _partial_tag_length, _scan_call
+from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, _CallScan, _partial_tag_length
 from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -65,7 +65,7 @@ class Llama3JsonToolParser(ToolCallParser):
                 start += 1
             if start == len(self._buffer):
                 return "", deltas
-            found = _scan_call(self._buffer, start, ("parameters", "arguments")) \
+            found = self._scan(start, ("parameters", "arguments")) \
                 if self._buffer[start] == "{" else None
             if found is None or found.broken is not None or (found.end is not None and found.name is None):
                 # No object, or one that is no call: the rest is content. A call that opened and then broke off
@@ -231,7 +231,7 @@ class MistralToolParser(ToolCallParser):
                 return True
             if self._buffer[i] != "{":  # no JSON calls after all: the rest is content
                 return True
-            if not self._read_call(_scan_call(self._buffer, i, ("arguments",)), deltas):
+            if not self._read_call(self._scan(i, ("arguments",)), deltas):
                 return False
             if not self._array:
                 return True
@@ -242,7 +242,7 @@ class MistralToolParser(ToolCallParser):
         if brace < 0:
             return False
         name = self._buffer[self._position:brace].strip().removesuffix(_MISTRAL_ARGS).strip()
-        found = _scan_call(self._buffer, brace, ())
+        found = self._scan(brace, ())
         end = found.end if found.end is not None else len(self._buffer.rstrip())
         return self._read_call(_CallScan(name=name, arguments=(brace, end), end=found.end), deltas)
 

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaFunctionCall, DeltaToolCall,
@@ -150,6 +150,7 @@ class ToolCallParser:
     _open: bool = False  # whether the call being read is open (the last of `calls`, its id handed out)
     _opened: int = 0  # calls opened so far: a stream's delta index of the next (a call found broken keeps its own)
     _position: int = 0  # parsers reading calls one after another: where the next one (or what is before it) starts
+    _scanner: Optional["_CallScanner"] = None  # the reading of the object being read (_scan)
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         raise NotImplementedError
@@ -162,6 +163,15 @@ class ToolCallParser:
         content, _ = self.feed(text)
         rest, _ = self.finish()
         return content + rest, self.calls
+
+    def _scan(self, start: int, arguments_keys: tuple[str, ...]) -> "_CallScan":
+        """What has arrived of the buffer's object at ``start``, read on from where the last read of it stopped
+        (_CallScanner), or from its start where the buffer no longer holds what that read."""
+        scanner = self._scanner
+        if scanner is None or (scanner.start, scanner.arguments_keys) != (start, arguments_keys) or \
+                not self._buffer.startswith(scanner.seen, start):
+            scanner = self._scanner = _CallScanner(start, arguments_keys)
+        return scanner.read_on(self._buffer)
 
     def _stream_call(self, text: str, found: "_CallScan") -> Optional[DeltaToolCall]:
         """What the call being read (found in ``text``) has grown by: all of it, with its id and name, when it
@@ -246,7 +256,7 @@ class JsonArrayParser(ToolCallParser):
             start = self._next_value_start()
             if start is None or self._buffer[start] != "{":  # the grammar allows objects only
                 return "", deltas
-            if not self._read_call(_scan_call(self._buffer, start, ("parameters",)), deltas):
+            if not self._read_call(self._scan(start, ("parameters",)), deltas):
                 return "", deltas  # the element is not complete yet
 
     def _next_value_start(self) -> Optional[int]:
@@ -272,68 +282,91 @@ class _CallScan:
     broken: Optional[int] = None  # where a "<" outside any string shows the object is no JSON (a tag follows)
 
 
-def _scan_call(text: str, start: int, arguments_keys: tuple[str, ...]) -> _CallScan:
-    """Reads the object at text[start] as far as it has arrived (grammar-made JSON; anything else is read as far
-    as it makes sense). Only the object's own keys count: depth 1 is inside it, deeper is inside a value. The
-    arguments are the value of the first of ``arguments_keys`` the object has."""
-    scan = _CallScan()
-    depth, key, expecting_key, value_start = 0, None, True, None
-    i = start
-    while i < len(text):
-        c = text[i]
-        if c == "<":  # no JSON outside a string: the object never closed before what follows (an end tag)
-            scan.broken = i
-            return scan
-        if depth == 1 and not expecting_key and value_start is None and not c.isspace():
-            value_start = i  # the current key's value begins
-        if c == '"':
-            end = _string_end(text, i)
-            if end is None:
+@dataclass
+class _CallScanner:
+    """Reads the object at text[start] as far as it has arrived (grammar-made JSON; anything else is read as far as
+    it makes sense). Only the object's own keys count: depth 1 is inside it, deeper is inside a value. The arguments
+    are the value of the first of ``arguments_keys`` the object has. It keeps where it stopped, and a later read of
+    a longer text (a stream's, which grows at its end) goes on from there: read from the object's start on every
+    delta, a call took time quadratic in its length (seconds of the server's event loop for 20 kB of arguments)."""
+
+    start: int
+    arguments_keys: tuple[str, ...]
+    scan: _CallScan = field(default_factory=_CallScan)
+    seen: str = ""  # the text from start that the last read saw, which the next one's text must start with
+    at: int = field(init=False)  # where reading goes on
+    searched: int = 0  # the string open at `at` (if one is) has no closing quote before this
+    depth: int = 0
+    key: Optional[str] = None
+    expecting_key: bool = True
+    value_start: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        self.at = self.start
+
+    def read_on(self, text: str) -> _CallScan:
+        """What has arrived of the object in ``text``, which holds what the last read saw."""
+        scan, keys = self.scan, self.arguments_keys
+        depth, key, expecting_key, value_start = self.depth, self.key, self.expecting_key, self.value_start
+        i = self.at
+        while i < len(text) and scan.end is None and scan.broken is None:
+            c = text[i]
+            if c == "<":  # no JSON outside a string: the object never closed before what follows (an end tag)
+                scan.broken = i
                 break
-            if depth == 1:
-                try:
-                    string = json.loads(text[i:end])
-                except ValueError:  # an escape JSON has not ("C:\dir"): the object is no JSON, this string no name
-                    string = None
-                if expecting_key:
-                    key = string
-                elif key == "name":
-                    scan.name = string
-            i = end
-            continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]" or (c == "," and depth == 1):
-            if c != ",":
-                depth -= 1
-            ending_arguments = key in arguments_keys and value_start is not None and scan.arguments is None
-            if ending_arguments and depth == 1 and c != ",":
-                scan.arguments = (value_start, i + 1)  # a container value closed
-            elif ending_arguments and depth <= 1:
-                scan.arguments = (value_start, value_start + len(text[value_start:i].rstrip()))  # a scalar ended
-            if depth == 0:
-                scan.end = i + 1
-                return scan
-            if c == ",":
-                key, expecting_key, value_start = None, True, None
-        elif c == ":" and depth == 1:
-            expecting_key = False
-        i += 1
-    if key in arguments_keys and value_start is not None and scan.arguments is None:
-        scan.arguments = (value_start, value_start + len(text[value_start:].rstrip()))
-    return scan
-
-
-def _string_end(text: str, start: int) -> Optional[int]:
-    """The index after the closing quote of the JSON string opening at text[start]; None if it has not arrived."""
-    i = start + 1
-    while i < len(text):
-        if text[i] == "\\":
-            i += 2
-        elif text[i] == '"':
-            return i + 1
-        else:
+            if depth == 1 and not expecting_key and value_start is None and not c.isspace():
+                value_start = i  # the current key's value begins
+            if c == '"':
+                end = _string_end(text, i, max(self.searched, i + 1))
+                if end is None:  # the string has not closed yet
+                    self.searched = len(text)
+                    break
+                if depth == 1:
+                    try:
+                        string = json.loads(text[i:end])
+                    except ValueError:  # an escape JSON has not ("C:\dir"): the object is no JSON, this string no name
+                        string = None
+                    if expecting_key:
+                        key = string
+                    elif key == "name":
+                        scan.name = string
+                i = end
+                continue
+            if c in "{[":
+                depth += 1
+            elif c in "}]" or (c == "," and depth == 1):
+                if c != ",":
+                    depth -= 1
+                ending_arguments = key in keys and value_start is not None and scan.arguments is None
+                if ending_arguments and depth == 1 and c != ",":
+                    scan.arguments = (value_start, i + 1)  # a container value closed
+                elif ending_arguments and depth <= 1:
+                    scan.arguments = (value_start, value_start + len(text[value_start:i].rstrip()))  # a scalar ended
+                if depth == 0:
+                    scan.end = i + 1
+                if c == ",":
+                    key, expecting_key, value_start = None, True, None
+            elif c == ":" and depth == 1:
+                expecting_key = False
             i += 1
+        self.seen, self.at = text[self.start:], i
+        self.depth, self.key, self.expecting_key, self.value_start = depth, key, expecting_key, value_start
+        if scan.end is None and scan.broken is None and key in keys and value_start is not None \
+                and scan.arguments is None:  # the arguments so far, which more text may change
+            return replace(scan, arguments=(value_start, value_start + len(text[value_start:].rstrip())))
+        return scan
+
+
+def _string_end(text: str, start: int, search_from: int) -> Optional[int]:
+    """The index after the closing quote of the JSON string opening at text[start], which has none before
+    search_from; None if it has not arrived. A quote closes it unless an odd number of backslashes come before it."""
+    while (quote := text.find('"', search_from)) >= 0:
+        escape = quote
+        while text[escape - 1] == "\\":  # text[start] is a quote: the backslashes end there at the latest
+            escape -= 1
+        if (quote - escape) % 2 == 0:
+            return quote + 1
+        search_from = quote + 1
     return None
 
 
@@ -354,7 +387,7 @@ class HermesParser(ToolCallParser):
                 return "".join(content), deltas
             rest = self._buffer[len(_HERMES_START):]
             body = len(self._buffer) - len(rest.lstrip())
-            found = _scan_call(self._buffer, body, _HERMES_ARGUMENTS) if self._buffer[body:body + 1] == "{" else None
+            found = self._scan(body, _HERMES_ARGUMENTS) if self._buffer[body:body + 1] == "{" else None
             if found is not None:
                 delta = self._stream_call(self._buffer, found)
                 if delta is not None:
