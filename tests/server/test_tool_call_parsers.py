@@ -96,3 +96,16 @@ def test_the_format_is_detected_from_the_chat_template(template, parser):
                                           ("llama4_pythonic", PythonicToolParser), ("mistral", MistralToolParser)])
 def test_vllms_parser_names(name, parser):
     assert type(make_auto_parser(name)) is parser
+
+
+def test_a_pythonic_list_is_parsed_where_its_brackets_close_not_at_every_bracket(monkeypatch):
+    """The list may end only at a "]" closing its own "[" (brackets in strings and comments not counted): parsed at
+    every "]", those of its nested lists too, a 25 kB call took seconds, streamed or not."""
+    from pagedllm.entrypoints.openai import tool_call_parsers
+
+    text = "[f(rows=[" + ", ".join(f"[{i}, ']', '''#[''']" for i in range(2000)) + "], note='[x]') # ]\n, g()]"
+    parsed, parse = [], tool_call_parsers._python_calls
+    monkeypatch.setattr(tool_call_parsers, "_python_calls", lambda list_text: parsed.append(1) or parse(list_text))
+    content, calls = PythonicToolParser().parse(text)
+    assert (content, [c.function.name for c in calls]) == ("", ["f", "g"]) and len(parsed) == 1
+    assert json.loads(calls[0].function.arguments)["rows"][1] == [1, "]", "#["]

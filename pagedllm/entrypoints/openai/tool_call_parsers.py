@@ -98,7 +98,9 @@ class PythonicToolParser(ToolCallParser):
 
     _state: str = "undecided"  # until the answer's start shows it; then "list" (reading it) or "content"
     _start: int = 0  # where the list's "[" is in the buffer
-    _tried: int = 0  # the "]"s before this index have been tried as the list's end
+    _tried: int = 0  # the text before this index has been read for the list's end (_list_end)
+    _depth: int = 0  # the brackets open there
+    _quote: str = ""  # the quotes of the string open there, if one is
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -121,8 +123,7 @@ class PythonicToolParser(ToolCallParser):
         return content, deltas
 
     def _read_list(self) -> list[DeltaToolCall]:
-        while (end := self._buffer.find("]", self._tried)) >= 0:
-            self._tried = end + 1
+        while (end := self._list_end()) is not None:
             calls = _python_calls(self._buffer[self._start:end + 1])
             if calls is None:
                 continue
@@ -134,6 +135,44 @@ class PythonicToolParser(ToolCallParser):
                                                              arguments=call.function.arguments))
                     for i, call in enumerate(self.calls)]
         return []
+
+    def _list_end(self) -> Optional[int]:
+        """The next "]" closing the brackets opened from the list's "[" on, outside strings and comments, which is
+        where the list may end; None until one arrives. Reading goes on where it stopped. (Parsing the list up to
+        every "]" in it, those in its nested lists too, took time quadratic in its length, streamed or not.)"""
+        text, i = self._buffer, self._tried
+        while i < len(text):
+            c = text[i]
+            if self._quote:  # in a string, where a backslash escapes the character after it
+                if text.startswith(self._quote, i):
+                    i, self._quote = i + len(self._quote), ""
+                    continue
+                if c == "\\" and i + 1 == len(text) or len(self._quote) == 3 and self._quote.startswith(text[i:]):
+                    break  # what the escape or the closing quotes are has not arrived
+                i += 2 if c == "\\" else 1
+                continue
+            if c in "'\"":
+                if len(text) - i < 3 and (c * 3).startswith(text[i:]):
+                    break  # one or two quotes at the end: a triple quote may be arriving
+                self._quote = c * 3 if text.startswith(c * 3, i) else c
+                i += len(self._quote)
+                continue
+            if c == "#":  # a comment, to the end of its line
+                newline = text.find("\n", i)
+                if newline < 0:
+                    break
+                i = newline + 1
+                continue
+            if c in "([{":
+                self._depth += 1
+            elif c in ")]}":
+                self._depth -= 1
+                if c == "]" and self._depth == 0:
+                    self._tried = i + 1
+                    return i
+            i += 1
+        self._tried = i
+        return None
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """A list that never closed into calls is content, as an answer that never showed its start."""
