@@ -1,6 +1,7 @@
 """Chat templates: --chat-template as a file or inline, and OpenAI's content parts."""
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -246,3 +247,31 @@ def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
         ['[{"type": "text", "text": "Hi"}]']
     with pytest.raises(ValueError, match="chat_template_content_format"):
         LLM.chat(llm, hi, chat_template=as_json, chat_template_content_format="list")
+
+
+@pytest.mark.parametrize("exclude, tool_choice, rendered_tools", [
+    (False, "none", True), (True, "none", False), (True, None, True), (True, "required", True)])
+def test_exclude_tools_when_tool_choice_none(tokenizer, monkeypatch, exclude, tool_choice, rendered_tools):
+    """vLLM's --exclude-tools-when-tool-choice-none: a chat request with tool_choice "none" is rendered without its
+    tools; without the flag, or with another tool_choice, the template gets them."""
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai import chat_utils, serving_chat
+
+    class Rendered(Exception):
+        pass
+
+    def render(*args, **kwargs):
+        raise Rendered(chat_utils.render_chat_request(*args, **kwargs))
+
+    monkeypatch.setattr(serving_chat, "render_chat_request", render)
+    engine = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(
+        max_model_len=1024, get_diff_sampling_param=dict, generation_config="auto"))
+    chat = serving_chat.OpenAIServingChat(engine, OpenAIServingModels(["m"], "m", 1024),
+                                          "{% for t in tools or [] %}[tool] {{ t.function.name }}\n{% endfor %}" +
+                                          TEMPLATE, "hermes", exclude_tools_when_tool_choice_none=exclude)
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], tool_choice=tool_choice,
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(Rendered) as rendered:
+        asyncio.run(chat.create_chat_completion(request))
+    assert str(rendered.value) == ("[tool] f\n" if rendered_tools else "") + "[user] Hi\n"

@@ -240,7 +240,7 @@ def test_vllms_capture_size_shortcuts_are_taken_but_not_beside_their_compilation
 def test_vllms_on_off_flags_take_their_no_forms():
     """vLLM's boolean flags are argparse.BooleanOptionalAction: --x and --no-x (the last one given wins)."""
     names = ("enforce_eager", "enable_lora", "enable_expert_parallel", "enable_log_requests", "allow_credentials",
-             "disable_uvicorn_access_log", "enable_auto_tool_choice")
+             "disable_uvicorn_access_log", "enable_auto_tool_choice", "exclude_tools_when_tool_choice_none")
     flags = [f"--{name.replace('_', '-')}" for name in names]
     on = _parse(*flags)
     assert all(getattr(on, name) is True for name in names)

@@ -235,7 +235,8 @@ def build_app(engine_client: Any, registry: CollectorRegistry, served_model_name
                    enable_prompt_tokens_details=frontend.enable_prompt_tokens_details,
                    reasoning_parser=frontend.reasoning_parser,
                    default_chat_template_kwargs=frontend.default_chat_template_kwargs,
-                   chat_template_content_format=frontend.chat_template_content_format)
+                   chat_template_content_format=frontend.chat_template_content_format,
+                   exclude_tools_when_tool_choice_none=frontend.exclude_tools_when_tool_choice_none)
     app.state.registry = registry
     return app
 
@@ -245,12 +246,13 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
                    response_role: str = "assistant", request_logger: Optional[RequestLogger] = None,
                    enable_prompt_tokens_details: bool = False, reasoning_parser: Optional[str] = None,
                    default_chat_template_kwargs: Optional[dict] = None,
-                   chat_template_content_format: str = "auto") -> None:
+                   chat_template_content_format: str = "auto", exclude_tools_when_tool_choice_none: bool = False
+                   ) -> None:
     """The serving objects on ``state``, as the routes use them (and `pagedllm run-batch`, so that its results are
     the server's). ``response_role``, ``request_logger``, ``enable_prompt_tokens_details``, ``reasoning_parser``,
-    ``default_chat_template_kwargs``, ``chat_template_content_format``: --response-role, --enable-log-requests,
-    --enable-prompt-tokens-details, --reasoning-parser, --default-chat-template-kwargs,
-    --chat-template-content-format."""
+    ``default_chat_template_kwargs``, ``chat_template_content_format``, ``exclude_tools_when_tool_choice_none``:
+    --response-role, --enable-log-requests, --enable-prompt-tokens-details, --reasoning-parser,
+    --default-chat-template-kwargs, --chat-template-content-format, --exclude-tools-when-tool-choice-none."""
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
                                  engine_client.processor, model_config.get_diff_sampling_param())
@@ -261,12 +263,12 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
             raise ValueError(f"--lora-modules {module['name']}: {e.message}") from None
     state.engine_client = engine_client
     state.openai_serving_models = models
-    state.openai_serving_chat = OpenAIServingChat(engine_client, models, chat_template, tool_call_parser,
-                                                  response_role=response_role, request_logger=request_logger,
-                                                  enable_prompt_tokens_details=enable_prompt_tokens_details,
-                                                  reasoning_parser=reasoning_parser,
-                                                  default_chat_template_kwargs=default_chat_template_kwargs,
-                                                  chat_template_content_format=chat_template_content_format)
+    state.openai_serving_chat = OpenAIServingChat(
+        engine_client, models, chat_template, tool_call_parser, response_role=response_role,
+        request_logger=request_logger, enable_prompt_tokens_details=enable_prompt_tokens_details,
+        reasoning_parser=reasoning_parser, default_chat_template_kwargs=default_chat_template_kwargs,
+        chat_template_content_format=chat_template_content_format,
+        exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none)
     state.openai_serving_responses = OpenAIServingResponses(state.openai_serving_chat)
     state.openai_serving_completion = OpenAIServingCompletion(engine_client, models, request_logger=request_logger,
                                                               enable_prompt_tokens_details=enable_prompt_tokens_details)

@@ -231,16 +231,17 @@ def effective_chat_template_kwargs(default_chat_template_kwargs: Optional[dict[s
 
 def render_chat_request(tokenizer: Any, request: Union[ChatCompletionRequest, TokenizeChatRequest],
                         chat_template: Optional[str], default_chat_template_kwargs: Optional[dict[str, Any]] = None,
-                        content_format: str = "auto") -> str:
+                        content_format: str = "auto", with_tools: bool = True) -> str:
     """The prompt text of a chat request, or of /tokenize's messages form, rendered alike: its checks
     (check_generation_prompt, check_chat_template), then the server's template with the request's messages (their
     content in the server's --chat-template-content-format), tools (each with all its fields, those the client left
-    out null, as vLLM's model_dump() gives them to the template) and template variables (its template_kwargs, over
-    the server's defaults). A ValueError names the field at fault."""
+    out null, as vLLM's model_dump() gives them to the template; none where with_tools is false) and template
+    variables (its template_kwargs, over the server's defaults). A ValueError names the field at fault."""
     check_generation_prompt(request)
     check_chat_template(request)
     return render_chat_template(tokenizer, request.messages, chat_template, request.add_generation_prompt,
-                                request.continue_final_message, [t.model_dump() for t in request.tools or []],
+                                request.continue_final_message,
+                                [t.model_dump() for t in request.tools or []] if with_tools else None,
                                 effective_chat_template_kwargs(default_chat_template_kwargs, request.template_kwargs()),
                                 content_format)
 

@@ -182,6 +182,9 @@ def add_serving_args(group) -> None:
     group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help="vLLM's switch for tool_choice 'auto', taken for its command lines: here 'auto' is on "
                             "wherever the format is known (--tool-call-parser, or the chat template's)")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction, default=False,
+                       help="a chat request with tool_choice 'none' renders its prompt without its tools (vLLM's); by "
+                            "default the chat template gets them all the same")
     group.add_argument("--default-chat-template-kwargs", type=_json_object, default=None,
                        help='chat template variables for every chat request, as JSON, e.g. \'{"enable_thinking": '
                             'false}\'; a request\'s chat_template_kwargs win (default: none)')

@@ -160,7 +160,8 @@ async def run_batch(args: argparse.Namespace) -> None:
                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                        reasoning_parser=args.reasoning_parser,
                        default_chat_template_kwargs=args.default_chat_template_kwargs,
-                       chat_template_content_format=args.chat_template_content_format)
+                       chat_template_content_format=args.chat_template_content_format,
+                       exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
         with tqdm(total=len(lines), desc="Running batch", unit="req") as progress:
             async def run(line: str) -> BatchRequestOutput:
                 output = await run_request(state, line)

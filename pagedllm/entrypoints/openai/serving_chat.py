@@ -32,17 +32,20 @@ class OpenAIServingChat(OpenAIServing):
                  request_logger: Optional[RequestLogger] = None, enable_prompt_tokens_details: bool = False,
                  reasoning_parser: Optional[str] = None,
                  default_chat_template_kwargs: Optional[dict[str, Any]] = None,
-                 chat_template_content_format: str = "auto") -> None:
+                 chat_template_content_format: str = "auto", exclude_tools_when_tool_choice_none: bool = False) -> None:
         """response_role: the role of the messages answered (vLLM's --response-role); reasoning_parser: vLLM's
         --reasoning-parser, which splits each answer's reasoning off its content; default_chat_template_kwargs:
         vLLM's --default-chat-template-kwargs, under each request's chat_template_kwargs (for the template and the
-        reasoning parser); chat_template_content_format: vLLM's --chat-template-content-format."""
+        reasoning parser); chat_template_content_format: vLLM's --chat-template-content-format;
+        exclude_tools_when_tool_choice_none: vLLM's --exclude-tools-when-tool-choice-none, a request with tool_choice
+        "none" rendered without its tools."""
         super().__init__(engine_client, models, request_logger=request_logger,
                          enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.response_role = response_role
         self.chat_template = chat_template
         self.default_chat_template_kwargs = default_chat_template_kwargs
         self.chat_template_content_format = chat_template_content_format
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
         self.tool_call_parser = tool_call_parser or detect_tool_call_parser(
             template if isinstance(template, str) else None)
@@ -100,8 +103,10 @@ class OpenAIServingChat(OpenAIServing):
             # the tags a parser reads (<tool_call>); skipped, they would hide every call from it.
             request.skip_special_tokens = False
         try:
-            prompt_text = render_chat_request(self.tokenizer, request, self.chat_template,
-                                              self.default_chat_template_kwargs, self.chat_template_content_format)
+            prompt_text = render_chat_request(
+                self.tokenizer, request, self.chat_template, self.default_chat_template_kwargs,
+                self.chat_template_content_format,
+                with_tools=not (self.exclude_tools_when_tool_choice_none and request.tool_choice == "none"))
         except ValueError as e:
             raise BadRequestError(str(e), named_field(e)) from e
         prompt_token_ids = self.tokenizer.encode(prompt_text, add_special_tokens=request.add_special_tokens)
