@@ -80,6 +80,24 @@ def test_mistral_call_ids_are_nine_letters_and_digits():
     assert calls[0].id != calls[1].id
 
 
+@pytest.mark.parametrize("tool_choice, answer", [("required", '[{"name": "f", "parameters": {}}]'),
+                                                 ({"type": "function", "function": {"name": "f"}}, "{}")])
+def test_a_forced_calls_ids_are_mistrals_where_the_format_is(tool_choice, answer):
+    """As vLLM's (its Mistral parser reads required and named calls too): with the mistral format, a required or
+    named tool_choice's calls have 9-character ids, which Mistral's chat templates take back in the next turn (they
+    raised on the chatcmpl-tool-... ids); with another format, vLLM's."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedllm.entrypoints.openai.tool_calls import resolve_tool_choice
+
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tool_choice=tool_choice,
+                                    tools=[{"type": "function", "function": {"name": "f"}}])
+    for parser, id_ok in [("mistral", lambda id: len(id) == 9 and id.isalnum()),
+                          ("hermes", lambda id: id.startswith("chatcmpl-tool-"))]:
+        choice = resolve_tool_choice(request.tools, request.tool_choice, True, parser)
+        [call] = choice.make_parser().parse(answer)[1]
+        assert call.function.name == "f" and id_ok(call.id), (parser, call.id)
+
+
 @pytest.mark.parametrize("template, parser", [
     ('{{- "<tool_call>" }}', "hermes"),
     ("{%- if message.tool_calls %}[TOOL_CALLS][{% endif %}", "mistral"),

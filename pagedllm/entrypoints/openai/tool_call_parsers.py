@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import ast
 import json
-import random
-import string
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, _CallScan, _partial_tag_length
-from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
+from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall
 
 _PYTHON_TAG = "<|python_tag|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -233,6 +231,7 @@ class MistralToolParser(ToolCallParser):
     array is content. Call ids are 9 letters and digits, as Mistral's chat templates require of the calls sent back
     to them."""
 
+    short_ids: bool = True
     _state: str = "content"  # "content" (before a marker), "marker" (just after one), "json" or "named" (a call)
     _array: bool = False  # whether the JSON calls are an array's entries (else one object)
 
@@ -284,10 +283,6 @@ class MistralToolParser(ToolCallParser):
         found = self._scan(brace, ())
         end = found.end if found.end is not None else len(self._buffer.rstrip())
         return self._read_call(_CallScan(name=name, arguments=(brace, end), end=found.end), deltas)
-
-    def _make_call(self, name: str, arguments: str) -> ToolCall:
-        return ToolCall(id="".join(random.choices(string.ascii_letters + string.digits, k=9)),
-                        function=FunctionCall(name=name, arguments=arguments))
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """What is left: content, but for a call cut off, which keeps the arguments it had."""

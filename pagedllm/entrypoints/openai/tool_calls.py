@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import json
+import random
+import string
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
@@ -51,7 +53,7 @@ class ToolChoice:
     tools: list[ChatCompletionToolsParam]
     name: Optional[str] = None
     parallel: bool = True
-    parser: str = "hermes"  # the format "auto" reads calls in (TOOL_CALL_PARSERS)
+    parser: str = "hermes"  # the format "auto" reads calls in (TOOL_CALL_PARSERS), whose call ids every mode makes
 
     def structured_outputs(self) -> Optional[StructuredOutputsParams]:
         if self.mode == "named":
@@ -63,9 +65,9 @@ class ToolChoice:
 
     def make_parser(self) -> Optional["ToolCallParser"]:
         if self.mode == "named":
-            return NamedFunctionParser(name=self.name)
+            return NamedFunctionParser(name=self.name, short_ids=self.parser == "mistral")
         if self.mode == "required":
-            return JsonArrayParser()
+            return JsonArrayParser(short_ids=self.parser == "mistral")
         if self.mode == "auto":
             return make_auto_parser(self.parser)
         return None
@@ -103,7 +105,7 @@ def resolve_tool_choice(tools: Optional[list[ChatCompletionToolsParam]],
         if tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, which is not among the "
                              f"tools ({', '.join(names)}).")
-        return ToolChoice("named", tools, tool_choice.function.name, parallel)
+        return ToolChoice("named", tools, tool_choice.function.name, parallel, parser or "hermes")
     mode = tool_choice or "auto"
     if mode not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {mode!r}.")
@@ -145,6 +147,9 @@ class ToolCallParser:
     to show and the tool-call deltas completed by it; finish() flushes what is left. `calls` holds every call."""
 
     calls: list[ToolCall] = field(default_factory=list)
+    # Mistral's 9 letters and digits for the calls' ids (its chat templates refuse a conversation whose calls have
+    # other ids), whatever reads the calls: its own format, or the JSON of a required or named tool_choice.
+    short_ids: bool = False
     _buffer: str = ""
     _emitted: int = 0  # how much of the call being read's arguments has been handed out
     _open: bool = False  # whether the call being read is open (the last of `calls`, its id handed out)
@@ -217,8 +222,9 @@ class ToolCallParser:
         return self._buffer.startswith(tag)
 
     def _make_call(self, name: str, arguments: str) -> ToolCall:
-        """A call read out of the text (a format whose template checks call ids makes them its way)."""
-        return ToolCall(function=FunctionCall(name=name, arguments=arguments))
+        """A call read out of the text, with an id of the kind the chat template takes back (short_ids)."""
+        short_id = {"id": "".join(random.choices(string.ascii_letters + string.digits, k=9))} if self.short_ids else {}
+        return ToolCall(function=FunctionCall(name=name, arguments=arguments), **short_id)
 
     def _next_call(self) -> None:
         """The call being read is complete: the next one starts unread."""
@@ -235,7 +241,7 @@ class NamedFunctionParser(ToolCallParser):
         if not delta_text:
             return "", []
         if not self.calls:
-            call = ToolCall(function=FunctionCall(name=self.name, arguments=delta_text))
+            call = self._make_call(self.name, delta_text)
             self.calls.append(call)
             return "", [DeltaToolCall(index=0, id=call.id, type="function",
                                       function=DeltaFunctionCall(name=self.name, arguments=delta_text))]
