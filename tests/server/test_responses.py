@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from pagedllm.entrypoints.openai.responses_protocol import ResponsesResponse
+from pagedllm.entrypoints.openai.responses_protocol import ResponseFunctionToolCall, ResponsesResponse
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore
 from tests.server.test_load import wait_until_idle
 
@@ -135,6 +135,32 @@ def test_stored_response_is_retrieved_and_continued(client):
     assert continued.previous_response_id == first.id
     assert continued.usage.input_tokens == by_hand.usage.input_tokens
     assert continued.output_text == by_hand.output_text
+
+
+def test_a_turn_given_back_as_items_is_one_assistant_message():
+    """As vLLM builds the conversation: a response's output given back as input (text, its parallel function calls)
+    is one assistant message with all its tool calls, as the model wrote the turn, not an assistant turn per item;
+    the stored conversation a previous_response_id continues is made the same way."""
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
+
+    calls = [{"type": "function_call", "call_id": f"call_{i}", "name": "get_weather", "arguments": f'{{"city": "{c}"}}'}
+             for i, c in enumerate(["Paris", "Rome"])]
+    results = [{"type": "function_call_output", "call_id": f"call_{i}", "output": "sunny"} for i in range(2)]
+    request = ResponsesRequest.model_validate({"tools": [TOOL], "input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"}, {"type": "reasoning", "summary": []},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}, *calls, *results,
+        {"role": "assistant", "content": "Sunny in both."}]})
+    messages = [m.model_dump(exclude_none=True) for m in request.to_chat_request().messages]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert messages[1]["content"] == "Checking."
+    assert [call["id"] for call in messages[1]["tool_calls"]] == ["call_0", "call_1"]
+
+    builder = _ResponseBuilder(ResponsesRequest(input="Weather in Paris and Rome?"), MODEL, [], ResponseStore())
+    output = [builder.message("Checking."), *(ResponseFunctionToolCall.model_validate(c) for c in calls)]
+    builder.finish(output, None, "tool_calls")
+    [user, assistant] = builder.store.get(builder.id)[1]
+    assert assistant["content"] == "Checking." and len(assistant["tool_calls"]) == 2
 
 
 def test_store_is_bounded_and_drops_the_least_recently_used():

@@ -64,6 +64,27 @@ class ReasoningInput(OpenAIBaseModel):
     type: Literal["reasoning"]
 
 
+def chat_messages(items: Sequence[Any]) -> list[dict]:
+    """Responses items (input items, or output items given back) as chat messages, in order, as vLLM makes them
+    (construct_chat_messages_with_tool_call): an assistant item joins the assistant message before it, a function call
+    always (one more of its tool_calls) and text where that message has none yet. So a turn given back as its items
+    (text, then its parallel calls) is the one assistant turn with its tool calls that the model wrote, not a turn per
+    item, which a chat template renders as turns the model never took."""
+    messages: list[dict] = []
+    for item in items:
+        message = item.to_chat_message()
+        last = messages[-1] if messages else None
+        if message["role"] == "assistant" and last is not None and last["role"] == "assistant":
+            if message.get("tool_calls"):
+                last["tool_calls"] = [*(last.get("tool_calls") or []), *message["tool_calls"]]
+                continue
+            if last.get("content") is None:
+                last["content"] = message["content"]
+                continue
+        messages.append(message)
+    return messages
+
+
 def _input_item_type(item: Any) -> Optional[str]:
     """The tag of an input item: its type, "message" when it has none (OpenAI's easy input message)."""
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
@@ -176,7 +197,7 @@ class ResponsesRequest(OpenAIBaseModel):
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message; a reasoning item is none)."""
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        return [item.to_chat_message() for item in items if not isinstance(item, ReasoningInput)]
+        return chat_messages([item for item in items if not isinstance(item, ReasoningInput)])
 
     def to_chat_request(self, history: Sequence[dict] = ()) -> ChatCompletionRequest:
         """The same generation as a chat request: instructions become the system message, then the ``history`` (the

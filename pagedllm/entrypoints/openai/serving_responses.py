@@ -31,7 +31,8 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionStreamResponse, r
 from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText, ReasoningText,
                                                             ResponseError, ResponseFunctionToolCall,
                                                             ResponseOutputMessage, ResponseReasoningItem,
-                                                            ResponsesRequest, ResponsesResponse, ResponseUsage)
+                                                            ResponsesRequest, ResponsesResponse, ResponseUsage,
+                                                            chat_messages)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,8 @@ class _ResponseBuilder:
         self.final = self.response("completed", items, usage, finish_reason)
         if self.request.store is not False:
             # reasoning is no part of the conversation a later response continues (chat templates drop it too)
-            self.store.put(self.final, self.conversation + [item.to_chat_message() for item in items
-                                                            if not isinstance(item, ResponseReasoningItem)])
+            self.store.put(self.final, self.conversation + chat_messages(
+                [item for item in items if not isinstance(item, ResponseReasoningItem)]))
         return self.final
 
     def store_unfinished(self, status: str, error: Optional[ResponseError] = None) -> ResponsesResponse:
