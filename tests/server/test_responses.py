@@ -442,3 +442,20 @@ def test_reasoning_effort_reaches_the_chat_template():
     assert ResponsesRequest.model_validate({"input": QUESTION}).to_chat_request().reasoning_effort is None
     with pytest.raises(ValidationError, match="reasoning.effort"):
         ResponsesRequest.model_validate({"input": QUESTION, "reasoning": {"effort": "huge"}})
+
+
+def test_chat_template_kwargs_reach_the_chat_template():
+    """vLLM's chat_template_kwargs field: its variables reach the template (Qwen3's enable_thinking), over the
+    enable_thinking that reasoning.effort implies, and are checked as chat checks them."""
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    chat = ResponsesRequest.model_validate({"input": QUESTION, "reasoning": {"effort": "high"},
+                                            "chat_template_kwargs": {"enable_thinking": False}}).to_chat_request()
+    assert chat.template_kwargs()["enable_thinking"] is False
+
+
+def test_chat_template_kwargs_are_checked_as_chats(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=QUESTION,
+                                extra_body={"chat_template_kwargs": {"chat_template": "x"}})
+    assert info.value.body["param"] == "chat_template_kwargs"

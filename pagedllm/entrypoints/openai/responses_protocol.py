@@ -193,6 +193,8 @@ class ResponsesRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     cache_salt: CacheSalt = None
+    # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...), as chat's field.
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message; a reasoning item is none)."""
@@ -218,6 +220,7 @@ class ResponsesRequest(OpenAIBaseModel):
                 for t in self.tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": True,
             "reasoning_effort": None if self.reasoning is None else self.reasoning.effort,
+            "chat_template_kwargs": self.chat_template_kwargs,
             **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
             "stream_options": {"include_usage": True},
             "response_format": None if self.text is None or self.text.format is None
