@@ -163,6 +163,13 @@ def test_a_turn_given_back_as_items_is_one_assistant_message():
     assert assistant["content"] == "Checking." and len(assistant["tool_calls"]) == 2
 
 
+def test_request_id_is_the_responses_id(client):
+    """vLLM's request_id field: the response is created, stored and read back under it."""
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2,
+                                       extra_body={"request_id": "resp_chosen"})
+    assert response.id == "resp_chosen" and client.responses.retrieve("resp_chosen") == response
+
+
 def test_store_is_bounded_and_drops_the_least_recently_used():
     store = ResponseStore(capacity=2)
     a, b, c = (ResponsesResponse(id=f"resp_{name}", model=MODEL, status="completed") for name in "abc")

@@ -193,6 +193,8 @@ class ResponsesRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     cache_salt: CacheSalt = None
+    # vLLM's: the response's id (a random "resp_..." when None), under which it is stored, read back and cancelled.
+    request_id: Optional[str] = None
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...), as chat's field.
     chat_template_kwargs: Optional[dict[str, Any]] = None
 

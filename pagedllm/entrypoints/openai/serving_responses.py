@@ -93,7 +93,7 @@ class _ResponseBuilder:
         """history: the conversation of the response the request continues (none: empty)."""
         self.request = request
         self.model_name = model_name
-        self.id = f"resp_{random_uuid()}"
+        self.id = request.request_id or f"resp_{random_uuid()}"
         self.created_at = int(time.time())  # the response's, whichever state of it is shown (as vLLM's created_time)
         self.message_id = f"msg_{random_uuid()}"
         self.conversation = [*history, *request.input_messages()]
