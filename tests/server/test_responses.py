@@ -163,6 +163,15 @@ def test_a_turn_given_back_as_items_is_one_assistant_message():
     assert assistant["content"] == "Checking." and len(assistant["tool_calls"]) == 2
 
 
+def test_empty_instructions_are_none():
+    """As vLLM's: no system message for empty instructions (it would replace the template's default one)."""
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+
+    for instructions in ("", None):
+        chat = ResponsesRequest(input=QUESTION, instructions=instructions).to_chat_request()
+        assert [m.role for m in chat.messages] == ["user"]
+
+
 def test_request_id_is_the_responses_id(client):
     """vLLM's request_id field: the response is created, stored and read back under it."""
     response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2,

@@ -209,7 +209,9 @@ class ResponsesRequest(OpenAIBaseModel):
         Every response is made from the chat stream, with its usage (which response.completed carries): the events
         of a streamed one, the final response of an unstreamed one (so their output items agree), and what a reader
         joining a background one later replays."""
-        messages = ([{"role": "system", "content": self.instructions}] if self.instructions is not None else [])
+        # Empty instructions are none (vLLM's construct_input_messages): no empty system message, which would take
+        # the place of a template's default one.
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += [*history, *self.input_messages()]
         tool_choice = self.tool_choice
         if isinstance(tool_choice, NamedFunctionToolChoice):
