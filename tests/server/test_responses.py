@@ -113,6 +113,16 @@ def test_required_tool_choice_gives_a_function_call(client):
     assert (streamed.name, streamed.arguments) == (call.name, call.arguments)
 
 
+def test_auto_tool_choice_without_tools_is_none(client):
+    """As vLLM's: tool_choice "auto" without tools asks nothing of tools: answered, echoing "none" (as a request with
+    no tool_choice and no tools does); "required" without tools is still a 400."""
+    for extra in ({"tool_choice": "auto"}, {"tool_choice": "auto", "tools": []}, {}):
+        assert client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, **extra).tool_choice == "none"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=QUESTION, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"
+
+
 def test_stored_response_is_retrieved_and_continued(client):
     ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 8}
     first = client.responses.create(**ask, input="My name is Ada.", instructions="Answer in one sentence.")

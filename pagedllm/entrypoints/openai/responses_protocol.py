@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
-from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer
+from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer, model_validator
 
 from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionRequest,
                                                   OpenAIBaseModel, ReasoningEffort, StopParam, UsageInfo,
@@ -197,6 +197,14 @@ class ResponsesRequest(OpenAIBaseModel):
     request_id: Optional[str] = None
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...), as chat's field.
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _no_tools_call_none(self) -> "ResponsesRequest":
+        """As vLLM's check_tool_usage: without tools, tool_choice "auto" (and no tool_choice) is "none", echoed so,
+        not chat's 400 for a choice that needs tools; "required" or a named function is still that 400."""
+        if not self.tools and self.tool_choice in (None, "auto"):
+            self.tool_choice = "none"
+        return self
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message; a reasoning item is none)."""
