@@ -127,6 +127,19 @@ def test_the_responses_api_gives_the_reasoning_as_a_reasoning_item(thinking_serv
         (item["type"], item["content"]) for item in response["output"]]
 
 
+def test_include_reasoning_false_leaves_the_reasoning_item_out(thinking_server):
+    """vLLM's include_reasoning on the Responses API: false gives the answer alone, streamed or not."""
+    ask = {"input": MESSAGES[0]["content"], "max_output_tokens": 16, "include_reasoning": False}
+    with thinking_server.http() as http:
+        response = http.post("/v1/responses", json=ask).json()
+        events = [json.loads(line.removeprefix("data: ")) for line in http.post(
+            "/v1/responses", json={**ask, "stream": True}).text.splitlines() if line.startswith("data: ")]
+    assert [(item["type"], item["content"][0]["text"]) for item in response["output"]] == [
+        ("message", " Paris is big")]
+    assert not [e for e in events if e["type"].startswith("response.reasoning")]
+    assert [item["type"] for item in events[-1]["response"]["output"]] == ["message"]
+
+
 def test_a_responses_output_given_back_as_input_is_taken_with_its_reasoning_item(thinking_server):
     """OpenAI's clients keep a conversation by giving a response's output items back as input: its reasoning item is
     taken (as vLLM takes it), not refused as an unknown item, and adds nothing to the conversation, as a stored

@@ -195,6 +195,8 @@ class ResponsesRequest(OpenAIBaseModel):
     cache_salt: CacheSalt = None
     # vLLM's: the response's id (a random "resp_..." when None), under which it is stored, read back and cancelled.
     request_id: Optional[str] = None
+    # vLLM's: false leaves a --reasoning-parser's reasoning item out of the output (generated all the same).
+    include_reasoning: bool = True
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...), as chat's field.
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
@@ -232,7 +234,7 @@ class ResponsesRequest(OpenAIBaseModel):
                 for t in self.tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": True,
             "reasoning_effort": None if self.reasoning is None else self.reasoning.effort,
-            "chat_template_kwargs": self.chat_template_kwargs,
+            "chat_template_kwargs": self.chat_template_kwargs, "include_reasoning": self.include_reasoning,
             **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
             "stream_options": {"include_usage": True},
             "response_format": None if self.text is None or self.text.format is None
