@@ -71,6 +71,23 @@ def test_stream_sends_the_responses_events(client, chat_text):
     assert events[-1].response.usage.output_tokens > 0
 
 
+def test_output_text_logprobs_come_when_included(client):
+    """vLLM's include "message.output_text.logprobs" with top_logprobs: each output token's logprob and its top
+    alternatives, in the output text and in the deltas that stream it; none without the include."""
+    ask = {"model": MODEL, "input": QUESTION, "temperature": 0, "max_output_tokens": 6,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    response = client.responses.create(**ask)
+    logprobs = response.output[0].content[0].logprobs
+    assert len(logprobs) == response.usage.output_tokens
+    assert "".join(lp.token for lp in logprobs) == response.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    events = list(client.responses.create(**ask, stream=True))
+    assert [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs] == [
+        lp.model_dump() for lp in logprobs]
+    assert events[-1].response.output[0].content[0].logprobs == logprobs
+    assert client.responses.create(**{**ask, "include": None}).output[0].content[0].logprobs is None
+
+
 def test_events_are_framed_as_openai_sends_them(server):
     with server.http() as http:
         body = http.post("/v1/responses", json={"model": MODEL, "input": QUESTION, "max_output_tokens": 2,

@@ -11,9 +11,9 @@ from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer, model_validator
 
-from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionRequest,
-                                                  OpenAIBaseModel, ReasoningEffort, StopParam, UsageInfo,
-                                                  random_uuid)
+from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionLogProbsContent,
+                                                  ChatCompletionRequest, LogprobsCount, OpenAIBaseModel,
+                                                  ReasoningEffort, StopParam, UsageInfo, random_uuid)
 
 
 class InputTextPart(OpenAIBaseModel):
@@ -156,6 +156,13 @@ _SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_
                     "include_stop_str_in_output", "priority", "cache_salt")
 
 
+# OpenAI's (and vLLM's) include values: more of the output to return. Of them only the output text's logprobs are
+# served; the others name what no response here has (tool results, images, encrypted reasoning).
+ResponseIncludable = Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                             "file_search_call.results", "message.input_image.image_url",
+                             "message.output_text.logprobs", "reasoning.encrypted_content"]
+
+
 class ResponsesRequest(OpenAIBaseModel):
     model: Optional[str] = None
     input: Union[list[InputItem], str]  # the list first, as InputMessage.content
@@ -174,6 +181,9 @@ class ResponsesRequest(OpenAIBaseModel):
     metadata: Optional[dict[str, str]] = None
     text: Optional[ResponseTextConfig] = None  # the output's format: structured output, as chat's response_format
     reasoning: Optional[Reasoning] = None
+    include: Optional[list[ResponseIncludable]] = None
+    # The alternatives per token of the output text's logprobs (with include's "message.output_text.logprobs").
+    top_logprobs: LogprobsCount = None
     # Generate after the reply: the POST returns the response queued, GET /v1/responses/{id} follows it (with
     # stream, its events from any point), POST /v1/responses/{id}/cancel stops it. Needs store.
     background: Optional[bool] = False
@@ -208,6 +218,11 @@ class ResponsesRequest(OpenAIBaseModel):
             self.tool_choice = "none"
         return self
 
+    @property
+    def output_logprobs(self) -> bool:
+        """Whether the output text comes with its tokens' logprobs (vLLM's is_include_output_logprobs)."""
+        return "message.output_text.logprobs" in (self.include or ())
+
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message; a reasoning item is none)."""
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
@@ -232,7 +247,8 @@ class ResponsesRequest(OpenAIBaseModel):
             "tools": None if not self.tools else [
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
                 for t in self.tools],
-            "parallel_tool_calls": self.parallel_tool_calls, "stream": True,
+            "parallel_tool_calls": self.parallel_tool_calls, "stream": True, "logprobs": self.output_logprobs,
+            "top_logprobs": self.top_logprobs if self.output_logprobs else None,
             "reasoning_effort": None if self.reasoning is None else self.reasoning.effort,
             "chat_template_kwargs": self.chat_template_kwargs, "include_reasoning": self.include_reasoning,
             **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
@@ -246,6 +262,8 @@ class OutputText(OpenAIBaseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list = Field(default_factory=list)
+    # Its tokens' logprobs, where the request's include asks for them (vLLM's: None where not).
+    logprobs: Optional[list[ChatCompletionLogProbsContent]] = None
 
 
 class ResponseOutputMessage(OpenAIBaseModel):

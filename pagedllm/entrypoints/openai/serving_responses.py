@@ -307,6 +307,8 @@ class OpenAIServingResponses:
         yield events.send("response.in_progress", response=builder.response("in_progress", []))
         output: list = []  # the items so far; the last one is open (being generated), the others done
         texts: dict[int, str] = {}  # each message's text, by output index
+        # With include's output logprobs: each message's, by output index, and those of text not sent yet (held).
+        logprobs_on, text_logprobs, held_logprobs = builder.request.output_logprobs, {}, []
         reasoning_texts: dict[int, str] = {}  # each reasoning item's text, by output index
         message_index, finish_reason, usage = None, None, None  # message_index: the open item, if it is a message
         # The text is the chat content: as generated, or with tool calls read out of it, stripped (chat's content
@@ -318,7 +320,8 @@ class OpenAIServingResponses:
             """Item ``index`` as it is done: completed, a message or reasoning with all its text."""
             item = output[index]
             if isinstance(item, ResponseOutputMessage):
-                item = item.model_copy(update={"content": [OutputText(text=texts[index])]})
+                logprobs = text_logprobs[index] if logprobs_on else None
+                item = item.model_copy(update={"content": [OutputText(text=texts[index], logprobs=logprobs)]})
             elif isinstance(item, ResponseReasoningItem):
                 item = item.model_copy(update={"content": [ReasoningText(text=reasoning_texts[index])]})
             return item.model_copy(update={"status": "completed"})
@@ -332,7 +335,7 @@ class OpenAIServingResponses:
             output.append(item)
             index = len(output) - 1
             if isinstance(item, ResponseOutputMessage):
-                texts[index] = ""
+                texts[index], text_logprobs[index] = "", []
                 return sent + _open_message(events, item.id, index)
             sent += events.send("response.output_item.added", output_index=index, item=item)
             if isinstance(item, ResponseReasoningItem):
@@ -363,6 +366,8 @@ class OpenAIServingResponses:
                     yield events.send("response.reasoning_text.delta", item_id=output[index].id,
                                       output_index=index, content_index=0, delta=choice.delta.reasoning)
                 held += choice.delta.content or ""
+                if choice.delta.content and choice.logprobs is not None:  # the tokens of this text (not a call's)
+                    held_logprobs += choice.logprobs.content or ()
                 if strip and message_index is None:
                     held = held.lstrip()  # leading whitespace (before or between tool calls) opens no message
                 delta = held.rstrip() if strip else held  # trailing whitespace waits: it may end the answer
@@ -373,15 +378,18 @@ class OpenAIServingResponses:
                         yield open_item(builder.message("") if not texts else ResponseOutputMessage())
                         message_index = len(output) - 1
                     texts[message_index] += delta
+                    text_logprobs[message_index] += held_logprobs
                     yield events.send("response.output_text.delta", item_id=output[message_index].id,
-                                      output_index=message_index, content_index=0, delta=delta, logprobs=[])
+                                      output_index=message_index, content_index=0, delta=delta,
+                                      logprobs=[logprob.model_dump() for logprob in held_logprobs])
+                    held_logprobs = []
                 for delta_call in choice.delta.tool_calls or ():
                     function = delta_call.function
                     if delta_call.index not in call_indices:
                         yield open_item(ResponseFunctionToolCall(call_id=delta_call.id, name=function.name,
                                                                  arguments="", status="in_progress"))
                         call_indices[delta_call.index] = len(output) - 1
-                        message_index = None
+                        message_index, held_logprobs = None, []  # held whitespace's: no message takes it
                     index = call_indices[delta_call.index]
                     if function is not None and function.arguments:
                         output[index].arguments += function.arguments
@@ -417,7 +425,8 @@ def _item_done(events: "_EventStream", output_index: int, item: OutputItem) -> s
     """The events ending an output item, given as it is done."""
     if isinstance(item, ResponseOutputMessage):
         sent = (events.send("response.output_text.done", item_id=item.id, output_index=output_index,
-                            content_index=0, text=item.content[0].text, logprobs=[])
+                            content_index=0, text=item.content[0].text,
+                            logprobs=[logprob.model_dump() for logprob in item.content[0].logprobs or ()])
                 + events.send("response.content_part.done", item_id=item.id, output_index=output_index,
                               content_index=0, part=item.content[0]))
     elif isinstance(item, ResponseReasoningItem):
