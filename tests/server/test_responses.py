@@ -230,6 +230,19 @@ def test_a_response_keeps_its_creation_time(monkeypatch):
     assert queued.created_at == done.created_at == 1000
 
 
+def test_a_response_echoes_the_sampling_it_was_generated_with(client):
+    """As vLLM's (its sampling params'): temperature and top_p the request's, else the generation config's, else the
+    engine's defaults (1.0), not null."""
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
+
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0.5, top_p=0.9)
+    assert (response.temperature, response.top_p) == (0.5, 0.9)
+    builder = _ResponseBuilder(ResponsesRequest(input="x"), MODEL, [], ResponseStore(), {"temperature": 0.6})
+    done = builder.finish([builder.message("Hi.")], None, "stop")
+    assert (done.temperature, done.top_p) == (0.6, 1.0)
+
+
 def test_text_format_constrains_the_output(client):
     """text.format (OpenAI's structured output for Responses) is chat's response_format: the text is JSON of the
     schema, and the response echoes the format."""
@@ -370,6 +383,7 @@ def test_unstreamed_output_items_are_the_streamed_ones():
 
     class Chat:
         models = SimpleNamespace(check_model=lambda name: MODEL)
+        default_sampling_params: dict = {}
 
         def __init__(self, lines: list[str]) -> None:
             self.lines = lines

@@ -89,9 +89,16 @@ class _ResponseBuilder:
     streamed items and the final object agree) and the Response object made from a generation's result."""
 
     def __init__(self, request: ResponsesRequest, model_name: str, history: Sequence[dict],
-                 store: ResponseStore) -> None:
-        """history: the conversation of the response the request continues (none: empty)."""
+                 store: ResponseStore, default_sampling_params: Optional[dict] = None) -> None:
+        """history: the conversation of the response the request continues (none: empty). default_sampling_params:
+        the model's generation config's, which sampled what the request left out."""
         self.request = request
+        # The temperature and top_p the response was sampled with, as vLLM's from_request echoes them (its
+        # sampling_params'): the request's, else the generation config's, else the engine's default.
+        defaults = default_sampling_params or {}
+        self.temperature = request.temperature if request.temperature is not None else defaults.get(
+            "temperature", 1.0)
+        self.top_p = request.top_p if request.top_p is not None else defaults.get("top_p", 1.0)
         self.model_name = model_name
         self.id = request.request_id or f"resp_{random_uuid()}"
         self.created_at = int(time.time())  # the response's, whichever state of it is shown (as vLLM's created_time)
@@ -109,8 +116,8 @@ class _ResponseBuilder:
             status="incomplete" if incomplete else status, output=output,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None, usage=usage,
             error=error, background=r.background is True,
-            instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=r.temperature,
-            top_p=r.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
+            instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=self.temperature,
+            top_p=self.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
             store=r.store is not False, metadata=r.metadata,
             **({"text": r.text} if r.text is not None and r.text.format is not None else {}))
@@ -242,7 +249,7 @@ class OpenAIServingResponses:
         except OpenAIError as e:
             raise _renamed(e) from e
         builder = _ResponseBuilder(request, self.serving_chat.models.check_model(request.model), history,
-                                   self.store)
+                                   self.store, self.serving_chat.default_sampling_params)
         if request.background:
             return self._start_in_background(builder, result)
         if request.stream:
