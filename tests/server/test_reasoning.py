@@ -142,8 +142,8 @@ def test_include_reasoning_false_leaves_the_reasoning_item_out(thinking_server):
 
 def test_a_responses_output_given_back_as_input_is_taken_with_its_reasoning_item(thinking_server):
     """OpenAI's clients keep a conversation by giving a response's output items back as input: its reasoning item is
-    taken (as vLLM takes it), not refused as an unknown item, and adds nothing to the conversation, as a stored
-    response's reasoning adds nothing to the one previous_response_id continues."""
+    taken (as vLLM takes it), not refused as an unknown item, as its turn's reasoning, which this model's template
+    (SmolLM2's) does not write: the prompt is the one previous_response_id continues (where vLLM leaves it out)."""
     with thinking_server.http() as http:
         first = http.post("/v1/responses", json={"input": MESSAGES[0]["content"], "max_output_tokens": 16}).json()
         assert [item["type"] for item in first["output"]] == ["reasoning", "message"]

@@ -183,6 +183,16 @@ def test_a_turn_given_back_as_items_is_one_assistant_message():
     assert messages[1]["content"] == "Checking."
     assert [call["id"] for call in messages[1]["tool_calls"]] == ["call_0", "call_1"]
 
+    # A reasoning item is the reasoning of the turn it opens, as vLLM gives it to the template (its content's text,
+    # else its summary's).
+    thoughts = [({"content": [{"type": "reasoning_text", "text": "Two calls."}], "summary": []}, "Two calls."),
+                ({"summary": [{"type": "summary_text", "text": "In short."}]}, "In short.")]
+    for reasoning, text in thoughts:
+        thought = ResponsesRequest.model_validate({"tools": [TOOL], "input": [
+            {"role": "user", "content": "Weather in Paris and Rome?"}, {"type": "reasoning", **reasoning}, *calls,
+            *results]}).to_chat_request().messages[1].model_dump(exclude_none=True)
+        assert thought["reasoning"] == text and len(thought["tool_calls"]) == 2
+
     builder = _ResponseBuilder(ResponsesRequest(input="Weather in Paris and Rome?"), MODEL, [], ResponseStore())
     output = [builder.message("Checking."), *(ResponseFunctionToolCall.model_validate(c) for c in calls)]
     builder.finish(output, None, "tool_calls")

@@ -56,20 +56,33 @@ class FunctionCallOutputInput(OpenAIBaseModel):
         return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
 
 
+class ReasoningInputText(OpenAIBaseModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
 class ReasoningInput(OpenAIBaseModel):
     """An earlier reasoning output item, given back as OpenAI's clients give a response's output back as input (with
-    --reasoning-parser, a response's output starts with one). It adds nothing to the conversation: an earlier turn's
-    reasoning is left out of it, as a stored response's is (previous_response_id)."""
+    --reasoning-parser, a response's output starts with one). As vLLM's, its text (its content's, else its summary's)
+    is the reasoning of the assistant turn it belongs to, for the chat template: Qwen3's writes it back for the turns
+    after the last user message, so a tool-calling turn keeps its thinking. (A stored response's own reasoning is
+    left out of the conversation previous_response_id continues, as vLLM leaves it.)"""
 
     type: Literal["reasoning"]
+    summary: list[ReasoningInputText] = Field(default_factory=list)
+    content: Optional[list[ReasoningInputText]] = None
+
+    def to_chat_message(self) -> dict:
+        parts = self.content or self.summary
+        return {"role": "assistant", "reasoning": parts[0].text if parts else ""}
 
 
 def chat_messages(items: Sequence[Any]) -> list[dict]:
     """Responses items (input items, or output items given back) as chat messages, in order, as vLLM makes them
     (construct_chat_messages_with_tool_call): an assistant item joins the assistant message before it, a function call
-    always (one more of its tool_calls) and text where that message has none yet. So a turn given back as its items
-    (text, then its parallel calls) is the one assistant turn with its tool calls that the model wrote, not a turn per
-    item, which a chat template renders as turns the model never took."""
+    always (one more of its tool_calls), text or reasoning where that message has none yet. So a turn given back as
+    its items (reasoning, text, then its parallel calls) is the one assistant turn with its tool calls that the model
+    wrote, not a turn per item, which a chat template renders as turns the model never took."""
     messages: list[dict] = []
     for item in items:
         message = item.to_chat_message()
@@ -78,8 +91,9 @@ def chat_messages(items: Sequence[Any]) -> list[dict]:
             if message.get("tool_calls"):
                 last["tool_calls"] = [*(last.get("tool_calls") or []), *message["tool_calls"]]
                 continue
-            if last.get("content") is None:
-                last["content"] = message["content"]
+            field = "reasoning" if "reasoning" in message else "content"
+            if last.get(field) is None:
+                last[field] = message[field]
                 continue
         messages.append(message)
     return messages
@@ -224,9 +238,9 @@ class ResponsesRequest(OpenAIBaseModel):
         return "message.output_text.logprobs" in (self.include or ())
 
     def input_messages(self) -> list[dict]:
-        """The input as chat messages (a string is one user message; a reasoning item is none)."""
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
-        return chat_messages([item for item in items if not isinstance(item, ReasoningInput)])
+        """The input as chat messages (a string is one user message)."""
+        return chat_messages([InputMessage(role="user", content=self.input)] if isinstance(self.input, str)
+                             else self.input)
 
     def to_chat_request(self, history: Sequence[dict] = ()) -> ChatCompletionRequest:
         """The same generation as a chat request: instructions become the system message, then the ``history`` (the

@@ -5,8 +5,8 @@ every check is the chat endpoint's, its errors naming the Responses field.
 
 Finished responses are kept when the request says store (true by default, as OpenAI's) in a bounded in-memory
 ResponseStore: GET /v1/responses/{id} returns one, and previous_response_id continues one's conversation. With a
---reasoning-parser, the reasoning it splits off comes first as a reasoning item (vLLM's), which no later
-conversation includes.
+--reasoning-parser, the reasoning it splits off comes first as a reasoning item (vLLM's), which the conversation
+previous_response_id continues leaves out, as vLLM's does (given back as an input item, it is that turn's reasoning).
 
 A background request (OpenAI's and vLLM's ``background``) is answered once its generation has started: the response
 queued (vLLM's status for it until it ends), stored, which GET /v1/responses/{id} returns as it stands (then as it ends:
