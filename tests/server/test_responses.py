@@ -173,7 +173,10 @@ def test_a_turn_given_back_as_items_is_one_assistant_message():
 
     calls = [{"type": "function_call", "call_id": f"call_{i}", "name": "get_weather", "arguments": f'{{"city": "{c}"}}'}
              for i, c in enumerate(["Paris", "Rome"])]
-    results = [{"type": "function_call_output", "call_id": f"call_{i}", "output": "sunny"} for i in range(2)]
+    # a call's output is a string or, as OpenAI's and vLLM's take it, a list of text parts
+    parts = [{"type": "input_text", "text": "sun"}, {"type": "input_text", "text": "ny"}]
+    results = [{"type": "function_call_output", "call_id": "call_0", "output": "sunny"},
+               {"type": "function_call_output", "call_id": "call_1", "output": parts}]
     request = ResponsesRequest.model_validate({"tools": [TOOL], "input": [
         {"role": "user", "content": "Weather in Paris and Rome?"}, {"type": "reasoning", "summary": []},
         {"role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]}, *calls, *results,
@@ -182,6 +185,7 @@ def test_a_turn_given_back_as_items_is_one_assistant_message():
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "tool", "assistant"]
     assert messages[1]["content"] == "Checking."
     assert [call["id"] for call in messages[1]["tool_calls"]] == ["call_0", "call_1"]
+    assert [m["content"] for m in messages[2:4]] == ["sunny", "sunny"]
 
     # A reasoning item is the reasoning of the turn it opens, as vLLM gives it to the template (its content's text,
     # else its summary's).

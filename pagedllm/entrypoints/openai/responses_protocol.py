@@ -50,10 +50,12 @@ class FunctionCallInput(OpenAIBaseModel):
 class FunctionCallOutputInput(OpenAIBaseModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    # A string, or (as OpenAI's and vLLM's take it) content parts, text here; the list first, as InputMessage.content.
+    output: Union[list[InputTextPart], str]
 
     def to_chat_message(self) -> dict:
-        return {"role": "tool", "tool_call_id": self.call_id, "content": self.output}
+        text = self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return {"role": "tool", "tool_call_id": self.call_id, "content": text}
 
 
 class ReasoningInputText(OpenAIBaseModel):
