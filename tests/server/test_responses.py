@@ -246,12 +246,13 @@ def test_a_response_keeps_its_creation_time(monkeypatch):
 
 def test_a_response_echoes_the_sampling_it_was_generated_with(client):
     """As vLLM's (its sampling params'): temperature and top_p the request's, else the generation config's, else the
-    engine's defaults (1.0), not null."""
+    engine's defaults (1.0), not null; and the request's reasoning settings."""
     from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
     from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
 
-    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0.5, top_p=0.9)
-    assert (response.temperature, response.top_p) == (0.5, 0.9)
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0.5, top_p=0.9,
+                                       reasoning={"effort": "low"})
+    assert (response.temperature, response.top_p, response.reasoning.effort) == (0.5, 0.9, "low")
     builder = _ResponseBuilder(ResponsesRequest(input="x"), MODEL, [], ResponseStore(), {"temperature": 0.6})
     done = builder.finish([builder.message("Hi.")], None, "stop")
     assert (done.temperature, done.top_p) == (0.6, 1.0)

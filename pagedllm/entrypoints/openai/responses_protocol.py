@@ -384,3 +384,4 @@ class ResponsesResponse(OpenAIBaseModel):
     store: bool = True
     metadata: Optional[dict[str, str]] = None
     text: ResponseTextConfig = Field(default_factory=lambda: ResponseTextConfig(format=TextFormat(type="text")))
+    reasoning: Optional[Reasoning] = None

@@ -119,7 +119,7 @@ class _ResponseBuilder:
             instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=self.temperature,
             top_p=self.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
-            store=r.store is not False, metadata=r.metadata,
+            store=r.store is not False, metadata=r.metadata, reasoning=r.reasoning,
             **({"text": r.text} if r.text is not None and r.text.format is not None else {}))
 
     def finish(self, output: list, usage: Optional[ResponseUsage], finish_reason: Optional[str]
