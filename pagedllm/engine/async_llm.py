@@ -22,6 +22,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id, cache_salt_of
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.loggers import default_stat_loggers
@@ -220,6 +221,12 @@ class AsyncLLM:
 
     async def get_stats(self) -> SchedulerStats:
         return msgspec.convert(await self.engine_core.call_utility_async("get_stats"), SchedulerStats)
+
+    async def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                             kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
+        """vLLM's (LLM.collective_rpc): with data parallelism, it runs on every engine's workers and returns the
+        first engine's results, as vLLM's."""
+        return await self.engine_core.collective_rpc_async(method, timeout, args, kwargs)
 
     async def get_engine_views(self) -> list[EngineView]:
         """Each engine's view (one per data-parallel rank, in rank order; the dead ones left out)."""

@@ -1,10 +1,11 @@
 """EngineCore: the busy loop's body — schedule, execute, update — plus request admission and aborts."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import longest_request
@@ -15,7 +16,8 @@ from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.engine.step_trace import StepTrace
 from pagedllm.core.sched.output import SchedulerOutput
-from pagedllm.executor.abstract import Executor, ModelRunnerOutputFuture
+from pagedllm.executor.abstract import (Executor, ModelRunnerOutputFuture, WorkerMethod, method_name,
+                                       run_user_method)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.worker.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -150,6 +152,18 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+
+    def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
+        """vLLM's: ``method`` (a Worker method's name, or a function called with the worker first) run on every
+        worker, their results in rank order. A method that raises on a rank fails this call with a RuntimeError
+        naming the method, the rank and its exception; the engine serves on (as vLLM's)."""
+        replies = self.executor.collective_rpc(functools.partial(run_user_method, method, args, kwargs),
+                                               timeout=timeout)
+        failures = [f"worker rank {rank} raised {error}" for rank, (ok, error) in enumerate(replies) if not ok]
+        if failures:
+            raise RuntimeError(f"collective_rpc {method_name(method)} failed: {'; '.join(failures)}")
+        return [result for _, result in replies]
 
     def get_engine_view(self) -> EngineView:
         return make_engine_view(self.scheduler)

@@ -30,6 +30,7 @@ from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse
                                       EngineCoreRequestType, SchedulerStats)
 from pagedllm.engine.stopping import stop_processes
 from pagedllm.envs import env_flag
+from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.models.hf_config import load_tokenizer
 
 ENGINE_STARTUP_TIMEOUT_S = 600
@@ -62,6 +63,10 @@ class InprocClient:
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()
+
+    def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
@@ -199,6 +204,23 @@ class MPClient:
         self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
         return future
 
+    def collective_rpc(self, method: WorkerMethod, timeout: Optional[float], args: tuple,
+                       kwargs: Optional[dict]) -> Future:
+        """The future of the workers' results (EngineCore.collective_rpc): the call and its results cross the
+        sockets pickled (EngineCoreProc.collective_rpc_pickled)."""
+        import cloudpickle  # only for this call, which may send a function
+        future: Future = Future()
+
+        def unpickle(call: Future) -> None:
+            try:
+                future.set_result(pickle.loads(call.result()))
+            except Exception as e:  # the engine's error, or results this process cannot load
+                future.set_exception(e)
+
+        self.call_utility("collective_rpc_pickled", cloudpickle.dumps((method, timeout, args, kwargs))
+                          ).add_done_callback(unpickle)
+        return future
+
     def shutdown(self) -> None:
         if self._closing:
             return
@@ -238,6 +260,10 @@ class SyncMPClient:
     def get_stats(self) -> SchedulerStats:
         return msgspec.convert(self._mp.call_utility("get_stats").result(), SchedulerStats)
 
+    def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        return self._mp.collective_rpc(method, timeout, args, kwargs).result()
+
     def shutdown(self) -> None:
         self._mp.shutdown()
 
@@ -272,6 +298,10 @@ class AsyncMPClient:
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._mp.call_utility(method, *args))
+
+    async def collective_rpc_async(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                                   kwargs: Optional[dict] = None) -> list:
+        return await asyncio.wrap_future(self._mp.collective_rpc(method, timeout, args, kwargs))
 
     def shutdown(self) -> None:
         self._mp.shutdown()

@@ -129,12 +129,19 @@ class EngineCoreProc(EngineCore):
             self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(call_id, method, args)))
 
     def _call_utility(self, call_id: int, method: str, args: list) -> UtilityOutput:
-        if method not in ("reset_prefix_cache", "get_stats", "get_engine_view", "abort_requests"):
+        if method not in ("reset_prefix_cache", "get_stats", "get_engine_view", "abort_requests",
+                          "collective_rpc_pickled"):
             return UtilityOutput(call_id, failure_message=f"unknown utility method {method!r}")
         try:
             return UtilityOutput(call_id, result=getattr(self, method)(*args))
         except Exception as e:  # the caller gets the error; the engine keeps serving
             return UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
+
+    def collective_rpc_pickled(self, call: bytes) -> bytes:
+        """collective_rpc from the frontend: its call, (method, timeout, args, kwargs), comes pickled (cloudpickle's,
+        which sends a lambda or a closure too) and its results go back pickled, for a worker method takes and returns
+        any Python objects (as vLLM's utility calls do with its pickle-based serialization)."""
+        return pickle.dumps(self.collective_rpc(*pickle.loads(call)), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:

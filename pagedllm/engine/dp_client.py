@@ -14,7 +14,8 @@ import copy
 import itertools
 import queue
 from collections import Counter, OrderedDict
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Optional
 
 import msgspec
 
@@ -22,6 +23,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import MPClient
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.executor.abstract import WorkerMethod
 
 AFFINITY_SLACK = 8  # score points: two waiting requests
 AFFINITY_ENTRIES = 4096  # first prompt blocks remembered (least recently sent first out)
@@ -158,6 +160,12 @@ class _DPClientBase:
     def _live(self) -> list[MPClient]:
         return [e for i, e in enumerate(self.engines) if i not in self.balancer.dead]
 
+    def _collective_rpc(self, method: WorkerMethod, timeout: Optional[float], args: tuple,
+                        kwargs: Optional[dict]) -> list[Future]:
+        """collective_rpc on every live engine's workers; as vLLM's data-parallel client, the caller gets the first
+        one's results."""
+        return [engine.collective_rpc(method, timeout, args, kwargs) for engine in self._live()]
+
     def shutdown(self) -> None:
         for engine in self.engines:
             engine.shutdown()
@@ -202,6 +210,11 @@ class DPAsyncMPClient(_DPClientBase):
             return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
         return all(results) if method == "reset_prefix_cache" else results
 
+    async def collective_rpc_async(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                                   kwargs: Optional[dict] = None) -> list:
+        calls = self._collective_rpc(method, timeout, args, kwargs)
+        return (await asyncio.gather(*map(asyncio.wrap_future, calls)))[0]
+
 
 class DPSyncMPClient(_DPClientBase):
     """For LLMEngine: get_output() blocks until any engine has outputs. One engine's death ends the client, as
@@ -237,3 +250,7 @@ class DPSyncMPClient(_DPClientBase):
     def get_stats(self) -> SchedulerStats:
         return aggregate_stats([msgspec.convert(e.call_utility("get_stats").result(), SchedulerStats)
                                 for e in self._live()])
+
+    def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict] = None) -> list:
+        return [call.result() for call in self._collective_rpc(method, timeout, args, kwargs)][0]

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
+import torch
 from prometheus_client import CollectorRegistry
 
 from pagedllm.config import EngineConfig
@@ -14,6 +15,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id
 from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
@@ -109,6 +111,15 @@ class LLMEngine:
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's; ``reset_connector`` (its KV connector's cache) has nothing to reset here (LLM.reset_prefix_cache)."""
         return self.engine_core.reset_prefix_cache(reset_running_requests)
+
+    def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
+                       kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
+        """vLLM's (LLM.collective_rpc)."""
+        return self.engine_core.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """vLLM's (LLM.apply_model)."""
+        return self.collective_rpc("apply_model", args=(func,))
 
     def get_metrics(self) -> list[Metric]:
         if not self.log_stats:  # vLLM's assertion, as an error that says what to do

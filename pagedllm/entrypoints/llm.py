@@ -6,6 +6,7 @@ import logging
 from typing import Any, Callable, Optional, Sequence, Union
 
 import msgspec
+import torch
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
@@ -183,6 +184,21 @@ class LLM:
         if progress is not None:
             progress.close()
         return [finished[r] for r in request_ids]
+
+    def collective_rpc(self, method: Union[str, Callable[..., Any]], timeout: Optional[float] = None,
+                       args: tuple = (), kwargs: Optional[dict[str, Any]] = None) -> list[Any]:
+        """vLLM's: runs ``method`` on every worker and returns their results in rank order. ``method``: a method of
+        pagedllm's Worker by name, or a function called with the worker as its first argument, then ``args`` and
+        ``kwargs`` (sent with cloudpickle to an engine or workers in other processes, so a lambda or a closure will
+        do). A method that raises fails the call with a RuntimeError naming it, the rank and its exception; the
+        engine serves on. ``timeout``: seconds to wait for worker processes (None: as long as they take); ranks that
+        do not answer in time are taken for hung, which fails the engine, as a step that outlasts its timeout does."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
+        """vLLM's: ``func`` called with each worker's model (its slice, with tensor or pipeline parallelism); the
+        results in rank order. Return small things: they are pickled to this process."""
+        return self.llm_engine.apply_model(func)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Empties the prefix cache (refused, returning False, while requests hold blocks; with

@@ -2,6 +2,7 @@
 run on every rank, its results gathered (vLLM V1's Executor)."""
 from __future__ import annotations
 
+import logging
 import os
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Protocol, Union
@@ -10,8 +11,11 @@ from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.worker.outputs import ModelRunnerOutput
 
-# A worker method by name, or a function called with the worker as its first argument.
-WorkerMethod = Union[str, Callable[..., Any]]
+logger = logging.getLogger(__name__)
+
+# A worker method by name, or a function called with the worker as its first argument (which an executor whose
+# workers are other processes sends as cloudpickle's bytes, as vLLM's).
+WorkerMethod = Union[str, Callable[..., Any], bytes]
 
 # How long a step may take before its workers are taken for hung (alive but not answering: a stopped process, a
 # deadlocked collective) and the engine fails, as vLLM's VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS.
@@ -106,7 +110,29 @@ class _Done:
 
 
 def run_worker_method(worker: Any, method: WorkerMethod, args: tuple, kwargs: Optional[dict]) -> Any:
-    """What a worker does with one collective_rpc."""
+    """What a worker does with one collective_rpc (vLLM's run_method)."""
+    if isinstance(method, bytes):
+        import cloudpickle  # only where a function was sent: the engine's own calls name their methods
+        method = cloudpickle.loads(method)
     if isinstance(method, str):
         return getattr(worker, method)(*args, **(kwargs or {}))
     return method(worker, *args, **(kwargs or {}))
+
+
+def method_name(method: WorkerMethod) -> str:
+    """How logs and errors name a worker method."""
+    if isinstance(method, bytes):
+        return "a pickled function"
+    return method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+
+
+def run_user_method(method: WorkerMethod, args: tuple, kwargs: Optional[dict], worker: Any) -> tuple[bool, Any]:
+    """A caller's collective_rpc (EngineCore.collective_rpc) on one worker: (True, its result), or (False, what it
+    raised) — a reply, never a raise, which an executor takes for a broken worker that ends the engine: as vLLM's,
+    a caller's method that fails fails its call only, and the engine serves on. Sent bound to its method and
+    arguments, so that an executor sends them all with cloudpickle (a lambda among the arguments too: apply_model's)."""
+    try:
+        return True, run_worker_method(worker, method, args, kwargs)
+    except Exception as e:  # the traceback goes to the worker's log, the caller gets the exception
+        logger.exception("collective_rpc %s failed", method_name(method))
+        return False, f"{type(e).__name__}: {e}"

@@ -91,6 +91,9 @@ class MultiprocExecutor(Executor):
         if self._failure is not None:
             raise WorkerError(self._failure)
         self._seq += 1
+        if not isinstance(method, str):  # a function, maybe a lambda or a closure: cloudpickle's bytes, as vLLM's
+            import cloudpickle
+            method = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
         self.rpc_broadcast_mq.enqueue((self._seq, method, args, kwargs or {}, unique_reply_rank), timeout=timeout)
         expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
         self._replies_of[self._seq] = {}

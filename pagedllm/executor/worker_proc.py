@@ -24,7 +24,7 @@ import zmq
 from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.engine.core_proc import exit_when_parent_dies
 from pagedllm.engine.stopping import dump_stacks_on_sigusr1
-from pagedllm.executor.abstract import run_worker_method
+from pagedllm.executor.abstract import method_name, run_worker_method
 from pagedllm.executor.multiproc import WORKER_STARTUP_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def main() -> None:
             result = run_worker_method(worker, method, args, kwargs)
         except Exception as e:  # the traceback goes to this log; the reply, which the engine's error quotes to its
             # clients (an HTTP error body), names the exception only
-            logger.exception("%s failed", method if isinstance(method, str) else getattr(method, "__name__", method))
+            logger.exception("%s failed", method_name(method))
             replies.send(pickle.dumps((seq, rank, False, f"{type(e).__name__}: {e}")))
             continue
         if reply_rank is None or reply_rank == rank:

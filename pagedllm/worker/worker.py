@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import psutil
 import torch
@@ -171,6 +171,10 @@ class Worker:
 
     def check_health(self) -> bool:
         return True
+
+    def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
+        """vLLM's: ``fn`` called with this rank's model (LLM.apply_model)."""
+        return fn(self.model_runner.model)
 
 
 def start_worker(config: EngineConfig, rank: int = 0, distributed_init_method: Optional[str] = None) -> Worker:

@@ -695,3 +695,29 @@ def test_get_metrics_counts_each_request_once_through_preemptions(llm, monkeypat
     running = metrics["pagedllm:num_requests_running", None]
     assert isinstance(running, Gauge) and running.value == 0
     assert any(r.getMessage().startswith("Engine 000: Avg prompt throughput: ") for r in caplog.records)
+
+
+def test_collective_rpc_runs_a_worker_method_or_a_function_on_every_worker(llm):
+    """vLLM's LLM.collective_rpc(method, timeout, args, kwargs) and apply_model(func): a Worker method by name, or a
+    function (here a closure, sent to the engine process with cloudpickle) called with the worker first; the list of
+    the workers' results (one worker here)."""
+    offset = 40
+    assert llm.collective_rpc("check_health") == [True]
+    assert llm.collective_rpc(lambda worker, a, b=0: (worker.rank.rank, a + b + offset), None, (1,), {"b": 2}) == [
+        (0, 43)]
+    assert llm.apply_model(lambda model: sum(p.numel() for p in model.parameters()) > 0) == [True]
+
+
+def test_a_collective_rpc_that_raises_names_it_and_the_engine_serves_on(llm):
+    """As vLLM's: a worker method that raises fails the call with an error naming it; the engine is not failed."""
+    def explode(worker):
+        raise ValueError("boom")
+
+    with pytest.raises(RuntimeError, match=r"collective_rpc no_such_method failed: worker rank 0 raised "
+                                           r"AttributeError: 'Worker' object has no attribute 'no_such_method'$"):
+        llm.collective_rpc("no_such_method")
+    with pytest.raises(RuntimeError, match="explode failed: worker rank 0 raised ValueError: boom$"):
+        llm.collective_rpc(explode)
+    assert len(llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert llm.collective_rpc("check_health") == [True]

@@ -149,3 +149,65 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(monkeypatch):
             with contextlib.suppress(psutil.NoSuchProcess):  # the engine's failure stops it
                 hung.resume()
     assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
+
+
+def _fail_on_rank_1(worker) -> None:
+    if worker.rank.rank == 1:
+        raise ValueError("rank one says no")
+
+
+def _check_collective_rpc_on_two_ranks(rpc) -> None:
+    """``rpc(method, timeout, args, kwargs)``: a frontend's collective_rpc over an engine of two tensor-parallel ranks.
+    Every rank runs the method (a lambda crosses to the workers with cloudpickle); one rank's exception fails the
+    call naming that rank, and the engine serves on."""
+    assert rpc(lambda worker, tag: (worker.rank.rank, tag), None, ("t",), None) == [(0, "t"), (1, "t")]
+    with pytest.raises(RuntimeError, match=r"_fail_on_rank_1 failed: worker rank 1 raised ValueError: rank one "
+                                           r"says no$"):
+        rpc(_fail_on_rank_1, None, (), None)
+    assert rpc("check_health", None, (), None) == [True, True]
+
+
+def test_collective_rpc_on_tensor_parallel_ranks_with_the_engine_core_in_process(tmp_path, tokenizer, monkeypatch):
+    """vLLM's LLM.collective_rpc and apply_model with the engine core in this process and two workers in theirs."""
+    from tests.e2e.test_parallel_tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path, tokenizer, "llama")
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    with running_llm(str(tmp_path), tensor_parallel_size=2, distributed_executor_backend="mp", dtype="float32",
+                     max_model_len=256, kv_cache_memory="16MiB") as llm:
+        _check_collective_rpc_on_two_ranks(llm.collective_rpc)
+        assert llm.apply_model(lambda model: model.model.layers[0].self_attn.num_heads) == [2, 2]  # 4 heads split
+        assert len(llm.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 3
+    assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
+
+
+def test_async_llm_collective_rpc_on_tensor_parallel_ranks(tmp_path, tokenizer):
+    """vLLM's AsyncLLM.collective_rpc: through the engine process (the call pickled there and back) to its two
+    workers."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from tests.e2e.test_parallel_tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path, tokenizer, "llama")
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(str(tmp_path), tensor_parallel_size=2, dtype="float32",
+                                                      distributed_executor_backend="mp", max_model_len=256,
+                                                      kv_cache_memory="16MiB"))
+        loop = asyncio.get_running_loop()
+        def rpc(*call):  # from the checks' thread, awaited on this loop
+            return asyncio.run_coroutine_threadsafe(engine.collective_rpc(*call), loop).result()
+
+        try:
+            await loop.run_in_executor(None, _check_collective_rpc_on_two_ranks, rpc)
+            async for output in engine.generate("Hi", SamplingParams(max_tokens=3, ignore_eos=True), "r"):
+                pass
+            assert len(output.outputs[0].token_ids) == 3
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+    assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
