@@ -16,6 +16,7 @@ import msgspec
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams, BeamSearchSequence
 from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core import check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
@@ -227,6 +228,22 @@ class AsyncLLM:
         """vLLM's (LLM.collective_rpc): with data parallelism, it runs on every engine's workers and returns the
         first engine's results, as vLLM's."""
         return await self.engine_core.collective_rpc_async(method, timeout, args, kwargs)
+
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's (EngineCore.sleep): with ``mode`` "abort" every request ends first with an "abort" output;
+        requests added while asleep wait for wake_up."""
+        check_sleep_args(level, mode)
+        if mode == "abort":
+            self._abort(self.output_processor.unfinished_request_ids(), internal=True)
+        await self.engine_core.call_utility_async("sleep", level, mode)
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """vLLM's (EngineCore.wake_up): whether the engine is fully awake."""
+        check_wake_up_tags(tags)
+        return await self.engine_core.call_utility_async("wake_up", tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self.engine_core.call_utility_async("is_sleeping")
 
     async def get_engine_views(self) -> list[EngineView]:
         """Each engine's view (one per data-parallel rank, in rank order; the dead ones left out)."""

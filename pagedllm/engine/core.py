@@ -55,6 +55,10 @@ class EngineCore:
         self._added_loras: set[int] = set()  # the adapter ids every worker has loaded once (_add_lora)
         # PAGEDLLM_STEP_TRACE: a line per step (step()'s; the pipeline-parallel batch queue's are not traced).
         self.step_trace = StepTrace.from_env(config.parallel_config.data_parallel_rank)
+        # sleep(): nothing is scheduled while paused (requests added meanwhile wait); the workers' KV caches are
+        # dropped while kv_cache_asleep.
+        self.paused = False
+        self.kv_cache_asleep = False
 
     def _fit_max_model_len(self, num_blocks: int) -> None:
         """vLLM's max_model_len -1: max_model_len lowered to the longest request ``num_blocks`` hold, here and in
@@ -105,10 +109,14 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
+    def has_work(self) -> bool:
+        """Whether a step would do anything: requests to run, and the engine awake."""
+        return not self.paused and self.scheduler.has_requests()
+
     def step(self) -> EngineCoreOutputs:
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
-        if not self.scheduler.has_requests():
+        if not self.has_work():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -128,7 +136,7 @@ class EngineCore:
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Submit a new batch while fewer than batch_queue_size are in flight; otherwise (or when nothing new can
         run) wait for the oldest and apply its output. Outputs are empty when the call only submitted."""
-        if len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_requests():
+        if len(self.batch_queue) < self.batch_queue_size and self.has_work():
             scheduler_output = self.scheduler.schedule()
             if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                     or scheduler_output.preempted_req_ids):  # the workers must see removals, even without tokens
@@ -165,12 +173,58 @@ class EngineCore:
             raise RuntimeError(f"collective_rpc {method_name(method)} failed: {'; '.join(failures)}")
         return [result for _, result in replies]
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: the engine stops scheduling (requests added meanwhile wait for wake_up); ``mode`` "abort" ends
+        every request first, "keep" keeps them, to go on after wake_up. Level 0 stops there; levels 1 and 2 also
+        empty the prefix cache (the running requests preempted, to recompute after wake_up) and drop the workers' KV
+        caches, their memory given back (Worker.sleep): on the CPU the weights, in host memory already, stay. vLLM's
+        "wait" mode (sleep once the requests finish) is refused, as vLLM's in-process engine refuses it."""
+        check_sleep_args(level, mode)
+        if level >= 1 and self.batch_queue:
+            raise RuntimeError("Cannot sleep while a pipeline-parallel batch is in flight; try again.")
+        if mode == "abort":
+            self.abort_requests(list(self.scheduler.requests))
+        self.paused = True
+        if level >= 1 and not self.kv_cache_asleep:
+            self.scheduler.reset_prefix_cache(reset_running_requests=True)
+            self.executor.collective_rpc("sleep", kwargs={"level": level})
+            self.kv_cache_asleep = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """vLLM's: ``tags`` None wakes everything; else of "weights" (nothing to do on the CPU, where they never
+        leave), "kv_cache" (the workers' KV caches made anew) and "scheduling". Scheduling resumes once the KV cache
+        is back; returns whether the engine is fully awake."""
+        check_wake_up_tags(tags)
+        if self.kv_cache_asleep and (tags is None or "kv_cache" in tags):
+            self.executor.initialize_kv_cache(self.config.cache_config.num_blocks)
+            self.kv_cache_asleep = False
+        if not self.kv_cache_asleep:
+            self.paused = False
+        return not self.paused
+
+    def is_sleeping(self) -> bool:
+        return self.paused
+
     def get_engine_view(self) -> EngineView:
         return make_engine_view(self.scheduler)
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def check_sleep_args(level: int, mode: str) -> None:
+    """sleep()'s arguments, checked by the frontend before anything happens (and by the engine)."""
+    if level not in (0, 1, 2) or isinstance(level, bool):
+        raise ValueError(f"level must be 0, 1 or 2, got {level!r}.")
+    if mode not in ("abort", "keep"):
+        raise ValueError(f"mode must be 'abort' or 'keep' (this engine has no 'wait' mode), got {mode!r}.")
+
+
+def check_wake_up_tags(tags: Optional[list[str]]) -> None:
+    unknown = [tag for tag in tags or () if tag not in ("weights", "kv_cache", "scheduling")]
+    if unknown:
+        raise ValueError(f"tags must be of 'weights', 'kv_cache' and 'scheduling', got {unknown!r}.")
 
 
 def _load_tokenizer(path: str):

@@ -68,6 +68,15 @@ class InprocClient:
                        kwargs: Optional[dict] = None) -> list:
         return self.engine_core.collective_rpc(method, timeout, args, kwargs)
 
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self.engine_core.sleep(level, mode)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        return self.engine_core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -263,6 +272,15 @@ class SyncMPClient:
     def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict] = None) -> list:
         return self._mp.collective_rpc(method, timeout, args, kwargs).result()
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self._mp.call_utility("sleep", level, mode).result()
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        return self._mp.call_utility("wake_up", tags).result()
+
+    def is_sleeping(self) -> bool:
+        return self._mp.call_utility("is_sleeping").result()
 
     def shutdown(self) -> None:
         self._mp.shutdown()

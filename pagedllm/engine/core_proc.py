@@ -93,9 +93,9 @@ class EngineCoreProc(EngineCore):
     def run_busy_loop(self) -> None:
         while True:
             self._process_input_queue()
-            if self.scheduler.has_requests():
+            if self.has_work():
                 outputs = self.step()
-                if outputs.outputs or not self.scheduler.has_requests():
+                if outputs.outputs or not self.has_work():
                     self.output_queue.put(outputs)
 
     def _process_input_queue(self) -> None:
@@ -103,8 +103,9 @@ class EngineCoreProc(EngineCore):
         every IDLE_WAKE_S: a Python signal handler runs only in the main thread, once it next runs bytecode, and the
         kernel may hand SIGTERM to another thread (any that does not block it), which does not interrupt the main
         thread's wait on a lock; an idle engine would then outlive the frontend's SIGTERM until it is killed. Each
-        wake also looks at the workers, so that one that died meanwhile ends the engine (and /health says so)."""
-        while not self.scheduler.has_requests():
+        wake also looks at the workers, so that one that died meanwhile ends the engine (and /health says so). An
+        engine asleep (sleep()) waits as an idle one does, whatever requests it holds."""
+        while not self.has_work():
             try:
                 request = self.input_queue.get(timeout=IDLE_WAKE_S)
             except queue.Empty:
@@ -130,7 +131,7 @@ class EngineCoreProc(EngineCore):
 
     def _call_utility(self, call_id: int, method: str, args: list) -> UtilityOutput:
         if method not in ("reset_prefix_cache", "get_stats", "get_engine_view", "abort_requests",
-                          "collective_rpc_pickled"):
+                          "collective_rpc_pickled", "sleep", "wake_up", "is_sleeping"):
             return UtilityOutput(call_id, failure_message=f"unknown utility method {method!r}")
         try:
             return UtilityOutput(call_id, result=getattr(self, method)(*args))

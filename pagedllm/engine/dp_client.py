@@ -208,7 +208,9 @@ class DPAsyncMPClient(_DPClientBase):
         results = await asyncio.gather(*(asyncio.wrap_future(e.call_utility(method, *args)) for e in self._live()))
         if method == "get_stats":
             return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
-        return all(results) if method == "reset_prefix_cache" else results
+        if method in ("reset_prefix_cache", "wake_up"):
+            return all(results)
+        return any(results) if method == "is_sleeping" else results
 
     async def collective_rpc_async(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
                                    kwargs: Optional[dict] = None) -> list:
@@ -254,3 +256,15 @@ class DPSyncMPClient(_DPClientBase):
     def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict] = None) -> list:
         return [call.result() for call in self._collective_rpc(method, timeout, args, kwargs)][0]
+
+    def _call_all(self, method: str, *args: Any) -> list:
+        return [call.result() for call in [e.call_utility(method, *args) for e in self._live()]]
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        self._call_all("sleep", level, mode)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        return all(self._call_all("wake_up", tags))
+
+    def is_sleeping(self) -> bool:
+        return any(self._call_all("is_sleeping"))

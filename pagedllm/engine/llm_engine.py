@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core import check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
 from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.output_processor import OutputProcessor
@@ -38,6 +39,7 @@ class LLMEngine:
         self.log_stats = log_stats_interval is not None
         self.output_processor = OutputProcessor(tokenizer, self.log_stats, config.scheduler_config.stream_interval)
         self.engine_core = engine_core
+        self.asleep = False  # since sleep(), until wake_up() wakes it fully: nothing is scheduled meanwhile
         self.registry = CollectorRegistry()
         self.stat_loggers: list = []
         self.log_line: Optional[LoggingStatLogger] = None
@@ -120,6 +122,23 @@ class LLMEngine:
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:
         """vLLM's (LLM.apply_model)."""
         return self.collective_rpc("apply_model", args=(func,))
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's (EngineCore.sleep): with ``mode`` "abort" the requests added here are aborted first."""
+        check_sleep_args(level, mode)
+        if mode == "abort":
+            self.abort_request(self.output_processor.unfinished_request_ids(), internal=True)
+        self.engine_core.sleep(level, mode)
+        self.asleep = True
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """vLLM's (EngineCore.wake_up): whether the engine is fully awake."""
+        check_wake_up_tags(tags)
+        self.asleep = not self.engine_core.wake_up(tags)
+        return not self.asleep
+
+    def is_sleeping(self) -> bool:
+        return self.engine_core.is_sleeping()
 
     def get_metrics(self) -> list[Metric]:
         if not self.log_stats:  # vLLM's assertion, as an error that says what to do

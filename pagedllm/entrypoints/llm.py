@@ -72,6 +72,8 @@ class LLM:
         ``use_tqdm``: a progress bar, or none (False), or one made by this tqdm-like callable (vLLM's: say,
         ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols."""
         prompts = _prompt_to_seq(prompts)
+        if self.llm_engine.asleep:  # nothing would run until wake_up: vLLM's loop would wait for ever
+            raise RuntimeError("The engine is asleep (sleep()); call wake_up() before generating.")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         # Only each request's last output is returned: asked for alone (FINAL_ONLY, as vLLM's LLM sets it), on a copy
@@ -199,6 +201,18 @@ class LLM:
         """vLLM's: ``func`` called with each worker's model (its slice, with tensor or pipeline parallelism); the
         results in rank order. Return small things: they are pickled to this process."""
         return self.llm_engine.apply_model(func)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: puts the engine to sleep until wake_up(). Level 0 only stops scheduling; levels 1 and 2 also drop
+        the KV cache, its memory given back and its contents forgotten (on the CPU the weights, in host memory
+        already, stay: vLLM's level 1 offloads them there). ``mode``: "abort" ends requests in flight, "keep"
+        keeps them for after wake_up (vLLM's "wait" is refused). generate() and chat() while asleep raise."""
+        self.llm_engine.sleep(level, mode)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> bool:
+        """vLLM's: wakes the engine (``tags`` None), or part of it: of "weights", "kv_cache" (made anew, empty) and
+        "scheduling". Returns whether it is fully awake, as it must be to generate."""
+        return self.llm_engine.wake_up(tags)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Empties the prefix cache (refused, returning False, while requests hold blocks; with

@@ -62,6 +62,10 @@ class DraftModelProposer:
         if cpu_graphs_apply(mc, self.model):
             self.decode_graphs = StepGraphs(self.model, self.kv_caches, self.block_size, block_table_width)
 
+    def release_kv_cache(self) -> None:
+        """Drops the draft's KV cache and the graphs replayed over it (ModelRunner.release_kv_cache)."""
+        self.kv_caches, self.decode_graphs = [], None
+
     def propose_for_step(self, batch: InputBatch, step: ProposalStep) -> list[list[int]]:
         """Per sampling request of ``step``: up to its max_drafts drafts. Runs for every step that computed
         anything, sampled or not, to keep the draft's cache in step with the target's."""

@@ -139,6 +139,13 @@ class ModelRunner:
         if isinstance(self.drafter, DraftModelProposer):
             self.drafter.initialize_kv_cache(num_blocks, self.input_batch.block_table.shape[1])
 
+    def release_kv_cache(self) -> None:
+        """Drops the KV cache and everything that holds it (the CPU graphs replayed over it, the draft model's), so
+        that its memory can go back (Worker.sleep); initialize_kv_cache makes it anew."""
+        self.kv_caches, self.step_graphs = [], None
+        if isinstance(self.drafter, DraftModelProposer):
+            self.drafter.release_kv_cache()
+
     @torch.inference_mode()
     def profile_run(self) -> None:
         """A forward at the largest step the scheduler may send (max_num_batched_tokens tokens over up to

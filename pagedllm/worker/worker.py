@@ -172,6 +172,14 @@ class Worker:
     def check_health(self) -> bool:
         return True
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep at level 1 or 2 on the CPU: the KV cache's memory goes back to the OS, its contents lost; the
+        weights, in host memory already (where vLLM's level 1 offloads them), stay. initialize_kv_cache wakes it."""
+        self.model_runner.release_kv_cache()
+        if self.platform.device_type == "cuda":
+            torch.cuda.empty_cache()
+        release_freed_memory()
+
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         """vLLM's: ``fn`` called with this rank's model (LLM.apply_model)."""
         return fn(self.model_runner.model)

@@ -394,3 +394,47 @@ def test_prestarted_engines_nobody_takes_are_killed_or_leave_at_the_end_of_their
     orphan = subprocess.Popen(unused[0].args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
     orphan.stdin.close()
     assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""
+
+
+def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
+    """vLLM's AsyncLLM.sleep / wake_up / is_sleeping: with mode "keep" a request in flight waits while the engine
+    sleeps (its KV cache dropped at level 1) and finishes whole after wake_up, recomputed; with "abort" (the
+    default) its stream ends with an "abort" output. A request added while asleep waits for wake_up."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+
+    async def last_output(engine: AsyncLLM, request_id: str, started: asyncio.Event):
+        async for output in engine.generate("One, two, three,", params, request_id):
+            started.set()
+        return output
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        try:
+            alone = await last_output(engine, "alone", asyncio.Event())
+            started = asyncio.Event()
+            kept = asyncio.create_task(last_output(engine, "kept", started))
+            await started.wait()
+            await engine.sleep(level=1, mode="keep")
+            assert await engine.is_sleeping()
+            late = asyncio.create_task(last_output(engine, "late", asyncio.Event()))
+            await asyncio.sleep(0.5)
+            assert not kept.done() and not late.done()
+            assert await engine.wake_up() is True and not await engine.is_sleeping()
+            for output in await asyncio.gather(kept, late):
+                assert output.outputs[0].token_ids == alone.outputs[0].token_ids
+
+            started = asyncio.Event()
+            aborted = asyncio.create_task(last_output(engine, "aborted", started))
+            await started.wait()
+            await engine.sleep()
+            assert (await aborted).outputs[0].finish_reason == "abort"
+            assert await engine.wake_up()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

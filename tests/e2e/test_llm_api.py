@@ -721,3 +721,30 @@ def test_a_collective_rpc_that_raises_names_it_and_the_engine_serves_on(llm):
     assert len(llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].token_ids) == 2
     assert llm.collective_rpc("check_health") == [True]
+
+
+def test_sleep_drops_the_kv_cache_and_wake_up_makes_it_anew(llm):
+    """vLLM's LLM.sleep / wake_up: level 1 gives the KV cache back (the weights stay, in host memory), wake_up makes
+    it anew and the engine generates as before; level 0 only stops scheduling. While asleep generate() raises rather
+    than wait for ever; bad arguments are ValueErrors naming them, before anything happens."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
+    kv_caches = lambda worker: len(worker.model_runner.kv_caches)  # noqa: E731
+    assert llm.collective_rpc(kv_caches)[0] > 0
+    llm.sleep()
+    assert llm.llm_engine.is_sleeping() and llm.collective_rpc(kv_caches) == [0]
+    with pytest.raises(RuntimeError, match=r"asleep \(sleep\(\)\); call wake_up\(\)"):
+        llm.generate("Hi", params, use_tqdm=False)
+    assert llm.wake_up(["weights"]) is False and llm.llm_engine.is_sleeping()  # the KV cache still asleep
+    assert llm.wake_up() is True and not llm.llm_engine.is_sleeping() and llm.collective_rpc(kv_caches)[0] > 0
+    assert llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+    llm.sleep(level=0, mode="keep")
+    assert llm.llm_engine.is_sleeping() and llm.collective_rpc(kv_caches)[0] > 0
+    assert llm.wake_up(tags=["scheduling"]) is True
+    for call, message in ((lambda: llm.sleep(3), "level must be 0, 1 or 2, got 3"),
+                          (lambda: llm.sleep(mode="wait"), "mode must be 'abort' or 'keep'"),
+                          (lambda: llm.wake_up(["gpu"]), r"tags must be of .*got \['gpu'\]")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    assert not llm.llm_engine.is_sleeping()
