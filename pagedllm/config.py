@@ -1,6 +1,7 @@
 """Engine configuration, validated where it is built so a bad value fails with its name."""
 from __future__ import annotations
 
+import os
 import re
 import types
 from collections.abc import Iterable
@@ -724,6 +725,51 @@ class ReasoningConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    """vLLM's profiler_config (--profiler-config): ``profiler`` "torch" lets start_profile() / stop_profile() trace
+    every worker with torch's profiler, one trace per rank written to ``torch_profiler_dir`` when profiling stops;
+    None (the default) leaves profiling off. vLLM's "cuda" and "proton" profilers and its other fields are not
+    offered here (an unknown key is an error)."""
+
+    profiler: Optional[str] = None
+    torch_profiler_dir: str = ""
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+
+    def __post_init__(self) -> None:
+        if self.profiler not in (None, "torch"):
+            raise ValueError(f"profiler_config profiler must be 'torch' (or None: off), got {self.profiler!r}")
+        for name in ("torch_profiler_with_stack", "torch_profiler_with_flops", "torch_profiler_use_gzip",
+                     "torch_profiler_record_shapes", "torch_profiler_with_memory"):
+            check_bool(f"profiler_config {name}", getattr(self, name))
+        if self.torch_profiler_dir and self.profiler != "torch":  # vLLM's checks
+            raise ValueError("profiler_config torch_profiler_dir is only applicable when profiler is 'torch'")
+        if self.profiler == "torch" and not self.torch_profiler_dir:
+            raise ValueError("profiler_config torch_profiler_dir must be set when profiler is 'torch'")
+        if self.torch_profiler_dir:
+            self.torch_profiler_dir = os.path.abspath(os.path.expanduser(self.torch_profiler_dir))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ProfilerConfig":
+        """``LLM(profiler_config={...})`` / ``--profiler-config '<json>'``: unknown keys are errors; a key's dashes
+        are underscores."""
+        values = _config_dict("profiler_config", values)
+        _refuse_unknown_keys("profiler_config", values, set(cls.__dataclass_fields__))
+        return cls(**values)
+
+
+def check_profile_prefix(prefix: Optional[str]) -> None:
+    """start_profile()'s ``profile_prefix``, as vLLM's validate_profile_prefix: it begins the traces' file names."""
+    if prefix is not None and not (isinstance(prefix, str) and 1 <= len(prefix) <= 128 and prefix.isascii()
+                                   and prefix[0].isalnum() and all(c.isalnum() or c in "._-" for c in prefix[1:])):
+        raise ValueError("profile_prefix must be 1-128 ASCII characters, start with a letter or number, and contain "
+                         f"only letters, numbers, '.', '_', or '-', got {prefix!r}")
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -736,6 +782,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     # None: no reasoning config (vLLM's None, or not enabled), and a thinking_token_budget is refused.
     reasoning_config: Optional[ReasoningConfig] = None
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @property
     def max_step_slots(self) -> int:

@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, ReasoningConfig,
-                             SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig, check_bool,
+from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, ProfilerConfig,
+                             ReasoningConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig, check_bool,
                              check_capture_size_shortcuts, check_int, check_kv_cache_dtype, common_window,
                              graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
@@ -135,6 +135,8 @@ class EngineArgs:
     reasoning_parser: str = ""
     # vLLM's reasoning_config: a dict such as {"reasoning_end_str": "Time to answer.</think>"} (config.ReasoningConfig).
     reasoning_config: Optional[dict] = None
+    # vLLM's profiler_config: a dict such as {"profiler": "torch", "torch_profiler_dir": "/tmp/traces"}.
+    profiler_config: Optional[Union[dict, ProfilerConfig]] = None
     # Multi-LoRA serving (vLLM's names and defaults).
     enable_lora: bool = False
     max_loras: int = 1
@@ -231,6 +233,9 @@ class EngineArgs:
             structured_outputs_config = StructuredOutputsConfig.from_dict(structured_outputs_config or {})
         if self.reasoning_parser:
             get_reasoning_parser(self.reasoning_parser)  # a bad name fails before the model loads
+        profiler_config = self.profiler_config
+        if not isinstance(profiler_config, ProfilerConfig):
+            profiler_config = ProfilerConfig.from_dict(profiler_config or {})
         path = resolve_model(self.model)
         check_generation_config(path, self.generation_config, self.override_generation_config)
         hf_config = load_hf_config(path)
@@ -309,6 +314,7 @@ class EngineArgs:
             speculative_config=speculative_config,
             structured_outputs_config=structured_outputs_config,
             reasoning_config=reasoning_config,
+            profiler_config=profiler_config,
             lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                          else None),
         )

@@ -205,6 +205,10 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         return self.paused
 
+    def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
+        """vLLM's: every worker starts or stops its profiler (Worker.profile); a refusal fails the call only."""
+        self.collective_rpc("profile", args=(is_start, profile_prefix))
+
     def get_engine_view(self) -> EngineView:
         return make_engine_view(self.scheduler)
 

@@ -77,6 +77,9 @@ class InprocClient:
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
 
+    def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
+        self.engine_core.profile(is_start, profile_prefix)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -281,6 +284,9 @@ class SyncMPClient:
 
     def is_sleeping(self) -> bool:
         return self._mp.call_utility("is_sleeping").result()
+
+    def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
+        self._mp.call_utility("profile", is_start, profile_prefix).result()
 
     def shutdown(self) -> None:
         self._mp.shutdown()

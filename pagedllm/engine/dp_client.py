@@ -268,3 +268,6 @@ class DPSyncMPClient(_DPClientBase):
 
     def is_sleeping(self) -> bool:
         return any(self._call_all("is_sleeping"))
+
+    def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
+        self._call_all("profile", is_start, profile_prefix)

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 import torch
 from prometheus_client import CollectorRegistry
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, check_profile_prefix
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
@@ -139,6 +139,14 @@ class LLMEngine:
 
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
+
+    def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+        """vLLM's (LLM.start_profile)."""
+        check_profile_prefix(profile_prefix)
+        self.engine_core.profile(True, profile_prefix)
+
+    def stop_profile(self) -> None:
+        self.engine_core.profile(False)
 
     def get_metrics(self) -> list[Metric]:
         if not self.log_stats:  # vLLM's assertion, as an error that says what to do

@@ -214,6 +214,15 @@ class LLM:
         "scheduling". Returns whether it is fully awake, as it must be to generate."""
         return self.llm_engine.wake_up(tags)
 
+    def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+        """vLLM's: every worker starts tracing with torch's profiler, as the engine's ``profiler_config`` says
+        (``LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})``; without, a RuntimeError);
+        stop_profile() writes one trace per rank to that directory, its name beginning with ``profile_prefix``."""
+        self.llm_engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        self.llm_engine.stop_profile()
+
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Empties the prefix cache (refused, returning False, while requests hold blocks; with
         ``reset_running_requests``, vLLM's, the running ones are preempted first). ``reset_connector``, vLLM's, resets

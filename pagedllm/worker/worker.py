@@ -78,6 +78,7 @@ class Worker:
             self._bind_threads()
         torch.manual_seed(config.model_config.seed)
         self.model_runner = ModelRunner(config, self.rank)
+        self.profiler: Optional[torch.profiler.profile] = None  # while profile() traces
 
     def _bind_threads(self) -> None:
         """torch threads: num_cpu_threads if given, else one per core of this rank's share; with more than one rank
@@ -179,6 +180,36 @@ class Worker:
         if self.platform.device_type == "cuda":
             torch.cuda.empty_cache()
         release_freed_memory()
+
+    def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
+        """vLLM's: starts this rank's torch profiler (profiler_config), or stops it, which writes its trace to
+        torch_profiler_dir, named ``<profile_prefix>_dp<X>_pp<Y>_tp<Z>`` (without a prefix, from dp on)."""
+        config = self.config.profiler_config
+        if config.profiler is None:
+            raise RuntimeError("Profiling is not enabled: give the engine a profiler_config (--profiler-config "
+                               '\'{"profiler": "torch", "torch_profiler_dir": "DIR"}\').')
+        if not is_start:
+            if self.profiler is None:
+                logger.warning("Profiler was not started, nothing to stop.")
+                return
+            profiler, self.profiler = self.profiler, None
+            profiler.stop()
+            return
+        if self.profiler is not None:  # vLLM's ProfilerAlreadyActiveError
+            raise RuntimeError("A profiling session is already active. Call stop_profile before starting another "
+                               "session.")
+        name = f"dp{self.config.parallel_config.data_parallel_rank}_pp{self.rank.pp_rank}_tp{self.rank.tp_rank}"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.platform.device_type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(
+            activities=activities, record_shapes=config.torch_profiler_record_shapes,
+            profile_memory=config.torch_profiler_with_memory, with_stack=config.torch_profiler_with_stack,
+            with_flops=config.torch_profiler_with_flops,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+                config.torch_profiler_dir, f"{profile_prefix}_{name}" if profile_prefix else name,
+                use_gzip=config.torch_profiler_use_gzip))
+        self.profiler.start()
 
     def apply_model(self, fn: Callable[[torch.nn.Module], Any]) -> Any:
         """vLLM's: ``fn`` called with this rank's model (LLM.apply_model)."""

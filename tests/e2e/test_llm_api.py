@@ -748,3 +748,28 @@ def test_sleep_drops_the_kv_cache_and_wake_up_makes_it_anew(llm):
         with pytest.raises(ValueError, match=message):
             call()
     assert not llm.llm_engine.is_sleeping()
+
+
+def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
+    """vLLM's LLM.start_profile / stop_profile with profiler_config={"profiler": "torch", "torch_profiler_dir": ...}:
+    the worker's trace lands in the directory under the prefix; without a profiler_config, a second start, or a bad
+    prefix or config, an error that says why, and the engine serves on."""
+    from pagedllm.config import ProfilerConfig
+
+    with pytest.raises(RuntimeError, match="Profiling is not enabled"):
+        llm.start_profile()
+    with pytest.raises(ValueError, match="profile_prefix must be 1-128 ASCII characters"):
+        llm.start_profile("../escape")
+    with pytest.raises(ValueError, match="torch_profiler_dir must be set"):
+        ProfilerConfig.from_dict({"profiler": "torch"})
+    with pytest.raises(ValueError, match="profiler_config profiler must be 'torch'"):
+        ProfilerConfig.from_dict({"profiler": "cuda", "torch_profiler_dir": str(tmp_path)})
+    with running_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+                     profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)}) as profiled:
+        profiled.start_profile("run1")
+        with pytest.raises(RuntimeError, match="A profiling session is already active"):
+            profiled.start_profile()
+        profiled.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
+        profiled.stop_profile()
+        assert [p.name.split(".")[0] for p in tmp_path.iterdir()] == ["run1_dp0_pp0_tp0"]
+        assert next(tmp_path.iterdir()).name.endswith(".pt.trace.json.gz")

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 import socket
@@ -205,6 +206,18 @@ def test_vllms_structured_outputs_config_sets_the_requests_whitespace_default():
                                                                    '"disable_any_whitespace": false}'))
     config = args.create_engine_config().structured_outputs_config
     assert (config.backend, config.disable_any_whitespace) == ("xgrammar", False)
+
+
+def test_vllms_profiler_config_reaches_the_engine_config():
+    """vLLM's --profiler-config: the torch profiler and its directory (made absolute, as vLLM's) for start_profile;
+    off by default; a key not offered is an error naming it."""
+    assert EngineArgs().create_engine_config().profiler_config.profiler is None
+    args = engine_args_from(_parse("--profiler-config", json.dumps({"profiler": "torch", "torch_profiler_dir": "t"})))
+    config = args.create_engine_config().profiler_config
+    assert (config.profiler, config.torch_profiler_dir) == ("torch", os.path.abspath("t"))
+    with pytest.raises(ValueError, match="profiler_config.*delay_iterations"):
+        EngineArgs(profiler_config={"profiler": "torch", "torch_profiler_dir": "t",
+                                    "delay_iterations": 2}).create_engine_config()
 
 
 def test_vllms_optimization_level_0_runs_eagerly():

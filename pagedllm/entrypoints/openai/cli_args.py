@@ -341,6 +341,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              'reasoning_end_str (what a spent thinking_token_budget forces), e.g. '
                              '\'{"reasoning_end_str": "Time to answer.</think>"}\' (default: those of '
                              '--reasoning-parser)')
+    engine.add_argument("--profiler-config", type=_json_object, default=EngineArgs.profiler_config,
+                        help='vLLM\'s profiler settings as JSON, e.g. \'{"profiler": "torch", "torch_profiler_dir": '
+                             '"/tmp/traces"}\': what start_profile() and stop_profile() trace the workers with')
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_lora,
                       help="serve LoRA adapters of the model, batched with base-model requests")
