@@ -193,8 +193,8 @@ class LLM:
         pagedllm's Worker by name, or a function called with the worker as its first argument, then ``args`` and
         ``kwargs`` (sent with cloudpickle to an engine or workers in other processes, so a lambda or a closure will
         do). A method that raises fails the call with a RuntimeError naming it, the rank and its exception; the
-        engine serves on. ``timeout``: seconds to wait for worker processes (None: as long as they take); ranks that
-        do not answer in time are taken for hung, which fails the engine, as a step that outlasts its timeout does."""
+        engine serves on. ``timeout``: seconds to wait for worker processes (None: as long as they take), after
+        which the call fails with a TimeoutError (the method runs on; later calls wait for it)."""
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
     def apply_model(self, func: Callable[[torch.nn.Module], Any]) -> list[Any]:

@@ -35,7 +35,7 @@ DEAD_PEER_GRACE_S = 1.0
 
 
 class WorkerError(RuntimeError):
-    """A worker raised, died, or did not answer in time; the message names its rank."""
+    """A worker raised or died; the message names its rank."""
 
 
 class MultiprocExecutor(Executor):
@@ -102,7 +102,7 @@ class MultiprocExecutor(Executor):
     def _wait_for_replies(self, seq: int, expected: set[int], timeout: Optional[float],
                           starting: bool = False) -> dict[int, Any]:
         """Replies of call ``seq`` from the ranks ``expected`` (replies of later calls are kept for theirs);
-        raises WorkerError on any rank's failure or exit."""
+        raises WorkerError on any rank's failure or exit, TimeoutError past ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         results = self._replies_of.setdefault(seq, {})
         while len(results) < len(expected):
@@ -117,6 +117,8 @@ class MultiprocExecutor(Executor):
                     if dead:
                         self._fail(f"{dead}; then worker rank {rank} raised: {payload.splitlines()[0]}")
                     self._fail(f"worker rank {rank} raised: {payload}")
+                if rank in self._hung_ranks:  # it answers after all: no longer taken for hung
+                    self._hung_ranks.remove(rank)
                 if reply_seq in self._replies_of:
                     self._replies_of[reply_seq][rank] = payload
                 continue  # a late reply of an earlier call that timed out: dropped
@@ -124,9 +126,12 @@ class MultiprocExecutor(Executor):
             if dead:
                 self._fail(dead)
             if deadline is not None and time.monotonic() > deadline:
+                # As vLLM's: a TimeoutError that fails this call only (a step's fails the engine, which it ends), its
+                # late replies dropped; the ranks are taken for hung until they answer again.
                 missing = sorted(expected - set(results))
                 self._hung_ranks = missing
-                self._fail(f"worker rank(s) {missing} did not answer within {timeout} s")
+                del self._replies_of[seq]
+                raise TimeoutError(f"worker rank(s) {missing} did not answer within {timeout} s")
         del self._replies_of[seq]
         return results
 

@@ -159,11 +159,13 @@ def _fail_on_rank_1(worker) -> None:
 def _check_collective_rpc_on_two_ranks(rpc) -> None:
     """``rpc(method, timeout, args, kwargs)``: a frontend's collective_rpc over an engine of two tensor-parallel ranks.
     Every rank runs the method (a lambda crosses to the workers with cloudpickle); one rank's exception fails the
-    call naming that rank, and the engine serves on."""
+    call naming that rank, and so does a timeout (vLLM's TimeoutError), and the engine serves on."""
     assert rpc(lambda worker, tag: (worker.rank.rank, tag), None, ("t",), None) == [(0, "t"), (1, "t")]
     with pytest.raises(RuntimeError, match=r"_fail_on_rank_1 failed: worker rank 1 raised ValueError: rank one "
                                            r"says no$"):
         rpc(_fail_on_rank_1, None, (), None)
+    with pytest.raises((TimeoutError, RuntimeError), match=r"worker rank\(s\) \[0, 1\] did not answer within 0.5 s"):
+        rpc(lambda worker: time.sleep(2), 0.5, (), None)
     assert rpc("check_health", None, (), None) == [True, True]
 
 
