@@ -23,7 +23,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id, cache_salt_of
-from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -73,6 +73,17 @@ class AsyncLLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def get_num_unfinished_requests(self) -> int:
+        """vLLM's: the requests generate() is still running (an n > 1 request's sequences each)."""
+        return self.output_processor.get_num_unfinished_requests()
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what this engine's model serves."""
+        return SUPPORTED_TASKS
+
+    async def reset_mm_cache(self) -> None:
+        """vLLM's (LLM.reset_mm_cache): no multi-modal cache here."""
 
     @property
     def is_running(self) -> bool:

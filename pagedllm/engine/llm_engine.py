@@ -15,7 +15,7 @@ from pagedllm.engine.launch import engine_core_prestarted
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id
-from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -106,6 +106,13 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's (AsyncLLM.get_supported_tasks)."""
+        return SUPPORTED_TASKS
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's (LLM.reset_mm_cache): no multi-modal cache here."""
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()

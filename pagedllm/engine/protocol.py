@@ -15,6 +15,10 @@ from pagedllm.sample.logprobs import LogprobsLists
 from pagedllm.sampling_params import SamplingParams
 
 
+# vLLM's get_supported_tasks(): pagedllm's models all generate (none pools or transcribes).
+SUPPORTED_TASKS = ("generate",)
+
+
 class EngineCoreReadyResponse(msgspec.Struct, array_like=True):
     """The first message on the engine's output socket: it is initialised and serving, with what its start-up
     settled that the frontend's config did not know (vLLM's): its KV cache's blocks and the context length served

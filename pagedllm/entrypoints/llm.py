@@ -57,6 +57,15 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the engine's ranks, tensor x pipeline parallel, times data_parallel_size with ``include_dp``."""
+        pc = self.llm_engine.config.parallel_config
+        return pc.world_size * (pc.data_parallel_size if include_dp else 1)
+
+    def reset_mm_cache(self) -> None:
+        """vLLM's: empties the multi-modal caches; this engine's models take text only, so there are none (vLLM's
+        call on a text-only model does nothing either)."""
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() sample with when given no sampling_params: the model's generation config's
         values over SamplingParams' defaults (these alone with generation_config="vllm")."""

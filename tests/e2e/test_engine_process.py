@@ -423,7 +423,8 @@ def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
             assert await engine.is_sleeping()
             late = asyncio.create_task(last_output(engine, "late", asyncio.Event()))
             await asyncio.sleep(0.5)
-            assert not kept.done() and not late.done()
+            assert not kept.done() and not late.done() and engine.get_num_unfinished_requests() == 2
+            assert await engine.get_supported_tasks() == ("generate",)
             assert await engine.wake_up() is True and not await engine.is_sleeping()
             for output in await asyncio.gather(kept, late):
                 assert output.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -773,3 +773,11 @@ def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
         profiled.stop_profile()
         assert [p.name.split(".")[0] for p in tmp_path.iterdir()] == ["run1_dp0_pp0_tp0"]
         assert next(tmp_path.iterdir()).name.endswith(".pt.trace.json.gz")
+
+
+def test_world_size_supported_tasks_and_mm_cache_reset_are_vllms(llm):
+    """vLLM's LLM.get_world_size (ranks, with data parallelism or without), LLMEngine.get_supported_tasks of a
+    generative model, and LLM.reset_mm_cache, which has nothing to reset for a text-only model."""
+    assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
+    assert llm.llm_engine.get_supported_tasks() == ("generate",)
+    assert llm.reset_mm_cache() is None
