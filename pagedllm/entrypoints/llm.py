@@ -48,6 +48,9 @@ class LLM:
                                                                     **kwargs))
         self.tokenizer = self.llm_engine.tokenizer
         self._request_counter = itertools.count()
+        # enqueue()'s requests, in their order, until wait_for_completion returns them: each one's output once
+        # finished (None until then).
+        self._enqueued: dict[str, Optional[RequestOutput]] = {}
         # The generation config's defaults (ModelConfig.get_diff_sampling_param), read once, as vLLM's LLM.
         self.default_sampling_params = self.llm_engine.config.model_config.get_diff_sampling_param()
         if self.default_sampling_params:
@@ -79,7 +82,34 @@ class LLM:
         """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request`` and
         ``priority``: one for every prompt, or one per prompt (as vLLM's; None: the base model, priority 0).
         ``use_tqdm``: a progress bar, or none (False), or one made by this tqdm-like callable (vLLM's: say,
-        ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols."""
+        ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols. Requests
+        enqueue() left waiting run too; their outputs wait for wait_for_completion()."""
+        return self._run_engine(self._add_requests(prompts, sampling_params, priority, lora_request), use_tqdm)
+
+    def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]],
+                sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+                priority: Optional[Union[int, Sequence[int]]] = None) -> list[str]:
+        """vLLM's: queues the prompts' requests (checked as generate() checks them) without running them; their
+        request ids. wait_for_completion() runs them and returns their outputs."""
+        request_ids = self._add_requests(prompts, sampling_params, priority, lora_request)
+        self._enqueued.update(dict.fromkeys(request_ids))
+        return request_ids
+
+    def wait_for_completion(self, *, use_tqdm: UseTqdm = True) -> list[RequestOutput]:
+        """vLLM's: runs the requests enqueue() queued until all have finished; their outputs, in the order they were
+        queued (vLLM's, by request id)."""
+        request_ids = list(self._enqueued)
+        outputs = self._run_engine(request_ids, use_tqdm)
+        for request_id in request_ids:
+            del self._enqueued[request_id]
+        return outputs
+
+    def _add_requests(self, prompts: Union[PromptType, Sequence[PromptType]],
+                      sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]],
+                      priority: Optional[Union[int, Sequence[int]]],
+                      lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]]) -> list[str]:
+        """Queues the prompts' requests, all checked first: bad input leaves none behind; their ids."""
         prompts = _prompt_to_seq(prompts)
         if self.llm_engine.asleep:  # nothing would run until wake_up: vLLM's loop would wait for ever
             raise RuntimeError("The engine is asleep (sleep()); call wake_up() before generating.")
@@ -91,7 +121,6 @@ class LLM:
                        _one_per_prompt("sampling_params", sampling_params, SamplingParams, len(prompts))]
         priorities = _one_per_prompt("priority", 0 if priority is None else priority, int, len(prompts))
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
-        # Process (validate) everything before anything is queued, so bad input leaves no request behind.
         processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
                                                        priority=priorities[i],
                                                        lora_request=lora_requests[i])
@@ -99,10 +128,15 @@ class LLM:
         try:
             for text, request in processed:
                 self.llm_engine.add_processed_request(text, request)
-            return self._run_engine([request.request_id for _, request in processed], use_tqdm)
-        except BaseException:  # Ctrl-C, a dead engine: no request of this call runs on, or waits in the next call
-            self.llm_engine.abort_request(self.llm_engine.output_processor.unfinished_request_ids(), internal=True)
+        except BaseException:
+            self._abort_all()
             raise
+        return [request.request_id for _, request in processed]
+
+    def _abort_all(self) -> None:
+        """After Ctrl-C or a dead engine: no request runs on, or waits in the next call (those enqueued neither)."""
+        self.llm_engine.abort_request(self.llm_engine.output_processor.unfinished_request_ids(), internal=True)
+        self._enqueued.clear()
 
     def chat(self, messages: Union[Conversation, list[Conversation]],
              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
@@ -180,18 +214,33 @@ class LLM:
         return [instance.output(self.tokenizer) for instance in instances]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+        """Steps until every request has finished; the outputs of ``request_ids``, in their order. Those of
+        enqueue()'s other requests are kept for wait_for_completion."""
+        try:
+            return self._run_until_finished(request_ids, use_tqdm)
+        except BaseException:  # Ctrl-C, a dead engine
+            self._abort_all()
+            raise
+
+    def _run_until_finished(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
+        finished = {r: self._enqueued[r] for r in request_ids if self._enqueued.get(r) is not None}
+        wanted = set(request_ids)
         progress = None
         if use_tqdm:
             make_progress = use_tqdm if callable(use_tqdm) else tqdm
             progress = make_progress(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+            progress.update(len(finished))
         engine = self.llm_engine
         while engine.has_unfinished_requests():
             for output in engine.step():
-                if output.finished:
+                if not output.finished:
+                    continue
+                if output.request_id in wanted:
                     finished[output.request_id] = output
                     if progress is not None:
                         progress.update(1)
+                elif output.request_id in self._enqueued:
+                    self._enqueued[output.request_id] = output
         if progress is not None:
             progress.close()
         return [finished[r] for r in request_ids]

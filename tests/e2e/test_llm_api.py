@@ -781,3 +781,22 @@ def test_world_size_supported_tasks_and_mm_cache_reset_are_vllms(llm):
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
     assert llm.llm_engine.get_supported_tasks() == ("generate",)
     assert llm.reset_mm_cache() is None
+
+
+def test_enqueue_then_wait_for_completion_returns_the_queued_requests_outputs(llm):
+    """vLLM's LLM.enqueue (request ids back, nothing run, bad input refused whole) and wait_for_completion (every
+    queued request's output, in queue order); a generate() meanwhile runs them with its own, returning its own."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    first = llm.enqueue(["One, two,", "The sky is"], params)
+    assert len(first) == 2 and llm.llm_engine.get_num_unfinished_requests() == 2
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.enqueue([{"prompt_token_ids": [5]}, {"prompt_token_ids": [10**9]}])
+    assert llm.llm_engine.get_num_unfinished_requests() == 2
+    alone = llm.generate("Hi", params, use_tqdm=False)
+    assert [o.prompt for o in alone] == ["Hi"]
+    second = llm.enqueue({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5, ignore_eos=True))
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == first + second
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 5]
+    assert outputs[0].outputs[0].token_ids == llm.generate("One, two,", params, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.wait_for_completion(use_tqdm=False) == []
