@@ -57,6 +57,11 @@ class LLM:
             logger.info("Using default sampling params from the generation config: %s",
                         self.default_sampling_params)
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """vLLM's: the LLM that ``engine_args`` configure."""
+        return cls(**vars(engine_args))
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

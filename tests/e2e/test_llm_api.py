@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from pagedllm import SamplingParams
+from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.engine.arg_utils import EngineArgs
@@ -372,6 +372,17 @@ def test_output_kind_of_the_sampling_params_chooses_what_each_step_returns(llm):
     delta = SamplingParams(**greedy, output_kind=RequestOutputKind.DELTA)
     assert llm.generate({"prompt_token_ids": [1, 504, 3458]}, delta, use_tqdm=False)[0].outputs[0].token_ids == tokens
     assert delta.output_kind == RequestOutputKind.DELTA
+
+
+def test_llm_from_engine_args_is_the_llm_they_configure():
+    """vLLM's LLM.from_engine_args."""
+    llm = LLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=128, kv_cache_memory="16MiB"))
+    try:
+        assert llm.llm_engine.config.model_config.max_model_len == 128
+        assert len(llm.generate("Hi", SamplingParams(max_tokens=2, ignore_eos=True),
+                                use_tqdm=False)[0].outputs[0].token_ids) == 2
+    finally:
+        llm.shutdown()
 
 
 def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
