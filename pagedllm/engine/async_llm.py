@@ -17,7 +17,7 @@ from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams, BeamSearc
 from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.config import check_profile_prefix
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core import check_sleep_args, check_wake_up_tags
+from pagedllm.engine.core import check_pause_args, check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
@@ -240,6 +240,20 @@ class AsyncLLM:
         """vLLM's (LLM.collective_rpc): with data parallelism, it runs on every engine's workers and returns the
         first engine's results, as vLLM's."""
         return await self.engine_core.collective_rpc_async(method, timeout, args, kwargs)
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's (EngineCore.pause_scheduler): nothing is scheduled until resume_generation(); with ``mode`` "abort"
+        every request ends first with an "abort" output, with "keep" they wait."""
+        check_pause_args(mode, clear_cache)
+        if mode == "abort":
+            self._abort(self.output_processor.unfinished_request_ids(), internal=True)
+        await self.engine_core.call_utility_async("pause_scheduler", mode, clear_cache)
+
+    async def resume_generation(self) -> None:
+        await self.engine_core.call_utility_async("resume_scheduler")
+
+    async def is_paused(self) -> bool:
+        return await self.engine_core.call_utility_async("is_scheduler_paused")
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's (EngineCore.sleep): with ``mode`` "abort" every request ends first with an "abort" output;

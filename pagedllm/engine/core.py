@@ -7,7 +7,7 @@ import time
 from collections import deque
 from typing import Any, Optional
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, check_bool
 from pagedllm.core.kv_cache_manager import longest_request
 from pagedllm.core.kv_cache_utils import make_block_hasher
 from pagedllm.core.request import Request, RequestStatus
@@ -109,14 +109,19 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def has_work(self) -> bool:
-        """Whether a step would do anything: requests to run, and the engine awake."""
+    def can_schedule(self) -> bool:
+        """Whether a step may schedule: requests to run, and the engine not paused (sleep, pause_scheduler)."""
         return not self.paused and self.scheduler.has_requests()
+
+    def has_work(self) -> bool:
+        """Whether a step would do anything: schedule, or finish pipeline-parallel batches in flight (a paused
+        engine finishes those)."""
+        return self.can_schedule() or bool(self.batch_queue)
 
     def step(self) -> EngineCoreOutputs:
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
-        if not self.has_work():
+        if not self.can_schedule():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         step_start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -136,7 +141,7 @@ class EngineCore:
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """Submit a new batch while fewer than batch_queue_size are in flight; otherwise (or when nothing new can
         run) wait for the oldest and apply its output. Outputs are empty when the call only submitted."""
-        if len(self.batch_queue) < self.batch_queue_size and self.has_work():
+        if len(self.batch_queue) < self.batch_queue_size and self.can_schedule():
             scheduler_output = self.scheduler.schedule()
             if (scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_req_ids
                     or scheduler_output.preempted_req_ids):  # the workers must see removals, even without tokens
@@ -173,20 +178,38 @@ class EngineCore:
             raise RuntimeError(f"collective_rpc {method_name(method)} failed: {'; '.join(failures)}")
         return [result for _, result in replies]
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's: the engine stops scheduling (requests added meanwhile wait for wake_up); ``mode`` "abort" ends
-        every request first, "keep" keeps them, to go on after wake_up. Level 0 stops there; levels 1 and 2 also
-        empty the prefix cache (the running requests preempted, to recompute after wake_up) and drop the workers' KV
-        caches, their memory given back (Worker.sleep): on the CPU the weights, in host memory already, stay. vLLM's
-        "wait" mode (sleep once the requests finish) is refused, as vLLM's in-process engine refuses it."""
-        check_sleep_args(level, mode)
-        if level >= 1 and self.batch_queue:
-            raise RuntimeError("Cannot sleep while a pipeline-parallel batch is in flight; try again.")
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's: the engine stops scheduling (requests added meanwhile wait); ``mode`` "abort" ends every request
+        first, "keep" keeps them, to go on after resume_scheduler. ``clear_cache`` empties the prefix cache, the
+        running requests preempted (to recompute when they resume). vLLM's "wait" mode (pause once the requests
+        finish) is refused, as vLLM's in-process engine refuses it."""
+        check_pause_args(mode, clear_cache)
+        if clear_cache and self.batch_queue:
+            self.paused = True  # no new batch: the busy loop finishes those in flight meanwhile
+            raise RuntimeError("Cannot empty the caches while pipeline-parallel batches are in flight: the engine is "
+                               "paused, and they finish; try again.")
         if mode == "abort":
             self.abort_requests(list(self.scheduler.requests))
         self.paused = True
-        if level >= 1 and not self.kv_cache_asleep:
+        if clear_cache:
             self.scheduler.reset_prefix_cache(reset_running_requests=True)
+
+    def resume_scheduler(self) -> None:
+        """vLLM's: scheduling resumes (after pause_scheduler; after sleep(level >= 1), wake_up brings the KV cache
+        back first)."""
+        if self.kv_cache_asleep:
+            raise RuntimeError("The KV cache is asleep (sleep()); call wake_up() to resume.")
+        self.paused = False
+
+    def is_scheduler_paused(self) -> bool:
+        return self.paused
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: pause_scheduler, which at level 1 and 2 also empties the prefix cache and then drops the workers'
+        KV caches, their memory given back (Worker.sleep): on the CPU the weights, in host memory already, stay."""
+        check_sleep_args(level, mode)
+        self.pause_scheduler(mode, clear_cache=level >= 1)
+        if level >= 1 and not self.kv_cache_asleep:
             self.executor.collective_rpc("sleep", kwargs={"level": level})
             self.kv_cache_asleep = True
 
@@ -199,7 +222,7 @@ class EngineCore:
             self.executor.initialize_kv_cache(self.config.cache_config.num_blocks)
             self.kv_cache_asleep = False
         if not self.kv_cache_asleep:
-            self.paused = False
+            self.resume_scheduler()
         return not self.paused
 
     def is_sleeping(self) -> bool:
@@ -217,12 +240,17 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def check_sleep_args(level: int, mode: str) -> None:
-    """sleep()'s arguments, checked by the frontend before anything happens (and by the engine)."""
-    if level not in (0, 1, 2) or isinstance(level, bool):
-        raise ValueError(f"level must be 0, 1 or 2, got {level!r}.")
+def check_pause_args(mode: str, clear_cache: bool = True) -> None:
+    """pause's (and sleep's) arguments, checked by the frontend before anything happens (and by the engine)."""
     if mode not in ("abort", "keep"):
         raise ValueError(f"mode must be 'abort' or 'keep' (this engine has no 'wait' mode), got {mode!r}.")
+    check_bool("clear_cache", clear_cache)
+
+
+def check_sleep_args(level: int, mode: str) -> None:
+    if level not in (0, 1, 2) or isinstance(level, bool):
+        raise ValueError(f"level must be 0, 1 or 2, got {level!r}.")
+    check_pause_args(mode)
 
 
 def check_wake_up_tags(tags: Optional[list[str]]) -> None:

@@ -210,7 +210,7 @@ class DPAsyncMPClient(_DPClientBase):
             return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
         if method in ("reset_prefix_cache", "wake_up"):
             return all(results)
-        return any(results) if method == "is_sleeping" else results
+        return any(results) if method in ("is_sleeping", "is_scheduler_paused") else results
 
     async def collective_rpc_async(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
                                    kwargs: Optional[dict] = None) -> list:

@@ -399,7 +399,8 @@ def test_prestarted_engines_nobody_takes_are_killed_or_leave_at_the_end_of_their
 def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
     """vLLM's AsyncLLM.sleep / wake_up / is_sleeping: with mode "keep" a request in flight waits while the engine
     sleeps (its KV cache dropped at level 1) and finishes whole after wake_up, recomputed; with "abort" (the
-    default) its stream ends with an "abort" output. A request added while asleep waits for wake_up."""
+    default) its stream ends with an "abort" output. A request added while asleep waits for wake_up. So do
+    pause_generation / resume_generation / is_paused."""
     import asyncio
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -435,6 +436,16 @@ def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
             await engine.sleep()
             assert (await aborted).outputs[0].finish_reason == "abort"
             assert await engine.wake_up()
+
+            started = asyncio.Event()  # vLLM's pause_generation: sleep at level 0, its cache kept if asked
+            paused = asyncio.create_task(last_output(engine, "paused", started))
+            await started.wait()
+            await engine.pause_generation(mode="keep", clear_cache=False)
+            assert await engine.is_paused()
+            await asyncio.sleep(0.3)
+            assert not paused.done()
+            await engine.resume_generation()
+            assert (await paused).outputs[0].token_ids == alone.outputs[0].token_ids and not await engine.is_paused()
         finally:
             engine.shutdown()
 
