@@ -51,6 +51,8 @@ class AsyncLLM:
                                                 stream_interval=config.scheduler_config.stream_interval)
         self.engine_core = engine_core
         self._dead_error: Optional[EngineDeadError] = None
+        # Request id -> an event per beam search running under it, set when abort() names the id (beam_search)
+        self._beam_search_aborts: dict[str, list[asyncio.Event]] = {}
         self._output_handler = asyncio.get_running_loop().create_task(
             self._run_output_handler(weakref.ref(self), engine_core))
         # The engine stops with this object: on shutdown(), when it is garbage-collected, or at the interpreter's
@@ -151,7 +153,8 @@ class AsyncLLM:
         outputs are the beam_width best beams, best first. Each step runs the live beams concurrently, each under
         ``request_id`` (as generate() runs requests sharing an id, each under a unique one of its own), so that
         abort(request_id) stops all of them; the search then ends as vLLM's does on an aborted step, its live beams
-        finishing with "abort"."""
+        finishing with "abort". An abort that comes between two steps, when no step request runs, ends it before
+        the next."""
         text, token_ids = self.processor.tokenize(prompt)
         instance = BeamSearchInstance(token_ids, params, self.processor.eos_token_id, cache_salt_of(prompt))
         step_params = params.step_sampling_params()
@@ -162,12 +165,23 @@ class AsyncLLM:
                 pass
             return output
 
-        while not instance.finished:
-            outputs = await asyncio.gather(*(last_output(beam) for beam in instance.beams))
-            if any(output.outputs[0].finish_reason == "abort" for output in outputs):
-                instance.abort()
-            else:
-                instance.step(outputs)
+        aborted = asyncio.Event()
+        self._beam_search_aborts.setdefault(request_id, []).append(aborted)
+        try:
+            while not instance.finished:
+                if aborted.is_set():
+                    instance.abort()
+                    break
+                outputs = await asyncio.gather(*(last_output(beam) for beam in instance.beams))
+                if any(output.outputs[0].finish_reason == "abort" for output in outputs):
+                    instance.abort()
+                else:
+                    instance.step(outputs)
+        finally:
+            searches = self._beam_search_aborts[request_id]
+            searches.remove(aborted)
+            if not searches:
+                del self._beam_search_aborts[request_id]
         yield instance.request_output(request_id, text, self.tokenizer)
 
     def _add_request(self, text: Optional[str], request: EngineCoreRequest, queue: asyncio.Queue) -> None:
@@ -183,6 +197,9 @@ class AsyncLLM:
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self.log_requests:
             logger.info("Aborted request(s) %s.", ",".join(request_ids))
+        for request_id in request_ids:
+            for aborted in self._beam_search_aborts.get(request_id, ()):
+                aborted.set()
         self._abort(request_ids)
 
     def _abort(self, request_ids: list[str], internal: bool = False) -> None:

@@ -245,7 +245,8 @@ def test_the_engine_core_fails_a_request_it_cannot_take_and_serves_on(tmp_path):
 
 def test_async_llm_abort_stops_a_beam_search_and_all_its_step_requests():
     """abort(id) of a beam search stops every step request it runs under that id, leaving no KV block held, and the
-    search ends as vLLM's does on an aborted step: one finished output, its live beams' finish_reason "abort"."""
+    search ends as vLLM's does on an aborted step: one finished output, its live beams' finish_reason "abort". The
+    abort lands wherever the search is (a step's requests in flight, or between two steps): either way it ends."""
     import asyncio
 
     from pagedllm.beam_search import BeamSearchParams
@@ -257,8 +258,8 @@ def test_async_llm_abort_stops_a_beam_search_and_all_its_step_requests():
         try:
             params = BeamSearchParams(beam_width=2, max_tokens=400, ignore_eos=True)
             search = asyncio.create_task(anext(engine.beam_search({"prompt_token_ids": [1, 2, 3]}, "beams", params)))
-            while (stats := await engine.get_stats()).num_running_reqs + stats.num_waiting_reqs < 2:  # both beams
-                await asyncio.sleep(0.01)
+            while engine.output_processor.get_num_unfinished_requests() < 2:  # a step of both beams under way
+                await asyncio.sleep(0.001)
             await engine.abort("beams")
             output = await asyncio.wait_for(search, 60)  # without the abort the search runs 400 steps
             assert output.finished and [o.finish_reason for o in output.outputs] == ["abort"] * 2
