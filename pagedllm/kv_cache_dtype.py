@@ -49,7 +49,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> to
         inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
         codes = torch.round(x * inverse).to(torch.int8)
         return torch.cat([codes, (amax / 127.0).view(torch.int8)], dim=-1)
-    if dtype.itemsize == 1:  # fp8: torch's conversion overflows to NaN/inf; the cache saturates
+    if is_fp8(dtype):  # torch's conversion overflows to NaN/inf; the cache saturates
         limit = torch.finfo(dtype).max
         return (x.float() / scale).clamp(-limit, limit).to(dtype)
     return x.to(dtype)

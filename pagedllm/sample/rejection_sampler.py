@@ -98,7 +98,7 @@ class RejectionSampler:
             scored = final_logits if mode in PROCESSED_LOGPROBS_MODES else logits
             scored_rows = row_of_t[emitted]
             requested = {i: metadata.logprob_token_ids[row] for i, row in enumerate(scored_rows.tolist())
-                         if row in metadata.logprob_token_ids}
+                         if row in metadata.logprob_token_ids} if metadata.logprob_token_ids else {}
             logprobs = compute_token_logprobs(scored[scored_rows], sampled[emitted], metadata.max_num_logprobs, mode,
                                               requested)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)

@@ -66,12 +66,13 @@ class OpenAIServingChat(OpenAIServing):
         constraint = getattr(params, "structured_outputs", None)
         if constraint is None:
             return parser, params
-        if parser.reasoning_end_token_ids() is None:
+        end_token_ids = parser.reasoning_end_token_ids()
+        if end_token_ids is None:
             return None, params
-        if parser.thinking:
-            return parser, params
+        # The chat's decision, which the Processor keeps (no second parser, no second scan of the prompt): the grammar
+        # waits for the end of the reasoning, or (no reasoning in this chat) applies from the first token.
         return parser, msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
-            constraint, _reasoning_end_token_ids=[]))
+            constraint, _reasoning_end_token_ids=end_token_ids if parser.thinking else []))
 
     def get_chat_request_role(self, request: ChatCompletionRequest) -> str:
         """As vLLM: the answer's role is --response-role, unless it continues the last message (no generation
