@@ -80,20 +80,21 @@ def test_replays_run_in_c_where_the_calling_convention_is_known(replay_in):
 
 
 def test_replay_passes_float_and_stack_arguments(replay_in):
-    """paged_decode_f32 takes 17 integer-class arguments (11 beyond x86-64's six registers) and four floats (the
-    scale, the soft cap, k_scale and v_scale, here far from their defaults): a replay after new queries and K/V equals
-    the kernel called directly."""
+    """paged_decode_f32 takes 19 integer-class arguments (13 beyond x86-64's six registers; the last ones the
+    addresses of the per-KV-head k_scale and v_scale) and two floats (the scale and the soft cap), all here far from
+    their defaults: a replay after new queries and K/V equals the kernel called directly."""
     heads, kv_heads, head_size, block_size = 4, 2, 64, 4
     q = torch.randn(3, heads, head_size)
     k_cache, v_cache = (torch.randn(8 * block_size, kv_heads, head_size) for _ in range(2))  # 8 blocks of slots
     block_table = torch.tensor([[0, 1, 2], [3, 4, 0], [5, 6, 7]], dtype=torch.int32)
     seq_lens = torch.tensor([9, 6, 12], dtype=torch.int32)
     decode = native.paged_decode()
+    kv_scales = torch.tensor([[0.7, 1.3], [1.9, 0.4]])  # k_scale and v_scale of each KV head, alive across replays
 
     def step() -> torch.Tensor:
         out, lse = torch.empty(3, heads, head_size), torch.empty(3, heads)
         decode(q, k_cache, v_cache, block_table, seq_lens, out, lse, start_pos=0, block_size=block_size, scale=0.3,
-               sliding_window=7, logits_soft_cap=2.5, kv_scales=(0.7, 1.9))
+               sliding_window=7, logits_soft_cap=2.5, kv_scales=kv_scales)
         return out
 
     graph = CpuGraph()

@@ -287,8 +287,8 @@ def test_compressed_tensors_kv_cache_scales_load(tmp_path):
 def test_kv_cache_scheme_makes_auto_an_fp8_cache(tmp_path):
     """As vLLM: a checkpoint declaring an fp8 kv_cache_scheme gets an fp8 KV cache under kv_cache_dtype "auto" (its
     k_scale and v_scale are that cache's; it got the model's dtype, the scales unused); a kv_cache_dtype given wins,
-    but fp8_e5m2, which vLLM refuses with such a checkpoint; a scheme vLLM does not run (not 8-bit float, not
-    symmetric) or per-head scales, which the cache here does not hold, are a config error naming the scheme."""
+    but fp8_e5m2, which vLLM refuses with such a checkpoint; per-head scales (strategy "attn_head") too; a scheme vLLM
+    does not run (not 8-bit float, not per tensor or per head, not symmetric) is a config error naming the scheme."""
     scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 
     def cache_dtype(change: dict | None, **kwargs) -> str:
@@ -300,11 +300,11 @@ def test_kv_cache_scheme_makes_auto_an_fp8_cache(tmp_path):
         return EngineArgs(str(path), **kwargs).create_engine_config().cache_config.cache_dtype
 
     assert cache_dtype({}) == "fp8" and cache_dtype({}, kv_cache_dtype="int8") == "int8"
-    assert cache_dtype(None) == "auto"
+    assert cache_dtype(None) == "auto" and cache_dtype({"strategy": "attn_head"}) == "fp8"
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2' is not supported with the checkpoint's"):
         cache_dtype({}, kv_cache_dtype="fp8_e5m2")
     for change, message in (({"num_bits": 4}, "num_bits=4"), ({"type": "int"}, "type='int'"),
-                            ({"strategy": "attn_head"}, "strategy 'attn_head'"), ({"symmetric": False}, "asymmetric")):
+                            ({"strategy": "channel"}, "strategy 'channel'"), ({"symmetric": False}, "asymmetric")):
         with pytest.raises(ValueError, match=f"The checkpoint's kv_cache_scheme.*{message}"):
             cache_dtype(change)
 

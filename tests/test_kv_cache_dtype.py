@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedllm import SamplingParams, native
+from pagedllm.distributed.parallel_state import ParallelRank
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 from pagedllm.kv_cache_dtype import dequantize_rows, quantize_rows
@@ -159,7 +160,92 @@ def test_fp8_cache_applies_the_checkpoints_kv_scales(tmp_path, monkeypatch, path
     _save_llama_with_kv_scales(tmp_path / "deprecated", ("kv_scale",))
     attention = get_model(str(tmp_path / "deprecated"), load_hf_config(str(tmp_path / "deprecated")),
                           KernelChoice(torch.float32)).model.layers[1].self_attn.attn.impl
-    assert (attention.k_scale, attention.v_scale) == (K_SCALE, K_SCALE)
+    assert torch.equal(attention.kv_scales, torch.full((2, 1), K_SCALE))  # k_scale and v_scale of its one KV head
+
+
+# _save_llama_with_head_scales's model: its two KV heads' keys are ~200 and ~0.0002, its values ~0.00002 and ~2 (each
+# head's k_proj and v_proj rows multiplied by these factors, its query heads' q_proj rows and o_proj columns divided);
+# HEAD_SCALES, per KV head (rows k_scale and v_scale, vLLM's "attn_head" ones), bring each to ~50, well inside fp8
+# e4m3's range. One scale a tensor (the heads' max) rounds head 1's keys and head 0's values to 0, below e4m3's
+# subnormals.
+HEAD_FACTORS = {"k": (1e3, 1e-3), "v": (1e-4, 10.0)}
+HEAD_SCALES = torch.tensor([[4.0, 4e-6], [4e-7, 0.04]])
+SHARPNESS = 8.0  # the queries' factor: a random model's attention is near uniform, each head's output the mean of
+# many values, which rounding its keys (even to 0) would hardly change; multiplied, the scores pick a few keys out
+
+
+def _save_llama_with_head_scales(path, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """A tiny random Llama of two KV heads (two query heads each, head size 64) that computes as the plain model does
+    but for its queries (times SHARPNESS), its KV heads' magnitudes HEAD_FACTORS apart; each layer's self_attn.k_scale
+    and v_scale are these tensors."""
+    config = LlamaConfig(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for kind, factors in HEAD_FACTORS.items():
+        factors = torch.tensor(factors)
+        kv_rows, query_heads = factors.repeat_interleave(64).unsqueeze(1), factors.repeat_interleave(128)
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}.self_attn"
+            tensors[f"{prefix}.{kind}_proj.weight"] = tensors[f"{prefix}.{kind}_proj.weight"] * kv_rows
+            if kind == "k":
+                tensors[f"{prefix}.q_proj.weight"] = tensors[f"{prefix}.q_proj.weight"] * (SHARPNESS / query_heads
+                                                                                            ).unsqueeze(1)
+            else:
+                tensors[f"{prefix}.o_proj.weight"] = tensors[f"{prefix}.o_proj.weight"] / query_heads
+            tensors[f"{prefix}.{kind}_scale"] = (k_scale if kind == "k" else v_scale).clone()  # none shares memory
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_fp8_cache_applies_per_head_kv_scales(tmp_path, monkeypatch, path):
+    """vLLM's per-KV-head fp8 scales (a kv_cache_scheme of strategy "attn_head", saved as LLM-Compressor does,
+    ``[num_kv_heads, 1, 1]``): each KV head is cached divided by its own k_scale and v_scale and read back times them,
+    on the native kernels and the torch path alike. Over KV heads whose magnitudes differ 10^5-fold, the logits stay
+    near the float32 cache's, far nearer than under one scale a tensor (the heads' max); a per-head scale equal for
+    all heads is that per-tensor scale, bit for bit."""
+    if path == "torch":
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(fused, "write_kv", lambda *rows_and_scales: False)
+    elif native.paged_decode(torch.float8_e4m3fn) is None:
+        pytest.skip("no native kernels here")
+    per_tensor = HEAD_SCALES.amax(1)
+    _save_llama_with_head_scales(tmp_path / "per_head", *HEAD_SCALES.view(2, 2, 1, 1))
+    _save_llama_with_head_scales(tmp_path / "per_tensor", *per_tensor.view(2, 1))
+    _save_llama_with_head_scales(tmp_path / "equal", *per_tensor.view(2, 1).expand(2, 2).contiguous())
+    reference = _logits(tmp_path / "per_head", torch.float32)
+    per_head, one_scale = (_logits(tmp_path / name, torch.float8_e4m3fn) for name in ("per_head", "per_tensor"))
+    error, error_one_scale = ((x - reference).abs().max().item() for x in (per_head, one_scale))
+    print(f"{path}: max |logit error| with per-head scales {error:.4f}, with one scale {error_one_scale:.4f}, "
+          f"max |logit| {reference.abs().max().item():.3f}")
+    assert error < 0.1 * reference.abs().max() and error < error_one_scale / 4
+    assert torch.equal(_logits(tmp_path / "equal", torch.float8_e4m3fn), one_scale)
+
+
+@pytest.mark.parametrize("k_scale, message", [
+    (torch.ones(3), r"must be one \(per-tensor\) value or one per KV head \(2\), got shape \(3,\)"),
+    (torch.tensor([0.5, float("inf")]), "must be positive and finite, got inf")])
+def test_bad_per_head_kv_cache_scale_is_a_load_error(tmp_path, k_scale, message):
+    """Per-head KV cache scales are one positive, finite value for each of the model's KV heads: anything else is a
+    ValueError naming the tensor."""
+    _save_llama_with_head_scales(tmp_path, k_scale, HEAD_SCALES[1])
+    with pytest.raises(ValueError, match=f"'model.layers.0.self_attn.k_scale': a KV cache scale {message}"):
+        get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32))
+
+
+def test_per_head_kv_cache_scales_follow_the_ranks_kv_heads(tmp_path):
+    """Under tensor parallelism a rank keeps its own KV heads' per-head scales, as vLLM's TP-aware loader of
+    "attn_head" scales does: of the two KV heads, rank r of 2 holds head r's; of 4 ranks (each KV head on two of
+    them) rank r holds head r // 2's."""
+    _save_llama_with_head_scales(tmp_path, *HEAD_SCALES.view(2, 2, 1, 1))
+    config = load_hf_config(str(tmp_path))
+    for tp_size in (2, 4):
+        for tp_rank in range(tp_size):
+            model = get_model(str(tmp_path), config, KernelChoice(torch.float32), rank=ParallelRank(tp_rank, tp_size))
+            head = tp_rank * 2 // tp_size
+            assert torch.equal(model.model.layers[1].self_attn.attn.impl.kv_scales, HEAD_SCALES[:, head : head + 1])
 
 
 def test_fp8_cache_scales_in_the_engines_decode_graphs(tmp_path):
@@ -195,10 +281,11 @@ def test_fp8_cache_scales_in_the_engines_decode_graphs(tmp_path):
 
 @pytest.mark.parametrize("scale, message", [(torch.full((1, 1), 0.0), "must be positive and finite, got 0.0"),
                                             (torch.tensor([float("nan")]), "must be positive and finite, got nan"),
-                                            (torch.ones(2), r"must be one \(per-tensor\) value, got shape \(2,\)")])
+                                            (torch.ones(2), r"must be one \(per-tensor\) value or one per KV head "
+                                                            r"\(1\), got shape \(2,\)")])
 def test_bad_kv_cache_scale_is_a_load_error(tmp_path, scale, message):
-    """A checkpoint's KV cache scale is one positive, finite number (vLLM takes per-tensor scales only): anything
-    else is a ValueError naming the tensor, not a cache of NaN or infinities."""
+    """A checkpoint's KV cache scale is one positive, finite number (or one a KV head, here one): anything else is a
+    ValueError naming the tensor, not a cache of NaN or infinities."""
     _save_llama_with_kv_scales(tmp_path, ("k_scale",))
     tensors = load_file(str(tmp_path / "model.safetensors"))
     tensors["model.layers.1.self_attn.v_scale"] = scale

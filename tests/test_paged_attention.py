@@ -71,8 +71,9 @@ def _run_case(requests, heads, kv_heads, head_dim, block_size, dtype, seed, shar
     prefix caching leaves them; ``consecutive`` allocates block ids in order. ``kv_dtype`` is the cache's dtype
     (default ``dtype``): a bf16 cache under float32 queries holds the keys rounded, and attention must see
     exactly those, so the reference takes them rounded too. ``sliding_window`` and ``logits_soft_cap``: the layer's,
-    also the reference's; ``kv_scales``: the layer's (k_scale, v_scale), which an fp8 cache's rows are divided by as
-    they are written and multiplied by as they are read (the reference's too). Returns the step's attention plan."""
+    also the reference's; ``kv_scales``: the layer's (k_scale, v_scale), floats or ``[kv_heads]`` each (per KV head),
+    which an fp8 cache's rows are divided by as they are written and multiplied by as they are read (the
+    reference's too). Returns the step's attention plan."""
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -412,6 +413,19 @@ def test_fp8_cache_scales(low_cascade_threshold, quantized_path, kv_dtype):
         _run_case([(700, 1)], 9, 3, 64, 16, torch.float32, seed=1, kv_dtype=kv_dtype, kv_scales=kv_scales)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_fp8_cache_per_head_scales(low_cascade_threshold, decode_path):
+    """Per-KV-head k_scale and v_scale (vLLM's under a kv_cache_scheme of strategy "attn_head"): each KV head's rows
+    are cached divided by its own scales, byte for byte as the torch path writes them, and every path (each decode
+    body, the prefill tiles, a window, a shared prefix) reads each head's back times its own, where one head's scales
+    applied to another's rows put its scores and values off by up to 80x."""
+    kv_dtype, kv_scales = torch.float8_e4m3fn, torch.tensor([[4.0, 0.5, 0.05], [0.05, 2.0, 0.5]])
+    _run_case([(0, 37), (21, 19), (5, 1), (40, 2), (0, 1), (3, 16), (70, 1)], 9, 3, 64, 16, torch.float32, seed=7,
+              kv_dtype=kv_dtype, sliding_window=29, kv_scales=kv_scales)
+    plan = _run_case([(12 + 3 * i, 1) for i in range(11)] + [(13, 6)], 9, 3, 64, 4, torch.float32, seed=5,
+                     shared_blocks=3, kv_dtype=kv_dtype, kv_scales=kv_scales)
+    assert plan.prefix is not None
 
 
 

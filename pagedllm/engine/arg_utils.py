@@ -437,14 +437,14 @@ def set_quantization(hf_config, quantization: Optional[str], path: str) -> None:
 
 def check_kv_cache_scheme(scheme: dict) -> None:
     """A compressed-tensors checkpoint's kv_cache_scheme, as vLLM's validate_kv_cache_scheme takes it: an fp8 KV cache
-    (8-bit float), symmetric, one k_scale and v_scale a layer (vLLM also takes per-head ones, strategy "attn_head",
-    which the cache here does not hold); anything else is a config error naming it."""
+    (8-bit float), symmetric, a layer's k_scale and v_scale per tensor (strategy "tensor") or per KV head
+    ("attn_head"); anything else is a config error naming it."""
     if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
         raise ValueError(f"The checkpoint's kv_cache_scheme (num_bits={scheme.get('num_bits')!r}, type="
                          f"{scheme.get('type')!r}) is not supported: only num_bits=8, type='float' (an fp8 KV cache)")
-    if scheme.get("strategy") != "tensor":
+    if scheme.get("strategy") not in ("tensor", "attn_head"):
         raise ValueError(f"The checkpoint's kv_cache_scheme strategy {scheme.get('strategy')!r} is not supported: "
-                         "only 'tensor' (one k_scale and v_scale a layer)")
+                         "only 'tensor' (one k_scale and v_scale a layer) and 'attn_head' (one a KV head)")
     if not scheme.get("symmetric"):
         raise ValueError("The checkpoint's kv_cache_scheme is asymmetric: only symmetric scales are supported")
 

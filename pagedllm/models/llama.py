@@ -9,7 +9,6 @@ length)."""
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -47,17 +46,20 @@ KV_CACHE_SCALE = re.compile(r"(?P<layer>.*)\.self_attn\.(?:(?:[kv]_proj|qkv_proj
                             r"|.*\.self_attn\.(?:attn\.)?[qkv]_zero_point")
 
 
-def kv_cache_scale(checkpoint_name: str, tensor: torch.Tensor) -> float:
-    """A checkpoint's k_scale or v_scale as its float32 value: one positive, finite number (vLLM scales an fp8 cache
-    per tensor only, and takes no other scale)."""
-    if tensor.numel() != 1:
-        raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: a KV cache scale must be one (per-tensor) value, "
-                         f"got shape {tuple(tensor.shape)}")
-    value = float(tensor.float())
-    if not (math.isfinite(value) and value > 0):
+def kv_cache_scale(checkpoint_name: str, tensor: torch.Tensor, num_kv_heads: int) -> float | torch.Tensor:
+    """A checkpoint's k_scale or v_scale, as vLLM scales an fp8 cache: one value (per tensor) as a float, or one per
+    KV head of the model's ``num_kv_heads`` (a compressed-tensors kv_cache_scheme of strategy "attn_head"; saved as
+    ``[num_kv_heads]`` or, by LLM-Compressor, ``[num_kv_heads, 1, 1]``) as float32 ``[num_kv_heads]``; each value
+    positive and finite."""
+    if tensor.numel() not in (1, num_kv_heads):
+        raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: a KV cache scale must be one (per-tensor) value or "
+                         f"one per KV head ({num_kv_heads}), got shape {tuple(tensor.shape)}")
+    values = tensor.float().flatten()
+    bad = values[~(values.isfinite() & (values > 0))]
+    if bad.numel():
         raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: a KV cache scale must be positive and finite, "
-                         f"got {value}")
-    return value
+                         f"got {bad[0].item()}")
+    return values.item() if tensor.numel() == 1 else values
 
 
 class LlamaMLP(nn.Module):
@@ -330,7 +332,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded = set()
         fused_parts: dict[str, set] = {}  # fused parameter -> the shard ids of its parts loaded so far
-        kv_scales: dict[str, dict[str, float]] = {}  # a layer's name -> its KV cache scales, "k" and "v"
+        kv_scales: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # a layer's -> its "k" and "v" scales' tensors
         for checkpoint_name, tensor in weights:
             name = checkpoint_name  # the parameter it loads into, once named so (a fused one, an expert stack)
             if "rotary_emb.inv_freq" in name:
@@ -338,7 +340,7 @@ class LlamaForCausalLM(nn.Module):
             if scale := KV_CACHE_SCALE.fullmatch(name):
                 if scale["kind"] in ("k", "v", "kv") and not self._on_other_stage(name):
                     kind = "v" if scale["kind"] == "v" else "k"  # kv_scale: vLLM's k_scale
-                    kv_scales.setdefault(scale["layer"], {})[kind] = kv_cache_scale(checkpoint_name, tensor)
+                    kv_scales.setdefault(scale["layer"], {})[kind] = checkpoint_name, tensor
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
@@ -385,12 +387,20 @@ class LlamaForCausalLM(nn.Module):
             self._set_kv_cache_scales(layer, scales)
         return loaded | set(fused_parts)
 
-    def _set_kv_cache_scales(self, layer: str, scales: dict[str, float]) -> None:
-        """Layer ``layer``'s attention takes the checkpoint's ``scales`` ("k", "v"); one alone stands for both, as
-        vLLM duplicates a lone k_scale (the deprecated kv_scale's) to the v_scale."""
+    def _set_kv_cache_scales(self, layer: str, scales: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """Layer ``layer``'s attention takes the checkpoint's ``scales`` ("k", "v": each its tensor's name and the
+        tensor); one alone stands for both, as vLLM duplicates a lone k_scale (the deprecated kv_scale's) to the
+        v_scale. Of per-head scales this rank keeps its own KV heads' (those its qkv_proj holds), as vLLM's
+        tensor-parallel loader of "attn_head" scales does."""
         try:
-            attention = self.get_submodule(f"{layer}.self_attn.attn")
+            attention = self.get_submodule(f"{layer}.self_attn")
         except AttributeError:
             raise ValueError(f"Checkpoint KV cache scales of {layer!r} match no attention layer of "
                              f"{type(self).__name__}") from None
-        attention.set_kv_cache_scales(scales.get("k", scales.get("v")), scales.get("v", scales.get("k")))
+        qkv = attention.qkv_proj
+        first = qkv.tp_rank // qkv.num_kv_head_replicas * qkv.num_kv_heads
+        values = {}
+        for kind, (name, tensor) in scales.items():
+            value = kv_cache_scale(name, tensor, qkv.total_num_kv_heads)
+            values[kind] = value if isinstance(value, float) else value[first : first + qkv.num_kv_heads]
+        attention.attn.set_kv_cache_scales(values.get("k", values.get("v")), values.get("v", values.get("k")))

@@ -8,8 +8,10 @@ and int8 with ``-DKV_FP8_E4M3``, ``-DKV_FP8_E5M2``, ``-DKV_INT8``); queries, out
 whatever it is. Caches are passed flat, ``[num_slots, num_kv_heads, row_width]`` (kv_cache_dtype.row_width: the head
 size, and for int8 the bytes of each row's scale after it). Each attention kernel takes ``logits_soft_cap`` (vLLM's
 name; Gemma 2's attn_logit_softcapping): scores become cap * tanh(score / cap) before the softmax; None (0 to the C
-side) leaves them as they are; and ``kv_scales``, (k_scale, v_scale): every cached key is worth k_scale times what it
-widens to, every value v_scale times (an fp8 cache's per-tensor scales; (1, 1) for the others).
+side) leaves them as they are; and ``kv_scales``, float32 ``[2, num_kv_heads]``, the rows k_scale and v_scale: every
+cached key of KV head h is worth k_scale[h] times what it widens to, every value v_scale[h] times (an fp8 cache's
+scales, per tensor or per KV head; kv_cache_dtype.unit_kv_scales, the default, for the others). The kernels read
+them when they run: a CPU graph's recorded call points at the tensor, which must outlive it (a layer's does).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ctypes
 
 import torch
 
-from pagedllm.kv_cache_dtype import row_width
+from pagedllm.kv_cache_dtype import row_width, unit_kv_scales
 from pagedllm.native import checks
 from pagedllm.native.checks import check_block_tables, expect, require
 from pagedllm.native.graph import launch
@@ -27,16 +29,16 @@ from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, STRING, CFunct
 PAGED_DECODE = CFunction("paged_decode_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
     "seq_lens", POINTER, "start_pos", "window", INT, "out", "lse", POINTER, "num_reqs", "num_heads", "num_kv_heads",
-    "head_size", "block_size", INT, "scale", "softcap", "k_scale", "v_scale", FLOAT, "num_threads", INT))
+    "head_size", "block_size", INT, "scale", "softcap", FLOAT, "k_scale", "v_scale", POINTER, "num_threads", INT))
 PAGED_PREFILL = CFunction("paged_prefill_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "block_table_stride", INT64,
     "query_start", "query_len", "seq_len", POINTER, "start_pos", "window", INT, "out", "lse", POINTER, "num_reqs",
-    "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", "softcap", "k_scale", "v_scale", FLOAT,
-    "num_threads", INT))
+    "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", "softcap", FLOAT, "k_scale", "v_scale",
+    POINTER, "num_threads", INT))
 PAGED_PREFIX = CFunction("paged_prefix_f32", INT, *arguments(
     "q", POINTER, "q_row_stride", INT64, "k_cache", "v_cache", "block_table", POINTER, "prefix_tokens", "num_rows",
     INT, "out", "lse", POINTER, "num_heads", "num_kv_heads", "head_size", "block_size", INT, "scale", "softcap",
-    "k_scale", "v_scale", FLOAT, "num_threads", INT))
+    FLOAT, "k_scale", "v_scale", POINTER, "num_threads", INT))
 MERGE_ATTN_STATES = CFunction("merge_attn_states_f32", None, *arguments(
     "out", "out_a", "lse_a", "out_b", "lse_b", POINTER, "rows_heads", INT64, "head_size", INT))
 PAGED_DECODE_ISA = CFunction("paged_decode_isa", STRING)
@@ -69,6 +71,15 @@ def _check_rows(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             f"{lse.numel()} elements")
 
 
+def _scale_pointers(kernel: str, kv_scales: torch.Tensor | None, num_kv_heads: int) -> tuple[int, int]:
+    """The k_scale and v_scale rows' addresses of ``kv_scales`` (None: unit_kv_scales)."""
+    if kv_scales is None:
+        kv_scales = unit_kv_scales(num_kv_heads)
+    if checks.ENABLED:
+        expect(kernel, "kv_scales", kv_scales, torch.float32, (2, num_kv_heads), contiguous=True)
+    return kv_scales[0].data_ptr(), kv_scales[1].data_ptr()
+
+
 class _AttentionKernel:
     """One kernel of a loaded library for one KV cache dtype: ``SIGNATURE`` names its C function."""
 
@@ -91,7 +102,7 @@ class PagedDecode(_AttentionKernel):
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *, start_pos: int, block_size: int,
                  scale: float, sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                 kv_scales: torch.Tensor | None = None) -> None:
         """Request r's row q[r] ``[heads, head_size]`` attends to positions start_pos .. seq_lens[r] - 1 (each
         seq_lens[r] > start_pos) of its blocks ``block_table[r]`` (int32, rows may be strided), under a
         ``sliding_window`` only the last that many of them; writes out[r] and lse[r]."""
@@ -108,7 +119,8 @@ class PagedDecode(_AttentionKernel):
                      block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), start_pos,
                      sliding_window or 0, out.data_ptr(),
                      lse.data_ptr(), num_reqs, q.shape[1], k_cache.shape[1], q.shape[2], block_size, scale,
-                     logits_soft_cap or 0.0, *kv_scales, torch.get_num_threads())
+                     logits_soft_cap or 0.0, *_scale_pointers(PAGED_DECODE.name, kv_scales, k_cache.shape[1]),
+                     torch.get_num_threads())
 
 
 class PagedPrefill(_AttentionKernel):
@@ -120,7 +132,7 @@ class PagedPrefill(_AttentionKernel):
                  query_start: torch.Tensor, query_len: torch.Tensor, seq_len: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, *, start_pos: int, block_size: int, scale: float,
                  sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                 kv_scales: torch.Tensor | None = None) -> None:
         """Chunk r's query rows query_start[r] .. + query_len[r] - 1 of q (``[rows, heads, head_size]``, rows may
         be strided) are the last query_len[r] of its seq_len[r] positions, each seeing start_pos .. itself through
         block_table[r] (contiguous int32), under a ``sliding_window`` only the last that many of those; writes
@@ -138,8 +150,8 @@ class PagedPrefill(_AttentionKernel):
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(),
                      block_table.shape[1], query_start.data_ptr(), query_len.data_ptr(), seq_len.data_ptr(),
                      start_pos, sliding_window or 0, out.data_ptr(), lse.data_ptr(), num_reqs, q.shape[1],
-                     k_cache.shape[1], q.shape[2], block_size, scale, logits_soft_cap or 0.0, *kv_scales,
-                     torch.get_num_threads())
+                     k_cache.shape[1], q.shape[2], block_size, scale, logits_soft_cap or 0.0,
+                     *_scale_pointers(PAGED_PREFILL.name, kv_scales, k_cache.shape[1]), torch.get_num_threads())
 
 
 class PagedPrefix(_AttentionKernel):
@@ -149,7 +161,7 @@ class PagedPrefix(_AttentionKernel):
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
                  prefix_tokens: int, out: torch.Tensor, lse: torch.Tensor, *, block_size: int, scale: float,
-                 logits_soft_cap: float | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                 logits_soft_cap: float | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """Every row of q ``[rows, heads, head_size]`` (rows may be strided) attends to the prefix_tokens positions
         held by the blocks block_ids starts with (int32, contiguous); writes out and lse."""
         if checks.ENABLED:
@@ -160,8 +172,8 @@ class PagedPrefix(_AttentionKernel):
                                k_cache.shape[0])
         self._launch(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                      block_ids.data_ptr(), prefix_tokens, q.shape[0], out.data_ptr(), lse.data_ptr(), q.shape[1],
-                     k_cache.shape[1], q.shape[2], block_size, scale, logits_soft_cap or 0.0, *kv_scales,
-                     torch.get_num_threads())
+                     k_cache.shape[1], q.shape[2], block_size, scale, logits_soft_cap or 0.0,
+                     *_scale_pointers(PAGED_PREFIX.name, kv_scales, k_cache.shape[1]), torch.get_num_threads())
 
 
 class MergeAttnStates:

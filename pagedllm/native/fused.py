@@ -10,9 +10,9 @@ relations between the arguments (shapes, lengths) are checked before a call too 
 import torch
 
 from pagedllm import native
-from pagedllm.kv_cache_dtype import is_fp8, row_width
+from pagedllm.kv_cache_dtype import is_fp8, row_width, unit_kv_scales
 from pagedllm.native import checks
-from pagedllm.native.checks import require
+from pagedllm.native.checks import expect, require
 from pagedllm.native.graph import launch
 from pagedllm.native.signature import FLOAT, INT, INT64, POINTER, CFunction, arguments
 
@@ -34,8 +34,8 @@ FUSED_SIGNATURES = (
                                                   INT, "vocab_rows", INT64, "scale", FLOAT, "block", INT)),
     CFunction("write_kv_f32", INT, *_WRITE_KV_ARGS),
     CFunction("write_kv_bf16", INT, *_WRITE_KV_ARGS),
-    CFunction("write_kv_fp8_e4m3", INT, *_WRITE_KV_ARGS, *arguments("k_scale", "v_scale", FLOAT)),
-    CFunction("write_kv_fp8_e5m2", INT, *_WRITE_KV_ARGS, *arguments("k_scale", "v_scale", FLOAT)),
+    CFunction("write_kv_fp8_e4m3", INT, *_WRITE_KV_ARGS, *arguments("head_size", INT, "k_scale", "v_scale", POINTER)),
+    CFunction("write_kv_fp8_e5m2", INT, *_WRITE_KV_ARGS, *arguments("head_size", INT, "k_scale", "v_scale", POINTER)),
     CFunction("write_kv_int8", INT, *_WRITE_KV_ARGS, *arguments("head_size", INT)),
     CFunction("argmax_rows_f32", None, *arguments("x", POINTER, "rows", "cols", INT64, "out", POINTER)),
     CFunction("add_sigmoid_gated_f32", None, *arguments("gate", "x", "out", POINTER, "rows", INT64, "d", INT)),
@@ -158,11 +158,11 @@ _WRITE_KV = {torch.float32: "write_kv_f32", torch.bfloat16: "write_kv_bf16", tor
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, value_flat: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
+             slot_mapping: torch.Tensor, kv_scales: torch.Tensor | None = None) -> bool:
     """``key_flat[slot_mapping] = key`` and the same for value, for float32 ``[T, kv_heads, head_size]`` rows
     that may be strided views of the QKV output, into a cache of any kv_cache_dtype (rounded or quantized as
-    kv_cache_dtype.quantize_rows does, an fp8 cache's keys divided by ``k_scale`` and values by ``v_scale``); False
-    when it does not apply."""
+    kv_cache_dtype.quantize_rows does, an fp8 cache's keys of KV head h divided by ``kv_scales[0, h]`` and values by
+    ``kv_scales[1, h]``: float32 ``[2, kv_heads]``, None for 1); False when it does not apply."""
     lib = _lib_for(key, value)
     kernel = _WRITE_KV.get(key_flat.dtype)
     row_floats = key.shape[1] * key.shape[2]
@@ -178,8 +178,13 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_flat: torch.Tensor, val
                 and slot_mapping.shape == (key.shape[0],),
                 f"key/value {tuple(key.shape)}, caches {tuple(key_flat.shape)}, slots {tuple(slot_mapping.shape)} "
                 "do not fit")
-    # what the kernel takes beyond the rows: an int8 cache's head size, an fp8 cache's scales
-    extra = (key.shape[2],) if key_flat.dtype == torch.int8 else (k_scale, v_scale) if is_fp8(key_flat.dtype) else ()
+    # what the kernel takes beyond the rows: an int8 cache's head size; an fp8 cache's, and its scales' rows
+    extra = (key.shape[2],) if key_flat.dtype == torch.int8 else ()
+    if is_fp8(key_flat.dtype):
+        kv_scales = unit_kv_scales(key.shape[1]) if kv_scales is None else kv_scales
+        if checks.ENABLED:
+            expect(kernel, "kv_scales", kv_scales, torch.float32, (2, key.shape[1]), contiguous=True)
+        extra = (key.shape[2], kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
     if launch(getattr(lib, kernel), key.data_ptr(), value.data_ptr(), key.stride(0), key_flat.data_ptr(),
               value_flat.data_ptr(), key_flat.shape[0], slot_mapping.data_ptr(), key.shape[0], row_floats,
               *extra) != 0:

@@ -15,7 +15,7 @@
 // there graph_replay_available() says 0 and graphs replay call by call from Python.
 #include <stdint.h>
 
-#define GRAPH_INT_ARGS 24    // integer-class arguments a recorded call may have (the most a kernel takes: 19)
+#define GRAPH_INT_ARGS 24    // integer-class arguments a recorded call may have (the most a kernel takes: 21)
 #define GRAPH_FLOAT_ARGS 8   // float arguments: one vector register each, never on the stack
 
 typedef struct {

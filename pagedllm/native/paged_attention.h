@@ -7,8 +7,9 @@
  * - -DKV_BF16: bf16 (the top half of a float32: a bfloat16 model whose activations are float32, see
  *   platforms/cpu.KernelChoice);
  * - -DKV_FP8_E4M3 / -DKV_FP8_E5M2: one byte an element, fp8 (vLLM's kv_cache_dtype fp8_e4m3 / fp8_e5m2), holding
- *   k / k_scale and v / v_scale (vLLM's per-tensor scales, a layer's constants: the kernels take them as arguments,
- *   1 for the other caches, and fold k_scale into the scores' scale and v_scale into the outputs' normalisation);
+ *   k / k_scale and v / v_scale (vLLM's scales, a layer's constants, one per KV head: the kernels take them as
+ *   arrays of num_kv_heads floats, all equal for a per-tensor scale, all 1 for the other caches, and fold a head's
+ *   k_scale into its scores' scale and its v_scale into its outputs' normalisation);
  * - -DKV_INT8: one signed byte an element, each head's row of head_size followed by its float32 scale (4 bytes:
  *   max |x| / 127 over the row, written by fused_ops.c's write_kv_int8).
  * Queries, outputs and all arithmetic stay float32. An element widens as it loads (kv_float, kv_load16, kv_load8)
@@ -181,5 +182,6 @@ __attribute__((visibility("hidden"))) int run_prefill(
     const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache, const int32_t *block_table,
     int64_t block_table_stride, const int32_t *query_start, const int32_t *query_len, const int32_t *seq_len,
     int start_pos, int stop_pos, int window, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads,
-    int head_size, int block_size, float scale, float softcap, float k_scale, float v_scale, int num_threads);
+    int head_size, int block_size, float scale, float softcap, const float *k_scale, const float *v_scale,
+    int num_threads);
 #endif

@@ -8,12 +8,12 @@
 /* Cascade attention's shared part: num_rows query rows (q_row_stride floats apart), all after a prefix of
  * prefix_tokens positions that every row's request holds in the blocks block_table starts with, attend to that
  * prefix alone: the prefill tiles over one "request" whose keys stop at the prefix, scores soft-capped at softcap
- * (0: not) and keys and values scaled by k_scale and v_scale as the rest of each row's history is. Writes out
- * [num_rows, num_heads, head_size] and lse [num_rows, num_heads]; -1 as paged_prefill_f32. */
+ * (0: not) and keys and values scaled by k_scale and v_scale (per KV head) as the rest of each row's history is.
+ * Writes out [num_rows, num_heads, head_size] and lse [num_rows, num_heads]; -1 as paged_prefill_f32. */
 int paged_prefix_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                      const int32_t *block_table, int prefix_tokens, int num_rows, float *out, float *lse,
                      int num_heads, int num_kv_heads, int head_size, int block_size, float scale, float softcap,
-                     float k_scale, float v_scale, int num_threads) {
+                     const float *k_scale, const float *v_scale, int num_threads) {
     const int32_t query_start = 0, query_len = num_rows, seq_len = prefix_tokens + num_rows;
     return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, 0, &query_start, &query_len, &seq_len, 0,
                        prefix_tokens, 0, out, lse, 1, num_heads, num_kv_heads, head_size, block_size, scale, softcap,

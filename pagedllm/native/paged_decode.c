@@ -25,8 +25,8 @@ typedef struct {
     const int32_t *block_table, *seq_lens;
     int64_t block_table_stride, q_row_stride;
     int start_pos, window, num_heads, num_kv_heads, head_size, block_size;
-    float scale, softcap; /* scale: the scores', k_scale folded in; softcap 0: scores uncapped (paged_attention.h) */
-    float v_scale;        /* what every value is worth per unit it widens to: each output is multiplied by it */
+    float scale, softcap;             /* scale: the scores'; softcap 0: scores uncapped (paged_attention.h) */
+    const float *k_scale, *v_scale;   /* per KV head: what its keys and values are worth per unit they widen to */
     float *out, *lse;
     int splits;                       /* spans per (request, KV head); above 1 they write to the partials */
     float *partial_out, *partial_lse; /* [request, KV head, split, group, head_size] and [..., group] */
@@ -36,6 +36,8 @@ typedef struct {
  * output rows (head_size floats apart) and log-sum-exps. */
 typedef struct {
     int req, kv_head, begin, end;
+    float scale;   /* the scores', its KV head's k_scale folded in */
+    float v_scale; /* its KV head's: each output is multiplied by it */
     float *out, *lse;
 } DecodeSpan;
 
@@ -46,6 +48,8 @@ static inline DecodeSpan decode_span(const DecodeArgs *a, int item) {
     DecodeSpan w;
     w.req = pair / a->num_kv_heads;
     w.kv_head = pair % a->num_kv_heads;
+    w.scale = a->scale * a->k_scale[w.kv_head];
+    w.v_scale = a->v_scale[w.kv_head];
     const int seq_len = a->seq_lens[w.req];
     w.begin = window_start(a->start_pos, seq_len - 1, a->window);
     w.end = seq_len;
@@ -87,7 +91,7 @@ static void decode_item_portable(const DecodeArgs *a, const DecodeSpan *w) {
                 const kv_t *kt = k + t * row_stride;
                 float score = 0.0f;
                 for (int i = 0; i < d; i++) score += qg[i] * kv_float(kt[i]);
-                scores[t] = score * kv_row_scale(kt, d) * a->scale;
+                scores[t] = score * kv_row_scale(kt, d) * w->scale;
             }
             if (a->softcap > 0.0f)
                 for (int t = 0; t < n; t++) scores[t] = softcap1(scores[t], a->softcap);
@@ -108,7 +112,7 @@ static void decode_item_portable(const DecodeArgs *a, const DecodeSpan *w) {
         pos += n;
     }
     for (int g = 0; g < group; g++) {
-        const float inv = a->v_scale / running_sum[g];
+        const float inv = w->v_scale / running_sum[g];
         for (int i = 0; i < d; i++) w->out[(int64_t)g * d + i] = acc[g][i] * inv;
         w->lse[g] = running_max[g] + logf(running_sum[g]);
     }
@@ -194,7 +198,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
         running_sum[g] = _mm512_setzero_ps();
         for (int j = 0; j < VD; j++) {
             acc[g][j] = _mm512_setzero_ps();
-            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + 16 * j), _mm512_set1_ps(a->scale * KV_WIDEN_SCALE));
+            qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * d + 16 * j), _mm512_set1_ps(w->scale * KV_WIDEN_SCALE));
         }
     }
 #if defined(KV_ROW_SCALED) /* byte offsets of a run's rows' scales from its first row */
@@ -263,7 +267,7 @@ static inline __attribute__((always_inline)) void decode_item_avx512(const Decod
     }
     for (int g = 0; g < GROUP; g++) {
         const float sum = _mm512_cvtss_f32(running_sum[g]);
-        const __m512 inv = _mm512_set1_ps(KV_WIDEN_SCALE * a->v_scale / sum);
+        const __m512 inv = _mm512_set1_ps(KV_WIDEN_SCALE * w->v_scale / sum);
         for (int j = 0; j < VD; j++) _mm512_storeu_ps(w->out + g * d + 16 * j, _mm512_mul_ps(acc[g][j], inv));
         w->lse[g] = _mm512_cvtss_f32(running_max[g]) + logf(sum);
     }
@@ -318,7 +322,7 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         running_sum[g] = 0.0f;
         for (int j = 0; j < VD; j++) {
             acc[g][j] = _mm256_setzero_ps();
-            qv[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d + 8 * j), _mm256_set1_ps(a->scale * KV_WIDEN_SCALE));
+            qv[g][j] = _mm256_mul_ps(_mm256_loadu_ps(q + g * d + 8 * j), _mm256_set1_ps(w->scale * KV_WIDEN_SCALE));
         }
     }
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
@@ -413,7 +417,7 @@ static inline __attribute__((always_inline)) void decode_item_avx2(const DecodeA
         }
     }
     for (int g = 0; g < GROUP; g++) {
-        const __m256 inv = _mm256_set1_ps(KV_WIDEN_SCALE * a->v_scale / running_sum[g]);
+        const __m256 inv = _mm256_set1_ps(KV_WIDEN_SCALE * w->v_scale / running_sum[g]);
         for (int j = 0; j < VD; j++) _mm256_storeu_ps(w->out + g * d + 8 * j, _mm256_mul_ps(acc[g][j], inv));
         w->lse[g] = running_max[g] + logf(running_sum[g]);
     }
@@ -496,20 +500,21 @@ static void merge_splits(const DecodeArgs *a, int row) {
 /* q: [num_reqs, num_heads, head_size], rows q_row_stride floats apart (they may be a view of the fused QKV
  * output); caches: [num_slots, num_kv_heads, head_size]; block_table: [num_reqs, block_table_stride] int32;
  * request r reads positions window_start(start_pos, seq_lens[r] - 1, window) .. seq_lens[r]-1 (each seq_lens[r] >
- * start_pos; window 0: no window, see paged_attention.h), its scores soft-capped at softcap (0: not), its keys and
- * values worth k_scale and v_scale times what they widen to (paged_attention.h). Writes out
+ * start_pos; window 0: no window, see paged_attention.h), its scores soft-capped at softcap (0: not), KV head h's keys
+ * and values worth k_scale[h] and v_scale[h] times what they widen to (paged_attention.h). Writes out
  * [num_reqs, num_heads, head_size] and lse [num_reqs, num_heads]. Returns 0, or -1 for sizes the kernel does
  * not handle. */
 int paged_decode_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                      const int32_t *block_table, int64_t block_table_stride, const int32_t *seq_lens, int start_pos,
                      int window, float *out, float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size,
-                     int block_size, float scale, float softcap, float k_scale, float v_scale, int num_threads) {
+                     int block_size, float scale, float softcap, const float *k_scale, const float *v_scale,
+                     int num_threads) {
     if (num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP || head_size > MAX_HEAD_SIZE)
         return -1;
     if (num_reqs == 0) return 0; /* an empty batch: nothing to write (decode_splits divides by the items) */
     DecodeArgs a = {q, k_cache, v_cache, block_table, seq_lens, block_table_stride, q_row_stride, start_pos,
-                    window, num_heads, num_kv_heads, head_size, block_size, scale * k_scale, softcap, v_scale,
-                    out, lse, 1, NULL, NULL};
+                    window, num_heads, num_kv_heads, head_size, block_size, scale, softcap, k_scale, v_scale, out,
+                    lse, 1, NULL, NULL};
     const int pairs = num_reqs * num_kv_heads, group = num_heads / num_kv_heads;
     a.splits = decode_splits(seq_lens, num_reqs, start_pos, pairs, num_threads);
     if (a.splits > 1) {

@@ -35,8 +35,8 @@ typedef struct {
     const int *tile_start; /* [num_reqs + 1]: tiles before request r */
     int64_t block_table_stride, q_row_stride;
     int num_reqs, start_pos, stop_pos, window, num_heads, num_kv_heads, block_size, tokens_per_tile, vecs;
-    float scale, softcap; /* scale: the scores', k_scale folded in; softcap 0: scores uncapped (paged_attention.h) */
-    float v_scale;        /* what every value is worth per unit it widens to: each output is multiplied by it */
+    float scale, softcap;           /* scale: the scores'; softcap 0: scores uncapped (paged_attention.h) */
+    const float *k_scale, *v_scale; /* per KV head: what its keys and values are worth per unit they widen to */
     float *out, *lse;
     int amx; /* the tiles multiply on AMX (prefill_item_amx) */
 } PrefillArgs;
@@ -44,6 +44,8 @@ typedef struct {
 /* Where one tile (a work item: a tile of a request's query tokens, for one KV head) reads and writes. */
 typedef struct {
     int kv_head, lanes; /* lanes holding a query (the rest idle) */
+    float scale;        /* the scores', its KV head's k_scale folded in */
+    float v_scale;      /* its KV head's: each output is multiplied by it */
     int begin, end;     /* the positions the tile reads */
     const int32_t *blocks;
     int64_t row_stride; /* cache elements between slots */
@@ -69,6 +71,8 @@ static inline void tile_lanes(const PrefillArgs *a, int item, int lanes_in_tile,
     const int ntok = a->query_len[r] - first < a->tokens_per_tile ? a->query_len[r] - first : a->tokens_per_tile;
     const int context = a->seq_len[r] - a->query_len[r];
     t->kv_head = item % a->num_kv_heads;
+    t->scale = a->scale * a->k_scale[t->kv_head];
+    t->v_scale = a->v_scale[t->kv_head];
     t->lanes = ntok * group;
     t->end = context + first + ntok < a->stop_pos ? context + first + ntok : a->stop_pos;
     t->blocks = a->block_table + (int64_t)r * a->block_table_stride;
@@ -422,7 +426,7 @@ static inline __attribute__((always_inline)) void finish_softmax(const PrefillAr
     for (int h = 0; h < VECS; h++) {
         _mm512_store_ps(sums + 16 * h, running_sum[h]);
         _mm512_store_ps(maxes + 16 * h, running_max[h]);
-        _mm512_store_ps(inv + 16 * h, _mm512_div_ps(_mm512_set1_ps(a->v_scale), running_sum[h]));
+        _mm512_store_ps(inv + 16 * h, _mm512_div_ps(_mm512_set1_ps(t->v_scale), running_sum[h]));
     }
     store_lse(a, t, maxes, sums);
 }
@@ -433,7 +437,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx512(const Pref
     TileLanes t;
     tile_lanes(a, item, LANES, D, &t);
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
-    transpose_queries(&t, a->scale, D, VECS, qt);
+    transpose_queries(&t, t.scale, D, VECS, qt);
     memset(ot, 0, sizeof ot);
 #if defined(PAIRED_TILES)
     uint32_t qt2[D / 2][LANE_STRIDE] __attribute__((aligned(64)));
@@ -611,7 +615,7 @@ static inline __attribute__((always_inline)) void prefill_item_amx(const Prefill
     uint32_t qt2[D / 2][LANE_STRIDE] __attribute__((aligned(64)));
     {
         float qt[D][LANE_STRIDE] __attribute__((aligned(64)));
-        transpose_queries(&t, a->scale, D, VECS, qt);
+        transpose_queries(&t, t.scale, D, VECS, qt);
         pair_queries(qt, D, VECS, qt2);
     }
     float ol[LANE_STRIDE][D] __attribute__((aligned(64)));
@@ -701,7 +705,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx2(const Prefil
     TileLanes t;
     tile_lanes(a, item, LANES, D, &t);
     float qt[D][LANE_STRIDE] __attribute__((aligned(64))), ot[D][LANE_STRIDE] __attribute__((aligned(64)));
-    const __m256 scale = _mm256_set1_ps(a->scale);
+    const __m256 scale = _mm256_set1_ps(t.scale);
     for (int h = 0; h < VECS; h++)
         for (int i0 = 0; i0 < D; i0 += 8) { /* 8 lanes x 8 dims of queries, transposed into qt */
             __m256 block[8];
@@ -778,7 +782,7 @@ static inline __attribute__((always_inline)) void prefill_item_avx2(const Prefil
     }
     store_lse(a, &t, maxes, sums);
     for (int h = 0; h < VECS; h++) {
-        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(a->v_scale), running_sum[h]);
+        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(t.v_scale), running_sum[h]);
         for (int i0 = 0; i0 < D; i0 += 8) { /* back from 8 dims x 8 lanes to the lanes' output rows */
             __m256 block[8];
             for (int m = 0; m < 8; m++) block[m] = _mm256_mul_ps(_mm256_load_ps(ot[i0 + m] + 8 * h), inv);
@@ -848,7 +852,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                float softcap, float k_scale, float v_scale, int num_threads) {
+                float softcap, const float *k_scale, const float *v_scale, int num_threads) {
     if (!prefill_takes(num_heads, num_kv_heads, head_size) || num_reqs < 0) return -1; /* 0 chunks: no tiles */
     const int group = num_heads / num_kv_heads;
     const int vecs = tile_vecs(group), tokens_per_tile = VEC_LANES * vecs / group;
@@ -858,8 +862,8 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
         tile_start[r + 1] = tile_start[r] + (query_len[r] + tokens_per_tile - 1) / tokens_per_tile;
     const PrefillArgs a = {q, k_cache, v_cache, block_table, query_start, query_len, seq_len, tile_start,
                            block_table_stride, q_row_stride, num_reqs, start_pos, stop_pos, window, num_heads,
-                           num_kv_heads, block_size, tokens_per_tile, vecs, scale * k_scale, softcap, v_scale, out,
-                           lse, paged_prefill_amx()};
+                           num_kv_heads, block_size, tokens_per_tile, vecs, scale, softcap, k_scale, v_scale, out, lse,
+                           paged_prefill_amx()};
     const int items = tile_start[num_reqs] * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -891,7 +895,7 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
                 const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                 const int32_t *query_len, const int32_t *seq_len, int start_pos, int stop_pos, int window, float *out,
                 float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size, float scale,
-                float softcap, float k_scale, float v_scale, int num_threads) {
+                float softcap, const float *k_scale, const float *v_scale, int num_threads) {
     return -1;
 }
 #pragma GCC diagnostic pop
@@ -901,15 +905,16 @@ int run_prefill(const float *q, int64_t q_row_stride, const kv_t *k_cache, const
  * [rows, num_heads, head_size] (rows q_row_stride floats apart: a view of the QKV projection's output is read in
  * place), the last query_len[r] of its seq_len[r] positions; each sees the positions start_pos .. its own, under a
  * sliding window (window > 0; 0: none) only the last window of them (window_start in paged_attention.h), the scores
- * soft-capped at softcap (0: not), its keys and values worth k_scale and v_scale times what they widen to
- * (paged_attention.h). Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads]. The chunks'
- * arrays are read when the kernel runs, so a CPU graph replays it over new chunks of the same total rows. Returns -1
- * for what it does not handle (neither AVX-512 nor AVX2, head size not 64, 128 or 256, group > 16). */
+ * soft-capped at softcap (0: not), KV head h's keys and values worth k_scale[h] and v_scale[h] times what they
+ * widen to (paged_attention.h). Writes those rows of out [rows, num_heads, head_size] and lse [rows, num_heads].
+ * The chunks' arrays are read when the kernel runs, so a CPU graph replays it over new chunks of the same total
+ * rows. Returns -1 for what it does not handle (neither AVX-512 nor AVX2, head size not 64, 128 or 256, group > 16).
+ */
 int paged_prefill_f32(const float *q, int64_t q_row_stride, const kv_t *k_cache, const kv_t *v_cache,
                       const int32_t *block_table, int64_t block_table_stride, const int32_t *query_start,
                       const int32_t *query_len, const int32_t *seq_len, int start_pos, int window, float *out,
                       float *lse, int num_reqs, int num_heads, int num_kv_heads, int head_size, int block_size,
-                      float scale, float softcap, float k_scale, float v_scale, int num_threads) {
+                      float scale, float softcap, const float *k_scale, const float *v_scale, int num_threads) {
     return run_prefill(q, q_row_stride, k_cache, v_cache, block_table, block_table_stride,
                        query_start, query_len, seq_len, start_pos, INT32_MAX, window, out, lse, num_reqs, num_heads,
                        num_kv_heads, head_size, block_size, scale, softcap, k_scale, v_scale, num_threads);

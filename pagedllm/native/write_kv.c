@@ -75,21 +75,21 @@ static inline uint8_t fp8_bits(float x, const int M, const int BIAS, const float
     return sign | (uint8_t)(exponent << M) | (uint8_t)((bits >> drop) & ((1u << M) - 1u));
 }
 
-/* Row t of key/value (row_stride floats apart, row_floats each) into slot slot_mapping[t] of the caches as fp8, each
- * key divided by k_scale and each value by v_scale first (the layer's per-tensor scales: float32 division, as the
- * torch path's); -1 (nothing written) for a slot outside num_slots. */
+/* Row t of key/value (row_stride floats apart, row_floats each: heads of head_size) into slot slot_mapping[t] of the
+ * caches as fp8, head h's keys divided by k_scale[h] and its values by v_scale[h] first (the layer's scales, per KV
+ * head: float32 division, as the torch path's); -1 (nothing written) for a slot outside num_slots. */
 static int write_kv_fp8(const float *key, const float *value, int64_t row_stride, uint8_t *key_cache,
                         uint8_t *value_cache, int64_t num_slots, const int64_t *slot_mapping, int64_t rows,
-                        int row_floats, float k_scale, float v_scale, const int M, const int BIAS,
-                        const float max_finite) {
+                        int row_floats, int head_size, const float *k_scale, const float *v_scale, const int M,
+                        const int BIAS, const float max_finite) {
     if (!slots_in_range(slot_mapping, rows, num_slots)) return -1;
 #pragma omp parallel for schedule(static) if (rows * row_floats >= PARALLEL_MIN_FLOATS)
     for (int64_t t = 0; t < rows; t++) {
         uint8_t *k = key_cache + slot_mapping[t] * row_floats, *v = value_cache + slot_mapping[t] * row_floats;
         const float *kt = key + t * row_stride, *vt = value + t * row_stride;
         for (int i = 0; i < row_floats; i++) {
-            k[i] = fp8_bits(kt[i] / k_scale, M, BIAS, max_finite);
-            v[i] = fp8_bits(vt[i] / v_scale, M, BIAS, max_finite);
+            k[i] = fp8_bits(kt[i] / k_scale[i / head_size], M, BIAS, max_finite);
+            v[i] = fp8_bits(vt[i] / v_scale[i / head_size], M, BIAS, max_finite);
         }
     }
     return 0;
@@ -97,16 +97,16 @@ static int write_kv_fp8(const float *key, const float *value, int64_t row_stride
 
 int write_kv_fp8_e4m3(const float *key, const float *value, int64_t row_stride, uint8_t *key_cache,
                       uint8_t *value_cache, int64_t num_slots, const int64_t *slot_mapping, int64_t rows,
-                      int row_floats, float k_scale, float v_scale) {
+                      int row_floats, int head_size, const float *k_scale, const float *v_scale) {
     return write_kv_fp8(key, value, row_stride, key_cache, value_cache, num_slots, slot_mapping, rows, row_floats,
-                        k_scale, v_scale, 3, 7, 448.0f);
+                        head_size, k_scale, v_scale, 3, 7, 448.0f);
 }
 
 int write_kv_fp8_e5m2(const float *key, const float *value, int64_t row_stride, uint8_t *key_cache,
                       uint8_t *value_cache, int64_t num_slots, const int64_t *slot_mapping, int64_t rows,
-                      int row_floats, float k_scale, float v_scale) {
+                      int row_floats, int head_size, const float *k_scale, const float *v_scale) {
     return write_kv_fp8(key, value, row_stride, key_cache, value_cache, num_slots, slot_mapping, rows, row_floats,
-                        k_scale, v_scale, 2, 15, 57344.0f);
+                        head_size, k_scale, v_scale, 2, 15, 57344.0f);
 }
 
 /* One head's n floats as int8 codes round(x * 127 / max|x|) (to nearest even) followed by the float32 scale

@@ -4,6 +4,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pagedllm.kv_cache_dtype import unit_kv_scales
 from pagedllm.layers.attention.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -27,10 +28,11 @@ class AttentionImpl(ABC):
         self.group = num_heads // num_kv_heads  # query heads per KV head
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap or None
-        # An fp8 cache's per-tensor scales (vLLM's _k_scale_float, _v_scale_float): it holds k / k_scale and
-        # v / v_scale. A checkpoint's, set by Attention.set_kv_cache_scales after loading; 1 without them, and for
+        # An fp8 cache's scales, float32 [2, num_kv_heads]: the rows k_scale and v_scale (vLLM's _k_scale and
+        # _v_scale), one a KV head, all equal for per-tensor ones: it holds KV head h's k / k_scale[h] and
+        # v / v_scale[h]. A checkpoint's, set by Attention.set_kv_cache_scales after loading; 1 without them, and for
         # every other cache (kv_cache_dtype.is_fp8).
-        self.k_scale = self.v_scale = 1.0
+        self.kv_scales = unit_kv_scales(num_kv_heads)
 
     @abstractmethod
     def forward(

@@ -20,14 +20,15 @@ platforms/cpu.KernelChoice), or one byte an element (kv_cache_dtype fp8 or int8,
 kernels read it so directly; the torch paths widen (dequantize) what they gather. Either way this step's own keys
 and values are attended as the cache holds them (rounded or quantized), so a token's attention does not depend on
 whether its context came from this step or an earlier one. An fp8 cache holds k / k_scale and v / v_scale (the layer's
-checkpoint scales, AttentionImpl.k_scale): the writes divide by them, the kernels take k_scale into the scores' scale
-and v_scale into the outputs' normalisation, the torch paths multiply what they widen.
+checkpoint scales, per tensor or per KV head, AttentionImpl.kv_scales): the writes divide by them, the kernels take a
+KV head's k_scale into its scores' scale and its v_scale into its outputs' normalisation, the torch paths multiply
+what they widen.
 """
 
 import torch
 
 from pagedllm import native
-from pagedllm.kv_cache_dtype import dequantize_rows, is_fp8, quantize_rows, row_width
+from pagedllm.kv_cache_dtype import dequantize_rows, is_fp8, quantize_rows, row_width, unit_kv_scales
 from pagedllm.layers.attention.backend import AttentionBackend, AttentionImpl, KVCache
 from pagedllm.layers.attention.cpu_plan import AttentionPlan, PrefillChunk, build_plan
 from pagedllm.layers.attention.metadata import AttentionMetadata
@@ -97,7 +98,7 @@ class TorchSDPABackendImpl(AttentionImpl):
         value_flat = value_cache.view(-1, self.num_kv_heads, width)
         slot_mapping = attn_metadata.slot_mapping.long()
         scales = self._cache_scales(key_cache.dtype)
-        if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping, *scales):
+        if not fused.write_kv(key, value, key_flat, value_flat, slot_mapping, scales):
             _write_rows(key_flat, slot_mapping, quantize_rows(key, key_flat.dtype, scales[0]))
             _write_rows(value_flat, slot_mapping, quantize_rows(value, value_flat.dtype, scales[1]))
 
@@ -115,10 +116,10 @@ class TorchSDPABackendImpl(AttentionImpl):
             out = self._merge_shared_prefix(query, key_flat, value_flat, scales, plan, out, lse)
         return out.reshape(num_tokens, self.num_heads, self.head_size)
 
-    def _cache_scales(self, kv_dtype: torch.dtype) -> tuple[float, float]:
-        """(k_scale, v_scale) over a cache of ``kv_dtype``: the layer's for an fp8 cache, else 1 (as vLLM sets them
-        where the cache is not quantized)."""
-        return (self.k_scale, self.v_scale) if is_fp8(kv_dtype) else (1.0, 1.0)
+    def _cache_scales(self, kv_dtype: torch.dtype) -> torch.Tensor:
+        """The rows k_scale and v_scale ``[2, num_kv_heads]`` over a cache of ``kv_dtype``: the layer's for an fp8
+        cache, else 1 (as vLLM sets them where the cache is not quantized)."""
+        return self.kv_scales if is_fp8(kv_dtype) else unit_kv_scales(self.num_kv_heads)
 
     def _native_decode(self, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and self.native_decode_sizes and native.paged_decode(kv_dtype) is not None
@@ -183,8 +184,9 @@ class TorchSDPABackendImpl(AttentionImpl):
         out.index_copy_(0, plan.decode_rows, out_rows)
         lse.index_copy_(0, plan.decode_rows, lse_rows)
 
-    def _widen(self, rows: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-        """Cache rows ``[..., row_width]`` as ``dtype`` values ``[..., head_size]`` (times an fp8 cache's scale)."""
+    def _widen(self, rows: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+        """Cache rows ``[..., num_kv_heads, row_width]`` as ``dtype`` values ``[..., head_size]`` (times an fp8
+        cache's scales, ``[num_kv_heads]``)."""
         return dequantize_rows(rows, self.head_size, dtype, scale)
 
     def _prefill(self, query, key, value, key_flat, value_flat, scales, chunk: PrefillChunk, out, lse) -> None:

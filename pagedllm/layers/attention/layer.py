@@ -28,11 +28,14 @@ class Attention(nn.Module):
         self.impl = self.backend.get_impl_cls()(num_heads, head_size, scale, self.num_kv_heads,
                                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
-    def set_kv_cache_scales(self, k_scale: float, v_scale: float) -> None:
-        """This layer's fp8 KV cache scales from the checkpoint (vLLM's per-tensor k_scale and v_scale, positive
-        floats): its keys are cached as k / k_scale and read back times k_scale, its values so by v_scale. They are
-        constants of the layer, so a CPU graph's recorded kernel arguments stay valid."""
-        self.impl.k_scale, self.impl.v_scale = k_scale, v_scale
+    def set_kv_cache_scales(self, k_scale: float | torch.Tensor, v_scale: float | torch.Tensor) -> None:
+        """This layer's fp8 KV cache scales from the checkpoint (vLLM's k_scale and v_scale, positive: a float per
+        tensor, or float32 ``[num_kv_heads]``, one for each of this layer's KV heads, as a kv_cache_scheme of strategy
+        "attn_head" has them): KV head h's keys are cached as k / k_scale[h] and read back times k_scale[h], its
+        values so by v_scale[h]. They are constants of the layer, held in one tensor that lives as long as it, so the
+        kernel arguments a CPU graph records (the tensor's address) stay valid."""
+        self.impl.kv_scales = torch.stack([torch.as_tensor(scale, dtype=torch.float32).expand(self.num_kv_heads)
+                                           for scale in (k_scale, v_scale)])
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
