@@ -123,14 +123,19 @@ class KVCacheManager:
 
     ``group_windows``: each group's sliding window (None: full attention), CacheConfig.group_windows; by default one
     group of full attention. Blocks, hits and block ids go as tuples with an entry per group.
+
+    ``max_step_tokens``: the KV slots a step gives a request at most (EngineConfig.max_step_slots; by default
+    max_model_len): under a sliding window they bound the blocks a request holds at once (max_blocks).
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, group_windows: Sequence[int | None] = (None,)) -> None:
+                 enable_caching: bool = True, group_windows: Sequence[int | None] = (None,),
+                 max_step_tokens: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_step_tokens = max_model_len if max_step_tokens is None else max_step_tokens
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         windows = tuple(group_windows)
@@ -153,10 +158,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def max_blocks(self, num_tokens: int, max_step_tokens: int) -> int:
+    def max_blocks(self, num_tokens: int) -> int:
         """The most blocks a request of up to num_tokens tokens holds at once (the module's max_blocks)."""
         return max_blocks([group.sliding_window for group in self.groups], self.block_size, num_tokens,
-                          max_step_tokens)
+                          self.max_step_tokens)
 
     def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """Each group's run of cached blocks for the longest prefix of full blocks that every group can take from
@@ -180,24 +185,6 @@ class KVCacheManager:
             num_hit_blocks = shortest
         return hits, len(hits[0]) * self.block_size
 
-    def full_sequence_fits(self, request: Request, new_computed_blocks: tuple[list[KVCacheBlock], ...],
-                           num_new_computed_tokens: int, max_step_tokens: int) -> bool:
-        """Whether the free blocks hold every block a waiting request's known tokens need past its prefix hit
-        (vLLM's allocate_slots with full_sequence_must_fit, for scheduler_reserve_full_isl). In each group: its
-        blocks for the tokens (under a sliding window at most max_blocks' bound), less those its hit already covers
-        (its null blocks too: what they stand for is out of the window), and the hit's blocks sitting in the free
-        queue, which taking them removes from it."""
-        num_tokens = min(request.num_tokens, self.max_model_len)
-        null = self.block_pool.null_block
-        num_needed = 0
-        for group, hits in zip(self.groups, new_computed_blocks):
-            window = group.sliding_window
-            num_required = max_blocks((window,), self.block_size, num_tokens, max_step_tokens)
-            num_skipped = 0 if window is None else max(num_new_computed_tokens - window + 1, 0) // self.block_size
-            num_needed += max(num_required - max(num_skipped, len(hits)), 0)
-            num_needed += sum(b.ref_cnt == 0 and b is not null for b in hits)
-        return num_needed <= self.block_pool.get_num_free_blocks()
-
     def lookup_enabled(self, request: Request) -> bool:
         """Whether the request reads the prefix cache (not with prompt logprobs, which need every position's
         logits)."""
@@ -216,39 +203,42 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Optional[tuple[list[KVCacheBlock], ...]] = None,
-                       num_new_computed_tokens: int = 0,
-                       num_lookahead_tokens: int = 0) -> Optional[tuple[Sequence[KVCacheBlock], ...]]:
+                       num_new_computed_tokens: int = 0, num_lookahead_tokens: int = 0,
+                       full_sequence_must_fit: bool = False) -> Optional[tuple[Sequence[KVCacheBlock], ...]]:
         """Makes room for num_new_tokens more tokens of KV (after any prefix-hit blocks) in every group.
 
         Returns each group's newly allocated blocks (no_new_blocks where none was needed), or None when the pool
         cannot supply them all — in which case nothing was allocated and no ref count changed (but for blocks out of
         a sliding window, freed first either way: no later query reads them). Full blocks are registered in the
         prefix cache as they fill.
+
+        ``full_sequence_must_fit`` (vLLM's, for scheduler_reserve_full_isl): None also unless the free blocks hold
+        every block the request's known tokens need, so that a waiting request is admitted once its whole prompt
+        fits, not to be preempted half-computed.
         """
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         request_id = request.request_id
+        new_computed_blocks = new_computed_blocks or self.no_new_blocks
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        if full_sequence_must_fit and self._num_blocks_to_allocate(
+                self.req_to_blocks.get(request_id, self.no_new_blocks), min(request.num_tokens, self.max_model_len),
+                new_computed_blocks, num_computed_tokens, admission_cap=True) > self.block_pool.get_num_free_blocks():
+            return None
         req_blocks = self.req_to_blocks.get(request_id)
         fresh = req_blocks is None
         if fresh:
             req_blocks = self.req_to_blocks[request_id] = tuple([] for _ in self.groups)
         for g, group in self._windowed:
             group.remove_skipped_blocks(req_blocks[g], request.num_computed_tokens)
-        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = min(num_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_held = len(req_blocks[0])
-        if not new_computed_blocks and num_tokens_after <= num_held * self.block_size:
+        if not new_computed_blocks[0] and num_tokens_after <= num_held * self.block_size:
             # The common decode step: the last block still has room.
             self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
             return self.no_new_blocks
-        new_computed_blocks = new_computed_blocks or self.no_new_blocks
-        num_new_blocks = cdiv(num_tokens_after, self.block_size) - num_held - len(new_computed_blocks[0])
-        # Hit blocks sitting in the free queue will be taken out of it, so they cannot also be handed out.
-        num_evictable_hits = 0
-        if new_computed_blocks[0]:
-            null = self.block_pool.null_block
-            num_evictable_hits = sum(b.ref_cnt == 0 and b is not null for hits in new_computed_blocks for b in hits)
-        if num_new_blocks * len(self.groups) > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        if self._num_blocks_to_allocate(req_blocks, num_tokens_after, new_computed_blocks, num_computed_tokens,
+                                        admission_cap=False) > self.block_pool.get_num_free_blocks():
             if fresh:
                 del self.req_to_blocks[request_id]
             return None
@@ -260,6 +250,7 @@ class KVCacheManager:
             if hits:
                 self.block_pool.touch(hits)
                 blocks.extend(hits)
+        num_new_blocks = cdiv(num_tokens_after, self.block_size) - len(req_blocks[0])
         new_blocks = []
         for blocks in req_blocks:
             new = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
@@ -267,6 +258,27 @@ class KVCacheManager:
             new_blocks.append(new)
         self._cache_new_full_blocks(request, req_blocks, num_computed_tokens + num_new_tokens)
         return tuple(new_blocks)
+
+    def _num_blocks_to_allocate(self, req_blocks: tuple[Sequence[KVCacheBlock], ...], num_tokens: int,
+                                new_computed_blocks: tuple[list[KVCacheBlock], ...], num_computed_tokens: int,
+                                admission_cap: bool) -> int:
+        """The free blocks that slots for a request's first ``num_tokens`` tokens take (vLLM's
+        get_num_blocks_to_allocate, summed over the groups). In each group: a block per block_size tokens (with
+        ``admission_cap``, under a sliding window at most max_blocks' bound, what the request holds at once as its
+        chunks run), less those it holds or its hit covers, or that its window has skipped by num_computed_tokens
+        (the null block stands for those); and the hit's blocks sitting in the free queue, which taking them removes
+        from it."""
+        null = self.block_pool.null_block
+        num_needed = 0
+        for group, blocks, hits in zip(self.groups, req_blocks, new_computed_blocks):
+            window = group.sliding_window
+            num_required = cdiv(num_tokens, self.block_size)
+            if admission_cap and window is not None:
+                num_required = max_blocks((window,), self.block_size, num_tokens, self.max_step_tokens)
+            num_skipped = 0 if window is None else max(num_computed_tokens - window + 1, 0) // self.block_size
+            num_needed += max(num_required - max(num_skipped, len(blocks) + len(hits)), 0)
+            num_needed += sum(b.ref_cnt == 0 and b is not null for b in hits)
+        return num_needed
 
     def _cache_new_full_blocks(self, request: Request, req_blocks: tuple[list[KVCacheBlock], ...], num_tokens: int
                                ) -> None:

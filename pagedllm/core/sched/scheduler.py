@@ -56,9 +56,13 @@ class Scheduler:
         self.max_num_scheduled_tokens = scheduler_config.max_num_batched_tokens
         self.policy = scheduler_config.policy
         self.block_size = cache_config.block_size
+        self.num_lookahead_tokens = num_lookahead_tokens
+        # The KV slots a step gives a request at most (EngineConfig.max_step_slots): under a sliding window they bound
+        # its blocks (max_blocks), at admission as in the engine's auto-fit and the worker's start-up line.
         self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                                self.max_model_len, cache_config.enable_prefix_caching,
-                                               group_windows=cache_config.group_windows)
+                                               group_windows=cache_config.group_windows,
+                                               max_step_tokens=self.max_num_scheduled_tokens + num_lookahead_tokens)
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
@@ -84,10 +88,6 @@ class Scheduler:
         self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = self.spec_decode_num_accepted_tokens = 0
         self.spec_decode_num_accepted_tokens_per_pos = [0] * num_speculative_tokens
         self.spec_budget = SpecDecodeBudget() if num_speculative_tokens else None
-        self.num_lookahead_tokens = num_lookahead_tokens
-        # The KV slots a step gives a request at most (EngineConfig.max_step_slots): under a sliding window they bound
-        # its blocks (max_blocks), at admission as in the engine's auto-fit and the worker's start-up line.
-        self.max_step_slots = self.max_num_scheduled_tokens + num_lookahead_tokens
         self.max_loras = max_loras
 
     # ----------------------------------------------------------------------------------------- requests
@@ -128,7 +128,7 @@ class Scheduler:
                     f"length is {self.max_model_len} tokens, and at least one token must be generated.")
         max_tokens = request.max_tokens if request.max_tokens is not None else self.max_model_len
         peak_tokens = min(request.num_prompt_tokens + max_tokens + self.num_lookahead_tokens, self.max_model_len)
-        peak_blocks = self.kv_cache_manager.max_blocks(peak_tokens, self.max_step_slots)
+        peak_blocks = self.kv_cache_manager.max_blocks(peak_tokens)
         if peak_blocks > self.kv_cache_manager.num_blocks:
             return (f"The request needs up to {peak_tokens} tokens of KV cache "
                     f"({peak_blocks} blocks at once) but the whole cache holds "
@@ -285,16 +285,16 @@ class Scheduler:
                 self.deferred_waiting.add(request.request_id)
                 continue
             hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-            if self.scheduler_config.scheduler_reserve_full_isl and not self.kv_cache_manager.full_sequence_fits(
-                    request, hit_blocks, num_hit_tokens, self.max_step_slots):
-                break  # admitted once its whole prompt fits, as vLLM's, not to be preempted half-computed
             num_new_tokens = request.num_tokens - num_hit_tokens
             if not self.scheduler_config.enable_chunked_prefill and num_new_tokens > token_budget:
                 break  # the head does not fit whole; shorter ones behind it must not jump ahead
             num_new_tokens = self._cap_new_tokens(request, num_new_tokens, min(token_budget, prefill_budget),
                                                   threshold, num_hit_tokens)
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens, hit_blocks, num_hit_tokens,
-                                                              self.num_lookahead_tokens)
+            # With scheduler_reserve_full_isl a request is admitted once its whole prompt fits, as vLLM's, not to be
+            # preempted half-computed.
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, hit_blocks, num_hit_tokens, self.num_lookahead_tokens,
+                full_sequence_must_fit=self.scheduler_config.scheduler_reserve_full_isl)
             if new_blocks is None:
                 break
             self.kv_cache_manager.record_prefix_cache_stats(request, num_hit_tokens)
