@@ -78,3 +78,30 @@ def test_a_prompt_that_closed_the_think_block_leaves_the_whole_output_content():
 def test_an_unknown_parser_is_a_value_error_naming_the_choices():
     with pytest.raises(ValueError, match="reasoning_parser 'nope' is not one of deepseek_r1, qwen3"):
         get_reasoning_parser("nope")
+
+
+def test_the_processor_builds_its_reasoning_parser_once_for_every_grammar():
+    """A grammar waits for the reasoning's end unless the prompt ended it; the Processor's parser, which reads the
+    whole vocabulary, is built once for all requests (as vLLM's StructuredOutputManager's reasoner)."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import ReasoningConfig
+    from pagedllm.engine.processor import Processor
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.structured_output.params import StructuredOutputsParams
+
+    class CountingTokenizer(_Tokenizer):
+        eos_token_id, vocab_reads = 3, 0
+
+        def get_vocab(self) -> dict[str, int]:
+            CountingTokenizer.vocab_reads += 1
+            return super().get_vocab()
+
+    model_config = SimpleNamespace(path="/nonexistent", generation_config="auto", hf_config=SimpleNamespace())
+    processor = Processor(model_config, CountingTokenizer(),
+                          reasoning_config=ReasoningConfig("deepseek_r1", (7,), (8,), (8,)))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    held = [processor.hold_grammar_while_reasoning(params, prompt).structured_outputs._reasoning_end_token_ids
+            for prompt in ([1, 7, 1], [1, 7, 1, 8, 1], [1])]
+    assert held == [[8], None, [8]]
+    assert CountingTokenizer.vocab_reads == 1

@@ -1,6 +1,7 @@
 """Processor (frontend side): validates and tokenizes a prompt into an EngineCoreRequest."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 import uuid
@@ -13,7 +14,7 @@ from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.generation_config import generation_eos_token_ids
-from pagedllm.reasoning import get_reasoning_parser
+from pagedllm.reasoning import DeepSeekR1ReasoningParser, get_reasoning_parser
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.backend_xgrammar import validate_structured_outputs
 
@@ -197,6 +198,12 @@ class Processor:
                              "--reasoning-parser and/or --reasoning-config to use thinking_token_budget.")
         return msgspec.structs.replace(params, thinking_token_budget=min(budget, self.model_config.max_model_len))
 
+    @functools.cached_property
+    def reasoning_parser(self) -> DeepSeekR1ReasoningParser:
+        """The engine's reasoning parser, built once (as vLLM's StructuredOutputManager builds its reasoner), on the
+        first structured-output request: building one reads the tokenizer's whole vocabulary."""
+        return get_reasoning_parser(self.reasoning_config.reasoning_parser)(self.tokenizer)
+
     def hold_grammar_while_reasoning(self, params: SamplingParams, token_ids: list[int]) -> SamplingParams:
         """As vLLM's engine with a reasoning parser, whatever the entry point (LLM.generate, /v1/completions): a
         grammar waits for the token that ends the reasoning, unless the prompt ended it (the parser's
@@ -205,9 +212,9 @@ class Processor:
         reasoning = self.reasoning_config
         if reasoning is None or not reasoning.reasoning_parser or constraint._reasoning_end_token_ids is not None:
             return params
-        parser = get_reasoning_parser(reasoning.reasoning_parser)(self.tokenizer, None, token_ids)
+        parser = self.reasoning_parser
         end_token_ids = parser.reasoning_end_token_ids()
-        if not parser.thinking or end_token_ids is None:
+        if end_token_ids is None or parser.is_reasoning_end(token_ids):
             return params
         return msgspec.structs.replace(params, structured_outputs=msgspec.structs.replace(
             constraint, _reasoning_end_token_ids=end_token_ids))

@@ -43,11 +43,11 @@ class DeepSeekR1ReasoningParser:
         self._marker_ids: Optional[list[int]] = [vocab[m] for m in markers] if all(m in vocab for m in markers) \
             else None
         self._boundary_ids = {vocab[m] for m in self.turn_boundaries if m in vocab}
-        self.thinking = not self._ended_in(prompt_token_ids or [])
+        self.thinking = not self.is_reasoning_end(prompt_token_ids or [])
 
-    def _ended_in(self, token_ids: list[int]) -> bool:
-        """Whether ``token_ids`` close the reasoning: the last <think> or </think> (each one token) of their last
-        turn is a </think>."""
+    def is_reasoning_end(self, token_ids: list[int]) -> bool:
+        """Whether ``token_ids`` close the reasoning (vLLM's is_reasoning_end): the last <think> or </think> (each one
+        token) of their last turn is a </think>."""
         if self._marker_ids is None:
             return False
         start, end = self._marker_ids[:2]
