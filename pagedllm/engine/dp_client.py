@@ -160,6 +160,10 @@ class _DPClientBase:
     def _live(self) -> list[MPClient]:
         return [e for i, e in enumerate(self.engines) if i not in self.balancer.dead]
 
+    def _call_utility_all(self, method: str, *args: Any) -> list[Future]:
+        """``method`` on every live engine, as vLLM's data-parallel client calls a utility on all its engines."""
+        return [engine.call_utility(method, *args) for engine in self._live()]
+
     def _collective_rpc(self, method: WorkerMethod, timeout: Optional[float], args: tuple,
                         kwargs: Optional[dict]) -> list[Future]:
         """collective_rpc on every live engine's workers; as vLLM's data-parallel client, the caller gets the first
@@ -169,6 +173,16 @@ class _DPClientBase:
     def shutdown(self) -> None:
         for engine in self.engines:
             engine.shutdown()
+
+
+def combine_utility_results(method: str, results: list) -> Any:
+    """The engines' results of one utility as one engine's: their stats aggregated, whether all reset their prefix
+    caches or woke fully, whether any sleeps or is paused; of any other utility the list of results, in rank order."""
+    if method == "get_stats":
+        return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
+    if method in ("reset_prefix_cache", "wake_up"):
+        return all(results)
+    return any(results) if method in ("is_sleeping", "is_scheduler_paused") else results
 
 
 def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
@@ -205,12 +219,8 @@ class DPAsyncMPClient(_DPClientBase):
         return self._process(*await self._outputs.get())
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
-        results = await asyncio.gather(*(asyncio.wrap_future(e.call_utility(method, *args)) for e in self._live()))
-        if method == "get_stats":
-            return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
-        if method in ("reset_prefix_cache", "wake_up"):
-            return all(results)
-        return any(results) if method in ("is_sleeping", "is_scheduler_paused") else results
+        results = await asyncio.gather(*map(asyncio.wrap_future, self._call_utility_all(method, *args)))
+        return combine_utility_results(method, results)
 
     async def collective_rpc_async(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
                                    kwargs: Optional[dict] = None) -> list:
@@ -246,28 +256,28 @@ class DPSyncMPClient(_DPClientBase):
             self.shutdown()
         raise self._dead_error
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """``method`` on every live engine, their results combined (combine_utility_results)."""
+        return combine_utility_results(method, [call.result() for call in self._call_utility_all(method, *args)])
+
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        return all(e.call_utility("reset_prefix_cache", reset_running_requests).result() for e in self._live())
+        return self.call_utility("reset_prefix_cache", reset_running_requests)
 
     def get_stats(self) -> SchedulerStats:
-        return aggregate_stats([msgspec.convert(e.call_utility("get_stats").result(), SchedulerStats)
-                                for e in self._live()])
+        return self.call_utility("get_stats")
 
     def collective_rpc(self, method: WorkerMethod, timeout: Optional[float] = None, args: tuple = (),
                        kwargs: Optional[dict] = None) -> list:
         return [call.result() for call in self._collective_rpc(method, timeout, args, kwargs)][0]
 
-    def _call_all(self, method: str, *args: Any) -> list:
-        return [call.result() for call in [e.call_utility(method, *args) for e in self._live()]]
-
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        self._call_all("sleep", level, mode)
+        self.call_utility("sleep", level, mode)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> bool:
-        return all(self._call_all("wake_up", tags))
+        return self.call_utility("wake_up", tags)
 
     def is_sleeping(self) -> bool:
-        return any(self._call_all("is_sleeping"))
+        return self.call_utility("is_sleeping")
 
     def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
-        self._call_all("profile", is_start, profile_prefix)
+        self.call_utility("profile", is_start, profile_prefix)

@@ -74,3 +74,33 @@ def test_a_request_to_an_engine_dying_unreported_goes_to_another():
     client.balancer.on_outputs(1, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=5)))
     client.add_request(request("a", [1, 2]))  # engine 0 is the less loaded, but dead
     assert client.engines[1].requests == ["a"] and client.balancer.dead == {0}
+
+
+def test_a_utility_runs_on_every_live_engine_and_their_results_combine():
+    """As vLLM's data-parallel client, a utility goes to every live engine: a prefix-cache reset one engine refuses
+    still resets the others (and is refused), stats are summed, and any engine asleep makes the client asleep."""
+    from concurrent.futures import Future
+
+    from pagedllm.engine.dp_client import DPSyncMPClient
+
+    class Engine:
+        def __init__(self, results: dict):
+            self.results, self.calls = results, []
+
+        def call_utility(self, method, *args):
+            self.calls.append(method)
+            future = Future()
+            future.set_result(self.results.get(method))
+            return future
+
+    client = DPSyncMPClient.__new__(DPSyncMPClient)
+    refusing = Engine({"reset_prefix_cache": False, "get_stats": SchedulerStats(num_running_reqs=2),
+                       "is_sleeping": True})
+    resetting = Engine({"reset_prefix_cache": True, "get_stats": SchedulerStats(num_running_reqs=3),
+                        "is_sleeping": False})
+    client.balancer, client.engines = DPLoadBalancer(3, block_size=4), [refusing, resetting, Engine({})]
+    client.balancer.dead.add(2)
+    assert client.reset_prefix_cache() is False
+    assert client.get_stats().num_running_reqs == 5 and client.is_sleeping() is True
+    assert refusing.calls == resetting.calls == ["reset_prefix_cache", "get_stats", "is_sleeping"]
+    assert client.engines[2].calls == []
