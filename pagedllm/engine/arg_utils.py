@@ -279,8 +279,6 @@ class EngineArgs:
                                    self.generation_config, platform.device_type, attention_backend,
                                    self.override_generation_config, logprobs_mode=self.logprobs_mode,
                                    auto_fit_max_model_len=auto_fit, load_format=self.load_format)
-        reasoning_config = ReasoningConfig.from_args(self.reasoning_config, self.reasoning_parser,
-                                                     lambda: load_tokenizer(model_config.tokenizer))
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp
@@ -290,7 +288,7 @@ class EngineArgs:
                 raise ValueError("speculative_config method 'draft_model' is not supported with "
                                  "tensor_parallel_size > 1 yet")
             speculative_config.draft_model_config = draft_model_config(speculative_config, model_config)
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size,
                                      enable_prefix_caching=(True if self.enable_prefix_caching is None
@@ -313,11 +311,15 @@ class EngineArgs:
             parallel_config=parallel_config,
             speculative_config=speculative_config,
             structured_outputs_config=structured_outputs_config,
-            reasoning_config=reasoning_config,
             profiler_config=profiler_config,
             lora_config=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora
                          else None),
         )
+        # Last, once every other setting is known good: its token ids need the tokenizer, the slowest thing loaded
+        # here (the frontend's start-up then finds it loaded: load_tokenizer keeps it).
+        config.reasoning_config = ReasoningConfig.from_args(self.reasoning_config, self.reasoning_parser,
+                                                            lambda: load_tokenizer(model_config.tokenizer))
+        return config
 
     def _speculative_config(self) -> Optional[Union[dict, SpeculativeConfig]]:
         """speculative_config with vLLM's shortcuts in it (create_speculative_config): each sets its key, which

@@ -179,6 +179,17 @@ def test_bad_reasoning_settings_name_the_field(model_path, kwargs, message):
         EngineArgs(model=model_path, **kwargs).create_engine_config()
 
 
+def test_every_other_setting_is_checked_before_the_reasoning_config_loads_the_tokenizer(model_path, monkeypatch):
+    """The reasoning config's token ids need the tokenizer, the slowest thing the config loads: a bad setting fails
+    without it."""
+    import pagedllm.engine.arg_utils as arg_utils
+
+    monkeypatch.setattr(arg_utils, "load_tokenizer", lambda path: pytest.fail("the tokenizer was loaded"))
+    with pytest.raises(ValueError, match="^max_lora_rank must be one of"):
+        EngineArgs(model=model_path, reasoning_parser="deepseek_r1", enable_lora=True,
+                   max_lora_rank=3).create_engine_config()
+
+
 def test_a_reasoning_config_without_its_strings_enforces_no_budget(model_path):
     """As vLLM's: without a parser or a start and end string it is not enabled, and a budget is refused."""
     assert EngineArgs(model=model_path, reasoning_config={}).create_engine_config().reasoning_config is None
