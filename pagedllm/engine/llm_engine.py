@@ -40,6 +40,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.log_stats, config.scheduler_config.stream_interval)
         self.engine_core = engine_core
         self.asleep = False  # since sleep(), until wake_up() wakes it fully: nothing is scheduled meanwhile
+        # The last outputs of the requests sleep() aborted, for the next step() to return.
+        self._aborted_outputs: list[RequestOutput] = []
         self.registry = CollectorRegistry()
         self.stat_loggers: list = []
         self.log_line: Optional[LoggingStatLogger] = None
@@ -87,6 +89,9 @@ class LLMEngine:
         return request.request_id
 
     def step(self) -> list[RequestOutput]:
+        if self._aborted_outputs:
+            aborted, self._aborted_outputs = self._aborted_outputs, []
+            return aborted
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
         if self.log_line is not None and outputs.outputs:
@@ -102,7 +107,7 @@ class LLMEngine:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids, internal).reqs_to_abort)
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished_requests()
+        return bool(self._aborted_outputs) or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -131,10 +136,14 @@ class LLMEngine:
         return self.collective_rpc("apply_model", args=(func,))
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's (EngineCore.sleep): with ``mode`` "abort" the requests added here are aborted first."""
+        """vLLM's (EngineCore.sleep): with ``mode`` "abort" the requests added here are aborted first, and the next
+        step() returns each one's last output (finish_reason "abort"), as vLLM's engine sends them: so that
+        LLM.wait_for_completion() returns the requests LLM.enqueue() queued, aborted, as vLLM's."""
         check_sleep_args(level, mode)
         if mode == "abort":
-            self.abort_request(self.output_processor.unfinished_request_ids(), internal=True)
+            processed = self.output_processor.abort_all()
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+            self._aborted_outputs += processed.request_outputs
         self.engine_core.sleep(level, mode)
         self.asleep = True
 

@@ -322,6 +322,6 @@ class OutputProcessor:
         else:
             result.request_outputs.append(request_output)
 
-    def abort_all(self) -> None:
-        """Ends every request here with finish_reason "abort" (shutdown), the last outputs to their queues."""
-        self.abort_requests(list(self.request_states), internal=True)
+    def abort_all(self) -> OutputProcessorOutput:
+        """Ends every request here with finish_reason "abort" (sleep, pause, shutdown), as abort_requests does."""
+        return self.abort_requests(list(self.request_states), internal=True)

@@ -761,6 +761,18 @@ def test_sleep_drops_the_kv_cache_and_wake_up_makes_it_anew(llm):
     assert not llm.llm_engine.is_sleeping()
 
 
+def test_sleep_aborts_the_enqueued_requests_which_wait_for_completion_returns(llm):
+    """vLLM's LLM.sleep() with mode "abort": the requests enqueue() queued end, and wait_for_completion() returns
+    them finished with "abort", as vLLM's engine sends each one's abort output."""
+    request_ids = llm.enqueue(["One, two,", "The sky is"], SamplingParams(max_tokens=3))
+    llm.sleep(level=0)
+    assert llm.wake_up() is True
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == request_ids
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outputs)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
     """vLLM's LLM.start_profile / stop_profile with profiler_config={"profiler": "torch", "torch_profiler_dir": ...}:
     the worker's trace lands in the directory under the prefix; without a profiler_config, a second start, or a bad
