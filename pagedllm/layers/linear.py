@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
 from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
 from pagedllm.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from pagedllm.lora.punica import add_lora, lora_active
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -99,15 +100,6 @@ class LinearBase(nn.Module):
         # while a step has adapters, forward adds their x·A·B to the rows that use them.
         self.lora = None
 
-    @property
-    def lora_active(self) -> bool:
-        """Whether this step's forward adds adapters to this layer."""
-        return self.lora is not None and self.lora.punica.active
-
-    def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_active:
-            self.lora.add_to(y, x)
-        return y
 
     def _create_params(self, out_features: int, in_features: int, bias: bool) -> None:
         self.quant_method.create_weights(self, in_features, out_features, self.params_dtype, self.weight_loader)
@@ -177,7 +169,7 @@ class ColumnParallelLinear(LinearBase):
         return [(0, self.output_size_per_partition, self.tp_rank)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._add_lora(self.quant_method.apply(self, x, self.bias), x)
+        y = add_lora(self.lora, self.quant_method.apply(self, x, self.bias), x)
         if self.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y)
         return y
@@ -204,7 +196,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """``silu(gate) * up`` of this projection in one kernel where the weight's layout has one (gated bf16 or
         int8 panels), else None (then apply the activation to ``forward``'s output)."""
-        if not self.gated_silu or self.gather_output or self.lora_active:
+        if not self.gated_silu or self.gather_output or lora_active(self.lora):
             return None  # (adapters add to the projection before the activation)
         return self.quant_method.apply_silu_and_mul(self, x, self.bias)
 
@@ -287,7 +279,7 @@ class RowParallelLinear(LinearBase):
             shard = self.input_size_per_partition
             x = x.narrow(-1, self.tp_rank * shard, shard)
         # This rank's part of x·A·B joins its partial output, so the one all-reduce sums both.
-        y = self._add_lora(self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None), x)
+        y = add_lora(self.lora, self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None), x)
         if self.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
         return y

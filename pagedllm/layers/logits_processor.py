@@ -6,6 +6,7 @@ from torch import nn
 
 from pagedllm.distributed.communication_op import tensor_model_parallel_gather
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+from pagedllm.lora.punica import add_lora
 
 
 class LogitsProcessor(nn.Module):
@@ -26,8 +27,7 @@ class LogitsProcessor(nn.Module):
                 return None
         # Drop the zero rows that pad the last vocab shard.
         logits = logits[..., : self.vocab_size].float()
-        if self.lora is not None and self.lora.punica.active:
-            self.lora.add_to(logits, hidden_states.float())
+        logits = add_lora(self.lora, logits, hidden_states)
         if self.soft_cap is not None:
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits

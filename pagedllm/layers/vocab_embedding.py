@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.layers.gemm_layout import DenseWeight, QuantizedWeight, WeightLayout, native_applies
 from pagedllm.layers.quantization.base import QuantizationConfig
+from pagedllm.lora.punica import add_lora
 from pagedllm.native import fused
 
 # Rows up to which a bf16-panel model's LM head multiplies by its Q8_0 codes instead of its bf16 panels: gemm.c's
@@ -103,10 +104,7 @@ class VocabParallelEmbedding(nn.Module):
         return (codes.float() * scales.repeat_interleave(self.scale_block, dim=-1)).to(self.dtype)  # exact for Q8_0, one rounding for Q6_K
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self._lookup(input_ids)
-        if self.lora is not None and self.lora.punica.active:
-            self.lora.add_to(rows, input_ids)
-        return rows
+        return add_lora(self.lora, self._lookup(input_ids), input_ids)
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The base model's rows of ``input_ids``, times embed_scale."""

@@ -99,6 +99,10 @@ class LogitsLoRA(LinearLoRA):
         self.row_parallel, self.tp_rank = False, 0
         self.create_lora_weights(hidden_size, [(0, vocab_size, 0)], max_loras, max_lora_rank, punica, dtype)
 
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """The logits are float32: so is the hidden states' x·A·B."""
+        super().add_to(y, x.float())
+
 
 class EmbeddingLoRA:
     """The token embedding's slots (vLLM's VocabParallelEmbeddingWithLoRA): ``lora_a[slot]`` ``[vocab, max_rank]``,

@@ -37,3 +37,16 @@ class PunicaWrapper:
                 rows = torch.nonzero(slots == slot).flatten()
                 self._groups.append((slot, None if rows.numel() == slots.numel() else rows))
         return self._groups
+
+
+def lora_active(lora) -> bool:
+    """Whether a layer's adapter slots (``lora``: lora/layers.py's, None where the layer has none) add to its output
+    in this step: only a step with adapters runs them."""
+    return lora is not None and lora.punica.active
+
+
+def add_lora(lora, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y``, the output of a layer with input ``x``, with the step's adapters added in place where lora_active."""
+    if lora_active(lora):
+        lora.add_to(y, x)
+    return y
