@@ -80,6 +80,22 @@ def test_n_choices(client, model):
     assert chunks[-1].usage == full.usage
 
 
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", {"messages": MESSAGES}),
+                                        ("/v1/completions", {"prompt": "The capital of France is"})])
+def test_only_the_usage_chunk_has_a_usage_key(server, path, body):
+    """As vLLM's (chunks sent with exclude_unset): with include_usage the last chunk carries the usage and no other
+    chunk has a "usage" key, not even a null one; without it, none has."""
+    def chunks(**extra) -> list[dict]:
+        with server.http() as http, http.stream("POST", path, json={
+                **body, "max_tokens": 3, "ignore_eos": True, "stream": True, **extra}) as response:
+            return [json.loads(line[len("data: "):]) for line in response.iter_lines()
+                    if line.startswith("data: ") and line != "data: [DONE]"]
+    with_usage = chunks(stream_options={"include_usage": True})
+    assert with_usage[-1]["usage"]["completion_tokens"] == 3 and with_usage[-1]["choices"] == []
+    assert len(with_usage) > 2 and not any("usage" in chunk for chunk in with_usage[:-1])
+    assert not any("usage" in chunk for chunk in chunks())
+
+
 def test_continuous_usage_stats_count_each_choice(client, model):
     """With stream_options.continuous_usage_stats every chunk carries its choice's usage so far (vLLM's); the last
     chunk the request's."""

@@ -531,13 +531,14 @@ def test_disable_web_ui(flags_server):
 
 
 def test_force_include_usage_ends_every_stream_with_its_usage(flags_server):
-    """vLLM's --enable-force-include-usage: a stream that did not ask for usage ends with it (and every chunk carries
-    "usage", null but the last, as with include_usage)."""
+    """vLLM's --enable-force-include-usage: a stream that did not ask for usage ends with it, and every chunk carries
+    its choice's usage so far (vLLM's should_include_usage forces continuous_usage_stats too)."""
     with flags_server.http() as http, http.stream("POST", "/v1/completions", json={
             "prompt": "Hi", "max_tokens": 2, "ignore_eos": True, "stream": True}) as response:
         chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
-    assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[0]["usage"] is None
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[-1]["choices"] == []
+    assert [chunk["usage"]["completion_tokens"] for chunk in chunks[:-1]] == [1, 2]
     # no details asked for: none sent, not nulls (vLLM's chunks leave them out)
     assert not {"prompt_tokens_details", "completion_tokens_details"} & set(chunks[-1]["usage"])
 

@@ -69,15 +69,15 @@ def server_dev_mode() -> bool:
 def _as_served(request: Any, raw_request: Request) -> Any:
     """``request`` as the server takes it: the X-Request-Id header, when sent, as its request_id (vLLM's precedence
     over the body's), --return-tokens-as-token-ids where the request leaves return_tokens_as_token_ids out, and,
-    under --enable-force-include-usage, a stream's usage asked for (vLLM's should_include_usage)."""
+    under --enable-force-include-usage, a stream's usage asked for, continuous_usage_stats included (vLLM's
+    should_include_usage forces both)."""
     header = raw_request.headers.get("X-Request-Id")
     if header is not None:
         request.request_id = header
     if request.return_tokens_as_token_ids is None:
         request.return_tokens_as_token_ids = raw_request.app.state.return_tokens_as_token_ids
     if raw_request.app.state.force_include_usage and request.stream:
-        request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=bool(
-            request.stream_options and request.stream_options.continuous_usage_stats))
+        request.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
     return request
 
 

@@ -151,13 +151,13 @@ class OpenAIServingChat(OpenAIServing):
                          "prompt_text": prompt_text if request.return_prompt_text else None}
 
         def chunk(choice: ChatCompletionResponseStreamChoice, **prompt: Any) -> str:
-            # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
-            # continuous_usage_stats, its choice's usage so far.
-            usage = UsageInfo.of(num_prompt_tokens, num_generated[choice.index]) \
-                if request.include_continuous_usage else None
+            # As vLLM's: a chunk carries "usage" (its choice's so far) only with continuous_usage_stats; otherwise
+            # it has no "usage" key, include_usage or not (that usage comes in a last chunk).
+            usage = {"usage": UsageInfo.of(num_prompt_tokens, num_generated[choice.index])} \
+                if request.include_continuous_usage else {}
             response = ChatCompletionStreamResponse(
                 id=request_id, object="chat.completion.chunk", created=created, model=model_name, choices=[choice],
-                **({"usage": usage} if request.include_usage else {}), **prompt)
+                **usage, **prompt)
             return sse(response.model_dump_json(exclude_unset=True))
 
         # One tool-call parser per choice, when tool calls are to be read out of the text.

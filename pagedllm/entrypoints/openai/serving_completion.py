@@ -116,10 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         text, token_ids, logprobs = self._echoed(request, prompts[prompt_index], res, output)
                     if not text and not token_ids and output.finish_reason is None:
                         continue
-                    # With include_usage every chunk carries "usage": null but the last, as from OpenAI; with
-                    # continuous_usage_stats, its choice's usage so far.
-                    usage = UsageInfo.of(len(prompts[prompt_index][1]), num_generated[index]) \
-                        if request.include_continuous_usage else None
+                    # As vLLM's: a chunk carries "usage" (its choice's so far) only with continuous_usage_stats;
+                    # otherwise it has no "usage" key, include_usage or not (that usage comes in a last chunk).
+                    usage = {"usage": UsageInfo.of(len(prompts[prompt_index][1]), num_generated[index])} \
+                        if request.include_continuous_usage else {}
                     choice_logprobs = self._logprobs(request, token_ids, logprobs, text_offsets[index])
                     # vLLM's sets both in every chunk: null where not asked for (the prompt's: after the first)
                     ids = {"token_ids": generated[1] if request.return_token_ids else None,
@@ -129,7 +129,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices=[CompletionResponseStreamChoice(
                             index=index, text=text, finish_reason=output.finish_reason,
                             stop_reason=output.stop_reason, logprobs=choice_logprobs, **ids)],
-                        **({"usage": usage} if request.include_usage else {})).model_dump_json(exclude_unset=True))
+                        **usage).model_dump_json(exclude_unset=True))
                     # Offsets follow the tokens, not the text sent (held back while it may start a stop string),
                     # so the stream's are the unstreamed response's (vLLM's).
                     if choice_logprobs is not None and choice_logprobs.tokens:
