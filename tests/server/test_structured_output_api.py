@@ -150,6 +150,7 @@ def test_tool_calls_are_valid_10_of_10(server, tool_choice):
     assert len(chat.choices) == 10
     for choice in chat.choices:
         assert choice.finish_reason == expected_finish
+        assert choice.message.content == ""  # vLLM's for a required or named tool_choice, not null
         assert len(choice.message.tool_calls) == 1
         assert all(call.id and call.type == "function" for call in choice.message.tool_calls)
         _check_calls([(c.function.name, c.function.arguments) for c in choice.message.tool_calls], names)

@@ -269,7 +269,7 @@ class OpenAIServingChat(OpenAIServing):
             if parser is not None:
                 content, calls = parser.parse(text or "")
                 calls = tool_choice.kept_calls(calls)
-                message = ChatMessage(role=role, content=content.strip() or None, tool_calls=calls)
+                message = ChatMessage(role=role, content=tool_choice.message_content(content), tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
             if request.include_reasoning:
                 message.reasoning = reasoning

@@ -72,6 +72,13 @@ class ToolChoice:
             return make_auto_parser(self.parser)
         return None
 
+    def message_content(self, content: str) -> Optional[str]:
+        """An unstreamed message's content beside the calls read out of it: stripped, None where nothing is left;
+        but "" with a required or named tool_choice, whose output is all calls (vLLM's ``content or ""``)."""
+        if self.mode in ("required", "named"):
+            return content.strip()
+        return content.strip() or None
+
     def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
         """The calls the answer carries: with parallel_tool_calls false the first only, as vLLM keeps them (a
         grammar already holds "required" to one)."""
