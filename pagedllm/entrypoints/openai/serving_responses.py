@@ -407,8 +407,9 @@ class OpenAIServingResponses:
         output[-1] = finished(len(output) - 1)
         final = builder.finish(output, usage, finish_reason)
         yield _item_done(events, len(final.output) - 1, final.output[-1])
-        yield events.send("response.incomplete" if final.status == "incomplete" else "response.completed",
-                          response=final)
+        # vLLM's last event, also for an answer cut by max_output_tokens: its response's status is "incomplete" then
+        # (OpenAI's stream would end with a response.incomplete event instead).
+        yield events.send("response.completed", response=final)
 
 
 def _error_event(sent: str) -> Optional[dict]:
