@@ -11,6 +11,8 @@ import pytest
 
 from pagedllm.entrypoints.openai.responses_protocol import ResponseFunctionToolCall, ResponsesResponse
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore
+from pagedllm.sampling_params import SamplingParams
+from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.test_load import wait_until_idle
 
 MODEL = "smollm2-135m-instruct"
@@ -201,7 +203,8 @@ def test_a_turn_given_back_as_items_is_one_assistant_message():
             *results]}).to_chat_request().messages[1].model_dump(exclude_none=True)
         assert thought["reasoning"] == text and len(thought["tool_calls"]) == 2
 
-    builder = _ResponseBuilder(ResponsesRequest(input="Weather in Paris and Rome?"), MODEL, [], ResponseStore())
+    builder = _ResponseBuilder(ResponsesRequest(input="Weather in Paris and Rome?"), MODEL, [], ResponseStore(),
+                               SamplingParams())
     output = [builder.message("Checking."), *(ResponseFunctionToolCall.model_validate(c) for c in calls)]
     builder.finish(output, None, "tool_calls")
     [user, assistant] = builder.store.get(builder.id)[1]
@@ -241,7 +244,8 @@ def test_a_response_keeps_its_creation_time(monkeypatch):
 
     now = [1000.0]
     monkeypatch.setattr(time, "time", lambda: now[0])
-    builder = _ResponseBuilder(ResponsesRequest(input="x", background=True), MODEL, [], ResponseStore())
+    builder = _ResponseBuilder(ResponsesRequest(input="x", background=True), MODEL, [], ResponseStore(),
+                               SamplingParams())
     queued = builder.store_unfinished("queued")
     now[0] += 5
     done = builder.finish([builder.message("Hi.")], None, "stop")
@@ -249,17 +253,25 @@ def test_a_response_keeps_its_creation_time(monkeypatch):
 
 
 def test_a_response_echoes_the_sampling_it_was_generated_with(client):
-    """As vLLM's (its sampling params'): temperature and top_p the request's, else the generation config's, else the
-    engine's defaults (1.0), not null; and the request's reasoning settings."""
+    """As vLLM's from_request (its sampling params'): temperature, top_p and max_output_tokens the answer was
+    generated with (the request's, else the generation config's, else the engine's defaults, and the budget the
+    context left), not null; and the request's reasoning settings, user and truncation."""
     from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
     from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
 
     response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, temperature=0.5, top_p=0.9,
-                                       reasoning={"effort": "low"})
+                                       reasoning={"effort": "low"}, user="ada", truncation="auto")
     assert (response.temperature, response.top_p, response.reasoning.effort) == (0.5, 0.9, "low")
-    builder = _ResponseBuilder(ResponsesRequest(input="x"), MODEL, [], ResponseStore(), {"temperature": 0.6})
+    assert (response.max_output_tokens, response.user, response.truncation) == (2, "ada", "auto")
+    unbounded = client.responses.create(model=MODEL, input=QUESTION, temperature=0, top_p=0.5, stream=True)
+    *_, last = unbounded
+    assert last.response.max_output_tokens == MAX_MODEL_LEN - last.response.usage.input_tokens
+    assert (last.response.top_p, last.response.truncation, last.response.user) == (1.0, "disabled", None)  # greedy
+    request = ResponsesRequest(input="x")
+    params = request.to_chat_request().to_sampling_params(16, {"temperature": 0.6})
+    builder = _ResponseBuilder(request, MODEL, [], ResponseStore(), params)
     done = builder.finish([builder.message("Hi.")], None, "stop")
-    assert (done.temperature, done.top_p) == (0.6, 1.0)
+    assert (done.temperature, done.top_p, done.max_output_tokens) == (0.6, 1.0, 16)
 
 
 def test_text_format_constrains_the_output(client):
@@ -271,6 +283,17 @@ def test_text_format_constrains_the_output(client):
                                        text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     assert set(json.loads(response.output_text)) == {"capital"}
     assert response.text.format.type == "json_schema" and response.text.format.schema_ == schema  # echoed as given
+
+
+def test_truncation_auto_keeps_the_prompts_last_tokens(client):
+    """vLLM's truncation "auto" (truncate_prompt_tokens -1): an input past the context is cut to its last
+    max_model_len - 1 tokens, leaving room for one of output; "disabled" (the default) refuses it."""
+    long_input = "word " * (MAX_MODEL_LEN + 100)
+    response = client.responses.create(model=MODEL, input=long_input, truncation="auto", max_output_tokens=1)
+    assert response.usage.input_tokens == MAX_MODEL_LEN - 1 and response.truncation == "auto"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=long_input, max_output_tokens=1)
+    assert info.value.body["param"] == "input"
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -348,7 +371,7 @@ def _stream_events(deltas: list) -> list[dict]:
     async def events():
         chunks = _lines(_chat_chunks(deltas))
         request = ResponsesRequest(input="x", stream=True, store=False, tools=[TOOL])
-        builder = _ResponseBuilder(request, MODEL, [], ResponseStore())
+        builder = _ResponseBuilder(request, MODEL, [], ResponseStore(), SamplingParams())
         return [event async for event in OpenAIServingResponses._stream(None, builder, chunks)]
 
     return [json.loads(event.split("data: ", 1)[1]) for event in "".join(asyncio.run(events())).split("\n\n")
@@ -402,13 +425,12 @@ def test_unstreamed_output_items_are_the_streamed_ones():
 
     class Chat:
         models = SimpleNamespace(check_model=lambda name: MODEL)
-        default_sampling_params: dict = {}
 
         def __init__(self, lines: list[str]) -> None:
             self.lines = lines
 
-        async def create_chat_completion(self, request, cached_tokens_always=False):
-            return _lines(self.lines)
+        async def start_chat_completion(self, request, cached_tokens_always=False):
+            return SamplingParams(), _lines(self.lines)
 
     def respond(lines: list[str], **fields):
         request = ResponsesRequest(input="x", **fields)

@@ -225,6 +225,10 @@ class ResponsesRequest(OpenAIBaseModel):
     include_reasoning: bool = True
     # vLLM's: more variables for the chat template (Qwen3's enable_thinking, ...), as chat's field.
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Echoed in the response, as vLLM's; truncation "auto" keeps the prompt's last max_model_len - 1 tokens (vLLM's
+    # truncate_prompt_tokens -1) where "disabled" refuses a prompt too long (a 400).
+    user: Optional[str] = None
+    truncation: Optional[Literal["auto", "disabled"]] = "disabled"
 
     @model_validator(mode="after")
     def _no_tools_call_none(self) -> "ResponsesRequest":
@@ -269,6 +273,7 @@ class ResponsesRequest(OpenAIBaseModel):
             "chat_template_kwargs": self.chat_template_kwargs, "include_reasoning": self.include_reasoning,
             **{name: getattr(self, name) for name in _SAMPLING_EXTRAS},
             "stream_options": {"include_usage": True},
+            "truncate_prompt_tokens": -1 if self.truncation == "auto" else None,
             "response_format": None if self.text is None or self.text.format is None
             else self.text.format.to_response_format()})
 
@@ -374,9 +379,14 @@ class ResponsesResponse(OpenAIBaseModel):
     usage: Optional[ResponseUsage] = None
     # The request's settings, echoed as OpenAI does.
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
+    max_output_tokens: Optional[int] = None  # the budget the answer had: the request's, else the context's rest
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    top_logprobs: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+    truncation: Optional[Literal["auto", "disabled"]] = "disabled"
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
     parallel_tool_calls: bool = True

@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import msgspec
 
+from pagedllm.beam_search import BeamSearchParams
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.chat_utils import conversation, effective_chat_template_kwargs, render_chat_request
 from pagedllm.entrypoints.openai.errors import BadRequestError
@@ -22,6 +23,7 @@ from pagedllm.entrypoints.openai.tool_calls import (ToolCallParser, ToolChoice, 
                                                     resolve_tool_choice)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.reasoning import DeepSeekR1ReasoningParser, ReasoningStream, get_reasoning_parser
+from pagedllm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -87,11 +89,19 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return conversation([last])[0]["content"]
 
-    async def create_chat_completion(self, request: ChatCompletionRequest, cached_tokens_always: bool = False
+    async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> Union[ChatCompletionResponse, AsyncIterator[str]]:
-        """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated.
-        cached_tokens_always: the usage reports the prompt's cached tokens whatever --enable-prompt-tokens-details
-        says (the Responses API's usage, built from this one, always has them)."""
+        """A response, or for stream=True the SSE events; raises OpenAIError before anything is generated."""
+        return (await self.start_chat_completion(request))[1]
+
+    async def start_chat_completion(self, request: ChatCompletionRequest, cached_tokens_always: bool = False
+                                    ) -> tuple[Union[SamplingParams, BeamSearchParams],
+                                               Union[ChatCompletionResponse, AsyncIterator[str]]]:
+        """The sampling parameters the answer is generated with (the request's, else the generation config's, else
+        the engine's defaults: what the Responses API echoes, as vLLM's from_request its sampling_params'), and
+        what create_chat_completion returns. cached_tokens_always: the usage reports the prompt's cached tokens
+        whatever --enable-prompt-tokens-details says (the Responses API's usage, built from this one, always has
+        them)."""
         model_name = self.models.check_model(request.model)
         try:
             tool_choice = resolve_tool_choice(request.tools, request.tool_choice, request.parallel_tool_calls,
@@ -121,11 +131,12 @@ class OpenAIServingChat(OpenAIServing):
         results = await self._start(self._generate(prompt, params, request_id, request.priority, request.model),
                                     request, "messages")
         if request.stream:
-            return self.chat_completion_stream_generator(request, results, request_id, model_name,
-                                                         prompt_token_ids, tool_choice, cached_tokens_always,
-                                                         reasoning_parser, prompt_text)
-        return await self.chat_completion_full_generator(request, results, request_id, model_name, tool_choice,
-                                                         cached_tokens_always, reasoning_parser, prompt_text)
+            return params, self.chat_completion_stream_generator(request, results, request_id, model_name,
+                                                                 prompt_token_ids, tool_choice, cached_tokens_always,
+                                                                 reasoning_parser, prompt_text)
+        return params, await self.chat_completion_full_generator(request, results, request_id, model_name,
+                                                                 tool_choice, cached_tokens_always,
+                                                                 reasoning_parser, prompt_text)
 
     async def chat_completion_stream_generator(self, request: ChatCompletionRequest,
                                                results: AsyncIterator[RequestOutput], request_id: str,

@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, O
                                                             ResponsesRequest, ResponsesResponse, ResponseUsage,
                                                             chat_messages)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +90,11 @@ class _ResponseBuilder:
     streamed items and the final object agree) and the Response object made from a generation's result."""
 
     def __init__(self, request: ResponsesRequest, model_name: str, history: Sequence[dict],
-                 store: ResponseStore, default_sampling_params: Optional[dict] = None) -> None:
-        """history: the conversation of the response the request continues (none: empty). default_sampling_params:
-        the model's generation config's, which sampled what the request left out."""
+                 store: ResponseStore, params: SamplingParams) -> None:
+        """history: the conversation of the response the request continues (none: empty). params: what the answer
+        is sampled with, whose values the response echoes (vLLM's from_request echoes its sampling_params')."""
         self.request = request
-        # The temperature and top_p the response was sampled with, as vLLM's from_request echoes them (its
-        # sampling_params'): the request's, else the generation config's, else the engine's default.
-        defaults = default_sampling_params or {}
-        self.temperature = request.temperature if request.temperature is not None else defaults.get(
-            "temperature", 1.0)
-        self.top_p = request.top_p if request.top_p is not None else defaults.get("top_p", 1.0)
+        self.params = params
         self.model_name = model_name
         self.id = request.request_id or f"resp_{random_uuid()}"
         self.created_at = int(time.time())  # the response's, whichever state of it is shown (as vLLM's created_time)
@@ -115,9 +111,11 @@ class _ResponseBuilder:
             id=self.id, created_at=self.created_at, model=self.model_name,
             status="incomplete" if incomplete else status, output=output,
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None, usage=usage,
-            error=error, background=r.background is True,
-            instructions=r.instructions, max_output_tokens=r.max_output_tokens, temperature=self.temperature,
-            top_p=self.top_p, tools=r.tools or [], tool_choice=r.tool_choice or "auto",
+            error=error, background=r.background is True, instructions=r.instructions,
+            max_output_tokens=self.params.max_tokens, temperature=self.params.temperature, top_p=self.params.top_p,
+            top_logprobs=self.params.logprobs, presence_penalty=self.params.presence_penalty,
+            frequency_penalty=self.params.frequency_penalty, user=r.user, truncation=r.truncation,
+            tools=r.tools or [], tool_choice=r.tool_choice or "auto",
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
             store=r.store is not False, metadata=r.metadata, reasoning=r.reasoning,
             **({"text": r.text} if r.text is not None and r.text.format is not None else {}))
@@ -245,11 +243,11 @@ class OpenAIServingResponses:
             history = previous[1]
         chat_request = request.to_chat_request(history)
         try:
-            result = await self.serving_chat.create_chat_completion(chat_request, cached_tokens_always=True)
+            params, result = await self.serving_chat.start_chat_completion(chat_request, cached_tokens_always=True)
         except OpenAIError as e:
             raise _renamed(e) from e
         builder = _ResponseBuilder(request, self.serving_chat.models.check_model(request.model), history,
-                                   self.store, self.serving_chat.default_sampling_params)
+                                   self.store, params)
         if request.background:
             return self._start_in_background(builder, result)
         if request.stream:
