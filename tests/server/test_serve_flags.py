@@ -368,6 +368,8 @@ def test_bad_flags_are_errors_before_the_engine_starts(tmp_path, served, capsys)
         # vLLM's rule: the model after --served-model-name's names was served as one more name (the default model)
         (["--port", "8001", "--served-model-name", "name", "/models/llama"], "the model must be the first argument"),
         (["--kv-cache-memory", "lots"], "a size like '2GiB'"),
+        (["--tool-call-parser", "nosuch"], "--tool-call-parser nosuch: no such format (choose from hermes,"),
+        (["--tool-parser-plugin", str(missing)], f"--tool-parser-plugin {missing}: no such Python file"),
         (["run-batch", "-i", str(key), "-o", str(cert), "--lora-modules", "a=b"], "need --enable-lora"),
     ]:
         with pytest.raises(SystemExit) as info:

@@ -127,3 +127,33 @@ def test_a_pythonic_list_is_parsed_where_its_brackets_close_not_at_every_bracket
     content, calls = PythonicToolParser().parse(text)
     assert (content, [c.function.name for c in calls]) == ("", ["f", "g"]) and len(parsed) == 1
     assert json.loads(calls[0].function.arguments)["rows"][1] == [1, "]", "#["]
+
+
+def test_a_plugin_file_registers_a_format_of_its_own(tmp_path):
+    """vLLM's --tool-parser-plugin: a Python file that registers a ToolCallParser subclass with
+    ToolParserManager.register_module makes it a --tool-call-parser name; one that fails to import is a ValueError
+    naming the flag."""
+    from pagedllm.entrypoints.openai.tool_calls import ToolParserManager
+
+    plugin = tmp_path / "shouting_parser.py"
+    plugin.write_text(
+        "from dataclasses import dataclass\n"
+        "from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, ToolParserManager\n"
+        "@ToolParserManager.register_module(['shouting', 'shouting_v2'])\n"
+        "@dataclass\n"
+        "class ShoutingParser(ToolCallParser):\n"
+        "    def feed(self, delta_text):\n"
+        "        return delta_text.upper(), []\n")
+    ToolParserManager.import_tool_parser(str(plugin))
+    try:
+        assert {"shouting", "shouting_v2", "hermes", "mistral"} <= set(ToolParserManager.list_registered())
+        assert make_auto_parser("shouting_v2").parse("hi") == ("HI", [])
+    finally:
+        for name in ("shouting", "shouting_v2"):
+            ToolParserManager.tool_parsers.pop(name)
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('no')\n")
+    with pytest.raises(ValueError, match="--tool-parser-plugin .*broken.py: importing it failed"):
+        ToolParserManager.import_tool_parser(str(broken))
+    with pytest.raises(KeyError, match="'shouting' is not registered"):
+        make_auto_parser("shouting")

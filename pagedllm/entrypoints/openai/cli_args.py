@@ -13,7 +13,7 @@ from pagedllm.engine.arg_utils import LOAD_FORMATS, TOKENIZER_MODES, EngineArgs
 from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.chat_utils import CHAT_TEMPLATE_CONTENT_FORMATS
-from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from pagedllm.entrypoints.openai.tool_calls import ToolParserManager
 from pagedllm.reasoning import REASONING_PARSERS
 from pagedllm.sample.logprobs import LOGPROBS_MODES
 from pagedllm.models.resolve import DEFAULT_MODEL
@@ -159,8 +159,14 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
 
 
 def validate_serving_args(args: argparse.Namespace) -> None:
-    """The checks `serve` and `run-batch` share, made before the model loads."""
+    """The checks `serve` and `run-batch` share, made before the model loads. The --tool-parser-plugin file is
+    imported here, in the process that serves, so --tool-call-parser may name a format it registers."""
     engine_args_from(args).refuse_unsupported()
+    if args.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(args.tool_parser_plugin)
+    if args.tool_call_parser is not None and args.tool_call_parser not in ToolParserManager.list_registered():
+        raise ValueError(f"--tool-call-parser {args.tool_call_parser}: no such format (choose from "
+                         f"{', '.join(ToolParserManager.list_registered())})")
     if (args.lora_modules or getattr(args, "allow_runtime_lora_updating", False)) and not args.enable_lora:
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
 
@@ -175,10 +181,13 @@ def add_serving_args(group) -> None:
                        help="how a message's content reaches the chat template: string (the text of its parts) or "
                             "openai (the list of its parts, {\"type\": \"text\", \"text\": ...}); auto: openai for "
                             "templates that loop over a message's content (default: auto)")
-    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+    group.add_argument("--tool-call-parser", default=None,
                        help="the format tool calls take in free text, for tool_choice 'auto': hermes (Qwen and "
-                            "others), llama3_json / llama4_json (Llama 3.x, 4), pythonic / llama4_pythonic, mistral "
-                            "(default: detected from the chat template)")
+                            "others), llama3_json / llama4_json (Llama 3.x, 4), pythonic / llama4_pythonic, mistral, "
+                            "or one --tool-parser-plugin registers (default: detected from the chat template)")
+    group.add_argument("--tool-parser-plugin", default="",
+                       help="a Python file to import first, which registers tool-call formats of its own with "
+                            "pagedllm.entrypoints.openai.tool_calls.ToolParserManager.register_module (vLLM's)")
     group.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help="vLLM's switch for tool_choice 'auto', taken for its command lines: here 'auto' is on "
                             "wherever the format is known (--tool-call-parser, or the chat template's)")

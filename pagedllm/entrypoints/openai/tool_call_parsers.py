@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, _CallScan, _partial_tag_length
+from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, ToolParserManager, _CallScan, _partial_tag_length
 from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -32,6 +32,7 @@ def _answer_start(text: str, tag: str) -> Optional[int]:
     return len(text) - len(body) if body else None
 
 
+@ToolParserManager.register_module(["llama3_json", "llama4_json"])
 @dataclass
 class Llama3JsonToolParser(ToolCallParser):
     """Llama 3.x's (and 4's) JSON calls, vLLM's llama3_json / llama4_json: an answer that starts, after an optional
@@ -85,6 +86,7 @@ class Llama3JsonToolParser(ToolCallParser):
         return rest, []
 
 
+@ToolParserManager.register_module(["pythonic", "llama4_pythonic"])
 @dataclass
 class PythonicToolParser(ToolCallParser):
     """Python-style calls, vLLM's pythonic / llama4_pythonic: an answer that is a Python list of calls with keyword
@@ -222,6 +224,7 @@ def _literal(node: ast.AST) -> Any:
     return value
 
 
+@ToolParserManager.register_module("mistral")
 @dataclass
 class MistralToolParser(ToolCallParser):
     """Mistral's calls, vLLM's mistral: text before [TOOL_CALLS] is content; after it comes either a JSON array (or

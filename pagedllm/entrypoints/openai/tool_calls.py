@@ -7,22 +7,24 @@
 - "auto": the model decides; calls are parsed out of free text in the model family's format when the chat
   template teaches one pagedllm knows or --tool-call-parser names it: Hermes, <tool_call>{"name": ...,
   "arguments": {...}}</tool_call> (Qwen2/3 and others), here; Llama 3's JSON, Python-style lists and Mistral's
-  [TOOL_CALLS] in tool_call_parsers.
+  [TOOL_CALLS] in tool_call_parsers; or in a format of one's own, a ToolCallParser subclass that a
+  --tool-parser-plugin file registers with ToolParserManager (vLLM's plugin interface).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import string
+import sys
 from dataclasses import dataclass, field, replace
-from typing import Optional, Union
+from pathlib import Path
+from typing import Callable, Optional, Union
 
 from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaFunctionCall, DeltaToolCall,
                                                        FunctionCall, NamedToolChoice, ToolCall)
 from pagedllm.structured_output.params import StructuredOutputsParams
 
-# vLLM's --tool-call-parser names of the formats served (llama4_json and llama4_pythonic: the same formats)
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "pythonic", "llama4_pythonic", "mistral")
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 # The keys a Hermes block's arguments go under: "arguments", or "parameters" as models trained on Llama 3's format
 # write them (the first the object has). Read under "arguments" only, such a call lost its arguments ({}).
@@ -38,13 +40,59 @@ def detect_tool_call_parser(chat_template: Optional[str]) -> Optional[str]:
     return next((parser for mark, parser in _TEMPLATE_MARKS if chat_template and mark in chat_template), None)
 
 
-def make_auto_parser(name: str) -> "ToolCallParser":
-    """A new parser of the --tool-call-parser format ``name`` (one of TOOL_CALL_PARSERS)."""
-    from pagedllm.entrypoints.openai import tool_call_parsers as formats  # they build on this module's parts
+class ToolParserManager:
+    """vLLM's registry of the tool-call formats by their --tool-call-parser names: hermes here, llama3_json /
+    llama4_json, pythonic / llama4_pythonic and mistral in tool_call_parsers, and any a --tool-parser-plugin file
+    registers: ``@ToolParserManager.register_module("name")`` on a ToolCallParser subclass (whose feed and finish
+    keep ToolCallParser's contract) makes it the parser of tool_choice "auto" under --tool-call-parser name."""
 
-    return {"hermes": HermesParser, "llama3_json": formats.Llama3JsonToolParser,
-            "llama4_json": formats.Llama3JsonToolParser, "pythonic": formats.PythonicToolParser,
-            "llama4_pythonic": formats.PythonicToolParser, "mistral": formats.MistralToolParser}[name]()
+    tool_parsers: dict[str, type["ToolCallParser"]] = {}
+
+    @classmethod
+    def register_module(cls, name: Union[str, list[str]]) -> Callable[[type], type]:
+        """A class decorator registering the class under ``name`` (or each of a list of names); a name registered
+        before is taken over, as vLLM's (force=True)."""
+        def register(parser_cls: type) -> type:
+            if not (isinstance(parser_cls, type) and issubclass(parser_cls, ToolCallParser)):
+                raise TypeError(f"a tool parser must be a subclass of ToolCallParser, got {parser_cls!r}")
+            for each in [name] if isinstance(name, str) else name:
+                cls.tool_parsers[each] = parser_cls
+            return parser_cls
+        return register
+
+    @classmethod
+    def list_registered(cls) -> list[str]:
+        from pagedllm.entrypoints.openai import tool_call_parsers  # noqa: F401  (registers the formats it defines)
+
+        return sorted(cls.tool_parsers)
+
+    @classmethod
+    def get_tool_parser(cls, name: str) -> type["ToolCallParser"]:
+        if name not in cls.list_registered():
+            raise KeyError(f"tool call parser {name!r} is not registered (choose from "
+                           f"{', '.join(cls.list_registered())})")
+        return cls.tool_parsers[name]
+
+    @classmethod
+    def import_tool_parser(cls, plugin_path: str) -> None:
+        """Runs the Python file ``plugin_path`` as a module named after it (vLLM's import_tool_parser), whose
+        register_module calls add its parsers. ValueError when it cannot be read or fails."""
+        module_name = Path(plugin_path).stem
+        spec = importlib.util.spec_from_file_location(module_name, plugin_path)
+        if spec is None or spec.loader is None or not Path(plugin_path).is_file():
+            raise ValueError(f"--tool-parser-plugin {plugin_path}: no such Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as e:
+            del sys.modules[module_name]
+            raise ValueError(f"--tool-parser-plugin {plugin_path}: importing it failed: {e!r}") from e
+
+
+def make_auto_parser(name: str) -> "ToolCallParser":
+    """A new parser of the --tool-call-parser format ``name`` (one ToolParserManager has)."""
+    return ToolParserManager.get_tool_parser(name)()
 
 
 @dataclass
@@ -383,6 +431,7 @@ def _string_end(text: str, start: int, search_from: int) -> Optional[int]:
     return None
 
 
+@ToolParserManager.register_module("hermes")
 @dataclass
 class HermesParser(ToolCallParser):
     """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. Text outside the blocks is
