@@ -178,18 +178,19 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is None or logprobs is None:
             return None
         offsets, token_logprobs, tokens, top_logprobs = [], [], [], []
+        # at most logprobs + 1 alternatives (the token and the top ones; -1: all there are), also at an echoed
+        # prompt's positions whose prompt_logprobs asked for more (vLLM's); with logprob_token_ids all there are
+        # (the token and the ids asked for)
+        every = request.logprobs == -1 or request.logprob_token_ids
+        num_top = None if every else request.logprobs + 1
         for token_id, step in zip(token_ids, logprobs):
             chosen = step.get(token_id) if step is not None else None
             token = self._token_str(token_id, chosen, request.return_tokens_as_token_ids)
             tokens.append(token)
             token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
-            # at most logprobs + 1 alternatives (the token and the top ones; -1: all there are), also at an echoed
-            # prompt's positions whose prompt_logprobs asked for more (vLLM's); with logprob_token_ids all there are
-            # (the token and the ids asked for)
-            every = request.logprobs == -1 or request.logprob_token_ids
             top_logprobs.append(None if step is None else {
                 self._token_str(t, lp, request.return_tokens_as_token_ids): max(lp.logprob, MIN_LOGPROB)
-                for t, lp in itertools.islice(step.items(), None if every else request.logprobs + 1)})
+                for t, lp in itertools.islice(step.items(), num_top)})
             offsets.append(text_offset)
             text_offset += len(token)
         return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,
