@@ -258,6 +258,29 @@ class AsyncLLM:
         first engine's results, as vLLM's."""
         return await self.engine_core.collective_rpc_async(method, timeout, args, kwargs)
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's (LLMEngine.add_lora)."""
+        self.processor.validate_lora_request(lora_request)
+        return await self.engine_core.call_utility_async("add_lora", lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's (LLMEngine.remove_lora)."""
+        self.processor.validate_lora_id(lora_id)
+        self.processor.forget_lora(lora_id)
+        return await self.engine_core.call_utility_async("remove_lora", lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """vLLM's (LLMEngine.list_loras)."""
+        self.processor.check_lora_enabled()
+        return set(await self.engine_core.call_utility_async("list_loras"))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's (LLMEngine.pin_lora)."""
+        self.processor.validate_lora_id(lora_id)
+        if lora_id not in await self.list_loras():
+            raise ValueError(f"Pinning failed. LoRA {lora_id} is not registered.")
+        return await self.engine_core.call_utility_async("pin_lora", lora_id)
+
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         """vLLM's (EngineCore.pause_scheduler): nothing is scheduled until resume_generation(); with ``mode`` "abort"
         every request ends first with an "abort" output, with "keep" they wait."""

@@ -7,6 +7,8 @@ import time
 from collections import deque
 from typing import Any, Optional
 
+import msgspec
+
 from pagedllm.config import EngineConfig, check_bool
 from pagedllm.core.kv_cache_manager import longest_request
 from pagedllm.core.kv_cache_utils import make_block_hasher
@@ -105,6 +107,33 @@ class EngineCore:
         if error is None:
             self._added_loras.add(lora_request.lora_int_id)
         return error
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: every worker loads the adapter now (again with load_inplace), for requests to come; True, as vLLM's
+        for one already loaded too. What loading raised is this ValueError; the engine serves on."""
+        lora_request = msgspec.convert(lora_request, LoRARequest)  # from the frontend's socket, a plain array
+        error = next((e for e in self.executor.collective_rpc("add_lora", (lora_request,)) if e is not None), None)
+        if error is not None:
+            raise ValueError(error)
+        self._added_loras.add(lora_request.lora_int_id)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's: the adapter is dropped from every worker; whether it was loaded. A later request naming it loads
+        it again."""
+        self._added_loras.discard(lora_id)
+        return all(self.executor.collective_rpc("remove_lora", (lora_id,)))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's: the adapter is never dropped from the workers' kept ones (WorkerLoRAManager.pin)."""
+        error = next((e for e in self.executor.collective_rpc("pin_lora", (lora_id,)) if e is not None), None)
+        if error is not None:
+            raise ValueError(error)
+        return True
+
+    def list_loras(self) -> list[int]:
+        """vLLM's: the ids of the adapters the workers keep loaded (a list, for the frontend's socket)."""
+        return sorted(self.executor.collective_rpc("list_loras")[0])
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

@@ -80,6 +80,10 @@ class InprocClient:
     def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
         self.engine_core.profile(is_start, profile_prefix)
 
+    def call_utility(self, method: str, *args: Any) -> Any:
+        """An EngineCore method's result (the LoRA management calls)."""
+        return getattr(self.engine_core, method)(*args)
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
@@ -287,6 +291,9 @@ class SyncMPClient:
 
     def profile(self, is_start: bool = True, profile_prefix: Optional[str] = None) -> None:
         self._mp.call_utility("profile", is_start, profile_prefix).result()
+
+    def call_utility(self, method: str, *args: Any) -> Any:
+        return self._mp.call_utility(method, *args).result()
 
     def shutdown(self) -> None:
         self._mp.shutdown()

@@ -176,13 +176,16 @@ class _DPClientBase:
 
 
 def combine_utility_results(method: str, results: list) -> Any:
-    """The engines' results of one utility as one engine's: their stats aggregated, whether all reset their prefix
-    caches or woke fully, whether any sleeps or is paused; of any other utility the list of results, in rank order."""
+    """One utility call's result from every live engine's: stats aggregated; whether every engine did it (reset,
+    wake, add or pin an adapter) or any did (is asleep, is paused, had the adapter removed); the adapters any engine
+    keeps (each loads those its requests name); else the list of them."""
     if method == "get_stats":
         return aggregate_stats([msgspec.convert(r, SchedulerStats) for r in results])
-    if method in ("reset_prefix_cache", "wake_up"):
+    if method in ("reset_prefix_cache", "wake_up", "add_lora", "pin_lora"):
         return all(results)
-    return any(results) if method in ("is_sleeping", "is_scheduler_paused") else results
+    if method in ("is_sleeping", "is_scheduler_paused", "remove_lora"):
+        return any(results)
+    return sorted(set().union(*results)) if method == "list_loras" else results
 
 
 def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:

@@ -112,6 +112,32 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: loads the adapter into the engine now, for requests to come (its files checked here first, as a
+        request's are: a ValueError); True, for one already loaded too."""
+        self.processor.validate_lora_request(lora_request)
+        return self.engine_core.call_utility("add_lora", lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """vLLM's: unloads the adapter (unpinned); False when it was not loaded. A later request naming it, or the id
+        naming another adapter, loads that again."""
+        self.processor.validate_lora_id(lora_id)
+        self.processor.forget_lora(lora_id)
+        return self.engine_core.call_utility("remove_lora", lora_id)
+
+    def list_loras(self) -> set[int]:
+        """vLLM's: the ids of the adapters loaded (max_cpu_loras, or one more beside that many pinned)."""
+        self.processor.check_lora_enabled()
+        return set(self.engine_core.call_utility("list_loras"))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """vLLM's: the loaded adapter is never unloaded to make room (at most max_cpu_loras are pinned); its slot
+        is given to another only when a step needs every slot. An id that is not loaded is a ValueError."""
+        self.processor.validate_lora_id(lora_id)
+        if lora_id not in self.list_loras():
+            raise ValueError(f"Pinning failed. LoRA {lora_id} is not registered.")
+        return self.engine_core.call_utility("pin_lora", lora_id)
+
     def get_supported_tasks(self) -> tuple[str, ...]:
         """vLLM's (AsyncLLM.get_supported_tasks)."""
         return SUPPORTED_TASKS

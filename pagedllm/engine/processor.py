@@ -94,6 +94,18 @@ class Processor:
     def forget_lora(self, lora_int_id: int) -> None:
         self._checked_loras.pop(lora_int_id, None)
 
+    def check_lora_enabled(self) -> None:
+        """The LoRA management calls (add_lora, remove_lora, list_loras, pin_lora) need an engine serving adapters, as
+        vLLM's."""
+        if self.lora_config is None:
+            raise ValueError("LoRA is not enabled in this engine; start it with enable_lora=True")
+
+    def validate_lora_id(self, lora_id: int) -> None:
+        """remove_lora's and pin_lora's id: an adapter id, in an engine serving adapters."""
+        self.check_lora_enabled()
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or not 1 <= lora_id < 2**63:
+            raise ValueError(f"lora_id must be an integer from 1 to 2**63 - 1, got {lora_id!r}")
+
     def _eos_token_id(self) -> Optional[int]:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             return self.tokenizer.eos_token_id

@@ -1,11 +1,13 @@
 """The worker's adapters (vLLM's LRUCacheWorkerLoRAManager): ``max_loras`` slots on the model's LoRA'd layers (the
 decoder layers' projections, and on the stages that have them the token embedding and the LM head's logits), and up to
 ``max_cpu_loras`` adapters kept loaded (least recently used dropped first), so that an adapter coming back costs a copy
-into a slot, not a read of its files."""
+into a slot, not a read of its files. Pinned adapters (vLLM's pin_lora) are never dropped from the kept ones, and their
+slots are reused only when a step needs more slots than the others free."""
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 from torch import nn
@@ -47,6 +49,7 @@ class WorkerLoRAManager:
         self._slot_use = [0] * max_loras  # the step a slot last served, for choosing which to reuse
         self._step = 0
         self.loaded: OrderedDict[int, LoRAModel] = OrderedDict()  # id -> adapter, least recently used first
+        self.pinned: set[int] = set()  # ids in ``loaded`` that are never dropped from it (at most max_cpu_loras)
 
     def _get(self, request: LoRARequest, reload: bool = False) -> LoRAModel:
         model = None if reload else self.loaded.get(request.lora_int_id)
@@ -54,8 +57,10 @@ class WorkerLoRAManager:
             model = LoRAModel.from_local_checkpoint(request.lora_path, request.lora_int_id, self.hf_config,
                                                     self.max_lora_rank)
             self.loaded[request.lora_int_id] = model
-            while len(self.loaded) > self.max_cpu_loras:
-                self.loaded.popitem(last=False)
+            # The least recently used unpinned ones go; with every other one pinned, the new one stays (one over).
+            unpinned = [i for i in self.loaded if i not in self.pinned and i != request.lora_int_id]
+            for lora_id in unpinned[:max(len(self.loaded) - self.max_cpu_loras, 0)]:
+                del self.loaded[lora_id]
         self.loaded.move_to_end(request.lora_int_id)
         return model
 
@@ -68,6 +73,24 @@ class WorkerLoRAManager:
         if request.load_inplace and request.lora_int_id in self.slot_ids:
             self.slot_ids[self.slot_ids.index(request.lora_int_id)] = None
 
+    def remove(self, lora_id: int) -> bool:
+        """vLLM's remove_adapter: the adapter is dropped (unpinned) from the kept ones and its slot; whether it was
+        kept. A request running with it reads its files again at its next step, as vLLM's."""
+        if lora_id in self.slot_ids:
+            self.slot_ids[self.slot_ids.index(lora_id)] = None
+        self.pinned.discard(lora_id)
+        return self.loaded.pop(lora_id, None) is not None
+
+    def pin(self, lora_id: int) -> Optional[str]:
+        """vLLM's pin_adapter: a kept adapter is never dropped from the kept ones; why it cannot be, else None. At most
+        max_cpu_loras are pinned, so that the kept ones stay bounded (vLLM's add fails when all are pinned)."""
+        if lora_id not in self.loaded:
+            return f"Pinning failed. LoRA {lora_id} is not registered."
+        if lora_id not in self.pinned and len(self.pinned) >= self.max_cpu_loras:
+            return f"Pinning failed: max_cpu_loras={self.max_cpu_loras} adapters are pinned already."
+        self.pinned.add(lora_id)
+        return None
+
     def set_active_loras(self, requests: dict[int, LoRARequest], token_lora_ids: torch.Tensor) -> None:
         """Put this step's adapters (at most max_loras: the scheduler's promise) into slots and map each token
         (``token_lora_ids[i]``: its request's adapter id, 0 for none) to its adapter's slot."""
@@ -76,7 +99,8 @@ class WorkerLoRAManager:
             raise RuntimeError(f"{len(requests)} adapters in one step; max_loras is {self.max_loras}")
         slot_of = {held: slot for slot, held in enumerate(self.slot_ids) if held in requests}
         reusable = sorted((s for s in range(self.max_loras) if self.slot_ids[s] not in requests),
-                          key=lambda s: (self.slot_ids[s] is not None, self._slot_use[s]))
+                          key=lambda s: (self.slot_ids[s] is not None, self.slot_ids[s] in self.pinned,
+                                         self._slot_use[s]))
         for lora_id, request in requests.items():
             if lora_id not in slot_of:
                 slot = reusable.pop(0)

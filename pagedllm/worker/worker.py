@@ -170,6 +170,16 @@ class Worker:
             return f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
         return None
 
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.model_runner.lora_manager.remove(lora_id)
+
+    def pin_lora(self, lora_id: int) -> Optional[str]:
+        """Why the adapter cannot be pinned, else None (returned, as add_lora's errors)."""
+        return self.model_runner.lora_manager.pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.model_runner.lora_manager.loaded)
+
     def check_health(self) -> bool:
         return True
 

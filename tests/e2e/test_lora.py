@@ -570,3 +570,76 @@ def test_beam_search_with_an_adapter_per_prompt_equals_transformers_with_peft(ll
     assert [[s.tokens for s in o.sequences] for o in one_at_a_time] == [[s.tokens for s in o.sequences] for o in outs]
     with pytest.raises(ValueError, match="^lora_request"):
         llm_with_lora.beam_search("Hi", params, lora_request=[None, None])
+
+
+def test_add_pin_list_and_remove_loras_as_vllms_engine(llm_with_lora, adapters, tmp_path):
+    """vLLM's LLMEngine.add_lora / pin_lora / list_loras / remove_lora, through the engine process (max_cpu_loras=2
+    here): a pinned adapter is never the one dropped to make room, however long unused; a removed one is gone from
+    the list, and a request naming it loads it again, to its model's tokens; bad calls are ValueErrors."""
+    engine = llm_with_lora.llm_engine
+    for lora_id in engine.list_loras():
+        engine.remove_lora(lora_id)
+    first, second, third = (adapters[name][0] for name in ("all-r8", "rslora-r16", "qkv-r4"))
+    assert engine.add_lora(first) and engine.add_lora(first)  # True for one loaded already, as vLLM's
+    assert engine.list_loras() == {1} and engine.pin_lora(1)
+    assert engine.add_lora(second) and engine.add_lora(third)
+    assert engine.list_loras() == {1, 3}  # unpinned, the least recently used (first) would have gone: {2, 3}
+    with pytest.raises(ValueError, match="Pinning failed. LoRA 2 is not registered"):
+        engine.pin_lora(2)
+    assert engine.pin_lora(3)
+    assert engine.add_lora(second)
+    assert engine.list_loras() == {1, 2, 3}  # pinned ones fill the cache: the one added stays beside them
+    with pytest.raises(RuntimeError, match="max_cpu_loras=2 adapters are pinned already"):
+        engine.pin_lora(2)
+    assert engine.remove_lora(1) and not engine.remove_lora(1)
+    assert engine.list_loras() == {2, 3}
+    assert_transformers_greedy(adapters["all-r8"][1], [[1, 2, 3, 4, 5]], run(llm_with_lora, [[1, 2, 3, 4, 5]], first),
+                               MAX_TOKENS)
+    with pytest.raises(ValueError, match="does not exist"):
+        engine.add_lora(LoRARequest("gone", 9, str(tmp_path / "gone")))
+    with pytest.raises(ValueError, match="lora_id must be an integer"):
+        engine.remove_lora(0)
+    for lora_id in engine.list_loras():
+        engine.remove_lora(lora_id)
+
+
+def test_async_llm_adds_pins_lists_and_removes_loras_as_vllms(llm_with_lora, adapters):
+    """AsyncLLM's add_lora / pin_lora / list_loras / remove_lora, awaited, through the running engine process."""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    class EngineCore:  # the running engine process's utility calls, awaited; no outputs
+        dead = False
+
+        async def call_utility_async(self, method, *args):
+            return await asyncio.wrap_future(llm_with_lora.llm_engine.engine_core._mp.call_utility(method, *args))
+
+        async def get_output_async(self):
+            await asyncio.Event().wait()
+
+        def shutdown(self) -> None:
+            pass
+
+    async def run() -> list:
+        engine = AsyncLLM(llm_with_lora.llm_engine.config, llm_with_lora.get_tokenizer(), EngineCore())
+        try:
+            for lora_id in await engine.list_loras():
+                await engine.remove_lora(lora_id)
+            results = [await engine.add_lora(adapters["qkv-r4"][0]), await engine.list_loras(),
+                       await engine.pin_lora(3), await engine.remove_lora(3), await engine.remove_lora(3),
+                       await engine.list_loras()]
+            with pytest.raises(ValueError, match="Pinning failed. LoRA 3 is not registered"):
+                await engine.pin_lora(3)
+            return results
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(run()) == [True, {3}, True, True, False, set()]
+
+
+def test_lora_management_without_enable_lora_is_a_value_error(llm, adapters):
+    for call in (lambda e: e.add_lora(adapters["qkv-r4"][0]), lambda e: e.remove_lora(1), lambda e: e.list_loras(),
+                 lambda e: e.pin_lora(1)):
+        with pytest.raises(ValueError, match="LoRA is not enabled"):
+            call(llm.llm_engine)
