@@ -89,6 +89,7 @@ class LLM:
         ``use_tqdm``: a progress bar, or none (False), or one made by this tqdm-like callable (vLLM's: say,
         ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols. Requests
         enqueue() left waiting run too; their outputs wait for wait_for_completion()."""
+        self._check_awake()
         return self._run_engine(self._add_requests(prompts, sampling_params, priority, lora_request), use_tqdm)
 
     def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]],
@@ -96,7 +97,9 @@ class LLM:
                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
                 priority: Optional[Union[int, Sequence[int]]] = None) -> list[str]:
         """vLLM's: queues the prompts' requests (checked as generate() checks them) without running them; their
-        request ids. wait_for_completion() runs them and returns their outputs."""
+        request ids. wait_for_completion() runs them and returns their outputs. As vLLM's, the engine may be asleep
+        meanwhile: ``sleep(level=0)`` first, then ``wake_up(tags=["scheduling"])``, so that no request starts before
+        all are queued."""
         request_ids = self._add_requests(prompts, sampling_params, priority, lora_request)
         self._enqueued.update(dict.fromkeys(request_ids))
         return request_ids
@@ -104,6 +107,7 @@ class LLM:
     def wait_for_completion(self, *, use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """vLLM's: runs the requests enqueue() queued until all have finished; their outputs, in the order they were
         queued (vLLM's, by request id)."""
+        self._check_awake()
         request_ids = list(self._enqueued)
         outputs = self._run_engine(request_ids, use_tqdm)
         for request_id in request_ids:
@@ -116,8 +120,6 @@ class LLM:
                       lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]]) -> list[str]:
         """Queues the prompts' requests, all checked first: bad input leaves none behind; their ids."""
         prompts = _prompt_to_seq(prompts)
-        if self.llm_engine.asleep:  # nothing would run until wake_up: vLLM's loop would wait for ever
-            raise RuntimeError("The engine is asleep (sleep()); call wake_up() before generating.")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         # Only each request's last output is returned: asked for alone (FINAL_ONLY, as vLLM's LLM sets it), on a copy
@@ -137,6 +139,12 @@ class LLM:
             self._abort_all()
             raise
         return [request.request_id for _, request in processed]
+
+    def _check_awake(self) -> None:
+        """generate() and wait_for_completion() run the engine until their requests finish: asleep, nothing would
+        run until wake_up, and vLLM's loop would wait for ever."""
+        if self.llm_engine.asleep:
+            raise RuntimeError("The engine is asleep (sleep()); call wake_up() before generating.")
 
     def _abort_all(self) -> None:
         """After Ctrl-C or a dead engine: no request runs on, or waits in the next call (those enqueued neither)."""

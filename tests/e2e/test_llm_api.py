@@ -823,3 +823,18 @@ def test_enqueue_then_wait_for_completion_returns_the_queued_requests_outputs(ll
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 5]
     assert outputs[0].outputs[0].token_ids == llm.generate("One, two,", params, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.wait_for_completion(use_tqdm=False) == []
+
+
+def test_enqueue_while_asleep_at_level_0_then_waking_the_scheduler_runs_them_all(llm):
+    """vLLM's recipe for queueing every request before any is scheduled: sleep(level=0), enqueue, then
+    wake_up(tags=["scheduling"]); wait_for_completion while still asleep raises rather than wait for ever."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.sleep(level=0)
+    try:
+        request_ids = llm.enqueue(["One, two,", "The sky is"], params)
+        with pytest.raises(RuntimeError, match=r"asleep \(sleep\(\)\); call wake_up\(\)"):
+            llm.wait_for_completion(use_tqdm=False)
+    finally:
+        assert llm.wake_up(tags=["scheduling"]) is True
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == request_ids and all(len(o.outputs[0].token_ids) == 4 for o in outputs)
