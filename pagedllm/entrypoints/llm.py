@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import msgspec
 import torch
@@ -95,12 +95,12 @@ class LLM:
     def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]],
                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
-                priority: Optional[Union[int, Sequence[int]]] = None) -> list[str]:
+                priority: Optional[Union[int, Sequence[int]]] = None, use_tqdm: UseTqdm = True) -> list[str]:
         """vLLM's: queues the prompts' requests (checked as generate() checks them) without running them; their
-        request ids. wait_for_completion() runs them and returns their outputs. As vLLM's, the engine may be asleep
-        meanwhile: ``sleep(level=0)`` first, then ``wake_up(tags=["scheduling"])``, so that no request starts before
-        all are queued."""
-        request_ids = self._add_requests(prompts, sampling_params, priority, lora_request)
+        request ids. wait_for_completion() runs them and returns their outputs. ``use_tqdm``: a progress bar while
+        they are rendered, as generate()'s. As vLLM's, the engine may be asleep meanwhile: ``sleep(level=0)``
+        first, then ``wake_up(tags=["scheduling"])``, so that no request starts before all are queued."""
+        request_ids = self._add_requests(prompts, sampling_params, priority, lora_request, use_tqdm)
         self._enqueued.update(dict.fromkeys(request_ids))
         return request_ids
 
@@ -117,7 +117,8 @@ class LLM:
     def _add_requests(self, prompts: Union[PromptType, Sequence[PromptType]],
                       sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]],
                       priority: Optional[Union[int, Sequence[int]]],
-                      lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]]) -> list[str]:
+                      lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]],
+                      use_tqdm: UseTqdm = False) -> list[str]:
         """Queues the prompts' requests, all checked first: bad input leaves none behind; their ids."""
         prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
@@ -131,7 +132,8 @@ class LLM:
         processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
                                                        priority=priorities[i],
                                                        lora_request=lora_requests[i])
-                     for i, (prompt, params) in enumerate(zip(prompts, params_list))]
+                     for i, (prompt, params) in enumerate(_maybe_tqdm(zip(prompts, params_list), use_tqdm,
+                                                                      "Rendering prompts", len(prompts)))]
         try:
             for text, request in processed:
                 self.llm_engine.add_processed_request(text, request)
@@ -168,6 +170,30 @@ class LLM:
         ``chat_template_content_format`` "openai" (with "auto", the default, for templates that loop over a
         message's content) the list of its text parts. The arguments given here override ``chat_template_kwargs``
         (those given as None do not), as vLLM's merge_kwargs."""
+        prompts = self._render_chats(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                             lora_request=lora_request)
+
+    def enqueue_chat(self, messages: Union[Conversation, list[Conversation]],
+                     sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+                     use_tqdm: UseTqdm = True,
+                     lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+                     priority: Optional[Union[int, Sequence[int]]] = None, chat_template: Optional[str] = None,
+                     chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+                     continue_final_message: bool = False, tools: Optional[list[dict[str, Any]]] = None,
+                     chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
+        """vLLM's: the conversations rendered as chat() renders them, their requests queued as enqueue() queues
+        prompts; their request ids, for wait_for_completion(). ``use_tqdm``: a progress bar while they render."""
+        prompts = self._render_chats(messages, chat_template, chat_template_content_format, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs, use_tqdm)
+        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm=False)
+
+    def _render_chats(self, messages: Union[Conversation, list[Conversation]], chat_template: Optional[str],
+                      chat_template_content_format: str, add_generation_prompt: bool, continue_final_message: bool,
+                      tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
+                      use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
+        """chat()'s prompts: each conversation's rendered text and its token ids."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message,
                     "add_generation_prompt": add_generation_prompt}
@@ -179,14 +205,13 @@ class LLM:
         content_format = resolve_chat_template_content_format(self.tokenizer, template_args.get("chat_template"),
                                                               template_args.get("tools"), chat_template_content_format)
         prompts = []
-        for turns in conversations:
+        for turns in _maybe_tqdm(conversations, use_tqdm, "Rendering conversations", len(conversations)):
             turns = conversation([ChatMessageParam.model_validate(m) for m in turns], content_format)
             # Rendered once, then tokenized without special tokens (the template writes its own), as vLLM's
             # _preprocess_chat: the ids transformers' apply_chat_template(tokenize=True) gives, with one rendering.
             text = self.tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
-                             lora_request=lora_request)
+        return prompts
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
@@ -322,6 +347,14 @@ def _prompt_to_seq(prompts: Union[PromptType, Sequence[PromptType]]) -> list[Pro
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)):
         return [prompts]
     return list(prompts)
+
+
+def _maybe_tqdm(items: Iterable, use_tqdm: UseTqdm, desc: str, total: int) -> Iterable:
+    """``items``, through a progress bar unless ``use_tqdm`` is False (vLLM's maybe_tqdm)."""
+    if not use_tqdm:
+        return items
+    make_progress = use_tqdm if callable(use_tqdm) else tqdm
+    return make_progress(items, desc=desc, total=total, dynamic_ncols=True)
 
 
 def _one_per_prompt(name: str, value, single: type | tuple[type, ...], num_prompts: int) -> list:

@@ -838,3 +838,22 @@ def test_enqueue_while_asleep_at_level_0_then_waking_the_scheduler_runs_them_all
         assert llm.wake_up(tags=["scheduling"]) is True
     outputs = llm.wait_for_completion(use_tqdm=False)
     assert [o.request_id for o in outputs] == request_ids and all(len(o.outputs[0].token_ids) == 4 for o in outputs)
+
+
+def test_enqueue_chat_queues_what_chat_would_run(llm):
+    """vLLM's LLM.enqueue_chat: the conversations rendered as chat() renders them, queued as enqueue() queues
+    prompts (their ids back), wait_for_completion() giving what chat() gives; both take vLLM's use_tqdm."""
+    conversations = [[{"role": "user", "content": "What is the capital of France?"}],
+                     [{"role": "user", "content": "Name a colour."}]]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    request_ids = llm.enqueue_chat(conversations, params, use_tqdm=False)
+    assert len(request_ids) == 2 and llm.llm_engine.get_num_unfinished_requests() == 2
+    queued = llm.wait_for_completion(use_tqdm=False)
+    direct = llm.chat(conversations, params, use_tqdm=False)
+    assert [o.request_id for o in queued] == request_ids
+    assert [(o.prompt, o.outputs[0].token_ids) for o in queued] == [(o.prompt, o.outputs[0].token_ids) for o in direct]
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        llm.enqueue_chat(conversations, params, continue_final_message=True)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    request_ids = llm.enqueue("Hi", params, use_tqdm=False)
+    assert [o.request_id for o in llm.wait_for_completion(use_tqdm=False)] == request_ids
