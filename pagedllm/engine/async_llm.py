@@ -303,6 +303,10 @@ class AsyncLLM:
             self._abort(self.output_processor.unfinished_request_ids(), internal=True)
         await self.engine_core.call_utility_async("sleep", level, mode)
 
+    async def release_kv_cache_memory(self) -> None:
+        """vLLM's (LLM.release_kv_cache_memory)."""
+        await self.engine_core.call_utility_async("release_kv_cache_memory")
+
     async def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """vLLM's (EngineCore.wake_up): whether the engine is fully awake."""
         check_wake_up_tags(tags)

@@ -239,8 +239,21 @@ class EngineCore:
         check_sleep_args(level, mode)
         self.pause_scheduler(mode, clear_cache=level >= 1)
         if level >= 1 and not self.kv_cache_asleep:
-            self.executor.collective_rpc("sleep", kwargs={"level": level})
-            self.kv_cache_asleep = True
+            self._release_kv_cache(level)
+
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's: once paused (sleep(level=0), pause_scheduler), the workers' KV caches go as sleep(level=1) drops
+        them, the requests kept preempted to recompute after wake_up(tags=["kv_cache"]), which makes them anew."""
+        if not self.paused or self.batch_queue:
+            raise RuntimeError("release_kv_cache_memory() requires a completed pause first (sleep(level=0))")
+        if self.kv_cache_asleep:
+            raise RuntimeError("release_kv_cache_memory(): the KV cache is released already (sleep())")
+        self.scheduler.reset_prefix_cache(reset_running_requests=True)
+        self._release_kv_cache(1)
+
+    def _release_kv_cache(self, level: int) -> None:
+        self.executor.collective_rpc("sleep", kwargs={"level": level})
+        self.kv_cache_asleep = True
 
     def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """vLLM's: ``tags`` None wakes everything; else of "weights" (nothing to do on the CPU, where they never

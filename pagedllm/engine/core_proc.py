@@ -133,7 +133,7 @@ class EngineCoreProc(EngineCore):
         if method not in ("reset_prefix_cache", "get_stats", "get_engine_view", "abort_requests",
                           "collective_rpc_pickled", "sleep", "wake_up", "is_sleeping", "profile", "pause_scheduler",
                           "resume_scheduler", "is_scheduler_paused", "add_lora", "remove_lora", "pin_lora",
-                          "list_loras"):
+                          "list_loras", "release_kv_cache_memory"):
             return UtilityOutput(call_id, failure_message=f"unknown utility method {method!r}")
         try:
             return UtilityOutput(call_id, result=getattr(self, method)(*args))

@@ -173,6 +173,10 @@ class LLMEngine:
         self.engine_core.sleep(level, mode)
         self.asleep = True
 
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's (LLM.release_kv_cache_memory)."""
+        self.engine_core.call_utility("release_kv_cache_memory")
+
     def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """vLLM's (EngineCore.wake_up): whether the engine is fully awake."""
         check_wake_up_tags(tags)

@@ -305,6 +305,11 @@ class LLM:
         keeps them for after wake_up (vLLM's "wait" is refused). generate() and chat() while asleep raise."""
         self.llm_engine.sleep(level, mode)
 
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's: after ``sleep(level=0)``, gives back the KV cache's memory as ``sleep(level=1)`` does (requests kept
+        are recomputed after); ``wake_up(tags=["kv_cache"])`` makes it anew. Not paused first, a RuntimeError."""
+        self.llm_engine.release_kv_cache_memory()
+
     def wake_up(self, tags: Optional[list[str]] = None) -> bool:
         """vLLM's: wakes the engine (``tags`` None), or part of it: of "weights", "kv_cache" (made anew, empty) and
         "scheduling". Returns whether it is fully awake, as it must be to generate."""

@@ -857,3 +857,20 @@ def test_enqueue_chat_queues_what_chat_would_run(llm):
     assert llm.llm_engine.get_num_unfinished_requests() == 0
     request_ids = llm.enqueue("Hi", params, use_tqdm=False)
     assert [o.request_id for o in llm.wait_for_completion(use_tqdm=False)] == request_ids
+
+
+def test_release_kv_cache_memory_after_a_level_0_sleep_gives_the_kv_cache_back(llm):
+    """vLLM's LLM.release_kv_cache_memory: refused unless paused (sleep(level=0)); then the KV cache goes as
+    sleep(level=1) drops it, and wake_up(tags=["kv_cache"]) makes it anew, the engine generating as before."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    before = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
+    kv_caches = lambda worker: len(worker.model_runner.kv_caches)  # noqa: E731
+    with pytest.raises(RuntimeError, match="requires a completed pause first"):
+        llm.release_kv_cache_memory()
+    llm.sleep(level=0)
+    llm.release_kv_cache_memory()
+    assert llm.collective_rpc(kv_caches) == [0]
+    with pytest.raises(RuntimeError, match="released already"):
+        llm.release_kv_cache_memory()
+    assert llm.wake_up(tags=["kv_cache"]) is True and llm.collective_rpc(kv_caches)[0] > 0
+    assert llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids == before
