@@ -14,8 +14,8 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import cache_salt_of
 from pagedllm.gc_utils import gc_paused
-from pagedllm.entrypoints.openai.chat_utils import (conversation, resolve_chat_template_content_format,
-                                                   template_variables)
+from pagedllm.entrypoints.openai.chat_utils import (conversation, load_chat_template,
+                                                   resolve_chat_template_content_format, template_variables)
 from pagedllm.entrypoints.openai.protocol import ChatMessageParam
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -38,9 +38,13 @@ class LLM:
     block_size, enable_prefix_caching, kv_cache_memory (bytes or "2GiB"), kv_cache_dtype, seed, scheduling_policy, ...
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, disable_log_stats: bool = True, **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL, *, disable_log_stats: bool = True,
+                 chat_template: Optional[str] = None, **kwargs: Any) -> None:
         """``disable_log_stats=False`` (vLLM's, off by default offline) keeps the engine's metrics for
-        get_metrics(), and logs the server's stats line every PAGEDLLM_LOG_STATS_INTERVAL seconds while it runs."""
+        get_metrics(), and logs the server's stats line every PAGEDLLM_LOG_STATS_INTERVAL seconds while it runs.
+        ``chat_template`` (vLLM's): the Jinja template, or a file holding it, that chat() renders with when a call
+        gives none (else the tokenizer's); read, and a bad one refused, before the engine starts."""
+        self.chat_template = load_chat_template(chat_template)
         # The engine stops with it (LLMEngine.shutdown): on shutdown(), when it is garbage-collected (with this
         # object, unless kept elsewhere), or at the interpreter's exit.
         with gc_paused():  # a model built in this process is a start-up heap too (gc_utils.py)
@@ -195,8 +199,8 @@ class LLM:
                       use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
         """chat()'s prompts: each conversation's rendered text and its token ids."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        explicit = {"chat_template": chat_template, "tools": tools, "continue_final_message": continue_final_message,
-                    "add_generation_prompt": add_generation_prompt}
+        explicit = {"chat_template": self.chat_template if chat_template is None else chat_template, "tools": tools,
+                    "continue_final_message": continue_final_message, "add_generation_prompt": add_generation_prompt}
         template_args = template_variables(chat_template_kwargs)
         template_args.update((k, v) for k, v in explicit.items() if v is not None)
         if template_args.get("continue_final_message") and template_args.get("add_generation_prompt"):

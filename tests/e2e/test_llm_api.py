@@ -874,3 +874,18 @@ def test_release_kv_cache_memory_after_a_level_0_sleep_gives_the_kv_cache_back(l
         llm.release_kv_cache_memory()
     assert llm.wake_up(tags=["kv_cache"]) is True and llm.collective_rpc(kv_caches)[0] > 0
     assert llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+def test_llm_chat_template_is_what_chat_renders_with_unless_a_call_gives_one(tmp_path):
+    """vLLM's LLM(chat_template=...): a Jinja template or a file holding it, chat()'s template when a call gives
+    none; one that is neither is a ValueError before any engine starts."""
+    with pytest.raises(ValueError, match="'no template' is neither a file nor a Jinja template"):
+        LLM(chat_template="no template")
+    (tmp_path / "template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    with running_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+                     chat_template=str(tmp_path / "template.jinja")) as templated:
+        assert templated.chat(messages, params, use_tqdm=False)[0].prompt == "[Hi]"
+        assert templated.chat(messages, params, use_tqdm=False, chat_template="{{ messages[0].content }}!")[0].prompt \
+            == "Hi!"
