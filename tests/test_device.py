@@ -79,6 +79,22 @@ def test_gemma_refuses_float16_and_its_auto_is_float32_where_the_default_is_floa
     assert EngineArgs(device="cuda").create_engine_config().model_config.dtype == torch.float16  # others: float16
 
 
+def test_auto_dtype_keeps_the_checkpoints_where_the_platform_computes_it(tmp_path, fake_gpu, caplog):
+    """As vLLM's _resolve_auto_dtype: 'auto' is the dtype config.json gives where the platform computes it at full
+    speed (a float16 checkpoint runs in float16 on a GPU), a float32 one takes the platform's default. On the CPU,
+    whose float16 is torch's slow path, a float16 checkpoint runs in the default, with a warning saying so."""
+    from transformers import LlamaConfig
+
+    for dtype in ("float16", "float32"):
+        LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    dtype=dtype).save_pretrained(tmp_path / dtype)
+    auto = lambda dtype, device: EngineArgs(str(tmp_path / dtype), device=device).create_engine_config(  # noqa: E731
+        ).model_config.dtype
+    assert (auto("float16", "cuda"), auto("float32", "cuda")) == (torch.float16, torch.bfloat16)
+    assert auto("float16", "cpu") == auto("float32", "cpu") == CpuPlatform().default_dtype()
+    assert "the checkpoint's torch.float16 does not run at full speed on cpu" in caplog.text
+
+
 @pytest.mark.parametrize("kwargs, names", [
     ({"quantization": "gguf_int4"}, "quantization"),
     ({"enable_lora": True, "tensor_parallel_size": 2}, "enable_lora, tensor_parallel_size"),

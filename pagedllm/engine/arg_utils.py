@@ -39,12 +39,11 @@ FLOAT16_UNSTABLE_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
 LOAD_FORMATS = tuple(WEIGHT_FILES)
 
 
-def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform, model_type: Optional[str] = None
-                  ) -> torch.dtype:
-    """'auto' is the platform's default (Platform.default_dtype). Names are case-insensitive, as vLLM's; a
-    torch.dtype must be one they name: the layers and kernels compute in those floats only (a float64 model failed
-    in the engine process). A ``model_type`` that overflows float16 (FLOAT16_UNSTABLE_MODEL_TYPES) is refused it, and
-    its 'auto' is float32 where the platform's default is float16, as vLLM's."""
+def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform, model_type: Optional[str] = None,
+                  checkpoint_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """'auto' is _auto_dtype's. Names are case-insensitive, as vLLM's; a torch.dtype must be one they name: the
+    layers and kernels compute in those floats only (a float64 model failed in the engine process). A ``model_type``
+    that overflows float16 (FLOAT16_UNSTABLE_MODEL_TYPES) is refused it, as vLLM's."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (or their torch dtypes); got {dtype}")
@@ -52,8 +51,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform, model_type
     else:
         name = dtype.lower() if isinstance(dtype, str) else dtype
         if name == "auto":
-            default = platform.default_dtype()
-            return torch.float32 if default == torch.float16 and model_type in FLOAT16_UNSTABLE_MODEL_TYPES else default
+            return _auto_dtype(platform, model_type, checkpoint_dtype)
         if name not in _DTYPES:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
         resolved = _DTYPES[name]
@@ -61,6 +59,27 @@ def resolve_dtype(dtype: Union[str, torch.dtype], platform: Platform, model_type
         raise ValueError(f"dtype: the model type {model_type!r} does not support float16 (numerical instability); "
                          f"use bfloat16 or float32")
     return resolved
+
+
+def _auto_dtype(platform: Platform, model_type: Optional[str], checkpoint_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """vLLM's _resolve_auto_dtype: the checkpoint's dtype (its config's) where the platform computes it
+    (Platform.supported_dtypes), else the first of those, the platform's default (float32 for a model that overflows
+    float16 where that is float16); a float32 checkpoint, or one whose config does not say, takes it too."""
+    supported = [d for d in platform.supported_dtypes()
+                 if not (d == torch.float16 and model_type in FLOAT16_UNSTABLE_MODEL_TYPES)]
+    if checkpoint_dtype in supported and checkpoint_dtype != torch.float32:
+        return checkpoint_dtype
+    if checkpoint_dtype not in (None, torch.float32):
+        logger.warning("dtype 'auto': the checkpoint's %s does not run at full speed on %s; running in %s",
+                       checkpoint_dtype, platform.device_type, supported[0])
+    return supported[0]
+
+
+def checkpoint_dtype(hf_config) -> Optional[torch.dtype]:
+    """The dtype a model's config says its weights are in (its text config's for a multimodal one), if a _DTYPES one."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config.get_text_config(), "dtype", None)
+    dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    return dtype if dtype in _DTYPES.values() else None
 
 
 @dataclass
@@ -273,7 +292,8 @@ class EngineArgs:
         if speculative_config is not None and parallel_config.pipeline_parallel_size > 1:
             raise ValueError("speculative_config is not supported with pipeline_parallel_size > 1 yet")
         model_config = ModelConfig(self.model, path, hf_config,
-                                   resolve_dtype(self.dtype, platform, hf_config.model_type), max_model_len,
+                                   resolve_dtype(self.dtype, platform, hf_config.model_type,
+                                                 checkpoint_dtype(hf_config)), max_model_len,
                                    self.seed, self.quantization, enforce_eager, self.max_logprobs,
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,

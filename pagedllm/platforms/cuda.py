@@ -30,6 +30,10 @@ class CudaPlatform(Platform):
         """bfloat16 on GPUs that compute it (Ampere and later), else float16."""
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The default, float16 and float32, as vLLM's CUDA platform."""
+        return list(dict.fromkeys((self.default_dtype(), torch.float16, torch.float32)))
+
     def choose_kernels(self, dtype: torch.dtype, attention_backend: str) -> KernelChoice:
         """torch's GEMMs and element-wise ops in the model's dtype, the Triton attention kernels."""
         return KernelChoice(dtype, attention_backend=attention_backend, device=self.device_type)

@@ -53,6 +53,13 @@ class Platform(ABC):
     def default_dtype(self) -> torch.dtype:
         """What ``dtype="auto"`` means here: the fastest dtype whose results stay close to float32's."""
 
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The dtypes ``dtype="auto"`` keeps a checkpoint's in (vLLM's Platform.supported_dtypes), the default first:
+        those computed at full speed here. The default and float32 unless a platform says more: on the CPU float16
+        runs torch's own kernels, many times slower than bfloat16's panels, so a float16 checkpoint runs as the
+        default."""
+        return list(dict.fromkeys((self.default_dtype(), torch.float32)))
+
     @abstractmethod
     def choose_kernels(self, dtype: torch.dtype, attention_backend: str) -> KernelChoice:
         """The kernels an engine's model of ``dtype`` runs here."""
