@@ -229,7 +229,6 @@ def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
     """The server's --chat-template-content-format (/tokenize's messages render as chat's), and LLM.chat's
     chat_template_content_format, vLLM's, which a value it has not refuses."""
     import argparse
-    from types import SimpleNamespace
 
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.entrypoints.openai.cli_args import make_arg_parser
@@ -241,12 +240,22 @@ def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
                                         args.chat_template_content_format)
     tokens = serving.create_tokenize(TokenizeChatRequest.model_validate({"messages": hi})).tokens
     assert tokenizer.decode(tokens) == '[{"type": "text", "text": "Hi"}]'
-    llm = SimpleNamespace(tokenizer=tokenizer, generate=lambda prompts, *args, **kwargs: [p["prompt"] for p in prompts])
-    assert LLM.chat(llm, hi, chat_template=PARTS_TEMPLATE) == ["[user] <text:Hi>\n"]
-    assert LLM.chat(llm, hi, chat_template=as_json, chat_template_content_format="openai") == \
+
+    class RenderingLLM:  # LLM.chat without an engine: generate() returns the rendered prompts
+        chat, _render_chats, chat_template = LLM.chat, LLM._render_chats, None
+
+        def __init__(self):
+            self.tokenizer = tokenizer
+
+        def generate(self, prompts, *args, **kwargs):
+            return [p["prompt"] for p in prompts]
+
+    llm = RenderingLLM()
+    assert llm.chat(hi, chat_template=PARTS_TEMPLATE) == ["[user] <text:Hi>\n"]
+    assert llm.chat(hi, chat_template=as_json, chat_template_content_format="openai") == \
         ['[{"type": "text", "text": "Hi"}]']
     with pytest.raises(ValueError, match="chat_template_content_format"):
-        LLM.chat(llm, hi, chat_template=as_json, chat_template_content_format="list")
+        llm.chat(hi, chat_template=as_json, chat_template_content_format="list")
 
 
 @pytest.mark.parametrize("exclude, tool_choice, rendered_tools", [
