@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +160,26 @@ def test_a_plugin_file_registers_a_format_of_its_own(tmp_path):
         ToolParserManager.import_tool_parser(str(broken))
     with pytest.raises(KeyError, match="'shouting' is not registered"):
         make_auto_parser("shouting")
+
+
+def test_a_plugin_takes_over_a_built_in_formats_name(tmp_path):
+    """vLLM's registry: a --tool-parser-plugin registering a built-in name (force=True) is what that name then
+    parses with, whichever module defines the built-in and whether or not it was imported before the plugin (a
+    fresh process, as `pagedllm serve` imports the plugin first)."""
+    plugin = tmp_path / "takeover_parser.py"
+    plugin.write_text(
+        "from dataclasses import dataclass\n"
+        "from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, ToolParserManager\n"
+        "@ToolParserManager.register_module(['mistral', 'hermes'])\n"
+        "@dataclass\n"
+        "class TakeoverParser(ToolCallParser):\n"
+        "    def feed(self, delta_text):\n"
+        "        return delta_text, []\n")
+    script = ("import sys\n"
+              "from pagedllm.entrypoints.openai.tool_calls import ToolParserManager, make_auto_parser\n"
+              "ToolParserManager.import_tool_parser(sys.argv[1])\n"
+              "print(type(make_auto_parser('mistral')).__name__, type(make_auto_parser('hermes')).__name__)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(plugin)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["TakeoverParser", "TakeoverParser"]

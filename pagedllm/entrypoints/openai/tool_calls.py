@@ -61,9 +61,14 @@ class ToolParserManager:
         return register
 
     @classmethod
-    def list_registered(cls) -> list[str]:
-        from pagedllm.entrypoints.openai import tool_call_parsers  # noqa: F401  (registers the formats it defines)
+    def _register_builtins(cls) -> None:
+        """Registers the formats tool_call_parsers defines (imported here, as it builds on this module). A plugin's
+        registrations must come after these, or importing them later takes back a built-in name the plugin took."""
+        from pagedllm.entrypoints.openai import tool_call_parsers  # noqa: F401
 
+    @classmethod
+    def list_registered(cls) -> list[str]:
+        cls._register_builtins()
         return sorted(cls.tool_parsers)
 
     @classmethod
@@ -76,7 +81,10 @@ class ToolParserManager:
     @classmethod
     def import_tool_parser(cls, plugin_path: str) -> None:
         """Runs the Python file ``plugin_path`` as a module named after it (vLLM's import_tool_parser), whose
-        register_module calls add its parsers. ValueError when it cannot be read or fails."""
+        register_module calls add its parsers, taking over any name registered before, a built-in one too (vLLM's:
+        its registry loads a built-in format only when no plugin took the name). ValueError when it cannot be read
+        or fails."""
+        cls._register_builtins()
         module_name = Path(plugin_path).stem
         spec = importlib.util.spec_from_file_location(module_name, plugin_path)
         if spec is None or spec.loader is None or not Path(plugin_path).is_file():
