@@ -109,7 +109,7 @@ class ToolChoice:
     tools: list[ChatCompletionToolsParam]
     name: Optional[str] = None
     parallel: bool = True
-    parser: str = "hermes"  # the format "auto" reads calls in (TOOL_CALL_PARSERS), whose call ids every mode makes
+    parser: str = "hermes"  # the format "auto" reads calls in (ToolParserManager), whose call ids every mode makes
 
     def structured_outputs(self) -> Optional[StructuredOutputsParams]:
         if self.mode == "named":
