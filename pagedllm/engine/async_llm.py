@@ -260,7 +260,7 @@ class AsyncLLM:
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's (LLMEngine.add_lora)."""
-        self.processor.validate_lora_request(lora_request)
+        self.processor.validate_lora_to_add(lora_request)
         return await self.engine_core.call_utility_async("add_lora", lora_request)
 
     async def remove_lora(self, lora_id: int) -> bool:

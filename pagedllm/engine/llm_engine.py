@@ -115,7 +115,7 @@ class LLMEngine:
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: loads the adapter into the engine now, for requests to come (its files checked here first, as a
         request's are: a ValueError); True, for one already loaded too."""
-        self.processor.validate_lora_request(lora_request)
+        self.processor.validate_lora_to_add(lora_request)
         return self.engine_core.call_utility("add_lora", lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -91,6 +91,13 @@ class Processor:
         check_local_checkpoint(lora_request.lora_path, self.model_config.hf_config, self.lora_config.max_lora_rank)
         self._checked_loras[lora_request.lora_int_id] = (lora_request.lora_name, lora_request.lora_path)
 
+    def validate_lora_to_add(self, lora_request: LoRARequest) -> None:
+        """add_lora's adapter: a LoRARequest (not None, as a request's may be), then checked as a request's; anything
+        else is refused here, where the engine would fail the call with a RuntimeError naming no argument."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {lora_request!r}")
+        self.validate_lora_request(lora_request)
+
     def forget_lora(self, lora_int_id: int) -> None:
         self._checked_loras.pop(lora_int_id, None)
 

@@ -603,6 +603,16 @@ def test_add_pin_list_and_remove_loras_as_vllms_engine(llm_with_lora, adapters, 
         engine.remove_lora(lora_id)
 
 
+def test_add_lora_refuses_what_is_not_a_lora_request(llm_with_lora):
+    """LLMEngine.add_lora's argument must be a LoRARequest: None or its fields as a dict are a ValueError naming it,
+    raised before the engine is called (which failed them with a RuntimeError), and the engine serves on."""
+    engine = llm_with_lora.llm_engine
+    for bad in (None, {"lora_name": "a", "lora_int_id": 1, "lora_path": "/a"}):
+        with pytest.raises(ValueError, match="^lora_request must be a LoRARequest, got "):
+            engine.add_lora(bad)
+    assert len(run(llm_with_lora, [[1, 2, 3]], None)[0]) == MAX_TOKENS
+
+
 def test_async_llm_adds_pins_lists_and_removes_loras_as_vllms(llm_with_lora, adapters):
     """AsyncLLM's add_lora / pin_lora / list_loras / remove_lora, awaited, through the running engine process."""
     import asyncio
