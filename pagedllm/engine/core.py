@@ -103,7 +103,7 @@ class EngineCore:
         rather than a step; why the request cannot run, else None."""
         if lora_request is None or (lora_request.lora_int_id in self._added_loras and not lora_request.load_inplace):
             return None
-        error = next((e for e in self.executor.collective_rpc("add_lora", (lora_request,)) if e is not None), None)
+        error = self._lora_error("add_lora", lora_request)
         if error is None:
             self._added_loras.add(lora_request.lora_int_id)
         return error
@@ -112,7 +112,7 @@ class EngineCore:
         """vLLM's: every worker loads the adapter now (again with load_inplace), for requests to come; True, as vLLM's
         for one already loaded too. What loading raised is this ValueError; the engine serves on."""
         lora_request = msgspec.convert(lora_request, LoRARequest)  # from the frontend's socket, a plain array
-        error = next((e for e in self.executor.collective_rpc("add_lora", (lora_request,)) if e is not None), None)
+        error = self._lora_error("add_lora", lora_request)
         if error is not None:
             raise ValueError(error)
         self._added_loras.add(lora_request.lora_int_id)
@@ -126,7 +126,7 @@ class EngineCore:
 
     def pin_lora(self, lora_id: int) -> bool:
         """vLLM's: the adapter is never dropped from the workers' kept ones (WorkerLoRAManager.pin)."""
-        error = next((e for e in self.executor.collective_rpc("pin_lora", (lora_id,)) if e is not None), None)
+        error = self._lora_error("pin_lora", lora_id)
         if error is not None:
             raise ValueError(error)
         return True
@@ -134,6 +134,11 @@ class EngineCore:
     def list_loras(self) -> list[int]:
         """vLLM's: the ids of the adapters the workers keep loaded (a list, for the frontend's socket)."""
         return sorted(self.executor.collective_rpc("list_loras")[0])
+
+    def _lora_error(self, method: str, arg: Any) -> Optional[str]:
+        """The first worker's refusal of the LoRA call ``method`` (Worker.add_lora, pin_lora: returned, not raised, so
+        that the engine serves on), else None."""
+        return next((e for e in self.executor.collective_rpc(method, (arg,)) if e is not None), None)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
