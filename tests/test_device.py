@@ -95,6 +95,24 @@ def test_auto_dtype_keeps_the_checkpoints_where_the_platform_computes_it(tmp_pat
     assert "the checkpoint's torch.float16 does not run at full speed on cpu" in caplog.text
 
 
+def test_checkpoint_dtype_reads_the_torch_dtype_of_older_transformers_configs():
+    """transformers before 4.56 (pyproject allows 4.45) name a config's dtype ``torch_dtype``; a multimodal config
+    may give it on its text config only."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.arg_utils import checkpoint_dtype
+
+    def config(text_config=None, **fields):
+        namespace = SimpleNamespace(**fields)
+        namespace.get_text_config = lambda: text_config or namespace
+        return namespace
+
+    assert checkpoint_dtype(config(torch_dtype="float16")) == torch.float16
+    assert checkpoint_dtype(config(dtype=torch.bfloat16, torch_dtype="float16")) == torch.bfloat16
+    assert checkpoint_dtype(config(text_config=config(torch_dtype=torch.float16))) == torch.float16
+    assert checkpoint_dtype(config(torch_dtype="int8")) is None and checkpoint_dtype(config()) is None
+
+
 @pytest.mark.parametrize("kwargs, names", [
     ({"quantization": "gguf_int4"}, "quantization"),
     ({"enable_lora": True, "tensor_parallel_size": 2}, "enable_lora, tensor_parallel_size"),

@@ -76,8 +76,10 @@ def _auto_dtype(platform: Platform, model_type: Optional[str], checkpoint_dtype:
 
 
 def checkpoint_dtype(hf_config) -> Optional[torch.dtype]:
-    """The dtype a model's config says its weights are in (its text config's for a multimodal one), if a _DTYPES one."""
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config.get_text_config(), "dtype", None)
+    """The dtype a model's config says its weights are in (its text config's for a multimodal one), if a _DTYPES one:
+    ``dtype``, or ``torch_dtype`` in the configs of transformers before 4.56 (which pyproject allows)."""
+    dtype = next((value for config in (hf_config, hf_config.get_text_config()) for name in ("dtype", "torch_dtype")
+                  if (value := getattr(config, name, None))), None)
     dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     return dtype if dtype in _DTYPES.values() else None
 
