@@ -108,9 +108,14 @@ class LLM:
         self._enqueued.update(dict.fromkeys(request_ids))
         return request_ids
 
-    def wait_for_completion(self, *, use_tqdm: UseTqdm = True) -> list[RequestOutput]:
+    def wait_for_completion(self, output_type: Optional[Union[type, tuple[type, ...]]] = None, *,
+                            use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """vLLM's: runs the requests enqueue() queued until all have finished; their outputs, in the order they were
-        queued (vLLM's, by request id)."""
+        queued (vLLM's, by request id). ``output_type``: the outputs' type(s) the caller expects, as vLLM's; this
+        engine's are RequestOutput (it runs no pooling models), so one that does not take them is a ValueError."""
+        if output_type is not None and not _is_subclass(RequestOutput, output_type):
+            raise ValueError(f"output_type must be RequestOutput (or a tuple of types holding it), the outputs of "
+                             f"this engine; got {output_type!r}")
         self._check_awake()
         request_ids = list(self._enqueued)
         outputs = self._run_engine(request_ids, use_tqdm)
@@ -364,6 +369,14 @@ def _maybe_tqdm(items: Iterable, use_tqdm: UseTqdm, desc: str, total: int) -> It
         return items
     make_progress = use_tqdm if callable(use_tqdm) else tqdm
     return make_progress(items, desc=desc, total=total, dynamic_ncols=True)
+
+
+def _is_subclass(cls: type, types: Any) -> bool:
+    """issubclass, False (not a TypeError) where ``types`` is not a type or a tuple of types."""
+    try:
+        return issubclass(cls, types)
+    except TypeError:
+        return False
 
 
 def _one_per_prompt(name: str, value, single: type | tuple[type, ...], num_prompts: int) -> list:

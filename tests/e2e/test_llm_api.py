@@ -13,6 +13,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchParams
 from pagedllm.sampling_params import RequestOutputKind
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.outputs import RequestOutput
 from tests.e2e.conftest import running_llm
 
 
@@ -818,7 +819,9 @@ def test_enqueue_then_wait_for_completion_returns_the_queued_requests_outputs(ll
     alone = llm.generate("Hi", params, use_tqdm=False)
     assert [o.prompt for o in alone] == ["Hi"]
     second = llm.enqueue({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5, ignore_eos=True))
-    outputs = llm.wait_for_completion(use_tqdm=False)
+    with pytest.raises(ValueError, match="output_type must be RequestOutput"):  # vLLM's pooling outputs: none here
+        llm.wait_for_completion(BeamSearchParams, use_tqdm=False)
+    outputs = llm.wait_for_completion(RequestOutput, use_tqdm=False)  # vLLM's output_type, positional
     assert [o.request_id for o in outputs] == first + second
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3, 5]
     assert outputs[0].outputs[0].token_ids == llm.generate("One, two,", params, use_tqdm=False)[0].outputs[0].token_ids
