@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
+from typing import Optional
 
 import httpx
 import openai
@@ -136,6 +137,24 @@ def _adapter_dirs(root, *names: str) -> dict[str, str]:
     return {name: str(root / name) for name in names}
 
 
+def _engine_client(processor, loaded: Optional[list] = None, removed: Optional[list] = None):
+    """An engine client with ``processor``, whose add_lora / remove_lora note the adapter / id in ``loaded`` /
+    ``removed``."""
+    from types import SimpleNamespace
+
+    loaded, removed = [] if loaded is None else loaded, [] if removed is None else removed
+
+    async def add_lora(lora):
+        loaded.append(lora)
+        return True
+
+    async def remove_lora(lora_id):
+        removed.append(lora_id)
+        return True
+
+    return SimpleNamespace(processor=processor, add_lora=add_lora, remove_lora=remove_lora)
+
+
 def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models(tmp_path):
     """--lora-modules' JSON form may name the served model an adapter belongs to (vLLM's base_model_name): /v1/models
     gives it as the adapter's parent; a name not served is ignored, and the parent is the first served name."""
@@ -181,7 +200,8 @@ def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
     app = FastAPI()
     app.include_router(lora_router)
     register_exception_handlers(app)
-    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64,
+                                                                   _engine_client(processor))
     http = TestClient(app)
     v1, v2 = _adapter_dirs(tmp_path, "v1", "v2").values()
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": v1}).status_code == 200
@@ -220,7 +240,8 @@ def test_an_adapter_loads_off_the_event_loop(tmp_path):
     app.include_router(lora_router)
     register_exception_handlers(app)
     processor = SimpleNamespace(lora_config=object(), validate_lora_request=validate_lora_request)
-    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64,
+                                                                   _engine_client(processor))
     path = _adapter_dirs(tmp_path, "sql")["sql"]
     loaded = []
     with TestClient(app) as http:  # one event loop for every request
@@ -252,7 +273,8 @@ def test_loading_a_path_with_no_adapter_is_a_404(tmp_path):
     app = FastAPI()
     app.include_router(lora_router)
     register_exception_handlers(app)
-    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, processor)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64,
+                                                                   _engine_client(processor))
     http = TestClient(app)
     for path in (tmp_path / "nowhere", tmp_path):
         response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": str(path)})
@@ -271,7 +293,50 @@ def test_answers_name_the_first_served_model_whichever_alias_was_asked_for():
     from pagedllm.entrypoints.openai.errors import NotFoundError
     from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
-    models = OpenAIServingModels(["base", "alias"], "/models/base", 64, SimpleNamespace(lora_config=None))
+    models = OpenAIServingModels(["base", "alias"], "/models/base", 64,
+                                 _engine_client(SimpleNamespace(lora_config=None)))
     assert [models.check_model(name) for name in ("base", "alias", None, "")] == ["base"] * 4
     with pytest.raises(NotFoundError):
         models.check_model("elsewhere")
+
+
+def test_load_lora_adapter_loads_it_into_the_engine_and_unload_drops_it(tmp_path):
+    """vLLM's: /v1/load_lora_adapter has the engine load the adapter (add_lora), so weights the engine cannot load
+    are this request's error and the adapter is not served (nor kept as checked); /v1/unload_lora_adapter drops it
+    from the engine too (remove_lora)."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import lora_router
+    from pagedllm.entrypoints.openai.errors import register_exception_handlers
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    paths = _adapter_dirs(tmp_path, "good", "broken")
+    loaded, removed, forgotten = [], [], []
+    engine_client = _engine_client(SimpleNamespace(lora_config=object(), validate_lora_request=lambda lora: None,
+                                                   forget_lora=forgotten.append), loaded, removed)
+    add_lora = engine_client.add_lora
+
+    async def failing_add_lora(lora):
+        if lora.lora_path == paths["broken"]:
+            raise RuntimeError("ValueError: adapter_model.safetensors: incomplete data")
+        return await add_lora(lora)
+
+    engine_client.add_lora = failing_add_lora
+    app = FastAPI()
+    app.include_router(lora_router)
+    register_exception_handlers(app)
+    app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64, engine_client)
+    http = TestClient(app)
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "broken", "lora_path": paths["broken"]})
+    assert response.status_code == 400
+    assert "incomplete data" in response.json()["error"]["message"]
+    assert models.lora_request("broken") is None and len(forgotten) == 1 and loaded == []
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "good", "lora_path": paths["good"]}
+                     ).status_code == 200
+    good = models.lora_request("good")
+    assert loaded == [good]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "good"}).status_code == 200
+    assert removed == [good.lora_int_id] and models.lora_request("good") is None

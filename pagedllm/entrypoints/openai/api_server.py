@@ -173,7 +173,7 @@ async def load_lora_adapter(request: LoadLoRAAdapterRequest, raw_request: Reques
 
 @lora_router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(request: UnloadLoRAAdapterRequest, raw_request: Request) -> Response:
-    raw_request.app.state.openai_serving_models.unload_lora_adapter(request.lora_name)
+    await raw_request.app.state.openai_serving_models.unload_lora_adapter(request.lora_name)
     return Response(f"Success: LoRA adapter '{request.lora_name}' removed successfully.", media_type="text/plain")
 
 
@@ -255,7 +255,7 @@ def init_app_state(state: Any, engine_client: Any, served_model_names: list[str]
     --default-chat-template-kwargs, --chat-template-content-format, --exclude-tools-when-tool-choice-none."""
     model_config = engine_client.model_config
     models = OpenAIServingModels(served_model_names, model_config.model, model_config.max_model_len,
-                                 engine_client.processor, model_config.get_diff_sampling_param())
+                                 engine_client, model_config.get_diff_sampling_param())
     for module in lora_modules or ():
         try:
             models.load_lora_adapter(module["name"], module["path"], module.get("base_model_name"))

@@ -18,15 +18,17 @@ logger = logging.getLogger(__name__)
 
 class OpenAIServingModels:
     def __init__(self, served_model_names: list[str], model_path: str, max_model_len: int,
-                 processor: Any = None, default_sampling_params: Optional[dict] = None) -> None:
-        """``processor``: the engine client's, which checks an adapter against the model before it is served.
+                 engine_client: Any = None, default_sampling_params: Optional[dict] = None) -> None:
+        """``engine_client``: its processor checks an adapter against the model before it is served, and the
+        run-time routes load it into the engine (add_lora) and drop it from there (remove_lora).
         ``default_sampling_params``: the model's generation config's, shown on every card (adapters too: their
         requests get the same)."""
         self.served_model_names = served_model_names
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.default_sampling_params = default_sampling_params or {}
-        self.processor = processor
+        self.engine_client = engine_client
+        self.processor = getattr(engine_client, "processor", None)
         self.lora_requests: dict[str, LoRARequest] = {}
         self._lora_ids = itertools.count(1)  # never reused: an id names one adapter for the engine's lifetime
         self._load_lock = asyncio.Lock()
@@ -62,11 +64,19 @@ class OpenAIServingModels:
     async def load_lora_adapter_async(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> LoRARequest:
         """load_lora_adapter for the server: the adapter's files are read and checked on a thread, so that a large
         one does not stall every stream meanwhile, one load at a time (as vLLM's lock), so that two loads of one
-        name cannot both pass the check that it is free; then served from the loop, the one place that changes
-        lora_requests (a route iterating it meanwhile would see it change size)."""
+        name cannot both pass the check that it is free. Then the engine loads it (vLLM's add_lora at load time):
+        an adapter whose weights cannot be loaded is this request's 400, not its first user's failure, and nothing
+        is served. Served from the loop, the one place that changes lora_requests (a route iterating it meanwhile
+        would see it change size). An adapter it replaces (load_inplace) stays in the engine for the requests
+        running with it, until the engine's least recently used ones make room."""
         async with self._load_lock:
-            return self._serve(await asyncio.to_thread(self._check_lora_adapter, lora_name, lora_path, None,
-                                                       load_inplace))
+            lora = await asyncio.to_thread(self._check_lora_adapter, lora_name, lora_path, None, load_inplace)
+            try:
+                await self.engine_client.add_lora(lora)
+            except Exception as e:
+                self.processor.forget_lora(lora.lora_int_id)
+                raise BadRequestError(f"Loading lora {lora_name} failed: {e}", "lora_path") from e
+            return self._serve(lora)
 
     def _check_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str],
                             load_inplace: bool) -> LoRARequest:
@@ -99,11 +109,13 @@ class OpenAIServingModels:
         self.lora_requests[lora_name] = lora
         return lora
 
-    def unload_lora_adapter(self, lora_name: str) -> None:
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """The adapter is no longer served, and the engine drops its weights (requests running with it read them
+        again at their next step)."""
         lora = self.lora_requests.pop(lora_name, None)
         if lora is None:
             raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", "lora_name")
-        self.processor.forget_lora(lora.lora_int_id)
+        await self.engine_client.remove_lora(lora.lora_int_id)
 
     def show_available_models(self) -> ModelList:
         def card(name: str, root: str, parent: Optional[str] = None) -> ModelCard:
