@@ -223,3 +223,17 @@ def test_a_streamed_call_is_read_once_not_again_on_every_delta(parser, monkeypat
                                JsonArrayParser() if parser == "required" else make_auto_parser(parser))
     assert streamed == [{"name": "write", "arguments": arguments}]
     assert sum(read) < 2 * len(text)
+
+
+def test_an_auto_tool_choice_message_keeps_its_content_unstripped():
+    """As vLLM's: the content beside auto's calls is what the parser read, whitespace and all, and None only where
+    there are calls and it is whitespace only; an answer without calls is its text as generated."""
+    from pagedllm.entrypoints.openai.tool_calls import ToolChoice
+
+    choice = ToolChoice("auto", [])
+    text = 'I will check.\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    content, calls = choice.make_parser().parse(text)
+    assert choice.message_content(content, calls) == "I will check.\n\n"
+    content, calls = choice.make_parser().parse("\n" + text[text.index("<tool_call>"):])
+    assert choice.message_content(content, calls) is None
+    assert choice.message_content(*choice.make_parser().parse(" Hi there.\n")) == " Hi there.\n"

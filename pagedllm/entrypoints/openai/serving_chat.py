@@ -278,9 +278,10 @@ class OpenAIServingChat(OpenAIServing):
             message, finish_reason = ChatMessage(role=role, content=text), o.finish_reason
             parser = tool_choice.make_parser() if tool_choice else None
             if parser is not None:
-                content, calls = parser.parse(text or "")
+                content, calls = parser.parse(text) if text is not None else (None, [])
                 calls = tool_choice.kept_calls(calls)
-                message = ChatMessage(role=role, content=tool_choice.message_content(content), tool_calls=calls)
+                message = ChatMessage(role=role, content=tool_choice.message_content(content, calls),
+                                      tool_calls=calls)
                 finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
             if request.include_reasoning:
                 message.reasoning = reasoning

@@ -128,12 +128,13 @@ class ToolChoice:
             return make_auto_parser(self.parser)
         return None
 
-    def message_content(self, content: str) -> Optional[str]:
-        """An unstreamed message's content beside the calls read out of it: stripped, None where nothing is left;
-        but "" with a required or named tool_choice, whose output is all calls (vLLM's ``content or ""``)."""
+    def message_content(self, content: Optional[str], calls: list[ToolCall]) -> Optional[str]:
+        """An unstreamed message's content beside the ``calls`` read out of it, as vLLM's: as the parser read it,
+        unstripped, but None where there are calls and it is whitespace only; "" with a required or named
+        tool_choice, whose output is all calls (vLLM's ``content or ""``). None (an answer all reasoning) stays."""
         if self.mode in ("required", "named"):
-            return content.strip()
-        return content.strip() or None
+            return (content or "").strip()
+        return None if calls and not content.strip() else content
 
     def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
         """The calls the answer carries: with parallel_tool_calls false the first only, as vLLM keeps them (a
