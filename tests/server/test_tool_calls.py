@@ -60,20 +60,31 @@ HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
 
 @pytest.mark.parametrize("size", [1, 4])
 def test_hermes_blocks_stream_their_arguments(size):
-    content, whole = HermesParser().parse(HERMES)
+    """As vLLM's parser: the content is the text before the first block, unstripped; the text between and after the
+    blocks is no content. Read at once, a block that is no call makes all of the text content, without calls;
+    streamed, nothing of it shows."""
+    content, whole = HermesParser().parse(HERMES.replace("<tool_call>not json</tool_call>", ""))
     assert [(c.function.name, c.function.arguments) for c in whole] == [
         ("get_weather", '{"city": "</tool_call> Paris"}'), ("ping", "{}")]
-    assert content == "Let me check. <tool_call>not json</tool_call> Done."  # a block without a call stays text
+    assert content == "Let me check. "
+    assert HermesParser().parse(HERMES) == (HERMES, [])
     streamed, argument_deltas, streamed_content = _streamed([HERMES[i:i + size] for i in range(0, len(HERMES), size)],
                                                             HermesParser())
     assert streamed == [{"name": c.function.name, "arguments": c.function.arguments} for c in whole]
     assert streamed_content == content and argument_deltas > len(whole)
 
 
-def test_hermes_block_cut_inside_its_call_keeps_its_arguments():
+def test_hermes_block_cut_inside_its_call_keeps_its_arguments_when_streamed():
+    """Read at once, a block cut off where its JSON is not whole is no call (vLLM's extract_tool_calls reads it to
+    the end of the text): all of the text is content; one whose JSON is whole is a call without its end tag."""
     cut = HERMES[:HERMES.index("Paris") + 2]
-    content, calls = HermesParser().parse(cut)
-    assert content == "Let me check. " and calls[0].function.arguments == '{"city": "</tool_call> Pa'
+    assert HermesParser().parse(cut) == (cut, [])
+    streamed, _, content = _streamed(list(cut), HermesParser())
+    assert content == "Let me check. "
+    assert streamed == [{"name": "get_weather", "arguments": '{"city": "</tool_call> Pa'}]
+    whole = HERMES[:HERMES.index("</tool_call><tool_call>")]
+    content, calls = HermesParser().parse(whole)
+    assert (content, [c.function.name for c in calls]) == ("Let me check. ", ["get_weather"])
 
 
 BROKEN = ('<tool_call>{"name": "f", "arguments": {"a": }}</tool_call> Then '
@@ -82,14 +93,15 @@ BROKEN = ('<tool_call>{"name": "f", "arguments": {"a": }}</tool_call> Then '
 
 
 def test_a_hermes_block_that_is_no_json_call_is_content_and_ends_at_its_tag():
-    """As vLLM's parser: a block whose JSON does not parse is no call but content (its arguments would not be
-    JSON), and a block whose object never closes ends at its end tag rather than taking the text after it."""
-    content, calls = HermesParser().parse(BROKEN)
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("h", {})]
-    assert content == BROKEN[:BROKEN.index("<tool_call>{\"name\": \"h\"")] + " end"
+    """As vLLM's parser: a block whose JSON does not parse is no call (its arguments would not be JSON), and read at
+    once all of the text is then content; a block whose object never closes ends at its end tag rather than taking
+    the text after it."""
+    assert HermesParser().parse(BROKEN) == (BROKEN, [])
     # Streamed, what went out of the broken calls cannot be taken back; the good one keeps an index of its own.
-    streamed, _, _ = _streamed(list(BROKEN), HermesParser())
+    parser = HermesParser()
+    streamed, _, content = _streamed(list(BROKEN), parser)
     assert [call["name"] for call in streamed] == ["f", "g", "h"] and streamed[-1]["arguments"] == "{}"
+    assert ([c.function.name for c in parser.calls], content) == (["h"], "")
 
 
 def test_a_hermes_block_with_an_escape_json_has_not_is_content():
@@ -99,7 +111,7 @@ def test_a_hermes_block_with_an_escape_json_has_not_is_content():
                  'Hi <tool_call>{"na\\me": "f", "arguments": {}}</tool_call> bye']:
         assert HermesParser().parse(text) == (text, [])
         streamed, _, content = _streamed(list(text), HermesParser())
-        assert (streamed, content) == ([], text)
+        assert (streamed, content) == ([], "Hi ")
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -167,8 +179,9 @@ def test_a_hermes_block_with_text_after_its_json_is_content():
     call (json.loads: extra data), streamed or not."""
     text = 'Hi <tool_call>{"name": "f", "arguments": {"a": 1}} and more</tool_call> bye'
     assert HermesParser().parse(text) == (text, [])
-    streamed, _, content = _streamed(list(text), HermesParser())
-    assert content == text  # what was streamed of the call cannot be taken back; the block is content all the same
+    parser = HermesParser()
+    _, _, content = _streamed(list(text), parser)
+    assert (parser.calls, content) == ([], "Hi ")  # what was streamed of the call cannot be taken back
     # Whitespace after the object is JSON's own.
     assert [c.function.name for c in HermesParser().parse(text.replace(" and more", "\n "))[1]] == ["f"]
 
@@ -190,7 +203,8 @@ def test_a_hermes_block_nested_too_deep_for_json_is_content():
     text = 'Hi <tool_call>{"name": "f", "arguments": {"a": ' + "[" * 5000 + "]" * 5000 + "}}</tool_call> bye"
     assert HermesParser().parse(text) == (text, [])
     parser = HermesParser()
-    assert "".join(parser.feed(piece)[0] for piece in [text[:50], text[50:]]) + parser.finish()[0] == text
+    assert "".join(parser.feed(piece)[0] for piece in [text[:50], text[50:]]) + parser.finish()[0] == "Hi "
+    assert parser.calls == []
 
 
 def test_a_hermes_call_with_its_arguments_under_parameters_keeps_them():

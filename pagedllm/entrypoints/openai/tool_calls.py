@@ -443,19 +443,24 @@ def _string_end(text: str, start: int, search_from: int) -> Optional[int]:
 @ToolParserManager.register_module("hermes")
 @dataclass
 class HermesParser(ToolCallParser):
-    """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. Text outside the blocks is
-    content. A block's call opens once its name is read and its arguments (their raw text) stream as they are
-    generated; a block that is no call (its text does not parse as JSON, text after the object included, or is no
-    object with a name) is content, as vLLM's parser shows it: whole when the text is read at once (parse), and from
-    where it ends when streamed (what was streamed of its call cannot be taken back, but the call is not among the
-    calls)."""
+    """Free text with <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks. The text before the first
+    block is content; no text after its tag is (vLLM's: what comes between and after the blocks is dropped). A
+    block's call opens once its name is read and its arguments (their raw text) stream as they are generated; a
+    block that is no call (its text does not parse as JSON, text after the object included, or is no object with a
+    name) makes all of the text content, without calls, when the text is read at once (parse, as vLLM's
+    extract_tool_calls); streamed, what was streamed of its call cannot be taken back, but the call is not among
+    the calls."""
+
+    _tagged: bool = False  # the first <tool_call> has come: nothing after it is content
+    _broken: bool = False  # a block was no call
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
         content, deltas = [], []
         while True:
-            if not self._content_up_to(_HERMES_START, content):
+            if not self._content_up_to(_HERMES_START, [] if self._tagged else content):
                 return "".join(content), deltas
+            self._tagged = True
             rest = self._buffer[len(_HERMES_START):]
             body = len(self._buffer) - len(rest.lstrip())
             found = self._scan(body, _HERMES_ARGUMENTS) if self._buffer[body:body + 1] == "{" else None
@@ -478,15 +483,23 @@ class HermesParser(ToolCallParser):
                 self.calls.pop()
                 deltas = [delta for delta in deltas if delta.index != self._opened - 1]
                 self._open = False
-            if not self._open:
-                content.append(self._buffer[:end + len(_HERMES_END)])
+            self._broken |= not self._open
             self._buffer = self._buffer[end + len(_HERMES_END):]
             self._next_call()
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
-        """What is left: content, but for a block cut off inside its call, which keeps the arguments it had."""
+        """What is left: content before the first tag (a part of the tag held back); a block cut off inside its call
+        keeps the arguments it had, though it is no call where its JSON is not whole (vLLM's extract_tool_calls
+        reads a block without its end tag to the end of the text)."""
         rest, self._buffer = self._buffer, ""
-        return ("" if self._open else rest), []
+        if rest.startswith(_HERMES_START):
+            self._broken |= not _is_call(rest[len(_HERMES_START):])
+        return ("" if self._tagged else rest), []
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once, as vLLM's extract_tool_calls: a block that is no call makes all of it content."""
+        content, calls = super().parse(text)
+        return (text, []) if self._broken else (content, calls)
 
 
 def _is_call(text: str) -> bool:
