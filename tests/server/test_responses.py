@@ -274,6 +274,25 @@ def test_a_response_echoes_the_sampling_it_was_generated_with(client):
     assert (done.temperature, done.top_p, done.max_output_tokens) == (0.6, 1.0, 16)
 
 
+def test_a_response_echoes_its_service_tier_and_max_tool_calls():
+    """As vLLM's from_request: the request's service_tier ("auto" when it gives none) and max_tool_calls are echoed;
+    a tier OpenAI has not is refused naming the field."""
+    import pydantic
+
+    from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
+    from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
+
+    for fields, echoed in (({}, ("auto", None)), ({"service_tier": "flex", "max_tool_calls": 3}, ("flex", 3))):
+        request = ResponsesRequest(input="x", **fields)
+        builder = _ResponseBuilder(request, MODEL, [], ResponseStore(), request.to_chat_request().to_sampling_params(
+            16, {}))
+        done = builder.finish([builder.message("Hi.")], None, "stop")
+        assert (done.service_tier, done.max_tool_calls) == echoed
+        assert json.loads(done.model_dump_json())["service_tier"] == echoed[0]
+    with pytest.raises(pydantic.ValidationError, match="service_tier"):
+        ResponsesRequest(input="x", service_tier="fastest")
+
+
 def test_text_format_constrains_the_output(client):
     """text.format (OpenAI's structured output for Responses) is chat's response_format: the text is JSON of the
     schema, and the response echoes the format."""

@@ -179,6 +179,9 @@ ResponseIncludable = Literal["code_interpreter_call.outputs", "computer_call_out
                              "message.output_text.logprobs", "reasoning.encrypted_content"]
 
 
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+
+
 class ResponsesRequest(OpenAIBaseModel):
     model: Optional[str] = None
     input: Union[list[InputItem], str]  # the list first, as InputMessage.content
@@ -229,6 +232,9 @@ class ResponsesRequest(OpenAIBaseModel):
     # truncate_prompt_tokens -1) where "disabled" refuses a prompt too long (a 400).
     user: Optional[str] = None
     truncation: Optional[Literal["auto", "disabled"]] = "disabled"
+    # Only echoed, as vLLM's (which has one tier and caps no tool calls); another tier is a 400, as vLLM's.
+    service_tier: ServiceTier = "auto"
+    max_tool_calls: Optional[int] = None
 
     @model_validator(mode="after")
     def _no_tools_call_none(self) -> "ResponsesRequest":
@@ -387,6 +393,8 @@ class ResponsesResponse(OpenAIBaseModel):
     frequency_penalty: Optional[float] = None
     user: Optional[str] = None
     truncation: Optional[Literal["auto", "disabled"]] = "disabled"
+    service_tier: ServiceTier = "auto"
+    max_tool_calls: Optional[int] = None
     tools: list[FunctionTool] = Field(default_factory=list)
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
     parallel_tool_calls: bool = True

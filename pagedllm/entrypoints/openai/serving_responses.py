@@ -115,6 +115,7 @@ class _ResponseBuilder:
             max_output_tokens=self.params.max_tokens, temperature=self.params.temperature, top_p=self.params.top_p,
             top_logprobs=self.params.logprobs, presence_penalty=self.params.presence_penalty,
             frequency_penalty=self.params.frequency_penalty, user=r.user, truncation=r.truncation,
+            service_tier=r.service_tier, max_tool_calls=r.max_tool_calls,
             tools=r.tools or [], tool_choice=r.tool_choice or "auto",
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
             store=r.store is not False, metadata=r.metadata, reasoning=r.reasoning,
