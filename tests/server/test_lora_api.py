@@ -340,3 +340,28 @@ def test_load_lora_adapter_loads_it_into_the_engine_and_unload_drops_it(tmp_path
     assert loaded == [good]
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "good"}).status_code == 200
     assert removed == [good.lora_int_id] and models.lora_request("good") is None
+
+
+def test_the_engine_loads_the_lora_modules_before_the_first_request(tmp_path):
+    """vLLM's init_static_loras: the --lora-modules adapters are loaded into the engine (add_lora) when the server
+    starts, and one whose weights the engine cannot load stops the start with an error naming it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    paths = _adapter_dirs(tmp_path, "sql", "chat")
+    loaded = []
+    models = OpenAIServingModels(["base"], "/models/base", 64, _engine_client(SimpleNamespace(
+        lora_config=object(), validate_lora_request=lambda lora: None), loaded))
+    for name, path in paths.items():
+        models.load_lora_adapter(name, path)
+    asyncio.run(models.init_static_loras())
+    assert [lora.lora_name for lora in loaded] == ["sql", "chat"]
+
+    async def failing_add_lora(lora):
+        raise RuntimeError("ValueError: unreadable weights")
+
+    models.engine_client.add_lora = failing_add_lora
+    with pytest.raises(ValueError, match="^--lora-modules sql: .*unreadable weights"):
+        asyncio.run(models.init_static_loras())

@@ -401,6 +401,7 @@ async def run_server(args: argparse.Namespace) -> None:
         engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
         app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating, dev_mode)
+        await app.state.openai_serving_models.init_static_loras()
         # --uds replaces host and port (uvicorn listens on the socket); a certificate file turns on TLS, with client
         # certificates checked as --ssl-cert-reqs and --ssl-ca-certs say.
         # --root-path is the ASGI root_path: the prefix a proxy strips, which URLs the app makes (OpenAPI) carry.

@@ -162,6 +162,7 @@ async def run_batch(args: argparse.Namespace) -> None:
                        default_chat_template_kwargs=args.default_chat_template_kwargs,
                        chat_template_content_format=args.chat_template_content_format,
                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+        await state.openai_serving_models.init_static_loras()
         with tqdm(total=len(lines), desc="Running batch", unit="req") as progress:
             async def run(line: str) -> BatchRequestOutput:
                 output = await run_request(state, line)

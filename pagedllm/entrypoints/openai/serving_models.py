@@ -78,6 +78,15 @@ class OpenAIServingModels:
                 raise BadRequestError(f"Loading lora {lora_name} failed: {e}", "lora_path") from e
             return self._serve(lora)
 
+    async def init_static_loras(self) -> None:
+        """vLLM's: the engine loads the adapters served from the start (--lora-modules) before the first request, so
+        that one whose weights cannot be loaded stops the start, a ValueError naming it."""
+        for lora in self.lora_requests.values():
+            try:
+                await self.engine_client.add_lora(lora)
+            except Exception as e:
+                raise ValueError(f"--lora-modules {lora.lora_name}: {e}") from None
+
     def _check_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str],
                             load_inplace: bool) -> LoRARequest:
         if lora_name in self.served_model_names:
