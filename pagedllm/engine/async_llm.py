@@ -283,7 +283,8 @@ class AsyncLLM:
 
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         """vLLM's (EngineCore.pause_scheduler): nothing is scheduled until resume_generation(); with ``mode`` "abort"
-        every request ends first with an "abort" output, with "keep" they wait."""
+        every request ends first with an "abort" output, with "wait" it returns once they have finished (requests
+        added meanwhile wait), with "keep" they wait."""
         check_pause_args(mode, clear_cache)
         if mode == "abort":
             self._abort(self.output_processor.unfinished_request_ids(), internal=True)
@@ -296,8 +297,9 @@ class AsyncLLM:
         return await self.engine_core.call_utility_async("is_scheduler_paused")
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's (EngineCore.sleep): with ``mode`` "abort" every request ends first with an "abort" output;
-        requests added while asleep wait for wake_up."""
+        """vLLM's (EngineCore.sleep): with ``mode`` "abort" every request ends first with an "abort" output, with
+        "wait" the engine sleeps once they have finished; requests added meanwhile, or while asleep, wait for
+        wake_up."""
         check_sleep_args(level, mode)
         if mode == "abort":
             self._abort(self.output_processor.unfinished_request_ids(), internal=True)

@@ -5,6 +5,7 @@ import functools
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any, Optional
 
 import msgspec
@@ -212,12 +213,16 @@ class EngineCore:
             raise RuntimeError(f"collective_rpc {method_name(method)} failed: {'; '.join(failures)}")
         return [result for _, result in replies]
 
-    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Optional[Future]:
         """vLLM's: the engine stops scheduling (requests added meanwhile wait); ``mode`` "abort" ends every request
         first, "keep" keeps them, to go on after resume_scheduler. ``clear_cache`` empties the prefix cache, the
-        running requests preempted (to recompute when they resume). vLLM's "wait" mode (pause once the requests
-        finish) is refused, as vLLM's in-process engine refuses it."""
+        running requests preempted (to recompute when they resume). Returns None, paused: vLLM's "wait" mode (pause
+        once the requests in flight finish, a Future) needs the engine's busy loop (EngineCoreProc), and is refused
+        here as vLLM's in-process engine refuses it."""
         check_pause_args(mode, clear_cache)
+        if mode == "wait":
+            raise ValueError("mode 'wait' needs the engine in a process of its own (PAGEDLLM_ENABLE_MULTIPROCESSING=1)"
+                             ", as vLLM's: it can't be used in-process.")
         if clear_cache and self.batch_queue:
             self.paused = True  # no new batch: the busy loop finishes those in flight meanwhile
             raise RuntimeError("Cannot empty the caches while pipeline-parallel batches are in flight: the engine is "
@@ -227,6 +232,7 @@ class EngineCore:
         self.paused = True
         if clear_cache:
             self.scheduler.reset_prefix_cache(reset_running_requests=True)
+        return None
 
     def resume_scheduler(self) -> None:
         """vLLM's: scheduling resumes (after pause_scheduler; after sleep(level >= 1), wake_up brings the KV cache
@@ -238,12 +244,33 @@ class EngineCore:
     def is_scheduler_paused(self) -> bool:
         return self.paused
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """vLLM's: pause_scheduler, which at level 1 and 2 also empties the prefix cache and then drops the workers'
-        KV caches, their memory given back (Worker.sleep): on the CPU the weights, in host memory already, stay."""
+    def sleep(self, level: int = 1, mode: str = "abort") -> Optional[Future]:
+        """vLLM's: pause_scheduler, which at level 1 and 2 also empties the prefix cache, and then drops the workers'
+        KV caches, their memory given back (Worker.sleep): on the CPU the weights, in host memory already, stay.
+        With ``mode`` "wait" the KV caches go once the pause completes: the Future of that."""
         check_sleep_args(level, mode)
-        self.pause_scheduler(mode, clear_cache=level >= 1)
-        if level >= 1 and not self.kv_cache_asleep:
+        paused = self.pause_scheduler(mode, clear_cache=level >= 1)
+        if level < 1:
+            return paused
+        if paused is None:
+            self._sleep_kv_cache(level)
+            return None
+        slept: Future = Future()
+
+        def release(pause: Future) -> None:
+            try:
+                pause.result()
+                self._sleep_kv_cache(level)
+            except Exception as e:
+                slept.set_exception(e)
+            else:
+                slept.set_result(None)
+
+        paused.add_done_callback(release)
+        return slept
+
+    def _sleep_kv_cache(self, level: int) -> None:
+        if not self.kv_cache_asleep:
             self._release_kv_cache(level)
 
     def release_kv_cache_memory(self) -> None:
@@ -289,8 +316,8 @@ class EngineCore:
 
 def check_pause_args(mode: str, clear_cache: bool = True) -> None:
     """pause's (and sleep's) arguments, checked by the frontend before anything happens (and by the engine)."""
-    if mode not in ("abort", "keep"):
-        raise ValueError(f"mode must be 'abort' or 'keep' (this engine has no 'wait' mode), got {mode!r}.")
+    if mode not in ("abort", "wait", "keep"):
+        raise ValueError(f"mode must be 'abort', 'wait' or 'keep', got {mode!r}.")
     check_bool("clear_cache", clear_cache)
 
 

@@ -21,13 +21,14 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, Union
 
 import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core import EngineCore, check_pause_args
 from pagedllm.engine.launch import CONFIG_ON_STDIN
 from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, UtilityOutput)
@@ -44,6 +45,11 @@ _UNREADABLE = object()  # input_queue's entry for a message the input thread cou
 class EngineCoreProc(EngineCore):
     def __init__(self, config: EngineConfig, input_address: str, output_address: str) -> None:
         super().__init__(config)
+        # pause_scheduler(mode="wait") until the requests in flight finish: what completes each pending pause once
+        # the engine is idle, and the requests added meanwhile, held back from the scheduler until then (vLLM's
+        # PAUSED_NEW: they queue, the others run on).
+        self._idle_state_callbacks: list[Callable[[], None]] = []
+        self._held_requests: list[EngineCoreRequest] = []
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
@@ -106,6 +112,7 @@ class EngineCoreProc(EngineCore):
         wake also looks at the workers, so that one that died meanwhile ends the engine (and /health says so). An
         engine asleep (sleep()) waits as an idle one does, whatever requests it holds."""
         while not self.has_work():
+            self._notify_idle_state_callbacks()
             try:
                 request = self.input_queue.get(timeout=IDLE_WAKE_S)
             except queue.Empty:
@@ -126,25 +133,96 @@ class EngineCoreProc(EngineCore):
             if not self.scheduler.has_requests():  # idle now: report the freed capacity at once
                 self.output_queue.put(EngineCoreOutputs(scheduler_stats=self.get_stats()))
         else:
-            call_id, method, args = payload
-            self.output_queue.put(EngineCoreOutputs(utility_output=self._call_utility(call_id, method, args)))
+            self._call_utility(*payload)
 
-    def _call_utility(self, call_id: int, method: str, args: list) -> UtilityOutput:
+    def _call_utility(self, call_id: int, method: str, args: list) -> None:
+        """Answers the call on the output socket: now, or once the Future it returned (pause_scheduler and sleep in
+        "wait" mode) is done, as vLLM's."""
+        output = self._invoke_utility(call_id, method, args)
+        if isinstance(output, Future):
+            output.add_done_callback(lambda done: self.output_queue.put(EngineCoreOutputs(
+                utility_output=_utility_output(call_id, done))))
+        else:
+            self.output_queue.put(EngineCoreOutputs(utility_output=output))
+
+    def _invoke_utility(self, call_id: int, method: str, args: list) -> Union[UtilityOutput, Future]:
         if method not in ("reset_prefix_cache", "get_stats", "get_engine_view", "abort_requests",
                           "collective_rpc_pickled", "sleep", "wake_up", "is_sleeping", "profile", "pause_scheduler",
                           "resume_scheduler", "is_scheduler_paused", "add_lora", "remove_lora", "pin_lora",
                           "list_loras", "release_kv_cache_memory"):
             return UtilityOutput(call_id, failure_message=f"unknown utility method {method!r}")
         try:
-            return UtilityOutput(call_id, result=getattr(self, method)(*args))
+            result = getattr(self, method)(*args)
         except Exception as e:  # the caller gets the error; the engine keeps serving
             return UtilityOutput(call_id, failure_message=f"{type(e).__name__}: {e}")
+        return result if isinstance(result, Future) else UtilityOutput(call_id, result=result)
+
+    # ---------------------------------------------------------------------------------- pause "wait"
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if self._idle_state_callbacks:  # a pause is waiting for the requests in flight: this one waits for resume
+            self._held_requests.append(request)
+        else:
+            super().add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        aborted = set(request_ids)
+        self._held_requests = [r for r in self._held_requests if r.request_id not in aborted]
+        super().abort_requests(request_ids)
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> Optional[Future]:
+        """vLLM's EngineCoreProc's: "wait" schedules on until the requests in flight have finished, the requests
+        added meanwhile held back; then the engine pauses as with "keep" (those requests waiting in the scheduler)
+        and the Future this returns is done. With nothing in flight it pauses now (None)."""
+        if mode != "wait":
+            return super().pause_scheduler(mode, clear_cache)
+        check_pause_args(mode, clear_cache)
+        if not self.has_work():
+            return super().pause_scheduler("keep", clear_cache)
+        paused: Future = Future()
+
+        def finish_pause() -> None:
+            try:
+                super(EngineCoreProc, self).pause_scheduler("keep", clear_cache)
+                for request in self._held_requests:
+                    super(EngineCoreProc, self).add_request(request)
+                self._held_requests = []
+            except Exception as e:
+                paused.set_exception(e)
+            else:
+                paused.set_result(None)
+
+        self._idle_state_callbacks.append(finish_pause)
+        return paused
+
+    def _notify_idle_state_callbacks(self) -> None:
+        while self._idle_state_callbacks:
+            self._idle_state_callbacks.pop(0)()
+
+    def resume_scheduler(self) -> None:
+        if self._idle_state_callbacks:
+            raise RuntimeError("resume_scheduler called while a pause (mode 'wait') is still in flight; wait for it "
+                               "to complete before resuming.")
+        super().resume_scheduler()
+
+    def is_scheduler_paused(self) -> bool:
+        return self.paused or bool(self._idle_state_callbacks)
+
+    def is_sleeping(self) -> bool:
+        return self.is_scheduler_paused()
 
     def collective_rpc_pickled(self, call: bytes) -> bytes:
         """collective_rpc from the frontend: its call, (method, timeout, args, kwargs), comes pickled (cloudpickle's,
         which sends a lambda or a closure too) and its results go back pickled, for a worker method takes and returns
         any Python objects (as vLLM's utility calls do with its pickle-based serialization)."""
         return pickle.dumps(self.collective_rpc(*pickle.loads(call)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _utility_output(call_id: int, done: Future) -> UtilityOutput:
+    """A utility call's answer once the Future it returned is done."""
+    error = done.exception()
+    if error is not None:
+        return UtilityOutput(call_id, failure_message=f"{type(error).__name__}: {error}")
+    return UtilityOutput(call_id, result=done.result())
 
 
 def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:

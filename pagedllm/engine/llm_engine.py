@@ -164,7 +164,8 @@ class LLMEngine:
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's (EngineCore.sleep): with ``mode`` "abort" the requests added here are aborted first, and the next
         step() returns each one's last output (finish_reason "abort"), as vLLM's engine sends them: so that
-        LLM.wait_for_completion() returns the requests LLM.enqueue() queued, aborted, as vLLM's."""
+        LLM.wait_for_completion() returns the requests LLM.enqueue() queued, aborted, as vLLM's. With "wait" it returns
+        once the engine has finished the requests in flight (their outputs for step() to return) and slept."""
         check_sleep_args(level, mode)
         if mode == "abort":
             processed = self.output_processor.abort_all()

@@ -310,8 +310,10 @@ class LLM:
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's: puts the engine to sleep until wake_up(). Level 0 only stops scheduling; levels 1 and 2 also drop
         the KV cache, its memory given back and its contents forgotten (on the CPU the weights, in host memory
-        already, stay: vLLM's level 1 offloads them there). ``mode``: "abort" ends requests in flight, "keep"
-        keeps them for after wake_up (vLLM's "wait" is refused). generate() and chat() while asleep raise."""
+        already, stay: vLLM's level 1 offloads them there). ``mode``: "abort" ends requests in flight, "wait"
+        sleeps once they have finished (their outputs for wait_for_completion after wake_up; as vLLM's, only with the
+        engine in a process of its own), "keep" keeps them for after wake_up. generate() and chat() while asleep
+        raise."""
         self.llm_engine.sleep(level, mode)
 
     def release_kv_cache_memory(self) -> None:

@@ -447,6 +447,22 @@ def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
             assert not paused.done()
             await engine.resume_generation()
             assert (await paused).outputs[0].token_ids == alone.outputs[0].token_ids and not await engine.is_paused()
+
+            # vLLM's mode "wait": the request in flight runs to its end, then the engine pauses; one added meanwhile
+            # waits for resume_generation
+            started = asyncio.Event()
+            waited = asyncio.create_task(last_output(engine, "waited", started))
+            await started.wait()
+            pausing = asyncio.create_task(engine.pause_generation(mode="wait"))
+            await asyncio.sleep(0)  # the pause sent, before the next request
+            late = asyncio.create_task(last_output(engine, "late", asyncio.Event()))
+            await pausing
+            assert await engine.is_paused()
+            assert (await waited).outputs[0].token_ids == alone.outputs[0].token_ids
+            await asyncio.sleep(0.3)
+            assert not late.done()
+            await engine.resume_generation()
+            assert (await late).outputs[0].token_ids == alone.outputs[0].token_ids
         finally:
             engine.shutdown()
 

@@ -755,7 +755,7 @@ def test_sleep_drops_the_kv_cache_and_wake_up_makes_it_anew(llm):
     assert llm.llm_engine.is_sleeping() and llm.collective_rpc(kv_caches)[0] > 0
     assert llm.wake_up(tags=["scheduling"]) is True
     for call, message in ((lambda: llm.sleep(3), "level must be 0, 1 or 2, got 3"),
-                          (lambda: llm.sleep(mode="wait"), "mode must be 'abort' or 'keep'"),
+                          (lambda: llm.sleep(mode="drain"), "mode must be 'abort', 'wait' or 'keep', got 'drain'"),
                           (lambda: llm.wake_up(["gpu"]), r"tags must be of .*got \['gpu'\]")):
         with pytest.raises(ValueError, match=message):
             call()
@@ -772,6 +772,21 @@ def test_sleep_aborts_the_enqueued_requests_which_wait_for_completion_returns(ll
     assert [o.request_id for o in outputs] == request_ids
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outputs)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_sleep_with_mode_wait_finishes_the_requests_in_flight_first(llm):
+    """vLLM's LLM.sleep(mode="wait") (its engine in a process of its own): the engine runs the requests in flight to
+    their end, then sleeps; after wake_up, wait_for_completion() returns them whole, not aborted."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    request_ids = llm.enqueue(["One, two,", "The sky is"], params)
+    llm.sleep(level=1, mode="wait")
+    assert llm.llm_engine.is_sleeping()
+    assert llm.wake_up() is True
+    outputs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outputs] == request_ids
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in llm.generate(["One, two,", "The sky is"], params, use_tqdm=False)]
 
 
 def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
