@@ -40,8 +40,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, self.log_stats, config.scheduler_config.stream_interval)
         self.engine_core = engine_core
         self.asleep = False  # since sleep(), until wake_up() wakes it fully: nothing is scheduled meanwhile
-        # The last outputs of the requests sleep() aborted, for the next step() to return.
+        # The last outputs of the requests sleep() aborted, for the next step() to return, and how many engine requests
+        # (an n > 1 request's sequences each) they end: unfinished until then, as vLLM's count them.
         self._aborted_outputs: list[RequestOutput] = []
+        self._num_aborted = 0
         self.registry = CollectorRegistry()
         self.stat_loggers: list = []
         self.log_line: Optional[LoggingStatLogger] = None
@@ -90,7 +92,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         if self._aborted_outputs:
-            aborted, self._aborted_outputs = self._aborted_outputs, []
+            aborted, self._aborted_outputs, self._num_aborted = self._aborted_outputs, [], 0
             return aborted
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
@@ -110,7 +112,8 @@ class LLMEngine:
         return bool(self._aborted_outputs) or self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return self.output_processor.get_num_unfinished_requests()
+        """vLLM's: the engine requests not yet finished in step()'s outputs (those sleep() aborted included)."""
+        return self._num_aborted + self.output_processor.get_num_unfinished_requests()
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: loads the adapter into the engine now, for requests to come (its files checked here first, as a
@@ -171,6 +174,7 @@ class LLMEngine:
             processed = self.output_processor.abort_all()
             self.engine_core.abort_requests(processed.reqs_to_abort)
             self._aborted_outputs += processed.request_outputs
+            self._num_aborted += len(processed.reqs_to_abort)
         self.engine_core.sleep(level, mode)
         self.asleep = True
 

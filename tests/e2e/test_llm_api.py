@@ -767,11 +767,12 @@ def test_sleep_aborts_the_enqueued_requests_which_wait_for_completion_returns(ll
     them finished with "abort", as vLLM's engine sends each one's abort output."""
     request_ids = llm.enqueue(["One, two,", "The sky is"], SamplingParams(max_tokens=3))
     llm.sleep(level=0)
+    assert llm.llm_engine.get_num_unfinished_requests() == 2  # as vLLM's: until their abort outputs are returned
     assert llm.wake_up() is True
     outputs = llm.wait_for_completion(use_tqdm=False)
     assert [o.request_id for o in outputs] == request_ids
     assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outputs)
-    assert not llm.llm_engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.get_num_unfinished_requests() == 0
 
 
 def test_sleep_with_mode_wait_finishes_the_requests_in_flight_first(llm):
