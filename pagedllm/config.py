@@ -309,6 +309,8 @@ class ModelConfig:
     auto_fit_max_model_len: bool = False
     # vLLM's load_format: which of an HF directory's weight files load (models/weights.WEIGHT_FILES).
     load_format: str = "auto"
+    # vLLM's skip_tokenizer_init: no tokenizer is loaded; prompts are token ids, outputs have no text.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         """seed is an integer, max_logprobs one of at least -1 and logprobs_mode one of vLLM's (vLLM's ModelConfig

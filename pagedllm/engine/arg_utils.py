@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -182,6 +182,14 @@ class EngineArgs:
     download_dir: Optional[str] = None
     cpu_offload_gb: float = 0
     async_scheduling: Optional[bool] = None
+    # vLLM's arguments that are no command-line flags here (the CLI's flags are the fields, which InitVars are not),
+    # each kept as an attribute of its name. skip_tokenizer_init: no tokenizer (nor detokenizer): prompts must be
+    # token ids, outputs have token ids and no text, and what needs text (chat, beam search, bad_words, structured
+    # outputs) is refused, or ignored as vLLM's ignores it (stop strings).
+    skip_tokenizer_init: InitVar[bool] = False
+
+    def __post_init__(self, skip_tokenizer_init: bool) -> None:
+        self.skip_tokenizer_init = skip_tokenizer_init
 
     def log_stats(self) -> bool:
         """Whether the engine keeps statistics (vLLM's log_stats: not disable_log_stats, checked)."""
@@ -217,6 +225,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._check_on_off_fields()
+        check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
         self.refuse_unsupported()
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
         platform = resolve_platform(self.device)
@@ -300,7 +309,8 @@ class EngineArgs:
                                    resolve_model(self.tokenizer) if self.tokenizer else None,
                                    self.generation_config, platform.device_type, attention_backend,
                                    self.override_generation_config, logprobs_mode=self.logprobs_mode,
-                                   auto_fit_max_model_len=auto_fit, load_format=self.load_format)
+                                   auto_fit_max_model_len=auto_fit, load_format=self.load_format,
+                                   skip_tokenizer_init=self.skip_tokenizer_init)
         if speculative_config is not None and speculative_config.method == "draft_model":
             draft_tp = speculative_config.draft_tensor_parallel_size
             if draft_tp not in (None, 1, parallel_config.tensor_parallel_size):  # vLLM's _verify_and_get_draft_tp

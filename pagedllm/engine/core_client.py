@@ -354,7 +354,9 @@ def make_async_client(config: EngineConfig):
 
 def start_client_and_tokenizer(config: EngineConfig, make_client: Callable[[EngineConfig], Any]) -> tuple[Any, Any]:
     """``make_client(config)`` (the engine started and ready) and the model's tokenizer, loaded meanwhile on a thread:
-    the frontend mostly waits while its engine process starts."""
+    the frontend mostly waits while its engine process starts. None for the tokenizer with skip_tokenizer_init."""
+    if config.model_config.skip_tokenizer_init:
+        return make_client(config), None
     with ThreadPoolExecutor(1, thread_name_prefix="load_tokenizer") as pool:
         tokenizer = pool.submit(load_tokenizer, config.model_config.tokenizer)
         client = make_client(config)

@@ -257,6 +257,9 @@ class Processor:
         params = self.validate_logprobs(params)
         params = self.validate_thinking_token_budget(params)
         if params.structured_outputs is not None:
+            if self.tokenizer is None:  # its grammar is compiled against the vocabulary's text (vLLM's message)
+                raise ValueError("Structured outputs requires a tokenizer so it can't be used with "
+                                 "'skip_tokenizer_init'")
             validate_structured_outputs(params.structured_outputs)
             params = self.hold_grammar_while_reasoning(params, token_ids)
         params = self.process_sampling_controls(params)

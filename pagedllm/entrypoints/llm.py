@@ -67,6 +67,9 @@ class LLM:
         return cls(**vars(engine_args))
 
     def get_tokenizer(self) -> Any:
+        """vLLM's: the model's tokenizer; with skip_tokenizer_init, which loads none, a ValueError (vLLM's)."""
+        if self.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
         return self.tokenizer
 
     def get_world_size(self, include_dp: bool = True) -> int:
@@ -203,6 +206,7 @@ class LLM:
                       tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
                       use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
         """chat()'s prompts: each conversation's rendered text and its token ids."""
+        tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": self.chat_template if chat_template is None else chat_template, "tools": tools,
                     "continue_final_message": continue_final_message, "add_generation_prompt": add_generation_prompt}
@@ -211,15 +215,15 @@ class LLM:
         if template_args.get("continue_final_message") and template_args.get("add_generation_prompt"):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true; pass "
                              "add_generation_prompt=False to continue the final message.")
-        content_format = resolve_chat_template_content_format(self.tokenizer, template_args.get("chat_template"),
+        content_format = resolve_chat_template_content_format(tokenizer, template_args.get("chat_template"),
                                                               template_args.get("tools"), chat_template_content_format)
         prompts = []
         for turns in _maybe_tqdm(conversations, use_tqdm, "Rendering conversations", len(conversations)):
             turns = conversation([ChatMessageParam.model_validate(m) for m in turns], content_format)
             # Rendered once, then tokenized without special tokens (the template writes its own), as vLLM's
             # _preprocess_chat: the ids transformers' apply_chat_template(tokenize=True) gives, with one rendering.
-            text = self.tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            text = tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return prompts
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
@@ -229,6 +233,7 @@ class LLM:
         searched together as one batch of one-token requests. Outputs come back in the order of the prompts.
         ``lora_request``: one adapter for every prompt, or one per prompt (None: the base model);
         ``concurrency_limit``: how many prompts are searched together (None: all)."""
+        tokenizer = self.get_tokenizer()  # the beams' text
         prompts = _prompt_to_seq(prompts)
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
@@ -258,7 +263,7 @@ class LLM:
                     num_beams = len(instance.beams)
                     instance.step(outputs[:num_beams])
                     outputs = outputs[num_beams:]
-        return [instance.output(self.tokenizer) for instance in instances]
+        return [instance.output(tokenizer) for instance in instances]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         """Steps until every request has finished; the outputs of ``request_ids``, in their order. Those of

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchParams
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.outputs import RequestOutput
 from tests.e2e.conftest import running_llm
@@ -813,6 +813,29 @@ def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
         profiled.stop_profile()
         assert [p.name.split(".")[0] for p in tmp_path.iterdir()] == ["run1_dp0_pp0_tp0"]
         assert next(tmp_path.iterdir()).name.endswith(".pt.trace.json.gz")
+
+
+def test_skip_tokenizer_init_generates_from_token_ids_without_text(llm):
+    """vLLM's LLM(skip_tokenizer_init=True): no tokenizer; token-id prompts generate the tokens they do with one, and
+    outputs have no text. A text prompt, chat, beam search, structured outputs and get_tokenizer() are ValueErrors."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    prompt = llm.get_tokenizer().encode("The capital of France is")
+    expected = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    with running_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB", skip_tokenizer_init=True) as bare:
+        output = bare.generate([prompt], params, use_tqdm=False)[0]
+        assert output.outputs[0].token_ids == expected.token_ids and output.outputs[0].text == ""
+        assert output.prompt is None and output.prompt_token_ids == prompt
+        for call, message in ((lambda: bare.generate("Hi", use_tqdm=False), "text prompts need a tokenizer"),
+                              (lambda: bare.get_tokenizer(), "skip_tokenizer_init=True"),
+                              (lambda: bare.chat([{"role": "user", "content": "Hi"}], use_tqdm=False),
+                               "skip_tokenizer_init=True"),
+                              (lambda: bare.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2)),
+                               "skip_tokenizer_init=True"),
+                              (lambda: bare.generate([prompt], SamplingParams(structured_outputs=StructuredOutputsParams(
+                                  choice=["a", "b"])), use_tqdm=False), "Structured outputs requires a tokenizer")):
+            with pytest.raises(ValueError, match=message):
+                call()
+        assert not bare.llm_engine.has_unfinished_requests()
 
 
 def test_world_size_supported_tasks_and_mm_cache_reset_are_vllms(llm):
