@@ -187,9 +187,25 @@ class EngineArgs:
     # token ids, outputs have token ids and no text, and what needs text (chat, beam search, bad_words, structured
     # outputs) is refused, or ignored as vLLM's ignores it (stop strings).
     skip_tokenizer_init: InitVar[bool] = False
+    # Taken at the values pagedllm honours (refuse_unsupported): tokenizer_revision (as revision), hf_token (a Hub
+    # login, which nothing here uses: models are local), runner ("auto" or "generate": the models here generate),
+    # mm_processor_kwargs (multi-modal processors' settings, which vLLM ignores for a text-only model, as every model
+    # here is) and logits_processors (custom logits processors: none here).
+    tokenizer_revision: InitVar[Optional[str]] = None
+    hf_token: InitVar[Optional[Union[bool, str]]] = None
+    runner: InitVar[str] = "auto"
+    mm_processor_kwargs: InitVar[Optional[dict]] = None
+    logits_processors: InitVar[Optional[list]] = None
 
-    def __post_init__(self, skip_tokenizer_init: bool) -> None:
+    def __post_init__(self, skip_tokenizer_init: bool, tokenizer_revision: Optional[str],
+                      hf_token: Optional[Union[bool, str]], runner: str, mm_processor_kwargs: Optional[dict],
+                      logits_processors: Optional[list]) -> None:
         self.skip_tokenizer_init = skip_tokenizer_init
+        self.tokenizer_revision = tokenizer_revision
+        self.hf_token = hf_token
+        self.runner = runner
+        self.mm_processor_kwargs = mm_processor_kwargs
+        self.logits_processors = logits_processors
 
     def log_stats(self) -> bool:
         """Whether the engine keeps statistics (vLLM's log_stats: not disable_log_stats, checked)."""
@@ -207,8 +223,8 @@ class EngineArgs:
     def refuse_unsupported(self) -> None:
         """A ValueError naming the vLLM field set to what pagedllm cannot do, rather than a setting taken and not
         honoured: a revision or download_dir (models are local files, never downloaded), offloading weights, async
-        scheduling."""
-        for name in ("revision", "download_dir"):
+        scheduling, a runner other than generation, custom logits processors."""
+        for name in ("revision", "tokenizer_revision", "download_dir"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}={getattr(self, name)!r}: pagedllm never downloads a model from the Hugging "
                                  "Face Hub; pass the local directory (or .gguf file) of the revision wanted as the "
@@ -222,6 +238,14 @@ class EngineArgs:
         if self.async_scheduling:
             raise ValueError("async_scheduling=True: pagedllm has no async scheduling (vLLM's CPU backend turns it "
                              "off too); leave it unset or False")
+        if self.runner not in ("auto", "generate"):
+            raise ValueError(f"runner must be 'auto' or 'generate' (pagedllm's models generate; vLLM's pooling and "
+                             f"draft runners are not supported), got {self.runner!r}")
+        if not isinstance(self.mm_processor_kwargs, (dict, type(None))):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
+        if self.logits_processors:
+            raise ValueError(f"logits_processors={self.logits_processors!r}: custom logits processors are not "
+                             "supported; leave it unset")
 
     def create_engine_config(self) -> EngineConfig:
         self._check_on_off_fields()

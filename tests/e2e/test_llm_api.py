@@ -275,6 +275,23 @@ def test_an_architecture_not_served_is_refused_with_the_config(tmp_path):
         EngineArgs(str(tmp_path)).create_engine_config()
 
 
+def test_vllms_other_llm_arguments_are_taken_or_refused_with_their_name():
+    """vLLM's LLM arguments tokenizer_revision, hf_token, runner, mm_processor_kwargs and logits_processors: taken at
+    what they mean here (no Hub download, a text-only generating model, no custom logits processors), else a
+    ValueError naming the argument before anything starts, never a TypeError."""
+    config = EngineArgs(tokenizer_revision=None, hf_token="hf_x", runner="generate", mm_processor_kwargs={"a": 1},
+                        logits_processors=[]).create_engine_config()
+    assert config.model_config.max_model_len > 0
+    for kwargs, message in (({"tokenizer_revision": "v2"}, "tokenizer_revision='v2': pagedllm never downloads"),
+                            ({"runner": "pooling"}, "runner must be 'auto' or 'generate'"),
+                            ({"mm_processor_kwargs": "x"}, "mm_processor_kwargs must be a dict"),
+                            ({"logits_processors": ["my.Processor"]}, "logits_processors=.*not supported")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(**kwargs).create_engine_config()
+    with pytest.raises(ValueError, match="runner must be"):
+        LLM(runner="pooling")
+
+
 def test_engine_threads_are_checked_and_passed_on():
     with pytest.raises(ValueError, match="num_cpu_threads"):
         EngineArgs(num_cpu_threads=0).create_engine_config()
