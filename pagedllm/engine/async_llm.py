@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Union
 
 import msgspec
 
@@ -121,15 +121,26 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------------ requests
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0, lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: Optional[LoRARequest] = None, *,
+                       tokenization_kwargs: Optional[dict[str, Any]] = None,
+                       trace_headers: Optional[Mapping[str, str]] = None,
+                       data_parallel_rank: Optional[int] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as ``sampling_params.output_kind`` says, as vLLM's: by default each holds everything
         so far (CUMULATIVE); a stream asks for DELTA, a caller wanting only the end for FINAL_ONLY. As vLLM's,
         ``request_id`` may be one already running: the request runs under a unique id of its own
-        (assign_request_id), its outputs carry ``request_id``, and abort(request_id) stops all it names."""
+        (assign_request_id), its outputs carry ``request_id``, and abort(request_id) stops all it names. vLLM's
+        ``tokenization_kwargs`` go to the tokenizer for a text prompt; ``trace_headers`` are dropped, as vLLM's drops
+        them without tracing (none here); ``data_parallel_rank`` runs the request on that data-parallel engine."""
         if self.errored:
             raise self._dead_error or EngineDeadError()
         text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority,
-                                               lora_request=lora_request)
+                                               lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        if data_parallel_rank is not None:
+            num_ranks = self.config.parallel_config.data_parallel_size
+            if (isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int)
+                    or not 0 <= data_parallel_rank < num_ranks):
+                raise ValueError(f"data_parallel_rank {data_parallel_rank!r} is out of range [0, {num_ranks}).")
+            request = msgspec.structs.replace(request, data_parallel_rank=data_parallel_rank)
         request = assign_request_id(request)
         queue: asyncio.Queue = asyncio.Queue()
         if self.log_requests:

@@ -47,6 +47,17 @@ class DPLoadBalancer:
         return waiting * 4 + stats.num_running_reqs
 
     def choose(self, request: EngineCoreRequest) -> int:
+        """The request's data_parallel_rank where it names one (vLLM's), else the least-loaded live engine."""
+        engine = request.data_parallel_rank
+        if engine is None:
+            engine = self._least_loaded(request)
+        elif engine in self.dead:
+            raise EngineDeadError(f"data-parallel engine {engine} (the request's data_parallel_rank) has died.")
+        self.engine_of[request.request_id] = engine
+        self.sent_since_stats[engine] += 1
+        return engine
+
+    def _least_loaded(self, request: EngineCoreRequest) -> int:
         alive = [i for i in range(len(self.stats)) if i not in self.dead]
         if not alive:
             raise EngineDeadError("Every data-parallel engine has died.")
@@ -61,8 +72,6 @@ class DPLoadBalancer:
             self.affinity.move_to_end(key)
             if len(self.affinity) > AFFINITY_ENTRIES:  # distinct prompts would grow it without end
                 self.affinity.popitem(last=False)
-        self.engine_of[request.request_id] = engine
-        self.sent_since_stats[engine] += 1
         return engine
 
     def on_outputs(self, engine: int, outputs: EngineCoreOutputs) -> None:

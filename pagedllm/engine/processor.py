@@ -119,11 +119,14 @@ class Processor:
         eos = getattr(self.model_config.hf_config, "eos_token_id", None)
         return eos[0] if isinstance(eos, (list, tuple)) else eos
 
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize(self, prompt: PromptType, tokenization_kwargs: Optional[dict[str, Any]] = None
+                 ) -> tuple[Optional[str], list[int]]:
+        """``tokenization_kwargs`` (vLLM's): the tokenizer's keyword arguments for a text prompt, such as
+        add_special_tokens, or truncation with max_length."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer; pass prompt_token_ids instead.")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, self.tokenizer.encode(prompt, **{"add_special_tokens": True, **(tokenization_kwargs or {})})
         if isinstance(prompt, list):  # vLLM's token prompt: the ids alone
             prompt = {"prompt_token_ids": prompt}
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -132,7 +135,7 @@ class Processor:
                 raise ValueError("prompt_token_ids must be a list of integers.")
             return prompt.get("prompt"), [int(t) for t in token_ids]  # a bool is its int (the engine decodes ints)
         if isinstance(prompt, dict) and "prompt" in prompt:
-            return self.tokenize(prompt["prompt"])
+            return self.tokenize(prompt["prompt"], tokenization_kwargs)
         raise ValueError(f"prompt must be a string, a list of token ids, or a dict with 'prompt_token_ids' or "
                          f"'prompt', got {prompt!r}")
 
@@ -240,7 +243,8 @@ class Processor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: Optional[float] = None, priority: int = 0,
-                lora_request: Optional[LoRARequest] = None) -> tuple[Optional[str], EngineCoreRequest]:
+                lora_request: Optional[LoRARequest] = None, tokenization_kwargs: Optional[dict[str, Any]] = None
+                ) -> tuple[Optional[str], EngineCoreRequest]:
         """The engine process decodes the request strictly typed, and one it cannot decode ends it: what it would
         refuse is refused here, with the field named (a request_id that is no str is vLLM's TypeError)."""
         if not isinstance(request_id, str):
@@ -250,7 +254,9 @@ class Processor:
         if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
         priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there
-        text, token_ids = self.tokenize(prompt)
+        if not isinstance(tokenization_kwargs, (dict, type(None))):
+            raise ValueError(f"tokenization_kwargs must be a dict, got {tokenization_kwargs!r}.")
+        text, token_ids = self.tokenize(prompt, tokenization_kwargs)
         self.validate_prompt(token_ids)
         cache_salt = cache_salt_of(prompt)
         self.validate_lora_request(lora_request)

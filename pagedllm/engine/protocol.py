@@ -51,6 +51,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     # The caller's id (vLLM's): its outputs carry it, and aborting it aborts every request added under it. None: the
     # request_id is the caller's own (assign_request_id makes a unique request_id for each request a caller adds).
     external_req_id: Optional[str] = None
+    # vLLM's: with data parallelism, the engine that runs the request (None: the load balancer's choice).
+    data_parallel_rank: Optional[int] = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

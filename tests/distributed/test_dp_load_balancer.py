@@ -3,6 +3,7 @@ counting requests sent since the engine last reported), prefix affinity while lo
 holding the request, and a dead engine's requests handed back to fail."""
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pagedllm.engine.dp_client import AFFINITY_ENTRIES, AFFINITY_SLACK, DPLoadBalancer
@@ -30,6 +31,17 @@ def test_same_first_block_stays_on_its_engine_while_loads_are_close():
     assert balancer.choose(request("b", shared + [2])) == first  # 4 points busier: within the slack
     balancer.on_outputs(first, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_waiting_reqs=AFFINITY_SLACK)))
     assert balancer.choose(request("c", shared + [3])) != first  # far busier: the prefix moves
+
+
+def test_a_request_naming_a_data_parallel_rank_goes_to_that_engine():
+    """vLLM's data_parallel_rank: the request runs on that engine, however loaded; one that has died fails it."""
+    balancer = DPLoadBalancer(2, block_size=4)
+    balancer.on_outputs(1, EngineCoreOutputs(scheduler_stats=SchedulerStats(num_waiting_reqs=9)))
+    pinned = msgspec.structs.replace(request("a", [1]), data_parallel_rank=1)
+    assert balancer.choose(pinned) == 1 and balancer.engine_of == {"a": 1} and balancer.sent_since_stats == [0, 1]
+    balancer.mark_dead(1)
+    with pytest.raises(EngineDeadError, match="engine 1 .*has died"):
+        balancer.choose(msgspec.structs.replace(request("b", [1]), data_parallel_rank=1))
 
 
 def test_aborts_and_a_dead_engine():

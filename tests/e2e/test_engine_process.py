@@ -203,6 +203,36 @@ def test_async_llm_requests_may_share_an_id_and_aborting_it_stops_them_all():
     asyncio.run(run())
 
 
+def test_async_llm_generate_takes_vllms_keyword_arguments():
+    """vLLM's AsyncLLM.generate keywords: tokenization_kwargs reach the tokenizer (here truncating the prompt),
+    trace_headers are dropped without tracing, data_parallel_rank names an engine (a rank out of range is a
+    ValueError, before anything is added)."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        try:
+            async for output in engine.generate("One, two, three, four", params, "a", data_parallel_rank=0,
+                                                tokenization_kwargs={"truncation": True, "max_length": 2},
+                                                trace_headers={"traceparent": "00-0af7651916cd43dd-01"}):
+                pass
+            assert output.prompt_token_ids == engine.get_tokenizer().encode("One, two, three, four")[:2]
+            assert len(output.outputs[0].token_ids) == 2
+            with pytest.raises(ValueError, match=r"data_parallel_rank 1 is out of range \[0, 1\)"):
+                async for output in engine.generate("Hi", params, "b", data_parallel_rank=1):
+                    pass
+            assert engine.get_num_unfinished_requests() == 0
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
 def test_the_engine_core_fails_a_request_it_cannot_take_and_serves_on(tmp_path):
     """Driven directly (without a frontend's checks), the engine core answers a request whose id is already in flight,
     and one whose LoRA adapter cannot be loaded, each with an error output (vLLM's: the request fails, not the
