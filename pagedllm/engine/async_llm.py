@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Union
 
@@ -15,7 +16,7 @@ import msgspec
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams, BeamSearchSequence
 from pagedllm.core.sched.engine_view import EngineView
-from pagedllm.config import check_profile_prefix
+from pagedllm.config import EngineConfig, check_profile_prefix
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import check_pause_args, check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
@@ -32,6 +33,8 @@ from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.05  # how often wait_for_requests_to_drain looks
 
 
 class AsyncLLM:
@@ -67,11 +70,21 @@ class AsyncLLM:
         ``stat_loggers``, vLLM's defaults unless ``engine_args.disable_log_stats``: the log line (logged when
         do_log_stats() is called) and the pagedllm: metrics in prometheus_client's default registry.
         ``engine_args.enable_log_requests`` (AsyncEngineArgs') logs each request."""
-        if engine_args.log_stats() and stat_loggers is None:
+        disable_log_stats = not engine_args.log_stats()  # a bad value refused before the config loads
+        return cls.from_vllm_config(engine_args.create_engine_config(), stat_loggers=stat_loggers,
+                                    enable_log_requests=getattr(engine_args, "enable_log_requests", False),
+                                    disable_log_stats=disable_log_stats)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: EngineConfig, *,
+                         stat_loggers: Optional[list[Callable[[Any], Any]]] = None, enable_log_requests: bool = False,
+                         disable_log_stats: bool = False) -> "AsyncLLM":
+        """vLLM's: the AsyncLLM of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), its engine
+        started; as from_engine_args, with vLLM's default stat loggers unless ``disable_log_stats`` or given some."""
+        if not disable_log_stats and stat_loggers is None:
             stat_loggers = default_stat_loggers()
-        config = engine_args.create_engine_config()
-        engine_core, tokenizer = start_client_and_tokenizer(config, make_async_client)
-        return cls(config, tokenizer, engine_core, stat_loggers, getattr(engine_args, "enable_log_requests", False))
+        engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_async_client)
+        return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -86,6 +99,17 @@ class AsyncLLM:
 
     async def reset_mm_cache(self) -> None:
         """vLLM's (LLM.reset_mm_cache): no multi-modal cache here."""
+
+    async def reset_encoder_cache(self) -> None:
+        """vLLM's: no encoder cache here (the models take text only)."""
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300) -> None:
+        """vLLM's: returns once no request is in flight, else a TimeoutError after ``drain_timeout`` seconds."""
+        deadline = time.monotonic() + drain_timeout
+        while self.output_processor.has_unfinished_requests():
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"Timeout reached after {drain_timeout} seconds waiting for requests to drain.")
+            await asyncio.sleep(DRAIN_POLL_S)
 
     @property
     def is_running(self) -> bool:

@@ -206,7 +206,8 @@ def test_async_llm_requests_may_share_an_id_and_aborting_it_stops_them_all():
 def test_async_llm_generate_takes_vllms_keyword_arguments():
     """vLLM's AsyncLLM.generate keywords: tokenization_kwargs reach the tokenizer (here truncating the prompt),
     trace_headers are dropped without tracing, data_parallel_rank names an engine (a rank out of range is a
-    ValueError, before anything is added)."""
+    ValueError, before anything is added). And vLLM's from_vllm_config, reset_encoder_cache (nothing to reset) and
+    wait_for_requests_to_drain (until no request is in flight, else a TimeoutError)."""
     import asyncio
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -215,7 +216,8 @@ def test_async_llm_generate_takes_vllms_keyword_arguments():
     params = SamplingParams(max_tokens=2, ignore_eos=True)
 
     async def run() -> None:
-        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        engine = AsyncLLM.from_vllm_config(EngineArgs(dtype="float32", max_model_len=512,
+                                                      kv_cache_memory="64MiB").create_engine_config())
         try:
             async for output in engine.generate("One, two, three, four", params, "a", data_parallel_rank=0,
                                                 tokenization_kwargs={"truncation": True, "max_length": 2},
@@ -227,6 +229,24 @@ def test_async_llm_generate_takes_vllms_keyword_arguments():
                 async for output in engine.generate("Hi", params, "b", data_parallel_rank=1):
                     pass
             assert engine.get_num_unfinished_requests() == 0
+            await engine.reset_encoder_cache()
+
+            async def last_output(request_id: str, max_tokens: int):
+                async for output in engine.generate("Hi", SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                                    request_id):
+                    pass
+                return output
+
+            short = asyncio.create_task(last_output("short", 8))
+            await asyncio.sleep(0)  # added
+            await engine.wait_for_requests_to_drain()
+            assert short.done() and engine.get_num_unfinished_requests() == 0
+            long = asyncio.create_task(last_output("long", 400))
+            await asyncio.sleep(0)
+            with pytest.raises(TimeoutError, match="waiting for requests to drain"):
+                await engine.wait_for_requests_to_drain(drain_timeout=0.2)
+            await engine.abort("long")
+            assert (await long).outputs[0].finish_reason == "abort"
         finally:
             engine.shutdown()
 
