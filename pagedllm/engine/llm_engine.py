@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -73,13 +73,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
-                    priority: int = 0) -> str:
-        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model). As
-        vLLM's, ``request_id`` may be one already running: the request runs under a unique id of its own, returned
-        (abort_request's with internal=True), and its outputs carry ``request_id``. What step() returns for it
-        follows ``params.output_kind``, as vLLM's (CUMULATIVE unless the params say)."""
+                    tokenization_kwargs: Optional[dict[str, Any]] = None,
+                    trace_headers: Optional[Mapping[str, str]] = None, priority: int = 0) -> str:
+        """vLLM's LLMEngine.add_request: its arguments in its order (``lora_request``: None is the base model;
+        ``tokenization_kwargs``: the tokenizer's for a text prompt; ``trace_headers`` dropped, as vLLM's without
+        tracing). As vLLM's, ``request_id`` may be one already running: the request runs under a unique id of its
+        own, returned (abort_request's with internal=True), and its outputs carry ``request_id``. What step()
+        returns for it follows ``params.output_kind``, as vLLM's (CUMULATIVE unless the params say)."""
         return self.add_processed_request(*self.processor.process(request_id, prompt, params, arrival_time, priority,
-                                                                  lora_request))
+                                                                  lora_request, tokenization_kwargs))
 
     def add_processed_request(self, text: Optional[str], request: EngineCoreRequest) -> str:
         """Queues a request the Processor has already validated and tokenized; returns its unique id."""

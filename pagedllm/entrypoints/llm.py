@@ -89,25 +89,34 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
                  use_tqdm: UseTqdm = True, priority: Optional[Union[int, Sequence[int]]] = None,
-                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None
-                 ) -> list[RequestOutput]:
+                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+                 tokenization_kwargs: Optional[dict[str, Any]] = None,
+                 mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Outputs come back in the order of the prompts, whatever order they finish in. ``lora_request`` and
         ``priority``: one for every prompt, or one per prompt (as vLLM's; None: the base model, priority 0).
         ``use_tqdm``: a progress bar, or none (False), or one made by this tqdm-like callable (vLLM's: say,
         ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols. Requests
-        enqueue() left waiting run too; their outputs wait for wait_for_completion()."""
+        enqueue() left waiting run too; their outputs wait for wait_for_completion(). vLLM's
+        ``tokenization_kwargs`` go to the tokenizer for text prompts (e.g. truncation with max_length);
+        ``mm_processor_kwargs`` (a multi-modal processor's) have nothing to act on with a text-only model."""
         self._check_awake()
-        return self._run_engine(self._add_requests(prompts, sampling_params, priority, lora_request), use_tqdm)
+        return self._run_engine(self._add_requests(prompts, sampling_params, priority, lora_request,
+                                                   tokenization_kwargs=tokenization_kwargs,
+                                                   mm_processor_kwargs=mm_processor_kwargs), use_tqdm)
 
     def enqueue(self, prompts: Union[PromptType, Sequence[PromptType]],
                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
-                priority: Optional[Union[int, Sequence[int]]] = None, use_tqdm: UseTqdm = True) -> list[str]:
+                priority: Optional[Union[int, Sequence[int]]] = None, use_tqdm: UseTqdm = True,
+                tokenization_kwargs: Optional[dict[str, Any]] = None,
+                mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
         """vLLM's: queues the prompts' requests (checked as generate() checks them) without running them; their
         request ids. wait_for_completion() runs them and returns their outputs. ``use_tqdm``: a progress bar while
         they are rendered, as generate()'s. As vLLM's, the engine may be asleep meanwhile: ``sleep(level=0)``
-        first, then ``wake_up(tags=["scheduling"])``, so that no request starts before all are queued."""
-        request_ids = self._add_requests(prompts, sampling_params, priority, lora_request, use_tqdm)
+        first, then ``wake_up(tags=["scheduling"])``, so that no request starts before all are queued.
+        ``tokenization_kwargs`` and ``mm_processor_kwargs``: generate()'s."""
+        request_ids = self._add_requests(prompts, sampling_params, priority, lora_request, use_tqdm,
+                                         tokenization_kwargs, mm_processor_kwargs)
         self._enqueued.update(dict.fromkeys(request_ids))
         return request_ids
 
@@ -130,8 +139,11 @@ class LLM:
                       sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]],
                       priority: Optional[Union[int, Sequence[int]]],
                       lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]],
-                      use_tqdm: UseTqdm = False) -> list[str]:
+                      use_tqdm: UseTqdm = False, tokenization_kwargs: Optional[dict[str, Any]] = None,
+                      mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
         """Queues the prompts' requests, all checked first: bad input leaves none behind; their ids."""
+        if not isinstance(mm_processor_kwargs, (dict, type(None))):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {mm_processor_kwargs!r}.")
         prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -142,8 +154,8 @@ class LLM:
         priorities = _one_per_prompt("priority", 0 if priority is None else priority, int, len(prompts))
         lora_requests = _one_per_prompt("lora_request", lora_request, (LoRARequest, type(None)), len(prompts))
         processed = [self.llm_engine.processor.process(str(next(self._request_counter)), prompt, params,
-                                                       priority=priorities[i],
-                                                       lora_request=lora_requests[i])
+                                                       priority=priorities[i], lora_request=lora_requests[i],
+                                                       tokenization_kwargs=tokenization_kwargs)
                      for i, (prompt, params) in enumerate(_maybe_tqdm(zip(prompts, params_list), use_tqdm,
                                                                       "Rendering prompts", len(prompts)))]
         try:

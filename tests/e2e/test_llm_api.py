@@ -427,6 +427,27 @@ def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
         engine.shutdown()
 
 
+def test_tokenization_kwargs_reach_the_tokenizer(llm):
+    """vLLM's tokenization_kwargs of LLM.generate, LLM.enqueue and LLMEngine.add_request (its arguments in vLLM's
+    order, trace_headers dropped without tracing): the tokenizer's, here truncating a text prompt; generate's
+    mm_processor_kwargs have nothing to act on with a text-only model."""
+    text, params = "One, two, three, four", SamplingParams(max_tokens=1)
+    truncate = {"truncation": True, "max_length": 2}
+    expected = llm.get_tokenizer().encode(text)[:2]
+    assert llm.generate(text, params, use_tqdm=False, tokenization_kwargs=truncate,
+                        mm_processor_kwargs={})[0].prompt_token_ids == expected
+    llm.enqueue(text, params, use_tqdm=False, tokenization_kwargs=truncate)
+    assert llm.wait_for_completion(use_tqdm=False)[0].prompt_token_ids == expected
+    engine = llm.llm_engine
+    engine.add_request("t", text, params, None, None, truncate, {"traceparent": "00-0af7651916cd43dd-01"}, 0)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert outputs[-1].prompt_token_ids == expected
+    with pytest.raises(ValueError, match="tokenization_kwargs must be a dict"):
+        llm.generate(text, params, use_tqdm=False, tokenization_kwargs="truncate")
+
+
 def test_requests_may_share_an_id_each_running_as_its_own_and_aborted_together(llm):
     """As vLLM's LLMEngine.add_request: an id already running is taken (each request runs under a unique id, the
     one returned), each request's outputs are its own under the caller's id, and abort_request(id) stops every
