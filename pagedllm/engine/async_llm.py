@@ -24,7 +24,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id, cache_salt_of
-from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, SchedulerStats
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -144,6 +144,39 @@ class AsyncLLM:
                                   f"still serve")
 
     # ------------------------------------------------------------------------------------------ requests
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
+                          tokenization_kwargs: Optional[dict[str, Any]] = None,
+                          trace_headers: Optional[Mapping[str, str]] = None, priority: int = 0,
+                          data_parallel_rank: Optional[int] = None) -> RequestOutputCollector:
+        """vLLM's low-level API, its arguments in its order: adds the request and returns the collector its outputs
+        come to (generate() reads it). vLLM's ``tokenization_kwargs`` go to the tokenizer for a text prompt;
+        ``trace_headers`` are dropped, as vLLM's drops them without tracing (none here); ``data_parallel_rank`` runs
+        the request on that data-parallel engine. Bad input is a ValueError, nothing added."""
+        if self.errored:
+            raise self._dead_error or EngineDeadError()
+        text, request = self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request,
+                                               tokenization_kwargs)
+        if data_parallel_rank is not None:
+            num_ranks = self.config.parallel_config.data_parallel_size
+            if (isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int)
+                    or not 0 <= data_parallel_rank < num_ranks):
+                raise ValueError(f"data_parallel_rank {data_parallel_rank!r} is out of range [0, {num_ranks}).")
+            request = msgspec.structs.replace(request, data_parallel_rank=data_parallel_rank)
+        request = assign_request_id(request)
+        if self.log_requests:
+            logger.info("Added request %s.", request.request_id)
+        collector = RequestOutputCollector(request.request_id)
+        parent, requests = fan_out(request)
+        self.output_processor.add_requests(requests, text, parent, collector.queue)
+        try:
+            for engine_request in requests:
+                self.engine_core.add_request(engine_request)
+        except BaseException:  # a dead engine: none of its sequences is left behind
+            self._abort([request.request_id], internal=True)
+            raise
+        return collector
+
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
                        priority: int = 0, lora_request: Optional[LoRARequest] = None, *,
                        tokenization_kwargs: Optional[dict[str, Any]] = None,
@@ -152,35 +185,19 @@ class AsyncLLM:
         """The request's outputs as ``sampling_params.output_kind`` says, as vLLM's: by default each holds everything
         so far (CUMULATIVE); a stream asks for DELTA, a caller wanting only the end for FINAL_ONLY. As vLLM's,
         ``request_id`` may be one already running: the request runs under a unique id of its own
-        (assign_request_id), its outputs carry ``request_id``, and abort(request_id) stops all it names. vLLM's
-        ``tokenization_kwargs`` go to the tokenizer for a text prompt; ``trace_headers`` are dropped, as vLLM's drops
-        them without tracing (none here); ``data_parallel_rank`` runs the request on that data-parallel engine."""
-        if self.errored:
-            raise self._dead_error or EngineDeadError()
-        text, request = self.processor.process(request_id, prompt, sampling_params, priority=priority,
-                                               lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
-        if data_parallel_rank is not None:
-            num_ranks = self.config.parallel_config.data_parallel_size
-            if (isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int)
-                    or not 0 <= data_parallel_rank < num_ranks):
-                raise ValueError(f"data_parallel_rank {data_parallel_rank!r} is out of range [0, {num_ranks}).")
-            request = msgspec.structs.replace(request, data_parallel_rank=data_parallel_rank)
-        request = assign_request_id(request)
-        queue: asyncio.Queue = asyncio.Queue()
-        if self.log_requests:
-            logger.info("Added request %s.", request.request_id)
+        (assign_request_id), its outputs carry ``request_id``, and abort(request_id) stops all it names. The
+        keywords are add_request's. A consumer that stops iterating aborts the request."""
+        collector = await self.add_request(request_id, prompt, sampling_params, None, lora_request,
+                                           tokenization_kwargs, trace_headers, priority, data_parallel_rank)
         finished = False
         try:
-            self._add_request(text, request, queue)
             while not finished:
-                output = await queue.get()
-                if isinstance(output, BaseException):  # EngineDeadError
-                    raise output
+                output = await collector.get()
                 finished = output.finished
                 yield output
         finally:
             if not finished:
-                self._abort([request.request_id], internal=True)
+                self._abort([collector.request_id], internal=True)
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0,
                           lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
@@ -218,12 +235,6 @@ class AsyncLLM:
             if not searches:
                 del self._beam_search_aborts[request_id]
         yield instance.request_output(request_id, text, self.tokenizer)
-
-    def _add_request(self, text: Optional[str], request: EngineCoreRequest, queue: asyncio.Queue) -> None:
-        parent, requests = fan_out(request)
-        self.output_processor.add_requests(requests, text, parent, queue)
-        for engine_request in requests:
-            self.engine_core.add_request(engine_request)
 
     async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
         """vLLM's: stops one request or several, each id one generate() was given, which stops every request
@@ -370,6 +381,29 @@ class AsyncLLM:
         self._dead_error = EngineDeadError("The engine is shut down.")
         self.output_processor.abort_all()
         self._finalizer()
+
+
+class RequestOutputCollector:
+    """vLLM's: where one request's outputs come, for its consumer (AsyncLLM.add_request's). Outputs wait in order,
+    each whole by its output_kind (vLLM merges those a slow consumer has not taken yet); an engine's death comes as
+    the error get() raises."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id  # the unique id the request runs under (abort's with internal=True)
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    async def get(self) -> RequestOutput:
+        return _output_or_raise(await self.queue.get())
+
+    def get_nowait(self) -> Optional[RequestOutput]:
+        """The next output, or None when none has come yet."""
+        return None if self.queue.empty() else _output_or_raise(self.queue.get_nowait())
+
+
+def _output_or_raise(output: Union[RequestOutput, BaseException]) -> RequestOutput:
+    if isinstance(output, BaseException):  # EngineDeadError
+        raise output
+    return output
 
 
 def _stop(engine_core: Any, output_handler: asyncio.Task) -> None:

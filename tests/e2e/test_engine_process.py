@@ -206,8 +206,9 @@ def test_async_llm_requests_may_share_an_id_and_aborting_it_stops_them_all():
 def test_async_llm_generate_takes_vllms_keyword_arguments():
     """vLLM's AsyncLLM.generate keywords: tokenization_kwargs reach the tokenizer (here truncating the prompt),
     trace_headers are dropped without tracing, data_parallel_rank names an engine (a rank out of range is a
-    ValueError, before anything is added). And vLLM's from_vllm_config, reset_encoder_cache (nothing to reset) and
-    wait_for_requests_to_drain (until no request is in flight, else a TimeoutError)."""
+    ValueError, before anything is added). And vLLM's from_vllm_config, reset_encoder_cache (nothing to reset),
+    wait_for_requests_to_drain (until no request is in flight, else a TimeoutError) and add_request, whose collector
+    gets the request's outputs."""
     import asyncio
 
     from pagedllm.engine.arg_utils import EngineArgs
@@ -247,6 +248,14 @@ def test_async_llm_generate_takes_vllms_keyword_arguments():
                 await engine.wait_for_requests_to_drain(drain_timeout=0.2)
             await engine.abort("long")
             assert (await long).outputs[0].finish_reason == "abort"
+
+            collector = await engine.add_request("low", {"prompt_token_ids": [1, 2]},
+                                                 SamplingParams(max_tokens=3, ignore_eos=True))
+            outputs = [await collector.get()]
+            while not outputs[-1].finished:
+                outputs.append(await collector.get())
+            assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3] and collector.get_nowait() is None
+            assert outputs[-1].request_id == "low" and engine.get_num_unfinished_requests() == 0
         finally:
             engine.shutdown()
 
