@@ -61,12 +61,20 @@ class LLMEngine:
         """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
         PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; statistics on unless
         ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL seconds."""
-        interval = log_stats_interval() if engine_args.log_stats() else None  # a bad variable: before any process
+        disable_log_stats = not engine_args.log_stats()
+        if not disable_log_stats:
+            log_stats_interval()  # a bad variable: before any process
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
         with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
-            config = engine_args.create_engine_config()
-            engine_core, tokenizer = start_client_and_tokenizer(config, make_sync_client)
-            return cls(config, tokenizer, engine_core, interval)
+            return cls.from_vllm_config(engine_args.create_engine_config(), disable_log_stats=disable_log_stats)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: EngineConfig, disable_log_stats: bool = False) -> "LLMEngine":
+        """vLLM's: the engine of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), started as
+        from_engine_args starts it."""
+        interval = None if disable_log_stats else log_stats_interval()
+        engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_sync_client)
+        return cls(vllm_config, tokenizer, engine_core, interval)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -149,6 +157,14 @@ class LLMEngine:
 
     def reset_mm_cache(self) -> None:
         """vLLM's (LLM.reset_mm_cache): no multi-modal cache here."""
+
+    def reset_encoder_cache(self) -> None:
+        """vLLM's: no encoder cache here (the models take text only)."""
+
+    def do_log_stats(self) -> None:
+        """vLLM's: the stats line now, with stats on (step() logs it every PAGEDLLM_LOG_STATS_INTERVAL seconds)."""
+        if self.log_line is not None:
+            self.log_line.log()
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()

@@ -448,6 +448,29 @@ def test_tokenization_kwargs_reach_the_tokenizer(llm):
         llm.generate(text, params, use_tqdm=False, tokenization_kwargs="truncate")
 
 
+def test_llm_engine_from_vllm_config_logs_stats_when_asked(caplog):
+    """vLLM's LLMEngine.from_vllm_config (the engine of a created config), do_log_stats (the stats line now) and
+    reset_encoder_cache (no encoder cache to reset)."""
+    from pagedllm.engine.llm_engine import LLMEngine
+    from tests.e2e.conftest import _engines_in_this_process
+
+    with pytest.MonkeyPatch.context() as patcher:
+        _engines_in_this_process(patcher)
+        config = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB").create_engine_config()
+        engine = LLMEngine.from_vllm_config(config)
+    try:
+        assert engine.config is config and engine.log_stats
+        engine.add_request("0", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        with caplog.at_level(logging.INFO):
+            engine.do_log_stats()
+        assert any(r.getMessage().startswith("Engine 000: Avg prompt throughput: ") for r in caplog.records)
+        assert engine.reset_encoder_cache() is None
+    finally:
+        engine.shutdown()
+
+
 def test_requests_may_share_an_id_each_running_as_its_own_and_aborted_together(llm):
     """As vLLM's LLMEngine.add_request: an id already running is taken (each request runs under a unique id, the
     one returned), each request's outputs are its own under the caller's id, and abort_request(id) stops every
