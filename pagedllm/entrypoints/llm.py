@@ -124,11 +124,13 @@ class LLM:
                             use_tqdm: UseTqdm = True) -> list[RequestOutput]:
         """vLLM's: runs the requests enqueue() queued until all have finished; their outputs, in the order they were
         queued (vLLM's, by request id). ``output_type``: the outputs' type(s) the caller expects, as vLLM's; this
-        engine's are RequestOutput (it runs no pooling models), so one that does not take them is a ValueError."""
+        engine's are RequestOutput (it runs no pooling models), so one that does not take them is a ValueError. As
+        vLLM's, the engine may be asleep if it holds none of them: those ``sleep(mode="wait")`` ran to their end (or
+        ``sleep()`` aborted) are returned."""
         if output_type is not None and not _is_subclass(RequestOutput, output_type):
             raise ValueError(f"output_type must be RequestOutput (or a tuple of types holding it), the outputs of "
                              f"this engine; got {output_type!r}")
-        self._check_awake()
+        self._check_awake(unless_engine_idle=True)
         request_ids = list(self._enqueued)
         outputs = self._run_engine(request_ids, use_tqdm)
         for request_id in request_ids:
@@ -166,11 +168,16 @@ class LLM:
             raise
         return [request.request_id for _, request in processed]
 
-    def _check_awake(self) -> None:
+    def _check_awake(self, unless_engine_idle: bool = False) -> None:
         """generate() and wait_for_completion() run the engine until their requests finish: asleep, nothing would
-        run until wake_up, and vLLM's loop would wait for ever."""
-        if self.llm_engine.asleep:
+        run until wake_up, and vLLM's loop would wait for ever. ``unless_engine_idle``: an engine holding no request
+        has sent every output (those of the requests sleep(mode="wait") finished): the loop only collects them."""
+        if self.llm_engine.asleep and not (unless_engine_idle and self._engine_holds_no_request()):
             raise RuntimeError("The engine is asleep (sleep()); call wake_up() before generating.")
+
+    def _engine_holds_no_request(self) -> bool:
+        stats = self.llm_engine.get_stats()
+        return stats.num_running_reqs + stats.num_waiting_reqs + stats.num_skipped_waiting_reqs == 0
 
     def _abort_all(self) -> None:
         """After Ctrl-C or a dead engine: no request runs on, or waits in the next call (those enqueued neither)."""

@@ -838,13 +838,18 @@ def test_sleep_aborts_the_enqueued_requests_which_wait_for_completion_returns(ll
 
 def test_sleep_with_mode_wait_finishes_the_requests_in_flight_first(llm):
     """vLLM's LLM.sleep(mode="wait") (its engine in a process of its own): the engine runs the requests in flight to
-    their end, then sleeps; after wake_up, wait_for_completion() returns them whole, not aborted."""
+    their end, then sleeps; wait_for_completion() returns them whole, not aborted, the engine still asleep, as
+    vLLM's (with a request the engine holds asleep, it raises rather than wait for ever)."""
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     request_ids = llm.enqueue(["One, two,", "The sky is"], params)
     llm.sleep(level=1, mode="wait")
     assert llm.llm_engine.is_sleeping()
-    assert llm.wake_up() is True
     outputs = llm.wait_for_completion(use_tqdm=False)
+    llm.enqueue("Hi", params)
+    with pytest.raises(RuntimeError, match="asleep"):
+        llm.wait_for_completion(use_tqdm=False)
+    assert llm.wake_up() is True
+    assert len(llm.wait_for_completion(use_tqdm=False)[0].outputs[0].token_ids) == 4
     assert [o.request_id for o in outputs] == request_ids
     assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 4 for o in outputs)
     assert [o.outputs[0].token_ids for o in outputs] == [
