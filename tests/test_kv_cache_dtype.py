@@ -132,6 +132,17 @@ def _logits(path, cache_dtype: torch.dtype) -> torch.Tensor:
     return torch.cat(logits)
 
 
+def _use_attention_path(path: str, monkeypatch) -> None:
+    """The fp8 cache's engines of this test run on ``path``: "torch" (no native attention kernels or KV writer) or
+    "native" (skipped where the kernels are not built)."""
+    if path == "torch":
+        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
+        monkeypatch.setattr(fused, "write_kv", lambda *rows_and_scales: False)
+    elif native.paged_decode(torch.float8_e4m3fn) is None:
+        pytest.skip("no native kernels here")
+
+
 @pytest.mark.parametrize("path", ["native", "torch"])
 def test_fp8_cache_applies_the_checkpoints_kv_scales(tmp_path, monkeypatch, path):
     """vLLM scales an fp8 cache by the checkpoint's k_scale and v_scale: the cache holds k / k_scale and v / v_scale,
@@ -139,12 +150,7 @@ def test_fp8_cache_applies_the_checkpoints_kv_scales(tmp_path, monkeypatch, path
     the native kernels (the writes, the prefill tiles and the decode rows) and on the torch path alike; the same
     checkpoint without its scales (as they were ignored) saturates its keys and loses its values, far off. vLLM's
     names for them load alike: ModelOpt's k_proj.k_scale, and the deprecated kv_scale standing for both."""
-    if path == "torch":
-        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
-        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
-        monkeypatch.setattr(fused, "write_kv", lambda *rows_and_scales: False)
-    elif native.paged_decode(torch.float8_e4m3fn) is None:
-        pytest.skip("no native kernels here")
+    _use_attention_path(path, monkeypatch)
     _save_llama_with_kv_scales(tmp_path / "scaled", ("k_scale", "v_scale"))
     _save_llama_with_kv_scales(tmp_path / "unscaled", ())
     reference = _logits(tmp_path / "unscaled", torch.float32)
@@ -205,12 +211,7 @@ def test_fp8_cache_applies_per_head_kv_scales(tmp_path, monkeypatch, path):
     on the native kernels and the torch path alike. Over KV heads whose magnitudes differ 10^5-fold, the logits stay
     near the float32 cache's, far nearer than under one scale a tensor (the heads' max); a per-head scale equal for
     all heads is that per-tensor scale, bit for bit."""
-    if path == "torch":
-        monkeypatch.setattr(native, "paged_decode", lambda kv_dtype=torch.float32: None)
-        monkeypatch.setattr(native, "paged_prefill", lambda kv_dtype=torch.float32: None)
-        monkeypatch.setattr(fused, "write_kv", lambda *rows_and_scales: False)
-    elif native.paged_decode(torch.float8_e4m3fn) is None:
-        pytest.skip("no native kernels here")
+    _use_attention_path(path, monkeypatch)
     per_tensor = HEAD_SCALES.amax(1)
     _save_llama_with_head_scales(tmp_path / "per_head", *HEAD_SCALES.view(2, 2, 1, 1))
     _save_llama_with_head_scales(tmp_path / "per_tensor", *per_tensor.view(2, 1))

@@ -897,8 +897,9 @@ def test_skip_tokenizer_init_generates_from_token_ids_without_text(llm):
                                "skip_tokenizer_init=True"),
                               (lambda: bare.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2)),
                                "skip_tokenizer_init=True"),
-                              (lambda: bare.generate([prompt], SamplingParams(structured_outputs=StructuredOutputsParams(
-                                  choice=["a", "b"])), use_tqdm=False), "Structured outputs requires a tokenizer")):
+                              (lambda: bare.generate([prompt], SamplingParams(
+                                  structured_outputs=StructuredOutputsParams(choice=["a", "b"])), use_tqdm=False),
+                               "Structured outputs requires a tokenizer")):
             with pytest.raises(ValueError, match=message):
                 call()
         assert not bare.llm_engine.has_unfinished_requests()
