@@ -239,9 +239,12 @@ def test_async_llm_generate_takes_vllms_keyword_arguments():
                 return output
 
             short = asyncio.create_task(last_output("short", 8))
-            await asyncio.sleep(0)  # added
+            await asyncio.sleep(0)  # the task adds its request
+            assert engine.get_num_unfinished_requests() == 1
             await engine.wait_for_requests_to_drain()
-            assert short.done() and engine.get_num_unfinished_requests() == 0
+            assert engine.get_num_unfinished_requests() == 0
+            # Drained means finished in the engine; the task may not have taken its last output from its queue yet.
+            assert (await short).finished
             long = asyncio.create_task(last_output("long", 400))
             await asyncio.sleep(0)
             with pytest.raises(TimeoutError, match="waiting for requests to drain"):

@@ -244,8 +244,8 @@ def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
     class RenderingLLM:  # LLM.chat without an engine: generate() returns the rendered prompts
         chat, _render_chats, chat_template = LLM.chat, LLM._render_chats, None
 
-        def __init__(self):
-            self.tokenizer = tokenizer
+        def get_tokenizer(self):
+            return tokenizer
 
         def generate(self, prompts, *args, **kwargs):
             return [p["prompt"] for p in prompts]
