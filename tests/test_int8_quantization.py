@@ -284,6 +284,27 @@ def test_compressed_tensors_kv_cache_scales_load(tmp_path):
     assert torch.equal(*logits)
 
 
+def test_per_head_kv_cache_scales_need_strategy_attn_head(tmp_path):
+    """As vLLM, whose k_scale and v_scale under a kv_cache_scheme of strategy "tensor" are one value each (its load of
+    a longer tensor fails): per-KV-head scales there are a ValueError naming the tensor and the strategy, before any
+    cache exists (they loaded, each head scaled by its own value); under "attn_head" they load, one a KV head."""
+    def load(strategy: str):
+        path = tmp_path / strategy
+        _save_compressed_tensors(path, ignore=[])
+        tensors = load_file(str(path / "model.safetensors"))
+        scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor([0.5, 2.0]) for i in range(2) for kv in "kv"}
+        save_file({**tensors, **scales}, str(path / "model.safetensors"))
+        _change_quantization_config(path, lambda qc: qc.update(kv_cache_scheme={
+            "num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}))
+        return get_model(str(path), load_hf_config(str(path)), KernelChoice(torch.float32))
+
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_scale': the kv_cache_scheme's strategy 'tensor' "
+                                         r"takes one KV cache scale a layer, got shape \(2,\)"):
+        load("tensor")
+    kv_scales = load("attn_head").model.layers[0].self_attn.attn.impl.kv_scales
+    assert torch.equal(kv_scales, torch.tensor([[0.5, 2.0], [0.5, 2.0]]))
+
+
 def test_kv_cache_scheme_makes_auto_an_fp8_cache(tmp_path):
     """As vLLM: a checkpoint declaring an fp8 kv_cache_scheme gets an fp8 KV cache under kv_cache_dtype "auto" (its
     k_scale and v_scale are that cache's; it got the model's dtype, the scales unused); a kv_cache_dtype given wins,

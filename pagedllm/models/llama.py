@@ -46,11 +46,17 @@ KV_CACHE_SCALE = re.compile(r"(?P<layer>.*)\.self_attn\.(?:(?:[kv]_proj|qkv_proj
                             r"|.*\.self_attn\.(?:attn\.)?[qkv]_zero_point")
 
 
-def kv_cache_scale(checkpoint_name: str, tensor: torch.Tensor, num_kv_heads: int) -> float | torch.Tensor:
+def kv_cache_scale(checkpoint_name: str, tensor: torch.Tensor, num_kv_heads: int,
+                   strategy: str | None = None) -> float | torch.Tensor:
     """A checkpoint's k_scale or v_scale, as vLLM scales an fp8 cache: one value (per tensor) as a float, or one per
     KV head of the model's ``num_kv_heads`` (a compressed-tensors kv_cache_scheme of strategy "attn_head"; saved as
     ``[num_kv_heads]`` or, by LLM-Compressor, ``[num_kv_heads, 1, 1]``) as float32 ``[num_kv_heads]``; each value
-    positive and finite."""
+    positive and finite. ``strategy``: the checkpoint's kv_cache_scheme's, if it declares one; under "tensor" a
+    scale is one value, as vLLM's one-element k_scale / v_scale parameters take no other (its load fails)."""
+    if strategy == "tensor" and tensor.numel() != 1:
+        raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: the kv_cache_scheme's strategy 'tensor' takes one "
+                         f"KV cache scale a layer, got shape {tuple(tensor.shape)} (per-head scales are strategy "
+                         f"'attn_head')")
     if tensor.numel() not in (1, num_kv_heads):
         raise ValueError(f"Checkpoint tensor {checkpoint_name!r}: a KV cache scale must be one (per-tensor) value or "
                          f"one per KV head ({num_kv_heads}), got shape {tuple(tensor.shape)}")
@@ -399,8 +405,9 @@ class LlamaForCausalLM(nn.Module):
                              f"{type(self).__name__}") from None
         qkv = attention.qkv_proj
         first = qkv.tp_rank // qkv.num_kv_head_replicas * qkv.num_kv_heads
+        scheme = (getattr(self.config, "quantization_config", None) or {}).get("kv_cache_scheme") or {}
         values = {}
         for kind, (name, tensor) in scales.items():
-            value = kv_cache_scale(name, tensor, qkv.total_num_kv_heads)
+            value = kv_cache_scale(name, tensor, qkv.total_num_kv_heads, scheme.get("strategy"))
             values[kind] = value if isinstance(value, float) else value[first : first + qkv.num_kv_heads]
         attention.attn.set_kv_cache_scales(values.get("k", values.get("v")), values.get("v", values.get("k")))
