@@ -8,8 +8,18 @@ import pytest
 
 from pagedllm.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, get_reasoning_parser
 
-R1, QWEN3 = DeepSeekR1ReasoningParser(None), Qwen3ReasoningParser(None)
-QWEN3_NOT_THINKING = Qwen3ReasoningParser(None, {"enable_thinking": False})
+
+class _Tokenizer:
+    def __init__(self, vocab: dict[str, int] | None = None) -> None:
+        self.vocab = {"<think>": 7, "</think>": 8, "<tool_call>": 9, "x": 1, "<|im_start|>": 2, "<|im_end|>": 3} \
+            if vocab is None else vocab
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.vocab
+
+
+R1, QWEN3 = DeepSeekR1ReasoningParser(_Tokenizer()), Qwen3ReasoningParser(_Tokenizer())
+QWEN3_NOT_THINKING = Qwen3ReasoningParser(_Tokenizer(), {"enable_thinking": False})
 
 
 @pytest.mark.parametrize("parser, text, split", [
@@ -48,17 +58,12 @@ def test_a_marker_cut_across_deltas_is_held_back_until_it_is_known():
     assert stream.feed("b") == ("</b", "")  # not a marker after all
 
 
-class _Tokenizer:
-    def get_vocab(self) -> dict[str, int]:
-        return {"<think>": 7, "</think>": 8, "<tool_call>": 9, "x": 1, "<|im_start|>": 2, "<|im_end|>": 3}
-
-
 def test_reasoning_tokens_are_counted_by_the_markers_ids():
     assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 1, 1, 8, 1, 1]) == 3
     assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([1, 1, 8, 1]) == 2  # opened in the prompt
     assert Qwen3ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 9, 1]) == 1
     assert Qwen3ReasoningParser(_Tokenizer(), {"enable_thinking": False}).count_reasoning_tokens([7, 1, 8]) == 0
-    assert DeepSeekR1ReasoningParser(None).count_reasoning_tokens([1, 2]) is None  # no marker ids to count by
+    assert Qwen3ReasoningParser(_Tokenizer({"x": 1})).count_reasoning_tokens([1, 2]) is None  # no ids to count by
 
 
 def test_a_prompt_that_closed_the_think_block_leaves_the_whole_output_content():
@@ -73,6 +78,20 @@ def test_a_prompt_that_closed_the_think_block_leaves_the_whole_output_content():
     assert Qwen3ReasoningParser(_Tokenizer(), None, [2, 7, 1, 8, 1, 3, 2, 1]).thinking
     assert DeepSeekR1ReasoningParser(_Tokenizer(), None, [2, 7, 1, 8, 1, 3, 2, 1]).thinking
     assert not Qwen3ReasoningParser(_Tokenizer(), None, [2, 7, 1, 8, 1, 3, 2, 1, 7, 8]).thinking
+
+
+def test_deepseek_r1_needs_the_think_tokens_in_the_vocabulary():
+    """As vLLM's parsers, built at a request: deepseek_r1 (token-id based) refuses a vocabulary without <think> or
+    </think> with vLLM's error (it split the text as though a thinking model wrote it); qwen3 (text based in vLLM too)
+    takes one; neither takes no tokenizer."""
+    for vocab in ({"x": 1}, {"<think>": 7}, {"</think>": 8}):
+        with pytest.raises(RuntimeError, match="^DeepSeekR1ReasoningParser reasoning parser could not locate think "
+                                               "start/end tokens in the tokenizer!$"):
+            DeepSeekR1ReasoningParser(_Tokenizer(vocab))
+    assert Qwen3ReasoningParser(_Tokenizer({"x": 1})).extract_reasoning("a</think>b") == ("a", "b")
+    for parser in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser):
+        with pytest.raises(ValueError, match="The model tokenizer must be passed to the ReasoningParser constructor"):
+            parser(None)
 
 
 def test_an_unknown_parser_is_a_value_error_naming_the_choices():

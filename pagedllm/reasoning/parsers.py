@@ -9,7 +9,8 @@ think block (its last marker a </think>), the whole output is content.
 The markers are found in the text, not by token id, so a marker the model spells in several tokens is found too,
 and a stream agrees with the whole answer: it holds back the end of a delta that may be the start of a marker until
 the next delta says whether it is one. The whole answer is parsed as one delta of a stream, so the two cannot
-disagree.
+disagree. As vLLM's, deepseek_r1 (token-id based there) refuses at construction a tokenizer whose vocabulary lacks
+<think> or </think>; qwen3 (text based there too) does not.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ TOOL_CALL_START = "<tool_call>"
 class DeepSeekR1ReasoningParser:
     # vLLM's reasoning_start_str and reasoning_end_str: what a thinking_token_budget counts from and forces.
     reasoning_start_str, reasoning_end_str = THINK_START, THINK_END
+    # Whether the tokenizer's vocabulary must hold <think> and </think> (as vLLM's token-id based deepseek_r1 parser
+    # needs them; its qwen3 parser, text based, does not).
+    needs_marker_tokens = True
     # What ends the reasoning, and whether it stays in the content (True) or is dropped.
     end_markers: tuple[tuple[str, bool], ...] = ((THINK_END, False),)
     # What is dropped where it appears in the content.
@@ -37,7 +41,13 @@ class DeepSeekR1ReasoningParser:
         the request's prompt; where the last think marker of its last turn is a </think> (a template that closes
         the think block, or a continued message that did), the reasoning is over and the whole output is content,
         as vLLM's is_reasoning_end of the prompt says."""
-        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        if tokenizer is None:  # vLLM's ReasoningParser reads the vocabulary: none without a tokenizer
+            raise ValueError("The model tokenizer must be passed to the ReasoningParser constructor during "
+                             "construction.")
+        vocab = tokenizer.get_vocab()
+        if self.needs_marker_tokens and not (THINK_START in vocab and THINK_END in vocab):
+            raise RuntimeError(f"{type(self).__name__} reasoning parser could not locate think start/end tokens in "
+                               "the tokenizer!")
         markers = [THINK_START, *(marker for marker, _ in self.end_markers)]
         # The markers' token ids where each is one token (as in thinking models' vocabularies), for counting.
         self._marker_ids: Optional[list[int]] = [vocab[m] for m in markers] if all(m in vocab for m in markers) \
@@ -98,6 +108,7 @@ class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
 
     end_markers = ((THINK_END, False), (TOOL_CALL_START, True))
     content_drops = (THINK_END,)
+    needs_marker_tokens = False
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: Optional[dict] = None,
                  prompt_token_ids: Optional[list[int]] = None) -> None:
