@@ -338,6 +338,10 @@ def _logits(model, config, tokens: list[int]) -> torch.Tensor:
     (lambda qc: qc.update(format="pack-quantized"), "format 'pack-quantized'"),
     (lambda qc: qc["config_groups"]["group_0"]["weights"].update(strategy="tensor"), "weights must be 8-bit"),
     (lambda qc: qc["config_groups"]["group_0"]["input_activations"].update(dynamic=False), "dynamic per token"),
+    # vLLM raises on a sparsity_config with targets (sparse checkpoints no longer run); it was ignored here
+    (lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask", "targets": ["Linear"],
+                                           "sparsity_structure": "2:4"}),
+     r"sparsity_config \(format 'sparse-24-bitmask', targets \['Linear'\]\) is not supported"),
 ])
 def test_unsupported_compressed_tensors_scheme_is_a_config_error(tmp_path, change, message):
     _save_compressed_tensors(tmp_path, ignore=[])

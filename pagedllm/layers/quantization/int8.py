@@ -173,7 +173,12 @@ class Int8Config(QuantizationConfig):
     def from_compressed_tensors(cls, quantization_config: dict,
                                 stacked_params_mapping: list[tuple[str, str, object]]) -> "Int8Config":
         """The config of a compressed-tensors checkpoint whose every scheme is W8A8 int8 with symmetric per-channel
-        weights and dynamic symmetric per-token activations; a ValueError naming what differs otherwise."""
+        weights and dynamic symmetric per-token activations; a ValueError naming what differs otherwise, before any
+        weight is read: a sparsity_config with targets too, as vLLM's refuses it (sparse checkpoints no longer run)."""
+        sparsity = quantization_config.get("sparsity_config") or {}
+        if sparsity.get("targets"):
+            raise ValueError(f"compressed-tensors sparsity_config (format {sparsity.get('format')!r}, targets "
+                             f"{sparsity['targets']}) is not supported: sparse checkpoints do not run, as in vLLM")
         fmt = quantization_config.get("format")
         if fmt != "int-quantized":
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported; only 'int-quantized' (W8A8 int8)")
