@@ -305,6 +305,33 @@ def test_per_head_kv_cache_scales_need_strategy_attn_head(tmp_path):
     assert torch.equal(kv_scales, torch.tensor([[0.5, 2.0], [0.5, 2.0]]))
 
 
+def test_compressed_tensors_kv_cache_only_checkpoint(tmp_path):
+    """As vLLM's CompressedTensorsConfig: a checkpoint of dense weights and fp8 KV cache scales only (format "dense",
+    its one config group the attention's activations, which vLLM skips: they are the kv_cache_scheme's) runs, every
+    linear layer dense and an fp8 cache scaled by its k_scale and v_scale (it was refused: format 'dense', a group
+    without int8 weights)."""
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor([0.25 if kv == "k" else 0.5]) for i in range(2)
+              for kv in "kv"}
+    save_file({**tensors, **scales}, str(tmp_path / "model.safetensors"))
+    fp8_tensor = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    quantization_config = {"quant_method": "compressed-tensors", "format": "dense", "ignore": [],
+                           "config_groups": {"attention": {"targets": ["LlamaAttention"],
+                                                           "input_activations": fp8_tensor}},
+                           "kv_cache_scheme": fp8_tensor}
+    config_json = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config_json, "quantization_config": quantization_config}))
+    assert EngineArgs(str(tmp_path)).create_engine_config().cache_config.cache_dtype == "fp8"
+    layers = get_model(str(tmp_path), load_hf_config(str(tmp_path)), KernelChoice(torch.float32)).model.layers
+    assert not any(isinstance(layer.quant_method, Int8LinearMethod) for layer in
+                   (layers[0].self_attn.qkv_proj, layers[1].self_attn.o_proj, layers[1].mlp.gate_up_proj))
+    assert torch.equal(layers[1].self_attn.attn.impl.kv_scales, torch.tensor([[0.25, 0.25], [0.5, 0.5]]))
+
+
 def test_kv_cache_scheme_makes_auto_an_fp8_cache(tmp_path):
     """As vLLM: a checkpoint declaring an fp8 kv_cache_scheme gets an fp8 KV cache under kv_cache_dtype "auto" (its
     k_scale and v_scale are that cache's; it got the model's dtype, the scales unused); a kv_cache_dtype given wins,

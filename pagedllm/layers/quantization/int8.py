@@ -174,17 +174,19 @@ class Int8Config(QuantizationConfig):
                                 stacked_params_mapping: list[tuple[str, str, object]]) -> "Int8Config":
         """The config of a compressed-tensors checkpoint whose every scheme is W8A8 int8 with symmetric per-channel
         weights and dynamic symmetric per-token activations; a ValueError naming what differs otherwise, before any
-        weight is read: a sparsity_config with targets too, as vLLM's refuses it (sparse checkpoints no longer run)."""
+        weight is read: a sparsity_config with targets too, as vLLM's refuses it (sparse checkpoints no longer run).
+        As vLLM's CompressedTensorsConfig.from_config, a group whose one target is an attention module (its q/k/v
+        activations', which vLLM takes as the kv_cache_scheme's) is skipped, and without any other group no linear
+        layer is quantized (a checkpoint of fp8 KV cache scales only)."""
         sparsity = quantization_config.get("sparsity_config") or {}
         if sparsity.get("targets"):
             raise ValueError(f"compressed-tensors sparsity_config (format {sparsity.get('format')!r}, targets "
                              f"{sparsity['targets']}) is not supported: sparse checkpoints do not run, as in vLLM")
+        groups = {name: group for name, group in (quantization_config.get("config_groups") or {}).items()
+                  if not (len(group.get("targets") or ()) == 1 and group["targets"][0].endswith("Attention"))}
         fmt = quantization_config.get("format")
-        if fmt != "int-quantized":
+        if groups and fmt != "int-quantized":
             raise ValueError(f"compressed-tensors format {fmt!r} is not supported; only 'int-quantized' (W8A8 int8)")
-        groups = quantization_config.get("config_groups") or {}
-        if not groups:
-            raise ValueError("compressed-tensors quantization_config has no config_groups")
         for name, group in groups.items():
             weights, inputs = group.get("weights") or {}, group.get("input_activations") or {}
             if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric"), weights.get("strategy")) != (
