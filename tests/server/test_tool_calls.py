@@ -87,6 +87,16 @@ def test_hermes_block_cut_inside_its_call_keeps_its_arguments_when_streamed():
     assert (content, [c.function.name for c in calls]) == ("Let me check. ", ["get_weather"])
 
 
+def test_hermes_arguments_read_at_once_are_in_json_dumps_form():
+    """As vLLM's extract_tool_calls: read at once, a call's arguments are json.dumps(value, ensure_ascii=False), not
+    the model's compact or escaped text of them; streamed, the model's text, as vLLM's streamed Hermes calls."""
+    arguments = '{"city":"Z\\u00fcrich","n":[1,2]}'
+    text = 'Hi <tool_call>{"name": "f", "arguments": ' + arguments + '}</tool_call>'
+    content, calls = HermesParser().parse(text)
+    assert (content, [c.function.arguments for c in calls]) == ("Hi ", ['{"city": "Z\u00fcrich", "n": [1, 2]}'])
+    assert _streamed(list(text), HermesParser())[0] == [{"name": "f", "arguments": arguments}]
+
+
 BROKEN = ('<tool_call>{"name": "f", "arguments": {"a": }}</tool_call> Then '
           '<tool_call>{"name": "g", "arguments": {"a": 1}</tool_call> and <tool_call>{"name": "h", "arguments": {}}'
           '</tool_call> end')

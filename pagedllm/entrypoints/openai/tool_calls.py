@@ -497,9 +497,21 @@ class HermesParser(ToolCallParser):
         return ("" if self._tagged else rest), []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The whole text at once, as vLLM's extract_tool_calls: a block that is no call makes all of it content."""
+        """The whole text at once, as vLLM's extract_tool_calls: a block that is no call makes all of it content; a
+        call's arguments are json.dumps's form of them (_dumped_arguments), not the model's text of them."""
         content, calls = super().parse(text)
-        return (text, []) if self._broken else (content, calls)
+        if self._broken:
+            return text, []
+        for call in calls:
+            call.function.arguments = _dumped_arguments(call.function.arguments)
+        return content, calls
+
+
+def _dumped_arguments(arguments: str) -> str:
+    """A call's arguments, JSON text, as vLLM's extract_tool_calls gives them: json.dumps(value, ensure_ascii=False),
+    so with its ", " and ": " separators and non-ASCII characters as they are (the model's "\\u00e9" is "é").
+    Streamed, vLLM's Hermes parser sends the model's text instead."""
+    return json.dumps(json.loads(arguments), ensure_ascii=False)
 
 
 def _is_call(text: str) -> bool:
