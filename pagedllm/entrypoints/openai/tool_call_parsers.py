@@ -1,8 +1,9 @@
 """Tool-call formats of the model families beyond Hermes, read out of free text for tool_choice "auto" (vLLM's
 --tool-call-parser names): llama3_json (Llama 3.x and 4's JSON calls), pythonic (Llama 3.2 / 4's Python-style
 list of calls) and mistral (Mistral's [TOOL_CALLS]). Each follows tool_calls.ToolCallParser's contract: feed()
-returns the content to show and the call deltas, finish() flushes, and a whole text read at once gives what its
-stream gives.
+returns the content to show and the call deltas, finish() flushes, and a whole text read at once (parse) gives
+what its stream gives, but where vLLM's extract_tool_calls reads a whole text otherwise than its stream: there parse
+follows it, as a non-streamed answer of vLLM's.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, ToolParserManager, _CallScan, _partial_tag_length
-from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall
+from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, ToolCall
 
 _PYTHON_TAG = "<|python_tag|>"
 _PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -39,7 +40,7 @@ class Llama3JsonToolParser(ToolCallParser):
     <|python_tag|>, with "{" is one or more {"name": ..., "parameters": {...}} objects ("arguments" is taken too)
     separated by ";"; any other answer is content, all of it, as vLLM streams it. A call opens once its name is read
     and its arguments (their raw text) stream as they come; from an object that is no call (no name), or text after
-    the last object, the rest is content."""
+    the last object, the rest is content. A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
 
     _mode: str = "undecided"  # "undecided" until the answer's start shows it, then "calls" or "content"
 
@@ -77,6 +78,28 @@ class Llama3JsonToolParser(ToolCallParser):
                 return content, deltas
             if not self._read_call(found, deltas):
                 return "", deltas
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once, as vLLM's extract_tool_calls reads it (not as its stream does): each JSON object
+        that begins at a "{" outside the objects before it, wherever it is, is a call {"name": ..., "arguments" (else
+        "parameters"): ...}, whose arguments are json.dumps's form of that value; the text around the calls is no
+        content. Where a "{" begins no JSON, or an object has no name or neither key, all of the text is content,
+        without calls."""
+        decoder, calls, end = json.JSONDecoder(), [], 0
+        for start in (i for i, c in enumerate(text) if c == "{"):
+            if start < end:
+                continue
+            try:
+                call, end = decoder.raw_decode(text, start)
+                arguments = json.dumps(call["arguments"] if "arguments" in call else call["parameters"],
+                                       ensure_ascii=False)
+            except (ValueError, KeyError, RecursionError):
+                return text, []
+            if not isinstance(call.get("name"), str):
+                return text, []
+            calls.append(self._make_call(call["name"], arguments))
+        self.calls = calls
+        return ("", calls) if calls else (text, [])
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """An answer that never showed its start is content; a call cut off keeps the arguments it had."""
