@@ -54,8 +54,8 @@ ANSWERS = [
 
 # What vLLM's extract_tool_calls gives for a whole text (a non-streamed answer) where that is not what its stream
 # gives: (parser, answer, expected content, expected [(name, arguments)]). llama3_json finds its JSON calls anywhere
-# and drops the text around them, any "{" without a call making all of it content. Their arguments are json.dumps's
-# form, not the model's text. Content None: all of the answer.
+# and drops the text around them, any "{" without a call making all of it content; pythonic parses all of the text
+# as Python. Their arguments are json.dumps's form, not the model's text. Content None: all of the answer.
 WHOLE_ANSWERS = [
     (Llama3JsonToolParser, ' {"name": "ping"}\n', None, []),
     (Llama3JsonToolParser, '{"name": "ping", "parameters": {}} Done.', "", [("ping", "{}")]),
@@ -65,6 +65,10 @@ WHOLE_ANSWERS = [
     (Llama3JsonToolParser, '{"name": "f", "parameters": {}}; {"oops": 1}', None, []),
     (Llama3JsonToolParser, 'Use {x}: {"name": "f", "parameters": {}}', None, []),
     (Llama3JsonToolParser, '{"name": "f", "parameters": {"city": "Par', None, []),
+    (PythonicToolParser, "[ping()] and then some", None, []),
+    (PythonicToolParser, "<|python_start|>[ping()]<|python_end|> Done.", None, []),
+    (PythonicToolParser, "\n[ping()]", None, []),
+    (PythonicToolParser, "[ping()]  # done\n", "", [("ping", "{}")]),
 ]
 
 
@@ -149,14 +153,18 @@ def test_vllms_parser_names(name, parser):
 
 def test_a_pythonic_list_is_parsed_where_its_brackets_close_not_at_every_bracket(monkeypatch):
     """The list may end only at a "]" closing its own "[" (brackets in strings and comments not counted): parsed at
-    every "]", those of its nested lists too, a 25 kB call took seconds, streamed or not."""
+    every "]", those of its nested lists too, a 25 kB call took seconds. (Read whole, it is parsed once, as all of
+    the text is.)"""
     from pagedllm.entrypoints.openai import tool_call_parsers
 
     text = "[f(rows=[" + ", ".join(f"[{i}, ']', '''#[''']" for i in range(2000)) + "], note='[x]') # ]\n, g()]"
     parsed, parse = [], tool_call_parsers._python_calls
     monkeypatch.setattr(tool_call_parsers, "_python_calls", lambda list_text: parsed.append(1) or parse(list_text))
-    content, calls = PythonicToolParser().parse(text)
+    parser = PythonicToolParser()
+    content, _ = parser.feed(text)
+    content, calls = content + parser.finish()[0], parser.calls
     assert (content, [c.function.name for c in calls]) == ("", ["f", "g"]) and len(parsed) == 1
+    assert [c.function.arguments for c in PythonicToolParser().parse(text)[1]] == [c.function.arguments for c in calls]
     assert json.loads(calls[0].function.arguments)["rows"][1] == [1, "]", "#["]
 
 

@@ -117,7 +117,7 @@ class PythonicToolParser(ToolCallParser):
     <|python_start|> ... <|python_end|>. Each call's arguments are its keywords as a JSON object. The list ends at
     the first "]" where what came from its "[" parses as such a list: its calls stream then, each whole, and what
     follows is content. An answer that does not start with "[", or whose list never closes into calls, is content,
-    all of it."""
+    all of it. A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
 
     _state: str = "undecided"  # until the answer's start shows it; then "list" (reading it) or "content"
     _start: int = 0  # where the list's "[" is in the buffer
@@ -202,6 +202,21 @@ class PythonicToolParser(ToolCallParser):
         rest, self._buffer = self._buffer, ""
         return (rest.replace(_PYTHON_END, "") if self.calls else rest), []
 
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once, as vLLM's extract_tool_calls reads it: all of it (past Llama 4's <|python_start|>,
+        without its <|python_end|>) parses as Python whose first statement is the list, which starts the text; else
+        all of the text is content, without calls (text after the list, or whitespace before it, included)."""
+        body = text[len(_PYTHON_START):].replace(_PYTHON_END, "") if text.startswith(_PYTHON_START) else text
+        try:
+            first = ast.parse(body).body[0] if body.startswith("[") else None
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            return text, []
+        calls = _list_calls(first.value) if isinstance(first, ast.Expr) else None
+        if calls is None:
+            return text, []
+        self.calls = [self._make_call(name, arguments) for name, arguments in calls]
+        return "", self.calls
+
 
 def _python_calls(text: str) -> Optional[list[tuple[str, str]]]:
     """(name, arguments as JSON) of each call of the Python list ``text``; None if it is not a list of calls by
@@ -210,6 +225,11 @@ def _python_calls(text: str) -> Optional[list[tuple[str, str]]]:
         tree = ast.parse(text, mode="eval").body
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
+    return _list_calls(tree)
+
+
+def _list_calls(tree: ast.AST) -> Optional[list[tuple[str, str]]]:
+    """_python_calls of the parsed expression ``tree``."""
     if not isinstance(tree, ast.List) or not tree.elts:  # "[]" is no calls (vLLM's pattern needs one): content
         return None
     calls = []
