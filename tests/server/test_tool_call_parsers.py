@@ -55,7 +55,8 @@ ANSWERS = [
 # What vLLM's extract_tool_calls gives for a whole text (a non-streamed answer) where that is not what its stream
 # gives: (parser, answer, expected content, expected [(name, arguments)]). llama3_json finds its JSON calls anywhere
 # and drops the text around them, any "{" without a call making all of it content; pythonic parses all of the text
-# as Python. Their arguments are json.dumps's form, not the model's text. Content None: all of the answer.
+# as Python; Mistral's JSON calls (before v11) are the first JSON value after [TOOL_CALLS], the text after it
+# dropped. Their arguments are json.dumps's form, not the model's text. Content None: all of the answer.
 WHOLE_ANSWERS = [
     (Llama3JsonToolParser, ' {"name": "ping"}\n', None, []),
     (Llama3JsonToolParser, '{"name": "ping", "parameters": {}} Done.', "", [("ping", "{}")]),
@@ -69,6 +70,13 @@ WHOLE_ANSWERS = [
     (PythonicToolParser, "<|python_start|>[ping()]<|python_end|> Done.", None, []),
     (PythonicToolParser, "\n[ping()]", None, []),
     (PythonicToolParser, "[ping()]  # done\n", "", [("ping", "{}")]),
+    (MistralToolParser, '[TOOL_CALLS]{"name": "ping", "arguments": {"n": 1}} ok', "", [("ping", '{"n": 1}')]),
+    (MistralToolParser, 'Hi[TOOL_CALLS][{"name":"f","arguments":{"a":"\\u00e9"}}, {"arguments": {}}, '
+     '{"name": "g", "arguments": "{\\"b\\":1}"}] ok[TOOL_CALLS]h{}', "Hi",
+     [("f", '{"a": "\u00e9"}'), ("", "{}"), ("g", '{"b":1}')]),
+    (MistralToolParser, '[TOOL_CALLS][TOOL_CALLS] {"name": "f"}', "", [("f", "{}")]),
+    (MistralToolParser, "Hi [TOOL_CALLS] [1, 2] ", "[1, 2]", []),
+    (MistralToolParser, 'Hi[TOOL_CALLS] [{"name": "f", "arguments": {"a ', '[{"name": "f", "arguments": {"a', []),
 ]
 
 

@@ -274,8 +274,8 @@ class MistralToolParser(ToolCallParser):
     one object) of {"name": ..., "arguments": {...}} (tokenizers before v11), or name[ARGS]{...} / name{...} (v11
     on), a further call after another [TOOL_CALLS]. A call opens once its name is read and its arguments (their raw
     text) stream as they come; an array's entries that are no call are skipped (vLLM's), and text after a call or
-    array is content. Call ids are 9 letters and digits, as Mistral's chat templates require of the calls sent back
-    to them."""
+    array is content (a whole text's JSON calls are read as vLLM's extract_tool_calls reads them: parse). Call ids
+    are 9 letters and digits, as Mistral's chat templates require of the calls sent back to them."""
 
     short_ids: bool = True
     _state: str = "content"  # "content" (before a marker), "marker" (just after one), "json" or "named" (a call)
@@ -334,3 +334,32 @@ class MistralToolParser(ToolCallParser):
         """What is left: content, but for a call cut off, which keeps the arguments it had."""
         rest, self._buffer = self._buffer, ""
         return ("" if self._open else rest[self._position:] if self._state != "content" else rest), []
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once. Where JSON follows the first [TOOL_CALLS] (tokenizers before v11), as vLLM's
+        extract_tool_calls reads it: the first JSON value there (markers with nothing between count as one) holds
+        the calls, an array of them or one object; its entries with a name or arguments are calls (name "" where it
+        is no string), with arguments json.dumps's form of theirs ("{}" for none, a string as it is); text after
+        the value is no content. Where that value is no JSON or has no call, the content is the text after the
+        marker, stripped, without calls."""
+        content, _, rest = text.partition(_MISTRAL_TOOL_CALLS)
+        value_text = next((part.strip() for part in rest.split(_MISTRAL_TOOL_CALLS) if part.strip()), "")
+        if not value_text.startswith(("[", "{")):
+            return super().parse(text)
+        try:
+            value = json.JSONDecoder().raw_decode(value_text)[0]
+        except (ValueError, RecursionError):
+            return value_text, []
+        entries = [value] if isinstance(value, dict) else value if isinstance(value, list) else []
+        self.calls = [self._make_call(entry["name"] if isinstance(entry.get("name"), str) else "",
+                                      _mistral_arguments(entry.get("arguments")))
+                      for entry in entries if isinstance(entry, dict) and ("name" in entry or "arguments" in entry)]
+        return (content, self.calls) if self.calls else (value_text, [])
+
+
+def _mistral_arguments(value: Any) -> str:
+    """The arguments text of a call vLLM reads out of Mistral's JSON: none "{}", a string as it is, any other value
+    in json.dumps's form."""
+    if value is None:
+        return "{}"
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
