@@ -56,7 +56,8 @@ ANSWERS = [
 # gives: (parser, answer, expected content, expected [(name, arguments)]). llama3_json finds its JSON calls anywhere
 # and drops the text around them, any "{" without a call making all of it content; pythonic parses all of the text
 # as Python; Mistral's JSON calls (before v11) are the first JSON value after [TOOL_CALLS], the text after it
-# dropped. Their arguments are json.dumps's form, not the model's text. Content None: all of the answer.
+# dropped, as the text after its v11 calls. Their arguments are json.dumps's form, not the model's text (but for
+# v11's). Content None: all of the answer.
 WHOLE_ANSWERS = [
     (Llama3JsonToolParser, ' {"name": "ping"}\n', None, []),
     (Llama3JsonToolParser, '{"name": "ping", "parameters": {}} Done.', "", [("ping", "{}")]),
@@ -77,6 +78,10 @@ WHOLE_ANSWERS = [
     (MistralToolParser, '[TOOL_CALLS][TOOL_CALLS] {"name": "f"}', "", [("f", "{}")]),
     (MistralToolParser, "Hi [TOOL_CALLS] [1, 2] ", "[1, 2]", []),
     (MistralToolParser, 'Hi[TOOL_CALLS] [{"name": "f", "arguments": {"a ', '[{"name": "f", "arguments": {"a', []),
+    (MistralToolParser, 'Hi\n[TOOL_CALLS]f [ARGS]{"a": [1, {"b": "}"}]} x[TOOL_CALLS]g[ARGS]', "Hi",
+     [("f", '{"a": [1, {"b": "}"}]}'), ("g", "{}")]),
+    (MistralToolParser, '[TOOL_CALLS]f{"a":1}{"b": 2}\n\n[TOOL_CALLS]', "", [("f", '{"a":1}')]),
+    (MistralToolParser, "Hi [TOOL_CALLS]", "Hi ", []),
 ]
 
 

@@ -274,7 +274,7 @@ class MistralToolParser(ToolCallParser):
     one object) of {"name": ..., "arguments": {...}} (tokenizers before v11), or name[ARGS]{...} / name{...} (v11
     on), a further call after another [TOOL_CALLS]. A call opens once its name is read and its arguments (their raw
     text) stream as they come; an array's entries that are no call are skipped (vLLM's), and text after a call or
-    array is content (a whole text's JSON calls are read as vLLM's extract_tool_calls reads them: parse). Call ids
+    array is content (a whole text's calls are read as vLLM's extract_tool_calls reads them: parse). Call ids
     are 9 letters and digits, as Mistral's chat templates require of the calls sent back to them."""
 
     short_ids: bool = True
@@ -341,11 +341,11 @@ class MistralToolParser(ToolCallParser):
         the calls, an array of them or one object; its entries with a name or arguments are calls (name "" where it
         is no string), with arguments json.dumps's form of theirs ("{}" for none, a string as it is); text after
         the value is no content. Where that value is no JSON or has no call, the content is the text after the
-        marker, stripped, without calls."""
+        marker, stripped, without calls. Otherwise the calls are v11's (_named_calls)."""
         content, _, rest = text.partition(_MISTRAL_TOOL_CALLS)
         value_text = next((part.strip() for part in rest.split(_MISTRAL_TOOL_CALLS) if part.strip()), "")
         if not value_text.startswith(("[", "{")):
-            return super().parse(text)
+            return self._named_calls(text)
         try:
             value = json.JSONDecoder().raw_decode(value_text)[0]
         except (ValueError, RecursionError):
@@ -355,6 +355,25 @@ class MistralToolParser(ToolCallParser):
                                       _mistral_arguments(entry.get("arguments")))
                       for entry in entries if isinstance(entry, dict) and ("name" in entry or "arguments" in entry)]
         return (content, self.calls) if self.calls else (value_text, [])
+
+    def _named_calls(self, text: str) -> tuple[str, list[ToolCall]]:
+        """v11's calls in a whole text, as vLLM's extract_tool_calls reads them: the text after each [TOOL_CALLS],
+        where there is any, is a call, its name what comes before [ARGS] or the arguments' "{" (all of it where none
+        comes: arguments "{}"), its arguments the first JSON value from that "{" on (the rest, stripped, where it is
+        no JSON); the text after them is no content, and the text before the first marker is content, stripped
+        where there are calls."""
+        content, *parts = text.split(_MISTRAL_TOOL_CALLS)
+        decoder = json.JSONDecoder()
+        for part in filter(None, parts):
+            brace = part.find("{")
+            name = (part if brace < 0 else part[:brace]).strip().removesuffix(_MISTRAL_ARGS).strip()
+            arguments = "{}" if brace < 0 else part[brace:].strip()
+            try:
+                arguments = arguments[:decoder.raw_decode(arguments)[1]]
+            except (ValueError, RecursionError):
+                pass  # no JSON: the arguments are the text as it is
+            self.calls.append(self._make_call(name, arguments))
+        return (content.strip() if self.calls else content), self.calls
 
 
 def _mistral_arguments(value: Any) -> str:
