@@ -39,10 +39,12 @@ class Llama3JsonToolParser(ToolCallParser):
     """Llama 3.x's (and 4's) JSON calls, vLLM's llama3_json / llama4_json: an answer that starts, after an optional
     <|python_tag|>, with "{" is one or more {"name": ..., "parameters": {...}} objects ("arguments" is taken too)
     separated by ";"; any other answer is content, all of it, as vLLM streams it. A call opens once its name is read
-    and its arguments (their raw text) stream as they come; from an object that is no call (no name), or text after
-    the last object, the rest is content. A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
+    and its arguments (their raw text) stream as they come; from an object that is no call (no name) or other text
+    after the objects, the rest is content, but for text after calls, which is none (vLLM's stream drops it, as its
+    reading of a whole text). A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
 
-    _mode: str = "undecided"  # "undecided" until the answer's start shows it, then "calls" or "content"
+    # "undecided" until the answer's start shows it, then "calls", "content", or "after" (past the calls, no content)
+    _mode: str = "undecided"
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -52,9 +54,9 @@ class Llama3JsonToolParser(ToolCallParser):
                 return "", []
             self._mode = "calls" if self._buffer.startswith("{", start) else "content"
             self._position = start
-        if self._mode == "content":
+        if self._mode != "calls":
             content, self._buffer = self._buffer, ""
-            return content, []
+            return ("" if self._mode == "after" else content), []
         return self._read_calls()
 
     def _read_calls(self) -> tuple[str, list[DeltaToolCall]]:
@@ -68,13 +70,14 @@ class Llama3JsonToolParser(ToolCallParser):
             found = self._scan(start, ("parameters", "arguments")) \
                 if self._buffer[start] == "{" else None
             if found is None or found.broken is not None or (found.end is not None and found.name is None):
-                # No object, or one that is no call: the rest is content. A call that opened and then broke off
-                # is no call (what streamed of it cannot be taken back).
+                # No object, or one that is no call: the rest is content, where no call came before it. A call
+                # that opened and then broke off is no call (what streamed of it cannot be taken back).
                 if self._open:
                     self.calls.pop()
                     deltas = [delta for delta in deltas if delta.index != self._opened - 1]
                     self._next_call()
-                self._mode, content, self._buffer = "content", self._buffer[start:], ""
+                self._mode = "after" if self.calls else "content"
+                content, self._buffer = ("" if self.calls else self._buffer[start:]), ""
                 return content, deltas
             if not self._read_call(found, deltas):
                 return "", deltas
@@ -102,10 +105,11 @@ class Llama3JsonToolParser(ToolCallParser):
         return ("", calls) if calls else (text, [])
 
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
-        """An answer that never showed its start is content; a call cut off keeps the arguments it had."""
+        """An answer that never showed its start is content, text after calls none; a call cut off keeps the
+        arguments it had."""
         rest, self._buffer = self._buffer, ""
         if self._mode == "calls":
-            return ("" if self._open or not rest[self._position:].strip() else rest[self._position:]), []
+            return ("" if self.calls or not rest[self._position:].strip() else rest[self._position:]), []
         return rest, []
 
 
