@@ -35,7 +35,7 @@ ANSWERS = [
     (PythonicToolParser, "[tag(labels={'a', 1}, note=f'hi', size=(2, 3))]", "",
      [("tag", '{"labels": ["a", 1], "note": "hi", "size": [2, 3]}')]),
     (PythonicToolParser, "[tag(note=f'{x}')]", "[tag(note=f'{x}')]", []),
-    (PythonicToolParser, "[ping()] and then some", " and then some", [("ping", "{}")]),
+    (PythonicToolParser, "[ping()] and then some<|python_end|>", "", [("ping", "{}")]),
     (PythonicToolParser, "[1, 2] is a list", "[1, 2] is a list", []),
     (PythonicToolParser, "[]", "[]", []),
     (PythonicToolParser, '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: no call
@@ -69,7 +69,7 @@ WHOLE_ANSWERS = [
     (Llama3JsonToolParser, '{"name": "ping", "parameters": {}}; {"oops": 1} {"na', None, []),
     (Llama3JsonToolParser, 'Use {x}: {"name": "f", "parameters": {}}', None, []),
     (Llama3JsonToolParser, '{"name": "f", "parameters": {"city": "Par', None, []),
-    (PythonicToolParser, "[ping()] and then some", None, []),
+    (PythonicToolParser, "[ping()] and then some<|python_end|>", None, []),
     (PythonicToolParser, "<|python_start|>[ping()]<|python_end|> Done.", None, []),
     (PythonicToolParser, "\n[ping()]", None, []),
     (PythonicToolParser, "[ping()]  # done\n", "", [("ping", "{}")]),

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, ToolParserManager, _CallScan, _partial_tag_length
+from pagedllm.entrypoints.openai.tool_calls import ToolCallParser, ToolParserManager, _CallScan
 from pagedllm.entrypoints.openai.tool_protocol import DeltaFunctionCall, DeltaToolCall, ToolCall
 
 _PYTHON_TAG = "<|python_tag|>"
@@ -120,7 +120,7 @@ class PythonicToolParser(ToolCallParser):
     arguments of literal values, [get_weather(city="Paris", days=[1, 2]), ping()], optionally inside Llama 4's
     <|python_start|> ... <|python_end|>. Each call's arguments are its keywords as a JSON object. The list ends at
     the first "]" where what came from its "[" parses as such a list: its calls stream then, each whole, and what
-    follows is content. An answer that does not start with "[", or whose list never closes into calls, is content,
+    follows is no content (vLLM's stream drops it). An answer that does not start with "[", or whose list never closes into calls, is content,
     all of it. A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
 
     _state: str = "undecided"  # until the answer's start shows it; then "list" (reading it) or "content"
@@ -143,11 +143,7 @@ class PythonicToolParser(ToolCallParser):
             if self._state == "list":
                 return "", deltas
         content, self._buffer = self._buffer, ""
-        if self.calls:  # after the calls, Llama 4's end tag is no content (a part of it held back until it shows)
-            content = content.replace(_PYTHON_END, "")
-            keep = _partial_tag_length(content, _PYTHON_END)
-            content, self._buffer = content[:len(content) - keep], content[len(content) - keep:]
-        return content, deltas
+        return ("" if self.calls else content), deltas  # after the calls none (vLLM's stream drops it)
 
     def _read_list(self) -> list[DeltaToolCall]:
         while (end := self._list_end()) is not None:
@@ -204,7 +200,7 @@ class PythonicToolParser(ToolCallParser):
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
         """A list that never closed into calls is content, as an answer that never showed its start."""
         rest, self._buffer = self._buffer, ""
-        return (rest.replace(_PYTHON_END, "") if self.calls else rest), []
+        return ("" if self.calls else rest), []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole text at once, as vLLM's extract_tool_calls reads it: all of it (past Llama 4's <|python_start|>,
