@@ -67,29 +67,34 @@ class Processor:
         self.extra_eos_token_ids = [t for t in generation_eos_token_ids(
             model_config.path, model_config.generation_config, model_config.hf_config) if t != self.eos_token_id]
         self.lora_config = lora_config
-        # (name, path) of the adapters already found to fit, by id: values, as a LoRARequest may change after
-        self._checked_loras: dict[int, tuple[str, str]] = {}
+        # The name and the paths (the latest last) of the adapters already found to fit, by id: values, as a
+        # LoRARequest may change after. An id reloaded in place has several: its weights are the latest's, and a
+        # request naming an earlier one (made before the reload) runs with them, as vLLM's engine keys weights by id.
+        self._checked_loras: dict[int, tuple[str, list[str]]] = {}
 
     def validate_lora_request(self, lora_request: Optional[LoRARequest]) -> None:
         """An adapter is checked against the base model (its files, settings and shapes) the first time its id
         comes, here in the frontend, so that the engine only ever loads adapters that fit: a bad one is this
-        request's ValueError while the engine keeps serving. An id must keep naming the same adapter, unless the
-        request reloads it (load_inplace): its files are checked again, as the engine will read them again."""
+        request's ValueError while the engine keeps serving. An id must keep naming the same adapter (a path it was
+        loaded from), unless the request reloads it (load_inplace): its files are checked again, as the engine will
+        read them again."""
         if lora_request is None:
             return
         lora_request.validate()  # its fields may have been set since it was made
         if self.lora_config is None:
             raise ValueError(f"lora_request: LoRA is not enabled in this engine (adapter "
                              f"{lora_request.lora_name!r}); start it with enable_lora=True")
-        known = self._checked_loras.get(lora_request.lora_int_id)
-        if known is not None and not lora_request.load_inplace:
-            if known != (lora_request.lora_name, lora_request.lora_path):
+        name, path = lora_request.lora_name, lora_request.lora_path
+        known_name, known_paths = self._checked_loras.get(lora_request.lora_int_id, (None, []))
+        if known_name is not None and not lora_request.load_inplace:
+            if name != known_name or path not in known_paths:
                 raise ValueError(f"lora_request: lora_int_id {lora_request.lora_int_id} already names adapter "
-                                 f"{known[0]!r} at {known[1]!r}")
+                                 f"{known_name!r} at {known_paths[-1]!r}")
             return
         from pagedllm.lora.lora_model import check_local_checkpoint
-        check_local_checkpoint(lora_request.lora_path, self.model_config.hf_config, self.lora_config.max_lora_rank)
-        self._checked_loras[lora_request.lora_int_id] = (lora_request.lora_name, lora_request.lora_path)
+        check_local_checkpoint(path, self.model_config.hf_config, self.lora_config.max_lora_rank)
+        earlier = [p for p in known_paths if p != path] if known_name == name else []
+        self._checked_loras[lora_request.lora_int_id] = (name, [*earlier, path])
 
     def validate_lora_to_add(self, lora_request: LoRARequest) -> None:
         """add_lora's adapter: a LoRARequest (not None, as a request's may be), then checked as a request's; anything

@@ -298,7 +298,8 @@ def test_an_adapter_id_may_be_any_positive_integer(llm_with_lora, adapters):
 def test_load_inplace_reloads_an_adapter_under_its_id(llm_with_lora, adapters):
     """vLLM's LoRARequest.load_inplace: the id's adapter is read again from the request's path and replaces the one
     loaded, whose id would otherwise keep it (another path under a loaded id, without it, is a ValueError). A
-    prompt shorter than a block, so that no cached KV plays a part."""
+    request naming the path the id had before (made before the reload: the server's, running) runs with the new
+    weights, as vLLM's keyed by id. A prompt shorter than a block, so that no cached KV plays a part."""
     prompt = [list(range(3000, 3010))]
     (first, _), (second, second_model) = adapters["all-r8"], adapters["qkv-r4"]
     run(llm_with_lora, prompt, LoRARequest("swapped", 60, first.lora_path))
@@ -307,6 +308,7 @@ def test_load_inplace_reloads_an_adapter_under_its_id(llm_with_lora, adapters):
     swapped = run(llm_with_lora, prompt, LoRARequest("swapped", 60, second.lora_path, load_inplace=True))
     assert_transformers_greedy(second_model, prompt, swapped, MAX_TOKENS)
     assert run(llm_with_lora, prompt, LoRARequest("swapped", 60, second.lora_path)) == swapped
+    assert run(llm_with_lora, prompt, LoRARequest("swapped", 60, first.lora_path)) == swapped
     with pytest.raises(ValueError, match="load_inplace must be a bool, got 1"):
         LoRARequest("swapped", 60, second.lora_path, load_inplace=1)
 

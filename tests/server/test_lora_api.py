@@ -181,10 +181,11 @@ def test_a_json_lora_modules_base_model_name_is_its_parent_in_v1_models(tmp_path
                      "chat": ("base", paths["chat"]), "plain": ("base", paths["plain"])}
 
 
-def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
-    """vLLM's load_inplace: a name already served takes the new adapter (without it, a 400 that says so); the new one
-    gets a new id (the engine keys its slots by id, so requests of the old one keep its weights). A served model's
-    name is never an adapter's."""
+def test_load_inplace_replaces_a_served_adapter_under_its_id(tmp_path):
+    """vLLM's load_inplace: a name already served takes the new adapter (without it, a 400 that says so) under the
+    same id, which the engine reloads (add_lora with load_inplace), so the requests running with it take the new
+    weights; the adapter served is named without load_inplace (the engine would reload it at each request). A
+    served model's name is never an adapter's."""
     from types import SimpleNamespace
 
     from fastapi import FastAPI
@@ -194,14 +195,14 @@ def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
     from pagedllm.entrypoints.openai.errors import register_exception_handlers
     from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
-    forgotten = []
+    forgotten, loaded = [], []
     processor = SimpleNamespace(lora_config=object(), validate_lora_request=lambda lora: None,
                                 forget_lora=forgotten.append)
     app = FastAPI()
     app.include_router(lora_router)
     register_exception_handlers(app)
     app.state.openai_serving_models = models = OpenAIServingModels(["base"], "/models/base", 64,
-                                                                   _engine_client(processor))
+                                                                   _engine_client(processor, loaded))
     http = TestClient(app)
     v1, v2 = _adapter_dirs(tmp_path, "v1", "v2").values()
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": v1}).status_code == 200
@@ -211,7 +212,9 @@ def test_load_inplace_replaces_a_served_adapter_under_a_new_id(tmp_path):
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": v2, "load_inplace": True})
     assert response.status_code == 200, response.text
     again = models.lora_request("sql")
-    assert (again.lora_path, forgotten) == (v2, [first.lora_int_id]) and again.lora_int_id != first.lora_int_id
+    assert (again.lora_path, again.lora_int_id, again.load_inplace, forgotten) == (v2, first.lora_int_id, False, [])
+    assert [(lora.lora_int_id, lora.lora_path, lora.load_inplace) for lora in loaded] == [
+        (first.lora_int_id, v1, False), (first.lora_int_id, v2, True)]
     assert [card.root for card in models.show_available_models().data if card.id == "sql"] == [v2]
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": v1,
                                                         "load_inplace": True})

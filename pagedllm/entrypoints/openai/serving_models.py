@@ -8,6 +8,8 @@ import itertools
 import logging
 from typing import Any, Optional
 
+import msgspec
+
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
 from pagedllm.lora.peft_helper import LoRAAdapterNotFoundError
@@ -54,10 +56,11 @@ class OpenAIServingModels:
         """Serve an adapter under ``lora_name``; 400 when the name is a served model's, or an adapter's unless
         ``load_inplace`` (vLLM's: the new adapter replaces that one), or the adapter does not fit the model; 404
         when the path holds no adapter (no adapter_config.json: vLLM's LoRAAdapterNotFoundError). Nothing changes
-        on an error. A reloaded adapter takes a new id, so requests already running keep the old weights; the prefix
-        cache keys blocks by name and path (vLLM's), so one reloaded from the same path shares the old one's blocks,
-        with a warning, as vLLM's. ``base_model_name`` (--lora-modules' JSON form): the served name /v1/models gives
-        as its parent; one that is not served is ignored, as by vLLM (the parent is then the first name).
+        on an error. A reloaded adapter keeps its id, as vLLM's: the engine reloads that id's weights, which the
+        requests already running with it take at their next step; the prefix cache keys blocks by name and path
+        (vLLM's), so one reloaded from the same path shares the old one's blocks, with a warning, as vLLM's.
+        ``base_model_name`` (--lora-modules' JSON form): the served name /v1/models gives as its parent; one that is
+        not served is ignored, as by vLLM (the parent is then the first name).
         Reads the adapter's files: the server's route calls load_lora_adapter_async, which does that off its loop."""
         return self._serve(self._check_lora_adapter(lora_name, lora_path, base_model_name, load_inplace))
 
@@ -67,8 +70,8 @@ class OpenAIServingModels:
         name cannot both pass the check that it is free. Then the engine loads it (vLLM's add_lora at load time):
         an adapter whose weights cannot be loaded is this request's 400, not its first user's failure, and nothing
         is served. Served from the loop, the one place that changes lora_requests (a route iterating it meanwhile
-        would see it change size). An adapter it replaces (load_inplace) stays in the engine for the requests
-        running with it, until the engine's least recently used ones make room."""
+        would see it change size). An adapter loaded in place is reloaded under its id (load_inplace); one that
+        fails to load leaves the one it would have replaced served, as it was."""
         async with self._load_lock:
             lora = await asyncio.to_thread(self._check_lora_adapter, lora_name, lora_path, None, load_inplace)
             try:
@@ -96,9 +99,13 @@ class OpenAIServingModels:
                                   "adapter in place, set 'load_inplace' to True.", "lora_name")
         if self.processor is None or self.processor.lora_config is None:
             raise BadRequestError("LoRA is not enabled on this server (start it with --enable-lora).", "lora_name")
+        previous = self.lora_requests.get(lora_name)
         try:
-            lora = LoRARequest(lora_name, next(self._lora_ids), lora_path,
-                               base_model_name if base_model_name in self.served_model_names else None)
+            # Loaded in place (vLLM's), it takes the id of the adapter it replaces, and the engine reads that id's
+            # weights again (load_inplace), where a new id would leave the requests running with the old one on it.
+            lora = LoRARequest(lora_name, next(self._lora_ids) if previous is None else previous.lora_int_id,
+                               lora_path, base_model_name if base_model_name in self.served_model_names else None,
+                               load_inplace=previous is not None)
             self.processor.validate_lora_request(lora)
         except LoRAAdapterNotFoundError:
             raise NotFoundError(f"Loading lora {lora_name} failed: No adapter found for {lora_path}") from None
@@ -107,14 +114,14 @@ class OpenAIServingModels:
         return lora
 
     def _serve(self, lora: LoRARequest) -> LoRARequest:
+        """Its requests name it without load_inplace: the engine reloads it once, not at each request."""
+        lora = msgspec.structs.replace(lora, load_inplace=False)
         lora_name, lora_path = lora.lora_name, lora.lora_path
         previous = self.lora_requests.get(lora_name)
-        if previous is not None:
-            self.processor.forget_lora(previous.lora_int_id)
-            if previous.lora_path == lora_path:
-                logger.warning("Reloaded LoRA adapter '%s' in place from the same path '%s'. Prefix-cache blocks "
-                               "computed with its previous weights are not invalidated; load changed weights from a "
-                               "new path to avoid reusing them.", lora_name, lora_path)
+        if previous is not None and previous.lora_path == lora_path:
+            logger.warning("Reloaded LoRA adapter '%s' in place from the same path '%s'. Prefix-cache blocks computed "
+                           "with its previous weights are not invalidated; load changed weights from a new path to "
+                           "avoid reusing them.", lora_name, lora_path)
         self.lora_requests[lora_name] = lora
         return lora
 
