@@ -49,3 +49,28 @@ class RequestOutput:
     metrics: Optional[RequestStateStats] = None
     # vLLM's: the LoRA adapter the request ran with (None: the base model).
     lora_request: Optional[LoRARequest] = None
+
+    def add(self, next_output: RequestOutput, aggregate: bool) -> None:
+        """vLLM's: merges the request's next output into this one, which its consumer has not taken yet. Each
+        sequence (by index) of ``next_output`` extends its own here with its new text, tokens and logprobs where
+        ``aggregate`` (DELTA outputs), else replaces it (CUMULATIVE outputs hold everything so far); a sequence not
+        here yet (an n > 1 request's) is added. The rest is the later output's, an error kept once one came."""
+        self.finished |= next_output.finished
+        self.num_cached_tokens = next_output.num_cached_tokens
+        self.error = self.error or next_output.error
+        self.metrics = next_output.metrics
+        for next_completion in next_output.outputs:
+            at = next((i for i, c in enumerate(self.outputs) if c.index == next_completion.index), None)
+            if at is None:
+                self.outputs.append(next_completion)
+            elif not aggregate:
+                self.outputs[at] = next_completion
+            else:
+                completion = self.outputs[at]
+                completion.text += next_completion.text
+                completion.token_ids.extend(next_completion.token_ids)  # a delta's lists are its own
+                if next_completion.logprobs:
+                    completion.logprobs.extend(next_completion.logprobs)
+                completion.cumulative_logprob = next_completion.cumulative_logprob
+                completion.finish_reason = next_completion.finish_reason
+                completion.stop_reason = next_completion.stop_reason

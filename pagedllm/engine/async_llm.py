@@ -21,7 +21,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import check_pause_args, check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id, cache_salt_of
 from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, SchedulerStats
@@ -166,9 +166,9 @@ class AsyncLLM:
         request = assign_request_id(request)
         if self.log_requests:
             logger.info("Added request %s.", request.request_id)
-        collector = RequestOutputCollector(request.request_id)
+        collector = RequestOutputCollector(params.output_kind, request.request_id)
         parent, requests = fan_out(request)
-        self.output_processor.add_requests(requests, text, parent, collector.queue)
+        self.output_processor.add_requests(requests, text, parent, collector)
         try:
             for engine_request in requests:
                 self.engine_core.add_request(engine_request)
@@ -381,29 +381,6 @@ class AsyncLLM:
         self._dead_error = EngineDeadError("The engine is shut down.")
         self.output_processor.abort_all()
         self._finalizer()
-
-
-class RequestOutputCollector:
-    """vLLM's: where one request's outputs come, for its consumer (AsyncLLM.add_request's). Outputs wait in order,
-    each whole by its output_kind (vLLM merges those a slow consumer has not taken yet); an engine's death comes as
-    the error get() raises."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id  # the unique id the request runs under (abort's with internal=True)
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-    async def get(self) -> RequestOutput:
-        return _output_or_raise(await self.queue.get())
-
-    def get_nowait(self) -> Optional[RequestOutput]:
-        """The next output, or None when none has come yet."""
-        return None if self.queue.empty() else _output_or_raise(self.queue.get_nowait())
-
-
-def _output_or_raise(output: Union[RequestOutput, BaseException]) -> RequestOutput:
-    if isinstance(output, BaseException):  # EngineDeadError
-        raise output
-    return output
 
 
 def _stop(engine_core: Any, output_handler: asyncio.Task) -> None:

@@ -9,7 +9,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.parallel_sampling import ParentRequest
@@ -20,11 +20,48 @@ from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestO
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
+class RequestOutputCollector:
+    """vLLM's: where one request's outputs wait for its consumer (AsyncLLM.add_request's), which get() takes. As
+    vLLM's, outputs the consumer has not taken yet are merged into one (RequestOutput.add): a stream's DELTA outputs
+    joined, a CUMULATIVE one replaced by the later, so that a slow consumer gets everything so far at once instead of
+    a backlog growing with each step. An error (an engine's death) takes the place of what waits, and get() raises
+    it."""
+
+    def __init__(self, output_kind: RequestOutputKind, request_id: str) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.request_id = request_id  # the unique id the request runs under (abort's with internal=True)
+        self.output: Union[RequestOutput, BaseException, None] = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: Union[RequestOutput, BaseException]) -> None:
+        if self.output is None or isinstance(output, BaseException):
+            self.output = output
+            self.ready.set()
+        elif isinstance(self.output, RequestOutput):
+            self.output.add(output, aggregate=self.aggregate)
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        return self._take()
+
+    def get_nowait(self) -> Optional[RequestOutput]:
+        """The output waiting, or None when none has come yet."""
+        return None if self.output is None else self._take()
+
+    def _take(self) -> RequestOutput:
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, BaseException):  # EngineDeadError
+            raise output
+        return output
+
+
 class RequestState:
     def __init__(self, request_id: str, index: int, prompt: Optional[str], prompt_token_ids: list[int],
                  params: SamplingParams, tokenizer: Any, parent: Optional[ParentRequest], arrival_time: float,
                  log_stats: bool, stream_interval: int = 1, lora_request: Optional[LoRARequest] = None,
-                 external_req_id: Optional[str] = None, queue: Optional[asyncio.Queue] = None) -> None:
+                 external_req_id: Optional[str] = None, queue: Optional[RequestOutputCollector] = None) -> None:
         """``external_req_id``: the caller's id, which its outputs carry (None: ``request_id`` is). ``queue``: where
         its outputs go (an AsyncLLM generate()'s), instead of the outputs process_outputs returns."""
         self.request_id = request_id
@@ -204,7 +241,7 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
 
     def add_requests(self, requests: list[EngineCoreRequest], prompt: Optional[str],
-                     parent: Optional[ParentRequest] = None, queue: Optional[asyncio.Queue] = None) -> None:
+                     parent: Optional[ParentRequest] = None, queue: Optional[RequestOutputCollector] = None) -> None:
         """One request's engine requests (an n > 1 request's children, parallel_sampling.fan_out), all or none: an
         id already running (the front-ends' ids are unique, assign_request_id) refuses them before any is added, so
         that undoing the request never touches another's. ``queue``: where their outputs go (RequestState's)."""
@@ -248,7 +285,7 @@ class OutputProcessor:
         states = map(self.request_states.get, request_ids) if request_ids is not None else self.request_states.values()
         queues = {id(state.queue): state.queue for state in states if state is not None and state.queue is not None}
         for queue in queues.values():
-            queue.put_nowait(error)
+            queue.put(error)
         return len(queues)
 
     def get_num_unfinished_requests(self) -> int:
@@ -318,7 +355,7 @@ class OutputProcessor:
         if request_output is None:
             return
         if state.queue is not None:
-            state.queue.put_nowait(request_output)
+            state.queue.put(request_output)
         else:
             result.request_outputs.append(request_output)
 

@@ -257,12 +257,51 @@ def test_async_llm_generate_takes_vllms_keyword_arguments():
             outputs = [await collector.get()]
             while not outputs[-1].finished:
                 outputs.append(await collector.get())
-            assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3] and collector.get_nowait() is None
+            # each holds everything so far (CUMULATIVE): one the consumer had not taken when the next came is replaced
+            num_tokens = [len(o.outputs[0].token_ids) for o in outputs]
+            assert num_tokens[-1] == 3 and num_tokens == sorted(set(num_tokens)) and collector.get_nowait() is None
             assert outputs[-1].request_id == "low" and engine.get_num_unfinished_requests() == 0
         finally:
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_outputs_a_slow_consumer_has_not_taken_are_merged_as_vllms():
+    """vLLM's RequestOutputCollector: outputs waiting for the consumer become one. DELTA ones are joined per
+    sequence (text, tokens, logprobs; the last one's finish), a sequence not there yet (n > 1) added; a CUMULATIVE
+    one replaces the one waiting; an error takes the place of what waits, and what comes after it is dropped."""
+    import asyncio
+
+    from pagedllm.engine.output_processor import RequestOutputCollector
+    from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from pagedllm.sampling_params import RequestOutputKind
+
+    def output(index: int, text: str, token_ids: list[int], finish_reason=None) -> RequestOutput:
+        completion = CompletionOutput(index, text, token_ids, -float(token_ids[-1]),
+                                      [{t: Logprob(-1.0)} for t in token_ids], finish_reason)
+        return RequestOutput("r", "p", [1], None, [completion], finish_reason is not None, num_cached_tokens=2)
+
+    delta = RequestOutputCollector(RequestOutputKind.DELTA, "r")
+    for index, text, token_ids in ((0, "a", [1]), (1, "x", [9]), (0, "b", [2, 3])):
+        delta.put(output(index, text, token_ids))
+    delta.put(output(0, "c", [4], "length"))
+    merged = delta.get_nowait()
+    assert [(c.index, c.text, c.token_ids, len(c.logprobs), c.cumulative_logprob, c.finish_reason)
+            for c in merged.outputs] == [(0, "abc", [1, 2, 3, 4], 4, -4.0, "length"), (1, "x", [9], 1, -9.0, None)]
+    assert merged.finished and delta.get_nowait() is None
+    delta.put(output(0, "d", [5]))
+    assert asyncio.run(delta.get()).outputs[0].token_ids == [5]
+
+    cumulative = RequestOutputCollector(RequestOutputKind.CUMULATIVE, "r")
+    cumulative.put(output(0, "a", [1]))
+    cumulative.put(output(0, "ab", [1, 2]))
+    assert [(c.text, c.token_ids) for c in cumulative.get_nowait().outputs] == [("ab", [1, 2])]
+    cumulative.put(output(0, "abc", [1, 2, 3]))
+    cumulative.put(EngineDeadError("gone"))
+    cumulative.put(output(0, "abcd", [1, 2, 3, 4], "abort"))
+    with pytest.raises(EngineDeadError, match="gone"):
+        cumulative.get_nowait()
 
 
 def test_the_engine_core_fails_a_request_it_cannot_take_and_serves_on(tmp_path):
