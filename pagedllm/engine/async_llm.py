@@ -253,6 +253,14 @@ class AsyncLLM:
         if not self.errored and processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
 
+    def _abort_all_as_the_engine(self) -> None:
+        """Ends every request with the "abort" output vLLM's engine sends when it pauses or sleeps (abort_outputs),
+        which the stat loggers count, and aborts them in the engine core."""
+        outputs = self.output_processor.abort_outputs()
+        self._process_outputs(outputs)
+        if not self.errored and outputs.outputs:
+            self.engine_core.abort_requests([output.request_id for output in outputs.outputs])
+
     # ------------------------------------------------------------------------------------------ outputs
     @staticmethod
     async def _run_output_handler(engine_ref: "weakref.ref[AsyncLLM]", engine_core: Any) -> None:
@@ -333,7 +341,7 @@ class AsyncLLM:
         added meanwhile wait), with "keep" they wait."""
         check_pause_args(mode, clear_cache)
         if mode == "abort":
-            self._abort(self.output_processor.unfinished_request_ids(), internal=True)
+            self._abort_all_as_the_engine()
         await self.engine_core.call_utility_async("pause_scheduler", mode, clear_cache)
 
     async def resume_generation(self) -> None:
@@ -348,7 +356,7 @@ class AsyncLLM:
         wake_up."""
         check_sleep_args(level, mode)
         if mode == "abort":
-            self._abort(self.output_processor.unfinished_request_ids(), internal=True)
+            self._abort_all_as_the_engine()
         await self.engine_core.call_utility_async("sleep", level, mode)
 
     async def release_kv_cache_memory(self) -> None:

@@ -189,10 +189,12 @@ class LLMEngine:
         once the engine has finished the requests in flight (their outputs for step() to return) and slept."""
         check_sleep_args(level, mode)
         if mode == "abort":
-            processed = self.output_processor.abort_all()
-            self.engine_core.abort_requests(processed.reqs_to_abort)
+            outputs = self.output_processor.abort_outputs()  # counted by the stat loggers, as vLLM's
+            processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
+            aborted = [output.request_id for output in outputs.outputs]
+            self.engine_core.abort_requests(aborted)
             self._aborted_outputs += processed.request_outputs
-            self._num_aborted += len(processed.reqs_to_abort)
+            self._num_aborted += len(aborted)
         self.engine_core.sleep(level, mode)
         self.asleep = True
 

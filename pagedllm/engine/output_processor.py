@@ -360,5 +360,14 @@ class OutputProcessor:
             result.request_outputs.append(request_output)
 
     def abort_all(self) -> OutputProcessorOutput:
-        """Ends every request here with finish_reason "abort" (sleep, pause, shutdown), as abort_requests does."""
+        """Ends every request here with finish_reason "abort" (shutdown), as abort_requests does."""
         return self.abort_requests(list(self.request_states), internal=True)
+
+    def abort_outputs(self) -> EngineCoreOutputs:
+        """An "abort" output for each engine request here, as vLLM's engine core sends one for each request that
+        sleep() or pause_generation() (mode "abort") ends: processed as any batch (process_engine_outputs), they end
+        the requests' outputs and the stat loggers count them finished, finished_reason "abort", as vLLM's (where a
+        caller's abort() is counted nowhere). The engine core still has to be told to abort them."""
+        return EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [], finish_reason=FinishReason.ABORT,
+                                                           num_cached_tokens=state.num_cached_tokens)
+                                          for request_id, state in self.request_states.items()])

@@ -501,12 +501,20 @@ def test_prestarted_engines_nobody_takes_are_killed_or_leave_at_the_end_of_their
 def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
     """vLLM's AsyncLLM.sleep / wake_up / is_sleeping: with mode "keep" a request in flight waits while the engine
     sleeps (its KV cache dropped at level 1) and finishes whole after wake_up, recomputed; with "abort" (the
-    default) its stream ends with an "abort" output. A request added while asleep waits for wake_up. So do
-    pause_generation / resume_generation / is_paused."""
+    default) its stream ends with an "abort" output, which the stat loggers count as finished (as vLLM's engine
+    sends it). A request added while asleep waits for wake_up. So do pause_generation / resume_generation /
+    is_paused."""
     import asyncio
+
+    from prometheus_client import REGISTRY
 
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.metrics.reader import get_metrics_snapshot
+
+    def num_aborted() -> float:
+        return sum(m.value for m in get_metrics_snapshot(REGISTRY)
+                   if m.name == "pagedllm:request_success" and m.labels.get("finished_reason") == "abort")
 
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
@@ -536,7 +544,7 @@ def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
             aborted = asyncio.create_task(last_output(engine, "aborted", started))
             await started.wait()
             await engine.sleep()
-            assert (await aborted).outputs[0].finish_reason == "abort"
+            assert (await aborted).outputs[0].finish_reason == "abort" and num_aborted() == 1
             assert await engine.wake_up()
 
             started = asyncio.Event()  # vLLM's pause_generation: sleep at level 0, its cache kept if asked

@@ -732,7 +732,8 @@ def test_get_metrics_counts_each_request_once_through_preemptions(llm, monkeypat
     """vLLM's LLM.get_metrics(): the server's metrics as objects, with stat logging on (off by default offline, as
     vLLM's, where asking for them is an error). A cache too small for all four
     requests preempts some; each still counts its prompt, tokens and success once, and its preemptions. The stats
-    line is logged too, as vLLM's LLM logs it."""
+    line is logged too, as vLLM's LLM logs it. Requests sleep() aborts count as finished with "abort", as the abort
+    outputs vLLM's engine sends for them do."""
     from pagedllm import LLM
     from pagedllm.metrics.reader import Counter, Gauge, Histogram
     from tests.e2e.conftest import in_process_llm
@@ -753,8 +754,15 @@ def test_get_metrics_counts_each_request_once_through_preemptions(llm, monkeypat
         assert [out.metrics.num_generation_tokens for out in outputs] == [20] * 4
         assert sum(out.metrics.num_preemptions for out in outputs) == num_preemptions
         metrics = {(m.name, m.labels.get("finished_reason")): m for m in logged.get_metrics()}
+        logged.enqueue(prompts[:2], SamplingParams(max_tokens=20))
+        logged.sleep(level=0)
+        assert logged.wake_up() is True
+        assert [o.outputs[0].finish_reason for o in logged.wait_for_completion(use_tqdm=False)] == ["abort"] * 2
+        aborted = [m.value for m in logged.get_metrics()
+                   if m.name == "pagedllm:request_success" and m.labels["finished_reason"] == "abort"]
     finally:
         logged.shutdown()
+    assert aborted == [2] and metrics["pagedllm:request_success", "abort"].value == 0
     success = metrics["pagedllm:request_success", "length"]
     assert isinstance(success, Counter) and success.value == 4
     assert success.labels == {"model_name": "smollm2-135m-instruct", "engine": "0", "finished_reason": "length"}
