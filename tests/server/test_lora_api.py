@@ -221,6 +221,48 @@ def test_load_inplace_replaces_a_served_adapter_under_its_id(tmp_path):
     assert response.status_code == 400 and "conflicts with a served base model" in response.json()["error"]["message"]
 
 
+def test_refused_loads_and_unloads_answer_as_vllms(tmp_path):
+    """vLLM's: a load without a name or a path, naming a served model, or naming a served adapter without load_inplace
+    is a 400 of type "InvalidUserInput" and no param; so is an unload without a name, and one of a name not served
+    is a 404 NotFoundError. Nothing is loaded."""
+    from types import SimpleNamespace
+
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from pagedllm.entrypoints.openai.api_server import lora_router
+    from pagedllm.entrypoints.openai.errors import register_exception_handlers
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
+
+    loaded = []
+    app = FastAPI()
+    app.include_router(lora_router)
+    register_exception_handlers(app)
+    app.state.openai_serving_models = OpenAIServingModels(["base"], "/models/base", 64, _engine_client(
+        SimpleNamespace(lora_config=object(), validate_lora_request=lambda lora: None), loaded))
+    http = TestClient(app)
+    path = _adapter_dirs(tmp_path, "sql")["sql"]
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": path}).status_code == 200
+    invalid = [({"lora_name": "", "lora_path": path}, "Both 'lora_name' and 'lora_path' must be provided."),
+               ({"lora_name": "chat", "lora_path": ""}, "Both 'lora_name' and 'lora_path' must be provided."),
+               ({"lora_name": "base", "lora_path": path},
+                "The lora adapter 'base' conflicts with a served base model."),
+               ({"lora_name": "sql", "lora_path": path}, "The lora adapter 'sql' has already been loaded. If you want "
+                                                         "to load the adapter in place, set 'load_inplace' to True.")]
+    for body, message in invalid:
+        response = http.post("/v1/load_lora_adapter", json=body)
+        assert (response.status_code, response.json()["error"]) == (
+            400, {"message": message, "type": "InvalidUserInput", "param": None, "code": 400})
+    response = http.post("/v1/unload_lora_adapter", json={"lora_name": ""})
+    assert (response.status_code, response.json()["error"]) == (400, {
+        "message": "'lora_name' needs to be provided to unload a LoRA adapter.", "type": "InvalidUserInput",
+        "param": None, "code": 400})
+    response = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert (response.status_code, response.json()["error"]) == (404, {
+        "message": "The lora adapter 'chat' cannot be found.", "type": "NotFoundError", "param": None, "code": 404})
+    assert [lora.lora_name for lora in loaded] == ["sql"]
+
+
 def test_an_adapter_loads_off_the_event_loop(tmp_path):
     """/v1/load_lora_adapter reads and checks the adapter's files (validate_lora_request) on a thread: other requests
     are answered meanwhile (in the loop, a large adapter stalled every stream until it was read)."""

@@ -34,6 +34,7 @@ def error_type(status_code: int) -> str:
 
 class OpenAIError(Exception):
     status_code = 500
+    err_type: Optional[str] = None  # the body's "type"; None: the openai client's name for the status (error_type)
 
     def __init__(self, message: str, param: Optional[str] = None) -> None:
         super().__init__(message)
@@ -41,11 +42,17 @@ class OpenAIError(Exception):
         self.param = param
 
     def to_response(self) -> ErrorResponse:
-        return create_error_response(self.message, self.status_code, self.param)
+        return create_error_response(self.message, self.status_code, self.param, self.err_type)
 
 
 class BadRequestError(OpenAIError):
     status_code = 400
+
+
+class InvalidUserInputError(BadRequestError):
+    """vLLM's 400 for a LoRA load or unload request it refuses before loading anything (a name missing, taken, or
+    a served model's): the body's type is "InvalidUserInput", as vLLM's."""
+    err_type = "InvalidUserInput"
 
 
 class NotFoundError(OpenAIError):
@@ -56,8 +63,9 @@ class ServiceUnavailableError(OpenAIError):
     status_code = 503
 
 
-def create_error_response(message: str, status_code: int, param: Optional[str] = None) -> ErrorResponse:
-    return ErrorResponse(error=ErrorInfo(message=message, type=error_type(status_code), param=param,
+def create_error_response(message: str, status_code: int, param: Optional[str] = None,
+                          err_type: Optional[str] = None) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type or error_type(status_code), param=param,
                                          code=status_code))
 
 

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import msgspec
 
-from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError
+from pagedllm.entrypoints.openai.errors import BadRequestError, InvalidUserInputError, NotFoundError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelList, ModelPermission
 from pagedllm.lora.peft_helper import LoRAAdapterNotFoundError
 from pagedllm.lora.request import LoRARequest
@@ -53,8 +53,9 @@ class OpenAIServingModels:
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str] = None,
                           load_inplace: bool = False) -> LoRARequest:
-        """Serve an adapter under ``lora_name``; 400 when the name is a served model's, or an adapter's unless
-        ``load_inplace`` (vLLM's: the new adapter replaces that one), or the adapter does not fit the model; 404
+        """Serve an adapter under ``lora_name``; 400 when the name or the path is empty, the name a served model's,
+        or an adapter's unless ``load_inplace`` (vLLM's: the new adapter replaces that one), each of type
+        "InvalidUserInput" as vLLM's, or when the adapter does not fit the model; 404
         when the path holds no adapter (no adapter_config.json: vLLM's LoRAAdapterNotFoundError). Nothing changes
         on an error. A reloaded adapter keeps its id, as vLLM's: the engine reloads that id's weights, which the
         requests already running with it take at their next step; the prefix cache keys blocks by name and path
@@ -92,11 +93,13 @@ class OpenAIServingModels:
 
     def _check_lora_adapter(self, lora_name: str, lora_path: str, base_model_name: Optional[str],
                             load_inplace: bool) -> LoRARequest:
+        if not lora_name or not lora_path:
+            raise InvalidUserInputError("Both 'lora_name' and 'lora_path' must be provided.")
         if lora_name in self.served_model_names:
-            raise BadRequestError(f"The lora adapter '{lora_name}' conflicts with a served base model.", "lora_name")
+            raise InvalidUserInputError(f"The lora adapter '{lora_name}' conflicts with a served base model.")
         if lora_name in self.lora_requests and not load_inplace:
-            raise BadRequestError(f"The lora adapter '{lora_name}' has already been loaded. If you want to load the "
-                                  "adapter in place, set 'load_inplace' to True.", "lora_name")
+            raise InvalidUserInputError(f"The lora adapter '{lora_name}' has already been loaded. If you want to load "
+                                        "the adapter in place, set 'load_inplace' to True.")
         if self.processor is None or self.processor.lora_config is None:
             raise BadRequestError("LoRA is not enabled on this server (start it with --enable-lora).", "lora_name")
         previous = self.lora_requests.get(lora_name)
@@ -127,10 +130,12 @@ class OpenAIServingModels:
 
     async def unload_lora_adapter(self, lora_name: str) -> None:
         """The adapter is no longer served, and the engine drops its weights (requests running with it read them
-        again at their next step)."""
+        again at their next step). Errors as vLLM's: no name is a 400, an unknown one a 404."""
+        if not lora_name:
+            raise InvalidUserInputError("'lora_name' needs to be provided to unload a LoRA adapter.")
         lora = self.lora_requests.pop(lora_name, None)
         if lora is None:
-            raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.", "lora_name")
+            raise NotFoundError(f"The lora adapter '{lora_name}' cannot be found.")
         await self.engine_client.remove_lora(lora.lora_int_id)
 
     def show_available_models(self) -> ModelList:
