@@ -87,7 +87,8 @@ class AsyncLLM:
         return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)
 
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """vLLM's: the tokenizer (Processor.get_tokenizer); ``tokenizer`` is None with skip_tokenizer_init."""
+        return self.processor.get_tokenizer()
 
     def get_num_unfinished_requests(self) -> int:
         """vLLM's: the requests generate() is still running (an n > 1 request's sequences each)."""

@@ -77,7 +77,8 @@ class LLMEngine:
         return cls(vllm_config, tokenizer, engine_core, interval)
 
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """vLLM's: the tokenizer (Processor.get_tokenizer); ``tokenizer`` is None with skip_tokenizer_init."""
+        return self.processor.get_tokenizer()
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,

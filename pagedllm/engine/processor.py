@@ -72,6 +72,13 @@ class Processor:
         # request naming an earlier one (made before the reload) runs with them, as vLLM's engine keys weights by id.
         self._checked_loras: dict[int, tuple[str, list[str]]] = {}
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's (InputProcessor.get_tokenizer): the tokenizer; with skip_tokenizer_init, which loads none, vLLM's
+        ValueError rather than None, which would fail later where it is used, naming nothing."""
+        if self.tokenizer is None:
+            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
+        return self.tokenizer
+
     def validate_lora_request(self, lora_request: Optional[LoRARequest]) -> None:
         """An adapter is checked against the base model (its files, settings and shapes) the first time its id
         comes, here in the frontend, so that the engine only ever loads adapters that fit: a bad one is this

@@ -68,9 +68,7 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         """vLLM's: the model's tokenizer; with skip_tokenizer_init, which loads none, a ValueError (vLLM's)."""
-        if self.tokenizer is None:
-            raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
-        return self.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     def get_world_size(self, include_dp: bool = True) -> int:
         """vLLM's: the engine's ranks, tensor x pipeline parallel, times data_parallel_size with ``include_dp``."""

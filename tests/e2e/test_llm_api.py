@@ -2,6 +2,7 @@
 the package's shared float32 engine (conftest.py), in its own process as users run it."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -11,6 +12,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.beam_search import BeamSearchParams
+from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.outputs import RequestOutput
@@ -665,33 +667,31 @@ def test_a_request_id_or_arrival_time_the_engine_cannot_read_is_refused_and_the_
     assert len(llm.generate("Hi", SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].token_ids) == 1
 
 
+class SilentEngineCore:
+    """An AsyncLLM's engine core that takes requests and never answers: they run until aborted."""
+    dead = False
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def add_request(self, request) -> None:
+        pass
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+    async def get_output_async(self):
+        await asyncio.Event().wait()
+
+    def shutdown(self) -> None:
+        pass
+
+
 def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
     """As vLLM's AsyncLLM.abort: it takes one request id or several, and the generate() of each ends with a last
     output whose finish_reason is "abort" (rather than an exception); the engine core aborts each sequence."""
-    import asyncio
-
-    from pagedllm.engine.async_llm import AsyncLLM
-
-    class EngineCore:  # takes requests and never answers: they run until aborted
-        dead = False
-
-        def __init__(self) -> None:
-            self.aborted: list[str] = []
-
-        def add_request(self, request) -> None:
-            pass
-
-        def abort_requests(self, request_ids: list[str]) -> None:
-            self.aborted += request_ids
-
-        async def get_output_async(self):
-            await asyncio.Event().wait()
-
-        def shutdown(self) -> None:
-            pass
-
     async def run() -> tuple[list[str], list[list]]:
-        core = EngineCore()
+        core = SilentEngineCore()
         engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), core)
 
         async def outputs(request_id: str, n: int) -> list:
@@ -891,7 +891,16 @@ def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
 
 def test_skip_tokenizer_init_generates_from_token_ids_without_text(llm):
     """vLLM's LLM(skip_tokenizer_init=True): no tokenizer; token-id prompts generate the tokens they do with one, and
-    outputs have no text. A text prompt, chat, beam search, structured outputs and get_tokenizer() are ValueErrors."""
+    outputs have no text. A text prompt, chat, beam search, structured outputs and get_tokenizer() (LLM's, LLMEngine's,
+    AsyncLLM's) are ValueErrors."""
+
+    async def async_llm_tokenizer(config):
+        engine = AsyncLLM(config, None, SilentEngineCore())
+        try:
+            return engine.get_tokenizer()
+        finally:
+            engine.shutdown()
+
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
     prompt = llm.get_tokenizer().encode("The capital of France is")
     expected = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
@@ -901,6 +910,9 @@ def test_skip_tokenizer_init_generates_from_token_ids_without_text(llm):
         assert output.prompt is None and output.prompt_token_ids == prompt
         for call, message in ((lambda: bare.generate("Hi", use_tqdm=False), "text prompts need a tokenizer"),
                               (lambda: bare.get_tokenizer(), "skip_tokenizer_init=True"),
+                              (lambda: bare.llm_engine.get_tokenizer(), "skip_tokenizer_init=True"),
+                              (lambda: asyncio.run(async_llm_tokenizer(bare.llm_engine.config)),
+                               r"^Tokenizer not available when `skip_tokenizer_init=True`$"),
                               (lambda: bare.chat([{"role": "user", "content": "Hi"}], use_tqdm=False),
                                "skip_tokenizer_init=True"),
                               (lambda: bare.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=2)),
