@@ -96,8 +96,10 @@ class LLM:
         ``functools.partial(tqdm, leave=False)``), called with its total, desc and dynamic_ncols. Requests
         enqueue() left waiting run too; their outputs wait for wait_for_completion(). vLLM's
         ``tokenization_kwargs`` go to the tokenizer for text prompts (e.g. truncation with max_length);
-        ``mm_processor_kwargs`` (a multi-modal processor's) have nothing to act on with a text-only model."""
-        self._check_awake()
+        ``mm_processor_kwargs`` (a multi-modal processor's) have nothing to act on with a text-only model. While the
+        engine sleeps, no prompts (and no request left in it) is vLLM's ``[]``; prompts are a RuntimeError."""
+        prompts = _prompt_to_seq(prompts)
+        self._check_awake(unless_engine_idle=not prompts)
         return self._run_engine(self._add_requests(prompts, sampling_params, priority, lora_request,
                                                    tokenization_kwargs=tokenization_kwargs,
                                                    mm_processor_kwargs=mm_processor_kwargs), use_tqdm)

@@ -807,7 +807,8 @@ def test_a_collective_rpc_that_raises_names_it_and_the_engine_serves_on(llm):
 def test_sleep_drops_the_kv_cache_and_wake_up_makes_it_anew(llm):
     """vLLM's LLM.sleep / wake_up: level 1 gives the KV cache back (the weights stay, in host memory), wake_up makes
     it anew and the engine generates as before; level 0 only stops scheduling. While asleep generate() raises rather
-    than wait for ever; bad arguments are ValueErrors naming them, before anything happens."""
+    than wait for ever (with no prompts, it returns [], as vLLM's); bad arguments are ValueErrors naming them, before
+    anything happens."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     before = llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids
     kv_caches = lambda worker: len(worker.model_runner.kv_caches)  # noqa: E731
@@ -816,6 +817,8 @@ def test_sleep_drops_the_kv_cache_and_wake_up_makes_it_anew(llm):
     assert llm.llm_engine.is_sleeping() and llm.collective_rpc(kv_caches) == [0]
     with pytest.raises(RuntimeError, match=r"asleep \(sleep\(\)\); call wake_up\(\)"):
         llm.generate("Hi", params, use_tqdm=False)
+    # with nothing to run, vLLM's loop ends at once, asleep or not: [] back
+    assert llm.generate([], params) == llm.chat([], params) == llm.wait_for_completion() == []
     assert llm.wake_up(["weights"]) is False and llm.llm_engine.is_sleeping()  # the KV cache still asleep
     assert llm.wake_up() is True and not llm.llm_engine.is_sleeping() and llm.collective_rpc(kv_caches)[0] > 0
     assert llm.generate("The capital of France is", params, use_tqdm=False)[0].outputs[0].token_ids == before
