@@ -196,16 +196,29 @@ class EngineArgs:
     runner: InitVar[str] = "auto"
     mm_processor_kwargs: InitVar[Optional[dict]] = None
     logits_processors: InitVar[Optional[list]] = None
+    # vLLM's LLM arguments for what pagedllm has not: taken at the values that ask for none of it, else refused by
+    # name (UNSUPPORTED_AT_DEFAULT).
+    convert: InitVar[str] = "auto"
+    allowed_local_media_path: InitVar[str] = ""
+    allowed_media_domains: InitVar[Optional[list[str]]] = None
+    offload_group_size: InitVar[int] = 0
+    offload_num_in_group: InitVar[int] = 1
+    offload_prefetch_step: InitVar[int] = 1
+    offload_params: InitVar[Optional[set[str]]] = None
+    pooler_config: InitVar[Optional[Any]] = None
+    quantization_config: InitVar[Optional[dict]] = None
+    enable_return_routed_experts: InitVar[bool] = False
+    return_sampling_mask: InitVar[bool] = False
+    # vLLM's: True or False, honoured either way: tensor parallelism here all-reduces with torch.distributed's own,
+    # never vLLM's custom CUDA kernel.
+    disable_custom_all_reduce: InitVar[bool] = False
+    # vLLM's attention_config: a dict, whose "backend" is attention_backend's (one or the other, as vLLM's); its other
+    # keys tune vLLM's GPU kernels, none of this engine's, and are refused (attention_backend_chosen).
+    attention_config: InitVar[Optional[dict]] = None
 
-    def __post_init__(self, skip_tokenizer_init: bool, tokenizer_revision: Optional[str],
-                      hf_token: Optional[Union[bool, str]], runner: str, mm_processor_kwargs: Optional[dict],
-                      logits_processors: Optional[list]) -> None:
-        self.skip_tokenizer_init = skip_tokenizer_init
-        self.tokenizer_revision = tokenizer_revision
-        self.hf_token = hf_token
-        self.runner = runner
-        self.mm_processor_kwargs = mm_processor_kwargs
-        self.logits_processors = logits_processors
+    def __post_init__(self, *init_vars: Any) -> None:
+        """Each InitVar kept as an attribute of its name (what from_engine_args' vars() hands on)."""
+        vars(self).update(zip(_INIT_VARS, init_vars))
 
     def log_stats(self) -> bool:
         """Whether the engine keeps statistics (vLLM's log_stats: not disable_log_stats, checked)."""
@@ -223,7 +236,7 @@ class EngineArgs:
     def refuse_unsupported(self) -> None:
         """A ValueError naming the vLLM field set to what pagedllm cannot do, rather than a setting taken and not
         honoured: a revision or download_dir (models are local files, never downloaded), offloading weights, async
-        scheduling, a runner other than generation, custom logits processors."""
+        scheduling, a runner other than generation, custom logits processors, UNSUPPORTED_AT_DEFAULT's."""
         for name in ("revision", "tokenizer_revision", "download_dir"):
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}={getattr(self, name)!r}: pagedllm never downloads a model from the Hugging "
@@ -246,6 +259,30 @@ class EngineArgs:
         if self.logits_processors:
             raise ValueError(f"logits_processors={self.logits_processors!r}: custom logits processors are not "
                              "supported; leave it unset")
+        for name, (accepted, what) in UNSUPPORTED_AT_DEFAULT.items():
+            value = getattr(self, name)
+            # True == 1: a bool is accepted only where the default is one
+            if value not in accepted or (type(value) is bool) != (type(accepted[0]) is bool):
+                raise ValueError(f"{name}={value!r}: pagedllm does not support {what}; leave it {accepted[0]!r}")
+        check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
+
+    def attention_backend_chosen(self) -> Optional[str]:
+        """attention_backend, or vLLM's attention_config "backend" (None: the platform's default). Both at once is
+        vLLM's ValueError; attention_config's other keys, vLLM's GPU kernels' settings, are refused by name."""
+        config = self.attention_config
+        if config is None:
+            return self.attention_backend
+        if not isinstance(config, dict):
+            raise ValueError(f"attention_config must be a dict (JSON object), got {config!r}")
+        for key in config:
+            if key != "backend":
+                raise ValueError(f"attention_config {key!r} is not supported: only 'backend' (vLLM's other keys tune "
+                                 "its GPU kernels)")
+        if config.get("backend") is None:
+            return self.attention_backend
+        if self.attention_backend is not None:
+            raise ValueError("attention_backend and attention_config.backend are mutually exclusive")
+        return config["backend"]
 
     def create_engine_config(self) -> EngineConfig:
         self._check_on_off_fields()
@@ -253,7 +290,7 @@ class EngineArgs:
         self.refuse_unsupported()
         # Checks that need no model first: a bad speculative_config fails before the model's config loads.
         platform = resolve_platform(self.device)
-        attention_backend = self.attention_backend or platform.attention_backends[0]
+        attention_backend = self.attention_backend_chosen() or platform.attention_backends[0]
         platform.check_attention_backend(attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.load_format not in LOAD_FORMATS:  # vLLM's others: dummy weights, other readers and stores
@@ -407,6 +444,21 @@ class EngineArgs:
         if names:
             raise ValueError(f"device 'cuda' does not run {', '.join(names)} yet (pagedllm's CUDA platform is new); "
                              "leave them at their defaults or use device='cpu'")
+
+
+# EngineArgs' InitVars, in the order __post_init__ is given them (their declaration's).
+_INIT_VARS = tuple(name for name, annotation in EngineArgs.__annotations__.items() if annotation.startswith("InitVar"))
+# vLLM's arguments for what pagedllm has not: the values that ask for none of it (vLLM's default first), and what.
+UNSUPPORTED_AT_DEFAULT = {
+    "convert": (("auto", "none"), "converting a model to a pooling one"),
+    "allowed_local_media_path": (("",), "media in prompts (its models take text only)"),
+    "allowed_media_domains": ((None,), "media in prompts (its models take text only)"),
+    "offload_group_size": ((0,), "offloading weights"), "offload_num_in_group": ((1,), "offloading weights"),
+    "offload_prefetch_step": ((1,), "offloading weights"), "offload_params": ((None, set()), "offloading weights"),
+    "pooler_config": ((None,), "pooling models"),
+    "quantization_config": ((None,), "online quantization schemes (quantization names a method)"),
+    "enable_return_routed_experts": ((False,), "returning routed experts"),
+    "return_sampling_mask": ((False,), "returning sampling masks")}
 
 
 @dataclass
