@@ -191,7 +191,9 @@ class LLM:
              priority: Optional[Union[int, Sequence[int]]] = None, chat_template: Optional[str] = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: Optional[list[dict[str, Any]]] = None,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             tokenization_kwargs: Optional[dict[str, Any]] = None,
+             mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them, then generates; as vLLM's, with
         its arguments in its order, ``tools`` (OpenAI's function shape) and ``chat_template_kwargs`` (e.g. Qwen3's
         ``enable_thinking``) go to the template, and each output's ``prompt`` is the rendered text. Continuing the
@@ -200,11 +202,13 @@ class LLM:
         (chat_utils.conversation): content given as OpenAI's list of parts is their text, joined by newlines, or with
         ``chat_template_content_format`` "openai" (with "auto", the default, for templates that loop over a
         message's content) the list of its text parts. The arguments given here override ``chat_template_kwargs``
-        (those given as None do not), as vLLM's merge_kwargs."""
+        (those given as None do not), as vLLM's merge_kwargs. ``tokenization_kwargs`` (vLLM's) go to the tokenizer
+        for the rendered text, over vLLM's add_special_tokens=False (the template writes its own); generate()'s
+        ``mm_processor_kwargs``."""
         prompts = self._render_chats(messages, chat_template, chat_template_content_format, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs)
+                                     continue_final_message, tools, chat_template_kwargs, tokenization_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
-                             lora_request=lora_request)
+                             lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
 
     def enqueue_chat(self, messages: Union[Conversation, list[Conversation]],
                      sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
@@ -213,17 +217,21 @@ class LLM:
                      priority: Optional[Union[int, Sequence[int]]] = None, chat_template: Optional[str] = None,
                      chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
                      continue_final_message: bool = False, tools: Optional[list[dict[str, Any]]] = None,
-                     chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
+                     chat_template_kwargs: Optional[dict[str, Any]] = None,
+                     tokenization_kwargs: Optional[dict[str, Any]] = None,
+                     mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
         """vLLM's: the conversations rendered as chat() renders them, their requests queued as enqueue() queues
-        prompts; their request ids, for wait_for_completion(). ``use_tqdm``: a progress bar while they render."""
+        prompts; their request ids, for wait_for_completion(). ``use_tqdm``: a progress bar while they render;
+        ``tokenization_kwargs`` and ``mm_processor_kwargs``: chat()'s."""
         prompts = self._render_chats(messages, chat_template, chat_template_content_format, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs, use_tqdm)
-        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm=False)
+                                     continue_final_message, tools, chat_template_kwargs, tokenization_kwargs, use_tqdm)
+        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm=False,
+                            mm_processor_kwargs=mm_processor_kwargs)
 
     def _render_chats(self, messages: Union[Conversation, list[Conversation]], chat_template: Optional[str],
                       chat_template_content_format: str, add_generation_prompt: bool, continue_final_message: bool,
                       tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
-                      use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
+                      tokenization_kwargs: Optional[dict[str, Any]], use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
         """chat()'s prompts: each conversation's rendered text and its token ids."""
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -239,10 +247,12 @@ class LLM:
         prompts = []
         for turns in _maybe_tqdm(conversations, use_tqdm, "Rendering conversations", len(conversations)):
             turns = conversation([ChatMessageParam.model_validate(m) for m in turns], content_format)
-            # Rendered once, then tokenized without special tokens (the template writes its own), as vLLM's
-            # _preprocess_chat: the ids transformers' apply_chat_template(tokenize=True) gives, with one rendering.
+            # Rendered once, then tokenized without special tokens (the template writes its own) unless
+            # tokenization_kwargs say, as vLLM's _preprocess_chat: by default the ids transformers'
+            # apply_chat_template(tokenize=True) gives, with one rendering.
             text = tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            token_ids = tokenizer.encode(text, **{"add_special_tokens": False, **(tokenization_kwargs or {})})
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return prompts
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,

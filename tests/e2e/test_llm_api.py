@@ -58,6 +58,20 @@ def test_chat_passes_chat_template_kwargs_and_tools_to_the_template(llm):
     assert positional[0].prompt == "Hi||"
 
 
+def test_chat_and_enqueue_chat_take_tokenization_and_mm_processor_kwargs(llm):
+    """vLLM's LLM.chat and enqueue_chat tokenization_kwargs: the tokenizer's for the rendered text, over
+    add_special_tokens=False (here a truncation); mm_processor_kwargs, checked as generate()'s."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params, cut = SamplingParams(temperature=0, max_tokens=1), {"truncation": True, "max_length": 5}
+    full = llm.chat(messages, params, use_tqdm=False)[0].prompt_token_ids
+    assert llm.chat(messages, params, use_tqdm=False, tokenization_kwargs=cut,
+                    mm_processor_kwargs={})[0].prompt_token_ids == full[:5]
+    llm.enqueue_chat(messages, params, use_tqdm=False, tokenization_kwargs=cut, mm_processor_kwargs={})
+    assert [o.prompt_token_ids for o in llm.wait_for_completion(use_tqdm=False)] == [full[:5]]
+    with pytest.raises(ValueError, match="mm_processor_kwargs must be a dict"):
+        llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs="x")
+
+
 def test_chat_continues_the_final_message_only_without_a_generation_prompt(llm):
     """As vLLM's LLM.chat (where transformers refuses the two together): continue_final_message with the default
     add_generation_prompt=True is a ValueError naming them, before anything runs; with it off, the last message is
