@@ -44,7 +44,7 @@ class AsyncLLM:
         ``stat_loggers``: factories (vLLM's StatLoggerFactory), each called with the resolved config (the
         Prometheus buckets follow its max_model_len), whose loggers record every step's stats. ``log_requests``:
         log each request added and aborted (vLLM's)."""
-        self.config = config
+        self.config = self.vllm_config = config  # vLLM's name too, as its model_config
         self.log_requests = log_requests
         self.model_config = config.model_config
         self.tokenizer = tokenizer

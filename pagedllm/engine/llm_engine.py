@@ -33,7 +33,8 @@ class LLMEngine:
         (vLLM's log_stats=False); else every step's stats go to the server's Prometheus metrics, in a registry of
         this engine's own (get_metrics reads them), and to the server's log line, logged after a step with outputs
         once this many seconds have passed since the last (vLLM's do_log_stats_with_interval)."""
-        self.config = config
+        self.config = self.vllm_config = config  # vLLM's name too, as its model_config
+        self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
         self.log_stats = log_stats_interval is not None

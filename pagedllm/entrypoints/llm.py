@@ -51,6 +51,7 @@ class LLM:
             self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, disable_log_stats=disable_log_stats,
                                                                     **kwargs))
         self.tokenizer = self.llm_engine.tokenizer
+        self.model_config = self.llm_engine.model_config  # vLLM's
         self._request_counter = itertools.count()
         # enqueue()'s requests, in their order, until wait_for_completion returns them: each one's output once
         # finished (None until then).

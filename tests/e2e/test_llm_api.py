@@ -740,6 +740,7 @@ def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
     async def run() -> tuple[list[str], list[list]]:
         core = SilentEngineCore()
         engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), core)
+        assert engine.vllm_config is llm.llm_engine.config and engine.model_config is engine.vllm_config.model_config
 
         async def outputs(request_id: str, n: int) -> list:
             return [out async for out in engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(n=n),
@@ -977,7 +978,10 @@ def test_skip_tokenizer_init_generates_from_token_ids_without_text(llm):
 
 def test_world_size_supported_tasks_and_mm_cache_reset_are_vllms(llm):
     """vLLM's LLM.get_world_size (ranks, with data parallelism or without), LLMEngine.get_supported_tasks of a
-    generative model, and LLM.reset_mm_cache, which has nothing to reset for a text-only model."""
+    generative model, LLM.reset_mm_cache, which has nothing to reset for a text-only model, and the configs under
+    vLLM's attribute names (LLM.model_config, LLMEngine.model_config and vllm_config)."""
+    assert llm.model_config is llm.llm_engine.model_config is llm.llm_engine.vllm_config.model_config
+    assert llm.model_config.max_model_len == llm.llm_engine.config.scheduler_config.max_model_len
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
     assert llm.llm_engine.get_supported_tasks() == ("generate",)
     assert llm.reset_mm_cache() is None
