@@ -237,17 +237,18 @@ class AsyncLLM:
                 del self._beam_search_aborts[request_id]
         yield instance.request_output(request_id, text, self.tokenizer)
 
-    async def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+    async def abort(self, request_id: Union[str, Iterable[str]], internal: bool = False) -> None:
         """vLLM's: stops one request or several, each id one generate() was given, which stops every request
         running under it (all the sequences of an n > 1 one); the generate() of each ends with a last output whose
-        finish_reason is "abort"."""
+        finish_reason is "abort". With ``internal`` (vLLM's), each id is the unique one a request runs under
+        (add_request's collector.request_id), which stops that request alone."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         if self.log_requests:
             logger.info("Aborted request(s) %s.", ",".join(request_ids))
-        for request_id in request_ids:
+        for request_id in [] if internal else request_ids:  # a beam search is known by the id it was given
             for aborted in self._beam_search_aborts.get(request_id, ()):
                 aborted.set()
-        self._abort(request_ids)
+        self._abort(request_ids, internal)
 
     def _abort(self, request_ids: list[str], internal: bool = False) -> None:
         processed = self.output_processor.abort_requests(request_ids, internal)

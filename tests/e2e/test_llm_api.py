@@ -762,6 +762,23 @@ def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
     assert {out.outputs[0].finish_reason for outs in results for out in outs} == {"abort"}
 
 
+def test_async_llm_abort_of_an_internal_id_stops_that_request(llm):
+    """vLLM's AsyncLLM.abort(request_id, internal=True): the id is the unique one the request runs under
+    (add_request's collector.request_id); its consumer gets the abort output, under the id it gave."""
+    async def run():
+        core = SilentEngineCore()
+        engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), core)
+        collector = await engine.add_request("d", {"prompt_token_ids": [1, 2]}, SamplingParams())
+        await engine.abort(collector.request_id, internal=True)
+        output = await collector.get()
+        engine.shutdown()
+        return core.aborted, collector.request_id, output
+
+    aborted, request_id, output = asyncio.run(run())
+    assert aborted == [request_id] and request_id.startswith("d-")
+    assert (output.request_id, output.finished, output.outputs[0].finish_reason) == ("d", True, "abort")
+
+
 def test_bool_token_ids_and_priority_are_their_ints_on_the_wire(llm):
     """The engine process decodes a request strictly typed, a bool being no int there, and one it cannot decode
     stops its input for good (the caller waiting on): the Processor sends a bool among the prompt's token ids, or
