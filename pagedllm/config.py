@@ -771,6 +771,20 @@ def check_profile_prefix(prefix: Optional[str]) -> None:
                          f"only letters, numbers, '.', '_', or '-', got {prefix!r}")
 
 
+def check_profile_iterations(delay_iterations: Optional[int], max_iterations: Optional[int]) -> None:
+    """start_profile()'s vLLM per-session bounds, taken at what this profiler does: None or 0 (no delay, no limit:
+    the trace runs from start_profile to stop_profile). A count of steps, which it does not keep, is a ValueError
+    naming it, as a negative one is vLLM's."""
+    for name, value in (("delay_iterations", delay_iterations), ("max_iterations", max_iterations)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be greater than or equal to 0, got {value!r}")
+        if value:
+            raise ValueError(f"{name}={value}: the profiler traces from start_profile to stop_profile only; leave "
+                             f"{name} unset (or 0)")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig

@@ -16,7 +16,7 @@ import msgspec
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams, BeamSearchSequence
 from pagedllm.core.sched.engine_view import EngineView
-from pagedllm.config import EngineConfig, check_profile_prefix
+from pagedllm.config import EngineConfig, check_profile_iterations, check_profile_prefix
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import check_pause_args, check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
@@ -373,9 +373,11 @@ class AsyncLLM:
     async def is_sleeping(self) -> bool:
         return await self.engine_core.call_utility_async("is_sleeping")
 
-    async def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+    async def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                            max_iterations: Optional[int] = None) -> None:
         """vLLM's (LLM.start_profile); the workers are traced, not this process."""
         check_profile_prefix(profile_prefix)
+        check_profile_iterations(delay_iterations, max_iterations)
         await self.engine_core.call_utility_async("profile", True, profile_prefix)
 
     async def stop_profile(self) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from prometheus_client import CollectorRegistry
 
-from pagedllm.config import EngineConfig, check_profile_prefix
+from pagedllm.config import EngineConfig, check_profile_iterations, check_profile_prefix
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_sync_client, multiprocessing_enabled, start_client_and_tokenizer
@@ -213,9 +213,11 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         return self.engine_core.is_sleeping()
 
-    def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+    def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None) -> None:
         """vLLM's (LLM.start_profile)."""
         check_profile_prefix(profile_prefix)
+        check_profile_iterations(delay_iterations, max_iterations)
         self.engine_core.profile(True, profile_prefix)
 
     def stop_profile(self) -> None:

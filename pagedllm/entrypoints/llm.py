@@ -361,11 +361,14 @@ class LLM:
         "scheduling". Returns whether it is fully awake, as it must be to generate."""
         return self.llm_engine.wake_up(tags)
 
-    def start_profile(self, profile_prefix: Optional[str] = None) -> None:
+    def start_profile(self, profile_prefix: Optional[str] = None, *, delay_iterations: Optional[int] = None,
+                      max_iterations: Optional[int] = None) -> None:
         """vLLM's: every worker starts tracing with torch's profiler, as the engine's ``profiler_config`` says
         (``LLM(profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})``; without, a RuntimeError);
-        stop_profile() writes one trace per rank to that directory, its name beginning with ``profile_prefix``."""
-        self.llm_engine.start_profile(profile_prefix)
+        stop_profile() writes one trace per rank to that directory, its name beginning with ``profile_prefix``.
+        vLLM's ``delay_iterations`` and ``max_iterations``: None or 0 only (config.check_profile_iterations)."""
+        self.llm_engine.start_profile(profile_prefix, delay_iterations=delay_iterations,
+                                      max_iterations=max_iterations)
 
     def stop_profile(self) -> None:
         self.llm_engine.stop_profile()

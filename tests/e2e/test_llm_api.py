@@ -942,13 +942,18 @@ def test_start_and_stop_profile_write_each_workers_torch_trace(llm, tmp_path):
         llm.start_profile()
     with pytest.raises(ValueError, match="profile_prefix must be 1-128 ASCII characters"):
         llm.start_profile("../escape")
+    for kwargs, message in (({"delay_iterations": -1}, "delay_iterations must be greater than or equal to 0"),
+                            ({"max_iterations": 5}, "max_iterations=5: the profiler traces from start_profile to "
+                                                    "stop_profile only")):
+        with pytest.raises(ValueError, match=message):
+            llm.start_profile(**kwargs)
     with pytest.raises(ValueError, match="torch_profiler_dir must be set"):
         ProfilerConfig.from_dict({"profiler": "torch"})
     with pytest.raises(ValueError, match="profiler_config profiler must be 'torch'"):
         ProfilerConfig.from_dict({"profiler": "cuda", "torch_profiler_dir": str(tmp_path)})
     with running_llm(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
                      profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)}) as profiled:
-        profiled.start_profile("run1")
+        profiled.start_profile("run1", delay_iterations=0, max_iterations=None)
         with pytest.raises(RuntimeError, match="A profiling session is already active"):
             profiled.start_profile()
         profiled.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
