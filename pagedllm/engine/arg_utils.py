@@ -209,6 +209,10 @@ class EngineArgs:
     quantization_config: InitVar[Optional[dict]] = None
     enable_return_routed_experts: InitVar[bool] = False
     return_sampling_mask: InitVar[bool] = False
+    enable_prompt_embeds: InitVar[bool] = False
+    worker_extension_cls: InitVar[str] = ""
+    # vLLM's: without it, its sleep() is refused; here sleep() is always there, so either value is honoured.
+    enable_sleep_mode: InitVar[bool] = False
     # vLLM's: True or False, honoured either way: tensor parallelism here all-reduces with torch.distributed's own,
     # never vLLM's custom CUDA kernel.
     disable_custom_all_reduce: InitVar[bool] = False
@@ -265,6 +269,7 @@ class EngineArgs:
             if value not in accepted or (type(value) is bool) != (type(accepted[0]) is bool):
                 raise ValueError(f"{name}={value!r}: pagedllm does not support {what}; leave it {accepted[0]!r}")
         check_bool("disable_custom_all_reduce", self.disable_custom_all_reduce)
+        check_bool("enable_sleep_mode", self.enable_sleep_mode)
 
     def attention_backend_chosen(self) -> Optional[str]:
         """attention_backend, or vLLM's attention_config "backend" (None: the platform's default). Both at once is
@@ -458,7 +463,9 @@ UNSUPPORTED_AT_DEFAULT = {
     "pooler_config": ((None,), "pooling models"),
     "quantization_config": ((None,), "online quantization schemes (quantization names a method)"),
     "enable_return_routed_experts": ((False,), "returning routed experts"),
-    "return_sampling_mask": ((False,), "returning sampling masks")}
+    "return_sampling_mask": ((False,), "returning sampling masks"),
+    "enable_prompt_embeds": ((False,), "prompt embeddings (prompts are text or token ids)"),
+    "worker_extension_cls": (("",), "worker extensions (collective_rpc takes a function instead)")}
 
 
 @dataclass
