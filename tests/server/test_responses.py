@@ -304,6 +304,19 @@ def test_text_format_constrains_the_output(client):
     assert response.text.format.type == "json_schema" and response.text.format.schema_ == schema  # echoed as given
 
 
+def test_structured_outputs_constrain_the_output(client):
+    """vLLM's structured_outputs extra constrains the text as chat's does; given beside text.format it is vLLM's 400
+    naming it, rather than either one silently applied."""
+    choices = ["Lyon", "Nice"]
+    response = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=10, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": choices}})
+    assert response.output_text in choices
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=QUESTION, text={"format": {"type": "text"}},
+                                extra_body={"structured_outputs": {"choice": choices}})
+    assert info.value.body["param"] == "structured_outputs"
+
+
 def test_truncation_auto_keeps_the_prompts_last_tokens(client):
     """vLLM's truncation "auto" (truncate_prompt_tokens -1): an input past the context is cut to its last
     max_model_len - 1 tokens, leaving room for one of output; "disabled" (the default) refuses it."""

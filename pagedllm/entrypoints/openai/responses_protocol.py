@@ -169,7 +169,7 @@ class Reasoning(OpenAIBaseModel):
 # The ResponsesRequest fields a chat request has too, under the same names.
 _SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "logit_bias", "skip_special_tokens",
-                    "include_stop_str_in_output", "priority", "cache_salt")
+                    "include_stop_str_in_output", "priority", "cache_salt", "structured_outputs")
 
 
 # OpenAI's (and vLLM's) include values: more of the output to return. Of them only the output text's logprobs are
@@ -222,6 +222,9 @@ class ResponsesRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
     cache_salt: CacheSalt = None
+    # vLLM's output constraint, as chat's ({"json" | "regex" | "choice" | "grammar" | ...}): in place of text.format,
+    # never beside it (create_responses refuses both).
+    structured_outputs: Optional[dict[str, Any]] = None
     # vLLM's: the response's id (a random "resp_..." when None), under which it is stored, read back and cancelled.
     request_id: Optional[str] = None
     # vLLM's: false leaves a --reasoning-parser's reasoning item out of the output (generated all the same).
