@@ -338,6 +338,8 @@ def test_truncation_auto_keeps_the_prompts_last_tokens(client):
     ({"input": [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "web_search_call"}]}, "input[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
+    # OpenAI's stored prompt templates, which vLLM refuses rather than answer without them.
+    ({"prompt": {"id": "pmpt_123", "variables": {"city": "Paris"}}}, "prompt"),
 ])
 def test_bad_field_is_a_400_naming_it(client, extra, param):
     with pytest.raises(openai.BadRequestError) as info:

@@ -193,6 +193,9 @@ class ResponsesRequest(OpenAIBaseModel):
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
     stream: Optional[bool] = False
+    # OpenAI's reusable prompt template ({"id", "version", "variables"}): refused (create_responses), as vLLM refuses
+    # it, rather than answered without it.
+    prompt: Any = None
     # A stored response (see serving_responses.ResponseStore) whose conversation this request continues.
     previous_response_id: Optional[str] = None
     # Keep the finished response for GET /v1/responses/{id} and previous_response_id (OpenAI's default: true).

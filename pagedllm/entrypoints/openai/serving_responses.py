@@ -232,6 +232,8 @@ class OpenAIServingResponses:
         if request.background and request.store is False:
             raise BadRequestError("background responses need store: a background response is read back by its "
                                   "id.", "background")
+        if request.prompt is not None:
+            raise BadRequestError("prompt template is not supported", "prompt")
         if request.structured_outputs is not None and request.text is not None and request.text.format is not None:
             raise BadRequestError("Cannot specify both structured_outputs and text.format", "structured_outputs")
         history: list[dict] = []
