@@ -194,6 +194,14 @@ def test_null_max_tokens_is_sixteen(client):
     assert full.usage.completion_tokens == 16
 
 
+def test_null_echo_is_no_echo(server):
+    """"echo": null (sent by clients that write every field) is no echo, as vLLM's completions read it, not a 400."""
+    with server.http() as http:
+        response = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "echo": None})
+    assert response.status_code == 200, response.text
+    assert not response.json()["choices"][0]["text"].startswith(PROMPT)
+
+
 def test_tokenize_detokenize(server, tokenizer):
     with server.http() as http:
         tokens = http.post("/tokenize", json={"prompt": PROMPT}).json()

@@ -381,11 +381,12 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="before")
     @classmethod
-    def null_max_tokens_is_the_default(cls, data: Any) -> Any:
+    def nulls_are_the_defaults(cls, data: Any) -> Any:
         """"max_tokens": null means OpenAI's default of 16 for completions, as vLLM reads it (chat's null fills
-        the context)."""
-        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
-            data = {**data, "max_tokens": cls.model_fields["max_tokens"].default}
+        the context); "echo": null is no echo, as vLLM's (bool | None) reads it."""
+        if isinstance(data, dict):
+            data = {**data, **{name: cls.model_fields[name].default for name in ("max_tokens", "echo")
+                               if name in data and data[name] is None}}
         return data
 
     @property
