@@ -44,14 +44,23 @@ def test_streamed_deltas_join_to_the_whole_texts_arguments(size):
     assert argument_deltas > len(CALLS)  # several deltas per call, as the arguments arrive
 
 
-def test_a_cut_call_keeps_the_arguments_it_had():
+def test_a_cut_call_keeps_the_arguments_it_had_when_streamed_and_is_no_call_read_at_once():
+    """Streamed, a call cut off (max_tokens) keeps what was streamed of it; read at once, text that is no whole
+    array of calls gives none, as vLLM's (its validate_json of the whole text fails)."""
     cut = TEXT[:TEXT.index('{"x"') + 3]  # inside the first call's parameters, inside a string
-    _, calls = JsonArrayParser().parse(cut)
-    assert [c.function.name for c in calls] == ["get_weather"]
-    assert calls[0].function.arguments == cut[cut.index('{"city"'):]
-    assert _streamed(list(cut))[0] == [{"name": "get_weather", "arguments": calls[0].function.arguments}]
+    assert _streamed(list(cut))[0] == [{"name": "get_weather", "arguments": cut[cut.index('{"city"'):]}]
+    assert JsonArrayParser().parse(cut) == ("", [])
     # A call whose name has not arrived (its parameters come first) is not open yet.
-    assert [c.function.name for c in JsonArrayParser().parse(TEXT[:TEXT.index('"CET"')])[1]] == ["get_weather"]
+    assert [c["name"] for c in _streamed(list(TEXT[:TEXT.index('"CET"')]))[0]] == ["get_weather"]
+
+
+def test_required_calls_read_at_once_are_in_json_dumps_form():
+    """As vLLM's: each call's arguments are json.dumps(parameters, ensure_ascii=False), not the model's text of them;
+    an array that is no list of calls (a name that is no string) gives none."""
+    content, calls = JsonArrayParser().parse('[{"name": "f", "parameters": {"city":"Caf\\u00e9" ,"n":1}}]')
+    assert (content, [(c.function.name, c.function.arguments) for c in calls]) == (
+        "", [("f", '{"city": "Café", "n": 1}')])
+    assert JsonArrayParser().parse('[{"name": 1, "parameters": {}}]') == ("", [])
 
 
 HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris"}}\n</tool_call>'

@@ -317,7 +317,8 @@ class NamedFunctionParser(ToolCallParser):
 class JsonArrayParser(ToolCallParser):
     """A JSON array of {"name", "parameters"} objects (tool_choice "required"). A call opens once its name is read,
     and its arguments, the raw text of its "parameters" value, stream as they are generated (with the grammar's ", "
-    and ": " separators that text is json.dumps's form of them). A call cut off (max_tokens) keeps what it had."""
+    and ": " separators that text is json.dumps's form of them). Streamed, a call cut off (max_tokens) keeps what it
+    had; read at once (parse), the text is all calls or none, as vLLM's."""
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -328,6 +329,23 @@ class JsonArrayParser(ToolCallParser):
                 return "", deltas
             if not self._read_call(self._scan(start, ("parameters",)), deltas):
                 return "", deltas  # the element is not complete yet
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once, as vLLM's: the calls of a JSON array of {"name": <a string>, "parameters": <an
+        object or null>} objects (its FunctionDefinition), each call's arguments json.dumps's form of them
+        (_dumped_arguments); no calls at all where the text is no such array (cut off by max_tokens, say), as vLLM's
+        reading fails as a whole."""
+        try:
+            calls = json.loads(text)
+        except (ValueError, RecursionError):
+            return "", []
+        if not isinstance(calls, list) or not all(
+                isinstance(call, dict) and isinstance(call.get("name"), str)
+                and isinstance(call.get("parameters"), (dict, type(None))) for call in calls):
+            return "", []
+        self.calls = [self._make_call(call["name"], json.dumps(call.get("parameters"), ensure_ascii=False))
+                      for call in calls]
+        return "", self.calls
 
     def _next_value_start(self) -> Optional[int]:
         """Skips the opening bracket, separators and whitespace before the next element."""
