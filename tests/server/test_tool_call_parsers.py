@@ -17,7 +17,8 @@ from pagedllm.entrypoints.openai.tool_calls import detect_tool_call_parser, make
 from tests.server.test_tool_calls import _streamed
 
 WEATHER = {"city": "Paris \"}; [\\\\ ", "days": [1, {"x": 2}]}
-# (parser, answer, expected content, expected [(name, arguments as the model wrote them)])
+# (parser, answer, expected content, expected [(name, arguments as the model wrote them, llama3_json's in json.dumps
+# form)])
 ANSWERS = [
     (Llama3JsonToolParser, '<|python_tag|>{"name": "get_weather", "parameters": ' + json.dumps(WEATHER) +
      '}; {"name": "ping", "arguments": {}}', "", [("get_weather", json.dumps(WEATHER)), ("ping", "{}")]),
@@ -27,6 +28,9 @@ ANSWERS = [
     (Llama3JsonToolParser, '{"name": "ping", "parameters": {}} Done.', "", [("ping", "{}")]),
     (Llama3JsonToolParser, '{"name": "ping", "parameters": {}}; {"oops": 1} {"na', "", [("ping", "{}")]),
     (Llama3JsonToolParser, "<|python", "<|python", []),
+    # vLLM's, streamed too: arguments in json.dumps form (ensure_ascii=False), not the model's text of them
+    (Llama3JsonToolParser, '{"name":"f","parameters":{"a":"Z\\u00fcrich \\ud83d\\ude00\\/\\n" ,"n":1.50,"l":[true]}}',
+     "", [("f", '{"a": "Z\u00fcrich \U0001f600/\\n", "n": 1.5, "l": [true]}')]),
     (PythonicToolParser, '[get_weather(city="Paris ]", days=[1, 2], metric=True, unit=None), ping()]', "",
      [("get_weather", '{"city": "Paris ]", "days": [1, 2], "metric": true, "unit": null}'), ("ping", "{}")]),
     (PythonicToolParser, '<|python_start|>[ping(flag=false, n=-1)]<|python_end|>', "",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -39,12 +40,23 @@ class Llama3JsonToolParser(ToolCallParser):
     """Llama 3.x's (and 4's) JSON calls, vLLM's llama3_json / llama4_json: an answer that starts, after an optional
     <|python_tag|>, with "{" is one or more {"name": ..., "parameters": {...}} objects ("arguments" is taken too)
     separated by ";"; any other answer is content, all of it, as vLLM streams it. A call opens once its name is read
-    and its arguments (their raw text) stream as they come; from an object that is no call (no name) or other text
-    after the objects, the rest is content, but for text after calls, which is none (vLLM's stream drops it, as its
-    reading of a whole text). A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
+    and its arguments stream as they come, in json.dumps's form (vLLM's); from an object that is no call (no name)
+    or other text after the objects, the rest is content, but for text after calls, which is none (vLLM's stream
+    drops it, as its reading of a whole text). A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
 
     # "undecided" until the answer's start shows it, then "calls", "content", or "after" (past the calls, no content)
     _mode: str = "undecided"
+    _dumped: Optional["_DumpedJson"] = None  # the call being read's arguments in json.dumps's form, as they come
+
+    def _streamed_arguments(self, raw: str, complete: bool) -> str:
+        """As vLLM's stream of them: json.dumps's form of the arguments (that parse gives), not the model's text."""
+        if self._dumped is None:
+            self._dumped = _DumpedJson()
+        return self._dumped.read_on(raw, complete)
+
+    def _next_call(self) -> None:
+        super()._next_call()
+        self._dumped = None
 
     def feed(self, delta_text: str) -> tuple[str, list[DeltaToolCall]]:
         self._buffer += delta_text
@@ -111,6 +123,70 @@ class Llama3JsonToolParser(ToolCallParser):
         if self._mode == "calls":
             return ("" if self.calls or not rest[self._position:].strip() else rest[self._position:]), []
         return rest, []
+
+
+_JSON_SCALAR = re.compile(r'[^\s,:\[\]{}"]+')  # a number, true, false or null (what JSON has outside strings)
+_STRING_RUN = re.compile(r'[^"\\]*')  # a string's characters up to its next escape or its end
+# An escape arrived in full: a surrogate pair, another \uXXXX, a high surrogate shown to be alone, or \n and the like.
+_ESCAPE = re.compile(r'\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u(?![dD][89abAB])[0-9a-fA-F]{4}'
+                     r'|u[0-9a-fA-F]{4}(?=[^\\]|\\[^u]|\\u(?![dD][c-fC-F])[0-9a-fA-F]{4})|[^u])')
+
+
+@dataclass
+class _DumpedJson:
+    """JSON text as it arrives, turned into json.dumps(json.loads(text), ensure_ascii=False)'s form of it as far as
+    the text so far shows it: ", " and ": " separators, no other whitespace, strings with only the escapes json.dumps
+    writes, numbers as Python writes them (1.50 is 1.5). A string's characters come as they arrive; a number or
+    literal once what follows ends it (or the text is complete). The form only grows: what it gives of a text is the
+    start of what it gives of any longer one. Reading goes on where it stopped (linear in the text's length); it stops
+    for good at what is no JSON."""
+
+    text: str = ""
+    at: int = 0  # where reading goes on in the raw text
+    in_string: bool = False
+    broken: bool = False
+
+    def read_on(self, raw: str, complete: bool) -> str:
+        pieces, i = [self.text], self.at
+        while i < len(raw) and not self.broken:
+            c = raw[i]
+            if self.in_string:
+                run = _STRING_RUN.match(raw, i).end()
+                pieces.append(raw[i:run])
+                i = run
+                if run == len(raw):
+                    break
+                if raw[run] == '"':
+                    pieces.append('"')
+                    self.in_string, i = False, run + 1
+                elif escape := _ESCAPE.match(raw, run):
+                    try:
+                        pieces.append(json.dumps(json.loads(f'"{escape.group()}"'), ensure_ascii=False)[1:-1])
+                    except ValueError:
+                        self.broken = True
+                    i = escape.end()
+                else:  # an escape not arrived in full (a surrogate pair waits for its second half)
+                    break
+            elif c.isspace():
+                i += 1
+            elif c in '"{}[]':
+                self.in_string = c == '"'
+                pieces.append(c)
+                i += 1
+            elif c in ",:":
+                pieces.append(c + " ")
+                i += 1
+            else:
+                end = _JSON_SCALAR.match(raw, i).end()
+                if end == len(raw) and not complete:
+                    break  # the number or literal may go on
+                try:
+                    pieces.append(json.dumps(json.loads(raw[i:end])))
+                except ValueError:
+                    self.broken = True
+                i = end
+        self.text, self.at = "".join(pieces), i
+        return self.text
 
 
 @ToolParserManager.register_module(["pythonic", "llama4_pythonic"])

@@ -244,12 +244,13 @@ class ToolCallParser:
 
     def _stream_call(self, text: str, found: "_CallScan") -> Optional[DeltaToolCall]:
         """What the call being read (found in ``text``) has grown by: all of it, with its id and name, when it
-        opens (once its name is read); None when nothing. Its arguments are the raw text of its arguments value, so
-        the deltas join to what the whole text gives; a call without one, once complete, takes none ("{}")."""
+        opens (once its name is read); None when nothing. Its arguments are the text of its arguments value (in the
+        form _streamed_arguments gives), so the deltas join to what the whole text gives; a call without one, once
+        complete, takes none ("{}")."""
         if found.name is None:
             return None
         if found.arguments is not None:
-            arguments = text[found.arguments[0]:found.arguments[1]]
+            arguments = self._streamed_arguments(text[found.arguments[0]:found.arguments[1]], found.end is not None)
         else:
             arguments = "{}" if found.end is not None else ""
         new = arguments[self._emitted:]
@@ -262,6 +263,12 @@ class ToolCallParser:
                                  function=DeltaFunctionCall(name=found.name, arguments=arguments))
         self.calls[-1].function.arguments = arguments
         return DeltaToolCall(index=self._opened - 1, function=DeltaFunctionCall(arguments=new)) if new else None
+
+    def _streamed_arguments(self, raw: str, complete: bool) -> str:
+        """The text a stream gives of the call being read's arguments, whose JSON text so far is ``raw`` (all of it
+        when ``complete``): the model's own text, which a format whose vLLM stream sends another form of it
+        replaces. What it gives must only grow as ``raw`` grows."""
+        return raw
 
     def _read_call(self, found: "_CallScan", deltas: list[DeltaToolCall]) -> bool:
         """Adds to ``deltas`` what the call being read (``found`` in the buffer) has grown by; True once it is
