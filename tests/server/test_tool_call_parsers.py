@@ -127,6 +127,15 @@ def test_a_call_cut_off_keeps_the_arguments_it_had():
     assert (content, [(c.function.name, c.function.arguments) for c in calls]) == ("", [("f", '{"city": "Par')])
 
 
+@pytest.mark.parametrize("answer", ["[TOOL_CALLS]", ""])
+def test_a_mistral_answer_without_calls_or_content_has_null_content(answer):
+    """As vLLM's (its engine-based Mistral parser gives ``content or None`` where there are no calls)."""
+    from pagedllm.entrypoints.openai.tool_calls import ToolChoice
+
+    choice = ToolChoice("auto", [], parser="mistral")
+    assert choice.message_content(*choice.make_parser().parse(answer)) is None
+
+
 def test_mistral_call_ids_are_nine_letters_and_digits():
     """Mistral's chat templates refuse a conversation whose earlier calls' ids are not 9 alphanumerics."""
     _, calls = MistralToolParser().parse('[TOOL_CALLS][{"name": "f", "arguments": {}}, {"name": "g"}]')

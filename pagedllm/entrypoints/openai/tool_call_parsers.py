@@ -411,7 +411,14 @@ class MistralToolParser(ToolCallParser):
         rest, self._buffer = self._buffer, ""
         return ("" if self._open else rest[self._position:] if self._state != "content" else rest), []
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+    def parse(self, text: str) -> tuple[Optional[str], list[ToolCall]]:
+        """The whole text at once (_read_whole), but with neither calls nor content None, not "", as vLLM's (its
+        engine-based Mistral parser's content without calls is ``content or None``): "[TOOL_CALLS]" alone is a
+        message with null content."""
+        content, calls = self._read_whole(text)
+        return (content if content or calls else None), calls
+
+    def _read_whole(self, text: str) -> tuple[str, list[ToolCall]]:
         """The whole text at once. Where JSON follows the first [TOOL_CALLS] (tokenizers before v11), as vLLM's
         extract_tool_calls reads it: the first JSON value there (markers with nothing between count as one) holds
         the calls, an array of them or one object; its entries with a name or arguments are calls (name "" where it

@@ -131,10 +131,11 @@ class ToolChoice:
     def message_content(self, content: Optional[str], calls: list[ToolCall]) -> Optional[str]:
         """An unstreamed message's content beside the ``calls`` read out of it, as vLLM's: as the parser read it,
         unstripped, but None where there are calls and it is whitespace only; "" with a required or named
-        tool_choice, whose output is all calls (vLLM's ``content or ""``). None (an answer all reasoning) stays."""
+        tool_choice, whose output is all calls (vLLM's ``content or ""``). None (an answer all reasoning, or a parser's
+        no content) stays."""
         if self.mode in ("required", "named"):
             return (content or "").strip()
-        return None if calls and not content.strip() else content
+        return None if calls and not (content or "").strip() else content
 
     def kept_calls(self, calls: list[ToolCall]) -> list[ToolCall]:
         """The calls the answer carries: with parallel_tool_calls false the first only, as vLLM keeps them (a
