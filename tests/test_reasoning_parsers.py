@@ -59,8 +59,12 @@ def test_a_marker_cut_across_deltas_is_held_back_until_it_is_known():
 
 
 def test_reasoning_tokens_are_counted_by_the_markers_ids():
+    """deepseek_r1 as vLLM's: the tokens inside the output's own <think> ... </think> spans; reasoning the prompt
+    opened (no <think> in the output) counts 0, and a closed think block in the prompt changes nothing."""
     assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 1, 1, 8, 1, 1]) == 3
-    assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([1, 1, 8, 1]) == 2  # opened in the prompt
+    assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([1, 1, 8, 1]) == 0  # opened in the prompt
+    assert DeepSeekR1ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 8, 1, 8, 7, 7, 1, 8, 1]) == 3
+    assert DeepSeekR1ReasoningParser(_Tokenizer(), None, [7, 8]).count_reasoning_tokens([7, 1, 8]) == 1
     assert Qwen3ReasoningParser(_Tokenizer()).count_reasoning_tokens([7, 1, 9, 1]) == 1
     assert Qwen3ReasoningParser(_Tokenizer(), {"enable_thinking": False}).count_reasoning_tokens([7, 1, 8]) == 0
     assert Qwen3ReasoningParser(_Tokenizer({"x": 1})).count_reasoning_tokens([1, 2]) is None  # no ids to count by

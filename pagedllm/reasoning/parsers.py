@@ -85,18 +85,19 @@ class DeepSeekR1ReasoningParser:
         return None if self._marker_ids is None else self._marker_ids[1:]
 
     def count_reasoning_tokens(self, token_ids: list[int]) -> Optional[int]:
-        """How many of the output's tokens are its reasoning (the markers left out); None where a marker is not one
-        token of the vocabulary, and the count cannot be read off the ids."""
-        if not self.thinking:
-            return 0
-        if self._marker_ids is None:
-            return None
-        start, *ends = self._marker_ids
-        count = 0
+        """As vLLM's deepseek_r1 (its BaseThinkingReasoningParser's, the same streamed or not): the output's tokens
+        inside its own <think> ... </think> spans, nested ones by depth, a stray </think> ignored, whatever the
+        prompt holds. Reasoning the chat template opened (no <think> in the output) counts 0, though the answer's
+        reasoning holds it."""
+        start, end = self._marker_ids  # one token each: the vocabulary must hold them (needs_marker_tokens)
+        count = depth = 0
         for token_id in token_ids:
-            if token_id in ends:
-                break
-            count += token_id != start
+            if token_id == start:
+                depth += 1
+            elif token_id == end:
+                depth = max(depth - 1, 0)
+            else:
+                count += depth > 0
         return count
 
 
@@ -114,6 +115,21 @@ class Qwen3ReasoningParser(DeepSeekR1ReasoningParser):
                  prompt_token_ids: Optional[list[int]] = None) -> None:
         super().__init__(tokenizer, chat_template_kwargs, prompt_token_ids)
         self.thinking = self.thinking and bool((chat_template_kwargs or {}).get("enable_thinking", True))
+
+    def count_reasoning_tokens(self, token_ids: list[int]) -> Optional[int]:
+        """How many of the output's tokens are its reasoning (the markers left out); None where a marker is not one
+        token of the vocabulary, and the count cannot be read off the ids."""
+        if not self.thinking:
+            return 0
+        if self._marker_ids is None:
+            return None
+        start, *ends = self._marker_ids
+        count = 0
+        for token_id in token_ids:
+            if token_id in ends:
+                break
+            count += token_id != start
+        return count
 
 
 class ReasoningStream:
