@@ -63,6 +63,16 @@ def test_required_calls_read_at_once_are_in_json_dumps_form():
     assert JsonArrayParser().parse('[{"name": 1, "parameters": {}}]') == ("", [])
 
 
+def test_a_named_call_read_at_once_is_its_text_and_none_where_that_is_whitespace():
+    """As vLLM's: a named tool_choice's answer read at once is the call, its arguments the text as generated; an
+    answer of whitespace only (cut off before its arguments began) is no call."""
+    from pagedllm.entrypoints.openai.tool_calls import NamedFunctionParser
+
+    content, calls = NamedFunctionParser(name="f").parse('{"a":1}')
+    assert (content, [(c.function.name, c.function.arguments) for c in calls]) == ("", [("f", '{"a":1}')])
+    assert NamedFunctionParser(name="f").parse(" \n") == ("", [])
+
+
 HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris"}}\n</tool_call>'
           '<tool_call>{"name": "ping"}</tool_call><tool_call>not json</tool_call> Done.')
 

@@ -320,6 +320,11 @@ class NamedFunctionParser(ToolCallParser):
         self.calls[0].function.arguments += delta_text
         return "", [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta_text))]
 
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The whole text at once, as vLLM's: the call, its arguments the text as it is, but none where the text is
+        whitespace only (cut off by max_tokens before the arguments began). Streamed, as vLLM's, any text opens it."""
+        return ("", []) if not text.strip() else super().parse(text)
+
 
 @dataclass
 class JsonArrayParser(ToolCallParser):
