@@ -63,7 +63,9 @@ def test_a_stream_splits_the_same_and_counts_the_same(thinking_server):
     reasoning = [d["reasoning"] for d in deltas if "reasoning" in d]
     content = [d["content"] for d in deltas if d.get("content")]
     assert "".join(reasoning) == " Let me see" and "".join(content) == " Paris is big"
-    assert len(reasoning) == 3  # a delta a token: the reasoning streams as it is written
+    # a delta a token as it is written, or fewer where a reader that fell behind gets its deltas merged (vLLM's
+    # RequestOutputCollector): the count depends on the machine's load, the text and the split do not
+    assert 1 <= len(reasoning) <= 3
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert all("reasoning" not in d for d in deltas[first_content:])
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
