@@ -131,7 +131,8 @@ class CacheConfig:
     kv_cache_populate: str = "background"  # one of KV_CACHE_POPULATE
     # On a GPU: the share of its memory the engine may take, weights, activations and KV cache together (vLLM's;
     # platforms/cuda.kv_cache_memory_from_profile). The CPU's cache is sized by kv_cache_memory or its default.
-    gpu_memory_utilization: float = 0.9
+    # vLLM 0.32's default (CacheConfig's), EngineArgs' and --gpu-memory-utilization's too.
+    gpu_memory_utilization: float = 0.92
 
     @property
     def group_windows(self) -> tuple[int | None, ...]:

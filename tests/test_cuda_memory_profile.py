@@ -96,3 +96,9 @@ def test_kv_cache_memory_given_skips_the_profile(worker, monkeypatch):
     monkeypatch.setattr(worker_module, "profile_memory", lambda forward: pytest.fail("profiled"))
     monkeypatch.setattr(worker.config.cache_config, "kv_cache_memory", "1MiB")
     assert worker.determine_num_kv_blocks() == (1 << 20) // kv_cache_bytes_per_block(worker.config)
+
+
+def test_the_default_share_is_vllms():
+    """vLLM 0.32's CacheConfig default, as EngineArgs' and the resolved config's."""
+    assert EngineArgs.gpu_memory_utilization == 0.92
+    assert EngineArgs().create_engine_config().cache_config.gpu_memory_utilization == 0.92

@@ -116,7 +116,7 @@ class EngineArgs:
     kv_cache_memory_bytes: Optional[int] = None
     kv_cache_dtype: str = "auto"
     kv_cache_populate: str = "background"
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     num_kv_blocks: Optional[int] = None
     # vLLM's name for the same count (its num_gpu_blocks_override, the CPU backend's too).
     num_gpu_blocks_override: Optional[int] = None
