@@ -132,6 +132,19 @@ def test_an_attention_backend_the_platform_lacks_names_its_choices(fake_gpu, dev
         EngineArgs(device=device, attention_backend=backend).create_engine_config()
 
 
+@pytest.mark.parametrize("device, backend, expected", [
+    ("cpu", "auto", "TORCH_SDPA"), ("cpu", "AUTO", "TORCH_SDPA"), ("cpu", "cpu_attn", "TORCH_SDPA"),
+    ("cpu", "CPU_ATTN", "TORCH_SDPA"), ("cpu", "torch_sdpa", "TORCH_SDPA"), ("cuda", "Auto", "TRITON_ATTN"),
+    ("cuda", "triton_attn", "TRITON_ATTN"),
+])
+def test_vllms_attention_backend_names_are_taken(fake_gpu, device, backend, expected):
+    """As vLLM's AttentionConfig reads them: in any case, "auto" the platform's default, its CPU backend's name
+    (CPU_ATTN) this engine's; in attention_config's "backend" too."""
+    for kwargs in ({"attention_backend": backend}, {"attention_config": {"backend": backend}}):
+        config = EngineArgs(device=device, **kwargs).create_engine_config()
+        assert config.model_config.attention_backend == expected
+
+
 def test_triton_attention_on_the_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match=r"runs Triton's interpreter only \(set TRITON_INTERPRET=1 before the process "

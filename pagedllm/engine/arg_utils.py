@@ -15,6 +15,7 @@ from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig,
                              check_capture_size_shortcuts, check_int, check_kv_cache_dtype, common_window,
                              graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
+from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
 from pagedllm.models.generation_config import check_generation_config
 from pagedllm.models.hf_config import apply_hf_overrides, load_hf_config, load_tokenizer
@@ -272,22 +273,25 @@ class EngineArgs:
         check_bool("enable_sleep_mode", self.enable_sleep_mode)
 
     def attention_backend_chosen(self) -> Optional[str]:
-        """attention_backend, or vLLM's attention_config "backend" (None: the platform's default). Both at once is
-        vLLM's ValueError; attention_config's other keys, vLLM's GPU kernels' settings, are refused by name."""
+        """attention_backend, or vLLM's attention_config "backend" (None: the platform's default), each read as vLLM
+        reads it (attention_backend_name: any case, "auto", vLLM's CPU_ATTN). Both at once is vLLM's ValueError;
+        attention_config's other keys, vLLM's GPU kernels' settings, are refused by name."""
+        backend = attention_backend_name(self.attention_backend)
         config = self.attention_config
         if config is None:
-            return self.attention_backend
+            return backend
         if not isinstance(config, dict):
             raise ValueError(f"attention_config must be a dict (JSON object), got {config!r}")
         for key in config:
             if key != "backend":
                 raise ValueError(f"attention_config {key!r} is not supported: only 'backend' (vLLM's other keys tune "
                                  "its GPU kernels)")
-        if config.get("backend") is None:
-            return self.attention_backend
+        config_backend = attention_backend_name(config.get("backend"))
+        if config_backend is None:
+            return backend
         if self.attention_backend is not None:
             raise ValueError("attention_backend and attention_config.backend are mutually exclusive")
-        return config["backend"]
+        return config_backend
 
     def create_engine_config(self) -> EngineConfig:
         self._check_on_off_fields()

@@ -81,6 +81,16 @@ def test_token_counts_take_vllms_human_readable_forms(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_attention_backend_takes_vllms_names(capsys):
+    """--attention-backend as vLLM's: any case, "auto" (the platform's default), its CPU_ATTN (TORCH_SDPA here); a name
+    with no backend here is refused with the choices."""
+    assert [_parse("--attention-backend", name).attention_backend for name in ("auto", "cpu_attn", "triton_attn")] == [
+        None, "TORCH_SDPA", "TRITON_ATTN"]
+    with pytest.raises(SystemExit):
+        _parse("--attention-backend", "flash_attn")
+    assert "must be one of auto, TORCH_SDPA, TRITON_ATTN, CPU_ATTN; got 'flash_attn'" in capsys.readouterr().err
+
+
 def test_vllms_kv_cache_memory_bytes_sizes_the_cache():
     """vLLM's --kv-cache-memory-bytes (its CPU backend's knob too), in vLLM's human-readable form, sizes the cache as
     --kv-cache-memory does; both at once is an error naming both."""

@@ -10,7 +10,7 @@ import ssl
 from pagedllm.config import (DEVICES, DISTRIBUTED_EXECUTOR_BACKENDS, KV_CACHE_DTYPES, KV_CACHE_POPULATE, MAX_LORA_RANKS,
                              SERVE_MAX_PREFILL_TOKENS_WITH_DECODES, parse_memory_size)
 from pagedllm.engine.arg_utils import LOAD_FORMATS, TOKENIZER_MODES, EngineArgs
-from pagedllm.layers.attention.selector import ATTENTION_BACKENDS
+from pagedllm.layers.attention.selector import ATTENTION_BACKEND_ALIASES, ATTENTION_BACKENDS, attention_backend_name
 from pagedllm.layers.quantization import QUANTIZATION_METHODS
 from pagedllm.entrypoints.openai.chat_utils import CHAT_TEMPLATE_CONTENT_FORMATS
 from pagedllm.entrypoints.openai.tool_calls import ToolParserManager
@@ -75,6 +75,16 @@ def _memory_size(value: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
+
+
+def _attention_backend(value: str) -> str | None:
+    """--attention-backend: a backend's name as vLLM reads it (attention_backend_name), checked as the flags are
+    read."""
+    name = attention_backend_name(value)
+    if name is not None and name not in ATTENTION_BACKENDS:
+        raise argparse.ArgumentTypeError(f"must be one of auto, {', '.join(ATTENTION_BACKENDS)}, "
+                                         f"{', '.join(ATTENTION_BACKEND_ALIASES)}; got {value!r}")
+    return name
 
 
 def add_frontend_args(parser: argparse.ArgumentParser) -> None:
@@ -208,11 +218,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--device", choices=DEVICES, default=EngineArgs.device,
                         help="where the engine runs: auto (a CUDA GPU where torch sees one, else the CPU), cpu, "
                              "cuda (default: %(default)s)")
-    engine.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
-                        default=EngineArgs.attention_backend,
-                        help="the attention kernels: TORCH_SDPA (the CPU's: native kernels, torch SDPA elsewhere), "
-                             "TRITON_ATTN (CUDA's; on the CPU only under TRITON_INTERPRET=1, for testing) (default: "
-                             "the platform's)")
+    engine.add_argument("--attention-backend", type=_attention_backend, default=EngineArgs.attention_backend,
+                        help="the attention kernels, in any case: TORCH_SDPA (the CPU's, vLLM's CPU_ATTN: native "
+                             "kernels, torch SDPA elsewhere), TRITON_ATTN (CUDA's; on the CPU only under "
+                             "TRITON_INTERPRET=1, for testing), auto (default: the platform's)")
     engine.add_argument("--dtype", default=EngineArgs.dtype,
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     engine.add_argument("--max-model-len", type=human_readable_int_or_auto, default=EngineArgs.max_model_len,
