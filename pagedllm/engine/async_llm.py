@@ -388,16 +388,21 @@ class AsyncLLM:
         views = await self.engine_core.call_utility_async("get_engine_view")
         return msgspec.convert(views if isinstance(views, list) else [views], list[EngineView])
 
-    def shutdown(self) -> None:
-        """Ends in-flight requests with finish_reason "abort", then stops the engine process."""
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Ends in-flight requests with finish_reason "abort", then stops the engine process, killing it if it has not
+        exited within ``timeout`` seconds (vLLM's; None: the default wait). A ``timeout`` that is no number is a
+        ValueError, nothing stopped."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
         self._dead_error = EngineDeadError("The engine is shut down.")
         self.output_processor.abort_all()
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _stop(self.engine_core, self._output_handler, timeout)
 
 
-def _stop(engine_core: Any, output_handler: asyncio.Task) -> None:
+def _stop(engine_core: Any, output_handler: asyncio.Task, timeout: Optional[float] = None) -> None:
     """Stops the engine and the output handler (from any thread: the collector may run the finalizer anywhere)."""
-    engine_core.shutdown()
+    engine_core.shutdown(timeout)
     loop = output_handler.get_loop()
     if not loop.is_closed():
         loop.call_soon_threadsafe(output_handler.cancel)

@@ -28,7 +28,7 @@ from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, SchedulerStats)
-from pagedllm.engine.stopping import stop_processes
+from pagedllm.engine.stopping import STOP_TIMEOUT_S, stop_processes
 from pagedllm.envs import env_flag
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.models.hf_config import load_tokenizer
@@ -84,7 +84,8 @@ class InprocClient:
         """An EngineCore method's result (the LoRA management calls)."""
         return getattr(self.engine_core, method)(*args)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """``timeout``: vLLM's, for an engine process; none here (vLLM's InprocClient ignores it too)."""
         self.engine_core.shutdown()
 
 
@@ -237,11 +238,13 @@ class MPClient:
                           ).add_done_callback(unpickle)
         return future
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stops the engine process: SIGTERM, then a kill if it has not exited within ``timeout`` seconds (vLLM's;
+        None: STOP_TIMEOUT_S)."""
         if self._closing:
             return
         self._closing = True
-        stop_processes([self.proc], "EngineCore")
+        stop_processes([self.proc], "EngineCore", STOP_TIMEOUT_S if timeout is None else timeout)
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
         self._input_socket.close(linger=0)
@@ -295,8 +298,8 @@ class SyncMPClient:
     def call_utility(self, method: str, *args: Any) -> Any:
         return self._mp.call_utility(method, *args).result()
 
-    def shutdown(self) -> None:
-        self._mp.shutdown()
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self._mp.shutdown(timeout)
 
 
 class AsyncMPClient:
@@ -334,8 +337,8 @@ class AsyncMPClient:
                                    kwargs: Optional[dict] = None) -> list:
         return await asyncio.wrap_future(self._mp.collective_rpc(method, timeout, args, kwargs))
 
-    def shutdown(self) -> None:
-        self._mp.shutdown()
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self._mp.shutdown(timeout)
 
 
 def make_sync_client(config: EngineConfig):

@@ -13,6 +13,7 @@ import asyncio
 import copy
 import itertools
 import queue
+import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from typing import Any, Optional
@@ -179,9 +180,11 @@ class _DPClientBase:
         one's results."""
         return [engine.collective_rpc(method, timeout, args, kwargs) for engine in self._live()]
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stops every engine within one ``timeout`` (vLLM's engine manager waits for all its processes together)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for engine in self.engines:
-            engine.shutdown()
+            engine.shutdown(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 def combine_utility_results(method: str, results: list) -> Any:

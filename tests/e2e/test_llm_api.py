@@ -724,6 +724,7 @@ class SilentEngineCore:
 
     def __init__(self) -> None:
         self.aborted: list[str] = []
+        self.shutdown_timeouts: list = []
 
     def add_request(self, request) -> None:
         pass
@@ -734,8 +735,24 @@ class SilentEngineCore:
     async def get_output_async(self):
         await asyncio.Event().wait()
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self, timeout=None) -> None:
+        self.shutdown_timeouts.append(timeout)
+
+
+def test_async_llm_shutdown_takes_vllms_timeout(llm):
+    """vLLM's AsyncLLM.shutdown(timeout): the engine core gets it (the wait for its process before a kill), once; one
+    that is no number is a ValueError, nothing stopped."""
+    async def run() -> list:
+        core = SilentEngineCore()
+        engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), core)
+        with pytest.raises(ValueError, match="timeout must be a number of seconds or None, got 'soon'"):
+            engine.shutdown(timeout="soon")
+        assert engine.is_running
+        engine.shutdown(timeout=2.5)
+        engine.shutdown()
+        return core.shutdown_timeouts
+
+    assert asyncio.run(run()) == [2.5]
 
 
 def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):

@@ -630,7 +630,7 @@ def test_async_llm_adds_pins_lists_and_removes_loras_as_vllms(llm_with_lora, ada
         async def get_output_async(self):
             await asyncio.Event().wait()
 
-        def shutdown(self) -> None:
+        def shutdown(self, timeout=None) -> None:
             pass
 
     async def run() -> list:
