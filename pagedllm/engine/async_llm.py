@@ -149,11 +149,14 @@ class AsyncLLM:
                           arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None,
                           tokenization_kwargs: Optional[dict[str, Any]] = None,
                           trace_headers: Optional[Mapping[str, str]] = None, priority: int = 0,
-                          data_parallel_rank: Optional[int] = None) -> RequestOutputCollector:
+                          data_parallel_rank: Optional[int] = None, *,
+                          prompt_text: Optional[str] = None) -> RequestOutputCollector:
         """vLLM's low-level API, its arguments in its order: adds the request and returns the collector its outputs
         come to (generate() reads it). vLLM's ``tokenization_kwargs`` go to the tokenizer for a text prompt;
         ``trace_headers`` are dropped, as vLLM's drops them without tracing (none here); ``data_parallel_rank`` runs
-        the request on that data-parallel engine. Bad input is a ValueError, nothing added."""
+        the request on that data-parallel engine; ``prompt_text`` is unused, as vLLM's is for every prompt but an
+        already processed request (which it does not take here): the outputs' prompt is the prompt's own text. Bad
+        input is a ValueError, nothing added."""
         if self.errored:
             raise self._dead_error or EngineDeadError()
         text, request = self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request,
@@ -182,14 +185,16 @@ class AsyncLLM:
                        priority: int = 0, lora_request: Optional[LoRARequest] = None, *,
                        tokenization_kwargs: Optional[dict[str, Any]] = None,
                        trace_headers: Optional[Mapping[str, str]] = None,
-                       data_parallel_rank: Optional[int] = None) -> AsyncIterator[RequestOutput]:
+                       data_parallel_rank: Optional[int] = None,
+                       prompt_text: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as ``sampling_params.output_kind`` says, as vLLM's: by default each holds everything
         so far (CUMULATIVE); a stream asks for DELTA, a caller wanting only the end for FINAL_ONLY. As vLLM's,
         ``request_id`` may be one already running: the request runs under a unique id of its own
         (assign_request_id), its outputs carry ``request_id``, and abort(request_id) stops all it names. The
         keywords are add_request's. A consumer that stops iterating aborts the request."""
         collector = await self.add_request(request_id, prompt, sampling_params, None, lora_request,
-                                           tokenization_kwargs, trace_headers, priority, data_parallel_rank)
+                                           tokenization_kwargs, trace_headers, priority, data_parallel_rank,
+                                           prompt_text=prompt_text)
         finished = False
         try:
             while not finished:

@@ -783,6 +783,25 @@ def test_async_llm_abort_ends_each_stream_with_an_abort_output(llm):
     assert {out.outputs[0].finish_reason for outs in results for out in outs} == {"abort"}
 
 
+def test_async_llm_generate_takes_vllms_prompt_text(llm):
+    """vLLM's AsyncLLM.generate(prompt_text=...) keyword, which vLLM uses only for a request already processed: for a
+    prompt, the outputs' prompt is the prompt's own text."""
+    async def run():
+        engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), SilentEngineCore())
+
+        async def outputs() -> list:
+            return [out async for out in engine.generate("Hello", SamplingParams(), "p", prompt_text="Bye")]
+
+        stream = asyncio.create_task(outputs())
+        await asyncio.sleep(0)
+        await engine.abort("p")
+        result = await stream
+        engine.shutdown()
+        return result
+
+    assert [(out.prompt, out.outputs[0].finish_reason) for out in asyncio.run(run())] == [("Hello", "abort")]
+
+
 def test_async_llm_abort_of_an_internal_id_stops_that_request(llm):
     """vLLM's AsyncLLM.abort(request_id, internal=True): the id is the unique one the request runs under
     (add_request's collector.request_id); its consumer gets the abort output, under the id it gave."""
