@@ -28,7 +28,7 @@ from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, Schedul
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.loggers import default_stat_loggers
+from pagedllm.metrics.loggers import default_stat_loggers, log_engine_initialized, log_stat_loggers
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -42,14 +42,16 @@ class AsyncLLM:
                  stat_loggers: Optional[list[Callable[[Any], Any]]] = None, log_requests: bool = False) -> None:
         """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both).
         ``stat_loggers``: factories (vLLM's StatLoggerFactory), each called with the resolved config (the
-        Prometheus buckets follow its max_model_len), whose loggers record every step's stats. ``log_requests``:
-        log each request added and aborted (vLLM's)."""
+        Prometheus buckets follow its max_model_len), whose loggers record every step's stats; each that has
+        vLLM's log_engine_initialized() is called once the engine has started. ``log_requests``: log each request
+        added and aborted (vLLM's)."""
         self.config = self.vllm_config = config  # vLLM's name too, as its model_config
         self.log_requests = log_requests
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
         self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
+        log_engine_initialized(self.stat_loggers)
         self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers),
                                                 stream_interval=config.scheduler_config.stream_interval)
         self.engine_core = engine_core
@@ -66,10 +68,10 @@ class AsyncLLM:
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs,
                          stat_loggers: Optional[list[Callable[[Any], Any]]] = None) -> "AsyncLLM":
-        """Must be called with an event loop running (the engine's outputs are delivered on it). Without
-        ``stat_loggers``, vLLM's defaults unless ``engine_args.disable_log_stats``: the log line (logged when
-        do_log_stats() is called) and the pagedllm: metrics in prometheus_client's default registry.
-        ``engine_args.enable_log_requests`` (AsyncEngineArgs') logs each request."""
+        """Must be called with an event loop running (the engine's outputs are delivered on it). As vLLM's, the
+        ``stat_loggers`` factories' loggers, and vLLM's defaults unless ``engine_args.disable_log_stats``: the log
+        line (logged when do_log_stats() is called) and the pagedllm: metrics in prometheus_client's default
+        registry. ``engine_args.enable_log_requests`` (AsyncEngineArgs') logs each request."""
         disable_log_stats = not engine_args.log_stats()  # a bad value refused before the config loads
         return cls.from_vllm_config(engine_args.create_engine_config(), stat_loggers=stat_loggers,
                                     enable_log_requests=getattr(engine_args, "enable_log_requests", False),
@@ -80,9 +82,9 @@ class AsyncLLM:
                          stat_loggers: Optional[list[Callable[[Any], Any]]] = None, enable_log_requests: bool = False,
                          disable_log_stats: bool = False) -> "AsyncLLM":
         """vLLM's: the AsyncLLM of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), its engine
-        started; as from_engine_args, with vLLM's default stat loggers unless ``disable_log_stats`` or given some."""
-        if not disable_log_stats and stat_loggers is None:
-            stat_loggers = default_stat_loggers()
+        started; as from_engine_args, with vLLM's default stat loggers, after ``stat_loggers``', unless
+        ``disable_log_stats`` (vLLM's StatLoggerManager: its custom loggers then run alone)."""
+        stat_loggers = list(stat_loggers or ()) + ([] if disable_log_stats else default_stat_loggers())
         engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_async_client)
         return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)
 
@@ -127,9 +129,7 @@ class AsyncLLM:
 
     async def do_log_stats(self) -> None:
         """vLLM's: the stat loggers' log line now (the server's also logs by a timer of its own)."""
-        for stat_logger in self.stat_loggers:
-            if hasattr(stat_logger, "log"):
-                stat_logger.log()
+        log_stat_loggers(self.stat_loggers)
 
     @property
     def errored(self) -> bool:
@@ -293,7 +293,7 @@ class AsyncLLM:
                          outputs.engine_dead, len(outputs.failed_request_ids))
             self._fail_requests(outputs.failed_request_ids, EngineDeadError(outputs.engine_dead))
             for stat_logger in self.stat_loggers:  # its gauges fall to nothing held, its log line stops
-                stat_logger.record(SchedulerStats(), None, outputs.engine_index)
+                stat_logger.record(SchedulerStats(), None, engine_idx=outputs.engine_index)
             return
         processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
         if processed.reqs_to_abort:

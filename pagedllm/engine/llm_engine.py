@@ -19,7 +19,7 @@ from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreRequest, Schedul
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
+from pagedllm.metrics.loggers import LoggingStatLogger, log_engine_initialized, log_stat_loggers, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
@@ -28,11 +28,14 @@ from pagedllm.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any, engine_core: Any,
-                 log_stats_interval: Optional[float] = None) -> None:
+                 log_stats_interval: Optional[float] = None,
+                 stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None) -> None:
         """``engine_core``: make_sync_client's client for ``config``, started. ``log_stats_interval``: None, no stats
         (vLLM's log_stats=False); else every step's stats go to the server's Prometheus metrics, in a registry of
-        this engine's own (get_metrics reads them), and to the server's log line, logged after a step with outputs
-        once this many seconds have passed since the last (vLLM's do_log_stats_with_interval)."""
+        this engine's own (get_metrics reads them), to the server's log line and to a logger made by each of
+        ``stat_loggers`` (vLLM's StatLoggerFactory, called with the config); after a step with outputs, once this
+        many seconds have passed since the last, each logger's log() is called (vLLM's
+        do_log_stats_with_interval)."""
         self.config = self.vllm_config = config  # vLLM's name too, as its model_config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
@@ -52,30 +55,35 @@ class LLMEngine:
             self.log_line = LoggingStatLogger(config.parallel_config.data_parallel_size, log_stats_interval,
                                               timer=False)
             self.stat_loggers = [PrometheusStatLogger.from_config(config.model_config.model, self.registry, config),
-                                 self.log_line]
+                                 self.log_line] + [make_logger(config) for make_logger in stat_loggers or ()]
+            log_engine_initialized(self.stat_loggers)
         # The engine core stops with this object: on shutdown(), when it is garbage-collected, or at the
         # interpreter's exit, whichever comes first (the finalizer holds the engine core, not this object).
         self._finalizer = weakref.finalize(self, engine_core.shutdown)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs, *,
+                         stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None) -> "LLMEngine":
         """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
         PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; statistics on unless
-        ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL seconds."""
+        ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL seconds, also
+        to ``stat_loggers``' (as vLLM's, in addition to the default ones, and only with statistics on)."""
         disable_log_stats = not engine_args.log_stats()
         if not disable_log_stats:
             log_stats_interval()  # a bad variable: before any process
         # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
         with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
-            return cls.from_vllm_config(engine_args.create_engine_config(), disable_log_stats=disable_log_stats)
+            return cls.from_vllm_config(engine_args.create_engine_config(), disable_log_stats=disable_log_stats,
+                                        stat_loggers=stat_loggers)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: EngineConfig, disable_log_stats: bool = False) -> "LLMEngine":
+    def from_vllm_config(cls, vllm_config: EngineConfig, disable_log_stats: bool = False, *,
+                         stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None) -> "LLMEngine":
         """vLLM's: the engine of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), started as
-        from_engine_args starts it."""
+        from_engine_args starts it, with its ``stat_loggers``."""
         interval = None if disable_log_stats else log_stats_interval()
         engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_sync_client)
-        return cls(vllm_config, tokenizer, engine_core, interval)
+        return cls(vllm_config, tokenizer, engine_core, interval, stat_loggers)
 
     def get_tokenizer(self) -> Any:
         """vLLM's: the tokenizer (Processor.get_tokenizer); ``tokenizer`` is None with skip_tokenizer_init."""
@@ -108,8 +116,8 @@ class LLMEngine:
             return aborted
         outputs = self.engine_core.get_output()
         processed = self.output_processor.process_engine_outputs(outputs, self.stat_loggers)
-        if self.log_line is not None and outputs.outputs:
-            self.log_line.log_when_due()
+        if self.log_line is not None and outputs.outputs and self.log_line.due():
+            self.do_log_stats()
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         return processed.request_outputs
@@ -164,9 +172,9 @@ class LLMEngine:
         """vLLM's: no encoder cache here (the models take text only)."""
 
     def do_log_stats(self) -> None:
-        """vLLM's: the stats line now, with stats on (step() logs it every PAGEDLLM_LOG_STATS_INTERVAL seconds)."""
-        if self.log_line is not None:
-            self.log_line.log()
+        """vLLM's: every stat logger's log() now, the stats line's included, with stats on (step() calls it every
+        PAGEDLLM_LOG_STATS_INTERVAL seconds)."""
+        log_stat_loggers(self.stat_loggers)
 
     def get_stats(self) -> SchedulerStats:
         return self.engine_core.get_stats()

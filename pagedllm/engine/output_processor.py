@@ -328,11 +328,12 @@ class OutputProcessor:
         """process_outputs for one batch from an engine core; then every stat logger records the batch's scheduler
         stats, and its iteration stats where it held request outputs: as vLLM's, a batch of none (a chunked
         prefill's step, the idle report after an abort) is no iteration, which would put a 0 in
-        iteration_tokens_total."""
+        iteration_tokens_total. The engine's index is the keyword engine_idx, as vLLM's StatLoggerBase.record
+        takes it (after its mm_cache_stats)."""
         iteration_stats = IterationStats() if stat_loggers and outputs.outputs else None
         processed = self.process_outputs(outputs.outputs, iteration_stats)
         for stat_logger in stat_loggers:
-            stat_logger.record(outputs.scheduler_stats, iteration_stats, outputs.engine_index)
+            stat_logger.record(outputs.scheduler_stats, iteration_stats, engine_idx=outputs.engine_index)
         return processed
 
     @staticmethod

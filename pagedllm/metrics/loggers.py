@@ -55,9 +55,9 @@ class LoggingStatLogger:
             threading.Thread(target=self._log_every_interval, name="log-stats", daemon=True).start()
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
-               engine: int = 0) -> None:
+               engine_idx: int = 0) -> None:
         with self._lock:
-            self._engines[engine].add(scheduler_stats, iteration_stats)
+            self._engines[engine_idx].add(scheduler_stats, iteration_stats)
 
     def log(self) -> None:
         """The interval's lines of each engine that was not idle in it or in the one before; a new interval."""
@@ -71,11 +71,10 @@ class LoggingStatLogger:
                 self._idle[engine] = idle
                 window.restart(now)
 
-    def log_when_due(self) -> None:
-        """log() once an interval has passed since the last line: the offline engine's way, after each step with
+    def due(self) -> bool:
+        """Whether an interval has passed since the last line: the offline engine logs then, after a step with
         outputs (vLLM's do_log_stats_with_interval), which needs no timer thread."""
-        if self.clock() - self._engines[0].start >= self.interval:
-            self.log()
+        return self.clock() - self._engines[0].start >= self.interval
 
     def _log_every_interval(self) -> None:
         while True:
@@ -165,6 +164,21 @@ class _EngineWindow:
                          f"{', '.join(f'{rate:.3f}' for rate in per_pos)}, "
                          f"Avg Draft acceptance rate: {100 * accepted / max(drafted, 1):.1f}%")
         return lines
+
+
+def log_engine_initialized(stat_loggers: list) -> None:
+    """vLLM's StatLoggerBase.log_engine_initialized of each logger that has it (a vLLM user's; this engine's log
+    nothing then), once the engine has started."""
+    for stat_logger in stat_loggers:
+        if hasattr(stat_logger, "log_engine_initialized"):
+            stat_logger.log_engine_initialized()
+
+
+def log_stat_loggers(stat_loggers: list) -> None:
+    """vLLM's StatLoggerManager.log: log() of each logger that has one (Prometheus' has none: it is scraped)."""
+    for stat_logger in stat_loggers:
+        if hasattr(stat_logger, "log"):
+            stat_logger.log()
 
 
 def default_stat_loggers() -> list:

@@ -189,11 +189,11 @@ class PrometheusStatLogger:
                                      registry=registry) if max_loras else None
 
     def record(self, scheduler_stats: Optional[SchedulerStats], iteration_stats: Optional[IterationStats],
-               engine: int = 0) -> None:
+               engine_idx: int = 0) -> None:
         if scheduler_stats is not None:
-            self._record_scheduler_stats(scheduler_stats, engine)
+            self._record_scheduler_stats(scheduler_stats, engine_idx)
         if iteration_stats is not None:
-            self._record_iteration_stats(iteration_stats, engine)
+            self._record_iteration_stats(iteration_stats, engine_idx)
 
     def _record_scheduler_stats(self, stats: SchedulerStats, engine: int) -> None:
         self.gauge_num_requests_running[engine].set(stats.num_running_reqs)

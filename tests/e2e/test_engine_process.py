@@ -576,3 +576,63 @@ def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():
             engine.shutdown()
 
     asyncio.run(run())
+
+
+class VllmStatLogger:
+    """A custom logger on vLLM's StatLoggerBase interface."""
+
+    def __init__(self, vllm_config, engine_index: int = 0) -> None:
+        self.records: list[tuple] = []
+        self.initialized = False
+        self.logs = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+        self.records.append((scheduler_stats, iteration_stats, mm_cache_stats, engine_idx))
+
+    def log_engine_initialized(self) -> None:
+        self.initialized = True
+
+    def log(self) -> None:
+        self.logs += 1
+
+
+def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers():
+    """vLLM's stat_loggers (LLMEngine's and AsyncLLM's from_vllm_config and from_engine_args): each factory's logger
+    is told the engine has started, records every step with the engine's index as vLLM's keyword engine_idx (its
+    mm_cache_stats left None), and logs on do_log_stats(); vLLM's default loggers run beside it."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    def check(stat_logger: VllmStatLogger) -> None:
+        assert stat_logger.initialized and stat_logger.logs == 1
+        assert any(iteration_stats is not None for _, iteration_stats, _, _ in stat_logger.records)
+        assert {(mm_cache_stats, engine_idx) for _, _, mm_cache_stats, engine_idx in stat_logger.records} == {(None, 0)}
+
+    engine_args = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine = LLMEngine.from_engine_args(engine_args, stat_loggers=[VllmStatLogger])
+    try:
+        engine.add_request("r", "Hi", params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.do_log_stats()
+        check(engine.stat_loggers[-1])
+        assert engine.get_metrics()  # the default loggers' metrics
+    finally:
+        engine.shutdown()
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(engine_args, stat_loggers=[VllmStatLogger])
+        try:
+            async for _ in engine.generate("Hi", params, "r"):
+                pass
+            await engine.do_log_stats()
+            check(engine.stat_loggers[0])
+            assert len(engine.stat_loggers) == 3  # vLLM's defaults: Prometheus and the log line
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())

@@ -30,10 +30,10 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
                            spec_decode_num_drafts=10, spec_decode_num_draft_tokens=40,
                            spec_decode_num_accepted_tokens=20, spec_decode_num_accepted_tokens_per_pos=[8, 6, 4, 2])
     clock.now = 109.0
-    stat_logger.record(first, IterationStats(num_prompt_tokens=300, num_generation_tokens=20), engine=1)
+    stat_logger.record(first, IterationStats(num_prompt_tokens=300, num_generation_tokens=20), engine_idx=1)
     assert not caplog.records  # a record logs nothing: the timer's tick does
     clock.now = 110.0
-    stat_logger.record(first, IterationStats(num_generation_tokens=30), engine=1)
+    stat_logger.record(first, IterationStats(num_generation_tokens=30), engine_idx=1)
     stat_logger.log()  # engine 0 was idle, and idle the interval before: no line
     (line, spec) = [r.getMessage() for r in caplog.records]
     assert line == ("Engine 001: Avg prompt throughput: 30.0 tokens/s, Avg generation throughput: 5.0 tokens/s, "
@@ -48,7 +48,7 @@ def test_a_line_per_interval_with_the_intervals_figures(caplog):
                            spec_decode_num_drafts=20, spec_decode_num_draft_tokens=80,
                            spec_decode_num_accepted_tokens=30, spec_decode_num_accepted_tokens_per_pos=[12, 9, 6, 3])
     clock.now = 125.0
-    stat_logger.record(later, IterationStats(num_generation_tokens=15), engine=1)
+    stat_logger.record(later, IterationStats(num_generation_tokens=15), engine_idx=1)
     stat_logger.log()
     (line, spec) = [r.getMessage() for r in caplog.records]
     assert "Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 1.0 tokens/s" in line
@@ -185,13 +185,18 @@ def test_the_offline_engine_logs_after_a_step_once_an_interval_has_passed(caplog
     with outputs, and the line comes once an interval has passed since the last."""
     clock = Clock()
     stat_logger = LoggingStatLogger(interval=10.0, clock=clock, timer=False)
+
+    def log_when_due() -> None:  # LLMEngine.step's way
+        if stat_logger.due():
+            stat_logger.log()
+
     caplog.set_level(logging.INFO, logger="pagedllm.metrics.loggers")
     stat_logger.record(SchedulerStats(num_running_reqs=1), IterationStats(num_generation_tokens=5))
     clock.now = 109.0
-    stat_logger.log_when_due()
+    log_when_due()
     assert not caplog.records
     clock.now = 110.0
-    stat_logger.log_when_due()
-    stat_logger.log_when_due()
+    log_when_due()
+    log_when_due()
     [line] = [r.getMessage() for r in caplog.records]
     assert "Avg generation throughput: 0.5 tokens/s, Running: 1 reqs" in line

@@ -169,9 +169,9 @@ def test_a_request_with_n_lands_in_the_per_request_histograms(server):
 def test_each_data_parallel_engine_has_its_own_series():
     registry = CollectorRegistry()
     logger = PrometheusStatLogger("m", registry, MAX_MODEL_LEN, num_engines=2)
-    logger.record(SchedulerStats(num_running_reqs=3, prefix_cache_queries=100), None, engine=0)
-    logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_queries=30), None, engine=1)
-    logger.record(SchedulerStats(num_running_reqs=2, prefix_cache_queries=50), None, engine=1)
+    logger.record(SchedulerStats(num_running_reqs=3, prefix_cache_queries=100), None, engine_idx=0)
+    logger.record(SchedulerStats(num_running_reqs=1, prefix_cache_queries=30), None, engine_idx=1)
+    logger.record(SchedulerStats(num_running_reqs=2, prefix_cache_queries=50), None, engine_idx=1)
     assert value(registry, "pagedllm:num_requests_running", engine="0") == 3
     assert value(registry, "pagedllm:num_requests_running", engine="1") == 2
     assert value(registry, "pagedllm:prefix_cache_queries_total", engine="0") == 100
@@ -187,8 +187,8 @@ def test_the_snapshot_reader_gives_each_series_as_an_object():
     registry = CollectorRegistry()
     logger = PrometheusStatLogger("m", registry, MAX_MODEL_LEN, num_engines=2, num_speculative_tokens=3)
     logger.record(SchedulerStats(num_running_reqs=2, spec_decode_num_accepted_tokens_per_pos=[5, 3, 1]), None,
-                  engine=1)
-    logger.record(None, IterationStats(num_generation_tokens=7, time_to_first_tokens_iter=[0.003, 0.3]), engine=1)
+                  engine_idx=1)
+    logger.record(None, IterationStats(num_generation_tokens=7, time_to_first_tokens_iter=[0.003, 0.3]), engine_idx=1)
     snapshot = get_metrics_snapshot(registry)
     assert all(m.name.startswith("pagedllm:") for m in snapshot)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -398,7 +399,9 @@ async def run_server(args: argparse.Namespace) -> None:
     sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
     engine_client = watchdog = None
     try:
-        engine_client = AsyncLLM.from_engine_args(serve_engine_args(args), stat_loggers=stat_loggers)
+        # The server's loggers alone, as vLLM's AsyncLLM runs custom loggers without its defaults when stats are off.
+        engine_args = dataclasses.replace(serve_engine_args(args), disable_log_stats=True)
+        engine_client = AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
         app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
                         args.tool_call_parser, args.lora_modules, args.allow_runtime_lora_updating, dev_mode)
         await app.state.openai_serving_models.init_static_loras()
