@@ -13,7 +13,6 @@ if __name__ == "__main__":  # a worker process, before its imports (gc_utils.py)
     pause_gc_for_startup()
 
 import logging
-import os
 import pickle
 import signal
 import sys
@@ -36,7 +35,9 @@ def main() -> None:
     with open(startup_path, "rb") as f:
         config, init_method, mq_handle, reply_address, parent_pid = pickle.load(f)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor stops us
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # The executor's stop ends us at once, also inside a blocking call (a rendezvous with a rank that never came, a
+    # collective with a dead peer), where a Python handler would wait for the call to return.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     threading.Thread(target=exit_when_parent_dies, args=(parent_pid, []), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
 

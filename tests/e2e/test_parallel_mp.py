@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
 import psutil
 import pytest
 
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.executor.multiproc import WorkerError
 from tests.e2e.conftest import running_llm
@@ -189,7 +194,6 @@ def test_async_llm_collective_rpc_on_tensor_parallel_ranks(tmp_path, tokenizer):
     workers."""
     import asyncio
 
-    from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from tests.e2e.test_parallel_tiny_models import save_tiny_model
 
@@ -213,3 +217,28 @@ def test_async_llm_collective_rpc_on_tensor_parallel_ranks(tmp_path, tokenizer):
 
     asyncio.run(run())
     assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
+
+
+
+def test_a_worker_ends_on_sigterm_inside_a_blocking_call(tmp_path):
+    """The executor's stop (SIGTERM) ends a worker at once wherever it is: here rank 1 waits inside torch.distributed's
+    rendezvous for a store that accepted its connection and never answers (a master rank that died), a C++ call that
+    a Python signal handler would wait for (the group's 600 s timeout): under load the stop then took the 5 s grace
+    and a kill, and the engine's own stop behind it outlasted its grace too, leaving its shared-memory segment."""
+    config = EngineArgs(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+                        pipeline_parallel_size=2).create_engine_config()
+    with socket.socket() as store:
+        store.bind(("127.0.0.1", 0))
+        store.listen(1)
+        store.settimeout(120)
+        startup = tmp_path / "startup.pkl"
+        startup.write_bytes(pickle.dumps((config, f"tcp://127.0.0.1:{store.getsockname()[1]}", None,
+                                          f"ipc://{tmp_path}/replies", os.getpid())))
+        worker = subprocess.Popen([sys.executable, "-m", "pagedllm.executor.worker_proc", str(startup), "1"])
+        try:
+            connection, _ = store.accept()  # rank 1 is in the rendezvous, waiting for the store's answer
+            worker.terminate()
+            assert worker.wait(timeout=10) == -signal.SIGTERM
+            connection.close()
+        finally:
+            worker.kill()
