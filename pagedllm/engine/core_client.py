@@ -13,7 +13,6 @@ import os
 import pickle
 import queue
 import shutil
-import subprocess
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +28,7 @@ from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, SchedulerStats)
 from pagedllm.engine.stopping import STOP_TIMEOUT_S, stop_processes
+from pagedllm.forkserver import Process
 from pagedllm.envs import env_flag
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.models.hf_config import load_tokenizer
@@ -111,8 +111,9 @@ class MPClient:
         self.dead = False
         self.death_reason: Optional[str] = None  # what the engine said as it failed, if it could
         self._closing = False
-        # A fresh interpreter rather than fork (unsafe after torch/OpenMP threads exist) or multiprocessing's
-        # spawn (which re-runs an unguarded __main__ script): the config travels as a pickle file.
+        # Forked by the fork server or a fresh interpreter (launch.py), never a fork of this process (unsafe once
+        # torch's OpenMP threads exist) or multiprocessing's spawn (which re-runs an unguarded __main__ script): the
+        # config travels as a pickle file.
         config_path = os.path.join(self._ipc_dir, "config.pkl")
         with open(config_path, "wb") as f:
             pickle.dump((config, input_address, output_address, os.getpid()), f)
@@ -311,7 +312,7 @@ class AsyncMPClient:
         self._mp = MPClient(config, lambda o: self._loop.call_soon_threadsafe(self._outputs.put_nowait, o))
 
     @property
-    def proc(self) -> subprocess.Popen:
+    def proc(self) -> Process:
         return self._mp.proc
 
     @property

@@ -12,11 +12,11 @@ from pagedllm.gc_utils import freeze_gc_heap, pause_gc_for_startup
 if __name__ == "__main__":  # the engine process, before its imports (gc_utils.py)
     pause_gc_for_startup()
 
-import importlib
 import logging
 import os
 import pickle
 import queue
+import select
 import signal
 import sys
 import threading
@@ -29,7 +29,6 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core import EngineCore, check_pause_args
-from pagedllm.engine.launch import CONFIG_ON_STDIN
 from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, UtilityOutput)
 from pagedllm.engine.stopping import dump_stacks_on_sigusr1
@@ -227,13 +226,21 @@ def _utility_output(call_id: int, done: Future) -> UtilityOutput:
 
 def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
     """An orphaned engine would hold its memory forever: leave as soon as the frontend is gone (after
-    ``before_exit``'s callbacks: the executor stops its workers)."""
-    while True:
-        time.sleep(PARENT_POLL_SECONDS)
-        if os.getppid() != parent_pid:
-            for callback in before_exit:
-                callback()
-            os._exit(1)
+    ``before_exit``'s callbacks: the executor stops its workers). The frontend is ``parent_pid``, which need not be
+    this process's parent (a fork server's child): its pidfd says when it exits, where the kernel has pidfds (a
+    fork server forks nothing without them, so there the frontend is the parent, which a poll of getppid watches)."""
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:  # gone already
+        pass
+    except (AttributeError, OSError):  # no pidfds here
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_SECONDS)
+    else:
+        select.select([pidfd], [], [])
+    for callback in before_exit:
+        callback()
+    os._exit(1)
 
 
 def _exit_while_starting(*_) -> None:
@@ -277,17 +284,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 
 
 def main() -> None:
-    """`python -m pagedllm.engine.core_proc EngineCore CONFIG_PICKLE`, as started by the MP client (launch.py). A
-    prestarted engine's CONFIG_PICKLE is `-`: it imports the worker's modules, then reads the path from its stdin,
-    and an end of input (the frontend went without starting an engine) ends it quietly."""
+    """`python -m pagedllm.engine.core_proc EngineCore CONFIG_PICKLE`, as started by the MP client (launch.py)."""
     dump_stacks_on_sigusr1()
-    config_path = sys.argv[2]
-    if config_path == CONFIG_ON_STDIN:
-        importlib.import_module("pagedllm.executor.uniproc")  # what the default executor imports first
-        config_path = sys.stdin.readline().strip()
-        if not config_path:
-            return
-    with open(config_path, "rb") as f:
+    with open(sys.argv[2], "rb") as f:
         config, input_address, output_address, parent_pid = pickle.load(f)
     run_engine_core(config, input_address, output_address, parent_pid)
 

@@ -71,8 +71,8 @@ class LLMEngine:
         disable_log_stats = not engine_args.log_stats()
         if not disable_log_stats:
             log_stats_interval()  # a bad variable: before any process
-        # The engine's interpreter imports while the config and tokenizer load; after a bad argument, none is left.
-        with engine_core_prestarted(1 if multiprocessing_enabled() else 0):
+        # The fork server imports the engine's modules while the config and tokenizer load (launch.py).
+        with engine_core_prestarted(multiprocessing_enabled()):
             return cls.from_vllm_config(engine_args.create_engine_config(), disable_log_stats=disable_log_stats,
                                         stat_loggers=stat_loggers)
 

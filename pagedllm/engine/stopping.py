@@ -13,6 +13,8 @@ import signal
 import subprocess
 import time
 
+from pagedllm.forkserver import Process
+
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 5.0
@@ -25,7 +27,7 @@ def dump_stacks_on_sigusr1() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-def stop_processes(procs: list[subprocess.Popen], what: str, timeout: float = STOP_TIMEOUT_S) -> None:
+def stop_processes(procs: list[Process], what: str, timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM to every process of ``procs`` still running, then wait for them all within ``timeout``; any left
     then has its stacks dumped (dump_stacks_on_sigusr1), is named in an error and killed."""
     running = [proc for proc in procs if proc.poll() is None]

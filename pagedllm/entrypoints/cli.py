@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 import sys
 from typing import Optional
@@ -76,19 +75,11 @@ def _config_path(argv: list[str]) -> Optional[str]:
     return finder.parse_known_args(argv)[0].config
 
 
-def _engines_started(argv: list[str]) -> int:
-    """How many engine processes the command will start, read from its arguments before they are parsed (its engines'
-    interpreters start first thing): none but for ENGINE_COMMANDS, and for those the data-parallel size given on the
-    command line (up to the CPU count), else one. A wrong guess costs only start-up time: an interpreter not taken
-    is killed, and an engine without one starts its own."""
-    if not argv or argv[0] not in ENGINE_COMMANDS:
-        return 0
-    for flag, value in zip(argv, argv[1:] + [""]):
-        if flag.startswith("--data-parallel-size="):
-            flag, value = "--data-parallel-size", flag.split("=", 1)[1]
-        if flag in ("-dp", "--data-parallel-size"):
-            return max(1, min(int(value), os.cpu_count() or 1)) if value.isdigit() else 1
-    return 1
+def _starts_engines(argv: list[str]) -> bool:
+    """Whether the command will start engine processes (ENGINE_COMMANDS), read from its arguments before they are
+    parsed, so that the fork server they are forked from starts first thing (launch.py). A wrong guess costs only
+    start-up time."""
+    return bool(argv) and argv[0] in ENGINE_COMMANDS
 
 
 # vLLM's dotted form of a JSON flag's fields (--speculative-config.method ngram, -cc.cudagraph_mode=NONE): the
@@ -162,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     argv = vllm_argv(sys.argv[1:] if argv is None else argv)
     # A server collects no garbage until it is up (gc_utils.py; its lifespan freezes the start-up heap)
     with gc_paused() if argv[:1] == ["serve"] else contextlib.nullcontext():
-        with engine_core_prestarted(_engines_started(argv)):
+        with engine_core_prestarted(_starts_engines(argv)):
             _run_command(argv)
 
 

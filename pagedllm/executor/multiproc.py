@@ -4,8 +4,9 @@ Each call is broadcast to every worker through one shared-memory MessageQueue (t
 reads); the replies come back on one ZMQ PULL socket, each tagged with its rank and the call's sequence number. A
 call with ``unique_reply_rank`` (execute_model) gets a reply from that rank only, but any rank that raises
 replies with its error, and a worker process that exits is noticed while waiting: either ends the call with an
-error naming the rank within a poll interval, never a hang. Workers are fresh interpreters (as the EngineCore
-process is) that exit when this process is gone; shutdown stops them and unlinks the queue's segment.
+error naming the rank within a poll interval, never a hang. Workers are forked by the fork server (or are fresh
+interpreters where it cannot fork them), as the EngineCore process is, and exit when this process is gone; shutdown
+stops them and unlinks the queue's segment.
 """
 from __future__ import annotations
 
@@ -13,8 +14,6 @@ import logging
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,6 +25,7 @@ from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.distributed.utils import get_open_port
 from pagedllm.engine.stopping import stop_processes
 from pagedllm.executor.abstract import Executor, WorkerMethod
+from pagedllm.forkserver import Process, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class MultiprocExecutor(Executor):
         self._poller = zmq.Poller()
         self._poller.register(self._replies, zmq.POLLIN)
         self.rpc_broadcast_mq = MessageQueue(self.world_size)
-        self.workers: list[subprocess.Popen] = []
+        self.workers: list[Process] = []
         try:
             init_method = f"tcp://127.0.0.1:{get_open_port()}"
             startup = (self.config, init_method, self.rpc_broadcast_mq.export_handle(), reply_address, os.getpid())
@@ -69,8 +69,7 @@ class MultiprocExecutor(Executor):
             with open(startup_path, "wb") as f:
                 pickle.dump(startup, f)
             for rank in range(self.world_size):
-                self.workers.append(subprocess.Popen(
-                    [sys.executable, "-m", "pagedllm.executor.worker_proc", startup_path, str(rank)]))
+                self.workers.append(start_process("pagedllm.executor.worker_proc", [startup_path, str(rank)]))
             self._replies_of[-1] = {}
             self._wait_for_replies(-1, set(range(self.world_size)), WORKER_STARTUP_TIMEOUT_S, starting=True)
             self.rpc_broadcast_mq.wait_until_ready(timeout=60)
@@ -162,8 +161,8 @@ class MultiprocExecutor(Executor):
             if self._closed:
                 return
             self._closed = True
-            # The hung ranks first and at once: a peer blocked in a collective with one of them returns to Python
-            # when it is killed, and exits on its own SIGTERM then.
+            # The hung ranks first and at once (a stopped process acts on SIGTERM only once continued); the others
+            # end on SIGTERM wherever they are (worker_proc), a peer blocked in a collective with a hung rank too.
             stop_processes([self.workers[rank] for rank in self._hung_ranks], "Hung worker", timeout=0)
             stop_processes(self.workers, "Worker")
             self.rpc_broadcast_mq.close()

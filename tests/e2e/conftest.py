@@ -11,7 +11,6 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 
-import psutil
 import pytest
 import torch
 
@@ -19,6 +18,7 @@ from pagedllm import LLM
 from pagedllm.models import loader
 from pagedllm.models.hf_config import load_tokenizer
 from pagedllm.models.resolve import DEFAULT_MODEL, resolve_model
+from tests.e2e.parallel_helpers import engine_processes
 from tests.model_fixtures import smollm_reference
 
 _loaded_models: dict = {}  # for the whole session: later modules get the models earlier ones loaded
@@ -71,9 +71,9 @@ def llm():
     """The float32 engine of the tests' usual settings, one for the package (an engine process takes seconds to
     start): modules that need nothing else share it, and each test leaves it idle. A module that needs other
     settings defines an ``llm`` of its own."""
-    before = {p.pid for p in _engine_processes()}
+    before = {p.pid for p in engine_processes()}
     with running_llm(dtype="float32", max_model_len=1024, kv_cache_memory="256MiB") as engine:
-        _shared_engine_pids.update(p.pid for p in _engine_processes() if p.pid not in before)
+        _shared_engine_pids.update(p.pid for p in engine_processes() if p.pid not in before)
         yield engine
     _shared_engine_pids.clear()
 
@@ -84,25 +84,14 @@ def caller_id(engine_request_id: str) -> str:
     return engine_request_id.rsplit("-", 1)[0]
 
 
-def _engine_processes() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "EngineCore" in child.cmdline():
-                found.append(child)
-        except psutil.Error:
-            pass  # gone meanwhile
-    return found
-
-
 @pytest.fixture(scope="module", autouse=True)
 def no_engine_process_left_behind():
     """Every module stops the engine processes it starts (LLM.shutdown, running_llm, or a fixture's teardown):
     one left running holds its memory and threads until pytest exits, slowing every later test. Engines that ran
     before the module (another directory's session-wide server) are not the module's."""
-    before = {p.pid for p in _engine_processes()}
+    before = {p.pid for p in engine_processes()}
     yield
-    left = [p for p in _engine_processes() if p.pid not in _shared_engine_pids | before]
+    left = [p for p in engine_processes() if p.pid not in _shared_engine_pids | before]
     for process in left:
         process.kill()
     assert not left, f"engine processes left running by this module: {[p.pid for p in left]}"

@@ -15,10 +15,9 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.core_client import multiprocessing_enabled
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.engine.launch import CONFIG_ON_STDIN, engine_core_prestarted, waiting_engine_cores
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
-from tests.e2e.parallel_helpers import wait_until
+from tests.e2e.parallel_helpers import command_line, wait_until
 
 
 @pytest.fixture
@@ -32,9 +31,10 @@ def mp_llm(monkeypatch):
 def test_llm_runs_the_engine_core_in_a_child_process(mp_llm):
     proc = mp_llm.llm_engine.engine_core._mp.proc
     child = psutil.Process(proc.pid)
-    assert child.pid != os.getpid() and child.ppid() == os.getpid()
-    # the interpreter LLM started before its config and tokenizer loaded, handed the config's path (launch.py)
-    assert child.cmdline()[-2:] == ["EngineCore", CONFIG_ON_STDIN]
+    # forked by the fork server LLM started before its config and tokenizer loaded (launch.py), titled as `python -m`
+    assert child.pid != os.getpid() and child.parent().ppid() == os.getpid()
+    assert "pagedllm.forkserver" in command_line(child.parent())
+    assert command_line(child)[-4:-1] == ["-m", "pagedllm.engine.core_proc", "EngineCore"]
     out = mp_llm.generate(["The capital of France is", "One, two,"],
                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
@@ -483,19 +483,6 @@ def test_engine_and_worker_processes_import_no_frontend_libraries(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
-
-
-def test_prestarted_engines_nobody_takes_are_killed_or_leave_at_the_end_of_their_input():
-    """launch.py: engine interpreters started before their config hold nothing: the entry point's discard kills
-    those not taken as its block ends (two here, as for `serve -dp 2`), and one whose frontend went (its stdin
-    ended) exits by itself, quietly."""
-    with engine_core_prestarted(2):
-        unused = waiting_engine_cores()
-        assert len(unused) == 2 and all(proc.poll() is None for proc in unused)
-    assert all(proc.returncode is not None for proc in unused) and waiting_engine_cores() == []
-    orphan = subprocess.Popen(unused[0].args, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
-    orphan.stdin.close()
-    assert orphan.wait(timeout=60) == 0 and orphan.stderr.read() == b""
 
 
 def test_async_llm_sleep_keeps_or_aborts_the_requests_in_flight():

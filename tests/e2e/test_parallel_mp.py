@@ -23,7 +23,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.executor.multiproc import WorkerError
 from tests.e2e.conftest import running_llm
-from tests.e2e.parallel_helpers import shm_segments, wait_until, worker_processes
+from tests.e2e.parallel_helpers import command_line, engine_processes, shm_segments, wait_until, worker_processes
 from pagedllm import LLM, SamplingParams
 from tests.e2e.test_llm_parity import PROMPT_LENGTHS, make_prompts
 
@@ -75,7 +75,7 @@ def test_tensor_parallel_3_then_a_rank_dies(prompts, expected):
         assert llm.get_stats().num_preemptions > 0
 
         # Kill rank 1 while the engine generates: the call fails with a clear error, well within 10 s.
-        victim = next(w for w in workers if w.cmdline()[-1] == "1")
+        victim = next(w for w in workers if command_line(w)[-1] == "1")
         threading.Timer(1.0, victim.kill).start()
         started = time.monotonic()
         with pytest.raises(EngineDeadError):
@@ -91,7 +91,7 @@ def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then():
     before = shm_segments()
     with running_llm(pipeline_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory="32MiB") as llm:
         workers = worker_processes()
-        next(w for w in workers if w.cmdline()[-1] == "1").kill()
+        next(w for w in workers if command_line(w)[-1] == "1").kill()
         assert wait_until(lambda: llm.llm_engine.engine_core._mp.dead, 10), "the idle engine did not notice"
         with pytest.raises(EngineDeadError):
             llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
@@ -116,13 +116,13 @@ def test_a_start_up_interrupted_leaves_no_engine_or_worker(interruption):
     """Ctrl-C while LLM(...) waits for its engine (a notebook's interrupt), or the engine told to stop (SIGTERM, what
     the client's shutdown sends) while its workers load: the engine and every worker are gone by the time the
     error reaches the caller, and the caller lives on (vLLM's MPClient shuts down on any exception)."""
-    before = shm_segments()
+    before, engines_before = shm_segments(), {p.pid for p in engine_processes()}
     engines = []  # the engine process whose workers were seen loading
 
     def interrupt() -> None:
         if not wait_until(lambda: len(worker_processes()) == 2, 60, interval=0.02):
             return
-        engines.append(worker_processes()[0].parent())
+        engines.extend(p for p in engine_processes() if p.pid not in engines_before)
         if interruption == "ctrl-c in the caller":
             os.kill(os.getpid(), signal.SIGINT)
         else:
@@ -143,7 +143,7 @@ def test_a_hung_rank_fails_the_step_after_the_timeout(monkeypatch):
     instead of blocking every request forever."""
     monkeypatch.setenv("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3")
     with running_llm(pipeline_parallel_size=2, dtype="float32", max_model_len=256, kv_cache_memory="32MiB") as llm:
-        hung = next(w for w in worker_processes() if w.cmdline()[-1] == "1")
+        hung = next(w for w in worker_processes() if command_line(w)[-1] == "1")
         hung.suspend()
         try:
             started = time.monotonic()
@@ -217,7 +217,6 @@ def test_async_llm_collective_rpc_on_tensor_parallel_ranks(tmp_path, tokenizer):
 
     asyncio.run(run())
     assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
-
 
 
 def test_a_worker_ends_on_sigterm_inside_a_blocking_call(tmp_path):

@@ -16,8 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from pagedllm.engine.launch import CONFIG_ON_STDIN
-from tests.e2e.parallel_helpers import wait_until
+from tests.e2e.parallel_helpers import command_line, wait_until
 from tests.server.conftest import SERVER_ARGS, RemoteServer
 
 LONG_STREAM = {"prompt": "Count to one thousand:", "max_tokens": 600, "ignore_eos": True, "stream": True}
@@ -34,9 +33,11 @@ def sse_events(response: httpx.Response) -> Iterator[Union[dict, str]]:
 def test_api_server_and_engine_core_processes(server):
     api_server = psutil.Process(server.proc.pid)
     assert "serve" in api_server.cmdline()
-    assert server.engine.ppid() == api_server.pid and server.engine.is_running()
-    # the engine's interpreter started before the server had its config, and took it on its stdin (launch.py)
-    assert server.engine.cmdline()[-2:] == ["EngineCore", CONFIG_ON_STDIN]
+    # forked by the fork server the server started before it had its config (launch.py), titled as `python -m`
+    fork_server = server.engine.parent()
+    assert fork_server.ppid() == api_server.pid and "pagedllm.forkserver" in command_line(fork_server)
+    assert server.engine.is_running()
+    assert command_line(server.engine)[-4:-1] == ["-m", "pagedllm.engine.core_proc", "EngineCore"]
 
 
 KEEP_ALIVE = {"PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
@@ -106,7 +107,7 @@ def test_sigterm_while_the_engine_starts_stops_it_and_leaves_no_file(tmp_path):
                                 env={**os.environ, "TMPDIR": str(tmp)})
     try:
         assert wait_until(lambda: any(tmp.glob("pagedllm-*/config.pkl")), 120), (tmp_path / "server.log").read_text()
-        engines = psutil.Process(proc.pid).children()
+        engines = psutil.Process(proc.pid).children(recursive=True)  # the fork server and the engine it forked
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     finally:

@@ -336,16 +336,12 @@ def test_disable_access_log_for_endpoints():
     assert logged("/v1/models") and logged("/health/more")
 
 
-def test_one_engine_interpreter_is_prestarted_per_data_parallel_engine(monkeypatch):
-    """cli._engines_started reads -dp from the arguments before they are parsed (its interpreters start first
-    thing): capped at the CPU count, one where the size is absent or not a number, none for other commands."""
-    monkeypatch.setattr(cli.os, "cpu_count", lambda: 4)
-    assert cli._engines_started(["serve", "--port", "8000"]) == 1
-    assert cli._engines_started(["serve", "-dp", "2", "--port", "8000"]) == 2
-    assert cli._engines_started(["serve", "--data-parallel-size=3"]) == 3
-    assert cli._engines_started(["run-batch", "--data-parallel-size", "16"]) == 4
-    assert cli._engines_started(["serve", "-dp", "x"]) == cli._engines_started(["serve", "-dp"]) == 1
-    assert cli._engines_started(["chat"]) == cli._engines_started([]) == 0
+def test_engine_commands_start_the_fork_server_first_thing():
+    """cli._starts_engines reads the command before the arguments are parsed (the fork server its engines are forked
+    from starts first thing, launch.py): serve and run-batch, whatever their flags; no other command."""
+    assert cli._starts_engines(["serve", "--port", "8000"]) and cli._starts_engines(["serve", "-dp", "2"])
+    assert cli._starts_engines(["run-batch", "--data-parallel-size", "16"])
+    assert not cli._starts_engines(["chat"]) and not cli._starts_engines([])
 
 
 @pytest.fixture

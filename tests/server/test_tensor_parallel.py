@@ -8,7 +8,7 @@ from itertools import islice
 
 import psutil
 
-from tests.e2e.parallel_helpers import shm_segments, wait_until
+from tests.e2e.parallel_helpers import command_line, shm_segments, wait_until
 from tests.server.conftest import RemoteServer
 from tests.server.test_lifecycle import KEEP_ALIVE, LONG_STREAM, sse_events
 
@@ -27,15 +27,15 @@ def test_serve_tp3_matches_one_rank_then_survives_no_dead_rank(server, tmp_path)
     before = shm_segments()
     tp_server = RemoteServer(tmp_path / "server.log", extra_args=["-tp", "3"], env=KEEP_ALIVE)  # /health 503 then
     try:
-        workers = [p for p in psutil.Process(tp_server.engine.pid).children()
-                   if "pagedllm.executor.worker_proc" in p.cmdline()]
+        workers = [p for p in psutil.Process(tp_server.proc.pid).children(recursive=True)
+                   if "pagedllm.executor.worker_proc" in command_line(p)]
         assert len(workers) == 3
         assert completions(tp_server) == completions(server)
 
         with tp_server.http(timeout=10) as http, http.stream("POST", "/v1/completions", json=LONG_STREAM) as stream:
             events = sse_events(stream)
             assert len(list(islice(events, 2))) == 2
-            next(w for w in workers if w.cmdline()[-1] == "2").kill()
+            next(w for w in workers if command_line(w)[-1] == "2").kill()
             start = time.monotonic()
             rest = list(events)  # the read timeout (10 s) fails the test rather than hanging
             assert time.monotonic() - start < 10

@@ -1,0 +1,416 @@
+"""The fork server: engine and worker processes forked from a process that has already imported their modules.
+
+A fresh interpreter spends about a second of CPU importing torch, transformers and pagedllm before an engine or a
+worker reads its config, and a process that starts several (data- and tensor-parallel ranks, a notebook or a test
+session that builds engine after engine) pays it each time. The fork server is an interpreter that imports those
+modules once (PRELOAD) and then forks a child per request that runs the requested module as ``python -m`` would:
+the requester's arguments, environment, working directory and standard streams, its command line shown as the
+fresh interpreter's would be (setproctitle). It is vLLM's fork start method without forking a process that holds
+threads, models or sockets: fork is only safe from a process whose threads survive it (an OpenMP pool or a ZMQ
+thread does not), so the server never starts a thread or runs a torch operation, and checks before each fork that
+it has no thread but those its imports started.
+
+Invariants:
+- A forked child sees what a fresh interpreter would see, or it is not forked: a module may read a variable at import
+  (torch's OpenMP settings, pagedllm's PAGEDLLM_* limits), so the server forks only for a requester whose environment
+  is the one it imported under (PYTEST_CURRENT_TEST aside); anything else, and any failure to reach the server,
+  starts a fresh interpreter instead (``start_process``), so the server only ever saves time.
+- The server is reachable only by its user (a socket in a 0700 directory: a request names code to run).
+- Nothing outlives its owner: the server leaves when the process that started it is gone (the end of its stdin);
+  its children watch their own parents (core_proc.exit_when_parent_dies) and are no concern of its lifetime. It
+  reaps each child and tells the requester its exit code, as a Popen would have got it.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import pickle
+import runpy
+import select
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Optional, Union
+
+import setproctitle
+
+from pagedllm.gc_utils import freeze_gc_heap, pause_gc_for_startup
+
+# What an engine or worker process imports before it reads its config: imported once, by the server.
+PRELOAD = ("pagedllm.engine.core_proc", "pagedllm.executor.worker_proc", "pagedllm.executor.uniproc",
+           "pagedllm.worker.worker")
+SOCKET_ENV = "PAGEDLLM_FORKSERVER_SOCKET"  # a forked child's way back to its server, for processes it starts
+
+_HEADER = struct.Struct("!q")  # a request's payload length; the server's answer: the child's pid (0: refused)
+_EXIT = struct.Struct("!i")  # the child's exit code, negative for a signal (Popen's returncode)
+
+_STOP_WAIT_S = 1.0
+_REQUEST_TIMEOUT_S = 300  # a server that has not answered by then (its imports stuck) is passed over
+# The server runs under the environment this process had when it imported pagedllm: what a caller sets later
+# (a test's monkeypatch, a script's os.environ before one of its engines) gets that request a fresh interpreter
+# without ending the server's use for the others.
+_ENVIRONMENT_AT_IMPORT = dict(os.environ)
+
+Process = Union[subprocess.Popen, "ForkedProcess"]
+
+
+METHOD_ENV = "PAGEDLLM_WORKER_MULTIPROC_METHOD"  # vLLM's VLLM_WORKER_MULTIPROC_METHOD, with our methods
+METHODS = ("forkserver", "spawn")  # spawn: every engine and worker a fresh interpreter
+# What may differ between the server's environment and a requester's: no import of the server's reads them
+# (TORCHINDUCTOR_CACHE_DIR: torch's inductor writes its default there in a process that compiled).
+_IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", SOCKET_ENV, METHOD_ENV}
+
+
+def multiproc_method() -> str:
+    """How engine and worker processes start: PAGEDLLM_WORKER_MULTIPROC_METHOD, "forkserver" unless set."""
+    method = os.environ.get(METHOD_ENV, "forkserver")
+    if method not in METHODS:
+        raise ValueError(f"{METHOD_ENV} must be one of {', '.join(METHODS)}; got {method!r}")
+    return method
+
+
+def start_process(module: str, args: list[str]) -> Process:
+    """``python -m module *args``, forked by this process's fork server where it can (see the module's
+    invariants), else a fresh interpreter; either way in a session of its own (a Ctrl-C in the terminal reaches only
+    the process the user started, which stops its children)."""
+    server = _server_address() if multiproc_method() == "forkserver" else None
+    if server is not None:
+        proc = ForkedProcess.request(server, module, args)
+        if proc is not None:
+            return proc
+    return subprocess.Popen([sys.executable, "-m", module, *args], start_new_session=True)
+
+
+class ForkedProcess:
+    """A child of the fork server, seen through the parts of subprocess.Popen that pagedllm uses: pid,
+    returncode, poll, wait, send_signal, terminate, kill. Its exit code comes from the server, which reaps it; its
+    signals go through a pidfd, which cannot reach a later process given the same pid."""
+
+    def __init__(self, args: list[str], pid: int, pidfd: int, conn: socket.socket) -> None:
+        self.args, self.pid, self.returncode = args, pid, None
+        self._pidfd, self._conn = pidfd, conn
+        self._server_gone = False
+        self._lock = threading.Lock()  # poll and wait may run in several threads (a client's monitor and shutdown)
+
+    @classmethod
+    def request(cls, address: str, module: str, args: list[str]) -> Optional["ForkedProcess"]:
+        """The child the server at ``address`` forked for ``module``, or None where it refused or is gone."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(_REQUEST_TIMEOUT_S)
+        try:
+            conn.connect(address)
+            payload = pickle.dumps((module, args, dict(os.environ), os.getcwd()))
+            socket.send_fds(conn, [_HEADER.pack(len(payload))], [0, 1, 2])
+            conn.sendall(payload)
+            answer, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 1)
+        except OSError:
+            conn.close()
+            return None
+        if len(answer) < _HEADER.size or not fds:  # refused (the server closes its side), or it died meanwhile
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return None
+        conn.settimeout(None)
+        return cls([sys.executable, "-m", module, *args], _HEADER.unpack(answer)[0], fds[0], conn)
+
+    def poll(self) -> Optional[int]:
+        with self._lock:
+            if self.returncode is None and not self._server_gone and select.select([self._conn], [], [], 0)[0]:
+                data = self._conn.recv(_EXIT.size)
+                if len(data) == _EXIT.size:
+                    self.returncode = _EXIT.unpack(data)[0]
+                else:  # the server went first (its owner did, or it was killed): the pidfd alone says when
+                    self._server_gone = True
+            if self.returncode is None and self._server_gone and select.select([self._pidfd], [], [], 0)[0]:
+                self.returncode = 255  # its exit code went with the server that would have reaped it
+            return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            # A bounded wait, so that a wait that began before the server went notices it
+            select.select([self._pidfd if self._server_gone else self._conn], [], [],
+                          0.1 if remaining is None else min(remaining, 0.1))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited since: as Popen's
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.close(self._pidfd)
+            self._conn.close()
+
+
+# The requester's side: which server to ask.
+
+_owned: Optional[subprocess.Popen] = None  # the server this process started, if any
+_owned_dir: Optional[str] = None
+_owned_forked = False  # whether it has been asked for a child yet (server_prestarted's exit)
+_owned_lock = threading.Lock()
+
+
+def _server_address() -> Optional[str]:
+    """The server a forked child came from, else the one this process started (started now if none runs), else
+    None where fork servers cannot work here (no pidfd: Linux before 5.3)."""
+    if not hasattr(os, "pidfd_open"):
+        return None
+    inherited = os.environ.get(SOCKET_ENV)
+    if inherited and os.path.exists(inherited):
+        return inherited
+    address = start_server()
+    # Its socket appears once its interpreter is up (well before its imports are done, which a request waits for).
+    deadline = time.monotonic() + _REQUEST_TIMEOUT_S
+    while not os.path.exists(address):
+        server = _owned
+        if server is None or server.poll() is not None or time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+    return address
+
+
+def start_server() -> Optional[str]:
+    """This process's fork server, started now if it has none running: its imports run beside the caller's work,
+    so a process that knows it will start engines starts it first thing. Its socket's path."""
+    global _owned, _owned_dir, _owned_forked
+    if not hasattr(os, "pidfd_open"):
+        return None
+    with _owned_lock:
+        if _owned is not None and _owned.poll() is None:
+            _owned_forked = True  # asked for a child: whoever started it keeps it
+            return os.path.join(_owned_dir, "socket")
+        _stop_owned()
+        _owned_dir = tempfile.mkdtemp(prefix="pagedllm-forkserver-")  # 0700: only this user may ask for code to run
+        _owned = subprocess.Popen([sys.executable, "-m", "pagedllm.forkserver", _owned_dir], stdin=subprocess.PIPE,
+                                  start_new_session=True, env=_ENVIRONMENT_AT_IMPORT)
+        _owned_forked = False
+        return os.path.join(_owned_dir, "socket")
+
+
+def stop_server() -> None:
+    """Stops this process's fork server (its children live on: they watch their own parents)."""
+    with _owned_lock:
+        _stop_owned()
+
+
+def _stop_owned() -> None:
+    global _owned, _owned_dir
+    if _owned is not None:
+        _owned.stdin.close()  # the end of its input: it leaves, once its imports are done (killed if not soon)
+        try:
+            _owned.wait(timeout=_STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            _owned.kill()
+            _owned.wait()
+        _owned = None
+    if _owned_dir is not None:
+        shutil.rmtree(_owned_dir, ignore_errors=True)
+        _owned_dir = None
+
+
+@contextlib.contextmanager
+def server_prestarted(wanted: bool = True) -> Iterator[None]:
+    """An entry point's block that will start engine processes: the fork server starts on entry (its imports beside
+    the entry point's), and where the block leaves without having forked anything from a server it started (a bad
+    argument), the server goes with it."""
+    started = (wanted and multiproc_method() == "forkserver" and (_owned is None or _owned.poll() is not None)
+               and start_server() is not None)
+    try:
+        yield
+    finally:
+        if started and not _owned_forked:
+            stop_server()
+
+
+# The server's side.
+
+def _serve(directory: str) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.path.join(directory, "socket"))  # requests queue from here on, while the imports run
+    listener.listen(64)
+    environment = _comparable(os.environ)  # as the owner started us, before any import could change it
+    for module in PRELOAD:
+        importlib.import_module(module)
+    # What the imports set in the environment (a fresh interpreter's imports would set it too), for the children.
+    set_by_imports = {key: value for key, value in os.environ.items() if environment.get(key) != value}
+    freeze_gc_heap()  # the children start from a collected heap, as a fresh one's first collection would leave it
+    # The imports' own threads (numpy's OpenBLAS pool, which its fork handlers stop at the first fork and start again
+    # only when used): any thread beyond these would be one that does not survive a fork.
+    threads = len(os.listdir("/proc/self/task"))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler (the default ignores it), so the wake-up fd hears it
+    children: dict[int, socket.socket] = {}  # pid -> its requester's connection, for its exit code
+    own_fds = [listener.fileno(), wake_r, wake_w, sys.stdin.fileno()]
+    while True:
+        readable = select.select([listener, wake_r, sys.stdin], [], [])[0]
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1024):
+            shutil.rmtree(directory, ignore_errors=True)
+            return  # the owner is gone (or stopped us)
+        if wake_r in readable:
+            os.read(wake_r, 1024)
+            _reap(children)
+        if listener in readable:
+            try:
+                conn = listener.accept()[0]
+            except OSError:  # out of descriptors, say: that requester starts a fresh interpreter
+                continue
+            pid = _fork_for(conn, environment, set_by_imports, threads,
+                            own_fds + [c.fileno() for c in children.values()])
+            if pid is None:
+                conn.close()
+            else:
+                children[pid] = conn
+
+
+def _comparable(environ) -> dict[str, str]:
+    return {key: value for key, value in environ.items() if key not in _IGNORED_ENV}
+
+
+def _same_environment(env: dict[str, str], environment: dict[str, str], set_by_imports: dict[str, str]) -> bool:
+    """Whether a requester's ``env`` is the server's ``environment``, where a variable the imports set may have
+    either value (a forked child's requests carry what its imports set)."""
+    env = _comparable(env)
+    for key, value in set_by_imports.items():
+        if env.get(key) in (environment.get(key), value):
+            env.pop(key, None)
+    return env == {key: value for key, value in environment.items() if key not in set_by_imports}
+
+
+def _fork_for(conn: socket.socket, environment: dict[str, str], set_by_imports: dict[str, str], threads: int,
+              own_fds: list[int]) -> Optional[int]:
+    """Forks the child ``conn`` asks for (where its requester's ``environment`` is the server's) and answers its pid
+    and pidfd; None (and no child) where it may not."""
+    try:
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+        length = _HEADER.unpack(header)[0]
+        payload = b""
+        while len(payload) < length:
+            chunk = conn.recv(length - len(payload))
+            if not chunk:
+                raise OSError("short request")
+            payload += chunk
+        module, args, env, cwd = pickle.loads(payload)
+    except (OSError, struct.error, pickle.UnpicklingError):
+        return None
+    try:
+        # A thread that holds a lock at the fork (a Python thread, an OpenMP pool) deadlocks the child.
+        if (len(fds) != 3 or not _same_environment(env, environment, set_by_imports) or threading.active_count() != 1
+                or len(os.listdir("/proc/self/task")) > threads):
+            return None
+        try:
+            pid = os.fork()
+        except OSError:  # out of processes or memory: the requester's fresh interpreter will say which
+            return None
+        if pid == 0:
+            _run_child(module, args, {**env, **set_by_imports}, cwd, fds, own_fds + [conn.fileno()])
+        pidfd = os.pidfd_open(pid)  # before we reap it: the pid is this child's until then
+        try:
+            socket.send_fds(conn, [_HEADER.pack(pid)], [pidfd])
+        except OSError:
+            pass  # the requester went: its child still runs, and is reaped here
+        os.close(pidfd)
+        return pid
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.sendall(_EXIT.pack(os.waitstatus_to_exitcode(status)))
+            conn.close()
+
+
+def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int],
+               server_fds: list[int]) -> None:
+    """In the forked child: become ``python -m module *args`` started by the requester, run it, exit. The server's
+    descriptors are closed here; the socket objects that held them stay referenced by the server's frames, which
+    this process never returns to (os._exit), so no collection closes a number it has since reused."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd in server_fds:
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        os.setsid()
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ[SOCKET_ENV] = _server_socket
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
+        sys.argv = [module, *args]
+        # runpy warns that the module it runs as __main__ is imported already: here that is the point
+        warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+_server_socket = ""  # the server's own socket path, which its children inherit (set in main)
+
+
+def main() -> None:
+    global _server_socket
+    pause_gc_for_startup()
+    # setproctitle takes over the memory of the command line and the environment the first time it sets a title,
+    # which it can only do before the environment is changed: now, for the children's titles.
+    setproctitle.setproctitle(setproctitle.getproctitle())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the owner stops us (the end of our input)
+    _server_socket = os.path.join(sys.argv[1], "socket")
+    _serve(sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()

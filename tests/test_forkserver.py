@@ -1,0 +1,89 @@
+"""The fork server (pagedllm/forkserver.py): a child it forks is the process `python -m` would have started, seen
+through a Popen's interface; a requester it may not serve gets a fresh interpreter; it goes with its owner."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from pagedllm import LLM, forkserver
+from pagedllm.forkserver import ForkedProcess, server_prestarted, start_process
+
+CHILD = "tests.forkserver_child"
+
+
+def _report(capfd) -> dict:
+    return json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_forked_child_is_the_module_run_as_python_m_with_the_requesters_arguments_and_streams(capfd):
+    proc = start_process(CHILD, ["0", "3", "two words"])
+    assert isinstance(proc, ForkedProcess)
+    assert proc.wait(timeout=60) == 3 and proc.returncode == 3
+    report = _report(capfd)  # its stdout was this process's (pytest's capture) when it was asked for
+    assert report["argv"] == ["0", "3", "two words"] and report["cwd"] == os.getcwd()
+    assert report["torch_imported"]  # forked from the server's imports, not a fresh interpreter
+    assert report["command_line"] == [sys.executable, "-m", CHILD, "0", "3", "two", "words"]  # its title
+    assert psutil.Process(os.getpid()).children(recursive=True)  # the server stays for the next request
+
+
+def test_a_requester_whose_environment_differs_gets_a_fresh_interpreter(monkeypatch, capfd):
+    """A module may read a variable at import: only a fresh interpreter sees a variable set since the server
+    started."""
+    monkeypatch.setenv("FORKSERVER_TEST_VARIABLE", "set since")
+    proc = start_process(CHILD, ["0", "0"])
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
+    report = _report(capfd)
+    assert report["variable"] == "set since" and not report["torch_imported"]
+
+
+def test_exit_codes_signals_and_waits_as_popen_gives_them(capfd):
+    raising = start_process(CHILD, ["0", "raise"])
+    assert raising.wait(timeout=60) == 1
+    assert "RuntimeError: the child raised" in capfd.readouterr().err
+    sleeping = start_process(CHILD, ["60", "0"])
+    assert sleeping.poll() is None and sleeping.returncode is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        sleeping.wait(timeout=0.2)
+    sleeping.terminate()
+    assert sleeping.wait(timeout=30) == -signal.SIGTERM
+    sleeping.kill()  # gone already: nothing happens, as with a Popen
+    killed = start_process(CHILD, ["60", "0"])
+    killed.kill()
+    assert killed.wait(timeout=30) == -signal.SIGKILL and killed.poll() == -signal.SIGKILL
+
+
+def test_the_server_goes_with_a_block_that_forked_nothing_and_at_the_end_of_its_input(capfd):
+    """An entry point's block that failed before starting an engine leaves no process; a server whose owner is gone
+    (its input ended) leaves, and the children it forked live on (they watch their own parents)."""
+    forkserver.stop_server()
+    with server_prestarted():
+        server = forkserver._owned
+        assert server.poll() is None
+    assert server.returncode is not None and forkserver._owned is None
+    with server_prestarted():
+        child = start_process(CHILD, ["60", "0"])
+        server = forkserver._owned
+    assert server.poll() is None  # it forked a child: it stays for the next ones
+    forkserver.stop_server()
+    assert server.returncode == 0 and child.poll() is None
+    child.kill()  # through its pidfd, which still names it
+    assert child.wait(timeout=30) == 255  # its exit code went with the server that would have reaped it
+
+
+def test_spawn_starts_fresh_interpreters_and_a_bad_method_is_an_error_before_any_process(monkeypatch, capfd):
+    """PAGEDLLM_WORKER_MULTIPROC_METHOD (vLLM's VLLM_WORKER_MULTIPROC_METHOD): "spawn" starts no fork server."""
+    forkserver.stop_server()
+    monkeypatch.setenv(forkserver.METHOD_ENV, "spawn")
+    proc = start_process(CHILD, ["0", "0"])
+    assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0 and forkserver._owned is None
+    monkeypatch.setenv(forkserver.METHOD_ENV, "fork")
+    children = psutil.Process().children(recursive=True)
+    with pytest.raises(ValueError, match="MULTIPROC_METHOD must be one of forkserver, spawn; got 'fork'"):
+        LLM(dtype="float32")
+    assert psutil.Process().children(recursive=True) == children
