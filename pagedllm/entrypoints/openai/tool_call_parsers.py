@@ -196,8 +196,8 @@ class PythonicToolParser(ToolCallParser):
     arguments of literal values, [get_weather(city="Paris", days=[1, 2]), ping()], optionally inside Llama 4's
     <|python_start|> ... <|python_end|>. Each call's arguments are its keywords as a JSON object. The list ends at
     the first "]" where what came from its "[" parses as such a list: its calls stream then, each whole, and what
-    follows is no content (vLLM's stream drops it). An answer that does not start with "[", or whose list never closes into calls, is content,
-    all of it. A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
+    follows is no content (vLLM's stream drops it). An answer that does not start with "[", or whose list never
+    closes into calls, is content, all of it. A whole text is read as vLLM's extract_tool_calls reads it (parse)."""
 
     _state: str = "undecided"  # until the answer's start shows it; then "list" (reading it) or "content"
     _start: int = 0  # where the list's "[" is in the buffer
