@@ -67,7 +67,7 @@ def test_a_stream_splits_the_same_and_counts_the_same(thinking_server):
     # RequestOutputCollector): the count depends on the machine's load, the text and the split do not
     assert 1 <= len(reasoning) <= 3
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
-    assert all("reasoning" not in d for d in deltas[first_content:])
+    assert all("reasoning" not in d for d in deltas[first_content + 1:])  # a merged delta may hold the end of both
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
 
 
