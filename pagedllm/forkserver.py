@@ -54,6 +54,7 @@ _HEADER = struct.Struct("!q")  # a request's payload length; the server's answer
 _EXIT = struct.Struct("!i")  # the child's exit code, negative for a signal (Popen's returncode)
 
 _STOP_WAIT_S = 1.0
+_SERVER_IO_TIMEOUT_S = 5.0
 _REQUEST_TIMEOUT_S = 300  # a server that has not answered by then (its imports stuck) is passed over
 # The server runs under the environment this process had when it imported pagedllm: what a caller sets later
 # (a test's monkeypatch, a script's os.environ before one of its engines) gets that request a fresh interpreter
@@ -111,7 +112,7 @@ class ForkedProcess:
             payload = pickle.dumps((module, args, dict(os.environ), os.getcwd()))
             socket.send_fds(conn, [_HEADER.pack(len(payload))], [0, 1, 2])
             conn.sendall(payload)
-            answer, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 1)
+            answer, fds = _receive_with_fds(conn, _HEADER.size, 1)
         except OSError:
             conn.close()
             return None
@@ -163,12 +164,38 @@ class ForkedProcess:
             self._conn.close()
 
 
+def _receive_with_fds(conn: socket.socket, size: int, max_fds: int) -> tuple[bytes, list[int]]:
+    """socket.recv_fds, its descriptors not inherited by the processes this one starts (Python 3.11's recv_fds drops
+    the MSG_CMSG_CLOEXEC flag it is given)."""
+    data, fds, _, _ = socket.recv_fds(conn, size, max_fds)
+    for fd in fds:
+        os.set_inheritable(fd, False)
+    return data, fds
+
+
 # The requester's side: which server to ask.
 
 _owned: Optional[subprocess.Popen] = None  # the server this process started, if any
 _owned_dir: Optional[str] = None
 _owned_forked = False  # whether it has been asked for a child yet (server_prestarted's exit)
+_owned_failed = False  # one failed to start (its error is on stderr): fresh interpreters from then on
 _owned_lock = threading.Lock()
+_SOCKET_PATH_MAX = 100  # AF_UNIX's limit is 107 bytes
+_STARTUP_WAIT_S = 60.0  # for the server's socket to appear (its interpreter's start, before any heavy import)
+
+
+def _forget_owned_server() -> None:
+    """In a child forked from this process (a user's os.fork, multiprocessing's fork): the server is the parent's,
+    not to be stopped or reused here; its input's write end, which would keep it alive, is closed here."""
+    global _owned, _owned_dir
+    if _owned is not None:
+        with contextlib.suppress(OSError):
+            _owned.stdin.close()
+        _owned.returncode = 0  # not this process's child: no Popen method may wait for it here
+    _owned, _owned_dir = None, None
+
+
+os.register_at_fork(after_in_child=_forget_owned_server)
 
 
 def _server_address() -> Optional[str]:
@@ -181,31 +208,49 @@ def _server_address() -> Optional[str]:
         return inherited
     address = start_server()
     # Its socket appears once its interpreter is up (well before its imports are done, which a request waits for).
-    deadline = time.monotonic() + _REQUEST_TIMEOUT_S
-    while not os.path.exists(address):
+    deadline = time.monotonic() + _STARTUP_WAIT_S
+    while address is not None and not os.path.exists(address):
         server = _owned
         if server is None or server.poll() is not None or time.monotonic() > deadline:
+            _note_failed_start()
             return None
         time.sleep(0.01)
     return address
+
+
+def _note_failed_start() -> None:
+    global _owned_failed
+    with _owned_lock:
+        _owned_failed = True
+        _stop_owned(at_once=True)
 
 
 def start_server() -> Optional[str]:
     """This process's fork server, started now if it has none running: its imports run beside the caller's work,
     so a process that knows it will start engines starts it first thing. Its socket's path."""
     global _owned, _owned_dir, _owned_forked
-    if not hasattr(os, "pidfd_open"):
+    if not hasattr(os, "pidfd_open") or _owned_failed:
         return None
     with _owned_lock:
         if _owned is not None and _owned.poll() is None:
             _owned_forked = True  # asked for a child: whoever started it keeps it
             return os.path.join(_owned_dir, "socket")
         _stop_owned()
-        _owned_dir = tempfile.mkdtemp(prefix="pagedllm-forkserver-")  # 0700: only this user may ask for code to run
+        _owned_dir = _socket_directory()
         _owned = subprocess.Popen([sys.executable, "-m", "pagedllm.forkserver", _owned_dir], stdin=subprocess.PIPE,
                                   start_new_session=True, env=_ENVIRONMENT_AT_IMPORT)
         _owned_forked = False
         return os.path.join(_owned_dir, "socket")
+
+
+def _socket_directory() -> str:
+    """A new 0700 directory (only this user may ask for code to run) whose socket path fits AF_UNIX's limit: under
+    the temporary directory, else under /tmp where that is too deep."""
+    directory = tempfile.mkdtemp(prefix="pagedllm-fs-")
+    if len(os.path.join(directory, "socket")) > _SOCKET_PATH_MAX:
+        os.rmdir(directory)
+        directory = tempfile.mkdtemp(prefix="pagedllm-fs-", dir="/tmp")
+    return directory
 
 
 def stop_server() -> None:
@@ -214,10 +259,13 @@ def stop_server() -> None:
         _stop_owned()
 
 
-def _stop_owned() -> None:
+def _stop_owned(at_once: bool = False) -> None:
+    """``at_once``: killed rather than told (it answers the end of its input only once its imports are done)."""
     global _owned, _owned_dir
     if _owned is not None:
-        _owned.stdin.close()  # the end of its input: it leaves, once its imports are done (killed if not soon)
+        _owned.stdin.close()  # the end of its input: it leaves
+        if at_once:
+            _owned.kill()
         try:
             _owned.wait(timeout=_STOP_WAIT_S)
         except subprocess.TimeoutExpired:
@@ -240,7 +288,8 @@ def server_prestarted(wanted: bool = True) -> Iterator[None]:
         yield
     finally:
         if started and not _owned_forked:
-            stop_server()
+            with _owned_lock:
+                _stop_owned(at_once=True)  # it forked nothing: nothing of it is worth its imports' wait
 
 
 # The server's side.
@@ -277,6 +326,7 @@ def _serve(directory: str) -> None:
                 conn = listener.accept()[0]
             except OSError:  # out of descriptors, say: that requester starts a fresh interpreter
                 continue
+            conn.settimeout(_SERVER_IO_TIMEOUT_S)  # a requester that stalls mid-request holds up no other
             pid = _fork_for(conn, environment, set_by_imports, threads,
                             own_fds + [c.fileno() for c in children.values()])
             if pid is None:
@@ -302,40 +352,45 @@ def _same_environment(env: dict[str, str], environment: dict[str, str], set_by_i
 def _fork_for(conn: socket.socket, environment: dict[str, str], set_by_imports: dict[str, str], threads: int,
               own_fds: list[int]) -> Optional[int]:
     """Forks the child ``conn`` asks for (where its requester's ``environment`` is the server's) and answers its pid
-    and pidfd; None (and no child) where it may not."""
+    and pidfd; None (and no child) where it may not or the request is malformed (that requester then starts a fresh
+    interpreter; the server serves on)."""
+    fds: list[int] = []
     try:
-        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, 3)
+        header, fds = _receive_with_fds(conn, _HEADER.size, 3)
         length = _HEADER.unpack(header)[0]
         payload = b""
         while len(payload) < length:
             chunk = conn.recv(length - len(payload))
             if not chunk:
-                raise OSError("short request")
+                return None
             payload += chunk
         module, args, env, cwd = pickle.loads(payload)
-    except (OSError, struct.error, pickle.UnpicklingError):
-        return None
-    try:
         # A thread that holds a lock at the fork (a Python thread, an OpenMP pool) deadlocks the child.
         if (len(fds) != 3 or not _same_environment(env, environment, set_by_imports) or threading.active_count() != 1
-                or len(os.listdir("/proc/self/task")) > threads):
+                or len(os.listdir("/proc/self/task")) > threads or _peer_closed(conn)):
             return None
-        try:
-            pid = os.fork()
-        except OSError:  # out of processes or memory: the requester's fresh interpreter will say which
-            return None
+        pid = os.fork()
         if pid == 0:
             _run_child(module, args, {**env, **set_by_imports}, cwd, fds, own_fds + [conn.fileno()])
+    except Exception:  # any malformed request; a fork out of processes or memory
+        return None
+    finally:
+        for fd in fds:  # the requester's streams, the child's now (never reached in the child, which exits)
+            os.close(fd)
+    try:
         pidfd = os.pidfd_open(pid)  # before we reap it: the pid is this child's until then
         try:
             socket.send_fds(conn, [_HEADER.pack(pid)], [pidfd])
-        except OSError:
-            pass  # the requester went: its child still runs, and is reaped here
-        os.close(pidfd)
-        return pid
-    finally:
-        for fd in fds:
-            os.close(fd)
+        finally:
+            os.close(pidfd)
+    except OSError:  # the requester went (an interrupt while it waited): a child nobody owns must not run
+        os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _peer_closed(conn: socket.socket) -> bool:
+    """Whether the requester has gone (an interrupt while it waited for the server's imports)."""
+    return bool(select.select([conn], [], [], 0)[0]) and conn.recv(1, socket.MSG_PEEK) == b""
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -377,6 +432,7 @@ def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, fds:
         os.environ[SOCKET_ENV] = _server_socket
         setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
         sys.argv = [module, *args]
+        sys.path[0] = cwd  # `python -m`'s first entry: the directory it was started in
         # runpy warns that the module it runs as __main__ is imported already: here that is the point
         warnings.filterwarnings("ignore", "'.*' found in sys.modules after import of package", RuntimeWarning)
         runpy.run_module(module, run_name="__main__", alter_sys=True)

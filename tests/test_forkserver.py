@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import tempfile
 
 import psutil
 import pytest
@@ -87,3 +91,60 @@ def test_spawn_starts_fresh_interpreters_and_a_bad_method_is_an_error_before_any
     with pytest.raises(ValueError, match="MULTIPROC_METHOD must be one of forkserver, spawn; got 'fork'"):
         LLM(dtype="float32")
     assert psutil.Process().children(recursive=True) == children
+
+
+def test_a_malformed_or_abandoned_request_leaves_the_server_serving(capfd):
+    """A request that is not what the server reads (here a pickled pair), or whose requester went before its answer,
+    gets no child, and the server serves the next one."""
+    address, server = forkserver._server_address(), forkserver._owned
+    bad = pickle.dumps(("a", "pair"))
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.connect(address)
+        socket.send_fds(conn, [struct.pack("!q", len(bad))], [0, 1, 2])
+        conn.sendall(bad)
+        assert conn.recv(8) == b""  # refused: the connection closed without an answer
+    proc = start_process(CHILD, ["0", "0"])  # had the server died of it, this would be a fresh interpreter
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0 and forkserver._owned is server
+
+
+def test_the_child_imports_from_the_requesters_directory(tmp_path, monkeypatch, capfd):
+    """`python -m` puts the directory it was started in first on sys.path: so does a forked child, whose server
+    started elsewhere."""
+    (tmp_path / "forkserver_local_child.py").write_text("import os, sys\nprint(os.getcwd(), sys.path[0])\n")
+    monkeypatch.chdir(tmp_path)
+    proc = start_process("forkserver_local_child", [])
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert capfd.readouterr().out.split() == [str(tmp_path), str(tmp_path)]
+
+
+def test_a_process_forked_from_the_owner_leaves_its_server_alone(capfd):
+    """A child of the owner (os.fork, multiprocessing's fork) neither stops nor takes its server."""
+    address = forkserver._server_address()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if forkserver._owned is None else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert os.path.exists(address) and forkserver._owned.poll() is None
+    assert isinstance(start_process(CHILD, ["0", "0"]), ForkedProcess)
+
+
+def test_a_deep_temporary_directory_puts_the_socket_under_tmp(tmp_path, monkeypatch, capfd):
+    """AF_UNIX paths end at 107 bytes: a server whose temporary directory is deeper still starts, under /tmp."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    forkserver.stop_server()
+    proc = start_process(CHILD, ["0", "0"])
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    assert forkserver._owned_dir.startswith("/tmp/pagedllm-fs-")
+
+
+def test_a_stalled_requester_holds_up_no_other_and_passed_descriptors_are_not_inherited(capfd):
+    """A requester that connected and sent nothing (stopped, say) is dropped after the server's I/O timeout, so the
+    next request is served; the pidfd a requester receives does not leak into the processes it starts."""
+    address = forkserver._server_address()
+    with socket.socket(socket.AF_UNIX) as stalled:
+        stalled.connect(address)
+        proc = start_process(CHILD, ["0", "0"])
+        assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+        assert not os.get_inheritable(proc._pidfd)
