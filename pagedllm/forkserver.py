@@ -116,6 +116,9 @@ class ForkedProcess:
         except OSError:
             conn.close()
             return None
+        except BaseException:  # an interrupt while the server imports: it forks nothing for a connection closed
+            conn.close()
+            raise
         if len(answer) < _HEADER.size or not fds:  # refused (the server closes its side), or it died meanwhile
             for fd in fds:
                 os.close(fd)

@@ -117,8 +117,13 @@ class MPClient:
         config_path = os.path.join(self._ipc_dir, "config.pkl")
         with open(config_path, "wb") as f:
             pickle.dump((config, input_address, output_address, os.getpid()), f)
-        self.proc = start_engine_core(config_path)
         self._output_thread_handle: Optional[threading.Thread] = None
+        self.proc: Optional[Process] = None
+        try:
+            self.proc = start_engine_core(config_path)
+        except BaseException:  # a Ctrl-C or SIGTERM while the fork server still imports: the sockets, their ZMQ
+            self.shutdown()  # context (whose collection would wait on them for ever) and the directory go with it
+            raise
         if wait:
             self.wait_until_ready()
 
@@ -245,7 +250,8 @@ class MPClient:
         if self._closing:
             return
         self._closing = True
-        stop_processes([self.proc], "EngineCore", STOP_TIMEOUT_S if timeout is None else timeout)
+        if self.proc is not None:
+            stop_processes([self.proc], "EngineCore", STOP_TIMEOUT_S if timeout is None else timeout)
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
         self._input_socket.close(linger=0)

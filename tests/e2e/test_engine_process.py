@@ -5,6 +5,7 @@ import gc
 import os
 import re
 import subprocess
+import tempfile
 import threading
 import time
 
@@ -13,6 +14,8 @@ import psutil
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.engine import core_client
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import multiprocessing_enabled
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
@@ -26,6 +29,22 @@ def mp_llm(monkeypatch):
     llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
     yield llm
     llm.shutdown()
+
+
+def test_an_interrupt_while_the_engine_process_is_asked_for_leaves_nothing(monkeypatch, tmp_path):
+    """A Ctrl-C (or the server's SIGTERM) while the client waits for its engine process (the fork server still
+    importing) stops the client: its sockets and their ZMQ context closed (a context collected with sockets open
+    waits on them for ever: a server that hung instead of exiting) and its directory removed."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def interrupted(config_path: str):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(core_client, "start_engine_core", interrupted)
+    config = EngineArgs(dtype="float32", max_model_len=256, kv_cache_memory="32MiB").create_engine_config()
+    with pytest.raises(KeyboardInterrupt):
+        core_client.MPClient(config, lambda outputs: None)
+    assert list(tmp_path.iterdir()) == []  # the IPC directory, removed by shutdown (which also closed the sockets)
 
 
 def test_llm_runs_the_engine_core_in_a_child_process(mp_llm):
