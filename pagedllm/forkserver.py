@@ -13,8 +13,9 @@ it has no thread but those its imports started.
 Invariants:
 - A forked child sees what a fresh interpreter would see, or it is not forked: a module may read a variable at import
   (torch's OpenMP settings, pagedllm's PAGEDLLM_* limits), so the server forks only for a requester whose environment
-  is the one it imported under (PYTEST_CURRENT_TEST aside); anything else, and any failure to reach the server,
-  starts a fresh interpreter instead (``start_process``), so the server only ever saves time.
+  is the one it imported under (the few variables no import reads aside, _IGNORED_ENV); anything else, and any
+  failure to reach the server, starts a fresh interpreter instead (``start_process``), so the server only ever
+  saves time.
 - The server is reachable only by its user (a socket in a 0700 directory: a request names code to run).
 - Nothing outlives its owner: the server leaves when the process that started it is gone (the end of its stdin);
   its children watch their own parents (core_proc.exit_when_parent_dies) and are no concern of its lifetime. It
@@ -50,11 +51,11 @@ PRELOAD = ("pagedllm.engine.core_proc", "pagedllm.executor.worker_proc", "pagedl
            "pagedllm.worker.worker")
 SOCKET_ENV = "PAGEDLLM_FORKSERVER_SOCKET"  # a forked child's way back to its server, for processes it starts
 
-_HEADER = struct.Struct("!q")  # a request's payload length; the server's answer: the child's pid (0: refused)
+_HEADER = struct.Struct("!q")  # a request's payload length; the server's answer: the child's pid (or a close: refused)
 _EXIT = struct.Struct("!i")  # the child's exit code, negative for a signal (Popen's returncode)
 
-_STOP_WAIT_S = 1.0
-_SERVER_IO_TIMEOUT_S = 5.0
+_STOP_WAIT_S = 1.0  # for a server told to stop to go, before it is killed
+_SERVER_IO_TIMEOUT_S = 5.0  # the server's side of a request: a requester that stalls holds up no other
 _REQUEST_TIMEOUT_S = 300  # a server that has not answered by then (its imports stuck) is passed over
 # The server runs under the environment this process had when it imported pagedllm: what a caller sets later
 # (a test's monkeypatch, a script's os.environ before one of its engines) gets that request a fresh interpreter
@@ -145,7 +146,7 @@ class ForkedProcess:
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            # A bounded wait, so that a wait that began before the server went notices it
+            # Bounded: another thread's poll may take what this select saw
             select.select([self._pidfd if self._server_gone else self._conn], [], [],
                           0.1 if remaining is None else min(remaining, 0.1))
         return self.returncode
