@@ -2,7 +2,7 @@
 server (forkserver.py) against fresh interpreters (PAGEDLLM_WORKER_MULTIPROC_METHOD=spawn), taking turns in one
 process. The first engine (which starts the fork server) is a warm-up and not counted: it costs the same either way.
 
-    python benchmarks/bench_engine_start.py [--rounds 3] [--tensor-parallel-size 2]
+    python benchmarks/bench_engine_start.py [--rounds 3] [--tensor-parallel-size 3]
 """
 from __future__ import annotations
 
