@@ -546,7 +546,9 @@ def test_force_include_usage_ends_every_stream_with_its_usage(flags_server):
         chunks = [json.loads(line[len("data: "):]) for line in response.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[-1]["choices"] == []
-    assert [chunk["usage"]["completion_tokens"] for chunk in chunks[:-1]] == [1, 2]
+    # a token a chunk, or fewer chunks where the stream fell behind and its deltas merged (RequestOutputCollector)
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks[:-1]]
+    assert counts in ([1, 2], [2])
     # no details asked for: none sent, not nulls (vLLM's chunks leave them out)
     assert not {"prompt_tokens_details", "completion_tokens_details"} & set(chunks[-1]["usage"])
 

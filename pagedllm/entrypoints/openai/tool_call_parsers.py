@@ -99,7 +99,8 @@ class Llama3JsonToolParser(ToolCallParser):
         that begins at a "{" outside the objects before it, wherever it is, is a call {"name": ..., "arguments" (else
         "parameters"): ...}, whose arguments are json.dumps's form of that value; the text around the calls is no
         content. Where a "{" begins no JSON, or an object has no name or neither key, all of the text is content,
-        without calls."""
+        without calls. Two objects with nothing between them are two calls (vLLM's loop skips a "{" right after an
+        object, an off-by-one that makes such an answer content)."""
         decoder, calls, end = json.JSONDecoder(), [], 0
         for start in (i for i, c in enumerate(text) if c == "{"):
             if start < end:
