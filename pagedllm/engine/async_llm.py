@@ -2,7 +2,8 @@
 
 Requests are tokenized here (never in the engine process) and sent to the EngineCore process; one background
 task pulls the engine's output batches, detokenizes them in the OutputProcessor and routes each RequestOutput
-to its request's queue. A consumer that stops iterating (client disconnect) aborts its request in the engine.
+to its request's RequestOutputCollector, which merges those its consumer has not taken yet (vLLM's). A consumer
+that stops iterating (client disconnect) aborts its request in the engine.
 """
 from __future__ import annotations
 
@@ -50,8 +51,12 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
-        self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
-        log_engine_initialized(self.stat_loggers)
+        try:
+            self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
+            log_engine_initialized(self.stat_loggers)
+        except BaseException:  # a user's logger that fails: the engine it was to watch stops with it
+            engine_core.shutdown()
+            raise
         self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers),
                                                 stream_interval=config.scheduler_config.stream_interval)
         self.engine_core = engine_core
@@ -83,7 +88,8 @@ class AsyncLLM:
                          disable_log_stats: bool = False) -> "AsyncLLM":
         """vLLM's: the AsyncLLM of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), its engine
         started; as from_engine_args, with vLLM's default stat loggers, after ``stat_loggers``', unless
-        ``disable_log_stats`` (vLLM's StatLoggerManager: its custom loggers then run alone)."""
+        ``disable_log_stats``, when the custom loggers run alone (vLLM's StatLoggerManager keeps its Prometheus logger
+        then, unless a custom logger is one)."""
         stat_loggers = list(stat_loggers or ()) + ([] if disable_log_stats else default_stat_loggers())
         engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_async_client)
         return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)

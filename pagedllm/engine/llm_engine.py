@@ -54,9 +54,14 @@ class LLMEngine:
         if self.log_stats:
             self.log_line = LoggingStatLogger(config.parallel_config.data_parallel_size, log_stats_interval,
                                               timer=False)
-            self.stat_loggers = [PrometheusStatLogger.from_config(config.model_config.model, self.registry, config),
-                                 self.log_line] + [make_logger(config) for make_logger in stat_loggers or ()]
-            log_engine_initialized(self.stat_loggers)
+            try:
+                self.stat_loggers = [PrometheusStatLogger.from_config(config.model_config.model, self.registry,
+                                                                      config), self.log_line]
+                self.stat_loggers += [make_logger(config) for make_logger in stat_loggers or ()]
+                log_engine_initialized(self.stat_loggers)
+            except BaseException:  # a user's logger that fails: the engine it was to watch stops with it
+                engine_core.shutdown()
+                raise
         # The engine core stops with this object: on shutdown(), when it is garbage-collected, or at the
         # interpreter's exit, whichever comes first (the finalizer holds the engine core, not this object).
         self._finalizer = weakref.finalize(self, engine_core.shutdown)

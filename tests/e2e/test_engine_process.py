@@ -20,7 +20,7 @@ from pagedllm.engine.core_client import multiprocessing_enabled
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
-from tests.e2e.parallel_helpers import command_line, wait_until
+from tests.e2e.parallel_helpers import command_line, engine_processes, wait_until
 
 
 @pytest.fixture
@@ -602,7 +602,7 @@ class VllmStatLogger:
         self.logs += 1
 
 
-def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers():
+def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers(monkeypatch):
     """vLLM's stat_loggers (LLMEngine's and AsyncLLM's from_vllm_config and from_engine_args): each factory's logger
     is told the engine has started, records every step with the engine's index as vLLM's keyword engine_idx (its
     mm_cache_stats left None), and logs on do_log_stats(); vLLM's default loggers run beside it."""
@@ -611,6 +611,8 @@ def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers():
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
+
+    monkeypatch.setenv("PAGEDLLM_LOG_STATS_INTERVAL", "3600")  # no interval's log beside do_log_stats()'s
 
     def check(stat_logger: VllmStatLogger) -> None:
         assert stat_logger.initialized and stat_logger.logs == 1
@@ -642,3 +644,28 @@ def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers():
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_a_stat_logger_that_fails_stops_the_engine_it_was_to_watch():
+    """A user's logger factory that raises fails the engine's construction and leaves no engine process (it was left
+    running: the engine's finalizer came after the loggers)."""
+    import asyncio
+
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    def failing(config):
+        raise RuntimeError("the logger failed")
+
+    engine_args = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    before = {p.pid for p in engine_processes()}
+    with pytest.raises(RuntimeError, match="the logger failed"):
+        LLMEngine.from_engine_args(engine_args, stat_loggers=[failing])
+
+    async def run() -> None:
+        with pytest.raises(RuntimeError, match="the logger failed"):
+            AsyncLLM.from_engine_args(engine_args, stat_loggers=[failing])
+
+    asyncio.run(run())
+    assert {p.pid for p in engine_processes()} <= before

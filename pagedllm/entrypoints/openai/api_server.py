@@ -399,7 +399,7 @@ async def run_server(args: argparse.Namespace) -> None:
     sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
     engine_client = watchdog = None
     try:
-        # The server's loggers alone, as vLLM's AsyncLLM runs custom loggers without its defaults when stats are off.
+        # The server's loggers alone (its own Prometheus logger among them, with which vLLM's AsyncLLM adds none).
         engine_args = dataclasses.replace(serve_engine_args(args), disable_log_stats=True)
         engine_client = AsyncLLM.from_engine_args(engine_args, stat_loggers=stat_loggers)
         app = build_app(engine_client, registry, served_model_names, args, chat_template, api_keys_from(args),
