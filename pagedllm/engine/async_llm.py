@@ -95,7 +95,7 @@ class AsyncLLM:
         return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)
 
     def get_tokenizer(self) -> Any:
-        """vLLM's: the tokenizer (Processor.get_tokenizer); ``tokenizer`` is None with skip_tokenizer_init."""
+        """vLLM's: the tokenizer (Processor.get_tokenizer), a ValueError with skip_tokenizer_init."""
         return self.processor.get_tokenizer()
 
     def get_num_unfinished_requests(self) -> int:

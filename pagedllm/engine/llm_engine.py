@@ -91,7 +91,7 @@ class LLMEngine:
         return cls(vllm_config, tokenizer, engine_core, interval, stat_loggers)
 
     def get_tokenizer(self) -> Any:
-        """vLLM's: the tokenizer (Processor.get_tokenizer); ``tokenizer`` is None with skip_tokenizer_init."""
+        """vLLM's: the tokenizer (Processor.get_tokenizer), a ValueError with skip_tokenizer_init."""
         return self.processor.get_tokenizer()
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
