@@ -18,15 +18,18 @@ Invariants:
   saves time.
 - The server is reachable only by its user (a socket in a 0700 directory: a request names code to run).
 - Nothing outlives its owner: the server leaves when the process that started it is gone (the end of its stdin);
-  its children watch their own parents (core_proc.exit_when_parent_dies) and are no concern of its lifetime. It
+  its children watch their requesters (the pid their config names: core_proc.exit_when_parent_dies) and are no
+  concern of its lifetime. It
   reaps each child and tells the requester its exit code, as a Popen would have got it.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import os
 import pickle
+import resource
 import runpy
 import select
 import shutil
@@ -66,18 +69,20 @@ Process = Union[subprocess.Popen, "ForkedProcess"]
 
 
 METHOD_ENV = "PAGEDLLM_WORKER_MULTIPROC_METHOD"  # vLLM's VLLM_WORKER_MULTIPROC_METHOD, with our methods
-METHODS = ("forkserver", "spawn")  # spawn: every engine and worker a fresh interpreter
+# spawn: every engine and worker a fresh interpreter; vLLM's fork: ours is the fork server's
+METHODS = ("forkserver", "fork", "spawn")
 # What may differ between the server's environment and a requester's: no import of the server's reads them
 # (TORCHINDUCTOR_CACHE_DIR: torch's inductor writes its default there in a process that compiled).
 _IGNORED_ENV = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", SOCKET_ENV, METHOD_ENV}
 
 
 def multiproc_method() -> str:
-    """How engine and worker processes start: PAGEDLLM_WORKER_MULTIPROC_METHOD, "forkserver" unless set."""
+    """How engine and worker processes start: PAGEDLLM_WORKER_MULTIPROC_METHOD, "forkserver" unless set ("fork",
+    vLLM's default, means the same here: the engine's own process is never forked)."""
     method = os.environ.get(METHOD_ENV, "forkserver")
     if method not in METHODS:
         raise ValueError(f"{METHOD_ENV} must be one of {', '.join(METHODS)}; got {method!r}")
-    return method
+    return "forkserver" if method == "fork" else method
 
 
 def start_process(module: str, args: list[str]) -> Process:
@@ -110,7 +115,7 @@ class ForkedProcess:
         conn.settimeout(_REQUEST_TIMEOUT_S)
         try:
             conn.connect(address)
-            payload = pickle.dumps((module, args, dict(os.environ), os.getcwd()))
+            payload = pickle.dumps((module, args, dict(os.environ), os.getcwd(), _process_settings()))
             socket.send_fds(conn, [_HEADER.pack(len(payload))], [0, 1, 2])
             conn.sendall(payload)
             answer, fds = _receive_with_fds(conn, _HEADER.size, 1)
@@ -166,6 +171,28 @@ class ForkedProcess:
         with contextlib.suppress(OSError, AttributeError):
             os.close(self._pidfd)
             self._conn.close()
+
+
+def _process_settings() -> tuple:
+    """What a child inherits from its parent besides the environment, cwd and streams: the CPUs it may run on (the
+    tensor-parallel ranks' cores are chosen among them), its umask, its open-files limit."""
+    umask = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("Umask:")), 8)
+    return os.sched_getaffinity(0), umask, resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def _may_apply(settings: tuple) -> bool:
+    """Whether a child of this server can take a requester's settings: a hard limit above this process's cannot be
+    set without privilege."""
+    wanted, own = settings[2][1], resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return own == resource.RLIM_INFINITY or wanted != resource.RLIM_INFINITY and wanted <= own
+
+
+def _apply_process_settings(settings: tuple) -> None:
+    """In a forked child: its requester's settings (_process_settings), as a fresh interpreter would inherit them."""
+    cpus, umask, open_files = settings
+    os.sched_setaffinity(0, cpus)
+    os.umask(umask)
+    resource.setrlimit(resource.RLIMIT_NOFILE, open_files)
 
 
 def _receive_with_fds(conn: socket.socket, size: int, max_fds: int) -> tuple[bytes, list[int]]:
@@ -241,6 +268,7 @@ def start_server() -> Optional[str]:
             return os.path.join(_owned_dir, "socket")
         _stop_owned()
         _owned_dir = _socket_directory()
+        atexit.register(shutil.rmtree, _owned_dir, ignore_errors=True)  # where the server was killed, so cannot
         _owned = subprocess.Popen([sys.executable, "-m", "pagedllm.forkserver", _owned_dir], stdin=subprocess.PIPE,
                                   start_new_session=True, env=_ENVIRONMENT_AT_IMPORT)
         _owned_forked = False
@@ -258,7 +286,7 @@ def _socket_directory() -> str:
 
 
 def stop_server() -> None:
-    """Stops this process's fork server (its children live on: they watch their own parents)."""
+    """Stops this process's fork server (its children live on: they watch their requesters)."""
     with _owned_lock:
         _stop_owned()
 
@@ -286,8 +314,9 @@ def server_prestarted(wanted: bool = True) -> Iterator[None]:
     """An entry point's block that will start engine processes: the fork server starts on entry (its imports beside
     the entry point's), and where the block leaves without having forked anything from a server it started (a bad
     argument), the server goes with it."""
-    started = (wanted and multiproc_method() == "forkserver" and (_owned is None or _owned.poll() is not None)
-               and start_server() is not None)
+    # A bad method starts none here: the engine's start says so (a ValueError before any process).
+    started = (wanted and os.environ.get(METHOD_ENV, "forkserver") in ("forkserver", "fork")
+               and (_owned is None or _owned.poll() is not None) and start_server() is not None)
     try:
         yield
     finally:
@@ -368,14 +397,14 @@ def _fork_for(conn: socket.socket, environment: dict[str, str], set_by_imports: 
             if not chunk:
                 return None
             payload += chunk
-        module, args, env, cwd = pickle.loads(payload)
+        module, args, env, cwd, settings = pickle.loads(payload)
         # A thread that holds a lock at the fork (a Python thread, an OpenMP pool) deadlocks the child.
         if (len(fds) != 3 or not _same_environment(env, environment, set_by_imports) or threading.active_count() != 1
-                or len(os.listdir("/proc/self/task")) > threads or _peer_closed(conn)):
+                or len(os.listdir("/proc/self/task")) > threads or not _may_apply(settings) or _peer_closed(conn)):
             return None
         pid = os.fork()
         if pid == 0:
-            _run_child(module, args, {**env, **set_by_imports}, cwd, fds, own_fds + [conn.fileno()])
+            _run_child(module, args, {**env, **set_by_imports}, cwd, settings, fds, own_fds + [conn.fileno()])
     except Exception:  # any malformed request; a fork out of processes or memory
         return None
     finally:
@@ -412,7 +441,7 @@ def _reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, fds: list[int],
+def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, settings: tuple, fds: list[int],
                server_fds: list[int]) -> None:
     """In the forked child: become ``python -m module *args`` started by the requester, run it, exit. The server's
     descriptors are closed here; the socket objects that held them stay referenced by the server's frames, which
@@ -431,6 +460,7 @@ def _run_child(module: str, args: list[str], env: dict[str, str], cwd: str, fds:
                 os.close(fd)
         os.setsid()
         os.chdir(cwd)
+        _apply_process_settings(settings)
         os.environ.clear()
         os.environ.update(env)
         os.environ[SOCKET_ENV] = _server_socket

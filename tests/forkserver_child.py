@@ -10,7 +10,8 @@ import time
 import psutil
 
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "variable": os.environ.get("FORKSERVER_TEST_VARIABLE"),
-                  "torch_imported": "torch" in sys.modules,
+                  "torch_imported": "torch" in sys.modules, "cpus": sorted(os.sched_getaffinity(0)),
+                  "umask": os.umask(0o022),
                   "command_line": " ".join(psutil.Process().cmdline()).split()}), flush=True)
 time.sleep(float(sys.argv[1]))
 if sys.argv[2] == "raise":

@@ -64,7 +64,7 @@ def test_exit_codes_signals_and_waits_as_popen_gives_them(capfd):
 
 def test_the_server_goes_with_a_block_that_forked_nothing_and_at_the_end_of_its_input(capfd):
     """An entry point's block that failed before starting an engine leaves no process; a server whose owner is gone
-    (its input ended) leaves, and the children it forked live on (they watch their own parents)."""
+    (its input ended) leaves, and the children it forked live on (they watch their requesters)."""
     forkserver.stop_server()
     with server_prestarted():
         server = forkserver._owned
@@ -86,16 +86,16 @@ def test_spawn_starts_fresh_interpreters_and_a_bad_method_is_an_error_before_any
     monkeypatch.setenv(forkserver.METHOD_ENV, "spawn")
     proc = start_process(CHILD, ["0", "0"])
     assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0 and forkserver._owned is None
-    monkeypatch.setenv(forkserver.METHOD_ENV, "fork")
+    monkeypatch.setenv(forkserver.METHOD_ENV, "thread")
     children = psutil.Process().children(recursive=True)
-    with pytest.raises(ValueError, match="MULTIPROC_METHOD must be one of forkserver, spawn; got 'fork'"):
+    with pytest.raises(ValueError, match="MULTIPROC_METHOD must be one of forkserver, fork, spawn; got 'thread'"):
         LLM(dtype="float32")
     assert psutil.Process().children(recursive=True) == children
 
 
-def test_a_malformed_or_abandoned_request_leaves_the_server_serving(capfd):
-    """A request that is not what the server reads (here a pickled pair), or whose requester went before its answer,
-    gets no child, and the server serves the next one."""
+def test_a_malformed_request_leaves_the_server_serving(capfd):
+    """A request that is not what the server reads (here a pickled pair) gets no child, and the server serves the
+    next one."""
     address, server = forkserver._server_address(), forkserver._owned
     bad = pickle.dumps(("a", "pair"))
     with socket.socket(socket.AF_UNIX) as conn:
@@ -148,3 +148,19 @@ def test_a_stalled_requester_holds_up_no_other_and_passed_descriptors_are_not_in
         proc = start_process(CHILD, ["0", "0"])
         assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
         assert not os.get_inheritable(proc._pidfd)
+
+
+def test_a_child_runs_on_the_requesters_cpus_with_its_umask(capfd):
+    """What a fresh interpreter inherits besides the environment: the CPUs (a tensor-parallel rank's cores are
+    chosen among them) and the umask, the requester's at the request, not the server's at its start."""
+    forkserver._server_address()
+    cpus, umask = os.sched_getaffinity(0), os.umask(0o077)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        proc = start_process(CHILD, ["0", "0"])
+    finally:
+        os.sched_setaffinity(0, cpus)
+        os.umask(umask)
+    assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
+    report = _report(capfd)
+    assert report["cpus"] == [min(cpus)] and report["umask"] == 0o077

@@ -13,6 +13,7 @@ import sys
 from typing import Optional
 
 from pagedllm.engine.launch import engine_core_prestarted
+from pagedllm.forkserver import multiproc_method
 from pagedllm.gc_utils import gc_paused
 
 # The commands that start an engine process: theirs starts before this module's other imports (launch.py), which
@@ -199,6 +200,7 @@ def _run_command(argv: list[str]) -> None:
     if args.command in ("serve", "run-batch"):
         try:  # before the model loads
             (validate_parsed_serve_args if args.command == "serve" else validate_serving_args)(args)
+            multiproc_method()  # a bad PAGEDLLM_WORKER_MULTIPROC_METHOD, named before any process starts
         except ValueError as e:
             config_parsers[args.command].error(str(e))
     (args.bench_func if args.command == "bench" else args.func)(args)
