@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import weakref
 from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Union
@@ -401,10 +402,11 @@ class AsyncLLM:
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Ends in-flight requests with finish_reason "abort", then stops the engine process, killing it if it has not
-        exited within ``timeout`` seconds (vLLM's; None: the default wait). A ``timeout`` that is no number is a
-        ValueError, nothing stopped."""
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
-            raise ValueError(f"timeout must be a number of seconds or None, got {timeout!r}")
+        exited within ``timeout`` seconds (vLLM's; None: the default wait). A ``timeout`` that is no finite number of
+        seconds, 0 or more, is a ValueError, nothing stopped."""
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not math.isfinite(timeout) or timeout < 0):
+            raise ValueError(f"timeout must be a number of seconds (0 or more) or None, got {timeout!r}")
         self._dead_error = EngineDeadError("The engine is shut down.")
         self.output_processor.abort_all()
         if self._finalizer.detach() is not None:

@@ -56,6 +56,12 @@ def assign_request_id(request: EngineCoreRequest) -> EngineCoreRequest:
                                    external_req_id=request.request_id)
 
 
+
+def check_tokenization_kwargs(tokenization_kwargs: Any) -> None:
+    """A ValueError naming ``tokenization_kwargs`` unless it is a dict or None (the tokenizer's keyword arguments)."""
+    if not isinstance(tokenization_kwargs, (dict, type(None))):
+        raise ValueError(f"tokenization_kwargs must be a dict, got {tokenization_kwargs!r}.")
+
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: Optional[LoRAConfig] = None,
                  reasoning_config: Optional[ReasoningConfig] = None) -> None:
@@ -266,8 +272,7 @@ class Processor:
         if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
         priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there
-        if not isinstance(tokenization_kwargs, (dict, type(None))):
-            raise ValueError(f"tokenization_kwargs must be a dict, got {tokenization_kwargs!r}.")
+        check_tokenization_kwargs(tokenization_kwargs)
         text, token_ids = self.tokenize(prompt, tokenization_kwargs)
         self.validate_prompt(token_ids)
         cache_salt = cache_salt_of(prompt)

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import cache_salt_of
+from pagedllm.engine.processor import cache_salt_of, check_tokenization_kwargs
 from pagedllm.gc_utils import gc_paused
 from pagedllm.entrypoints.openai.chat_utils import (conversation, load_chat_template,
                                                    resolve_chat_template_content_format, template_variables)
@@ -234,6 +234,7 @@ class LLM:
                       tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
                       tokenization_kwargs: Optional[dict[str, Any]], use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
         """chat()'s prompts: each conversation's rendered text and its token ids."""
+        check_tokenization_kwargs(tokenization_kwargs)  # before it is spread into the tokenizer's call
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": self.chat_template if chat_template is None else chat_template, "tools": tools,

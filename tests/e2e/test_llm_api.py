@@ -70,6 +70,8 @@ def test_chat_and_enqueue_chat_take_tokenization_and_mm_processor_kwargs(llm):
     assert [o.prompt_token_ids for o in llm.wait_for_completion(use_tqdm=False)] == [full[:5]]
     with pytest.raises(ValueError, match="mm_processor_kwargs must be a dict"):
         llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs="x")
+    with pytest.raises(ValueError, match=r"tokenization_kwargs must be a dict, got \['max_length'\]"):  # as generate()
+        llm.chat(messages, params, use_tqdm=False, tokenization_kwargs=["max_length"])
 
 
 def test_chat_continues_the_final_message_only_without_a_generation_prompt(llm):
@@ -741,12 +743,15 @@ class SilentEngineCore:
 
 def test_async_llm_shutdown_takes_vllms_timeout(llm):
     """vLLM's AsyncLLM.shutdown(timeout): the engine core gets it (the wait for its process before a kill), once; one
-    that is no number is a ValueError, nothing stopped."""
+    that is no finite number of seconds, 0 or more (NaN or a negative one killed the engine at once), is a
+    ValueError, nothing stopped."""
     async def run() -> list:
         core = SilentEngineCore()
         engine = AsyncLLM(llm.llm_engine.config, llm.get_tokenizer(), core)
-        with pytest.raises(ValueError, match="timeout must be a number of seconds or None, got 'soon'"):
-            engine.shutdown(timeout="soon")
+        for bad in ("soon", float("nan"), -1):
+            with pytest.raises(ValueError, match=rf"timeout must be a number of seconds \(0 or more\) or None, got "
+                                                 rf"{re.escape(repr(bad))}"):
+                engine.shutdown(timeout=bad)
         assert engine.is_running
         engine.shutdown(timeout=2.5)
         engine.shutdown()
