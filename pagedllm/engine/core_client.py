@@ -247,11 +247,10 @@ class MPClient:
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """Stops the engine process: SIGTERM, then a kill if it has not exited within ``timeout`` seconds (vLLM's;
         None: STOP_TIMEOUT_S)."""
-        if self._closing:
-            return
-        self._closing = True
-        if self.proc is not None:
-            stop_processes([self.proc], "EngineCore", STOP_TIMEOUT_S if timeout is None else timeout)
+        stop_clients([self], timeout)
+
+    def _close(self) -> None:
+        """What is left once the engine process is gone: the output thread, the sockets, the directory."""
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
         self._input_socket.close(linger=0)
@@ -259,6 +258,19 @@ class MPClient:
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
+
+
+def stop_clients(clients: list[MPClient], timeout: Optional[float] = None) -> None:
+    """Stops the engine processes of ``clients`` together (SIGTERM to all, then one wait within ``timeout``, vLLM's
+    engine manager's), then closes what each held; a client already shut down is left as it is. Each is marked
+    closing first, so that its monitor takes the process's exit for the shutdown it is, not a death."""
+    clients = [client for client in clients if not client._closing]
+    for client in clients:
+        client._closing = True
+    stop_processes([client.proc for client in clients if client.proc is not None], "EngineCore",
+                   STOP_TIMEOUT_S if timeout is None else timeout)
+    for client in clients:
+        client._close()
 
 class SyncMPClient:
     """For the synchronous LLMEngine: get_output() blocks until the engine's next batch of outputs."""

@@ -13,7 +13,6 @@ import asyncio
 import copy
 import itertools
 import queue
-import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from typing import Any, Optional
@@ -21,7 +20,7 @@ from typing import Any, Optional
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_client import MPClient
+from pagedllm.engine.core_client import MPClient, stop_clients
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import WorkerMethod
@@ -181,10 +180,9 @@ class _DPClientBase:
         return [engine.collective_rpc(method, timeout, args, kwargs) for engine in self._live()]
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
-        """Stops every engine within one ``timeout`` (vLLM's engine manager waits for all its processes together)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for engine in self.engines:
-            engine.shutdown(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        """Stops every engine within one ``timeout``: all told at once, then waited for together (vLLM's engine
+        manager's), so that a slow first engine does not spend the others' grace."""
+        stop_clients(self.engines, timeout)
 
 
 def combine_utility_results(method: str, results: list) -> Any:

@@ -669,3 +669,40 @@ def test_a_stat_logger_that_fails_stops_the_engine_it_was_to_watch():
 
     asyncio.run(run())
     assert {p.pid for p in engine_processes()} <= before
+
+
+def test_data_parallel_engines_are_stopped_together_within_one_timeout():
+    """A data-parallel client's shutdown tells every engine process (SIGTERM) before it waits for any, as vLLM's
+    engine manager does: it told engine k only once engine k-1 had exited, so a slow first engine spent the others'
+    grace. Each engine's sockets close after."""
+    from pagedllm.engine.dp_client import DPSyncMPClient
+
+    events: list[tuple[str, str]] = []
+
+    class Process:  # the parts of a Popen stop_processes uses
+        def __init__(self, name: str) -> None:
+            self.name, self.pid, self.returncode = name, 0, None
+
+        def poll(self):
+            return self.returncode
+
+        def terminate(self) -> None:
+            events.append(("SIGTERM", self.name))
+
+        def wait(self, timeout=None) -> int:
+            events.append(("exited", self.name))
+            self.returncode = 0
+            return 0
+
+    class Engine:  # an MPClient's state that its shutdown reads
+        def __init__(self, name: str) -> None:
+            self._closing, self.proc = False, Process(name)
+
+        def _close(self) -> None:
+            events.append(("closed", self.proc.name))
+
+    client = DPSyncMPClient.__new__(DPSyncMPClient)
+    client.engines = [Engine("0"), Engine("1")]
+    client.shutdown(timeout=5)
+    assert events == [("SIGTERM", "0"), ("SIGTERM", "1"), ("exited", "0"), ("exited", "1"), ("closed", "0"),
+                      ("closed", "1")]
