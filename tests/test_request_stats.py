@@ -3,6 +3,8 @@ preemptions and cached prompt tokens as the engine reports them, and an n > 1 re
 once its last sequence finishes."""
 from __future__ import annotations
 
+import types
+
 from prometheus_client import CollectorRegistry
 
 from pagedllm.engine import output_processor
@@ -10,6 +12,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                                       SchedulerStats)
+from pagedllm.metrics.logger_factories import aggregate, make_stat_loggers
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -176,3 +179,32 @@ def test_stream_interval_holds_back_no_cumulative_output():
         [EngineCoreOutput("c", [token], finish_reason=FinishReason.LENGTH if token == 3 else None)],
         None).request_outputs]
     assert sent == [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]
+
+
+def test_a_users_stat_logger_factory_is_per_engine_as_vllms():
+    """vLLM's StatLoggerFactory: called (config, engine_index) once per data-parallel engine, each logger given its
+    own engine's records; a factory marked aggregate (pagedllm's own loggers) is called with the config once."""
+    config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(data_parallel_size=2))
+    made: list[tuple] = []
+
+    class Logger:
+        def __init__(self, vllm_config, engine_index: int = 0) -> None:
+            made.append((vllm_config, engine_index))
+            self.records: list[int] = []
+            self.logs = 0
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+            self.records.append(engine_idx)
+
+        def log(self) -> None:
+            self.logs += 1
+
+    whole = aggregate(lambda vllm_config: Logger(vllm_config))
+    per_engine, single = make_stat_loggers([Logger, whole], config)
+    assert made == [(config, 0), (config, 1), (config, 0)]
+    for engine_idx in (1, 0, 1):
+        per_engine.record(None, None, engine_idx=engine_idx)
+        single.record(None, None, engine_idx=engine_idx)
+    per_engine.log()
+    assert [logger.records for logger in per_engine.loggers] == [[0], [1, 1]] and single.records == [1, 0, 1]
+    assert [logger.logs for logger in per_engine.loggers] == [1, 1]

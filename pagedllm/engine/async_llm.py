@@ -30,6 +30,7 @@ from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, Schedul
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.logger_factories import make_stat_loggers
 from pagedllm.metrics.loggers import default_stat_loggers, log_engine_initialized, log_stat_loggers
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -43,8 +44,9 @@ class AsyncLLM:
     def __init__(self, config, tokenizer: Any, engine_core: Any,
                  stat_loggers: Optional[list[Callable[[Any], Any]]] = None, log_requests: bool = False) -> None:
         """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both).
-        ``stat_loggers``: factories (vLLM's StatLoggerFactory), each called with the resolved config (the
-        Prometheus buckets follow its max_model_len), whose loggers record every step's stats; each that has
+        ``stat_loggers``: factories (vLLM's StatLoggerFactory: called with the resolved config and an engine's
+        index, per data-parallel engine; pagedllm's own, marked aggregate, with the config once: logger_factories),
+        whose loggers record every step's stats; each that has
         vLLM's log_engine_initialized() is called once the engine has started. ``log_requests``: log each request
         added and aborted (vLLM's)."""
         self.config = self.vllm_config = config  # vLLM's name too, as its model_config
@@ -53,7 +55,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
         try:
-            self.stat_loggers = [make_logger(config) for make_logger in stat_loggers or ()]
+            self.stat_loggers = make_stat_loggers(stat_loggers or (), config)
             log_engine_initialized(self.stat_loggers)
         except BaseException:  # a user's logger that fails: the engine it was to watch stops with it
             engine_core.shutdown()

@@ -19,6 +19,7 @@ from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreRequest, Schedul
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
+from pagedllm.metrics.logger_factories import make_stat_loggers
 from pagedllm.metrics.loggers import LoggingStatLogger, log_engine_initialized, log_stat_loggers, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
@@ -33,7 +34,8 @@ class LLMEngine:
         """``engine_core``: make_sync_client's client for ``config``, started. ``log_stats_interval``: None, no stats
         (vLLM's log_stats=False); else every step's stats go to the server's Prometheus metrics, in a registry of
         this engine's own (get_metrics reads them), to the server's log line and to a logger made by each of
-        ``stat_loggers`` (vLLM's StatLoggerFactory, called with the config); after a step with outputs, once this
+        ``stat_loggers`` (vLLM's StatLoggerFactory, called with the config and an engine's index, per engine:
+        logger_factories); after a step with outputs, once this
         many seconds have passed since the last, each logger's log() is called (vLLM's
         do_log_stats_with_interval)."""
         self.config = self.vllm_config = config  # vLLM's name too, as its model_config
@@ -57,7 +59,7 @@ class LLMEngine:
             try:
                 self.stat_loggers = [PrometheusStatLogger.from_config(config.model_config.model, self.registry,
                                                                       config), self.log_line]
-                self.stat_loggers += [make_logger(config) for make_logger in stat_loggers or ()]
+                self.stat_loggers += make_stat_loggers(stat_loggers or (), config)
                 log_engine_initialized(self.stat_loggers)
             except BaseException:  # a user's logger that fails: the engine it was to watch stops with it
                 engine_core.shutdown()

@@ -20,6 +20,7 @@ from typing import Optional
 from prometheus_client import REGISTRY
 
 from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.metrics.logger_factories import aggregate
 from pagedllm.metrics.prometheus import PrometheusStatLogger, unregister_pagedllm_metrics
 from pagedllm.metrics.stats import IterationStats
 
@@ -187,10 +188,12 @@ def default_stat_loggers() -> list:
     earlier engine's unregistered first. A bad PAGEDLLM_LOG_STATS_INTERVAL fails here, before any process."""
     interval = log_stats_interval()
 
+    @aggregate
     def prometheus(config) -> PrometheusStatLogger:
         unregister_pagedllm_metrics(REGISTRY)
         return PrometheusStatLogger.from_config(config.model_config.model, REGISTRY, config)
 
+    @aggregate
     def log_line(config) -> LoggingStatLogger:
         return LoggingStatLogger(config.parallel_config.data_parallel_size, interval, timer=False)
 

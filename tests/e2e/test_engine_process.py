@@ -627,7 +627,7 @@ def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers(monkeypatch):
         while engine.has_unfinished_requests():
             engine.step()
         engine.do_log_stats()
-        check(engine.stat_loggers[-1])
+        check(engine.stat_loggers[-1].loggers[0])  # the one engine's, made with (config, 0) as vLLM's
         assert engine.get_metrics()  # the default loggers' metrics
     finally:
         engine.shutdown()
@@ -638,7 +638,7 @@ def test_llm_engine_and_async_llm_take_vllms_custom_stat_loggers(monkeypatch):
             async for _ in engine.generate("Hi", params, "r"):
                 pass
             await engine.do_log_stats()
-            check(engine.stat_loggers[0])
+            check(engine.stat_loggers[0].loggers[0])
             assert len(engine.stat_loggers) == 3  # vLLM's defaults: Prometheus and the log line
         finally:
             engine.shutdown()
@@ -655,7 +655,7 @@ def test_a_stat_logger_that_fails_stops_the_engine_it_was_to_watch():
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.engine.llm_engine import LLMEngine
 
-    def failing(config):
+    def failing(config, engine_index):
         raise RuntimeError("the logger failed")
 
     engine_args = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")

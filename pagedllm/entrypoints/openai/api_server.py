@@ -48,6 +48,7 @@ from pagedllm.entrypoints.openai.utils import with_cancellation
 from pagedllm.entrypoints.openai.web_ui import mount_web_ui
 from pagedllm.envs import env_flag
 from pagedllm.gc_utils import freeze_gc_heap
+from pagedllm.metrics.logger_factories import aggregate
 from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -394,8 +395,8 @@ async def run_server(args: argparse.Namespace) -> None:
     # --disable-log-stats: no statistics kept, the pagedllm: metrics' included (vLLM's log_stats=False: no stat
     # loggers); /metrics serves the process's alone.
     stat_loggers = [] if interval is None else [
-        lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config),
-        lambda config: LoggingStatLogger(args.data_parallel_size, interval)]
+        aggregate(lambda config: PrometheusStatLogger.from_config(served_model_names[0], registry, config)),
+        aggregate(lambda config: LoggingStatLogger(args.data_parallel_size, interval))]
     sock = listening_socket(args)  # last before the try that closes it: a bad flag above leaves no port taken
     engine_client = watchdog = None
     try:
