@@ -220,6 +220,13 @@ def check_capture_size_shortcuts(compilation_config, cudagraph_capture_sizes, ma
                 check_int(name, size, 1)
 
 
+def check_optional_dict(name: str, value) -> None:
+    """A ValueError naming the argument unless ``value`` is a dict or None (keyword arguments handed on, such as
+    tokenization_kwargs), before it is spread into a call that would fail with a TypeError naming nothing."""
+    if not isinstance(value, (dict, type(None))):
+        raise ValueError(f"{name} must be a dict, got {value!r}.")
+
+
 def check_bool(name: str, value) -> None:
     """A ValueError naming the field unless ``value`` is True or False: a string such as "false" is truthy, and would
     turn on what it meant to turn off."""

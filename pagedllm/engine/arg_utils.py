@@ -12,8 +12,8 @@ import torch
 
 from pagedllm.config import (CacheConfig, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, ProfilerConfig,
                              ReasoningConfig, SchedulerConfig, SpeculativeConfig, StructuredOutputsConfig, check_bool,
-                             check_capture_size_shortcuts, check_int, check_kv_cache_dtype, common_window,
-                             graphs_turned_off, layer_sliding_window)
+                             check_capture_size_shortcuts, check_int, check_kv_cache_dtype, check_optional_dict,
+                             common_window, graphs_turned_off, layer_sliding_window)
 from pagedllm.core.kv_cache_groups import KVCacheGroup, kv_cache_groups
 from pagedllm.layers.attention.selector import attention_backend_name
 from pagedllm.layers.rope_scaling import default_max_model_len, positions_served
@@ -259,8 +259,7 @@ class EngineArgs:
         if self.runner not in ("auto", "generate"):
             raise ValueError(f"runner must be 'auto' or 'generate' (pagedllm's models generate; vLLM's pooling and "
                              f"draft runners are not supported), got {self.runner!r}")
-        if not isinstance(self.mm_processor_kwargs, (dict, type(None))):
-            raise ValueError(f"mm_processor_kwargs must be a dict, got {self.mm_processor_kwargs!r}")
+        check_optional_dict("mm_processor_kwargs", self.mm_processor_kwargs)
         if self.logits_processors:
             raise ValueError(f"logits_processors={self.logits_processors!r}: custom logits processors are not "
                              "supported; leave it unset")

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import msgspec
 
-from pagedllm.config import LoRAConfig, ModelConfig, ReasoningConfig
+from pagedllm.config import LoRAConfig, ModelConfig, ReasoningConfig, check_optional_dict
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
@@ -55,12 +55,6 @@ def assign_request_id(request: EngineCoreRequest) -> EngineCoreRequest:
     return msgspec.structs.replace(request, request_id=f"{request.request_id}-{uuid.uuid4().hex[:8]}",
                                    external_req_id=request.request_id)
 
-
-
-def check_tokenization_kwargs(tokenization_kwargs: Any) -> None:
-    """A ValueError naming ``tokenization_kwargs`` unless it is a dict or None (the tokenizer's keyword arguments)."""
-    if not isinstance(tokenization_kwargs, (dict, type(None))):
-        raise ValueError(f"tokenization_kwargs must be a dict, got {tokenization_kwargs!r}.")
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer: Any, lora_config: Optional[LoRAConfig] = None,
@@ -272,7 +266,7 @@ class Processor:
         if not isinstance(priority, int) or not -(2**63) <= priority < 2**63:
             raise ValueError(f"priority must be a 64-bit integer, got {priority!r}.")
         priority = int(priority)  # a bool is its int: the engine process decodes an int, and no bool, there
-        check_tokenization_kwargs(tokenization_kwargs)
+        check_optional_dict("tokenization_kwargs", tokenization_kwargs)
         text, token_ids = self.tokenize(prompt, tokenization_kwargs)
         self.validate_prompt(token_ids)
         cache_salt = cache_salt_of(prompt)

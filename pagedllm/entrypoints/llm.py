@@ -10,9 +10,10 @@ import torch
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
+from pagedllm.config import check_optional_dict
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.processor import cache_salt_of, check_tokenization_kwargs
+from pagedllm.engine.processor import cache_salt_of
 from pagedllm.gc_utils import gc_paused
 from pagedllm.entrypoints.openai.chat_utils import (conversation, load_chat_template,
                                                    resolve_chat_template_content_format, template_variables)
@@ -145,8 +146,7 @@ class LLM:
                       use_tqdm: UseTqdm = False, tokenization_kwargs: Optional[dict[str, Any]] = None,
                       mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[str]:
         """Queues the prompts' requests, all checked first: bad input leaves none behind; their ids."""
-        if not isinstance(mm_processor_kwargs, (dict, type(None))):
-            raise ValueError(f"mm_processor_kwargs must be a dict, got {mm_processor_kwargs!r}.")
+        check_optional_dict("mm_processor_kwargs", mm_processor_kwargs)
         prompts = _prompt_to_seq(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -234,7 +234,7 @@ class LLM:
                       tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
                       tokenization_kwargs: Optional[dict[str, Any]], use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
         """chat()'s prompts: each conversation's rendered text and its token ids."""
-        check_tokenization_kwargs(tokenization_kwargs)  # before it is spread into the tokenizer's call
+        check_optional_dict("tokenization_kwargs", tokenization_kwargs)
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         explicit = {"chat_template": self.chat_template if chat_template is None else chat_template, "tools": tools,
