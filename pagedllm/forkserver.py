@@ -231,9 +231,7 @@ os.register_at_fork(after_in_child=_forget_owned_server)
 
 def _server_address() -> Optional[str]:
     """The server a forked child came from, else the one this process started (started now if none runs), else
-    None where fork servers cannot work here (no pidfd: Linux before 5.3)."""
-    if not hasattr(os, "pidfd_open"):
-        return None
+    None where fork servers cannot work here (start_server's)."""
     inherited = os.environ.get(SOCKET_ENV)
     if inherited and os.path.exists(inherited):
         return inherited
@@ -258,7 +256,8 @@ def _note_failed_start() -> None:
 
 def start_server() -> Optional[str]:
     """This process's fork server, started now if it has none running: its imports run beside the caller's work,
-    so a process that knows it will start engines starts it first thing. Its socket's path."""
+    so a process that knows it will start engines starts it first thing. Its socket's path; None where fork servers
+    cannot work here (no pidfd: Linux before 5.3) or one failed to start."""
     global _owned, _owned_dir, _owned_forked
     if not hasattr(os, "pidfd_open") or _owned_failed:
         return None
