@@ -81,7 +81,7 @@ def test_page_chats_and_shows_the_engine_at_work(server, browser, tmp_path):
         with httpx.Client(timeout=120, headers=server.headers) as client:
             threads = [threading.Thread(target=client.post, args=(server.url_for("v1", "completions"),),
                                         kwargs={"json": {"model": MODEL, "prompt": f"{SHARED_PREFIX} Story {i}:",
-                                                         "max_tokens": 160, "temperature": 0,
+                                                         "max_tokens": 480, "temperature": 0,
                                                          "ignore_eos": True}}) for i in range(8)]
             for thread in threads:
                 thread.start()
