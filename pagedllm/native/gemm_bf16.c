@@ -106,12 +106,14 @@ static void write_rows(const float *c, const PanelOut *o, int row0, int rows) {
         const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL_COLS), b0);
         const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(c + r * PANEL_COLS + 16), b1);
         if (o->gated) {
+            /* the loop writes y itself: the compiler vectorises it in halves of 8 lanes (its preference on Intel
+             * cores), and one 16-lane load of two such stores just made would stall on store forwarding */
             float gate[16] __attribute__((aligned(64))), up[16] __attribute__((aligned(64)));
             _mm512_store_ps(gate, v0);
             _mm512_store_ps(up, v1);
+            const int cols = o->cols < 16 ? o->cols : 16;
 #pragma omp simd aligned(gate, up : 64)
-            for (int i = 0; i < 16; i++) gate[i] = silu_mul(gate[i], up[i]);
-            _mm512_mask_storeu_ps(yr, m0, _mm512_load_ps(gate));
+            for (int i = 0; i < cols; i++) yr[i] = silu_mul(gate[i], up[i]);
         } else {
             _mm512_mask_storeu_ps(yr, m0, v0);
             _mm512_mask_storeu_ps(yr + 16, m1, v1);
