@@ -66,33 +66,43 @@ class AsyncLLM:
         self._dead_error: Optional[EngineDeadError] = None
         # Request id -> an event per beam search running under it, set when abort() names the id (beam_search)
         self._beam_search_aborts: dict[str, list[asyncio.Event]] = {}
-        self._output_handler = asyncio.get_running_loop().create_task(
-            self._run_output_handler(weakref.ref(self), engine_core))
+        # The task taking the engine's outputs (in a list the finalizer shares): started here where an event loop
+        # runs, else by the first request, in its loop (vLLM's: an AsyncLLM may be made before its loop runs).
+        self._output_handler: list[asyncio.Task] = []
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self._start_output_handler()
         # The engine stops with this object: on shutdown(), when it is garbage-collected, or at the interpreter's
         # exit, whichever comes first (vLLM's __del__). Nothing it starts holds it (the output handler has a weak
         # reference), so an AsyncLLM dropped without shutdown() does not keep its engine process for ever.
         self._finalizer = weakref.finalize(self, _stop, engine_core, self._output_handler)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs,
+    def from_engine_args(cls, engine_args: EngineArgs, start_engine_loop: bool = True, usage_context: Any = None,
                          stat_loggers: Optional[list[Callable[[Any], Any]]] = None) -> "AsyncLLM":
-        """Must be called with an event loop running (the engine's outputs are delivered on it). As vLLM's, the
-        ``stat_loggers`` factories' loggers, and vLLM's defaults unless ``engine_args.disable_log_stats``: the log
-        line (logged when do_log_stats() is called) and the pagedllm: metrics in prometheus_client's default
-        registry. ``engine_args.enable_log_requests`` (AsyncEngineArgs') logs each request."""
+        """vLLM's, with or without an event loop running (without, the engine's outputs go to the loop of the first
+        request). As vLLM's, the ``stat_loggers`` factories' loggers, and vLLM's defaults unless
+        ``engine_args.disable_log_stats``: the log line (logged when do_log_stats() is called) and the pagedllm:
+        metrics in prometheus_client's default registry. ``engine_args.enable_log_requests`` (AsyncEngineArgs')
+        logs each request. ``start_engine_loop`` and ``usage_context`` are taken as vLLM's V1 takes them and change
+        nothing: its output handler starts as this one's does, and its usage context feeds its usage statistics,
+        which pagedllm does not collect."""
         disable_log_stats = not engine_args.log_stats()  # a bad value refused before the config loads
         return cls.from_vllm_config(engine_args.create_engine_config(), stat_loggers=stat_loggers,
                                     enable_log_requests=getattr(engine_args, "enable_log_requests", False),
                                     disable_log_stats=disable_log_stats)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: EngineConfig, *,
+    def from_vllm_config(cls, vllm_config: EngineConfig, start_engine_loop: bool = True, usage_context: Any = None,
                          stat_loggers: Optional[list[Callable[[Any], Any]]] = None, enable_log_requests: bool = False,
                          disable_log_stats: bool = False) -> "AsyncLLM":
         """vLLM's: the AsyncLLM of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), its engine
-        started; as from_engine_args, with vLLM's default stat loggers, after ``stat_loggers``', unless
-        ``disable_log_stats``, when the custom loggers run alone (vLLM's StatLoggerManager keeps its Prometheus logger
-        then, unless a custom logger is one)."""
+        started; as from_engine_args (``start_engine_loop`` and ``usage_context`` as there), with vLLM's default
+        stat loggers, after ``stat_loggers``', unless ``disable_log_stats``, when the custom loggers run alone
+        (vLLM's StatLoggerManager keeps its Prometheus logger then, unless a custom logger is one)."""
         stat_loggers = list(stat_loggers or ()) + ([] if disable_log_stats else default_stat_loggers())
         engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_async_client)
         return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)
@@ -168,6 +178,7 @@ class AsyncLLM:
         input is a ValueError, nothing added."""
         if self.errored:
             raise self._dead_error or EngineDeadError()
+        self._start_output_handler()
         text, request = self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request,
                                                tokenization_kwargs)
         if data_parallel_rank is not None:
@@ -278,6 +289,12 @@ class AsyncLLM:
             self.engine_core.abort_requests([output.request_id for output in outputs.outputs])
 
     # ------------------------------------------------------------------------------------------ outputs
+    def _start_output_handler(self) -> None:
+        """The output handler, in the running event loop, unless it has started."""
+        if not self._output_handler:
+            self._output_handler.append(asyncio.get_running_loop().create_task(
+                self._run_output_handler(weakref.ref(self), self.engine_core)))
+
     @staticmethod
     async def _run_output_handler(engine_ref: "weakref.ref[AsyncLLM]", engine_core: Any) -> None:
         """Hands each batch of the engine's outputs to the AsyncLLM, holding it only meanwhile."""
@@ -415,12 +432,14 @@ class AsyncLLM:
             _stop(self.engine_core, self._output_handler, timeout)
 
 
-def _stop(engine_core: Any, output_handler: asyncio.Task, timeout: Optional[float] = None) -> None:
-    """Stops the engine and the output handler (from any thread: the collector may run the finalizer anywhere)."""
+def _stop(engine_core: Any, output_handler: list[asyncio.Task], timeout: Optional[float] = None) -> None:
+    """Stops the engine and the output handler where it has started (from any thread: the collector may run the
+    finalizer anywhere)."""
     engine_core.shutdown(timeout)
-    loop = output_handler.get_loop()
-    if not loop.is_closed():
-        loop.call_soon_threadsafe(output_handler.cancel)
+    for task in output_handler:
+        loop = task.get_loop()
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(task.cancel)
 
 
 AsyncLLMEngine = AsyncLLM  # vLLM's name for it (vllm.AsyncLLMEngine)

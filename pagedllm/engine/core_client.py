@@ -321,13 +321,41 @@ class SyncMPClient:
         self._mp.shutdown(timeout)
 
 
+class LoopQueue:
+    """Items put from any thread, got in an asyncio event loop: the loop of the first get(). Those put before it wait
+    there in order, so that an async client may be made before its loop runs (vLLM's AsyncLLM may be: a script
+    makes the engine, then asyncio.run()s what uses it), while the engine's first outputs already arrive."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._queue: Optional[asyncio.Queue] = None
+        self._early: list = []  # put before the loop was known
+
+    def put(self, item: Any) -> None:
+        with self._lock:
+            if self._loop is None:
+                self._early.append(item)
+                return
+            loop, target = self._loop, self._queue
+        loop.call_soon_threadsafe(target.put_nowait, item)
+
+    async def get(self) -> Any:
+        if self._queue is None:
+            with self._lock:  # on the loop's thread: no item put after this can be handed over before these
+                self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
+                for item in self._early:
+                    self._queue.put_nowait(item)
+                self._early = []
+        return await self._queue.get()
+
+
 class AsyncMPClient:
-    """For AsyncLLM: outputs arrive on an asyncio queue of the event loop that created the client."""
+    """For AsyncLLM: outputs arrive on a LoopQueue, for the event loop that takes them."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._outputs: asyncio.Queue = asyncio.Queue()
-        self._mp = MPClient(config, lambda o: self._loop.call_soon_threadsafe(self._outputs.put_nowait, o))
+        self._outputs = LoopQueue()
+        self._mp = MPClient(config, self._outputs.put)
 
     @property
     def proc(self) -> Process:

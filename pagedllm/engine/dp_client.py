@@ -20,7 +20,7 @@ from typing import Any, Optional
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_client import MPClient, stop_clients
+from pagedllm.engine.core_client import LoopQueue, MPClient, stop_clients
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import WorkerMethod
@@ -218,15 +218,14 @@ def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 
 class DPAsyncMPClient(_DPClientBase):
-    """For AsyncLLM: every engine's outputs on one asyncio queue, tagged with the engine."""
+    """For AsyncLLM: every engine's outputs on one LoopQueue, tagged with the engine."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._outputs = LoopQueue()
         super().__init__(config)
 
     def _deliver(self, engine: int, outputs: Any) -> None:
-        self._loop.call_soon_threadsafe(self._outputs.put_nowait, (engine, outputs))
+        self._outputs.put((engine, outputs))
 
     async def get_output_async(self) -> EngineCoreOutputs:
         return self._process(*await self._outputs.get())

@@ -286,6 +286,54 @@ def test_async_llm_generate_takes_vllms_keyword_arguments():
     asyncio.run(run())
 
 
+def test_async_llm_made_before_its_event_loop_serves_in_the_loop_that_runs_later():
+    """vLLM's AsyncLLM may be made with no event loop running (a script makes the engine, then asyncio.run()s what
+    uses it; vLLM's from_engine_args takes start_engine_loop and usage_context positionally before stat_loggers):
+    the engine's outputs then go to the loop of the first request."""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"),
+                                       True, None, None)
+
+    async def run() -> list[int]:
+        async for output in engine.generate("One, two, three", SamplingParams(max_tokens=4, temperature=0), "a"):
+            pass
+        return output.outputs[0].token_ids
+
+    try:
+        token_ids = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
+    try:
+        expected = llm.generate("One, two, three", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0]
+    finally:
+        llm.shutdown()
+    assert token_ids == expected.token_ids and len(token_ids) == 4
+
+
+def test_loop_queue_keeps_what_came_before_its_loop_in_order():
+    """Outputs a client's thread delivers before any event loop takes them (an engine that died before the loop
+    started) wait, in order, for the loop of the first get; later ones reach that loop from any thread."""
+    import asyncio
+
+    outputs = core_client.LoopQueue()
+    for item in range(3):
+        outputs.put(item)
+
+    async def run() -> list[int]:
+        got = [await outputs.get() for _ in range(3)]
+        later = threading.Thread(target=lambda: [outputs.put(item) for item in (3, 4)])
+        later.start()
+        got += [await asyncio.wait_for(outputs.get(), 10), await asyncio.wait_for(outputs.get(), 10)]
+        later.join()
+        return got
+
+    assert asyncio.run(run()) == [0, 1, 2, 3, 4]
+
+
 def test_outputs_a_slow_consumer_has_not_taken_are_merged_as_vllms():
     """vLLM's RequestOutputCollector: outputs waiting for the consumer become one. DELTA ones are joined per
     sequence (text, tokens, logprobs; the last one's finish), a sequence not there yet (n > 1) added; a CUMULATIVE
