@@ -30,8 +30,8 @@ from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreOutputs, Schedul
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.logger_factories import make_stat_loggers
-from pagedllm.metrics.loggers import default_stat_loggers, log_engine_initialized, log_stat_loggers
+from pagedllm.metrics.logger_factories import log_stat_loggers, start_stat_loggers
+from pagedllm.metrics.loggers import default_stat_loggers
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -54,12 +54,7 @@ class AsyncLLM:
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.processor = Processor(config.model_config, tokenizer, config.lora_config, config.reasoning_config)
-        try:
-            self.stat_loggers = make_stat_loggers(stat_loggers or (), config)
-            log_engine_initialized(self.stat_loggers)
-        except BaseException:  # a user's logger that fails: the engine it was to watch stops with it
-            engine_core.shutdown()
-            raise
+        self.stat_loggers = start_stat_loggers(stat_loggers or (), config, engine_core)
         self.output_processor = OutputProcessor(tokenizer, log_stats=bool(self.stat_loggers),
                                                 stream_interval=config.scheduler_config.stream_interval)
         self.engine_core = engine_core

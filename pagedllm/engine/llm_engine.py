@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -19,8 +20,8 @@ from pagedllm.engine.protocol import SUPPORTED_TASKS, EngineCoreRequest, Schedul
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.inputs import PromptType
 from pagedllm.lora.request import LoRARequest
-from pagedllm.metrics.logger_factories import make_stat_loggers
-from pagedllm.metrics.loggers import LoggingStatLogger, log_engine_initialized, log_stat_loggers, log_stats_interval
+from pagedllm.metrics.logger_factories import aggregate, log_stat_loggers, start_stat_loggers
+from pagedllm.metrics.loggers import LoggingStatLogger, log_stats_interval
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.reader import Metric, get_metrics_snapshot
 from pagedllm.outputs import RequestOutput
@@ -54,16 +55,14 @@ class LLMEngine:
         self.stat_loggers: list = []
         self.log_line: Optional[LoggingStatLogger] = None
         if self.log_stats:
-            self.log_line = LoggingStatLogger(config.parallel_config.data_parallel_size, log_stats_interval,
-                                              timer=False)
-            try:
-                self.stat_loggers = [PrometheusStatLogger.from_config(config.model_config.model, self.registry,
-                                                                      config), self.log_line]
-                self.stat_loggers += make_stat_loggers(stat_loggers or (), config)
-                log_engine_initialized(self.stat_loggers)
-            except BaseException:  # a user's logger that fails: the engine it was to watch stops with it
-                engine_core.shutdown()
-                raise
+            log_line = self.log_line = LoggingStatLogger(config.parallel_config.data_parallel_size,
+                                                         log_stats_interval, timer=False)
+            # This engine's own loggers first, as factories of the config too: made with the user's, in the
+            # one place that stops the engine when making a logger fails.
+            own = [partial(PrometheusStatLogger.from_config, config.model_config.model, self.registry),
+                   lambda _: log_line]
+            self.stat_loggers = start_stat_loggers([*map(aggregate, own), *(stat_loggers or ())], config,
+                                                   engine_core)
         # The engine core stops with this object: on shutdown(), when it is garbage-collected, or at the
         # interpreter's exit, whichever comes first (the finalizer holds the engine core, not this object).
         self._finalizer = weakref.finalize(self, engine_core.shutdown)

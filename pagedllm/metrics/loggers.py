@@ -167,21 +167,6 @@ class _EngineWindow:
         return lines
 
 
-def log_engine_initialized(stat_loggers: list) -> None:
-    """vLLM's StatLoggerBase.log_engine_initialized of each logger that has it (a vLLM user's; this engine's log
-    nothing then), once the engine has started."""
-    for stat_logger in stat_loggers:
-        if hasattr(stat_logger, "log_engine_initialized"):
-            stat_logger.log_engine_initialized()
-
-
-def log_stat_loggers(stat_loggers: list) -> None:
-    """vLLM's StatLoggerManager.log: log() of each logger that has one (Prometheus' has none: it is scraped)."""
-    for stat_logger in stat_loggers:
-        if hasattr(stat_logger, "log"):
-            stat_logger.log()
-
-
 def default_stat_loggers() -> list:
     """vLLM's stat loggers of an AsyncLLM made without any, as factories of the config: the log line (no timer: it
     logs when do_log_stats() asks, as vLLM's) and the pagedllm: metrics in prometheus_client's default registry, an
