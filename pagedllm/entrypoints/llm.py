@@ -206,10 +206,9 @@ class LLM:
         (those given as None do not), as vLLM's merge_kwargs. ``tokenization_kwargs`` (vLLM's) go to the tokenizer
         for the rendered text, over vLLM's add_special_tokens=False (the template writes its own); generate()'s
         ``mm_processor_kwargs``."""
-        prompts = self._render_chats(messages, chat_template, chat_template_content_format, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs, tokenization_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
-                             lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
+        return self._chat(messages, sampling_params, use_tqdm, lora_request, priority, chat_template,
+                          chat_template_content_format, add_generation_prompt, continue_final_message, tools,
+                          chat_template_kwargs, tokenization_kwargs, mm_processor_kwargs, enqueue=False)
 
     def enqueue_chat(self, messages: Union[Conversation, list[Conversation]],
                      sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
@@ -224,16 +223,22 @@ class LLM:
         """vLLM's: the conversations rendered as chat() renders them, their requests queued as enqueue() queues
         prompts; their request ids, for wait_for_completion(). ``use_tqdm``: a progress bar while they render;
         ``tokenization_kwargs`` and ``mm_processor_kwargs``: chat()'s."""
-        prompts = self._render_chats(messages, chat_template, chat_template_content_format, add_generation_prompt,
-                                     continue_final_message, tools, chat_template_kwargs, tokenization_kwargs, use_tqdm)
-        return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm=False,
-                            mm_processor_kwargs=mm_processor_kwargs)
+        return self._chat(messages, sampling_params, use_tqdm, lora_request, priority, chat_template,
+                          chat_template_content_format, add_generation_prompt, continue_final_message, tools,
+                          chat_template_kwargs, tokenization_kwargs, mm_processor_kwargs, enqueue=True)
 
-    def _render_chats(self, messages: Union[Conversation, list[Conversation]], chat_template: Optional[str],
-                      chat_template_content_format: str, add_generation_prompt: bool, continue_final_message: bool,
-                      tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
-                      tokenization_kwargs: Optional[dict[str, Any]], use_tqdm: UseTqdm = False) -> list[dict[str, Any]]:
-        """chat()'s prompts: each conversation's rendered text and its token ids."""
+    def _chat(self, messages: Union[Conversation, list[Conversation]],
+              sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]], use_tqdm: UseTqdm,
+              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]],
+              priority: Optional[Union[int, Sequence[int]]], chat_template: Optional[str],
+              chat_template_content_format: str, add_generation_prompt: bool, continue_final_message: bool,
+              tools: Optional[list[dict[str, Any]]], chat_template_kwargs: Optional[dict[str, Any]],
+              tokenization_kwargs: Optional[dict[str, Any]], mm_processor_kwargs: Optional[dict[str, Any]], *,
+              enqueue: bool) -> Union[list[RequestOutput], list[str]]:
+        """chat() and enqueue_chat(), whose arguments (the same, vLLM's, in its order) come here alike: each
+        conversation rendered (its text, then its token ids), then the prompts run as generate() runs them, or with
+        ``enqueue`` queued as enqueue() queues them. ``use_tqdm``'s bar is chat()'s of the requests finishing and
+        enqueue_chat()'s of the conversations rendering (it runs nothing), as vLLM's."""
         check_optional_dict("tokenization_kwargs", tokenization_kwargs)
         tokenizer = self.get_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -247,7 +252,8 @@ class LLM:
         content_format = resolve_chat_template_content_format(tokenizer, template_args.get("chat_template"),
                                                               template_args.get("tools"), chat_template_content_format)
         prompts = []
-        for turns in _maybe_tqdm(conversations, use_tqdm, "Rendering conversations", len(conversations)):
+        for turns in _maybe_tqdm(conversations, use_tqdm if enqueue else False, "Rendering conversations",
+                                 len(conversations)):
             turns = conversation([ChatMessageParam.model_validate(m) for m in turns], content_format)
             # Rendered once, then tokenized without special tokens (the template writes its own) unless
             # tokenization_kwargs say, as vLLM's _preprocess_chat: by default the ids transformers'
@@ -255,7 +261,11 @@ class LLM:
             text = tokenizer.apply_chat_template(turns, tokenize=False, **template_args)
             token_ids = tokenizer.encode(text, **{"add_special_tokens": False, **(tokenization_kwargs or {})})
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return prompts
+        if enqueue:
+            return self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm=False,
+                                mm_processor_kwargs=mm_processor_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                             lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
                     lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,

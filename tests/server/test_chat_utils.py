@@ -242,7 +242,7 @@ def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
     assert tokenizer.decode(tokens) == '[{"type": "text", "text": "Hi"}]'
 
     class RenderingLLM:  # LLM.chat without an engine: generate() returns the rendered prompts
-        chat, _render_chats, chat_template = LLM.chat, LLM._render_chats, None
+        chat, _chat, chat_template = LLM.chat, LLM._chat, None
 
         def get_tokenizer(self):
             return tokenizer
@@ -256,6 +256,56 @@ def test_chat_template_content_format_flag_and_llm_chat_argument(tokenizer):
         ['[{"type": "text", "text": "Hi"}]']
     with pytest.raises(ValueError, match="chat_template_content_format"):
         llm.chat(hi, chat_template=as_json, chat_template_content_format="list")
+
+
+def test_llm_chat_and_enqueue_chat_take_the_same_arguments_and_hand_them_on_alike(tokenizer):
+    """vLLM's LLM.chat and enqueue_chat take the same arguments (names, order, defaults): both come to LLM._chat,
+    whose parameters are these, so that one cannot gain or read a keyword the other lacks. Given the same ones,
+    both render the same prompts and hand them on with the same request arguments; the progress bar is chat()'s of
+    the requests running (generate's), enqueue_chat()'s of the conversations rendering (enqueue's shows none)."""
+    import inspect
+
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    chat, enqueue_chat = (list(inspect.signature(method).parameters.values())
+                          for method in (LLM.chat, LLM.enqueue_chat))
+    assert chat == enqueue_chat
+    assert [p.name for p in inspect.signature(LLM._chat).parameters.values()] == [p.name for p in chat] + ["enqueue"]
+
+    class QueueingLLM:  # LLM.chat and enqueue_chat without an engine: the calls they hand the prompts on with
+        chat, enqueue_chat, _chat, chat_template = LLM.chat, LLM.enqueue_chat, LLM._chat, None
+        calls: list[tuple] = []
+
+        def get_tokenizer(self):
+            return tokenizer
+
+        def generate(self, prompts, sampling_params, *, use_tqdm, priority, lora_request, mm_processor_kwargs):
+            self.calls.append((prompts, sampling_params, lora_request, priority, mm_processor_kwargs, use_tqdm))
+
+        def enqueue(self, prompts, sampling_params, lora_request, priority, *, use_tqdm, mm_processor_kwargs):
+            self.calls.append((prompts, sampling_params, lora_request, priority, mm_processor_kwargs, use_tqdm))
+
+    bars: list[str] = []
+
+    def progress(items, desc, total, dynamic_ncols):
+        bars.append(desc)
+        return items
+
+    llm, params = QueueingLLM(), SamplingParams(max_tokens=1)
+    arguments = dict(sampling_params=params, use_tqdm=progress, lora_request=None, priority=[3, 4],
+                     chat_template=TEMPLATE, add_generation_prompt=False, continue_final_message=True,
+                     chat_template_kwargs={"x": 1}, tokenization_kwargs={"max_length": 4, "truncation": True},
+                     mm_processor_kwargs={})
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Hello there, friend"}]]
+    llm.chat(conversations, **arguments)
+    assert bars == []
+    llm.enqueue_chat(conversations, **arguments)
+    assert bars == ["Rendering conversations"]
+    (*chatted, chat_bar), (*enqueued, enqueue_bar) = llm.calls
+    assert chatted == enqueued and (chat_bar, enqueue_bar) == (progress, False)
+    assert [p["prompt"] for p in chatted[0]] == ["[user] Hi", "[user] Hello there, friend"]  # the last left open
+    assert [len(p["prompt_token_ids"]) for p in chatted[0]] == [4, 4]
 
 
 @pytest.mark.parametrize("exclude, tool_choice, rendered_tools", [
