@@ -388,11 +388,13 @@ class AsyncMPClient:
         self._mp.shutdown(timeout)
 
 
-def make_sync_client(config: EngineConfig):
+def make_sync_client(config: EngineConfig, multiprocess: bool = False):
+    """The engine core in a process of its own where ``multiprocess`` or multiprocessing_enabled(), else in this
+    one (data parallelism: a process per engine always)."""
     if config.parallel_config.data_parallel_size > 1:
         from pagedllm.engine.dp_client import DPSyncMPClient
         return DPSyncMPClient(config)
-    return SyncMPClient(config) if multiprocessing_enabled() else InprocClient(config)
+    return SyncMPClient(config) if multiprocess or multiprocessing_enabled() else InprocClient(config)
 
 
 def make_async_client(config: EngineConfig):

@@ -68,28 +68,38 @@ class LLMEngine:
         self._finalizer = weakref.finalize(self, engine_core.shutdown)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, *,
-                         stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None) -> "LLMEngine":
-        """vLLM's: the engine ``engine_args`` configure, its engine core started (in a process of its own unless
-        PAGEDLLM_ENABLE_MULTIPROCESSING=0) and its tokenizer loaded; statistics on unless
-        ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL seconds, also
-        to ``stat_loggers``' (as vLLM's, in addition to the default ones, and only with statistics on)."""
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None,
+                         stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None,
+                         enable_multiprocessing: bool = False) -> "LLMEngine":
+        """vLLM's, its arguments in its order: the engine ``engine_args`` configure, its engine core started (in a
+        process of its own unless PAGEDLLM_ENABLE_MULTIPROCESSING=0 and not ``enable_multiprocessing``: vLLM's
+        VLLM_ENABLE_V1_MULTIPROCESSING overrides the argument the same way) and its tokenizer loaded; statistics on
+        unless ``engine_args.disable_log_stats`` (vLLM's log_stats), logged every PAGEDLLM_LOG_STATS_INTERVAL
+        seconds, also to ``stat_loggers``' (as vLLM's, in addition to the default ones, and only with statistics
+        on). ``usage_context`` feeds vLLM's usage statistics, which pagedllm does not collect."""
         disable_log_stats = not engine_args.log_stats()
         if not disable_log_stats:
             log_stats_interval()  # a bad variable: before any process
+        multiprocess = bool(enable_multiprocessing) or multiprocessing_enabled()
         # The fork server imports the engine's modules while the config and tokenizer load (launch.py).
-        with engine_core_prestarted(multiprocessing_enabled()):
-            return cls.from_vllm_config(engine_args.create_engine_config(), disable_log_stats=disable_log_stats,
-                                        stat_loggers=stat_loggers)
+        with engine_core_prestarted(multiprocess):
+            return cls._start(engine_args.create_engine_config(), stat_loggers, disable_log_stats, multiprocess)
 
     @classmethod
-    def from_vllm_config(cls, vllm_config: EngineConfig, disable_log_stats: bool = False, *,
-                         stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None) -> "LLMEngine":
-        """vLLM's: the engine of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), started as
-        from_engine_args starts it, with its ``stat_loggers``."""
+    def from_vllm_config(cls, vllm_config: EngineConfig, usage_context: Any = None,
+                         stat_loggers: Optional[list[Callable[[EngineConfig], Any]]] = None,
+                         disable_log_stats: bool = False) -> "LLMEngine":
+        """vLLM's, its arguments in its order: the engine of a config (EngineArgs.create_engine_config's: pagedllm's
+        VllmConfig), started as from_engine_args starts it by default, with its ``stat_loggers``."""
+        return cls._start(vllm_config, stat_loggers, disable_log_stats, multiprocessing_enabled())
+
+    @classmethod
+    def _start(cls, config: EngineConfig, stat_loggers: Optional[list[Callable[[EngineConfig], Any]]],
+               disable_log_stats: bool, multiprocess: bool) -> "LLMEngine":
         interval = None if disable_log_stats else log_stats_interval()
-        engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_sync_client)
-        return cls(vllm_config, tokenizer, engine_core, interval, stat_loggers)
+        engine_core, tokenizer = start_client_and_tokenizer(config, partial(make_sync_client,
+                                                                            multiprocess=multiprocess))
+        return cls(config, tokenizer, engine_core, interval, stat_loggers)
 
     def get_tokenizer(self) -> Any:
         """vLLM's: the tokenizer (Processor.get_tokenizer), a ValueError with skip_tokenizer_init."""

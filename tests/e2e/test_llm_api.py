@@ -461,14 +461,20 @@ def test_llm_from_engine_args_is_the_llm_they_configure():
 def test_llm_engine_from_engine_args_runs_vllms_engine_loop():
     """vLLM's LLMEngine.from_engine_args and get_tokenizer, then its loop: add_request (which returns the request's
     id), step while has_unfinished_requests. Statistics are on, as EngineArgs.disable_log_stats is False by default
-    (vLLM's; LLM() sets it True)."""
+    (vLLM's; LLM() sets it True). vLLM's positional arguments (usage_context, stat_loggers,
+    enable_multiprocessing): the last runs the engine core in a process of its own even where the environment asks
+    for this one, as vLLM's."""
+    from pagedllm.engine.core_client import SyncMPClient
     from pagedllm.engine.llm_engine import LLMEngine
     from tests.e2e.conftest import _engines_in_this_process
 
+    vllm_usage_context = object()  # a vllm.usage.usage_lib.UsageContext member there
     with pytest.MonkeyPatch.context() as patcher:
         _engines_in_this_process(patcher)
-        engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        engine = LLMEngine.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"),
+                                            vllm_usage_context, None, True)
     try:
+        assert isinstance(engine.engine_core, SyncMPClient)
         assert engine.get_tokenizer() is engine.tokenizer is not None
         assert re.fullmatch("0-[0-9a-f]{8}", engine.add_request("0", "Hello", SamplingParams(max_tokens=3,
                                                                                            ignore_eos=True)))
@@ -512,7 +518,7 @@ def test_llm_engine_from_vllm_config_logs_stats_when_asked(caplog):
     with pytest.MonkeyPatch.context() as patcher:
         _engines_in_this_process(patcher)
         config = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB").create_engine_config()
-        engine = LLMEngine.from_vllm_config(config)
+        engine = LLMEngine.from_vllm_config(config, object())  # vLLM's usage_context before its stat_loggers
     try:
         assert engine.config is config and engine.log_stats
         engine.add_request("0", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2, ignore_eos=True))
