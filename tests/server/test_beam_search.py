@@ -77,6 +77,8 @@ def test_logprobs_are_the_beams_candidates(server):
     ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/completions", {"prompt": PROMPT, "n": 11}, "n"),  # 2 * n logprobs a step, past max_logprobs (20)
+    # As vLLM's: only chat streams beam search (its final beams, test_streamed_chat_sends_each_beam_whole).
+    ("/v1/completions", {"prompt": PROMPT, "stream": True}, "use_beam_search"),
 ])
 def test_bad_combinations_are_refused(server, endpoint, body, param):
     with server.http() as http:

@@ -34,6 +34,8 @@ class OpenAIServingCompletion(OpenAIServing):
         model_name = self.models.check_model(request.model)
         if request.suffix is not None:
             raise BadRequestError("suffix is only supported for models with FIM completion rendering", "suffix")
+        if request.stream and request.use_beam_search:  # as vLLM's: only chat streams beam search (its final beams)
+            raise BadRequestError("Streaming is not currently supported with beam search", "use_beam_search")
         prompts = self._prompts(request)
         max_tokens = 1 if request.echo_only else request.max_tokens  # echo_only: the token generated is not sent
         params = [self._sampling_params(request, self._max_tokens(len(ids), max_tokens, "prompt"))
