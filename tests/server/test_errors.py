@@ -29,6 +29,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": HI, "stop": list("abcde")}, "stop"),
     ("/v1/responses", {"input": "Hi", "stop": list("abcde")}, "stop"),
     ("/v1/completions", {"prompt": "Hi", "bad_words": [" "]}, "bad_words"),  # banned nothing, silently
+    # null where vLLM's field is not Optional: a completion's n (chat's may be null, read as 1) and bad_words.
+    ("/v1/completions", {"prompt": "Hi", "n": None}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "bad_words": None}, "bad_words"),
+    ("/v1/chat/completions", {"messages": HI, "bad_words": None}, "bad_words"),
     ("/v1/completions", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": -1}, "max_tokens"),
     # More than the context holds, whatever the prompt: vLLM's 400 (not cut to what is left, as one that fits is).

@@ -228,7 +228,8 @@ class SamplingRequest(OpenAIBaseModel):
     # Token id (a string in JSON) -> bias; SamplingParams turns the keys into ints.
     logit_bias: Optional[dict[str, float]] = None
     allowed_token_ids: Optional[list[int]] = None
-    bad_words: Optional[list[str]] = None
+    # A list, never null (a 400), as vLLM's field, which is not Optional.
+    bad_words: list[str] = Field(default_factory=list)
     # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}.
     response_format: Optional[ResponseFormat] = None
     # vLLM's extra: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}.
@@ -371,6 +372,8 @@ class SamplingRequest(OpenAIBaseModel):
 # ------------------------------------------------------------------------------------------------ completions
 class CompletionRequest(SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    # An integer, never null (a 400), as vLLM's CompletionRequest.n; chat's n may be null, read as 1.
+    n: int = 1
     max_tokens: Optional[int] = 16
     echo: bool = False
     logprobs: LogprobsCount = None

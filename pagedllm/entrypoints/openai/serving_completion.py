@@ -97,7 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                           results: AsyncIterator[tuple[int, RequestOutput]], request_id: str,
                                           model_name: str) -> AsyncIterator[str]:
         created = int(time.time())
-        n = request.n or 1
+        n = request.n
         text_offsets = [0] * (len(prompts) * n)
         num_generated = [0] * (len(prompts) * n)  # each choice's completion tokens so far
         num_cached = [0] * len(prompts)  # each prompt's tokens found in the prefix cache
@@ -153,7 +153,7 @@ class OpenAIServingCompletion(OpenAIServing):
         async for prompt_index, res in results:  # FINAL_ONLY: one output per prompt, with all n choices
             check_output(res)
             finals[prompt_index] = res
-        n = request.n or 1
+        n = request.n
         choices = []
         num_completion_tokens = 0
         for prompt_index, prompt in enumerate(prompts):
