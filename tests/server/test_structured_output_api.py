@@ -107,6 +107,7 @@ def test_response_format_structural_tag(server):
     ({"response_format": {"type": "structural_tag", "format": {"type": "nope"}}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),  # SmolLM2's template defines no tool-call format
+    ({"tools": TOOLS}, "tool_choice"),  # tools without a tool_choice are "auto", as vLLM's
     ({"use_beam_search": True, "response_format": {"type": "json_object"}}, "response_format"),
     ({"use_beam_search": True, "tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
 ])
@@ -114,6 +115,17 @@ def test_invalid_constraints_are_400s(server, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         server.get_client().chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body=body)
     assert e.value.status_code == 400 and e.value.body["param"] == param
+
+
+def test_a_null_tool_choice_is_a_plain_answer_without_a_tool_call_format(server):
+    """As vLLM's: tools beside a tool_choice given as null (not left out, which is "auto") ask for no tool-call
+    format: where the server reads none (SmolLM2's template teaches none), the answer is plain text."""
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 5,
+                                                            "tools": TOOLS, "tool_choice": None})
+    assert response.status_code == 200, response.text
+    message = response.json()["choices"][0]["message"]
+    assert message["content"] and "tool_calls" not in message
 
 
 def _check_calls(calls: list[tuple[str, str]], names: set[str]) -> None:

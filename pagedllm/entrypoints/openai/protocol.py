@@ -513,6 +513,7 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     # vLLM's: the answer starts with the last message's text when it continues that message (the roles are the same).
     echo: bool = False
     tools: Optional[list[ChatCompletionToolsParam]] = None
+    # None: left out without tools, or given as null (left out beside tools it is "auto": tools_mean_auto).
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = True
     # vLLM's: with --reasoning-parser, whether the answer carries the reasoning it split off the content.
@@ -525,6 +526,15 @@ class ChatCompletionRequest(SamplingRequest, ChatTemplateFields):
     # vLLM's: the answer carries the prompt's text, as the chat template rendered it (a stream: in each choice's first
     # chunk).
     return_prompt_text: Optional[bool] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def tools_mean_auto(cls, data: Any) -> Any:
+        """As vLLM's check_tool_usage: tools with no tool_choice are "auto", which needs a tool-call format; a
+        tool_choice given as null stays None, which asks for none (resolve_tool_choice)."""
+        if isinstance(data, dict) and data.get("tools") and "tool_choice" not in data:
+            data = {**data, "tool_choice": "auto"}
+        return data
 
     def template_kwargs(self) -> dict[str, Any]:
         """As vLLM's build_chat_params: reasoning_effort and documents, where given, over chat_template_kwargs; and

@@ -190,7 +190,8 @@ class ResponsesRequest(OpenAIBaseModel):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     tools: Optional[list[FunctionTool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice, None] = None
+    # Never null (a 400), as vLLM's (OpenAI's ToolChoice).
+    tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
     parallel_tool_calls: Optional[bool] = True
     stream: Optional[bool] = False
     # OpenAI's reusable prompt template ({"id", "version", "variables"}): refused (create_responses), as vLLM refuses
@@ -244,9 +245,9 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _no_tools_call_none(self) -> "ResponsesRequest":
-        """As vLLM's check_tool_usage: without tools, tool_choice "auto" (and no tool_choice) is "none", echoed so,
-        not chat's 400 for a choice that needs tools; "required" or a named function is still that 400."""
-        if not self.tools and self.tool_choice in (None, "auto"):
+        """As vLLM's check_tool_usage: without tools, tool_choice "auto" (the default) is "none", echoed so, not
+        chat's 400 for a choice that needs tools; "required" or a named function is still that 400."""
+        if not self.tools and self.tool_choice == "auto":
             self.tool_choice = "none"
         return self
 

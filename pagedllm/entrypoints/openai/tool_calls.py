@@ -171,7 +171,9 @@ def resolve_tool_choice(tools: Optional[list[ChatCompletionToolsParam]],
             raise ValueError(f"tool_choice names function {tool_choice.function.name!r}, which is not among the "
                              f"tools ({', '.join(names)}).")
         return ToolChoice("named", tools, tool_choice.function.name, parallel, parser or "hermes")
-    mode = tool_choice or "auto"
+    # None is a tool_choice given as null (ChatCompletionRequest makes a missing one "auto"): as vLLM's, calls are
+    # read where a tool-call format is known, and otherwise the answer is plain text, the tools still rendered.
+    mode = tool_choice if tool_choice is not None else "none" if parser is None else "auto"
     if mode not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {mode!r}.")
     if mode == "auto" and parser is None:
