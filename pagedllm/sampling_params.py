@@ -276,11 +276,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 def _int_keys_clamped(logit_bias: dict) -> dict[int, float]:
-    """Token ids as ints (JSON sends them as strings) and biases clamped to [-100, 100], as vLLM does."""
+    """Token ids as ints (JSON sends them as strings) and biases clamped to [-100, 100] as vLLM's from_optional
+    clamps them: an infinite bias is the bound it is past, and NaN, for which no comparison holds, -100."""
     try:
-        biases = {int(token_id): float(bias) for token_id, bias in logit_bias.items()}
+        return {int(token_id): min(100.0, max(-100.0, float(bias))) for token_id, bias in logit_bias.items()}
     except (TypeError, ValueError):
         raise ValueError(f"logit_bias keys must be token ids (integers), got {list(logit_bias)!r}.") from None
-    if not all(math.isfinite(bias) for bias in biases.values()):
-        raise ValueError(f"logit_bias values must be finite numbers, got {list(biases.values())!r}.")
-    return {token_id: min(100.0, max(-100.0, bias)) for token_id, bias in biases.items()}

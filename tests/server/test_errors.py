@@ -57,7 +57,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hi", "temperature": 2.5}, "temperature"),
     ("/v1/completions", {"prompt": "Hi", "temperature": float("nan")}, "temperature"),
     ("/v1/completions", {"prompt": "Hi", "repetition_penalty": float("inf")}, "repetition_penalty"),
-    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"28": float("nan")}}, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "seed": 2 ** 70}, "seed"),
     ("/v1/completions", {"prompt": "Hi", "top_k": 2 ** 70}, "top_k"),
     ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [2 ** 70]}, "stop_token_ids"),
