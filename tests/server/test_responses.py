@@ -117,6 +117,17 @@ def test_cut_answer_is_incomplete_down_to_its_message(client):
     assert (whole.status, whole.output[0].status) == ("completed", "completed")
 
 
+def test_an_incomplete_message_given_back_last_is_continued(client):
+    """As vLLM's should_continue_final_message: an input ending with a message still in_progress or incomplete (an
+    answer cut short, given back) is continued where it stopped, not answered by a new assistant turn."""
+    ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 200}
+    whole = client.responses.create(**ask, input=QUESTION)
+    cut = client.responses.create(**{**ask, "max_output_tokens": 3}, input=QUESTION)
+    assert cut.output[0].status == "incomplete" and whole.output_text.startswith(cut.output_text)
+    rest = client.responses.create(**ask, input=[{"role": "user", "content": QUESTION}, cut.output[0].model_dump()])
+    assert cut.output_text + rest.output_text == whole.output_text
+
+
 def test_required_tool_choice_gives_a_function_call(client):
     ask = {"model": MODEL, "input": "What is the weather like in Paris?", "tools": [TOOL], "tool_choice": "required",
            "temperature": 0, "max_output_tokens": 60}

@@ -22,11 +22,16 @@ class InputTextPart(OpenAIBaseModel):
     text: str
 
 
+# An item's status, given back with an output item: one in_progress or incomplete, last in the input, is continued.
+ItemStatus = Optional[Literal["in_progress", "completed", "incomplete"]]
+
+
 class InputMessage(OpenAIBaseModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     # The list first: a bad part's 400 then names it (input[1].content[0].type), not "content is not a string".
     content: Union[list[InputTextPart], str]
+    status: ItemStatus = None
 
     def to_chat_message(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -73,6 +78,7 @@ class ReasoningInput(OpenAIBaseModel):
     type: Literal["reasoning"]
     summary: list[ReasoningInputText] = Field(default_factory=list)
     content: Optional[list[ReasoningInputText]] = None
+    status: ItemStatus = None
 
     def to_chat_message(self) -> dict:
         parts = self.content or self.summary
@@ -256,6 +262,14 @@ class ResponsesRequest(OpenAIBaseModel):
         """Whether the output text comes with its tokens' logprobs (vLLM's is_include_output_logprobs)."""
         return "message.output_text.logprobs" in (self.include or ())
 
+    @property
+    def continues_final_message(self) -> bool:
+        """As vLLM's should_continue_final_message: an input whose last item is a message or reasoning item still
+        in_progress or incomplete (an answer cut short, given back) is continued where it stopped, not answered by a
+        new turn."""
+        last = self.input[-1] if isinstance(self.input, list) and self.input else None
+        return isinstance(last, (InputMessage, ReasoningInput)) and last.status in ("in_progress", "incomplete")
+
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message)."""
         return chat_messages([InputMessage(role="user", content=self.input)] if isinstance(self.input, str)
@@ -276,6 +290,8 @@ class ResponsesRequest(OpenAIBaseModel):
             tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
+            "add_generation_prompt": not self.continues_final_message,
+            "continue_final_message": self.continues_final_message,
             "temperature": self.temperature, "top_p": self.top_p, "tool_choice": tool_choice,
             "tools": None if not self.tools else [
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
