@@ -20,24 +20,29 @@ SELF_DRAFT = {"method": "draft_model", "model": resolve_model(DEFAULT_MODEL), "q
               "num_speculative_tokens": 3}
 FRUITS = "apple, banana, cherry, damson, elderberry, fig, grape, honeydew, kiwi, lemon, mango"
 CODE = "def area(width, height):\n    result = width * height\n    return result\n"
+# The second prompt is the first's, so that it hits the prefix cache whatever the schedule: FCFS admits it right
+# after the first, before any other request takes a block, so its lookup finds the first's prompt blocks (held by the
+# first while it runs; evicted by no allocation if it has finished). Placed after other requests, it could find them
+# evicted under this tight cache, depending on how the engine process's steps and the requests' arrival interleaved
+# (dynamic speculation sizes steps by their measured times): prefix_cache_hits was then 0.
 PROMPTS = [
+    f"Fruits: {FRUITS}.\nThe same fruits again: apple, banana,",
     f"Fruits: {FRUITS}.\nThe same fruits again: apple, banana,",
     f"Copy this code exactly.\n{CODE}\nCopy:\n",
     "The capital of France is",
     f"Rename result to total in this code.\n{CODE}\nRenamed:\n",
     "Count: one, two, three, four, five, six,",
     "A short poem about the sea:\n",
-    f"Fruits: {FRUITS}.\nThe same fruits again: apple, banana,",  # a prefix-cache hit on the first
     "def fibonacci(n):",
 ]
 PARAMS = [
     SamplingParams(temperature=0, max_tokens=40),
+    SamplingParams(temperature=0, max_tokens=40, stop=["kiwi"]),
     SamplingParams(temperature=0, max_tokens=37, stop=["return"]),  # a stop string the draft runs past
     SamplingParams(temperature=0, max_tokens=24, logprobs=2),
     SamplingParams(temperature=0, max_tokens=40),
     SamplingParams(temperature=0, max_tokens=13),  # max_tokens ending mid-draft
     SamplingParams(temperature=0, max_tokens=24),
-    SamplingParams(temperature=0, max_tokens=40, stop=["kiwi"]),
     SamplingParams(temperature=0, max_tokens=30),
 ]
 
@@ -68,7 +73,7 @@ def test_greedy_output_is_that_of_plain_decoding(expected, spec_llm):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids, g.prompt
         assert g.outputs[0].text == e.outputs[0].text
         assert g.outputs[0].finish_reason == e.outputs[0].finish_reason
-    e, g = expected[2].outputs[0], got[2].outputs[0]
+    e, g = expected[3].outputs[0], got[3].outputs[0]  # the request with logprobs
     assert [list(step) for step in g.logprobs] == [list(step) for step in e.logprobs]
     for e_step, g_step in zip(e.logprobs, g.logprobs):
         for token_id, logprob in e_step.items():
