@@ -93,11 +93,16 @@ class AsyncLLM:
     @classmethod
     def from_vllm_config(cls, vllm_config: EngineConfig, start_engine_loop: bool = True, usage_context: Any = None,
                          stat_loggers: Optional[list[Callable[[Any], Any]]] = None, enable_log_requests: bool = False,
-                         disable_log_stats: bool = False) -> "AsyncLLM":
+                         aggregate_engine_logging: bool = False, disable_log_stats: bool = False) -> "AsyncLLM":
         """vLLM's: the AsyncLLM of a config (EngineArgs.create_engine_config's: pagedllm's VllmConfig), its engine
         started; as from_engine_args (``start_engine_loop`` and ``usage_context`` as there), with vLLM's default
         stat loggers, after ``stat_loggers``', unless ``disable_log_stats``, when the custom loggers run alone
-        (vLLM's StatLoggerManager keeps its Prometheus logger then, unless a custom logger is one)."""
+        (vLLM's StatLoggerManager keeps its Prometheus logger then, unless a custom logger is one). vLLM's
+        ``aggregate_engine_logging`` (one stats line for all data-parallel engines) is refused: the line here is
+        per engine."""
+        if aggregate_engine_logging:
+            raise ValueError("aggregate_engine_logging is not supported: the stats line is logged per data-parallel "
+                             "engine")
         stat_loggers = list(stat_loggers or ()) + ([] if disable_log_stats else default_stat_loggers())
         engine_core, tokenizer = start_client_and_tokenizer(vllm_config, make_async_client)
         return cls(vllm_config, tokenizer, engine_core, stat_loggers, enable_log_requests)
@@ -285,10 +290,15 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------------------------------ outputs
     def _start_output_handler(self) -> None:
-        """The output handler, in the running event loop, unless it has started."""
+        """The output handler, in the running event loop, unless it has started. Outputs go to one loop, as
+        vLLM's: a request from another (a second asyncio.run()) is a RuntimeError, where it would wait for ever."""
+        loop = asyncio.get_running_loop()
         if not self._output_handler:
-            self._output_handler.append(asyncio.get_running_loop().create_task(
-                self._run_output_handler(weakref.ref(self), self.engine_core)))
+            self._output_handler.append(loop.create_task(self._run_output_handler(weakref.ref(self),
+                                                                                  self.engine_core)))
+        elif self._output_handler[0].get_loop() is not loop:
+            raise RuntimeError("This AsyncLLM serves the event loop of its first request (or the one it was made "
+                               "in); make another for this loop.")
 
     @staticmethod
     async def _run_output_handler(engine_ref: "weakref.ref[AsyncLLM]", engine_core: Any) -> None:

@@ -338,7 +338,8 @@ class LoopQueue:
                 self._early.append(item)
                 return
             loop, target = self._loop, self._queue
-        loop.call_soon_threadsafe(target.put_nowait, item)
+        if not loop.is_closed():  # else no one is left to take it, and the thread putting it must live on
+            loop.call_soon_threadsafe(target.put_nowait, item)
 
     async def get(self) -> Any:
         if self._queue is None:

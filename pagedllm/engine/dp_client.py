@@ -143,13 +143,19 @@ class _DPClientBase:
         outputs.engine_index = engine
         return outputs
 
+    def _gone(self) -> set[int]:
+        """The engines known dead: those whose death was delivered (the balancer's), and those whose process is
+        gone while their death still waits to be taken (an AsyncLLM made before its event loop takes outputs from
+        its first request on), so that health checks and utility calls do not wait for the delivery."""
+        return self.balancer.dead | {i for i, engine in enumerate(self.engines) if engine.dead}
+
     @property
     def dead(self) -> bool:
-        return len(self.balancer.dead) == len(self.engines)
+        return len(self._gone()) == len(self.engines)
 
     @property
     def dead_engines(self) -> list[int]:
-        return sorted(self.balancer.dead)
+        return sorted(self._gone())
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """To the engine the balancer chooses; one whose process is gone but whose death is not delivered yet
@@ -167,7 +173,8 @@ class _DPClientBase:
                 self.engines[engine].abort_requests(ids)
 
     def _live(self) -> list[MPClient]:
-        return [e for i, e in enumerate(self.engines) if i not in self.balancer.dead]
+        gone = self._gone()
+        return [e for i, e in enumerate(self.engines) if i not in gone]
 
     def _call_utility_all(self, method: str, *args: Any) -> list[Future]:
         """``method`` on every live engine, as vLLM's data-parallel client calls a utility on all its engines."""

@@ -97,7 +97,7 @@ def test_a_utility_runs_on_every_live_engine_and_their_results_combine():
 
     class Engine:
         def __init__(self, results: dict):
-            self.results, self.calls = results, []
+            self.results, self.calls, self.dead = results, [], False
 
         def call_utility(self, method, *args):
             self.calls.append(method)
@@ -116,3 +116,30 @@ def test_a_utility_runs_on_every_live_engine_and_their_results_combine():
     assert client.get_stats().num_running_reqs == 5 and client.is_sleeping() is True
     assert refusing.calls == resetting.calls == ["reset_prefix_cache", "get_stats", "is_sleeping"]
     assert client.engines[2].calls == []
+
+
+def test_an_engine_whose_process_is_gone_is_dead_before_its_death_is_delivered():
+    """Until the client takes an engine's delivered death (an AsyncLLM made before its event loop takes outputs from
+    its first request on), an engine whose process is gone already counts dead: health checks name it, utilities
+    skip it, and the client is dead when every engine is."""
+    from concurrent.futures import Future
+
+    from pagedllm.engine.dp_client import DPSyncMPClient
+
+    class Engine:
+        def __init__(self, dead: bool):
+            self.dead, self.calls = dead, []
+
+        def call_utility(self, method, *args):
+            self.calls.append(method)
+            future = Future()
+            future.set_result(True)
+            return future
+
+    client = DPSyncMPClient.__new__(DPSyncMPClient)
+    client.balancer, client.engines = DPLoadBalancer(2, block_size=4), [Engine(dead=False), Engine(dead=True)]
+    assert client.dead_engines == [1] and not client.dead and client.balancer.dead == set()
+    assert client.reset_prefix_cache() is True
+    assert client.engines[0].calls == ["reset_prefix_cache"] and client.engines[1].calls == []
+    client.engines[0].dead = True
+    assert client.dead

@@ -304,6 +304,8 @@ def test_async_llm_made_before_its_event_loop_serves_in_the_loop_that_runs_later
 
     try:
         token_ids = asyncio.run(run())
+        with pytest.raises(RuntimeError, match="serves the event loop of its first request"):
+            asyncio.run(asyncio.wait_for(run(), 60))  # vLLM's serves one loop too; a clear error, not a wait
     finally:
         engine.shutdown()
     llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB")
@@ -312,6 +314,9 @@ def test_async_llm_made_before_its_event_loop_serves_in_the_loop_that_runs_later
     finally:
         llm.shutdown()
     assert token_ids == expected.token_ids and len(token_ids) == 4
+    config = EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB").create_engine_config()
+    with pytest.raises(ValueError, match="aggregate_engine_logging is not supported"):
+        AsyncLLM.from_vllm_config(config, True, None, None, False, True)  # vLLM's positional order
 
 
 def test_loop_queue_keeps_what_came_before_its_loop_in_order():

@@ -9,7 +9,7 @@ import time
 import openai
 import pytest
 
-from pagedllm.entrypoints.openai.responses_protocol import ResponseFunctionToolCall, ResponsesResponse
+from pagedllm.entrypoints.openai.responses_protocol import ResponseFunctionToolCall, ResponsesRequest, ResponsesResponse
 from pagedllm.entrypoints.openai.serving_responses import ResponseStore
 from pagedllm.sampling_params import SamplingParams
 from tests.server.conftest import MAX_MODEL_LEN
@@ -126,6 +126,20 @@ def test_an_incomplete_message_given_back_last_is_continued(client):
     assert cut.output[0].status == "incomplete" and whole.output_text.startswith(cut.output_text)
     rest = client.responses.create(**ask, input=[{"role": "user", "content": QUESTION}, cut.output[0].model_dump()])
     assert cut.output_text + rest.output_text == whole.output_text
+
+
+def test_only_a_message_given_back_last_is_continued():
+    """A last reasoning item in_progress or incomplete is not continued (vLLM's should_continue_final_message names
+    it, then fails on it): as an assistant turn with no text, continuing it would open the answer after the turn
+    closed, not where the reasoning stopped."""
+    for status, continued in (("incomplete", True), ("in_progress", True), ("completed", False), (None, False)):
+        message = {"type": "message", "role": "assistant", "content": "Paris is", "status": status}
+        reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "The user asks"}],
+                     "status": status}
+        for item, expected in ((message, continued), (reasoning, False)):
+            request = ResponsesRequest.model_validate({"model": MODEL, "input": [{"role": "user", "content": "Hi"},
+                                                                                   item]})
+            assert request.continues_final_message is expected, (item["type"], status)
 
 
 def test_required_tool_choice_gives_a_function_call(client):

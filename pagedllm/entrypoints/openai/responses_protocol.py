@@ -264,11 +264,12 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @property
     def continues_final_message(self) -> bool:
-        """As vLLM's should_continue_final_message: an input whose last item is a message or reasoning item still
+        """As vLLM's should_continue_final_message for a message: an input whose last item is a message still
         in_progress or incomplete (an answer cut short, given back) is continued where it stopped, not answered by a
-        new turn."""
+        new turn. (vLLM's also names a reasoning item, and then fails on it: here that one is taken as any
+        reasoning item is, the answer a new turn after it.)"""
         last = self.input[-1] if isinstance(self.input, list) and self.input else None
-        return isinstance(last, (InputMessage, ReasoningInput)) and last.status in ("in_progress", "incomplete")
+        return isinstance(last, InputMessage) and last.status in ("in_progress", "incomplete")
 
     def input_messages(self) -> list[dict]:
         """The input as chat messages (a string is one user message)."""
