@@ -19,8 +19,7 @@ Invariants:
 - The server is reachable only by its user (a socket in a 0700 directory: a request names code to run).
 - Nothing outlives its owner: the server leaves when the process that started it is gone (the end of its stdin);
   its children watch their requesters (the pid their config names: core_proc.exit_when_parent_dies) and are no
-  concern of its lifetime. It
-  reaps each child and tells the requester its exit code, as a Popen would have got it.
+  concern of its lifetime. It reaps each child and tells the requester its exit code, as a Popen would have got it.
 """
 from __future__ import annotations
 
@@ -308,14 +307,22 @@ def _stop_owned(at_once: bool = False) -> None:
         _owned_dir = None
 
 
+def _method_is_forkserver() -> bool:
+    """Whether multiproc_method() is the fork server's; a bad method is not (the engine's start names it: a
+    ValueError before any process)."""
+    try:
+        return multiproc_method() == "forkserver"
+    except ValueError:
+        return False
+
+
 @contextlib.contextmanager
 def server_prestarted(wanted: bool = True) -> Iterator[None]:
     """An entry point's block that will start engine processes: the fork server starts on entry (its imports beside
     the entry point's), and where the block leaves without having forked anything from a server it started (a bad
     argument), the server goes with it."""
-    # A bad method starts none here: the engine's start says so (a ValueError before any process).
-    started = (wanted and os.environ.get(METHOD_ENV, "forkserver") in ("forkserver", "fork")
-               and (_owned is None or _owned.poll() is not None) and start_server() is not None)
+    started = (wanted and _method_is_forkserver() and (_owned is None or _owned.poll() is not None)
+               and start_server() is not None)
     try:
         yield
     finally:

@@ -46,9 +46,8 @@ class AsyncLLM:
         """``engine_core``: make_async_client's client for ``config``, started (from_engine_args makes both).
         ``stat_loggers``: factories (vLLM's StatLoggerFactory: called with the resolved config and an engine's
         index, per data-parallel engine; pagedllm's own, marked aggregate, with the config once: logger_factories),
-        whose loggers record every step's stats; each that has
-        vLLM's log_engine_initialized() is called once the engine has started. ``log_requests``: log each request
-        added and aborted (vLLM's)."""
+        whose loggers record every step's stats; each that has vLLM's log_engine_initialized() is called once the
+        engine has started. ``log_requests``: log each request added and aborted (vLLM's)."""
         self.config = self.vllm_config = config  # vLLM's name too, as its model_config
         self.log_requests = log_requests
         self.model_config = config.model_config

@@ -259,7 +259,6 @@ class MPClient:
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
-
 def stop_clients(clients: list[MPClient], timeout: Optional[float] = None) -> None:
     """Stops the engine processes of ``clients`` together (SIGTERM to all, then one wait within ``timeout``, vLLM's
     engine manager's), then closes what each held; a client already shut down is left as it is. Each is marked
@@ -271,6 +270,7 @@ def stop_clients(clients: list[MPClient], timeout: Optional[float] = None) -> No
                    STOP_TIMEOUT_S if timeout is None else timeout)
     for client in clients:
         client._close()
+
 
 class SyncMPClient:
     """For the synchronous LLMEngine: get_output() blocks until the engine's next batch of outputs."""

@@ -36,9 +36,8 @@ class LLMEngine:
         (vLLM's log_stats=False); else every step's stats go to the server's Prometheus metrics, in a registry of
         this engine's own (get_metrics reads them), to the server's log line and to a logger made by each of
         ``stat_loggers`` (vLLM's StatLoggerFactory, called with the config and an engine's index, per engine:
-        logger_factories); after a step with outputs, once this
-        many seconds have passed since the last, each logger's log() is called (vLLM's
-        do_log_stats_with_interval)."""
+        logger_factories); after a step with outputs, once this many seconds have passed since the last, each
+        logger's log() is called (vLLM's do_log_stats_with_interval)."""
         self.config = self.vllm_config = config  # vLLM's name too, as its model_config
         self.model_config = config.model_config
         self.tokenizer = tokenizer
