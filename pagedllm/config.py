@@ -362,6 +362,12 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
+    @property
+    def runner_type(self) -> str:
+        """vLLM's: the runner the model runs under. Every model here generates: EngineArgs refuses vLLM's pooling
+        runner and its conversions to one (runner, convert)."""
+        return "generate"
+
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 

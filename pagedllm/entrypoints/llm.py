@@ -53,6 +53,9 @@ class LLM:
                                                                     **kwargs))
         self.tokenizer = self.llm_engine.tokenizer
         self.model_config = self.llm_engine.model_config  # vLLM's
+        # vLLM's: the tasks the model serves and the runner it runs under ("generate" here, always).
+        self.supported_tasks = self.llm_engine.get_supported_tasks()
+        self.runner_type = self.model_config.runner_type
         self._request_counter = itertools.count()
         # enqueue()'s requests, in their order, until wait_for_completion returns them: each one's output once
         # finished (None until then).

@@ -1052,9 +1052,12 @@ def test_skip_tokenizer_init_generates_from_token_ids_without_text(llm):
 
 def test_world_size_supported_tasks_and_mm_cache_reset_are_vllms(llm):
     """vLLM's LLM.get_world_size (ranks, with data parallelism or without), LLMEngine.get_supported_tasks of a
-    generative model, LLM.reset_mm_cache, which has nothing to reset for a text-only model, and the configs under
-    vLLM's attribute names (LLM.model_config, LLMEngine.model_config and vllm_config)."""
+    generative model (LLM.supported_tasks too, and its runner_type, the model config's), LLM.reset_mm_cache, which
+    has nothing to reset for a text-only model, and the configs under vLLM's attribute names (LLM.model_config,
+    LLMEngine.model_config and vllm_config)."""
     assert llm.model_config is llm.llm_engine.model_config is llm.llm_engine.vllm_config.model_config
+    assert llm.supported_tasks == ("generate",)
+    assert llm.runner_type == llm.model_config.runner_type == "generate"
     assert llm.model_config.max_model_len == llm.llm_engine.config.scheduler_config.max_model_len
     assert llm.get_world_size() == llm.get_world_size(include_dp=False) == 1
     assert llm.llm_engine.get_supported_tasks() == ("generate",)
