@@ -1,9 +1,10 @@
-"""LLM: the offline API, as vLLM users know it — generate(), chat(), beam_search(), reset_prefix_cache()."""
+"""LLM: the offline API, as vLLM users know it — generate(), chat(), beam_search(), reset_prefix_cache(); its pooling
+API (encode(), embed(), classify(), score()) refuses as vLLM's does for a generative model."""
 from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, Union
 
 import msgspec
 import torch
@@ -309,6 +310,41 @@ class LLM:
                     outputs = outputs[num_beams:]
         return [instance.output(tokenizer) for instance in instances]
 
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None, *,
+               use_tqdm: UseTqdm = True,
+               lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+               pooling_task: Optional[str] = None, tokenization_kwargs: Optional[dict[str, Any]] = None) -> NoReturn:
+        """vLLM's pooling API, with its arguments: pooled hidden states need a pooling model, and every model here
+        generates (runner_type), so this is the ValueError vLLM's encode() raises for a generative model, after the
+        one check vLLM's makes first (a plugin's ``data`` prompt given for another pooling task). embed() and
+        classify() are encode() with their pooling task, as vLLM's."""
+        if isinstance(prompts, dict) and "data" in prompts and pooling_task != "plugin":
+            raise ValueError("The 'data' field is only supported for the 'plugin' pooling task.")
+        raise _not_a_pooling_model("encode")
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], *, use_tqdm: UseTqdm = True,
+              pooling_params: Any = None,
+              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+              tokenization_kwargs: Optional[dict[str, Any]] = None) -> NoReturn:
+        """vLLM's: encode() with pooling_task "embed" (so encode()'s ValueError)."""
+        self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
+                    tokenization_kwargs=tokenization_kwargs)
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], *, pooling_params: Any = None,
+                 use_tqdm: UseTqdm = True,
+                 lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+                 tokenization_kwargs: Optional[dict[str, Any]] = None) -> NoReturn:
+        """vLLM's: encode() with pooling_task "classify" (so encode()'s ValueError)."""
+        self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify",
+                    tokenization_kwargs=tokenization_kwargs)
+
+    def score(self, data_1: Any, data_2: Any, /, *, use_tqdm: UseTqdm = True, pooling_params: Any = None,
+              lora_request: Optional[Union[LoRARequest, Sequence[Optional[LoRARequest]]]] = None,
+              tokenization_kwargs: Optional[dict[str, Any]] = None, chat_template: Optional[str] = None) -> NoReturn:
+        """vLLM's, with its arguments: scores need a pooling model (an embedding or a cross-encoder one), so this is
+        the ValueError vLLM's raises first for a generative model."""
+        raise _not_a_pooling_model("score")
+
     def _run_engine(self, request_ids: list[str], use_tqdm: UseTqdm) -> list[RequestOutput]:
         """Steps until every request has finished; the outputs of ``request_ids``, in their order. Those of
         enqueue()'s other requests are kept for wait_for_completion."""
@@ -406,6 +442,13 @@ class LLM:
     def shutdown(self) -> None:
         """Stops the engine process (also done when this object is garbage-collected, or the interpreter exits)."""
         self.llm_engine.shutdown()
+
+
+def _not_a_pooling_model(method: str) -> ValueError:
+    """vLLM's ValueError for its pooling API on a generative model; where vLLM's suggests its pooling runner, this
+    says that pagedllm has none (EngineArgs refuses runner="pooling")."""
+    return ValueError(f"LLM.{method}() is only supported for pooling models. pagedllm runs generative models only: "
+                      "it has no pooling runner (`--runner pooling`).")
 
 
 def _prompt_to_seq(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:

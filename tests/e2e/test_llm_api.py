@@ -1064,6 +1064,25 @@ def test_world_size_supported_tasks_and_mm_cache_reset_are_vllms(llm):
     assert llm.reset_mm_cache() is None
 
 
+def test_the_pooling_api_refuses_a_generative_model_as_vllms(llm):
+    """vLLM's LLM.encode, embed, classify and score on a generative model (every model here): its ValueError, with
+    its first sentence, never an AttributeError; encode's check of a plugin's ``data`` prompt comes first, as vLLM's.
+    Their arguments are vLLM's (keyword-only where its are), and nothing reaches the engine."""
+    for call in (lambda: llm.encode("Hi"), lambda: llm.encode(["Hi", "there"], pooling_task="embed"),
+                 lambda: llm.embed("Hi", use_tqdm=False), lambda: llm.classify([[1, 2, 3]], pooling_params=None),
+                 lambda: llm.encode({"data": [1.0]}, pooling_task="plugin")):
+        with pytest.raises(ValueError, match=r"^LLM\.encode\(\) is only supported for pooling models\. "):
+            call()
+    with pytest.raises(ValueError, match=r"^The 'data' field is only supported for the 'plugin' pooling task\.$"):
+        llm.embed({"data": [1.0]})
+    with pytest.raises(ValueError, match=r"^LLM\.score\(\) is only supported for pooling models\. "):
+        llm.score("What is the capital of France?", ["Paris.", "Berlin."], chat_template=None)
+    for call in (lambda: llm.embed("Hi", None), lambda: llm.score(data_1="a", data_2="b")):
+        with pytest.raises(TypeError):
+            call()
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_enqueue_then_wait_for_completion_returns_the_queued_requests_outputs(llm):
     """vLLM's LLM.enqueue (request ids back, nothing run, bad input refused whole) and wait_for_completion (every
     queued request's output, in queue order); a generate() meanwhile runs them with its own, returning its own."""
