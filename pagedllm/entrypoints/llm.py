@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from typing import Any, Callable, Iterable, NoReturn, Optional, Sequence, Union
 
 import msgspec
@@ -41,11 +42,12 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, disable_log_stats: bool = True,
-                 chat_template: Optional[str] = None, **kwargs: Any) -> None:
+                 chat_template: Optional[Union[str, os.PathLike]] = None, **kwargs: Any) -> None:
         """``disable_log_stats=False`` (vLLM's, off by default offline) keeps the engine's metrics for
         get_metrics(), and logs the server's stats line every PAGEDLLM_LOG_STATS_INTERVAL seconds while it runs.
-        ``chat_template`` (vLLM's): the Jinja template, or a file holding it, that chat() renders with when a call
-        gives none (else the tokenizer's); read, and a bad one refused, before the engine starts."""
+        ``chat_template`` (vLLM's): the Jinja template, or a file (its path, or a path object) holding it, that
+        chat() renders with when a call gives none (else the tokenizer's); read, and a bad one refused, before the
+        engine starts."""
         self.chat_template = load_chat_template(chat_template)
         # The engine stops with it (LLMEngine.shutdown): on shutdown(), when it is garbage-collected (with this
         # object, unless kept elsewhere), or at the interpreter's exit.

@@ -32,6 +32,20 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
 
 
+def test_a_chat_template_path_object_is_a_file_as_vllms(tmp_path):
+    """vLLM's LLM(chat_template=Path(...)) reads the file; one that cannot be opened is its OSError, before any engine
+    starts (it was a TypeError: a path is no text to look for Jinja in)."""
+    from pagedllm import LLM
+
+    path = tmp_path / "template.jinja"
+    path.write_text(TEMPLATE)
+    assert load_chat_template(path) == TEMPLATE
+    with pytest.raises(FileNotFoundError):
+        load_chat_template(tmp_path / "missing.jinja")
+    with pytest.raises(FileNotFoundError):
+        LLM(chat_template=tmp_path / "missing.jinja")
+
+
 def test_custom_template_and_text_parts(tokenizer):
     messages = [ChatMessageParam(role="user", content=[{"type": "text", "text": "Hello"},
                                                         {"type": "text", "text": "there"}])]

@@ -12,11 +12,12 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessageParam, TokenizeChatRequest
 
 
-def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
-    """--chat-template is a file, or the Jinja template itself."""
+def load_chat_template(chat_template: Optional[Union[str, os.PathLike]]) -> Optional[str]:
+    """--chat-template is a file, or the Jinja template itself. A path object (LLM(chat_template=Path(...)), vLLM's
+    ``Path | str``) is a file, as vLLM reads it: one that cannot be opened is its OSError."""
     if chat_template is None:
         return None
-    if os.path.isfile(chat_template):
+    if isinstance(chat_template, os.PathLike) or os.path.isfile(chat_template):
         with open(chat_template, encoding="utf-8") as f:
             return f.read()
     if "{{" in chat_template or "{%" in chat_template:
