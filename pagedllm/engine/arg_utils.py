@@ -212,6 +212,9 @@ class EngineArgs:
     return_sampling_mask: InitVar[bool] = False
     enable_prompt_embeds: InitVar[bool] = False
     worker_extension_cls: InitVar[str] = ""
+    # The two that vLLM's LLM() itself converts (a worker class cloudpickled, a KVTransferConfig from a dict).
+    worker_cls: InitVar[Any] = "auto"
+    kv_transfer_config: InitVar[Optional[Any]] = None
     # vLLM's: without it, its sleep() is refused; here sleep() is always there, so either value is honoured.
     enable_sleep_mode: InitVar[bool] = False
     # vLLM's: True or False, honoured either way: tensor parallelism here all-reduces with torch.distributed's own,
@@ -468,7 +471,9 @@ UNSUPPORTED_AT_DEFAULT = {
     "enable_return_routed_experts": ((False,), "returning routed experts"),
     "return_sampling_mask": ((False,), "returning sampling masks"),
     "enable_prompt_embeds": ((False,), "prompt embeddings (prompts are text or token ids)"),
-    "worker_extension_cls": (("",), "worker extensions (collective_rpc takes a function instead)")}
+    "worker_extension_cls": (("",), "worker extensions (collective_rpc takes a function instead)"),
+    "worker_cls": (("auto",), "worker classes of its own (collective_rpc takes a function instead)"),
+    "kv_transfer_config": ((None,), "KV transfer connectors (disaggregated prefill, KV cache offloading)")}
 
 
 @dataclass

@@ -312,16 +312,18 @@ def test_vllms_other_llm_arguments_are_taken_or_refused_with_their_name():
 
 def test_vllms_llm_arguments_for_what_pagedllm_has_not_are_taken_at_their_defaults_or_refused():
     """vLLM's LLM arguments convert, allowed_local_media_path, allowed_media_domains, the offload_* ones,
-    pooler_config, quantization_config, enable_return_routed_experts, return_sampling_mask, enable_prompt_embeds and
-    worker_extension_cls: at vLLM's defaults (convert "none" too) the engine configures, and from_engine_args hands
-    them on; any other value is a ValueError naming the argument, never a TypeError nor a setting dropped.
+    pooler_config, quantization_config, enable_return_routed_experts, return_sampling_mask, enable_prompt_embeds,
+    worker_extension_cls, worker_cls and kv_transfer_config: at vLLM's defaults (convert "none" too) the engine
+    configures, and from_engine_args hands them on; any other value is a ValueError naming the argument, never a
+    TypeError nor a setting dropped.
     disable_custom_all_reduce and enable_sleep_mode are honoured either way (no custom all-reduce here; sleep() always
     there); attention_config's "backend" is attention_backend's, its other keys refused."""
     defaults = dict(convert="none", allowed_local_media_path="", allowed_media_domains=None, offload_group_size=0,
                     offload_num_in_group=1, offload_prefetch_step=1, offload_params=set(), pooler_config=None,
                     quantization_config=None, enable_return_routed_experts=False, return_sampling_mask=False,
                     disable_custom_all_reduce=True, attention_config={"backend": "TORCH_SDPA"},
-                    enable_prompt_embeds=False, worker_extension_cls="", enable_sleep_mode=True)
+                    enable_prompt_embeds=False, worker_extension_cls="", enable_sleep_mode=True, worker_cls="auto",
+                    kv_transfer_config=None)
     engine_args = EngineArgs(**defaults)
     assert engine_args.create_engine_config().model_config.attention_backend == "TORCH_SDPA"
     assert {name: vars(engine_args)[name] for name in defaults} == defaults
@@ -331,7 +333,8 @@ def test_vllms_llm_arguments_for_what_pagedllm_has_not_are_taken_at_their_defaul
                         ("offload_params", {"down_proj"}), ("pooler_config", {"pooling_type": "MEAN"}),
                         ("quantization_config", {"linear": "fp8"}), ("enable_return_routed_experts", True),
                         ("return_sampling_mask", True), ("enable_prompt_embeds", True),
-                        ("worker_extension_cls", "my.Extension")):
+                        ("worker_extension_cls", "my.Extension"), ("worker_cls", "my.Worker"),
+                        ("kv_transfer_config", {"kv_connector": "ExampleConnector", "kv_role": "kv_both"})):
         with pytest.raises(ValueError, match=f"^{name}={re.escape(repr(value))}: pagedllm does not support"):
             EngineArgs(**{name: value}).create_engine_config()
     for kwargs, message in (({"disable_custom_all_reduce": "yes"}, "disable_custom_all_reduce must be True or False"),
