@@ -60,6 +60,7 @@ class LLM:
         self.supported_tasks = self.llm_engine.get_supported_tasks()
         self.runner_type = self.model_config.runner_type
         self._request_counter = itertools.count()
+        self._model_repr: Optional[str] = None  # __repr__'s, once asked
         # enqueue()'s requests, in their order, until wait_for_completion returns them: each one's output once
         # finished (None until then).
         self._enqueued: dict[str, Optional[RequestOutput]] = {}
@@ -444,6 +445,13 @@ class LLM:
     def shutdown(self) -> None:
         """Stops the engine process (also done when this object is garbage-collected, or the interpreter exits)."""
         self.llm_engine.shutdown()
+
+    def __repr__(self) -> str:
+        """vLLM's: the model's module tree (its first worker's, as torch prints it: each layer's settings, a run of
+        identical layers once), asked of the engine the first time and kept, since it never changes."""
+        if self._model_repr is None:
+            self._model_repr = self.apply_model(repr)[0]
+        return self._model_repr
 
 
 def _not_a_pooling_model(method: str) -> ValueError:

@@ -1086,6 +1086,16 @@ def test_the_pooling_api_refuses_a_generative_model_as_vllms(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_repr_is_the_models_module_tree_as_vllms(llm):
+    """vLLM's repr(llm): the model's module tree, from the worker (the engine runs in its own process), its run of
+    identical decoder layers printed once; asked of the engine once and kept."""
+    text = repr(llm)
+    num_layers = llm.model_config.num_layers
+    assert text.startswith("LlamaForCausalLM(\n")
+    assert f"(0-{num_layers - 1}): {num_layers} x LlamaDecoderLayer(" in text
+    assert repr(llm) is text
+
+
 def test_enqueue_then_wait_for_completion_returns_the_queued_requests_outputs(llm):
     """vLLM's LLM.enqueue (request ids back, nothing run, bad input refused whole) and wait_for_completion (every
     queued request's output, in queue order); a generate() meanwhile runs them with its own, returning its own."""
