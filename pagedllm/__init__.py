@@ -12,7 +12,7 @@ _EXPORTS = {
     "SamplingParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
-    "BeamSearchParams": "pagedllm.beam_search",
+    "BeamSearchParams": "pagedllm.sampling_params",
     "BeamSearchOutput": "pagedllm.beam_search",
     "LoRARequest": "pagedllm.lora.request",
     "EngineArgs": "pagedllm.engine.arg_utils",

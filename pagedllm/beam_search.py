@@ -19,46 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import MAX_N_SEQUENCES, RequestOutputKind, SamplingParams
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's BeamSearchParams.
-
-    temperature is passed to the per-step requests as vLLM does; the candidates are ranked by raw logprobs,
-    so it does not change the beams.
-    """
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        """As vLLM's: beam_width is a number of sequences (the engine's max_logprobs bounds it too: verify_width)."""
-        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_N_SEQUENCES:
-            raise ValueError(f"beam_width must be between 1 and {MAX_N_SEQUENCES}, got {self.beam_width}.")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-
-    def verify_width(self, max_logprobs: int) -> None:
-        """Each step asks the engine for 2 * beam_width logprobs, which its max_logprobs (a count: -1 resolved to
-        the vocabulary's size) bounds. vLLM's engine refuses the first step's request; this refuses the search
-        before it starts, naming beam_width."""
-        if 2 * self.beam_width > max_logprobs:
-            raise ValueError(f"beam_width must be at most {max_logprobs // 2} (each step asks for twice as many "
-                             f"logprobs, and the engine's max_logprobs is {max_logprobs}), got {self.beam_width}.")
-
-    def step_sampling_params(self) -> SamplingParams:
-        """What each beam is submitted with: one token, and enough candidates to fill the beams, in one final output."""
-        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,
-                              output_kind=RequestOutputKind.FINAL_ONLY)
+from pagedllm.sampling_params import BeamSearchParams
 
 
 @dataclass

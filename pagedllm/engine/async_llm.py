@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Mapping, Optional, Un
 
 import msgspec
 
-from pagedllm.beam_search import BeamSearchInstance, BeamSearchParams, BeamSearchSequence
+from pagedllm.beam_search import BeamSearchInstance, BeamSearchSequence
 from pagedllm.core.sched.engine_view import EngineView
 from pagedllm.config import EngineConfig, check_profile_iterations, check_profile_prefix
 from pagedllm.engine.arg_utils import EngineArgs
@@ -33,7 +33,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.logger_factories import log_stat_loggers, start_stat_loggers
 from pagedllm.metrics.loggers import default_stat_loggers
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 

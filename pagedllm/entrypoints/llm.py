@@ -11,7 +11,7 @@ import msgspec
 import torch
 from tqdm.auto import tqdm
 
-from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams
+from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput
 from pagedllm.config import check_optional_dict
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
@@ -25,7 +25,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.reader import Metric
 from pagedllm.models.resolve import DEFAULT_MODEL
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 

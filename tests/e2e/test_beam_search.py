@@ -7,8 +7,7 @@ import weakref
 import pytest
 import torch
 
-from pagedllm.beam_search import BeamSearchParams
-from pagedllm.sampling_params import MAX_N_SEQUENCES
+from pagedllm.sampling_params import MAX_N_SEQUENCES, BeamSearchParams
 from tests.e2e.conftest import in_process_llm
 
 BEAM_WIDTH = 4

@@ -422,7 +422,7 @@ def test_async_llm_abort_stops_a_beam_search_and_all_its_step_requests():
     abort lands wherever the search is (a step's requests in flight, or between two steps): either way it ends."""
     import asyncio
 
-    from pagedllm.beam_search import BeamSearchParams
+    from pagedllm.sampling_params import BeamSearchParams
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_llm import AsyncLLM
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.outputs import RequestOutput
 from tests.e2e.conftest import running_llm

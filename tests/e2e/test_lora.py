@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from pagedllm import LoRARequest, SamplingParams
 from tests.e2e.conftest import assert_transformers_greedy, hf_greedy, in_process_llm, running_llm
-from pagedllm.beam_search import BeamSearchParams
+from pagedllm.sampling_params import BeamSearchParams
 from tests.e2e.test_beam_search import BEAM_WIDTH, hf_beam_search
 from tests.e2e.test_llm_parity import make_prompts
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pagedllm.beam_search import BeamSearchParams
+from pagedllm.sampling_params import BeamSearchParams
 from tests.e2e.conftest import in_process_llm
 from tests.server.conftest import MAX_MODEL_LEN
 

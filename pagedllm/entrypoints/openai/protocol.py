@@ -13,9 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_serializer, model_validator
 
-from pagedllm.beam_search import BeamSearchParams
 from pagedllm.engine.processor import validate_cache_salt
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.entrypoints.openai.tool_protocol import (ChatCompletionToolsParam, DeltaToolCall, NamedToolChoice,
                                                        ToolCall)
 from pagedllm.structured_output.params import StructuredOutputsParams

@@ -7,7 +7,6 @@ from typing import Any, AsyncIterator, Optional, Union
 
 import msgspec
 
-from pagedllm.beam_search import BeamSearchParams
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.chat_utils import conversation, effective_chat_template_kwargs, render_chat_request
 from pagedllm.entrypoints.openai.errors import BadRequestError
@@ -23,7 +22,7 @@ from pagedllm.entrypoints.openai.tool_calls import (ToolCallParser, ToolChoice, 
                                                     resolve_tool_choice)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.reasoning import DeepSeekR1ReasoningParser, ReasoningStream, get_reasoning_parser
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator, Optional, TypeVar, Union
 
-from pagedllm.beam_search import BeamSearchParams
 from pagedllm.entrypoints.logger import RequestLogger
 from pagedllm.entrypoints.openai.errors import BadRequestError, to_openai_error
 from pagedllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest, random_uuid
 from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 from pagedllm.entrypoints.openai.utils import peek
 from pagedllm.outputs import Logprob, PromptLogprobs, RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
