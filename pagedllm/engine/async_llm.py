@@ -143,7 +143,9 @@ class AsyncLLM:
 
     @property
     def dead_error(self) -> BaseException:
-        return self._dead_error or EngineDeadError()
+        """The error of a shut-down or dead engine: one that died before the output handler took its death (no
+        request yet) is known by the client's error, with the engine's last words."""
+        return self._dead_error or self.engine_core.dead_error or EngineDeadError()
 
     async def do_log_stats(self) -> None:
         """vLLM's: the stat loggers' log line now (the server's also logs by a timer of its own)."""
@@ -156,7 +158,7 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """Raises once an engine is dead (with data parallelism, any one: the others still take requests)."""
         if self.errored:
-            raise self._dead_error or EngineDeadError()
+            raise self.dead_error
         dead = getattr(self.engine_core, "dead_engines", [])
         if dead:
             raise EngineDeadError(f"data-parallel engine(s) {dead} died; {len(self.engine_core.engines) - len(dead)} "
@@ -176,7 +178,7 @@ class AsyncLLM:
         already processed request (which it does not take here): the outputs' prompt is the prompt's own text. Bad
         input is a ValueError, nothing added."""
         if self.errored:
-            raise self._dead_error or EngineDeadError()
+            raise self.dead_error
         self._start_output_handler()
         text, request = self.processor.process(request_id, prompt, params, arrival_time, priority, lora_request,
                                                tokenization_kwargs)

@@ -108,8 +108,9 @@ class MPClient:
         self._on_outputs = on_outputs
         self._utility_calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
-        self.dead = False
         self.death_reason: Optional[str] = None  # what the engine said as it failed, if it could
+        # Set once the engine process has died (not when shut down), with its last words: the error every caller gets
+        self.dead_error: Optional[EngineDeadError] = None
         self._closing = False
         # Forked by the fork server or a fresh interpreter (launch.py), never a fork of this process (unsafe once
         # torch's OpenMP threads exist) or multiprocessing's spawn (which re-runs an unguarded __main__ script): the
@@ -175,15 +176,22 @@ class MPClient:
             else:
                 self._on_outputs(outputs)
 
+    @property
+    def dead(self) -> bool:
+        """Whether the engine process has died (a shut-down one has not)."""
+        return self.dead_error is not None
+
     def _monitor_thread(self) -> None:
+        """The engine is dead to callers only once its error, with its last words, is known (dead_error): the first
+        call after a death (an engine that died idle, before any request) raises it as every later one does. Until
+        then a send waits (_send), and the futures registered meanwhile are failed with it here."""
         self.proc.wait()
         if self._closing:
             return
-        self.dead = True
         if self._output_thread_handle is not None:  # it may still hold the engine's last words
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
-        error = EngineDeadError(f"The engine process died: {self.death_reason}" if self.death_reason else
-                                EngineDeadError().args[0])
+        self.dead_error = error = EngineDeadError(f"The engine process died: {self.death_reason}" if self.death_reason
+                                                  else EngineDeadError().args[0])
         for future in list(self._utility_calls.values()):
             if not future.done():
                 future.set_exception(error)
@@ -206,8 +214,8 @@ class MPClient:
         while True:
             if self._closing:
                 raise EngineDeadError("The engine has been shut down (shutdown()); start a new one to generate.")
-            if self.dead:
-                raise EngineDeadError()
+            if self.dead_error is not None:
+                raise self.dead_error
             try:
                 return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -365,6 +373,10 @@ class AsyncMPClient:
     @property
     def dead(self) -> bool:
         return self._mp.dead
+
+    @property
+    def dead_error(self) -> Optional[EngineDeadError]:
+        return self._mp.dead_error
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._mp.add_request(request)

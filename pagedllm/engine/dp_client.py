@@ -154,6 +154,14 @@ class _DPClientBase:
         return len(self._gone()) == len(self.engines)
 
     @property
+    def dead_error(self) -> Optional[EngineDeadError]:
+        """Once every engine is dead: the error with each one's last words."""
+        if not self.dead:
+            return None
+        return EngineDeadError("Every data-parallel engine has died: " + "; ".join(
+            f"engine {i}: {engine.dead_error}" for i, engine in enumerate(self.engines)))
+
+    @property
     def dead_engines(self) -> list[int]:
         return sorted(self._gone())
 

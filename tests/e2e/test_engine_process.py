@@ -88,7 +88,7 @@ def test_a_request_sent_as_the_engine_dies_fails_instead_of_blocking(mp_llm):
     client = mp_llm.llm_engine.engine_core._mp
     client.proc.kill()
     assert wait_until(lambda: client.dead, 10)
-    client.dead = False  # back in the window: the engine gone, the monitor about to say so
+    error, client.dead_error = client.dead_error, None  # back in the window: the engine gone, the monitor to say so
     failed = threading.Event()
 
     def send_late() -> None:  # a thread of its own, so that a send blocking for ever fails the test, not hangs it
@@ -98,7 +98,7 @@ def test_a_request_sent_as_the_engine_dies_fails_instead_of_blocking(mp_llm):
 
     threading.Thread(target=send_late, daemon=True).start()
     time.sleep(0.5)
-    client.dead = True  # what the monitor does
+    client.dead_error = error  # what the monitor does
     assert failed.wait(10), "the request's send blocked"
 
 
@@ -146,6 +146,39 @@ def test_a_message_the_engine_cannot_read_ends_it_loudly(mp_llm):
     with pytest.raises(EngineDeadError, match="could not read a message from the frontend"):
         mp_llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_that_dies_idle_says_why_at_the_first_call(mp_llm):
+    """An engine that dies before any request (here: a message it cannot read; a worker lost while idle is another)
+    sends its last words as any other death does, but the first call after it raised a bare "died unexpectedly":
+    the sync client's send saw the monitor's dead flag before the error that carries them existed, and an AsyncLLM
+    made before its event loop had no output handler to take that error. Now every first call carries them."""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.engine.protocol import EngineCoreRequestType
+
+    # made before its loop runs: its output handler starts with its first request
+    async_llm = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+    try:
+        for client in (mp_llm.llm_engine.engine_core._mp, async_llm.engine_core._mp):
+            client._input_socket.send_multipart((EngineCoreRequestType.ADD.value, b"\x93not a request"))
+            assert wait_until(lambda: client.dead, 10)
+        last_words = "died: RuntimeError: The engine could not read a message from the frontend"
+        with pytest.raises(EngineDeadError, match=last_words):
+            mp_llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
+
+        async def first_calls() -> None:
+            with pytest.raises(EngineDeadError, match=last_words):
+                await async_llm.check_health()
+            with pytest.raises(EngineDeadError, match=last_words):
+                async for _ in async_llm.generate("Hello", SamplingParams(max_tokens=4), "r"):
+                    pass
+
+        asyncio.run(first_calls())
+    finally:
+        async_llm.shutdown()
 
 
 def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
