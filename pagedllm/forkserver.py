@@ -18,7 +18,7 @@ Invariants:
   saves time.
 - The server is reachable only by its user (a socket in a 0700 directory: a request names code to run).
 - Nothing outlives its owner: the server leaves when the process that started it is gone (the end of its stdin);
-  its children watch their requesters (the pid their config names: core_proc.exit_when_parent_dies) and are no
+  its children watch their requesters (the process their config names: core_proc.exit_when_parent_dies) and are no
   concern of its lifetime. It reaps each child and tells the requester its exit code, as a Popen would have got it.
 """
 from __future__ import annotations
@@ -94,6 +94,16 @@ def start_process(module: str, args: list[str]) -> Process:
         if proc is not None:
             return proc
     return subprocess.Popen([sys.executable, "-m", module, *args], start_new_session=True)
+
+
+def process_identity(pid: int) -> tuple[int, Optional[int]]:
+    """``pid`` and when that process started (/proc's starttime, clock ticks after boot; None where it is gone or
+    there is no /proc): a pid is given to a later process once its own has exited, the pair names one process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return pid, int(f.read().rsplit(b")", 1)[1].split()[19])  # after the name, which may hold ") "
+    except OSError:
+        return pid, None
 
 
 class ForkedProcess:

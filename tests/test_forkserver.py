@@ -164,3 +164,21 @@ def test_a_child_runs_on_the_requesters_cpus_with_its_umask(capfd):
     assert isinstance(proc, ForkedProcess) and proc.wait(timeout=60) == 0
     report = _report(capfd)
     assert report["cpus"] == [min(cpus)] and report["umask"] == 0o077
+
+
+@pytest.mark.timeout(180)
+def test_a_child_whose_requesters_pid_now_names_another_process_leaves():
+    """exit_when_parent_dies: a requester (a frontend, an engine) that died before its child opened a pidfd on its
+    pid, the pid since given to another process, left the child watching that stranger: an engine or a worker
+    orphaned for as long as the stranger lived. The requester's start time tells them apart: here the test process's
+    pid named with another start time is such a stranger's (the child leaves at once, exit code 1), and named with
+    its own it is the requester (the child stays until it ends itself)."""
+    script = ("import os, sys, threading, time\n"
+              "from pagedllm.engine.core_proc import exit_when_parent_dies\n"
+              "from pagedllm.forkserver import process_identity\n"
+              "pid, started = process_identity(os.getppid())\n"
+              "threading.Thread(target=exit_when_parent_dies, args=((pid, started + int(sys.argv[1])), []),\n"
+              "                 daemon=True).start()\n"
+              "time.sleep(3)\n")
+    codes = [subprocess.run([sys.executable, "-c", script, shift], timeout=120).returncode for shift in ("1", "0")]
+    assert codes == [1, 0]

@@ -28,7 +28,7 @@ from pagedllm.engine.launch import start_engine_core
 from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, SchedulerStats)
 from pagedllm.engine.stopping import STOP_TIMEOUT_S, stop_processes
-from pagedllm.forkserver import Process
+from pagedllm.forkserver import Process, process_identity
 from pagedllm.envs import env_flag
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.models.hf_config import load_tokenizer
@@ -117,7 +117,7 @@ class MPClient:
         # config travels as a pickle file.
         config_path = os.path.join(self._ipc_dir, "config.pkl")
         with open(config_path, "wb") as f:
-            pickle.dump((config, input_address, output_address, os.getpid()), f)
+            pickle.dump((config, input_address, output_address, process_identity(os.getpid())), f)
         self._output_thread_handle: Optional[threading.Thread] = None
         self.proc: Optional[Process] = None
         try:

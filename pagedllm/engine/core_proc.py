@@ -32,6 +32,7 @@ from pagedllm.engine.core import EngineCore, check_pause_args
 from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreReadyResponse, EngineCoreRequest,
                                       EngineCoreRequestType, UtilityOutput)
 from pagedllm.engine.stopping import dump_stacks_on_sigusr1
+from pagedllm.forkserver import process_identity
 
 logger = logging.getLogger(__name__)
 
@@ -224,11 +225,15 @@ def _utility_output(call_id: int, done: Future) -> UtilityOutput:
     return UtilityOutput(call_id, result=done.result())
 
 
-def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
+def exit_when_parent_dies(parent: tuple[int, Optional[int]], before_exit: list) -> None:
     """An orphaned engine would hold its memory forever: leave as soon as the frontend is gone (after
-    ``before_exit``'s callbacks: the executor stops its workers). The frontend is ``parent_pid``, which need not be
-    this process's parent (a fork server's child): its pidfd says when it exits, where the kernel has pidfds (a
-    fork server forks nothing without them, so there the frontend is the parent, which a poll of getppid watches)."""
+    ``before_exit``'s callbacks: the executor stops its workers). The frontend is ``parent`` (process_identity's),
+    which need not be this process's parent (a fork server's child): its pidfd says when it exits, where the kernel
+    has pidfds (a fork server forks nothing without them, so there the frontend is the parent, which a poll of
+    getppid watches). A pidfd opened on the frontend's pid after the frontend died may be a later process's, which
+    the frontend's start time tells apart: otherwise an engine (or a worker of an engine) that died while this
+    process started would be taken for alive for as long as that stranger lives."""
+    parent_pid = parent[0]
     try:
         pidfd = os.pidfd_open(parent_pid)
     except ProcessLookupError:  # gone already
@@ -237,7 +242,8 @@ def exit_when_parent_dies(parent_pid: int, before_exit: list) -> None:
         while os.getppid() == parent_pid:
             time.sleep(PARENT_POLL_SECONDS)
     else:
-        select.select([pidfd], [], [])
+        if process_identity(parent_pid) == parent:  # read after the pidfd opened: it is the frontend's
+            select.select([pidfd], [], [])
     for callback in before_exit:
         callback()
     os._exit(1)
@@ -249,12 +255,13 @@ def _exit_while_starting(*_) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int) -> None:
-    """Entry point of the engine process."""
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    parent: tuple[int, Optional[int]]) -> None:
+    """Entry point of the engine process; ``parent``: the frontend's process_identity."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the frontend's to handle; it stops us
     signal.signal(signal.SIGTERM, _exit_while_starting)
     before_exit: list = []
-    threading.Thread(target=exit_when_parent_dies, args=(parent_pid, before_exit), daemon=True).start()
+    threading.Thread(target=exit_when_parent_dies, args=(parent, before_exit), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s %(message)s")
     try:
         engine = EngineCoreProc(config, input_address, output_address)
@@ -287,8 +294,8 @@ def main() -> None:
     """`python -m pagedllm.engine.core_proc EngineCore CONFIG_PICKLE`, as started by the MP client (launch.py)."""
     dump_stacks_on_sigusr1()
     with open(sys.argv[2], "rb") as f:
-        config, input_address, output_address, parent_pid = pickle.load(f)
-    run_engine_core(config, input_address, output_address, parent_pid)
+        config, input_address, output_address, parent = pickle.load(f)
+    run_engine_core(config, input_address, output_address, parent)
 
 
 if __name__ == "__main__":

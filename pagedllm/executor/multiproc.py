@@ -25,7 +25,7 @@ from pagedllm.distributed.shm_broadcast import MessageQueue
 from pagedllm.distributed.utils import get_open_port
 from pagedllm.engine.stopping import stop_processes
 from pagedllm.executor.abstract import Executor, WorkerMethod
-from pagedllm.forkserver import Process, start_process
+from pagedllm.forkserver import Process, process_identity, start_process
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,8 @@ class MultiprocExecutor(Executor):
         self.workers: list[Process] = []
         try:
             init_method = f"tcp://127.0.0.1:{get_open_port()}"
-            startup = (self.config, init_method, self.rpc_broadcast_mq.export_handle(), reply_address, os.getpid())
+            startup = (self.config, init_method, self.rpc_broadcast_mq.export_handle(), reply_address,
+                       process_identity(os.getpid()))
             startup_path = os.path.join(self._ipc_dir, "startup.pkl")
             with open(startup_path, "wb") as f:
                 pickle.dump(startup, f)

@@ -33,12 +33,12 @@ def main() -> None:
     dump_stacks_on_sigusr1()
     startup_path, rank = sys.argv[1], int(sys.argv[2])
     with open(startup_path, "rb") as f:
-        config, init_method, mq_handle, reply_address, parent_pid = pickle.load(f)
+        config, init_method, mq_handle, reply_address, parent = pickle.load(f)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the executor stops us
     # The executor's stop ends us at once, also inside a blocking call (a rendezvous with a rank that never came, a
     # collective with a dead peer), where a Python handler would wait for the call to return.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threading.Thread(target=exit_when_parent_dies, args=(parent_pid, []), daemon=True).start()
+    threading.Thread(target=exit_when_parent_dies, args=(parent, []), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s Worker rank {rank} %(levelname)s %(message)s")
 
     from pagedllm.worker.worker import start_worker  # after the logging set-up: its import is the slow part
