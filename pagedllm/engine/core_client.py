@@ -35,6 +35,7 @@ from pagedllm.models.hf_config import load_tokenizer
 
 ENGINE_STARTUP_TIMEOUT_S = 600
 OUTPUT_POLL_MS = 100
+SHUT_DOWN_MESSAGE = "The engine has been shut down (shutdown()); start a new one to generate."
 
 
 def multiprocessing_enabled() -> bool:
@@ -213,7 +214,7 @@ class MPClient:
         frames = (request_type.value, self._encoder.encode(payload))
         while True:
             if self._closing:
-                raise EngineDeadError("The engine has been shut down (shutdown()); start a new one to generate.")
+                raise EngineDeadError(SHUT_DOWN_MESSAGE)
             if self.dead_error is not None:
                 raise self.dead_error
             try:
@@ -326,7 +327,11 @@ class SyncMPClient:
         return self._mp.call_utility(method, *args).result()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stops the engine. An engine shut down sends nothing more, and its exit is no death the monitor reports:
+        a get_output() waiting (another thread's step, or the one a signal handler that shuts down interrupted)
+        raises this error instead of waiting for ever, as every later one does."""
         self._mp.shutdown(timeout)
+        self._outputs.put(EngineDeadError(SHUT_DOWN_MESSAGE))
 
 
 class LoopQueue:

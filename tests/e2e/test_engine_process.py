@@ -181,6 +181,30 @@ def test_an_engine_that_dies_idle_says_why_at_the_first_call(mp_llm):
         async_llm.shutdown()
 
 
+@pytest.mark.timeout(240)
+def test_shutdown_ends_a_generate_waiting_for_outputs(mp_llm):
+    """shutdown() while generate() waits for the engine's outputs (in another thread, or the thread a signal
+    handler that shuts down interrupted): the engine's exit was a shutdown, not a death, so nothing told the waiting
+    step, which waited for ever. Now it raises EngineDeadError, and the requests end."""
+    errors = []
+
+    def generate() -> None:
+        try:
+            mp_llm.generate("Hello", SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+        except EngineDeadError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=generate, daemon=True)  # a step waiting for ever fails the test, not hangs it
+    thread.start()
+    assert wait_until(mp_llm.llm_engine.has_unfinished_requests, 30)
+    time.sleep(1)
+    mp_llm.shutdown()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "generate() still waits for the outputs of an engine shut down"
+    assert len(errors) == 1 and "shut down" in str(errors[0])
+    assert not mp_llm.llm_engine.has_unfinished_requests()
+
+
 def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
     """As vLLM's client: an LLM dropped without shutdown() stops its engine process and removes its IPC directory
     when it is collected (and at the latest when the interpreter exits), not when the process ends."""
