@@ -205,6 +205,43 @@ def test_shutdown_ends_a_generate_waiting_for_outputs(mp_llm):
     assert not mp_llm.llm_engine.has_unfinished_requests()
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("end", ["the engine dies", "shutdown"])
+def test_an_async_stream_ends_when_its_engine_dies_or_shuts_down(end):
+    """A stream in flight through AsyncLLM ends, never hangs: with EngineDeadError when the engine process dies
+    mid-stream, with a last "abort" output when the engine is shut down; the engine process is gone either way."""
+    import asyncio
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.sampling_params import RequestOutputKind
+
+    async def run() -> None:
+        engine = AsyncLLM.from_engine_args(EngineArgs(dtype="float32", max_model_len=512, kv_cache_memory="64MiB"))
+        proc = psutil.Process(engine.engine_core.proc.pid)
+        try:
+            stream = engine.generate("Hello", SamplingParams(max_tokens=400, ignore_eos=True,
+                                                             output_kind=RequestOutputKind.DELTA), "r")
+            assert not (await asyncio.wait_for(stream.__anext__(), 60)).finished
+
+            async def rest() -> list:
+                return [output async for output in stream]
+
+            if end == "shutdown":
+                engine.shutdown()
+                outputs = await asyncio.wait_for(rest(), 20)
+                assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+            else:
+                proc.kill()
+                with pytest.raises(EngineDeadError):
+                    await asyncio.wait_for(rest(), 20)
+            assert not engine.output_processor.has_unfinished_requests()
+        finally:
+            engine.shutdown()
+        assert not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
+
+    asyncio.run(run())
+
+
 def test_an_llm_garbage_collected_stops_its_engine(monkeypatch):
     """As vLLM's client: an LLM dropped without shutdown() stops its engine process and removes its IPC directory
     when it is collected (and at the latest when the interpreter exits), not when the process ends."""

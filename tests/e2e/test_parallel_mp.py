@@ -6,6 +6,7 @@ shared-memory segment behind."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import re
@@ -97,6 +98,40 @@ def test_a_rank_that_dies_while_the_engine_is_idle_ends_it_then():
             llm.generate("Hi", SamplingParams(max_tokens=2), use_tqdm=False)
     assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
     assert shm_segments() <= before
+
+
+@pytest.mark.timeout(300)
+def test_a_tp2_llm_dropped_leaves_nothing_and_a_rank_killed_mid_step_fails_it(tmp_path, tokenizer):
+    """Tensor parallelism on the tiny model: an LLM dropped without shutdown() (its __del__) leaves nothing, no
+    engine, no worker, no queue segment in /dev/shm; a rank killed while the engine steps fails the generate() with
+    an error naming it, within seconds, and leaves nothing either."""
+    from tests.e2e.test_parallel_tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path, tokenizer, "llama")
+    before, engines_before = shm_segments(), {p.pid for p in engine_processes()}
+
+    def assert_nothing_left() -> None:
+        assert wait_until(lambda: not worker_processes(), 10), "workers outlived their engine"
+        assert wait_until(lambda: not {p.pid for p in engine_processes()} - engines_before, 10), "an engine is left"
+        assert shm_segments() <= before, "the broadcast queue's segment was left in /dev/shm"
+
+    for kill in (False, True):
+        llm = LLM(str(tmp_path), dtype="float32", max_model_len=512, kv_cache_memory="32MiB", tensor_parallel_size=2,
+                  distributed_executor_backend="mp")
+        workers = worker_processes()
+        assert len(workers) == 2 and len(shm_segments() - before) == 1
+        prompts = [{"prompt_token_ids": [1, 50 + i]} for i in range(8)]
+        if kill:
+            threading.Timer(1.0, next(w for w in workers if command_line(w)[-1] == "1").kill).start()
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="worker rank 1 died"):
+                llm.generate(prompts, SamplingParams(max_tokens=500, ignore_eos=True), use_tqdm=False)
+            assert time.monotonic() - started < 15
+        else:
+            assert len(llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)) == 8
+        del llm
+        gc.collect()
+        assert_nothing_left()
 
 
 def test_a_rank_that_raises_is_named_with_its_exception_not_its_traceback(monkeypatch):
