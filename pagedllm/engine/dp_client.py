@@ -20,7 +20,7 @@ from typing import Any, Optional
 import msgspec
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_client import LoopQueue, MPClient, stop_clients
+from pagedllm.engine.core_client import SHUT_DOWN_MESSAGE, LoopQueue, MPClient, stop_clients
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagedllm.executor.abstract import WorkerMethod
@@ -279,9 +279,16 @@ class DPSyncMPClient(_DPClientBase):
             engine, outputs = self._outputs.get()
             if not isinstance(outputs, EngineDeadError):
                 return self._process(engine, outputs)
-            self._dead_error = EngineDeadError(f"data-parallel engine {engine}: {outputs}")
+            self._dead_error = outputs if engine is None else EngineDeadError(f"data-parallel engine {engine}: "
+                                                                              f"{outputs}")
             self.shutdown()
         raise self._dead_error
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """As SyncMPClient's: engines shut down send nothing more, so a get_output() waiting for them raises the
+        shut-down error (delivered from no engine: None) instead of waiting for ever."""
+        super().shutdown(timeout)
+        self._outputs.put((None, EngineDeadError(SHUT_DOWN_MESSAGE)))
 
     def call_utility(self, method: str, *args: Any) -> Any:
         """``method`` on every live engine, their results combined (combine_utility_results)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+import queue
 import re
 import subprocess
 import tempfile
@@ -182,27 +183,30 @@ def test_an_engine_that_dies_idle_says_why_at_the_first_call(mp_llm):
 
 
 @pytest.mark.timeout(240)
-def test_shutdown_ends_a_generate_waiting_for_outputs(mp_llm):
+@pytest.mark.parametrize("data_parallel_size", [1, 2])
+def test_shutdown_ends_a_generate_waiting_for_outputs(monkeypatch, data_parallel_size):
     """shutdown() while generate() waits for the engine's outputs (in another thread, or the thread a signal
     handler that shuts down interrupted): the engine's exit was a shutdown, not a death, so nothing told the waiting
     step, which waited for ever. Now it raises EngineDeadError, and the requests end."""
+    monkeypatch.delenv("PAGEDLLM_ENABLE_MULTIPROCESSING", raising=False)
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="64MiB", data_parallel_size=data_parallel_size)
     errors = []
 
     def generate() -> None:
         try:
-            mp_llm.generate("Hello", SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
+            llm.generate(["Hello", "Hi"], SamplingParams(max_tokens=400, ignore_eos=True), use_tqdm=False)
         except EngineDeadError as e:
             errors.append(e)
 
     thread = threading.Thread(target=generate, daemon=True)  # a step waiting for ever fails the test, not hangs it
     thread.start()
-    assert wait_until(mp_llm.llm_engine.has_unfinished_requests, 30)
+    assert wait_until(llm.llm_engine.has_unfinished_requests, 30)
     time.sleep(1)
-    mp_llm.shutdown()
+    llm.shutdown()
     thread.join(timeout=20)
     assert not thread.is_alive(), "generate() still waits for the outputs of an engine shut down"
     assert len(errors) == 1 and "shut down" in str(errors[0])
-    assert not mp_llm.llm_engine.has_unfinished_requests()
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.mark.timeout(240)
@@ -849,7 +853,7 @@ def test_data_parallel_engines_are_stopped_together_within_one_timeout():
             events.append(("closed", self.proc.name))
 
     client = DPSyncMPClient.__new__(DPSyncMPClient)
-    client.engines = [Engine("0"), Engine("1")]
+    client.engines, client._outputs = [Engine("0"), Engine("1")], queue.Queue()
     client.shutdown(timeout=5)
     assert events == [("SIGTERM", "0"), ("SIGTERM", "1"), ("exited", "0"), ("exited", "1"), ("closed", "0"),
                       ("closed", "1")]
