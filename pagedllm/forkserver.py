@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Optional, Union
 
@@ -64,7 +65,7 @@ _REQUEST_TIMEOUT_S = 300  # a server that has not answered by then (its imports 
 # without ending the server's use for the others.
 _ENVIRONMENT_AT_IMPORT = dict(os.environ)
 
-Process = Union[subprocess.Popen, "ForkedProcess"]
+Process = Union["FreshProcess", "ForkedProcess"]
 
 
 METHOD_ENV = "PAGEDLLM_WORKER_MULTIPROC_METHOD"  # vLLM's VLLM_WORKER_MULTIPROC_METHOD, with our methods
@@ -93,7 +94,31 @@ def start_process(module: str, args: list[str]) -> Process:
         proc = ForkedProcess.request(server, module, args)
         if proc is not None:
             return proc
-    return subprocess.Popen([sys.executable, "-m", module, *args], start_new_session=True)
+    return FreshProcess([sys.executable, "-m", module, *args])
+
+
+class FreshProcess(subprocess.Popen):
+    """A fresh interpreter (start_process's where no fork server forks it) in a session of its own, signalled as a
+    ForkedProcess is: through a pidfd, opened at its start, when it cannot have been reaped. Popen's send_signal
+    polls, then kills by pid, and another thread's wait() (a client's monitor, blocked in it for the process's life)
+    holds the lock that poll needs: once that wait has reaped the process, the kill may reach a later process given
+    its pid."""
+
+    def __init__(self, args: list[str]) -> None:
+        super().__init__(args, start_new_session=True)
+        try:
+            self._pidfd: Optional[int] = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):  # no pidfds here (Linux before 5.3): Popen's signals, by pid
+            self._pidfd = None
+        else:
+            weakref.finalize(self, os.close, self._pidfd)
+
+    def send_signal(self, sig: int) -> None:
+        if self._pidfd is None:
+            super().send_signal(sig)
+        elif self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it exited since: as Popen's
+                signal.pidfd_send_signal(self._pidfd, sig)
 
 
 def process_identity(pid: int) -> tuple[int, Optional[int]]:

@@ -182,3 +182,20 @@ def test_a_child_whose_requesters_pid_now_names_another_process_leaves():
               "time.sleep(3)\n")
     codes = [subprocess.run([sys.executable, "-c", script, shift], timeout=120).returncode for shift in ("1", "0")]
     assert codes == [1, 0]
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_interpreter_reaped_by_another_thread_is_never_signalled_by_its_pid(monkeypatch, capfd):
+    """A Popen's send_signal polls, then kills by pid. Another thread blocked in its wait() (a client's monitor
+    always is) holds the Popen's waitpid lock, so that the poll learns nothing; once that wait has reaped the
+    process, the kill goes to its pid, which may name a later process by then. A fresh interpreter start_process
+    starts is signalled through the pidfd opened at its start, as a forked child is: never by a pid."""
+    monkeypatch.setenv(forkserver.METHOD_ENV, "spawn")
+    proc = start_process(CHILD, ["0", "0"])
+    os.waitpid(proc.pid, 0)  # reaped by the other thread's wait, whose returncode is not yet set
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
+    with proc._waitpid_lock:  # held by that wait
+        proc.terminate()
+    assert kills == []
+    proc.returncode = 0  # what that wait sets
