@@ -358,6 +358,7 @@ def test_truncation_auto_keeps_the_prompts_last_tokens(client):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"tool_choice": None}, "tool_choice"),  # not Optional, as vLLM's (OpenAI's ToolChoice)
+    ({"tools": None}, "tools"),  # a list, not Optional, as vLLM's
     # A bad input part or item is named by its path, as OpenAI names it.
     ({"input": [{"role": "user", "content": QUESTION},
                 {"role": "user", "content": [{"type": "input_image", "text": "x"}]}]}, "input[1].content[0].type"),

@@ -195,7 +195,8 @@ class ResponsesRequest(OpenAIBaseModel):
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    tools: Optional[list[FunctionTool]] = None
+    # A list, never null (a 400), as vLLM's field, which is not Optional.
+    tools: list[FunctionTool] = Field(default_factory=list)
     # Never null (a 400), as vLLM's (OpenAI's ToolChoice).
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
     parallel_tool_calls: Optional[bool] = True

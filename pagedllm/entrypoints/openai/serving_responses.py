@@ -116,7 +116,7 @@ class _ResponseBuilder:
             top_logprobs=self.params.logprobs, presence_penalty=self.params.presence_penalty,
             frequency_penalty=self.params.frequency_penalty, user=r.user, truncation=r.truncation,
             service_tier=r.service_tier, max_tool_calls=r.max_tool_calls,
-            tools=r.tools or [], tool_choice=r.tool_choice,
+            tools=r.tools, tool_choice=r.tool_choice,
             parallel_tool_calls=r.parallel_tool_calls is not False, previous_response_id=r.previous_response_id,
             store=r.store is not False, metadata=r.metadata, reasoning=r.reasoning,
             **({"text": r.text} if r.text is not None and r.text.format is not None else {}))
