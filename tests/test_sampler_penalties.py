@@ -171,3 +171,26 @@ def test_logit_bias_keys_become_ints_clamped_and_survive_the_wire():
     assert params.logit_bias == {5: 100.0, 6: -100.0, 7: 1.5}
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert decoded.logit_bias == params.logit_bias and decoded.bad_words_token_ids == [[1, 2]]
+
+
+def test_a_bad_word_of_no_tokens_is_refused_not_dropped():
+    """As vLLM's update_from_tokenizer: a bad word the tokenizer makes nothing of (a normalizer drops it) would ban
+    nothing, so the Processor refuses it, naming bad_words, rather than drop it silently."""
+    from types import SimpleNamespace
+
+    from pagedllm.engine.processor import Processor
+
+    class DroppingTokenizer:
+        """Each character is a token, but for "~", which its normalizer drops."""
+        eos_token_id = EOS
+
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [ord(c) for c in text if c != "~"]
+
+    model_config = SimpleNamespace(path="/nonexistent", generation_config="auto", hf_config=SimpleNamespace(),
+                                   vocab_size=V)
+    processor = Processor(model_config, DroppingTokenizer())
+    kept = processor.process_sampling_controls(SamplingParams(bad_words=["ab"]))
+    assert kept.bad_words_token_ids == [[97, 98], [32, 97, 98]]
+    with pytest.raises(ValueError, match="^bad_words entries must tokenize to at least one token.$"):
+        processor.process_sampling_controls(SamplingParams(bad_words=["ab", "~~"]))

@@ -201,6 +201,10 @@ class Processor:
             # whatever their lengths: vLLM keeps the spaced form only when it has as many tokens).
             for text in (word, " " + word):
                 token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if not token_ids and text == word:
+                    # As vLLM's update_from_tokenizer: a word of no tokens would ban nothing, silently (its spaced
+                    # form of none is only skipped: the word itself is still banned).
+                    raise ValueError("bad_words entries must tokenize to at least one token.")
                 if token_ids and token_ids not in bad_words_token_ids:
                     bad_words_token_ids.append(token_ids)
                     if len(bad_words_token_ids) > MAX_NUM_BAD_WORDS:  # checked as they come, as vLLM does
