@@ -280,3 +280,25 @@ def test_an_auto_tool_choice_message_keeps_its_content_unstripped():
     content, calls = choice.make_parser().parse("\n" + text[text.index("<tool_call>"):])
     assert choice.message_content(content, calls) is None
     assert choice.message_content(*choice.make_parser().parse(" Hi there.\n")) == " Hi there.\n"
+
+
+
+@pytest.mark.parametrize("mode, texts, finish", [
+    ("auto", ['<tool_call>{"name": "f", "arguments": {"a": 1}}', " and more</tool_call>"], "tool_calls"),
+    ("named", ['{"a": 1}', ""], "stop"),
+])
+def test_a_streamed_call_delta_makes_the_finish_tool_calls_though_its_block_is_no_call(mode, texts, finish):
+    """As vLLM's chat_completion_stream_generator (its tools_streamed): once a call delta has been streamed, the
+    choice's finish_reason is "tool_calls" (a named tool_choice's still "stop"), though the Hermes block it came from
+    turns out to be no call (text after its JSON), which takes it out of the parser's calls."""
+    from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+    from pagedllm.entrypoints.openai.tool_calls import ToolChoice
+    from pagedllm.outputs import CompletionOutput
+
+    tool_choice = ToolChoice(mode, [], "f" if mode == "named" else None, parser="hermes")
+    parser, streamed = tool_choice.make_parser(), [False]
+    steps = [CompletionOutput(0, texts[0], [1]), CompletionOutput(0, texts[1], [2], finish_reason="stop")]
+    (first, first_finish), (_, last_finish) = [OpenAIServingChat._stream_delta(step, parser, tool_choice, streamed)
+                                               for step in steps]
+    assert first.tool_calls and first_finish is None and streamed == [True]
+    assert last_finish == finish and (mode == "named" or parser.calls == [])

@@ -170,8 +170,10 @@ class OpenAIServingChat(OpenAIServing):
                 **usage, **prompt)
             return sse(response.model_dump_json(exclude_unset=True))
 
-        # One tool-call parser per choice, when tool calls are to be read out of the text.
+        # One tool-call parser per choice, when tool calls are to be read out of the text; and per choice whether a
+        # call delta has been streamed (vLLM's tools_streamed), which makes its finish "tool_calls".
         parsers = [tool_choice.make_parser() if tool_choice else None for _ in range(request.n or 1)]
+        tools_streamed = [False] * (request.n or 1)
         try:
             role = self.get_chat_request_role(request)
             for index in range(request.n or 1):
@@ -192,7 +194,7 @@ class OpenAIServingChat(OpenAIServing):
                     if not output.text and not output.token_ids and output.finish_reason is None:
                         continue
                     delta, finish_reason = self._stream_delta(output, parsers[output.index], tool_choice,
-                                                              reasoning_streams[output.index],
+                                                              tools_streamed, reasoning_streams[output.index],
                                                               request.include_reasoning)
                     logprobs = self._logprobs(request, output) if shown else None
                     if not delta.model_fields_set and finish_reason is None and logprobs is None and \
@@ -217,11 +219,13 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _stream_delta(output: CompletionOutput, parser: Optional[ToolCallParser], tool_choice: Optional[ToolChoice],
-                      reasoning_stream: Optional[ReasoningStream] = None, include_reasoning: bool = True
-                      ) -> tuple[DeltaMessage, Optional[str]]:
+                      tools_streamed: list[bool], reasoning_stream: Optional[ReasoningStream] = None,
+                      include_reasoning: bool = True) -> tuple[DeltaMessage, Optional[str]]:
         """This step's delta of one choice: its text, or the reasoning, content and tool calls the parsers read
         out of it (the tool-call parser reading the content only). A delta sets only the fields it has, as vLLM's
-        (no null content or tool_calls beside them); one a parser holds back sets none."""
+        (no null content or tool_calls beside them); one a parser holds back sets none. tools_streamed: per choice,
+        whether a call delta has been streamed, set here; as vLLM's, a choice that streamed one finishes as a call,
+        though the parser later found the block it came from no call (what was streamed cannot be taken back)."""
         text, reasoning = output.text, {}
         if reasoning_stream is not None:
             thought, text = reasoning_stream.feed(text)
@@ -236,10 +240,11 @@ class OpenAIServingChat(OpenAIServing):
         if output.finish_reason is not None:
             rest, more_calls = parser.finish()
             content, tool_calls = content + rest, tool_calls + more_calls
+        tools_streamed[output.index] |= bool(tool_calls)  # as vLLM's, before parallel_tool_calls false drops any
         tool_calls = tool_choice.kept_deltas(tool_calls)
         delta = DeltaMessage(**reasoning, **({"content": content} if content else {}),
                              **({"tool_calls": tool_calls} if tool_calls else {}))
-        return delta, tool_choice.finish_reason(parser.calls, output.finish_reason)
+        return delta, tool_choice.finish_reason(tools_streamed[output.index], output.finish_reason)
 
     @staticmethod
     def _shows_token_metadata(request: ChatCompletionRequest,
@@ -281,7 +286,7 @@ class OpenAIServingChat(OpenAIServing):
                 calls = tool_choice.kept_calls(calls)
                 message = ChatMessage(role=role, content=tool_choice.message_content(content, calls),
                                       tool_calls=calls)
-                finish_reason = tool_choice.finish_reason(calls, o.finish_reason)
+                finish_reason = tool_choice.finish_reason(bool(calls), o.finish_reason)
             if request.include_reasoning:
                 message.reasoning = reasoning
             if echoed:

@@ -146,9 +146,10 @@ class ToolChoice:
         """A stream's call deltas of the calls kept_calls keeps."""
         return deltas if self.parallel else [delta for delta in deltas if delta.index == 0]
 
-    def finish_reason(self, calls: list[ToolCall], finish_reason: Optional[str]) -> Optional[str]:
-        """OpenAI says "tool_calls" when the model chose to call (auto/required); a forced named call "stops"."""
-        if calls and finish_reason == "stop" and self.mode in ("auto", "required"):
+    def finish_reason(self, called: bool, finish_reason: Optional[str]) -> Optional[str]:
+        """OpenAI says "tool_calls" when the model chose to call (auto/required) and stopped; a forced named call
+        "stops". called: the answer has calls, or (streamed) a call delta was sent."""
+        if called and finish_reason == "stop" and self.mode in ("auto", "required"):
             return "tool_calls"
         return finish_reason
 
