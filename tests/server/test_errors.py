@@ -78,6 +78,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "Hi", "logprob_token_ids": [5]}, "logprob_token_ids"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": [10 ** 6]}, "logprob_token_ids"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": list(range(129))}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 0, "logprob_token_ids": []}, "logprob_token_ids"),
+    ("/v1/chat/completions", {"messages": HI, "logprobs": True, "logprob_token_ids": []}, "logprob_token_ids"),
     ("/v1/chat/completions", {"messages": HI, "logprobs": True, "logprob_token_ids": [5], "use_beam_search": True},
      "logprob_token_ids"),
     ("/v1/completions", {"prompt": "Hi", "echo": True, "max_tokens": 0, "logprobs": 0, "logprob_token_ids": [5]},

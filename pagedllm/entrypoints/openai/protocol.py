@@ -203,8 +203,8 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: LogprobsCount = None
     # vLLM's: with logprobs asked for, each generated token's alternatives are these token ids (in place of the top
-    # ones), all of them returned.
-    logprob_token_ids: Optional[list[int]] = None
+    # ones), all of them returned. Not an empty list (a 400), as vLLM's field: it would ask for nothing, silently.
+    logprob_token_ids: Optional[list[int]] = Field(default=None, min_length=1)
     # vLLM's, checked by SamplingParams (an integer, not a bool); refused by a server without --reasoning-parser.
     thinking_token_budget: Any = None
     priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
@@ -352,7 +352,7 @@ class SamplingRequest(OpenAIBaseModel):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 # as vLLM's: the ids stand in for the count of logprobs (top_logprobs, or completions' logprobs)
                 logprobs=None if self.logprob_token_ids else logprobs,
-                logprob_token_ids=self.logprob_token_ids or None, prompt_logprobs=prompt_logprobs,
+                logprob_token_ids=self.logprob_token_ids, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
