@@ -164,6 +164,19 @@ def test_an_empty_tools_array_is_refused():
     assert resolve_tool_choice(None, None, True, None) is None and resolve_tool_choice(None, "none", True, None) is None
 
 
+def test_auto_without_a_tool_call_format_is_refused_in_vllms_words():
+    """As vLLM's render_chat without a tool parser: tool_choice "auto" is refused with its message, which clients look
+    for to fall back to tools of their own making (the server names tool_choice)."""
+    from pagedllm.entrypoints.openai.tool_calls import resolve_tool_choice
+    from pagedllm.entrypoints.openai.tool_protocol import ChatCompletionToolsParam
+
+    tool = ChatCompletionToolsParam(function={"name": "f"})
+    with pytest.raises(ValueError, match='^"auto" tool choice requires --enable-auto-tool-choice and '
+                                         '--tool-call-parser to be set'):
+        resolve_tool_choice([tool], "auto", True, None)
+    assert resolve_tool_choice([tool], "auto", True, "hermes").mode == "auto"
+
+
 def test_a_message_without_tool_calls_has_no_tool_calls_field():
     """As vLLM's ChatMessage (and OpenAI's answers): no "tool_calls": [] in a plain message; calls are kept."""
     from pagedllm.entrypoints.openai.protocol import ChatMessage

@@ -107,7 +107,7 @@ class OpenAIServingChat(OpenAIServing):
                                               self.tool_call_parser)
             tool_constraint = tool_choice.structured_outputs() if tool_choice else None
         except ValueError as e:
-            raise BadRequestError(str(e), "tool_choice" if str(e).startswith("tool_choice") else "tools") from e
+            raise BadRequestError(str(e), "tools" if str(e).startswith("tools") else "tool_choice") from e
         if tool_choice is not None and tool_choice.mode == "auto":
             # As vLLM's Hermes2ProToolParser.adjust_request: the text keeps special tokens, as some tokenizers mark
             # the tags a parser reads (<tool_call>); skipped, they would hide every call from it.

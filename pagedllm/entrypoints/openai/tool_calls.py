@@ -178,8 +178,10 @@ def resolve_tool_choice(tools: Optional[list[ChatCompletionToolsParam]],
     if mode not in ("none", "auto", "required"):
         raise ValueError(f"tool_choice must be 'none', 'auto', 'required' or a named function, got {mode!r}.")
     if mode == "auto" and parser is None:
-        raise ValueError("tool_choice 'auto' needs a tool-call format: this model's chat template defines none. "
-                         "Use 'required' or a named function, or start the server with --tool-call-parser.")
+        # vLLM's words first, which clients look for to fall back to tools of their own making.
+        raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set. '
+                         "(pagedllm needs only --tool-call-parser, where the model's chat template teaches no "
+                         "tool-call format it knows; 'required' or a named function needs neither.)")
     return ToolChoice(mode, tools, None, parallel, parser or "hermes")
 
 
