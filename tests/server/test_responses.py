@@ -365,6 +365,7 @@ def test_truncation_auto_keeps_the_prompts_last_tokens(client):
     ({"input": [{"type": "function_call", "call_id": 7, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "web_search_call"}]}, "input[0]"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format"),  # no name
     # OpenAI's stored prompt templates, which vLLM refuses rather than answer without them.
     ({"prompt": {"id": "pmpt_123", "variables": {"city": "Paris"}}}, "prompt"),
 ])

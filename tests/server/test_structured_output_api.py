@@ -95,6 +95,8 @@ def test_response_format_structural_tag(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
+     "response_format.json_schema.name"),  # required, as OpenAI's and vLLM's
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     # of a type the engine cannot take: refused, never sent (one it could not decode would end it)

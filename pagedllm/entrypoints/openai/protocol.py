@@ -143,7 +143,7 @@ CacheSalt = Annotated[Optional[str], AfterValidator(validate_cache_salt)]
 
 
 class JsonSchemaResponseFormat(OpenAIBaseModel):
-    name: Optional[str] = None
+    name: str  # required (a 400 without it), as OpenAI's and vLLM's
     description: Optional[str] = None
     # "schema" shadows a BaseModel attribute in pydantic, hence the alias.
     json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")

@@ -146,6 +146,14 @@ class TextFormat(OpenAIBaseModel):
     json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
     strict: Optional[bool] = None
 
+    @model_validator(mode="after")
+    def _json_schema_is_named(self) -> "TextFormat":
+        """As OpenAI's json_schema format (and so vLLM's), whose name is required: a 400 without it, as chat's
+        response_format gives."""
+        if self.type == "json_schema" and self.name is None:
+            raise ValueError("name is required when type is json_schema.")
+        return self
+
     @model_serializer(mode="wrap")
     def _schema_as_openai_names_it(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         """Dumped with the schema under "schema", OpenAI's key (and vLLM's, which dumps by alias), so a response
