@@ -32,7 +32,7 @@ from torch import nn
 from pagedllm import native
 from pagedllm.distributed.communication_op import tensor_model_parallel_all_reduce
 from pagedllm.distributed.parallel_state import ParallelRank
-from pagedllm.layers.gemm_layout import WeightLayout, pack_bf16_panels
+from pagedllm.layers.gemm_layout import WeightLayout, as_bf16_panels, bf16_panel_pairs
 from pagedllm.layers.linear import divide
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.native.fused import fused_moe
@@ -108,14 +108,15 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return routed_experts(x, topk_weights, topk_ids, w13.shape[0], expert_mlp, first_expert)
 
 
-def _stacked_panels(stack: torch.Tensor, gated: bool = False) -> torch.Tensor:
-    """``[experts, N, K]`` float32 -> ``[experts, ...]`` each expert's pack_bf16_panels, one expert at a time."""
-    first = pack_bf16_panels(stack[0], gated)
-    panels = torch.empty((stack.shape[0], *first.shape), dtype=first.dtype)
-    panels[0] = first
+def _stacked_panels(stack: torch.Tensor, layout: WeightLayout, gated: bool = False) -> torch.Tensor:
+    """``[experts, N, K]`` float32 -> ``[experts, ...]`` each expert's pack_bf16_panels, written one expert at a time
+    into the layout's memory (no packed copy of the stack on the way)."""
+    first = bf16_panel_pairs(stack[0], gated)
+    panels = layout.zeros((stack.shape[0], *first.shape), torch.int32)
+    panels[0].copy_(first)
     for expert in range(1, stack.shape[0]):
-        panels[expert] = pack_bf16_panels(stack[expert], gated)
-    return panels
+        panels[expert].copy_(bf16_panel_pairs(stack[expert], gated))
+    return as_bf16_panels(panels)
 
 
 class UnquantizedFusedMoEMethod:
@@ -145,9 +146,9 @@ class UnquantizedFusedMoEMethod:
         if (layout is None or not layout.bf16_panels or layer.w13_weight.dtype != torch.float32
                 or native.moe_bf16() is None):
             return
-        self.w13_panels = layout.place(_stacked_panels(layer.w13_weight, gated=True))
+        self.w13_panels = _stacked_panels(layer.w13_weight, layout, gated=True)
         del layer.w13_weight  # before the down's panels: one float32 stack less at the peak
-        self.w2_panels = layout.place(_stacked_panels(layer.w2_weight))
+        self.w2_panels = _stacked_panels(layer.w2_weight, layout)
         del layer.w2_weight
 
     def runs_natively(self, layer: "FusedMoE") -> bool:
