@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pagedllm import native
 from pagedllm.layers import gemm_layout
-from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout
+from pagedllm.layers.gemm_layout import DenseWeight, WeightLayout, pack_bf16_panels, unpack_bf16_panels
 
 BODIES = {"amx": (), "vdpbf16ps": ("-mno-amx-tile",)}
 
@@ -97,3 +97,14 @@ def test_panel_sizes_match_the_kernel():
         text = f.read()
     assert f"#define PANEL_COLS {gemm_layout.BF16_PANEL}\n" in text
     assert f"#define KBLOCK {gemm_layout.BF16_PANEL} " in text
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_panels_of_a_strided_weight_are_those_of_its_contiguous_copy(gated):
+    """pack_bf16_panels copies a row-major bf16 view of the weight's pairs along K: a transposed or column-sliced
+    weight is laid out as its contiguous copy would be, and unpacks to its rounded values."""
+    wide = torch.randn(96, 100)
+    for weight in (torch.randn(64, 96).t(), torch.randn(70, 64).t(), wide[:, 4:68], wide[:64, :64]):
+        panels = pack_bf16_panels(weight, gated)
+        assert torch.equal(panels, pack_bf16_panels(weight.contiguous(), gated))
+        assert torch.equal(unpack_bf16_panels(panels, *weight.shape, gated), weight.to(torch.bfloat16))

@@ -161,7 +161,7 @@ def bf16_panel_pairs(weight: torch.Tensor, gated: bool = False) -> torch.Tensor:
         weight = torch.stack([_padded_tiles(half) for half in weight.chunk(2)], dim=1).flatten(0, 2)
     n, k = weight.shape
     panels, blocks = -(-n // BF16_PANEL), -(-k // BF16_PANEL)
-    rounded = weight.to(torch.bfloat16)
+    rounded = weight.to(torch.bfloat16, memory_format=torch.contiguous_format)  # row-major, for the int32 view
     if (n, k) != (panels * BF16_PANEL, blocks * BF16_PANEL):
         rounded = F.pad(rounded, (0, blocks * BF16_PANEL - k, 0, panels * BF16_PANEL - n))
     return rounded.view(torch.int32).view(panels, 2, 16, blocks, 16).permute(0, 3, 1, 4, 2)
