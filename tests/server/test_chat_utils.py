@@ -28,8 +28,17 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
     assert load_chat_template(str(path)) == TEMPLATE
     assert load_chat_template(TEMPLATE) == TEMPLATE
     assert load_chat_template(None) is None
-    with pytest.raises(ValueError, match="chat-template"):
+    with pytest.raises(ValueError, match="looks like a file path, but it failed to be opened"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_chat_template_is_the_text_given_when_it_has_a_brace_or_a_newline_as_vllms():
+    """vLLM's _load_chat_template: text that opens no file is the template as given when it holds any of "{}\n",
+    though it has no {{ or {% (a template of plain text, or of a brace alone); without them it is a path."""
+    for template in ("You are a bot.\n", "answer in {json}", "}"):
+        assert load_chat_template(template) == template
+    with pytest.raises(ValueError, match=r"chat template \(plain words\) looks like a file path"):
+        load_chat_template("plain words")
 
 
 def test_a_chat_template_path_object_is_a_file_as_vllms(tmp_path):

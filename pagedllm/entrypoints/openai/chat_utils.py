@@ -13,16 +13,23 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMess
 
 
 def load_chat_template(chat_template: Optional[Union[str, os.PathLike]]) -> Optional[str]:
-    """--chat-template is a file, or the Jinja template itself. A path object (LLM(chat_template=Path(...)), vLLM's
-    ``Path | str``) is a file, as vLLM reads it: one that cannot be opened is its OSError."""
+    """--chat-template as vLLM's load_chat_template resolves it: a file to read, else the template itself. A path
+    object (LLM(chat_template=Path(...)), vLLM's ``Path | str``) is only a file: one that cannot be opened is its
+    OSError. Text that cannot be opened is the template as given when it holds any of ``{``, ``}`` or a newline
+    (vLLM's JINJA_CHARS: a template needs no ``{{``/``{%``); without them it is a path that failed, refused naming
+    why. (vLLM then tries the name in its built-in template folder; pagedllm has none, so that step is skipped.)"""
     if chat_template is None:
         return None
-    if isinstance(chat_template, os.PathLike) or os.path.isfile(chat_template):
+    try:
         with open(chat_template, encoding="utf-8") as f:
             return f.read()
-    if "{{" in chat_template or "{%" in chat_template:
+    except OSError as e:
+        if isinstance(chat_template, os.PathLike):
+            raise
+        if not any(c in chat_template for c in "{}\n"):
+            raise ValueError(f"The supplied chat template ({chat_template}) looks like a file path, but it failed to "
+                             f"be opened. Tried: {chat_template}. Reason: {e}") from e
         return chat_template
-    raise ValueError(f"--chat-template: {chat_template!r} is neither a file nor a Jinja template.")
 
 
 def check_generation_prompt(request: Union[ChatCompletionRequest, TokenizeChatRequest]) -> None:
