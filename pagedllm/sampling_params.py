@@ -226,8 +226,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             bad("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids}.")
         if self.bad_words is not None and any(not isinstance(w, str) for w in self.bad_words):
             bad("bad_words", f"must be a list of strings, got {self.bad_words!r}.")
-        if self.bad_words and any(not w.strip() for w in self.bad_words):
-            bad("bad_words", f"cannot contain an empty (or whitespace-only) word, got {self.bad_words!r}.")
+        # vLLM's check and words: only an empty word is refused here. A whitespace-only one is the Processor's, as
+        # vLLM's update_from_tokenizer: stripped of its leading spaces it tokenizes to nothing.
+        if self.bad_words and any(not w for w in self.bad_words):
+            bad("bad_words", f"cannot contain an empty string. Got bad_words={self.bad_words}")
 
     def _verify_logprob_token_ids(self) -> None:
         """As vLLM's _validate_logprobs (the Processor checks the ids against the vocabulary)."""

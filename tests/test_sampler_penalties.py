@@ -194,3 +194,9 @@ def test_a_bad_word_of_no_tokens_is_refused_not_dropped():
     assert kept.bad_words_token_ids == [[97, 98], [32, 97, 98]]
     with pytest.raises(ValueError, match="^bad_words entries must tokenize to at least one token.$"):
         processor.process_sampling_controls(SamplingParams(bad_words=["ab", "~~"]))
+    # A whitespace-only word is refused as vLLM refuses it: stripped, it tokenizes to nothing; an empty one by
+    # SamplingParams, in vLLM's words.
+    with pytest.raises(ValueError, match="^bad_words entries must tokenize to at least one token.$"):
+        processor.process_sampling_controls(SamplingParams(bad_words=["ab", "  "]))
+    with pytest.raises(ValueError, match=r"^bad_words cannot contain an empty string. Got bad_words=\['ab', ''\]$"):
+        SamplingParams(bad_words=["ab", ""])
