@@ -22,7 +22,7 @@ from pagedllm.config import EngineConfig, check_profile_iterations, check_profil
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import check_pause_args, check_sleep_args, check_wake_up_tags
 from pagedllm.engine.core_client import make_async_client, start_client_and_tokenizer
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.exceptions import EngineDeadError, not_a_pooling_model
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, assign_request_id, cache_salt_of
@@ -225,6 +225,16 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._abort([collector.request_id], internal=True)
+
+    async def encode(self, prompt: PromptType, pooling_params: Any, request_id: str,
+                     lora_request: Optional[LoRARequest] = None, trace_headers: Optional[Mapping[str, str]] = None,
+                     priority: int = 0, tokenization_kwargs: Optional[dict[str, Any]] = None,
+                     reasoning_ended: Optional[bool] = None) -> AsyncIterator[Any]:
+        """vLLM's pooling counterpart of generate(), with its arguments. pagedllm runs generative models only, so
+        this is vLLM's ValueError for one (its input processor's "This model does not support pooling"), raised as
+        vLLM's is: by the first step of the iteration, not by the call, and before any request reaches the engine."""
+        raise not_a_pooling_model("This model does not support pooling.")
+        yield  # unreached: it makes encode an async generator, as vLLM's
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, priority: int = 0,
                           lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:

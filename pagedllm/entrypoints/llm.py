@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput
 from pagedllm.config import check_optional_dict
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.exceptions import not_a_pooling_model
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import cache_salt_of
 from pagedllm.gc_utils import gc_paused
@@ -455,10 +456,8 @@ class LLM:
 
 
 def _not_a_pooling_model(method: str) -> ValueError:
-    """vLLM's ValueError for its pooling API on a generative model; where vLLM's suggests its pooling runner, this
-    says that pagedllm has none (EngineArgs refuses runner="pooling")."""
-    return ValueError(f"LLM.{method}() is only supported for pooling models. pagedllm runs generative models only: "
-                      "it has no pooling runner (`--runner pooling`).")
+    """vLLM's LLM.<method>() error for its pooling API on a generative model."""
+    return not_a_pooling_model(f"LLM.{method}() is only supported for pooling models.")
 
 
 def _prompt_to_seq(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:

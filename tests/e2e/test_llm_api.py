@@ -1085,6 +1085,18 @@ def test_the_pooling_api_refuses_a_generative_model_as_vllms(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_async_llm_encode_refuses_a_generative_model_as_vllms():
+    """vLLM's AsyncLLM.encode on a generative model: its ValueError, with its first words, raised by the first step
+    of the iteration (encode is an async generator, as vLLM's), before anything reaches an engine (none here)."""
+    outputs = AsyncLLM.encode(object.__new__(AsyncLLM), "Hi", None, "req-0", priority=0, tokenization_kwargs=None)
+
+    async def first():
+        return await anext(outputs)
+
+    with pytest.raises(ValueError, match=r"^This model does not support pooling\. .*no pooling runner"):
+        asyncio.run(first())
+
+
 def test_repr_is_the_models_module_tree_as_vllms(llm):
     """vLLM's repr(llm): the model's module tree, from the worker (the engine runs in its own process), its run of
     identical decoder layers printed once; asked of the engine once and kept."""
