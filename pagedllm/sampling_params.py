@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import functools
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -11,6 +13,8 @@ from typing import Optional, Union
 import msgspec
 
 from pagedllm.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
 
 _SAMPLING_EPS = 1e-5
 # A temperature above 0 but below this is raised to it (vLLM's _MAX_TEMP): dividing logits by less overflows.
@@ -287,6 +291,13 @@ def _int_keys_clamped(logit_bias: dict) -> dict[int, float]:
         raise ValueError(f"logit_bias keys must be token ids (integers), got {list(logit_bias)!r}.") from None
 
 
+@functools.cache
+def _warn_no_watermarking() -> None:
+    """vLLM's warning, given once, for watermarking asked of an engine without a watermark config (pagedllm's)."""
+    logger.warning("Watermarking is enabled for this request, but the engine has no watermark configuration. This "
+                   "and subsequent requests will run without watermarking.")
+
+
 @dataclass
 class BeamSearchParams:
     """vLLM's BeamSearchParams.
@@ -301,12 +312,23 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    # vLLM's (its offline search constrains each beam with it): refused unless None, as pagedllm's engine constrains
+    # a request's output from its start, and a beam's step request continues output already generated.
+    structured_outputs: Optional[StructuredOutputsParams] = None
     skip_special_tokens: bool = True
+    # vLLM's: None or True watermark the output on an engine with a watermark config, False opts out. pagedllm's
+    # engine has none, so, as vLLM's without one, True is only warned of and the beams are not watermarked.
+    watermarking: Optional[bool] = None
 
     def __post_init__(self) -> None:
         """As vLLM's: beam_width is a number of sequences (the engine's max_logprobs bounds it too: verify_width)."""
         if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_N_SEQUENCES:
             raise ValueError(f"beam_width must be between 1 and {MAX_N_SEQUENCES}, got {self.beam_width}.")
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported with beam search: each beam's step request would "
+                             "have to resume the constraint partway through its output.")
+        if self.watermarking is True:
+            _warn_no_watermarking()
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if self.temperature < 0.0:

@@ -73,6 +73,22 @@ def test_bad_params_name_the_field(kwargs, field):
         BeamSearchParams(**kwargs)
 
 
+def test_vllms_other_fields_are_taken_in_its_order(caplog):
+    """vLLM 0.32's fields, in its order: structured_outputs (which a beam's step request cannot resume) refused by
+    name; watermarking, which an engine without a watermark config (pagedllm's) only warns of, as vLLM's does."""
+    from pagedllm.sampling_params import StructuredOutputsParams, _warn_no_watermarking
+
+    _warn_no_watermarking.cache_clear()  # given once a process: here whatever ran before
+
+    params = BeamSearchParams(2, 4, False, 0.0, 1.0, False, None, False, False)
+    assert (params.structured_outputs, params.skip_special_tokens, params.watermarking) == (None, False, False)
+    with pytest.raises(ValueError, match="^structured_outputs is not supported with beam search"):
+        BeamSearchParams(beam_width=2, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with caplog.at_level("WARNING", logger="pagedllm.sampling_params"):
+        assert BeamSearchParams(beam_width=2, max_tokens=4, watermarking=True).watermarking is True
+    assert any("will run without watermarking" in r.getMessage() for r in caplog.records)
+
+
 def test_beam_width_is_bounded_by_the_engines_max_logprobs(llm):
     """Each step asks for 2 * beam_width logprobs: the default max_logprobs (20) allows 10 beams, and a raised one
     more (vLLM's engine bounds them the same way)."""
