@@ -512,6 +512,32 @@ def test_unstreamed_output_items_are_the_streamed_ones():
     assert (info.value.status_code, info.value.message, info.value.param) == (400, "refused", "x")
 
 
+def test_hosted_tools_are_taken_and_dropped_as_vllms():
+    """vLLM's tools are OpenAI's Tool union: a hosted tool (web search, ...) is taken, echoed as given, and dropped
+    from what the model is shown, as is a tool_choice naming one (which forces nothing: "auto" for the function
+    tools, plain text without any). A named function must still be a function tool (chat's 400 otherwise)."""
+    from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
+
+    search = {"type": "web_search_preview", "search_context_size": "low"}
+    for tools, tool_choice, chat_tools, chat_choice in (
+            ([search], "auto", None, "none"), ([search, TOOL], "auto", ["get_weather"], "auto"),
+            ([search], {"type": "web_search_preview"}, None, "none"),
+            ([TOOL, search], {"type": "web_search_preview"}, ["get_weather"], "auto"),
+            ([search], "required", None, "required"), ([search], "none", None, "none"),
+            ([search], {"type": "function", "name": "web_search_preview"}, None, "web_search_preview")):
+        request = ResponsesRequest.model_validate({"input": "x", "tools": tools, "tool_choice": tool_choice})
+        chat = request.to_chat_request()
+        assert (None if chat.tools is None else [t.function.name for t in chat.tools]) == chat_tools
+        assert (chat.tool_choice if isinstance(chat.tool_choice, str) else chat.tool_choice.function.name) == \
+            chat_choice
+        echoed = _ResponseBuilder(request, MODEL, [], ResponseStore(), SamplingParams()).response(
+            "completed", []).model_dump(mode="json")
+        assert [t for t in echoed["tools"] if t["type"] != "function"] == [search]
+        assert echoed["tool_choice"] == tool_choice
+    with pytest.raises(ValueError, match="tools.0"):  # not a tool type OpenAI has
+        ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "browser"}]})
+
+
 def _wait_until_done(client, response_id: str, timeout: float = 60.0):
     """The stored response once it is no longer queued (a bound on how long the server may take, not on how fast the
     machine is)."""

@@ -1,5 +1,6 @@
 """Pydantic shapes of OpenAI's Responses API (/v1/responses), at the level vLLM serves it: text and function-call
-input items, function tools, and the Response object with its output items.
+input items, function tools (OpenAI's hosted ones taken and dropped, as vLLM's), and the Response object with its
+output items.
 
 A request is served by turning it into a chat request (to_chat_request), so every sampling and tool check is the
 chat endpoint's; nothing here generates.
@@ -9,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
-from pydantic import Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer, model_validator
+from pydantic import (ConfigDict, Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer,
+                      model_validator)
 
 from pagedllm.entrypoints.openai.protocol import (_INT64_MAX, _INT64_MIN, CacheSalt, ChatCompletionLogProbsContent,
                                                   ChatCompletionRequest, LogprobsCount, OpenAIBaseModel,
@@ -132,9 +134,37 @@ class FunctionTool(OpenAIBaseModel):
     strict: Optional[bool] = None
 
 
+class HostedTool(OpenAIBaseModel):
+    """One of OpenAI's tools that its servers run (web search, file search, a code interpreter, an MCP server, ...).
+    vLLM takes them (its tools are OpenAI's Tool union) and drops them from what the model is shown (its
+    get_function_tools), running none without a tool server, which pagedllm has not: so here, kept only to be
+    echoed as given (hence their fields are all kept), never rendered or called. OpenAI's custom and namespace
+    tools, which vLLM turns into functions the model may call, are not among them: they are refused (a 400)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["file_search", "computer", "computer_use", "computer_use_preview", "web_search",
+                  "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "mcp",
+                  "code_interpreter", "image_generation", "local_shell", "shell", "apply_patch", "tool_search"]
+
+
+Tool = Annotated[Union[FunctionTool, HostedTool], Field(discriminator="type")]
+
+
 class NamedFunctionToolChoice(OpenAIBaseModel):
     type: Literal["function"]
     name: str
+
+
+class HostedToolChoice(OpenAIBaseModel):
+    """OpenAI's tool_choice naming a hosted tool (its ToolChoiceTypes, ToolChoiceMcp): vLLM takes it as it takes a
+    hosted tool, forcing no call (its get_json_schema_from_tools constrains only "required" and a named function),
+    so here it asks what "auto" does of the function tools, echoed as given."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["file_search", "web_search_preview", "computer", "computer_use_preview", "computer_use",
+                  "web_search_preview_2025_03_11", "image_generation", "code_interpreter", "mcp"]
+
+
+ToolChoice = Union[Literal["none", "auto", "required"],
+                   Annotated[Union[NamedFunctionToolChoice, HostedToolChoice], Field(discriminator="type")]]
 
 
 class TextFormat(OpenAIBaseModel):
@@ -204,9 +234,9 @@ class ResponsesRequest(OpenAIBaseModel):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     # A list, never null (a 400), as vLLM's field, which is not Optional.
-    tools: list[FunctionTool] = Field(default_factory=list)
+    tools: list[Tool] = Field(default_factory=list)
     # Never null (a 400), as vLLM's (OpenAI's ToolChoice).
-    tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
+    tool_choice: ToolChoice = "auto"
     parallel_tool_calls: Optional[bool] = True
     stream: Optional[bool] = False
     # OpenAI's reusable prompt template ({"id", "version", "variables"}): refused (create_responses), as vLLM refuses
@@ -267,6 +297,24 @@ class ResponsesRequest(OpenAIBaseModel):
         return self
 
     @property
+    def function_tools(self) -> list[FunctionTool]:
+        """The tools the model is shown and may call (vLLM's get_function_tools): the hosted ones are dropped."""
+        return [tool for tool in self.tools if isinstance(tool, FunctionTool)]
+
+    @property
+    def chat_tool_choice(self) -> Union[str, dict]:
+        """tool_choice as the chat request takes it, for function_tools. vLLM's "auto" and a hosted tool's choice
+        constrain nothing (a call, if any, is read as "auto" reads it), and, with no function tool, leave the answer
+        plain text: chat's "none" (whose "auto" would need tools); "required" and a named function are chat's,
+        so a choice no function tool can meet is its 400, as vLLM's."""
+        tool_choice = self.tool_choice
+        if isinstance(tool_choice, NamedFunctionToolChoice):
+            return {"type": "function", "function": {"name": tool_choice.name}}
+        if isinstance(tool_choice, HostedToolChoice) or tool_choice == "auto":
+            return "auto" if self.function_tools else "none"
+        return tool_choice
+
+    @property
     def output_logprobs(self) -> bool:
         """Whether the output text comes with its tokens' logprobs (vLLM's is_include_output_logprobs)."""
         return "message.output_text.logprobs" in (self.include or ())
@@ -295,17 +343,14 @@ class ResponsesRequest(OpenAIBaseModel):
         # the place of a template's default one.
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += [*history, *self.input_messages()]
-        tool_choice = self.tool_choice
-        if isinstance(tool_choice, NamedFunctionToolChoice):
-            tool_choice = {"type": "function", "function": {"name": tool_choice.name}}
         return ChatCompletionRequest.model_validate({
             "model": self.model, "messages": messages, "max_completion_tokens": self.max_output_tokens,
             "add_generation_prompt": not self.continues_final_message,
             "continue_final_message": self.continues_final_message,
-            "temperature": self.temperature, "top_p": self.top_p, "tool_choice": tool_choice,
-            "tools": None if not self.tools else [
+            "temperature": self.temperature, "top_p": self.top_p, "tool_choice": self.chat_tool_choice,
+            "tools": None if not self.function_tools else [
                 {"type": "function", "function": t.model_dump(include={"name", "description", "parameters"})}
-                for t in self.tools],
+                for t in self.function_tools],
             "parallel_tool_calls": self.parallel_tool_calls, "stream": True, "logprobs": self.output_logprobs,
             "top_logprobs": self.top_logprobs if self.output_logprobs else None,
             "reasoning_effort": None if self.reasoning is None else self.reasoning.effort,
@@ -428,8 +473,8 @@ class ResponsesResponse(OpenAIBaseModel):
     truncation: Optional[Literal["auto", "disabled"]] = "disabled"
     service_tier: ServiceTier = "auto"
     max_tool_calls: Optional[int] = None
-    tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionToolChoice] = "auto"
+    tools: list[Tool] = Field(default_factory=list)
+    tool_choice: ToolChoice = "auto"
     parallel_tool_calls: bool = True
     previous_response_id: Optional[str] = None
     store: bool = True

@@ -323,7 +323,7 @@ class OpenAIServingResponses:
         message_index, finish_reason, usage = None, None, None  # message_index: the open item, if it is a message
         # The text is the chat content: as generated, or with tool calls read out of it, stripped (chat's content
         # then), each message's, so that whitespace around the calls opens no message. held: whitespace not sent yet.
-        held, strip = "", bool(builder.request.tools) and builder.request.tool_choice != "none"
+        held, strip = "", builder.request.chat_tool_choice != "none"
         call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
 
         def finished(index: int) -> OutputItem:
