@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import pickle
 import queue
 import shutil
 import tempfile
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -32,6 +33,8 @@ from pagedllm.forkserver import Process, process_identity
 from pagedllm.envs import env_flag
 from pagedllm.executor.abstract import WorkerMethod
 from pagedllm.models.hf_config import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 ENGINE_STARTUP_TIMEOUT_S = 600
 OUTPUT_POLL_MS = 100
@@ -110,8 +113,10 @@ class MPClient:
         self._utility_calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self.death_reason: Optional[str] = None  # what the engine said as it failed, if it could
-        # Set once the engine process has died (not when shut down), with its last words: the error every caller gets
+        # Set once the engine process has died (not when shut down), with its last words, or the output thread failed:
+        # the error every caller gets (_fail)
         self.dead_error: Optional[EngineDeadError] = None
+        self._fail_lock = threading.Lock()
         self._closing = False
         # Forked by the fork server or a fresh interpreter (launch.py), never a fork of this process (unsafe once
         # torch's OpenMP threads exist) or multiprocessing's spawn (which re-runs an unguarded __main__ script): the
@@ -164,22 +169,30 @@ class MPClient:
         self._config.cache_config.num_blocks = self.num_gpu_blocks = ready.num_gpu_blocks
 
     def _output_thread(self) -> None:
-        """The only user of the output socket; it polls so that shutdown can stop it before closing."""
+        """The only user of the output socket; it polls so that shutdown can stop it before closing. A message it
+        cannot decode or handle ends the client as the engine's death does (_fail): this thread gone, no output
+        would arrive again, and every request and utility call would wait for ever."""
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        while not self._closing:
-            if not self._output_socket.poll(timeout=OUTPUT_POLL_MS):
-                continue
-            outputs = decoder.decode(self._output_socket.recv(copy=False).buffer)
-            if outputs.engine_dead is not None:
-                self.death_reason = outputs.engine_dead
-            elif outputs.utility_output is not None:
-                self._resolve_utility(outputs.utility_output)
-            else:
-                self._on_outputs(outputs)
+        try:
+            while not self._closing:
+                if not self._output_socket.poll(timeout=OUTPUT_POLL_MS):
+                    continue
+                outputs = decoder.decode(self._output_socket.recv(copy=False).buffer)
+                if outputs.engine_dead is not None:
+                    self.death_reason = outputs.engine_dead
+                elif outputs.utility_output is not None:
+                    self._resolve_utility(outputs.utility_output)
+                else:
+                    self._on_outputs(outputs)
+        except Exception as e:
+            logger.exception("The engine client's output thread failed")
+            self._fail(EngineDeadError(f"The engine client could not take the engine's outputs: "
+                                       f"{type(e).__name__}: {e}"))
 
     @property
     def dead(self) -> bool:
-        """Whether the engine process has died (a shut-down one has not)."""
+        """Whether the engine process has died, or this client can no longer take its outputs (a shut-down engine
+        is not dead)."""
         return self.dead_error is not None
 
     def _monitor_thread(self) -> None:
@@ -191,16 +204,27 @@ class MPClient:
             return
         if self._output_thread_handle is not None:  # it may still hold the engine's last words
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
-        self.dead_error = error = EngineDeadError(f"The engine process died: {self.death_reason}" if self.death_reason
-                                                  else EngineDeadError().args[0])
+        self._fail(EngineDeadError(f"The engine process died: {self.death_reason}" if self.death_reason
+                                   else EngineDeadError().args[0]))
+
+    def _fail(self, error: EngineDeadError) -> None:
+        """Ends the client with ``error``, once (the first of the engine's death and the output thread's failure):
+        every later call raises it, and every caller waiting gets it (the utility calls' futures, and the outputs'
+        taker through on_outputs)."""
+        with self._fail_lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
         for future in list(self._utility_calls.values()):
-            if not future.done():
+            try:
                 future.set_exception(error)
+            except InvalidStateError:  # answered meanwhile, or cancelled by its caller
+                pass
         self._on_outputs(error)
 
     def _resolve_utility(self, result) -> None:
         future = self._utility_calls.pop(result.call_id, None)
-        if future is None:
+        if future is None or future.cancelled():  # its caller gave up (an asyncio task cancelled while it waited)
             return
         if result.failure_message:
             future.set_exception(RuntimeError(result.failure_message))

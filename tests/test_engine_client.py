@@ -1,0 +1,130 @@
+"""The multi-process engine clients' failures, against a fake engine process: the test plays the engine on the
+client's sockets (its ready response, its outputs), so that each failure is made exactly and in milliseconds. Every
+test has a hard timeout: the failures these guard against are hangs."""
+from __future__ import annotations
+
+import asyncio
+import pickle
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from pagedllm.engine import core_client
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreReadyResponse, UtilityOutput
+
+
+class FakeProcess:
+    """The parts of an engine Process the client uses; it runs until terminated, killed or died()."""
+
+    def __init__(self) -> None:
+        self.pid, self.returncode, self._exited = 0, None, threading.Event()
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None) -> int:
+        self._exited.wait(timeout)
+        return self.returncode
+
+    def died(self, returncode: int = 1) -> None:
+        self.returncode = returncode
+        self._exited.set()
+
+    def terminate(self) -> None:
+        self.died(0)
+
+    kill = terminate
+
+    def send_signal(self, signal) -> None:
+        pass
+
+
+class FakeEngine:
+    """The engine's ends of the client's sockets, and its process."""
+
+    def __init__(self, config_path: str) -> None:
+        with open(config_path, "rb") as f:
+            _, input_address, output_address, _ = pickle.load(f)
+        self.proc = FakeProcess()
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.connect(output_address)
+
+    def send(self, message) -> None:
+        self.output.send(message if isinstance(message, bytes) else msgspec.msgpack.encode(message))
+
+    def ready(self) -> None:
+        self.send(EngineCoreReadyResponse(max_model_len=256, num_gpu_blocks=8))
+
+    def close(self) -> None:
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def fake_engines(monkeypatch):
+    """The FakeEngines of the clients made in the test, in order; each is ready at once unless the test set
+    ``fake_engines.ready`` False."""
+    engines: list[FakeEngine] = []
+
+    def start(config_path: str) -> FakeProcess:
+        engine = FakeEngine(config_path)
+        engines.append(engine)
+        if getattr(engines, "ready", True):
+            engine.ready()
+        return engine.proc
+
+    monkeypatch.setattr(core_client, "start_engine_core", start)
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def config():
+    return EngineArgs(dtype="float32", max_model_len=256, kv_cache_memory="32MiB").create_engine_config()
+
+
+@pytest.mark.timeout(30)
+def test_an_output_the_client_cannot_read_fails_every_waiter_instead_of_hanging(fake_engines):
+    """The output thread dying silently (here: a message it cannot decode) left every request and utility call
+    waiting for ever: they get an EngineDeadError that says why, as at the engine's death."""
+    client = core_client.SyncMPClient(config())
+    try:
+        pending = client._mp.call_utility("get_stats")
+        fake_engines[0].send(b"not msgpack")
+        with pytest.raises(EngineDeadError, match="could not take the engine.s outputs: ValidationError"):
+            client.get_output()
+        with pytest.raises(EngineDeadError, match="ValidationError"):
+            pending.result(timeout=10)
+        with pytest.raises(EngineDeadError, match="ValidationError"):
+            client.get_output()  # and at every later call
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_an_async_utility_call_cancelled_while_it_waits_leaves_the_outputs_flowing(fake_engines):
+    """A utility call whose asyncio task was cancelled (its Future with it) made the output thread's set_result
+    raise when the answer came, which killed the thread: every later output was lost."""
+    client = core_client.AsyncMPClient(config())
+
+    async def run() -> EngineCoreOutputs:
+        call = asyncio.ensure_future(client.call_utility_async("get_stats"))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        await asyncio.sleep(0.05)
+        fake_engines[0].send(EngineCoreOutputs(utility_output=UtilityOutput(call_id=0, result=None)))
+        fake_engines[0].send(EngineCoreOutputs(engine_index=7))
+        return await asyncio.wait_for(client.get_output_async(), 10)
+
+    try:
+        assert asyncio.run(run()).engine_index == 7
+    finally:
+        client.shutdown()
