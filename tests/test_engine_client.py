@@ -68,16 +68,20 @@ class FakeEngine:
         self.ctx.term()
 
 
+class FakeEngines(list):
+    ready = True
+
+
 @pytest.fixture
 def fake_engines(monkeypatch):
     """The FakeEngines of the clients made in the test, in order; each is ready at once unless the test set
     ``fake_engines.ready`` False."""
-    engines: list[FakeEngine] = []
+    engines = FakeEngines()
 
     def start(config_path: str) -> FakeProcess:
         engine = FakeEngine(config_path)
         engines.append(engine)
-        if getattr(engines, "ready", True):
+        if engines.ready:
             engine.ready()
         return engine.proc
 
@@ -128,3 +132,35 @@ def test_an_async_utility_call_cancelled_while_it_waits_leaves_the_outputs_flowi
         assert asyncio.run(run()).engine_index == 7
     finally:
         client.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_an_engine_that_fails_to_start_says_why(tmp_path):
+    """An engine process whose start-up raises (here its model load: a model directory that is not there) sends its
+    exception before it exits: the client's error carried only "see its log above"."""
+    engine_config = config()
+    engine_config.model_config.path = str(tmp_path / "no-such-model")
+    with pytest.raises(RuntimeError, match=r"failed to start: \w+Error: .*no-such-model"):
+        core_client.SyncMPClient(engine_config)
+
+
+@pytest.mark.timeout(30)
+def test_a_fake_engine_that_fails_to_start_says_why(fake_engines):
+    """The client's side of it: the engine's last words in place of its ready response."""
+    fake_engines.ready = False
+    client_error: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            core_client.SyncMPClient(config())
+        except BaseException as e:
+            client_error.append(e)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    while not fake_engines:
+        starting.join(0.01)
+    fake_engines[0].send(EngineCoreOutputs(engine_dead="ValueError: the model's weights are not there"))
+    fake_engines[0].proc.died()
+    starting.join(10)
+    assert "failed to start: ValueError: the model's weights are not there" in str(client_error[0])

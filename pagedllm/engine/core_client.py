@@ -154,14 +154,15 @@ class MPClient:
         waited = 0.0
         while not poller.poll(timeout=500):
             waited += 0.5
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None and not poller.poll(timeout=0):  # not even last words sent as it exited
                 raise RuntimeError("The engine process failed to start; see its log above.")
             if waited > ENGINE_STARTUP_TIMEOUT_S:
                 raise TimeoutError(f"The engine process did not start in {ENGINE_STARTUP_TIMEOUT_S} s.")
+        message = self._output_socket.recv()
         try:
-            ready = msgspec.msgpack.decode(self._output_socket.recv(), type=EngineCoreReadyResponse)
+            ready = msgspec.msgpack.decode(message, type=EngineCoreReadyResponse)
         except msgspec.DecodeError:
-            raise RuntimeError("Unexpected first message from the engine process.") from None
+            raise RuntimeError(_startup_failure(message)) from None
         # What the engine's start-up settled (vLLM's _apply_ready_response); with data parallelism every engine
         # sizes the same cache, and the DP client sums their blocks (num_gpu_blocks) once all are ready.
         self._config.model_config.max_model_len = min(self._config.model_config.max_model_len, ready.max_model_len)
@@ -290,6 +291,17 @@ class MPClient:
         self._output_socket.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+
+def _startup_failure(message: bytes) -> str:
+    """The error for an engine's first message that is no ready response: the engine's own, where it sent why it
+    failed to start (core_proc.report_startup_failure)."""
+    try:
+        reason = msgspec.msgpack.decode(message, type=EngineCoreOutputs).engine_dead
+    except msgspec.DecodeError:
+        reason = None
+    return (f"The engine process failed to start: {reason}" if reason
+            else "Unexpected first message from the engine process.")
 
 
 def stop_clients(clients: list[MPClient], timeout: Optional[float] = None) -> None:

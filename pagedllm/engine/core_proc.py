@@ -249,6 +249,20 @@ def exit_when_parent_dies(parent: tuple[int, Optional[int]], before_exit: list) 
     os._exit(1)
 
 
+def report_startup_failure(output_address: str, reason: str, flush_timeout: float = 2.0) -> None:
+    """The last words of an engine that failed to start (EngineCoreProc's sockets may not exist yet), in place of its
+    ready response: the client's start-up error carries ``reason``, as report_death's does a later death."""
+    ctx = zmq.Context()
+    socket = ctx.socket(zmq.PUSH)
+    socket.setsockopt(zmq.LINGER, int(flush_timeout * 1000))  # how long close() may wait for it to be delivered
+    try:
+        socket.connect(output_address)
+        socket.send(msgspec.msgpack.encode(EngineCoreOutputs(engine_dead=reason)))
+    finally:
+        socket.close()
+        ctx.term()
+
+
 def _exit_while_starting(*_) -> None:
     """SIGTERM (the frontend's shutdown) before the engine is up: unwind, so that the engine's start-up gives back
     what it started (EngineCore's executor stops the workers it has launched)."""
@@ -265,8 +279,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s %(message)s")
     try:
         engine = EngineCoreProc(config, input_address, output_address)
-    except Exception:
+    except Exception as e:
         logger.exception("EngineCore failed to start")
+        report_startup_failure(output_address, f"{type(e).__name__}: {e}")
         raise
 
     def stop(*_) -> None:  # the frontend's shutdown: stop the workers first, so none outlives us
