@@ -164,3 +164,20 @@ def test_a_fake_engine_that_fails_to_start_says_why(fake_engines):
     fake_engines[0].proc.died()
     starting.join(10)
     assert "failed to start: ValueError: the model's weights are not there" in str(client_error[0])
+
+
+@pytest.mark.timeout(30)
+def test_a_dead_engine_shut_down_after_says_it_died_at_every_call(fake_engines):
+    """After the engine's death and then shutdown(), get_output alternated between the death and the shut-down
+    error, and add_request said only "shut down": the death is what the caller needs to know, every time."""
+    client = core_client.SyncMPClient(config())
+    fake_engines[0].send(EngineCoreOutputs(engine_dead="RuntimeError: worker rank 0 died"))
+    fake_engines[0].proc.died()
+    with pytest.raises(EngineDeadError, match="worker rank 0 died"):
+        client.get_output()
+    client.shutdown()
+    for _ in range(3):
+        with pytest.raises(EngineDeadError, match="worker rank 0 died"):
+            client.get_output()
+        with pytest.raises(EngineDeadError, match="worker rank 0 died"):
+            client.add_request(None)

@@ -196,6 +196,14 @@ class MPClient:
         is not dead)."""
         return self.dead_error is not None
 
+    @property
+    def error(self) -> Optional[EngineDeadError]:
+        """What a call raises now: the engine's death where it died (also once shut down after: the death is what the
+        caller needs to know), else the shut-down error once shut down; None while the engine serves."""
+        if self.dead_error is None and self._closing:
+            return EngineDeadError(SHUT_DOWN_MESSAGE)
+        return self.dead_error
+
     def _monitor_thread(self) -> None:
         """The engine is dead to callers only once its error, with its last words, is known (dead_error): the first
         call after a death (an engine that died idle, before any request) raises it as every later one does. Until
@@ -238,10 +246,8 @@ class MPClient:
         instead while the engine's queue is full or the monitor has not yet said the engine died."""
         frames = (request_type.value, self._encoder.encode(payload))
         while True:
-            if self._closing:
-                raise EngineDeadError(SHUT_DOWN_MESSAGE)
-            if self.dead_error is not None:
-                raise self.dead_error
+            if self.error is not None:
+                raise self.error
             try:
                 return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -322,6 +328,7 @@ class SyncMPClient:
 
     def __init__(self, config: EngineConfig) -> None:
         self._outputs: queue.Queue = queue.Queue()
+        self._error: Optional[Exception] = None  # the first error get_output took: it raises it from then on
         self._mp = MPClient(config, self._outputs.put)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -331,11 +338,15 @@ class SyncMPClient:
         self._mp.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        outputs = self._outputs.get()
-        if isinstance(outputs, Exception):
-            self._outputs.put(outputs)  # a dead engine stays dead: every later call raises too, none waits
-            raise outputs
-        return outputs
+        """The engine's next outputs. A dead engine stays dead: the first error taken (its death, or the shut-down
+        error) is raised at every later call too, none waits, and none says otherwise (the shut-down error that a
+        shutdown after the death queues behind it)."""
+        if self._error is None:
+            outputs = self._outputs.get()
+            if not isinstance(outputs, Exception):
+                return outputs
+            self._error = outputs
+        raise self._error
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self._mp.call_utility("reset_prefix_cache", reset_running_requests).result()
