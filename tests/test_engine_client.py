@@ -181,3 +181,26 @@ def test_a_dead_engine_shut_down_after_says_it_died_at_every_call(fake_engines):
             client.get_output()
         with pytest.raises(EngineDeadError, match="worker rank 0 died"):
             client.add_request(None)
+
+
+@pytest.mark.timeout(30)
+def test_the_all_engines_dead_error_names_an_engine_shut_down_as_such(fake_engines):
+    """Data parallel: engine 0 died, then the client was shut down: the every-engine-dead error said
+    "engine 1: None"."""
+    from pagedllm import SamplingParams
+    from pagedllm.engine.dp_client import DPAsyncMPClient
+    from pagedllm.engine.protocol import EngineCoreRequest
+
+    engine_config = EngineArgs(dtype="float32", max_model_len=256, kv_cache_memory="32MiB",
+                               data_parallel_size=2).create_engine_config()
+    client = DPAsyncMPClient(engine_config)
+    fake_engines[0].send(EngineCoreOutputs(engine_dead="RuntimeError: worker rank 0 died"))
+    fake_engines[0].proc.died()
+    while not client.engines[0].dead:
+        threading.Event().wait(0.01)
+    client.shutdown()
+    with pytest.raises(EngineDeadError):
+        client.add_request(EngineCoreRequest("r", [1, 2, 3], SamplingParams(), None, 0.0))
+    error = str(client.dead_error)
+    assert "engine 0: The engine process died: RuntimeError: worker rank 0 died" in error
+    assert f"engine 1: {core_client.SHUT_DOWN_MESSAGE}" in error

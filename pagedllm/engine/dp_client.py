@@ -155,11 +155,11 @@ class _DPClientBase:
 
     @property
     def dead_error(self) -> Optional[EngineDeadError]:
-        """Once every engine is dead: the error with each one's last words."""
+        """Once every engine is dead: the error with each one's last words (an engine shut down, not dead: that)."""
         if not self.dead:
             return None
         return EngineDeadError("Every data-parallel engine has died: " + "; ".join(
-            f"engine {i}: {engine.dead_error}" for i, engine in enumerate(self.engines)))
+            f"engine {i}: {engine.error}" for i, engine in enumerate(self.engines)))
 
     @property
     def dead_engines(self) -> list[int]:
