@@ -204,3 +204,25 @@ def test_the_all_engines_dead_error_names_an_engine_shut_down_as_such(fake_engin
     error = str(client.dead_error)
     assert "engine 0: The engine process died: RuntimeError: worker rank 0 died" in error
     assert f"engine 1: {core_client.SHUT_DOWN_MESSAGE}" in error
+
+
+@pytest.mark.timeout(30)
+def test_shutdown_leaves_the_output_socket_to_an_output_thread_still_busy(fake_engines):
+    """shutdown() waits for the output thread only briefly; where the thread is still busy after that (here: an
+    output whose handling takes longer), its socket (ZMQ sockets are not thread-safe) stays open until it leaves,
+    and is closed, with the ZMQ context, then."""
+    handling, release = threading.Event(), threading.Event()
+
+    def slow(outputs) -> None:
+        handling.set()
+        release.wait()
+
+    client = core_client.MPClient(config(), slow)
+    fake_engines[0].send(EngineCoreOutputs())
+    assert handling.wait(10)
+    client.shutdown()
+    thread = client._output_thread_handle
+    assert thread.is_alive() and not client._output_socket.closed
+    release.set()
+    thread.join(10)
+    assert client._output_socket.closed and client._ctx.closed

@@ -125,6 +125,8 @@ class MPClient:
         with open(config_path, "wb") as f:
             pickle.dump((config, input_address, output_address, process_identity(os.getpid())), f)
         self._output_thread_handle: Optional[threading.Thread] = None
+        self._output_thread_running = False  # until it has left: the output socket is its alone (_close_output)
+        self._output_lock = threading.Lock()
         self.proc: Optional[Process] = None
         try:
             self.proc = start_engine_core(config_path)
@@ -143,6 +145,7 @@ class MPClient:
         except BaseException:
             self.shutdown()
             raise
+        self._output_thread_running = True
         self._output_thread_handle = threading.Thread(target=self._output_thread, daemon=True,
                                                       name="EngineCoreClientOutput")
         self._output_thread_handle.start()
@@ -189,6 +192,9 @@ class MPClient:
             logger.exception("The engine client's output thread failed")
             self._fail(EngineDeadError(f"The engine client could not take the engine's outputs: "
                                        f"{type(e).__name__}: {e}"))
+        finally:
+            self._output_thread_running = False
+            self._close_output()
 
     @property
     def dead(self) -> bool:
@@ -291,12 +297,21 @@ class MPClient:
 
     def _close(self) -> None:
         """What is left once the engine process is gone: the output thread, the sockets, the directory."""
+        self._input_socket.close(linger=0)
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
-        self._input_socket.close(linger=0)
-        self._output_socket.close(linger=0)
-        self._ctx.term()
+        self._close_output()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _close_output(self) -> None:
+        """Closes the output socket and the ZMQ context once the client is closed (its input socket closed, which
+        the context's term waits for) and the output thread has left, whichever comes last: ZMQ sockets are not
+        thread-safe, and a close whose join of the thread timed out (a thread busy with a large message, or not
+        scheduled on a busy machine) would close the socket under the thread, which may be polling it."""
+        with self._output_lock:
+            if self._input_socket.closed and not self._output_thread_running and not self._output_socket.closed:
+                self._output_socket.close(linger=0)
+                self._ctx.term()
 
 
 def _startup_failure(message: bytes) -> str:
