@@ -226,3 +226,65 @@ def test_shutdown_leaves_the_output_socket_to_an_output_thread_still_busy(fake_e
     release.set()
     thread.join(10)
     assert client._output_socket.closed and client._ctx.closed
+
+
+class RecordingExecutor:
+    """The thread of each shutdown() call that did the work (a real executor's later calls do nothing)."""
+
+    def __init__(self) -> None:
+        self.stopped_in: list[threading.Thread] = []
+
+    def shutdown(self) -> None:
+        if not self.stopped_in:
+            self.stopped_in.append(threading.current_thread())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("main_thread_stuck", [False, True])
+def test_the_parent_death_watchdog_has_the_main_thread_stop_the_executor(monkeypatch, main_thread_stuck):
+    """The engine's parent-death watchdog shut the executor down from its own thread, its sockets and shared memory
+    closed under a main thread that may be using them: it now has the main thread do it (SIGTERM, as the frontend's
+    shutdown), and stops the executor itself only where the main thread does not begin within the grace."""
+    import signal
+
+    from pagedllm.engine import core_proc
+
+    monkeypatch.setattr(core_proc, "PARENT_DEATH_STOP_GRACE_S", 0.5)
+    executor = RecordingExecutor()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None if main_thread_stuck else executor.shutdown())
+    try:
+        watchdog = threading.Thread(target=core_proc.stop_in_main_thread, args=(executor,))
+        watchdog.start()
+        watchdog.join(10)  # the main thread runs a Python signal handler while it waits here
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert executor.stopped_in == [watchdog if main_thread_stuck else threading.main_thread()]
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_whose_frontend_is_killed_stops_its_workers_and_exits(tmp_path):
+    """The watchdog's stop end to end: a frontend killed (SIGKILL: no shutdown of its own) leaves no engine and no
+    worker behind, and the engine's busy loop does not fail on the way (the executor's sockets closed under it, when
+    the watchdog stopped the executor from its own thread)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = ("from pagedllm import LLM\n"
+              "llm = LLM(dtype='float32', max_model_len=256, kv_cache_memory='32MiB', tensor_parallel_size=3,\n"
+              "          distributed_executor_backend='mp')\n"
+              "print('ready', flush=True)\n"
+              "import time; time.sleep(600)\n")
+    with open(tmp_path / "stderr", "w") as log:  # the engine's and its workers' too
+        frontend = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert frontend.stdout.readline() == "ready\n"
+        children = psutil.Process(frontend.pid).children(recursive=True)
+        assert any("EngineCore" in " ".join(child.cmdline()) for child in children)
+    finally:
+        frontend.kill()
+        frontend.wait()
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive
+    assert "EngineCore failed" not in (tmp_path / "stderr").read_text()

@@ -37,6 +37,7 @@ from pagedllm.forkserver import process_identity
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_SECONDS = 1.0
+PARENT_DEATH_STOP_GRACE_S = 5.0  # for the main thread to begin the stop once the frontend is gone (stop_in_main_thread)
 IDLE_WAKE_S = 0.1  # how late an idle engine may run its SIGTERM handler (_process_input_queue)
 _SHUTDOWN = object()
 _UNREADABLE = object()  # input_queue's entry for a message the input thread could not decode
@@ -263,6 +264,19 @@ def report_startup_failure(output_address: str, reason: str, flush_timeout: floa
         ctx.term()
 
 
+def stop_in_main_thread(executor) -> None:
+    """The parent-death watchdog's stop (exit_when_parent_dies): the main thread runs it, as the frontend's shutdown
+    (SIGTERM, to this process: its handler stops the executor, then exits), for the executor's sockets and shared
+    memory are the main thread's, busy with them in a step or a utility call: ZMQ sockets are not thread-safe, and a
+    ring buffer unmapped under its writer crashes it. A main thread that has not begun the stop within
+    PARENT_DEATH_STOP_GRACE_S (stuck in a call) is stopped for, by this thread: an orphaned engine must not hold its
+    workers and memory for ever. Where it has begun, the executor's shutdown here waits for it to finish (it is
+    callable from any thread, and once)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(PARENT_DEATH_STOP_GRACE_S)
+    executor.shutdown()
+
+
 def _exit_while_starting(*_) -> None:
     """SIGTERM (the frontend's shutdown) before the engine is up: unwind, so that the engine's start-up gives back
     what it started (EngineCore's executor stops the workers it has launched)."""
@@ -293,7 +307,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except BaseException:  # a SIGTERM that came after the engine was built, before this handler
         engine.executor.shutdown()
         raise
-    before_exit.append(engine.executor.shutdown)
+    before_exit.append(lambda: stop_in_main_thread(engine.executor))
     freeze_gc_heap()
     try:
         engine.run_busy_loop()
