@@ -37,7 +37,8 @@ Doorbell: after publishing a slot the writer sends an empty frame on the PUB soc
 drains its SUB socket without blocking, re-checks the slot, and only then blocks in `poll` for at most
 _POLL_INTERVAL_S, so a blocked reader costs no CPU, and `timeout` and `cancel` are honoured. The doorbell is only a
 wake-up hint: whether a message is there is decided by the slot's seq alone. A writer with no free slot (some
-reader is max_chunks messages behind) sleeps briefly and re-checks.
+reader is max_chunks messages behind) sleeps briefly and re-checks, asking its caller now and then whether the readers
+are alive (check_alive).
 
 Handshake (ZMQ's slow joiner: a PUB socket drops what it sends before a subscription reaches it): the writer's
 socket is an XPUB, each reader subscribes to everything and to a topic naming its rank, and the writer's
@@ -57,7 +58,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -283,9 +284,12 @@ class MessageQueue:
 
     # -- writer ------------------------------------------------------------------------------------------------
 
-    def enqueue(self, obj: Any, timeout: Optional[float] = None) -> None:
+    def enqueue(self, obj: Any, timeout: Optional[float] = None,
+                check_alive: Optional[Callable[[], None]] = None) -> None:
         """Broadcast obj to every reader. Waits while the ring is full; raises TimeoutError (nothing sent) if
-        no slot frees up within `timeout` seconds (None: wait for ever)."""
+        no slot frees up within `timeout` seconds (None: wait for ever). `check_alive` is called about every
+        _POLL_INTERVAL_S of that wait, and what it raises ends it (nothing sent): a reader that died never frees
+        its slots, and the writer would otherwise wait for it for ever."""
         self._check_open()
         if not self.is_writer:
             raise RuntimeError("enqueue is for the writer; this is a reader")
@@ -293,7 +297,7 @@ class MessageQueue:
             raise RuntimeError("call wait_until_ready() before enqueue(): messages sent earlier could be lost")
         payload = pickle.dumps(obj, protocol=5)
         k = self._n_written + 1
-        self._wait_for_slot(k, timeout)
+        self._wait_for_slot(k, timeout, check_alive)
         word = self._slot_word(k)
         words = self._words
         nbytes = len(payload)
@@ -315,19 +319,24 @@ class MessageQueue:
         except zmq.Again:  # cannot happen with SNDHWM 0; a lost doorbell only delays readers by a poll interval
             pass
 
-    def _wait_for_slot(self, k: int, timeout: Optional[float]) -> None:
+    def _wait_for_slot(self, k: int, timeout: Optional[float], check_alive: Optional[Callable[[], None]]) -> None:
         """Return once every reader has consumed message k - max_chunks (the slot's previous occupant)."""
         needed = k - self._handle.max_chunks
         if self._min_read >= needed:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
+        next_check = time.monotonic()
         sleep = _WRITER_SLEEP_MIN_S
         while True:
             self._min_read = self._min_read_seq()
             if self._min_read >= needed:
                 return
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(f"ring full for {timeout} s: a reader has not consumed message {needed}")
+            if check_alive is not None and now >= next_check:
+                check_alive()
+                next_check = now + _POLL_INTERVAL_S
             time.sleep(sleep)
             sleep = min(sleep * 2, _WRITER_SLEEP_MAX_S)
 

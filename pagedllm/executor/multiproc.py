@@ -94,7 +94,8 @@ class MultiprocExecutor(Executor):
         if not isinstance(method, str):  # a function, maybe a lambda or a closure: cloudpickle's bytes, as vLLM's
             import cloudpickle
             method = cloudpickle.dumps(method, protocol=pickle.HIGHEST_PROTOCOL)
-        self.rpc_broadcast_mq.enqueue((self._seq, method, args, kwargs or {}, unique_reply_rank), timeout=timeout)
+        self.rpc_broadcast_mq.enqueue((self._seq, method, args, kwargs or {}, unique_reply_rank), timeout=timeout,
+                                      check_alive=self.check_workers_alive)  # a dead rank never frees its slots
         expected = set(range(self.world_size)) if unique_reply_rank is None else {unique_reply_rank}
         self._replies_of[self._seq] = {}
         return _Replies(self, self._seq, expected, unique_reply_rank, timeout)

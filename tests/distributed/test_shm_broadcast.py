@@ -238,3 +238,25 @@ def test_handle_and_misuse():
             mq.wait_until_ready(0.1)  # no reader connected
     finally:
         mq.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_writer_waiting_on_a_full_ring_stops_once_a_reader_is_found_dead(cleanup):
+    """A reader that died never frees its slots: an enqueue without a timeout waited for it for ever once the ring
+    was full (max_chunks calls outstanding). check_alive, called while it waits, ends the wait with its error, and
+    the multiprocess executor's is its check of its workers."""
+    from pagedllm.executor.multiproc import MultiprocExecutor, WorkerError
+
+    writer, _ = in_process_pair(cleanup)  # its reader never reads: dead, to the writer
+    for i in range(4):
+        writer.enqueue(i, timeout=1)
+
+    class DeadWorker:
+        def poll(self) -> int:
+            return -9
+
+    executor = MultiprocExecutor.__new__(MultiprocExecutor)
+    executor.rpc_broadcast_mq, executor.workers, executor.world_size = writer, [DeadWorker()], 1
+    executor._failure, executor._seq, executor._replies_of = None, 0, {}
+    with pytest.raises(WorkerError, match=r"worker rank 0 died \(exit code -9\)"):
+        executor.submit_rpc("execute_model")
