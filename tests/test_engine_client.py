@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from pagedllm.engine import core_client
+from pagedllm.engine import core_client, core_proc
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreReadyResponse, UtilityOutput
@@ -288,3 +288,18 @@ def test_an_engine_whose_frontend_is_killed_stops_its_workers_and_exits(tmp_path
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive
     assert "EngineCore failed" not in (tmp_path / "stderr").read_text()
+
+
+def test_an_engine_that_cannot_say_why_it_failed_to_start_raises_its_own_error(monkeypatch):
+    """Where telling the frontend why fails too (its socket gone), the engine process still fails with the start-up's
+    error, not with the failure to report it."""
+    def broken_engine(*_):
+        raise FileNotFoundError("no-such-model")
+
+    def unreachable_frontend(*_):
+        raise zmq.ZMQError(zmq.ENOENT)
+
+    monkeypatch.setattr(core_proc, "EngineCoreProc", broken_engine)
+    monkeypatch.setattr(core_proc, "report_startup_failure", unreachable_frontend)
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        core_proc.start_engine_core_proc(config(), "ipc:///nowhere/in", "ipc:///nowhere/out")

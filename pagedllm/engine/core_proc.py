@@ -283,6 +283,20 @@ def _exit_while_starting(*_) -> None:
     raise SystemExit(0)
 
 
+def start_engine_core_proc(config: EngineConfig, input_address: str, output_address: str) -> EngineCoreProc:
+    """The engine, built; where that raises, the frontend is told why (report_startup_failure) before the error
+    propagates, the start-up's own error whether or not the telling worked."""
+    try:
+        return EngineCoreProc(config, input_address, output_address)
+    except Exception as e:
+        logger.exception("EngineCore failed to start")
+        try:
+            report_startup_failure(output_address, f"{type(e).__name__}: {e}")
+        except Exception:
+            logger.exception("Could not tell the frontend why")
+        raise
+
+
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
                     parent: tuple[int, Optional[int]]) -> None:
     """Entry point of the engine process; ``parent``: the frontend's process_identity."""
@@ -291,12 +305,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     before_exit: list = []
     threading.Thread(target=exit_when_parent_dies, args=(parent, before_exit), daemon=True).start()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s EngineCore %(levelname)s %(message)s")
-    try:
-        engine = EngineCoreProc(config, input_address, output_address)
-    except Exception as e:
-        logger.exception("EngineCore failed to start")
-        report_startup_failure(output_address, f"{type(e).__name__}: {e}")
-        raise
+    engine = start_engine_core_proc(config, input_address, output_address)
 
     def stop(*_) -> None:  # the frontend's shutdown: stop the workers first, so none outlives us
         engine.executor.shutdown()
