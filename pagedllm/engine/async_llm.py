@@ -144,8 +144,9 @@ class AsyncLLM:
     @property
     def dead_error(self) -> BaseException:
         """The error of a shut-down or dead engine: one that died before the output handler took its death (no
-        request yet) is known by the client's error, with the engine's last words."""
-        return self._dead_error or self.engine_core.dead_error or EngineDeadError()
+        request yet) is known by the client's error, with the engine's last words. Each one new (anew)."""
+        error = self._dead_error or self.engine_core.dead_error
+        return EngineDeadError() if error is None else error.anew()
 
     async def do_log_stats(self) -> None:
         """vLLM's: the stat loggers' log line now (the server's also logs by a timer of its own)."""

@@ -252,8 +252,9 @@ class MPClient:
         instead while the engine's queue is full or the monitor has not yet said the engine died."""
         frames = (request_type.value, self._encoder.encode(payload))
         while True:
-            if self.error is not None:
-                raise self.error
+            error = self.error
+            if error is not None:
+                raise error.anew()
             try:
                 return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -343,7 +344,7 @@ class SyncMPClient:
 
     def __init__(self, config: EngineConfig) -> None:
         self._outputs: queue.Queue = queue.Queue()
-        self._error: Optional[Exception] = None  # the first error get_output took: it raises it from then on
+        self._error: Optional[EngineDeadError] = None  # the first error get_output took: raised from then on
         self._mp = MPClient(config, self._outputs.put)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -354,14 +355,14 @@ class SyncMPClient:
 
     def get_output(self) -> EngineCoreOutputs:
         """The engine's next outputs. A dead engine stays dead: the first error taken (its death, or the shut-down
-        error) is raised at every later call too, none waits, and none says otherwise (the shut-down error that a
-        shutdown after the death queues behind it)."""
+        error) is raised at every later call too (anew), none waits, and none says otherwise (the shut-down error
+        that a shutdown after the death queues behind it)."""
         if self._error is None:
             outputs = self._outputs.get()
-            if not isinstance(outputs, Exception):
+            if not isinstance(outputs, EngineDeadError):
                 return outputs
             self._error = outputs
-        raise self._error
+        raise self._error.anew()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         return self._mp.call_utility("reset_prefix_cache", reset_running_requests).result()

@@ -271,7 +271,7 @@ class DPSyncMPClient(_DPClientBase):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if self._dead_error is not None:
-            raise self._dead_error
+            raise self._dead_error.anew()
         super().add_request(request)
 
     def get_output(self) -> EngineCoreOutputs:
@@ -282,7 +282,7 @@ class DPSyncMPClient(_DPClientBase):
             self._dead_error = outputs if engine is None else EngineDeadError(f"data-parallel engine {engine}: "
                                                                               f"{outputs}")
             self.shutdown()
-        raise self._dead_error
+        raise self._dead_error.anew()
 
     def shutdown(self, timeout: Optional[float] = None) -> None:
         """As SyncMPClient's: engines shut down send nothing more, so a get_output() waiting for them raises the
