@@ -40,7 +40,7 @@ def test_a_send_to_a_dead_engine_raises_a_new_error_each_time():
 
 def test_a_step_of_a_dead_engine_raises_a_new_error_each_time():
     client = SyncMPClient.__new__(SyncMPClient)
-    client._outputs = queue.Queue()
+    client._outputs, client._error = queue.Queue(), None
     client._outputs.put(EngineDeadError(LAST_WORDS))  # what the monitor delivers
     assert_raised_anew(client.get_output)
 
