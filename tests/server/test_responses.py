@@ -515,7 +515,8 @@ def test_unstreamed_output_items_are_the_streamed_ones():
 def test_hosted_tools_are_taken_and_dropped_as_vllms():
     """vLLM's tools are OpenAI's Tool union: a hosted tool (web search, ...) is taken, echoed as given, and dropped
     from what the model is shown, as is a tool_choice naming one (which forces nothing: "auto" for the function
-    tools, plain text without any). A named function must still be a function tool (chat's 400 otherwise)."""
+    tools, plain text without any), and as is allowed_tools, which vLLM constrains no more. A named function must
+    still be a function tool (chat's 400 otherwise)."""
     from pagedllm.entrypoints.openai.serving_responses import _ResponseBuilder
 
     search = {"type": "web_search_preview", "search_context_size": "low"}
@@ -524,6 +525,12 @@ def test_hosted_tools_are_taken_and_dropped_as_vllms():
             ([search], {"type": "web_search_preview"}, None, "none"),
             ([TOOL, search], {"type": "web_search_preview"}, ["get_weather"], "auto"),
             ([search], "required", None, "required"), ([search], "none", None, "none"),
+            ([TOOL, search], {"type": "allowed_tools", "mode": "required",
+                              "tools": [{"type": "function", "name": "x"}]},
+             ["get_weather"], "auto"),
+            ([search], {"type": "allowed_tools", "mode": "auto", "tools": []}, None, "none"),
+            ([TOOL, search], {"type": "apply_patch"}, ["get_weather"], "auto"),
+            ([search], {"type": "shell"}, None, "none"),
             ([search], {"type": "function", "name": "web_search_preview"}, None, "web_search_preview")):
         request = ResponsesRequest.model_validate({"input": "x", "tools": tools, "tool_choice": tool_choice})
         chat = request.to_chat_request()
@@ -536,6 +543,10 @@ def test_hosted_tools_are_taken_and_dropped_as_vllms():
         assert echoed["tool_choice"] == tool_choice
     with pytest.raises(ValueError, match="tools.0"):  # not a tool type OpenAI has
         ResponsesRequest.model_validate({"input": "x", "tools": [{"type": "browser"}]})
+    # ToolChoiceAllowed's modes only.
+    with pytest.raises(ValueError, match=r"allowed_tools.mode\n  Input should be .auto. or .required."):
+        ResponsesRequest.model_validate({"input": "x", "tools": [TOOL], "tool_choice": {
+            "type": "allowed_tools", "mode": "none", "tools": []}})
 
 
 def _wait_until_done(client, response_id: str, timeout: float = 60.0):

@@ -155,16 +155,29 @@ class NamedFunctionToolChoice(OpenAIBaseModel):
 
 
 class HostedToolChoice(OpenAIBaseModel):
-    """OpenAI's tool_choice naming a hosted tool (its ToolChoiceTypes, ToolChoiceMcp): vLLM takes it as it takes a
-    hosted tool, forcing no call (its get_json_schema_from_tools constrains only "required" and a named function),
-    so here it asks what "auto" does of the function tools, echoed as given."""
+    """OpenAI's tool_choice naming a hosted tool (its ToolChoiceTypes, ToolChoiceMcp, ToolChoiceApplyPatch,
+    ToolChoiceShell): vLLM takes it as it takes a hosted tool, forcing no call (its get_json_schema_from_tools
+    constrains only "required" and a named function), so here it asks what "auto" does of the function tools, echoed
+    as given."""
     model_config = ConfigDict(extra="allow")
     type: Literal["file_search", "web_search_preview", "computer", "computer_use_preview", "computer_use",
-                  "web_search_preview_2025_03_11", "image_generation", "code_interpreter", "mcp"]
+                  "web_search_preview_2025_03_11", "image_generation", "code_interpreter", "mcp", "apply_patch",
+                  "shell"]
+
+
+class AllowedToolsChoice(OpenAIBaseModel):
+    """OpenAI's tool_choice limiting the model to some of the tools (its ToolChoiceAllowed). vLLM's
+    get_json_schema_from_tools constrains neither its mode nor its tools (only xgrammar's structural tags, which
+    pagedllm has not, read them), so here, as a hosted tool's choice, it asks what "auto" does of all the function
+    tools, echoed as given."""
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
 
 
 ToolChoice = Union[Literal["none", "auto", "required"],
-                   Annotated[Union[NamedFunctionToolChoice, HostedToolChoice], Field(discriminator="type")]]
+                   Annotated[Union[NamedFunctionToolChoice, HostedToolChoice, AllowedToolsChoice],
+                             Field(discriminator="type")]]
 
 
 class TextFormat(OpenAIBaseModel):
@@ -303,14 +316,14 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @property
     def chat_tool_choice(self) -> Union[str, dict]:
-        """tool_choice as the chat request takes it, for function_tools. vLLM's "auto" and a hosted tool's choice
-        constrain nothing (a call, if any, is read as "auto" reads it), and, with no function tool, leave the answer
-        plain text: chat's "none" (whose "auto" would need tools); "required" and a named function are chat's,
-        so a choice no function tool can meet is its 400, as vLLM's."""
+        """tool_choice as the chat request takes it, for function_tools. vLLM's "auto", a hosted tool's choice and
+        allowed_tools constrain nothing (a call, if any, is read as "auto" reads it), and, with no function tool,
+        leave the answer plain text: chat's "none" (whose "auto" would need tools); "required" and a named function
+        are chat's, so a choice no function tool can meet is its 400, as vLLM's."""
         tool_choice = self.tool_choice
         if isinstance(tool_choice, NamedFunctionToolChoice):
             return {"type": "function", "function": {"name": tool_choice.name}}
-        if isinstance(tool_choice, HostedToolChoice) or tool_choice == "auto":
+        if isinstance(tool_choice, (HostedToolChoice, AllowedToolsChoice)) or tool_choice == "auto":
             return "auto" if self.function_tools else "none"
         return tool_choice
 
