@@ -423,8 +423,9 @@ async def _lines(lines: list[str]):
         yield line
 
 
-def _stream_events(deltas: list) -> list[dict]:
-    """The events _stream sends for chat stream chunks with these deltas (as _chat_chunks')."""
+def _stream_events(deltas: list, tools: tuple = (TOOL,)) -> list[dict]:
+    """The events _stream sends for chat stream chunks with these deltas (as _chat_chunks'), the request's tools
+    ``tools``."""
     import asyncio
 
     from pagedllm.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -432,7 +433,7 @@ def _stream_events(deltas: list) -> list[dict]:
 
     async def events():
         chunks = _lines(_chat_chunks(deltas))
-        request = ResponsesRequest(input="x", stream=True, store=False, tools=[TOOL])
+        request = ResponsesRequest(input="x", stream=True, store=False, tools=list(tools))
         builder = _ResponseBuilder(request, MODEL, [], ResponseStore(), SamplingParams())
         return [event async for event in OpenAIServingResponses._stream(None, builder, chunks)]
 
@@ -547,6 +548,45 @@ def test_hosted_tools_are_taken_and_dropped_as_vllms():
     with pytest.raises(ValueError, match=r"allowed_tools.mode\n  Input should be .auto. or .required."):
         ResponsesRequest.model_validate({"input": "x", "tools": [TOOL], "tool_choice": {
             "type": "allowed_tools", "mode": "none", "tools": []}})
+
+
+def test_custom_and_namespace_tools_are_functions_as_vllms():
+    """As vLLM's get_function_tools: a custom tool is shown as a function of one string (its shim), a namespace's
+    functions under "<namespace>__<name>"; a call of the shim is a custom_tool_call whose input streams as it is read
+    out of the shim's arguments, one of a namespace's function a function_call with its own name and the namespace;
+    given back, they are the calls the model wrote. A named tool_choice of a namespace's function by its own name is
+    its flat name; a custom tool with a grammar format is a 400."""
+    custom = {"type": "custom", "name": "run", "description": "Runs code."}
+    namespace = {"type": "namespace", "name": "weather", "description": "Weather tools.", "tools": [TOOL]}
+    request = ResponsesRequest.model_validate({"input": "x", "tools": [custom, namespace],
+                                               "tool_choice": {"type": "function", "name": "get_weather"}})
+    chat = request.to_chat_request()
+    assert [t.function.name for t in chat.tools] == ["run", "weather__get_weather"]
+    assert chat.tools[0].function.parameters["properties"]["input"]["type"] == "string"
+    assert chat.tool_choice.function.name == request.tool_choice.name == "weather__get_weather"
+    grammar = {**custom, "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
+    with pytest.raises(ValueError, match="grammar format are not supported"):
+        ResponsesRequest.model_validate({"input": "x", "tools": [grammar]})
+    # A namespace's custom tool is never shown, so not looked at (vLLM's checks the top-level tools only).
+    hidden = ResponsesRequest.model_validate({"input": "x", "tools": [{**namespace, "tools": [grammar]}]})
+    assert hidden.function_tools == []
+
+    deltas = [(0, "call_1", "run", '{"input": "print(\\"h'), (0, None, None, 'i\\")\\n"}'),
+              (1, "call_2", "weather__get_weather", '{"city": "Paris"}')]
+    events = _stream_events(deltas, tools=(custom, namespace))
+    code = 'print("hi")\n'
+    assert "".join(e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta") == code
+    assert [e["input"] for e in events if e["type"] == "response.custom_tool_call_input.done"] == [code]
+    run, get_weather = events[-1]["response"]["output"]
+    assert (run["type"], run["name"], run["input"], run["call_id"]) == ("custom_tool_call", "run", code, "call_1")
+    assert (get_weather["type"], get_weather["name"], get_weather["namespace"]) == (
+        "function_call", "get_weather", "weather")
+    given_back = ResponsesRequest.model_validate({"input": [run, get_weather, {
+        "type": "custom_tool_call_output", "call_id": "call_1", "output": "hi"}], "tools": [custom, namespace]})
+    call, result = given_back.input_messages()
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in call["tool_calls"]] == [
+        ("run", {"input": code}), ("weather__get_weather", {"city": "Paris"})]
+    assert result == {"role": "tool", "tool_call_id": "call_1", "content": "hi"}
 
 
 def _wait_until_done(client, response_id: str, timeout: float = 60.0):

@@ -1,12 +1,13 @@
 """Pydantic shapes of OpenAI's Responses API (/v1/responses), at the level vLLM serves it: text and function-call
-input items, function tools (OpenAI's hosted ones taken and dropped, as vLLM's), and the Response object with its
-output items.
+input items, function tools (custom and namespace tools as functions, OpenAI's hosted ones taken and dropped, as
+vLLM's), and the Response object with its output items.
 
 A request is served by turning it into a chat request (to_chat_request), so every sampling and tool check is the
 chat endpoint's; nothing here generates.
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
@@ -41,21 +42,81 @@ class InputMessage(OpenAIBaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
+# A custom tool is shown to the model as a function of one string argument under this key (vLLM's shim).
+CUSTOM_TOOL_INPUT_KEY = "input"
+# A namespace's function is shown to the model as "<namespace>__<name>" (vLLM's flat_namespace_tool_name).
+_NAMESPACE_TOOL_SEPARATOR = "__"
+
+
+def flat_namespace_tool_name(namespace: str, name: str) -> str:
+    return f"{namespace}{_NAMESPACE_TOOL_SEPARATOR}{name}"
+
+
+def encode_custom_tool_input(payload: str) -> str:
+    """A custom tool call's input as the arguments of its function shim (vLLM's)."""
+    return json.dumps({CUSTOM_TOOL_INPUT_KEY: payload}, ensure_ascii=False)
+
+
+def decode_custom_tool_input(arguments: str) -> str:
+    """A custom tool call's input out of its shim's arguments; arguments that are not the shim's are the input as
+    they are (vLLM's)."""
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    payload = parsed.get(CUSTOM_TOOL_INPUT_KEY) if isinstance(parsed, dict) else None
+    return payload if isinstance(payload, str) else arguments
+
+
+def decode_custom_tool_input_prefix(arguments: str) -> str:
+    """The input read so far out of a shim's arguments still being generated (``{"input": "...`` cut anywhere), so
+    that a stream's input deltas join to a prefix of what decode_custom_tool_input gives of the whole (vLLM's reads
+    it with partial_json_parser): the string closed where it is cut, dropping an escape cut short; "" before the
+    string starts."""
+    for cut in range(min(len(arguments), 6) + 1):  # an escape cut short is at most "\\uXXX" (5 characters)
+        try:
+            parsed = json.loads(arguments[:len(arguments) - cut] + '"}')
+        except (ValueError, RecursionError):
+            continue
+        payload = parsed.get(CUSTOM_TOOL_INPUT_KEY) if isinstance(parsed, dict) else None
+        payload = payload if isinstance(payload, str) else ""
+        # A high surrogate whose low half has not come yet would be taken back.
+        return payload[:-1] if payload and "\ud800" <= payload[-1] <= "\udbff" else payload
+    return ""
+
+
 class FunctionCallInput(OpenAIBaseModel):
-    """An earlier function_call output item, given back with its result."""
+    """An earlier function_call output item, given back with its result; one of a namespace's function is called
+    by its flat name (vLLM's)."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    namespace: Optional[str] = None
 
     def to_chat_message(self) -> dict:
+        name = self.name if not self.namespace else flat_namespace_tool_name(self.namespace, self.name)
         return {"role": "assistant", "content": None, "tool_calls": [
-            {"id": self.call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}]}
+            {"id": self.call_id, "type": "function", "function": {"name": name, "arguments": self.arguments}}]}
+
+
+class CustomToolCallInput(OpenAIBaseModel):
+    """An earlier custom_tool_call output item: the call of its function shim, its input the shim's argument."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+
+    def to_chat_message(self) -> dict:
+        return FunctionCallInput(type="function_call", call_id=self.call_id, name=self.name,
+                                 arguments=encode_custom_tool_input(self.input)).to_chat_message()
 
 
 class FunctionCallOutputInput(OpenAIBaseModel):
-    type: Literal["function_call_output"]
+    """A function's (or a custom tool's: custom_tool_call_output) result, a tool message for the chat template."""
+    type: Literal["function_call_output", "custom_tool_call_output"]
     call_id: str
     # A string, or (as OpenAI's and vLLM's take it) content parts, text here; the list first, as InputMessage.content.
     output: Union[list[InputTextPart], str]
@@ -120,10 +181,13 @@ def _input_item_type(item: Any) -> Optional[str]:
 InputItem = Annotated[Union[Annotated[InputMessage, Tag("type=message")],
                             Annotated[FunctionCallInput, Tag("type=function_call")],
                             Annotated[FunctionCallOutputInput, Tag("type=function_call_output")],
+                            Annotated[CustomToolCallInput, Tag("type=custom_tool_call")],
+                            Annotated[FunctionCallOutputInput, Tag("type=custom_tool_call_output")],
                             Annotated[ReasoningInput, Tag("type=reasoning")]],
                       Discriminator(_input_item_type, custom_error_type="invalid_input_item",
                                     custom_error_message="an input item's type must be 'message', 'function_call', "
-                                                         "'function_call_output' or 'reasoning'")]
+                                                         "'function_call_output', 'custom_tool_call', "
+                                                         "'custom_tool_call_output' or 'reasoning'")]
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -134,23 +198,54 @@ class FunctionTool(OpenAIBaseModel):
     strict: Optional[bool] = None
 
 
+class CustomTool(OpenAIBaseModel):
+    """OpenAI's custom tool, whose call's input is free text: shown to the model as a function of one string
+    (as_function), its call answered as a custom_tool_call item, as vLLM's. One with a grammar format among the
+    request's tools is refused (ResponsesRequest._free_form_custom_tools_only)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["custom"]
+    name: str
+    description: Optional[str] = None
+    format: Optional[dict[str, Any]] = None
+
+    def as_function(self) -> FunctionTool:
+        return FunctionTool(type="function", name=self.name, description=self.description, parameters={
+            "type": "object",
+            "properties": {CUSTOM_TOOL_INPUT_KEY: {"type": "string",
+                                                   "description": "The freeform text payload for this tool."}},
+            "required": [CUSTOM_TOOL_INPUT_KEY], "additionalProperties": False})
+
+
+class NamespaceTool(OpenAIBaseModel):
+    """OpenAI's group of tools under a name: its functions are shown to the model as "<namespace>__<name>", and a
+    call of one answered with its own name and the namespace, as vLLM's (which shows none of its custom tools)."""
+    type: Literal["namespace"]
+    name: str
+    description: str
+    tools: list[Annotated[Union[FunctionTool, CustomTool], Field(discriminator="type")]]
+
+    def functions(self) -> list[FunctionTool]:
+        return [tool.model_copy(update={"name": flat_namespace_tool_name(self.name, tool.name)})
+                for tool in self.tools if isinstance(tool, FunctionTool)]
+
+
 class HostedTool(OpenAIBaseModel):
     """One of OpenAI's tools that its servers run (web search, file search, a code interpreter, an MCP server, ...).
     vLLM takes them (its tools are OpenAI's Tool union) and drops them from what the model is shown (its
     get_function_tools), running none without a tool server, which pagedllm has not: so here, kept only to be
-    echoed as given (hence their fields are all kept), never rendered or called. OpenAI's custom and namespace
-    tools, which vLLM turns into functions the model may call, are not among them: they are refused (a 400)."""
+    echoed as given (hence their fields are all kept), never rendered or called."""
     model_config = ConfigDict(extra="allow")
     type: Literal["file_search", "computer", "computer_use", "computer_use_preview", "web_search",
                   "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11", "mcp",
                   "code_interpreter", "image_generation", "local_shell", "shell", "apply_patch", "tool_search"]
 
 
-Tool = Annotated[Union[FunctionTool, HostedTool], Field(discriminator="type")]
+Tool = Annotated[Union[FunctionTool, CustomTool, NamespaceTool, HostedTool], Field(discriminator="type")]
 
 
 class NamedFunctionToolChoice(OpenAIBaseModel):
-    type: Literal["function"]
+    """A function (or a custom tool: OpenAI's ToolChoiceCustom) the model must call."""
+    type: Literal["function", "custom"]
     name: str
 
 
@@ -309,10 +404,64 @@ class ResponsesRequest(OpenAIBaseModel):
             self.tool_choice = "none"
         return self
 
+    @model_validator(mode="after")
+    def _free_form_custom_tools_only(self) -> "ResponsesRequest":
+        """As vLLM's check_custom_tool_format: a custom tool with a grammar format is a 400 (a namespace's, never
+        shown to the model, is not looked at)."""
+        if any(isinstance(tool, CustomTool) and (tool.format or {}).get("type") == "grammar" for tool in self.tools):
+            raise ValueError("Custom tools with a grammar format are not supported; only free-form text custom tools "
+                             "are accepted.")
+        return self
+
+    @model_validator(mode="after")
+    def _named_tool_choice_is_flat(self) -> "ResponsesRequest":
+        """As vLLM's _resolve_named_tool_choice: a named tool_choice of a namespace's function by its own name is
+        the function of that name in the one namespace that has it (a 400 where several have it), its flat name
+        then echoed; a flat or top-level name is kept."""
+        choice = self.tool_choice
+        if not isinstance(choice, NamedFunctionToolChoice) or choice.name in self.custom_tool_names or any(
+                tool.name == choice.name for tool in self.function_tools):
+            return self
+        candidates = [flat_namespace_tool_name(tool.name, function.name) for tool in self.tools
+                      if isinstance(tool, NamespaceTool) for function in tool.tools
+                      if isinstance(function, FunctionTool) and function.name == choice.name]
+        if len(candidates) > 1:
+            raise ValueError(f"Tool choice '{choice.name}' is ambiguous: it is defined in more than one namespace "
+                             f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.")
+        if candidates:
+            self.tool_choice = choice.model_copy(update={"name": candidates[0]})
+        return self
+
     @property
     def function_tools(self) -> list[FunctionTool]:
-        """The tools the model is shown and may call (vLLM's get_function_tools): the hosted ones are dropped."""
-        return [tool for tool in self.tools if isinstance(tool, FunctionTool)]
+        """The tools the model is shown and may call, in the request's order (vLLM's get_function_tools): a
+        namespace's functions under their flat names, a custom tool as its function shim; the hosted ones are
+        dropped."""
+        functions: list[FunctionTool] = []
+        for tool in self.tools:
+            if isinstance(tool, NamespaceTool):
+                functions += tool.functions()
+            elif isinstance(tool, CustomTool):
+                functions.append(tool.as_function())
+            elif isinstance(tool, FunctionTool):
+                functions.append(tool)
+        return functions
+
+    @property
+    def custom_tool_names(self) -> frozenset[str]:
+        """The names of the custom tools (vLLM's custom_tool_names): a call of one is a custom_tool_call."""
+        return frozenset(tool.name for tool in self.tools if isinstance(tool, CustomTool))
+
+    def namespace_of(self, name: str) -> tuple[str, Optional[str]]:
+        """A called function's name and namespace as the output item gives them: a flat name of a namespace's
+        function split back (vLLM's resolve_responses_tool_call_name), any other name as it is, with none."""
+        for tool in self.tools:
+            if isinstance(tool, NamespaceTool):
+                for function in tool.tools:
+                    if isinstance(function, FunctionTool) and flat_namespace_tool_name(tool.name,
+                                                                                       function.name) == name:
+                        return function.name, tool.name
+        return name, None
 
     @property
     def chat_tool_choice(self) -> Union[str, dict]:
@@ -418,11 +567,27 @@ class ResponseFunctionToolCall(OpenAIBaseModel):
     name: str
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
+    namespace: Optional[str] = None  # the namespace tool whose function this calls (OpenAI's and vLLM's field)
 
     def to_chat_message(self) -> dict:
         """This output given back as input, as the next turn of a conversation."""
         return FunctionCallInput(type="function_call", call_id=self.call_id, name=self.name,
-                                 arguments=self.arguments).to_chat_message()
+                                 arguments=self.arguments, namespace=self.namespace).to_chat_message()
+
+
+class ResponseCustomToolCall(OpenAIBaseModel):
+    """A call of a custom tool (vLLM's: its function shim's call, the shim's argument its input)."""
+    id: str = Field(default_factory=lambda: f"ctc_{random_uuid()}")
+    type: Literal["custom_tool_call"] = "custom_tool_call"
+    call_id: str
+    name: str
+    input: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+    def to_chat_message(self) -> dict:
+        """This output given back as input, as the next turn of a conversation."""
+        return CustomToolCallInput(type="custom_tool_call", call_id=self.call_id, name=self.name,
+                                   input=self.input).to_chat_message()
 
 
 class InputTokensDetails(OpenAIBaseModel):
@@ -471,7 +636,8 @@ class ResponsesResponse(OpenAIBaseModel):
     incomplete_details: Optional[IncompleteDetails] = None
     error: Optional[ResponseError] = None
     background: bool = False
-    output: list[Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall]] = Field(
+    output: list[Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall,
+                       ResponseCustomToolCall]] = Field(
         default_factory=list)
     usage: Optional[ResponseUsage] = None
     # The request's settings, echoed as OpenAI does.

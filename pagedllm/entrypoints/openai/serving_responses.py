@@ -29,16 +29,18 @@ from pydantic import BaseModel
 from pagedllm.entrypoints.openai.errors import BadRequestError, NotFoundError, OpenAIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionStreamResponse, random_uuid
 from pagedllm.entrypoints.openai.responses_protocol import (IncompleteDetails, OutputText, ReasoningText,
-                                                            ResponseError, ResponseFunctionToolCall,
-                                                            ResponseOutputMessage, ResponseReasoningItem,
-                                                            ResponsesRequest, ResponsesResponse, ResponseUsage,
-                                                            chat_messages)
+                                                            ResponseCustomToolCall, ResponseError,
+                                                            ResponseFunctionToolCall, ResponseOutputMessage,
+                                                            ResponseReasoningItem, ResponsesRequest,
+                                                            ResponsesResponse, ResponseUsage, chat_messages,
+                                                            decode_custom_tool_input,
+                                                            decode_custom_tool_input_prefix)
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-OutputItem = Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall]
+OutputItem = Union[ResponseReasoningItem, ResponseOutputMessage, ResponseFunctionToolCall, ResponseCustomToolCall]
 
 # How many responses the store keeps (the least recently stored or read go first).
 RESPONSE_STORE_SIZE = 1000
@@ -311,7 +313,8 @@ class OpenAIServingResponses:
         added (as vLLM's SimpleStreamingEventProcessor closes the current item before it opens one). Items are
         numbered as they open: a message at its first text (text after a function call opens another message), a
         function call at its first delta (which carries its id and name), its arguments then streaming as the chat
-        stream's tool-call parser reads them, one call after another; the last item is done once the answer is."""
+        stream's tool-call parser reads them (a custom tool's call its input, read out of its shim's), one call after
+        another; the last item is done once the answer is."""
         events = _EventStream()
         yield events.send("response.created", response=builder.response("in_progress", []))
         yield events.send("response.in_progress", response=builder.response("in_progress", []))
@@ -325,6 +328,7 @@ class OpenAIServingResponses:
         # then), each message's, so that whitespace around the calls opens no message. held: whitespace not sent yet.
         held, strip = "", builder.request.chat_tool_choice != "none"
         call_indices: dict[int, int] = {}  # the chat stream's tool-call index -> the call's output index
+        shim_arguments: dict[int, str] = {}  # each custom tool call's function shim's arguments, by output index
 
         def finished(index: int) -> OutputItem:
             """Item ``index`` as it is done: completed, a message or reasoning with all its text."""
@@ -334,6 +338,8 @@ class OpenAIServingResponses:
                 item = item.model_copy(update={"content": [OutputText(text=texts[index], logprobs=logprobs)]})
             elif isinstance(item, ResponseReasoningItem):
                 item = item.model_copy(update={"content": [ReasoningText(text=reasoning_texts[index])]})
+            elif isinstance(item, ResponseCustomToolCall):
+                item = item.model_copy(update={"input": decode_custom_tool_input(shim_arguments[index])})
             return item.model_copy(update={"status": "completed"})
 
         def open_item(item: OutputItem) -> str:
@@ -396,12 +402,27 @@ class OpenAIServingResponses:
                 for delta_call in choice.delta.tool_calls or ():
                     function = delta_call.function
                     if delta_call.index not in call_indices:
-                        yield open_item(ResponseFunctionToolCall(call_id=delta_call.id, name=function.name,
-                                                                 arguments="", status="in_progress"))
+                        if function.name in builder.request.custom_tool_names:
+                            shim_arguments[len(output)] = ""
+                            yield open_item(ResponseCustomToolCall(call_id=delta_call.id, name=function.name,
+                                                                   input="", status="in_progress"))
+                        else:
+                            name, namespace = builder.request.namespace_of(function.name)
+                            yield open_item(ResponseFunctionToolCall(call_id=delta_call.id, name=name,
+                                                                     namespace=namespace, arguments="",
+                                                                     status="in_progress"))
                         call_indices[delta_call.index] = len(output) - 1
                         message_index, held_logprobs = None, []  # held whitespace's: no message takes it
                     index = call_indices[delta_call.index]
-                    if function is not None and function.arguments:
+                    if index in shim_arguments and function is not None and function.arguments:
+                        # A custom tool's input streams as it is read out of its shim's arguments (vLLM's).
+                        shim_arguments[index] += function.arguments
+                        read = decode_custom_tool_input_prefix(shim_arguments[index])
+                        if len(read) > len(output[index].input) and read.startswith(output[index].input):
+                            more, output[index].input = read[len(output[index].input):], read
+                            yield events.send("response.custom_tool_call_input.delta", item_id=output[index].id,
+                                              output_index=index, delta=more)
+                    elif function is not None and function.arguments:
                         output[index].arguments += function.arguments
                         yield events.send("response.function_call_arguments.delta", item_id=output[index].id,
                                           output_index=index, delta=function.arguments)
@@ -445,6 +466,9 @@ def _item_done(events: "_EventStream", output_index: int, item: OutputItem) -> s
                             content_index=0, text=item.content[0].text)
                 + events.send("response.content_part.done", item_id=item.id, output_index=output_index,
                               content_index=0, part=item.content[0]))
+    elif isinstance(item, ResponseCustomToolCall):
+        sent = events.send("response.custom_tool_call_input.done", item_id=item.id, output_index=output_index,
+                           input=item.input)
     else:
         sent = events.send("response.function_call_arguments.done", item_id=item.id, output_index=output_index,
                            arguments=item.arguments)
