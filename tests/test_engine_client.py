@@ -303,3 +303,60 @@ def test_an_engine_that_cannot_say_why_it_failed_to_start_raises_its_own_error(m
     monkeypatch.setattr(core_proc, "report_startup_failure", unreachable_frontend)
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         core_proc.start_engine_core_proc(config(), "ipc:///nowhere/in", "ipc:///nowhere/out")
+
+
+class OverlapDetectingSocket:
+    """A socket that records any use of it while another thread uses it (ZMQ sockets are not thread-safe): each
+    send and the close take a while, so that an unserialized overlap is all but certain."""
+
+    def __init__(self, socket) -> None:
+        self._socket, self._users, self.overlaps = socket, 0, 0
+        self._count = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(self._socket, name)
+
+    def _use(self, method, *args, **kwargs):
+        with self._count:
+            self._users += 1
+            self.overlaps += self._users > 1
+        try:
+            threading.Event().wait(0.005)
+            return method(*args, **kwargs)
+        finally:
+            with self._count:
+                self._users -= 1
+
+    def send_multipart(self, *args, **kwargs):
+        return self._use(self._socket.send_multipart, *args, **kwargs)
+
+    def close(self, *args, **kwargs):
+        return self._use(self._socket.close, *args, **kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_sends_from_several_threads_and_a_shutdown_never_use_the_input_socket_at_once(fake_engines):
+    """User threads (an LLM used from two threads, AsyncLLM's loop beside a utility call from another thread) sent on
+    the input socket together, and shutdown closed it under a send: each use now holds the socket alone."""
+    client = core_client.MPClient(config(), lambda outputs: None)
+    client._input_socket = socket = OverlapDetectingSocket(client._input_socket)
+    sent = [0] * 4
+
+    def send(index: int) -> None:
+        try:
+            while True:
+                client.add_request(None)  # the fake engine decodes nothing
+                sent[index] += 1
+        except EngineDeadError:  # shut down
+            pass
+
+    senders = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(sent))]
+    for sender in senders:
+        sender.start()
+    while min(sent) < 5:
+        threading.Event().wait(0.01)
+    client.shutdown()
+    for sender in senders:
+        sender.join(10)
+    assert not any(sender.is_alive() for sender in senders)
+    assert socket.closed and socket.overlaps == 0

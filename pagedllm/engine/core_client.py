@@ -106,6 +106,9 @@ class MPClient:
         self._ctx = zmq.Context()
         self._input_socket = self._ctx.socket(zmq.PUSH)
         self._input_socket.bind(input_address)
+        # The input socket's every use, a send or its close: ZMQ sockets are not thread-safe, and callers send from
+        # any thread (an LLM's users, AsyncLLM's loop beside a utility call from another thread, a shutdown).
+        self._input_lock = threading.Lock()
         self._output_socket = self._ctx.socket(zmq.PULL)
         self._output_socket.bind(output_address)
         self._encoder = msgspec.msgpack.Encoder()
@@ -249,16 +252,19 @@ class MPClient:
     def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         """Sends without ever blocking for good: a PUSH socket whose engine has gone (dead, before the monitor has
         said so) blocks a plain send for ever, which froze the caller (the server's event loop); the send waits
-        instead while the engine's queue is full or the monitor has not yet said the engine died."""
+        instead while the engine's queue is full or the monitor has not yet said the engine died. Each try holds
+        the input lock, and looks at the error under it: a client closing is marked so (stop_clients) before its
+        socket is closed under the lock (_close), so no send reaches a closed socket."""
         frames = (request_type.value, self._encoder.encode(payload))
         while True:
-            error = self.error
-            if error is not None:
-                raise error.anew()
-            try:
-                return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                self._input_socket.poll(timeout=OUTPUT_POLL_MS, flags=zmq.POLLOUT)
+            with self._input_lock:
+                error = self.error
+                if error is not None:
+                    raise error.anew()
+                try:
+                    return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    self._input_socket.poll(timeout=OUTPUT_POLL_MS, flags=zmq.POLLOUT)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)
@@ -298,7 +304,8 @@ class MPClient:
 
     def _close(self) -> None:
         """What is left once the engine process is gone: the output thread, the sockets, the directory."""
-        self._input_socket.close(linger=0)
+        with self._input_lock:
+            self._input_socket.close(linger=0)
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
         self._close_output()
