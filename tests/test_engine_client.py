@@ -114,6 +114,20 @@ def test_an_output_the_client_cannot_read_fails_every_waiter_instead_of_hanging(
 
 
 @pytest.mark.timeout(30)
+def test_an_output_the_client_cannot_read_stops_the_engine_process(fake_engines):
+    """The client the output thread's failure ended left its engine process running, holding its workers and memory,
+    until the client was shut down or collected: the failure stops it."""
+    client = core_client.SyncMPClient(config())
+    try:
+        fake_engines[0].send(b"not msgpack")
+        assert fake_engines[0].proc.wait(timeout=10) is not None
+        with pytest.raises(EngineDeadError, match="ValidationError"):  # its failure, not its stop, is what callers get
+            client.add_request(None)
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.timeout(30)
 def test_an_async_utility_call_cancelled_while_it_waits_leaves_the_outputs_flowing(fake_engines):
     """A utility call whose asyncio task was cancelled (its Future with it) made the output thread's set_result
     raise when the answer came, which killed the thread: every later output was lost."""

@@ -178,7 +178,10 @@ class MPClient:
     def _output_thread(self) -> None:
         """The only user of the output socket; it polls so that shutdown can stop it before closing. A message it
         cannot decode or handle ends the client as the engine's death does (_fail): this thread gone, no output
-        would arrive again, and every request and utility call would wait for ever."""
+        would arrive again, and every request and utility call would wait for ever. The engine process, which no
+        one can use then, is stopped here, not left holding its workers and memory until the client's shutdown;
+        what else the client holds (its input socket, its directory) that shutdown still closes (_close, which
+        joins this thread, so cannot run in it)."""
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         try:
             while not self._closing:
@@ -195,6 +198,7 @@ class MPClient:
             logger.exception("The engine client's output thread failed")
             self._fail(EngineDeadError(f"The engine client could not take the engine's outputs: "
                                        f"{type(e).__name__}: {e}"))
+            stop_processes([self.proc], "EngineCore")  # its exit is no death (dead_error is set): the monitor is mute
         finally:
             self._output_thread_running = False
             self._close_output()
