@@ -374,3 +374,41 @@ def test_sends_from_several_threads_and_a_shutdown_never_use_the_input_socket_at
         sender.join(10)
     assert not any(sender.is_alive() for sender in senders)
     assert socket.closed and socket.overlaps == 0
+
+
+class FakeRay:
+    """The Ray calls a RayExecutor's shutdown makes, counted; each kill takes a while, so that a second shutdown
+    running meanwhile is all but certain to overlap it."""
+
+    def __init__(self) -> None:
+        self.killed: list = []
+        self.shutdowns = 0
+
+    def kill(self, actor) -> None:
+        threading.Event().wait(0.05)
+        self.killed.append(actor)
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.mark.timeout(30)
+def test_a_ray_executor_shut_down_from_two_threads_at_once_stops_its_actors_once(monkeypatch):
+    """The engine's main thread and its parent-death watchdog (core_proc.stop_in_main_thread) may both shut the
+    executor down: RayExecutor's shutdown, neither locked nor once-only, killed every actor and shut Ray down twice,
+    and a caller could return while the other was still stopping. Ray itself is faked: no cluster starts."""
+    from pagedllm.executor.ray_executor import RayExecutor
+
+    def fake_start(executor) -> None:
+        executor.ray, executor.workers, executor.placement_group = FakeRay(), ["a0", "a1"], None
+        executor._started_ray = True
+
+    monkeypatch.setattr(RayExecutor, "_init_executor", fake_start)
+    executor = RayExecutor(config())
+    ray = executor.ray
+    stoppers = [threading.Thread(target=executor.shutdown, daemon=True) for _ in range(2)]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join(10)
+        assert ray.killed == ["a0", "a1"] and ray.shutdowns == 1  # each caller returns once all is stopped

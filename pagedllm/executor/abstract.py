@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Optional, Protocol, Union
 
@@ -29,6 +30,8 @@ class Executor(ABC):
         # The rank whose ModelRunnerOutput the engine gets: TP rank 0 of the last pipeline stage.
         pc = self.parallel_config
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+        self._shutdown_lock = threading.Lock()  # before the workers start: a failed start shuts down
+        self._shut_down = False
         self._init_executor()
 
     @staticmethod
@@ -94,7 +97,18 @@ class Executor(ABC):
         return 1
 
     def shutdown(self) -> None:
-        """Stop the workers and release what they hold."""
+        """Stops the workers and releases what they hold (_shutdown), once. Callable from any thread, more than once:
+        a second caller (the engine's main thread while the parent-death watchdog's thread shuts down,
+        core_proc.stop_in_main_thread) waits for the first to finish, so that the process does not exit with the
+        cleanup half done, and nothing is stopped or released twice."""
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """What shutdown does, once: executors with workers to stop override it."""
 
 
 class ModelRunnerOutputFuture(Protocol):

@@ -15,7 +15,6 @@ import os
 import pickle
 import shutil
 import tempfile
-import threading
 import time
 from typing import Any, Optional
 
@@ -51,8 +50,6 @@ class MultiprocExecutor(Executor):
         # Ranks that did not answer a call within its timeout: hung (a deadlock, a stopped process), so shutdown
         # does not give them SIGTERM's grace, which only delays the engine's failure (their stacks still dumped).
         self._hung_ranks: list[int] = []
-        self._closed = False
-        self._shutdown_lock = threading.Lock()
         self._ipc_dir = tempfile.mkdtemp(prefix="pagedllm-workers-")
         self._ctx = zmq.Context()
         self._replies = self._ctx.socket(zmq.PULL)
@@ -155,22 +152,16 @@ class MultiprocExecutor(Executor):
     def max_concurrent_batches(self) -> int:
         return self.parallel_config.pipeline_parallel_size
 
-    def shutdown(self) -> None:
-        """Stops the workers and removes what they shared. Callable from any thread, more than once: a second
-        caller (the engine's loop while the parent-death watchdog shuts down) waits for the first to finish, so
-        that the process does not exit with the cleanup half done."""
-        with self._shutdown_lock:
-            if self._closed:
-                return
-            self._closed = True
-            # The hung ranks first and at once (a stopped process acts on SIGTERM only once continued); the others
-            # end on SIGTERM wherever they are (worker_proc), a peer blocked in a collective with a hung rank too.
-            stop_processes([self.workers[rank] for rank in self._hung_ranks], "Hung worker", timeout=0)
-            stop_processes(self.workers, "Worker")
-            self.rpc_broadcast_mq.close()
-            self._replies.close(linger=0)
-            self._ctx.term()
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+    def _shutdown(self) -> None:
+        """Stops the workers and removes what they shared."""
+        # The hung ranks first and at once (a stopped process acts on SIGTERM only once continued); the others end on
+        # SIGTERM wherever they are (worker_proc), a peer blocked in a collective with a hung rank too.
+        stop_processes([self.workers[rank] for rank in self._hung_ranks], "Hung worker", timeout=0)
+        stop_processes(self.workers, "Worker")
+        self.rpc_broadcast_mq.close()
+        self._replies.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 class _Replies:

@@ -169,7 +169,8 @@ class RayExecutor(Executor):
                 raise WorkerError(self._failure)
         return results
 
-    def shutdown(self) -> None:
+    def _shutdown(self) -> None:
+        """Kills the actors and removes their placement group; stops the Ray this executor started."""
         ray = self.ray
         for worker in self.workers:
             ray.kill(worker)
