@@ -4,6 +4,7 @@ frames (and their locals) on its traceback, which grows for as long as the proce
 clients are built empty, holding what their engine's death left."""
 import asyncio
 import queue
+import threading
 import traceback
 import types
 
@@ -35,6 +36,7 @@ def assert_raised_anew(call) -> None:
 def test_a_send_to_a_dead_engine_raises_a_new_error_each_time():
     client = MPClient.__new__(MPClient)
     client._closing, client.dead_error, client._encoder = False, EngineDeadError(LAST_WORDS), msgspec.msgpack.Encoder()
+    client._input_lock = threading.Lock()
     assert_raised_anew(lambda: client._send(EngineCoreRequestType.ABORT, ["r"]))
 
 
