@@ -412,3 +412,73 @@ def test_a_ray_executor_shut_down_from_two_threads_at_once_stops_its_actors_once
     for stopper in stoppers:
         stopper.join(10)
         assert ray.killed == ["a0", "a1"] and ray.shutdowns == 1  # each caller returns once all is stopped
+
+
+class ReenteringRay(FakeRay):
+    """A Ray whose first kill is interrupted by a shutdown on the same thread: the frontend's SIGTERM, whose handler
+    shuts down, landing on the engine's main thread while it is inside shutdown (after a failed step)."""
+
+    def __init__(self, executor_of) -> None:
+        super().__init__()
+        self._executor_of = executor_of
+
+    def kill(self, actor) -> None:
+        if not self.killed:
+            self._executor_of().shutdown()
+        super().kill(actor)
+
+
+@pytest.mark.timeout(30)
+def test_a_shutdown_interrupted_by_another_on_its_own_thread_returns_and_finishes(monkeypatch):
+    """Executor.shutdown's lock was not re-entrant: a shutdown entered again on its own thread (a signal handler's)
+    waited for itself for ever, and so did the parent-death watchdog's after it."""
+    from pagedllm.executor.ray_executor import RayExecutor
+
+    executor = None
+
+    def fake_start(self) -> None:
+        self.ray, self.workers, self.placement_group = ReenteringRay(lambda: executor), ["a0", "a1"], None
+        self._started_ray = True
+
+    monkeypatch.setattr(RayExecutor, "_init_executor", fake_start)
+    executor = RayExecutor(config())
+    stopper = threading.Thread(target=executor.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive() and executor.ray.killed == ["a0", "a1"]
+
+
+@pytest.mark.timeout(30)
+def test_an_answer_whose_caller_gave_up_between_check_and_set_leaves_the_outputs_flowing(fake_engines):
+    """A utility call cancelled from the event loop's thread just after the output thread found it waiting: the
+    set then raised InvalidStateError, which (since the output thread ends the client on an error) stopped a
+    healthy engine. Here the future is cancelled as its answer is set."""
+    client = core_client.SyncMPClient(config())
+    try:
+        future = client._mp.call_utility("get_stats")
+        set_result = future.set_result
+
+        def cancelled_first(result) -> None:
+            future.cancel()
+            set_result(result)
+
+        future.set_result = cancelled_first
+        fake_engines[0].send(EngineCoreOutputs(utility_output=UtilityOutput(call_id=0, result=None)))
+        fake_engines[0].send(EngineCoreOutputs(engine_index=7))
+        assert client.get_output().engine_index == 7 and not client._mp.dead
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_a_utility_call_waiting_when_another_thread_shuts_down_fails_instead_of_waiting(fake_engines):
+    """A thread blocked in a utility call's result (reset_prefix_cache, collective_rpc) while another thread shut
+    the engine down waited for ever: no answer comes once shut down. Calls after a death leave nothing behind."""
+    client = core_client.SyncMPClient(config())
+    future = client._mp.call_utility("get_stats")
+    client.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        future.result(timeout=10)
+    with pytest.raises(EngineDeadError):
+        client._mp.call_utility("get_stats")
+    assert client._mp._utility_calls == {}

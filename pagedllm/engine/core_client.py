@@ -8,6 +8,7 @@ instead of hanging).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -160,7 +161,8 @@ class MPClient:
         waited = 0.0
         while not poller.poll(timeout=500):
             waited += 0.5
-            if self.proc.poll() is not None and not poller.poll(timeout=0):  # not even last words sent as it exited
+            # Exited without even last words (given the ZMQ I/O thread a poll's time to deliver ones sent as it exited)
+            if self.proc.poll() is not None and not poller.poll(timeout=OUTPUT_POLL_MS):
                 raise RuntimeError("The engine process failed to start; see its log above.")
             if waited > ENGINE_STARTUP_TIMEOUT_S:
                 raise TimeoutError(f"The engine process did not start in {ENGINE_STARTUP_TIMEOUT_S} s.")
@@ -237,21 +239,29 @@ class MPClient:
             if self.dead_error is not None:
                 return
             self.dead_error = error
-        for future in list(self._utility_calls.values()):
-            try:
-                future.set_exception(error)
-            except InvalidStateError:  # answered meanwhile, or cancelled by its caller
-                pass
+        self._fail_utility_calls(error)
         self._on_outputs(error)
+
+    def _fail_utility_calls(self, error: EngineDeadError) -> None:
+        """Every utility call still waiting gets ``error`` and is forgotten (one answered or cancelled meanwhile is
+        left as it is): after a death, or once shut down, no answer will come."""
+        for call_id in list(self._utility_calls):
+            future = self._utility_calls.pop(call_id, None)
+            if future is not None:
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(error)
 
     def _resolve_utility(self, result) -> None:
         future = self._utility_calls.pop(result.call_id, None)
-        if future is None or future.cancelled():  # its caller gave up (an asyncio task cancelled while it waited)
+        if future is None:
             return
-        if result.failure_message:
-            future.set_exception(RuntimeError(result.failure_message))
-        else:
-            future.set_result(result.result)
+        # Its caller may give up at any moment (an asyncio task cancelled while it waited: asyncio.wrap_future cancels
+        # the future from the loop's thread), also between a check and the set: then the answer is dropped.
+        with contextlib.suppress(InvalidStateError):
+            if result.failure_message:
+                future.set_exception(RuntimeError(result.failure_message))
+            else:
+                future.set_result(result.result)
 
     def _send(self, request_type: EngineCoreRequestType, payload: Any) -> None:
         """Sends without ever blocking for good: a PUSH socket whose engine has gone (dead, before the monitor has
@@ -281,7 +291,11 @@ class MPClient:
         call_id = next(self._call_ids)
         future: Future = Future()
         self._utility_calls[call_id] = future
-        self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        try:
+            self._send(EngineCoreRequestType.UTILITY, (call_id, method, list(args)))
+        except BaseException:  # not sent (a dead or shut-down engine): no answer will come for it
+            self._utility_calls.pop(call_id, None)
+            raise
         return future
 
     def collective_rpc(self, method: WorkerMethod, timeout: Optional[float], args: tuple,
@@ -312,6 +326,7 @@ class MPClient:
             self._input_socket.close(linger=0)
         if self._output_thread_handle is not None:
             self._output_thread_handle.join(timeout=2 * OUTPUT_POLL_MS / 1000)
+        self._fail_utility_calls(EngineDeadError(SHUT_DOWN_MESSAGE))  # a thread waiting on one would wait for ever
         self._close_output()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

@@ -30,7 +30,10 @@ class Executor(ABC):
         # The rank whose ModelRunnerOutput the engine gets: TP rank 0 of the last pipeline stage.
         pc = self.parallel_config
         self.output_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        self._shutdown_lock = threading.Lock()  # before the workers start: a failed start shuts down
+        # Before the workers start (a failed start shuts down). Re-entrant: the frontend's SIGTERM, whose handler
+        # shuts down, may land on the main thread inside shutdown (after a failed step), which must return at once
+        # there, not wait for itself for ever.
+        self._shutdown_lock = threading.RLock()
         self._shut_down = False
         self._init_executor()
 
@@ -100,7 +103,8 @@ class Executor(ABC):
         """Stops the workers and releases what they hold (_shutdown), once. Callable from any thread, more than once:
         a second caller (the engine's main thread while the parent-death watchdog's thread shuts down,
         core_proc.stop_in_main_thread) waits for the first to finish, so that the process does not exit with the
-        cleanup half done, and nothing is stopped or released twice."""
+        cleanup half done, and nothing is stopped or released twice. A call on the thread already inside it (a
+        signal handler's) returns at once."""
         with self._shutdown_lock:
             if self._shut_down:
                 return
