@@ -216,11 +216,13 @@ def combine_utility_results(method: str, results: list) -> Any:
 def aggregate_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """The engines' stats as one: sums, and the mean KV cache usage."""
     return SchedulerStats(
-        num_running_reqs=sum(s.num_running_reqs for s in stats), num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
+        num_running_reqs=sum(s.num_running_reqs for s in stats),
+        num_waiting_reqs=sum(s.num_waiting_reqs for s in stats),
         num_skipped_waiting_reqs=sum(s.num_skipped_waiting_reqs for s in stats),
         kv_cache_usage=sum(s.kv_cache_usage for s in stats) / max(len(stats), 1),
         prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
-        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), num_preemptions=sum(s.num_preemptions for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats),
         prefix_cache_requests=sum(s.prefix_cache_requests for s in stats),
         prefix_cache_resets=sum(s.prefix_cache_resets for s in stats),
         spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in stats),

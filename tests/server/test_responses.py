@@ -411,7 +411,8 @@ def _chat_chunks(deltas: list) -> list[str]:
 
     def chunk(delta: DeltaMessage, finish_reason=None) -> str:
         choice = ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason)
-        return "data: " + ChatCompletionStreamResponse(id="c", created=0, model=MODEL, choices=[choice]).model_dump_json()
+        chunk = ChatCompletionStreamResponse(id="c", created=0, model=MODEL, choices=[choice])
+        return "data: " + chunk.model_dump_json()
 
     return [chunk(DeltaMessage(content=d)) if isinstance(d, str) else chunk(DeltaMessage(tool_calls=[DeltaToolCall(
         index=d[0], id=d[1], type="function", function=DeltaFunctionCall(name=d[2], arguments=d[3]))]))

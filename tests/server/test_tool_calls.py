@@ -73,8 +73,8 @@ def test_a_named_call_read_at_once_is_its_text_and_none_where_that_is_whitespace
     assert NamedFunctionParser(name="f").parse(" \n") == ("", [])
 
 
-HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris"}}\n</tool_call>'
-          '<tool_call>{"name": "ping"}</tool_call><tool_call>not json</tool_call> Done.')
+HERMES = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call> Paris"}}\n'
+          '</tool_call><tool_call>{"name": "ping"}</tool_call><tool_call>not json</tool_call> Done.')
 
 
 @pytest.mark.parametrize("size", [1, 4])
