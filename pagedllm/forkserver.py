@@ -116,9 +116,16 @@ class FreshProcess(subprocess.Popen):
     def send_signal(self, sig: int) -> None:
         if self._pidfd is None:
             super().send_signal(sig)
-        elif self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited since: as Popen's
-                signal.pidfd_send_signal(self._pidfd, sig)
+        else:
+            _signal_through_pidfd(self, self._pidfd, sig)
+
+
+def _signal_through_pidfd(process: Process, pidfd: int, sig: int) -> None:
+    """``sig`` to ``process`` through its pidfd, unless it has exited (nothing then, as Popen's send_signal): a
+    pidfd names its process only, never a later one given the same pid."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it exited since
+            signal.pidfd_send_signal(pidfd, sig)
 
 
 def process_identity(pid: int) -> tuple[int, Optional[int]]:
@@ -191,9 +198,7 @@ class ForkedProcess:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):  # it exited since: as Popen's
-                signal.pidfd_send_signal(self._pidfd, sig)
+        _signal_through_pidfd(self, self._pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
