@@ -213,11 +213,12 @@ class MPClient:
 
     @property
     def error(self) -> Optional[EngineDeadError]:
-        """What a call raises now: the engine's death where it died (also once shut down after: the death is what the
-        caller needs to know), else the shut-down error once shut down; None while the engine serves."""
-        if self.dead_error is None and self._closing:
-            return EngineDeadError(SHUT_DOWN_MESSAGE)
-        return self.dead_error
+        """What a call raises now, a new exception each time (EngineDeadError.anew): the engine's death where it died
+        (also once shut down after: the death is what the caller needs to know), else the shut-down error once shut
+        down; None while the engine serves."""
+        if self.dead_error is not None:
+            return self.dead_error.anew()
+        return EngineDeadError(SHUT_DOWN_MESSAGE) if self._closing else None
 
     def _monitor_thread(self) -> None:
         """The engine is dead to callers only once its error, with its last words, is known (dead_error): the first
@@ -274,7 +275,7 @@ class MPClient:
             with self._input_lock:
                 error = self.error
                 if error is not None:
-                    raise error.anew()
+                    raise error
                 try:
                     return self._input_socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
