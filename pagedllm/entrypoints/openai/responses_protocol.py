@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Iterator, Literal, Optional, Sequence, Union
 
 from pydantic import (ConfigDict, Discriminator, Field, SerializerFunctionWrapHandler, Tag, model_serializer,
                       model_validator)
@@ -422,9 +422,8 @@ class ResponsesRequest(OpenAIBaseModel):
         if not isinstance(choice, NamedFunctionToolChoice) or choice.name in self.custom_tool_names or any(
                 tool.name == choice.name for tool in self.function_tools):
             return self
-        candidates = [flat_namespace_tool_name(tool.name, function.name) for tool in self.tools
-                      if isinstance(tool, NamespaceTool) for function in tool.tools
-                      if isinstance(function, FunctionTool) and function.name == choice.name]
+        candidates = [flat_name for flat_name, function, _ in self._namespace_functions()
+                      if function.name == choice.name]
         if len(candidates) > 1:
             raise ValueError(f"Tool choice '{choice.name}' is ambiguous: it is defined in more than one namespace "
                              f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.")
@@ -455,13 +454,19 @@ class ResponsesRequest(OpenAIBaseModel):
     def namespace_of(self, name: str) -> tuple[str, Optional[str]]:
         """A called function's name and namespace as the output item gives them: a flat name of a namespace's
         function split back (vLLM's resolve_responses_tool_call_name), any other name as it is, with none."""
+        for flat_name, function, namespace in self._namespace_functions():
+            if flat_name == name:
+                return function.name, namespace
+        return name, None
+
+    def _namespace_functions(self) -> Iterator[tuple[str, FunctionTool, str]]:
+        """Each namespace's functions (not its custom tools, which are never shown), as (flat name, the function,
+        the namespace's name)."""
         for tool in self.tools:
             if isinstance(tool, NamespaceTool):
                 for function in tool.tools:
-                    if isinstance(function, FunctionTool) and flat_namespace_tool_name(tool.name,
-                                                                                       function.name) == name:
-                        return function.name, tool.name
-        return name, None
+                    if isinstance(function, FunctionTool):
+                        yield flat_namespace_tool_name(tool.name, function.name), function, tool.name
 
     @property
     def chat_tool_choice(self) -> Union[str, dict]:
